@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The first README command: set up a fresh machine, tokenize the King James Bible with GPT-2's
+# BPE and train the default model on it, ending with a validation loss and a generated sample.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+bash scripts/setup.sh
+if [[ ! -s data/kjv/kjv_train.bin || ! -s data/kjv/kjv_val.bin ]]; then
+  build/shardlm tokenize --in data/kjv/kjv.txt --out data/kjv/kjv --tokenizer gpt2
+fi
+exec build/shardlm train --config configs/quickstart.toml "$@"

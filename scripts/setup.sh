@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian 12 machine needs to build, run and test shardlm, then the build.
+# Idempotent: packages already installed and files already fetched are skipped.
+#
+#   bash scripts/setup.sh            # install, fetch tokenizer + corpus, build build/shardlm
+#   SHARDLM_SKIP_BUILD=1 bash scripts/setup.sh   # install and fetch only
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+
+# Build and run: compiler, CMake, oneDNN (the GEMM), OpenMP (libgomp, with g++), Open MPI,
+# nlohmann-json, CLI11, fmt, GoogleTest, Google Benchmark. Test time only: Debian's PyTorch (the
+# numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
+PACKAGES=(g++ cmake make libdnnl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
+          libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
+          nodejs npm bible-kjv)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+bash scripts/fetch_data.sh "$REPO/data"
+
+if [[ -z "${SHARDLM_SKIP_BUILD:-}" ]]; then
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build build -j"$(nproc)"
+fi

@@ -1,0 +1,222 @@
+#include "cli/commands.h"
+
+#include <CLI/CLI.hpp>
+#include <toml++/toml.h>
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fmt/format.h>
+#include <iostream>
+#include <unistd.h>
+
+#include "data/shard.h"
+#include "data/tokenize.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace shardlm::cli {
+
+namespace {
+
+// Where the tokenizer files live: $SHARDLM_DATA_DIR, else data/ beside the build directory
+// that holds this executable, else ./data.
+std::string default_data_dir() {
+  if (const char* env = std::getenv("SHARDLM_DATA_DIR")) return env;
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    auto candidate = exe.parent_path().parent_path() / "data";
+    if (std::filesystem::exists(candidate / "gpt2")) return candidate.string();
+  }
+  return "data";
+}
+
+void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--model", c.model, "preset: tiny, small, gpt2-124m")->capture_default_str();
+  cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)");
+  cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)");
+  cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)");
+  cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)");
+  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the data's tokenizer)");
+  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
+  cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
+  cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
+  cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
+  cmd->add_option("--batch", c.batch, "sequences per micro-step")->capture_default_str();
+  cmd->add_option("--seq", c.seq, "sequence length T")->capture_default_str();
+  cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->capture_default_str();
+  cmd->add_option("--threads", c.threads, "compute threads")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->capture_default_str();
+  cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
+  cmd->add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->capture_default_str();
+  cmd->add_option("--warmup", c.warmup, "linear warmup steps")->capture_default_str();
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW decay (matrices and embeddings)")->capture_default_str();
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
+  cmd->add_option("--grad-clip", c.grad_clip, "global gradient norm limit (0: off)")->capture_default_str();
+  cmd->add_option("--eval-every", c.eval_every, "steps between evaluations (0: at the end only)")->capture_default_str();
+  cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
+  cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
+  cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
+  cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
+  cmd->add_flag("--quiet", c.quiet, "no console progress");
+}
+
+train::ModelState load_model(const std::string& ckpt_dir, const std::string& data_dir, std::unique_ptr<data::Tokenizer>* tok) {
+  const model::ModelConfig mc = train::read_checkpoint_config(ckpt_dir);
+  const train::RunState st = train::read_checkpoint_state(ckpt_dir);
+  train::ModelState model(mc, st.seed, false);
+  train::load_checkpoint(ckpt_dir, model, false);
+  if (tok) *tok = data::make_tokenizer(st.tokenizer, data_dir);
+  return model;
+}
+
+// `train --config FILE.toml`: the file's keys become flags placed before the command line's own,
+// so that, with last-one-wins options, the command line overrides the file. Keys are the flag
+// names, with '-' or '_' (`grad-clip = 1.0`, `grad_clip = 1.0`).
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App* train_cmd) {
+  std::string path;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config" && i + 1 < args.size()) path = args[i + 1];
+    if (args[i].rfind("--config=", 0) == 0) path = args[i].substr(9);
+  }
+  if (path.empty() || args.empty() || args[0] != "train") return args;
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    std::string what(e.description());
+    throw std::runtime_error(fmt::format("config {}: line {}: {}", path, e.source().begin.line, what));
+  }
+  std::vector<std::string> out{args[0]};
+  for (const auto& [key, node] : table) {
+    std::string flag(key.str());
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (flag == "config" || !train_cmd->get_option_no_throw("--" + flag))
+      throw std::runtime_error(fmt::format("config {}: unknown key '{}'", path, key.str()));
+    std::string value;
+    if (auto v = node.value<std::string>()) value = *v;
+    else if (auto b = node.value<bool>()) value = *b ? "true" : "false";
+    else if (auto i = node.value<int64_t>()) value = std::to_string(*i);
+    else if (auto d = node.value<double>()) value = fmt::format("{}", *d);
+    else throw std::runtime_error(fmt::format("config {}: key '{}' must be a string, number or boolean", path, key.str()));
+    out.push_back("--" + flag + "=" + value);
+  }
+  out.insert(out.end(), args.begin() + 1, args.end());
+  return out;
+}
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  CLI::App app{"shardlm: train GPT-2-shaped language models"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all");
+  std::string data_dir = default_data_dir();
+  int threads = 2;
+
+  // tokenize
+  auto* tok_cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
+  std::vector<std::string> tok_in;
+  std::string tok_out, tok_name = "gpt2";
+  double val_fraction = 0.1;
+  tok_cmd->add_option("--in", tok_in, "input text files")->required()->check(CLI::ExistingFile);
+  tok_cmd->add_option("--out", tok_out, "output prefix")->required();
+  tok_cmd->add_option("--tokenizer", tok_name, "gpt2 | bytes")->check(CLI::IsMember({"gpt2", "bytes"}))->capture_default_str();
+  tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  tok_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
+
+  // train
+  auto* train_cmd = app.add_subcommand("train", "train a model");
+  train::TrainConfig tc;
+  std::string config_path;
+  train_cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  train_cmd->add_option("--config", config_path, "TOML file of train options (command-line flags win)");
+  add_train_options(train_cmd, tc);
+  train_cmd->add_option("--data-dir", data_dir, "tokenizer files (for the final sample)")->capture_default_str();
+
+  // eval
+  auto* eval_cmd = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file");
+  std::string ckpt, eval_data;
+  int64_t eval_seq = 256, eval_batch = 4;
+  eval_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
+  eval_cmd->add_option("--data", eval_data, "token file (.bin)")->required();
+  eval_cmd->add_option("--seq", eval_seq, "window length T")->capture_default_str();
+  eval_cmd->add_option("--batch", eval_batch, "windows per forward")->capture_default_str();
+  eval_cmd->add_option("--threads", threads, "compute threads")->capture_default_str();
+
+  // generate
+  auto* gen_cmd = app.add_subcommand("generate", "continue a prompt from a checkpoint");
+  std::string prompt;
+  train::SampleConfig sc;
+  gen_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
+  gen_cmd->add_option("--prompt", prompt, "text to continue (empty: start of a document)");
+  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate")->capture_default_str();
+  gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->capture_default_str();
+  gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->capture_default_str();
+  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->capture_default_str();
+  gen_cmd->add_option("--threads", threads, "compute threads")->capture_default_str();
+  gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
+
+  try {
+    std::vector<std::string> args(argv + 1, argv + argc);
+    try {
+      args = expand_config(args, train_cmd);
+    } catch (const std::exception& e) {
+      std::cerr << "shardlm: error: " << e.what() << "\n";
+      return 2;
+    }
+    std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
+    app.parse(args);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    for (char& ch : msg)
+      if (ch == '\n') ch = ' ';
+    std::cerr << "shardlm: error: " << msg << "\n";
+    return 2;
+  }
+
+  try {
+    if (*tok_cmd) {
+      auto tok = data::make_tokenizer(tok_name, data_dir);
+      auto stats = data::tokenize_files(tok_in, tok_out, *tok, val_fraction);
+      train::write_data_meta(tok_out, {tok->name(), tok->vocab_size()});
+      fmt::print("{}: {} train tokens -> {}_train.bin, {} val tokens -> {}_val.bin\n", tok->name(), stats.train_tokens,
+                 tok_out, stats.val_tokens, tok_out);
+    } else if (*train_cmd) {
+      auto summary = train::run_training(tc);
+      if (!summary.sample.empty()) {
+        auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
+        fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
+      }
+    } else if (*eval_cmd) {
+      kernels::init_compute(threads);
+      auto model = load_model(ckpt, data_dir, nullptr);
+      data::TokenShard shard(eval_data);
+      shard.validate_tokens(static_cast<int32_t>(model.config().vocab_size));
+      if (eval_seq > model.config().max_seq)
+        throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's n_positions {}", eval_seq, model.config().max_seq));
+      const double loss = train::evaluate(model, shard, eval_batch, eval_seq, 0);
+      fmt::print("{:.6f}\n", loss);
+    } else if (*gen_cmd) {
+      kernels::init_compute(threads);
+      std::unique_ptr<data::Tokenizer> tok;
+      auto model = load_model(ckpt, data_dir, &tok);
+      const auto ids = train::generate(model, tok->encode(prompt), tok->eot() >= 0 ? tok->eot() : '\n', sc);
+      fmt::print("{}{}\n", prompt, tok->decode(ids));
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "shardlm: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace shardlm::cli

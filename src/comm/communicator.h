@@ -1,0 +1,92 @@
+// The communicator interface (c10d style): a group of ranks and asynchronous collectives over
+// it. Backends: MpiCommunicator (mpi_backend.h), SingleRankCommunicator (single_rank.h);
+// make_communicator() (factory.h) picks one. comm knows nothing of models: buffers are bytes,
+// counts are elements of a DType.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "comm/work.h"
+#include "tensor/dtype.h"
+
+namespace shardlm::comm {
+
+// Rules common to every collective:
+//  - Asynchronous: the call issues the collective and returns its Work; the buffers must stay
+//    untouched (send) / unread (recv) until the Work completes.
+//  - Every rank of the communicator issues the same collectives in the same order with the same
+//    count and dtype (MPI's rule). Issue them from one thread, or order the issuing threads
+//    yourself; the communicator serialises concurrent calls but cannot order them. Several
+//    collectives may be in flight at once (e.g. the all-gather of unit i+1 while the
+//    reduce-scatter of unit i runs), and different communicators may be used from different
+//    threads concurrently.
+//  - `label` says what the collective is for ("all_gather unit h.3 step 7"); it is only used in
+//    error messages (TimeoutError).
+//  - Counts are in elements; 0 is allowed (the Work is complete at once on every rank).
+//  - DTypes: reductions (reduce_scatter, all_reduce) take fp32 and bf16; the data-movement
+//    collectives (all_gather, broadcast, all_to_all, send, recv) take any DType.
+//
+// Reduction is a sum. bf16 (stored as uint16, the upper half of an IEEE fp32) has no MPI sum, so
+// the backends add bf16 values by widening each to fp32 (exact), adding in fp32 and rounding the
+// fp32 result back to bf16 to nearest, ties to even (NaN stays NaN, overflow becomes ±inf).
+// How many roundings a result goes through depends on the algorithm (see mpi_backend.h): with
+// `direct` each output element is the fp32 sum of all ranks' values in rank order 0..size−1,
+// rounded once; with `ring` and `native` partial sums are rounded at every step. Floating-point
+// addition is not associative, so sums (fp32 too) depend on the order of the ranks'
+// contributions, which is fixed for a given algorithm and size: the same inputs give bit-identical
+// results run after run, and all_reduce gives every rank the same bits.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "mpi" or "single".
+  virtual std::string backend() const = 0;
+
+  // recv[r·count_per_rank …] = rank r's send, for every r (rank-major). In place allowed:
+  // send == recv + rank()·count_per_rank·dtype_size.
+  virtual std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count_per_rank,
+                                           DType dtype, const std::string& label) = 0;
+
+  // send holds size()·count_per_rank elements; rank r receives the sum over ranks of block r.
+  // In place allowed: recv == send + rank()·count_per_rank·dtype_size (the other blocks of send
+  // are left unchanged).
+  virtual std::shared_ptr<Work> reduce_scatter(const void* send, void* recv,
+                                               int64_t count_per_rank, DType dtype,
+                                               const std::string& label) = 0;
+
+  // buf = sum over ranks of buf, in place; every rank gets the same bits.
+  virtual std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
+                                           const std::string& label) = 0;
+
+  // buf on every rank = buf on `root`.
+  virtual std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,
+                                          const std::string& label) = 0;
+
+  virtual std::shared_ptr<Work> barrier(const std::string& label) = 0;
+
+  // recv[r·count_per_rank …] = block rank() of rank r's send. send and recv must not overlap.
+  virtual std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
+                                           DType dtype, const std::string& label) = 0;
+
+  // Point to point; a send matches the recv on `peer` with the same tag (0 ≤ tag < 2^15), in
+  // order. Independent of the collectives (they never match user sends).
+  virtual std::shared_ptr<Work> send(const void* buf, int64_t count, DType dtype, int peer,
+                                     int tag, const std::string& label) = 0;
+  virtual std::shared_ptr<Work> recv(void* buf, int64_t count, DType dtype, int peer, int tag,
+                                     const std::string& label) = 0;
+
+  // Sub-communicator of the ranks that pass the same `color` (≥ 0), ranked by (key, rank).
+  // A collective call on every rank of this communicator (blocking, like MPI_Comm_split). A
+  // negative color returns nullptr for that rank. Hybrid shard with groups of G consecutive
+  // ranks: split(rank / G, rank) is the shard group, split(rank % G, rank) the replicate group.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+};
+
+// Bytes of `count` elements of `dtype`.
+inline int64_t bytes_of(int64_t count, DType dtype) { return count * dtype_size(dtype); }
+
+}  // namespace shardlm::comm

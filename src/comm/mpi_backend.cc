@@ -1,0 +1,1074 @@
+#include "comm/mpi_backend.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/reduce.h"
+#include "tensor/memory.h"
+
+namespace shardlm::comm {
+
+// ---------------------------------------------------------------------------------------------
+// Process-wide MPI state.
+
+namespace {
+
+MPI_Op g_bf16_sum = MPI_OP_NULL;
+bool g_we_initialized = false;
+
+void bf16_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  sum_into(DType::bf16, inout, in, *len);
+}
+
+std::string mpi_error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(buf, len);
+}
+
+void check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) throw Error(std::string("comm: ") + what + " failed: " + mpi_error_string(rc));
+}
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "unknown";
+}
+
+void ensure_op() {
+  if (g_bf16_sum == MPI_OP_NULL) check(MPI_Op_create(&bf16_sum_fn, 1, &g_bf16_sum), "MPI_Op_create");
+}
+
+}  // namespace
+
+bool mpi_active() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+}
+
+void init_mpi(int* argc, char*** argv) {
+  int init = 0;
+  MPI_Initialized(&init);
+  int provided = 0;
+  if (!init) {
+    int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) throw Error("comm: MPI_Init_thread failed: " + mpi_error_string(rc));
+    g_we_initialized = true;
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  if (provided < MPI_THREAD_MULTIPLE) {
+    if (g_we_initialized) {
+      MPI_Finalize();
+      g_we_initialized = false;
+    }
+    throw Error(std::string("comm: MPI granted ") + thread_level_name(provided) +
+                ", but shardlm needs MPI_THREAD_MULTIPLE (a comm thread issues collectives "
+                "while others test them); use an MPI built with thread support");
+  }
+  ensure_op();
+}
+
+class ProgressRegistry {
+ public:
+  static ProgressRegistry& get() {
+    static ProgressRegistry r;
+    return r;
+  }
+  void add(std::shared_ptr<Work> w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    works_.push_back(std::move(w));
+    count_.store(static_cast<int>(works_.size()), std::memory_order_release);
+  }
+  // One progress step for every registered Work but `self` that no other thread is testing;
+  // forgets the finished ones. Not re-entered from the tests it makes.
+  void progress_others(const Work* self) {
+    thread_local bool inside = false;
+    if (inside || count_.load(std::memory_order_acquire) == 0) return;
+    inside = true;
+    std::vector<std::shared_ptr<Work>> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      snapshot = works_;
+    }
+    bool any_done = false;
+    try {
+      for (auto& w : snapshot) {
+        if (w.get() == self) continue;
+        if (w->try_poll()) any_done = true;
+      }
+    } catch (...) {
+      inside = false;
+      throw;
+    }
+    inside = false;
+    if (any_done) forget_done();
+  }
+  // Registered Works not finished yet.
+  size_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::count_if(works_.begin(), works_.end(), [](const std::shared_ptr<Work>& w) {
+      return !w->done_.load(std::memory_order_acquire);
+    });
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    works_.clear();
+    count_.store(0);
+  }
+
+ private:
+  void forget_done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    works_.erase(std::remove_if(works_.begin(), works_.end(),
+                                [](const std::shared_ptr<Work>& w) {
+                                  return w->done_.load(std::memory_order_acquire);
+                                }),
+                 works_.end());
+    count_.store(static_cast<int>(works_.size()), std::memory_order_release);
+  }
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Work>> works_;
+  std::atomic<int> count_{0};
+};
+
+void finalize_mpi() {
+  if (!mpi_active()) return;
+  size_t pending = ProgressRegistry::get().pending();
+  if (pending) {
+    std::fprintf(stderr, "shardlm comm: finalize with %zu collective(s) still pending\n", pending);
+  }
+  ProgressRegistry::get().clear();
+  if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
+  if (g_we_initialized) {
+    MPI_Finalize();
+    g_we_initialized = false;
+  }
+}
+
+void abort_job(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staging memory of the point-to-point algorithms, kept for reuse between collectives so a
+// collective does not pay for allocating and zero-filling it.
+
+class StagingPool {
+ public:
+  Buffer take(size_t bytes) {
+    if (bytes == 0) return Buffer();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      size_t best = idle_.size();
+      for (size_t i = 0; i < idle_.size(); ++i) {
+        if (idle_[i].bytes() >= bytes && (best == idle_.size() || idle_[i].bytes() < idle_[best].bytes()))
+          best = i;
+      }
+      if (best != idle_.size()) {
+        Buffer b = std::move(idle_[best]);
+        idle_.erase(idle_.begin() + best);
+        return b;
+      }
+    }
+    return Buffer(MemCategory::comm, bytes);
+  }
+  void give(Buffer b) {
+    if (!b.data()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(b));
+    if (idle_.size() > kMaxIdle) {
+      // Keep the largest ones.
+      auto smallest = std::min_element(idle_.begin(), idle_.end(),
+                                       [](const Buffer& a, const Buffer& c) { return a.bytes() < c.bytes(); });
+      idle_.erase(smallest);
+    }
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.clear();
+  }
+
+ private:
+  static constexpr size_t kMaxIdle = 4;
+  std::mutex mu_;
+  std::vector<Buffer> idle_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Works.
+
+namespace {
+
+constexpr int kTagsPerCollective = 32;  // two phases × up to 16 window slots
+constexpr int kMaxWindow = 16;
+constexpr int64_t kMaxMessageElems = int64_t(1) << 30;  // fits MPI's int count
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::fp32: return MPI_FLOAT;
+    case DType::bf16: return MPI_UINT16_T;
+    case DType::fp16: return MPI_UINT16_T;
+    case DType::int8: return MPI_INT8_T;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op mpi_sum(DType t) { return t == DType::fp32 ? MPI_SUM : g_bf16_sum; }
+
+struct Ctx {
+  MPI_Comm comm;
+  int rank, size;
+  DType dtype;
+  int64_t esize;
+  MPI_Datatype type;
+  int tag;  // first of kTagsPerCollective tags
+  int64_t chunk_elems;
+  int window;
+  std::shared_ptr<StagingPool> pool;
+};
+
+// Element ranges of the size blocks of a buffer.
+struct Blocks {
+  std::vector<int64_t> off, len;
+  int64_t max_len = 0;
+  static Blocks uniform(int n, int64_t c) {
+    Blocks b;
+    for (int i = 0; i < n; ++i) {
+      b.off.push_back(i * c);
+      b.len.push_back(c);
+    }
+    b.max_len = c;
+    return b;
+  }
+  // count split as evenly as possible: sizes differ by at most one.
+  static Blocks even(int n, int64_t count) {
+    Blocks b;
+    for (int i = 0; i < n; ++i) {
+      int64_t lo = count * i / n, hi = count * (i + 1) / n;
+      b.off.push_back(lo);
+      b.len.push_back(hi - lo);
+      b.max_len = std::max(b.max_len, hi - lo);
+    }
+    return b;
+  }
+};
+
+// Chunk j of K of a block of `len` elements: [start, start + n).
+struct Range {
+  int64_t start, n;
+};
+inline Range chunk_of(int64_t len, int64_t K, int64_t j) {
+  int64_t lo = len * j / K, hi = len * (j + 1) / K;
+  return {lo, hi - lo};
+}
+inline int64_t num_chunks(int64_t max_len, int64_t chunk_elems) {
+  return std::max<int64_t>(1, (max_len + chunk_elems - 1) / chunk_elems);
+}
+
+// True when the request is done (or null); then it is MPI_REQUEST_NULL.
+bool test_req(MPI_Request& r) {
+  if (r == MPI_REQUEST_NULL) return true;
+  int flag = 0;
+  check(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+  return flag != 0;
+}
+
+void isend(const Ctx& c, const void* buf, int64_t count, int peer, int tag, MPI_Request* r) {
+  check(MPI_Isend(buf, static_cast<int>(count), c.type, peer, tag, c.comm, r), "MPI_Isend");
+}
+void irecv(const Ctx& c, void* buf, int64_t count, int peer, int tag, MPI_Request* r) {
+  check(MPI_Irecv(buf, static_cast<int>(count), c.type, peer, tag, c.comm, r), "MPI_Irecv");
+}
+
+class MpiWork : public Work {
+ protected:
+  MpiWork(const char* collective, const std::string& label, int rank, int size,
+          const WaitPolicy& policy)
+      : Work(collective, label, rank, size, "mpi", policy) {}
+  bool test() final {
+    ProgressRegistry::get().progress_others(this);
+    return test_own();
+  }
+  virtual bool test_own() = 0;
+};
+
+// A native MPI operation: one or more requests, then an optional action (a copy out of a
+// temporary buffer) once all have completed.
+class RequestWork final : public MpiWork {
+ public:
+  RequestWork(const char* collective, const std::string& label, int rank, int size,
+              const WaitPolicy& policy)
+      : MpiWork(collective, label, rank, size, policy) {}
+  std::vector<MPI_Request> reqs;
+  std::function<void()> on_done;
+  Buffer temp;
+
+ protected:
+  bool test_own() override {
+    int flag = 0;
+    check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE),
+          "MPI_Testall");
+    if (!flag) return false;
+    if (on_done) on_done();
+    on_done = nullptr;
+    temp = Buffer();
+    return true;
+  }
+};
+
+// One phase of a point-to-point schedule.
+class Machine {
+ public:
+  virtual ~Machine() = default;
+  // Posts what can be posted, tests what is in flight, reduces what arrived; true when done.
+  virtual bool advance() = 0;
+};
+
+class ScheduleWork final : public MpiWork {
+ public:
+  ScheduleWork(const char* collective, const std::string& label, int rank, int size,
+               const WaitPolicy& policy)
+      : MpiWork(collective, label, rank, size, policy) {}
+  std::vector<std::unique_ptr<Machine>> phases;
+
+ protected:
+  bool test_own() override {
+    while (cur_ < phases.size()) {
+      if (!phases[cur_]->advance()) return false;
+      phases[cur_].reset();  // frees (returns) its staging
+      ++cur_;
+    }
+    return true;
+  }
+
+ private:
+  size_t cur_ = 0;
+};
+
+// Sends, receives and local copies that need no ordering among themselves: direct all-gather,
+// direct all-to-all. Messages longer than kMaxMessageElems are split.
+class ExchangeMachine final : public Machine {
+ public:
+  ExchangeMachine(const Ctx& c) : c_(c) {}
+  void add_send(const void* p, int64_t count, int peer) {
+    for (int64_t o = 0; o < count; o += kMaxMessageElems)
+      sends_.push_back({const_cast<char*>(static_cast<const char*>(p)) + o * c_.esize,
+                        std::min(kMaxMessageElems, count - o), peer});
+  }
+  void add_recv(void* p, int64_t count, int peer) {
+    for (int64_t o = 0; o < count; o += kMaxMessageElems)
+      recvs_.push_back({static_cast<char*>(p) + o * c_.esize, std::min(kMaxMessageElems, count - o), peer});
+  }
+  void add_copy(void* dst, const void* src, int64_t count) {
+    if (dst != src && count > 0) copies_.push_back({dst, src, count * c_.esize});
+  }
+  bool advance() override {
+    if (!posted_) {
+      // Receives first, so the peers' sends find them posted.
+      for (auto& m : recvs_) {
+        reqs_.emplace_back();
+        irecv(c_, m.p, m.n, m.peer, c_.tag, &reqs_.back());
+      }
+      for (auto& m : sends_) {
+        reqs_.emplace_back();
+        isend(c_, m.p, m.n, m.peer, c_.tag, &reqs_.back());
+      }
+      for (auto& cp : copies_) std::memcpy(cp.dst, cp.src, cp.bytes);
+      posted_ = true;
+    }
+    int flag = 0;
+    check(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
+          "MPI_Testall");
+    return flag != 0;
+  }
+
+ private:
+  struct Msg {
+    char* p;
+    int64_t n;
+    int peer;
+  };
+  struct Copy {
+    void* dst;
+    const void* src;
+    int64_t bytes;
+  };
+  Ctx c_;
+  std::vector<Msg> sends_, recvs_;
+  std::vector<Copy> copies_;
+  std::vector<MPI_Request> reqs_;
+  bool posted_ = false;
+};
+
+// Direct reduce-scatter: the own block is split into K chunks; for each chunk every peer sends
+// its contribution, which lands in staging; once all have arrived the chunk is summed in rank
+// order into `out`. At most `window` chunks are in flight. Chunk j of the block of peer q is
+// sent to q at the same time. `out` may be the own block of `send`.
+class DirectReduceScatter final : public Machine {
+ public:
+  DirectReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
+      : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
+    K_ = num_chunks(b_.max_len, c_.chunk_elems);
+    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
+    chunk_max_ = (b_.max_len + K_ - 1) / K_;
+    const int peers = c_.size - 1;
+    staging_ = c_.pool->take(static_cast<size_t>(W_) * peers * chunk_max_ * c_.esize);
+    slots_.resize(W_);
+    for (auto& s : slots_) {
+      s.recv.assign(peers, MPI_REQUEST_NULL);
+      s.send.assign(peers, MPI_REQUEST_NULL);
+    }
+    ins_.resize(c_.size);
+  }
+  ~DirectReduceScatter() override { c_.pool->give(std::move(staging_)); }
+
+  bool advance() override {
+    for (;;) {
+      bool moved = false;
+      while (hi_ < K_ && hi_ - lo_ < W_) {
+        post(hi_++);
+        moved = true;
+      }
+      for (int64_t j = lo_; j < hi_; ++j) {
+        Slot& s = slots_[j % W_];
+        if (!s.reduced) {
+          bool all = true;
+          for (auto& r : s.recv) all = test_req(r) && all;
+          if (all) {
+            reduce(j);
+            s.reduced = true;
+            moved = true;
+          }
+        }
+        if (!s.sent) {
+          bool all = true;
+          for (auto& r : s.send) all = test_req(r) && all;
+          s.sent = all;
+        }
+      }
+      while (lo_ < hi_ && slots_[lo_ % W_].reduced && slots_[lo_ % W_].sent) {
+        ++lo_;
+        moved = true;
+      }
+      if (lo_ == K_) return true;
+      if (!moved) return false;
+    }
+  }
+
+ private:
+  struct Slot {
+    std::vector<MPI_Request> recv, send;
+    bool reduced = false, sent = false;
+  };
+  int peer(int i) const { return (c_.rank + 1 + i) % c_.size; }  // i-th peer, i in [0, size−1)
+  char* stage(int slot, int i) const {
+    return staging_.as<char>() + ((static_cast<int64_t>(slot) * (c_.size - 1) + i) * chunk_max_) * c_.esize;
+  }
+  void post(int64_t j) {
+    const int slot = static_cast<int>(j % W_);
+    Slot& s = slots_[slot];
+    s.reduced = s.sent = false;
+    const Range mine = chunk_of(b_.len[c_.rank], K_, j);
+    for (int i = 0; i < c_.size - 1; ++i) irecv(c_, stage(slot, i), mine.n, peer(i), c_.tag, &s.recv[i]);
+    for (int i = 0; i < c_.size - 1; ++i) {
+      const int q = peer(i);
+      const Range r = chunk_of(b_.len[q], K_, j);
+      isend(c_, send_ + (b_.off[q] + r.start) * c_.esize, r.n, q, c_.tag, &s.send[i]);
+    }
+  }
+  void reduce(int64_t j) {
+    const int slot = static_cast<int>(j % W_);
+    const Range mine = chunk_of(b_.len[c_.rank], K_, j);
+    for (int i = 0; i < c_.size - 1; ++i) ins_[peer(i)] = stage(slot, i);
+    ins_[c_.rank] = send_ + (b_.off[c_.rank] + mine.start) * c_.esize;
+    sum_n(c_.dtype, out_ + mine.start * c_.esize, ins_.data(), c_.size, mine.n);
+  }
+
+  Ctx c_;
+  const char* send_;
+  char* out_;
+  Blocks b_;
+  int64_t K_ = 1, chunk_max_ = 0;
+  int W_ = 1;
+  Buffer staging_;
+  std::vector<Slot> slots_;
+  std::vector<const void*> ins_;
+  int64_t lo_ = 0, hi_ = 0;  // chunks [lo_, hi_) are in flight
+};
+
+// Ring reduce-scatter, each of the K chunks pipelined through the size−1 steps on its own: at
+// step s a rank sends the partial sum of block (rank−s−1) to its right neighbour and receives
+// the partial of block (rank−s−2) from its left one, adds its own contribution, and forwards it
+// at step s+1; the last step's sum is its own block's result. The partials travel as `dtype`
+// (bf16 partials are rounded at every step). Each window slot has its own tag, so a chunk's
+// messages match in step order whatever the interleaving of chunks.
+class RingReduceScatter final : public Machine {
+ public:
+  RingReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
+      : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
+    K_ = num_chunks(b_.max_len, c_.chunk_elems);
+    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
+    chunk_max_ = (b_.max_len + K_ - 1) / K_;
+    staging_ = c_.pool->take(static_cast<size_t>(2) * W_ * chunk_max_ * c_.esize);
+    slots_.resize(W_);
+    left_ = (c_.rank - 1 + c_.size) % c_.size;
+    right_ = (c_.rank + 1) % c_.size;
+  }
+  ~RingReduceScatter() override { c_.pool->give(std::move(staging_)); }
+
+  bool advance() override {
+    for (;;) {
+      bool moved = false;
+      while (hi_ < K_ && hi_ - lo_ < W_) {
+        Slot& s = slots_[hi_ % W_];
+        s = Slot{};
+        post_step(hi_, s);
+        ++hi_;
+        moved = true;
+      }
+      for (int64_t j = lo_; j < hi_; ++j) {
+        Slot& s = slots_[j % W_];
+        if (s.finished) continue;
+        if (!s.recv_done && test_req(s.recv)) {
+          s.recv_done = true;
+          reduce(j, s);
+          moved = true;
+        }
+        if (!s.send_done && test_req(s.send)) s.send_done = true;
+        if (s.recv_done && s.send_done) {
+          if (s.step == c_.size - 2) {
+            s.finished = true;
+          } else {
+            ++s.step;
+            post_step(j, s);
+          }
+          moved = true;
+        }
+      }
+      while (lo_ < hi_ && slots_[lo_ % W_].finished) {
+        ++lo_;
+        moved = true;
+      }
+      if (lo_ == K_) return true;
+      if (!moved) return false;
+    }
+  }
+
+ private:
+  struct Slot {
+    int step = 0;
+    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
+    bool send_done = false, recv_done = false, finished = false;
+  };
+  int block_sent(int s) const { return ((c_.rank - s - 1) % c_.size + c_.size) % c_.size; }
+  int block_recv(int s) const { return ((c_.rank - s - 2) % c_.size + c_.size) % c_.size; }
+  char* stage(int parity, int slot) const {
+    return staging_.as<char>() + ((static_cast<int64_t>(parity) * W_ + slot) * chunk_max_) * c_.esize;
+  }
+  void post_step(int64_t j, Slot& s) {
+    const int slot = static_cast<int>(j % W_);
+    const int tag = c_.tag + slot;
+    s.send_done = s.recv_done = false;
+    const int br = block_recv(s.step), bs = block_sent(s.step);
+    irecv(c_, stage(s.step % 2, slot), chunk_of(b_.len[br], K_, j).n, left_, tag, &s.recv);
+    const Range rs = chunk_of(b_.len[bs], K_, j);
+    const char* src = s.step == 0 ? send_ + (b_.off[bs] + rs.start) * c_.esize
+                                  : stage((s.step - 1) % 2, slot);
+    isend(c_, src, rs.n, right_, tag, &s.send);
+  }
+  void reduce(int64_t j, const Slot& s) {
+    const int slot = static_cast<int>(j % W_);
+    const int br = block_recv(s.step);
+    const Range r = chunk_of(b_.len[br], K_, j);
+    char* partial = stage(s.step % 2, slot);
+    const void* ins[2] = {partial, send_ + (b_.off[br] + r.start) * c_.esize};
+    char* dst = s.step == c_.size - 2 ? out_ + r.start * c_.esize : partial;
+    sum_n(c_.dtype, dst, ins, 2, r.n);
+  }
+
+  Ctx c_;
+  const char* send_;
+  char* out_;
+  Blocks b_;
+  int64_t K_ = 1, chunk_max_ = 0;
+  int W_ = 1;
+  Buffer staging_;
+  std::vector<Slot> slots_;
+  int left_ = 0, right_ = 0;
+  int64_t lo_ = 0, hi_ = 0;
+};
+
+// Ring all-gather, chunks pipelined like RingReduceScatter: at step s a rank forwards block
+// (rank−s) to the right and receives block (rank−s−1) from the left, straight into `out`.
+class RingAllGather final : public Machine {
+ public:
+  RingAllGather(const Ctx& c, const void* send, void* out, Blocks blocks)
+      : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
+    K_ = num_chunks(b_.max_len, c_.chunk_elems);
+    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
+    slots_.resize(W_);
+    left_ = (c_.rank - 1 + c_.size) % c_.size;
+    right_ = (c_.rank + 1) % c_.size;
+  }
+  bool advance() override {
+    if (!copied_) {
+      char* own = out_ + b_.off[c_.rank] * c_.esize;
+      if (own != send_ && b_.len[c_.rank] > 0) std::memcpy(own, send_, b_.len[c_.rank] * c_.esize);
+      copied_ = true;
+    }
+    for (;;) {
+      bool moved = false;
+      while (hi_ < K_ && hi_ - lo_ < W_) {
+        Slot& s = slots_[hi_ % W_];
+        s = Slot{};
+        post_step(hi_, s);
+        ++hi_;
+        moved = true;
+      }
+      for (int64_t j = lo_; j < hi_; ++j) {
+        Slot& s = slots_[j % W_];
+        if (s.finished) continue;
+        if (!s.recv_done && test_req(s.recv)) s.recv_done = true;
+        if (!s.send_done && test_req(s.send)) s.send_done = true;
+        if (s.recv_done && s.send_done) {
+          if (s.step == c_.size - 2) {
+            s.finished = true;
+          } else {
+            ++s.step;
+            post_step(j, s);
+          }
+          moved = true;
+        }
+      }
+      while (lo_ < hi_ && slots_[lo_ % W_].finished) {
+        ++lo_;
+        moved = true;
+      }
+      if (lo_ == K_) return true;
+      if (!moved) return false;
+    }
+  }
+
+ private:
+  struct Slot {
+    int step = 0;
+    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
+    bool send_done = false, recv_done = false, finished = false;
+  };
+  int mod(int x) const { return ((x % c_.size) + c_.size) % c_.size; }
+  void post_step(int64_t j, Slot& s) {
+    const int tag = c_.tag + static_cast<int>(j % W_);
+    s.send_done = s.recv_done = false;
+    const int br = mod(c_.rank - s.step - 1), bs = mod(c_.rank - s.step);
+    const Range rr = chunk_of(b_.len[br], K_, j), rs = chunk_of(b_.len[bs], K_, j);
+    irecv(c_, out_ + (b_.off[br] + rr.start) * c_.esize, rr.n, left_, tag, &s.recv);
+    isend(c_, out_ + (b_.off[bs] + rs.start) * c_.esize, rs.n, right_, tag, &s.send);
+  }
+
+  Ctx c_;
+  const char* send_;
+  char* out_;
+  Blocks b_;
+  int64_t K_ = 1;
+  int W_ = 1;
+  std::vector<Slot> slots_;
+  int left_ = 0, right_ = 0;
+  int64_t lo_ = 0, hi_ = 0;
+  bool copied_ = false;
+};
+
+std::unique_ptr<Machine> direct_all_gather(const Ctx& c, const void* send, void* out, const Blocks& b) {
+  auto m = std::make_unique<ExchangeMachine>(c);
+  char* o = static_cast<char*>(out);
+  for (int i = 1; i < c.size; ++i) {
+    const int q = (c.rank + i) % c.size;
+    m->add_recv(o + b.off[q] * c.esize, b.len[q], q);
+  }
+  for (int i = 1; i < c.size; ++i) {
+    const int q = (c.rank + c.size - i) % c.size;
+    m->add_send(send, b.len[c.rank], q);
+  }
+  m->add_copy(o + b.off[c.rank] * c.esize, send, b.len[c.rank]);
+  return m;
+}
+
+// The result of a collective over one rank: a copy (nothing when in place).
+void local_copy(void* dst, const void* src, int64_t bytes) {
+  if (dst != src && bytes > 0) std::memmove(dst, src, bytes);
+}
+
+void check_count(int64_t count, const char* what) {
+  if (count < 0) throw Error(std::string("comm: ") + what + ": negative count");
+}
+
+void check_native_count(int64_t count, const char* what) {
+  if (count > INT_MAX)
+    throw Error(std::string("comm: ") + what + ": native algorithm limited to INT_MAX elements per rank");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// MpiCommunicator.
+
+MpiCommunicator::MpiCommunicator(MpiOptions options, MPI_Comm comm) : options_(options) {
+  if (!mpi_active()) throw Error("comm: MpiCommunicator needs init_mpi() first");
+  check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+  set_up();
+}
+
+MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options)
+    : options_(options), comm_(owned) {
+  set_up();
+}
+
+void MpiCommunicator::set_up() {
+  if (options_.window < 1 || options_.window > kMaxWindow)
+    throw Error("comm: MpiOptions.window must be in [1, 16]");
+  if (options_.chunk_bytes < 64) throw Error("comm: MpiOptions.chunk_bytes must be at least 64");
+  check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  check(MPI_Comm_dup(comm_, &sched_comm_), "MPI_Comm_dup");
+  check(MPI_Comm_set_errhandler(sched_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  int* ub = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+  const int tag_ub = flag && ub ? *ub : 32767;
+  tag_blocks_ = std::max(1, (tag_ub + 1) / kTagsPerCollective);
+  pool_ = std::make_shared<StagingPool>();
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  if (!mpi_active()) return;  // finalized: MPI has freed them
+  if (sched_comm_ != MPI_COMM_NULL) MPI_Comm_free(&sched_comm_);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::release_staging() { pool_->clear(); }
+
+int MpiCommunicator::next_tag_base() {
+  // Called with issue_mu_ held, once per collective on every rank in the same order.
+  const int base = static_cast<int>(seq_ % static_cast<uint64_t>(tag_blocks_)) * kTagsPerCollective;
+  ++seq_;
+  return base;
+}
+
+Algorithm MpiCommunicator::resolve(const std::string& collective, Algorithm a) const {
+  if (a != Algorithm::automatic) return a;
+  const bool small_group = size_ <= kDirectMaxRanks;
+  if (collective == "all_to_all") return small_group ? Algorithm::direct : Algorithm::native;
+  return small_group ? Algorithm::direct : Algorithm::ring;
+}
+
+namespace {
+template <class W>
+std::shared_ptr<W> make_work(const char* collective, const std::string& label, int rank, int size,
+                             const WaitPolicy& p) {
+  return std::make_shared<W>(collective, label, rank, size, p);
+}
+}  // namespace
+
+std::shared_ptr<Work> MpiCommunicator::all_gather(const void* send, void* recv,
+                                                  int64_t count_per_rank, DType dtype,
+                                                  const std::string& label) {
+  static const char* kName = "all_gather";
+  check_count(count_per_rank, kName);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  const int tag = next_tag_base();
+  if (count_per_rank == 0) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  const Algorithm a = resolve(kName, options_.all_gather);
+  const int64_t es = dtype_size(dtype);
+  if (size_ == 1) {
+    local_copy(recv, send, count_per_rank * es);
+    return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  }
+  const bool in_place = send == static_cast<char*>(recv) + rank_ * count_per_rank * es;
+  if (a == Algorithm::native) {
+    check_native_count(count_per_rank, kName);
+    auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+    w->reqs.emplace_back();
+    const int n = static_cast<int>(count_per_rank);
+    check(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, in_place ? 0 : n,
+                         in_place ? MPI_DATATYPE_NULL : mpi_type(dtype), recv, n, mpi_type(dtype),
+                         comm_, &w->reqs.back()),
+          "MPI_Iallgather");
+    return w;
+  }
+  if (a != Algorithm::direct && a != Algorithm::ring)
+    throw Error(std::string("comm: all_gather cannot use algorithm ") + to_string(a));
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+  const Blocks b = Blocks::uniform(size_, count_per_rank);
+  auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
+  if (a == Algorithm::direct) {
+    w->phases.push_back(direct_all_gather(c, send, recv, b));
+  } else {
+    w->phases.push_back(std::make_unique<RingAllGather>(c, send, recv, b));
+  }
+  ProgressRegistry::get().add(w);
+  w->is_completed();  // post the first messages now
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* recv,
+                                                      int64_t count_per_rank, DType dtype,
+                                                      const std::string& label) {
+  static const char* kName = "reduce_scatter";
+  check_count(count_per_rank, kName);
+  if (!reducible(dtype)) throw Error(std::string("comm: reduce_scatter of ") + to_string(dtype) + " is not supported");
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  const int tag = next_tag_base();
+  if (count_per_rank == 0) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  const Algorithm a = resolve(kName, options_.reduce_scatter);
+  const int64_t es = dtype_size(dtype);
+  if (size_ == 1) {
+    local_copy(recv, send, count_per_rank * es);
+    return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  }
+  const int64_t block_bytes = count_per_rank * es;
+  const bool in_place = recv == static_cast<const char*>(send) + rank_ * block_bytes;
+  if (a == Algorithm::native || a == Algorithm::via_all_reduce) {
+    auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+    w->reqs.emplace_back();
+    if (a == Algorithm::native) {
+      check_native_count(count_per_rank, kName);
+      void* out = recv;
+      if (in_place) {
+        w->temp = pool_->take(block_bytes);
+        out = w->temp.data();
+      }
+      check(MPI_Ireduce_scatter_block(send, out, static_cast<int>(count_per_rank), mpi_type(dtype),
+                                      mpi_sum(dtype), comm_, &w->reqs.back()),
+            "MPI_Ireduce_scatter_block");
+    } else {
+      const int64_t total = count_per_rank * size_;
+      check_native_count(total, kName);
+      w->temp = pool_->take(total * es);
+      check(MPI_Iallreduce(send, w->temp.data(), static_cast<int>(total), mpi_type(dtype),
+                           mpi_sum(dtype), comm_, &w->reqs.back()),
+            "MPI_Iallreduce");
+    }
+    // Copy the result out if it went to the temporary, then hand the temporary back.
+    auto pool = pool_;
+    RequestWork* raw = w.get();
+    const int64_t offset = a == Algorithm::native ? 0 : rank_ * block_bytes;
+    if (raw->temp.data()) {
+      raw->on_done = [raw, recv, offset, block_bytes, pool] {
+        std::memcpy(recv, raw->temp.as<char>() + offset, block_bytes);
+        pool->give(std::move(raw->temp));
+      };
+    }
+    return w;
+  }
+  if (a != Algorithm::direct && a != Algorithm::ring)
+    throw Error(std::string("comm: reduce_scatter cannot use algorithm ") + to_string(a));
+  (void)in_place;  // the point-to-point algorithms read the own block before writing it
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+  const Blocks b = Blocks::uniform(size_, count_per_rank);
+  auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
+  if (a == Algorithm::direct) {
+    w->phases.push_back(std::make_unique<DirectReduceScatter>(c, send, recv, b));
+  } else {
+    w->phases.push_back(std::make_unique<RingReduceScatter>(c, send, recv, b));
+  }
+  ProgressRegistry::get().add(w);
+  w->is_completed();
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::all_reduce(void* buf, int64_t count, DType dtype,
+                                                  const std::string& label) {
+  static const char* kName = "all_reduce";
+  check_count(count, kName);
+  if (!reducible(dtype)) throw Error(std::string("comm: all_reduce of ") + to_string(dtype) + " is not supported");
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  const int tag = next_tag_base();
+  if (count == 0) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  const Algorithm a = resolve(kName, options_.all_reduce);
+  const int64_t es = dtype_size(dtype);
+  if (size_ == 1) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  if (a == Algorithm::native) {
+    auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+    for (int64_t o = 0; o < count; o += kMaxMessageElems) {
+      w->reqs.emplace_back();
+      check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(buf) + o * es,
+                           static_cast<int>(std::min(kMaxMessageElems, count - o)), mpi_type(dtype),
+                           mpi_sum(dtype), comm_, &w->reqs.back()),
+            "MPI_Iallreduce");
+    }
+    return w;
+  }
+  if (a != Algorithm::direct && a != Algorithm::ring)
+    throw Error(std::string("comm: all_reduce cannot use algorithm ") + to_string(a));
+  // Reduce-scatter in place into the own block, then all-gather the blocks in place. The two
+  // phases use different tags: a fast peer's all-gather messages may arrive early.
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+  Ctx c2 = c;
+  c2.tag = tag + kMaxWindow;
+  const Blocks b = Blocks::even(size_, count);
+  char* own = static_cast<char*>(buf) + b.off[rank_] * es;
+  auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
+  if (a == Algorithm::direct) {
+    w->phases.push_back(std::make_unique<DirectReduceScatter>(c, buf, own, b));
+    w->phases.push_back(direct_all_gather(c2, own, buf, b));
+  } else {
+    w->phases.push_back(std::make_unique<RingReduceScatter>(c, buf, own, b));
+    w->phases.push_back(std::make_unique<RingAllGather>(c2, own, buf, b));
+  }
+  ProgressRegistry::get().add(w);
+  w->is_completed();
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root,
+                                                 const std::string& label) {
+  static const char* kName = "broadcast";
+  check_count(count, kName);
+  if (root < 0 || root >= size_) throw Error("comm: broadcast root out of range");
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  next_tag_base();
+  if (count == 0) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  const int64_t es = dtype_size(dtype);
+  auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+  for (int64_t o = 0; o < count; o += kMaxMessageElems) {
+    w->reqs.emplace_back();
+    check(MPI_Ibcast(static_cast<char*>(buf) + o * es,
+                     static_cast<int>(std::min(kMaxMessageElems, count - o)), mpi_type(dtype), root,
+                     comm_, &w->reqs.back()),
+          "MPI_Ibcast");
+  }
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::barrier(const std::string& label) {
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  next_tag_base();
+  auto w = make_work<RequestWork>("barrier", label, rank_, size_, options_.wait);
+  w->reqs.emplace_back();
+  check(MPI_Ibarrier(comm_, &w->reqs.back()), "MPI_Ibarrier");
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::all_to_all(const void* send, void* recv,
+                                                  int64_t count_per_rank, DType dtype,
+                                                  const std::string& label) {
+  static const char* kName = "all_to_all";
+  check_count(count_per_rank, kName);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  const int tag = next_tag_base();
+  if (count_per_rank == 0) return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  const Algorithm a = resolve(kName, options_.all_to_all);
+  const int64_t es = dtype_size(dtype);
+  if (size_ == 1) {
+    local_copy(recv, send, count_per_rank * es);
+    return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  }
+  if (a == Algorithm::native) {
+    check_native_count(count_per_rank, kName);
+    auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+    w->reqs.emplace_back();
+    const int n = static_cast<int>(count_per_rank);
+    check(MPI_Ialltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &w->reqs.back()),
+          "MPI_Ialltoall");
+    return w;
+  }
+  if (a != Algorithm::direct) throw Error(std::string("comm: all_to_all cannot use algorithm ") + to_string(a));
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+  auto m = std::make_unique<ExchangeMachine>(c);
+  const char* s = static_cast<const char*>(send);
+  char* r = static_cast<char*>(recv);
+  const int64_t bb = count_per_rank * es;
+  for (int i = 1; i < size_; ++i) {
+    const int q = (rank_ + i) % size_;
+    m->add_recv(r + q * bb, count_per_rank, q);
+  }
+  for (int i = 1; i < size_; ++i) {
+    const int q = (rank_ + size_ - i) % size_;
+    m->add_send(s + q * bb, count_per_rank, q);
+  }
+  m->add_copy(r + rank_ * bb, s + rank_ * bb, count_per_rank);
+  auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
+  w->phases.push_back(std::move(m));
+  ProgressRegistry::get().add(w);
+  w->is_completed();
+  return w;
+}
+
+namespace {
+void check_p2p(int peer, int tag, int size, const char* what) {
+  if (peer < 0 || peer >= size) throw Error(std::string("comm: ") + what + ": peer out of range");
+  if (tag < 0 || tag > 32767) throw Error(std::string("comm: ") + what + ": tag must be in [0, 32767]");
+}
+}  // namespace
+
+std::shared_ptr<Work> MpiCommunicator::send(const void* buf, int64_t count, DType dtype, int peer,
+                                            int tag, const std::string& label) {
+  check_count(count, "send");
+  check_p2p(peer, tag, size_, "send");
+  const int64_t es = dtype_size(dtype);
+  auto w = make_work<RequestWork>("send", label, rank_, size_, options_.wait);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  int64_t o = 0;
+  do {  // a zero-count send is still a message
+    w->reqs.emplace_back();
+    check(MPI_Isend(static_cast<const char*>(buf) + o * es,
+                    static_cast<int>(std::min(kMaxMessageElems, count - o)), mpi_type(dtype), peer, tag,
+                    comm_, &w->reqs.back()),
+          "MPI_Isend");
+    o += kMaxMessageElems;
+  } while (o < count);
+  return w;
+}
+
+std::shared_ptr<Work> MpiCommunicator::recv(void* buf, int64_t count, DType dtype, int peer, int tag,
+                                            const std::string& label) {
+  check_count(count, "recv");
+  check_p2p(peer, tag, size_, "recv");
+  const int64_t es = dtype_size(dtype);
+  auto w = make_work<RequestWork>("recv", label, rank_, size_, options_.wait);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  int64_t o = 0;
+  do {
+    w->reqs.emplace_back();
+    check(MPI_Irecv(static_cast<char*>(buf) + o * es,
+                    static_cast<int>(std::min(kMaxMessageElems, count - o)), mpi_type(dtype), peer, tag,
+                    comm_, &w->reqs.back()),
+          "MPI_Irecv");
+    o += kMaxMessageElems;
+  } while (o < count);
+  return w;
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  MPI_Comm nc = MPI_COMM_NULL;
+  {
+    std::lock_guard<std::mutex> lock(issue_mu_);
+    check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &nc), "MPI_Comm_split");
+  }
+  if (nc == MPI_COMM_NULL) return nullptr;
+  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_));
+}
+
+}  // namespace shardlm::comm

@@ -1,0 +1,115 @@
+// The MPI backend: process set-up (init_mpi / finalize_mpi / abort_job) and MpiCommunicator,
+// whose collectives are nonblocking MPI calls or point-to-point schedules built on MPI_Isend /
+// MPI_Irecv, chosen per collective by measurement (bench/comm_bench.cc).
+//
+// Progress. Open MPI moves nonblocking operations only inside MPI calls, and our schedules
+// advance only when they are tested. Every test of any MPI Work (Work::is_completed, each poll of
+// Work::wait) therefore also gives one progress step to every other pending schedule of the
+// process, whichever thread tests and whichever communicator it belongs to. A thread that waits
+// on a collective (the executor's comm thread) thus drives all collectives in flight while other
+// threads compute; nothing moves while no thread tests any Work.
+//
+// Algorithms (MpiOptions; `automatic` resolves as below, from bench/comm_bench.cc at 2–4 ranks
+// on one shared-memory node, Open MPI 4.1.4, see BENCHMARKS.md):
+//   all_gather      direct      (each rank sends its block to every peer; no staging, no adds)
+//   reduce_scatter  direct      (chunked pairwise exchange, each chunk summed on arrival)
+//   all_reduce      direct      (direct reduce-scatter in place, then direct all-gather)
+//   all_to_all      direct
+//   broadcast, barrier, send, recv: MPI_Ibcast, MPI_Ibarrier, MPI_Isend, MPI_Irecv.
+// Above kDirectMaxRanks ranks, automatic picks ring instead of direct for all_gather,
+// reduce_scatter and all_reduce (size−1 concurrent messages per rank and (size−1)-fold staging
+// do not scale; not measured here) and native for all_to_all.
+//
+// bf16 sums: `direct` adds each element's size contributions in fp32 in rank order and rounds
+// once; `ring` forwards bf16 partial sums, so each hop rounds (size−1 roundings, order starting
+// at the rank after the block's owner); `native` uses a user-defined MPI_Op (commutative) that
+// widens both operands to fp32, adds and rounds to nearest even, in whatever order Open MPI's
+// algorithm combines them.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "comm/communicator.h"
+#include "comm/options.h"
+
+namespace shardlm::comm {
+
+inline constexpr int kDirectMaxRanks = 16;
+
+// MPI_Init_thread with MPI_THREAD_MULTIPLE (the executor issues collectives from a comm thread
+// while others test them). Throws Error, after finalizing, if the library grants less. Calling it
+// again, or after the program initialised MPI itself with MPI_THREAD_MULTIPLE, is harmless.
+// argc/argv may be null.
+void init_mpi(int* argc, char*** argv);
+// MPI_Finalize, if init_mpi initialised MPI and it is not finalized yet. Every MpiCommunicator
+// must be destroyed and every collective complete before this.
+void finalize_mpi();
+// True between init_mpi (or the program's own MPI_Init_thread) and finalize.
+bool mpi_active();
+// Ends the whole job with `code`: MPI_Abort on MPI_COMM_WORLD when MPI is active (mpirun then
+// kills every rank), else std::_Exit(code).
+[[noreturn]] void abort_job(int code);
+
+class StagingPool;
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // A communicator over a duplicate of `comm` (by default every rank of the job). Needs
+  // init_mpi(). Collective over `comm` (MPI_Comm_dup).
+  explicit MpiCommunicator(MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count_per_rank,
+                                   DType dtype, const std::string& label) override;
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count_per_rank,
+                                       DType dtype, const std::string& label) override;
+  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
+                                   const std::string& label) override;
+  std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,
+                                  const std::string& label) override;
+  std::shared_ptr<Work> barrier(const std::string& label) override;
+  std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
+                                   DType dtype, const std::string& label) override;
+  std::shared_ptr<Work> send(const void* buf, int64_t count, DType dtype, int peer, int tag,
+                             const std::string& label) override;
+  std::shared_ptr<Work> recv(void* buf, int64_t count, DType dtype, int peer, int tag,
+                             const std::string& label) override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+  const MpiOptions& options() const { return options_; }
+  // The algorithm `automatic` stands for on this communicator; others are returned unchanged.
+  // `collective` is "all_gather", "reduce_scatter", "all_reduce" or "all_to_all".
+  Algorithm resolve(const std::string& collective, Algorithm requested) const;
+  // The MPI communicator the collectives run on (user sends and receives too).
+  MPI_Comm mpi_comm() const { return comm_; }
+  // Frees the idle staging buffers the point-to-point algorithms keep for reuse (charged to
+  // MemCategory::comm while kept).
+  void release_staging();
+
+ private:
+  struct Adopt {};
+  MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options);
+  void set_up();
+  int next_tag_base();
+
+  MpiOptions options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;      // collectives and user point-to-point
+  MPI_Comm sched_comm_ = MPI_COMM_NULL;  // the point-to-point algorithms' own messages
+  int rank_ = 0, size_ = 1;
+  int tag_blocks_ = 1;
+  std::mutex issue_mu_;
+  uint64_t seq_ = 0;
+  std::shared_ptr<StagingPool> pool_;
+};
+
+}  // namespace shardlm::comm

@@ -1,0 +1,47 @@
+// A communicator of one rank, for single-process runs and tests: every collective is a local
+// copy (or nothing) and is complete when it returns; no MPI is involved.
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+#include "comm/options.h"
+
+namespace shardlm::comm {
+
+class SingleRankCommunicator final : public Communicator {
+ public:
+  SingleRankCommunicator();
+  ~SingleRankCommunicator() override;
+
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "single"; }
+
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count_per_rank,
+                                   DType dtype, const std::string& label) override;
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count_per_rank,
+                                       DType dtype, const std::string& label) override;
+  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
+                                   const std::string& label) override;
+  std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,
+                                  const std::string& label) override;
+  std::shared_ptr<Work> barrier(const std::string& label) override;
+  std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
+                                   DType dtype, const std::string& label) override;
+  // Messages to oneself (peer 0): a send is copied into a staging buffer (MemCategory::comm)
+  // unless a matching recv is already waiting; a recv completes when a send with its tag has
+  // been made, in order. A recv that no send matches times out in wait().
+  std::shared_ptr<Work> send(const void* buf, int64_t count, DType dtype, int peer, int tag,
+                             const std::string& label) override;
+  std::shared_ptr<Work> recv(void* buf, int64_t count, DType dtype, int peer, int tag,
+                             const std::string& label) override;
+  // A new single-rank communicator (nullptr for a negative color).
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+ private:
+  struct Mailbox;
+  std::shared_ptr<Mailbox> mailbox_;
+};
+
+}  // namespace shardlm::comm

@@ -1,0 +1,80 @@
+#include "comm/work.h"
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+namespace shardlm::comm {
+
+namespace {
+std::string timeout_message(const std::string& collective, const std::string& label, int rank,
+                            int size, const std::string& backend,
+                            std::chrono::milliseconds timeout) {
+  std::ostringstream os;
+  os << "comm timeout: " << collective << " \"" << label << "\" on rank " << rank << " of "
+     << size << " (" << backend << ") did not complete within " << timeout.count() << " ms";
+  return os.str();
+}
+}  // namespace
+
+TimeoutError::TimeoutError(const std::string& collective, const std::string& label, int rank,
+                           int size, const std::string& backend,
+                           std::chrono::milliseconds timeout)
+    : Error(timeout_message(collective, label, rank, size, backend, timeout)),
+      collective_(collective),
+      label_(label),
+      rank_(rank) {}
+
+Work::Work(std::string collective, std::string label, int rank, int size, std::string backend,
+           WaitPolicy policy)
+    : collective_(std::move(collective)),
+      label_(std::move(label)),
+      backend_(std::move(backend)),
+      rank_(rank),
+      size_(size),
+      policy_(policy) {}
+
+bool Work::poll_locked() {
+  if (done_.load(std::memory_order_acquire)) return true;
+  if (test()) {
+    done_.store(true, std::memory_order_release);
+    return true;
+  }
+  return false;
+}
+
+bool Work::try_poll() {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return done_.load(std::memory_order_acquire);
+  return poll_locked();
+}
+
+bool Work::is_completed() {
+  if (done_.load(std::memory_order_acquire)) return true;
+  return try_poll();
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto deadline = start + timeout;
+  auto sleep = std::chrono::microseconds(1);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (poll_locked()) return;
+    }
+    const auto now = clock::now();
+    if (now >= deadline) {
+      throw TimeoutError(collective_, label_, rank_, size_, backend_, timeout);
+    }
+    if (now - start < policy_.spin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, policy_.max_sleep);
+    }
+  }
+}
+
+}  // namespace shardlm::comm

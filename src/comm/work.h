@@ -1,0 +1,95 @@
+// The handle of an asynchronous collective (c10d's Work): test it without blocking, or wait for
+// it with a timeout. Every collective of a Communicator returns one.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "comm/options.h"
+
+namespace shardlm::comm {
+
+// A communication failure: misuse (bad arguments, unsupported dtype) or an error MPI returned.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A collective did not finish in time. what() is one line naming the collective, the caller's
+// label, the rank and the timeout, e.g.
+//   comm timeout: all_gather "all_gather unit h.3 step 7" on rank 1 of 4 (mpi) did not complete
+//   within 5000 ms
+class TimeoutError : public Error {
+ public:
+  TimeoutError(const std::string& collective, const std::string& label, int rank, int size,
+               const std::string& backend, std::chrono::milliseconds timeout);
+  const std::string& collective() const { return collective_; }
+  const std::string& label() const { return label_; }
+  int rank() const { return rank_; }
+
+ private:
+  std::string collective_, label_;
+  int rank_;
+};
+
+// Thread safety: is_completed() and wait() may be called from any thread, also concurrently;
+// a Work is tested by one thread at a time (MPI forbids two threads testing one request).
+// Once is_completed() returned true or wait() returned, the receive buffers hold the result and
+// the send buffers may be reused, in the calling thread (the completion is a release/acquire).
+//
+// Lifetime: the buffers given to a collective must stay alive until it completes. A Work may be
+// dropped before it completes; the collective still finishes (it keeps being progressed by the
+// backend), but then nothing tells the caller when its buffers are free. After a TimeoutError
+// the collective is still pending: wait again, or end the job (abort_job).
+class Work {
+ public:
+  virtual ~Work() = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  // Advances the collective (one MPI test) and says whether it has finished. Never blocks: if
+  // another thread is testing this Work at the moment, answers from the last known state.
+  bool is_completed();
+
+  // Tests until the collective has finished (see WaitPolicy for how), or throws TimeoutError
+  // once `timeout` has passed. An MPI error is rethrown as comm::Error.
+  void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
+
+  const std::string& collective() const { return collective_; }
+  const std::string& label() const { return label_; }
+  int rank() const { return rank_; }
+
+ protected:
+  Work(std::string collective, std::string label, int rank, int size, std::string backend,
+       WaitPolicy policy);
+  // One progress step; returns true once complete. Called with the Work's mutex held, never
+  // again after it returned true.
+  virtual bool test() = 0;
+
+ private:
+  friend class ProgressRegistry;
+  bool poll_locked();  // mu_ held
+  bool try_poll();     // non-blocking: false if another thread holds mu_
+
+  std::string collective_, label_, backend_;
+  int rank_, size_;
+  WaitPolicy policy_;
+  std::mutex mu_;
+  std::atomic<bool> done_{false};
+};
+
+// A Work that was complete when it was made (single-rank copies, zero-sized collectives).
+class CompletedWork final : public Work {
+ public:
+  CompletedWork(std::string collective, std::string label, int rank, int size,
+                std::string backend)
+      : Work(std::move(collective), std::move(label), rank, size, std::move(backend), {}) {}
+
+ protected:
+  bool test() override { return true; }
+};
+
+}  // namespace shardlm::comm

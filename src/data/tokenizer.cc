@@ -1,0 +1,53 @@
+#include "data/tokenizer.h"
+
+#include <stdexcept>
+
+namespace shardlm::data {
+
+Tokenizer::~Tokenizer() = default;
+
+namespace {
+
+// One token per byte: id == byte value. There is no end-of-text id (eot() == -1).
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int32_t> ids(text.size());
+    for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override {
+    std::string out(ids.size(), '\0');
+    for (size_t i = 0; i < ids.size(); ++i) {
+      check(ids[i]);
+      out[i] = static_cast<char>(ids[i]);
+    }
+    return out;
+  }
+  std::string decode_token(int32_t id) const override {
+    check(id);
+    return std::string(1, static_cast<char>(id));
+  }
+  int32_t vocab_size() const override { return 256; }
+  int32_t eot() const override { return -1; }
+  std::string name() const override { return "bytes"; }
+
+ private:
+  static void check(int32_t id) {
+    if (id < 0 || id > 255)
+      throw std::out_of_range("bytes tokenizer: token id " + std::to_string(id) + " is not in [0, 256)");
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir) {
+  if (name == "bytes") return std::make_unique<ByteTokenizer>();
+  if (name == "gpt2") {
+    const std::string dir = (data_dir.empty() ? std::string(".") : data_dir) + "/gpt2/";
+    return load_gpt2_tokenizer(dir + "encoder.json", dir + "vocab.bpe");
+  }
+  throw std::runtime_error("unknown tokenizer '" + name + "' (expected 'gpt2' or 'bytes')");
+}
+
+}  // namespace shardlm::data

@@ -1,0 +1,46 @@
+// Tokenizers: GPT-2 byte-level BPE (from encoder.json + vocab.bpe) and a byte tokenizer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shardlm::data {
+
+// encode/decode are const and safe to call from several threads at once.
+class Tokenizer {
+ public:
+  virtual ~Tokenizer();
+  // Text to ids. Never produces eot(): the end-of-text token is only inserted by the
+  // tokenize driver between files. Any byte string is accepted (invalid UTF-8 included).
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Ids to bytes, exactly: decode(encode(x)) == x for every byte string x.
+  // Throws std::out_of_range for an id outside [0, vocab_size()).
+  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  // The bytes of one token (eot() decodes to "<|endoftext|>" for gpt2).
+  virtual std::string decode_token(int32_t id) const = 0;
+  virtual int32_t vocab_size() const = 0;  // 50257 for gpt2, 256 for bytes
+  // End-of-text id (50256 for gpt2), or -1 where the tokenizer has none (bytes: every id is
+  // a byte, so there is no id left for it; the tokenize driver then joins files with nothing).
+  virtual int32_t eot() const = 0;
+  virtual std::string name() const = 0;  // "gpt2" | "bytes"
+};
+
+// "gpt2": loads data_dir/gpt2/encoder.json and data_dir/gpt2/vocab.bpe (made by
+// scripts/fetch_data.sh). "bytes": one token per byte, ids 0..255; data_dir is unused.
+// Errors are std::runtime_error with one line naming the file (or the unknown name).
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
+
+// The GPT-2 tokenizer from explicit file paths.
+std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
+                                               const std::string& vocab_bpe_path);
+
+// GPT-2's pre-tokenization, exposed for tests: splits text into the pieces the regex
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// matches (each piece a view into text; together they cover text exactly). Invalid UTF-8
+// bytes count as single code points of the "other" class.
+std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
+
+}  // namespace shardlm::data

@@ -1,0 +1,69 @@
+// Memory accounting: every byte the engine allocates is tagged with a category, and the
+// tracker keeps live bytes per category plus a snapshot taken when the total last peaked.
+// `mem` in metrics.jsonl and the plan's memory figures are read from here, never estimated.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace shardlm {
+
+enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace };
+inline constexpr int kNumMemCategories = 6;
+const char* to_string(MemCategory c);
+
+// Bytes per category at one moment; `total` is their sum.
+struct MemSnapshot {
+  std::array<int64_t, kNumMemCategories> bytes{};
+  int64_t total = 0;
+  int64_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
+};
+
+// Process-wide and thread-safe. Allocation is rare (buffers are made once per run or step), so a
+// mutex is cheap and keeps the peak snapshot consistent with the live counts.
+class MemoryTracker {
+ public:
+  static MemoryTracker& global();
+
+  void on_alloc(MemCategory c, int64_t bytes);
+  void on_free(MemCategory c, int64_t bytes);
+  MemSnapshot live() const;
+  // Per-category bytes at the moment `total` was highest since the last reset_peak().
+  MemSnapshot peak() const;
+  // Starts a new peak window (e.g. one training step) at the current live bytes.
+  void reset_peak();
+
+ private:
+  mutable std::mutex mu_;
+  MemSnapshot live_, peak_;
+};
+
+// An owning, 64-byte aligned, zero-filled allocation charged to one category. Move-only.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(MemCategory category, size_t bytes);
+  ~Buffer();
+  Buffer(Buffer&& o) noexcept;
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  MemCategory category() const { return category_; }
+  float* f32() const { return static_cast<float*>(data_); }
+  template <class T>
+  T* as() const { return static_cast<T*>(data_); }
+
+ private:
+  void release();
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  MemCategory category_ = MemCategory::workspace;
+};
+
+}  // namespace shardlm

@@ -1,0 +1,40 @@
+#include "train/config.h"
+
+#include <stdexcept>
+
+namespace shardlm::train {
+
+model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
+  model::ModelConfig c = model::model_preset(model, vocab > 0 ? vocab : data_vocab);
+  if (n_layer > 0) c.n_layer = n_layer;
+  if (n_head > 0) c.n_head = n_head;
+  if (n_embd > 0) c.n_embd = n_embd;
+  if (max_seq > 0) c.max_seq = max_seq;
+  c.validate();
+  if (seq > c.max_seq)
+    throw std::invalid_argument("seq (" + std::to_string(seq) + ") exceeds the model's max_seq (" +
+                                std::to_string(c.max_seq) + ")");
+  return c;
+}
+
+void TrainConfig::validate() const {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  need(steps >= 0, "steps must be >= 0");
+  need(batch > 0, "batch must be positive");
+  need(seq > 0, "seq must be positive");
+  need(grad_accum > 0, "grad-accum must be positive");
+  need(threads > 0, "threads must be positive");
+  need(lr >= 0 && min_lr >= 0, "lr and min-lr must be >= 0");
+  need(warmup >= 0, "warmup must be >= 0");
+  need(beta1 >= 0 && beta1 < 1, "beta1 must be in [0, 1)");
+  need(beta2 >= 0 && beta2 < 1, "beta2 must be in [0, 1)");
+  need(eps > 0, "eps must be positive");
+  need(grad_clip >= 0, "grad-clip must be >= 0");
+  need(eval_every >= 0 && save_every >= 0, "eval-every and save-every must be >= 0");
+  need(eval_windows > 0, "eval-windows must be positive");
+  need(!data.empty(), "data: no token file prefix given (--data PREFIX)");
+}
+
+}  // namespace shardlm::train

@@ -1,0 +1,50 @@
+// Everything a training run is configured by. Defaults follow nanoGPT where it has one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "model/gpt2.h"
+
+namespace shardlm::train {
+
+struct TrainConfig {
+  // Model: a preset, with any explicit dimension (> 0) overriding it.
+  std::string model = "small";
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, max_seq = 0;
+  int64_t vocab = 0;  // 0: follow the data's tokenizer
+
+  std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
+  std::string out = "runs/default";
+  std::string resume;  // checkpoint directory
+
+  int64_t steps = 1000;
+  int64_t batch = 4;  // B sequences per micro-step
+  int64_t seq = 256;  // T
+  int64_t grad_accum = 1;
+  int threads = 2;
+  uint64_t seed = 1337;
+
+  float lr = 6e-4f;
+  float min_lr = 6e-5f;
+  int64_t warmup = 100;
+  float weight_decay = 0.1f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float grad_clip = 1.0f;  // 0: off
+
+  int64_t eval_every = 100;    // 0: only at the end
+  int64_t eval_windows = 64;   // validation windows per evaluation (spread over the file)
+  int64_t save_every = 0;      // 0: never
+  int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
+  double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
+  bool quiet = false;          // no console progress
+
+  // Resolves the model dimensions: preset, then explicit overrides, then validation.
+  model::ModelConfig model_config(int64_t data_vocab) const;
+  // Throws std::invalid_argument naming the field for values out of range.
+  void validate() const;
+};
+
+}  // namespace shardlm::train

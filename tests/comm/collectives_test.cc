@@ -1,0 +1,359 @@
+// Every collective of MpiCommunicator, with every algorithm, on fp32 and bf16, at the world size
+// mpirun gave (the suite runs at N = 1, 2, 3 and 4), against the serial expectation.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/mpi_backend.h"
+#include "comm/test_util.h"
+
+namespace shardlm::comm {
+namespace {
+
+using testing::decode;
+using testing::encode;
+using testing::kTestTimeout;
+using testing::small_int;
+
+struct Case {
+  Algorithm algo;
+  DType dtype;
+  int64_t count;
+  bool tiny_chunks;  // 256-byte chunks, window 3: many chunks in flight, slots reused
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(to_string(c.algo)) + "_" + to_string(c.dtype) + "_" + std::to_string(c.count) +
+         (c.tiny_chunks ? "_tiny" : "");
+}
+
+std::vector<Case> cases(std::initializer_list<Algorithm> algos) {
+  std::vector<Case> out;
+  for (Algorithm a : algos) {
+    for (DType d : {DType::fp32, DType::bf16}) {
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(1000003)}) out.push_back({a, d, n, false});
+      if (a == Algorithm::direct || a == Algorithm::ring) {
+        for (int64_t n : {int64_t(7), int64_t(1000)}) out.push_back({a, d, n, true});
+      }
+    }
+  }
+  return out;
+}
+
+MpiOptions options_for(const Case& c) {
+  MpiOptions o;
+  o.all_gather = o.reduce_scatter = o.all_reduce = o.all_to_all = c.algo;
+  if (c.tiny_chunks) {
+    o.chunk_bytes = 256;
+    o.window = 3;
+  }
+  return o;
+}
+
+class CollectiveTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    comm_ = std::make_unique<MpiCommunicator>(options_for(GetParam()));
+    r_ = comm_->rank();
+    n_ = comm_->size();
+  }
+  DType dtype() const { return GetParam().dtype; }
+  int64_t count() const { return GetParam().count; }
+  int64_t es() const { return dtype_size(dtype()); }
+  std::unique_ptr<MpiCommunicator> comm_;
+  int r_ = 0, n_ = 1;
+};
+
+class AllGatherTest : public CollectiveTest {};
+class ReduceScatterTest : public CollectiveTest {};
+class AllReduceTest : public CollectiveTest {};
+class AllToAllTest : public CollectiveTest {};
+
+TEST_P(AllGatherTest, GathersRankMajor) {
+  const int64_t c = count();
+  std::vector<float> mine(c);
+  for (int64_t i = 0; i < c; ++i) mine[i] = small_int(r_, i);
+  auto send = encode(mine, dtype());
+  std::vector<uint8_t> recv(n_ * c * es(), 0xAB);
+  comm_->all_gather(send.data(), recv.data(), c, dtype(), "ag test")->wait(kTestTimeout);
+  auto got = decode(recv, dtype());
+  for (int q = 0; q < n_; ++q)
+    for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[q * c + i], small_int(q, i)) << "rank " << q << " i " << i;
+}
+
+TEST_P(AllGatherTest, InPlace) {
+  const int64_t c = count();
+  std::vector<float> all(n_ * c, -99.0f);
+  for (int64_t i = 0; i < c; ++i) all[r_ * c + i] = small_int(r_, i, 1);
+  auto buf = encode(all, dtype());
+  comm_->all_gather(buf.data() + r_ * c * es(), buf.data(), c, dtype(), "ag in place")->wait(kTestTimeout);
+  auto got = decode(buf, dtype());
+  for (int q = 0; q < n_; ++q)
+    for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[q * c + i], small_int(q, i, 1));
+}
+
+TEST_P(ReduceScatterTest, SumsOwnBlock) {
+  const int64_t c = count();
+  std::vector<float> mine(n_ * c);
+  for (int64_t i = 0; i < n_ * c; ++i) mine[i] = small_int(r_, i);
+  auto send = encode(mine, dtype());
+  std::vector<uint8_t> recv(c * es(), 0xAB);
+  comm_->reduce_scatter(send.data(), recv.data(), c, dtype(), "rs test")->wait(kTestTimeout);
+  auto got = decode(recv, dtype());
+  for (int64_t i = 0; i < c; ++i) {
+    float want = 0;
+    for (int q = 0; q < n_; ++q) want += small_int(q, r_ * c + i);
+    ASSERT_EQ(got[i], want) << "i " << i;
+  }
+  // The send buffer is untouched.
+  EXPECT_EQ(decode(send, dtype()), decode(encode(mine, dtype()), dtype()));
+}
+
+TEST_P(ReduceScatterTest, InPlace) {
+  const int64_t c = count();
+  std::vector<float> mine(n_ * c);
+  for (int64_t i = 0; i < n_ * c; ++i) mine[i] = small_int(r_, i, 2);
+  auto buf = encode(mine, dtype());
+  comm_->reduce_scatter(buf.data(), buf.data() + r_ * c * es(), c, dtype(), "rs in place")->wait(kTestTimeout);
+  auto got = decode(buf, dtype());
+  for (int64_t i = 0; i < n_ * c; ++i) {
+    float want = mine[i];
+    if (i / c == r_) {
+      want = 0;
+      for (int q = 0; q < n_; ++q) want += small_int(q, i, 2);
+    }
+    ASSERT_EQ(got[i], want) << "i " << i;
+  }
+}
+
+TEST_P(AllReduceTest, SumsInPlace) {
+  const int64_t c = count();
+  std::vector<float> mine(c);
+  for (int64_t i = 0; i < c; ++i) mine[i] = small_int(r_, i, 3);
+  auto buf = encode(mine, dtype());
+  comm_->all_reduce(buf.data(), c, dtype(), "ar test")->wait(kTestTimeout);
+  auto got = decode(buf, dtype());
+  for (int64_t i = 0; i < c; ++i) {
+    float want = 0;
+    for (int q = 0; q < n_; ++q) want += small_int(q, i, 3);
+    ASSERT_EQ(got[i], want) << "i " << i;
+  }
+}
+
+TEST_P(AllToAllTest, ExchangesBlocks) {
+  const int64_t c = count();
+  std::vector<float> mine(n_ * c);
+  for (int64_t i = 0; i < n_ * c; ++i) mine[i] = small_int(r_, i, 4);
+  auto send = encode(mine, dtype());
+  std::vector<uint8_t> recv(n_ * c * es(), 0xAB);
+  comm_->all_to_all(send.data(), recv.data(), c, dtype(), "a2a test")->wait(kTestTimeout);
+  auto got = decode(recv, dtype());
+  for (int q = 0; q < n_; ++q)
+    for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[q * c + i], small_int(q, r_ * c + i, 4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Algos, AllGatherTest,
+                         ::testing::ValuesIn(cases({Algorithm::native, Algorithm::direct, Algorithm::ring,
+                                                    Algorithm::automatic})),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(Algos, ReduceScatterTest,
+                         ::testing::ValuesIn(cases({Algorithm::native, Algorithm::direct, Algorithm::ring,
+                                                    Algorithm::via_all_reduce, Algorithm::automatic})),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(Algos, AllReduceTest,
+                         ::testing::ValuesIn(cases({Algorithm::native, Algorithm::direct, Algorithm::ring,
+                                                    Algorithm::automatic})),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(Algos, AllToAllTest,
+                         ::testing::ValuesIn(cases({Algorithm::native, Algorithm::direct, Algorithm::automatic})),
+                         case_name);
+
+// ---- Collectives with one algorithm only.
+
+class MpiBasics : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm_ = std::make_unique<MpiCommunicator>();
+    r_ = comm_->rank();
+    n_ = comm_->size();
+  }
+  std::unique_ptr<MpiCommunicator> comm_;
+  int r_ = 0, n_ = 1;
+};
+
+TEST_F(MpiBasics, BroadcastFromEveryRoot) {
+  for (DType d : {DType::fp32, DType::bf16}) {
+    for (int root = 0; root < n_; ++root) {
+      for (int64_t c : {int64_t(1), int64_t(7), int64_t(1000003)}) {
+        std::vector<float> v(c, -77.0f);
+        if (r_ == root)
+          for (int64_t i = 0; i < c; ++i) v[i] = small_int(root, i);
+        auto buf = encode(v, d);
+        comm_->broadcast(buf.data(), c, d, root, "bcast test")->wait(kTestTimeout);
+        auto got = decode(buf, d);
+        for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[i], small_int(root, i));
+      }
+    }
+  }
+}
+
+TEST_F(MpiBasics, BarrierCompletes) {
+  for (int i = 0; i < 5; ++i) comm_->barrier("barrier test")->wait(kTestTimeout);
+}
+
+TEST_F(MpiBasics, SendRecvRing) {
+  // Each rank sends its rank-stamped buffer to the right and receives from the left, twice with
+  // different tags posted in opposite orders.
+  if (n_ < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int right = (r_ + 1) % n_, left = (r_ + n_ - 1) % n_;
+  const int64_t c = 1000003;
+  std::vector<float> a(c), b(c);
+  for (int64_t i = 0; i < c; ++i) {
+    a[i] = small_int(r_, i);
+    b[i] = small_int(r_, i, 9);
+  }
+  std::vector<float> ra(c, 0), rb(c, 0);
+  auto recv_b = comm_->recv(rb.data(), c, DType::fp32, left, 2, "recv b");
+  auto recv_a = comm_->recv(ra.data(), c, DType::fp32, left, 1, "recv a");
+  auto send_a = comm_->send(a.data(), c, DType::fp32, right, 1, "send a");
+  auto send_b = comm_->send(b.data(), c, DType::fp32, right, 2, "send b");
+  for (auto& w : {recv_a, recv_b, send_a, send_b}) w->wait(kTestTimeout);
+  for (int64_t i = 0; i < c; ++i) {
+    ASSERT_EQ(ra[i], small_int(left, i));
+    ASSERT_EQ(rb[i], small_int(left, i, 9));
+  }
+}
+
+TEST_F(MpiBasics, ZeroCountsCompleteAtOnce) {
+  float x = 1;
+  EXPECT_TRUE(comm_->all_gather(&x, &x, 0, DType::fp32, "zero")->is_completed());
+  EXPECT_TRUE(comm_->reduce_scatter(&x, &x, 0, DType::fp32, "zero")->is_completed());
+  EXPECT_TRUE(comm_->all_reduce(&x, 0, DType::bf16, "zero")->is_completed());
+  EXPECT_TRUE(comm_->all_to_all(&x, &x, 0, DType::fp32, "zero")->is_completed());
+  EXPECT_TRUE(comm_->broadcast(&x, 0, DType::fp32, 0, "zero")->is_completed());
+}
+
+TEST_F(MpiBasics, RejectsWhatItCannotDo) {
+  int8_t x[64] = {};
+  EXPECT_THROW(comm_->all_reduce(x, 4, DType::int8, "int8 sum"), Error);
+  EXPECT_THROW(comm_->reduce_scatter(x, x, 4, DType::fp16, "fp16 sum"), Error);
+  EXPECT_THROW(comm_->broadcast(x, 4, DType::fp32, n_, "bad root"), Error);
+  EXPECT_THROW(comm_->send(x, 4, DType::fp32, n_, 0, "bad peer"), Error);
+  EXPECT_THROW(comm_->send(x, 4, DType::fp32, 0, 40000, "bad tag"), Error);
+  MpiOptions o;
+  o.all_to_all = Algorithm::ring;
+  MpiCommunicator ring_a2a(o);
+  if (n_ > 1) EXPECT_THROW(ring_a2a.all_to_all(x, x + 32, 1, DType::fp32, "ring a2a"), Error);
+}
+
+TEST_F(MpiBasics, MovesAnyDtype) {
+  const int64_t c = 5;
+  std::vector<int8_t> send(c), recv(n_ * c, 0);
+  for (int64_t i = 0; i < c; ++i) send[i] = static_cast<int8_t>(r_ * 10 + i);
+  comm_->all_gather(send.data(), recv.data(), c, DType::int8, "int8 ag")->wait(kTestTimeout);
+  for (int q = 0; q < n_; ++q)
+    for (int64_t i = 0; i < c; ++i) ASSERT_EQ(recv[q * c + i], q * 10 + i);
+}
+
+// ---- The order of summation each algorithm documents, checked bit for bit on values whose sums
+// round.
+
+float noisy(int r, int64_t i) {
+  uint32_t h = static_cast<uint32_t>(r * 2654435761u) ^ static_cast<uint32_t>(i * 40503u + 0x9e3779b9u);
+  h ^= h >> 15;
+  h *= 0x2c1b3c6du;
+  h ^= h >> 12;
+  return (static_cast<float>(h % 2000001) / 1000000.0f - 1.0f) * (1.0f + (h % 7));
+}
+
+// What element i of the reduced block b holds, for the given algorithm (see mpi_backend.h):
+// direct adds the ranks in order 0..n−1 in fp32 and rounds once; ring starts at rank b+1 and
+// rounds (bf16) after every addition.
+float expected_sum(Algorithm a, DType d, int n, int b, const std::vector<std::vector<float>>& x, int64_t i) {
+  auto round = [d](float v) { return d == DType::bf16 ? bf16_to_float(float_to_bf16(v)) : v; };
+  if (a == Algorithm::direct) {
+    float acc = x[0][i];
+    for (int q = 1; q < n; ++q) acc += x[q][i];
+    return round(acc);
+  }
+  float acc = x[(b + 1) % n][i];
+  for (int k = 2; k <= n; ++k) acc = round(acc + x[(b + k) % n][i]);
+  return acc;
+}
+
+TEST(SummationOrder, DirectAndRingAreBitExact) {
+  for (Algorithm a : {Algorithm::direct, Algorithm::ring}) {
+    for (DType d : {DType::fp32, DType::bf16}) {
+      MpiOptions o;
+      o.reduce_scatter = o.all_reduce = a;
+      o.chunk_bytes = 4096;
+      MpiCommunicator comm(o);
+      const int n = comm.size(), r = comm.rank();
+      const int64_t c = 10007;
+      // x[q] = rank q's buffer (as the dtype holds it), n·c elements.
+      std::vector<std::vector<float>> x(n);
+      for (int q = 0; q < n; ++q) {
+        std::vector<float> v(n * c);
+        for (int64_t i = 0; i < n * c; ++i) v[i] = noisy(q, i);
+        x[q] = decode(encode(v, d), d);
+      }
+      auto send = encode(x[r], d);
+      std::vector<uint8_t> recv(c * dtype_size(d));
+      comm.reduce_scatter(send.data(), recv.data(), c, d, "order rs")->wait(kTestTimeout);
+      auto got = decode(recv, d);
+      std::vector<std::vector<float>> xb(n, std::vector<float>(c));
+      for (int q = 0; q < n; ++q)
+        for (int64_t i = 0; i < c; ++i) xb[q][i] = x[q][r * c + i];
+      for (int64_t i = 0; i < c; ++i)
+        ASSERT_EQ(got[i], expected_sum(a, d, n, r, xb, i)) << to_string(a) << " " << to_string(d) << " i " << i;
+
+      // all_reduce over n·c elements: blocks of the even split; every rank gets the same bits.
+      auto buf = encode(x[r], d);
+      comm.all_reduce(buf.data(), n * c, d, "order ar")->wait(kTestTimeout);
+      auto all = decode(buf, d);
+      for (int b = 0; b < n; ++b) {
+        const int64_t lo = n * c * b / n, hi = n * c * (b + 1) / n;
+        std::vector<std::vector<float>> xs(n, std::vector<float>(hi - lo));
+        for (int q = 0; q < n; ++q)
+          for (int64_t i = lo; i < hi; ++i) xs[q][i - lo] = x[q][i];
+        for (int64_t i = lo; i < hi; ++i)
+          ASSERT_EQ(all[i], expected_sum(a, d, n, b, xs, i - lo)) << to_string(a) << " " << to_string(d);
+      }
+    }
+  }
+}
+
+TEST(SummationOrder, NativeIsCloseAndIdenticalOnEveryRank) {
+  for (DType d : {DType::fp32, DType::bf16}) {
+    MpiOptions o;
+    o.all_reduce = Algorithm::native;
+    MpiCommunicator comm(o);
+    const int n = comm.size(), r = comm.rank();
+    const int64_t c = 100003;
+    std::vector<float> v(c);
+    for (int64_t i = 0; i < c; ++i) v[i] = noisy(r, i);
+    auto buf = encode(v, d);
+    comm.all_reduce(buf.data(), c, d, "native ar")->wait(kTestTimeout);
+    auto got = decode(buf, d);
+    for (int64_t i = 0; i < c; ++i) {
+      double want = 0, mag = 0;
+      for (int q = 0; q < n; ++q) {
+        const float xq = decode(encode({noisy(q, i)}, d), d)[0];
+        want += xq;
+        mag += std::abs(xq);
+      }
+      const double tol = (d == DType::bf16 ? n * 0.0079 : 1e-6) * (mag + 1e-30);
+      ASSERT_NEAR(got[i], want, tol) << to_string(d) << " i " << i;
+    }
+    // Same bits on every rank: rank 0 broadcasts its result, everyone compares.
+    auto ref = buf;
+    comm.broadcast(ref.data(), c, d, 0, "ref")->wait(kTestTimeout);
+    EXPECT_EQ(ref, buf);
+  }
+}
+
+}  // namespace
+}  // namespace shardlm::comm

@@ -1,0 +1,175 @@
+// Token shards: llm.c layout, round trip, validation errors, atomic writes.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+#include "data_test_util.h"
+
+namespace shardlm::data {
+namespace {
+
+using testing::read_file;
+using testing::TempDir;
+using testing::write_file;
+
+// The error message of constructing a TokenShard from path ("" if none).
+std::string open_error(const std::string& path) {
+  try {
+    TokenShard s(path);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string header_bytes(int32_t magic, int32_t version, int32_t count) {
+  std::string h(1024, '\0');
+  int32_t v[3] = {magic, version, count};
+  std::memcpy(h.data(), v, sizeof(v));
+  return h;
+}
+
+TEST(TokenShard, RoundTripAndLayout) {
+  TempDir dir;
+  std::mt19937 rng(1);
+  std::vector<int32_t> tokens(10000);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 50257);
+  tokens[0] = 0;
+  tokens[1] = 65535;
+  const std::string path = dir.file("a.bin");
+  write_token_shard(path, tokens);
+  // llm.c's layout, byte for byte.
+  const std::string raw = read_file(path);
+  ASSERT_EQ(raw.size(), 1024u + 2 * tokens.size());
+  int32_t header[256];
+  std::memcpy(header, raw.data(), sizeof(header));
+  EXPECT_EQ(header[0], 20240520);
+  EXPECT_EQ(header[1], 1);
+  EXPECT_EQ(header[2], 10000);
+  for (int i = 3; i < 256; ++i) EXPECT_EQ(header[i], 0);
+  EXPECT_EQ(static_cast<unsigned char>(raw[1024 + 2]), 0xFF);
+  EXPECT_EQ(static_cast<unsigned char>(raw[1024 + 3]), 0xFF);
+
+  TokenShard shard(path);
+  EXPECT_EQ(shard.path(), path);
+  ASSERT_EQ(shard.size(), 10000);
+  for (size_t i = 0; i < tokens.size(); ++i) ASSERT_EQ(shard[static_cast<int64_t>(i)], tokens[i]) << i;
+  EXPECT_NO_THROW(shard.validate_tokens(65536));
+
+  // Moving keeps the mapping.
+  TokenShard moved(std::move(shard));
+  EXPECT_EQ(moved.size(), 10000);
+  EXPECT_EQ(moved[1], 65535);
+  TokenShard other(path);
+  other = std::move(moved);
+  EXPECT_EQ(other[1], 65535);
+}
+
+TEST(TokenShard, EmptyShard) {
+  TempDir dir;
+  write_token_shard(dir.file("e.bin"), std::vector<uint16_t>{});
+  TokenShard s(dir.file("e.bin"));
+  EXPECT_EQ(s.size(), 0);
+  EXPECT_NO_THROW(s.validate_tokens(1));
+}
+
+TEST(TokenShard, ErrorsNameTheFileAndTheProblem) {
+  TempDir dir;
+  const std::string missing = dir.file("missing.bin");
+  std::string e = open_error(missing);
+  EXPECT_NE(e.find(missing), std::string::npos) << e;
+  EXPECT_NE(e.find("cannot open"), std::string::npos) << e;
+
+  const std::string tiny = dir.file("tiny.bin");
+  write_file(tiny, std::string(100, 'x'));
+  e = open_error(tiny);
+  EXPECT_NE(e.find(tiny), std::string::npos) << e;
+  EXPECT_NE(e.find("shorter than the 1024-byte header"), std::string::npos) << e;
+
+  const std::string magic = dir.file("magic.bin");
+  write_file(magic, header_bytes(12345, 1, 0));
+  e = open_error(magic);
+  EXPECT_NE(e.find(magic), std::string::npos) << e;
+  EXPECT_NE(e.find("bad magic 12345"), std::string::npos) << e;
+
+  const std::string version = dir.file("version.bin");
+  write_file(version, header_bytes(20240520, 2, 0));
+  e = open_error(version);
+  EXPECT_NE(e.find(version), std::string::npos) << e;
+  EXPECT_NE(e.find("unsupported version 2"), std::string::npos) << e;
+
+  const std::string truncated = dir.file("truncated.bin");
+  write_token_shard(truncated, std::vector<int32_t>(100, 7));
+  std::filesystem::resize_file(truncated, 1024 + 2 * 100 - 1);
+  e = open_error(truncated);
+  EXPECT_NE(e.find(truncated), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+
+  const std::string trailing = dir.file("trailing.bin");
+  write_file(trailing, header_bytes(20240520, 1, 2) + std::string(6, '\0'));
+  e = open_error(trailing);
+  EXPECT_NE(e.find(trailing), std::string::npos) << e;
+  EXPECT_NE(e.find("trailing"), std::string::npos) << e;
+
+  for (const std::string& p : {missing, tiny, magic, version, truncated, trailing})
+    EXPECT_EQ(open_error(p).find('\n'), std::string::npos) << "one line for " << p;
+}
+
+TEST(TokenShard, ValidateTokensReportsFirstBadIdAndPosition) {
+  TempDir dir;
+  std::vector<int32_t> tokens(100, 5);
+  tokens[7] = 50257;
+  tokens[9] = 60000;
+  write_token_shard(dir.file("v.bin"), tokens);
+  TokenShard s(dir.file("v.bin"));
+  EXPECT_NO_THROW(s.validate_tokens(60001));
+  try {
+    s.validate_tokens(50257);
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(dir.file("v.bin")), std::string::npos) << m;
+    EXPECT_NE(m.find("token id 50257 at position 7"), std::string::npos) << m;
+  }
+}
+
+TEST(TokenShard, AtomicWrite) {
+  TempDir dir;
+  const std::string path = dir.file("s.bin");
+  // A stale temporary from a crashed writer is replaced.
+  write_file(path + ".tmp", "garbage");
+  write_token_shard(path, std::vector<int32_t>{1, 2, 3});
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_EQ(TokenShard(path).size(), 3);
+
+  // Overwriting replaces the whole file.
+  write_token_shard(path, std::vector<int32_t>(50, 9));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  TokenShard s(path);
+  EXPECT_EQ(s.size(), 50);
+  EXPECT_EQ(s[49], 9);
+
+  // A token that does not fit: nothing is written, the old file stays intact.
+  EXPECT_THROW(write_token_shard(path, std::vector<int32_t>{1, 70000}), std::runtime_error);
+  EXPECT_THROW(write_token_shard(path, std::vector<int32_t>{-1}), std::runtime_error);
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_EQ(TokenShard(path).size(), 50);
+
+  // An unwritable place: an error naming the file, no file left behind.
+  const std::string nowhere = dir.file("no/such/dir/x.bin");
+  try {
+    write_token_shard(nowhere, std::vector<int32_t>{1});
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(nowhere), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(nowhere));
+}
+
+}  // namespace
+}  // namespace shardlm::data

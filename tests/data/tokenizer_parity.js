@@ -1,0 +1,39 @@
+#!/usr/bin/env node
+// Reference side of the GPT-2 tokenizer parity tests (tests/data/tokenizer_parity_test.cc).
+//
+//   node tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json
+//       IN.json: a JSON array of strings; OUT.json: a JSON array of arrays of token ids, the
+//       npm gpt-3-encoder's encode() of each string.
+//   node tokenizer_parity.js classes OUT.txt
+//       One character per code point U+0000..U+10FFFF: how this JavaScript engine's regex
+//       classifies it for GPT-2's pattern: L (\p{L}), N (\p{N}), S (\s), O (other;
+//       surrogates too).
+'use strict';
+const fs = require('fs');
+const path = require('path');
+
+function usage() {
+  process.stderr.write('usage: tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json | classes OUT.txt\n');
+  process.exit(2);
+}
+
+const [mode, ...args] = process.argv.slice(2);
+if (mode === 'encode' && args.length === 3) {
+  const encoder = require(path.resolve(args[0]));
+  const inputs = JSON.parse(fs.readFileSync(args[1], 'utf8'));
+  // The encoder's cost grows with the square of a string's token count (it concatenates
+  // arrays), so callers send pieces of ~20 KB.
+  const out = inputs.map((s) => encoder.encode(s));
+  fs.writeFileSync(args[2], JSON.stringify(out));
+} else if (mode === 'classes' && args.length === 1) {
+  const L = /^\p{L}$/u, N = /^\p{N}$/u, S = /^\s$/u;
+  const cls = new Array(0x110000);
+  for (let c = 0; c < 0x110000; c++) {
+    if (c >= 0xd800 && c <= 0xdfff) { cls[c] = 'O'; continue; }
+    const s = String.fromCodePoint(c);
+    cls[c] = L.test(s) ? 'L' : N.test(s) ? 'N' : S.test(s) ? 'S' : 'O';
+  }
+  fs.writeFileSync(args[0], cls.join(''));
+} else {
+  usage();
+}

@@ -1,0 +1,275 @@
+// Tokenizers without a reference implementation: known ids, pre-tokenization, byte-exact
+// round trips (invalid UTF-8 included), the byte tokenizer, load errors.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "data/unicode.h"
+#include "data_test_util.h"
+
+namespace shardlm::data {
+namespace {
+
+using testing::data_dir;
+using testing::gpt2;
+using testing::TempDir;
+using testing::write_file;
+
+std::vector<std::string> pieces(std::string_view text) {
+  std::vector<std::string> out;
+  for (std::string_view p : gpt2_pretokenize(text)) out.emplace_back(p);
+  return out;
+}
+
+using P = std::vector<std::string>;
+
+TEST(Gpt2Pretokenize, MatchesTheRegex) {
+  EXPECT_EQ(pieces("Hello world's  end\n\nx"), (P{"Hello", " world", "'s", " ", " end", "\n", "\n", "x"}));
+  EXPECT_EQ(pieces("a   "), (P{"a", "   "}));
+  EXPECT_EQ(pieces(" 123abc"), (P{" 123", "abc"}));
+  // At a space the contraction alternatives do not apply: " '" is a space + other run.
+  EXPECT_EQ(pieces("I'M you'll we've 're"), (P{"I", "'", "M", " you", "'ll", " we", "'ve", " '", "re"}));
+  EXPECT_EQ(pieces("x!!! y"), (P{"x", "!!!", " y"}));
+  EXPECT_EQ(pieces("\t\tx"), (P{"\t", "\t", "x"}));
+  EXPECT_EQ(pieces(" \n"), (P{" \n"}));
+  EXPECT_EQ(pieces("a \nb"), (P{"a", " ", "\n", "b"}));
+  EXPECT_EQ(pieces("e\xCC\x81x"), (P{"e", "\xCC\x81", "x"}));           // combining acute: other
+  EXPECT_EQ(pieces("\xD0\x9F\xD1\x80\xD0\xB8 42"), (P{"\xD0\x9F\xD1\x80\xD0\xB8", " 42"}));  // "При 42"
+  EXPECT_EQ(pieces("a\xFF" "b"), (P{"a", "\xFF", "b"}));                 // invalid byte: other
+  EXPECT_EQ(pieces(" \xFF\xFE!"), (P{" \xFF\xFE!"}));
+  EXPECT_EQ(pieces("a\xC2\xA0" "b"), (P{"a", "\xC2\xA0", "b"}));         // NBSP is \s
+  EXPECT_EQ(pieces(""), P{});
+}
+
+TEST(Gpt2Pretokenize, PiecesCoverRandomBytes) {
+  std::mt19937_64 rng(7);
+  for (int k = 0; k < 300; ++k) {
+    std::string s(rng() % 300, '\0');
+    for (char& c : s) c = static_cast<char>(rng());
+    std::string joined;
+    for (std::string_view p : gpt2_pretokenize(s)) {
+      ASSERT_FALSE(p.empty());
+      joined += p;
+    }
+    ASSERT_EQ(joined, s);
+  }
+}
+
+TEST(Unicode, Classes) {
+  EXPECT_EQ(char_class('a'), CharClass::kLetter);
+  EXPECT_EQ(char_class('7'), CharClass::kNumber);
+  EXPECT_EQ(char_class(' '), CharClass::kSpace);
+  EXPECT_EQ(char_class('\t'), CharClass::kSpace);
+  EXPECT_EQ(char_class('\''), CharClass::kOther);
+  EXPECT_EQ(char_class(0x4E2D), CharClass::kLetter);   // 中
+  EXPECT_EQ(char_class(0x0663), CharClass::kNumber);   // Arabic-Indic 3
+  EXPECT_EQ(char_class(0x216B), CharClass::kNumber);   // Roman numeral twelve (Nl)
+  EXPECT_EQ(char_class(0x00BD), CharClass::kNumber);   // ½ (No)
+  EXPECT_EQ(char_class(0x3000), CharClass::kSpace);    // ideographic space
+  EXPECT_EQ(char_class(0xFEFF), CharClass::kSpace);    // JavaScript's \s has it
+  EXPECT_EQ(char_class(0x0085), CharClass::kOther);    // ... and not NEL
+  EXPECT_EQ(char_class(0x0301), CharClass::kOther);    // combining mark
+  EXPECT_EQ(char_class(0x1F600), CharClass::kOther);   // emoji
+  EXPECT_EQ(char_class(0x1D518), CharClass::kLetter);  // mathematical fraktur U
+  EXPECT_EQ(char_class(0x20000), CharClass::kLetter);  // CJK extension B
+  EXPECT_EQ(char_class(0x1D7D8), CharClass::kNumber);  // mathematical double-struck 0
+  EXPECT_EQ(char_class(0x110000), CharClass::kOther);
+}
+
+TEST(Unicode, DecodeRejectsMalformed) {
+  auto dec = [](std::string s) {
+    return decode_utf8(reinterpret_cast<const unsigned char*>(s.data()), s.size(), 0);
+  };
+  EXPECT_EQ(dec("\xE2\x82\xAC").cp, 0x20ACu);
+  EXPECT_EQ(dec("\xF0\x9F\x98\x80").len, 4u);
+  for (const char* bad : {"\xC0\x80", "\xE0\x80\x80", "\xED\xA0\x80", "\xF4\x90\x80\x80", "\xE2\x82", "\x80",
+                          "\xF8\x88\x80\x80\x80", "\xC2" "A"}) {
+    const CodePoint cp = dec(bad);
+    EXPECT_EQ(cp.cp, kInvalidCodePoint) << bad;
+    EXPECT_EQ(cp.len, 1u);
+    EXPECT_EQ(cp.cls, CharClass::kOther);
+  }
+}
+
+TEST(Gpt2Tokenizer, KnownIds) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->name(), "gpt2");
+  EXPECT_EQ(tok->vocab_size(), 50257);
+  EXPECT_EQ(tok->eot(), 50256);
+  EXPECT_EQ(tok->encode("Hello world"), (std::vector<int32_t>{15496, 995}));
+  EXPECT_EQ(tok->encode(" the"), std::vector<int32_t>{262});
+  EXPECT_EQ(tok->encode("\n\n"), std::vector<int32_t>{628});
+  EXPECT_EQ(tok->encode("In the beginning God created the heaven and the earth."),
+            (std::vector<int32_t>{818, 262, 3726, 1793, 2727, 262, 9538, 290, 262, 4534, 13}));
+  // The special token is never produced from text.
+  EXPECT_EQ(tok->encode("<|endoftext|>"), (std::vector<int32_t>{27, 91, 437, 1659, 5239, 91, 29}));
+  EXPECT_EQ(tok->decode_token(50256), "<|endoftext|>");
+  EXPECT_EQ(tok->decode_token(198), "\n");
+  EXPECT_EQ(tok->decode({15496, 995, 50256}), "Hello world<|endoftext|>");
+  EXPECT_TRUE(tok->encode("").empty());
+  EXPECT_THROW(tok->decode_token(50257), std::out_of_range);
+  EXPECT_THROW(tok->decode({-1}), std::out_of_range);
+}
+
+void expect_round_trip(const Tokenizer& tok, const std::string& s) {
+  const std::vector<int32_t> ids = tok.encode(s);
+  for (int32_t id : ids) {
+    ASSERT_GE(id, 0);
+    ASSERT_LT(id, tok.vocab_size());
+    ASSERT_NE(id, tok.eot());
+  }
+  ASSERT_EQ(tok.decode(ids), s) << "round trip failed for " << ::testing::PrintToString(s);
+}
+
+TEST(Gpt2Tokenizer, InvalidUtf8RoundTripsByteForByte) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  for (const std::string& s :
+       {std::string("\xFF"), std::string("\xC0\x80"), std::string("\xED\xA0\x80 surrogate"),
+        std::string("\xF4\x90\x80\x80"), std::string("cut \xE2\x82"), std::string("abc\x80" "def"),
+        std::string("\xFE\xFF\xFE\xFF"), std::string("caf\xC3 \xA9"), std::string("x\0y\0", 4),
+        std::string(" \xF0\x9F\x98 'S \xF0\x9F\x98\x80\x80"), std::string("\xC2\xC2\xA0\xA0")})
+    expect_round_trip(*tok, s);
+}
+
+TEST(Gpt2Tokenizer, RandomBytesRoundTrip) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  std::mt19937_64 rng(42);
+  const std::vector<std::string> frags = {"a", "Z", " ", "  ", "\n", "'s", "\xC3\xA9", "\xE4\xB8\xAD", "1",
+                                          "\xF0\x9F\x98\x80", "!", "\t", "\xC2\xA0"};
+  for (int k = 0; k < 400; ++k) {
+    std::string s;
+    const int n = static_cast<int>(rng() % 64);
+    for (int i = 0; i < n; ++i) {
+      const uint64_t r = rng();
+      if (k % 2 == 0 || r % 3 == 0)
+        s.push_back(static_cast<char>(r >> 8));  // any byte
+      else
+        s += frags[(r >> 8) % frags.size()];
+    }
+    expect_round_trip(*tok, s);
+  }
+}
+
+TEST(Gpt2Tokenizer, LongPiecesAreFast) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  // Each is one pre-token piece; BPE over it must not be quadratic.
+  expect_round_trip(*tok, std::string(200000, ' '));
+  expect_round_trip(*tok, std::string(200000, 'a'));
+  std::string mixed;
+  for (int i = 0; i < 20000; ++i) mixed += "\xF0\x9F\x98\x80\xFF";
+  expect_round_trip(*tok, mixed);
+}
+
+TEST(Gpt2Tokenizer, ConcurrentEncodeGivesSameIds) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "And it came to pass, in the " + std::to_string(i) + "th year, that they're here.\n";
+  const std::vector<int32_t> want = tok->encode(text);
+  std::vector<std::vector<int32_t>> got(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { got[t] = tok->encode(text); });
+  for (auto& th : threads) th.join();
+  for (const auto& g : got) EXPECT_EQ(g, want);
+}
+
+TEST(Gpt2Tokenizer, LoadErrorsNameTheFile) {
+  TempDir dir;
+  try {
+    make_tokenizer("gpt2", dir.path());
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.path() + "/gpt2/encoder.json"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fetch_data.sh"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line";
+  }
+  std::filesystem::create_directories(dir.path() + "/gpt2");
+  const std::string enc = dir.path() + "/gpt2/encoder.json", bpe = dir.path() + "/gpt2/vocab.bpe";
+  write_file(enc, "{\"a\": 0, ");
+  try {
+    make_tokenizer("gpt2", dir.path());
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(enc), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line: " << e.what();
+  }
+  // A valid byte-level vocabulary, and merges that are wrong in several ways.
+  {
+    std::string json = "{";
+    // bytes_to_unicode as in GPT-2.
+    uint32_t next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      const uint32_t cp = printable ? b : next++;
+      std::string u;
+      if (cp < 0x80) {
+        u = std::string(1, static_cast<char>(cp));
+      } else {
+        u.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+        u.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      }
+      if (u == "\"" || u == "\\") u = "\\" + u;
+      json += "\"" + u + "\": " + std::to_string(b) + ", ";
+    }
+    json += "\"ab\": 256, \"<|endoftext|>\": 257}";
+    write_file(enc, json);
+  }
+  write_file(bpe, "#version: 0.2\na b\n");
+  {
+    auto tok = make_tokenizer("gpt2", dir.path());
+    EXPECT_EQ(tok->vocab_size(), 258);
+    EXPECT_EQ(tok->eot(), 257);
+    EXPECT_EQ(tok->encode("abab b"), (std::vector<int32_t>{256, 256, ' ', 'b'}));
+  }
+  for (const auto& [content, line] : {std::pair<std::string, std::string>{"#version: 0.2\na b\nab c\n", ":3:"},
+                                      {"#version: 0.2\na\n", ":2:"},
+                                      {"#version: 0.2\na b c\n", ":2:"}}) {
+    write_file(bpe, content);
+    try {
+      make_tokenizer("gpt2", dir.path());
+      FAIL() << "expected an error for " << content;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(bpe + line), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(MakeTokenizer, UnknownName) {
+  try {
+    make_tokenizer("sentencepiece", "data");
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("sentencepiece"), std::string::npos);
+  }
+}
+
+TEST(ByteTokenizer, RoundTripsEveryByte) {
+  auto tok = make_tokenizer("bytes", "");
+  EXPECT_EQ(tok->name(), "bytes");
+  EXPECT_EQ(tok->vocab_size(), 256);
+  EXPECT_EQ(tok->eot(), -1);
+  std::string all;
+  for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
+  const std::vector<int32_t> ids = tok->encode(all);
+  ASSERT_EQ(ids.size(), 256u);
+  for (int b = 0; b < 256; ++b) EXPECT_EQ(ids[b], b);
+  EXPECT_EQ(tok->decode(ids), all);
+  EXPECT_EQ(tok->decode_token(65), "A");
+  std::mt19937_64 rng(3);
+  std::string s(5000, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  EXPECT_EQ(tok->decode(tok->encode(s)), s);
+  EXPECT_THROW(tok->decode({256}), std::out_of_range);
+  EXPECT_THROW(tok->decode_token(-1), std::out_of_range);
+}
+
+}  // namespace
+}  // namespace shardlm::data
