@@ -9,6 +9,8 @@
 #include <iostream>
 #include <unistd.h>
 
+#include "comm/factory.h"
+#include "comm/mpi_backend.h"
 #include "data/shard.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
@@ -63,6 +65,17 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
+  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
+  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
+  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->capture_default_str();
+  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
+  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
+  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
+  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
+  cmd->add_option("--compute-dtype", c.compute_dtype, "fp32 (bf16 is not supported on CPU)")->capture_default_str();
+  cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
+  cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
 }
 
 train::ModelState load_model(const std::string& ckpt_dir, const std::string& data_dir, std::unique_ptr<data::Tokenizer>* tok) {
@@ -98,15 +111,39 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI
     if (flag == "config" || !train_cmd->get_option_no_throw("--" + flag))
       throw std::runtime_error(fmt::format("config {}: unknown key '{}'", path, key.str()));
     std::string value;
-    if (auto v = node.value<std::string>()) value = *v;
-    else if (auto b = node.value<bool>()) value = *b ? "true" : "false";
-    else if (auto i = node.value<int64_t>()) value = std::to_string(*i);
-    else if (auto d = node.value<double>()) value = fmt::format("{}", *d);
+    if (node.is_string()) value = *node.value<std::string>();
+    else if (node.is_boolean()) value = *node.value<bool>() ? "true" : "false";
+    else if (node.is_integer()) value = std::to_string(*node.value<int64_t>());
+    else if (node.is_floating_point()) value = fmt::format("{}", *node.value<double>());
     else throw std::runtime_error(fmt::format("config {}: key '{}' must be a string, number or boolean", path, key.str()));
     out.push_back("--" + flag + "=" + value);
   }
   out.insert(out.end(), args.begin() + 1, args.end());
   return out;
+}
+
+// Training may span ranks: errors name the rank, and a failing rank ends the whole job (an MPI
+// abort) so that no rank waits forever for it.
+int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
+  std::unique_ptr<comm::Communicator> world;
+  int code = 0;
+  try {
+    world = comm::make_communicator();
+    auto summary = train::run_training(tc, *world);
+    if (!summary.sample.empty()) {
+      auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
+      fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
+    }
+  } catch (const std::exception& e) {
+    const bool distributed = world && world->size() > 1;
+    std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";
+    std::cerr.flush();
+    if (distributed) comm::abort_job(1);
+    code = 1;
+  }
+  world.reset();
+  comm::finalize_mpi();
+  return code;
 }
 
 }  // namespace
@@ -161,6 +198,28 @@ int run(int argc, char** argv) {
   gen_cmd->add_option("--threads", threads, "compute threads")->capture_default_str();
   gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
 
+  // explain
+  auto* explain_cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
+  train::TrainConfig ec;
+  int explain_ranks = 1;
+  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->capture_default_str();
+  explain_cmd->add_option("--model", ec.model, "preset")->capture_default_str();
+  explain_cmd->add_option("--n-layer", ec.n_layer, "layers");
+  explain_cmd->add_option("--n-head", ec.n_head, "heads");
+  explain_cmd->add_option("--n-embd", ec.n_embd, "channels");
+  explain_cmd->add_option("--vocab", ec.vocab, "vocabulary")->capture_default_str();
+  explain_cmd->add_option("--batch", ec.batch, "B per rank")->capture_default_str();
+  explain_cmd->add_option("--seq", ec.seq, "T")->capture_default_str();
+  explain_cmd->add_option("--grad-accum", ec.grad_accum, "micro-steps")->capture_default_str();
+  explain_cmd->add_option("--strategy", ec.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
+  explain_cmd->add_option("--shard-group", ec.shard_group, "hybrid group size")->capture_default_str();
+  explain_cmd->add_option("--prefetch-forward", ec.prefetch_forward, "")->capture_default_str();
+  explain_cmd->add_option("--prefetch-backward", ec.prefetch_backward, "")->capture_default_str();
+  explain_cmd->add_option("--max-gathers-in-flight", ec.max_gathers_in_flight, "")->capture_default_str();
+  explain_cmd->add_option("--bucket-mb", ec.bucket_mb, "")->capture_default_str();
+  explain_cmd->add_option("--param-dtype", ec.param_dtype, "")->capture_default_str();
+  explain_cmd->add_option("--reduce-dtype", ec.reduce_dtype, "")->capture_default_str();
+
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
     try {
@@ -191,11 +250,11 @@ int run(int argc, char** argv) {
       fmt::print("{}: {} train tokens -> {}_train.bin, {} val tokens -> {}_val.bin\n", tok->name(), stats.train_tokens,
                  tok_out, stats.val_tokens, tok_out);
     } else if (*train_cmd) {
-      auto summary = train::run_training(tc);
-      if (!summary.sample.empty()) {
-        auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
-        fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
-      }
+      return run_train(tc, data_dir);
+    } else if (*explain_cmd) {
+      const model::ModelConfig mc = ec.model_config(ec.vocab > 0 ? ec.vocab : 50257);
+      const model::ModelDesc desc = model::describe(mc);
+      std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
     } else if (*eval_cmd) {
       kernels::init_compute(threads);
       auto model = load_model(ckpt, data_dir, nullptr);

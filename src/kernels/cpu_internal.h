@@ -69,13 +69,20 @@ inline void gemm_micro(int64_t K, const float* A, int64_t rsa, int64_t csa, cons
     const float* b = B + k * ldb;
     v16 bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = vload(b + 16 * v);
+    for (int v = 0; v < NV; ++v) {
+      bv[v] = vload(b + 16 * v);
+#if defined(__GNUC__) && defined(__AVX512F__)
+      // Keep the B row in registers: otherwise GCC folds the load into every FMA, R times
+      // as many loads, and the loop becomes load-port bound.
+      asm("" : "+v"(bv[v]));
+#endif
+    }
     const float* a = A + k * csa;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const v16 av = v16{} + a[r * rsa];
+      const float av = a[r * rsa];  // vector * scalar: a plain broadcast
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r][v] += av * bv[v];
+      for (int v = 0; v < NV; ++v) c[r][v] += bv[v] * av;
     }
   }
 #pragma GCC unroll 4

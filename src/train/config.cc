@@ -35,6 +35,10 @@ void TrainConfig::validate() const {
   need(eval_every >= 0 && save_every >= 0, "eval-every and save-every must be >= 0");
   need(eval_windows > 0, "eval-windows must be positive");
   need(!data.empty(), "data: no token file prefix given (--data PREFIX)");
+  need(timeout_s > 0, "timeout must be positive");
+  for (const auto* dt : {&param_dtype, &reduce_dtype, &compute_dtype})
+    need(*dt == "fp32" || *dt == "bf16", "dtype '" + *dt + "' must be fp32 or bf16");
+  need(compute_dtype == "fp32", "compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
 }
 
 }  // namespace shardlm::train

@@ -41,6 +41,16 @@ struct TrainConfig {
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress
 
+  // Distribution (ranks come from mpirun / srun; one process is a world of 1).
+  std::string strategy = "fsdp";  // ddp | zero1 | zero2 | fsdp | hybrid
+  int shard_group = 0;            // hybrid: ranks per shard group (0: all)
+  int prefetch_forward = 1, prefetch_backward = 1;
+  int max_gathers_in_flight = 2;
+  double bucket_mb = 25;
+  std::string param_dtype = "fp32", reduce_dtype = "fp32", compute_dtype = "fp32";
+  double timeout_s = 300;  // a collective that does not finish in time ends the job
+  std::string trace;       // Chrome trace JSON of every rank's tasks and memory
+
   // Resolves the model dimensions: preset, then explicit overrides, then validation.
   model::ModelConfig model_config(int64_t data_vocab) const;
   // Throws std::invalid_argument naming the field for values out of range.

@@ -72,6 +72,24 @@ void ModelState::logits_at(layers::Activations& acts, layers::BackwardWorkspace&
                                  1, ws.head_scratch, logits);
 }
 
+namespace {
+float* buffer_of(const Buffer& params, const Buffer& m, const Buffer& v, ModelState::Kind kind) {
+  return kind == ModelState::Kind::params ? params.f32() : kind == ModelState::Kind::exp_avg ? m.f32() : v.f32();
+}
+}  // namespace
+
+void ModelState::copy_from(Kind kind, const model::FlatLayout& layout, const float* src) {
+  float* dst = buffer_of(params_, exp_avg_, exp_avg_sq_, kind);
+  for (int u = 0; u < num_units(); ++u)
+    std::memcpy(dst + layout_.units[u].offset, src + layout.units[u].offset, sizeof(float) * layout_.units[u].numel);
+}
+
+void ModelState::copy_to(Kind kind, const model::FlatLayout& layout, float* dst) const {
+  const float* src = buffer_of(params_, exp_avg_, exp_avg_sq_, kind);
+  for (int u = 0; u < num_units(); ++u)
+    std::memcpy(dst + layout.units[u].offset, src + layout_.units[u].offset, sizeof(float) * layout_.units[u].numel);
+}
+
 void ModelState::zero_grads() { std::memset(grads_.data(), 0, grads_.bytes()); }
 
 double ModelState::grad_norm() const { return std::sqrt(kernels::sum_squares(grads_.f32(), layout_.total)); }

@@ -38,6 +38,12 @@ class ModelState {
   // Forward only; writes logits (V) of position `row` of the first sequence.
   void logits_at(layers::Activations& acts, layers::BackwardWorkspace& ws, int64_t T, int64_t row, float* logits);
 
+  // Copies the units of a whole flat buffer laid out by `layout` (e.g. a distributed plan's,
+  // padded for its shard size) into this model's parameters or AdamW moments, and back.
+  enum class Kind { params, exp_avg, exp_avg_sq };
+  void copy_from(Kind kind, const model::FlatLayout& layout, const float* src);
+  void copy_to(Kind kind, const model::FlatLayout& layout, float* dst) const;
+
   void zero_grads();
   double grad_norm() const;
   void scale_grads(float s);

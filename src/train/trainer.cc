@@ -17,6 +17,7 @@
 #include "kernels/cpu.h"
 #include "train/checkpoint.h"
 #include "train/schedule.h"
+#include "trace/trace.h"
 
 namespace shardlm::train {
 
@@ -152,9 +153,74 @@ double measure_gemm_gflops() {
   return 2.0 * n * n * n / (best * 1e-3) / 1e9;
 }
 
-TrainSummary run_training(const TrainConfig& cfg) {
+namespace {
+
+// The whole model on this rank, gathered from the executor's shards (collective), for
+// evaluation, sampling and checkpoints. With optimizer state when `with_optimizer`.
+ModelState gather_model(run::Executor& ex, const model::ModelConfig& mc, uint64_t seed, bool with_optimizer) {
+  ModelState whole(mc, seed, with_optimizer);
+  const auto& layout = ex.plan().layout;
+  Buffer full(MemCategory::comm, sizeof(float) * layout.total);
+  ex.gather_full(run::Executor::State::params, full.f32());
+  whole.copy_from(ModelState::Kind::params, layout, full.f32());
+  if (with_optimizer) {
+    ex.gather_full(run::Executor::State::exp_avg, full.f32());
+    whole.copy_from(ModelState::Kind::exp_avg, layout, full.f32());
+    ex.gather_full(run::Executor::State::exp_avg_sq, full.f32());
+    whole.copy_from(ModelState::Kind::exp_avg_sq, layout, full.f32());
+  }
+  return whole;
+}
+
+void load_into(run::Executor& ex, const std::string& ckpt_dir, const model::ModelConfig& mc, uint64_t seed) {
+  ModelState whole(mc, seed, true);
+  load_checkpoint(ckpt_dir, whole, true);
+  const auto& layout = ex.plan().layout;
+  Buffer full(MemCategory::comm, sizeof(float) * layout.total);
+  whole.copy_to(ModelState::Kind::params, layout, full.f32());
+  ex.load_full(run::Executor::State::params, full.f32());
+  whole.copy_to(ModelState::Kind::exp_avg, layout, full.f32());
+  ex.load_full(run::Executor::State::exp_avg, full.f32());
+  whole.copy_to(ModelState::Kind::exp_avg_sq, layout, full.f32());
+  ex.load_full(run::Executor::State::exp_avg_sq, full.f32());
+}
+
+// The per-category maximum over ranks of a memory snapshot (collective).
+MemSnapshot max_over_ranks(comm::Communicator& world, const MemSnapshot& mine, std::chrono::milliseconds timeout) {
+  std::vector<int64_t> all(kNumMemCategories * world.size());
+  world.all_gather(mine.bytes.data(), all.data(), 2 * kNumMemCategories, DType::fp32, "memory")->wait(timeout);
+  MemSnapshot out;
+  for (int r = 0; r < world.size(); ++r)
+    for (int c = 0; c < kNumMemCategories; ++c) out.bytes[c] = std::max(out.bytes[c], all[r * kNumMemCategories + c]);
+  for (int c = 0; c < kNumMemCategories; ++c) out.total += out.bytes[c];
+  return out;
+}
+
+}  // namespace
+
+plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
+  plan::PlanConfig pc;
+  pc.strategy = plan::parse_strategy(cfg.strategy);
+  pc.world = world;
+  pc.shard_group = cfg.shard_group;
+  pc.batch = cfg.batch;
+  pc.seq = cfg.seq;
+  pc.grad_accum = cfg.grad_accum;
+  pc.prefetch_forward = cfg.prefetch_forward;
+  pc.prefetch_backward = cfg.prefetch_backward;
+  pc.max_gathers_in_flight = cfg.max_gathers_in_flight;
+  pc.bucket_mb = cfg.bucket_mb;
+  pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
+  pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
+  return pc;
+}
+
+TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   cfg.validate();
   kernels::init_compute(cfg.threads);
+  const int rank = world.rank(), N = world.size();
+  const bool lead = rank == 0, talk = lead && !cfg.quiet;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.timeout_s * 1000));
   const DataMeta meta = read_data_meta(cfg.data);
   data::TokenShard train_data(cfg.data + "_train.bin");
   data::TokenShard val_data(cfg.data + "_val.bin");
@@ -183,84 +249,123 @@ TrainSummary run_training(const TrainConfig& cfg) {
   train_data.validate_tokens(static_cast<int32_t>(mc.vocab_size));
   val_data.validate_tokens(static_cast<int32_t>(mc.vocab_size));
 
-  ModelState model(mc, cfg.seed, true);
-  if (!cfg.resume.empty()) load_checkpoint(cfg.resume, model, true);
+  const model::ModelDesc desc = model::describe(mc);
+  const plan::Plan plan = plan::build_plan(desc, plan_config(cfg, N));
+  run::CommGroups comms(world, plan);
+  run::Executor ex(desc, plan, comms, cfg.threads, timeout);
+  if (cfg.resume.empty()) ex.init_params(cfg.seed);
+  else load_into(ex, cfg.resume, mc, cfg.seed);
 
   const int64_t B = cfg.batch, T = cfg.seq;
-  layers::Activations acts(model.desc(), B, T);
-  layers::BackwardWorkspace ws(model.desc(), B, T, cfg.threads);
-
-  std::filesystem::create_directories(cfg.out);
-  std::ofstream metrics(cfg.out + "/metrics.jsonl", cfg.resume.empty() ? std::ios::trunc : std::ios::app);
-  if (!metrics) throw std::runtime_error("cannot write " + cfg.out + "/metrics.jsonl");
+  std::ofstream metrics;
+  if (lead) {
+    std::filesystem::create_directories(cfg.out);
+    metrics.open(cfg.out + "/metrics.jsonl", cfg.resume.empty() ? std::ios::trunc : std::ios::app);
+    if (!metrics) throw std::runtime_error("cannot write " + cfg.out + "/metrics.jsonl");
+  }
 
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : measure_gemm_gflops();
-  const double step_flops = model.desc().train_flops(B * cfg.grad_accum, T);
-  if (!cfg.quiet) {
-    fmt::print("model {}: {:.2f}M parameters (L={} C={} NH={} V={}), B={} T={} accum={} threads={}, GEMM peak {:.0f} GFLOP/s\n",
-               cfg.model, model.desc().num_params_exported() / 1e6, mc.n_layer, mc.n_embd, mc.n_head, mc.vocab_size, B,
-               T, cfg.grad_accum, cfg.threads, peak);
+  const int64_t global_batch = N * B * cfg.grad_accum;
+  const double step_flops = desc.train_flops(global_batch, T);
+  if (talk) {
+    fmt::print("model {}: {:.2f}M parameters (L={} C={} NH={} V={}), {} rank(s) x {} thread(s), strategy {}, B={} per rank "
+               "T={} accum={}, GEMM peak {:.0f} GFLOP/s per rank\n",
+               cfg.model, desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd, mc.n_head, mc.vocab_size, N,
+               cfg.threads, plan::to_string(plan.config.strategy), B, T, cfg.grad_accum, peak);
     std::fflush(stdout);
   }
 
   auto run_eval = [&](int64_t step) {
-    const double val = evaluate(model, val_data, B, T, cfg.eval_windows);
-    metrics << json{{"step", step}, {"val_loss", val}}.dump() << "\n" << std::flush;
-    if (!cfg.quiet) fmt::print("step {:>6} | val_loss {:.4f}\n", step, val);
+    ModelState whole = gather_model(ex, mc, cfg.seed, false);
+    double val = 0;
+    if (lead) {
+      val = evaluate(whole, val_data, B, T, cfg.eval_windows);
+      metrics << json{{"step", step}, {"val_loss", val}}.dump() << "\n" << std::flush;
+      if (talk) fmt::print("step {:>6} | val_loss {:.4f}\n", step, val);
+    }
     return val;
   };
 
   TrainSummary summary;
-  const float grad_scale = 1.0f / static_cast<float>(B * T * cfg.grad_accum);
+  const float grad_scale = 1.0f / static_cast<float>(global_batch * T);
   for (int64_t step = state.step; step < cfg.steps; ++step) {
     auto t0 = Clock::now();
     MemoryTracker::global().reset_peak();
-    model.zero_grads();
-    double loss_sum = 0;
-    for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
-      data::sample_batch(train_data, cfg.seed, step, micro, 0, B, T, acts.inputs, acts.targets);
-      loss_sum += model.run_batch(acts, ws, true, grad_scale);
-    }
-    const double loss = loss_sum * grad_scale;
-    const double norm = model.grad_norm();
-    if (cfg.grad_clip > 0 && norm > cfg.grad_clip) model.scale_grads(static_cast<float>(cfg.grad_clip / norm));
     const float lr = learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr);
-    model.adamw_step({lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay}, step + 1);
+    auto batch = [&](int micro, int32_t* inputs, int32_t* targets) {
+      data::sample_batch(train_data, cfg.seed, step, micro, rank * B, B, T, inputs, targets);
+    };
+    const run::StepResult r =
+        ex.step(step, batch, grad_scale, cfg.grad_clip, {lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay}, step + 1);
     const double step_ms = ms_since(t0);
-    const MemSnapshot mem = MemoryTracker::global().peak();
-
-    const double tokens_per_s = static_cast<double>(B * T * cfg.grad_accum) / (step_ms * 1e-3);
-    const double mfu = step_flops / (step_ms * 1e-3) / (peak * 1e9);
-    metrics << json{{"step", step},          {"loss", loss}, {"lr", lr},   {"grad_norm", norm}, {"step_ms", step_ms},
-                    {"tokens_per_s", tokens_per_s}, {"mfu", mfu}, {"mem", mem_json(mem)}}
-                   .dump()
-            << "\n"
-            << std::flush;
-    if (!cfg.quiet) {
-      fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | mem {:.1f} MiB\n",
-                 step + 1, cfg.steps, progress_bar(step + 1, cfg.steps), loss, lr, norm, step_ms, tokens_per_s,
-                 100 * mfu, mem.total / 1048576.0);
+    const MemSnapshot mem = max_over_ranks(world, MemoryTracker::global().peak(), timeout);
+    double exposed = r.comm_exposed_ms;
+    {
+      std::vector<double> all(N);
+      world.all_gather(&exposed, all.data(), 2, DType::fp32, "metrics")->wait(timeout);
+      exposed = *std::max_element(all.begin(), all.end());
+    }
+    const double loss = r.loss_sum * grad_scale;
+    const double tokens_per_s = static_cast<double>(global_batch * T) / (step_ms * 1e-3);
+    const double mfu = step_flops / (step_ms * 1e-3) / (peak * 1e9 * N);
+    if (lead) {
+      metrics << json{{"step", step},         {"loss", loss},         {"lr", lr},
+                      {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
+                      {"mfu", mfu},           {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}}
+                     .dump()
+              << "\n"
+              << std::flush;
+    }
+    if (talk) {
+      fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "
+                 "mem {:.1f} MiB{}\n",
+                 step + 1, cfg.steps, progress_bar(step + 1, cfg.steps), loss, lr, r.grad_norm, step_ms, tokens_per_s,
+                 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
       std::fflush(stdout);
     }
     summary.final_loss = loss;
     summary.steps_done = step + 1;
     state.step = step + 1;
-    if (cfg.save_every > 0 && state.step % cfg.save_every == 0)
-      save_checkpoint(checkpoint_dir(cfg.out, state.step), model, state, cfg);
+    if (cfg.save_every > 0 && state.step % cfg.save_every == 0) {
+      ModelState whole = gather_model(ex, mc, cfg.seed, true);
+      if (lead) save_checkpoint(checkpoint_dir(cfg.out, state.step), whole, state, cfg);
+    }
     if (cfg.eval_every > 0 && state.step % cfg.eval_every == 0 && state.step < cfg.steps) run_eval(state.step);
   }
 
   summary.final_val_loss = run_eval(state.step);
-  summary.val_unigram_entropy = unigram_entropy(val_data);
-  if (cfg.sample_tokens > 0) {
-    SampleConfig sc;
-    sc.tokens = cfg.sample_tokens;
-    sc.seed = cfg.seed;
-    summary.sample = generate(model, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
+  if (lead) {
+    summary.val_unigram_entropy = unigram_entropy(val_data);
+    if (talk)
+      fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
+                 summary.final_val_loss, summary.val_unigram_entropy);
   }
-  if (!cfg.quiet)
-    fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
-               summary.final_val_loss, summary.val_unigram_entropy);
+  if (cfg.sample_tokens > 0) {
+    ModelState whole = gather_model(ex, mc, cfg.seed, false);
+    if (lead) {
+      SampleConfig sc;
+      sc.tokens = cfg.sample_tokens;
+      sc.seed = cfg.seed;
+      summary.sample = generate(whole, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
+    }
+  }
+  if (!cfg.trace.empty()) {
+    ex.sample_memory();
+    const std::string mine = ex.trace().events_json();
+    const int64_t len = static_cast<int64_t>(mine.size());
+    std::vector<int64_t> lens(N);
+    world.all_gather(&len, lens.data(), 2, DType::fp32, "trace sizes")->wait(timeout);
+    const int64_t most = *std::max_element(lens.begin(), lens.end());
+    std::string padded = mine;
+    padded.resize(most, ' ');
+    std::string all(most * N, ' ');
+    world.all_gather(padded.data(), all.data(), most, DType::int8, "trace")->wait(timeout);
+    if (lead) {
+      std::vector<std::string> parts;
+      for (int r = 0; r < N; ++r) parts.push_back(all.substr(r * most, lens[r]));
+      trace::write_trace(cfg.trace, parts);
+    }
+  }
   return summary;
 }
 

@@ -6,7 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "data/shard.h"
+#include "plan/plan.h"
+#include "run/executor.h"
 #include "data/tokenizer.h"
 #include "train/config.h"
 #include "train/model_state.h"
@@ -21,7 +24,10 @@ struct TrainSummary {
   std::vector<int32_t> sample;  // tokens generated at the end (none when sample_tokens == 0)
 };
 
-TrainSummary run_training(const TrainConfig& cfg);
+// Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,
+// checkpoints and the trace. Collective: every rank calls it with the same configuration.
+TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world);
+plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
 
 // The tokenizer a token file was made with, from PREFIX_meta.json beside it (written by
 // `shardlm tokenize`); files without one are taken to be GPT-2 BPE, as llm.c's are.

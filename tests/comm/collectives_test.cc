@@ -246,7 +246,9 @@ TEST_F(MpiBasics, RejectsWhatItCannotDo) {
   MpiOptions o;
   o.all_to_all = Algorithm::ring;
   MpiCommunicator ring_a2a(o);
-  if (n_ > 1) EXPECT_THROW(ring_a2a.all_to_all(x, x + 32, 1, DType::fp32, "ring a2a"), Error);
+  if (n_ > 1) {
+    EXPECT_THROW(ring_a2a.all_to_all(x, x + 32, 1, DType::fp32, "ring a2a"), Error);
+  }
 }
 
 TEST_F(MpiBasics, MovesAnyDtype) {

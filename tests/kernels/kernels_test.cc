@@ -128,7 +128,7 @@ double ref_gelu(double x) {
 
 // qkv (B,T,3C) -> out (B,T,C), lse (B,NH,T); causal, scale 1/sqrt(HS).
 dvec ref_attention(const dvec& qkv, int64_t B, int64_t T, int64_t NH, int64_t HS,
-                   dvec* lse = nullptr) {
+                   dvec* lse = nullptr, bool causal = true) {
   const int64_t C = NH * HS, C3 = 3 * C;
   const double sc = 1.0 / std::sqrt(static_cast<double>(HS));
   dvec out(B * T * C, 0.0);
@@ -139,7 +139,7 @@ dvec ref_attention(const dvec& qkv, int64_t B, int64_t T, int64_t NH, int64_t HS
       for (int64_t i = 0; i < T; ++i) {
         const double* q = &qkv[(b * T + i) * C3 + h * HS];
         double mx = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) {
           const double* kk = &qkv[(b * T + j) * C3 + C + h * HS];
           double d = 0.0;
           for (int64_t e = 0; e < HS; ++e) d += q[e] * kk[e];
@@ -147,8 +147,8 @@ dvec ref_attention(const dvec& qkv, int64_t B, int64_t T, int64_t NH, int64_t HS
           mx = std::max(mx, s[j]);
         }
         double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) sum += std::exp(s[j] - mx);
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) {
           const double p = std::exp(s[j] - mx) / sum;
           const double* v = &qkv[(b * T + j) * C3 + 2 * C + h * HS];
           for (int64_t e = 0; e < HS; ++e) out[(b * T + i) * C + h * HS + e] += p * v[e];
@@ -160,7 +160,7 @@ dvec ref_attention(const dvec& qkv, int64_t B, int64_t T, int64_t NH, int64_t HS
 
 // Analytic backward of ref_attention: returns dqkv.
 dvec ref_attention_backward(const dvec& qkv, const dvec& dout, int64_t B, int64_t T, int64_t NH,
-                            int64_t HS) {
+                            int64_t HS, bool causal = true) {
   const int64_t C = NH * HS, C3 = 3 * C;
   const double sc = 1.0 / std::sqrt(static_cast<double>(HS));
   dvec dqkv(B * T * C3, 0.0);
@@ -171,7 +171,7 @@ dvec ref_attention_backward(const dvec& qkv, const dvec& dout, int64_t B, int64_
         const double* q = &qkv[(b * T + i) * C3 + h * HS];
         const double* go = &dout[(b * T + i) * C + h * HS];
         double mx = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) {
           const double* kk = &qkv[(b * T + j) * C3 + C + h * HS];
           double d = 0.0;
           for (int64_t e = 0; e < HS; ++e) d += q[e] * kk[e];
@@ -179,9 +179,9 @@ dvec ref_attention_backward(const dvec& qkv, const dvec& dout, int64_t B, int64_
           mx = std::max(mx, p[j]);
         }
         double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) sum += (p[j] = std::exp(p[j] - mx));
         double pdp = 0.0;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) {
           p[j] /= sum;
           const double* v = &qkv[(b * T + j) * C3 + 2 * C + h * HS];
           double d = 0.0;
@@ -191,7 +191,7 @@ dvec ref_attention_backward(const dvec& qkv, const dvec& dout, int64_t B, int64_
           double* dv = &dqkv[(b * T + j) * C3 + 2 * C + h * HS];
           for (int64_t e = 0; e < HS; ++e) dv[e] += p[j] * go[e];
         }
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= (causal ? i : T - 1); ++j) {
           const double ds = p[j] * (dp[j] - pdp) * sc;
           const double* kk = &qkv[(b * T + j) * C3 + C + h * HS];
           double* dq = &dqkv[(b * T + i) * C3 + h * HS];
@@ -520,6 +520,43 @@ TEST_F(KernelsTest, AttentionBlocksComposeLikeRingAttention) {
   expect_close(dblk, dfull, 1e-5, 1e-7, "block backward");
 }
 
+TEST_F(KernelsTest, AttentionBlocksNonCausal) {
+  // causal = false through the block routines (e.g. cross attention / a ring step whose keys
+  // all precede the queries), against the naive full-softmax reference.
+  const int64_t T = 90, HS = 24, C3 = 3 * HS;
+  const fvec qkv = randv(T * C3, 85, -2.0f, 2.0f), dout = randv(T * HS, 86);
+  dvec rlse;
+  const dvec rout = ref_attention(tod(qkv), 1, T, 1, HS, &rlse, false);
+  const dvec rd = ref_attention_backward(tod(qkv), tod(dout), 1, T, 1, HS, false);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  fvec out(T * HS), lse(T), dq(qkv.size(), kFill);
+  fvec fs = nan_scratch(k::attention_block_forward_scratch(HS));
+  fvec bs = nan_scratch(k::attention_block_backward_scratch(HS)), D(64);
+  for (int64_t t0 = 0; t0 < T; t0 += 64) {
+    const int64_t n = std::min<int64_t>(64, T - t0);
+    fvec m(n), l(n), acc(n * HS);
+    k::attention_state_init(m.data(), l.data(), acc.data(), n, HS);
+    k::attention_block_forward(qkv.data() + t0 * C3, C3, n, t0, qkv.data() + HS, C3,
+                               qkv.data() + 2 * HS, C3, T, 0, HS, scale, false, m.data(),
+                               l.data(), acc.data(), fs.data());
+    k::attention_state_finalize(out.data() + t0 * HS, HS, lse.data() + t0, m.data(), l.data(),
+                                acc.data(), n, HS);
+  }
+  expect_close(out, rout, 1e-5, 1e-6, "noncausal out");
+  expect_close(lse, rlse, 1e-5, 1e-6, "noncausal lse");
+  for (int64_t t0 = 0; t0 < T; t0 += 64) {
+    const int64_t n = std::min<int64_t>(64, T - t0);
+    k::attention_backward_rowdot(D.data(), dout.data() + t0 * HS, HS, out.data() + t0 * HS, HS,
+                                 n, HS);
+    k::attention_block_backward(qkv.data() + t0 * C3, C3, dout.data() + t0 * HS, HS,
+                                lse.data() + t0, D.data(), n, t0, qkv.data() + HS, C3,
+                                qkv.data() + 2 * HS, C3, T, 0, HS, scale, false,
+                                dq.data() + t0 * C3, C3, dq.data() + HS, C3, dq.data() + 2 * HS,
+                                C3, bs.data());
+  }
+  expect_close(minus_fill(dq), rd, 1e-4, 1e-6, "noncausal dqkv");
+}
+
 // ------------------------------------------------------------------------------------------
 // LM head + cross-entropy
 // ------------------------------------------------------------------------------------------
@@ -553,8 +590,9 @@ TEST_F(KernelsTest, LmHeadMatchesNaiveWithPaddingAndIgnoredRows) {
   expect_close(dw1, fdw, 1e-5, 1e-6, "dwte vs fd");  // padding rows: fd = 0
 
   // Loss only (no grads), no logits: same loss.
+  fvec scratch4 = nan_scratch(k::head_scratch(4, Vp));
   const double loss2 = k::lm_head_cross_entropy(nullptr, nullptr, x.data(), wte.data(), tg.data(),
-                                                N, C, V, Vp, gscale, 4, scratch.data(), nullptr);
+                                                N, C, V, Vp, gscale, 4, scratch4.data(), nullptr);
   EXPECT_NEAR(loss2, rloss, 1e-5 * std::fabs(rloss));
 }
 

@@ -1,0 +1,151 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardlm::plan {
+
+const char* to_string(Strategy s) {
+  switch (s) {
+    case Strategy::ddp: return "ddp";
+    case Strategy::zero1: return "zero1";
+    case Strategy::zero2: return "zero2";
+    case Strategy::fsdp: return "fsdp";
+    case Strategy::hybrid: return "hybrid";
+  }
+  return "?";
+}
+
+Strategy parse_strategy(const std::string& name) {
+  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+    if (name == to_string(s)) return s;
+  throw std::invalid_argument("strategy: unknown '" + name + "' (expected ddp, zero1, zero2, fsdp or hybrid)");
+}
+
+const char* to_string(Stream s) { return s == Stream::compute ? "compute" : "comm"; }
+
+const char* to_string(Op op) {
+  switch (op) {
+    case Op::all_gather: return "all_gather";
+    case Op::reduce_scatter: return "reduce_scatter";
+    case Op::all_reduce: return "all_reduce";
+    case Op::forward: return "forward";
+    case Op::head: return "head";
+    case Op::backward: return "backward";
+    case Op::grad_norm: return "grad_norm";
+    case Op::optimizer: return "optimizer";
+    case Op::param_gather: return "param_gather";
+  }
+  return "?";
+}
+
+const char* to_string(Group g) {
+  switch (g) {
+    case Group::world: return "world";
+    case Group::shard: return "shard";
+    case Group::replicate: return "replicate";
+  }
+  return "?";
+}
+
+std::string Task::name() const {
+  std::string s = to_string(op);
+  if (op == Op::all_reduce && first_unit >= 0) {
+    s += " units " + std::to_string(first_unit) + ".." + std::to_string(last_unit);
+  } else if (unit >= 0) {
+    s += " u" + std::to_string(unit);
+  }
+  if (op == Op::forward || op == Op::backward || op == Op::head || op == Op::all_gather) s += " [m" + std::to_string(micro) + "]";
+  return s;
+}
+
+bool Plan::depends_on(int later, int earlier) const {
+  std::vector<char> seen(tasks.size(), 0);
+  std::vector<int> stack{later};
+  while (!stack.empty()) {
+    const int t = stack.back();
+    stack.pop_back();
+    for (int d : tasks[t].deps) {
+      if (d == earlier) return true;
+      if (!seen[d]) seen[d] = 1, stack.push_back(d);
+    }
+  }
+  return false;
+}
+
+MemSnapshot Plan::peak_memory() const {
+  MemSnapshot live;
+  auto add = [&](MemCategory c, int64_t b) {
+    live.bytes[static_cast<int>(c)] += b;
+    live.total += b;
+  };
+  add(MemCategory::params, static_memory.params);
+  add(MemCategory::grads, static_memory.grads);
+  add(MemCategory::optimizer, static_memory.optimizer);
+  add(MemCategory::activations, static_memory.activations);
+  add(MemCategory::workspace, static_memory.workspace);
+  MemSnapshot peak = live;
+  std::map<std::string, BufferUse> alive;
+  // Tasks in list order: every allocation precedes its frees, and the list order is one the
+  // streams can run in, so this walk visits a reachable sequence of live sets.
+  for (const Task& t : tasks) {
+    for (const auto& a : t.allocs) {
+      alive[a.name] = a;
+      add(a.category, a.bytes);
+    }
+    if (live.total > peak.total) peak = live;
+    for (const auto& f : t.frees) {
+      auto it = alive.find(f);
+      if (it == alive.end()) continue;
+      add(it->second.category, -it->second.bytes);
+      alive.erase(it);
+    }
+  }
+  return peak;
+}
+
+std::string Plan::to_text(const model::ModelDesc& desc) const {
+  std::ostringstream o;
+  const auto& c = config;
+  o << "plan: strategy " << to_string(c.strategy) << ", " << c.world << " ranks";
+  if (c.strategy == Strategy::hybrid) o << " (shard groups of " << shard_size << ")";
+  o << ", B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
+    << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << "\n";
+  o << "units:";
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    o << " u" << u << "=" << desc.units[u].name << "(" << layout.units[u].padded << ")";
+  o << "\n\nmemory per rank (bytes):\n";
+  const MemSnapshot peak = peak_memory();
+  auto line = [&](const char* name, int64_t st, MemCategory cat) {
+    o << "  " << name << ": static " << st << ", at peak " << peak[cat] << "\n";
+  };
+  line("params", static_memory.params, MemCategory::params);
+  line("grads", static_memory.grads, MemCategory::grads);
+  line("optimizer", static_memory.optimizer, MemCategory::optimizer);
+  line("activations", static_memory.activations, MemCategory::activations);
+  line("comm", 0, MemCategory::comm);
+  line("workspace", static_memory.workspace, MemCategory::workspace);
+  o << "  total at peak: " << peak.total << "\n\ntasks (id stream op | deps | GFLOP | MB | allocs / frees):\n";
+  double flops = 0;
+  int64_t comm_bytes = 0;
+  for (const Task& t : tasks) {
+    o << "  " << t.id << "\t" << to_string(t.stream) << "\t" << t.name();
+    if (t.stream == Stream::comm) o << " (" << to_string(t.group) << ")";
+    o << " | deps";
+    for (int d : t.deps) o << " " << d;
+    if (t.flops > 0) o << " | " << t.flops / 1e9 << " GFLOP";
+    if (t.bytes > 0) o << " | " << t.bytes / 1048576.0 << " MB";
+    for (const auto& a : t.allocs) o << " | +" << a.name << " " << a.bytes;
+    for (const auto& f : t.frees) o << " | -" << f;
+    o << "\n";
+    flops += t.flops;
+    comm_bytes += t.bytes;
+  }
+  o << "\ntotal: " << tasks.size() << " tasks, " << flops / 1e9 << " GFLOP, " << comm_bytes / 1048576.0
+    << " MB through collectives\n";
+  return o.str();
+}
+
+}  // namespace shardlm::plan

@@ -1,0 +1,56 @@
+#include "trace/trace.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace shardlm::trace {
+
+std::string RankTrace::events_json() const {
+  using nlohmann::json;
+  std::string out;
+  auto append = [&](const json& j) {
+    if (!out.empty()) out += ",\n";
+    out += j.dump();
+  };
+  append({{"ph", "M"}, {"name", "process_name"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  for (plan::Stream s : {plan::Stream::compute, plan::Stream::comm})
+    append({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", static_cast<int>(s)}, {"args", {{"name", plan::to_string(s)}}}});
+  for (const Slice& s : slices)
+    append({{"ph", "X"},
+            {"name", s.name},
+            {"cat", plan::to_string(s.stream)},
+            {"pid", rank},
+            {"tid", static_cast<int>(s.stream)},
+            {"ts", s.start_us},
+            {"dur", s.dur_us},
+            {"args", {{"step", s.step}}}});
+  for (const MemorySample& m : memory) {
+    json args;
+    for (int c = 0; c < kNumMemCategories; ++c) args[to_string(static_cast<MemCategory>(c))] = m.bytes[c];
+    append({{"ph", "C"}, {"name", "memory (bytes)"}, {"pid", rank}, {"ts", m.ts_us}, {"args", args}});
+  }
+  return out;
+}
+
+void write_trace(const std::string& path, const std::vector<std::string>& rank_parts) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+    bool first = true;
+    for (const auto& part : rank_parts) {
+      if (part.empty()) continue;
+      if (!first) f << ",\n";
+      f << part;
+      first = false;
+    }
+    f << "\n]}\n";
+    if (!f) throw std::runtime_error("trace: cannot write " + tmp);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+}  // namespace shardlm::trace

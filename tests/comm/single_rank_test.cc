@@ -1,0 +1,121 @@
+// The single-rank backend (no MPI involved) and the factory's choice.
+#include "comm/single_rank.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "comm/factory.h"
+#include "comm/test_util.h"
+#include "tensor/memory.h"
+
+namespace shardlm::comm {
+namespace {
+
+TEST(SingleRank, CollectivesAreCopies) {
+  SingleRankCommunicator c;
+  EXPECT_EQ(c.rank(), 0);
+  EXPECT_EQ(c.size(), 1);
+  EXPECT_EQ(c.backend(), "single");
+  std::vector<float> a = {1, 2, 3, 4, 5, 6, 7}, b(7, 0);
+  auto w = c.all_gather(a.data(), b.data(), 7, DType::fp32, "ag");
+  EXPECT_TRUE(w->is_completed());
+  w->wait();
+  EXPECT_EQ(a, b);
+  std::fill(b.begin(), b.end(), 0.0f);
+  c.reduce_scatter(a.data(), b.data(), 7, DType::fp32, "rs")->wait();
+  EXPECT_EQ(a, b);
+  std::fill(b.begin(), b.end(), 0.0f);
+  c.all_to_all(a.data(), b.data(), 7, DType::fp32, "a2a")->wait();
+  EXPECT_EQ(a, b);
+  c.all_reduce(a.data(), 7, DType::bf16, "ar")->wait();
+  c.broadcast(a.data(), 7, DType::fp32, 0, "bc")->wait();
+  c.barrier("b")->wait();
+  EXPECT_EQ(a, b);
+  // In place.
+  c.all_gather(a.data(), a.data(), 7, DType::fp32, "ag in place")->wait();
+  c.reduce_scatter(a.data(), a.data(), 7, DType::fp32, "rs in place")->wait();
+  EXPECT_EQ(a, b);
+}
+
+TEST(SingleRank, RejectsWhatMpiWouldReject) {
+  SingleRankCommunicator c;
+  int8_t x[8] = {};
+  EXPECT_THROW(c.all_reduce(x, 8, DType::int8, "ar"), Error);
+  EXPECT_THROW(c.broadcast(x, 8, DType::int8, 1, "bc"), Error);
+  EXPECT_THROW(c.send(x, 8, DType::int8, 1, 0, "s"), Error);
+  EXPECT_THROW(c.recv(x, 8, DType::int8, 0, -1, "r"), Error);
+  EXPECT_EQ(c.split(-1, 0), nullptr);
+  auto sub = c.split(3, 0);
+  ASSERT_TRUE(sub);
+  EXPECT_EQ(sub->size(), 1);
+}
+
+TEST(SingleRank, SendToSelfMatchesByTagInOrder) {
+  SingleRankCommunicator c;
+  std::vector<float> a = {1, 2, 3}, b = {4, 5, 6}, r1(3), r2(3), r3(3);
+  // Send first: buffered (charged to comm) until the recv.
+  const int64_t comm_before = MemoryTracker::global().live()[MemCategory::comm];
+  c.send(a.data(), 3, DType::fp32, 0, 7, "s1")->wait();
+  EXPECT_EQ(MemoryTracker::global().live()[MemCategory::comm] - comm_before, 12);
+  c.send(b.data(), 3, DType::fp32, 0, 7, "s2")->wait();
+  c.recv(r1.data(), 3, DType::fp32, 0, 7, "r1")->wait();
+  c.recv(r2.data(), 3, DType::fp32, 0, 7, "r2")->wait();
+  EXPECT_EQ(r1, a);
+  EXPECT_EQ(r2, b);
+  EXPECT_EQ(MemoryTracker::global().live()[MemCategory::comm], comm_before);
+  // Recv first: completes when the send is made, from another thread here.
+  auto w = c.recv(r3.data(), 3, DType::fp32, 0, 9, "r3");
+  EXPECT_FALSE(w->is_completed());
+  std::thread t([&] { c.send(b.data(), 3, DType::fp32, 0, 9, "s3")->wait(); });
+  w->wait(testing::kTestTimeout);
+  t.join();
+  EXPECT_EQ(r3, b);
+}
+
+TEST(SingleRank, UnmatchedRecvTimesOut) {
+  SingleRankCommunicator c;
+  float x[2];
+  auto w = c.recv(x, 2, DType::fp32, 0, 1, "lonely recv step 3");
+  try {
+    w->wait(std::chrono::milliseconds(50));
+    FAIL() << "no timeout";
+  } catch (const TimeoutError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("recv"), std::string::npos);
+    EXPECT_NE(what.find("lonely recv step 3"), std::string::npos);
+    EXPECT_NE(what.find("rank 0 of 1 (single)"), std::string::npos);
+    EXPECT_NE(what.find("50 ms"), std::string::npos);
+  }
+  // Sending later completes it.
+  c.send(x, 2, DType::fp32, 0, 1, "late send")->wait();
+  EXPECT_TRUE(w->is_completed());
+}
+
+TEST(Factory, PicksMpiUnderALauncher) {
+  // This binary runs under mpirun (MPI is initialised), so the factory must pick MPI.
+  auto c = make_communicator();
+  EXPECT_EQ(c->backend(), "mpi");
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    EXPECT_TRUE(launched_by_mpi());
+  }
+}
+
+TEST(Options, FromEnvironment) {
+  setenv("SHARDLM_COMM_ALGOS", "reduce_scatter=ring,all_reduce=native", 1);
+  setenv("SHARDLM_COMM_CHUNK_KB", "64", 1);
+  MpiOptions o = mpi_options_from_env();
+  EXPECT_EQ(o.reduce_scatter, Algorithm::ring);
+  EXPECT_EQ(o.all_reduce, Algorithm::native);
+  EXPECT_EQ(o.all_gather, Algorithm::automatic);
+  EXPECT_EQ(o.chunk_bytes, 64 * 1024);
+  setenv("SHARDLM_COMM_ALGOS", "reduce_scatter=fastest", 1);
+  EXPECT_THROW(mpi_options_from_env(), std::invalid_argument);
+  unsetenv("SHARDLM_COMM_ALGOS");
+  unsetenv("SHARDLM_COMM_CHUNK_KB");
+}
+
+}  // namespace
+}  // namespace shardlm::comm
