@@ -107,7 +107,7 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
     const v16 denom = v16(_mm512_mask_sqrt_ps(__m512(vi), 0xFFFF, __m512(vi))) / bc2_sqrt + eps;
     detail::vstore(m + i, mi);
     detail::vstore(v + i, vi);
-    detail::vstore(p + i, pi + neg_step * (mi / denom));
+    detail::vstore(p + i, pi + neg_step * mi / denom);
   }
 #endif
   for (; i < n; ++i) {
@@ -119,7 +119,7 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
     const float denom = std::sqrt(vi) / bc2_sqrt + eps;
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi + neg_step * (mi / denom);
+    p[i] = pi + neg_step * mi / denom;
   }
 }
 }  // namespace

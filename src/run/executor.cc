@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -52,6 +55,15 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   exp_avg_ = Buffer(MemCategory::optimizer, sizeof(float) * (sharded_optimizer_ ? shard : full));
   exp_avg_sq_ = Buffer(MemCategory::optimizer, sizeof(float) * (sharded_optimizer_ ? shard : full));
   trace_.rank = comms.world().rank();
+  auto fault_step = [&](const char* var) -> int64_t {
+    const char* v = std::getenv(var);
+    int rank = -1;
+    long long step = -1;
+    if (v && std::sscanf(v, "%d:%lld", &rank, &step) == 2 && rank == comms.world().rank()) return step;
+    return -1;
+  };
+  fault_skip_step_ = fault_step("SHARDLM_FAULT_SKIP_COLLECTIVE");
+  fault_kill_step_ = fault_step("SHARDLM_FAULT_KILL");
   sample_memory();
 }
 
@@ -136,6 +148,9 @@ double Executor::sum_over(comm::Communicator& c, double local, const std::string
 }
 
 void Executor::run_comm(const Task& t, int64_t step) {
+  if (step == fault_skip_step_) {  // a rank gone astray: never issues this collective
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
   comm::Communicator& c = comms_.get(t.group);
   const std::string lbl = label(t, step);
   std::shared_ptr<comm::Work> work;
@@ -241,6 +256,7 @@ void Executor::run_compute(const Task& t, int64_t step, const BatchFn& batch, fl
 StepResult Executor::step(int64_t step, const BatchFn& batch, float grad_scale, float grad_clip, const AdamW& opt,
                           int64_t t) {
   StepResult result;
+  if (step == fault_kill_step_) std::raise(SIGKILL);
   std::memset(grads_.data(), 0, grads_.bytes());
   const size_t n = plan_.tasks.size();
   std::vector<char> done(n, 0);

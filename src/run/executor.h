@@ -108,6 +108,10 @@ class Executor {
   std::mutex buffers_mu_;
   std::map<std::string, Buffer> dynamic_;  // plan-named buffers alive now
   std::chrono::steady_clock::time_point t0_;
+  // Test-only fault injection, from the environment: SHARDLM_FAULT_SKIP_COLLECTIVE=RANK:STEP makes
+  // that rank skip its first collective of that step and stall (the others must time out and
+  // name it); SHARDLM_FAULT_KILL=RANK:STEP makes it die by SIGKILL at the start of that step.
+  int64_t fault_skip_step_ = -1, fault_kill_step_ = -1;
   trace::RankTrace trace_;
   std::mutex trace_mu_;
 };

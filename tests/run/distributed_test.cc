@@ -1,0 +1,124 @@
+// Every strategy, run by real processes under mpirun, against one process with the same global
+// batch: losses per step and final parameters. Plus the failure modes: a rank that skips a
+// collective, a rank that dies.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "ckpt/safetensors.h"
+#include "test_util.h"
+
+namespace shardlm {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::mpirun;
+using testing::shardlm;
+using testing::step_losses;
+
+struct Layout {
+  std::string strategy;
+  int ranks;
+  int shard_group;
+};
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.strategy << " x" << l.ranks; }
+
+class DistributedSlow : public ::testing::TestWithParam<Layout> {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("shardlm_dist_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    testing::make_corpus(dir_);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  // 5 steps of the tiny model, saving the parameters at the end. AdamW's eps is 1e-6, not 1e-8:
+  // the attention key bias has an exactly zero gradient in exact arithmetic (softmax ignores a
+  // constant added to every score of a row), so its fp32 gradient is rounding noise of ~1e-11
+  // that AdamW, with a tiny eps, normalises into lr-sized steps of random sign — different noise
+  // for a different reduction order. eps = 1e-6 keeps those steps far below the tolerance while
+  // leaving every real gradient (>= 1e-4 here) in Adam's normalised regime.
+  static std::string args(const std::string& out, int batch) {
+    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
+           " --steps 5 --batch " + std::to_string(batch) + " --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eps 1e-6" +
+           " --eval-every 0 --eval-windows 2 --sample-tokens 0 --peak-gflops 100 --save-every 5 --quiet";
+  }
+  static inline fs::path dir_;
+};
+
+TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
+  const Layout l = GetParam();
+  const int B = 2;
+  const std::string single = "single_" + std::to_string(l.ranks);
+  if (!fs::exists(dir_ / single / "metrics.jsonl")) {
+    const auto r = shardlm(args(single, B * l.ranks));
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  const std::string name = l.strategy + "_" + std::to_string(l.ranks);
+  std::string extra = " --strategy " + l.strategy;
+  if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
+  const auto r = mpirun(l.ranks, args(name, B) + extra);
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  const auto want = step_losses(dir_ / single / "metrics.jsonl");
+  const auto got = step_losses(dir_ / name / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 5u);
+  ASSERT_EQ(got.size(), 5u);
+  for (int s = 0; s < 5; ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * std::fabs(want[s])) << "step " << s;
+
+  ckpt::SafetensorsFile a((dir_ / single / "ckpt" / "step_5" / "model.safetensors").string());
+  ckpt::SafetensorsFile b((dir_ / name / "ckpt" / "step_5" / "model.safetensors").string());
+  int tensors = 0;
+  for (const auto& tensor : a.names()) {
+    const int64_t n = a.info(tensor).numel();
+    std::vector<float> x(n), y(n);
+    a.read_f32(tensor, x.data(), n);
+    b.read_f32(tensor, y.data(), n);
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
+    EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << tensor;
+    ++tensors;
+  }
+  EXPECT_EQ(tensors, 2 + 12 * 2 + 2);
+}
+
+std::vector<Layout> layouts() {
+  std::vector<Layout> out;
+  for (int n : {2, 3, 4})
+    for (const char* s : {"ddp", "zero1", "zero2", "fsdp"}) out.push_back({s, n, 0});
+  out.push_back({"hybrid", 4, 2});
+  out.push_back({"hybrid", 2, 1});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layouts()), [](const auto& info) {
+  return info.param.strategy + "_np" + std::to_string(info.param.ranks) +
+         (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "");
+});
+
+class FailureSlow : public DistributedSlow {};
+
+TEST_F(FailureSlow, ARankThatSkipsACollectiveFailsTheJobWithItsName) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = mpirun(2, args("skip", 2) + " --timeout 3", "-x SHARDLM_FAULT_SKIP_COLLECTIVE=1:2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out;
+  // Rank 0 waits in the first collective rank 1 skipped and reports it by name.
+  EXPECT_NE(r.out.find("rank 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("all_gather unit embedding step 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step 2"), std::string::npos) << r.out;
+  EXPECT_LT(s, 60) << "the job took " << s << " s to fail";
+}
+
+TEST_F(FailureSlow, AKilledRankEndsTheJob) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = mpirun(2, args("kill", 2), "-x SHARDLM_FAULT_KILL=1:2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(s, 60) << "the job took " << s << " s to end";
+}
+
+}  // namespace
+}  // namespace shardlm
