@@ -64,7 +64,9 @@ struct Task {
   int64_t bytes = 0;  // bytes this rank sends for a collective
   std::vector<BufferUse> allocs;
   std::vector<std::string> frees;
-  std::string name() const;  // "all_gather h.3", "backward h.3 [m1]"
+  std::string name() const;  // "all_gather u3 [m0]", "backward u3 [m1]"
+  // The bf16 staging buffer of a collective (its allocs name it so).
+  std::string staging_buffer() const { return "staging " + name() + " " + std::to_string(first_unit); }
 };
 
 struct PlanConfig {

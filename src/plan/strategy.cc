@@ -27,6 +27,13 @@ class Builder {
   int64_t unit_bytes(int u, int elem) const { return plan_.layout.units[u].padded * elem; }
   std::string gathered(int u) const { return "gathered u" + std::to_string(u); }
   std::string full_grad(int u) const { return "grad u" + std::to_string(u); }
+  // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard.
+  void stage(int t, int64_t full_elems, int64_t shard_elems, int elem) {
+    if (elem == 4) return;
+    const std::string name = tasks_[t].staging_buffer();
+    tasks_[t].allocs.push_back({name, MemCategory::comm, (full_elems + shard_elems) * elem});
+    tasks_[t].frees.push_back(name);
+  }
 
   // An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
   // issued at most `prefetch` compute tasks ahead of its consumer. consume() names the consumer.
@@ -41,6 +48,7 @@ class Builder {
     const int t = add(Op::all_gather, Stream::comm, u, micro, deps);
     tasks_[t].bytes = unit_bytes(u, cfg_.param_bytes);
     tasks_[t].allocs.push_back({gathered(u), MemCategory::params, unit_bytes(u, 4)});
+    stage(t, plan_.layout.units[u].padded, plan_.layout.units[u].padded / plan_.shard_size, cfg_.param_bytes);
     chain_.push_back({t, -1});
     return t;
   }
@@ -67,11 +75,13 @@ void Builder::reduce_grad(int u, int producer) {
     const int rs = add(Op::reduce_scatter, Stream::comm, u, cfg_.grad_accum - 1, {producer});
     tasks_[rs].bytes = unit_bytes(u, cfg_.reduce_bytes);
     tasks_[rs].frees.push_back(full_grad(u));
+    stage(rs, plan_.layout.units[u].padded, plan_.layout.units[u].padded / plan_.shard_size, cfg_.reduce_bytes);
     reductions_.push_back(rs);
     if (cfg_.strategy == Strategy::hybrid && cfg_.world > plan_.shard_size) {
       const int ar = add(Op::all_reduce, Stream::comm, u, cfg_.grad_accum - 1, {rs});
       tasks_[ar].group = Group::replicate;
       tasks_[ar].bytes = unit_bytes(u, cfg_.reduce_bytes) / plan_.shard_size;
+      stage(ar, plan_.layout.units[u].padded / plan_.shard_size, 0, cfg_.reduce_bytes);
       reductions_.push_back(ar);
     }
     return;
@@ -90,6 +100,7 @@ void Builder::close_bucket(int producer) {
   tasks_[ar].first_unit = bucket_first_;
   tasks_[ar].last_unit = bucket_last_;
   tasks_[ar].bytes = bucket_bytes_;
+  stage(ar, bucket_bytes_ / cfg_.reduce_bytes, 0, cfg_.reduce_bytes);
   reductions_.push_back(ar);
   bucket_first_ = bucket_last_ = -1;
   bucket_bytes_ = 0;
@@ -124,6 +135,8 @@ Plan Builder::build() {
       emb_gather = add(Op::all_gather, Stream::comm, emb, 0);
       tasks_[emb_gather].bytes = unit_bytes(emb, cfg_.param_bytes);
       tasks_[emb_gather].allocs.push_back({gathered(emb), MemCategory::params, unit_bytes(emb, 4)});
+      stage(emb_gather, plan_.layout.units[emb].padded, plan_.layout.units[emb].padded / plan_.shard_size,
+            cfg_.param_bytes);
     }
     int f = add(Op::forward, Stream::compute, emb, m, m == 0 && emb_gather >= 0 ? std::vector<int>{emb_gather} : std::vector<int>{});
     for (int u = 1; u < fin; ++u) {
@@ -221,6 +234,13 @@ void validate(const PlanConfig& c) {
   need(c.prefetch_forward >= 0 && c.prefetch_backward >= 0, "prefetch-forward and prefetch-backward must be >= 0");
   need(c.max_gathers_in_flight >= 1, "max-gathers-in-flight must be >= 1");
   need(c.bucket_mb > 0, "bucket-mb must be positive");
+  need(c.param_bytes == 4 || c.param_bytes == 2, "param dtype must be fp32 or bf16");
+  need(c.reduce_bytes == 4 || c.reduce_bytes == 2, "reduce dtype must be fp32 or bf16");
+  // ZeRO-1/2 and DDP keep no separate fp32 master copy of the parameters: gathering them in
+  // bf16 would round the replicas apart. Their mixed precision is bf16 reduction.
+  need(c.param_bytes == 4 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid,
+       "param-dtype bf16 needs a sharded-parameter strategy (fsdp or hybrid); use reduce-dtype bf16 with " +
+           std::string(to_string(c.strategy)));
   if (c.strategy == Strategy::hybrid) {
     need(c.shard_group >= 1, "hybrid needs --shard-group G >= 1");
     need(c.world % c.shard_group == 0, "shard-group " + std::to_string(c.shard_group) +

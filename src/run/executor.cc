@@ -153,37 +153,64 @@ void Executor::run_comm(const Task& t, int64_t step) {
   }
   comm::Communicator& c = comms_.get(t.group);
   const std::string lbl = label(t, step);
-  std::shared_ptr<comm::Work> work;
+  const bool bf16_params = plan_.config.param_bytes == 2, bf16_grads = plan_.config.reduce_bytes == 2;
+  // bf16 collectives go through the task's staging buffer: [whole unit | one shard], as uint16.
+  auto staging = [&]() {
+    std::lock_guard<std::mutex> lock(buffers_mu_);
+    return dynamic_.at(t.staging_buffer()).as<uint16_t>();
+  };
+  // All-reduce `n` floats in place, in bf16 when asked: cast, reduce, widen.
+  auto all_reduce = [&](float* buf, int64_t n) {
+    if (!bf16_grads) return c.all_reduce(buf, n, DType::fp32, lbl)->wait(timeout_);
+    uint16_t* tmp = staging();
+    kernels::fp32_to_bf16(tmp, buf, n);
+    c.all_reduce(tmp, n, DType::bf16, lbl)->wait(timeout_);
+    kernels::bf16_to_fp32(buf, tmp, n);
+  };
   switch (t.op) {
     case Op::all_gather: {
       const Shard s = shard_of(t.unit);
-      work = c.all_gather(local(params_, true, t.unit), full_params(t.unit), s.len, DType::fp32, lbl);
+      if (!bf16_params) {
+        c.all_gather(local(params_, true, t.unit), full_params(t.unit), s.len, DType::fp32, lbl)->wait(timeout_);
+        break;
+      }
+      uint16_t* whole = staging();
+      uint16_t* mine = whole + s.len * plan_.shard_size;
+      kernels::fp32_to_bf16(mine, local(params_, true, t.unit), s.len);
+      c.all_gather(mine, whole, s.len, DType::bf16, lbl)->wait(timeout_);
+      kernels::bf16_to_fp32(full_params(t.unit), whole, s.len * plan_.shard_size);
       break;
     }
     case Op::param_gather: {  // in place on the whole parameter buffer
       const Shard s = shard_of(t.unit);
       float* unit = params_.f32() + s.unit_offset;
-      work = c.all_gather(unit + s.begin, unit, s.len, DType::fp32, lbl);
+      c.all_gather(unit + s.begin, unit, s.len, DType::fp32, lbl)->wait(timeout_);
       break;
     }
     case Op::reduce_scatter: {
       const Shard s = shard_of(t.unit);
-      work = c.reduce_scatter(full_grads(t.unit), local(grads_, true, t.unit), s.len, DType::fp32, lbl);
+      if (!bf16_grads) {
+        c.reduce_scatter(full_grads(t.unit), local(grads_, true, t.unit), s.len, DType::fp32, lbl)->wait(timeout_);
+        break;
+      }
+      uint16_t* whole = staging();
+      uint16_t* mine = whole + s.len * plan_.shard_size;
+      kernels::fp32_to_bf16(whole, full_grads(t.unit), s.len * plan_.shard_size);
+      c.reduce_scatter(whole, mine, s.len, DType::bf16, lbl)->wait(timeout_);
+      kernels::bf16_to_fp32(local(grads_, true, t.unit), mine, s.len);
       break;
     }
-    case Op::all_reduce: {
+    case Op::all_reduce:
       if (t.first_unit >= 0) {  // a bucket: consecutive units, one contiguous range
         const int64_t begin = plan_.layout.units[t.first_unit].offset;
         const auto& last = plan_.layout.units[t.last_unit];
-        work = c.all_reduce(grads_.f32() + begin, last.offset + last.padded - begin, DType::fp32, lbl);
+        all_reduce(grads_.f32() + begin, last.offset + last.padded - begin);
       } else {  // hybrid: this rank's gradient shard across the replicas
-        work = c.all_reduce(local(grads_, true, t.unit), shard_of(t.unit).len, DType::fp32, lbl);
+        all_reduce(local(grads_, true, t.unit), shard_of(t.unit).len);
       }
       break;
-    }
     default: throw std::logic_error("executor: " + t.name() + " is not a collective");
   }
-  work->wait(timeout_);
 }
 
 void Executor::run_compute(const Task& t, int64_t step, const BatchFn& batch, float grad_scale, float grad_clip,

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <iostream>
 
 #include "ckpt/safetensors.h"
 #include "test_util.h"
@@ -22,9 +23,12 @@ struct Layout {
   std::string strategy;
   int ranks;
   int shard_group;
+  std::string dtypes = "";  // extra flags: bf16 parameters and/or reduction
+  double loss_tol = 1e-5;   // relative, per step
+  double param_tol = 1e-5;  // ||delta|| / ||p||, per tensor
 };
 
-void PrintTo(const Layout& l, std::ostream* os) { *os << l.strategy << " x" << l.ranks; }
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.strategy << " x" << l.ranks << " " << l.dtypes; }
 
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
  protected:
@@ -56,8 +60,8 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
     const auto r = shardlm(args(single, B * l.ranks));
     ASSERT_EQ(r.code, 0) << r.out;
   }
-  const std::string name = l.strategy + "_" + std::to_string(l.ranks);
-  std::string extra = " --strategy " + l.strategy;
+  const std::string name = l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16");
+  std::string extra = " --strategy " + l.strategy + " " + l.dtypes;
   if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
   const auto r = mpirun(l.ranks, args(name, B) + extra);
   ASSERT_EQ(r.code, 0) << r.out;
@@ -66,11 +70,12 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   const auto got = step_losses(dir_ / name / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
   ASSERT_EQ(got.size(), 5u);
-  for (int s = 0; s < 5; ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * std::fabs(want[s])) << "step " << s;
+  for (int s = 0; s < 5; ++s) EXPECT_NEAR(got[s], want[s], l.loss_tol * std::fabs(want[s])) << "step " << s;
 
   ckpt::SafetensorsFile a((dir_ / single / "ckpt" / "step_5" / "model.safetensors").string());
   ckpt::SafetensorsFile b((dir_ / name / "ckpt" / "step_5" / "model.safetensors").string());
   int tensors = 0;
+  double worst = 0;
   for (const auto& tensor : a.names()) {
     const int64_t n = a.info(tensor).numel();
     std::vector<float> x(n), y(n);
@@ -78,10 +83,12 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
     b.read_f32(tensor, y.data(), n);
     double diff = 0, norm = 0;
     for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
-    EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << tensor;
+    EXPECT_LE(std::sqrt(diff), l.param_tol * std::sqrt(norm)) << tensor;
+    worst = std::max(worst, std::sqrt(diff / norm));
     ++tensors;
   }
   EXPECT_EQ(tensors, 2 + 12 * 2 + 2);
+  std::cout << "worst ||delta||/||p|| over tensors: " << worst << "\n";
 }
 
 std::vector<Layout> layouts() {
@@ -90,12 +97,25 @@ std::vector<Layout> layouts() {
     for (const char* s : {"ddp", "zero1", "zero2", "fsdp"}) out.push_back({s, n, 0});
   out.push_back({"hybrid", 4, 2});
   out.push_back({"hybrid", 2, 1});
+  // Mixed precision: bf16 carries 8 significant bits (relative rounding 2^-9), so gathered
+  // parameters and reduced gradients differ from fp32 by ~0.2% each. Over 5 AdamW steps the
+  // losses stay within 1e-3 of the fp32 single process (measured 1.3e-4). The parameters: with
+  // bf16 reduction only, within 1e-2 (measured 4e-3); with bf16 gathered parameters the forward
+  // itself runs on rounded weights and AdamW's near-sign updates of size lr (5 × 3e-3, as large
+  // as the 0.01–0.02 init) follow slightly different directions: within 0.15 (measured 0.076,
+  // on small biases and the residual projections).
+  const std::string bf16 = "--param-dtype bf16 --reduce-dtype bf16";
+  out.push_back({"fsdp", 2, 0, bf16, 1e-3, 0.15});
+  out.push_back({"hybrid", 4, 2, bf16, 1e-3, 0.15});
+  out.push_back({"ddp", 3, 0, "--reduce-dtype bf16", 1e-3, 1e-2});
+  out.push_back({"zero2", 2, 0, "--reduce-dtype bf16", 1e-3, 1e-2});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layouts()), [](const auto& info) {
   return info.param.strategy + "_np" + std::to_string(info.param.ranks) +
-         (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "");
+         (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "") +
+         (info.param.dtypes.empty() ? "" : "_bf16");
 });
 
 class FailureSlow : public DistributedSlow {};
