@@ -34,7 +34,7 @@ std::vector<Case> cases(std::initializer_list<Algorithm> algos) {
   std::vector<Case> out;
   for (Algorithm a : algos) {
     for (DType d : {DType::fp32, DType::bf16}) {
-      for (int64_t n : {int64_t(1), int64_t(7), int64_t(1000003)}) out.push_back({a, d, n, false});
+      for (int64_t n : {int64_t(1), int64_t(7), testing::kLargeCount}) out.push_back({a, d, n, false});
       if (a == Algorithm::direct || a == Algorithm::ring) {
         for (int64_t n : {int64_t(7), int64_t(1000)}) out.push_back({a, d, n, true});
       }
@@ -187,7 +187,7 @@ class MpiBasics : public ::testing::Test {
 TEST_F(MpiBasics, BroadcastFromEveryRoot) {
   for (DType d : {DType::fp32, DType::bf16}) {
     for (int root = 0; root < n_; ++root) {
-      for (int64_t c : {int64_t(1), int64_t(7), int64_t(1000003)}) {
+      for (int64_t c : {int64_t(1), int64_t(7), testing::kLargeCount}) {
         std::vector<float> v(c, -77.0f);
         if (r_ == root)
           for (int64_t i = 0; i < c; ++i) v[i] = small_int(root, i);
@@ -209,7 +209,7 @@ TEST_F(MpiBasics, SendRecvRing) {
   // different tags posted in opposite orders.
   if (n_ < 2) GTEST_SKIP() << "needs 2 ranks";
   const int right = (r_ + 1) % n_, left = (r_ + n_ - 1) % n_;
-  const int64_t c = 1000003;
+  const int64_t c = testing::kLargeCount;
   std::vector<float> a(c), b(c);
   for (int64_t i = 0; i < c; ++i) {
     a[i] = small_int(r_, i);

@@ -14,6 +14,14 @@ namespace shardlm::comm::testing {
 // collective fails the test instead of hanging it.
 inline constexpr std::chrono::milliseconds kTestTimeout{60'000};
 
+// The large count of the collective tests (a prime: no multiple of anything). Smaller under
+// ThreadSanitizer, whose instrumented checking loops would otherwise dominate the run.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr int64_t kLargeCount = 100003;
+#else
+inline constexpr int64_t kLargeCount = 1000003;
+#endif
+
 // A small integer (exact in fp32 and bf16, and so are sums of a few of them) for element i of
 // rank r's buffer; `salt` varies it between buffers.
 inline float small_int(int r, int64_t i, int salt = 0) {
