@@ -75,7 +75,24 @@ bool Plan::depends_on(int later, int earlier) const {
   return false;
 }
 
-MemSnapshot Plan::peak_memory() const {
+namespace {
+// Walks the tasks in list order; returns the snapshot at the highest total and, in `each`, every
+// category's own maximum.
+MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each);
+}  // namespace
+
+MemSnapshot Plan::peak_memory() const { return walk_memory(*this, nullptr); }
+
+MemSnapshot Plan::max_memory() const {
+  MemSnapshot each;
+  walk_memory(*this, &each);
+  return each;
+}
+
+namespace {
+MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
+  const StaticMemory& static_memory = plan.static_memory;
+  const std::vector<Task>& tasks = plan.tasks;
   MemSnapshot live;
   auto add = [&](MemCategory c, int64_t b) {
     live.bytes[static_cast<int>(c)] += b;
@@ -96,6 +113,8 @@ MemSnapshot Plan::peak_memory() const {
       add(a.category, a.bytes);
     }
     if (live.total > peak.total) peak = live;
+    if (each)
+      for (int c = 0; c < kNumMemCategories; ++c) each->bytes[c] = std::max(each->bytes[c], live.bytes[c]);
     for (const auto& f : t.frees) {
       auto it = alive.find(f);
       if (it == alive.end()) continue;
@@ -103,8 +122,16 @@ MemSnapshot Plan::peak_memory() const {
       alive.erase(it);
     }
   }
+  if (each) {
+    each->total = 0;
+    for (int c = 0; c < kNumMemCategories; ++c) {
+      each->bytes[c] = std::max(each->bytes[c], peak.bytes[c]);
+      each->total += each->bytes[c];
+    }
+  }
   return peak;
 }
+}  // namespace
 
 std::string Plan::to_text(const model::ModelDesc& desc) const {
   std::ostringstream o;

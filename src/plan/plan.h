@@ -95,6 +95,8 @@ struct Plan {
   // Highest bytes per category of the dynamic buffers when tasks run in plan order (compute and
   // comm interleaved as their dependencies allow the earliest), plus the static memory.
   MemSnapshot peak_memory() const;
+  // Each category's own highest bytes over the same walk (they need not peak together).
+  MemSnapshot max_memory() const;
   // True when `later` depends, directly or through other tasks, on `earlier`.
   bool depends_on(int later, int earlier) const;
   std::string to_text(const model::ModelDesc& desc) const;

@@ -299,6 +299,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
         ex.step(step, batch, grad_scale, cfg.grad_clip, {lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay}, step + 1);
     const double step_ms = ms_since(t0);
     const MemSnapshot mem = max_over_ranks(world, MemoryTracker::global().peak(), timeout);
+    // What stays allocated between steps: the (sharded) state, activations and workspace.
+    const MemSnapshot held = max_over_ranks(world, MemoryTracker::global().live(), timeout);
     double exposed = r.comm_exposed_ms;
     {
       std::vector<double> all(N);
@@ -311,7 +313,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     if (lead) {
       metrics << json{{"step", step},         {"loss", loss},         {"lr", lr},
                       {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-                      {"mfu", mfu},           {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}}
+                      {"mfu", mfu},           {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)},
+                      {"mem_between_steps", mem_json(held)}}
                      .dump()
               << "\n"
               << std::flush;
