@@ -50,12 +50,13 @@ const char* to_string(Group g) {
   return "?";
 }
 
-std::string Task::name() const {
+std::string Task::name(const model::ModelDesc* desc) const {
+  auto unit_name = [&](int u) { return desc ? desc->units[u].name : "u" + std::to_string(u); };
   std::string s = to_string(op);
   if (op == Op::all_reduce && first_unit >= 0) {
-    s += " units " + std::to_string(first_unit) + ".." + std::to_string(last_unit);
+    s += " " + unit_name(first_unit) + ".." + unit_name(last_unit);
   } else if (unit >= 0) {
-    s += " u" + std::to_string(unit);
+    s += " " + unit_name(unit);
   }
   if (op == Op::forward || op == Op::backward || op == Op::head || op == Op::all_gather) s += " [m" + std::to_string(micro) + "]";
   return s;
@@ -146,7 +147,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   o << "\n\nmemory per rank (bytes):\n";
   const MemSnapshot peak = peak_memory();
   auto line = [&](const char* name, int64_t st, MemCategory cat) {
-    o << "  " << name << ": static " << st << ", at peak " << peak[cat] << "\n";
+    o << "  " << name << ": static " << st << ", at peak " << peak[cat] << " (" << peak[cat] / 1048576.0 << " MiB)\n";
   };
   line("params", static_memory.params, MemCategory::params);
   line("grads", static_memory.grads, MemCategory::grads);
@@ -158,7 +159,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   double flops = 0;
   int64_t comm_bytes = 0;
   for (const Task& t : tasks) {
-    o << "  " << t.id << "\t" << to_string(t.stream) << "\t" << t.name();
+    o << "  " << t.id << "\t" << to_string(t.stream) << "\t" << t.name(&desc);
     if (t.stream == Stream::comm) o << " (" << to_string(t.group) << ")";
     o << " | deps";
     for (int d : t.deps) o << " " << d;

@@ -64,7 +64,8 @@ struct Task {
   int64_t bytes = 0;  // bytes this rank sends for a collective
   std::vector<BufferUse> allocs;
   std::vector<std::string> frees;
-  std::string name() const;  // "all_gather u3 [m0]", "backward u3 [m1]"
+  // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]".
+  std::string name(const model::ModelDesc* desc = nullptr) const;
   // The bf16 staging buffer of a collective (its allocs name it so).
   std::string staging_buffer() const { return "staging " + name() + " " + std::to_string(first_unit); }
 };

@@ -306,7 +306,7 @@ StepResult Executor::step(int64_t step, const BatchFn& batch, float grad_scale, 
     const double end = now_us();
     {
       std::lock_guard<std::mutex> lock(trace_mu_);
-      trace_.slices.push_back({task.name(), task.stream, step, start_us, end - start_us});
+      trace_.slices.push_back({task.name(&desc_), task.stream, step, start_us, end - start_us});
     }
     std::lock_guard<std::mutex> lock(mu);
     done[task.id] = 1;
