@@ -144,6 +144,26 @@ INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layout
          (info.param.dtypes.empty() ? "" : "_bf16");
 });
 
+// A checkpoint written under one strategy and rank count resumes under another with the same
+// global batch and continues the uninterrupted run's losses.
+TEST_F(DistributedSlow, ResumeAcrossStrategiesAndRankCounts) {
+  const std::string base = " --steps 6 --save-every 3";
+  auto run = [&](int ranks, const std::string& name, int batch, const std::string& extra) {
+    std::string a = args(name, batch) + base + extra;
+    const auto r = ranks == 1 ? shardlm(a) : mpirun(ranks, a);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  run(1, "resume_full", 4, "");
+  run(2, "resume_fsdp2", 2, " --strategy fsdp");
+  const std::string ck = (dir_ / "resume_fsdp2" / "ckpt" / "step_3").string();
+  run(4, "resume_ddp4", 1, " --strategy ddp --resume " + ck);
+  const auto full = step_losses(dir_ / "resume_full" / "metrics.jsonl");
+  const auto resumed = step_losses(dir_ / "resume_ddp4" / "metrics.jsonl");
+  ASSERT_EQ(full.size(), 6u);
+  ASSERT_EQ(resumed.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(resumed[i], full[3 + i], 1e-5 * std::fabs(full[3 + i])) << "step " << 3 + i;
+}
+
 class FailureSlow : public DistributedSlow {};
 
 TEST_F(FailureSlow, ARankThatSkipsACollectiveFailsTheJobWithItsName) {
