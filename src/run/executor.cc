@@ -114,7 +114,9 @@ void Executor::allocate(const Task& t) {
   if (t.allocs.empty()) return;
   {
     std::lock_guard<std::mutex> lock(buffers_mu_);
-    for (const auto& a : t.allocs) dynamic_[a.name] = Buffer(a.category, a.bytes);
+    // Gradient buffers accumulate and start at zero; what a collective fills whole need not.
+    for (const auto& a : t.allocs)
+      dynamic_[a.name] = Buffer(a.category, a.bytes, a.category == MemCategory::grads ? Buffer::Fill::zero : Buffer::Fill::none);
   }
   sample_memory();
 }

@@ -1,6 +1,7 @@
 #include "tensor/memory.h"
 
 #include <cstdlib>
+#include <map>
 #include <cstring>
 #include <new>
 #include <utility>
@@ -52,12 +53,59 @@ void MemoryTracker::reset_peak() {
   peak_ = live_;
 }
 
-Buffer::Buffer(MemCategory category, size_t bytes) : bytes_(bytes), category_(category) {
+namespace {
+
+// Freed blocks by rounded size, for reuse. Blocks live until the process ends.
+class BlockCache {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  static constexpr bool kEnabled = false;  // let the sanitizers see every free
+#else
+  static constexpr bool kEnabled = true;
+#endif
+
+ public:
+  static BlockCache& global() {
+    static BlockCache* cache = new BlockCache;  // never destroyed: buffers may outlive statics
+    return *cache;
+  }
+  void* take(size_t rounded) {
+    if (!kEnabled) {
+      void* p = std::aligned_alloc(64, rounded);
+      if (!p) throw std::bad_alloc();
+      return p;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(rounded);
+      if (it != free_.end()) {
+        void* p = it->second;
+        free_.erase(it);
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(64, rounded);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void give(void* p, size_t rounded) {
+    if (!kEnabled) return std::free(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(rounded, p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+};
+
+size_t rounded_size(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+}  // namespace
+
+Buffer::Buffer(MemCategory category, size_t bytes, Fill fill) : bytes_(bytes), category_(category) {
   if (bytes == 0) return;
-  size_t rounded = (bytes + 63) / 64 * 64;
-  data_ = std::aligned_alloc(64, rounded);
-  if (!data_) throw std::bad_alloc();
-  std::memset(data_, 0, rounded);
+  data_ = BlockCache::global().take(rounded_size(bytes));
+  if (fill == Fill::zero) std::memset(data_, 0, rounded_size(bytes));
   MemoryTracker::global().on_alloc(category_, static_cast<int64_t>(bytes_));
 }
 
@@ -78,7 +126,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::release() {
   if (!data_) return;
-  std::free(data_);
+  BlockCache::global().give(data_, rounded_size(bytes_));
   MemoryTracker::global().on_free(category_, static_cast<int64_t>(bytes_));
   data_ = nullptr;
   bytes_ = 0;

@@ -41,11 +41,17 @@ class MemoryTracker {
   MemSnapshot live_, peak_;
 };
 
-// An owning, 64-byte aligned, zero-filled allocation charged to one category. Move-only.
+// An owning, 64-byte aligned allocation charged to one category. Move-only. Zero-filled unless
+// asked not to be (buffers a collective overwrites whole).
+//
+// Blocks come from a process-wide cache keyed by size: a step frees and re-allocates the same
+// gathered-unit and gradient buffers every time, and fresh pages from the kernel would cost a
+// page fault per 4 KiB each time. The tracker counts bytes in use, not bytes cached.
 class Buffer {
  public:
+  enum class Fill { zero, none };
   Buffer() = default;
-  Buffer(MemCategory category, size_t bytes);
+  Buffer(MemCategory category, size_t bytes, Fill fill = Fill::zero);
   ~Buffer();
   Buffer(Buffer&& o) noexcept;
   Buffer& operator=(Buffer&& o) noexcept;
