@@ -11,7 +11,8 @@ shardlm:  mpirun --oversubscribe -np 2 build/shardlm train --model small --data 
 torch:    torch.distributed (gloo; Debian's torch has no CPU FSDP and its gloo no reduce-scatter)
           DistributedDataParallel over tests/reference/gpt2_reference.py's GPT2, AdamW, clip 1.0,
           2 processes x 1 thread, flush-denormal on, OPENBLAS_CORETYPE=SkylakeX where the CPU has
-          AVX-512. Same random llm.c token data.
+          AVX-512, glibc malloc kept from returning memory to the kernel (vs_torch.TUNED_MALLOC).
+          Same random llm.c token data.
 Runs alternate between shardlm and torch so machine drift hits both.
 """
 import argparse
@@ -83,6 +84,9 @@ def run_torch_ddp(steps, warmup, out_dir):
     if "avx512f" in open("/proc/cpuinfo").read():
         env["OPENBLAS_CORETYPE"] = "SkylakeX"
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
+    # Keep freed memory in the heap (as a caching allocator would), or torch page-faults its
+    # logits-sized buffers in again every step; see vs_torch.TUNED_MALLOC.
+    env["GLIBC_TUNABLES"] = vs_torch.TUNED_MALLOC
     result = os.path.join(out_dir, "torch_ddp.json")
     port = 29500 + os.getpid() % 1000
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--torch-rank", str(r), "--port", str(port),

@@ -276,15 +276,18 @@ def main():
     starved = False
     for config in configs:
         sl, tt = [], {v: [] for v in variants}
+        sl_rounds, tt_rounds = [], {v: [] for v in variants}  # per-round medians
         for r in range(args.rounds):
             if not args.torch_only:
                 s, util = run_shardlm(args, config)
                 sl += s
+                sl_rounds.append(statistics.median(s))
                 print(f"[{config} round {r + 1}] shardlm {args.threads} thr: {statistics.median(s):.1f} ms/step "
                       f"(cpu/wall {util:.2f}, load {loadavg():.2f})", flush=True)
             for v in variants:
                 s, info = run_torch(args, config, *v)
                 tt[v] += s
+                tt_rounds[v].append(statistics.median(s))
                 util = sum(info["cpu_ms"][args.warmup:]) / sum(info["step_ms"][args.warmup:])
                 starved |= util < 0.8 * v[0]
                 print(f"[{config} round {r + 1}] torch {variant_name(v)}: {statistics.median(s):.1f} ms/step "
@@ -293,23 +296,27 @@ def main():
         med_t = {v: statistics.median(x) for v, x in tt.items()}
         best = min(med_t, key=med_t.get)
         med_s = statistics.median(sl) if sl else None
-        results[config] = {"shardlm_ms": med_s,
+        results[config] = {"shardlm_ms": med_s, "shardlm_best_round_ms": min(sl_rounds) if sl_rounds else None,
                            "torch_ms": {variant_name(v): m for v, m in med_t.items()},
+                           "torch_best_round_ms": {variant_name(v): min(x) for v, x in tt_rounds.items()},
                            "torch_best": variant_name(best), "best_v": best,
                            "ratio": (med_s / med_t[best]) if med_s else None, "shape": CONFIGS[config]}
 
     print()
     print(f"median ms/step over {args.rounds} rounds × {args.steps - args.warmup} timed steps "
-          f"(first {args.warmup} of each run skipped); ratio = shardlm / best torch (* = best torch)")
+          f"(first {args.warmup} of each run skipped), in brackets the fastest round's median; "
+          f"ratio = shardlm / best torch (* = best torch), both medians")
     print()
     print("| config | B×T | shardlm threads | shardlm ms/step | " +
           " | ".join(f"torch ms/step ({variant_name(v)})" for v in variants) + " | ratio |")
     print("|" + "---|" * (5 + len(variants)))
     for config in configs:
         r, c = results[config], CONFIGS[config]
-        tcols = " | ".join(fmt(r["torch_ms"][variant_name(v)]) + (" *" if v == r["best_v"] else "") for v in variants)
+        tcols = " | ".join(f"{fmt(r['torch_ms'][variant_name(v)])} ({fmt(r['torch_best_round_ms'][variant_name(v)])})"
+                           + (" *" if v == r["best_v"] else "") for v in variants)
+        scol = fmt(r["shardlm_ms"]) + ("" if r["shardlm_ms"] is None else f" ({fmt(r['shardlm_best_round_ms'])})")
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"| {config} | {c['batch']}×{c['seq']} | {args.threads} | {fmt(r['shardlm_ms'])} | {tcols} | {ratio} |")
+        print(f"| {config} | {c['batch']}×{c['seq']} | {args.threads} | {scol} | {tcols} | {ratio} |")
     print(f"\nload average {loadavg():.2f} at end")
     if starved:
         print("WARNING: some torch runs got well under their threads' worth of CPU (cpu/wall above): "

@@ -323,6 +323,9 @@ StepResult Executor::step(int64_t step, const BatchFn& batch, float grad_scale, 
 
   std::thread comm_thread([&] {
     try {
+      // This thread only casts for bf16 collectives: one OpenMP thread, so it never competes
+      // with the compute stream's pool; denormals flushed as on every compute thread.
+      kernels::init_compute(1);
       for (const Task& task : plan_.tasks) {
         if (task.stream != Stream::comm) continue;
         if (wait_deps(task) < 0) return;
