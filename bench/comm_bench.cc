@@ -146,6 +146,7 @@ int main(int argc, char** argv) {
     if (c == "reduce_scatter") o.reduce_scatter = algo;
     if (c == "all_reduce") o.all_reduce = algo;
     if (c == "all_to_all") o.all_to_all = algo;
+    if (c == "broadcast") o.broadcast = algo;
     keep.push_back(std::make_unique<MpiCommunicator>(o));
     return keep.back().get();
   };
@@ -214,16 +215,16 @@ int main(int argc, char** argv) {
                      });
                    }});
   // broadcast
-  {
-    MpiCommunicator* c = comm_with("broadcast", Algorithm::automatic);
-    impls.push_back({"broadcast", "comm (MPI_Ibcast)", 1.0, [=](int64_t e) {
+  for (Algorithm al : {Algorithm::native, Algorithm::direct}) {
+    MpiCommunicator* c = comm_with("broadcast", al);
+    impls.push_back({"broadcast", std::string("comm ") + to_string(al), 1.0, [=](int64_t e) {
                        return std::function<void()>([=] { c->broadcast(A, e, dt, 0, "bench")->wait(to); });
                      }});
-    impls.push_back({"broadcast", "MPI_Bcast (blocking)", 1.0, [=](int64_t e) {
-                       return std::function<void()>(
-                           [=] { MPI_Bcast(A, static_cast<int>(e), mpi_type(dt), 0, MPI_COMM_WORLD); });
-                     }});
   }
+  impls.push_back({"broadcast", "MPI_Bcast (blocking)", 1.0, [=](int64_t e) {
+                     return std::function<void()>(
+                         [=] { MPI_Bcast(A, static_cast<int>(e), mpi_type(dt), 0, MPI_COMM_WORLD); });
+                   }});
   impls.push_back({"memcpy", "memcpy S (one rank's copy)", 0.0, [=](int64_t e) {
                      return std::function<void()>([=] { std::memcpy(B, A, e * es); });
                    }});

@@ -4,6 +4,7 @@
 #
 #   bash scripts/setup.sh            # install, fetch tokenizer + corpus, build build/shardlm
 #   SHARDLM_SKIP_BUILD=1 bash scripts/setup.sh   # install and fetch only
+#   SHARDLM_BUILD_TARGET=shardlm bash scripts/setup.sh   # build the executable only
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -30,5 +31,5 @@ bash scripts/fetch_data.sh "$REPO/data"
 
 if [[ -z "${SHARDLM_SKIP_BUILD:-}" ]]; then
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build -j"$(nproc)"
+  cmake --build build -j"$(nproc)" ${SHARDLM_BUILD_TARGET:+--target "$SHARDLM_BUILD_TARGET"}
 fi

@@ -9,16 +9,24 @@
 // on a collective (the executor's comm thread) thus drives all collectives in flight while other
 // threads compute; nothing moves while no thread tests any Work.
 //
-// Algorithms (MpiOptions; `automatic` resolves as below, from bench/comm_bench.cc at 2–4 ranks
-// on one shared-memory node, Open MPI 4.1.4, see BENCHMARKS.md):
-//   all_gather      direct      (each rank sends its block to every peer; no staging, no adds)
-//   reduce_scatter  direct      (chunked pairwise exchange, each chunk summed on arrival)
-//   all_reduce      direct      (direct reduce-scatter in place, then direct all-gather)
-//   all_to_all      direct
-//   broadcast, barrier, send, recv: MPI_Ibcast, MPI_Ibarrier, MPI_Isend, MPI_Irecv.
-// Above kDirectMaxRanks ranks, automatic picks ring instead of direct for all_gather,
-// reduce_scatter and all_reduce (size−1 concurrent messages per rank and (size−1)-fold staging
-// do not scale; not measured here) and native for all_to_all.
+// Algorithms (MpiOptions; `automatic` resolves as below). Chosen from bench/comm_bench.cc on this
+// machine (2 shared cores, Open MPI 4.1.4, shared memory with CMA single-copy), fp32, 2–4 ranks,
+// 4/16/64 MiB. Open MPI's nonblocking reductions are far off: MPI_Ireduce_scatter_block
+// (= its blocking twin) reached 0.1–0.15 GB/s bus bandwidth at 16–64 MiB, MPI_Iallreduce
+// 0.2–0.35 GB/s at 64 MiB, against 1.5–4.5 GB/s for the point-to-point schedules here:
+//   all_gather      direct   each rank sends its block to every peer, which receives it in place
+//                            (ties with ring and MPI_Allgather; beats MPI_Iallgather)
+//   reduce_scatter  direct   chunked pairwise exchange, each chunk summed on arrival (ties with
+//                            ring; 10–30× MPI_Ireduce_scatter_block at ≥ 16 MiB)
+//   all_reduce      direct   direct reduce-scatter in place, then direct all-gather (ties with
+//                            ring; ≥ 10× MPI_Iallreduce at 64 MiB)
+//   all_to_all      direct   (ties with MPI_Ialltoall / MPI_Alltoall)
+//   broadcast       direct   the root sends to every rank (≥ MPI_Ibcast)
+//   barrier, send, recv: MPI_Ibarrier, MPI_Isend, MPI_Irecv.
+// Where direct and ring tie, direct wins on accuracy: a bf16 sum is rounded once, not at every
+// hop. Above kDirectMaxRanks ranks, automatic picks ring for all_gather, reduce_scatter and
+// all_reduce and native for all_to_all and broadcast: direct keeps size−1 messages per rank in
+// flight and its reduce-scatter staging grows with size (not measured at that scale here).
 //
 // bf16 sums: `direct` adds each element's size contributions in fp32 in rank order and rounds
 // once; `ring` forwards bf16 partial sums, so each hop rounds (size−1 roundings, order starting
@@ -88,7 +96,7 @@ class MpiCommunicator final : public Communicator {
 
   const MpiOptions& options() const { return options_; }
   // The algorithm `automatic` stands for on this communicator; others are returned unchanged.
-  // `collective` is "all_gather", "reduce_scatter", "all_reduce" or "all_to_all".
+  // `collective` is "all_gather", "reduce_scatter", "all_reduce", "all_to_all" or "broadcast".
   Algorithm resolve(const std::string& collective, Algorithm requested) const;
   // The MPI communicator the collectives run on (user sends and receives too).
   MPI_Comm mpi_comm() const { return comm_; }

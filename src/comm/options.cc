@@ -53,6 +53,7 @@ MpiOptions mpi_options_from_env(MpiOptions o) {
       else if (key == "reduce_scatter") o.reduce_scatter = a;
       else if (key == "all_reduce") o.all_reduce = a;
       else if (key == "all_to_all") o.all_to_all = a;
+      else if (key == "broadcast") o.broadcast = a;
       else throw std::invalid_argument("comm: SHARDLM_COMM_ALGOS key \"" + key + "\" is unknown");
     }
   }

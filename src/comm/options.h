@@ -29,7 +29,8 @@ struct WaitPolicy {
 //   via_all_reduce  reduce_scatter only: MPI_Iallreduce of the whole buffer, keep own block.
 //   automatic       what bench/comm_bench.cc measured fastest (see mpi_backend.h).
 // all_reduce accepts native, direct (direct reduce-scatter + direct all-gather) and ring (ring
-// reduce-scatter + ring all-gather); all_to_all accepts native and direct.
+// reduce-scatter + ring all-gather); all_to_all and broadcast accept native and direct (the
+// root sends the whole buffer to every other rank).
 enum class Algorithm { automatic, native, direct, ring, via_all_reduce };
 
 const char* to_string(Algorithm a);
@@ -41,6 +42,7 @@ struct MpiOptions {
   Algorithm reduce_scatter = Algorithm::automatic;
   Algorithm all_reduce = Algorithm::automatic;
   Algorithm all_to_all = Algorithm::automatic;
+  Algorithm broadcast = Algorithm::automatic;
   // Granularity of the point-to-point algorithms' reductions: a chunk is received, summed and
   // forwarded while the next ones are in flight. `window` chunks are in flight per peer; the
   // staging memory (MemCategory::comm) of one collective is at most
@@ -51,7 +53,7 @@ struct MpiOptions {
 };
 
 // Applies SHARDLM_COMM_ALGOS (e.g. "reduce_scatter=ring,all_reduce=native"; keys all_gather,
-// reduce_scatter, all_reduce, all_to_all), SHARDLM_COMM_CHUNK_KB and SHARDLM_COMM_WINDOW from
+// reduce_scatter, all_reduce, all_to_all, broadcast), SHARDLM_COMM_CHUNK_KB and SHARDLM_COMM_WINDOW from
 // the environment to `base`. Throws std::invalid_argument on a malformed value.
 MpiOptions mpi_options_from_env(MpiOptions base = {});
 

@@ -57,18 +57,18 @@ bool Work::is_completed() {
 void Work::wait(std::chrono::milliseconds timeout) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto deadline = start + timeout;
   auto sleep = std::chrono::microseconds(1);
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (poll_locked()) return;
     }
-    const auto now = clock::now();
-    if (now >= deadline) {
+    // Elapsed time in the timeout's unit, so that a huge timeout cannot overflow.
+    const auto elapsed = clock::now() - start;
+    if (std::chrono::duration_cast<std::chrono::milliseconds>(elapsed) >= timeout) {
       throw TimeoutError(collective_, label_, rank_, size_, backend_, timeout);
     }
-    if (now - start < policy_.spin) {
+    if (elapsed < policy_.spin) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(sleep);

@@ -106,6 +106,7 @@ struct Plan {
 // The embedding unit is used at both ends of the forward and at the start and end of the
 // backward (tied head), so sharded plans gather it once per step and keep it, as FSDP keeps its
 // root unit: a memory price of one gathered embedding for fewer collectives.
+// With one rank every strategy becomes DDP's plan without collectives.
 // Throws std::invalid_argument naming the field of a bad configuration.
 Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config);
 

@@ -71,6 +71,7 @@ class Builder {
 };
 
 void Builder::reduce_grad(int u, int producer) {
+  if (cfg_.world == 1) return;
   if (sharded_grads_) {
     const int rs = add(Op::reduce_scatter, Stream::comm, u, cfg_.grad_accum - 1, {producer});
     tasks_[rs].bytes = unit_bytes(u, cfg_.reduce_bytes);
@@ -252,6 +253,9 @@ void validate(const PlanConfig& c) {
 
 Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
+  // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
+  // (a sharded plan would only copy parameters into gathered buffers and back).
+  if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
   validate(c);
   return Builder(desc, c).build();

@@ -184,17 +184,23 @@ class MpiBasics : public ::testing::Test {
   int r_ = 0, n_ = 1;
 };
 
-TEST_F(MpiBasics, BroadcastFromEveryRoot) {
-  for (DType d : {DType::fp32, DType::bf16}) {
-    for (int root = 0; root < n_; ++root) {
-      for (int64_t c : {int64_t(1), int64_t(7), testing::kLargeCount}) {
-        std::vector<float> v(c, -77.0f);
-        if (r_ == root)
-          for (int64_t i = 0; i < c; ++i) v[i] = small_int(root, i);
-        auto buf = encode(v, d);
-        comm_->broadcast(buf.data(), c, d, root, "bcast test")->wait(kTestTimeout);
-        auto got = decode(buf, d);
-        for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[i], small_int(root, i));
+TEST(Broadcast, FromEveryRootWithEveryAlgorithm) {
+  for (Algorithm a : {Algorithm::native, Algorithm::direct, Algorithm::automatic}) {
+    MpiOptions o;
+    o.broadcast = a;
+    MpiCommunicator comm(o);
+    const int n = comm.size(), r = comm.rank();
+    for (DType d : {DType::fp32, DType::bf16}) {
+      for (int root = 0; root < n; ++root) {
+        for (int64_t c : {int64_t(1), int64_t(7), testing::kLargeCount}) {
+          std::vector<float> v(c, -77.0f);
+          if (r == root)
+            for (int64_t i = 0; i < c; ++i) v[i] = small_int(root, i);
+          auto buf = encode(v, d);
+          comm.broadcast(buf.data(), c, d, root, "bcast test")->wait(kTestTimeout);
+          auto got = decode(buf, d);
+          for (int64_t i = 0; i < c; ++i) ASSERT_EQ(got[i], small_int(root, i)) << to_string(a) << " root " << root;
+        }
       }
     }
   }

@@ -94,6 +94,19 @@ TEST(SingleRank, UnmatchedRecvTimesOut) {
   EXPECT_TRUE(w->is_completed());
 }
 
+TEST(SingleRank, HugeTimeoutIsNoTimeout) {
+  SingleRankCommunicator c;
+  float x[2] = {1, 2}, y[2] = {0, 0};
+  auto w = c.recv(y, 2, DType::fp32, 0, 4, "recv");
+  std::thread t([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    c.send(x, 2, DType::fp32, 0, 4, "send")->wait();
+  });
+  w->wait(std::chrono::milliseconds::max());
+  t.join();
+  EXPECT_EQ(y[1], 2.0f);
+}
+
 TEST(Factory, PicksMpiUnderALauncher) {
   // This binary runs under mpirun (MPI is initialised), so the factory must pick MPI.
   auto c = make_communicator();

@@ -36,7 +36,7 @@ std::shared_ptr<Work> issue(Communicator& c, const std::string& which, std::vect
 TEST_P(TimeoutTest, SkippedCollectiveTimesOutWithItsName) {
   const TimeoutCase tc = GetParam();
   MpiOptions o;
-  o.all_gather = o.reduce_scatter = o.all_reduce = o.all_to_all = tc.algo;
+  o.all_gather = o.reduce_scatter = o.all_reduce = o.all_to_all = o.broadcast = tc.algo;
   MpiCommunicator comm(o);
   MpiCommunicator signal;  // a second channel, free of the pending collective
   const int n = comm.size(), r = comm.rank();
@@ -81,7 +81,8 @@ INSTANTIATE_TEST_SUITE_P(
                       TimeoutCase{"all_reduce", Algorithm::ring}, TimeoutCase{"all_gather", Algorithm::direct},
                       TimeoutCase{"all_gather", Algorithm::native}, TimeoutCase{"reduce_scatter", Algorithm::direct},
                       TimeoutCase{"reduce_scatter", Algorithm::native}, TimeoutCase{"all_to_all", Algorithm::direct},
-                      TimeoutCase{"broadcast", Algorithm::native}, TimeoutCase{"barrier", Algorithm::native}),
+                      TimeoutCase{"broadcast", Algorithm::native}, TimeoutCase{"broadcast", Algorithm::direct},
+                      TimeoutCase{"barrier", Algorithm::native}),
     [](const ::testing::TestParamInfo<TimeoutCase>& i) {
       return std::string(i.param.collective) + "_" + to_string(i.param.algo);
     });
