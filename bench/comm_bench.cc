@@ -2,7 +2,10 @@
 // blocking calls, so MpiCommunicator's `automatic` can use the fastest (see mpi_backend.h).
 //
 //   mpirun --oversubscribe -np 2 build/comm_bench [--sizes 4,16,64] [--iters 15] [--dtype fp32]
-//          [--only all_reduce] [--wait-spin-us N --wait-max-sleep-us N]
+//          [--only all_reduce] [--impl direct,ring] [--wait-spin-us N --wait-max-sleep-us N]
+//
+// --only keeps one collective, --impl the implementations whose name contains one of the given
+// words (e.g. `--only reduce_scatter --impl direct,ring` for a paired comparison of two).
 //
 // Sizes are MiB of the whole buffer S (all_gather: the gathered output; reduce_scatter and
 // all_to_all: the input; all_reduce, broadcast: the buffer). Each iteration starts after a
@@ -42,6 +45,7 @@ struct Args {
   int iters = 15;
   DType dtype = DType::fp32;
   std::string only;
+  std::vector<std::string> impl_words;
   WaitPolicy wait;
 };
 
@@ -68,6 +72,10 @@ Args parse(int argc, char** argv) {
       a.dtype = d == "bf16" ? DType::bf16 : DType::fp32;
     } else if (k == "--only") {
       a.only = val();
+    } else if (k == "--impl") {
+      std::stringstream ss(val());
+      std::string w;
+      while (std::getline(ss, w, ',')) a.impl_words.push_back(w);
     } else if (k == "--wait-spin-us") {
       a.wait.spin = std::chrono::microseconds(std::stoi(val()));
     } else if (k == "--wait-max-sleep-us") {
@@ -232,8 +240,12 @@ int main(int argc, char** argv) {
   // Implementations take turns within each iteration, so load from other processes on a shared
   // machine falls on all of them alike.
   std::vector<Impl*> chosen;
-  for (auto& impl : impls)
-    if (args.only.empty() || impl.collective == args.only) chosen.push_back(&impl);
+  for (auto& impl : impls) {
+    if (!args.only.empty() && impl.collective != args.only) continue;
+    bool named = args.impl_words.empty();
+    for (const auto& w : args.impl_words) named = named || impl.name.find(w) != std::string::npos;
+    if (named) chosen.push_back(&impl);
+  }
   for (int mib : args.sizes_mib) {
     const int64_t elems = ((int64_t(mib) << 20) / es) / n * n;  // divisible by n
     const double bytes = double(elems) * es;

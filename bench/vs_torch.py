@@ -6,11 +6,13 @@
   /usr/bin/python3 bench/vs_torch.py --configs small --rounds 2 --steps 6
   bench/vs_torch.sh ...                               # the same, through /usr/bin/python3
 
-Each round runs, one after the other: shardlm (2 threads), torch with 1 thread, torch with 2
-threads, each a fresh process doing --steps training steps of which the first --warmup are not
-timed. Rounds alternate so that drift of the machine (thermal, neighbours) hits both sides alike.
-Reported: the median ms/step over all timed steps of all rounds; torch at its better thread
-count; ratio = shardlm / best torch (below 1: shardlm faster).
+Each round runs, one after the other: shardlm (2 threads), then torch with 1 and 2 threads, each
+with glibc's malloc as is and tuned (see below), each a fresh process doing --steps training
+steps of which the first --warmup are not timed. Rounds alternate so that drift of the machine
+(thermal, neighbours) hits both sides alike. Reported: the median ms/step over all timed steps
+of all rounds (and the fastest round's median); torch at its best variant; ratio = shardlm /
+best torch (below 1: shardlm faster). Each run's cpu/wall is printed: a run that got much less
+than its threads' worth of CPU ran on a busy machine, and the script warns.
 
 shardlm:  build/shardlm train --model PRESET --data data/bench --steps N --batch B --seq T
           --threads 2 --seed 1 --out DIR --eval-every 0 --save-every 0
@@ -18,9 +20,10 @@ shardlm:  build/shardlm train --model PRESET --data data/bench --steps N --batch
 torch:    tests/reference/gpt2_reference.py's GPT2, GPT-2 init, AdamW (decay on 2-D tensors),
           grad clip 1.0, fp32, torch.set_flush_denormal(True); OPENBLAS_CORETYPE=SkylakeX in its
           environment where /proc/cpuinfo shows avx512f (OpenBLAS reads it when it loads);
-          OMP_NUM_THREADS / OPENBLAS_NUM_THREADS = its thread count. --torch-malloc default,tuned
-          adds runs with GLIBC_TUNABLES that stop glibc returning large blocks to the kernel
-          (torch otherwise page-faults its logits-sized buffers in every step; see TUNED_MALLOC).
+          OMP_NUM_THREADS / OPENBLAS_NUM_THREADS = its thread count. "tuned" malloc sets
+          GLIBC_TUNABLES so that glibc stops returning large blocks to the kernel (otherwise torch
+          page-faults its logits-sized buffers in every step, ~3-4x slower on 2 cores); pass
+          --torch-malloc default to measure only glibc as is.
 Data:     data/bench_{train,val}.bin, llm.c token shards of random tokens < 50257, made here.
 Run by /usr/bin/python3 (the one with torch).
 """
@@ -168,7 +171,7 @@ def loadavg():
 def run_torch(args, config, threads, malloc):
     cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--config", config,
            "--threads", str(threads), "--steps", str(args.steps), "--data", args.data]
-    p = subprocess.run(cmd, env=torch_env(threads, malloc), capture_output=True, text=True)
+    p = subprocess.run(cmd, env=torch_env(threads, malloc), capture_output=True, text=True, errors="replace")
     if p.returncode != 0:
         raise SystemExit(f"torch run failed ({shlex.join(cmd)}):\n{p.stdout}{p.stderr}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -188,7 +191,7 @@ def run_shardlm(args, config):
     with tempfile.TemporaryDirectory(prefix=f"shardlm_bench_{config}_") as out_dir:
         cmd = shardlm_cmd(args, config, out_dir)
         t0 = os.times()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         t1 = os.times()
         if p.returncode != 0:
             raise SystemExit(f"shardlm run failed (exit {p.returncode}): {shlex.join(cmd)}\n"
@@ -230,7 +233,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="steps per run not timed")
     ap.add_argument("--threads", type=int, default=2, help="shardlm threads")
     ap.add_argument("--torch-threads", default="1,2")
-    ap.add_argument("--torch-malloc", default="default",
+    ap.add_argument("--torch-malloc", default="default,tuned",
                     help="comma list: default (glibc as is), tuned (GLIBC_TUNABLES keeps freed memory; "
                          "much faster torch on CPU). torch's best over all variants is used for the ratio")
     ap.add_argument("--binary", default=os.path.join(ROOT, "build", "shardlm"))

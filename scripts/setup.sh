@@ -14,11 +14,15 @@ cd "$REPO"
 # numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
 PACKAGES=(g++ cmake make libdnnl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
           libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
-          nodejs npm bible-kjv)
+          bible-kjv)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js may come from elsewhere than Debian (e.g. NodeSource's nodejs, which bundles npm and
+# conflicts with Debian's npm package): install Debian's only when the commands are missing.
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=""

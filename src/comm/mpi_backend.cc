@@ -363,25 +363,28 @@ class ScheduleWork final : public MpiWork {
   size_t cur_ = 0;
 };
 
-// Sends, receives and local copies that need no ordering among themselves: direct all-gather,
-// direct all-to-all. Messages longer than kMaxMessageElems are split.
+// Local copies, then sends and receives that need no ordering among themselves: direct
+// all-gather, all-to-all, broadcast. Messages longer than `max_elems` are split.
 class ExchangeMachine final : public Machine {
  public:
-  ExchangeMachine(const Ctx& c) : c_(c) {}
+  // Messages are split into pieces of at most `max_elems` (≤ kMaxMessageElems).
+  ExchangeMachine(const Ctx& c, int64_t max_elems = kMaxMessageElems)
+      : c_(c), max_(std::min(max_elems, kMaxMessageElems)) {}
   void add_send(const void* p, int64_t count, int peer) {
-    for (int64_t o = 0; o < count; o += kMaxMessageElems)
+    for (int64_t o = 0; o < count; o += max_)
       sends_.push_back({const_cast<char*>(static_cast<const char*>(p)) + o * c_.esize,
-                        std::min(kMaxMessageElems, count - o), peer});
+                        std::min(max_, count - o), peer});
   }
   void add_recv(void* p, int64_t count, int peer) {
-    for (int64_t o = 0; o < count; o += kMaxMessageElems)
-      recvs_.push_back({static_cast<char*>(p) + o * c_.esize, std::min(kMaxMessageElems, count - o), peer});
+    for (int64_t o = 0; o < count; o += max_)
+      recvs_.push_back({static_cast<char*>(p) + o * c_.esize, std::min(max_, count - o), peer});
   }
   void add_copy(void* dst, const void* src, int64_t count) {
     if (dst != src && count > 0) copies_.push_back({dst, src, count * c_.esize});
   }
   bool advance() override {
     if (!posted_) {
+      for (auto& cp : copies_) std::memcpy(cp.dst, cp.src, cp.bytes);
       // Receives first, so the peers' sends find them posted.
       for (auto& m : recvs_) {
         reqs_.emplace_back();
@@ -391,7 +394,6 @@ class ExchangeMachine final : public Machine {
         reqs_.emplace_back();
         isend(c_, m.p, m.n, m.peer, c_.tag, &reqs_.back());
       }
-      for (auto& cp : copies_) std::memcpy(cp.dst, cp.src, cp.bytes);
       posted_ = true;
     }
     int flag = 0;
@@ -412,6 +414,7 @@ class ExchangeMachine final : public Machine {
     int64_t bytes;
   };
   Ctx c_;
+  int64_t max_;
   std::vector<Msg> sends_, recvs_;
   std::vector<Copy> copies_;
   std::vector<MPI_Request> reqs_;
@@ -698,15 +701,18 @@ class RingAllGather final : public Machine {
 std::unique_ptr<Machine> direct_all_gather(const Ctx& c, const void* send, void* out, const Blocks& b) {
   auto m = std::make_unique<ExchangeMachine>(c);
   char* o = static_cast<char*>(out);
+  char* own = o + b.off[c.rank] * c.esize;
+  // The own block is copied into place first and sent from there: the peers then read (with
+  // CMA, they copy straight out of this process) data that is still in cache.
+  m->add_copy(own, send, b.len[c.rank]);
   for (int i = 1; i < c.size; ++i) {
     const int q = (c.rank + i) % c.size;
     m->add_recv(o + b.off[q] * c.esize, b.len[q], q);
   }
   for (int i = 1; i < c.size; ++i) {
     const int q = (c.rank + c.size - i) % c.size;
-    m->add_send(send, b.len[c.rank], q);
+    m->add_send(own, b.len[c.rank], q);
   }
-  m->add_copy(o + b.off[c.rank] * c.esize, send, b.len[c.rank]);
   return m;
 }
 
@@ -753,7 +759,7 @@ void MpiCommunicator::set_up() {
   int flag = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
   const int tag_ub = flag && ub ? *ub : 32767;
-  tag_blocks_ = std::max(1, (tag_ub + 1) / kTagsPerCollective);
+  tag_blocks_ = static_cast<int>(std::max<int64_t>(1, (int64_t(tag_ub) + 1) / kTagsPerCollective));
   pool_ = std::make_shared<StagingPool>();
 }
 

@@ -14,10 +14,12 @@
 // 4/16/64 MiB. Open MPI's nonblocking reductions are far off: MPI_Ireduce_scatter_block
 // (= its blocking twin) reached 0.1–0.15 GB/s bus bandwidth at 16–64 MiB, MPI_Iallreduce
 // 0.2–0.35 GB/s at 64 MiB, against 1.5–4.5 GB/s for the point-to-point schedules here:
-//   all_gather      direct   each rank sends its block to every peer, which receives it in place
-//                            (ties with ring and MPI_Allgather; beats MPI_Iallgather)
+//   all_gather      direct   each rank copies its block into place and sends it from there to
+//                            every peer (≈ MPI_Allgather; 5–20% ahead of ring; beats
+//                            MPI_Iallgather)
 //   reduce_scatter  direct   chunked pairwise exchange, each chunk summed on arrival (ties with
-//                            ring; 10–30× MPI_Ireduce_scatter_block at ≥ 16 MiB)
+//                            ring at 2–3 ranks, ring up to 20% ahead at 4 oversubscribed ranks
+//                            and 64 MiB; 10–30× MPI_Ireduce_scatter_block at ≥ 16 MiB)
 //   all_reduce      direct   direct reduce-scatter in place, then direct all-gather (ties with
 //                            ring; ≥ 10× MPI_Iallreduce at 64 MiB)
 //   all_to_all      direct   (ties with MPI_Ialltoall / MPI_Alltoall)
@@ -67,7 +69,8 @@ class StagingPool;
 class MpiCommunicator final : public Communicator {
  public:
   // A communicator over a duplicate of `comm` (by default every rank of the job). Needs
-  // init_mpi(). Collective over `comm` (MPI_Comm_dup).
+  // init_mpi(). Collective over `comm` (MPI_Comm_dup). Destroy it only once its collectives have
+  // completed (the point-to-point schedules still post messages on it until then).
   explicit MpiCommunicator(MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
