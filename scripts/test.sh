@@ -19,3 +19,6 @@ cmake --build build-asan -j"$JOBS"
 # OpenMP's runtime (uninstrumented) keeps thread-local allocations alive at exit.
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j"$JOBS" -E 'Slow'
+
+echo "=== thread sanitizer build: comm tests under mpirun ==="
+bash scripts/test_tsan.sh

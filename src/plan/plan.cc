@@ -51,14 +51,28 @@ const char* to_string(Group g) {
 }
 
 std::string Task::name(const model::ModelDesc* desc) const {
-  auto unit_name = [&](int u) { return desc ? desc->units[u].name : "u" + std::to_string(u); };
   std::string s = to_string(op);
+  auto add_unit = [&](int u) {
+    s += ' ';
+    if (desc) {
+      s += desc->units[u].name;
+    } else {
+      s += 'u';
+      s += std::to_string(u);
+    }
+  };
   if (op == Op::all_reduce && first_unit >= 0) {
-    s += " " + unit_name(first_unit) + ".." + unit_name(last_unit);
+    add_unit(first_unit);
+    s += "..";
+    add_unit(last_unit);
   } else if (unit >= 0) {
-    s += " " + unit_name(unit);
+    add_unit(unit);
   }
-  if (op == Op::forward || op == Op::backward || op == Op::head || op == Op::all_gather) s += " [m" + std::to_string(micro) + "]";
+  if (op == Op::forward || op == Op::backward || op == Op::head || op == Op::all_gather) {
+    s += " [m";
+    s += std::to_string(micro);
+    s += ']';
+  }
   return s;
 }
 

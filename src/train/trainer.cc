@@ -39,7 +39,11 @@ json mem_json(const MemSnapshot& s) {
 
 std::string progress_bar(int64_t done, int64_t total, int width = 20) {
   const int filled = total > 0 ? static_cast<int>(width * done / total) : width;
-  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+  std::string bar(width + 2, '.');
+  bar.front() = '[';
+  bar.back() = ']';
+  bar.replace(1, filled, filled, '#');
+  return bar;
 }
 
 }  // namespace

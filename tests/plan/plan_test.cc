@@ -123,8 +123,11 @@ TEST(Plan, NoCommunicationBeforeTheLastMicroStep) {
   for (Strategy s : {Strategy::ddp, Strategy::zero2, Strategy::fsdp}) {
     c.strategy = s;
     const Plan p = build_plan(small(), c);
-    for (const Task& t : p.tasks)
-      if (t.op == Op::reduce_scatter || t.op == Op::all_reduce) EXPECT_EQ(t.micro, 2) << t.name();
+    for (const Task& t : p.tasks) {
+      if (t.op == Op::reduce_scatter || t.op == Op::all_reduce) {
+        EXPECT_EQ(t.micro, 2) << t.name();
+      }
+    }
   }
 }
 

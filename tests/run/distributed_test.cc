@@ -90,7 +90,9 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
     EXPECT_GE(row["mem"]["params"].get<int64_t>(), p.static_memory.params);
     EXPECT_LE(row["mem"]["params"].get<int64_t>(), bound[MemCategory::params]);
   }
-  if (l.strategy == "fsdp" || l.strategy == "zero2") EXPECT_EQ(p.static_memory.grads * pc.world, p.layout.total * 4);
+  if (l.strategy == "fsdp" || l.strategy == "zero2") {
+    EXPECT_EQ(p.static_memory.grads * pc.world, p.layout.total * 4);
+  }
 
   const auto want = step_losses(dir_ / single / "metrics.jsonl");
   const auto got = step_losses(dir_ / name / "metrics.jsonl");
