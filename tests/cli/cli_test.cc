@@ -210,13 +210,16 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
 // far outside any run-to-run difference (same seed and threads are bitwise reproducible).
 TEST(DemoSlow, QuickstartRunLearnsBeyondUnigramStatistics) {
   const fs::path src = std::getenv("SHARDLM_SOURCE_DIR");
-  const fs::path data = src / "data" / "kjv" / "kjv";
-  ASSERT_TRUE(fs::exists(data.string() + "_train.bin") && fs::exists(data.string() + "_val.bin"))
-      << data << "_{train,val}.bin missing: bash scripts/setup.sh fetches and tokenizes the corpus";
+  const fs::path text = src / "data" / "kjv" / "kjv.txt";
+  ASSERT_TRUE(fs::exists(text)) << text << " missing: bash scripts/setup.sh fetches the corpus";
   const fs::path out = fs::temp_directory_path() / ("shardlm_demo_" + std::to_string(::getpid()));
   fs::remove_all(out);
+  fs::create_directories(out);
+  const fs::path data = out / "kjv";  // tokenized here as scripts/quickstart.sh does
+  const Result t = run("tokenize --in " + text.string() + " --out " + data.string() + " --tokenizer gpt2");
+  ASSERT_EQ(t.code, 0) << t.out;
   const Result r = run("train --config " + (src / "configs" / "quickstart.toml").string() + " --data " + data.string() +
-                       " --out " + out.string());
+                       " --out " + (out / "run").string());
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string key = "final val_loss ";
   const size_t at = r.out.find(key);
@@ -231,7 +234,7 @@ TEST(DemoSlow, QuickstartRunLearnsBeyondUnigramStatistics) {
   EXPECT_GT(unigram, 5.0) << r.out.substr(at, 200);
   EXPECT_LT(val, unigram - 0.4) << r.out.substr(at, 200);
   EXPECT_NE(r.out.find("--- sample ---"), std::string::npos);
-  EXPECT_EQ(losses(out / "metrics.jsonl").size(), 400u);
+  EXPECT_EQ(losses(out / "run" / "metrics.jsonl").size(), 400u);
   fs::remove_all(out);
 }
 
