@@ -77,12 +77,22 @@ std::string Task::name(const model::ModelDesc* desc) const {
 }
 
 bool Plan::depends_on(int later, int earlier) const {
+  // A task waits for its deps and for the task before it on its own stream.
+  std::vector<int> prev_on_stream(tasks.size(), -1);
+  std::vector<int> last{-1, -1};
+  for (const Task& t : tasks) {
+    int& l = last[static_cast<int>(t.stream)];
+    prev_on_stream[t.id] = l;
+    l = t.id;
+  }
   std::vector<char> seen(tasks.size(), 0);
   std::vector<int> stack{later};
   while (!stack.empty()) {
     const int t = stack.back();
     stack.pop_back();
-    for (int d : tasks[t].deps) {
+    std::vector<int> preds = tasks[t].deps;
+    if (prev_on_stream[t] >= 0) preds.push_back(prev_on_stream[t]);
+    for (int d : preds) {
       if (d == earlier) return true;
       if (!seen[d]) seen[d] = 1, stack.push_back(d);
     }
@@ -169,7 +179,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   line("activations", static_memory.activations, MemCategory::activations);
   line("comm", 0, MemCategory::comm);
   line("workspace", static_memory.workspace, MemCategory::workspace);
-  o << "  total at peak: " << peak.total << "\n\ntasks (id stream op | deps | GFLOP | MB | allocs / frees):\n";
+  o << "  total at peak: " << peak.total << "\n\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";
   double flops = 0;
   int64_t comm_bytes = 0;
   for (const Task& t : tasks) {
@@ -178,7 +188,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     o << " | deps";
     for (int d : t.deps) o << " " << d;
     if (t.flops > 0) o << " | " << t.flops / 1e9 << " GFLOP";
-    if (t.bytes > 0) o << " | " << t.bytes / 1048576.0 << " MB";
+    if (t.bytes > 0) o << " | " << t.bytes / 1048576.0 << " MiB";
     for (const auto& a : t.allocs) o << " | +" << a.name << " " << a.bytes;
     for (const auto& f : t.frees) o << " | -" << f;
     o << "\n";
@@ -186,7 +196,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     comm_bytes += t.bytes;
   }
   o << "\ntotal: " << tasks.size() << " tasks, " << flops / 1e9 << " GFLOP, " << comm_bytes / 1048576.0
-    << " MB through collectives\n";
+    << " MiB of collectives\n";
   return o.str();
 }
 

@@ -61,7 +61,7 @@ struct Task {
   int first_unit = -1, last_unit = -1;  // all_reduce buckets: units [first, last]
   std::vector<int> deps;
   double flops = 0;   // compute work
-  int64_t bytes = 0;  // bytes this rank sends for a collective
+  int64_t bytes = 0;  // a collective's size: the whole gathered unit / reduced gradients, in the wire dtype
   std::vector<BufferUse> allocs;
   std::vector<std::string> frees;
   // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]".
@@ -98,7 +98,8 @@ struct Plan {
   MemSnapshot peak_memory() const;
   // Each category's own highest bytes over the same walk (they need not peak together).
   MemSnapshot max_memory() const;
-  // True when `later` depends, directly or through other tasks, on `earlier`.
+  // True when `later` cannot start before `earlier` has finished in any execution: it depends
+  // on it through deps and stream order (a task waits for the one before it on its stream).
   bool depends_on(int later, int earlier) const;
   std::string to_text(const model::ModelDesc& desc) const;
 };

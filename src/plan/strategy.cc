@@ -37,22 +37,42 @@ class Builder {
 
   // An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
   // issued at most `prefetch` compute tasks ahead of its consumer. consume() names the consumer.
+  // A unit's gathered buffer is one named buffer, so a unit is never gathered twice at once: its
+  // gather waits for the consumer of its previous gather.
   int gather(int u, int micro, int prefetch) {
     std::vector<int> deps;
     const int j = static_cast<int>(chain_.size());
     const int limit = cfg_.max_gathers_in_flight;
-    if (j - limit >= 0) deps.push_back(chain_[j - limit].second);
-    if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].second);
+    if (j - limit >= 0) deps.push_back(chain_[j - limit].consumer);
+    if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].consumer);
+    for (int k = j - 1; k >= 0; --k)
+      if (chain_[k].unit == u) {
+        deps.push_back(chain_[k].consumer);
+        break;
+      }
     std::sort(deps.begin(), deps.end());
     deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
     const int t = add(Op::all_gather, Stream::comm, u, micro, deps);
     tasks_[t].bytes = unit_bytes(u, cfg_.param_bytes);
     tasks_[t].allocs.push_back({gathered(u), MemCategory::params, unit_bytes(u, 4)});
     stage(t, plan_.layout.units[u].padded, plan_.layout.units[u].padded / plan_.shard_size, cfg_.param_bytes);
-    chain_.push_back({t, -1});
+    chain_.push_back({t, -1, u});
     return t;
   }
-  void consume(int compute_task) { chain_.back().second = compute_task; }
+  // The consumer frees the gathered buffer.
+  void consume(int compute_task) {
+    tasks_[compute_task].frees.push_back(gathered(chain_.back().unit));
+    chain_.back().consumer = compute_task;
+  }
+  // Between micro-steps the parameters do not change, and the last unit the backward gathered
+  // (h.0) is the first the next forward needs: keep it instead of gathering it again. Returns the
+  // gather the compute task now depends on.
+  int reuse(int u, int compute_task) {
+    auto& frees = tasks_[chain_.back().consumer].frees;
+    frees.erase(std::remove(frees.begin(), frees.end(), gathered(u)), frees.end());
+    consume(compute_task);
+    return chain_.back().gather;
+  }
 
   // After unit u's gradient is final on the last micro-step: reduce it the strategy's way.
   void reduce_grad(int u, int producer);
@@ -63,7 +83,10 @@ class Builder {
   const PlanConfig& cfg_;
   Plan plan_;
   std::vector<Task> tasks_;
-  std::vector<std::pair<int, int>> chain_;  // (all_gather task, its consumer)
+  struct Gathered {
+    int gather, consumer, unit;
+  };
+  std::vector<Gathered> chain_;  // every all_gather of a block or the final unit, in issue order
   std::vector<int> reductions_;             // every gradient collective
   int bucket_first_ = -1, bucket_last_ = -1;
   int64_t bucket_bytes_ = 0;
@@ -141,15 +164,20 @@ Plan Builder::build() {
     }
     int f = add(Op::forward, Stream::compute, emb, m, m == 0 && emb_gather >= 0 ? std::vector<int>{emb_gather} : std::vector<int>{});
     for (int u = 1; u < fin; ++u) {
-      const int ag = sharded_params_ ? gather(u, m, cfg_.prefetch_forward) : -1;
+      const bool held = sharded_params_ && m > 0 && !chain_.empty() && chain_.back().unit == u;
+      const int ag = sharded_params_ && !held ? gather(u, m, cfg_.prefetch_forward) : -1;
       f = add(Op::forward, Stream::compute, u, m, ag >= 0 ? std::vector<int>{ag} : std::vector<int>{});
       tasks_[f].flops = block_fwd;
-      if (ag >= 0) tasks_[f].frees.push_back(gathered(u)), consume(f);
+      if (held) {
+        tasks_[f].deps.push_back(reuse(u, f));
+      } else if (ag >= 0) {
+        consume(f);
+      }
     }
     const int ag_fin = sharded_params_ ? gather(fin, m, cfg_.prefetch_forward) : -1;
     const int head = add(Op::head, Stream::compute, fin, m, ag_fin >= 0 ? std::vector<int>{ag_fin} : std::vector<int>{});
     tasks_[head].flops = head_flops;
-    if (ag_fin >= 0) tasks_[head].frees.push_back(gathered(fin)), consume(head);
+    if (ag_fin >= 0) consume(head);
     if (sharded_grads_ && m == 0) {
       tasks_[head].allocs.push_back({full_grad(fin), MemCategory::grads, unit_bytes(fin, 4)});
       tasks_[head].allocs.push_back({full_grad(emb), MemCategory::grads, unit_bytes(emb, 4)});
@@ -162,7 +190,7 @@ Plan Builder::build() {
       const int b = add(Op::backward, Stream::compute, u, m, ag >= 0 ? std::vector<int>{ag} : std::vector<int>{});
       tasks_[b].flops = 2 * block_fwd;
       if (sharded_grads_ && m == 0) tasks_[b].allocs.push_back({full_grad(u), MemCategory::grads, unit_bytes(u, 4)});
-      if (ag >= 0) tasks_[b].frees.push_back(gathered(u)), consume(b);
+      if (ag >= 0) consume(b);
       if (m == last_micro) reduce_grad(u, b);
     }
     const int b_emb = add(Op::backward, Stream::compute, emb, m);

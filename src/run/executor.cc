@@ -64,6 +64,10 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   };
   fault_skip_step_ = fault_step("SHARDLM_FAULT_SKIP_COLLECTIVE");
   fault_kill_step_ = fault_step("SHARDLM_FAULT_KILL");
+  // Every rank's trace clock starts at the same moment (to within a barrier's latency), so the
+  // ranks' slices line up in one timeline.
+  comms.world().barrier("trace clock")->wait(timeout_);
+  t0_ = Clock::now();
   sample_memory();
 }
 

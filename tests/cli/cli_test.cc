@@ -204,6 +204,27 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
 }
 
+// `explain` needs no MPI and no data: the plan for 4 ranks, with every category's memory, each
+// unit's gather and reduce-scatter, and the totals.
+TEST(CliExplain, PrintsThePlanWithoutRunning) {
+  const Result r = run("explain --strategy fsdp --ranks 4 --model tiny --batch 2 --seq 32");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"strategy fsdp, 4 ranks", "params: static", "grads: static", "optimizer: static",
+                        "activations: static", "total at peak", "all_gather h.1", "forward h.1", "backward h.0",
+                        "reduce_scatter embedding", "grad_norm", "optimizer |", "GFLOP", "MiB"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << "no '" << s << "' in:\n" << r.out;
+  const Result ddp = run("explain --strategy ddp --ranks 2 --model tiny --batch 2 --seq 32");
+  ASSERT_EQ(ddp.code, 0) << ddp.out;
+  EXPECT_NE(ddp.out.find("all_reduce"), std::string::npos) << ddp.out;
+  EXPECT_EQ(ddp.out.find("all_gather"), std::string::npos) << ddp.out;
+}
+
+TEST(CliExplain, BadLayoutIsOneLineNamingTheField) {
+  expect_one_line_error(run("explain --strategy hybrid --ranks 4 --shard-group 3 --model tiny"), "shard-group");
+  expect_one_line_error(run("explain --strategy fsdpp --ranks 2 --model tiny"), "fsdpp");
+  expect_one_line_error(run("explain --strategy ddp --param-dtype bf16 --ranks 2 --model tiny"), "param-dtype");
+}
+
 // The quick start's run (configs/quickstart.toml: `small` on the GPT-2-tokenized KJV, 400 steps)
 // must learn: its final validation loss clearly below the unigram entropy of the validation
 // tokens, i.e. the model uses context. Measured 5.21 against 5.95 nats/token; a 0.4 margin is

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+
 namespace shardlm::plan {
 namespace {
 
@@ -98,6 +101,54 @@ TEST(Plan, GathersInFlightNeverExceedTheLimit) {
     EXPECT_LE(worst, limit);
     EXPECT_GE(worst, 1);
   }
+}
+
+// Plan buffers are named, so two lives of one name must never overlap in any order the
+// dependencies allow: each allocation of a name after the first depends on the free of the one
+// before, and every allocation is freed within the step. Over every strategy, micro-step count,
+// gather limit and prefetch depth.
+TEST(Plan, ANamedBufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
+  const model::ModelDesc d = model::describe(model::model_preset("tiny", 256));
+  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+    for (int accum : {1, 2, 3})
+      for (int limit : {1, 2, 3, 4})
+        for (int prefetch : {0, 1, 2, 3}) {
+          PlanConfig c;
+          c.strategy = s;
+          c.world = 4;
+          c.shard_group = 2;
+          c.grad_accum = accum;
+          c.max_gathers_in_flight = limit;
+          c.prefetch_forward = c.prefetch_backward = prefetch;
+          c.param_bytes = s == Strategy::fsdp || s == Strategy::hybrid ? 2 : 4;
+          c.reduce_bytes = 2;
+          const Plan p = build_plan(d, c);
+          const std::string what = std::string(to_string(s)) + " accum " + std::to_string(accum) + " limit " +
+                                   std::to_string(limit) + " prefetch " + std::to_string(prefetch);
+          std::map<std::string, int> live;       // name -> allocating task
+          std::map<std::string, int> last_free;  // name -> task that freed its previous life
+          for (const Task& t : p.tasks) {
+            for (const auto& a : t.allocs) {
+              EXPECT_FALSE(live.count(a.name)) << what << ": " << a.name << " allocated twice in list order";
+              if (last_free.count(a.name)) {
+                EXPECT_TRUE(p.depends_on(t.id, last_free[a.name]))
+                    << what << ": " << t.name(&d) << " allocates " << a.name << " without waiting for task "
+                    << last_free[a.name] << " to free it";
+              }
+              live[a.name] = t.id;
+            }
+            for (const auto& f : t.frees) {
+              ASSERT_TRUE(live.count(f)) << what << ": " << t.name(&d) << " frees " << f << ", which is not alive";
+              if (live[f] != t.id) {
+                EXPECT_TRUE(p.depends_on(t.id, live[f])) << what << ": " << t.name(&d) << " frees " << f;
+              }
+              last_free[f] = t.id;
+              live.erase(f);
+            }
+          }
+          EXPECT_TRUE(live.empty()) << what << ": " << live.size() << " buffers outlive the step, e.g. "
+                                    << (live.empty() ? "" : live.begin()->first);
+        }
 }
 
 TEST(Plan, ShardedStateIsOneNthOfThePaddedTotal) {

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <map>
+#include <set>
 
 #include "ckpt/safetensors.h"
 #include "model/gpt2.h"
@@ -164,6 +166,109 @@ TEST_F(DistributedSlow, ResumeAcrossStrategiesAndRankCounts) {
   ASSERT_EQ(full.size(), 6u);
   ASSERT_EQ(resumed.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(resumed[i], full[3 + i], 1e-5 * std::fabs(full[3 + i])) << "step " << 3 + i;
+}
+
+// Gradient accumulation: micro-steps accumulate locally and communicate once; N ranks with
+// --batch B --grad-accum K match one process with --batch N·B --grad-accum K.
+TEST_F(DistributedSlow, GradientAccumulationMatchesOneProcess) {
+  const auto single = shardlm(args("accum_single", 4) + " --grad-accum 2");
+  ASSERT_EQ(single.code, 0) << single.out;
+  const auto want = step_losses(dir_ / "accum_single" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 5u);
+  for (const std::string s : {"fsdp", "zero1"}) {
+    const auto r = mpirun(2, args("accum_" + s, 2) + " --grad-accum 2 --strategy " + s);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto got = step_losses(dir_ / ("accum_" + s) / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 5u);
+    for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << s << " step " << i;
+  }
+}
+
+// The trace of a 2-rank fsdp run: a process per rank, a thread per stream, every task of the
+// plan once per step on its stream in plan order, no task starting before its dependencies
+// ended, memory counters for every category. And the distributed metrics carry their fields.
+TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
+  const int steps = 2;
+  const fs::path trace_path = dir_ / "trace.json";
+  const auto r = mpirun(2, args("trace", 2) + " --steps " + std::to_string(steps) + " --strategy fsdp --trace " +
+                               trace_path.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  plan::PlanConfig pc;
+  pc.strategy = plan::Strategy::fsdp;
+  pc.world = 2;
+  pc.batch = 2;
+  pc.seq = 32;
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
+  const plan::Plan p = plan::build_plan(desc, pc);
+
+  std::ifstream f(trace_path);
+  ASSERT_TRUE(f) << trace_path;
+  const nlohmann::json trace = nlohmann::json::parse(f);
+  // slices[rank][step][stream]: (start, end) in stream order.
+  std::map<int, std::map<int64_t, std::map<int, std::vector<std::pair<double, double>>>>> slices;
+  std::map<int, std::map<int, std::vector<std::string>>> names;  // [rank][stream], step 0's names
+  std::map<int, std::set<std::string>> threads, counters;
+  std::set<int> processes;
+  for (const auto& e : trace["traceEvents"]) {
+    const std::string ph = e["ph"];
+    const int pid = e["pid"];
+    if (ph == "M" && e["name"] == "process_name") processes.insert(pid);
+    if (ph == "M" && e["name"] == "thread_name") threads[pid].insert(e["args"]["name"].get<std::string>());
+    if (ph == "C")
+      for (const auto& [k, v] : e["args"].items()) counters[pid].insert(k);
+    if (ph != "X") continue;
+    const int tid = e["tid"];
+    const int64_t step = e["args"]["step"];
+    const double ts = e["ts"], dur = e["dur"];
+    ASSERT_GE(dur, 0);
+    slices[pid][step][tid].push_back({ts, ts + dur});
+    if (slices[pid].size() == 1) names[pid][tid].push_back(e["name"]);
+  }
+  EXPECT_EQ(processes, (std::set<int>{0, 1}));
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(threads[rank], (std::set<std::string>{"compute", "comm"}));
+    EXPECT_EQ(counters[rank], (std::set<std::string>{"params", "grads", "optimizer", "activations", "comm", "workspace"}));
+    ASSERT_EQ(slices[rank].size(), static_cast<size_t>(steps));
+    // The plan's tasks per stream, in order: position k of stream s is task order[s][k].
+    std::map<int, std::vector<int>> order;
+    for (const auto& t : p.tasks) order[static_cast<int>(t.stream)].push_back(t.id);
+    for (const auto& [stream, ids] : order) {
+      ASSERT_EQ(names[rank][stream].size(), ids.size()) << "rank " << rank << " stream " << stream;
+      for (size_t k = 0; k < ids.size(); ++k) EXPECT_EQ(names[rank][stream][k], p.tasks[ids[k]].name(&desc));
+    }
+    for (auto& [step, by_stream] : slices[rank]) {
+      std::vector<std::pair<double, double>> when(p.tasks.size(), {-1, -1});
+      for (auto& [stream, spans] : by_stream) {
+        // Recorded at completion: order them by start, then they are the stream's queue order.
+        std::sort(spans.begin(), spans.end());
+        ASSERT_EQ(spans.size(), order[stream].size());
+        for (size_t k = 0; k < spans.size(); ++k) {
+          if (k > 0) {
+            EXPECT_GE(spans[k].first, spans[k - 1].second) << "stream " << stream << " overlaps itself";
+          }
+          when[order[stream][k]] = spans[k];
+        }
+      }
+      for (const auto& t : p.tasks)
+        for (int d : t.deps)
+          EXPECT_GE(when[t.id].first, when[d].second)
+              << "rank " << rank << " step " << step << ": " << t.name(&desc) << " started before " << p.tasks[d].name(&desc)
+              << " ended";
+    }
+  }
+
+  const auto rows = testing::read_metrics(dir_ / "trace" / "metrics.jsonl");
+  int step_rows = 0;
+  for (const auto& row : rows) {
+    if (!row.contains("loss")) continue;
+    ++step_rows;
+    EXPECT_GE(row["comm_exposed_ms"].get<double>(), 0.0);
+    EXPECT_GT(row["tokens_per_s"].get<double>(), 0.0);
+    for (const char* k : {"params", "grads", "optimizer", "activations", "comm", "workspace", "total"})
+      EXPECT_TRUE(row["mem"].contains(k)) << k;
+  }
+  EXPECT_EQ(step_rows, steps);
 }
 
 class FailureSlow : public DistributedSlow {};
