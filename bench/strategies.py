@@ -113,6 +113,7 @@ def main():
     if not os.path.exists(os.path.join(ROOT, "build", "shardlm")):
         raise SystemExit("build/shardlm is missing: run bash scripts/setup.sh first")
     vs_torch.ensure_data(os.path.join(ROOT, "data", "bench"), 200_000)
+    print("torch BLAS: " + vs_torch.require_openblas(), flush=True)
     out_dir = os.path.join(ROOT, "bench", "out")
     os.makedirs(out_dir, exist_ok=True)
     strategies = args.strategies.split(",")

@@ -160,6 +160,19 @@ def torch_env(threads, malloc):
     return env
 
 
+def require_openblas():
+    """PyTorch's BLAS: Debian's torch links libblas.so.3, which a bare system resolves to the
+    reference BLAS (~25x slower than OpenBLAS here). Refuse to benchmark a handicapped baseline."""
+    probe = ("import torch; torch.ones(64, 64) @ torch.ones(64, 64); "
+             "print('\\n'.join(l.split()[-1] for l in open('/proc/self/maps') if 'blas' in l))")
+    p = subprocess.run(["/usr/bin/python3", "-c", probe], capture_output=True, text=True)
+    libs = sorted(set(p.stdout.split()))
+    if not any("openblas" in lib for lib in libs):
+        raise SystemExit("error: PyTorch's BLAS is not OpenBLAS (" + (", ".join(libs) or "none found") +
+                         "): install libopenblas0-pthread (bash scripts/setup.sh does) so the baseline is fair")
+    return [lib for lib in libs if "openblas" in lib][0]
+
+
 def loadavg():
     try:
         with open("/proc/loadavg") as f:
@@ -265,11 +278,12 @@ def main():
     variants = [(int(t), m) for m in mallocs for t in args.torch_threads.split(",") if t]
 
     ensure_data(args.data, args.tokens)
+    blas = require_openblas()
     avx512 = has_avx512f()
     print("command: " + shlex.join([sys.executable] + sys.argv), flush=True)
     print("torch: OPENBLAS_CORETYPE=" + ("SkylakeX (avx512f present)" if avx512 else
                                           f"{os.environ.get('OPENBLAS_CORETYPE')} (inherited; no avx512f)") +
-          ", set_flush_denormal(True), OMP/OPENBLAS_NUM_THREADS = threads"
+          f", {blas}, set_flush_denormal(True), OMP/OPENBLAS_NUM_THREADS = threads"
           + (f"; tuned malloc = GLIBC_TUNABLES={TUNED_MALLOC}" if "tuned" in mallocs else ""), flush=True)
     if not args.torch_only:
         print("shardlm: " + shlex.join(shardlm_cmd(args, configs[0], "DIR")) + "  (per config)", flush=True)

@@ -19,7 +19,11 @@ FOR="${SHARDLM_SETUP_FOR:-test}"
 # libdnnl-dev, so --no-install-recommends would skip it and find_package(dnnl) fails).
 PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
           libfmt-dev libtomlplusplus-dev bible-kjv)
-[[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch)
+# libopenblas0-pthread: python3-torch links libblas.so.3, which on a bare Debian is the reference
+# BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
+# handicapped.
+[[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
+                                  libopenblas0-pthread)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
