@@ -167,10 +167,11 @@ def require_openblas():
              "print('\\n'.join(l.split()[-1] for l in open('/proc/self/maps') if 'blas' in l))")
     p = subprocess.run(["/usr/bin/python3", "-c", probe], capture_output=True, text=True)
     libs = sorted(set(p.stdout.split()))
-    if not any("openblas" in lib for lib in libs):
+    openblas = [lib for lib in libs if "openblas" in lib]
+    if not openblas:
         raise SystemExit("error: PyTorch's BLAS is not OpenBLAS (" + (", ".join(libs) or "none found") +
                          "): install libopenblas0-pthread (bash scripts/setup.sh does) so the baseline is fair")
-    return [lib for lib in libs if "openblas" in lib][0]
+    return openblas[0]
 
 
 def loadavg():

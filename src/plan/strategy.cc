@@ -67,9 +67,9 @@ class Builder {
   // Between micro-steps the parameters do not change, and the last unit the backward gathered
   // (h.0) is the first the next forward needs: keep it instead of gathering it again. Returns the
   // gather the compute task now depends on.
-  int reuse(int u, int compute_task) {
+  int reuse(int compute_task) {
     auto& frees = tasks_[chain_.back().consumer].frees;
-    frees.erase(std::remove(frees.begin(), frees.end(), gathered(u)), frees.end());
+    frees.erase(std::remove(frees.begin(), frees.end(), gathered(chain_.back().unit)), frees.end());
     consume(compute_task);
     return chain_.back().gather;
   }
@@ -169,7 +169,7 @@ Plan Builder::build() {
       f = add(Op::forward, Stream::compute, u, m, ag >= 0 ? std::vector<int>{ag} : std::vector<int>{});
       tasks_[f].flops = block_fwd;
       if (held) {
-        tasks_[f].deps.push_back(reuse(u, f));
+        tasks_[f].deps.push_back(reuse(f));
       } else if (ag >= 0) {
         consume(f);
       }

@@ -42,8 +42,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
       comms_(comms),
       timeout_(timeout),
       acts_(desc, plan.config.batch, plan.config.seq),
-      ws_(desc, plan.config.batch, plan.config.seq, threads),
-      t0_(Clock::now()) {
+      ws_(desc, plan.config.batch, plan.config.seq, threads) {
   const plan::Strategy s = plan.config.strategy;
   sharded_params_ = s == plan::Strategy::fsdp || s == plan::Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == plan::Strategy::zero2;

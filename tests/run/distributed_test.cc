@@ -53,6 +53,16 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
            " --steps 5 --batch " + std::to_string(batch) + " --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eps 1e-6" +
            " --eval-every 0 --eval-windows 2 --sample-tokens 0 --peak-gflops 100 --save-every 5 --quiet";
   }
+  // The model and plan configuration args() trains, as the executor sees them.
+  static model::ModelDesc tiny() { return model::describe(model::model_preset("tiny", 256)); }
+  static plan::PlanConfig plan_config(const std::string& strategy, int ranks, int batch) {
+    plan::PlanConfig pc;
+    pc.strategy = plan::parse_strategy(strategy);
+    pc.world = ranks;
+    pc.batch = batch;
+    pc.seq = 32;
+    return pc;
+  }
   static inline fs::path dir_;
 };
 
@@ -73,15 +83,11 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   // Memory: what each rank holds is what the plan says. Between steps only the run-long buffers
   // remain: exactly the plan's (sharded) state. Within a step, parameters grow by the gathered
   // units alive at once, never beyond the plan's bound.
-  plan::PlanConfig pc;
-  pc.strategy = plan::parse_strategy(l.strategy);
-  pc.world = l.ranks;
+  plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
   pc.shard_group = l.shard_group;
-  pc.batch = B;
-  pc.seq = 32;
   pc.param_bytes = l.dtypes.find("--param-dtype bf16") != std::string::npos ? 2 : 4;
   pc.reduce_bytes = l.dtypes.find("--reduce-dtype bf16") != std::string::npos ? 2 : 4;
-  const plan::Plan p = plan::build_plan(model::describe(model::model_preset("tiny", 256)), pc);
+  const plan::Plan p = plan::build_plan(tiny(), pc);
   const MemSnapshot bound = p.max_memory();
   for (const auto& row : testing::read_metrics(dir_ / name / "metrics.jsonl")) {
     if (!row.contains("loss")) continue;
@@ -194,13 +200,8 @@ TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
                                trace_path.string());
   ASSERT_EQ(r.code, 0) << r.out;
 
-  plan::PlanConfig pc;
-  pc.strategy = plan::Strategy::fsdp;
-  pc.world = 2;
-  pc.batch = 2;
-  pc.seq = 32;
-  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
-  const plan::Plan p = plan::build_plan(desc, pc);
+  const model::ModelDesc desc = tiny();
+  const plan::Plan p = plan::build_plan(desc, plan_config("fsdp", 2, 2));
 
   std::ifstream f(trace_path);
   ASSERT_TRUE(f) << trace_path;
