@@ -1,5 +1,6 @@
 // Google Benchmark timings of the CPU kernels at the `small` model shapes
-// (6 layers, C=384, NH=6, HS=64, V=50257 padded to 50304, B=4, T=256 => N=1024 rows).
+// (6 layers, C=384, NH=6, HS=64, V=50257 padded to 50304, B=4, T=256 => N=1024 rows), and of
+// the LLaMA-family kernels at LLaMA-small shapes (same B, T, C, NH; NKV=2, F=1024).
 // Threads: SHARDLM_THREADS (default: omp_get_max_threads()).
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -181,6 +182,182 @@ void BM_AdamW(benchmark::State& st) {
   st.counters["GB/s"] = benchmark::Counter(28.0 * n * st.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_AdamW)->Arg(30'000'000)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---------------------------------------------------------------------------------------------
+// LLaMA-family kernels at LLaMA-small shapes: B=4, T=256 (N=1024 rows), C=384, NH=6, NKV=2,
+// HS=64, F=1024.
+// ---------------------------------------------------------------------------------------------
+
+// GB/s counters count the bytes each kernel must move at least (every input read once, every
+// output written once, += outputs read and written), 4 bytes a float.
+benchmark::Counter gbps(double floats, int64_t iters) {
+  return benchmark::Counter(4.0 * floats * iters / 1e9, benchmark::Counter::kIsRate);
+}
+
+// Forward: reads x (N,C), writes out (N,C). Backward: dinp pass reads dout, x, dinp and writes
+// dinp; dweight pass reads dout, x. Args: N, C.
+void BM_RmsNormForward(benchmark::State& st) {
+  const int64_t N = st.range(0), C = st.range(1);
+  auto x = randv(N * C, 20), w = randv(C, 21);
+  std::vector<float> out(N * C), rstd(N);
+  for (auto _ : st) {
+    k::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = gbps(2.0 * N * C, st.iterations());
+}
+void BM_RmsNormFwdBwd(benchmark::State& st) {
+  const int64_t N = st.range(0), C = st.range(1);
+  auto x = randv(N * C, 20), w = randv(C, 21), dout = randv(N * C, 22);
+  std::vector<float> out(N * C), rstd(N), dx(N * C), dw(C);
+  for (auto _ : st) {
+    k::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    k::rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = gbps(8.0 * N * C, st.iterations());
+}
+BENCHMARK(BM_RmsNormForward)->ArgNames({"N", "C"})->Args({1024, 384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_RmsNormFwdBwd)->ArgNames({"N", "C"})->Args({1024, 384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Rotates q and k of the packed GQA qkv in place (n_heads = NH + NKV of the NH + 2 NKV heads
+// of a row): reads and writes B*T*n_heads*HS floats, reads the (T,HS) table.
+// Args: B, T, n_heads, HS, heads per row; mode 0 forward, 1 backward.
+void BM_Rope(benchmark::State& st) {
+  const int64_t B = st.range(0), T = st.range(1), nh = st.range(2), HS = st.range(3),
+                W = st.range(4) * HS;
+  const bool bwd = st.range(5) != 0;
+  auto x = randv(B * T * W, 23);
+  std::vector<float> tab(k::rope_table_floats(T, HS));
+  k::rope_table(tab.data(), T, HS, 10000.0f);
+  for (auto _ : st) {
+    if (bwd)
+      k::rope_backward(x.data(), B, T, nh, HS, W, tab.data());
+    else
+      k::rope_forward(x.data(), B, T, nh, HS, W, tab.data());
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = gbps(2.0 * B * T * nh * HS + T * HS, st.iterations());
+}
+BENCHMARK(BM_Rope)
+    ->ArgNames({"B", "T", "heads", "HS", "row_heads", "bwd"})
+    ->Args({4, 256, 8, 64, 10, 0})
+    ->Args({4, 256, 8, 64, 10, 1})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+void BM_RopeTable(benchmark::State& st) {
+  const int64_t T = st.range(0), HS = st.range(1);
+  std::vector<float> tab(k::rope_table_floats(T, HS));
+  for (auto _ : st) {
+    k::rope_table(tab.data(), T, HS, 10000.0f);
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_RopeTable)->ArgNames({"T", "HS"})->Args({256, 64})->Args({4096, 128})->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Forward: reads gate_up (N,2F), writes out (N,F). Backward: reads gate_up, dout (N,F),
+// reads and writes dgate_up (N,2F). Args: N, F.
+void BM_SwigluForward(benchmark::State& st) {
+  const int64_t N = st.range(0), F = st.range(1);
+  auto gu = randv(N * 2 * F, 24, -4.f, 4.f);
+  std::vector<float> out(N * F);
+  for (auto _ : st) {
+    k::swiglu_forward(out.data(), gu.data(), N, F);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = gbps(3.0 * N * F, st.iterations());
+}
+void BM_SwigluFwdBwd(benchmark::State& st) {
+  const int64_t N = st.range(0), F = st.range(1);
+  auto gu = randv(N * 2 * F, 24, -4.f, 4.f), dout = randv(N * F, 25);
+  std::vector<float> out(N * F), dgu(N * 2 * F);
+  for (auto _ : st) {
+    k::swiglu_forward(out.data(), gu.data(), N, F);
+    k::swiglu_backward(dgu.data(), dout.data(), gu.data(), N, F);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GB/s"] = gbps(10.0 * N * F, st.iterations());
+}
+BENCHMARK(BM_SwigluForward)->ArgNames({"N", "F"})->Args({1024, 1024})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_SwigluFwdBwd)->ArgNames({"N", "F"})->Args({1024, 1024})->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Grouped-query attention; FLOPs counted as for BM_Attention* (per query head).
+// Args: B, T, NH, NKV, HS.
+struct GqaData {
+  int64_t B, T, NH, NKV, HS;
+  std::vector<float> qkv, out, lse, dout, dqkv, scratch;
+  explicit GqaData(const benchmark::State& st)
+      : B(st.range(0)), T(st.range(1)), NH(st.range(2)), NKV(st.range(3)), HS(st.range(4)),
+        qkv(randv(B * T * (NH + 2 * NKV) * HS, 26, -2.f, 2.f)), out(B * T * NH * HS),
+        lse(B * NH * T), dout(randv(B * T * NH * HS, 27)), dqkv(qkv.size()),
+        scratch(k::attention_backward_scratch(B, T, NH, NKV, HS, omp_get_max_threads())) {}
+  double fwd_flops() const { return 2.0 * B * NH * double(T) * T * HS; }
+  void forward() {
+    k::attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NKV, HS);
+  }
+  void backward() {
+    k::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T,
+                          NH, NKV, HS, scratch.data());
+  }
+};
+void BM_GqaAttentionForward(benchmark::State& st) {
+  GqaData d(st);
+  for (auto _ : st) {
+    d.forward();
+    benchmark::ClobberMemory();
+  }
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(d.fwd_flops() * st.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+void BM_GqaAttentionBackward(benchmark::State& st) {
+  GqaData d(st);
+  d.forward();
+  for (auto _ : st) {
+    d.backward();
+    benchmark::ClobberMemory();
+  }
+  st.counters["GFLOP/s"] = benchmark::Counter(2.5 * d.fwd_flops() * st.iterations() / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+void BM_GqaAttentionForwardBackward(benchmark::State& st) {
+  GqaData d(st);
+  for (auto _ : st) {
+    d.forward();
+    d.backward();
+    benchmark::ClobberMemory();
+  }
+  st.counters["GFLOP/s"] = benchmark::Counter(3.5 * d.fwd_flops() * st.iterations() / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+#define GQA_ARGS                                                                            \
+  ArgNames({"B", "T", "NH", "NKV", "HS"})->Args({4, 256, 6, 2, 64})->Args({4, 256, 6, 1, 64}) \
+      ->Args({1, 1024, 6, 2, 64})->Unit(benchmark::kMillisecond)->UseRealTime()
+BENCHMARK(BM_GqaAttentionForward)->GQA_ARGS;
+BENCHMARK(BM_GqaAttentionBackward)->GQA_ARGS;
+BENCHMARK(BM_GqaAttentionForwardBackward)->GQA_ARGS;
+
+// nn.Linear-layout dense layers of the LLaMA-small MLP / attention, forward + backward
+// (dinp and dweight): 6*N*C*OC FLOPs. Args: N, C, OC.
+void BM_DenseFwdBwd(benchmark::State& st) {
+  const int64_t N = st.range(0), C = st.range(1), OC = st.range(2);
+  auto x = randv(N * C, 28), w = randv(OC * C, 29), dout = randv(N * OC, 30);
+  std::vector<float> out(N * OC), dx(N * C), dw(OC * C);
+  for (auto _ : st) {
+    k::dense_forward(out.data(), x.data(), w.data(), N, C, OC);
+    k::dense_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), N, C, OC);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(6.0 * N * C * OC * st.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_DenseFwdBwd)
+    ->ArgNames({"N", "C", "OC"})
+    ->Args({1024, 384, 2048})   // gate_up
+    ->Args({1024, 1024, 384})   // down
+    ->Args({1024, 384, 640})    // qkv (NH + 2 NKV = 10 heads of 64)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 

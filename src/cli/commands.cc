@@ -11,11 +11,14 @@
 
 #include "comm/factory.h"
 #include "comm/mpi_backend.h"
+#include "comm/single_rank.h"
 #include "data/shard.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu.h"
+#include "run/executor.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -35,21 +38,48 @@ std::string default_data_dir() {
   return "data";
 }
 
-void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
-  cmd->add_option("--model", c.model, "preset: tiny, small, gpt2-124m")->capture_default_str();
+// The model: a preset or config.json, and explicit dimensions over it (train and explain).
+void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--model", c.model,
+                  "preset (tiny, small, gpt2-124m, llama-tiny, llama-small, llama2-7b, llama2-13b, llama2-70b, "
+                  "llama3-8b, llama3-70b, gpt3-175b) or a Hugging Face config.json")
+      ->capture_default_str();
   cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)");
   cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)");
+  cmd->add_option("--n-kv-head", c.n_kv_head, "key/value heads, dividing n-head (llama)");
   cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)");
+  cmd->add_option("--ffn-dim", c.ffn_dim, "MLP width (gpt2: 4 n-embd)");
   cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)");
-  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the data's tokenizer)");
-  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
-  cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
-  cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
-  cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
+  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the config's, else the data's tokenizer)");
+  cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)");
+  cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)");
+  cmd->add_flag("--tie-embeddings", c.tie_embeddings, "llama: the head reuses the token embedding");
+}
+
+// How a step is laid out over ranks and memory (train and explain).
+void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--batch", c.batch, "sequences per micro-step")->capture_default_str();
   cmd->add_option("--seq", c.seq, "sequence length T")->capture_default_str();
   cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->capture_default_str();
   cmd->add_option("--threads", c.threads, "compute threads")->capture_default_str();
+  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
+  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
+  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->capture_default_str();
+  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
+  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
+  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
+  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
+  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
+}
+
+void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
+  add_model_options(cmd, c);
+  add_plan_options(cmd, c);
+  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
+  cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
+  cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
+  cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->capture_default_str();
   cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   cmd->add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->capture_default_str();
@@ -65,26 +95,41 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
-  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
-  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
-  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->capture_default_str();
-  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
-  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
-  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
-  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
-  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--compute-dtype", c.compute_dtype, "fp32 (bf16 is not supported on CPU)")->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
 }
 
-train::ModelState load_model(const std::string& ckpt_dir, const std::string& data_dir, std::unique_ptr<data::Tokenizer>* tok) {
-  const model::ModelConfig mc = train::read_checkpoint_config(ckpt_dir);
-  const train::RunState st = train::read_checkpoint_state(ckpt_dir);
-  train::ModelState model(mc, st.seed, false);
-  train::load_checkpoint(ckpt_dir, model, false);
-  if (tok) *tok = data::make_tokenizer(st.tokenizer, data_dir);
-  return model;
+// A checkpoint's model on one process under a forward-only plan of (B, T): what eval and
+// generate run on.
+struct LoadedModel {
+  model::ModelDesc desc;
+  plan::Plan plan;
+  std::unique_ptr<comm::Communicator> world;
+  std::unique_ptr<run::CommGroups> comms;
+  std::unique_ptr<run::Executor> ex;
+  train::RunState state;
+};
+
+std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads, plan::PlanConfig::Mode mode,
+                                        int64_t B, int64_t T) {
+  auto m = std::make_unique<LoadedModel>();
+  m->desc = model::describe(train::read_checkpoint_config(ckpt_dir));
+  m->state = train::read_checkpoint_state(ckpt_dir);
+  if (T > m->desc.config.max_seq)
+    throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
+  plan::PlanConfig pc;
+  pc.mode = mode;
+  pc.batch = B;
+  pc.seq = T;
+  pc.threads = threads;
+  m->plan = plan::build_plan(m->desc, pc);
+  m->world = std::make_unique<comm::SingleRankCommunicator>();
+  m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
+  m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));
+  train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
+                         nullptr);
+  return m;
 }
 
 // `train --config FILE.toml`: the file's keys become flags placed before the command line's own,
@@ -203,22 +248,8 @@ int run(int argc, char** argv) {
   train::TrainConfig ec;
   int explain_ranks = 1;
   explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->capture_default_str();
-  explain_cmd->add_option("--model", ec.model, "preset")->capture_default_str();
-  explain_cmd->add_option("--n-layer", ec.n_layer, "layers");
-  explain_cmd->add_option("--n-head", ec.n_head, "heads");
-  explain_cmd->add_option("--n-embd", ec.n_embd, "channels");
-  explain_cmd->add_option("--vocab", ec.vocab, "vocabulary")->capture_default_str();
-  explain_cmd->add_option("--batch", ec.batch, "B per rank")->capture_default_str();
-  explain_cmd->add_option("--seq", ec.seq, "T")->capture_default_str();
-  explain_cmd->add_option("--grad-accum", ec.grad_accum, "micro-steps")->capture_default_str();
-  explain_cmd->add_option("--strategy", ec.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
-  explain_cmd->add_option("--shard-group", ec.shard_group, "hybrid group size")->capture_default_str();
-  explain_cmd->add_option("--prefetch-forward", ec.prefetch_forward, "")->capture_default_str();
-  explain_cmd->add_option("--prefetch-backward", ec.prefetch_backward, "")->capture_default_str();
-  explain_cmd->add_option("--max-gathers-in-flight", ec.max_gathers_in_flight, "")->capture_default_str();
-  explain_cmd->add_option("--bucket-mb", ec.bucket_mb, "")->capture_default_str();
-  explain_cmd->add_option("--param-dtype", ec.param_dtype, "")->capture_default_str();
-  explain_cmd->add_option("--reduce-dtype", ec.reduce_dtype, "")->capture_default_str();
+  add_model_options(explain_cmd, ec);
+  add_plan_options(explain_cmd, ec);
 
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
@@ -252,23 +283,25 @@ int run(int argc, char** argv) {
     } else if (*train_cmd) {
       return run_train(tc, data_dir);
     } else if (*explain_cmd) {
-      const model::ModelConfig mc = ec.model_config(ec.vocab > 0 ? ec.vocab : 50257);
+      ec.data = "-";  // explain reads no data
+      ec.validate();
+      const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
       std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
     } else if (*eval_cmd) {
+      if (eval_batch <= 0) throw std::invalid_argument("--batch must be positive, got " + std::to_string(eval_batch));
       kernels::init_compute(threads);
-      auto model = load_model(ckpt, data_dir, nullptr);
+      auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);
       data::TokenShard shard(eval_data);
-      shard.validate_tokens(static_cast<int32_t>(model.config().vocab_size));
-      if (eval_seq > model.config().max_seq)
-        throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's n_positions {}", eval_seq, model.config().max_seq));
-      const double loss = train::evaluate(model, shard, eval_batch, eval_seq, 0);
+      shard.validate_tokens(static_cast<int32_t>(std::min<int64_t>(m->desc.config.vocab_size, 1 << 30)));
+      const double loss = train::evaluate(*m->ex, m->desc, m->plan.config, shard, eval_batch, eval_seq, 0, 0);
       fmt::print("{:.6f}\n", loss);
     } else if (*gen_cmd) {
       kernels::init_compute(threads);
-      std::unique_ptr<data::Tokenizer> tok;
-      auto model = load_model(ckpt, data_dir, &tok);
-      const auto ids = train::generate(model, tok->encode(prompt), tok->eot() >= 0 ? tok->eot() : '\n', sc);
+      auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
+      auto tok = data::make_tokenizer(m->state.tokenizer, data_dir);
+      const auto ids = train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt),
+                                       tok->eot() >= 0 ? tok->eot() : '\n', sc);
       fmt::print("{}{}\n", prompt, tok->decode(ids));
     }
   } catch (const std::exception& e) {

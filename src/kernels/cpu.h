@@ -6,7 +6,8 @@
 // Conventions
 //  - Forward kernels overwrite their outputs.
 //  - Backward kernels ACCUMULATE (+=) into every gradient output (input grads and parameter
-//    grads alike); callers zero them first.
+//    grads alike); callers zero them first. (Exception: rope_backward transforms its gradient
+//    in place, like rope_forward.)
 //  - Kernels parallelise with OpenMP over the calling thread's team size
 //    (omp_get_max_threads()) or inside oneDNN's GEMM; they are never called from inside a
 //    parallel region. Results are deterministic: same thread count + same input => bitwise
@@ -74,6 +75,7 @@ void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
 void residual_forward(float* out, const float* a, const float* b, int64_t n);
 
 // out (B,T,C) = wte[tokens[b,t]] (V,C) + wpe[t] (T_max,C). tokens (B,T) int32 in [0,V).
+// wpe may be null (no position embedding).
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
                        int64_t B, int64_t T, int64_t C);
 // dwte[tokens[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]. Either may be null.
@@ -82,11 +84,16 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
                         int64_t B, int64_t T, int64_t C);
 
 // ---------------------------------------------------------------------------------------------
-// Causal multi-head self-attention (flash-attention style: tiles + online softmax)
+// Causal multi-head / grouped-query self-attention (flash-attention style: tiles + online
+// softmax)
 // ---------------------------------------------------------------------------------------------
 //
-// qkv (B,T,3C) holds [q | k | v] along the last dim; head h uses columns h*HS .. (h+1)*HS of
-// each part. Scores are scaled by 1/sqrt(HS). No (T,T) matrix is ever stored.
+// NH query heads, NKV key/value heads (NKV divides NH; NKV == NH is plain multi-head attention,
+// NKV == 1 multi-query attention). qkv (B,T,(NH+2*NKV)*HS) holds [q | k | v] along the last
+// dim: q in columns [0, NH*HS), k in [NH*HS, (NH+NKV)*HS), v in [(NH+NKV)*HS, (NH+2*NKV)*HS);
+// query head h uses columns h*HS .. (h+1)*HS of q and key/value head h / (NH/NKV) of k and v.
+// Scores are scaled by 1/sqrt(HS). No (T,T) matrix is ever stored. Both kernels throw
+// std::invalid_argument unless NKV > 0 and NH % NKV == 0.
 
 // Tile edge (queries per tile and keys per inner tile). The block routines below take at most
 // kAttnTile query rows per call; key ranges may be of any length.
@@ -94,18 +101,38 @@ inline constexpr int64_t kAttnTile = 64;
 // Largest head size attention_forward supports (its per-thread tiles live on the stack).
 inline constexpr int64_t kAttnMaxHS = 256;
 
-// out (B,T,C); lse (B,NH,T) = log-sum-exp of each query row's scaled scores (for backward).
+// out (B,T,NH*HS); lse (B,NH,T) = log-sum-exp of each query row's scaled scores (for
+// backward). Independent of the thread count.
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                       int64_t NH, int64_t HS);
+                       int64_t NH, int64_t NKV, int64_t HS);
 
 // Floats of scratch attention_backward needs when run with up to `threads` OpenMP threads
 // (threads >= omp_get_max_threads() at the time of the call).
-int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t HS, int threads);
+int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                   int threads);
 
-// Recomputes the probabilities from qkv and lse. dqkv (B,T,3C) +=. out is the forward output.
+// Recomputes the probabilities from qkv and lse. dqkv (B,T,(NH+2*NKV)*HS) +=. out is the
+// forward output. The dK / dV rows of a shared key/value head receive the sum over its group's
+// query heads. Parallel over (b, kv head) (B*NKV work units, the group's query heads inside
+// each), so the result is independent of the thread count.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t HS,
-                        float* scratch);
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                        int64_t HS, float* scratch);
+
+// Multi-head forms (NKV = NH, qkv (B,T,3C)): bitwise the same as the calls above with NKV = NH.
+inline void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                              int64_t NH, int64_t HS) {
+  attention_forward(out, lse, qkv, B, T, NH, NH, HS);
+}
+inline int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t HS,
+                                          int threads) {
+  return attention_backward_scratch(B, T, NH, NH, HS, threads);
+}
+inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
+                               const float* out, const float* lse, int64_t B, int64_t T,
+                               int64_t NH, int64_t HS, float* scratch) {
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, scratch);
+}
 
 // --- Block routines (one query tile against one key/value block), reusable for ring attention.
 //
@@ -170,6 +197,72 @@ double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float
                              const int32_t* targets, int64_t N, int64_t C, int64_t V,
                              int64_t Vp, float grad_scale, int64_t chunk, float* scratch,
                              float* logits_out);
+
+// ---------------------------------------------------------------------------------------------
+// LLaMA-family layers: RMSNorm, rotary position embedding, SwiGLU, nn.Linear-layout dense
+// ---------------------------------------------------------------------------------------------
+//
+// F is the MLP's intermediate size. (GQA attention: see attention_forward above.)
+
+// RMSNorm as Hugging Face LlamaRMSNorm in fp32: rstd (N) = 1/sqrt(mean(x^2) + eps),
+// out (N,C) = x * rstd * weight (C). rstd may be null (inference). Independent of the thread
+// count.
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps);
+// dinp (N,C) +=, dweight (C) += (null: skipped). rstd as saved by rmsnorm_forward.
+// Deterministic and independent of the thread count (dweight: column blocks, rows in order).
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+// Rotary position embedding, Hugging Face `rotate_half` convention. For a head vector x of
+// even size HS and i in [0, HS/2), with angle = pos * theta^(-2i/HS):
+//   y[i] = x[i] cos - x[i+HS/2] sin,   y[i+HS/2] = x[i+HS/2] cos + x[i] sin.
+//
+// Table layout: cos_sin (T, HS) holds, for position t, the row
+//   [cos(t f_0) .. cos(t f_{HS/2-1}) | sin(t f_0) .. sin(t f_{HS/2-1})],
+// i.e. a (T, HS/2) cos table and a (T, HS/2) sin table, interleaved per position with row
+// stride HS. A position offset p0 (e.g. a sequence shard starting at p0) is therefore just
+// cos_sin + p0 * HS, with the table built for at least p0 + T positions.
+//
+// Angles are computed in fp32 exactly as HF's fp32 LlamaRotaryEmbedding (default rope type)
+// does: inv_freq_i = 1.0f / float(theta^e_i) with e_i = float(2i) / float(HS) in fp32, and
+// angle = float(t) * inv_freq_i rounded to fp32, so the rotation of each position is the one
+// HF models were trained with (the fp32 rounding of the angle grows with t: ~1e-4 rad at
+// t ~ 2000, and matching it matters more than removing it). theta^e_i and cos / sin of the
+// fp32 angle are evaluated in double and rounded once to fp32 (correctly rounded, libm- and
+// vector-width-independent; within 1 ulp of torch's fp32 pow / cos / sin).
+int64_t rope_table_floats(int64_t T, int64_t HS);
+// Fills cos_sin (rope_table_floats(T, HS) floats) for positions 0..T-1. HS must be even
+// (std::invalid_argument otherwise).
+void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta);
+// Rotates in place the first n_heads*HS columns (n_heads heads of HS) of every (b,t) row of
+// x; rows are at stride row_stride (>= n_heads*HS) and row (b,t) is at position t (table row
+// t). Other columns are not touched: with the packed GQA qkv (row_stride = (NH+2*NKV)*HS),
+// n_heads = NH + NKV rotates q and k in one call and leaves v alone.
+void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS,
+                  int64_t row_stride, const float* cos_sin);
+// Backward: the gradient w.r.t. the pre-rotation input is the inverse (transpose) rotation
+// of the gradient w.r.t. the output. Applied IN PLACE on dx (same layout as rope_forward):
+// dx is overwritten, not accumulated into.
+void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS,
+                   int64_t row_stride, const float* cos_sin);
+
+// SwiGLU: gate_up (N, 2F) holds [gate | up] per row; out (N,F) = silu(gate) * up with
+// silu(x) = x * sigmoid(x) = x / (1 + e^-x) (torch's formula; e^x via detail::exp_fast,
+// ~1 ulp).
+void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F);
+// dgate_up (N, 2F) +=: d gate = dout * up * sigmoid(g) (1 + g (1 - sigmoid(g))),
+// d up = dout * silu(g).
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
+                     int64_t F);
+
+// Linear without bias, weight in the PyTorch nn.Linear layout (OC, C) (out x in):
+// out (N,OC) = inp (N,C) @ weight^T. Through kernels::matmul (oneDNN sgemm).
+void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
+                   int64_t OC);
+// dinp (N,C) += dout (N,OC) @ weight ; dweight (OC,C) += dout^T @ inp. Either may be null.
+void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                    const float* weight, int64_t N, int64_t C, int64_t OC);
 
 // ---------------------------------------------------------------------------------------------
 // Optimizer and utilities

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cpu.h"
 #include "kernels/cpu_internal.h"
@@ -151,16 +152,30 @@ void attention_state_finalize(float* out, int64_t ldo, float* lse, const float* 
   }
 }
 
+namespace {
+// Checks the head counts of the packed-qkv kernels; returns the group size NH / NKV.
+int64_t gqa_group(int64_t NH, int64_t NKV, const char* who) {
+  if (NH <= 0 || NKV <= 0 || NH % NKV != 0)
+    throw std::invalid_argument(std::string(who) + ": NKV must be positive and divide NH");
+  return NH / NKV;
+}
+}  // namespace
+
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                       int64_t NH, int64_t HS) {
+                       int64_t NH, int64_t NKV, int64_t HS) {
   if (HS > kAttnMaxHS) throw std::invalid_argument("attention_forward: HS > kAttnMaxHS");
-  const int64_t C = NH * HS, C3 = 3 * C;
+  const int64_t G = gqa_group(NH, NKV, "attention_forward");
+  const int64_t C = NH * HS;               // q columns = out row width
+  const int64_t W = (NH + 2 * NKV) * HS;   // qkv row width
+  const int64_t CK = NKV * HS;             // k (and v) columns
   const int64_t nqb = (T + kT - 1) / kT;
   const int64_t nbh = B * NH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   // Work units (b, h, query tile), largest (latest) tiles first. Each unit is computed by one
   // thread in a fixed order and writes disjoint outputs, so the result does not depend on
   // which thread runs it: dynamic scheduling (for the triangular load) stays deterministic.
+  // Query heads of one group read the same k / v columns; the arithmetic of a unit does not
+  // depend on NKV (with NKV == NH it is exactly the multi-head kernel).
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t u = 0; u < nqb * nbh; ++u) {
     const int64_t qb = nqb - 1 - u / nbh;
@@ -170,10 +185,13 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
     alignas(64) float scratch[kT * kAttnMaxHS + kT * kT + 4 * kT];
     alignas(64) float acc[kT * kAttnMaxHS];
     float m[kT], l[kT];
-    const float* base = qkv + b * T * C3 + h * HS;
+    const float* row = qkv + b * T * W;
+    const float* qh = row + h * HS;
+    const float* kh = row + C + (h / G) * HS;
+    const float* vh = kh + CK;
     attention_state_init(m, l, acc, nq, HS);
-    attention_block_forward(base + q0 * C3, C3, nq, q0, base + C, C3, base + 2 * C, C3,
-                            q0 + nq, 0, HS, scale, true, m, l, acc, scratch);
+    attention_block_forward(qh + q0 * W, W, nq, q0, kh, W, vh, W, q0 + nq, 0, HS, scale, true,
+                            m, l, acc, scratch);
     attention_state_finalize(out + (b * T + q0) * C + h * HS, C, lse + bh * T + q0, m, l, acc,
                              nq, HS);
   }
@@ -248,39 +266,49 @@ void attention_block_backward(const float* q, int64_t ldq, const float* dout, in
   }
 }
 
-int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t HS, int threads) {
+int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                   int threads) {
   if (threads < 1) threads = 1;
   const int64_t per = attention_block_backward_scratch(HS) + kT;  // + Drow
   return per * threads;
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t HS,
-                        float* scratch) {
-  const int64_t C = NH * HS, C3 = 3 * C;
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                        int64_t HS, float* scratch) {
+  const int64_t G = gqa_group(NH, NKV, "attention_backward");
+  const int64_t C = NH * HS, W = (NH + 2 * NKV) * HS, CK = NKV * HS;
   const int64_t nqb = (T + kT - 1) / kT;
-  const int64_t nbh = B * NH;
+  const int64_t nbk = B * NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   const int64_t per = attention_block_backward_scratch(HS) + kT;
-  // One (b, h) per work unit: its dK / dV rows collect contributions from every query tile,
-  // summed in a fixed order by one thread (deterministic, no atomics).
+  // One (b, kv head) per work unit, its G query heads inside: the unit's dK / dV rows collect
+  // contributions from every query tile of every query head of the group, summed in a fixed
+  // order (head-major, then query tile) by one thread: deterministic, independent of the
+  // thread count, no atomics. dQ columns of different query heads are disjoint.
+  // With NKV == NH (G = 1) this is exactly the multi-head kernel.
 #pragma omp parallel
   {
     float* mine = scratch + per * omp_get_thread_num();
     float* Drow = mine + attention_block_backward_scratch(HS);
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < nbh; ++bh) {
-      const int64_t b = bh / NH, h = bh % NH;
-      const float* base = qkv + b * T * C3 + h * HS;
-      float* dbase = dqkv + b * T * C3 + h * HS;
-      for (int64_t qb = 0; qb < nqb; ++qb) {
-        const int64_t q0 = qb * kT;
-        const int64_t nq = (T - q0) < kT ? (T - q0) : kT;
-        const float* dO = dout + (b * T + q0) * C + h * HS;
-        attention_backward_rowdot(Drow, dO, C, out + (b * T + q0) * C + h * HS, C, nq, HS);
-        attention_block_backward(base + q0 * C3, C3, dO, C, lse + bh * T + q0, Drow, nq, q0,
-                                 base + C, C3, base + 2 * C, C3, q0 + nq, 0, HS, scale, true,
-                                 dbase + q0 * C3, C3, dbase + C, C3, dbase + 2 * C, C3, mine);
+    for (int64_t bk = 0; bk < nbk; ++bk) {
+      const int64_t b = bk / NKV, kh = bk % NKV;
+      const float* row = qkv + b * T * W;
+      float* drow = dqkv + b * T * W;
+      const float* kp = row + C + kh * HS;
+      float* dkp = drow + C + kh * HS;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g, bh = b * NH + h;
+        for (int64_t qb = 0; qb < nqb; ++qb) {
+          const int64_t q0 = qb * kT;
+          const int64_t nq = (T - q0) < kT ? (T - q0) : kT;
+          const float* dO = dout + (b * T + q0) * C + h * HS;
+          attention_backward_rowdot(Drow, dO, C, out + (b * T + q0) * C + h * HS, C, nq, HS);
+          attention_block_backward(row + q0 * W + h * HS, W, dO, C, lse + bh * T + q0, Drow, nq,
+                                   q0, kp, W, kp + CK, W, q0 + nq, 0, HS, scale, true,
+                                   drow + q0 * W + h * HS, W, dkp, W, dkp + CK, W, mine);
+        }
       }
     }
   }

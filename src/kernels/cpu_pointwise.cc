@@ -128,8 +128,12 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const float* e = wte + static_cast<int64_t>(tokens[bt]) * C;
-    const float* p = wpe + (bt % T) * C;
     float* o = out + bt * C;
+    if (!wpe) {
+      for (int64_t c = 0; c < C; ++c) o[c] = e[c];
+      continue;
+    }
+    const float* p = wpe + (bt % T) * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
   }

@@ -1,7 +1,6 @@
 #include "plan/plan.h"
 
 #include <algorithm>
-#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -24,28 +23,42 @@ Strategy parse_strategy(const std::string& name) {
   throw std::invalid_argument("strategy: unknown '" + name + "' (expected ddp, zero1, zero2, fsdp or hybrid)");
 }
 
-const char* to_string(Stream s) { return s == Stream::compute ? "compute" : "comm"; }
-
 const char* to_string(Op op) {
   switch (op) {
-    case Op::all_gather: return "all_gather";
-    case Op::reduce_scatter: return "reduce_scatter";
-    case Op::all_reduce: return "all_reduce";
+    case Op::zero_grads: return "zero_grads";
     case Op::forward: return "forward";
+    case Op::recompute: return "recompute";
     case Op::head: return "head";
+    case Op::loss: return "loss";
+    case Op::logits: return "logits";
     case Op::backward: return "backward";
     case Op::grad_norm: return "grad_norm";
     case Op::optimizer: return "optimizer";
+    case Op::all_gather: return "all_gather";
+    case Op::reduce_scatter: return "reduce_scatter";
+    case Op::all_reduce: return "all_reduce";
     case Op::param_gather: return "param_gather";
+    case Op::norm_reduce: return "norm_reduce";
+    case Op::loss_reduce: return "loss_reduce";
   }
   return "?";
 }
 
-const char* to_string(Group g) {
-  switch (g) {
-    case Group::world: return "world";
-    case Group::shard: return "shard";
-    case Group::replicate: return "replicate";
+const char* to_string(Role r) {
+  switch (r) {
+    case Role::params: return "params";
+    case Role::grads: return "grads";
+    case Role::exp_avg: return "exp_avg";
+    case Role::exp_avg_sq: return "exp_avg_sq";
+    case Role::gathered: return "gathered";
+    case Role::full_grads: return "full_grads";
+    case Role::value: return "value";
+    case Role::saved: return "saved";
+    case Role::recomputable: return "recomputable";
+    case Role::forward_ws: return "forward_ws";
+    case Role::backward_ws: return "backward_ws";
+    case Role::grad_stream: return "grad_stream";
+    case Role::staging: return "staging";
   }
   return "?";
 }
@@ -68,7 +81,8 @@ std::string Task::name(const model::ModelDesc* desc) const {
   } else if (unit >= 0) {
     add_unit(unit);
   }
-  if (op == Op::forward || op == Op::backward || op == Op::head || op == Op::all_gather) {
+  if (op == Op::forward || op == Op::backward || op == Op::recompute || op == Op::head || op == Op::loss ||
+      op == Op::logits || op == Op::all_gather) {
     s += " [m";
     s += std::to_string(micro);
     s += ']';
@@ -79,11 +93,10 @@ std::string Task::name(const model::ModelDesc* desc) const {
 bool Plan::depends_on(int later, int earlier) const {
   // A task waits for its deps and for the task before it on its own stream.
   std::vector<int> prev_on_stream(tasks.size(), -1);
-  std::vector<int> last{-1, -1};
+  std::vector<int> last(streams.size(), -1);
   for (const Task& t : tasks) {
-    int& l = last[static_cast<int>(t.stream)];
-    prev_on_stream[t.id] = l;
-    l = t.id;
+    prev_on_stream[t.id] = last[t.stream];
+    last[t.stream] = t.id;
   }
   std::vector<char> seen(tasks.size(), 0);
   std::vector<int> stack{later};
@@ -101,9 +114,43 @@ bool Plan::depends_on(int later, int earlier) const {
 }
 
 namespace {
-// Walks the tasks in list order; returns the snapshot at the highest total and, in `each`, every
-// category's own maximum.
-MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each);
+
+// Walks the tasks in list order (every allocation precedes its frees, and the list order is one
+// the streams can run in, so this visits a reachable sequence of live sets); returns the
+// snapshot at the highest total and, in `each`, every category's own maximum.
+MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
+  MemSnapshot live;
+  auto add = [&](MemCategory c, int64_t b) {
+    live.bytes[static_cast<int>(c)] += b;
+    live.total += b;
+  };
+  add(MemCategory::params, plan.static_memory.params);
+  add(MemCategory::grads, plan.static_memory.grads);
+  add(MemCategory::optimizer, plan.static_memory.optimizer);
+  MemSnapshot peak = live;
+  if (each) *each = live;
+  std::vector<char> alive(plan.buffers.size(), 0);
+  for (const Task& t : plan.tasks) {
+    for (int a : t.allocs) {
+      alive[a] = 1;
+      add(plan.buffers[a].category, plan.buffers[a].bytes);
+    }
+    if (live.total > peak.total) peak = live;
+    if (each)
+      for (int c = 0; c < kNumMemCategories; ++c) each->bytes[c] = std::max(each->bytes[c], live.bytes[c]);
+    for (int f : t.frees) {
+      if (!alive[f]) continue;
+      alive[f] = 0;
+      add(plan.buffers[f].category, -plan.buffers[f].bytes);
+    }
+  }
+  if (each) {
+    each->total = 0;
+    for (int c = 0; c < kNumMemCategories; ++c) each->total += each->bytes[c];
+  }
+  return peak;
+}
+
 }  // namespace
 
 MemSnapshot Plan::peak_memory() const { return walk_memory(*this, nullptr); }
@@ -114,88 +161,66 @@ MemSnapshot Plan::max_memory() const {
   return each;
 }
 
-namespace {
-MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
-  const StaticMemory& static_memory = plan.static_memory;
-  const std::vector<Task>& tasks = plan.tasks;
-  MemSnapshot live;
-  auto add = [&](MemCategory c, int64_t b) {
-    live.bytes[static_cast<int>(c)] += b;
-    live.total += b;
-  };
-  add(MemCategory::params, static_memory.params);
-  add(MemCategory::grads, static_memory.grads);
-  add(MemCategory::optimizer, static_memory.optimizer);
-  add(MemCategory::activations, static_memory.activations);
-  add(MemCategory::workspace, static_memory.workspace);
-  MemSnapshot peak = live;
-  std::map<std::string, BufferUse> alive;
-  // Tasks in list order: every allocation precedes its frees, and the list order is one the
-  // streams can run in, so this walk visits a reachable sequence of live sets.
-  for (const Task& t : tasks) {
-    for (const auto& a : t.allocs) {
-      alive[a.name] = a;
-      add(a.category, a.bytes);
-    }
-    if (live.total > peak.total) peak = live;
-    if (each)
-      for (int c = 0; c < kNumMemCategories; ++c) each->bytes[c] = std::max(each->bytes[c], live.bytes[c]);
-    for (const auto& f : t.frees) {
-      auto it = alive.find(f);
-      if (it == alive.end()) continue;
-      add(it->second.category, -it->second.bytes);
-      alive.erase(it);
-    }
-  }
-  if (each) {
-    each->total = 0;
-    for (int c = 0; c < kNumMemCategories; ++c) {
-      each->bytes[c] = std::max(each->bytes[c], peak.bytes[c]);
-      each->total += each->bytes[c];
-    }
-  }
-  return peak;
-}
-}  // namespace
-
 std::string Plan::to_text(const model::ModelDesc& desc) const {
   std::ostringstream o;
   const auto& c = config;
-  o << "plan: strategy " << to_string(c.strategy) << ", " << c.world << " ranks";
-  if (c.strategy == Strategy::hybrid) o << " (shard groups of " << shard_size << ")";
-  o << ", B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
-    << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << "\n";
-  o << "units:";
-  for (size_t u = 0; u < desc.units.size(); ++u)
-    o << " u" << u << "=" << desc.units[u].name << "(" << layout.units[u].padded << ")";
-  o << "\n\nmemory per rank (bytes):\n";
-  const MemSnapshot peak = peak_memory();
-  auto line = [&](const char* name, int64_t st, MemCategory cat) {
-    o << "  " << name << ": static " << st << ", at peak " << peak[cat] << " (" << peak[cat] / 1048576.0 << " MiB)\n";
+  const char* mode = c.mode == PlanConfig::Mode::train ? "train" : c.mode == PlanConfig::Mode::loss ? "loss" : "logits";
+  o << "plan (" << mode << "): model " << model::to_string(desc.config.family) << ", strategy " << to_string(c.strategy)
+    << ", " << c.world << " ranks (mesh";
+  for (const auto& a : mesh) o << " " << a.name << "=" << a.size;
+  o << "), B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
+    << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
+    << model::to_string(c.recompute) << ", " << c.threads << " thread(s)\n";
+
+  o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
+       "transient; workspace MiB forward / backward):\n";
+  const model::Shape shape{c.batch, c.seq, 4, c.threads};
+  auto mib = [](int64_t b) { return b / 1048576.0; };
+  for (size_t u = 0; u < desc.units.size(); ++u) {
+    const model::UnitCosts k = desc.costs(static_cast<int>(u), shape);
+    const int64_t kept = k.kept_bytes(c.recompute), all = k.saved_bytes + k.recomputable_bytes;
+    o << "  u" << u << " " << desc.units[u].name << " (" << model::to_string(desc.units[u].kind) << ", "
+      << layout.units[u].numel << " params, padded " << layout.units[u].padded << "): fwd " << k.forward_flops / 1e9
+      << " bwd " << k.backward_flops / 1e9 << " recompute " << k.recompute_flops(c.recompute) / 1e9 << " | out "
+      << mib(k.output_bytes) << " kept " << mib(kept) << " transient " << mib(all - kept) << " | ws "
+      << mib(k.forward_workspace) << " / " << mib(k.backward_workspace) << "\n";
+  }
+
+  o << "\nmemory per rank (bytes):\n";
+  const MemSnapshot peak = peak_memory(), each = max_memory();
+  auto line = [&](MemCategory cat, int64_t st) {
+    o << "  " << to_string(cat) << ": static " << st << ", at peak " << peak[cat] << " (" << mib(peak[cat])
+      << " MiB), own peak " << each[cat] << " (" << mib(each[cat]) << " MiB)\n";
   };
-  line("params", static_memory.params, MemCategory::params);
-  line("grads", static_memory.grads, MemCategory::grads);
-  line("optimizer", static_memory.optimizer, MemCategory::optimizer);
-  line("activations", static_memory.activations, MemCategory::activations);
-  line("comm", 0, MemCategory::comm);
-  line("workspace", static_memory.workspace, MemCategory::workspace);
-  o << "  total at peak: " << peak.total << "\n\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";
+  line(MemCategory::params, static_memory.params);
+  line(MemCategory::grads, static_memory.grads);
+  line(MemCategory::optimizer, static_memory.optimizer);
+  line(MemCategory::activations, 0);
+  line(MemCategory::comm, 0);
+  line(MemCategory::workspace, 0);
+  o << "  total at peak: " << peak.total << " (" << mib(peak.total) << " MiB)\n";
+
+  o << "\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";
   double flops = 0;
   int64_t comm_bytes = 0;
   for (const Task& t : tasks) {
-    o << "  " << t.id << "\t" << to_string(t.stream) << "\t" << t.name(&desc);
-    if (t.stream == Stream::comm) o << " (" << to_string(t.group) << ")";
+    o << "  " << t.id << "\t" << streams[t.stream] << "\t" << t.name(&desc);
+    if (!t.axes.empty()) {
+      o << " (";
+      for (size_t i = 0; i < t.axes.size(); ++i) o << (i ? "×" : "") << mesh[t.axes[i]].name;
+      o << ")";
+    }
     o << " | deps";
     for (int d : t.deps) o << " " << d;
     if (t.flops > 0) o << " | " << t.flops / 1e9 << " GFLOP";
-    if (t.bytes > 0) o << " | " << t.bytes / 1048576.0 << " MiB";
-    for (const auto& a : t.allocs) o << " | +" << a.name << " " << a.bytes;
-    for (const auto& f : t.frees) o << " | -" << f;
+    if (t.bytes > 0) o << " | " << mib(t.bytes) << " MiB";
+    for (int a : t.allocs) o << " | +" << buffers[a].name << " " << buffers[a].bytes;
+    for (int f : t.frees) o << " | -" << buffers[f].name;
     o << "\n";
     flops += t.flops;
-    comm_bytes += t.bytes;
+    if (t.stream != kCompute) comm_bytes += t.bytes;
   }
-  o << "\ntotal: " << tasks.size() << " tasks, " << flops / 1e9 << " GFLOP, " << comm_bytes / 1048576.0
+  o << "\ntotal: " << tasks.size() << " tasks, " << flops / 1e9 << " GFLOP, " << mib(comm_bytes)
     << " MiB of collectives\n";
   return o.str();
 }

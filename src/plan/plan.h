@@ -1,21 +1,31 @@
-// A plan: the tasks one rank runs for one training step, as plain data. Strategies build plans
-// (strategy.h); the executor (run/) runs them with real kernels and collectives; the simulator
-// will run them against a cost model; `shardlm explain` prints them.
+// A plan: the tasks one rank runs for one step, as plain data. Strategies build plans
+// (build_plan); the executor (run/) runs them with real kernels and collectives; the simulator
+// runs them against a cost model; `shardlm explain` prints them.
 //
 // Contract of a plan:
-//  - Tasks on one stream run in their order in `tasks`; a task starts only when every task in
-//    `deps` (on any stream) has finished. Prefetch depth and the limit on gathers in flight are
-//    expressed as such dependencies, never as special cases in an executor.
-//  - Buffers are named; a task's `allocs` exist from its start, its `frees` end at its end.
-//    Static buffers (the sharded or replicated state) live for the whole run.
-//  - The plan is the same on every rank of a job (ranks differ only in which shard they hold).
+//  - Streams are an open list (streams[0] is compute). Tasks on one stream run in their order in
+//    `tasks`; a task starts only when every task in `deps` (on any stream) has finished.
+//    Prefetch depth and the limit on gathers in flight are such dependencies, never special
+//    cases in an executor.
+//  - Every byte a step touches is a typed buffer (buffers[id]): the run-long state (parameters,
+//    gradients, AdamW moments: this rank's element ranges, `state`), and the per-task buffers a
+//    task allocates (`allocs`) and a later one frees (`frees`): gathered parameters, full
+//    gradients, activations, workspace, staging. A buffer id is never alive twice at once.
+//  - A task names the buffers it reads and writes (`io`), so an executor resolves ids, not names.
+//  - Collectives run over mesh axes (dp_replicate × dp_shard); the plan is the same on every rank
+//    (ranks differ only in their coordinates, hence which shard they hold).
+//  - Nothing happens outside a task: zeroing gradients, the gradient-norm reduction and the loss
+//    sum are tasks.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "model/gpt2.h"
+#include "model/model.h"
+#include "tensor/dtype.h"
 #include "tensor/memory.h"
 
 namespace shardlm::plan {
@@ -24,50 +34,83 @@ enum class Strategy { ddp, zero1, zero2, fsdp, hybrid };
 const char* to_string(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws std::invalid_argument naming it
 
-enum class Stream { compute, comm };
-const char* to_string(Stream s);
+inline constexpr int kCompute = 0, kComm = 1;  // the streams builders emit today
 
 enum class Op {
+  zero_grads,      // compute: the run-long gradient buffer to zero
+  forward,         // compute: unit forward of one micro-step
+  recompute,       // compute: rebuild a unit's dropped activations before its backward
+  head,            // compute: head forward + loss + its backward, fused (training)
+  loss,            // compute: head forward + loss (evaluation)
+  logits,          // compute: head forward, logits of the last position (generation)
+  backward,        // compute: unit backward of one micro-step
+  grad_norm,       // compute: this rank's sum of squares of its distinct gradients
+  optimizer,       // compute: clipping by the global norm, AdamW on this rank's shard
   all_gather,      // comm: a unit's parameter shards -> its gathered parameters
   reduce_scatter,  // comm: a unit's full gradients -> this rank's summed gradient shard
   all_reduce,      // comm: a bucket of gradients (DDP, ZeRO-1) or a shard across replicas (hybrid)
-  forward,         // compute: unit forward of one micro-step
-  head,            // compute: final norm + tied head + loss, forward and backward
-  backward,        // compute: unit backward of one micro-step
-  grad_norm,       // compute + comm: global gradient norm over all shards, and clipping
-  optimizer,       // compute: AdamW on this rank's shard of every unit
   param_gather,    // comm: ZeRO-1/2: updated parameter shards -> every rank's full copy
+  norm_reduce,     // comm: sum of the ranks' squared-gradient sums over the shard axis
+  loss_reduce,     // comm: sum of the ranks' losses over the world
 };
+inline constexpr int kNumOps = 15;
 const char* to_string(Op op);
 
-// Which ranks a collective spans: all of them, this rank's shard group, or the ranks holding
-// the same shard in the other groups (hybrid).
-enum class Group { world, shard, replicate };
-const char* to_string(Group g);
+// What a buffer holds.
+enum class Role {
+  params, grads, exp_avg, exp_avg_sq,  // run-long state (this rank's element ranges)
+  gathered,                            // a unit's whole parameters, gathered
+  full_grads,                          // a unit's whole gradients before reduce-scatter
+  value,                               // a residual-stream value (batch or hidden state)
+  saved, recomputable,                 // a unit's activations kept for its backward
+  forward_ws, backward_ws,             // a task's scratch
+  grad_stream,                         // gradient of the residual stream through a backward
+  staging,                             // a bf16 collective's cast copy
+};
+const char* to_string(Role r);
 
-struct BufferUse {
-  std::string name;  // e.g. "gathered h.3", "grad h.3"
-  MemCategory category;
-  int64_t bytes;
+enum class Location { host, device, disk };
+
+struct BufferDesc {
+  int id = 0;
+  std::string name;  // e.g. "gathered h.3", "saved h.3 [m0]"
+  Role role = Role::value;
+  MemCategory category = MemCategory::activations;
+  DType dtype = DType::fp32;
+  int64_t bytes = 0;
+  int unit = -1;
+  int value = -1;  // Role::value: index into ModelDesc::values
+  Location where = Location::host;
+};
+
+// The buffers a task reads and writes; -1: not used. Unit parameters and gradients that are not
+// per-task buffers are the unit's range of the run-long state.
+struct Operands {
+  int params = -1, grads = -1;                    // the task's unit
+  int borrowed_params = -1, borrowed_grads = -1;  // the unit it borrows (tied head)
+  std::vector<int> inputs;                        // values read, in the unit's `reads` order
+  int output = -1;                                // value written
+  int saved = -1, recomputable = -1;
+  int forward_ws = -1, backward_ws = -1;
+  int grad_stream = -1;
+  int staging = -1;
 };
 
 struct Task {
   int id = 0;
   Op op = Op::forward;
-  Stream stream = Stream::compute;
-  Group group = Group::world;
-  int unit = -1;      // index into ModelDesc::units; -1: all units / none
-  int micro = 0;      // micro-step
+  int stream = kCompute;
+  std::vector<int> axes;  // mesh axes a collective spans (indices into Plan::mesh)
+  int unit = -1;          // index into ModelDesc::units; -1: all units / none
+  int micro = 0;          // micro-step
   int first_unit = -1, last_unit = -1;  // all_reduce buckets: units [first, last]
   std::vector<int> deps;
   double flops = 0;   // compute work
-  int64_t bytes = 0;  // a collective's size: the whole gathered unit / reduced gradients, in the wire dtype
-  std::vector<BufferUse> allocs;
-  std::vector<std::string> frees;
+  int64_t bytes = 0;  // a collective's size in the wire dtype
+  std::vector<int> allocs, frees;  // buffer ids
+  Operands io;
   // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]".
   std::string name(const model::ModelDesc* desc = nullptr) const;
-  // The bf16 staging buffer of a collective (its allocs name it so).
-  std::string staging_buffer() const { return "staging " + name() + " " + std::to_string(first_unit); }
 };
 
 struct PlanConfig {
@@ -80,21 +123,42 @@ struct PlanConfig {
   double bucket_mb = 25;
   int param_bytes = 4;   // gathered parameter / communication element size (fp32 4, bf16 2)
   int reduce_bytes = 4;  // gradient communication element size
+  model::Recompute recompute = model::Recompute::none;
+  int threads = 1;  // compute threads (kernels' per-thread scratch)
+  enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
 };
 
-// Bytes per category the rank holds for the whole run (state and step-long buffers).
+struct MeshAxis {
+  std::string name;
+  int size = 1;
+};
+
+// Which element range of each unit this rank holds, per kind of state: shard `i` of `parts`
+// equal parts of the unit's padded flat buffer, i the rank's coordinate on the dp_shard axis.
+// parts 1: the whole unit; 0: not held at all (a forward-only plan has no gradients).
+struct StateLayout {
+  int params = 1, grads = 1, optimizer = 1;
+};
+
+// Bytes per category the rank holds for the whole run.
 struct StaticMemory {
-  int64_t params = 0, grads = 0, optimizer = 0, activations = 0, workspace = 0;
+  int64_t params = 0, grads = 0, optimizer = 0;
 };
 
 struct Plan {
   PlanConfig config;
-  int shard_size = 1;  // ranks one unit is split over (N for fsdp/zero, G for hybrid, 1 for ddp)
-  model::FlatLayout layout;  // units padded to a multiple of 16 × shard_size
+  std::vector<std::string> streams{"compute", "comm"};
+  std::vector<MeshAxis> mesh;  // {dp_replicate, dp_shard}; rank = replicate·|dp_shard| + shard
+  int shard_axis = 1, replicate_axis = 0;
+  int shard_size = 1;          // |dp_shard|: ranks one unit is split over
+  model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
+  StateLayout state;
   StaticMemory static_memory;
+  std::vector<BufferDesc> buffers;
   std::vector<Task> tasks;
-  // Highest bytes per category of the dynamic buffers when tasks run in plan order (compute and
-  // comm interleaved as their dependencies allow the earliest), plus the static memory.
+
+  // Highest bytes per category of the buffers when tasks run in plan order (compute and comm
+  // interleaved as their dependencies allow the earliest), plus the static memory.
   MemSnapshot peak_memory() const;
   // Each category's own highest bytes over the same walk (they need not peak together).
   MemSnapshot max_memory() const;
@@ -102,13 +166,15 @@ struct Plan {
   // on it through deps and stream order (a task waits for the one before it on its stream).
   bool depends_on(int later, int earlier) const;
   std::string to_text(const model::ModelDesc& desc) const;
+  // This rank's shard coordinate from its world rank.
+  int shard_index(int rank) const { return rank % shard_size; }
 };
 
-// The embedding unit is used at both ends of the forward and at the start and end of the
-// backward (tied head), so sharded plans gather it once per step and keep it, as FSDP keeps its
-// root unit: a memory price of one gathered embedding for fewer collectives.
-// With one rank every strategy becomes DDP's plan without collectives.
-// Throws std::invalid_argument naming the field of a bad configuration.
+// Builds one rank's plan of a training step (or, with Mode::loss / logits, of a forward pass
+// with the same state layout). With one rank every strategy becomes DDP's plan without
+// collectives. Units borrowed by another (the tied head's embedding) stay gathered for the whole
+// step under sharded strategies, as FSDP keeps its root unit. Throws std::invalid_argument naming
+// the field of a bad configuration.
 Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config);
 
 }  // namespace shardlm::plan

@@ -1,6 +1,9 @@
-// The plan builders: one walk over the step (micro-steps × units, forward then backward) that
-// emits compute tasks and, depending on the strategy, the collectives around them.
+// The plan builder: one walk over the step (micro-steps × units, forward then backward) that emits
+// compute tasks with the buffers they allocate, read and free, and, depending on the strategy,
+// the collectives around them.
 #include <algorithm>
+#include <map>
+#include <set>
 #include <stdexcept>
 
 #include "plan/plan.h"
@@ -9,103 +12,275 @@ namespace shardlm::plan {
 
 namespace {
 
+using model::Recompute;
+
 class Builder {
  public:
   Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : desc_(desc), cfg_(cfg) {}
-
   Plan build();
 
  private:
-  int add(Op op, Stream stream, int unit, int micro, std::vector<int> deps = {}) {
+  int add(Op op, int stream, int unit, int micro, std::vector<int> deps = {}) {
     Task t;
     t.id = static_cast<int>(tasks_.size());
-    t.op = op, t.stream = stream, t.unit = unit, t.micro = micro, t.deps = std::move(deps);
-    t.group = stream == Stream::comm ? Group::shard : Group::world;
+    t.op = op, t.stream = stream, t.unit = unit, t.micro = micro;
+    for (int d : deps)
+      if (d >= 0) t.deps.push_back(d);
     tasks_.push_back(std::move(t));
     return tasks_.back().id;
   }
+  Task& at(int t) { return tasks_[t]; }
+  // The buffer of this name, created on first use.
+  int buffer(const std::string& name, Role role, MemCategory category, int64_t bytes, int unit,
+             DType dtype = DType::fp32) {
+    auto it = by_name_.find(name);
+    if (it != by_name_.end()) return it->second;
+    BufferDesc b;
+    b.id = static_cast<int>(plan_.buffers.size());
+    b.name = name, b.role = role, b.category = category, b.dtype = dtype, b.bytes = bytes, b.unit = unit;
+    plan_.buffers.push_back(b);
+    by_name_[name] = b.id;
+    return b.id;
+  }
+  void alloc(int t, int buf) { at(t).allocs.push_back(buf); }
+  void free(int t, int buf) { at(t).frees.push_back(buf); }
+  void scratch(int t, int buf) { alloc(t, buf), free(t, buf); }  // alive inside one task
+  static std::string tag(int m) { return " [m" + std::to_string(m) + "]"; }
+  const std::string& uname(int u) const { return desc_.units[u].name; }
   int64_t unit_bytes(int u, int elem) const { return plan_.layout.units[u].padded * elem; }
-  std::string gathered(int u) const { return "gathered u" + std::to_string(u); }
-  std::string full_grad(int u) const { return "grad u" + std::to_string(u); }
+  int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
+
+  int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
+  int full_grads(int u) { return buffer("grads " + uname(u), Role::full_grads, MemCategory::grads, unit_bytes(u, 4), u); }
+  int value(int v, int m) {
+    const int b = buffer(desc_.values[v].name + tag(m), Role::value, MemCategory::activations,
+                         desc_.values[v].bytes(shape_, desc_.config.n_embd), -1,
+                         desc_.values[v].tokens ? DType::int8 : DType::fp32);
+    plan_.buffers[b].value = v;
+    return b;
+  }
+  int saved(int u, int m) { return buffer("saved " + uname(u) + tag(m), Role::saved, MemCategory::activations, costs_[u].saved_bytes, u); }
+  int recomputable(int u, int m) {
+    return buffer("recomputable " + uname(u) + tag(m), Role::recomputable, MemCategory::activations,
+                  costs_[u].recomputable_bytes, u);
+  }
+  int grad_stream(int m) {
+    return buffer("grad stream" + tag(m), Role::grad_stream, MemCategory::activations, desc_.grad_stream_bytes(shape_), -1);
+  }
+  int forward_ws(int u) { return buffer("forward ws " + uname(u), Role::forward_ws, MemCategory::workspace, costs_[u].forward_workspace, u); }
+  int backward_ws(int u) {
+    return buffer("backward ws " + uname(u), Role::backward_ws, MemCategory::workspace, costs_[u].backward_workspace, u);
+  }
   // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard.
   void stage(int t, int64_t full_elems, int64_t shard_elems, int elem) {
     if (elem == 4) return;
-    const std::string name = tasks_[t].staging_buffer();
-    tasks_[t].allocs.push_back({name, MemCategory::comm, (full_elems + shard_elems) * elem});
-    tasks_[t].frees.push_back(name);
+    const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
+                         (full_elems + shard_elems) * elem, at(t).unit, DType::bf16);
+    scratch(t, b);
+    at(t).io.staging = b;
   }
 
-  // An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
-  // issued at most `prefetch` compute tasks ahead of its consumer. consume() names the consumer.
-  // A unit's gathered buffer is one named buffer, so a unit is never gathered twice at once: its
-  // gather waits for the consumer of its previous gather.
-  int gather(int u, int micro, int prefetch) {
-    std::vector<int> deps;
-    const int j = static_cast<int>(chain_.size());
-    const int limit = cfg_.max_gathers_in_flight;
-    if (j - limit >= 0) deps.push_back(chain_[j - limit].consumer);
-    if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].consumer);
-    for (int k = j - 1; k >= 0; --k)
-      if (chain_[k].unit == u) {
-        deps.push_back(chain_[k].consumer);
-        break;
-      }
-    std::sort(deps.begin(), deps.end());
-    deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
-    const int t = add(Op::all_gather, Stream::comm, u, micro, deps);
-    tasks_[t].bytes = unit_bytes(u, cfg_.param_bytes);
-    tasks_[t].allocs.push_back({gathered(u), MemCategory::params, unit_bytes(u, 4)});
-    stage(t, plan_.layout.units[u].padded, plan_.layout.units[u].padded / plan_.shard_size, cfg_.param_bytes);
-    chain_.push_back({t, -1, u});
-    return t;
-  }
-  // The consumer frees the gathered buffer.
-  void consume(int compute_task) {
-    tasks_[compute_task].frees.push_back(gathered(chain_.back().unit));
-    chain_.back().consumer = compute_task;
-  }
-  // Between micro-steps the parameters do not change, and the last unit the backward gathered
-  // (h.0) is the first the next forward needs: keep it instead of gathering it again. Returns the
-  // gather the compute task now depends on.
-  int reuse(int compute_task) {
-    auto& frees = tasks_[chain_.back().consumer].frees;
-    frees.erase(std::remove(frees.begin(), frees.end(), gathered(chain_.back().unit)), frees.end());
-    consume(compute_task);
-    return chain_.back().gather;
-  }
-
-  // After unit u's gradient is final on the last micro-step: reduce it the strategy's way.
+  int gather(int u, int micro, int prefetch);
+  int gather_kept(int u);
+  void consume(int compute_task);
+  int reuse(int compute_task);
+  void forward(int u, int m);
+  void backward(int u, int m);
   void reduce_grad(int u, int producer);
   void close_bucket(int producer);
+  void read_values(int t, int u, int m);
+  void free_at_last_use();
+  void finish();
   std::vector<Task> schedule();
 
   const model::ModelDesc& desc_;
   const PlanConfig& cfg_;
   Plan plan_;
   std::vector<Task> tasks_;
+  std::map<std::string, int> by_name_;
+  model::Shape shape_;
+  std::vector<model::UnitCosts> costs_;
+  std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
+  std::vector<int> kept_gather_;  // its gather task
   struct Gathered {
     int gather, consumer, unit;
   };
-  std::vector<Gathered> chain_;  // every all_gather of a block or the final unit, in issue order
-  std::vector<int> reductions_;             // every gradient collective
+  std::vector<Gathered> chain_;  // every other all_gather, in issue order
+  std::vector<int> reductions_;  // every gradient collective
+  std::set<int> grads_allocated_;
+  std::vector<int> heads_;       // head / loss / logits tasks
   int bucket_first_ = -1, bucket_last_ = -1;
   int64_t bucket_bytes_ = 0;
-  bool sharded_params_ = false, sharded_grads_ = false;
+  bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
+  int last_micro_ = 0;
 };
+
+// An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
+// issued at most `prefetch` compute tasks ahead of its consumer. A unit's gathered buffer is one
+// buffer, so a unit is never gathered twice at once: its gather waits for the consumer of its
+// previous gather.
+int Builder::gather(int u, int micro, int prefetch) {
+  std::vector<int> deps;
+  const int j = static_cast<int>(chain_.size());
+  const int limit = cfg_.max_gathers_in_flight;
+  if (j - limit >= 0) deps.push_back(chain_[j - limit].consumer);
+  if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].consumer);
+  for (int k = j - 1; k >= 0; --k)
+    if (chain_[k].unit == u) {
+      deps.push_back(chain_[k].consumer);
+      break;
+    }
+  std::sort(deps.begin(), deps.end());
+  deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+  const int t = add(Op::all_gather, kComm, u, micro, deps);
+  at(t).axes = {plan_.shard_axis};
+  at(t).bytes = unit_bytes(u, cfg_.param_bytes);
+  at(t).io.params = gathered(u);
+  alloc(t, gathered(u));
+  stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+  chain_.push_back({t, -1, u});
+  return t;
+}
+
+int Builder::gather_kept(int u) {
+  const int t = add(Op::all_gather, kComm, u, 0);
+  at(t).axes = {plan_.shard_axis};
+  at(t).bytes = unit_bytes(u, cfg_.param_bytes);
+  at(t).io.params = gathered(u);
+  alloc(t, gathered(u));
+  stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+  kept_gather_[u] = t;
+  return t;
+}
+
+// The consumer frees the gathered buffer.
+void Builder::consume(int compute_task) {
+  free(compute_task, gathered(chain_.back().unit));
+  chain_.back().consumer = compute_task;
+}
+
+// Between micro-steps the parameters do not change, and the last unit the backward gathered is
+// the first the next forward needs when it is the same unit: keep it instead of gathering it
+// again. Returns the gather the compute task now depends on.
+int Builder::reuse(int compute_task) {
+  auto& frees = at(chain_.back().consumer).frees;
+  frees.erase(std::remove(frees.begin(), frees.end(), gathered(chain_.back().unit)), frees.end());
+  consume(compute_task);
+  return chain_.back().gather;
+}
+
+void Builder::read_values(int t, int u, int m) {
+  for (int v : desc_.units[u].reads) at(t).io.inputs.push_back(value(v, m));
+}
+
+void Builder::forward(int u, int m) {
+  const model::UnitDesc& ud = desc_.units[u];
+  const bool head = model::is_head(ud.kind);
+  const Op op = !head ? Op::forward : train_ ? Op::head : cfg_.mode == PlanConfig::Mode::loss ? Op::loss : Op::logits;
+  int ag = -1;
+  bool held = false;
+  if (sharded_params_ && kept_[u]) {
+    if (m == 0) ag = gather_kept(u);
+  } else if (sharded_params_) {
+    held = m > 0 && !chain_.empty() && chain_.back().unit == u;
+    if (!held) ag = gather(u, m, cfg_.prefetch_forward);
+  }
+  const int t = add(op, kCompute, u, m, {ag});
+  if (held) at(t).deps.push_back(reuse(t));
+  else if (ag >= 0 && !kept_[u]) consume(t);
+  const model::UnitCosts& c = costs_[u];
+  Operands& io = at(t).io;
+  if (sharded_params_) io.params = gathered(u);
+  if (ud.borrows >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
+  read_values(t, u, m);
+  if (ud.writes >= 0) {
+    io.output = value(ud.writes, m);
+    alloc(t, io.output);
+  }
+  if (ud.reads.size() && ud.reads[0] == 0 && !model::is_head(ud.kind)) alloc(t, value(0, m));  // fills the batch
+  at(t).flops = c.forward_flops;
+  if (c.saved_bytes > 0) {
+    io.saved = saved(u, m);
+    alloc(t, io.saved);
+    if (!train_ || cfg_.recompute == Recompute::full) free(t, io.saved);
+  }
+  if (c.recomputable_bytes > 0) {
+    io.recomputable = recomputable(u, m);
+    alloc(t, io.recomputable);
+    if (!train_ || cfg_.recompute != Recompute::none) free(t, io.recomputable);
+  }
+  if (c.forward_workspace > 0) scratch(t, io.forward_ws = forward_ws(u));
+  if (!head) return;
+  heads_.push_back(t);
+  if (!train_) return;
+  // Training: the head's backward runs in the same task and starts the gradient stream.
+  at(t).flops += c.backward_flops;
+  if (c.backward_workspace > 0) scratch(t, io.backward_ws = backward_ws(u));
+  io.grad_stream = grad_stream(m);
+  alloc(t, io.grad_stream);
+  if (sharded_grads_) {
+    io.grads = full_grads(u);
+    if (ud.borrows >= 0) io.borrowed_grads = full_grads(ud.borrows);
+    for (int g : {u, ud.borrows})
+      if (g >= 0 && m == 0 && grads_allocated_.insert(g).second) alloc(t, full_grads(g));
+  }
+  if (m == last_micro_) reduce_grad(u, t);
+}
+
+void Builder::backward(int u, int m) {
+  const model::UnitDesc& ud = desc_.units[u];
+  const model::UnitCosts& c = costs_[u];
+  const bool rebuild = c.kept_bytes(cfg_.recompute) < c.saved_bytes + c.recomputable_bytes;
+  int ag = -1;
+  if (sharded_params_ && !kept_[u] && (ud.backward_reads_params || rebuild)) ag = gather(u, m, cfg_.prefetch_backward);
+  const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
+  if (rebuild) {
+    const int r = add(Op::recompute, kCompute, u, m, {ag});
+    Operands& io = at(r).io;
+    io.params = params;
+    read_values(r, u, m);
+    at(r).flops = c.recompute_flops(cfg_.recompute);
+    if (c.saved_bytes > 0) {
+      io.saved = saved(u, m);
+      if (cfg_.recompute == Recompute::full) alloc(r, io.saved);
+    }
+    if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
+    if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
+    ag = -1;  // the backward follows on the same stream
+  }
+  const int b = add(Op::backward, kCompute, u, m, {ag});
+  if (params >= 0 && !kept_[u]) consume(b);
+  Operands& io = at(b).io;
+  io.params = params;
+  read_values(b, u, m);
+  at(b).flops = c.backward_flops;
+  if (c.saved_bytes > 0) free(b, io.saved = saved(u, m));
+  if (c.recomputable_bytes > 0) free(b, io.recomputable = recomputable(u, m));
+  if (c.backward_workspace > 0) scratch(b, io.backward_ws = backward_ws(u));
+  io.grad_stream = grad_stream(m);
+  if (u == 0) free(b, io.grad_stream);
+  if (sharded_grads_) {
+    io.grads = full_grads(u);
+    if (m == 0 && grads_allocated_.insert(u).second) alloc(b, io.grads);
+  }
+  if (m == last_micro_) reduce_grad(u, b);
+}
 
 void Builder::reduce_grad(int u, int producer) {
   if (cfg_.world == 1) return;
   if (sharded_grads_) {
-    const int rs = add(Op::reduce_scatter, Stream::comm, u, cfg_.grad_accum - 1, {producer});
-    tasks_[rs].bytes = unit_bytes(u, cfg_.reduce_bytes);
-    tasks_[rs].frees.push_back(full_grad(u));
-    stage(rs, plan_.layout.units[u].padded, plan_.layout.units[u].padded / plan_.shard_size, cfg_.reduce_bytes);
+    const int rs = add(Op::reduce_scatter, kComm, u, last_micro_, {producer});
+    at(rs).axes = {plan_.shard_axis};
+    at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
+    at(rs).io.grads = full_grads(u);
+    free(rs, full_grads(u));
+    stage(rs, plan_.layout.units[u].padded, shard_elems(u), cfg_.reduce_bytes);
     reductions_.push_back(rs);
-    if (cfg_.strategy == Strategy::hybrid && cfg_.world > plan_.shard_size) {
-      const int ar = add(Op::all_reduce, Stream::comm, u, cfg_.grad_accum - 1, {rs});
-      tasks_[ar].group = Group::replicate;
-      tasks_[ar].bytes = unit_bytes(u, cfg_.reduce_bytes) / plan_.shard_size;
-      stage(ar, plan_.layout.units[u].padded / plan_.shard_size, 0, cfg_.reduce_bytes);
+    if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
+      const int ar = add(Op::all_reduce, kComm, u, last_micro_, {rs});
+      at(ar).axes = {plan_.replicate_axis};
+      at(ar).bytes = shard_elems(u) * cfg_.reduce_bytes;
+      stage(ar, shard_elems(u), 0, cfg_.reduce_bytes);
       reductions_.push_back(ar);
     }
     return;
@@ -119,94 +294,101 @@ void Builder::reduce_grad(int u, int producer) {
 }
 
 void Builder::close_bucket(int producer) {
-  const int ar = add(Op::all_reduce, Stream::comm, -1, cfg_.grad_accum - 1, {producer});
-  tasks_[ar].group = Group::world;
-  tasks_[ar].first_unit = bucket_first_;
-  tasks_[ar].last_unit = bucket_last_;
-  tasks_[ar].bytes = bucket_bytes_;
+  const int ar = add(Op::all_reduce, kComm, -1, last_micro_, {producer});
+  at(ar).axes = {plan_.replicate_axis, plan_.shard_axis};
+  at(ar).first_unit = bucket_first_;
+  at(ar).last_unit = bucket_last_;
+  at(ar).bytes = bucket_bytes_;
   stage(ar, bucket_bytes_ / cfg_.reduce_bytes, 0, cfg_.reduce_bytes);
   reductions_.push_back(ar);
   bucket_first_ = bucket_last_ = -1;
   bucket_bytes_ = 0;
 }
 
+// Values and kept gathered units are freed by the last task that reads them.
+void Builder::free_at_last_use() {
+  std::map<int, int> last;
+  for (const Task& t : tasks_) {
+    for (int v : t.io.inputs) last[v] = t.id;
+    if (t.stream != kCompute) continue;
+    for (int b : {t.io.params, t.io.borrowed_params})
+      if (b >= 0 && kept_[plan_.buffers[b].unit]) last[b] = t.id;
+  }
+  for (auto [buf, t] : last) free(t, buf);
+}
+
+void Builder::finish() {
+  const int U = static_cast<int>(desc_.units.size());
+  int end = -1;
+  if (train_) {
+    const int norm = add(Op::grad_norm, kCompute, -1, last_micro_, reductions_);
+    int before_opt = norm;
+    if (cfg_.world > 1 && sharded_grads_) {
+      before_opt = add(Op::norm_reduce, kComm, -1, last_micro_, {norm});
+      at(before_opt).axes = {plan_.shard_axis};
+      at(before_opt).bytes = 8;
+    }
+    const int opt = add(Op::optimizer, kCompute, -1, last_micro_, {before_opt});
+    const int64_t elems = sharded_optimizer_ ? plan_.layout.total / plan_.shard_size : plan_.layout.total;
+    at(opt).flops = 10.0 * static_cast<double>(elems);
+    end = opt;
+    if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
+      for (int u = 0; u < U; ++u) {
+        const int pg = add(Op::param_gather, kComm, u, last_micro_, {opt});
+        at(pg).axes = {plan_.shard_axis};
+        at(pg).bytes = unit_bytes(u, cfg_.param_bytes);
+      }
+    }
+  } else {
+    end = heads_.back();
+  }
+  if (cfg_.world > 1) {
+    const int lr = add(Op::loss_reduce, kComm, -1, last_micro_, {end});
+    at(lr).axes = {plan_.replicate_axis, plan_.shard_axis};
+    at(lr).bytes = 8;
+  }
+}
+
 Plan Builder::build() {
-  const auto& c = desc_.config;
   const Strategy s = cfg_.strategy;
+  train_ = cfg_.mode == PlanConfig::Mode::train;
   plan_.config = cfg_;
   plan_.shard_size = s == Strategy::ddp ? 1 : s == Strategy::hybrid ? cfg_.shard_group : cfg_.world;
+  plan_.mesh = {{"dp_replicate", cfg_.world / plan_.shard_size}, {"dp_shard", plan_.shard_size}};
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
-  const bool sharded_optimizer = s != Strategy::ddp;
+  sharded_optimizer_ = s != Strategy::ddp;
+  const int S = plan_.shard_size;
+  plan_.state.params = sharded_params_ ? S : 1;
+  plan_.state.grads = !train_ ? 0 : sharded_grads_ ? S : 1;
+  plan_.state.optimizer = !train_ ? 0 : sharded_optimizer_ ? S : 1;
+  const int64_t full = plan_.layout.total * 4;
+  auto held = [&](int parts) { return parts == 0 ? 0 : full / parts; };
+  plan_.static_memory = {held(plan_.state.params), held(plan_.state.grads), 2 * held(plan_.state.optimizer)};
+  buffer("params", Role::params, MemCategory::params, held(plan_.state.params), -1);
+  buffer("grads", Role::grads, MemCategory::grads, held(plan_.state.grads), -1);
+  buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(plan_.state.optimizer), -1);
+  buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(plan_.state.optimizer), -1);
 
-  const int64_t full = plan_.layout.total * 4, shard = full / plan_.shard_size;
-  plan_.static_memory.params = sharded_params_ ? shard : full;
-  plan_.static_memory.grads = sharded_grads_ ? shard : full;
-  plan_.static_memory.optimizer = 2 * (sharded_optimizer ? shard : full);
-  plan_.static_memory.activations = desc_.activation_bytes(cfg_.batch, cfg_.seq);
-
-  const int U = static_cast<int>(desc_.units.size()), emb = 0, fin = U - 1;
-  const double BT = static_cast<double>(cfg_.batch * cfg_.seq), C = static_cast<double>(c.n_embd);
-  const double block_fwd = 2 * BT * 12 * C * C + 2 * BT * cfg_.seq * C;
-  const double head_flops = 6 * BT * C * static_cast<double>(c.vocab_size);
-  const int last_micro = static_cast<int>(cfg_.grad_accum) - 1;
-
-  int emb_gather = -1;
-  for (int m = 0; m <= last_micro; ++m) {
-    // Forward.
-    if (sharded_params_ && m == 0) {
-      emb_gather = add(Op::all_gather, Stream::comm, emb, 0);
-      tasks_[emb_gather].bytes = unit_bytes(emb, cfg_.param_bytes);
-      tasks_[emb_gather].allocs.push_back({gathered(emb), MemCategory::params, unit_bytes(emb, 4)});
-      stage(emb_gather, plan_.layout.units[emb].padded, plan_.layout.units[emb].padded / plan_.shard_size,
-            cfg_.param_bytes);
-    }
-    int f = add(Op::forward, Stream::compute, emb, m, m == 0 && emb_gather >= 0 ? std::vector<int>{emb_gather} : std::vector<int>{});
-    for (int u = 1; u < fin; ++u) {
-      const bool held = sharded_params_ && m > 0 && !chain_.empty() && chain_.back().unit == u;
-      const int ag = sharded_params_ && !held ? gather(u, m, cfg_.prefetch_forward) : -1;
-      f = add(Op::forward, Stream::compute, u, m, ag >= 0 ? std::vector<int>{ag} : std::vector<int>{});
-      tasks_[f].flops = block_fwd;
-      if (held) {
-        tasks_[f].deps.push_back(reuse(f));
-      } else if (ag >= 0) {
-        consume(f);
-      }
-    }
-    const int ag_fin = sharded_params_ ? gather(fin, m, cfg_.prefetch_forward) : -1;
-    const int head = add(Op::head, Stream::compute, fin, m, ag_fin >= 0 ? std::vector<int>{ag_fin} : std::vector<int>{});
-    tasks_[head].flops = head_flops;
-    if (ag_fin >= 0) consume(head);
-    if (sharded_grads_ && m == 0) {
-      tasks_[head].allocs.push_back({full_grad(fin), MemCategory::grads, unit_bytes(fin, 4)});
-      tasks_[head].allocs.push_back({full_grad(emb), MemCategory::grads, unit_bytes(emb, 4)});
-    }
-    if (m == last_micro) reduce_grad(fin, head);
-
-    // Backward, last block first.
-    for (int u = fin - 1; u >= 1; --u) {
-      const int ag = sharded_params_ ? gather(u, m, cfg_.prefetch_backward) : -1;
-      const int b = add(Op::backward, Stream::compute, u, m, ag >= 0 ? std::vector<int>{ag} : std::vector<int>{});
-      tasks_[b].flops = 2 * block_fwd;
-      if (sharded_grads_ && m == 0) tasks_[b].allocs.push_back({full_grad(u), MemCategory::grads, unit_bytes(u, 4)});
-      if (ag >= 0) consume(b);
-      if (m == last_micro) reduce_grad(u, b);
-    }
-    const int b_emb = add(Op::backward, Stream::compute, emb, m);
-    if (sharded_params_ && m == last_micro) tasks_[b_emb].frees.push_back(gathered(emb));
-    if (m == last_micro) reduce_grad(emb, b_emb);
+  const int U = static_cast<int>(desc_.units.size());
+  shape_ = {cfg_.batch, cfg_.seq, 4, cfg_.threads};
+  kept_.assign(U, 0);
+  kept_gather_.assign(U, -1);
+  for (int u = 0; u < U; ++u) {
+    costs_.push_back(desc_.costs(u, shape_));
+    if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
   }
-
-  const int norm = add(Op::grad_norm, Stream::compute, -1, last_micro, reductions_);
-  const int opt = add(Op::optimizer, Stream::compute, -1, last_micro, {norm});
-  tasks_[opt].flops = 10.0 * static_cast<double>(sharded_optimizer ? plan_.layout.total / plan_.shard_size : plan_.layout.total);
-  if (s == Strategy::zero1 || s == Strategy::zero2) {
-    for (int u = 0; u < U; ++u) {
-      const int pg = add(Op::param_gather, Stream::comm, u, last_micro, {opt});
-      tasks_[pg].bytes = unit_bytes(u, cfg_.param_bytes);
-    }
+  last_micro_ = train_ ? static_cast<int>(cfg_.grad_accum) - 1 : 0;
+  if (train_) add(Op::zero_grads, kCompute, -1, 0);
+  for (int m = 0; m <= last_micro_; ++m) {
+    for (int u = 0; u < U; ++u) forward(u, m);
+    if (!train_) continue;
+    for (int u = U - 1; u >= 0; --u)
+      if (!model::is_head(desc_.units[u].kind)) backward(u, m);
   }
+  finish();
+  free_at_last_use();
   plan_.tasks = schedule();
   return plan_;
 }
@@ -220,21 +402,21 @@ std::vector<Task> Builder::schedule() {
   std::vector<int> pos(n, -1), ready(n, -1);
   int next = 0;
   for (const Task& t : tasks_)
-    if (t.stream == Stream::compute) pos[t.id] = next++;
+    if (t.stream == kCompute) pos[t.id] = next++;
   for (const Task& t : tasks_) {  // deps always precede their task in creation order
-    if (t.stream != Stream::comm) continue;
-    for (int d : t.deps) ready[t.id] = std::max(ready[t.id], tasks_[d].stream == Stream::compute ? pos[d] : ready[d]);
+    if (t.stream == kCompute) continue;
+    for (int d : t.deps) ready[t.id] = std::max(ready[t.id], tasks_[d].stream == kCompute ? pos[d] : ready[d]);
   }
   std::vector<int> comm_order;
   for (const Task& t : tasks_)
-    if (t.stream == Stream::comm) comm_order.push_back(t.id);
+    if (t.stream != kCompute) comm_order.push_back(t.id);
   std::stable_sort(comm_order.begin(), comm_order.end(), [&](int a, int b) { return ready[a] < ready[b]; });
 
   std::vector<int> order;
   size_t ci = 0;
   int compute_seen = 0;
   for (const Task& t : tasks_) {
-    if (t.stream != Stream::compute) continue;
+    if (t.stream != kCompute) continue;
     while (ci < comm_order.size() && ready[comm_order[ci]] < compute_seen) order.push_back(comm_order[ci++]);
     order.push_back(t.id);
     ++compute_seen;
@@ -249,6 +431,7 @@ std::vector<Task> Builder::schedule() {
     t.id = new_id[old];
     for (int& d : t.deps) d = new_id[d];
     std::sort(t.deps.begin(), t.deps.end());
+    t.deps.erase(std::unique(t.deps.begin(), t.deps.end()), t.deps.end());
     out.push_back(std::move(t));
   }
   return out;
@@ -263,6 +446,7 @@ void validate(const PlanConfig& c) {
   need(c.prefetch_forward >= 0 && c.prefetch_backward >= 0, "prefetch-forward and prefetch-backward must be >= 0");
   need(c.max_gathers_in_flight >= 1, "max-gathers-in-flight must be >= 1");
   need(c.bucket_mb > 0, "bucket-mb must be positive");
+  need(c.threads >= 1, "threads must be >= 1");
   need(c.param_bytes == 4 || c.param_bytes == 2, "param dtype must be fp32 or bf16");
   need(c.reduce_bytes == 4 || c.reduce_bytes == 2, "reduce dtype must be fp32 or bf16");
   // ZeRO-1/2 and DDP keep no separate fp32 master copy of the parameters: gathering them in
@@ -285,6 +469,7 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   // (a sharded plan would only copy parameters into gathered buffers and back).
   if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
+  if (c.mode != PlanConfig::Mode::train) c.grad_accum = 1;
   validate(c);
   return Builder(desc, c).build();
 }

@@ -10,50 +10,62 @@
 #include <thread>
 
 #include "kernels/cpu.h"
+#include "layers/layers.h"
 
 namespace shardlm::run {
 
 using plan::Op;
-using plan::Stream;
+using plan::Role;
 using plan::Task;
 using Clock = std::chrono::steady_clock;
 
 CommGroups::CommGroups(comm::Communicator& world, const plan::Plan& plan) : world_(world) {
-  if (plan.config.strategy == plan::Strategy::hybrid && plan.shard_size < world.size()) {
-    const int G = plan.shard_size, r = world.rank();
-    shard_ = world.split(r / G, r);
-    replicate_ = world.split(r % G, r);
+  const int S = plan.shard_size, r = world.rank();
+  if (S < world.size()) {
+    shard_ = world.split(r / S, r);
+    replicate_ = world.split(r % S, r);
   }
 }
 
-comm::Communicator& CommGroups::get(plan::Group g) const {
-  switch (g) {
-    case plan::Group::world: return world();
-    case plan::Group::shard: return shard();
-    case plan::Group::replicate: return replicate();
-  }
+comm::Communicator& CommGroups::get(const plan::Plan& plan, const std::vector<int>& axes) const {
+  if (axes.size() == 1 && axes[0] == plan.shard_axis) return shard();
+  if (axes.size() == 1 && axes[0] == plan.replicate_axis) return replicate();
   return world();
 }
 
+struct Executor::Run {
+  const plan::Plan& plan;
+  int64_t step;
+  const StepInputs& in;
+  std::vector<Buffer> live;  // by buffer id; each element is touched only by the tasks that own it
+  std::mutex mu;
+  StepResult result;
+  double sum_squares = 0;
+  char* data(int id) { return live.at(id).as<char>(); }
+  float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
+};
+
+const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
+    &Executor::zero_grads,     &Executor::forward,      &Executor::recompute,   &Executor::head,
+    &Executor::head,           &Executor::head,         &Executor::backward,    &Executor::grad_norm,
+    &Executor::optimizer,      &Executor::all_gather,   &Executor::reduce_scatter, &Executor::all_reduce,
+    &Executor::param_gather,   &Executor::norm_reduce,  &Executor::loss_reduce,
+};
+
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
                    std::chrono::milliseconds timeout)
-    : desc_(desc),
-      plan_(plan),
-      comms_(comms),
-      timeout_(timeout),
-      acts_(desc, plan.config.batch, plan.config.seq),
-      ws_(desc, plan.config.batch, plan.config.seq, threads) {
-  const plan::Strategy s = plan.config.strategy;
-  sharded_params_ = s == plan::Strategy::fsdp || s == plan::Strategy::hybrid;
-  sharded_grads_ = sharded_params_ || s == plan::Strategy::zero2;
-  sharded_optimizer_ = s != plan::Strategy::ddp;
-  shard_index_ = plan.shard_size > 1 ? comms.world().rank() % plan.shard_size : 0;
-  const int64_t full = plan.layout.total, shard = full / plan.shard_size;
-  params_ = Buffer(MemCategory::params, sizeof(float) * (sharded_params_ ? shard : full));
-  grads_ = Buffer(MemCategory::grads, sizeof(float) * (sharded_grads_ ? shard : full));
-  exp_avg_ = Buffer(MemCategory::optimizer, sizeof(float) * (sharded_optimizer_ ? shard : full));
-  exp_avg_sq_ = Buffer(MemCategory::optimizer, sizeof(float) * (sharded_optimizer_ ? shard : full));
+    : desc_(desc), plan_(plan), comms_(comms), threads_(threads), timeout_(timeout) {
+  shard_index_ = plan.shard_index(comms.world().rank());
+  const int64_t full = plan.layout.total;
+  auto state = [&](MemCategory c, int parts) {
+    return parts == 0 ? Buffer() : Buffer(c, sizeof(float) * (full / parts));
+  };
+  params_ = state(MemCategory::params, plan.state.params);
+  grads_ = state(MemCategory::grads, plan.state.grads);
+  exp_avg_ = state(MemCategory::optimizer, plan.state.optimizer);
+  exp_avg_sq_ = state(MemCategory::optimizer, plan.state.optimizer);
   trace_.rank = comms.world().rank();
+  trace_.streams = plan.streams;
   auto fault_step = [&](const char* var) -> int64_t {
     const char* v = std::getenv(var);
     int rank = -1;
@@ -86,49 +98,78 @@ Executor::Shard Executor::shard_of(int u) const {
   return {span.offset, len, shard_index_ * len};
 }
 
-float* Executor::local(const Buffer& buf, bool sharded, int u) const {
+float* Executor::local(const Buffer& buf, int parts, int u) const {
   const Shard s = shard_of(u);
-  return sharded ? buf.f32() + s.unit_offset / plan_.shard_size : buf.f32() + s.unit_offset + s.begin;
+  return parts > 1 ? buf.f32() + s.unit_offset / plan_.shard_size : buf.f32() + s.unit_offset + s.begin;
 }
 
-float* Executor::full_params(int u) {
-  if (!sharded_params_) return params_.f32() + plan_.layout.units[u].offset;
-  std::lock_guard<std::mutex> lock(buffers_mu_);
-  return dynamic_.at("gathered u" + std::to_string(u)).f32();
+float* Executor::unit_params(int buffer, int u, Run& r) const {
+  return buffer >= 0 ? r.f32(buffer) : params_.f32() + plan_.layout.units[u].offset;
 }
 
-float* Executor::full_grads(int u) {
-  if (!sharded_grads_) return grads_.f32() + plan_.layout.units[u].offset;
-  std::lock_guard<std::mutex> lock(buffers_mu_);
-  return dynamic_.at("grad u" + std::to_string(u)).f32();
+float* Executor::unit_grads(int buffer, int u, Run& r) const {
+  return buffer >= 0 ? r.f32(buffer) : grads_.f32() + plan_.layout.units[u].offset;
 }
+
+namespace {
+int parts_of(const plan::StateLayout& s, Executor::State which) {
+  switch (which) {
+    case Executor::State::params: return s.params;
+    case Executor::State::grads: return s.grads;
+    default: return s.optimizer;
+  }
+}
+}  // namespace
+
+const Buffer& Executor::state(State which) const {
+  switch (which) {
+    case State::params: return params_;
+    case State::grads: return grads_;
+    case State::exp_avg: return exp_avg_;
+    case State::exp_avg_sq: return exp_avg_sq_;
+  }
+  return params_;
+}
+
+float* Executor::whole(State which) { return parts_of(plan_.state, which) == 1 ? state(which).f32() : nullptr; }
 
 void Executor::init_params(uint64_t seed) {
+  const bool sharded = plan_.state.params > 1;
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
-    const int64_t begin = sharded_params_ ? s.begin : 0;
-    const int64_t end = sharded_params_ ? s.begin + s.len : plan_.layout.units[u].padded;
-    float* dst = sharded_params_ ? local(params_, true, u) : params_.f32() + s.unit_offset;
-    layers::init_unit(desc_.units[u], desc_.config, seed, dst, begin, std::min(end, desc_.units[u].numel));
+    const int64_t begin = sharded ? s.begin : 0;
+    const int64_t end = sharded ? s.begin + s.len : plan_.layout.units[u].padded;
+    float* dst = sharded ? local(params_, plan_.state.params, u) : params_.f32() + s.unit_offset;
+    layers::init_unit(desc_.units[u], seed, dst, begin, std::min(end, desc_.units[u].numel));
   }
 }
 
-void Executor::allocate(const Task& t) {
+void Executor::allocate(const Task& t, Run& r) {
   if (t.allocs.empty()) return;
   {
-    std::lock_guard<std::mutex> lock(buffers_mu_);
-    // Gradient buffers accumulate and start at zero; what a collective fills whole need not.
-    for (const auto& a : t.allocs)
-      dynamic_[a.name] = Buffer(a.category, a.bytes, a.category == MemCategory::grads ? Buffer::Fill::zero : Buffer::Fill::none);
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (int a : t.allocs) {
+      const plan::BufferDesc& b = r.plan.buffers[a];
+      // Gradients accumulate and start at zero; everything else is written before it is read.
+      const auto fill = b.role == Role::full_grads ? Buffer::Fill::zero : Buffer::Fill::none;
+      r.live[a] = Buffer(b.category, b.bytes, fill);
+    }
+  }
+  for (int a : t.allocs) {  // a task that brings the batch into being fills it
+    const plan::BufferDesc& b = r.plan.buffers[a];
+    if (b.role == Role::value && b.value == 0) {
+      int32_t* tokens = r.live[a].as<int32_t>();
+      r.in.batch(t.micro, tokens, tokens + b.bytes / 8);
+    }
   }
   sample_memory();
 }
 
-void Executor::release(const Task& t) {
+void Executor::release(const Task& t, Run& r) {
   if (t.frees.empty()) return;
   {
-    std::lock_guard<std::mutex> lock(buffers_mu_);
-    for (const auto& f : t.frees) dynamic_.erase(f);
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (int f : t.frees) r.live[f] = Buffer();
   }
   sample_memory();
 }
@@ -152,152 +193,176 @@ double Executor::sum_over(comm::Communicator& c, double local, const std::string
   return sum;
 }
 
-void Executor::run_comm(const Task& t, int64_t step) {
-  if (step == fault_skip_step_) {  // a rank gone astray: never issues this collective
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+// ---- compute handlers
+
+void Executor::zero_grads(const Task&, Run&) {
+  if (grads_.data()) std::memset(grads_.data(), 0, grads_.bytes());
+}
+
+// Resolves a unit task's operands and runs its layer.
+void Executor::unit_task(const Task& t, Run& r) {
+  const model::UnitDesc& u = desc_.units[t.unit];
+  const plan::Operands& io = t.io;
+  layers::UnitArgs a;
+  a.desc = &desc_;
+  a.unit = &u;
+  a.B = r.plan.config.batch;
+  a.T = r.plan.config.seq;
+  a.threads = threads_;
+  a.params = unit_params(io.params, t.unit, r);
+  if (r.plan.state.grads > 0 || io.grads >= 0) a.grads = unit_grads(io.grads, t.unit, r);
+  if (u.borrows >= 0) {
+    a.borrowed_params = unit_params(io.borrowed_params, u.borrows, r);
+    if (r.plan.state.grads > 0 || io.borrowed_grads >= 0) a.borrowed_grads = unit_grads(io.borrowed_grads, u.borrows, r);
   }
-  comm::Communicator& c = comms_.get(t.group);
-  const std::string lbl = label(t, step);
-  const bool bf16_params = plan_.config.param_bytes == 2, bf16_grads = plan_.config.reduce_bytes == 2;
-  // bf16 collectives go through the task's staging buffer: [whole unit | one shard], as uint16.
-  auto staging = [&]() {
-    std::lock_guard<std::mutex> lock(buffers_mu_);
-    return dynamic_.at(t.staging_buffer()).as<uint16_t>();
-  };
-  // All-reduce `n` floats in place, in bf16 when asked: cast, reduce, widen.
-  auto all_reduce = [&](float* buf, int64_t n) {
-    if (!bf16_grads) return c.all_reduce(buf, n, DType::fp32, lbl)->wait(timeout_);
-    uint16_t* tmp = staging();
-    kernels::fp32_to_bf16(tmp, buf, n);
-    c.all_reduce(tmp, n, DType::bf16, lbl)->wait(timeout_);
-    kernels::bf16_to_fp32(buf, tmp, n);
-  };
+  for (size_t i = 0; i < io.inputs.size(); ++i) {
+    const int v = u.reads[i];
+    if (desc_.values[v].tokens) {
+      a.tokens = reinterpret_cast<const int32_t*>(r.data(io.inputs[i]));
+      a.targets = a.tokens + r.plan.buffers[io.inputs[i]].bytes / 8;
+    } else {
+      a.in = r.f32(io.inputs[i]);
+    }
+  }
+  if (io.output >= 0) a.out = r.f32(io.output);
+  if (io.saved >= 0) a.saved = r.data(io.saved);
+  if (io.recomputable >= 0) a.recomputable = r.data(io.recomputable);
+  if (io.forward_ws >= 0) a.forward_ws = r.data(io.forward_ws);
+  if (io.backward_ws >= 0) a.backward_ws = r.data(io.backward_ws);
+  a.dx = r.f32(io.grad_stream);
+  a.grad_scale = r.in.grad_scale;
+  a.logits = r.in.logits;
+  a.all_logits = r.in.all_logits;
+  const layers::LayerKind& kind = layers::layer(u.kind);
   switch (t.op) {
-    case Op::all_gather: {
-      const Shard s = shard_of(t.unit);
-      if (!bf16_params) {
-        c.all_gather(local(params_, true, t.unit), full_params(t.unit), s.len, DType::fp32, lbl)->wait(timeout_);
-        break;
-      }
-      uint16_t* whole = staging();
-      uint16_t* mine = whole + s.len * plan_.shard_size;
-      kernels::fp32_to_bf16(mine, local(params_, true, t.unit), s.len);
-      c.all_gather(mine, whole, s.len, DType::bf16, lbl)->wait(timeout_);
-      kernels::bf16_to_fp32(full_params(t.unit), whole, s.len * plan_.shard_size);
-      break;
-    }
-    case Op::param_gather: {  // in place on the whole parameter buffer
-      const Shard s = shard_of(t.unit);
-      float* unit = params_.f32() + s.unit_offset;
-      c.all_gather(unit + s.begin, unit, s.len, DType::fp32, lbl)->wait(timeout_);
-      break;
-    }
-    case Op::reduce_scatter: {
-      const Shard s = shard_of(t.unit);
-      if (!bf16_grads) {
-        c.reduce_scatter(full_grads(t.unit), local(grads_, true, t.unit), s.len, DType::fp32, lbl)->wait(timeout_);
-        break;
-      }
-      uint16_t* whole = staging();
-      uint16_t* mine = whole + s.len * plan_.shard_size;
-      kernels::fp32_to_bf16(whole, full_grads(t.unit), s.len * plan_.shard_size);
-      c.reduce_scatter(whole, mine, s.len, DType::bf16, lbl)->wait(timeout_);
-      kernels::bf16_to_fp32(local(grads_, true, t.unit), mine, s.len);
-      break;
-    }
-    case Op::all_reduce:
-      if (t.first_unit >= 0) {  // a bucket: consecutive units, one contiguous range
-        const int64_t begin = plan_.layout.units[t.first_unit].offset;
-        const auto& last = plan_.layout.units[t.last_unit];
-        all_reduce(grads_.f32() + begin, last.offset + last.padded - begin);
-      } else {  // hybrid: this rank's gradient shard across the replicas
-        all_reduce(local(grads_, true, t.unit), shard_of(t.unit).len);
-      }
-      break;
-    default: throw std::logic_error("executor: " + t.name() + " is not a collective");
+    case Op::forward: kind.forward(a); break;
+    case Op::recompute: kind.recompute(a, r.plan.config.recompute); break;
+    case Op::backward: kind.backward(a); break;
+    case Op::head: r.result.loss_sum += kind.head(a, layers::HeadMode::train); break;
+    case Op::loss: r.result.loss_sum += kind.head(a, layers::HeadMode::loss); break;
+    case Op::logits: kind.head(a, layers::HeadMode::logits); break;
+    default: throw std::logic_error("executor: " + t.name() + " is not a unit task");
   }
 }
 
-void Executor::run_compute(const Task& t, int64_t step, const BatchFn& batch, float grad_scale, float grad_clip,
-                           const AdamW& opt, int64_t adam_t, StepResult& result) {
-  const layers::Dims d = layers::dims_of(desc_.config, plan_.config.batch, plan_.config.seq);
-  const int U = static_cast<int>(desc_.units.size()), fin = U - 1;
-  const auto& units = desc_.units;
-  auto block_input = [&](int u) { return u == 1 ? acts_.embedded : acts_.block(u - 2).out; };
-  switch (t.op) {
-    case Op::forward:
-      if (t.unit == 0) {
-        batch(t.micro, acts_.inputs, acts_.targets);
-        layers::embedding_forward(layers::embedding_view(units[0], full_params(0)), acts_.inputs, acts_.embedded, d);
-      } else {
-        layers::block_forward(layers::block_view(units[t.unit], full_params(t.unit)), block_input(t.unit),
-                              acts_.block(t.unit - 1), d);
-      }
-      break;
-    case Op::head: {
-      const float* x = fin >= 2 ? acts_.block(fin - 2).out : acts_.embedded;
-      const auto p = layers::final_norm_view(units[fin], full_params(fin));
-      const auto g = layers::final_norm_view(units[fin], full_grads(fin));
-      const auto emb_g = layers::embedding_view(units[0], full_grads(0));
-      layers::final_norm_forward(p, x, acts_, d);
-      result.loss_sum += layers::head_loss(p, layers::embedding_view(units[0], full_params(0)), x, acts_, d, ws_, &g,
-                                           &emb_g, grad_scale);
-      break;
+void Executor::forward(const Task& t, Run& r) { unit_task(t, r); }
+void Executor::recompute(const Task& t, Run& r) { unit_task(t, r); }
+void Executor::head(const Task& t, Run& r) { unit_task(t, r); }
+void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
+
+// Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
+// shard axis (and identical across replicas): the sum of squares over what this rank holds.
+void Executor::grad_norm(const Task&, Run& r) {
+  r.sum_squares = kernels::sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
+}
+
+void Executor::optimizer(const Task&, Run& r) {
+  r.result.grad_norm = std::sqrt(r.sum_squares);
+  const float clip = r.in.grad_clip;
+  const int64_t n = static_cast<int64_t>(grads_.bytes() / sizeof(float));
+  if (clip > 0 && r.result.grad_norm > clip) kernels::scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
+  const AdamW& opt = r.in.opt;
+  const int parts_p = plan_.state.params, parts_g = plan_.state.grads, parts_o = plan_.state.optimizer;
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const Shard s = shard_of(u);
+    float* p = local(params_, parts_p, u);
+    float* g = local(grads_, parts_g, u);
+    float* m = local(exp_avg_, parts_o, u);
+    float* v = local(exp_avg_sq_, parts_o, u);
+    const int64_t lo = parts_o > 1 ? s.begin : 0;
+    const int64_t hi = parts_o > 1 ? s.begin + s.len : plan_.layout.units[u].padded;
+    for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
+      const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
+      if (a >= b) continue;
+      kernels::adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
+                            opt.beta2, opt.eps, spec.decay ? opt.weight_decay : 0.0f, r.in.adam_t);
     }
-    case Op::backward:
-      if (t.unit == 0) {
-        layers::embedding_backward(layers::embedding_view(units[0], full_grads(0)), acts_.inputs, ws_.dresidual, d);
-      } else {
-        layers::block_backward(layers::block_view(units[t.unit], full_params(t.unit)),
-                               layers::block_view(units[t.unit], full_grads(t.unit)), block_input(t.unit),
-                               acts_.block(t.unit - 1), ws_, d);
-      }
-      break;
-    case Op::grad_norm: {
-      // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
-      // shard group (and identical across replicas): sum the squares over what is distinct.
-      const int64_t n = grads_.bytes() / sizeof(float);
-      double sq = kernels::sum_squares(grads_.f32(), n);
-      if (sharded_grads_) sq = sum_over(comms_.shard(), sq, "grad_norm step " + std::to_string(step));
-      result.grad_norm = std::sqrt(sq);
-      if (grad_clip > 0 && result.grad_norm > grad_clip)
-        kernels::scale(grads_.f32(), n, static_cast<float>(grad_clip / result.grad_norm));
-      break;
-    }
-    case Op::optimizer:
-      for (int u = 0; u < U; ++u) {
-        const Shard s = shard_of(u);
-        float* p = local(params_, sharded_params_, u);
-        float* g = local(grads_, sharded_grads_, u);
-        float* m = local(exp_avg_, sharded_optimizer_, u);
-        float* v = local(exp_avg_sq_, sharded_optimizer_, u);
-        const int64_t lo = sharded_optimizer_ ? s.begin : 0;
-        const int64_t hi = sharded_optimizer_ ? s.begin + s.len : plan_.layout.units[u].padded;
-        for (const auto& spec : units[u].params) {  // this shard's part of each parameter
-          const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
-          if (a >= b) continue;
-          kernels::adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
-                                opt.beta2, opt.eps, spec.decay ? opt.weight_decay : 0.0f, adam_t);
-        }
-      }
-      break;
-    default: throw std::logic_error("executor: " + t.name() + " is not a compute task");
   }
 }
 
-StepResult Executor::step(int64_t step, const BatchFn& batch, float grad_scale, float grad_clip, const AdamW& opt,
-                          int64_t t) {
-  StepResult result;
-  if (step == fault_kill_step_) std::raise(SIGKILL);
-  std::memset(grads_.data(), 0, grads_.bytes());
-  const size_t n = plan_.tasks.size();
+// ---- communication handlers
+
+void Executor::all_gather(const Task& t, Run& r) {
+  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  const std::string lbl = label(t, r.step);
+  const Shard s = shard_of(t.unit);
+  float* full = r.f32(t.io.params);
+  float* mine = local(params_, plan_.state.params, t.unit);
+  if (t.io.staging < 0) return c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
+  // bf16: [whole unit | one shard] staging, cast, gather, widen.
+  uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
+  uint16_t* own = whole + s.len * plan_.shard_size;
+  kernels::fp32_to_bf16(own, mine, s.len);
+  c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
+  kernels::bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+}
+
+void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer
+  const Shard s = shard_of(t.unit);
+  float* unit = params_.f32() + s.unit_offset;
+  comms_.get(r.plan, t.axes).all_gather(unit + s.begin, unit, s.len, DType::fp32, label(t, r.step))->wait(timeout_);
+}
+
+void Executor::reduce_scatter(const Task& t, Run& r) {
+  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  const std::string lbl = label(t, r.step);
+  const Shard s = shard_of(t.unit);
+  float* full = r.f32(t.io.grads);
+  float* mine = local(grads_, plan_.state.grads, t.unit);
+  if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl)->wait(timeout_);
+  uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
+  uint16_t* own = whole + s.len * plan_.shard_size;
+  kernels::fp32_to_bf16(whole, full, s.len * plan_.shard_size);
+  c.reduce_scatter(whole, own, s.len, DType::bf16, lbl)->wait(timeout_);
+  kernels::bf16_to_fp32(mine, own, s.len);
+}
+
+void Executor::all_reduce(const Task& t, Run& r) {
+  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  const std::string lbl = label(t, r.step);
+  float* buf;
+  int64_t n;
+  if (t.first_unit >= 0) {  // a bucket: consecutive units, one contiguous range
+    const int64_t begin = plan_.layout.units[t.first_unit].offset;
+    const auto& last = plan_.layout.units[t.last_unit];
+    buf = grads_.f32() + begin;
+    n = last.offset + last.padded - begin;
+  } else {  // hybrid: this rank's gradient shard across the replicas
+    buf = local(grads_, plan_.state.grads, t.unit);
+    n = shard_of(t.unit).len;
+  }
+  if (t.io.staging < 0) return c.all_reduce(buf, n, DType::fp32, lbl)->wait(timeout_);
+  uint16_t* tmp = r.live[t.io.staging].as<uint16_t>();
+  kernels::fp32_to_bf16(tmp, buf, n);
+  c.all_reduce(tmp, n, DType::bf16, lbl)->wait(timeout_);
+  kernels::bf16_to_fp32(buf, tmp, n);
+}
+
+void Executor::norm_reduce(const Task& t, Run& r) {
+  r.sum_squares = sum_over(comms_.get(r.plan, t.axes), r.sum_squares, "grad_norm step " + std::to_string(r.step));
+}
+
+void Executor::loss_reduce(const Task& t, Run& r) {
+  r.result.loss_sum = sum_over(comms_.get(r.plan, t.axes), r.result.loss_sum, "loss step " + std::to_string(r.step));
+}
+
+// ---- the stream runner
+
+StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
+  if (plan.layout.total != plan_.layout.total || plan.state.params != plan_.state.params ||
+      plan.state.grads > plan_.state.grads || plan.state.optimizer > plan_.state.optimizer)
+    throw std::logic_error("executor: a plan whose state layout differs from the executor's");
+  Run r{plan, step, in, {}, {}, {}, 0};
+  r.live.resize(plan.buffers.size());
+  if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
+  const size_t n = plan.tasks.size();
   std::vector<char> done(n, 0);
   std::mutex mu;
   std::condition_variable cv;
   std::exception_ptr failure;
   bool stop = false;
 
-  // Waits for a task's dependencies; returns ms spent waiting on the other stream's tasks.
+  // Waits for a task's dependencies; returns ms spent waiting on the other streams' tasks.
   auto wait_deps = [&](const Task& task) {
     auto t0 = Clock::now();
     std::unique_lock<std::mutex> lock(mu);
@@ -323,71 +388,72 @@ StepResult Executor::step(int64_t step, const BatchFn& batch, float grad_scale, 
     stop = true;
     cv.notify_all();
   };
-
-  std::thread comm_thread([&] {
-    try {
-      // This thread only casts for bf16 collectives: one OpenMP thread, so it never competes
-      // with the compute stream's pool; denormals flushed as on every compute thread.
-      kernels::init_compute(1);
-      for (const Task& task : plan_.tasks) {
-        if (task.stream != Stream::comm) continue;
-        if (wait_deps(task) < 0) return;
-        const double start = now_us();
-        allocate(task);
-        run_comm(task, step);
-        release(task);
-        finish(task, start);
-      }
-    } catch (...) {
-      fail(std::current_exception());
-    }
-  });
-  try {
-    for (const Task& task : plan_.tasks) {
-      if (task.stream != Stream::compute) continue;
+  auto run_stream = [&](int stream) {
+    for (const Task& task : plan.tasks) {
+      if (task.stream != stream) continue;
       const double waited = wait_deps(task);
-      if (waited < 0) break;
-      result.comm_exposed_ms += waited;
+      if (waited < 0) return;
+      if (stream == plan::kCompute) r.result.comm_exposed_ms += waited;
+      else if (step >= 0 && step == fault_skip_step_) {  // a rank gone astray: never issues this collective
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
       const double start = now_us();
-      allocate(task);
-      run_compute(task, step, batch, grad_scale, grad_clip, opt, t, result);
-      release(task);
+      allocate(task, r);
+      (this->*kHandlers[static_cast<int>(task.op)])(task, r);
+      release(task, r);
       finish(task, start);
     }
+  };
+
+  std::vector<std::thread> others;
+  for (int s = 1; s < static_cast<int>(plan.streams.size()); ++s)
+    others.emplace_back([&, s] {
+      try {
+        // These threads only cast for bf16 collectives: one OpenMP thread, so they never compete
+        // with the compute stream's pool; denormals flushed as on every compute thread.
+        kernels::init_compute(1);
+        run_stream(s);
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    });
+  try {
+    run_stream(plan::kCompute);
   } catch (...) {
     fail(std::current_exception());
   }
-  comm_thread.join();
+  for (auto& t : others) t.join();
   if (failure) std::rethrow_exception(failure);
-  result.loss_sum = sum_over(comms_.world(), result.loss_sum, "loss step " + std::to_string(step));
-  return result;
+  return r.result;
 }
 
 void Executor::gather_full(State which, float* full) {
-  const Buffer& buf = which == State::params ? params_ : which == State::exp_avg ? exp_avg_ : exp_avg_sq_;
-  const bool sharded = which == State::params ? sharded_params_ : sharded_optimizer_;
-  if (!sharded) {
+  const Buffer& buf = state(which);
+  const int parts = parts_of(plan_.state, which);
+  if (parts == 0) throw std::logic_error("executor: this plan holds no " + std::string(which == State::grads ? "gradients" : "optimizer state"));
+  if (parts == 1) {
     std::memcpy(full, buf.data(), buf.bytes());
     return;
   }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
     comms_.shard()
-        .all_gather(local(buf, true, u), full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
+        .all_gather(local(buf, parts, u), full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
         ->wait(timeout_);
   }
 }
 
 void Executor::load_full(State which, const float* full) {
-  Buffer& buf = which == State::params ? params_ : which == State::exp_avg ? exp_avg_ : exp_avg_sq_;
-  const bool sharded = which == State::params ? sharded_params_ : sharded_optimizer_;
-  if (!sharded) {
-    std::memcpy(buf.data(), full, buf.bytes());
+  Buffer& buf = const_cast<Buffer&>(state(which));
+  const int parts = parts_of(plan_.state, which);
+  if (parts == 0) return;
+  if (parts == 1) {
+    if (buf.f32() != full) std::memcpy(buf.data(), full, buf.bytes());
     return;
   }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
-    std::memcpy(local(buf, true, u), full + s.unit_offset + s.begin, sizeof(float) * s.len);
+    std::memcpy(local(buf, parts, u), full + s.unit_offset + s.begin, sizeof(float) * s.len);
   }
 }
 

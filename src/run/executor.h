@@ -1,37 +1,40 @@
-// The executor: runs one rank's plan for a training step with real kernels and collectives.
-// Each stream is an in-order queue on its own thread (compute on the caller's thread, whose
+// The executor: runs one rank's plan with real kernels and collectives. It is a stream runner:
+// each stream is an in-order queue on its own thread (compute on the caller's thread, whose
 // kernels use the OpenMP pool; comm on a second thread that issues a collective and waits for
-// it); dependencies are completion flags. Every task's start and end are recorded for the trace.
+// it); dependencies are completion flags; each op has one handler. Every task's start and end
+// are recorded for the trace, and every buffer a task allocates is the plan's, charged to the
+// plan's category.
 //
 // State in the plan's layout: parameters, gradients and AdamW moments are each one flat fp32
-// buffer holding either the whole padded model or this rank's shard (element range
-// [s·len_u, (s+1)·len_u) of every unit u, len_u = padded_u / shard_size), as the strategy says.
+// buffer holding either whole units or this rank's shard of each (element range
+// [s·len_u, (s+1)·len_u) of unit u, len_u = padded_u / parts), as the plan's StateLayout says.
 #pragma once
 
 #include <chrono>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
-#include "layers/gpt2.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "plan/plan.h"
+#include "tensor/memory.h"
 #include "trace/trace.h"
 
 namespace shardlm::run {
 
-// The communicators a plan's collectives run on: all ranks, this rank's shard group and its
-// replicate group (hybrid; otherwise shard is world and replicate is unused).
+// The communicators a plan's collectives run on, one per set of mesh axes: all ranks, this
+// rank's dp_shard group and its dp_replicate group.
 class CommGroups {
  public:
   CommGroups(comm::Communicator& world, const plan::Plan& plan);
   comm::Communicator& world() const { return world_; }
   comm::Communicator& shard() const { return shard_ ? *shard_ : world_; }
   comm::Communicator& replicate() const { return replicate_ ? *replicate_ : world_; }
-  comm::Communicator& get(plan::Group g) const;
+  // The communicator spanning these axes of `plan`'s mesh.
+  comm::Communicator& get(const plan::Plan& plan, const std::vector<int>& axes) const;
 
  private:
   comm::Communicator& world_;
@@ -39,17 +42,27 @@ class CommGroups {
 };
 
 struct AdamW {
-  float lr, beta1, beta2, eps, weight_decay;
-};
-
-struct StepResult {
-  double loss_sum = 0;      // summed cross-entropy over the global batch (all ranks, micro-steps)
-  double grad_norm = 0;     // global, before clipping
-  double comm_exposed_ms = 0;  // time the compute stream waited for collectives
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
 };
 
 // Fills this rank's batch of micro-step `micro`: inputs and targets, (B, T) each.
 using BatchFn = std::function<void(int micro, int32_t* inputs, int32_t* targets)>;
+
+struct StepInputs {
+  BatchFn batch;
+  float grad_scale = 1;   // multiplies the summed loss for the gradients: 1 / global tokens
+  float grad_clip = 0;    // global-norm clipping (0: off)
+  AdamW opt;
+  int64_t adam_t = 1;     // AdamW's 1-based step count
+  float* logits = nullptr;  // Op::logits writes the vocabulary's logits here: (V) of the last
+  bool all_logits = false;  // position of sequence 0, or with all_logits every row's (B, T, V)
+};
+
+struct StepResult {
+  double loss_sum = 0;         // summed cross-entropy over the global batch (all ranks, micro-steps)
+  double grad_norm = 0;        // global, before clipping
+  double comm_exposed_ms = 0;  // time the compute stream waited for other streams
+};
 
 class Executor {
  public:
@@ -61,16 +74,20 @@ class Executor {
   // alone, so any strategy and rank count start from the same model.
   void init_params(uint64_t seed);
 
-  // One optimizer step: forward and backward of every micro-step, gradient reduction, clipping
-  // to `grad_clip` (0: off), AdamW with bias correction for step `t` (1-based).
-  // grad_scale multiplies the summed loss for the gradients: 1 / (global tokens of the step).
-  StepResult step(int64_t step, const BatchFn& batch, float grad_scale, float grad_clip, const AdamW& opt, int64_t t);
+  // Runs the plan the executor was built with (step: for labels, the trace and fault injection).
+  StepResult step(int64_t step, const StepInputs& in) { return run(plan_, step, in); }
+  // Runs another plan over the same state, e.g. a forward-only plan for evaluation or sampling.
+  // Its parameter layout must be this executor's; it may need less state (no gradients).
+  StepResult run(const plan::Plan& plan, int64_t step, const StepInputs& in);
 
-  enum class State { params, exp_avg, exp_avg_sq };
+  enum class State { params, grads, exp_avg, exp_avg_sq };
   // Every rank receives the whole padded flat buffer (layout of plan.layout) of `which`. Collective.
   void gather_full(State which, float* full);
   // Takes this rank's part of a whole padded flat buffer.
   void load_full(State which, const float* full);
+  // The state buffer itself when this rank holds it whole (a single process, DDP); else null.
+  // Gradients after a step are clipped (when clipping applied).
+  float* whole(State which);
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }
@@ -78,35 +95,49 @@ class Executor {
   void sample_memory();
 
  private:
+  struct Run;  // one plan's execution: its live buffers, inputs and result
+  using Handler = void (Executor::*)(const plan::Task&, Run&);
+  static const Handler kHandlers[plan::kNumOps];
+
   struct Shard {
     int64_t unit_offset;  // element offset of the unit in the whole flat layout
     int64_t len;          // elements per shard of this unit
     int64_t begin;        // first element of this rank's shard within the unit
   };
   Shard shard_of(int u) const;
-  float* local(const Buffer& buf, bool sharded, int u) const;  // this rank's shard of unit u
-  float* full_params(int u);
-  float* full_grads(int u);
-  void run_compute(const plan::Task& t, int64_t step, const BatchFn& batch, float grad_scale, float grad_clip,
-                   const AdamW& opt, int64_t adam_t, StepResult& result);
-  void run_comm(const plan::Task& t, int64_t step);
-  void allocate(const plan::Task& t);
-  void release(const plan::Task& t);
+  const Buffer& state(State which) const;
+  float* local(const Buffer& buf, int parts, int u) const;  // this rank's part of unit u
+  float* unit_params(int buffer, int u, Run& r) const;
+  float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
   double sum_over(comm::Communicator& c, double local, const std::string& label);
   double now_us() const;
+  void allocate(const plan::Task& t, Run& r);
+  void release(const plan::Task& t, Run& r);
+  void unit_task(const plan::Task& t, Run& r);
+
+  // One handler per op.
+  void zero_grads(const plan::Task& t, Run& r);
+  void forward(const plan::Task& t, Run& r);
+  void recompute(const plan::Task& t, Run& r);
+  void head(const plan::Task& t, Run& r);
+  void backward(const plan::Task& t, Run& r);
+  void grad_norm(const plan::Task& t, Run& r);
+  void optimizer(const plan::Task& t, Run& r);
+  void all_gather(const plan::Task& t, Run& r);
+  void reduce_scatter(const plan::Task& t, Run& r);
+  void all_reduce(const plan::Task& t, Run& r);
+  void param_gather(const plan::Task& t, Run& r);
+  void norm_reduce(const plan::Task& t, Run& r);
+  void loss_reduce(const plan::Task& t, Run& r);
 
   const model::ModelDesc& desc_;
   plan::Plan plan_;
   const CommGroups& comms_;
+  int threads_;
   std::chrono::milliseconds timeout_;
-  bool sharded_params_, sharded_grads_, sharded_optimizer_;
   int shard_index_;
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
-  layers::Activations acts_;
-  layers::BackwardWorkspace ws_;
-  std::mutex buffers_mu_;
-  std::map<std::string, Buffer> dynamic_;  // plan-named buffers alive now
   std::chrono::steady_clock::time_point t0_;
   // Test-only fault injection, from the environment: SHARDLM_FAULT_SKIP_COLLECTIVE=RANK:STEP makes
   // that rank skip its first collective of that step and stall (the others must time out and

@@ -16,14 +16,14 @@ std::string RankTrace::events_json() const {
     out += j.dump();
   };
   append({{"ph", "M"}, {"name", "process_name"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
-  for (plan::Stream s : {plan::Stream::compute, plan::Stream::comm})
-    append({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", static_cast<int>(s)}, {"args", {{"name", plan::to_string(s)}}}});
+  for (size_t s = 0; s < streams.size(); ++s)
+    append({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", s}, {"args", {{"name", streams[s]}}}});
   for (const Slice& s : slices)
     append({{"ph", "X"},
             {"name", s.name},
-            {"cat", plan::to_string(s.stream)},
+            {"cat", streams.at(s.stream)},
             {"pid", rank},
-            {"tid", static_cast<int>(s.stream)},
+            {"tid", s.stream},
             {"ts", s.start_us},
             {"dur", s.dur_us},
             {"args", {{"step", s.step}}}});

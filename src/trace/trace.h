@@ -15,7 +15,7 @@ namespace shardlm::trace {
 
 struct Slice {
   std::string name;
-  plan::Stream stream;
+  int stream;  // index into RankTrace::streams
   int64_t step;
   double start_us, dur_us;
 };
@@ -28,6 +28,7 @@ struct MemorySample {
 // What one rank recorded.
 struct RankTrace {
   int rank = 0;
+  std::vector<std::string> streams{"compute", "comm"};  // the plan's streams: one thread each
   std::vector<Slice> slices;
   std::vector<MemorySample> memory;
   // This rank's events as a JSON array body (comma-separated objects, no brackets), so that

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "ckpt/hf_config.h"
 #include "ckpt/safetensors.h"
 
 namespace shardlm::train {
@@ -39,41 +40,35 @@ T field(const json& j, const char* key, const std::string& path) {
   }
 }
 
+// Every exported tensor: its spec and where its elements start in the flat layout.
+template <class Fn>
+void for_each_tensor(const model::ModelDesc& desc, const model::FlatLayout& layout, Fn&& fn) {
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    for (const auto& p : desc.units[u].params) fn(p, layout.units[u].offset + p.offset);
+}
+
 }  // namespace
 
-void save_checkpoint(const std::string& dir, const ModelState& model, const RunState& state, const TrainConfig& cfg) {
+void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                     const float* params, const float* exp_avg, const float* exp_avg_sq, const RunState& state,
+                     const TrainConfig& cfg) {
   std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
   ckpt::write_dir_atomically(dir, [&](const std::string& tmp) {
-    const auto tensors = model.tensors();
     ckpt::SafetensorsWriter weights, moments;
-    for (const auto& t : tensors) {
-      weights.add_f32(t.spec->name, t.shape, model.params_flat() + t.flat_offset);
-      if (model.exp_avg_flat()) {
-        moments.add_f32("exp_avg." + t.spec->name, t.shape, model.exp_avg_flat() + t.flat_offset);
-        moments.add_f32("exp_avg_sq." + t.spec->name, t.shape, model.exp_avg_sq_flat() + t.flat_offset);
+    for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
+      weights.add_f32(p.name, p.exported_shape(), params + at);
+      if (exp_avg) {
+        moments.add_f32("exp_avg." + p.name, p.exported_shape(), exp_avg + at);
+        moments.add_f32("exp_avg_sq." + p.name, p.exported_shape(), exp_avg_sq + at);
       }
-    }
+    });
     weights.set_metadata("format", "pt");
     weights.write(tmp + "/model.safetensors");
-    if (model.exp_avg_flat()) moments.write(tmp + "/optimizer.safetensors");
+    if (exp_avg) moments.write(tmp + "/optimizer.safetensors");
 
-    const auto& c = model.config();
-    write_json(tmp + "/config.json",
-               {{"model_type", "gpt2"},
-                {"architectures", {"GPT2LMHeadModel"}},
-                {"n_layer", c.n_layer},
-                {"n_head", c.n_head},
-                {"n_embd", c.n_embd},
-                {"vocab_size", c.vocab_size},
-                {"n_positions", c.max_seq},
-                {"n_ctx", c.max_seq},
-                {"activation_function", "gelu_new"},
-                {"layer_norm_epsilon", 1e-5},
-                {"resid_pdrop", 0.0},
-                {"embd_pdrop", 0.0},
-                {"attn_pdrop", 0.0},
-                {"tie_word_embeddings", true},
-                {"shardlm_tokenizer", state.tokenizer}});
+    json config = ckpt::to_hf_config(desc.config);
+    config["shardlm_tokenizer"] = state.tokenizer;
+    write_json(tmp + "/config.json", config);
     write_json(tmp + "/state.json",
                {{"step", state.step},
                 {"tokenizer", state.tokenizer},
@@ -89,21 +84,14 @@ void save_checkpoint(const std::string& dir, const ModelState& model, const RunS
 }
 
 model::ModelConfig read_checkpoint_config(const std::string& dir) {
-  const std::string path = dir + "/config.json";
   if (!std::filesystem::is_directory(dir)) throw std::runtime_error("checkpoint: " + dir + " is not a directory");
-  const json j = read_json(path);
-  model::ModelConfig c;
-  c.n_layer = field<int64_t>(j, "n_layer", path);
-  c.n_head = field<int64_t>(j, "n_head", path);
-  c.n_embd = field<int64_t>(j, "n_embd", path);
-  c.vocab_size = field<int64_t>(j, "vocab_size", path);
-  c.max_seq = field<int64_t>(j, "n_positions", path);
+  const std::string path = dir + "/config.json";
   try {
-    c.validate();
+    return ckpt::from_hf_config(read_json(path), path);
   } catch (const std::exception& e) {
-    throw std::runtime_error("checkpoint: " + path + ": " + e.what());
+    const std::string what = e.what();
+    throw std::runtime_error(what.rfind("checkpoint: ", 0) == 0 ? what : "checkpoint: " + what);
   }
-  return c;
 }
 
 RunState read_checkpoint_state(const std::string& dir) {
@@ -117,18 +105,19 @@ RunState read_checkpoint_state(const std::string& dir) {
   return s;
 }
 
-void load_checkpoint(const std::string& dir, ModelState& model, bool with_optimizer) {
-  const auto tensors = model.tensors();
+void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                     float* params, float* exp_avg, float* exp_avg_sq) {
   {
     ckpt::SafetensorsFile f(dir + "/model.safetensors");
-    for (const auto& t : tensors) f.read_f32(t.spec->name, model.params_flat() + t.flat_offset, t.shape);
+    for_each_tensor(desc, layout,
+                    [&](const model::ParamSpec& p, int64_t at) { f.read_f32(p.name, params + at, p.exported_shape()); });
   }
-  if (with_optimizer && model.exp_avg_flat()) {
+  if (exp_avg) {
     ckpt::SafetensorsFile f(dir + "/optimizer.safetensors");
-    for (const auto& t : tensors) {
-      f.read_f32("exp_avg." + t.spec->name, model.exp_avg_flat() + t.flat_offset, t.shape);
-      f.read_f32("exp_avg_sq." + t.spec->name, model.exp_avg_sq_flat() + t.flat_offset, t.shape);
-    }
+    for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
+      f.read_f32("exp_avg." + p.name, exp_avg + at, p.exported_shape());
+      f.read_f32("exp_avg_sq." + p.name, exp_avg_sq + at, p.exported_shape());
+    });
   }
 }
 

@@ -1,16 +1,17 @@
-// The single-process checkpoint: a Hugging Face-style directory written atomically.
-//   model.safetensors      GPT-2 tensor names, Conv1D layout, fp32, wte with V rows
+// The whole checkpoint: a Hugging Face-style directory written atomically.
+//   model.safetensors      Hugging Face names and layouts of the model's family (GPT-2: Conv1D
+//                          (in, out); LLaMA: Linear (out, in)), fp32, vocabulary matrices with V rows
 //   optimizer.safetensors  AdamW moments: exp_avg.<name>, exp_avg_sq.<name>
-//   config.json            Hugging Face GPT-2 keys (n_layer, n_head, n_embd, vocab_size, n_positions)
+//   config.json            Hugging Face GPT2Config / LlamaConfig keys
 //   state.json             step, data position, RNG, schedule, tokenizer
+// The tensors travel as whole padded flat buffers in a FlatLayout (run/'s gather_full output).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "train/config.h"
-#include "train/model_state.h"
 
 namespace shardlm::train {
 
@@ -20,13 +21,18 @@ struct RunState {
   std::string tokenizer = "gpt2";
 };
 
-void save_checkpoint(const std::string& dir, const ModelState& model, const RunState& state, const TrainConfig& cfg);
+// exp_avg / exp_avg_sq may be null (no optimizer.safetensors).
+void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                     const float* params, const float* exp_avg, const float* exp_avg_sq, const RunState& state,
+                     const TrainConfig& cfg);
 
 // Reads config.json (throws std::runtime_error naming the file and field when absent or bad).
 model::ModelConfig read_checkpoint_config(const std::string& dir);
 RunState read_checkpoint_state(const std::string& dir);
-// Loads parameters and, when the model has them and with_optimizer is set, AdamW moments.
-// Every tensor must exist with its exact shape; errors name the file and tensor.
-void load_checkpoint(const std::string& dir, ModelState& model, bool with_optimizer);
+// Loads parameters and, when exp_avg is not null, AdamW moments into flat buffers laid out by
+// `layout` (padding untouched). Every tensor must exist with its exact shape; errors name the
+// file and tensor.
+void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                     float* params, float* exp_avg, float* exp_avg_sq);
 
 }  // namespace shardlm::train

@@ -2,14 +2,25 @@
 
 #include <stdexcept>
 
+#include "ckpt/hf_config.h"
+
 namespace shardlm::train {
 
 model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
-  model::ModelConfig c = model::model_preset(model, vocab > 0 ? vocab : data_vocab);
+  const bool from_file = model.size() > 5 && model.compare(model.size() - 5, 5, ".json") == 0;
+  model::ModelConfig c = from_file ? ckpt::read_hf_config(model) : model::model_preset(model, data_vocab);
+  if (vocab > 0) c.vocab_size = vocab;
   if (n_layer > 0) c.n_layer = n_layer;
   if (n_head > 0) c.n_head = n_head;
+  if (n_kv_head > 0) c.n_kv_head = n_kv_head;
+  else if (n_head > 0 && c.family == model::Family::gpt2) c.n_kv_head = n_head;
   if (n_embd > 0) c.n_embd = n_embd;
+  if (ffn_dim > 0) c.ffn_dim = ffn_dim;
+  else if (n_embd > 0 && c.family == model::Family::gpt2) c.ffn_dim = 4 * n_embd;
   if (max_seq > 0) c.max_seq = max_seq;
+  if (rope_theta > 0) c.rope_theta = rope_theta;
+  if (norm_eps > 0) c.norm_eps = norm_eps;
+  if (tie_embeddings) c.tie_embeddings = true;
   c.validate();
   if (seq > c.max_seq)
     throw std::invalid_argument("seq (" + std::to_string(seq) + ") exceeds the model's max_seq (" +
@@ -38,6 +49,10 @@ void TrainConfig::validate() const {
   need(timeout_s > 0, "timeout must be positive");
   for (const auto* dt : {&param_dtype, &reduce_dtype, &compute_dtype})
     need(*dt == "fp32" || *dt == "bf16", "dtype '" + *dt + "' must be fp32 or bf16");
+  model::parse_recompute(recompute);
+  need(n_layer >= 0 && n_head >= 0 && n_kv_head >= 0 && n_embd >= 0 && ffn_dim >= 0 && max_seq >= 0 && vocab >= 0,
+       "model dimensions (--n-layer, --n-head, --n-kv-head, --n-embd, --ffn-dim, --max-seq, --vocab) must be positive");
+  need(rope_theta >= 0 && norm_eps >= 0, "rope-theta and norm-eps must be positive");
   need(compute_dtype == "fp32", "compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
 }
 

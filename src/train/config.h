@@ -4,15 +4,18 @@
 #include <cstdint>
 #include <string>
 
-#include "model/gpt2.h"
+#include "model/model.h"
 
 namespace shardlm::train {
 
 struct TrainConfig {
-  // Model: a preset, with any explicit dimension (> 0) overriding it.
+  // Model: a preset or a Hugging Face config.json, with any explicit dimension (> 0) overriding it.
   std::string model = "small";
-  int64_t n_layer = 0, n_head = 0, n_embd = 0, max_seq = 0;
-  int64_t vocab = 0;  // 0: follow the data's tokenizer
+  int64_t n_layer = 0, n_head = 0, n_kv_head = 0, n_embd = 0, ffn_dim = 0, max_seq = 0;
+  int64_t vocab = 0;  // 0: the config.json's or real preset's, else the data's tokenizer
+  double rope_theta = 0, norm_eps = 0;  // 0: the preset's
+  bool tie_embeddings = false;          // llama: tie the head to the embedding
+  std::string recompute = "none";       // none | selective | full
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";
@@ -51,7 +54,8 @@ struct TrainConfig {
   double timeout_s = 300;  // a collective that does not finish in time ends the job
   std::string trace;       // Chrome trace JSON of every rank's tasks and memory
 
-  // Resolves the model dimensions: preset, then explicit overrides, then validation.
+  // Resolves the model: preset or config.json, then explicit overrides, then validation.
+  // data_vocab sizes the vocabulary of presets that take it from the data.
   model::ModelConfig model_config(int64_t data_vocab) const;
   // Throws std::invalid_argument naming the field for values out of range.
   void validate() const;

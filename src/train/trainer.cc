@@ -8,14 +8,14 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <omp.h>
-#include <random>
 #include <stdexcept>
 
 #include "data/sampler.h"
+#include "data/shard.h"
 #include "kernels/cpu.h"
+#include "run/executor.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/schedule.h"
 #include "trace/trace.h"
 
@@ -75,74 +75,6 @@ void write_data_meta(const std::string& prefix, const DataMeta& meta) {
   std::filesystem::rename(tmp, path);
 }
 
-double evaluate(ModelState& model, const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows) {
-  const int64_t n = data::num_eval_windows(shard.size(), T);
-  if (n <= 0) throw std::runtime_error(shard.path() + ": too few tokens for one window of " + std::to_string(T));
-  const int64_t count = max_windows > 0 ? std::min(n, max_windows) : n;
-  const int64_t stride = n / count;
-  layers::Activations acts(model.desc(), B, T);
-  layers::BackwardWorkspace ws(model.desc(), B, T, omp_get_max_threads());
-  double total = 0;
-  for (int64_t first = 0; first < count; first += B) {
-    const int64_t rows = std::min(B, count - first);
-    for (int64_t b = 0; b < B; ++b) {
-      if (b < rows) {
-        data::eval_window(shard, (first + b) * stride, T, acts.inputs + b * T, acts.targets + b * T);
-      } else {  // a short last batch: pad with ignored rows
-        std::fill(acts.inputs + b * T, acts.inputs + (b + 1) * T, 0);
-        std::fill(acts.targets + b * T, acts.targets + (b + 1) * T, -1);
-      }
-    }
-    total += model.run_batch(acts, ws, false, 0.0f);
-  }
-  return total / static_cast<double>(count * T);
-}
-
-double unigram_entropy(const data::TokenShard& shard) {
-  std::vector<int64_t> counts(65536, 0);
-  const uint16_t* t = shard.data();
-  for (int64_t i = 0; i < shard.size(); ++i) ++counts[t[i]];
-  double h = 0;
-  const double n = static_cast<double>(shard.size());
-  for (int64_t c : counts)
-    if (c > 0) h -= (c / n) * std::log(c / n);
-  return h;
-}
-
-std::vector<int32_t> generate(ModelState& model, const std::vector<int32_t>& prompt, int32_t start_token,
-                              const SampleConfig& cfg) {
-  const auto& c = model.config();
-  std::vector<int32_t> ids = prompt.empty() ? std::vector<int32_t>{start_token} : prompt;
-  const size_t n_prompt = ids.size();
-  std::mt19937_64 rng(cfg.seed);
-  std::vector<float> logits(c.vocab_size);
-  std::vector<int32_t> order(c.vocab_size);
-  // No KV cache: each token reruns the window, which is fine for the short samples this serves.
-  for (int64_t i = 0; i < cfg.tokens; ++i) {
-    const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), c.max_seq);
-    layers::Activations acts(model.desc(), 1, T);
-    layers::BackwardWorkspace ws(model.desc(), 1, T, omp_get_max_threads());
-    std::copy(ids.end() - T, ids.end(), acts.inputs);
-    model.logits_at(acts, ws, T, T - 1, logits.data());
-    int32_t next;
-    if (cfg.temperature <= 0) {
-      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    } else {
-      std::iota(order.begin(), order.end(), 0);
-      int64_t k = cfg.top_k > 0 ? std::min<int64_t>(cfg.top_k, c.vocab_size) : c.vocab_size;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-      std::vector<double> p(k);
-      const double top = logits[order[0]];
-      for (int64_t j = 0; j < k; ++j) p[j] = std::exp((logits[order[j]] - top) / cfg.temperature);
-      std::discrete_distribution<int64_t> pick(p.begin(), p.end());
-      next = order[pick(rng)];
-    }
-    ids.push_back(next);
-  }
-  return std::vector<int32_t>(ids.begin() + static_cast<int64_t>(n_prompt), ids.end());
-}
-
 double measure_gemm_gflops() {
   // The best of repeated large square GEMMs over ~0.3 s: short runs (a few ms) catch the thread
   // pool and the clock still ramping up and under-read the peak by 30% or more.
@@ -161,51 +93,6 @@ double measure_gemm_gflops() {
   return 2.0 * n * n * n / (best * 1e-3) / 1e9;
 }
 
-namespace {
-
-// The whole model on this rank, gathered from the executor's shards (collective), for
-// evaluation, sampling and checkpoints. With optimizer state when `with_optimizer`.
-ModelState gather_model(run::Executor& ex, const model::ModelConfig& mc, uint64_t seed, bool with_optimizer) {
-  ModelState whole(mc, seed, with_optimizer);
-  const auto& layout = ex.plan().layout;
-  Buffer full(MemCategory::comm, sizeof(float) * layout.total);
-  ex.gather_full(run::Executor::State::params, full.f32());
-  whole.copy_from(ModelState::Kind::params, layout, full.f32());
-  if (with_optimizer) {
-    ex.gather_full(run::Executor::State::exp_avg, full.f32());
-    whole.copy_from(ModelState::Kind::exp_avg, layout, full.f32());
-    ex.gather_full(run::Executor::State::exp_avg_sq, full.f32());
-    whole.copy_from(ModelState::Kind::exp_avg_sq, layout, full.f32());
-  }
-  return whole;
-}
-
-void load_into(run::Executor& ex, const std::string& ckpt_dir, const model::ModelConfig& mc, uint64_t seed) {
-  ModelState whole(mc, seed, true);
-  load_checkpoint(ckpt_dir, whole, true);
-  const auto& layout = ex.plan().layout;
-  Buffer full(MemCategory::comm, sizeof(float) * layout.total);
-  whole.copy_to(ModelState::Kind::params, layout, full.f32());
-  ex.load_full(run::Executor::State::params, full.f32());
-  whole.copy_to(ModelState::Kind::exp_avg, layout, full.f32());
-  ex.load_full(run::Executor::State::exp_avg, full.f32());
-  whole.copy_to(ModelState::Kind::exp_avg_sq, layout, full.f32());
-  ex.load_full(run::Executor::State::exp_avg_sq, full.f32());
-}
-
-// The per-category maximum over ranks of a memory snapshot (collective).
-MemSnapshot max_over_ranks(comm::Communicator& world, const MemSnapshot& mine, std::chrono::milliseconds timeout) {
-  std::vector<int64_t> all(kNumMemCategories * world.size());
-  world.all_gather(mine.bytes.data(), all.data(), 2 * kNumMemCategories, DType::fp32, "memory")->wait(timeout);
-  MemSnapshot out;
-  for (int r = 0; r < world.size(); ++r)
-    for (int c = 0; c < kNumMemCategories; ++c) out.bytes[c] = std::max(out.bytes[c], all[r * kNumMemCategories + c]);
-  for (int c = 0; c < kNumMemCategories; ++c) out.total += out.bytes[c];
-  return out;
-}
-
-}  // namespace
-
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   plan::PlanConfig pc;
   pc.strategy = plan::parse_strategy(cfg.strategy);
@@ -220,163 +107,233 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.bucket_mb = cfg.bucket_mb;
   pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
   pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
+  pc.recompute = model::parse_recompute(cfg.recompute);
+  pc.threads = cfg.threads;
   return pc;
 }
+
+namespace {
+
+// Everything one rank's run holds: data, model, plan, communicators, executor.
+struct Session {
+  const TrainConfig& cfg;
+  comm::Communicator& world;
+  int rank, N;
+  bool lead, talk;
+  std::chrono::milliseconds timeout;
+  DataMeta meta;
+  data::TokenShard train_data, val_data;
+  model::ModelDesc desc;
+  RunState state;
+  plan::Plan plan;
+  run::CommGroups comms;
+  run::Executor ex;
+  std::ofstream metrics;
+
+  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
+      : cfg(c),
+        world(w),
+        rank(w.rank()),
+        N(w.size()),
+        lead(rank == 0),
+        talk(lead && !c.quiet),
+        timeout(static_cast<int64_t>(c.timeout_s * 1000)),
+        meta(m),
+        train_data(c.data + "_train.bin"),
+        val_data(c.data + "_val.bin"),
+        desc(model::describe(mc)),
+        plan(plan::build_plan(desc, plan_config(c, w.size()))),
+        comms(w, plan),
+        ex(desc, plan, comms, c.threads, timeout) {}
+
+  // The whole padded flat buffer of one kind of state on every rank (collective).
+  Buffer gather(run::Executor::State which) {
+    Buffer full(MemCategory::comm, sizeof(float) * plan.layout.total);
+    ex.gather_full(which, full.f32());
+    return full;
+  }
+};
+
+model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
+  model::ModelConfig mc = cfg.model_config(meta.vocab_size);
+  if (cfg.resume.empty()) return mc;
+  const model::ModelConfig saved = read_checkpoint_config(cfg.resume);
+  auto check = [&](const char* field, auto run, auto ck) {
+    if (run != ck)
+      throw std::runtime_error(fmt::format("checkpoint: {}/config.json: {} is {} but this run's model has {}", cfg.resume,
+                                           field, ck, run));
+  };
+  check("model_type", std::string(model::to_string(mc.family)), std::string(model::to_string(saved.family)));
+  check("n_layer", mc.n_layer, saved.n_layer);
+  check("n_head", mc.n_head, saved.n_head);
+  check("n_kv_head", mc.n_kv_head, saved.n_kv_head);
+  check("n_embd", mc.n_embd, saved.n_embd);
+  check("ffn_dim", mc.ffn_dim, saved.ffn_dim);
+  check("vocab_size", mc.vocab_size, saved.vocab_size);
+  check("max_seq", mc.max_seq, saved.max_seq);
+  check("tie_word_embeddings", mc.tie_embeddings, saved.tie_embeddings);
+  return mc;
+}
+
+// Loads a checkpoint into the executor's state: read whole on every rank, each keeps its part.
+void resume(Session& s) {
+  s.state = read_checkpoint_state(s.cfg.resume);
+  if (s.state.seed != s.cfg.seed)
+    throw std::runtime_error(fmt::format("checkpoint: {}/state.json: seed is {} but this run's is {}", s.cfg.resume,
+                                         s.state.seed, s.cfg.seed));
+  Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
+      v(MemCategory::comm, p.bytes());
+  load_checkpoint(s.cfg.resume, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
+  s.ex.load_full(run::Executor::State::params, p.f32());
+  s.ex.load_full(run::Executor::State::exp_avg, m.f32());
+  s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
+}
+
+// The whole state gathered to every rank; rank 0 writes it in the single-process layout, which
+// every strategy and rank count resumes from.
+void save(Session& s) {
+  Buffer p = s.gather(run::Executor::State::params);
+  Buffer m = s.gather(run::Executor::State::exp_avg);
+  Buffer v = s.gather(run::Executor::State::exp_avg_sq);
+  if (s.lead)
+    save_checkpoint(checkpoint_dir(s.cfg.out, s.state.step), s.desc, s.plan.layout, p.f32(), m.f32(), v.f32(), s.state,
+                    s.cfg);
+}
+
+// The per-category maximum over ranks of a memory snapshot (collective).
+MemSnapshot max_over_ranks(Session& s, const MemSnapshot& mine) {
+  std::vector<int64_t> all(kNumMemCategories * s.N);
+  s.world.all_gather(mine.bytes.data(), all.data(), 2 * kNumMemCategories, DType::fp32, "memory")->wait(s.timeout);
+  MemSnapshot out;
+  for (int r = 0; r < s.N; ++r)
+    for (int c = 0; c < kNumMemCategories; ++c) out.bytes[c] = std::max(out.bytes[c], all[r * kNumMemCategories + c]);
+  for (int c = 0; c < kNumMemCategories; ++c) out.total += out.bytes[c];
+  return out;
+}
+
+double max_over_ranks(Session& s, double mine) {
+  std::vector<double> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "metrics")->wait(s.timeout);
+  return *std::max_element(all.begin(), all.end());
+}
+
+double run_eval(Session& s) {
+  const double val = evaluate(s.ex, s.desc, s.plan.config, s.val_data, s.cfg.batch, s.cfg.seq, s.cfg.eval_windows, s.rank);
+  if (s.lead) s.metrics << json{{"step", s.state.step}, {"val_loss", val}}.dump() << "\n" << std::flush;
+  if (s.talk) fmt::print("step {:>6} | val_loss {:.4f}\n", s.state.step, val);
+  return val;
+}
+
+void write_trace(Session& s) {
+  s.ex.sample_memory();
+  const std::string mine = s.ex.trace().events_json();
+  const int64_t len = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> lens(s.N);
+  s.world.all_gather(&len, lens.data(), 2, DType::fp32, "trace sizes")->wait(s.timeout);
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  std::string padded = mine;
+  padded.resize(most, ' ');
+  std::string all(most * s.N, ' ');
+  s.world.all_gather(padded.data(), all.data(), most, DType::int8, "trace")->wait(s.timeout);
+  if (!s.lead) return;
+  std::vector<std::string> parts;
+  for (int r = 0; r < s.N; ++r) parts.push_back(all.substr(r * most, lens[r]));
+  trace::write_trace(s.cfg.trace, parts);
+}
+
+}  // namespace
 
 TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   cfg.validate();
   kernels::init_compute(cfg.threads);
-  const int rank = world.rank(), N = world.size();
-  const bool lead = rank == 0, talk = lead && !cfg.quiet;
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.timeout_s * 1000));
   const DataMeta meta = read_data_meta(cfg.data);
-  data::TokenShard train_data(cfg.data + "_train.bin");
-  data::TokenShard val_data(cfg.data + "_val.bin");
+  Session s(cfg, world, resolve_model(cfg, meta), meta);
+  s.state.seed = cfg.seed;
+  s.state.tokenizer = meta.tokenizer;
+  const auto& mc = s.desc.config;
+  s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
+  s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
+  if (cfg.resume.empty()) s.ex.init_params(cfg.seed);
+  else resume(s);
 
-  model::ModelConfig mc = cfg.model_config(meta.vocab_size);
-  RunState state;
-  state.seed = cfg.seed;
-  state.tokenizer = meta.tokenizer;
-  if (!cfg.resume.empty()) {
-    const model::ModelConfig saved = read_checkpoint_config(cfg.resume);
-    auto check = [&](const char* field, int64_t run, int64_t ck) {
-      if (run != ck)
-        throw std::runtime_error(fmt::format("checkpoint: {}/config.json: {} is {} but this run's model has {}",
-                                             cfg.resume, field, ck, run));
-    };
-    check("n_layer", mc.n_layer, saved.n_layer);
-    check("n_head", mc.n_head, saved.n_head);
-    check("n_embd", mc.n_embd, saved.n_embd);
-    check("vocab_size", mc.vocab_size, saved.vocab_size);
-    check("n_positions", mc.max_seq, saved.max_seq);
-    state = read_checkpoint_state(cfg.resume);
-    if (state.seed != cfg.seed)
-      throw std::runtime_error(fmt::format("checkpoint: {}/state.json: seed is {} but this run's is {}", cfg.resume,
-                                           state.seed, cfg.seed));
-  }
-  train_data.validate_tokens(static_cast<int32_t>(mc.vocab_size));
-  val_data.validate_tokens(static_cast<int32_t>(mc.vocab_size));
-
-  const model::ModelDesc desc = model::describe(mc);
-  const plan::Plan plan = plan::build_plan(desc, plan_config(cfg, N));
-  run::CommGroups comms(world, plan);
-  run::Executor ex(desc, plan, comms, cfg.threads, timeout);
-  if (cfg.resume.empty()) ex.init_params(cfg.seed);
-  else load_into(ex, cfg.resume, mc, cfg.seed);
-
-  const int64_t B = cfg.batch, T = cfg.seq;
-  std::ofstream metrics;
-  if (lead) {
+  if (s.lead) {
     std::filesystem::create_directories(cfg.out);
-    metrics.open(cfg.out + "/metrics.jsonl", cfg.resume.empty() ? std::ios::trunc : std::ios::app);
-    if (!metrics) throw std::runtime_error("cannot write " + cfg.out + "/metrics.jsonl");
+    s.metrics.open(cfg.out + "/metrics.jsonl", cfg.resume.empty() ? std::ios::trunc : std::ios::app);
+    if (!s.metrics) throw std::runtime_error("cannot write " + cfg.out + "/metrics.jsonl");
   }
-
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : measure_gemm_gflops();
-  const int64_t global_batch = N * B * cfg.grad_accum;
-  const double step_flops = desc.train_flops(global_batch, T);
-  if (talk) {
-    fmt::print("model {}: {:.2f}M parameters (L={} C={} NH={} V={}), {} rank(s) x {} thread(s), strategy {}, B={} per rank "
-               "T={} accum={}, GEMM peak {:.0f} GFLOP/s per rank\n",
-               cfg.model, desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd, mc.n_head, mc.vocab_size, N,
-               cfg.threads, plan::to_string(plan.config.strategy), B, T, cfg.grad_accum, peak);
+  const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;
+  const double step_flops = s.desc.train_flops(global_batch, T);
+  if (s.talk) {
+    fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) x {} thread(s), "
+               "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank\n",
+               cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
+               mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, N, cfg.threads,
+               plan::to_string(s.plan.config.strategy), B, T, cfg.grad_accum, cfg.recompute, peak);
     std::fflush(stdout);
   }
 
-  auto run_eval = [&](int64_t step) {
-    ModelState whole = gather_model(ex, mc, cfg.seed, false);
-    double val = 0;
-    if (lead) {
-      val = evaluate(whole, val_data, B, T, cfg.eval_windows);
-      metrics << json{{"step", step}, {"val_loss", val}}.dump() << "\n" << std::flush;
-      if (talk) fmt::print("step {:>6} | val_loss {:.4f}\n", step, val);
-    }
-    return val;
-  };
-
   TrainSummary summary;
   const float grad_scale = 1.0f / static_cast<float>(global_batch * T);
-  for (int64_t step = state.step; step < cfg.steps; ++step) {
-    auto t0 = Clock::now();
+  for (int64_t step = s.state.step; step < cfg.steps; ++step) {
+    const auto t0 = Clock::now();
     MemoryTracker::global().reset_peak();
-    const float lr = learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr);
-    auto batch = [&](int micro, int32_t* inputs, int32_t* targets) {
-      data::sample_batch(train_data, cfg.seed, step, micro, rank * B, B, T, inputs, targets);
+    run::StepInputs in;
+    in.batch = [&](int micro, int32_t* inputs, int32_t* targets) {
+      data::sample_batch(s.train_data, cfg.seed, step, micro, s.rank * B, B, T, inputs, targets);
     };
-    const run::StepResult r =
-        ex.step(step, batch, grad_scale, cfg.grad_clip, {lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay}, step + 1);
+    in.grad_scale = grad_scale;
+    in.grad_clip = cfg.grad_clip;
+    in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
+              cfg.weight_decay};
+    in.adam_t = step + 1;
+    const run::StepResult r = s.ex.step(step, in);
     const double step_ms = ms_since(t0);
-    const MemSnapshot mem = max_over_ranks(world, MemoryTracker::global().peak(), timeout);
-    // What stays allocated between steps: the (sharded) state, activations and workspace.
-    const MemSnapshot held = max_over_ranks(world, MemoryTracker::global().live(), timeout);
-    double exposed = r.comm_exposed_ms;
-    {
-      std::vector<double> all(N);
-      world.all_gather(&exposed, all.data(), 2, DType::fp32, "metrics")->wait(timeout);
-      exposed = *std::max_element(all.begin(), all.end());
-    }
+    const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
+    // What stays allocated between steps: the (sharded) state.
+    const MemSnapshot held = max_over_ranks(s, MemoryTracker::global().live());
+    const double exposed = max_over_ranks(s, r.comm_exposed_ms);
     const double loss = r.loss_sum * grad_scale;
     const double tokens_per_s = static_cast<double>(global_batch * T) / (step_ms * 1e-3);
     const double mfu = step_flops / (step_ms * 1e-3) / (peak * 1e9 * N);
-    if (lead) {
-      metrics << json{{"step", step},         {"loss", loss},         {"lr", lr},
-                      {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-                      {"mfu", mfu},           {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)},
-                      {"mem_between_steps", mem_json(held)}}
-                     .dump()
-              << "\n"
-              << std::flush;
+    if (s.lead) {
+      s.metrics << json{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
+                        {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
+                        {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)},
+                        {"mem_between_steps", mem_json(held)}}
+                       .dump()
+                << "\n"
+                << std::flush;
     }
-    if (talk) {
+    if (s.talk) {
       fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "
                  "mem {:.1f} MiB{}\n",
-                 step + 1, cfg.steps, progress_bar(step + 1, cfg.steps), loss, lr, r.grad_norm, step_ms, tokens_per_s,
-                 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
+                 step + 1, cfg.steps, progress_bar(step + 1, cfg.steps), loss, in.opt.lr, r.grad_norm, step_ms,
+                 tokens_per_s, 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
       std::fflush(stdout);
     }
     summary.final_loss = loss;
     summary.steps_done = step + 1;
-    state.step = step + 1;
-    if (cfg.save_every > 0 && state.step % cfg.save_every == 0) {
-      ModelState whole = gather_model(ex, mc, cfg.seed, true);
-      if (lead) save_checkpoint(checkpoint_dir(cfg.out, state.step), whole, state, cfg);
-    }
-    if (cfg.eval_every > 0 && state.step % cfg.eval_every == 0 && state.step < cfg.steps) run_eval(state.step);
+    s.state.step = step + 1;
+    if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
+    if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
 
-  summary.final_val_loss = run_eval(state.step);
-  if (lead) {
-    summary.val_unigram_entropy = unigram_entropy(val_data);
-    if (talk)
+  summary.final_val_loss = run_eval(s);
+  if (s.lead) {
+    summary.val_unigram_entropy = unigram_entropy(s.val_data);
+    if (s.talk)
       fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
                  summary.final_val_loss, summary.val_unigram_entropy);
   }
   if (cfg.sample_tokens > 0) {
-    ModelState whole = gather_model(ex, mc, cfg.seed, false);
-    if (lead) {
-      SampleConfig sc;
-      sc.tokens = cfg.sample_tokens;
-      sc.seed = cfg.seed;
-      summary.sample = generate(whole, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
-    }
+    SampleConfig sc;
+    sc.tokens = cfg.sample_tokens;
+    sc.seed = cfg.seed;
+    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
+    if (s.lead) summary.sample = ids;
   }
-  if (!cfg.trace.empty()) {
-    ex.sample_memory();
-    const std::string mine = ex.trace().events_json();
-    const int64_t len = static_cast<int64_t>(mine.size());
-    std::vector<int64_t> lens(N);
-    world.all_gather(&len, lens.data(), 2, DType::fp32, "trace sizes")->wait(timeout);
-    const int64_t most = *std::max_element(lens.begin(), lens.end());
-    std::string padded = mine;
-    padded.resize(most, ' ');
-    std::string all(most * N, ' ');
-    world.all_gather(padded.data(), all.data(), most, DType::int8, "trace")->wait(timeout);
-    if (lead) {
-      std::vector<std::string> parts;
-      for (int r = 0; r < N; ++r) parts.push_back(all.substr(r * most, lens[r]));
-      trace::write_trace(cfg.trace, parts);
-    }
-  }
+  if (!cfg.trace.empty()) write_trace(s);
   return summary;
 }
 

@@ -91,64 +91,104 @@ TEST(Plan, GathersInFlightNeverExceedTheLimit) {
     const Plan p = build_plan(small(), c);
     // Walk in list order: rotating gathered buffers (all but the kept embedding) alive at once.
     int alive = 0, worst = 0;
+    auto rotating = [&](int b) { return p.buffers[b].role == Role::gathered && p.buffers[b].unit != 0; };
     for (const Task& t : p.tasks) {
-      for (const auto& a : t.allocs)
-        if (a.name.rfind("gathered", 0) == 0 && a.name != "gathered u0") ++alive;
+      for (int a : t.allocs)
+        if (rotating(a)) ++alive;
       worst = std::max(worst, alive);
-      for (const auto& f : t.frees)
-        if (f.rfind("gathered", 0) == 0 && f != "gathered u0") --alive;
+      for (int f : t.frees)
+        if (rotating(f)) --alive;
     }
     EXPECT_LE(worst, limit);
     EXPECT_GE(worst, 1);
   }
 }
 
-// Plan buffers are named, so two lives of one name must never overlap in any order the
-// dependencies allow: each allocation of a name after the first depends on the free of the one
-// before, and every allocation is freed within the step. Over every strategy, micro-step count,
-// gather limit and prefetch depth.
-TEST(Plan, ANamedBufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
-  const model::ModelDesc d = model::describe(model::model_preset("tiny", 256));
-  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
-    for (int accum : {1, 2, 3})
-      for (int limit : {1, 2, 3, 4})
-        for (int prefetch : {0, 1, 2, 3}) {
-          PlanConfig c;
-          c.strategy = s;
-          c.world = 4;
-          c.shard_group = 2;
-          c.grad_accum = accum;
-          c.max_gathers_in_flight = limit;
-          c.prefetch_forward = c.prefetch_backward = prefetch;
-          c.param_bytes = s == Strategy::fsdp || s == Strategy::hybrid ? 2 : 4;
-          c.reduce_bytes = 2;
-          const Plan p = build_plan(d, c);
-          const std::string what = std::string(to_string(s)) + " accum " + std::to_string(accum) + " limit " +
-                                   std::to_string(limit) + " prefetch " + std::to_string(prefetch);
-          std::map<std::string, int> live;       // name -> allocating task
-          std::map<std::string, int> last_free;  // name -> task that freed its previous life
-          for (const Task& t : p.tasks) {
-            for (const auto& a : t.allocs) {
-              EXPECT_FALSE(live.count(a.name)) << what << ": " << a.name << " allocated twice in list order";
-              if (last_free.count(a.name)) {
-                EXPECT_TRUE(p.depends_on(t.id, last_free[a.name]))
-                    << what << ": " << t.name(&d) << " allocates " << a.name << " without waiting for task "
-                    << last_free[a.name] << " to free it";
+// A plan buffer is one id, so two lives of one buffer must never overlap in any order the
+// dependencies allow: each allocation after the first depends on the free of the one before, and
+// every allocation is freed within the step. Over both families (tied and untied heads), every
+// strategy, micro-step count, gather limit, prefetch depth, recompute mode and forward-only plans.
+void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c, const std::string& what) {
+  const Plan p = build_plan(d, c);
+  std::map<int, int> live;       // buffer -> allocating task
+  std::map<int, int> last_free;  // buffer -> task that freed its previous life
+  for (const Task& t : p.tasks) {
+    for (int a : t.allocs) {
+      const std::string& name = p.buffers[a].name;
+      EXPECT_FALSE(live.count(a)) << what << ": " << name << " allocated twice in list order";
+      if (last_free.count(a)) {
+        EXPECT_TRUE(p.depends_on(t.id, last_free[a]))
+            << what << ": " << t.name(&d) << " allocates " << name << " without waiting for task " << last_free[a]
+            << " to free it";
+      }
+      live[a] = t.id;
+    }
+    for (int f : t.frees) {
+      ASSERT_TRUE(live.count(f)) << what << ": " << t.name(&d) << " frees " << p.buffers[f].name << ", which is not alive";
+      if (live[f] != t.id) {
+        EXPECT_TRUE(p.depends_on(t.id, live[f])) << what << ": " << t.name(&d) << " frees " << p.buffers[f].name;
+      }
+      last_free[f] = t.id;
+      live.erase(f);
+    }
+  }
+  EXPECT_TRUE(live.empty()) << what << ": " << live.size() << " buffers outlive the step, e.g. "
+                            << (live.empty() ? "" : p.buffers[live.begin()->first].name);
+  // Every buffer a task names as an operand is alive while it runs (allocated by it or before, in
+  // an order the deps force, and not yet freed).
+  std::map<int, int> alloc_by, free_by;
+  for (const Task& t : p.tasks) {
+    for (int a : t.allocs) alloc_by[a] = t.id;
+    for (int f : t.frees) free_by[f] = t.id;
+    const Operands& io = t.io;
+    std::vector<int> used = io.inputs;
+    for (int b : {io.params, io.grads, io.borrowed_params, io.borrowed_grads, io.output, io.saved, io.recomputable,
+                  io.forward_ws, io.backward_ws, io.grad_stream, io.staging})
+      if (b >= 0) used.push_back(b);
+    for (int b : used) {
+      ASSERT_TRUE(alloc_by.count(b)) << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " before any allocation";
+      const int a = alloc_by[b];
+      EXPECT_TRUE(a == t.id || p.depends_on(t.id, a)) << what << ": " << t.name(&d) << " uses " << p.buffers[b].name;
+      EXPECT_FALSE(free_by.count(b) && free_by[b] > alloc_by[b] && free_by[b] != t.id && free_by[b] < t.id)
+          << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " after it was freed";
+    }
+  }
+}
+
+TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
+  model::ModelConfig tied = model::model_preset("llama-tiny", 256);
+  tied.tie_embeddings = true;
+  const std::vector<std::pair<std::string, model::ModelDesc>> models = {
+      {"gpt2", model::describe(model::model_preset("tiny", 256))},
+      {"llama", model::describe(model::model_preset("llama-tiny", 256))},
+      {"llama tied", model::describe(tied)}};
+  for (const auto& [family, d] : models)
+    for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+      for (int accum : {1, 2, 3})
+        for (int limit : {1, 2, 3, 4})
+          for (int prefetch : {0, 1, 2, 3})
+            for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
+              PlanConfig c;
+              c.strategy = s;
+              c.world = 4;
+              c.shard_group = 2;
+              c.grad_accum = accum;
+              c.max_gathers_in_flight = limit;
+              c.prefetch_forward = c.prefetch_backward = prefetch;
+              c.param_bytes = s == Strategy::fsdp || s == Strategy::hybrid ? 2 : 4;
+              c.reduce_bytes = 2;
+              c.recompute = r;
+              const std::string what = family + " " + to_string(s) + " accum " + std::to_string(accum) + " limit " +
+                                       std::to_string(limit) + " prefetch " + std::to_string(prefetch) +
+                                       " recompute " + model::to_string(r);
+              expect_no_buffer_alive_twice(d, c, what);
+              if (accum == 1 && r == model::Recompute::none) {
+                c.mode = PlanConfig::Mode::loss;
+                expect_no_buffer_alive_twice(d, c, what + " loss");
+                c.mode = PlanConfig::Mode::logits;
+                expect_no_buffer_alive_twice(d, c, what + " logits");
               }
-              live[a.name] = t.id;
             }
-            for (const auto& f : t.frees) {
-              ASSERT_TRUE(live.count(f)) << what << ": " << t.name(&d) << " frees " << f << ", which is not alive";
-              if (live[f] != t.id) {
-                EXPECT_TRUE(p.depends_on(t.id, live[f])) << what << ": " << t.name(&d) << " frees " << f;
-              }
-              last_free[f] = t.id;
-              live.erase(f);
-            }
-          }
-          EXPECT_TRUE(live.empty()) << what << ": " << live.size() << " buffers outlive the step, e.g. "
-                                    << (live.empty() ? "" : live.begin()->first);
-        }
 }
 
 TEST(Plan, ShardedStateIsOneNthOfThePaddedTotal) {
@@ -202,6 +242,54 @@ TEST(Plan, RejectsAShardGroupThatDoesNotDivideTheRanks) {
   c.world = 4;
   c.shard_group = 3;
   EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace shardlm::plan
+
+namespace shardlm::plan {
+namespace {
+
+// Recompute is an edit of the plan: a recompute task before every block's backward, the block's
+// activations dropped after its forward, and the activation peak smaller.
+TEST(Plan, RecomputeAddsATaskBeforeEachBlockBackwardAndLowersTheActivationPeak) {
+  for (const char* preset : {"small", "llama-small"}) {
+    const model::ModelDesc d = model::describe(model::model_preset(preset));
+    std::map<model::Recompute, int64_t> peak;
+    for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
+      PlanConfig c;
+      c.world = 2;
+      c.recompute = r;
+      const Plan p = build_plan(d, c);
+      int recomputes = 0;
+      for (const Task& t : p.tasks) {
+        if (t.op != Op::recompute) continue;
+        ++recomputes;
+        const int b = find(p, Op::backward, t.unit);
+        EXPECT_TRUE(p.depends_on(b, t.id)) << preset;
+        EXPECT_NEAR(t.flops, d.costs(t.unit, {c.batch, c.seq, 4, 1}).recompute_flops(r), 1.0);
+      }
+      EXPECT_EQ(recomputes, r == model::Recompute::none ? 0 : d.config.n_layer) << preset << " " << model::to_string(r);
+      peak[r] = p.max_memory()[MemCategory::activations];
+    }
+    EXPECT_LT(peak[model::Recompute::selective], peak[model::Recompute::none]) << preset;
+    EXPECT_LT(peak[model::Recompute::full], peak[model::Recompute::selective]) << preset;
+  }
+}
+
+// The plan carries the model's figures: its compute FLOPs are the units' costs, never its own.
+TEST(Plan, ComputeFlopsAreTheModelsCosts) {
+  for (const char* preset : {"small", "llama-small", "llama2-7b"}) {
+    const model::ModelDesc d = model::describe(model::model_preset(preset));
+    PlanConfig c;
+    c.world = 8;
+    c.grad_accum = 2;
+    const Plan p = build_plan(d, c);
+    double units = 0;
+    for (const Task& t : p.tasks)
+      if (t.op == Op::forward || t.op == Op::backward || t.op == Op::head) units += t.flops;
+    EXPECT_NEAR(units, 2 * d.train_flops(c.batch, c.seq), 1e-9 * units) << preset;
+  }
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include <set>
 
 #include "ckpt/safetensors.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "plan/plan.h"
 #include "test_util.h"
 
@@ -209,7 +209,7 @@ TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
   // slices[rank][step][stream]: (start, end) in stream order.
   std::map<int, std::map<int64_t, std::map<int, std::vector<std::pair<double, double>>>>> slices;
   std::map<int, std::map<int, std::vector<std::string>>> names;  // [rank][stream], step 0's names
-  std::map<int, std::set<std::string>> threads, counters;
+  std::map<int, std::set<std::string>> threads, counters, forward_only;
   std::set<int> processes;
   for (const auto& e : trace["traceEvents"]) {
     const std::string ph = e["ph"];
@@ -221,12 +221,17 @@ TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
     if (ph != "X") continue;
     const int tid = e["tid"];
     const int64_t step = e["args"]["step"];
+    if (step < 0) {  // evaluation and sampling: forward-only plans on the same executor
+      forward_only[pid].insert(e["name"].get<std::string>().substr(0, 4));
+      continue;
+    }
     const double ts = e["ts"], dur = e["dur"];
     ASSERT_GE(dur, 0);
     slices[pid][step][tid].push_back({ts, ts + dur});
     if (slices[pid].size() == 1) names[pid][tid].push_back(e["name"]);
   }
   EXPECT_EQ(processes, (std::set<int>{0, 1}));
+  for (int rank : {0, 1}) EXPECT_EQ(forward_only[rank], (std::set<std::string>{"all_", "forw", "loss"})) << rank;
   for (int rank : {0, 1}) {
     EXPECT_EQ(threads[rank], (std::set<std::string>{"compute", "comm"}));
     EXPECT_EQ(counters[rank], (std::set<std::string>{"params", "grads", "optimizer", "activations", "comm", "workspace"}));

@@ -1,6 +1,7 @@
-// The engine against an independent PyTorch GPT-2 (tests/reference/gpt2_reference.py) loaded with
-// the same weights: logits, loss and every gradient for one batch, and the losses of ten AdamW
-// steps with clipping and weight decay.
+// The engine against independent PyTorch references (tests/reference/gpt2_reference.py,
+// llama_reference.py) loaded with the same weights by their Hugging Face names, run through the
+// executor — the path training uses: logits, loss and every gradient for one batch, and the
+// losses of ten AdamW steps with clipping and weight decay.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,9 +11,10 @@
 #include <unistd.h>
 
 #include "ckpt/safetensors.h"
+#include "comm/single_rank.h"
 #include "kernels/cpu.h"
+#include "run/executor.h"
 #include "train/checkpoint.h"
-#include "train/model_state.h"
 
 namespace shardlm::train {
 namespace {
@@ -26,25 +28,56 @@ std::string env_or_fail(const char* name) {
 }
 
 struct Case {
+  std::string name;
   model::ModelConfig mc;
   int64_t B, T;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << "B=" << c.B << " T=" << c.T; }
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// One process: a training plan and its executor over a single-rank communicator.
+struct Engine {
+  model::ModelDesc desc;
+  plan::Plan plan;
+  comm::SingleRankCommunicator world;
+  run::CommGroups comms;
+  run::Executor ex;
+  Engine(const model::ModelConfig& mc, plan::PlanConfig pc)
+      : desc(model::describe(mc)), plan(plan::build_plan(desc, pc)), comms(world, plan),
+        ex(desc, plan, comms, 2, std::chrono::seconds(60)) {}
+};
+
+plan::PlanConfig plan_config(const Case& c, plan::PlanConfig::Mode mode = plan::PlanConfig::Mode::train) {
+  plan::PlanConfig pc;
+  pc.batch = c.B;
+  pc.seq = c.T;
+  pc.threads = 2;
+  pc.mode = mode;
+  return pc;
+}
+
+void check_close(const std::string& what, const float* got, const float* want, int64_t n) {
+  double max_ref = 0, max_diff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(want[i])));
+    max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i]) - want[i]));
+  }
+  EXPECT_LE(max_diff, 1e-4 * max_ref) << what << ": max |diff| " << max_diff << ", max |ref| " << max_ref;
+}
 
 class ReferenceParity : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
   const Case c = GetParam();
   kernels::init_compute(2);
-  const fs::path dir = fs::temp_directory_path() / ("shardlm_parity_" + std::to_string(::getpid()) + "_" +
-                                                    std::to_string(c.T));
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_parity_" + std::to_string(::getpid()) + "_" + c.name);
   fs::remove_all(dir);
   fs::create_directories(dir);
 
-  ModelState model(c.mc, 42, true);
-  TrainConfig tc;
-  save_checkpoint((dir / "ckpt").string(), model, RunState{0, 42, "gpt2"}, tc);
+  Engine e(c.mc, plan_config(c));
+  e.ex.init_params(42);
+  save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(run::Executor::State::params), nullptr,
+                  nullptr, RunState{0, 42, "gpt2"}, TrainConfig{});
 
   std::mt19937 rng(7);
   std::vector<int32_t> inputs(c.B * c.T), targets(c.B * c.T);
@@ -57,83 +90,90 @@ TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
 
   const float lr = 1e-3f, wd = 0.1f, clip = 1.0f;
   const int steps = 10;
-  const std::string cmd = env_or_fail("SHARDLM_PYTHON") + " " + env_or_fail("SHARDLM_SOURCE_DIR") +
-                          "/tests/reference/gpt2_reference.py --model-dir " + (dir / "ckpt").string() + " --batch " +
+  const char* script = c.mc.family == model::Family::gpt2 ? "gpt2_reference.py" : "llama_reference.py";
+  const std::string cmd = env_or_fail("SHARDLM_PYTHON") + " " + env_or_fail("SHARDLM_SOURCE_DIR") + "/tests/reference/" +
+                          script + " --model-dir " + (dir / "ckpt").string() + " --batch " +
                           (dir / "batch.safetensors").string() + " --out " + (dir / "ref.safetensors").string() +
                           " --adam-steps " + std::to_string(steps) + " --lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8" +
                           " --weight-decay 0.1 --grad-clip 1.0";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   ckpt::SafetensorsFile ref((dir / "ref.safetensors").string());
 
-  layers::Activations acts(model.desc(), c.B, c.T);
-  layers::BackwardWorkspace ws(model.desc(), c.B, c.T, 2);
-  std::copy(inputs.begin(), inputs.end(), acts.inputs);
-  std::copy(targets.begin(), targets.end(), acts.targets);
-  const float scale = 1.0f / static_cast<float>(c.B * c.T);
-  model.zero_grads();
-  const double loss = model.run_batch(acts, ws, true, scale) * scale;
-
-  // Logits, from the final norm's output the forward left behind.
-  const int64_t V = c.mc.vocab_size, N = c.B * c.T;
-  std::vector<float> logits(N * V), ref_logits(N * V), scratch(kernels::head_scratch(N, c.mc.padded_vocab()));
-  std::vector<int32_t> ignore(N, -1);
-  kernels::lm_head_cross_entropy(nullptr, nullptr, acts.lnf, model.params(0), ignore.data(), N, c.mc.n_embd, V,
-                                 c.mc.padded_vocab(), 0.0f, N, scratch.data(), logits.data());
-  ref.read_f32("logits", ref_logits.data(), N * V);
-  auto check_close = [](const std::string& what, const float* got, const float* want, int64_t n) {
-    double max_ref = 0, max_diff = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      max_ref = std::max(max_ref, std::fabs(static_cast<double>(want[i])));
-      max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i]) - want[i]));
-    }
-    EXPECT_LE(max_diff, 1e-4 * max_ref) << what << ": max |diff| " << max_diff << ", max |ref| " << max_ref;
+  auto fill = [&](int, int32_t* in, int32_t* tg) {
+    std::copy(inputs.begin(), inputs.end(), in);
+    std::copy(targets.begin(), targets.end(), tg);
   };
+  const float scale = 1.0f / static_cast<float>(c.B * c.T);
+
+  // Logits: a forward-only plan over the same state.
+  const int64_t V = c.mc.vocab_size, N = c.B * c.T;
+  std::vector<float> logits(N * V), ref_logits(N * V);
+  run::StepInputs fwd;
+  fwd.batch = fill;
+  fwd.logits = logits.data();
+  fwd.all_logits = true;
+  e.ex.run(plan::build_plan(e.desc, plan_config(c, plan::PlanConfig::Mode::logits)), 0, fwd);
+  ref.read_f32("logits", ref_logits.data(), N * V);
   check_close("logits", logits.data(), ref_logits.data(), N * V);
 
+  // Loss and gradients: a training step that changes nothing (lr 0, no clipping).
+  run::StepInputs in;
+  in.batch = fill;
+  in.grad_scale = scale;
+  in.opt = {0.0f, 0.9f, 0.95f, 1e-8f, 0.0f};
+  const double loss = e.ex.step(0, in).loss_sum * scale;
   float ref_loss;
   ref.read_f32("loss", &ref_loss, 1);
   EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss));
-
   int checked = 0;
-  for (const auto& t : model.tensors()) {
-    std::vector<float> want(t.numel);
-    ref.read_f32("grad." + t.spec->name, want.data(), t.shape);
-    check_close("grad." + t.spec->name, model.grads_flat() + t.flat_offset, want.data(), t.numel);
-    ++checked;
-  }
-  EXPECT_EQ(checked, 2 + 12 * c.mc.n_layer + 2);
+  const float* grads = e.ex.whole(run::Executor::State::grads);
+  for (size_t u = 0; u < e.desc.units.size(); ++u)
+    for (const auto& p : e.desc.units[u].params) {
+      std::vector<float> want(p.exported_numel());
+      ref.read_f32("grad." + p.name, want.data(), p.exported_shape());
+      check_close("grad." + p.name, grads + e.plan.layout.units[u].offset + p.offset, want.data(), p.exported_numel());
+      ++checked;
+    }
+  int ref_grads = 0;
+  for (const auto& name : ref.names()) ref_grads += name.rfind("grad.", 0) == 0;
+  EXPECT_EQ(checked, ref_grads);  // every parameter the reference has, and no other
 
+  // Ten AdamW steps from the same start.
+  Engine fresh(c.mc, plan_config(c));
+  fresh.ex.init_params(42);
   std::vector<float> ref_losses(steps);
   ref.read_f32("adam_losses", ref_losses.data(), steps);
   for (int s = 0; s < steps; ++s) {
-    if (s > 0) {  // step 0's forward and backward already ran above
-      model.zero_grads();
-      const double l = model.run_batch(acts, ws, true, scale) * scale;
-      EXPECT_NEAR(l, ref_losses[s], 1e-5 * std::fabs(ref_losses[s])) << "AdamW step " << s;
-    } else {
-      EXPECT_NEAR(loss, ref_losses[0], 1e-5 * std::fabs(ref_losses[0]));
-    }
-    const double norm = model.grad_norm();
-    if (norm > clip) model.scale_grads(static_cast<float>(clip / norm));
-    model.adamw_step({lr, 0.9f, 0.95f, 1e-8f, wd}, s + 1);
+    run::StepInputs st = in;
+    st.grad_clip = clip;
+    st.opt = {lr, 0.9f, 0.95f, 1e-8f, wd};
+    st.adam_t = s + 1;
+    const double l = fresh.ex.step(s, st).loss_sum * scale;
+    EXPECT_NEAR(l, ref_losses[s], 1e-5 * std::fabs(ref_losses[s])) << "AdamW step " << s;
   }
   fs::remove_all(dir);
 }
 
-model::ModelConfig small_config(int64_t T_max) {
-  model::ModelConfig m;
-  m.vocab_size = 300;  // padded to 384: the padding rows must stay out of the softmax
-  m.n_layer = 2;
-  m.n_head = 4;
-  m.n_embd = 64;
+model::ModelConfig gpt2_config(int64_t T_max) {
+  model::ModelConfig m = model::model_preset("tiny", 300);  // padded to 384: padding rows stay out of the softmax
   m.max_seq = T_max;
   return m;
 }
 
+model::ModelConfig llama_config(bool tied) {
+  model::ModelConfig m = model::model_preset("llama-tiny", 300);  // 4 heads, 2 key/value heads
+  m.tie_embeddings = tied;
+  m.rope_theta = 500.0;  // rotations large enough at T = 80 to matter
+  return m;
+}
+
 // T = 16 fits one attention block; T = 80 spans two with a ragged tail.
-INSTANTIATE_TEST_SUITE_P(Shapes, ReferenceParity,
-                         ::testing::Values(Case{small_config(32), 2, 16}, Case{small_config(96), 2, 80}),
-                         [](const auto& info) { return "T" + std::to_string(info.param.T); });
+INSTANTIATE_TEST_SUITE_P(Models, ReferenceParity,
+                         ::testing::Values(Case{"gpt2_T16", gpt2_config(32), 2, 16},
+                                           Case{"gpt2_T80", gpt2_config(96), 2, 80},
+                                           Case{"llama_untied_T80", llama_config(false), 2, 80},
+                                           Case{"llama_tied_T16", llama_config(true), 2, 16}),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace shardlm::train

@@ -1,0 +1,54 @@
+#include "layers/layers.h"
+
+#include <array>
+#include <cmath>
+#include <stdexcept>
+
+namespace shardlm::layers {
+
+const LayerKind& layer(model::UnitKind kind) {
+  static const std::array<LayerKind, 6> table = {gpt2_embedding_kind(),  gpt2_block_kind(),  gpt2_head_kind(),
+                                                 llama_embedding_kind(), llama_block_kind(), llama_head_kind()};
+  const int k = static_cast<int>(kind);
+  if (k < 0 || k >= static_cast<int>(table.size())) throw std::logic_error("layers: unknown unit kind");
+  return table[k];
+}
+
+namespace {
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t hash_name(const std::string& s) {  // FNV-1a: stable across builds and platforms
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+// A standard normal from one 64-bit draw (Box-Muller on its two 32-bit halves).
+float normal_from(uint64_t r) {
+  const double u1 = (static_cast<double>(r >> 32) + 1.0) / 4294967297.0;
+  const double u2 = static_cast<double>(r & 0xffffffffull) / 4294967296.0;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+}
+}  // namespace
+
+void init_unit(const model::UnitDesc& u, uint64_t seed, float* dst, int64_t begin, int64_t end) {
+  for (const auto& p : u.params) {
+    const int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.numel);
+    if (lo >= hi) continue;
+    // Rows past the real vocabulary are padding: zero, so they never win a softmax.
+    const int64_t real = p.exported_numel();
+    const uint64_t key = splitmix64(seed ^ hash_name(p.name));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t e = i - p.offset;
+      float v = 0.0f;
+      if (e < real) v = p.init.std > 0 ? p.init.std * normal_from(splitmix64(key + static_cast<uint64_t>(e))) : p.init.value;
+      dst[i - begin] = v;
+    }
+  }
+}
+
+}  // namespace shardlm::layers

@@ -1,0 +1,91 @@
+// Forward, backward and recompute of each kind of unit, composed from kernels: a table keyed by
+// model::UnitKind. A unit's parameters (and, in the same layout, its gradients) are one flat
+// buffer; its activations and scratch are the plan's buffers, which each kind carves into named
+// slices (64-byte aligned) exactly as large as the model's costs say. Backward passes accumulate
+// (+=) into gradient buffers, so gradient accumulation and a tied head need no special cases.
+#pragma once
+
+#include <cstdint>
+
+#include "model/model.h"
+
+namespace shardlm::layers {
+
+// What one task of a unit reads and writes, resolved by the executor from the plan's buffers.
+// Pointers a task does not use are null.
+struct UnitArgs {
+  const model::ModelDesc* desc = nullptr;
+  const model::UnitDesc* unit = nullptr;
+  int64_t B = 0, T = 0;
+  int threads = 1;
+  const float* params = nullptr;           // the unit's whole parameters
+  float* grads = nullptr;                  // the unit's whole gradients
+  const float* borrowed_params = nullptr;  // the unit it borrows (the tied head: the embedding)
+  float* borrowed_grads = nullptr;
+  const int32_t* tokens = nullptr;   // (B, T)
+  const int32_t* targets = nullptr;  // (B, T), < 0: ignored
+  const float* in = nullptr;         // (B, T, C) residual stream in
+  float* out = nullptr;              // (B, T, C) residual stream out
+  char* saved = nullptr;
+  char* recomputable = nullptr;
+  char* forward_ws = nullptr;
+  char* backward_ws = nullptr;
+  float* dx = nullptr;  // (B, T, C): d(out) on entry to a backward, d(in) on return
+  float grad_scale = 1.0f;
+  float* logits = nullptr;  // (V): logits of the last position of sequence 0 (Op::logits),
+  bool all_logits = false;  // or with all_logits (B, T, V): every row's
+};
+
+enum class HeadMode { train, loss, logits };
+
+// Bytes a kind carves from each of its buffers for one micro-batch; must equal model's costs.
+struct Carved {
+  int64_t saved = 0, recomputable = 0, forward_ws = 0, backward_ws = 0;
+};
+
+struct LayerKind {
+  // Writes args.out and fills saved + recomputable (both allocated).
+  void (*forward)(const UnitArgs&) = nullptr;
+  // Rebuilds what `mode` dropped: recomputable (selective) or saved + recomputable (full).
+  void (*recompute)(const UnitArgs&, model::Recompute mode) = nullptr;
+  // Consumes args.dx (d out) and leaves d in there; accumulates into grads.
+  void (*backward)(const UnitArgs&) = nullptr;
+  // Heads: forward + loss (+ backward into dx and grads when training); returns the summed loss.
+  double (*head)(const UnitArgs&, HeadMode mode) = nullptr;
+  Carved (*carved)(const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) = nullptr;
+};
+
+const LayerKind& layer(model::UnitKind kind);
+
+// Initialises elements [begin, end) of a unit's flat buffer into dst (dst[0] is element begin).
+// Each value depends on (seed, parameter name, element index) alone, so any sharding of the
+// flat buffer, on any number of ranks, yields the same model. Rows past the real vocabulary and
+// the unit's tail padding stay zero.
+void init_unit(const model::UnitDesc& u, uint64_t seed, float* dst, int64_t begin, int64_t end);
+
+// Hands out consecutive, 64-byte aligned slices of one buffer; with a null base it only measures.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <class T>
+  T* take(int64_t n) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += (n * static_cast<int64_t>(sizeof(T)) + 63) / 64 * 64;
+    return p;
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  char* base_;
+  int64_t used_ = 0;
+};
+
+// The architecture files' tables.
+LayerKind gpt2_embedding_kind();
+LayerKind gpt2_block_kind();
+LayerKind gpt2_head_kind();
+LayerKind llama_embedding_kind();
+LayerKind llama_block_kind();
+LayerKind llama_head_kind();
+
+}  // namespace shardlm::layers

@@ -1,0 +1,267 @@
+// LLaMA's unit kinds: token embedding, pre-norm block (RMSNorm, rotary q/k, grouped-query
+// attention, SwiGLU; Linear weights (out, in), no biases), final RMSNorm + head (own or tied).
+#include <cstring>
+
+#include "kernels/cpu.h"
+#include "layers/layers.h"
+
+namespace shardlm::layers {
+
+namespace k = shardlm::kernels;
+
+namespace {
+
+float* mut(const float* p) { return const_cast<float*>(p); }
+
+struct Block {
+  const float* in_norm;   // (C)
+  const float* qkv;       // ((NH + 2 NKV) HS, C): q_proj, k_proj, v_proj, adjacent
+  const float* o;         // (C, NH HS)
+  const float* post_norm; // (C)
+  const float* gate_up;   // (2F, C): gate_proj, up_proj, adjacent
+  const float* down;      // (C, F)
+};
+Block block_view(const model::UnitDesc& u, const float* flat) {
+  auto at = [&](const char* s) { return flat + u.param(s).offset; };
+  return {at("input_layernorm.weight"), at("self_attn.q_proj.weight"), at("self_attn.o_proj.weight"),
+          at("post_attention_layernorm.weight"), at("mlp.gate_proj.weight"), at("mlp.down_proj.weight")};
+}
+
+struct Dims {
+  int64_t B, T, BT, C, NH, NKV, HS, QKV, F;
+  float eps, theta;
+};
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T) {
+  const auto& c = desc.config;
+  const int64_t HS = c.head_size();
+  return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
+          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta)};
+}
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T); }
+
+struct Saved {
+  float* qkv;      // (B, T, QKV) after rotation
+  float* atty;     // (B, T, C) attention output before o_proj
+  float* lse;      // (B, NH, T)
+  float* res1;     // (B, T, C) residual after attention
+  float* gate_up;  // (B, T, 2F)
+};
+Saved carve_saved(Carver& cv, const Dims& d) {
+  Saved s;
+  s.qkv = cv.take<float>(d.BT * d.QKV);
+  s.atty = cv.take<float>(d.BT * d.C);
+  s.lse = cv.take<float>(d.B * d.NH * d.T);
+  s.res1 = cv.take<float>(d.BT * d.C);
+  s.gate_up = cv.take<float>(d.BT * 2 * d.F);
+  return s;
+}
+struct Recomputable {
+  float *ln1, *rstd1;  // (B, T, C), (B, T)
+  float *ln2, *rstd2;
+  float* act;  // (B, T, F) silu(gate) * up
+};
+Recomputable carve_recomputable(Carver& cv, const Dims& d) {
+  Recomputable r;
+  r.ln1 = cv.take<float>(d.BT * d.C);
+  r.rstd1 = cv.take<float>(d.BT);
+  r.ln2 = cv.take<float>(d.BT * d.C);
+  r.rstd2 = cv.take<float>(d.BT);
+  r.act = cv.take<float>(d.BT * d.F);
+  return r;
+}
+float* carve_rope(Carver& cv, const Dims& d) { return cv.take<float>(k::rope_table_floats(d.T, d.HS)); }
+struct BackwardWs {
+  float *dln, *datty, *dqkv, *dact, *dgate_up, *attention, *rope;
+};
+BackwardWs carve_backward_ws(Carver& cv, const Dims& d, int threads) {
+  BackwardWs w;
+  w.dln = cv.take<float>(d.BT * d.C);
+  w.datty = cv.take<float>(d.BT * d.C);
+  w.dqkv = cv.take<float>(d.BT * d.QKV);
+  w.dact = cv.take<float>(d.BT * d.F);
+  w.dgate_up = cv.take<float>(d.BT * 2 * d.F);
+  w.attention = cv.take<float>(k::attention_backward_scratch(d.B, d.T, d.NH, d.HS, threads));
+  w.rope = carve_rope(cv, d);
+  return w;
+}
+
+// ---- embedding
+
+const float* embed_tokens(const model::UnitDesc& u, const float* flat) {
+  return flat + u.param("model.embed_tokens.weight").offset;
+}
+
+void embedding_forward(const UnitArgs& a) {
+  k::embedding_forward(a.out, a.tokens, embed_tokens(*a.unit, a.params), nullptr, a.B, a.T, a.desc->config.n_embd);
+}
+
+void embedding_backward(const UnitArgs& a) {
+  k::embedding_backward(mut(embed_tokens(*a.unit, a.grads)), nullptr, a.dx, a.tokens, a.B, a.T, a.desc->config.n_embd);
+}
+
+Carved embedding_carved(const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) { return {}; }
+
+// ---- block
+
+// Everything up to (and without) the MLP's down projection: what a full recompute reruns.
+void block_forward_until_down(const Block& p, const float* in, const Saved& s, const Recomputable& r, float* rope,
+                              const Dims& d) {
+  k::rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
+  k::dense_forward(s.qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  k::rope_table(rope, d.T, d.HS, d.theta);
+  k::rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);  // q and k, in place
+  k::attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
+  k::dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
+  k::residual_forward(s.res1, s.res1, in, d.BT * d.C);
+  k::rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  k::dense_forward(s.gate_up, r.ln2, p.gate_up, d.BT, d.C, 2 * d.F);
+  k::swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+}
+
+void block_forward(const UnitArgs& a) {
+  const Dims d = dims(a);
+  const Block p = block_view(*a.unit, a.params);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
+  const Saved s = carve_saved(cs, d);
+  const Recomputable r = carve_recomputable(cr, d);
+  block_forward_until_down(p, a.in, s, r, carve_rope(cw, d), d);
+  k::dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
+  k::residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+}
+
+void block_recompute(const UnitArgs& a, model::Recompute mode) {
+  const Dims d = dims(a);
+  const Block p = block_view(*a.unit, a.params);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
+  const Saved s = carve_saved(cs, d);
+  const Recomputable r = carve_recomputable(cr, d);
+  if (mode == model::Recompute::full) return block_forward_until_down(p, a.in, s, r, carve_rope(cw, d), d);
+  k::rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  k::rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  k::swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+}
+
+void block_backward(const UnitArgs& a) {
+  const Dims d = dims(a);
+  const Block p = block_view(*a.unit, a.params);
+  const Block g = block_view(*a.unit, a.grads);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.backward_ws);
+  const Saved s = carve_saved(cs, d);
+  const Recomputable r = carve_recomputable(cr, d);
+  const BackwardWs w = carve_backward_ws(cw, d, a.threads);
+  const int64_t BT = d.BT, C = d.C, F = d.F;
+  float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
+  std::memset(w.dact, 0, sizeof(float) * BT * F);
+  std::memset(w.dgate_up, 0, sizeof(float) * BT * 2 * F);
+  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  k::dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
+  k::swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
+  k::dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
+  k::rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
+  // dres now holds d res1.
+  std::memset(w.datty, 0, sizeof(float) * BT * C);
+  std::memset(w.dqkv, 0, sizeof(float) * BT * d.QKV);
+  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  k::dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+  k::attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
+  k::rope_table(w.rope, d.T, d.HS, d.theta);
+  k::rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
+  k::dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, BT, C, d.QKV);
+  k::rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);
+  // dres now holds d in.
+}
+
+Carved block_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+  const Dims d = dims_of(desc, shape.B, shape.T);
+  Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
+  carve_saved(cs, d);
+  carve_recomputable(cr, d);
+  carve_rope(cf, d);
+  carve_backward_ws(cw, d, shape.threads);
+  return {cs.used(), cr.used(), cf.used(), cw.used()};
+}
+
+// ---- final norm + head (own weights, or the embedding's when tied)
+
+struct HeadWs {
+  float *ln, *rstd, *logits;
+};
+HeadWs carve_head_ws(Carver& cv, const Dims& d, int64_t chunk, int64_t Vp) {
+  HeadWs w;
+  w.ln = cv.take<float>(d.BT * d.C);
+  w.rstd = cv.take<float>(d.BT);
+  w.logits = cv.take<float>(k::head_scratch(chunk, Vp));
+  return w;
+}
+
+double head(const UnitArgs& a, HeadMode mode) {
+  const Dims d = dims(a);
+  const auto& c = a.desc->config;
+  const int64_t V = c.vocab_size, Vp = c.padded_vocab(), chunk = model::detail::head_chunk_rows(d.BT);
+  const model::UnitDesc& u = *a.unit;
+  const float* norm_w = a.params + u.param("model.norm.weight").offset;
+  const bool tied = u.borrows >= 0;
+  const model::UnitDesc& owner = tied ? a.desc->units[u.borrows] : u;
+  const char* weight_name = tied ? "model.embed_tokens.weight" : "lm_head.weight";
+  const float* w_head = (tied ? a.borrowed_params : a.params) + owner.param(weight_name).offset;
+  Carver cv(a.forward_ws);
+  const HeadWs w = carve_head_ws(cv, d, chunk, Vp);
+  k::rmsnorm_forward(w.ln, w.rstd, a.in, norm_w, d.BT, d.C, d.eps);
+  if (mode == HeadMode::logits && a.all_logits) {
+    k::lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
+    return 0;
+  }
+  if (mode == HeadMode::logits) {
+    const int32_t ignore = -1;
+    k::lm_head_cross_entropy(nullptr, nullptr, w.ln + (d.T - 1) * d.C, w_head, &ignore, 1, d.C, V, Vp, 0.0f, 1,
+                             w.logits, a.logits);
+    return 0;
+  }
+  if (mode == HeadMode::loss)
+    return k::lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk,
+                                    w.logits, nullptr);
+  float* dln = reinterpret_cast<float*>(a.backward_ws);
+  float* g_head = (tied ? a.borrowed_grads : a.grads) + owner.param(weight_name).offset;
+  std::memset(dln, 0, sizeof(float) * d.BT * d.C);
+  const double loss = k::lm_head_cross_entropy(dln, g_head, w.ln, w_head, a.targets, d.BT, d.C, V, Vp,
+                                               a.grad_scale, chunk, w.logits, nullptr);
+  std::memset(a.dx, 0, sizeof(float) * d.BT * d.C);
+  k::rmsnorm_backward(a.dx, a.grads + u.param("model.norm.weight").offset, dln, a.in, norm_w, w.rstd, d.BT, d.C);
+  return loss;
+}
+
+Carved head_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+  const Dims d = dims_of(desc, shape.B, shape.T);
+  Carver cv(nullptr), cb(nullptr);
+  carve_head_ws(cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
+  cb.take<float>(d.BT * d.C);
+  return {0, 0, cv.used(), cb.used()};
+}
+
+}  // namespace
+
+LayerKind llama_embedding_kind() {
+  LayerKind k;
+  k.forward = embedding_forward;
+  k.backward = embedding_backward;
+  k.carved = embedding_carved;
+  return k;
+}
+
+LayerKind llama_block_kind() {
+  LayerKind k;
+  k.forward = block_forward;
+  k.recompute = block_recompute;
+  k.backward = block_backward;
+  k.carved = block_carved;
+  return k;
+}
+
+LayerKind llama_head_kind() {
+  LayerKind k;
+  k.head = head;
+  k.carved = head_carved;
+  return k;
+}
+
+}  // namespace shardlm::layers

@@ -1,0 +1,249 @@
+#include "model/model.h"
+
+#include <map>
+#include <stdexcept>
+
+namespace shardlm::model {
+
+const char* to_string(Family f) { return f == Family::gpt2 ? "gpt2" : "llama"; }
+
+const char* to_string(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& name) {
+  for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full})
+    if (name == to_string(r)) return r;
+  throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective or full)");
+}
+
+const char* to_string(UnitKind k) {
+  switch (k) {
+    case UnitKind::gpt2_embedding: return "gpt2_embedding";
+    case UnitKind::gpt2_block: return "gpt2_block";
+    case UnitKind::gpt2_head: return "gpt2_head";
+    case UnitKind::llama_embedding: return "llama_embedding";
+    case UnitKind::llama_block: return "llama_block";
+    case UnitKind::llama_head: return "llama_head";
+  }
+  return "?";
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](int64_t v, const char* field) {
+    if (v <= 0) throw std::invalid_argument(std::string("model: ") + field + " must be positive, got " + std::to_string(v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(n_layer, "n_layer");
+  positive(n_head, "n_head");
+  positive(n_kv_head, "n_kv_head");
+  positive(n_embd, "n_embd");
+  positive(ffn_dim, "ffn_dim");
+  positive(max_seq, "max_seq");
+  if (n_embd % n_head != 0)
+    throw std::invalid_argument("model: n_embd (" + std::to_string(n_embd) + ") is not divisible by n_head (" +
+                                std::to_string(n_head) + ")");
+  if (n_head % n_kv_head != 0)
+    throw std::invalid_argument("model: n_kv_head (" + std::to_string(n_kv_head) + ") does not divide n_head (" +
+                                std::to_string(n_head) + ")");
+  if (family == Family::gpt2 && n_kv_head != n_head)
+    throw std::invalid_argument("model: n_kv_head must equal n_head for gpt2 (grouped-query attention is llama's)");
+  if (family == Family::gpt2 && !tie_embeddings)
+    throw std::invalid_argument("model: gpt2 ties its head to the embedding (tie_embeddings must be true)");
+  if (family == Family::llama && head_size() % 2 != 0)
+    throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) +
+                                ") must be even for rotary embeddings");
+  if (head_size() > 256)
+    throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) + ") exceeds 256");
+  if (!(rope_theta > 0)) throw std::invalid_argument("model: rope_theta must be positive");
+  if (!(norm_eps > 0)) throw std::invalid_argument("model: norm_eps must be positive");
+}
+
+namespace {
+
+struct Preset {
+  ModelConfig config;
+  bool own_vocab;  // the real shapes carry their vocabulary; trainable presets take the data's
+};
+
+ModelConfig gpt2(int64_t L, int64_t NH, int64_t C, int64_t T) {
+  ModelConfig c;
+  c.family = Family::gpt2;
+  c.n_layer = L, c.n_head = c.n_kv_head = NH, c.n_embd = C, c.ffn_dim = 4 * C, c.max_seq = T;
+  return c;
+}
+
+ModelConfig llama(int64_t L, int64_t NH, int64_t NKV, int64_t C, int64_t F, int64_t T, double theta, double eps,
+                  int64_t V) {
+  ModelConfig c;
+  c.family = Family::llama;
+  c.n_layer = L, c.n_head = NH, c.n_kv_head = NKV, c.n_embd = C, c.ffn_dim = F, c.max_seq = T;
+  c.rope_theta = theta, c.norm_eps = eps, c.tie_embeddings = false, c.vocab_size = V;
+  return c;
+}
+
+const std::map<std::string, Preset>& presets() {
+  static const std::map<std::string, Preset> table = [] {
+    std::map<std::string, Preset> t;
+    t["tiny"] = {gpt2(2, 4, 64, 256), false};
+    t["small"] = {gpt2(6, 6, 384, 1024), false};
+    t["gpt2-124m"] = {gpt2(12, 12, 768, 1024), false};
+    t["llama-tiny"] = {llama(2, 4, 2, 64, 160, 256, 10000, 1e-5, 0), false};
+    t["llama-small"] = {llama(6, 6, 2, 384, 1024, 1024, 10000, 1e-5, 0), false};
+    t["llama2-7b"] = {llama(32, 32, 32, 4096, 11008, 4096, 10000, 1e-5, 32000), true};
+    t["llama2-13b"] = {llama(40, 40, 40, 5120, 13824, 4096, 10000, 1e-5, 32000), true};
+    t["llama2-70b"] = {llama(80, 64, 8, 8192, 28672, 4096, 10000, 1e-5, 32000), true};
+    t["llama3-8b"] = {llama(32, 32, 8, 4096, 14336, 8192, 500000, 1e-5, 128256), true};
+    t["llama3-70b"] = {llama(80, 64, 8, 8192, 28672, 8192, 500000, 1e-5, 128256), true};
+    ModelConfig g3 = gpt2(96, 96, 12288, 2048);
+    g3.vocab_size = 50257;
+    t["gpt3-175b"] = {g3, true};
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+ModelConfig model_preset(const std::string& name, int64_t vocab_size) {
+  const auto& t = presets();
+  auto it = t.find(name);
+  if (it == t.end()) {
+    std::string names;
+    for (const auto& [n, p] : t) names += (names.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("model: unknown preset '" + name + "' (expected " + names + ")");
+  }
+  ModelConfig c = it->second.config;
+  if (!it->second.own_vocab) c.vocab_size = vocab_size;
+  return c;
+}
+
+bool preset_has_own_vocab(const std::string& name) {
+  auto it = presets().find(name);
+  return it != presets().end() && it->second.own_vocab;
+}
+
+std::vector<int64_t> ParamSpec::exported_shape() const {
+  std::vector<int64_t> s = shape;
+  if (exported_rows >= 0) s[0] = exported_rows;
+  return s;
+}
+
+int64_t ParamSpec::exported_numel() const {
+  return exported_rows >= 0 ? numel / shape[0] * exported_rows : numel;
+}
+
+int64_t UnitCosts::kept_bytes(Recompute mode) const {
+  switch (mode) {
+    case Recompute::none: return saved_bytes + recomputable_bytes;
+    case Recompute::selective: return saved_bytes;
+    case Recompute::full: return 0;
+  }
+  return 0;
+}
+
+double UnitCosts::recompute_flops(Recompute mode) const {
+  switch (mode) {
+    case Recompute::none: return 0;
+    case Recompute::selective: return selective_recompute_flops;
+    case Recompute::full: return forward_flops;
+  }
+  return 0;
+}
+
+const ParamSpec& UnitDesc::param(const std::string& suffix) const {
+  for (const auto& p : params)
+    if (p.name.size() >= suffix.size() && p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return p;
+  throw std::out_of_range("unit " + name + " has no parameter " + suffix);
+}
+
+bool UnitDesc::has_param(const std::string& suffix) const {
+  for (const auto& p : params)
+    if (p.name.size() >= suffix.size() && p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return true;
+  return false;
+}
+
+int64_t ValueDesc::bytes(const Shape& s, int64_t C) const {
+  return tokens ? 2 * detail::slice(s.B * s.T, 4) : detail::slice(s.B * s.T * C, s.elem);
+}
+
+ModelDesc describe(const ModelConfig& config) {
+  config.validate();
+  return config.family == Family::gpt2 ? describe_gpt2(config) : describe_llama(config);
+}
+
+int64_t ModelDesc::num_params() const {
+  int64_t n = 0;
+  for (const auto& u : units) n += u.numel;
+  return n;
+}
+
+int64_t ModelDesc::num_params_exported() const {
+  int64_t n = 0;
+  for (const auto& u : units)
+    for (const auto& p : u.params) n += p.exported_numel();
+  return n;
+}
+
+UnitCosts ModelDesc::costs(int unit, const Shape& s) const {
+  const UnitDesc& u = units.at(unit);
+  return config.family == Family::gpt2 ? gpt2_costs(*this, u, s) : llama_costs(*this, u, s);
+}
+
+double ModelDesc::train_flops(int64_t B, int64_t T) const {
+  double f = 0;
+  for (int u = 0; u < static_cast<int>(units.size()); ++u) {
+    const UnitCosts c = costs(u, {B, T, 4, 1});
+    f += c.forward_flops + c.backward_flops;
+  }
+  return f;
+}
+
+FlatLayout flat_layout(const ModelDesc& desc, int64_t shard_size) {
+  const int64_t multiple = 16 * shard_size;
+  FlatLayout layout;
+  for (const auto& u : desc.units) {
+    UnitSpan s;
+    s.offset = layout.total;
+    s.numel = u.numel;
+    s.padded = (u.numel + multiple - 1) / multiple * multiple;
+    layout.total += s.padded;
+    layout.units.push_back(s);
+  }
+  return layout;
+}
+
+namespace detail {
+
+void add_param(UnitDesc& u, std::string name, std::vector<int64_t> shape, bool decay, ParamInit init,
+               int64_t exported_rows) {
+  ParamSpec p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.numel = 1;
+  for (int64_t d : p.shape) p.numel *= d;
+  p.offset = u.numel;
+  p.decay = decay;
+  p.init = init;
+  p.exported_rows = exported_rows;
+  u.numel += p.numel;
+  u.params.push_back(std::move(p));
+}
+
+int64_t attention_backward_scratch_floats(int64_t HS, int threads) {
+  const int64_t tile = 64;
+  return (2 * tile * HS + 2 * tile * tile + tile + tile) * (threads < 1 ? 1 : threads);
+}
+
+int64_t head_chunk_rows(int64_t BT) { return BT < 256 ? BT : 256; }
+
+}  // namespace detail
+
+}  // namespace shardlm::model

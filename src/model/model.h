@@ -1,0 +1,184 @@
+// A model as a description: configuration, units with their parameters, the residual-stream
+// values they read and write, and their costs. Nothing here computes; layers/ runs units, plan/
+// and sim/ reason about them. Architecture files (gpt2.cc, llama.cc) only fill this in; no FLOP
+// or byte formula lives outside model/.
+//
+// Dimension letters used throughout: B batch, T sequence, C channels (n_embd), NH query heads,
+// NKV key/value heads, HS head size (C / NH), F MLP width (ffn_dim), L layers, V vocabulary
+// (token ids), Vp padded vocabulary (rows of the embedding and of an untied head).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardlm::model {
+
+enum class Family { gpt2, llama };
+const char* to_string(Family f);
+
+struct ModelConfig {
+  Family family = Family::gpt2;
+  int64_t vocab_size = 50257;  // V
+  int64_t n_layer = 6;         // L
+  int64_t n_head = 6;          // NH
+  int64_t n_kv_head = 6;       // NKV (GPT-2: NH)
+  int64_t n_embd = 384;        // C
+  int64_t ffn_dim = 1536;      // F (GPT-2: 4C)
+  int64_t max_seq = 1024;      // the largest T (rows of wpe for GPT-2)
+  double rope_theta = 10000;   // LLaMA
+  double norm_eps = 1e-5;      // LLaMA's RMSNorm (GPT-2's layer norm uses 1e-5 always)
+  bool tie_embeddings = true;  // the head reuses the token embedding (GPT-2: always)
+
+  // The embedding (and an untied head) carry extra zero rows so the head's GEMM has a friendly
+  // N; files that leave the program carry V rows only.
+  int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
+  int64_t head_size() const { return n_embd / n_head; }
+  // Throws std::invalid_argument naming the offending field.
+  void validate() const;
+};
+
+// Presets. GPT-2: tiny, small, gpt2-124m; LLaMA: llama-tiny, llama-small; shapes for `explain`
+// and the simulator only (too big to train here): llama2-7b, llama2-13b, llama2-70b, llama3-8b,
+// llama3-70b, gpt3-175b. `vocab_size` applies to presets whose vocabulary comes from the data
+// (the trainable ones); the real shapes carry their own. Throws std::invalid_argument for an
+// unknown name.
+ModelConfig model_preset(const std::string& name, int64_t vocab_size = 50257);
+bool preset_has_own_vocab(const std::string& name);
+
+// How much of a block's forward is kept for its backward.
+//  none:      everything the backward reads.
+//  selective: GEMM outputs and attention statistics; norms and pointwise activations are
+//             recomputed inside the backward.
+//  full:      only the block's input (the previous unit's output); the whole forward reruns.
+enum class Recompute { none, selective, full };
+const char* to_string(Recompute r);
+Recompute parse_recompute(const std::string& name);  // throws std::invalid_argument
+
+enum class UnitKind { gpt2_embedding, gpt2_block, gpt2_head, llama_embedding, llama_block, llama_head };
+const char* to_string(UnitKind k);
+inline bool is_block(UnitKind k) { return k == UnitKind::gpt2_block || k == UnitKind::llama_block; }
+inline bool is_head(UnitKind k) { return k == UnitKind::gpt2_head || k == UnitKind::llama_head; }
+inline bool is_embedding(UnitKind k) { return k == UnitKind::gpt2_embedding || k == UnitKind::llama_embedding; }
+
+// How a parameter starts: normal(0, std) when std > 0, else the constant `value`.
+struct ParamInit {
+  float std = 0.0f;
+  float value = 0.0f;
+};
+
+struct ParamSpec {
+  std::string name;            // Hugging Face name, e.g. "h.3.attn.c_attn.weight"
+  std::vector<int64_t> shape;  // as stored in this engine (vocabulary rows padded to Vp)
+  int64_t offset = 0;          // element offset inside the unit's flat buffer
+  int64_t numel = 0;
+  int64_t exported_rows = -1;  // rows a file holds (V for vocabulary matrices; -1: all)
+  bool decay = false;          // AdamW weight decay applies (matrices and embeddings only)
+  ParamInit init;
+  std::vector<int64_t> exported_shape() const;
+  int64_t exported_numel() const;
+};
+
+// The size of one micro-batch as the costs see it: element size of activations (4 for fp32,
+// 2 for bf16) and the threads a kernel's per-thread scratch is sized for.
+struct Shape {
+  int64_t B = 1, T = 1;
+  int elem = 4;
+  int threads = 1;
+};
+
+// What one unit costs for one micro-batch. Activation bytes are exactly what layers/ allocates
+// (each slice rounded up to 64 bytes); a test per unit kind holds the two together.
+struct UnitCosts {
+  double forward_flops = 0;
+  double backward_flops = 0;
+  double selective_recompute_flops = 0;  // norms and pointwise activations
+  int64_t pointwise_bytes = 0;           // bytes the forward's non-GEMM kernels read and write
+  int64_t output_bytes = 0;              // the residual-stream value it writes
+  int64_t saved_bytes = 0;               // kept for the backward unless recompute is full
+  int64_t recomputable_bytes = 0;        // kept for the backward only when recompute is none
+  int64_t forward_workspace = 0;         // scratch alive inside one forward (or recompute) task
+  int64_t backward_workspace = 0;        // scratch alive inside one backward task
+  // Activation bytes kept from the forward to the backward under `mode`.
+  int64_t kept_bytes(Recompute mode) const;
+  double recompute_flops(Recompute mode) const;
+};
+
+// The granule of sharding: all its parameters live in one flat buffer, in `params` order.
+struct UnitDesc {
+  UnitKind kind = UnitKind::gpt2_block;
+  int layer = -1;  // block index, -1 for others
+  std::string name;
+  std::vector<ParamSpec> params;
+  int64_t numel = 0;
+  // Residual-stream values (indices into ModelDesc::values) read and written.
+  std::vector<int> reads;
+  int writes = -1;  // -1: none (the head ends the stream with the loss)
+  // A unit whose parameters this one also reads (and whose gradients it adds to): the tied head
+  // borrows the embedding. -1: none.
+  int borrows = -1;
+  bool backward_reads_params = true;  // an embedding's backward is a scatter-add of its output's gradient
+  const ParamSpec& param(const std::string& suffix) const;  // by name suffix, e.g. "ln_1.weight"
+  bool has_param(const std::string& suffix) const;
+};
+
+// A value passed between units: the micro-batch's token ids and targets, or a hidden state.
+struct ValueDesc {
+  std::string name;
+  bool tokens = false;  // int32 inputs and targets (B, T) each; else a (B, T, C) hidden state
+  int64_t bytes(const Shape& s, int64_t C) const;
+};
+
+struct ModelDesc {
+  ModelConfig config;
+  std::vector<UnitDesc> units;    // in forward order
+  std::vector<ValueDesc> values;  // values[0] is the batch
+
+  int64_t num_params() const;           // every element of every unit, padded rows included
+  int64_t num_params_exported() const;  // what a checkpoint holds: the figure to quote
+  UnitCosts costs(int unit, const Shape& s) const;
+  // Forward + backward FLOPs of the whole model for one micro-batch (the MFU numerator).
+  double train_flops(int64_t B, int64_t T) const;
+  // Bytes of the gradient of the residual stream, alive through one backward.
+  int64_t grad_stream_bytes(const Shape& s) const { return s.B * s.T * config.n_embd * s.elem; }
+};
+
+// Throws std::invalid_argument (via validate) for a bad configuration.
+ModelDesc describe(const ModelConfig& config);
+
+// Where each unit sits in the model-wide flat buffers (params, grads, AdamW moments: the same
+// layout for all). Each unit is padded to a multiple of 16 × shard_size elements so it splits
+// into equal, 64-byte aligned shards; padding elements are zero and never trained.
+struct UnitSpan {
+  int64_t offset = 0;  // start of the unit in the flat buffer
+  int64_t numel = 0;   // real elements
+  int64_t padded = 0;  // numel rounded up
+};
+
+struct FlatLayout {
+  std::vector<UnitSpan> units;
+  int64_t total = 0;  // sum of padded sizes
+};
+
+FlatLayout flat_layout(const ModelDesc& desc, int64_t shard_size = 1);
+
+// Architecture files.
+ModelDesc describe_gpt2(const ModelConfig& config);
+ModelDesc describe_llama(const ModelConfig& config);
+UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+
+// Helpers shared by the architecture files.
+namespace detail {
+// Bytes of n elements of `elem` bytes, rounded up to 64 as layers/ carves them.
+inline int64_t slice(int64_t n, int elem) { return (n * elem + 63) / 64 * 64; }
+void add_param(UnitDesc& u, std::string name, std::vector<int64_t> shape, bool decay, ParamInit init,
+               int64_t exported_rows = -1);
+// Floats of per-thread scratch the tiled attention backward needs (kernels/ owns the algorithm;
+// the layers test checks this against kernels::attention_backward_scratch).
+int64_t attention_backward_scratch_floats(int64_t HS, int threads);
+// Floats of the fused head's logits chunk (rows of 256).
+int64_t head_chunk_rows(int64_t BT);
+}  // namespace detail
+
+}  // namespace shardlm::model

@@ -1,0 +1,107 @@
+#include "train/evaluate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include "data/sampler.h"
+
+namespace shardlm::train {
+
+namespace {
+
+plan::Plan forward_plan(const model::ModelDesc& desc, plan::PlanConfig c, plan::PlanConfig::Mode mode, int64_t B,
+                        int64_t T) {
+  c.mode = mode;
+  c.batch = B;
+  c.seq = T;
+  c.grad_accum = 1;
+  c.recompute = model::Recompute::none;
+  return plan::build_plan(desc, c);
+}
+
+}  // namespace
+
+double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows, int rank) {
+  if (B <= 0) throw std::invalid_argument("evaluation batch must be positive, got " + std::to_string(B));
+  const int64_t n = data::num_eval_windows(shard.size(), T);
+  if (n <= 0) throw std::runtime_error(shard.path() + ": too few tokens for one window of " + std::to_string(T));
+  const int64_t count = max_windows > 0 ? std::min(n, max_windows) : n;
+  const int64_t stride = n / count, N = training.world;
+  const plan::Plan plan = forward_plan(desc, training, plan::PlanConfig::Mode::loss, B, T);
+  double total = 0;
+  for (int64_t first = 0; first < count; first += N * B) {
+    run::StepInputs in;
+    in.batch = [&](int, int32_t* inputs, int32_t* targets) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t w = first + rank * B + b;
+        if (w < count) {
+          data::eval_window(shard, w * stride, T, inputs + b * T, targets + b * T);
+        } else {  // past the last window: an ignored row
+          std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
+          std::fill(targets + b * T, targets + (b + 1) * T, -1);
+        }
+      }
+    };
+    total += ex.run(plan, -1, in).loss_sum;
+  }
+  return total / static_cast<double>(count * T);
+}
+
+double unigram_entropy(const data::TokenShard& shard) {
+  std::vector<int64_t> counts(65536, 0);
+  const uint16_t* t = shard.data();
+  for (int64_t i = 0; i < shard.size(); ++i) ++counts[t[i]];
+  double h = 0;
+  const double n = static_cast<double>(shard.size());
+  for (int64_t c : counts)
+    if (c > 0) h -= (c / n) * std::log(c / n);
+  return h;
+}
+
+std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg) {
+  const auto& c = desc.config;
+  std::vector<int32_t> ids = prompt.empty() ? std::vector<int32_t>{start_token} : prompt;
+  const size_t n_prompt = ids.size();
+  std::mt19937_64 rng(cfg.seed);
+  std::vector<float> logits(c.vocab_size);
+  std::vector<int32_t> order(c.vocab_size);
+  std::map<int64_t, plan::Plan> plans;  // by window length
+  // No KV cache: each token reruns the window, which is fine for the short samples this serves.
+  for (int64_t i = 0; i < cfg.tokens; ++i) {
+    const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), c.max_seq);
+    auto it = plans.find(T);
+    if (it == plans.end())
+      it = plans.emplace(T, forward_plan(desc, training, plan::PlanConfig::Mode::logits, 1, T)).first;
+    run::StepInputs in;
+    in.batch = [&](int, int32_t* inputs, int32_t* targets) {
+      std::copy(ids.end() - T, ids.end(), inputs);
+      std::fill(targets, targets + T, -1);
+    };
+    in.logits = logits.data();
+    ex.run(it->second, -1, in);
+    int32_t next;
+    if (cfg.temperature <= 0) {
+      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      std::iota(order.begin(), order.end(), 0);
+      int64_t k = cfg.top_k > 0 ? std::min<int64_t>(cfg.top_k, c.vocab_size) : c.vocab_size;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+      std::vector<double> p(k);
+      const double top = logits[order[0]];
+      for (int64_t j = 0; j < k; ++j) p[j] = std::exp((logits[order[j]] - top) / cfg.temperature);
+      std::discrete_distribution<int64_t> pick(p.begin(), p.end());
+      next = order[pick(rng)];
+    }
+    ids.push_back(next);
+  }
+  return std::vector<int32_t>(ids.begin() + static_cast<int64_t>(n_prompt), ids.end());
+}
+
+}  // namespace shardlm::train

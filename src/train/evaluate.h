@@ -1,0 +1,36 @@
+// Evaluation and sampling: forward-only plans run on the executor that trains, over its state
+// and under its strategy, so they exercise the compute path training uses and allocate only
+// what their plans account for.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "data/shard.h"
+#include "model/model.h"
+#include "plan/plan.h"
+#include "run/executor.h"
+
+namespace shardlm::train {
+
+// Mean cross-entropy (nats) over the windows i = 0 … n−1, n = ⌊(tokens − 1) / T⌋, taking every
+// stride-th window when max_windows limits them (0: all). Each forward takes N·B windows, rank r
+// the r-th B of them. Collective: every rank of `training`'s plan calls it alike.
+double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
+
+// Entropy (nats) of the token distribution of a shard: the loss of the best unigram model.
+double unigram_entropy(const data::TokenShard& shard);
+
+struct SampleConfig {
+  int64_t tokens = 64;
+  float temperature = 1.0f;
+  int64_t top_k = 40;  // 0: all
+  uint64_t seed = 1337;
+};
+// Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens.
+// Every rank draws the same tokens (same logits, same seed). Collective.
+std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg);
+
+}  // namespace shardlm::train

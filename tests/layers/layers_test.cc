@@ -1,0 +1,191 @@
+// Each unit kind of the layer table alone: its carved activation and workspace sizes are the
+// model's figures, its backward matches finite differences of its forward, and its recompute
+// rebuilds bitwise what the forward kept.
+#include "layers/layers.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu.h"
+
+namespace shardlm::layers {
+namespace {
+
+using model::UnitKind;
+
+struct Fixture {
+  model::ModelDesc desc;
+  int unit;
+  int64_t B = 2, T = 70;  // two attention tiles, a ragged second one
+  int threads = 2;
+  model::Shape shape() const { return {B, T, 4, threads}; }
+};
+
+model::ModelConfig config(const char* preset, bool tied = false) {
+  model::ModelConfig c = model::model_preset(preset, 200);
+  c.tie_embeddings = c.tie_embeddings || tied;
+  return c;
+}
+
+std::vector<Fixture> fixtures() {
+  std::vector<Fixture> out;
+  for (const char* preset : {"tiny", "llama-tiny"})
+    for (int u : {0, 1, 3}) out.push_back({model::describe(config(preset)), u});
+  out.push_back({model::describe(config("llama-tiny", true)), 3});
+  return out;
+}
+
+std::string describe_case(const Fixture& f) {
+  return std::string(model::to_string(f.desc.units[f.unit].kind)) + (f.desc.units[f.unit].borrows >= 0 ? " (tied)" : "");
+}
+
+TEST(Layers, CarvedBytesAreTheModelsFigures) {
+  for (const Fixture& f : fixtures()) {
+    const auto& u = f.desc.units[f.unit];
+    const Carved got = layer(u.kind).carved(f.desc, u, f.shape());
+    const model::UnitCosts want = f.desc.costs(f.unit, f.shape());
+    EXPECT_EQ(got.saved, want.saved_bytes) << describe_case(f);
+    EXPECT_EQ(got.recomputable, want.recomputable_bytes) << describe_case(f);
+    EXPECT_EQ(got.forward_ws, want.forward_workspace) << describe_case(f);
+    EXPECT_EQ(got.backward_ws, want.backward_workspace) << describe_case(f);
+  }
+}
+
+// Random parameters (and a borrowed unit's), inputs and buffers for one unit.
+struct Bench {
+  const Fixture& f;
+  const model::UnitDesc& u;
+  std::vector<float> params, grads, borrowed, borrowed_grads, in, out, dx, weights;
+  std::vector<int32_t> tokens, targets;
+  std::vector<char> saved, recomputable, fws, bws;
+  explicit Bench(const Fixture& fx) : f(fx), u(fx.desc.units[fx.unit]) {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    const int64_t C = f.desc.config.n_embd, BT = f.B * f.T;
+    const model::UnitCosts c = f.desc.costs(f.unit, f.shape());
+    params.resize(u.numel);
+    init_unit(u, 3, params.data(), 0, u.numel);
+    for (auto& p : params) p += 0.05f * n(rng);  // norms away from exactly 1, biases non-zero
+    grads.assign(u.numel, 0.0f);
+    if (u.borrows >= 0) {
+      const auto& b = f.desc.units[u.borrows];
+      borrowed.resize(b.numel);
+      init_unit(b, 4, borrowed.data(), 0, b.numel);
+      for (auto& p : borrowed) p *= 5.0f;
+      borrowed_grads.assign(b.numel, 0.0f);
+    }
+    in.resize(BT * C);
+    for (auto& x : in) x = n(rng);
+    out.assign(BT * C, 0.0f);
+    weights.resize(BT * C);
+    for (auto& w : weights) w = n(rng);
+    dx = weights;
+    tokens.resize(BT);
+    targets.resize(BT);
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % f.desc.config.vocab_size);
+    for (auto& t : targets) t = static_cast<int32_t>(rng() % f.desc.config.vocab_size);
+    targets[3] = -1;
+    saved.assign(c.saved_bytes, 0);
+    recomputable.assign(c.recomputable_bytes, 0);
+    fws.assign(c.forward_workspace, 0);
+    bws.assign(c.backward_workspace, 0);
+  }
+  UnitArgs args() {
+    UnitArgs a;
+    a.desc = &f.desc;
+    a.unit = &u;
+    a.B = f.B, a.T = f.T, a.threads = f.threads;
+    a.params = params.data();
+    a.grads = grads.data();
+    if (u.borrows >= 0) a.borrowed_params = borrowed.data(), a.borrowed_grads = borrowed_grads.data();
+    a.tokens = tokens.data(), a.targets = targets.data();
+    a.in = in.data(), a.out = out.data();
+    a.saved = saved.data(), a.recomputable = recomputable.data();
+    a.forward_ws = fws.data(), a.backward_ws = bws.data();
+    a.dx = dx.data();
+    a.grad_scale = 1.0f;
+    return a;
+  }
+  // The scalar whose gradient the backward computes: the head's loss, else sum(out · weights).
+  double loss() {
+    const LayerKind& k = layer(u.kind);
+    if (k.head) return k.head(args(), HeadMode::loss);
+    k.forward(args());
+    double s = 0;
+    for (size_t i = 0; i < out.size(); ++i) s += static_cast<double>(out[i]) * weights[i];
+    return s;
+  }
+  void backward() {
+    const LayerKind& k = layer(u.kind);
+    if (k.head) {
+      k.head(args(), HeadMode::train);
+      return;
+    }
+    k.forward(args());
+    dx = weights;
+    k.backward(args());
+  }
+};
+
+// Central differences in double over fp32 forwards, at a sample of elements of every parameter
+// and of the input: |analytic - numeric| <= 2% of the largest analytic gradient of the tensor + 1e-4.
+TEST(Layers, BackwardMatchesFiniteDifferences) {
+  kernels::init_compute(2);
+  for (const Fixture& f : fixtures()) {
+    Bench b(f);
+    b.backward();
+    const std::vector<float> g = b.grads, g_borrowed = b.borrowed_grads, d_in = b.dx;
+    std::mt19937 rng(9);
+    auto check = [&](const std::string& what, std::vector<float>& x, const std::vector<float>& analytic, int64_t lo,
+                     int64_t n) {
+      float scale = 0;
+      for (int64_t i = lo; i < lo + n; ++i) scale = std::max(scale, std::fabs(analytic[i]));
+      for (int k = 0; k < 12; ++k) {
+        const int64_t i = lo + static_cast<int64_t>(rng() % n);
+        const float keep = x[i], h = 1e-2f * std::max(1.0f, std::fabs(keep));
+        x[i] = keep + h;
+        const double up = b.loss();
+        x[i] = keep - h;
+        const double down = b.loss();
+        x[i] = keep;
+        const double numeric = (up - down) / (2.0 * h);
+        EXPECT_NEAR(analytic[i], numeric, 0.02 * scale + 1e-4) << describe_case(f) << " " << what << "[" << i - lo << "]";
+      }
+    };
+    for (const auto& p : b.u.params) {
+      const int64_t rows = p.exported_rows >= 0 ? p.exported_numel() : p.numel;  // padding rows get no gradient
+      check(p.name, b.params, g, p.offset, rows);
+    }
+    if (b.u.borrows >= 0) {
+      const auto& w = f.desc.units[b.u.borrows].params[0];
+      check("borrowed " + w.name, b.borrowed, g_borrowed, w.offset, w.exported_numel());
+    }
+    if (!model::is_embedding(b.u.kind)) check("input", b.in, d_in, 0, static_cast<int64_t>(b.in.size()));
+  }
+}
+
+TEST(Layers, RecomputeRebuildsBitwiseWhatTheForwardKept) {
+  kernels::init_compute(2);
+  for (const Fixture& f : fixtures()) {
+    if (!model::is_block(f.desc.units[f.unit].kind)) continue;
+    Bench b(f);
+    layer(b.u.kind).forward(b.args());
+    const std::vector<char> saved = b.saved, recomputable = b.recomputable;
+    std::fill(b.recomputable.begin(), b.recomputable.end(), 0);
+    layer(b.u.kind).recompute(b.args(), model::Recompute::selective);
+    EXPECT_EQ(b.recomputable, recomputable) << describe_case(f) << " selective";
+    EXPECT_EQ(b.saved, saved) << describe_case(f) << " selective leaves the saved part alone";
+    std::fill(b.saved.begin(), b.saved.end(), 0);
+    std::fill(b.recomputable.begin(), b.recomputable.end(), 0);
+    layer(b.u.kind).recompute(b.args(), model::Recompute::full);
+    EXPECT_EQ(b.saved, saved) << describe_case(f) << " full";
+    EXPECT_EQ(b.recomputable, recomputable) << describe_case(f) << " full";
+  }
+}
+
+}  // namespace
+}  // namespace shardlm::layers
