@@ -22,8 +22,9 @@ PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-b
 # libopenblas0-pthread: python3-torch links libblas.so.3, which on a bare Debian is the reference
 # BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
 # handicapped.
+# time: GNU time, whose maximum resident set size the memory test compares with the accounting.
 [[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
-                                  libopenblas0-pthread)
+                                  libopenblas0-pthread time)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

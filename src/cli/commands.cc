@@ -300,6 +300,7 @@ int run(int argc, char** argv) {
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
       auto tok = data::make_tokenizer(m->state.tokenizer, data_dir);
+      sc.vocab_limit = tok->vocab_size();
       const auto ids = train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt),
                                        tok->eot() >= 0 ? tok->eot() : '\n', sc);
       fmt::print("{}{}\n", prompt, tok->decode(ids));

@@ -1,12 +1,10 @@
 // GPT-2's unit kinds: token + position embedding, pre-LN block, final layer norm + tied head.
 #include <cstring>
 
-#include "kernels/cpu.h"
+#include "kernels/backend.h"
 #include "layers/layers.h"
 
 namespace shardlm::layers {
-
-namespace k = shardlm::kernels;
 
 namespace {
 
@@ -84,14 +82,14 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dfch, *dfch_gelu, *attention;
 };
-BackwardWs carve_backward_ws(Carver& cv, const Dims& d, int threads) {
+BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
   w.dln = cv.take<float>(d.BT * d.C);
   w.datty = cv.take<float>(d.BT * d.C);
   w.dqkv = cv.take<float>(d.BT * 3 * d.C);
   w.dfch = cv.take<float>(d.BT * d.F);
   w.dfch_gelu = cv.take<float>(d.BT * d.F);
-  w.attention = cv.take<float>(k::attention_backward_scratch(d.B, d.T, d.NH, d.HS, threads));
+  w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NH, d.HS, threads));
   return w;
 }
 
@@ -99,89 +97,95 @@ BackwardWs carve_backward_ws(Carver& cv, const Dims& d, int threads) {
 
 void embedding_forward(const UnitArgs& a) {
   const auto p = embedding_view(*a.unit, a.params);
-  k::embedding_forward(a.out, a.tokens, p.wte, p.wpe, a.B, a.T, a.desc->config.n_embd);
+  a.backend->embedding_forward(a.out, a.tokens, p.wte, p.wpe, a.B, a.T, a.desc->config.n_embd);
 }
 
 void embedding_backward(const UnitArgs& a) {
   const auto g = embedding_view(*a.unit, a.grads);
-  k::embedding_backward(mut(g.wte), mut(g.wpe), a.dx, a.tokens, a.B, a.T, a.desc->config.n_embd);
+  a.backend->embedding_backward(mut(g.wte), mut(g.wpe), a.dx, a.tokens, a.B, a.T, a.desc->config.n_embd);
 }
 
-Carved embedding_carved(const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) { return {}; }
+Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) {
+  return {};
+}
 
 // ---- block
 
 // The block's forward up to (and without) the MLP's output projection: what a full recompute
 // reruns, with the same kernels on the same inputs, so the backward sees bitwise the same values.
-void block_forward_until_mlp_out(const Block& p, const float* in, const Saved& s, const Recomputable& r,
-                                 const Dims& d) {
-  k::layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
-  k::linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-  k::attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.HS);
-  k::linear_forward(s.res1, s.atty, p.proj_w, p.proj_b, d.BT, d.C, d.C);
-  k::residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  k::layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
-  k::linear_forward(s.fch, r.ln2, p.fc_w, p.fc_b, d.BT, d.C, d.F);
-  k::gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
+void block_forward_until_mlp_out(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                                 const Recomputable& r, const Dims& d) {
+  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
+  be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NH, d.HS);
+  be.linear_forward(s.res1, s.atty, p.proj_w, p.proj_b, d.BT, d.C, d.C);
+  be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
+  be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
+  be.linear_forward(s.fch, r.ln2, p.fc_w, p.fc_b, d.BT, d.C, d.F);
+  be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
 }
 
 void block_forward(const UnitArgs& a) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  block_forward_until_mlp_out(p, a.in, s, r, d);
-  k::linear_forward(a.out, r.fch_gelu, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
-  k::residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+  block_forward_until_mlp_out(be, p, a.in, s, r, d);
+  be.linear_forward(a.out, r.fch_gelu, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
+  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
 }
 
 void block_recompute(const UnitArgs& a, model::Recompute mode) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  if (mode == model::Recompute::full) return block_forward_until_mlp_out(p, a.in, s, r, d);
-  k::layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-  k::layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
-  k::gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
+  if (mode == model::Recompute::full) return block_forward_until_mlp_out(be, p, a.in, s, r, d);
+  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+  be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
+  be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
 }
 
 void block_backward(const UnitArgs& a) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   const Block g = block_view(*a.unit, a.grads);
   Carver cs(a.saved), cr(a.recomputable), cw(a.backward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  const BackwardWs w = carve_backward_ws(cw, d, a.threads);
+  const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const int64_t BT = d.BT, C = d.C, F = d.F;
   float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
   std::memset(w.dfch_gelu, 0, sizeof(float) * BT * F);
   std::memset(w.dfch, 0, sizeof(float) * BT * F);
   std::memset(w.dln, 0, sizeof(float) * BT * C);
-  k::linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
-  k::gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
-  k::linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
-  k::layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
+  be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
+  be.gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
+  be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
+  be.layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
   // dres now holds d res1.
   std::memset(w.datty, 0, sizeof(float) * BT * C);
   std::memset(w.dqkv, 0, sizeof(float) * BT * 3 * C);
   std::memset(w.dln, 0, sizeof(float) * BT * C);
-  k::linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
-  k::attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.HS, w.attention);
-  k::linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, BT, C, 3 * C);
-  k::layernorm_backward(dres, mut(g.ln1_w), mut(g.ln1_b), w.dln, a.in, p.ln1_w, r.ln1_mean, r.ln1_rstd, BT, C);
+  be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
+  be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS, w.attention);
+  be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, BT, C, 3 * C);
+  be.layernorm_backward(dres, mut(g.ln1_w), mut(g.ln1_b), w.dln, a.in, p.ln1_w, r.ln1_mean, r.ln1_rstd, BT, C);
   // dres now holds d in.
 }
 
-Carved block_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
+                    const model::Shape& shape) {
   const Dims d = dims(desc, shape);
   Carver cs(nullptr), cr(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);
-  carve_backward_ws(cw, d, shape.threads);
+  carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), 0, cw.used()};
 }
 
@@ -190,16 +194,17 @@ Carved block_carved(const model::ModelDesc& desc, const model::UnitDesc&, const 
 struct HeadWs {
   float *lnf, *mean, *rstd, *logits;
 };
-HeadWs carve_head_ws(Carver& cv, const Dims& d, int64_t chunk, int64_t Vp) {
+HeadWs carve_head_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int64_t chunk, int64_t Vp) {
   HeadWs w;
   w.lnf = cv.take<float>(d.BT * d.C);
   w.mean = cv.take<float>(d.BT);
   w.rstd = cv.take<float>(d.BT);
-  w.logits = cv.take<float>(k::head_scratch(chunk, Vp));
+  w.logits = cv.take<float>(be.head_scratch(chunk, Vp));
   return w;
 }
 
 double head(const UnitArgs& a, HeadMode mode) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const auto& c = a.desc->config;
   const int64_t V = c.vocab_size, Vp = c.padded_vocab(), chunk = model::detail::head_chunk_rows(d.BT);
@@ -207,36 +212,37 @@ double head(const UnitArgs& a, HeadMode mode) {
   const float* lnf_b = a.params + a.unit->param("ln_f.bias").offset;
   const float* wte = embedding_view(a.desc->units[a.unit->borrows], a.borrowed_params).wte;
   Carver cv(a.forward_ws);
-  const HeadWs w = carve_head_ws(cv, d, chunk, Vp);
-  k::layernorm_forward(w.lnf, w.mean, w.rstd, a.in, lnf_w, lnf_b, d.BT, d.C);
+  const HeadWs w = carve_head_ws(be, cv, d, chunk, Vp);
+  be.layernorm_forward(w.lnf, w.mean, w.rstd, a.in, lnf_w, lnf_b, d.BT, d.C);
   if (mode == HeadMode::logits && a.all_logits) {
-    k::lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
+    be.lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
     return 0;
   }
   if (mode == HeadMode::logits) {
     const int32_t ignore = -1;
-    k::lm_head_cross_entropy(nullptr, nullptr, w.lnf + (d.T - 1) * d.C, wte, &ignore, 1, d.C, V, Vp, 0.0f, 1,
+    be.lm_head_cross_entropy(nullptr, nullptr, w.lnf + (d.T - 1) * d.C, wte, &ignore, 1, d.C, V, Vp, 0.0f, 1,
                              w.logits, a.logits);
     return 0;
   }
   if (mode == HeadMode::loss)
-    return k::lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits,
+    return be.lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits,
                                     nullptr);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* dwte = mut(embedding_view(a.desc->units[a.unit->borrows], a.borrowed_grads).wte);
   std::memset(dln, 0, sizeof(float) * d.BT * d.C);
-  const double loss = k::lm_head_cross_entropy(dln, dwte, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, a.grad_scale,
+  const double loss = be.lm_head_cross_entropy(dln, dwte, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, a.grad_scale,
                                                chunk, w.logits, nullptr);
   std::memset(a.dx, 0, sizeof(float) * d.BT * d.C);
-  k::layernorm_backward(a.dx, a.grads + a.unit->param("ln_f.weight").offset,
+  be.layernorm_backward(a.dx, a.grads + a.unit->param("ln_f.weight").offset,
                         a.grads + a.unit->param("ln_f.bias").offset, dln, a.in, lnf_w, w.mean, w.rstd, d.BT, d.C);
   return loss;
 }
 
-Carved head_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+Carved head_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
+                   const model::Shape& shape) {
   const Dims d = dims(desc, shape);
   Carver cv(nullptr), cb(nullptr);
-  carve_head_ws(cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
+  carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
   cb.take<float>(d.BT * d.C);
   return {0, 0, cv.used(), cb.used()};
 }

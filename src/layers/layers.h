@@ -1,12 +1,14 @@
-// Forward, backward and recompute of each kind of unit, composed from kernels: a table keyed by
-// model::UnitKind. A unit's parameters (and, in the same layout, its gradients) are one flat
-// buffer; its activations and scratch are the plan's buffers, which each kind carves into named
-// slices (64-byte aligned) exactly as large as the model's costs say. Backward passes accumulate
-// (+=) into gradient buffers, so gradient accumulation and a tied head need no special cases.
+// Forward, backward and recompute of each kind of unit, composed from the kernels of a
+// kernels::Backend: a table keyed by model::UnitKind. A unit's parameters (and, in the same
+// layout, its gradients) are one flat buffer; its activations and scratch are the plan's
+// buffers, which each kind carves into named slices (64-byte aligned) exactly as large as the
+// model's costs say. Backward passes accumulate (+=) into gradient buffers, so gradient
+// accumulation and a tied head need no special cases.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/backend.h"
 #include "model/model.h"
 
 namespace shardlm::layers {
@@ -14,6 +16,7 @@ namespace shardlm::layers {
 // What one task of a unit reads and writes, resolved by the executor from the plan's buffers.
 // Pointers a task does not use are null.
 struct UnitArgs {
+  const kernels::Backend* backend = nullptr;  // every kernel call goes through it
   const model::ModelDesc* desc = nullptr;
   const model::UnitDesc* unit = nullptr;
   int64_t B = 0, T = 0;
@@ -52,7 +55,9 @@ struct LayerKind {
   void (*backward)(const UnitArgs&) = nullptr;
   // Heads: forward + loss (+ backward into dx and grads when training); returns the summed loss.
   double (*head)(const UnitArgs&, HeadMode mode) = nullptr;
-  Carved (*carved)(const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) = nullptr;
+  // What it carves when its kernels run on `backend` (scratch sizes are the backend's).
+  Carved (*carved)(const kernels::Backend& backend, const model::ModelDesc&, const model::UnitDesc&,
+                   const model::Shape&) = nullptr;
 };
 
 const LayerKind& layer(model::UnitKind kind);

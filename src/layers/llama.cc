@@ -2,12 +2,10 @@
 // attention, SwiGLU; Linear weights (out, in), no biases), final RMSNorm + head (own or tied).
 #include <cstring>
 
-#include "kernels/cpu.h"
+#include "kernels/backend.h"
 #include "layers/layers.h"
 
 namespace shardlm::layers {
-
-namespace k = shardlm::kernels;
 
 namespace {
 
@@ -69,19 +67,21 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   r.act = cv.take<float>(d.BT * d.F);
   return r;
 }
-float* carve_rope(Carver& cv, const Dims& d) { return cv.take<float>(k::rope_table_floats(d.T, d.HS)); }
+float* carve_rope(const kernels::Backend& be, Carver& cv, const Dims& d) {
+  return cv.take<float>(be.rope_table_floats(d.T, d.HS));
+}
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dact, *dgate_up, *attention, *rope;
 };
-BackwardWs carve_backward_ws(Carver& cv, const Dims& d, int threads) {
+BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
   w.dln = cv.take<float>(d.BT * d.C);
   w.datty = cv.take<float>(d.BT * d.C);
   w.dqkv = cv.take<float>(d.BT * d.QKV);
   w.dact = cv.take<float>(d.BT * d.F);
   w.dgate_up = cv.take<float>(d.BT * 2 * d.F);
-  w.attention = cv.take<float>(k::attention_backward_scratch(d.B, d.T, d.NH, d.HS, threads));
-  w.rope = carve_rope(cv, d);
+  w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NKV, d.HS, threads));
+  w.rope = carve_rope(be, cv, d);
   return w;
 }
 
@@ -92,92 +92,100 @@ const float* embed_tokens(const model::UnitDesc& u, const float* flat) {
 }
 
 void embedding_forward(const UnitArgs& a) {
-  k::embedding_forward(a.out, a.tokens, embed_tokens(*a.unit, a.params), nullptr, a.B, a.T, a.desc->config.n_embd);
+  a.backend->embedding_forward(a.out, a.tokens, embed_tokens(*a.unit, a.params), nullptr, a.B, a.T,
+                               a.desc->config.n_embd);
 }
 
 void embedding_backward(const UnitArgs& a) {
-  k::embedding_backward(mut(embed_tokens(*a.unit, a.grads)), nullptr, a.dx, a.tokens, a.B, a.T, a.desc->config.n_embd);
+  a.backend->embedding_backward(mut(embed_tokens(*a.unit, a.grads)), nullptr, a.dx, a.tokens, a.B, a.T,
+                                a.desc->config.n_embd);
 }
 
-Carved embedding_carved(const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) { return {}; }
+Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) {
+  return {};
+}
 
 // ---- block
 
 // Everything up to (and without) the MLP's down projection: what a full recompute reruns.
-void block_forward_until_down(const Block& p, const float* in, const Saved& s, const Recomputable& r, float* rope,
-                              const Dims& d) {
-  k::rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
-  k::dense_forward(s.qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
-  k::rope_table(rope, d.T, d.HS, d.theta);
-  k::rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);  // q and k, in place
-  k::attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
-  k::dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
-  k::residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  k::rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  k::dense_forward(s.gate_up, r.ln2, p.gate_up, d.BT, d.C, 2 * d.F);
-  k::swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+void block_forward_until_down(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                              const Recomputable& r, float* rope, const Dims& d) {
+  be.rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
+  be.dense_forward(s.qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  be.rope_table(rope, d.T, d.HS, d.theta);
+  be.rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);  // q and k, in place
+  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
+  be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
+  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  be.dense_forward(s.gate_up, r.ln2, p.gate_up, d.BT, d.C, 2 * d.F);
+  be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
 }
 
 void block_forward(const UnitArgs& a) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  block_forward_until_down(p, a.in, s, r, carve_rope(cw, d), d);
-  k::dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
-  k::residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+  block_forward_until_down(be, p, a.in, s, r, carve_rope(be, cw, d), d);
+  be.dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
+  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
 }
 
 void block_recompute(const UnitArgs& a, model::Recompute mode) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  if (mode == model::Recompute::full) return block_forward_until_down(p, a.in, s, r, carve_rope(cw, d), d);
-  k::rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
-  k::rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  k::swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+  if (mode == model::Recompute::full) return block_forward_until_down(be, p, a.in, s, r, carve_rope(be, cw, d), d);
+  be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
 }
 
 void block_backward(const UnitArgs& a) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   const Block g = block_view(*a.unit, a.grads);
   Carver cs(a.saved), cr(a.recomputable), cw(a.backward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  const BackwardWs w = carve_backward_ws(cw, d, a.threads);
+  const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const int64_t BT = d.BT, C = d.C, F = d.F;
   float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
   std::memset(w.dact, 0, sizeof(float) * BT * F);
   std::memset(w.dgate_up, 0, sizeof(float) * BT * 2 * F);
   std::memset(w.dln, 0, sizeof(float) * BT * C);
-  k::dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
-  k::swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
-  k::dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
-  k::rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
+  be.dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
+  be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
+  be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
+  be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
   // dres now holds d res1.
   std::memset(w.datty, 0, sizeof(float) * BT * C);
   std::memset(w.dqkv, 0, sizeof(float) * BT * d.QKV);
   std::memset(w.dln, 0, sizeof(float) * BT * C);
-  k::dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
-  k::attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
-  k::rope_table(w.rope, d.T, d.HS, d.theta);
-  k::rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
-  k::dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, BT, C, d.QKV);
-  k::rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);
+  be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+  be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
+  be.rope_table(w.rope, d.T, d.HS, d.theta);
+  be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
+  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, BT, C, d.QKV);
+  be.rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);
   // dres now holds d in.
 }
 
-Carved block_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
+                    const model::Shape& shape) {
   const Dims d = dims_of(desc, shape.B, shape.T);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);
-  carve_rope(cf, d);
-  carve_backward_ws(cw, d, shape.threads);
+  carve_rope(be, cf, d);
+  carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), cf.used(), cw.used()};
 }
 
@@ -186,15 +194,16 @@ Carved block_carved(const model::ModelDesc& desc, const model::UnitDesc&, const 
 struct HeadWs {
   float *ln, *rstd, *logits;
 };
-HeadWs carve_head_ws(Carver& cv, const Dims& d, int64_t chunk, int64_t Vp) {
+HeadWs carve_head_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int64_t chunk, int64_t Vp) {
   HeadWs w;
   w.ln = cv.take<float>(d.BT * d.C);
   w.rstd = cv.take<float>(d.BT);
-  w.logits = cv.take<float>(k::head_scratch(chunk, Vp));
+  w.logits = cv.take<float>(be.head_scratch(chunk, Vp));
   return w;
 }
 
 double head(const UnitArgs& a, HeadMode mode) {
+  const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const auto& c = a.desc->config;
   const int64_t V = c.vocab_size, Vp = c.padded_vocab(), chunk = model::detail::head_chunk_rows(d.BT);
@@ -205,35 +214,36 @@ double head(const UnitArgs& a, HeadMode mode) {
   const char* weight_name = tied ? "model.embed_tokens.weight" : "lm_head.weight";
   const float* w_head = (tied ? a.borrowed_params : a.params) + owner.param(weight_name).offset;
   Carver cv(a.forward_ws);
-  const HeadWs w = carve_head_ws(cv, d, chunk, Vp);
-  k::rmsnorm_forward(w.ln, w.rstd, a.in, norm_w, d.BT, d.C, d.eps);
+  const HeadWs w = carve_head_ws(be, cv, d, chunk, Vp);
+  be.rmsnorm_forward(w.ln, w.rstd, a.in, norm_w, d.BT, d.C, d.eps);
   if (mode == HeadMode::logits && a.all_logits) {
-    k::lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
+    be.lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
     return 0;
   }
   if (mode == HeadMode::logits) {
     const int32_t ignore = -1;
-    k::lm_head_cross_entropy(nullptr, nullptr, w.ln + (d.T - 1) * d.C, w_head, &ignore, 1, d.C, V, Vp, 0.0f, 1,
+    be.lm_head_cross_entropy(nullptr, nullptr, w.ln + (d.T - 1) * d.C, w_head, &ignore, 1, d.C, V, Vp, 0.0f, 1,
                              w.logits, a.logits);
     return 0;
   }
   if (mode == HeadMode::loss)
-    return k::lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk,
+    return be.lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk,
                                     w.logits, nullptr);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* g_head = (tied ? a.borrowed_grads : a.grads) + owner.param(weight_name).offset;
   std::memset(dln, 0, sizeof(float) * d.BT * d.C);
-  const double loss = k::lm_head_cross_entropy(dln, g_head, w.ln, w_head, a.targets, d.BT, d.C, V, Vp,
+  const double loss = be.lm_head_cross_entropy(dln, g_head, w.ln, w_head, a.targets, d.BT, d.C, V, Vp,
                                                a.grad_scale, chunk, w.logits, nullptr);
   std::memset(a.dx, 0, sizeof(float) * d.BT * d.C);
-  k::rmsnorm_backward(a.dx, a.grads + u.param("model.norm.weight").offset, dln, a.in, norm_w, w.rstd, d.BT, d.C);
+  be.rmsnorm_backward(a.dx, a.grads + u.param("model.norm.weight").offset, dln, a.in, norm_w, w.rstd, d.BT, d.C);
   return loss;
 }
 
-Carved head_carved(const model::ModelDesc& desc, const model::UnitDesc&, const model::Shape& shape) {
+Carved head_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
+                   const model::Shape& shape) {
   const Dims d = dims_of(desc, shape.B, shape.T);
   Carver cv(nullptr), cb(nullptr);
-  carve_head_ws(cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
+  carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
   cb.take<float>(d.BT * d.C);
   return {0, 0, cv.used(), cb.used()};
 }

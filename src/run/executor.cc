@@ -9,7 +9,7 @@
 #include <cstring>
 #include <thread>
 
-#include "kernels/cpu.h"
+#include "kernels/backend.h"
 #include "layers/layers.h"
 
 namespace shardlm::run {
@@ -53,12 +53,12 @@ const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
 };
 
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-                   std::chrono::milliseconds timeout)
-    : desc_(desc), plan_(plan), comms_(comms), threads_(threads), timeout_(timeout) {
+                   std::chrono::milliseconds timeout, const kernels::Backend& backend)
+    : desc_(desc), plan_(plan), comms_(comms), threads_(threads), timeout_(timeout), backend_(backend) {
   shard_index_ = plan.shard_index(comms.world().rank());
   const int64_t full = plan.layout.total;
   auto state = [&](MemCategory c, int parts) {
-    return parts == 0 ? Buffer() : Buffer(c, sizeof(float) * (full / parts));
+    return parts == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * (full / parts), Buffer::Fill::zero);
   };
   params_ = state(MemCategory::params, plan.state.params);
   grads_ = state(MemCategory::grads, plan.state.grads);
@@ -152,7 +152,7 @@ void Executor::allocate(const Task& t, Run& r) {
       const plan::BufferDesc& b = r.plan.buffers[a];
       // Gradients accumulate and start at zero; everything else is written before it is read.
       const auto fill = b.role == Role::full_grads ? Buffer::Fill::zero : Buffer::Fill::none;
-      r.live[a] = Buffer(b.category, b.bytes, fill);
+      r.live[a] = backend_.alloc(b.category, b.bytes, fill);
     }
   }
   for (int a : t.allocs) {  // a task that brings the batch into being fills it
@@ -204,6 +204,7 @@ void Executor::unit_task(const Task& t, Run& r) {
   const model::UnitDesc& u = desc_.units[t.unit];
   const plan::Operands& io = t.io;
   layers::UnitArgs a;
+  a.backend = &backend_;
   a.desc = &desc_;
   a.unit = &u;
   a.B = r.plan.config.batch;
@@ -253,14 +254,14 @@ void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
 // shard axis (and identical across replicas): the sum of squares over what this rank holds.
 void Executor::grad_norm(const Task&, Run& r) {
-  r.sum_squares = kernels::sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
+  r.sum_squares = backend_.sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
 }
 
 void Executor::optimizer(const Task&, Run& r) {
   r.result.grad_norm = std::sqrt(r.sum_squares);
   const float clip = r.in.grad_clip;
   const int64_t n = static_cast<int64_t>(grads_.bytes() / sizeof(float));
-  if (clip > 0 && r.result.grad_norm > clip) kernels::scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
+  if (clip > 0 && r.result.grad_norm > clip) backend_.scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
   const AdamW& opt = r.in.opt;
   const int parts_p = plan_.state.params, parts_g = plan_.state.grads, parts_o = plan_.state.optimizer;
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
@@ -274,7 +275,7 @@ void Executor::optimizer(const Task&, Run& r) {
     for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
       const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
       if (a >= b) continue;
-      kernels::adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
+      backend_.adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
                             opt.beta2, opt.eps, spec.decay ? opt.weight_decay : 0.0f, r.in.adam_t);
     }
   }
@@ -292,9 +293,9 @@ void Executor::all_gather(const Task& t, Run& r) {
   // bf16: [whole unit | one shard] staging, cast, gather, widen.
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
   uint16_t* own = whole + s.len * plan_.shard_size;
-  kernels::fp32_to_bf16(own, mine, s.len);
+  backend_.fp32_to_bf16(own, mine, s.len);
   c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
-  kernels::bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+  backend_.bf16_to_fp32(full, whole, s.len * plan_.shard_size);
 }
 
 void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer
@@ -312,9 +313,9 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
   if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl)->wait(timeout_);
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
   uint16_t* own = whole + s.len * plan_.shard_size;
-  kernels::fp32_to_bf16(whole, full, s.len * plan_.shard_size);
+  backend_.fp32_to_bf16(whole, full, s.len * plan_.shard_size);
   c.reduce_scatter(whole, own, s.len, DType::bf16, lbl)->wait(timeout_);
-  kernels::bf16_to_fp32(mine, own, s.len);
+  backend_.bf16_to_fp32(mine, own, s.len);
 }
 
 void Executor::all_reduce(const Task& t, Run& r) {
@@ -333,9 +334,9 @@ void Executor::all_reduce(const Task& t, Run& r) {
   }
   if (t.io.staging < 0) return c.all_reduce(buf, n, DType::fp32, lbl)->wait(timeout_);
   uint16_t* tmp = r.live[t.io.staging].as<uint16_t>();
-  kernels::fp32_to_bf16(tmp, buf, n);
+  backend_.fp32_to_bf16(tmp, buf, n);
   c.all_reduce(tmp, n, DType::bf16, lbl)->wait(timeout_);
-  kernels::bf16_to_fp32(buf, tmp, n);
+  backend_.bf16_to_fp32(buf, tmp, n);
 }
 
 void Executor::norm_reduce(const Task& t, Run& r) {
@@ -411,7 +412,7 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
       try {
         // These threads only cast for bf16 collectives: one OpenMP thread, so they never compete
         // with the compute stream's pool; denormals flushed as on every compute thread.
-        kernels::init_compute(1);
+        backend_.init_compute(1);
         run_stream(s);
       } catch (...) {
         fail(std::current_exception());

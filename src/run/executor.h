@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "kernels/backend.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "tensor/memory.h"
@@ -66,8 +67,9 @@ struct StepResult {
 
 class Executor {
  public:
+  // Every kernel the executor and its layers run goes through `backend` (which must outlive it).
   Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-           std::chrono::milliseconds timeout);
+           std::chrono::milliseconds timeout, const kernels::Backend& backend = kernels::cpu_backend());
   ~Executor();
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)
@@ -136,6 +138,7 @@ class Executor {
   const CommGroups& comms_;
   int threads_;
   std::chrono::milliseconds timeout_;
+  const kernels::Backend& backend_;
   int shard_index_;
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
   std::chrono::steady_clock::time_point t0_;

@@ -30,6 +30,12 @@ void MemoryTracker::on_alloc(MemCategory c, int64_t bytes) {
   live_.bytes[static_cast<int>(c)] += bytes;
   live_.total += bytes;
   if (live_.total > peak_.total) peak_ = live_;
+  if (live_.total > run_peak_) run_peak_ = live_.total;
+  const int i = static_cast<int>(c);
+  if (live_.bytes[i] > peak_each_.bytes[i]) {
+    peak_each_.total += live_.bytes[i] - peak_each_.bytes[i];
+    peak_each_.bytes[i] = live_.bytes[i];
+  }
 }
 
 void MemoryTracker::on_free(MemCategory c, int64_t bytes) {
@@ -48,9 +54,19 @@ MemSnapshot MemoryTracker::peak() const {
   return peak_;
 }
 
+MemSnapshot MemoryTracker::peak_each() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_each_;
+}
+
+int64_t MemoryTracker::run_peak() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return run_peak_;
+}
+
 void MemoryTracker::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
-  peak_ = live_;
+  peak_ = peak_each_ = live_;
 }
 
 namespace {
@@ -76,26 +92,39 @@ class BlockCache {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(rounded);
-      if (it != free_.end()) {
-        void* p = it->second;
-        free_.erase(it);
-        return p;
-      }
+      if (void* p = take_cached(rounded)) return p;
     }
     void* p = std::aligned_alloc(64, rounded);
     if (!p) throw std::bad_alloc();
     return p;
   }
-  void give(void* p, size_t rounded) {
+  // Keeps the block unless the cache would then hold more than `limit` bytes; evicts the largest
+  // blocks first (a step's sizes repeat, so what is evicted is what stopped being asked for).
+  void give(void* p, size_t rounded, int64_t limit) {
     if (!kEnabled) return std::free(p);
     std::lock_guard<std::mutex> lock(mu_);
     free_.emplace(rounded, p);
+    cached_ += static_cast<int64_t>(rounded);
+    while (cached_ > limit && !free_.empty()) {
+      auto last = std::prev(free_.end());
+      cached_ -= static_cast<int64_t>(last->first);
+      std::free(last->second);
+      free_.erase(last);
+    }
+  }
+  void* take_cached(size_t rounded) {
+    auto it = free_.find(rounded);
+    if (it == free_.end()) return nullptr;
+    void* p = it->second;
+    cached_ -= static_cast<int64_t>(rounded);
+    free_.erase(it);
+    return p;
   }
 
  private:
   std::mutex mu_;
   std::multimap<size_t, void*> free_;
+  int64_t cached_ = 0;
 };
 
 size_t rounded_size(size_t bytes) { return (bytes + 63) / 64 * 64; }
@@ -126,8 +155,9 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::release() {
   if (!data_) return;
-  BlockCache::global().give(data_, rounded_size(bytes_));
-  MemoryTracker::global().on_free(category_, static_cast<int64_t>(bytes_));
+  MemoryTracker& tracker = MemoryTracker::global();
+  tracker.on_free(category_, static_cast<int64_t>(bytes_));
+  BlockCache::global().give(data_, rounded_size(bytes_), tracker.run_peak() - tracker.live().total);
   data_ = nullptr;
   bytes_ = 0;
 }

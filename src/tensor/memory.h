@@ -33,12 +33,18 @@ class MemoryTracker {
   MemSnapshot live() const;
   // Per-category bytes at the moment `total` was highest since the last reset_peak().
   MemSnapshot peak() const;
+  // Each category's own highest bytes since the last reset_peak() (they need not coincide;
+  // `total` is their sum).
+  MemSnapshot peak_each() const;
   // Starts a new peak window (e.g. one training step) at the current live bytes.
   void reset_peak();
+  // The highest total since the process started (never reset).
+  int64_t run_peak() const;
 
  private:
   mutable std::mutex mu_;
-  MemSnapshot live_, peak_;
+  MemSnapshot live_, peak_, peak_each_;
+  int64_t run_peak_ = 0;
 };
 
 // An owning, 64-byte aligned allocation charged to one category. Move-only. Zero-filled unless
@@ -46,7 +52,8 @@ class MemoryTracker {
 //
 // Blocks come from a process-wide cache keyed by size: a step frees and re-allocates the same
 // gathered-unit and gradient buffers every time, and fresh pages from the kernel would cost a
-// page fault per 4 KiB each time. The tracker counts bytes in use, not bytes cached.
+// page fault per 4 KiB each time. The tracker counts bytes in use, not bytes cached, so the cache
+// holds at most run_peak() − live bytes: what is resident never exceeds the accounted peak.
 class Buffer {
  public:
   enum class Fill { zero, none };

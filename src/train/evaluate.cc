@@ -70,7 +70,8 @@ std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, c
   const size_t n_prompt = ids.size();
   std::mt19937_64 rng(cfg.seed);
   std::vector<float> logits(c.vocab_size);
-  std::vector<int32_t> order(c.vocab_size);
+  const int64_t V = cfg.vocab_limit > 0 ? std::min(cfg.vocab_limit, c.vocab_size) : c.vocab_size;
+  std::vector<int32_t> order(V);
   std::map<int64_t, plan::Plan> plans;  // by window length
   // No KV cache: each token reruns the window, which is fine for the short samples this serves.
   for (int64_t i = 0; i < cfg.tokens; ++i) {
@@ -87,10 +88,10 @@ std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, c
     ex.run(it->second, -1, in);
     int32_t next;
     if (cfg.temperature <= 0) {
-      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
     } else {
       std::iota(order.begin(), order.end(), 0);
-      int64_t k = cfg.top_k > 0 ? std::min<int64_t>(cfg.top_k, c.vocab_size) : c.vocab_size;
+      const int64_t k = cfg.top_k > 0 ? std::min<int64_t>(cfg.top_k, V) : V;
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
                         [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
       std::vector<double> p(k);

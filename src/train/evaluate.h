@@ -27,6 +27,7 @@ struct SampleConfig {
   float temperature = 1.0f;
   int64_t top_k = 40;  // 0: all
   uint64_t seed = 1337;
+  int64_t vocab_limit = 0;  // draw only ids below it (the tokenizer's size when the model's is larger; 0: all)
 };
 // Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens.
 // Every rank draws the same tokens (same logits, same seed). Collective.

@@ -290,6 +290,7 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     const run::StepResult r = s.ex.step(step, in);
     const double step_ms = ms_since(t0);
     const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
+    const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
     // What stays allocated between steps: the (sharded) state.
     const MemSnapshot held = max_over_ranks(s, MemoryTracker::global().live());
     const double exposed = max_over_ranks(s, r.comm_exposed_ms);
@@ -299,7 +300,7 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     if (s.lead) {
       s.metrics << json{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
                         {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-                        {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)},
+                        {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
                         {"mem_between_steps", mem_json(held)}}
                        .dump()
                 << "\n"
@@ -330,10 +331,12 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     SampleConfig sc;
     sc.tokens = cfg.sample_tokens;
     sc.seed = cfg.seed;
+    sc.vocab_limit = meta.vocab_size;
     const auto ids = generate(s.ex, s.desc, s.plan.config, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
     if (s.lead) summary.sample = ids;
   }
   if (!cfg.trace.empty()) write_trace(s);
+  if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", MemoryTracker::global().run_peak());
   return summary;
 }
 

@@ -204,6 +204,82 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
 }
 
+// A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
+// layouts, exactly V vocabulary rows, no lm_head when tied, and LlamaConfig's keys; it evaluates
+// and generates.
+TEST_F(Cli, LlamaCheckpointCarriesHuggingFaceNamesAndConfig) {
+  for (const bool tied : {false, true}) {
+    const std::string out = tied ? "llama_tied" : "llama";
+    const std::string a = std::string(" --model llama-tiny --n-layer 1 --save-every 2") + (tied ? " --tie-embeddings" : "");
+    const std::string base = train_args(out, 2);
+    ASSERT_EQ(run(base.substr(0, base.find(" --model")) + base.substr(base.find(" --data")) + a).code, 0);
+    const fs::path ck = dir_ / out / "ckpt" / "step_2";
+    std::ifstream cf(ck / "config.json");
+    const nlohmann::json config = nlohmann::json::parse(cf);
+    for (const char* key : {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                            "max_position_embeddings", "tie_word_embeddings", "architectures", "hidden_act",
+                            "attention_bias", "torch_dtype"})
+      EXPECT_TRUE(config.contains(key)) << key;
+    EXPECT_EQ(config["model_type"], "llama");
+    EXPECT_EQ(config["architectures"][0], "LlamaForCausalLM");
+    EXPECT_EQ(config["num_key_value_heads"], 2);
+    EXPECT_EQ(config["num_hidden_layers"], 1);
+    EXPECT_EQ(config["tie_word_embeddings"], tied);
+    EXPECT_EQ(config["vocab_size"], 256);
+    // The safetensors header names every tensor with its shape.
+    std::ifstream mf(ck / "model.safetensors", std::ios::binary);
+    uint64_t n = 0;
+    mf.read(reinterpret_cast<char*>(&n), 8);
+    std::string header(n, ' ');
+    mf.read(header.data(), static_cast<std::streamsize>(n));
+    const nlohmann::json h = nlohmann::json::parse(header);
+    EXPECT_EQ(h["model.embed_tokens.weight"]["shape"], (std::vector<int64_t>{256, 64}));
+    EXPECT_EQ(h["model.layers.0.self_attn.q_proj.weight"]["shape"], (std::vector<int64_t>{64, 64}));
+    EXPECT_EQ(h["model.layers.0.self_attn.k_proj.weight"]["shape"], (std::vector<int64_t>{32, 64}));
+    EXPECT_EQ(h["model.layers.0.mlp.down_proj.weight"]["shape"], (std::vector<int64_t>{64, 160}));
+    EXPECT_EQ(h["model.norm.weight"]["shape"], (std::vector<int64_t>{64}));
+    EXPECT_EQ(h.contains("lm_head.weight"), !tied);
+    EXPECT_EQ(h["__metadata__"]["format"], "pt");
+    const Result e = run("eval --ckpt " + ck.string() + " --data " + (dir_ / "tok_val.bin").string() + " --seq 32");
+    ASSERT_EQ(e.code, 0) << e.out;
+    EXPECT_GT(std::stod(e.out), 0.5);
+    const Result g = run("generate --ckpt " + ck.string() + " --prompt 'In the' --tokens 5 --seed 3");
+    ASSERT_EQ(g.code, 0) << g.out;
+    EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
+  }
+}
+
+// --model takes a Hugging Face config.json; explicit flags and TOML keys override it.
+TEST_F(Cli, ModelFromHuggingFaceConfigWithOverrides) {
+  const fs::path cfg = dir_ / "hf_config.json";
+  std::ofstream(cfg) << R"({"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": false})";
+  const fs::path toml = dir_ / "hf.toml";
+  std::ofstream(toml) << "model = \"" << cfg.string() << "\"\nn-kv-head = 1\nffn-dim = 80\n";
+  const std::string base = train_args("hf", 2);
+  const std::string args = base.substr(0, base.find(" --model")) + base.substr(base.find(" --data")) + " --config " +
+                           toml.string() + " --n-layer 2 --save-every 2";
+  const Result r = run(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream cf(dir_ / "hf" / "ckpt" / "step_2" / "config.json");
+  const nlohmann::json config = nlohmann::json::parse(cf);
+  EXPECT_EQ(config["vocab_size"], 300);         // the file's vocabulary holds
+  EXPECT_EQ(config["num_hidden_layers"], 2);    // the flag wins
+  EXPECT_EQ(config["num_key_value_heads"], 1);  // the TOML key is the flag
+  EXPECT_EQ(config["intermediate_size"], 80);
+  EXPECT_EQ(config["rms_norm_eps"], 1e-6);
+  // A vocabulary the data does not fit is one line naming the token file.
+  std::ofstream(cfg) << R"({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128})";
+  expect_one_line_error(run(base.substr(0, base.find(" --model")) + base.substr(base.find(" --data")) + " --model " +
+                            cfg.string()),
+                        "tok_train.bin");
+  std::ofstream(cfg) << R"({"model_type": "llama", "hidden_size": 64})";
+  expect_one_line_error(run(train_args("hf2", 1) + " --model " + cfg.string()), "no field 'num_hidden_layers'");
+}
+
 // `explain` needs no MPI and no data: the plan for 4 ranks, with every category's memory, each
 // unit's gather and reduce-scatter, and the totals.
 TEST(CliExplain, PrintsThePlanWithoutRunning) {
@@ -219,10 +295,52 @@ TEST(CliExplain, PrintsThePlanWithoutRunning) {
   EXPECT_EQ(ddp.out.find("all_gather"), std::string::npos) << ddp.out;
 }
 
+// Real shapes far beyond this machine are described, not allocated: per unit FLOPs and saved and
+// transient activation bytes, every category's peak, recompute tasks in the plan.
+TEST(CliExplain, RealShapesWithRecomputeWithoutAllocating) {
+  const Result r = run("explain --model llama3-70b --strategy fsdp --ranks 64 --batch 1 --seq 8192 --recompute full");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"model llama", "layers.79 (llama_block", "recompute layers.79 [m0]", "kept 0 transient",
+                        "activations: static 0, at peak", "workspace: static 0, at peak", "recompute full"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << "no '" << s << "' in:\n" << r.out.substr(0, 3000);
+  const Result g = run("explain --model gpt3-175b --strategy hybrid --shard-group 8 --ranks 1024 --batch 1 --seq 2048");
+  ASSERT_EQ(g.code, 0) << g.out.substr(0, 2000);
+  EXPECT_NE(g.out.find("dp_replicate=128 dp_shard=8"), std::string::npos) << g.out.substr(0, 500);
+}
+
 TEST(CliExplain, BadLayoutIsOneLineNamingTheField) {
   expect_one_line_error(run("explain --strategy hybrid --ranks 4 --shard-group 3 --model tiny"), "shard-group");
   expect_one_line_error(run("explain --strategy fsdpp --ranks 2 --model tiny"), "fsdpp");
   expect_one_line_error(run("explain --strategy ddp --param-dtype bf16 --ranks 2 --model tiny"), "param-dtype");
+}
+
+// Nothing outside the accounting: a single process's peak resident memory (GNU time's maximum
+// RSS) exceeds the allocator's accounted peak by at most 10% + 200 MB, evaluation and sampling
+// included (no checkpoint saves: their whole-model copies are the checkpoint issue's).
+TEST_F(Cli, MemorySlowResidentMemoryIsTheAccountedPeak) {
+  ASSERT_TRUE(fs::exists("/usr/bin/time")) << "GNU time missing: bash scripts/setup.sh installs Debian's time";
+  const char* bin = std::getenv("SHARDLM_BINARY");
+  const std::string cmd = std::string("/usr/bin/time -v ") + bin + " train --model gpt2-124m --vocab 50257 --data " +
+                          (dir_ / "tok").string() + " --out " + (dir_ / "rss").string() +
+                          " --steps 3 --batch 4 --seq 64 --threads 2 --eval-every 0 --eval-windows 8 --sample-tokens 8" +
+                          " --peak-gflops 100 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_TRUE(p);
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  auto number_after = [&](const std::string& key) {
+    const size_t at = out.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + key.size()));
+  };
+  const double rss = 1024.0 * number_after("Maximum resident set size (kbytes): ");
+  const double accounted = number_after("accounted peak memory over the run: ");
+  ASSERT_GT(rss, 0) << out;
+  ASSERT_GT(accounted, 1e9) << out;  // 124M parameters, gradients and two moments
+  EXPECT_LE(rss, 1.10 * accounted + 200e6) << "resident " << rss / 1e6 << " MB, accounted " << accounted / 1e6 << " MB";
+  std::cout << "resident " << rss / 1e6 << " MB, accounted " << accounted / 1e6 << " MB\n";
 }
 
 // The quick start's run (configs/quickstart.toml: `small` on the GPT-2-tokenized KJV, 400 steps)

@@ -46,7 +46,7 @@ std::string describe_case(const Fixture& f) {
 TEST(Layers, CarvedBytesAreTheModelsFigures) {
   for (const Fixture& f : fixtures()) {
     const auto& u = f.desc.units[f.unit];
-    const Carved got = layer(u.kind).carved(f.desc, u, f.shape());
+    const Carved got = layer(u.kind).carved(kernels::cpu_backend(), f.desc, u, f.shape());
     const model::UnitCosts want = f.desc.costs(f.unit, f.shape());
     EXPECT_EQ(got.saved, want.saved_bytes) << describe_case(f);
     EXPECT_EQ(got.recomputable, want.recomputable_bytes) << describe_case(f);
@@ -96,6 +96,7 @@ struct Bench {
   }
   UnitArgs args() {
     UnitArgs a;
+    a.backend = &kernels::cpu_backend();
     a.desc = &f.desc;
     a.unit = &u;
     a.B = f.B, a.T = f.T, a.threads = f.threads;

@@ -1,0 +1,103 @@
+// The compute backend: an allocator plus a kernel table. run/ and layers/ reach kernels only
+// through a Backend, so a second backend (CUDA) is a new subclass, not an edit of its callers.
+//
+// Contract
+//  - Each kernel method has the argument list, semantics and determinism of the free function
+//    of the same name in kernels/cpu.h (read the contracts there); shape comments here are only
+//    reminders. Pointers are in the backend's memory: host memory for the CPU backend, device
+//    memory for a CUDA backend (buffers from alloc()).
+//  - The scratch-size queries (attention_backward_scratch, head_scratch, rope_table_floats)
+//    give the floats the backend's kernels need; layers/ carves exactly that much.
+//  - A Backend is stateless and shared: its methods are const and may be called from any thread
+//    that init_compute has set up.
+//  - The table holds what run/ and layers/ call; tests and benchmarks may keep calling cpu.h's
+//    free functions directly.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tensor/memory.h"
+
+namespace shardlm::kernels {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // A buffer of `bytes` charged to `category`. The CPU backend returns host memory
+  // (tensor/memory.h's Buffer); a CUDA backend will return device memory.
+  virtual Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const = 0;
+
+  // Sets up the calling thread (and its pool) for compute with `threads` threads.
+  virtual void init_compute(int threads) const = 0;
+
+  // Linear layers: Conv1D layout (C, OC) with bias; nn.Linear layout (OC, C) without.
+  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
+                              int64_t C, int64_t OC) const = 0;
+  virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, int64_t N, int64_t C, int64_t OC) const = 0;
+  virtual void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
+                             int64_t OC) const = 0;
+  virtual void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                              int64_t N, int64_t C, int64_t OC) const = 0;
+
+  // Norms (N, C), pointwise ops, embedding (B, T, C).
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                 const float* bias, int64_t N, int64_t C) const = 0;
+  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                  const float* weight, const float* mean, const float* rstd, int64_t N,
+                                  int64_t C) const = 0;
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                               float eps) const = 0;
+  virtual void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                                const float* weight, const float* rstd, int64_t N, int64_t C) const = 0;
+  virtual void gelu_forward(float* out, const float* inp, int64_t n) const = 0;
+  virtual void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) const = 0;
+  virtual void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F) const = 0;
+  virtual void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
+                               int64_t F) const = 0;
+  virtual void residual_forward(float* out, const float* a, const float* b, int64_t n) const = 0;
+  virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
+                                 int64_t T, int64_t C) const = 0;
+  virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B,
+                                  int64_t T, int64_t C) const = 0;
+
+  // Rotary position embedding: table (T, HS), rotation in place of n_heads heads per row.
+  virtual int64_t rope_table_floats(int64_t T, int64_t HS) const = 0;
+  virtual void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const = 0;
+  virtual void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                            const float* cos_sin) const = 0;
+  virtual void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                             const float* cos_sin) const = 0;
+
+  // Causal grouped-query attention over qkv (B, T, (NH + 2 NKV) HS); NKV == NH: multi-head.
+  virtual void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                                 int64_t NKV, int64_t HS) const = 0;
+  virtual int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                             int threads) const = 0;
+  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                  float* scratch) const = 0;
+
+  // Language-model head fused with cross-entropy, `chunk` rows of logits at a time.
+  virtual int64_t head_scratch(int64_t chunk, int64_t Vp) const = 0;
+  virtual double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte,
+                                       const int32_t* targets, int64_t N, int64_t C, int64_t V, int64_t Vp,
+                                       float grad_scale, int64_t chunk, float* scratch,
+                                       float* logits_out) const = 0;
+
+  // Optimizer and utilities over flat ranges.
+  virtual void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                            float beta2, float eps, float weight_decay, int64_t t) const = 0;
+  virtual double sum_squares(const float* x, int64_t n) const = 0;
+  virtual void scale(float* x, int64_t n, float s) const = 0;
+  virtual void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const = 0;
+  virtual void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const = 0;
+};
+
+// The CPU backend: host Buffers and kernels/cpu.h's functions. One process-wide instance.
+const Backend& cpu_backend();
+
+}  // namespace shardlm::kernels

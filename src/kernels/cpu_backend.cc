@@ -1,0 +1,132 @@
+// The CPU backend: forwards every method to kernels/cpu.h.
+#include "kernels/backend.h"
+#include "kernels/cpu.h"
+
+namespace shardlm::kernels {
+
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
+    return Buffer(category, bytes, fill);
+  }
+
+  void init_compute(int threads) const override { kernels::init_compute(threads); }
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                      int64_t OC) const override {
+    kernels::linear_forward(out, inp, weight, bias, N, C, OC);
+  }
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t N, int64_t C, int64_t OC) const override {
+    kernels::linear_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  }
+  void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
+                     int64_t OC) const override {
+    kernels::dense_forward(out, inp, weight, N, C, OC);
+  }
+  void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      int64_t N, int64_t C, int64_t OC) const override {
+    kernels::dense_backward(dinp, dweight, dout, inp, weight, N, C, OC);
+  }
+
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int64_t N, int64_t C) const override {
+    kernels::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int64_t N,
+                          int64_t C) const override {
+    kernels::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                       float eps) const override {
+    kernels::rmsnorm_forward(out, rstd, inp, weight, N, C, eps);
+  }
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                        const float* rstd, int64_t N, int64_t C) const override {
+    kernels::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void gelu_forward(float* out, const float* inp, int64_t n) const override { kernels::gelu_forward(out, inp, n); }
+  void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) const override {
+    kernels::gelu_backward(dinp, dout, inp, n);
+  }
+  void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F) const override {
+    kernels::swiglu_forward(out, gate_up, N, F);
+  }
+  void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
+                       int64_t F) const override {
+    kernels::swiglu_backward(dgate_up, dout, gate_up, N, F);
+  }
+  void residual_forward(float* out, const float* a, const float* b, int64_t n) const override {
+    kernels::residual_forward(out, a, b, n);
+  }
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
+                         int64_t T, int64_t C) const override {
+    kernels::embedding_forward(out, tokens, wte, wpe, B, T, C);
+  }
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                          int64_t C) const override {
+    kernels::embedding_backward(dwte, dwpe, dout, tokens, B, T, C);
+  }
+
+  int64_t rope_table_floats(int64_t T, int64_t HS) const override { return kernels::rope_table_floats(T, HS); }
+  void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const override {
+    kernels::rope_table(cos_sin, T, HS, theta);
+  }
+  void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                    const float* cos_sin) const override {
+    kernels::rope_forward(x, B, T, n_heads, HS, row_stride, cos_sin);
+  }
+  void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                     const float* cos_sin) const override {
+    kernels::rope_backward(dx, B, T, n_heads, HS, row_stride, cos_sin);
+  }
+
+  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                         int64_t HS) const override {
+    kernels::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
+  }
+  int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                     int threads) const override {
+    return kernels::attention_backward_scratch(B, T, NH, NKV, HS, threads);
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                          float* scratch) const override {
+    kernels::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, scratch);
+  }
+
+  int64_t head_scratch(int64_t chunk, int64_t Vp) const override { return kernels::head_scratch(chunk, Vp); }
+  double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte, const int32_t* targets,
+                               int64_t N, int64_t C, int64_t V, int64_t Vp, float grad_scale, int64_t chunk,
+                               float* scratch, float* logits_out) const override {
+    return kernels::lm_head_cross_entropy(dx, dwte, x, wte, targets, N, C, V, Vp, grad_scale, chunk, scratch,
+                                          logits_out);
+  }
+
+  void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                    float eps, float weight_decay, int64_t t) const override {
+    kernels::adamw_update(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, t);
+  }
+  double sum_squares(const float* x, int64_t n) const override { return kernels::sum_squares(x, n); }
+  void scale(float* x, int64_t n, float s) const override { kernels::scale(x, n, s); }
+  void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const override {
+    kernels::fp32_to_bf16(out, in, n);
+  }
+  void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override {
+    kernels::bf16_to_fp32(out, in, n);
+  }
+};
+
+}  // namespace
+
+const Backend& cpu_backend() {
+  static const CpuBackend backend;
+  return backend;
+}
+
+}  // namespace shardlm::kernels

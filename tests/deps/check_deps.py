@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""The parts of src/ may include only the parts DESIGN's table lets them use (and what those use).
+
+  check_deps.py SRC_DIR     exits 1 naming each file and include that breaks the rule
+"""
+import os
+import re
+import sys
+
+# part -> parts it may use directly (DESIGN.md, "Parts and their rules").
+ALLOWED = {
+    "tensor": [],
+    "kernels": ["tensor"],
+    "model": ["tensor"],
+    "layers": ["model", "kernels"],
+    "comm": ["tensor"],
+    "plan": ["model"],
+    "trace": ["plan"],
+    "run": ["model", "plan", "trace", "comm", "layers", "kernels"],
+    "sim": ["model", "plan", "trace"],
+    "ckpt": ["tensor", "model", "comm"],
+    "data": [],
+    "train": ["run", "layers", "data", "ckpt", "comm", "plan", "model", "kernels", "trace", "tensor"],
+    "cli": ["train", "sim"],
+}
+# Kernels are reached through the backend interface only from these parts.
+BACKEND_ONLY = {"layers", "run"}
+
+
+def closure(part):
+    seen, todo = set(), [part]
+    while todo:
+        for dep in ALLOWED[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen | {part}
+
+
+def main():
+    src = sys.argv[1]
+    bad = []
+    for part in sorted(os.listdir(src)):
+        if part not in ALLOWED:
+            bad.append(f"src/{part}: a part DESIGN's table does not name")
+            continue
+        ok = closure(part)
+        for name in sorted(os.listdir(os.path.join(src, part))):
+            path = os.path.join(src, part, name)
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    m = re.match(r'\s*#include "([a-z_]+)/([^"]+)"', line)
+                    if not m:
+                        continue
+                    dep, header = m.groups()
+                    if dep not in ok:
+                        bad.append(f"src/{part}/{name}:{line_no}: includes {dep}/{header}; {part} may use {sorted(ok - {part})}")
+                    elif dep == "kernels" and part in BACKEND_ONLY and header != "backend.h":
+                        bad.append(f"src/{part}/{name}:{line_no}: includes kernels/{header}; {part} reaches kernels through kernels/backend.h")
+    for b in bad:
+        print(b)
+    print(f"{len(bad)} dependency violation(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
