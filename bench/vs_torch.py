@@ -1,29 +1,42 @@
 #!/usr/bin/python3
 """Training speed, shardlm against PyTorch, on the same model, batch and sequence length.
 
-  /usr/bin/python3 bench/vs_torch.py                  # both configs, 3 rounds, alternating
+  /usr/bin/python3 bench/vs_torch.py                  # GPT-2 configs, 3 rounds, alternating
   /usr/bin/python3 bench/vs_torch.py --torch-only     # no shardlm binary needed
-  /usr/bin/python3 bench/vs_torch.py --configs small --rounds 2 --steps 6
+  /usr/bin/python3 bench/vs_torch.py --configs small,llama-small --rounds 2 --steps 6
   bench/vs_torch.sh ...                               # the same, through /usr/bin/python3
 
-Each round runs, one after the other: shardlm (2 threads), then torch with 1 and 2 threads, each
-with glibc's malloc as is and tuned (see below), each a fresh process doing --steps training
-steps of which the first --warmup are not timed. Rounds alternate so that drift of the machine
-(thermal, neighbours) hits both sides alike. Reported: the median ms/step over all timed steps
-of all rounds (and the fastest round's median); torch at its best variant; ratio = shardlm /
-best torch (below 1: shardlm faster). Each run's cpu/wall is printed: a run that got much less
-than its threads' worth of CPU ran on a busy machine, and the script warns.
+Each round runs, one after the other: shardlm (2 threads), then every PyTorch variant: intra-op
+threads (--torch-threads: torch.set_num_threads and OMP_NUM_THREADS) x OpenBLAS threads
+(--blas-threads: OPENBLAS_NUM_THREADS) x malloc (--torch-malloc: "tuned" by default, glibc's
+"default" only when asked), each a fresh process doing --steps training steps of which the
+first --warmup are not timed. Rounds alternate so that drift of the machine (thermal,
+neighbours) hits both sides alike. Reported: the median ms/step over all timed steps of all
+rounds (and the fastest round's median) of every variant; PyTorch's best variant, named; ratio
+= shardlm / best torch (below 1: shardlm faster). Each run prints its cpu/wall and how many
+cores other processes used meanwhile (from /proc/stat): a run next to a busy neighbour is
+flagged and the script warns at the end.
+
+Why two thread counts: Debian's torch calls OpenBLAS (libblas.so.3 -> openblas-pthread) for its
+GEMMs, and OpenBLAS-pthread keeps its own thread pool, sized when it loads from
+OPENBLAS_NUM_THREADS (then GOTO_NUM_THREADS, then OMP_NUM_THREADS); torch.set_num_threads sizes
+only the OpenMP pool of torch's own (element-wise, softmax, reduction) kernels. The script
+checks this at start by timing a 1024^3 SGEMM in fresh processes (--blas-check) and reading
+openblas_get_num_threads() from the loaded library; every worker checks the latter too. On 2
+cores the two pools spin-wait against each other: 1 intra-op thread with OpenBLAS on 2 threads
+measured fastest.
 
 shardlm:  build/shardlm train --model PRESET --data data/bench --steps N --batch B --seq T
           --threads 2 --seed 1 --out DIR --eval-every 0 --save-every 0
           (reads step_ms from DIR/metrics.jsonl)
-torch:    tests/reference/gpt2_reference.py's GPT2, GPT-2 init, AdamW (decay on 2-D tensors),
-          grad clip 1.0, fp32, torch.set_flush_denormal(True); OPENBLAS_CORETYPE=SkylakeX in its
-          environment where /proc/cpuinfo shows avx512f (OpenBLAS reads it when it loads);
-          OMP_NUM_THREADS / OPENBLAS_NUM_THREADS = its thread count. "tuned" malloc sets
-          GLIBC_TUNABLES so that glibc stops returning large blocks to the kernel (otherwise torch
-          page-faults its logits-sized buffers in every step, ~3-4x slower on 2 cores); pass
-          --torch-malloc default to measure only glibc as is.
+torch:    GPT-2 configs: tests/reference/gpt2_reference.py's GPT2 and GPT-2 init; llama configs:
+          tests/reference/llama_reference.py's Llama and init (normal 0.02, norms 1); AdamW (decay
+          on 2-D tensors), grad clip 1.0, fp32, torch.set_flush_denormal(True);
+          OPENBLAS_CORETYPE=SkylakeX in its environment where /proc/cpuinfo shows avx512f (OpenBLAS
+          reads it when it loads). "tuned" malloc sets GLIBC_TUNABLES so that glibc stops
+          returning large blocks to the kernel (otherwise torch page-faults its logits-sized
+          buffers in every step, ~3-4x slower on 2 cores); --torch-malloc default,tuned measures
+          glibc as is too.
 Data:     data/bench_{train,val}.bin, llm.c token shards of random tokens < 50257, made here.
 Run by /usr/bin/python3 (the one with torch).
 """
@@ -42,9 +55,12 @@ REF_DIR = os.path.join(ROOT, "tests", "reference")
 
 CONFIGS = {
     # name (also shardlm's --model preset): shape and the benchmarked batch B and sequence T
-    "small": dict(n_layer=6, n_head=6, n_embd=384, batch=4, seq=256),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, batch=4, seq=64),
+    "small": dict(arch="gpt2", n_layer=6, n_head=6, n_embd=384, batch=4, seq=256),
+    "gpt2-124m": dict(arch="gpt2", n_layer=12, n_head=12, n_embd=768, batch=4, seq=64),
+    "llama-small": dict(arch="llama", n_layer=6, n_head=6, n_kv_head=2, n_embd=384, ffn=1024,
+                        rope_theta=10000.0, eps=1e-5, tied=False, batch=4, seq=256),
 }
+DEFAULT_CONFIGS = "small,gpt2-124m"
 VOCAB = 50257
 N_POSITIONS = 1024
 MAGIC, VERSION = 20240520, 1
@@ -89,20 +105,69 @@ def ensure_data(prefix, n_tokens):
             print(f"wrote {path} ({n_tokens} random tokens)", flush=True)
 
 
-# ---------------------------------------------------------------- torch worker (a subprocess)
+# ---------------------------------------------------------------- torch side (subprocesses)
+
+
+def openblas_info():
+    """(threads, core name, path) of the OpenBLAS loaded in this process, or (None, None, None).
+    torch's libblas.so.3 (openblas-pthread) links libopenblas.so.0; dlopen of the path already
+    mapped returns that same instance, so openblas_get_num_threads() is the pool torch's GEMMs use."""
+    import ctypes
+    with open("/proc/self/maps") as f:
+        paths = sorted({line.split()[-1] for line in f if "libopenblas" in line and "/" in line})
+    if not paths:
+        return None, None, None
+    lib = ctypes.CDLL(paths[0])
+    lib.openblas_get_corename.restype = ctypes.c_char_p
+    return int(lib.openblas_get_num_threads()), lib.openblas_get_corename().decode(), paths[0]
+
+
+def blas_check_worker(args):
+    """Times a 1024^3 SGEMM (torch.mm, i.e. OpenBLAS) under this process's thread settings."""
+    import torch
+    torch.set_num_threads(args.threads)
+    n = 1024
+    g = torch.Generator().manual_seed(0)
+    a, b, c = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g), torch.empty(n, n)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    wall, cpu = [], []
+    for _ in range(15):
+        c0, t0 = time.process_time(), time.perf_counter()
+        torch.mm(a, b, out=c)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    threads, core, path = openblas_info()
+    med = statistics.median(wall)
+    print(json.dumps({"gflops": 2 * n ** 3 / med / 1e9, "cpu_per_wall": sum(cpu) / sum(wall),
+                      "intra_op": torch.get_num_threads(), "openblas_threads": threads,
+                      "openblas_core": core, "openblas": path}))
+
+
+def build_torch_model(config):
+    c = CONFIGS[config]
+    sys.path.insert(0, REF_DIR)
+    if c["arch"] == "gpt2":
+        import gpt2_reference as ref
+        cfg = ref.GPT2Config(c["n_layer"], c["n_head"], c["n_embd"], VOCAB, N_POSITIONS)
+        return ref, ref.init_gpt2_(ref.GPT2(cfg), seed=1)
+    import llama_reference as ref
+    cfg = ref.LlamaConfig(vocab_size=VOCAB, hidden_size=c["n_embd"], intermediate_size=c["ffn"],
+                          num_hidden_layers=c["n_layer"], num_attention_heads=c["n_head"],
+                          num_key_value_heads=c["n_kv_head"], rms_norm_eps=c["eps"], rope_theta=c["rope_theta"],
+                          max_position_embeddings=N_POSITIONS, tie_word_embeddings=c["tied"])
+    return ref, ref.init_llama_(ref.Llama(cfg), seed=1)
 
 
 def torch_worker(args):
     import numpy as np
     import torch
-    sys.path.insert(0, REF_DIR)
-    import gpt2_reference as ref
 
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    blas_threads, blas_core, _ = openblas_info()
     c = CONFIGS[args.config]
-    cfg = ref.GPT2Config(c["n_layer"], c["n_head"], c["n_embd"], VOCAB, N_POSITIONS)
-    model = ref.init_gpt2_(ref.GPT2(cfg), seed=1)
+    ref, model = build_torch_model(args.config)
     opt = ref.make_adamw(model, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     tokens = read_token_file(args.data + "_train.bin")
     B, T = c["batch"], c["seq"]
@@ -125,7 +190,8 @@ def torch_worker(args):
         times.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
     print(json.dumps({"step_ms": times, "cpu_ms": cpu, "losses": losses, "threads": torch.get_num_threads(),
-                      "torch": torch.__version__,
+                      "blas_threads": blas_threads, "openblas_core": blas_core, "torch": torch.__version__,
+                      "params": sum(p.numel() for p in model.parameters()),
                       "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}))
 
 
@@ -149,14 +215,19 @@ def has_avx512f():
 TUNED_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000"
 
 
-def torch_env(threads, malloc):
+def torch_env(intra, blas, malloc):
+    """intra: OMP_NUM_THREADS (torch's own OpenMP pool; the worker also calls set_num_threads);
+    blas: OPENBLAS_NUM_THREADS, which openblas-pthread reads before GOTO_/OMP_NUM_THREADS."""
     env = dict(os.environ)
     if has_avx512f():
         env["OPENBLAS_CORETYPE"] = "SkylakeX"
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    env["OMP_NUM_THREADS"] = str(intra)
+    env["OPENBLAS_NUM_THREADS"] = str(blas)
+    env.pop("GOTO_NUM_THREADS", None)
     if malloc == "tuned":
         env["GLIBC_TUNABLES"] = TUNED_MALLOC
+    else:
+        env.pop("GLIBC_TUNABLES", None)
     return env
 
 
@@ -182,15 +253,77 @@ def loadavg():
         return float("nan")
 
 
-def run_torch(args, config, threads, malloc):
+def cpu_busy_seconds():
+    """Seconds all CPUs spent busy since boot (/proc/stat: user nice system irq softirq steal;
+    steal counts, as time the hypervisor gave to someone else)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+BUSY_OTHERS = 0.15  # cores used by other processes during a run above which it is flagged
+
+
+def run_measured(cmd, env=None):
+    """Runs cmd; returns (CompletedProcess, its cpu/wall, cores the rest of the machine used)."""
+    b0, t0 = cpu_busy_seconds(), os.times()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace")
+    t1, b1 = os.times(), cpu_busy_seconds()
+    child = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
+    wall = t1.elapsed - t0.elapsed
+    if wall <= 0:
+        return p, float("nan"), float("nan")
+    return p, child / wall, max(0.0, (b1 - b0) - child) / wall
+
+
+def check_blas_threads():
+    """Times an SGEMM in fresh processes: does OPENBLAS_NUM_THREADS (and not torch's intra-op
+    count) set the threads OpenBLAS computes with? Returns the records; exits if OpenBLAS reports
+    a thread count other than the one asked for (the variants would be mislabelled)."""
+    recs = []
+    for intra, blas in ((1, 1), (1, 2), (2, 1)):
+        cmd = [sys.executable, os.path.abspath(__file__), "--blas-check-worker", "--threads", str(intra)]
+        p, _, others = run_measured(cmd, torch_env(intra, blas, "tuned"))
+        if p.returncode != 0:
+            raise SystemExit(f"BLAS check failed ({shlex.join(cmd)}):\n{p.stdout}{p.stderr}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        r.update(intra_asked=intra, blas_asked=blas, others=others)
+        recs.append(r)
+        print(f"  SGEMM 1024^3, intra {intra} thr, OPENBLAS_NUM_THREADS={blas}: {r['gflops']:.0f} GFLOP/s, "
+              f"cpu/wall {r['cpu_per_wall']:.2f}, openblas_get_num_threads() = {r['openblas_threads']} "
+              f"(core {r['openblas_core']}; others {others:.2f} cores)", flush=True)
+        if r["openblas_threads"] != blas:
+            raise SystemExit(f"error: OpenBLAS reports {r['openblas_threads']} threads with OPENBLAS_NUM_THREADS={blas}")
+    one, two, intra2 = recs
+    ok = (two["cpu_per_wall"] > 1.5 and two["gflops"] > 1.3 * one["gflops"] and intra2["cpu_per_wall"] < 1.3)
+    print("  -> " + ("OPENBLAS_NUM_THREADS sets OpenBLAS's threads; torch's intra-op count does not"
+                     if ok else "WARNING: the GEMM timings do not show OPENBLAS_NUM_THREADS controlling "
+                                "OpenBLAS's threads (busy machine?); variant labels may be wrong"), flush=True)
+    return recs, ok
+
+
+def variant_name(v):
+    intra, blas, malloc = v
+    return f"intra-op {intra} thr, BLAS {blas} thr, " + ("tuned malloc" if malloc == "tuned" else "glibc malloc")
+
+
+def run_torch(args, config, v):
+    intra, blas, malloc = v
     cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--config", config,
-           "--threads", str(threads), "--steps", str(args.steps), "--data", args.data]
-    p = subprocess.run(cmd, env=torch_env(threads, malloc), capture_output=True, text=True, errors="replace")
+           "--threads", str(intra), "--steps", str(args.steps), "--data", args.data]
+    p, _, others = run_measured(cmd, torch_env(intra, blas, malloc))
     if p.returncode != 0:
         raise SystemExit(f"torch run failed ({shlex.join(cmd)}):\n{p.stdout}{p.stderr}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    if r["threads"] != threads:
-        raise SystemExit(f"torch ran with {r['threads']} threads, asked for {threads}")
+    if r["threads"] != intra:
+        raise SystemExit(f"torch ran with {r['threads']} intra-op threads, asked for {intra}")
+    if r["blas_threads"] != blas:
+        raise SystemExit(f"OpenBLAS ran with {r['blas_threads']} threads, asked for {blas}")
+    r["others"] = others
     return r["step_ms"][args.warmup:], r
 
 
@@ -204,9 +337,7 @@ def shardlm_cmd(args, config, out_dir):
 def run_shardlm(args, config):
     with tempfile.TemporaryDirectory(prefix=f"shardlm_bench_{config}_") as out_dir:
         cmd = shardlm_cmd(args, config, out_dir)
-        t0 = os.times()
-        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-        t1 = os.times()
+        p, util, others = run_measured(cmd)
         if p.returncode != 0:
             raise SystemExit(f"shardlm run failed (exit {p.returncode}): {shlex.join(cmd)}\n"
                              f"{p.stdout[-3000:]}{p.stderr[-3000:]}")
@@ -224,32 +355,37 @@ def run_shardlm(args, config):
                     steps.append(float(rec["step_ms"]))
         if len(steps) <= args.warmup:
             raise SystemExit(f"{path}: {len(steps)} records with step_ms, need more than --warmup {args.warmup}")
-        cpu = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
-        wall = t1.elapsed - t0.elapsed
-        return steps[args.warmup:], cpu / wall if wall > 0 else float("nan")
+        return steps[args.warmup:], util, others
 
 
 def fmt(x):
     return "—" if x is None else f"{x:.1f}"
 
 
-def variant_name(v):
-    t, m = v
-    return f"{t} thr" + (", tuned malloc" if m == "tuned" else "")
+def int_list(text, flag):
+    try:
+        out = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"{flag}: not a comma list of integers: {text!r}") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"{flag}: need thread counts >= 1, got {text!r}")
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description="shardlm vs PyTorch training speed",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--configs", default="small,gpt2-124m", help="comma list of " + ", ".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of " + ", ".join(CONFIGS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=2, help="steps per run not timed")
     ap.add_argument("--threads", type=int, default=2, help="shardlm threads")
-    ap.add_argument("--torch-threads", default="1,2")
-    ap.add_argument("--torch-malloc", default="default,tuned",
-                    help="comma list: default (glibc as is), tuned (GLIBC_TUNABLES keeps freed memory; "
-                         "much faster torch on CPU). torch's best over all variants is used for the ratio")
+    ap.add_argument("--torch-threads", default="1,2",
+                    help="comma list of torch intra-op thread counts (torch.set_num_threads, OMP_NUM_THREADS)")
+    ap.add_argument("--blas-threads", default="1,2", help="comma list of OpenBLAS thread counts (OPENBLAS_NUM_THREADS)")
+    ap.add_argument("--torch-malloc", default="tuned",
+                    help="comma list: tuned (GLIBC_TUNABLES keeps freed memory; much faster torch on CPU), "
+                         "default (glibc as is). torch's best over all variants is used for the ratio")
     ap.add_argument("--binary", default=os.path.join(ROOT, "build", "shardlm"))
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "bench"), help="token file prefix")
     ap.add_argument("--tokens", type=int, default=200_000)
@@ -257,11 +393,14 @@ def main():
     ap.add_argument("--json", help="also write the results here")
     # internal: one torch measurement in a fresh process
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--blas-check-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.torch_worker:
         return torch_worker(args)
+    if args.blas_check_worker:
+        return blas_check_worker(args)
 
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -276,7 +415,8 @@ def main():
     for m in mallocs:
         if m not in ("default", "tuned"):
             raise SystemExit(f"--torch-malloc: unknown {m!r} (default, tuned)")
-    variants = [(int(t), m) for m in mallocs for t in args.torch_threads.split(",") if t]
+    variants = [(i, b, m) for m in mallocs for i in int_list(args.torch_threads, "--torch-threads")
+                for b in int_list(args.blas_threads, "--blas-threads")]
 
     ensure_data(args.data, args.tokens)
     blas = require_openblas()
@@ -284,66 +424,89 @@ def main():
     print("command: " + shlex.join([sys.executable] + sys.argv), flush=True)
     print("torch: OPENBLAS_CORETYPE=" + ("SkylakeX (avx512f present)" if avx512 else
                                           f"{os.environ.get('OPENBLAS_CORETYPE')} (inherited; no avx512f)") +
-          f", {blas}, set_flush_denormal(True), OMP/OPENBLAS_NUM_THREADS = threads"
+          f", {blas}, set_flush_denormal(True); variants: intra-op threads (set_num_threads, OMP_NUM_THREADS) "
+          f"{args.torch_threads} x OPENBLAS_NUM_THREADS {args.blas_threads} x malloc {','.join(mallocs)}"
           + (f"; tuned malloc = GLIBC_TUNABLES={TUNED_MALLOC}" if "tuned" in mallocs else ""), flush=True)
     if not args.torch_only:
         print("shardlm: " + shlex.join(shardlm_cmd(args, configs[0], "DIR")) + "  (per config)", flush=True)
     print(f"machine: {os.cpu_count()} cpus, load average {loadavg():.2f} at start", flush=True)
+    print("OpenBLAS threads check:", flush=True)
+    blas_check, blas_ok = check_blas_threads()
 
     results = {}
-    starved = False
+    busy_runs = []
     for config in configs:
         sl, tt = [], {v: [] for v in variants}
         sl_rounds, tt_rounds = [], {v: [] for v in variants}  # per-round medians
+        tt_util = {v: [] for v in variants}
         for r in range(args.rounds):
             if not args.torch_only:
-                s, util = run_shardlm(args, config)
+                s, util, others = run_shardlm(args, config)
                 sl += s
                 sl_rounds.append(statistics.median(s))
+                if others > BUSY_OTHERS:
+                    busy_runs.append(f"{config} round {r + 1} shardlm")
                 print(f"[{config} round {r + 1}] shardlm {args.threads} thr: {statistics.median(s):.1f} ms/step "
-                      f"(cpu/wall {util:.2f}, load {loadavg():.2f})", flush=True)
+                      f"(cpu/wall {util:.2f}, others {others:.2f} cores, load {loadavg():.2f})", flush=True)
             for v in variants:
-                s, info = run_torch(args, config, *v)
+                s, info = run_torch(args, config, v)
                 tt[v] += s
                 tt_rounds[v].append(statistics.median(s))
                 util = sum(info["cpu_ms"][args.warmup:]) / sum(info["step_ms"][args.warmup:])
-                starved |= util < 0.8 * v[0]
+                tt_util[v].append(util)
+                if info["others"] > BUSY_OTHERS or util < 0.8:
+                    busy_runs.append(f"{config} round {r + 1} torch {variant_name(v)}")
                 print(f"[{config} round {r + 1}] torch {variant_name(v)}: {statistics.median(s):.1f} ms/step "
-                      f"(cpu/wall {util:.2f}, load {loadavg():.2f}; loss {info['losses'][0]:.3f} -> "
-                      f"{info['losses'][-1]:.3f})", flush=True)
+                      f"(cpu/wall {util:.2f}, others {info['others']:.2f} cores, load {loadavg():.2f}; "
+                      f"loss {info['losses'][0]:.3f} -> {info['losses'][-1]:.3f})", flush=True)
         med_t = {v: statistics.median(x) for v, x in tt.items()}
         best = min(med_t, key=med_t.get)
         med_s = statistics.median(sl) if sl else None
         results[config] = {"shardlm_ms": med_s, "shardlm_best_round_ms": min(sl_rounds) if sl_rounds else None,
                            "torch_ms": {variant_name(v): m for v, m in med_t.items()},
                            "torch_best_round_ms": {variant_name(v): min(x) for v, x in tt_rounds.items()},
-                           "torch_best": variant_name(best), "best_v": best,
+                           "torch_cpu_per_wall": {variant_name(v): statistics.median(x) for v, x in tt_util.items()},
+                           "torch_best": variant_name(best), "torch_best_ms": med_t[best], "best_v": best,
                            "ratio": (med_s / med_t[best]) if med_s else None, "shape": CONFIGS[config]}
 
     print()
-    print(f"median ms/step over {args.rounds} rounds × {args.steps - args.warmup} timed steps "
-          f"(first {args.warmup} of each run skipped), in brackets the fastest round's median; "
-          f"ratio = shardlm / best torch (* = best torch), both medians")
+    print(f"median ms/step over {args.rounds} round(s) × {args.steps - args.warmup} timed steps "
+          f"(first {args.warmup} of each run skipped), in brackets the fastest round's median, then "
+          f"cpu/wall of the timed steps; * = the config's best torch variant")
     print()
-    print("| config | B×T | shardlm threads | shardlm ms/step | " +
-          " | ".join(f"torch ms/step ({variant_name(v)})" for v in variants) + " | ratio |")
-    print("|" + "---|" * (5 + len(variants)))
+    print("| torch variant | " + " | ".join(f"{c} {CONFIGS[c]['batch']}×{CONFIGS[c]['seq']}" for c in configs) + " |")
+    print("|---|" + "---|" * len(configs))
+    for v in variants:
+        cells = []
+        for config in configs:
+            r = results[config]
+            n = variant_name(v)
+            cells.append(f"{fmt(r['torch_ms'][n])} ({fmt(r['torch_best_round_ms'][n])}; "
+                         f"{r['torch_cpu_per_wall'][n]:.2f})" + (" *" if v == r["best_v"] else ""))
+        print(f"| {variant_name(v)} | " + " | ".join(cells) + " |")
+    print()
+    print("ratio = shardlm / best torch, both medians")
+    print()
+    print("| config | B×T | shardlm threads | shardlm ms/step | best torch ms/step | best torch variant | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for config in configs:
         r, c = results[config], CONFIGS[config]
-        tcols = " | ".join(f"{fmt(r['torch_ms'][variant_name(v)])} ({fmt(r['torch_best_round_ms'][variant_name(v)])})"
-                           + (" *" if v == r["best_v"] else "") for v in variants)
         scol = fmt(r["shardlm_ms"]) + ("" if r["shardlm_ms"] is None else f" ({fmt(r['shardlm_best_round_ms'])})")
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"| {config} | {c['batch']}×{c['seq']} | {args.threads} | {scol} | {tcols} | {ratio} |")
+        print(f"| {config} | {c['batch']}×{c['seq']} | {args.threads} | {scol} | {fmt(r['torch_best_ms'])} | "
+              f"{r['torch_best']} | {ratio} |")
     print(f"\nload average {loadavg():.2f} at end")
-    if starved:
-        print("WARNING: some torch runs got well under their threads' worth of CPU (cpu/wall above): "
-              "the machine was busy; the figures are not clean")
+    if not blas_ok:
+        print("WARNING: the OpenBLAS thread check did not come out as expected (see above)")
+    if busy_runs:
+        print(f"WARNING: the machine was busy (other processes above {BUSY_OTHERS} cores, or a torch run "
+              f"under 0.8 cpu/wall) during: " + "; ".join(busy_runs) + ". The figures are not clean; re-run.")
     if args.json:
         for r in results.values():
-            del r["best_v"]
+            r["best_v"] = list(r["best_v"])
         with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "avx512f": avx512, "results": results}, f, indent=1)
+            json.dump({"command": sys.argv, "avx512f": avx512, "blas_check": blas_check, "results": results},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
