@@ -98,32 +98,37 @@ class BlockCache {
     if (!p) throw std::bad_alloc();
     return p;
   }
-  // Keeps the block unless the cache would then hold more than `limit` bytes; evicts the largest
-  // blocks first (a step's sizes repeat, so what is evicted is what stopped being asked for).
-  void give(void* p, size_t rounded, int64_t limit) {
+  // Keeps the block unless the cache would then hold more than `limit` bytes (counted as the
+  // tracker counts them, unrounded, so a set of blocks freed together always fits back); evicts
+  // the largest blocks first (a step's sizes repeat, so what is evicted stopped being asked for).
+  void give(void* p, size_t rounded, size_t bytes, int64_t limit) {
     if (!kEnabled) return std::free(p);
     std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace(rounded, p);
-    cached_ += static_cast<int64_t>(rounded);
+    free_.emplace(rounded, Block{p, bytes});
+    cached_ += static_cast<int64_t>(bytes);
     while (cached_ > limit && !free_.empty()) {
       auto last = std::prev(free_.end());
-      cached_ -= static_cast<int64_t>(last->first);
-      std::free(last->second);
+      cached_ -= static_cast<int64_t>(last->second.bytes);
+      std::free(last->second.p);
       free_.erase(last);
     }
   }
   void* take_cached(size_t rounded) {
     auto it = free_.find(rounded);
     if (it == free_.end()) return nullptr;
-    void* p = it->second;
-    cached_ -= static_cast<int64_t>(rounded);
+    void* p = it->second.p;
+    cached_ -= static_cast<int64_t>(it->second.bytes);
     free_.erase(it);
     return p;
   }
 
  private:
   std::mutex mu_;
-  std::multimap<size_t, void*> free_;
+  struct Block {
+    void* p;
+    size_t bytes;  // as the tracker counted it
+  };
+  std::multimap<size_t, Block> free_;
   int64_t cached_ = 0;
 };
 
@@ -157,7 +162,10 @@ void Buffer::release() {
   if (!data_) return;
   MemoryTracker& tracker = MemoryTracker::global();
   tracker.on_free(category_, static_cast<int64_t>(bytes_));
-  BlockCache::global().give(data_, rounded_size(bytes_), tracker.run_peak() - tracker.live().total);
+  // Phases of a step (blocks, head, evaluation) free sets of sizes the others do not ask for; a
+  // margin of 5% of the peak + 64 MiB keeps them all cached without letting the cache grow past it.
+  const int64_t peak = tracker.run_peak();
+  BlockCache::global().give(data_, rounded_size(bytes_), bytes_, peak - tracker.live().total + peak / 20 + (64 << 20));
   data_ = nullptr;
   bytes_ = 0;
 }

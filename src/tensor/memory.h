@@ -53,7 +53,8 @@ class MemoryTracker {
 // Blocks come from a process-wide cache keyed by size: a step frees and re-allocates the same
 // gathered-unit and gradient buffers every time, and fresh pages from the kernel would cost a
 // page fault per 4 KiB each time. The tracker counts bytes in use, not bytes cached, so the cache
-// holds at most run_peak() − live bytes: what is resident never exceeds the accounted peak.
+// holds at most run_peak() − live bytes plus a margin (5% of the peak + 64 MiB): what is resident
+// stays within that margin of the accounted peak.
 class Buffer {
  public:
   enum class Fill { zero, none };
