@@ -143,6 +143,13 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
       alive[f] = 0;
       add(plan.buffers[f].category, -plan.buffers[f].bytes);
     }
+    for (int a : t.hands_off) {
+      alive[a] = 1;
+      add(plan.buffers[a].category, plan.buffers[a].bytes);
+    }
+    if (live.total > peak.total) peak = live;
+    if (each)
+      for (int c = 0; c < kNumMemCategories; ++c) each->bytes[c] = std::max(each->bytes[c], live.bytes[c]);
   }
   if (each) {
     each->total = 0;
@@ -216,6 +223,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     if (t.bytes > 0) o << " | " << mib(t.bytes) << " MiB";
     for (int a : t.allocs) o << " | +" << buffers[a].name << " " << buffers[a].bytes;
     for (int f : t.frees) o << " | -" << buffers[f].name;
+    for (int a : t.hands_off) o << " | +" << buffers[a].name << " " << buffers[a].bytes << " (at end)";
     o << "\n";
     flops += t.flops;
     if (t.stream != kCompute) comm_bytes += t.bytes;

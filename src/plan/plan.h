@@ -9,8 +9,13 @@
 //    cases in an executor.
 //  - Every byte a step touches is a typed buffer (buffers[id]): the run-long state (parameters,
 //    gradients, AdamW moments: this rank's element ranges, `state`), and the per-task buffers a
-//    task allocates (`allocs`) and a later one frees (`frees`): gathered parameters, full
+//    task allocates (`allocs`, at its start; `hands_off`, at its end, for a task on another stream
+//    that depends on it) and a later one frees (`frees`, at its end): gathered parameters, full
 //    gradients, activations, workspace, staging. A buffer id is never alive twice at once.
+//  - Parameters and gradients are allocated and freed only at compute tasks' boundaries (a
+//    gather's buffer is handed off by the compute task it waits for; a unit's full gradients are
+//    freed by the second backward after its reduce-scatter, which waits for it), so their bytes
+//    over time do not depend on how the streams interleave.
 //  - A task names the buffers it reads and writes (`io`), so an executor resolves ids, not names.
 //  - Collectives run over mesh axes (dp_replicate × dp_shard); the plan is the same on every rank
 //    (ranks differ only in their coordinates, hence which shard they hold).
@@ -108,6 +113,7 @@ struct Task {
   double flops = 0;   // compute work
   int64_t bytes = 0;  // a collective's size in the wire dtype
   std::vector<int> allocs, frees;  // buffer ids
+  std::vector<int> hands_off;      // allocated at the task's end, after its frees
   Operands io;
   // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]".
   std::string name(const model::ModelDesc* desc = nullptr) const;

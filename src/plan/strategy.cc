@@ -108,11 +108,18 @@ class Builder {
   std::vector<Gathered> chain_;  // every other all_gather, in issue order
   std::vector<int> reductions_;  // every gradient collective
   std::set<int> grads_allocated_;
+  // Full gradients whose reduce-scatter is issued: freed by the `countdown`-th backward after it.
+  struct PendingFree {
+    int reduce_scatter, buffer, countdown;
+  };
+  std::vector<PendingFree> pending_grads_;
+  void settle_grads(int compute_task, bool all);
   std::vector<int> heads_;       // head / loss / logits tasks
   int bucket_first_ = -1, bucket_last_ = -1;
   int64_t bucket_bytes_ = 0;
   bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
   int last_micro_ = 0;
+  int start_ = -1;  // zero_grads (training plans)
 };
 
 // An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
@@ -130,24 +137,28 @@ int Builder::gather(int u, int micro, int prefetch) {
       deps.push_back(chain_[k].consumer);
       break;
     }
+  if (deps.empty() && start_ >= 0) deps.push_back(start_);
   std::sort(deps.begin(), deps.end());
   deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
   const int t = add(Op::all_gather, kComm, u, micro, deps);
   at(t).axes = {plan_.shard_axis};
   at(t).bytes = unit_bytes(u, cfg_.param_bytes);
   at(t).io.params = gathered(u);
-  alloc(t, gathered(u));
+  // The compute task the gather waits for brings its buffer into being as it ends.
+  if (deps.empty()) alloc(t, gathered(u));
+  else at(deps.back()).hands_off.push_back(gathered(u));
   stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
   chain_.push_back({t, -1, u});
   return t;
 }
 
 int Builder::gather_kept(int u) {
-  const int t = add(Op::all_gather, kComm, u, 0);
+  const int t = add(Op::all_gather, kComm, u, 0, {start_});
   at(t).axes = {plan_.shard_axis};
   at(t).bytes = unit_bytes(u, cfg_.param_bytes);
   at(t).io.params = gathered(u);
-  alloc(t, gathered(u));
+  if (start_ < 0) alloc(t, gathered(u));
+  else at(start_).hands_off.push_back(gathered(u));
   stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
   kept_gather_[u] = t;
   return t;
@@ -249,6 +260,7 @@ void Builder::backward(int u, int m) {
     ag = -1;  // the backward follows on the same stream
   }
   const int b = add(Op::backward, kCompute, u, m, {ag});
+  settle_grads(b, false);
   if (params >= 0 && !kept_[u]) consume(b);
   Operands& io = at(b).io;
   io.params = params;
@@ -266,6 +278,22 @@ void Builder::backward(int u, int m) {
   if (m == last_micro_) reduce_grad(u, b);
 }
 
+// A compute task frees the full gradients of reduce-scatters issued two backwards before it (or
+// all, at the end), waiting for them: gradient memory then moves only with the compute stream,
+// and at most three units' full gradients are alive at once.
+void Builder::settle_grads(int compute_task, bool all) {
+  std::vector<PendingFree> keep;
+  for (PendingFree p : pending_grads_) {
+    if (all || --p.countdown == 0) {
+      at(compute_task).deps.push_back(p.reduce_scatter);
+      free(compute_task, p.buffer);
+    } else {
+      keep.push_back(p);
+    }
+  }
+  pending_grads_ = keep;
+}
+
 void Builder::reduce_grad(int u, int producer) {
   if (cfg_.world == 1) return;
   if (sharded_grads_) {
@@ -273,7 +301,7 @@ void Builder::reduce_grad(int u, int producer) {
     at(rs).axes = {plan_.shard_axis};
     at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
     at(rs).io.grads = full_grads(u);
-    free(rs, full_grads(u));
+    pending_grads_.push_back({rs, full_grads(u), 2});
     stage(rs, plan_.layout.units[u].padded, shard_elems(u), cfg_.reduce_bytes);
     reductions_.push_back(rs);
     if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
@@ -322,6 +350,7 @@ void Builder::finish() {
   int end = -1;
   if (train_) {
     const int norm = add(Op::grad_norm, kCompute, -1, last_micro_, reductions_);
+    settle_grads(norm, true);
     int before_opt = norm;
     if (cfg_.world > 1 && sharded_grads_) {
       before_opt = add(Op::norm_reduce, kComm, -1, last_micro_, {norm});
@@ -380,7 +409,9 @@ Plan Builder::build() {
     if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
   }
   last_micro_ = train_ ? static_cast<int>(cfg_.grad_accum) - 1 : 0;
-  if (train_) add(Op::zero_grads, kCompute, -1, 0);
+  // The step's first compute task; the first gathers wait for it and it brings their buffers
+  // into being, so even they are allocated in compute-stream order.
+  if (train_) start_ = add(Op::zero_grads, kCompute, -1, 0);
   for (int m = 0; m <= last_micro_; ++m) {
     for (int u = 0; u < U; ++u) forward(u, m);
     if (!train_) continue;

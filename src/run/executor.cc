@@ -144,18 +144,18 @@ void Executor::init_params(uint64_t seed) {
   }
 }
 
-void Executor::allocate(const Task& t, Run& r) {
-  if (t.allocs.empty()) return;
+void Executor::allocate(const Task& t, const std::vector<int>& ids, Run& r) {
+  if (ids.empty()) return;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    for (int a : t.allocs) {
+    for (int a : ids) {
       const plan::BufferDesc& b = r.plan.buffers[a];
       // Gradients accumulate and start at zero; everything else is written before it is read.
       const auto fill = b.role == Role::full_grads ? Buffer::Fill::zero : Buffer::Fill::none;
       r.live[a] = backend_.alloc(b.category, b.bytes, fill);
     }
   }
-  for (int a : t.allocs) {  // a task that brings the batch into being fills it
+  for (int a : ids) {  // a task that brings the batch into being fills it
     const plan::BufferDesc& b = r.plan.buffers[a];
     if (b.role == Role::value && b.value == 0) {
       int32_t* tokens = r.live[a].as<int32_t>();
@@ -399,9 +399,10 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       }
       const double start = now_us();
-      allocate(task, r);
+      allocate(task, task.allocs, r);
       (this->*kHandlers[static_cast<int>(task.op)])(task, r);
       release(task, r);
+      allocate(task, task.hands_off, r);
       finish(task, start);
     }
   };

@@ -114,7 +114,7 @@ class Executor {
   std::string label(const plan::Task& t, int64_t step) const;
   double sum_over(comm::Communicator& c, double local, const std::string& label);
   double now_us() const;
-  void allocate(const plan::Task& t, Run& r);
+  void allocate(const plan::Task& t, const std::vector<int>& ids, Run& r);
   void release(const plan::Task& t, Run& r);
   void unit_task(const plan::Task& t, Run& r);
 

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -98,6 +99,9 @@ TEST(Plan, GathersInFlightNeverExceedTheLimit) {
       worst = std::max(worst, alive);
       for (int f : t.frees)
         if (rotating(f)) --alive;
+      for (int a : t.hands_off)
+        if (rotating(a)) ++alive;
+      worst = std::max(worst, alive);
     }
     EXPECT_LE(worst, limit);
     EXPECT_GE(worst, 1);
@@ -131,6 +135,12 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
       last_free[f] = t.id;
       live.erase(f);
     }
+    for (int a : t.hands_off) {
+      EXPECT_EQ(t.stream, kCompute) << what << ": only compute tasks hand buffers off";
+      EXPECT_FALSE(live.count(a)) << what << ": " << p.buffers[a].name << " handed off while alive";
+      if (last_free.count(a)) EXPECT_TRUE(t.id == last_free[a] || p.depends_on(t.id, last_free[a])) << what;
+      live[a] = t.id;
+    }
   }
   EXPECT_TRUE(live.empty()) << what << ": " << live.size() << " buffers outlive the step, e.g. "
                             << (live.empty() ? "" : p.buffers[live.begin()->first].name);
@@ -152,6 +162,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
       EXPECT_FALSE(free_by.count(b) && free_by[b] > alloc_by[b] && free_by[b] != t.id && free_by[b] < t.id)
           << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " after it was freed";
     }
+    for (int a : t.hands_off) alloc_by[a] = t.id;  // alive for later tasks only
   }
 }
 

@@ -84,10 +84,7 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
 
   // Memory is accounted, not guessed: between steps each rank holds exactly the plan's (sharded)
   // state; within a step every category's highest bytes (the maximum over ranks) are the plan's —
-  // activations and workspace included — within 1%. Where a buffer is allocated on one stream and
-  // freed on the other (gathered parameters, a unit's full gradients freed by its reduce-scatter)
-  // the highest bytes depend on how the streams interleave, which the plan does not fix: they lie
-  // between the static state and the static state plus every such buffer at once. The MPI
+  // gathered parameters, full gradients, activations and workspace included — within 1%. The MPI
   // communicator keeps staging of its own: comm is at least the plan's bf16 staging.
   plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
   pc.shard_group = l.shard_group;
@@ -96,11 +93,6 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   const model::ModelDesc desc = tiny(l.model);
   const plan::Plan p = plan::build_plan(desc, pc);
   const MemSnapshot want = p.max_memory();
-  std::array<int64_t, kNumMemCategories> cross_stream{};  // bytes of buffers that cross streams
-  for (const auto& b : p.buffers)
-    if (b.role == plan::Role::gathered || b.role == plan::Role::full_grads) cross_stream[static_cast<int>(b.category)] += b.bytes;
-  const std::array<int64_t, kNumMemCategories> held_static{p.static_memory.params, p.static_memory.grads,
-                                                           p.static_memory.optimizer, 0, 0, 0};
   for (const auto& row : testing::read_metrics(dir_ / name / "metrics.jsonl")) {
     if (!row.contains("loss")) continue;
     const auto& held = row["mem_between_steps"];
@@ -112,9 +104,6 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
       const double got = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want.bytes[c]);
       if (cat == MemCategory::comm) {
         EXPECT_GE(got, planned) << "comm step " << row["step"];
-      } else if (cross_stream[c] > 0) {
-        EXPECT_GE(got, held_static[c]) << to_string(cat) << " step " << row["step"];
-        EXPECT_LE(got, held_static[c] + cross_stream[c]) << to_string(cat) << " step " << row["step"];
       } else {
         EXPECT_NEAR(got, planned, 0.01 * planned) << to_string(cat) << " step " << row["step"];
       }
