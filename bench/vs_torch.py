@@ -3,15 +3,16 @@
 
   /usr/bin/python3 bench/vs_torch.py                  # GPT-2 configs, 3 rounds, alternating
   /usr/bin/python3 bench/vs_torch.py --torch-only     # no shardlm binary needed
-  /usr/bin/python3 bench/vs_torch.py --configs small,llama-small --rounds 2 --steps 6
+  /usr/bin/python3 bench/vs_torch.py --configs small,llama-small --rounds 2
   bench/vs_torch.sh ...                               # the same, through /usr/bin/python3
 
 Each round runs, one after the other: shardlm (2 threads), then every PyTorch variant: intra-op
 threads (--torch-threads: torch.set_num_threads and OMP_NUM_THREADS) x OpenBLAS threads
 (--blas-threads: OPENBLAS_NUM_THREADS) x malloc (--torch-malloc: "tuned" by default, glibc's
 "default" only when asked), each a fresh process doing --steps training steps of which the
-first --warmup are not timed. Rounds alternate so that drift of the machine (thermal,
-neighbours) hits both sides alike. Reported: the median ms/step over all timed steps of all
+first --warmup are not timed (default 4: PyTorch's steps 1-4 run 1.5-4x slower than the rest,
+page-faulting in its growing heap; timing them inflates the baseline). Rounds alternate so that
+drift of the machine (thermal, neighbours) hits both sides alike. Reported: the median ms/step over all timed steps of all
 rounds (and the fastest round's median) of every variant; PyTorch's best variant, named; ratio
 = shardlm / best torch (below 1: shardlm faster). Each run prints its cpu/wall and how many
 cores other processes used meanwhile (from /proc/stat): a run next to a busy neighbour is
@@ -377,8 +378,9 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of " + ", ".join(CONFIGS))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
-    ap.add_argument("--warmup", type=int, default=2, help="steps per run not timed")
+    ap.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="steps per run not timed (torch's first 4 steps page-fault its heap in, 1.5-4x slower)")
     ap.add_argument("--threads", type=int, default=2, help="shardlm threads")
     ap.add_argument("--torch-threads", default="1,2",
                     help="comma list of torch intra-op thread counts (torch.set_num_threads, OMP_NUM_THREADS)")
@@ -466,6 +468,8 @@ def main():
                            "torch_ms": {variant_name(v): m for v, m in med_t.items()},
                            "torch_best_round_ms": {variant_name(v): min(x) for v, x in tt_rounds.items()},
                            "torch_cpu_per_wall": {variant_name(v): statistics.median(x) for v, x in tt_util.items()},
+                           "torch_timed_steps_ms": {variant_name(v): x for v, x in tt.items()},
+                           "shardlm_timed_steps_ms": sl,
                            "torch_best": variant_name(best), "torch_best_ms": med_t[best], "best_v": best,
                            "ratio": (med_s / med_t[best]) if med_s else None, "shape": CONFIGS[config]}
 
