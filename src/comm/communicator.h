@@ -13,6 +13,15 @@
 
 namespace shardlm::comm {
 
+// Caller-owned working memory for a reduction (the MPI backend's chunked schedules stage peers'
+// contributions in it). Empty, or smaller than scratch_bytes() asks: the backend takes its own
+// from a pool it keeps (MemCategory::comm). A plan gives every reduction its scratch, so the
+// memory a step uses is the plan's figure.
+struct Scratch {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+
 // Rules common to every collective:
 //  - Asynchronous: the call issues the collective and returns its Work; the buffers must stay
 //    untouched (send) / unread (recv) until the Work completes.
@@ -54,13 +63,26 @@ class Communicator {
   // send holds size()·count_per_rank elements; rank r receives the sum over ranks of block r.
   // In place allowed: recv == send + rank()·count_per_rank·dtype_size (the other blocks of send
   // are left unchanged).
+  // `scratch` must stay untouched until the Work completes.
   virtual std::shared_ptr<Work> reduce_scatter(const void* send, void* recv,
                                                int64_t count_per_rank, DType dtype,
-                                               const std::string& label) = 0;
+                                               const std::string& label, Scratch scratch) = 0;
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count_per_rank,
+                                       DType dtype, const std::string& label) {
+    return reduce_scatter(send, recv, count_per_rank, dtype, label, Scratch{});
+  }
 
   // buf = sum over ranks of buf, in place; every rank gets the same bits.
   virtual std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
-                                           const std::string& label) = 0;
+                                           const std::string& label, Scratch scratch) = 0;
+  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype, const std::string& label) {
+    return all_reduce(buf, count, dtype, label, Scratch{});
+  }
+
+  // Bytes of Scratch a reduction of `count` elements (per rank for reduce_scatter, in all for
+  // all_reduce) takes in a group of `group_size` ranks split from this communicator (same
+  // options); 0 where it needs none.
+  virtual int64_t scratch_bytes(Reduction op, int64_t count, DType dtype, int group_size) const = 0;
 
   // buf on every rank = buf on `root`.
   virtual std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,

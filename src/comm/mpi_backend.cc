@@ -233,6 +233,10 @@ MPI_Datatype mpi_type(DType t) {
 
 MPI_Op mpi_sum(DType t) { return t == DType::fp32 ? MPI_SUM : g_bf16_sum; }
 
+inline int64_t num_chunks(int64_t max_len, int64_t chunk_elems) {
+  return std::max<int64_t>(1, (max_len + chunk_elems - 1) / chunk_elems);
+}
+
 struct Ctx {
   MPI_Comm comm;
   int rank, size;
@@ -243,7 +247,29 @@ struct Ctx {
   int64_t chunk_elems;
   int window;
   std::shared_ptr<StagingPool> pool;
+  Scratch scratch;  // the caller's, for a reduction's staging (else the pool's)
 };
+
+// Staging of `bytes` for one reduction: the caller's scratch when it is large enough, else a
+// buffer from the pool, kept in `owned` until the schedule gives it back.
+char* take_staging(const Ctx& c, int64_t bytes, Buffer& owned) {
+  if (c.scratch.data && c.scratch.bytes >= bytes) return static_cast<char*>(c.scratch.data);
+  owned = c.pool->take(static_cast<size_t>(bytes));
+  return owned.as<char>();
+}
+
+// How a chunked schedule splits its largest block: K chunks of at most chunk_max elements,
+// W of them in flight.
+struct Chunking {
+  int64_t K, chunk_max;
+  int W;
+};
+Chunking chunking(int64_t max_len, int64_t chunk_elems, int window) {
+  const int64_t K = num_chunks(max_len, chunk_elems);
+  return {K, (max_len + K - 1) / K, static_cast<int>(std::min<int64_t>(window, K))};
+}
+int64_t direct_staging_elems(const Chunking& k, int size) { return int64_t(k.W) * (size - 1) * k.chunk_max; }
+int64_t ring_staging_elems(const Chunking& k) { return int64_t(2) * k.W * k.chunk_max; }
 
 // Element ranges of the size blocks of a buffer.
 struct Blocks {
@@ -278,9 +304,6 @@ struct Range {
 inline Range chunk_of(int64_t len, int64_t K, int64_t j) {
   int64_t lo = len * j / K, hi = len * (j + 1) / K;
   return {lo, hi - lo};
-}
-inline int64_t num_chunks(int64_t max_len, int64_t chunk_elems) {
-  return std::max<int64_t>(1, (max_len + chunk_elems - 1) / chunk_elems);
 }
 
 // True when the request is done (or null); then it is MPI_REQUEST_NULL.
@@ -429,11 +452,10 @@ class DirectReduceScatter final : public Machine {
  public:
   DirectReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
       : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
-    K_ = num_chunks(b_.max_len, c_.chunk_elems);
-    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
-    chunk_max_ = (b_.max_len + K_ - 1) / K_;
+    const Chunking k = chunking(b_.max_len, c_.chunk_elems, c_.window);
+    K_ = k.K, W_ = k.W, chunk_max_ = k.chunk_max;
     const int peers = c_.size - 1;
-    staging_ = c_.pool->take(static_cast<size_t>(W_) * peers * chunk_max_ * c_.esize);
+    staging_ = take_staging(c_, direct_staging_elems(k, c_.size) * c_.esize, owned_);
     slots_.resize(W_);
     for (auto& s : slots_) {
       s.recv.assign(peers, MPI_REQUEST_NULL);
@@ -441,7 +463,7 @@ class DirectReduceScatter final : public Machine {
     }
     ins_.resize(c_.size);
   }
-  ~DirectReduceScatter() override { c_.pool->give(std::move(staging_)); }
+  ~DirectReduceScatter() override { c_.pool->give(std::move(owned_)); }
 
   bool advance() override {
     for (;;) {
@@ -483,7 +505,7 @@ class DirectReduceScatter final : public Machine {
   };
   int peer(int i) const { return (c_.rank + 1 + i) % c_.size; }  // i-th peer, i in [0, size−1)
   char* stage(int slot, int i) const {
-    return staging_.as<char>() + ((static_cast<int64_t>(slot) * (c_.size - 1) + i) * chunk_max_) * c_.esize;
+    return staging_ + ((static_cast<int64_t>(slot) * (c_.size - 1) + i) * chunk_max_) * c_.esize;
   }
   void post(int64_t j) {
     const int slot = static_cast<int>(j % W_);
@@ -511,7 +533,8 @@ class DirectReduceScatter final : public Machine {
   Blocks b_;
   int64_t K_ = 1, chunk_max_ = 0;
   int W_ = 1;
-  Buffer staging_;
+  char* staging_ = nullptr;
+  Buffer owned_;  // staging from the pool when the caller gave no scratch
   std::vector<Slot> slots_;
   std::vector<const void*> ins_;
   int64_t lo_ = 0, hi_ = 0;  // chunks [lo_, hi_) are in flight
@@ -527,15 +550,14 @@ class RingReduceScatter final : public Machine {
  public:
   RingReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
       : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
-    K_ = num_chunks(b_.max_len, c_.chunk_elems);
-    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
-    chunk_max_ = (b_.max_len + K_ - 1) / K_;
-    staging_ = c_.pool->take(static_cast<size_t>(2) * W_ * chunk_max_ * c_.esize);
+    const Chunking k = chunking(b_.max_len, c_.chunk_elems, c_.window);
+    K_ = k.K, W_ = k.W, chunk_max_ = k.chunk_max;
+    staging_ = take_staging(c_, ring_staging_elems(k) * c_.esize, owned_);
     slots_.resize(W_);
     left_ = (c_.rank - 1 + c_.size) % c_.size;
     right_ = (c_.rank + 1) % c_.size;
   }
-  ~RingReduceScatter() override { c_.pool->give(std::move(staging_)); }
+  ~RingReduceScatter() override { c_.pool->give(std::move(owned_)); }
 
   bool advance() override {
     for (;;) {
@@ -584,7 +606,7 @@ class RingReduceScatter final : public Machine {
   int block_sent(int s) const { return ((c_.rank - s - 1) % c_.size + c_.size) % c_.size; }
   int block_recv(int s) const { return ((c_.rank - s - 2) % c_.size + c_.size) % c_.size; }
   char* stage(int parity, int slot) const {
-    return staging_.as<char>() + ((static_cast<int64_t>(parity) * W_ + slot) * chunk_max_) * c_.esize;
+    return staging_ + ((static_cast<int64_t>(parity) * W_ + slot) * chunk_max_) * c_.esize;
   }
   void post_step(int64_t j, Slot& s) {
     const int slot = static_cast<int>(j % W_);
@@ -613,7 +635,8 @@ class RingReduceScatter final : public Machine {
   Blocks b_;
   int64_t K_ = 1, chunk_max_ = 0;
   int W_ = 1;
-  Buffer staging_;
+  char* staging_ = nullptr;
+  Buffer owned_;  // staging from the pool when the caller gave no scratch
   std::vector<Slot> slots_;
   int left_ = 0, right_ = 0;
   int64_t lo_ = 0, hi_ = 0;
@@ -778,12 +801,24 @@ int MpiCommunicator::next_tag_base() {
   return base;
 }
 
-Algorithm MpiCommunicator::resolve(const std::string& collective, Algorithm a) const {
+Algorithm resolve_algorithm(const std::string& collective, Algorithm a, int size) {
   if (a != Algorithm::automatic) return a;
-  const bool small_group = size_ <= kDirectMaxRanks;
+  const bool small_group = size <= kDirectMaxRanks;
   if (collective == "all_to_all" || collective == "broadcast")
     return small_group ? Algorithm::direct : Algorithm::native;
   return small_group ? Algorithm::direct : Algorithm::ring;
+}
+
+int64_t mpi_scratch_bytes(const MpiOptions& o, Reduction op, int64_t count, DType dtype, int size) {
+  if (size <= 1 || count <= 0) return 0;
+  const bool rs = op == Reduction::reduce_scatter;
+  const Algorithm a = resolve_algorithm(rs ? "reduce_scatter" : "all_reduce", rs ? o.reduce_scatter : o.all_reduce, size);
+  const int64_t es = dtype_size(dtype);
+  if (a == Algorithm::via_all_reduce) return count * size * es;
+  if (a != Algorithm::direct && a != Algorithm::ring) return 0;
+  const int64_t max_block = rs ? count : (count + size - 1) / size;  // Blocks::uniform / Blocks::even
+  const Chunking k = chunking(max_block, std::max<int64_t>(1, o.chunk_bytes / es), o.window);
+  return (a == Algorithm::direct ? direct_staging_elems(k, size) : ring_staging_elems(k)) * es;
 }
 
 namespace {
@@ -823,7 +858,7 @@ std::shared_ptr<Work> MpiCommunicator::all_gather(const void* send, void* recv,
   if (a != Algorithm::direct && a != Algorithm::ring)
     throw Error(std::string("comm: all_gather cannot use algorithm ") + to_string(a));
   Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
-        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, {}};
   const Blocks b = Blocks::uniform(size_, count_per_rank);
   auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
   if (a == Algorithm::direct) {
@@ -838,7 +873,7 @@ std::shared_ptr<Work> MpiCommunicator::all_gather(const void* send, void* recv,
 
 std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* recv,
                                                       int64_t count_per_rank, DType dtype,
-                                                      const std::string& label) {
+                                                      const std::string& label, Scratch scratch) {
   static const char* kName = "reduce_scatter";
   check_count(count_per_rank, kName);
   if (!reducible(dtype)) throw Error(std::string("comm: reduce_scatter of ") + to_string(dtype) + " is not supported");
@@ -853,15 +888,18 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
   }
   const int64_t block_bytes = count_per_rank * es;
   const bool in_place = recv == static_cast<const char*>(send) + rank_ * block_bytes;
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, scratch};
   if (a == Algorithm::native || a == Algorithm::via_all_reduce) {
     auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
     w->reqs.emplace_back();
+    char* temp = nullptr;
     if (a == Algorithm::native) {
       check_native_count(count_per_rank, kName);
       void* out = recv;
-      if (in_place) {
+      if (in_place) {  // not a reduction's staging: always the pool's
         w->temp = pool_->take(block_bytes);
-        out = w->temp.data();
+        out = temp = w->temp.as<char>();
       }
       check(MPI_Ireduce_scatter_block(send, out, static_cast<int>(count_per_rank), mpi_type(dtype),
                                       mpi_sum(dtype), comm_, &w->reqs.back()),
@@ -869,18 +907,18 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
     } else {
       const int64_t total = count_per_rank * size_;
       check_native_count(total, kName);
-      w->temp = pool_->take(total * es);
-      check(MPI_Iallreduce(send, w->temp.data(), static_cast<int>(total), mpi_type(dtype),
-                           mpi_sum(dtype), comm_, &w->reqs.back()),
+      temp = take_staging(c, total * es, w->temp);
+      check(MPI_Iallreduce(send, temp, static_cast<int>(total), mpi_type(dtype), mpi_sum(dtype), comm_,
+                           &w->reqs.back()),
             "MPI_Iallreduce");
     }
-    // Copy the result out if it went to the temporary, then hand the temporary back.
+    // Copy the result out if it went to the temporary, then hand a pooled temporary back.
     auto pool = pool_;
     RequestWork* raw = w.get();
     const int64_t offset = a == Algorithm::native ? 0 : rank_ * block_bytes;
-    if (raw->temp.data()) {
-      raw->on_done = [raw, recv, offset, block_bytes, pool] {
-        std::memcpy(recv, raw->temp.as<char>() + offset, block_bytes);
+    if (temp) {
+      raw->on_done = [raw, temp, recv, offset, block_bytes, pool] {
+        std::memcpy(recv, temp + offset, block_bytes);
         pool->give(std::move(raw->temp));
       };
     }
@@ -889,8 +927,6 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
   if (a != Algorithm::direct && a != Algorithm::ring)
     throw Error(std::string("comm: reduce_scatter cannot use algorithm ") + to_string(a));
   (void)in_place;  // the point-to-point algorithms read the own block before writing it
-  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
-        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
   const Blocks b = Blocks::uniform(size_, count_per_rank);
   auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
   if (a == Algorithm::direct) {
@@ -904,7 +940,7 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
 }
 
 std::shared_ptr<Work> MpiCommunicator::all_reduce(void* buf, int64_t count, DType dtype,
-                                                  const std::string& label) {
+                                                  const std::string& label, Scratch scratch) {
   static const char* kName = "all_reduce";
   check_count(count, kName);
   if (!reducible(dtype)) throw Error(std::string("comm: all_reduce of ") + to_string(dtype) + " is not supported");
@@ -930,9 +966,10 @@ std::shared_ptr<Work> MpiCommunicator::all_reduce(void* buf, int64_t count, DTyp
   // Reduce-scatter in place into the own block, then all-gather the blocks in place. The two
   // phases use different tags: a fast peer's all-gather messages may arrive early.
   Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
-        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, scratch};
   Ctx c2 = c;
   c2.tag = tag + kMaxWindow;
+  c2.scratch = {};
   const Blocks b = Blocks::even(size_, count);
   char* own = static_cast<char*>(buf) + b.off[rank_] * es;
   auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
@@ -971,7 +1008,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(void* buf, int64_t count, DType
   }
   if (a != Algorithm::direct) throw Error(std::string("comm: broadcast cannot use algorithm ") + to_string(a));
   Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
-        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, {}};
   auto m = std::make_unique<ExchangeMachine>(c);
   if (rank_ == root) {
     for (int i = 1; i < size_; ++i) m->add_send(buf, count, (root + i) % size_);
@@ -1019,7 +1056,7 @@ std::shared_ptr<Work> MpiCommunicator::all_to_all(const void* send, void* recv,
   }
   if (a != Algorithm::direct) throw Error(std::string("comm: all_to_all cannot use algorithm ") + to_string(a));
   Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
-        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_};
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, {}};
   auto m = std::make_unique<ExchangeMachine>(c);
   const char* s = static_cast<const char*>(send);
   char* r = static_cast<char*>(recv);

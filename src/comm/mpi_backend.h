@@ -82,10 +82,15 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count_per_rank,
                                    DType dtype, const std::string& label) override;
+  using Communicator::all_reduce;
+  using Communicator::reduce_scatter;
   std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count_per_rank,
-                                       DType dtype, const std::string& label) override;
-  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
-                                   const std::string& label) override;
+                                       DType dtype, const std::string& label, Scratch scratch) override;
+  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype, const std::string& label,
+                                   Scratch scratch) override;
+  int64_t scratch_bytes(Reduction op, int64_t count, DType dtype, int group_size) const override {
+    return mpi_scratch_bytes(options_, op, count, dtype, group_size);
+  }
   std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,
                                   const std::string& label) override;
   std::shared_ptr<Work> barrier(const std::string& label) override;
@@ -98,13 +103,14 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split(int color, int key) override;
 
   const MpiOptions& options() const { return options_; }
-  // The algorithm `automatic` stands for on this communicator; others are returned unchanged.
-  // `collective` is "all_gather", "reduce_scatter", "all_reduce", "all_to_all" or "broadcast".
-  Algorithm resolve(const std::string& collective, Algorithm requested) const;
+  // The algorithm `automatic` stands for on this communicator (resolve_algorithm).
+  Algorithm resolve(const std::string& collective, Algorithm requested) const {
+    return resolve_algorithm(collective, requested, size_);
+  }
   // The MPI communicator the collectives run on (user sends and receives too).
   MPI_Comm mpi_comm() const { return comm_; }
-  // Frees the idle staging buffers the point-to-point algorithms keep for reuse (charged to
-  // MemCategory::comm while kept).
+  // Frees the idle staging buffers the point-to-point algorithms keep for reuse when a caller
+  // gives no Scratch (charged to MemCategory::comm while kept).
   void release_staging();
 
  private:

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tensor/dtype.h"
+
 namespace shardlm::comm {
 
 // A collective that has not finished after this long is an error (DESIGN.md: no rank hangs).
@@ -51,6 +53,20 @@ struct MpiOptions {
   int window = 4;
   WaitPolicy wait;
 };
+
+// The two reductions, for queries about them (Communicator::scratch_bytes).
+enum class Reduction { reduce_scatter, all_reduce };
+
+// The algorithm `automatic` stands for in a group of `size` ranks (mpi_backend.h says why);
+// others are returned unchanged. `collective` is "all_gather", "reduce_scatter", "all_reduce",
+// "all_to_all" or "broadcast".
+Algorithm resolve_algorithm(const std::string& collective, Algorithm requested, int size);
+
+// Communicator::scratch_bytes of the MPI backend with these options: the staging of the chunked
+// schedules (direct: window·(size−1) chunks, ring: 2·window chunks, each chunk at most
+// chunk_bytes), or the whole buffer for via_all_reduce; native needs none (an in-place native
+// reduce_scatter takes its temporary from the communicator's pool).
+int64_t mpi_scratch_bytes(const MpiOptions& o, Reduction op, int64_t count, DType dtype, int size);
 
 // Applies SHARDLM_COMM_ALGOS (e.g. "reduce_scatter=ring,all_reduce=native"; keys all_gather,
 // reduce_scatter, all_reduce, all_to_all, broadcast), SHARDLM_COMM_CHUNK_KB and SHARDLM_COMM_WINDOW from

@@ -71,7 +71,7 @@ std::shared_ptr<Work> SingleRankCommunicator::all_gather(const void* send, void*
 
 std::shared_ptr<Work> SingleRankCommunicator::reduce_scatter(const void* send, void* recv,
                                                              int64_t count_per_rank, DType dtype,
-                                                             const std::string& label) {
+                                                             const std::string& label, Scratch) {
   check_count(count_per_rank, "reduce_scatter");
   if (!reducible(dtype))
     throw Error(std::string("comm: reduce_scatter of ") + to_string(dtype) + " is not supported");
@@ -80,7 +80,7 @@ std::shared_ptr<Work> SingleRankCommunicator::reduce_scatter(const void* send, v
 }
 
 std::shared_ptr<Work> SingleRankCommunicator::all_reduce(void*, int64_t count, DType dtype,
-                                                         const std::string& label) {
+                                                         const std::string& label, Scratch) {
   check_count(count, "all_reduce");
   if (!reducible(dtype))
     throw Error(std::string("comm: all_reduce of ") + to_string(dtype) + " is not supported");

@@ -20,10 +20,13 @@ class SingleRankCommunicator final : public Communicator {
 
   std::shared_ptr<Work> all_gather(const void* send, void* recv, int64_t count_per_rank,
                                    DType dtype, const std::string& label) override;
+  using Communicator::all_reduce;
+  using Communicator::reduce_scatter;
   std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, int64_t count_per_rank,
-                                       DType dtype, const std::string& label) override;
-  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype,
-                                   const std::string& label) override;
+                                       DType dtype, const std::string& label, Scratch scratch) override;
+  std::shared_ptr<Work> all_reduce(void* buf, int64_t count, DType dtype, const std::string& label,
+                                   Scratch scratch) override;
+  int64_t scratch_bytes(Reduction, int64_t, DType, int) const override { return 0; }
   std::shared_ptr<Work> broadcast(void* buf, int64_t count, DType dtype, int root,
                                   const std::string& label) override;
   std::shared_ptr<Work> barrier(const std::string& label) override;

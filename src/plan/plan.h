@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -98,7 +99,8 @@ struct Operands {
   int saved = -1, recomputable = -1;
   int forward_ws = -1, backward_ws = -1;
   int grad_stream = -1;
-  int staging = -1;
+  int staging = -1;       // bf16 collectives: the cast copy
+  int comm_scratch = -1;  // reductions: the communicator's working memory
 };
 
 struct Task {
@@ -132,6 +134,10 @@ struct PlanConfig {
   model::Recompute recompute = model::Recompute::none;
   int threads = 1;  // compute threads (kernels' per-thread scratch)
   enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
+  // Bytes of working memory the communicator takes for a reduction task of `count` elements
+  // (per rank for reduce_scatter, in all for all_reduce) of `elem` bytes over `group` ranks
+  // (Communicator::scratch_bytes); each such task gets a buffer of that size. Unset: none.
+  std::function<int64_t(Op op, int64_t count, int elem, int group)> reduction_scratch;
 };
 
 struct MeshAxis {

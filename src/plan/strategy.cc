@@ -80,6 +80,20 @@ class Builder {
     at(t).io.staging = b;
   }
 
+  // The communicator's working memory for a reduction of `count` elements per rank
+  // (reduce_scatter) or in all (all_reduce), alive inside the task.
+  void reduction_scratch(int t, int64_t count) {
+    if (!cfg_.reduction_scratch) return;
+    int group = 1;
+    for (int a : at(t).axes) group *= plan_.mesh[a].size;
+    const int64_t bytes = cfg_.reduction_scratch(at(t).op, count, cfg_.reduce_bytes, group);
+    if (bytes <= 0) return;
+    const int b = buffer("comm scratch " + at(t).name(&desc_), Role::staging, MemCategory::comm, bytes, at(t).unit,
+                         cfg_.reduce_bytes == 2 ? DType::bf16 : DType::fp32);
+    scratch(t, b);
+    at(t).io.comm_scratch = b;
+  }
+
   int gather(int u, int micro, int prefetch);
   int gather_kept(int u);
   void consume(int compute_task);
@@ -303,12 +317,14 @@ void Builder::reduce_grad(int u, int producer) {
     at(rs).io.grads = full_grads(u);
     pending_grads_.push_back({rs, full_grads(u), 2});
     stage(rs, plan_.layout.units[u].padded, shard_elems(u), cfg_.reduce_bytes);
+    reduction_scratch(rs, shard_elems(u));
     reductions_.push_back(rs);
     if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
       const int ar = add(Op::all_reduce, kComm, u, last_micro_, {rs});
       at(ar).axes = {plan_.replicate_axis};
       at(ar).bytes = shard_elems(u) * cfg_.reduce_bytes;
       stage(ar, shard_elems(u), 0, cfg_.reduce_bytes);
+      reduction_scratch(ar, shard_elems(u));
       reductions_.push_back(ar);
     }
     return;
@@ -328,6 +344,7 @@ void Builder::close_bucket(int producer) {
   at(ar).last_unit = bucket_last_;
   at(ar).bytes = bucket_bytes_;
   stage(ar, bucket_bytes_ / cfg_.reduce_bytes, 0, cfg_.reduce_bytes);
+  reduction_scratch(ar, bucket_bytes_ / cfg_.reduce_bytes);
   reductions_.push_back(ar);
   bucket_first_ = bucket_last_ = -1;
   bucket_bytes_ = 0;

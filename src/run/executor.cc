@@ -283,6 +283,12 @@ void Executor::optimizer(const Task&, Run& r) {
 
 // ---- communication handlers
 
+comm::Scratch Executor::comm_scratch(const Task& t, Run& r) {
+  if (t.io.comm_scratch < 0) return {};
+  Buffer& b = r.live[t.io.comm_scratch];
+  return {b.data(), static_cast<int64_t>(b.bytes())};
+}
+
 void Executor::all_gather(const Task& t, Run& r) {
   comm::Communicator& c = comms_.get(r.plan, t.axes);
   const std::string lbl = label(t, r.step);
@@ -310,11 +316,12 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
   const Shard s = shard_of(t.unit);
   float* full = r.f32(t.io.grads);
   float* mine = local(grads_, plan_.state.grads, t.unit);
-  if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl)->wait(timeout_);
+  const comm::Scratch scratch = comm_scratch(t, r);
+  if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
   uint16_t* own = whole + s.len * plan_.shard_size;
   backend_.fp32_to_bf16(whole, full, s.len * plan_.shard_size);
-  c.reduce_scatter(whole, own, s.len, DType::bf16, lbl)->wait(timeout_);
+  c.reduce_scatter(whole, own, s.len, DType::bf16, lbl, scratch)->wait(timeout_);
   backend_.bf16_to_fp32(mine, own, s.len);
 }
 
@@ -332,10 +339,11 @@ void Executor::all_reduce(const Task& t, Run& r) {
     buf = local(grads_, plan_.state.grads, t.unit);
     n = shard_of(t.unit).len;
   }
-  if (t.io.staging < 0) return c.all_reduce(buf, n, DType::fp32, lbl)->wait(timeout_);
+  const comm::Scratch scratch = comm_scratch(t, r);
+  if (t.io.staging < 0) return c.all_reduce(buf, n, DType::fp32, lbl, scratch)->wait(timeout_);
   uint16_t* tmp = r.live[t.io.staging].as<uint16_t>();
   backend_.fp32_to_bf16(tmp, buf, n);
-  c.all_reduce(tmp, n, DType::bf16, lbl)->wait(timeout_);
+  c.all_reduce(tmp, n, DType::bf16, lbl, scratch)->wait(timeout_);
   backend_.bf16_to_fp32(buf, tmp, n);
 }
 

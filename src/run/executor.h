@@ -128,6 +128,7 @@ class Executor {
   void optimizer(const plan::Task& t, Run& r);
   void all_gather(const plan::Task& t, Run& r);
   void reduce_scatter(const plan::Task& t, Run& r);
+  comm::Scratch comm_scratch(const plan::Task& t, Run& r);
   void all_reduce(const plan::Task& t, Run& r);
   void param_gather(const plan::Task& t, Run& r);
   void norm_reduce(const plan::Task& t, Run& r);

@@ -93,6 +93,17 @@ double measure_gemm_gflops() {
   return 2.0 * n * n * n / (best * 1e-3) / 1e9;
 }
 
+namespace {
+// The plan's question about a reduction task, put to the communicator's scratch_bytes.
+std::function<int64_t(plan::Op, int64_t, int, int)> reduction_scratch(
+    std::function<int64_t(comm::Reduction, int64_t, DType, int)> scratch_bytes) {
+  return [scratch_bytes](plan::Op op, int64_t count, int elem, int group) {
+    return scratch_bytes(op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
+                         count, elem == 2 ? DType::bf16 : DType::fp32, group);
+  };
+}
+}  // namespace
+
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   plan::PlanConfig pc;
   pc.strategy = plan::parse_strategy(cfg.strategy);
@@ -109,10 +120,23 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
   pc.recompute = model::parse_recompute(cfg.recompute);
   pc.threads = cfg.threads;
+  pc.reduction_scratch = reduction_scratch([o = comm::mpi_options_from_env()](comm::Reduction op, int64_t count,
+                                                                               DType dtype, int group) {
+    return comm::mpi_scratch_bytes(o, op, count, dtype, group);
+  });
   return pc;
 }
 
 namespace {
+
+// The plan for the communicator at hand: its reductions' scratch as `world` takes it.
+plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& world) {
+  plan::PlanConfig pc = plan_config(cfg, world.size());
+  pc.reduction_scratch = reduction_scratch([&world](comm::Reduction op, int64_t count, DType dtype, int group) {
+    return world.scratch_bytes(op, count, dtype, group);
+  });
+  return pc;
+}
 
 // Everything one rank's run holds: data, model, plan, communicators, executor.
 struct Session {
@@ -142,7 +166,7 @@ struct Session {
         train_data(c.data + "_train.bin"),
         val_data(c.data + "_val.bin"),
         desc(model::describe(mc)),
-        plan(plan::build_plan(desc, plan_config(c, w.size()))),
+        plan(plan::build_plan(desc, plan_config(c, w))),
         comms(w, plan),
         ex(desc, plan, comms, c.threads, timeout) {}
 
