@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -314,6 +315,26 @@ bool test_req(MPI_Request& r) {
   return flag != 0;
 }
 
+// The MPI_COMM_WORLD rank of rank `r` of `comm`: what a user knows the rank by.
+int world_rank(MPI_Comm comm, int r) {
+  MPI_Group group, world;
+  int out = r;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return r;
+  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    MPI_Group_translate_ranks(group, 1, &r, world, &out);
+    MPI_Group_free(&world);
+  }
+  MPI_Group_free(&group);
+  return out == MPI_UNDEFINED ? r : out;
+}
+
+// Adds `peer` (a rank of c.comm) as a world rank when `req`, a message from or to it, is still
+// pending: a receive the peer has not sent, or a send (too long to go eagerly) it has not
+// posted the receive of.
+void add_if_pending(const Ctx& c, MPI_Request& req, int peer, std::set<int>& out) {
+  if (!test_req(req)) out.insert(world_rank(c.comm, peer));
+}
+
 void isend(const Ctx& c, const void* buf, int64_t count, int peer, int tag, MPI_Request* r) {
   check(MPI_Isend(buf, static_cast<int>(count), c.type, peer, tag, c.comm, r), "MPI_Isend");
 }
@@ -331,6 +352,9 @@ class MpiWork : public Work {
     return test_own();
   }
   virtual bool test_own() = 0;
+  std::vector<int> waiting_for_locked() final { return waiting_for_own(); }
+  // Native MPI collectives do not say whom they wait for.
+  virtual std::vector<int> waiting_for_own() { return {}; }
 };
 
 // A native MPI operation: one or more requests, then an optional action (a copy out of a
@@ -363,6 +387,8 @@ class Machine {
   virtual ~Machine() = default;
   // Posts what can be posted, tests what is in flight, reduces what arrived; true when done.
   virtual bool advance() = 0;
+  // The world ranks whose messages this rank still waits for (called after a timeout).
+  virtual void waiting_for(std::set<int>& ranks) = 0;
 };
 
 class ScheduleWork final : public MpiWork {
@@ -380,6 +406,11 @@ class ScheduleWork final : public MpiWork {
       ++cur_;
     }
     return true;
+  }
+  std::vector<int> waiting_for_own() override {
+    std::set<int> ranks;
+    if (cur_ < phases.size()) phases[cur_]->waiting_for(ranks);
+    return {ranks.begin(), ranks.end()};
   }
 
  private:
@@ -424,6 +455,12 @@ class ExchangeMachine final : public Machine {
           "MPI_Testall");
     return flag != 0;
   }
+  void waiting_for(std::set<int>& ranks) override {  // reqs_: the receives, then the sends
+    for (size_t i = 0; i < reqs_.size(); ++i) {
+      const int peer = i < recvs_.size() ? recvs_[i].peer : sends_[i - recvs_.size()].peer;
+      add_if_pending(c_, reqs_[i], peer, ranks);
+    }
+  }
 
  private:
   struct Msg {
@@ -464,6 +501,13 @@ class DirectReduceScatter final : public Machine {
     ins_.resize(c_.size);
   }
   ~DirectReduceScatter() override { c_.pool->give(std::move(owned_)); }
+  void waiting_for(std::set<int>& ranks) override {
+    for (int64_t j = lo_; j < hi_; ++j)
+      for (int i = 0; i < c_.size - 1; ++i) {
+        add_if_pending(c_, slots_[j % W_].recv[i], peer(i), ranks);
+        add_if_pending(c_, slots_[j % W_].send[i], peer(i), ranks);
+      }
+  }
 
   bool advance() override {
     for (;;) {
@@ -558,6 +602,12 @@ class RingReduceScatter final : public Machine {
     right_ = (c_.rank + 1) % c_.size;
   }
   ~RingReduceScatter() override { c_.pool->give(std::move(owned_)); }
+  void waiting_for(std::set<int>& ranks) override {  // a ring only talks to its two neighbours
+    for (int64_t j = lo_; j < hi_; ++j) {
+      add_if_pending(c_, slots_[j % W_].recv, left_, ranks);
+      add_if_pending(c_, slots_[j % W_].send, right_, ranks);
+    }
+  }
 
   bool advance() override {
     for (;;) {
@@ -653,6 +703,12 @@ class RingAllGather final : public Machine {
     slots_.resize(W_);
     left_ = (c_.rank - 1 + c_.size) % c_.size;
     right_ = (c_.rank + 1) % c_.size;
+  }
+  void waiting_for(std::set<int>& ranks) override {  // a ring only talks to its two neighbours
+    for (int64_t j = lo_; j < hi_; ++j) {
+      add_if_pending(c_, slots_[j % W_].recv, left_, ranks);
+      add_if_pending(c_, slots_[j % W_].send, right_, ranks);
+    }
   }
   bool advance() override {
     if (!copied_) {

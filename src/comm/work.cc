@@ -9,21 +9,25 @@ namespace shardlm::comm {
 namespace {
 std::string timeout_message(const std::string& collective, const std::string& label, int rank,
                             int size, const std::string& backend,
-                            std::chrono::milliseconds timeout) {
+                            std::chrono::milliseconds timeout, const std::vector<int>& waiting_for) {
   std::ostringstream os;
   os << "comm timeout: " << collective << " \"" << label << "\" on rank " << rank << " of "
      << size << " (" << backend << ") did not complete within " << timeout.count() << " ms";
+  for (size_t i = 0; i < waiting_for.size(); ++i)
+    os << (i == 0 ? (waiting_for.size() == 1 ? "; still waiting for rank " : "; still waiting for ranks ") : ", ")
+       << waiting_for[i];
   return os.str();
 }
 }  // namespace
 
 TimeoutError::TimeoutError(const std::string& collective, const std::string& label, int rank,
                            int size, const std::string& backend,
-                           std::chrono::milliseconds timeout)
-    : Error(timeout_message(collective, label, rank, size, backend, timeout)),
+                           std::chrono::milliseconds timeout, std::vector<int> waiting_for)
+    : Error(timeout_message(collective, label, rank, size, backend, timeout, waiting_for)),
       collective_(collective),
       label_(label),
-      rank_(rank) {}
+      rank_(rank),
+      waiting_for_(std::move(waiting_for)) {}
 
 Work::Work(std::string collective, std::string label, int rank, int size, std::string backend,
            WaitPolicy policy)
@@ -66,7 +70,12 @@ void Work::wait(std::chrono::milliseconds timeout) {
     // Elapsed time in the timeout's unit, so that a huge timeout cannot overflow.
     const auto elapsed = clock::now() - start;
     if (std::chrono::duration_cast<std::chrono::milliseconds>(elapsed) >= timeout) {
-      throw TimeoutError(collective_, label_, rank_, size_, backend_, timeout);
+      std::vector<int> missing;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        missing = waiting_for_locked();
+      }
+      throw TimeoutError(collective_, label_, rank_, size_, backend_, timeout, std::move(missing));
     }
     if (elapsed < policy_.spin) {
       std::this_thread::yield();

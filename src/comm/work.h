@@ -7,6 +7,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "comm/options.h"
 
@@ -19,20 +20,26 @@ class Error : public std::runtime_error {
 };
 
 // A collective did not finish in time. what() is one line naming the collective, the caller's
-// label, the rank and the timeout, e.g.
+// label, the rank, the timeout and, where the algorithm can tell, the (world) ranks whose messages
+// have not come or whose receives of this rank's messages have not been posted — the ones that
+// stalled, as far as this rank can tell, e.g.
 //   comm timeout: all_gather "all_gather unit h.3 step 7" on rank 1 of 4 (mpi) did not complete
-//   within 5000 ms
+//   within 5000 ms; still waiting for rank 3
 class TimeoutError : public Error {
  public:
   TimeoutError(const std::string& collective, const std::string& label, int rank, int size,
-               const std::string& backend, std::chrono::milliseconds timeout);
+               const std::string& backend, std::chrono::milliseconds timeout,
+               std::vector<int> waiting_for = {});
   const std::string& collective() const { return collective_; }
   const std::string& label() const { return label_; }
   int rank() const { return rank_; }
+  // World ranks this rank was still waiting for (empty: the algorithm cannot tell).
+  const std::vector<int>& waiting_for() const { return waiting_for_; }
 
  private:
   std::string collective_, label_;
   int rank_;
+  std::vector<int> waiting_for_;
 };
 
 // Thread safety: is_completed() and wait() may be called from any thread, also concurrently;
@@ -68,6 +75,9 @@ class Work {
   // One progress step; returns true once complete. Called with the Work's mutex held, never
   // again after it returned true.
   virtual bool test() = 0;
+  // The world ranks whose messages have not arrived, as far as this rank can tell (called with
+  // the mutex held, after a timeout).
+  virtual std::vector<int> waiting_for_locked() { return {}; }
 
  private:
   friend class ProgressRegistry;

@@ -2,6 +2,7 @@
 // mpirun gave (the suite runs at N = 1, 2, 3 and 4), against the serial expectation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -230,6 +231,48 @@ TEST_F(MpiBasics, SendRecvRing) {
   for (int64_t i = 0; i < c; ++i) {
     ASSERT_EQ(ra[i], small_int(left, i));
     ASSERT_EQ(rb[i], small_int(left, i, 9));
+  }
+}
+
+// A rank that does not issue a collective: every survivor's TimeoutError names it (direct: it
+// alone; ring: at least its two neighbours name it, a rank further round waits on a survivor).
+// Then the late rank issues it and the collective completes on every rank.
+TEST(Stall, ATimeoutNamesTheRankThatDidNotIssue) {
+  for (Algorithm a : {Algorithm::direct, Algorithm::ring}) {
+    MpiOptions o;
+    o.all_gather = o.reduce_scatter = o.all_reduce = a;
+    MpiCommunicator comm(o);
+    const int n = comm.size(), r = comm.rank(), late = n - 1;
+    if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+    const int64_t c = testing::kLargeCount;  // too long to go eagerly: sends wait for the receive
+    for (int op = 0; op < 3; ++op) {
+      std::vector<float> send(c * n, 1.0f), recv(c * n, 0.0f);
+      auto issue = [&] {
+        if (op == 0) return comm.all_gather(send.data(), recv.data(), c, DType::fp32, "stalled ag");
+        if (op == 1) return comm.reduce_scatter(send.data(), recv.data(), c, DType::fp32, "stalled rs");
+        return comm.all_reduce(send.data(), c * n, DType::fp32, "stalled ar");
+      };
+      const std::string what = std::string(to_string(a)) + " op " + std::to_string(op);
+      int token = 0;
+      if (r == late) {  // issues only once every survivor has timed out
+        for (int q = 0; q < n - 1; ++q) comm.recv(&token, 1, DType::fp32, q, 3, "timed out")->wait(kTestTimeout);
+        issue()->wait(kTestTimeout);
+        continue;
+      }
+      auto w = issue();
+      try {
+        w->wait(std::chrono::milliseconds(200));
+        ADD_FAILURE() << what << ": completed without rank " << late;
+      } catch (const TimeoutError& e) {
+        const auto& got = e.waiting_for();
+        const bool names_late = std::find(got.begin(), got.end(), late) != got.end();
+        if (a == Algorithm::direct) EXPECT_EQ(got, std::vector<int>{late}) << what << ": " << e.what();
+        else if (r == 0 || r == late - 1) EXPECT_TRUE(names_late) << what << ": " << e.what();
+        EXPECT_NE(std::string(e.what()).find("still waiting for rank"), std::string::npos) << e.what();
+      }
+      comm.send(&token, 1, DType::fp32, late, 3, "timed out")->wait(kTestTimeout);
+      w->wait(kTestTimeout);
+    }
   }
 }
 

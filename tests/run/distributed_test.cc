@@ -298,13 +298,15 @@ class FailureSlow : public DistributedSlow {};
 
 TEST_F(FailureSlow, ARankThatSkipsACollectiveFailsTheJobWithItsName) {
   const auto t0 = std::chrono::steady_clock::now();
-  const auto r = mpirun(2, args("skip", 2) + " --timeout 3", "-x SHARDLM_FAULT_SKIP_COLLECTIVE=1:2");
+  const auto r = mpirun(3, args("skip", 2) + " --timeout 3", "-x SHARDLM_FAULT_SKIP_COLLECTIVE=1:2");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.code, 0) << r.out;
-  // Rank 0 waits in the first collective rank 1 skipped and reports it by name.
-  EXPECT_NE(r.out.find("rank 0"), std::string::npos) << r.out;
+  // A survivor waits in the first collective rank 1 skipped, reports it by name and names the
+  // rank it still waits for — not itself, not the other survivor.
   EXPECT_NE(r.out.find("all_gather unit embedding step 2"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("step 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("still waiting for rank 1"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("still waiting for rank 0"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("still waiting for rank 2"), std::string::npos) << r.out;
   EXPECT_LT(s, 60) << "the job took " << s << " s to fail";
 }
 
