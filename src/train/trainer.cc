@@ -190,7 +190,7 @@ std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicato
     int64_t resumed_step = -1;
     check_resume_override_use(cfg);
     if (!cfg.resume.empty()) {
-      resolve_model(cfg, read_data_meta(cfg.data));
+      resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
       const RunState saved = read_checkpoint_state(cfg.resume);
       check_resume_matches(cfg, world.size(), saved.run, cfg.resume + "/state.json");
       resumed_step = saved.step;
