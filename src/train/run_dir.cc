@@ -223,7 +223,17 @@ void CheckedLog::Buffer::drain() {
   setp(space_.data(), space_.data() + space_.size());  // dropped on failure too: never retried half
   if (n == 0) return;
   if (fd_ < 0) throw std::runtime_error(path_ + ": cannot write: not open");
-  write_all(fd_, space_.data(), n, path_);
+  // A write that fails part-way (disk full) is cut back off, so that the log still ends with the
+  // last whole line (the buffer is flushed line by line).
+  const off_t before = ::lseek(fd_, 0, SEEK_END);
+  try {
+    write_all(fd_, space_.data(), n, path_);
+  } catch (...) {
+    if (before >= 0 && ::ftruncate(fd_, before) != 0) {
+      // Not a regular file (a pipe, /dev/full): nothing to cut back.
+    }
+    throw;
+  }
 }
 
 int CheckedLog::Buffer::overflow(int c) {
