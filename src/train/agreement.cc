@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -59,6 +60,19 @@ std::string describe_values(const std::vector<std::string>& values) {
   return out;
 }
 
+// "123456/7890": the byte sizes of the token files this rank reads, so that ranks on machines
+// holding different files under one name are told apart ("absent" where a file is missing).
+std::string data_file_sizes(const std::string& prefix) {
+  std::string out;
+  for (const char* part : {"_train.bin", "_val.bin"}) {
+    std::error_code ec;
+    const auto bytes = std::filesystem::file_size(prefix + part, ec);
+    if (!out.empty()) out += '/';
+    out += ec ? std::string("absent") : std::to_string(bytes);
+  }
+  return out;
+}
+
 }  // namespace
 
 Settings rank_settings(const TrainConfig& c) {
@@ -77,6 +91,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"tie-embeddings", s(c.tie_embeddings)},
       {"recompute", c.recompute},
       {"data", c.data},
+      {"data file bytes (train/val)", data_file_sizes(c.data)},
       {"resume", c.resume},
       {"steps", s(c.steps)},
       {"batch", s(c.batch)},

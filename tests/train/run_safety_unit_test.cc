@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -76,6 +77,22 @@ TEST(RankSettings, LeaveOutWhatIsTheProcesssOwn) {
   EXPECT_EQ(rank_settings(a), rank_settings(b));
   b.trace = "t.json";  // whether there is a trace decides its gathers
   EXPECT_NE(rank_settings(a), rank_settings(b));
+}
+
+// Ranks on machines that hold different token files under one name are told apart by size.
+TEST(RankSettings, TellDifferentTokenFilesUnderOneNameApart) {
+  const fs::path prefix = fs::temp_directory_path() / ("shardlm_settings_" + std::to_string(::getpid()));
+  TrainConfig c;
+  c.data = prefix.string();
+  const auto absent = rank_settings(c);
+  std::ofstream(prefix.string() + "_train.bin") << "0123456789";
+  std::ofstream(prefix.string() + "_val.bin") << "01234";
+  const auto present = rank_settings(c);
+  EXPECT_NE(absent, present);
+  EXPECT_NE(std::find(present.begin(), present.end(), std::pair<std::string, std::string>{"data file bytes (train/val)", "10/5"}),
+            present.end());
+  fs::remove(prefix.string() + "_train.bin");
+  fs::remove(prefix.string() + "_val.bin");
 }
 
 TEST(ResumeCheck, NamesEveryChangeAndHonoursOverrides) {
