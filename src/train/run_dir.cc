@@ -1,5 +1,6 @@
 #include "train/run_dir.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -73,6 +74,16 @@ int lock_dir(const std::string& dir) {
     throw;
   }
   return fd;
+}
+
+// Whether `path` lies in directory `dir` (both resolved, so "runs/a/ckpt/../ckpt/step_2" is).
+bool is_inside(const fs::path& path, const fs::path& dir) {
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  const fs::path d = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  if (ec) return false;
+  const auto [d_end, p_at] = std::mismatch(d.begin(), d.end(), p.begin(), p.end());
+  return d_end == d.end() && p_at != p.end();
 }
 
 bool holds_a_run(const std::string& dir) {
@@ -174,10 +185,15 @@ std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t
   const int fd = lock_dir(dir);
   std::unique_ptr<RunDirectory> run(new RunDirectory(dir, fd));  // from here on, the lock is released on throw
   run->resumed_step_ = resumed_step;
-  if (resumed_step < 0 && holds_a_run(dir)) {
+  // Resuming DIR's own checkpoint continues DIR's run; any other run into a directory holding a
+  // run would mix two runs' records.
+  const bool continues_dir = resumed_step >= 0 && is_inside(cfg.resume, fs::path(dir) / "ckpt");
+  if (!continues_dir && holds_a_run(dir)) {
     if (!cfg.overwrite)
-      throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/); --resume " + dir +
-                               "/ckpt/step_N to continue it, --overwrite to replace it, or choose another --out");
+      throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/)" +
+                               (resumed_step >= 0 ? ", not the run --resume " + cfg.resume + " continues" : "") +
+                               "; --resume " + dir + "/ckpt/step_N to continue it, --overwrite to replace it, or "
+                               "choose another --out");
     run->replace_ = true;
   }
   return run;

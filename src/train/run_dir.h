@@ -3,8 +3,9 @@
 //    dies, however it dies) and holds the holder's pid, so a second run on DIR fails at once
 //    naming it;
 //  - a directory that already holds a run (a non-empty metrics.jsonl or a ckpt/) is refused unless
-//    the run resumes (--resume: metrics.jsonl is cut back to the resumed step, so no step appears
-//    twice) or overwrites it (--overwrite: the old metrics.jsonl and ckpt/ are removed);
+//    the run resumes one of its checkpoints (--resume DIR/ckpt/step_N: metrics.jsonl is cut back to
+//    the resumed step, so no step appears twice) or overwrites it (--overwrite: the old
+//    metrics.jsonl and ckpt/ are removed);
 //  - temporary checkpoint directories a dead run left (ckpt/step_N.tmp-PID, .old-PID) are removed;
 //  - metrics.jsonl is written through CheckedLog: a failed write (disk full) stops the run with a
 //    line naming the file and the reason instead of leaving a log cut mid-line behind exit 0.

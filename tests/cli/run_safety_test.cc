@@ -133,6 +133,12 @@ TEST_F(RunSafety, DirectoryHoldingARunIsRefusedUnlessOverwriteOrResume) {
   ASSERT_EQ(shardlm(args("held", 3) + " --overwrite").code, 0);  // no --save-every: no ckpt/ of its own
   EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2}));
   EXPECT_FALSE(fs::exists(dir_ / "held" / "ckpt")) << "the old run's checkpoints outlived --overwrite";
+
+  // Resuming another directory's checkpoint into it would mix two runs: refused, or replaced.
+  ASSERT_EQ(shardlm(args("other", 4) + " --save-every 2").code, 0);
+  expect_one_error(shardlm(args("held", 4) + " --resume " + ckpt("other", 2)), {"holds a run", "not the run --resume"});
+  ASSERT_EQ(shardlm(args("held", 4) + " --resume " + ckpt("other", 2) + " --overwrite").code, 0);
+  EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{2, 3}));
 }
 
 // A resume used to append after the old run's later steps: step numbers appeared twice. Now the
