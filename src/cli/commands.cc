@@ -17,6 +17,7 @@
 #include "data/tokenizer.h"
 #include "kernels/cpu.h"
 #include "run/executor.h"
+#include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/trainer.h"
@@ -79,6 +80,11 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
   cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
+  cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
+  cmd->add_option("--resume-override", c.resume_override,
+                  "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")
+      ->delimiter(',')
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->capture_default_str();
   cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
@@ -179,6 +185,10 @@ int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
       auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
       fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
     }
+  } catch (const train::AgreedFailure& e) {
+    // Every rank knows: one line from rank 0, and every rank finalizes instead of aborting.
+    if (e.report()) std::cerr << "shardlm: error: " << e.what() << "\n";
+    code = 1;
   } catch (const std::exception& e) {
     const bool distributed = world && world->size() > 1;
     std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";

@@ -1,6 +1,8 @@
 #include "trace/trace.h"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -37,8 +39,17 @@ std::string RankTrace::events_json() const {
 
 void write_trace(const std::string& path, const std::vector<std::string>& rank_parts) {
   const std::string tmp = path + ".tmp";
+  // A write that fails (disk full, file size limit) must stop the run with its reason, not
+  // leave a cut trace behind a successful exit: every write, the flush and the close are checked.
+  auto fail = [&](int err) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    return std::runtime_error("trace: cannot write " + path + " (through " + tmp + "): " + std::strerror(err));
+  };
   {
+    errno = 0;
     std::ofstream f(tmp);
+    if (!f) throw fail(errno);
     f << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
     bool first = true;
     for (const auto& part : rank_parts) {
@@ -48,9 +59,14 @@ void write_trace(const std::string& path, const std::vector<std::string>& rank_p
       first = false;
     }
     f << "\n]}\n";
-    if (!f) throw std::runtime_error("trace: cannot write " + tmp);
+    f.flush();
+    if (!f) throw fail(errno);
+    f.close();
+    if (!f) throw fail(errno);
   }
-  std::filesystem::rename(tmp, path);
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error("trace: cannot rename " + tmp + " to " + path + ": " + ec.message());
 }
 
 }  // namespace shardlm::trace

@@ -75,6 +75,7 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
                 // Batches are a pure function of (seed, step), so the step is the data position.
                 {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", state.step}}},
                 {"rng", {{"seed", state.seed}}},
+                {"run", state.run},
                 {"schedule",
                  {{"lr", cfg.lr},
                   {"min_lr", cfg.min_lr},
@@ -102,6 +103,17 @@ RunState read_checkpoint_state(const std::string& dir) {
   s.tokenizer = field<std::string>(j, "tokenizer", path);
   if (!j.contains("rng")) throw std::runtime_error("checkpoint: " + path + " has no field 'rng'");
   s.seed = field<uint64_t>(j["rng"], "seed", path);
+  if (j.contains("run") && j["run"].is_object()) {
+    s.run = j["run"];
+  } else {
+    s.run = {{"seed", s.seed}};
+    if (j.contains("schedule") && j["schedule"].is_object()) {
+      const json& sch = j["schedule"];
+      for (const auto& [from, to] :
+           {std::pair{"lr", "lr"}, {"min_lr", "min-lr"}, {"warmup_steps", "warmup"}, {"total_steps", "steps"}})
+        if (sch.contains(from)) s.run[to] = sch[from];
+    }
+  }
   return s;
 }
 

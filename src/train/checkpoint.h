@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "model/model.h"
@@ -19,6 +20,9 @@ struct RunState {
   int64_t step = 0;  // steps completed; the next step to run
   uint64_t seed = 0;
   std::string tokenizer = "gpt2";
+  // The settings that define the run (resume_check.h's run_identity), checked on resume. Read
+  // from state.json's "run"; older files give what their "schedule" and "rng" hold.
+  nlohmann::json run;
 };
 
 // exp_avg / exp_avg_sq may be null (no optimizer.safetensors).

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/model.h"
 
@@ -20,6 +21,9 @@ struct TrainConfig {
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";
   std::string resume;  // checkpoint directory
+  bool overwrite = false;  // a new run may replace the run that --out holds (run_dir.h)
+  // Settings that define the run which a resumed run may change on purpose (resume_check.h).
+  std::vector<std::string> resume_override;
 
   int64_t steps = 1000;
   int64_t batch = 4;  // B sequences per micro-step

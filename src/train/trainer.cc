@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -14,8 +15,11 @@
 #include "data/shard.h"
 #include "kernels/cpu.h"
 #include "run/executor.h"
+#include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/resume_check.h"
+#include "train/run_dir.h"
 #include "train/schedule.h"
 #include "trace/trace.h"
 
@@ -152,7 +156,7 @@ struct Session {
   plan::Plan plan;
   run::CommGroups comms;
   run::Executor ex;
-  std::ofstream metrics;
+  CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
 
   Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
       : cfg(c),
@@ -199,12 +203,31 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
   return mc;
 }
 
+// Before any collective of the step: the ranks agree on their settings; then rank 0 checks that
+// a resume continues the saved run and takes the run directory. A failure there ends every rank.
+// Returns rank 0's run directory (nullptr on the other ranks).
+std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicator& world) {
+  const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
+  check_ranks_agree(cfg, world, timeout);
+  std::unique_ptr<RunDirectory> dir;
+  on_lead_or_all_fail(world, timeout, [&] {
+    int64_t resumed_step = -1;
+    check_resume_override_use(cfg);
+    if (!cfg.resume.empty()) {
+      resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
+      const RunState saved = read_checkpoint_state(cfg.resume);
+      check_resume_matches(cfg, world.size(), saved.run, cfg.resume + "/state.json");
+      resumed_step = saved.step;
+    }
+    dir = RunDirectory::open(cfg, resumed_step);
+  });
+  return dir;
+}
+
 // Loads a checkpoint into the executor's state: read whole on every rank, each keeps its part.
+// That the checkpoint's run is this run, start_up() checked.
 void resume(Session& s) {
   s.state = read_checkpoint_state(s.cfg.resume);
-  if (s.state.seed != s.cfg.seed)
-    throw std::runtime_error(fmt::format("checkpoint: {}/state.json: seed is {} but this run's is {}", s.cfg.resume,
-                                         s.state.seed, s.cfg.seed));
   Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
       v(MemCategory::comm, p.bytes());
   load_checkpoint(s.cfg.resume, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
@@ -269,21 +292,22 @@ void write_trace(Session& s) {
 
 TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   cfg.validate();
+  const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
   Session s(cfg, world, resolve_model(cfg, meta), meta);
-  s.state.seed = cfg.seed;
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   if (cfg.resume.empty()) s.ex.init_params(cfg.seed);
   else resume(s);
+  s.state.seed = cfg.seed;  // after resume(): what this run's checkpoints record is this run
+  s.state.run = run_identity(cfg, s.N);
 
   if (s.lead) {
-    std::filesystem::create_directories(cfg.out);
-    s.metrics.open(cfg.out + "/metrics.jsonl", cfg.resume.empty() ? std::ios::trunc : std::ios::app);
-    if (!s.metrics) throw std::runtime_error("cannot write " + cfg.out + "/metrics.jsonl");
+    run_dir->prepare();
+    s.metrics.open(run_dir->metrics_path());
   }
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : measure_gemm_gflops();
   const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;

@@ -274,7 +274,7 @@ TEST_F(Cli, ModelFromHuggingFaceConfigWithOverrides) {
   std::ofstream(cfg) << R"({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
     "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128})";
   expect_one_line_error(run(base.substr(0, base.find(" --model")) + base.substr(base.find(" --data")) + " --model " +
-                            cfg.string()),
+                            cfg.string() + " --out " + (dir_ / "hf_small_vocab").string()),
                         "tok_train.bin");
   std::ofstream(cfg) << R"({"model_type": "llama", "hidden_size": 64})";
   expect_one_line_error(run(train_args("hf2", 1) + " --model " + cfg.string()), "no field 'num_hidden_layers'");

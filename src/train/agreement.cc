@@ -1,0 +1,180 @@
+#include "train/agreement.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace shardlm::train {
+
+namespace {
+
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+// FNV-1a: a hash that is the same in every build and on every machine (std::hash is neither).
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+uint64_t field_hash(const std::pair<std::string, std::string>& f) { return fnv1a(f.second, fnv1a(f.first + "=")); }
+
+// Every rank's values of `mine`, as one all-gather of fixed-size byte blocks.
+template <class T>
+std::vector<T> gather(comm::Communicator& world, const std::vector<T>& mine, std::chrono::milliseconds timeout,
+                      const std::string& label) {
+  std::vector<T> all(mine.size() * world.size());
+  world.all_gather(mine.data(), all.data(), static_cast<int64_t>(sizeof(T) * mine.size()), DType::int8, label)
+      ->wait(timeout);
+  return all;
+}
+
+// Every rank's string: lengths first, then the strings padded to the longest.
+std::vector<std::string> gather_strings(comm::Communicator& world, const std::string& mine,
+                                        std::chrono::milliseconds timeout) {
+  const auto lens = gather<int64_t>(world, {static_cast<int64_t>(mine.size())}, timeout, "settings: value lengths");
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  std::vector<char> padded(mine.begin(), mine.end());
+  padded.resize(most, ' ');
+  const auto all = gather<char>(world, padded, timeout, "settings: values");
+  std::vector<std::string> out;
+  for (int r = 0; r < world.size(); ++r) out.emplace_back(all.data() + r * most, lens[r]);
+  return out;
+}
+
+// "0 on rank 0, 3 on ranks 1, 2": the ranks grouped by value, in rank order of first holder.
+std::string describe_values(const std::vector<std::string>& values) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(values.size()); ++r) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == values[r]; });
+    if (it == groups.end()) groups.push_back({values[r], {r}});
+    else it->second.push_back(r);
+  }
+  std::string out;
+  for (const auto& [value, ranks] : groups) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("{} on rank{} {}", value.empty() ? "\"\"" : value, ranks.size() > 1 ? "s" : "",
+                       fmt::join(ranks, ", "));
+  }
+  return out;
+}
+
+// "123456/7890": the byte sizes of the token files this rank reads, so that ranks on machines
+// holding different files under one name are told apart ("absent" where a file is missing).
+std::string data_file_sizes(const std::string& prefix) {
+  std::string out;
+  for (const char* part : {"_train.bin", "_val.bin"}) {
+    std::error_code ec;
+    const auto bytes = std::filesystem::file_size(prefix + part, ec);
+    if (!out.empty()) out += '/';
+    out += ec ? std::string("absent") : std::to_string(bytes);
+  }
+  return out;
+}
+
+}  // namespace
+
+Settings rank_settings(const TrainConfig& c) {
+  auto s = [](const auto& v) { return fmt::format("{}", v); };
+  return {
+      {"model", c.model},
+      {"n-layer", s(c.n_layer)},
+      {"n-head", s(c.n_head)},
+      {"n-kv-head", s(c.n_kv_head)},
+      {"n-embd", s(c.n_embd)},
+      {"ffn-dim", s(c.ffn_dim)},
+      {"max-seq", s(c.max_seq)},
+      {"vocab", s(c.vocab)},
+      {"rope-theta", s(c.rope_theta)},
+      {"norm-eps", s(c.norm_eps)},
+      {"tie-embeddings", s(c.tie_embeddings)},
+      {"recompute", c.recompute},
+      {"data", c.data},
+      {"data file bytes (train/val)", data_file_sizes(c.data)},
+      {"resume", c.resume},
+      {"steps", s(c.steps)},
+      {"batch", s(c.batch)},
+      {"seq", s(c.seq)},
+      {"grad-accum", s(c.grad_accum)},
+      {"seed", s(c.seed)},
+      {"lr", s(c.lr)},
+      {"min-lr", s(c.min_lr)},
+      {"warmup", s(c.warmup)},
+      {"weight-decay", s(c.weight_decay)},
+      {"beta1", s(c.beta1)},
+      {"beta2", s(c.beta2)},
+      {"eps", s(c.eps)},
+      {"grad-clip", s(c.grad_clip)},
+      // These decide when the job runs evaluations, checkpoints (gathers) and sampling: collectives.
+      {"eval-every", s(c.eval_every)},
+      {"eval-windows", s(c.eval_windows)},
+      {"save-every", s(c.save_every)},
+      {"sample-tokens", s(c.sample_tokens)},
+      {"strategy", c.strategy},
+      {"shard-group", s(c.shard_group)},
+      {"prefetch-forward", s(c.prefetch_forward)},
+      {"prefetch-backward", s(c.prefetch_backward)},
+      {"max-gathers-in-flight", s(c.max_gathers_in_flight)},
+      {"bucket-mb", s(c.bucket_mb)},
+      {"param-dtype", c.param_dtype},
+      {"reduce-dtype", c.reduce_dtype},
+      {"compute-dtype", c.compute_dtype},
+      // The path is rank 0's alone, but whether there is one decides the trace's gathers.
+      {"trace (on or off)", c.trace.empty() ? "off" : "on"},
+  };
+}
+
+void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::chrono::milliseconds timeout) {
+  if (world.size() == 1) return;
+  const Settings mine = rank_settings(cfg);
+  uint64_t whole = 0;
+  for (const auto& f : mine) whole = fnv1a(std::to_string(field_hash(f)), whole);
+  // The field count travels with the hash so that the per-field gather below has one size on
+  // every rank even if the ranks run different builds.
+  const auto all = gather<uint64_t>(world, {whole, mine.size()}, timeout, "settings hash");
+  bool same = true, same_count = true;
+  for (int r = 0; r < world.size(); ++r) {
+    same = same && all[2 * r] == whole;
+    same_count = same_count && all[2 * r + 1] == mine.size();
+  }
+  if (same) return;
+  const bool lead = world.rank() == 0;
+  if (!same_count)
+    throw AgreedFailure("ranks disagree on settings: they run different shardlm builds (different setting lists)", lead);
+
+  std::vector<uint64_t> hashes;
+  for (const auto& f : mine) hashes.push_back(field_hash(f));
+  const auto every = gather<uint64_t>(world, hashes, timeout, "settings field hashes");
+  std::vector<std::string> differ;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    bool equal = true;
+    for (int r = 1; r < world.size(); ++r) equal = equal && every[r * mine.size() + i] == every[i];
+    if (equal) continue;
+    // Every rank walks the same fields in the same order, so these gathers match up.
+    differ.push_back(fmt::format("{} ({})", mine[i].first, describe_values(gather_strings(world, mine[i].second, timeout))));
+  }
+  throw AgreedFailure(fmt::format("ranks disagree on settings: {}; every rank must be started with the same model, "
+                                  "plan, data and optimizer settings",
+                                  fmt::join(differ, "; ")),
+                      lead);
+}
+
+void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds timeout, const std::function<void()>& fn) {
+  std::string failure;
+  int32_t failed = 0;
+  if (world.rank() == 0) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      failure = e.what();
+      failed = 1;
+    }
+  }
+  if (world.size() > 1) world.broadcast(&failed, 4, DType::int8, 0, "rank 0's start-up outcome")->wait(timeout);
+  if (!failed) return;
+  if (world.rank() == 0) throw AgreedFailure(failure, true);
+  throw AgreedFailure("rank 0 failed at start-up", false);
+}
+
+}  // namespace shardlm::train

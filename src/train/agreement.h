@@ -1,0 +1,50 @@
+// Start-up agreement between ranks. Every rank of a job must run the same model, plan, data and
+// optimizer; ranks started with different settings (an MPMD launch, a stale config file on one
+// machine) otherwise corrupt each other's buffers in the first collective or train silently
+// inconsistent replicas. check_ranks_agree() compares the settings before any other collective.
+//
+// Failures every rank learns of at once end the job without MPI_Abort: each rank throws
+// AgreedFailure, only rank 0 reports it, and every rank finalizes MPI and exits non-zero.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "train/config.h"
+
+namespace shardlm::train {
+
+// A failure that every rank of the job knows of: no rank waits for another, so the job can end
+// cleanly. report() is true on the one rank that should print what().
+class AgreedFailure : public std::runtime_error {
+ public:
+  AgreedFailure(const std::string& what, bool report) : std::runtime_error(what), report_(report) {}
+  bool report() const { return report_; }
+
+ private:
+  bool report_;
+};
+
+// (flag name, value) of every setting that must be the same on every rank: everything in
+// TrainConfig but the per-process ones (--threads, --quiet, --timeout, --peak-gflops, output
+// paths, and the run-directory decisions rank 0 takes alone). A field added to TrainConfig that
+// shapes the step or its collectives belongs here.
+std::vector<std::pair<std::string, std::string>> rank_settings(const TrainConfig& cfg);
+
+// Collective, and the job's first: all-gathers a hash of rank_settings(); on a mismatch gathers
+// per-field hashes and the differing values, and throws AgreedFailure naming each differing
+// field with its value on each rank, e.g.
+//   ranks disagree on settings: n-layer (0 on rank 0, 3 on rank 1)
+void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::chrono::milliseconds timeout);
+
+// Collective: runs `fn` on rank 0 alone and tells every rank whether it threw. When it did,
+// rank 0 throws AgreedFailure(what, report) and every other rank AgreedFailure(…, quiet), so a
+// rank-0-only failure (a locked run directory) ends every rank instead of leaving them waiting.
+void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds timeout, const std::function<void()>& fn);
+
+}  // namespace shardlm::train

@@ -1,0 +1,31 @@
+// A resumed run is the run that was saved. The settings that define a run — its learning-rate
+// schedule (lr, min-lr, warmup, and steps, which sets the cosine's length), the global batch
+// (ranks × batch × grad-accum), seq, data, seed and the optimizer's hyperparameters — are
+// recorded in the checkpoint's state.json ("run"), and a resume that changes one is refused,
+// naming it, unless --resume-override names it. The model is checked against config.json
+// (trainer.cc). What may change freely: the rank count, per-rank batch, grad-accum and strategy
+// as long as the global batch holds, threads, and every plan or output setting.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "train/config.h"
+
+namespace shardlm::train {
+
+// {"lr": 0.0006, "global-batch": 8, …}: the run-defining settings, keyed by their flag names (the
+// names --resume-override takes). The data prefix is recorded as an absolute path.
+nlohmann::json run_identity(const TrainConfig& cfg, int world_size);
+
+// Throws std::runtime_error, one line naming every differing setting, unless `cfg` on
+// `world_size` ranks is the run whose identity `saved_run` is (RunState::run of the checkpoint's
+// state.json at `state_path`) but for the settings cfg.resume_override names. Settings the saved
+// record lacks (state files older than it hold only the schedule and seed) are not compared.
+// Also throws for an unknown --resume-override name.
+void check_resume_matches(const TrainConfig& cfg, int world_size, const nlohmann::json& saved_run,
+                          const std::string& state_path);
+// --resume-override names known settings, and only with --resume.
+void check_resume_override_use(const TrainConfig& cfg);
+
+}  // namespace shardlm::train

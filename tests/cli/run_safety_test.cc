@@ -1,0 +1,276 @@
+// Runs that never lie, as real processes: the run directory belongs to one run at a time and
+// holds only that run's record; ranks started with different settings end with one line naming
+// the setting and the ranks; a resumed run is the saved run unless told otherwise. Each case is
+// a failure the engine once let through (exit 0, or a crash), reproduced and now refused.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "run/test_util.h"
+
+namespace shardlm {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Result;
+using testing::run_command;
+using testing::shardlm;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+int count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// Every line of metrics.jsonl parses; the training rows' step numbers in file order.
+std::vector<int64_t> train_steps(const fs::path& metrics) {
+  std::vector<int64_t> steps;
+  std::ifstream f(metrics);
+  for (std::string line; std::getline(f, line);) {
+    const auto row = nlohmann::json::parse(line);  // throws on a half-written line
+    if (row.contains("loss")) steps.push_back(row["step"].get<int64_t>());
+  }
+  return steps;
+}
+
+// Fails with one "shardlm: error" line (mpirun may add its own banner) holding every needle.
+void expect_one_error(const Result& r, const std::vector<std::string>& needles) {
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, "shardlm: error"), 1) << r.out;
+  for (const auto& n : needles) EXPECT_NE(r.out.find(n), std::string::npos) << "expected '" << n << "' in:\n" << r.out;
+  for (const char* crash : {"corrupted", "signal", "Segmentation", "bad_alloc"})
+    EXPECT_EQ(r.out.find(crash), std::string::npos) << r.out;
+}
+
+const char* kMpiEnv = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+
+class RunSafety : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("shardlm_safety_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    testing::make_corpus(dir_);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  static std::string args(const std::string& out, int steps, int batch = 2) {
+    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
+           " --steps " + std::to_string(steps) + " --batch " + std::to_string(batch) +
+           " --seq 32 --threads 1 --seed 5 --warmup 1 --eval-every 0 --eval-windows 2 --sample-tokens 0" +
+           " --peak-gflops 100 --quiet";
+  }
+  static std::string ckpt(const std::string& out, int step) {
+    return (dir_ / out / "ckpt" / ("step_" + std::to_string(step))).string();
+  }
+  // `mpirun -np 1 shardlm A : -np 1 shardlm B`: two ranks started with different command lines.
+  static Result mpmd(const std::string& a, const std::string& b) {
+    const std::string bin = testing::shardlm_binary();
+    return run_command(std::string(kMpiEnv) + "mpirun --oversubscribe -np 1 " + bin + " " + a + " : -np 1 " + bin +
+                       " " + b);
+  }
+  static inline fs::path dir_;
+};
+
+// ---- run directory ----
+
+// Two runs on one --out used to both exit 0 with interleaved metrics. The second now fails at
+// once naming the first's pid; once the first is killed (SIGKILL: no clean-up of its own) the
+// kernel has released the lock and a new run may take the directory.
+TEST_F(RunSafety, SecondRunOnTheSameOutFailsNamingTheHoldersPid) {
+  const std::string cmd = "exec " + testing::shardlm_binary() + " " + args("busy", 1000000) + " >/dev/null 2>&1";
+  const pid_t first = ::fork();
+  ASSERT_GE(first, 0);
+  if (first == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const std::string holder = "pid " + std::to_string(first) + " ";
+  bool locked = false;
+  for (int i = 0; i < 1200 && !locked; ++i) {  // up to a minute for the first run to start
+    locked = read_file(dir_ / "busy" / ".lock").rfind(holder, 0) == 0;
+    if (!locked) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const Result second = locked ? shardlm(args("busy", 2) + " --overwrite") : Result{-1, "first run never locked"};
+  ::kill(first, SIGKILL);
+  int status = 0;
+  ::waitpid(first, &status, 0);
+  ASSERT_TRUE(locked) << read_file(dir_ / "busy" / ".lock");
+  expect_one_error(second, {"in use by another run", holder, (dir_ / "busy").string()});
+  const Result third = shardlm(args("busy", 2) + " --overwrite");
+  ASSERT_EQ(third.code, 0) << third.out;
+  EXPECT_EQ(train_steps(dir_ / "busy" / "metrics.jsonl"), (std::vector<int64_t>{0, 1}));
+}
+
+// A new run into a directory holding a run used to truncate its metrics and mix checkpoints.
+TEST_F(RunSafety, DirectoryHoldingARunIsRefusedUnlessOverwriteOrResume) {
+  ASSERT_EQ(shardlm(args("held", 4) + " --save-every 2").code, 0);
+  const std::string before = read_file(dir_ / "held" / "metrics.jsonl");
+  expect_one_error(shardlm(args("held", 2)), {"holds a run", "--overwrite", "--resume"});
+  EXPECT_EQ(read_file(dir_ / "held" / "metrics.jsonl"), before) << "a refused run changed the old run's record";
+  EXPECT_TRUE(fs::exists(ckpt("held", 4)));
+
+  const Result resumed = shardlm(args("held", 4) + " --resume " + ckpt("held", 2));
+  ASSERT_EQ(resumed.code, 0) << resumed.out;
+  EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3}));
+
+  ASSERT_EQ(shardlm(args("held", 3) + " --overwrite").code, 0);  // no --save-every: no ckpt/ of its own
+  EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_FALSE(fs::exists(dir_ / "held" / "ckpt")) << "the old run's checkpoints outlived --overwrite";
+
+  // Resuming another directory's checkpoint into it would mix two runs: refused, or replaced.
+  ASSERT_EQ(shardlm(args("other", 4) + " --save-every 2").code, 0);
+  expect_one_error(shardlm(args("held", 4) + " --resume " + ckpt("other", 2)), {"holds a run", "not the run --resume"});
+  ASSERT_EQ(shardlm(args("held", 4) + " --resume " + ckpt("other", 2) + " --overwrite").code, 0);
+  EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{2, 3}));
+}
+
+// A resume used to append after the old run's later steps: step numbers appeared twice. Now the
+// log is cut back to the resumed step (an evaluation at that step stays: it belongs to the saved
+// run), a half line a killed run left is dropped, and the resumed steps are bitwise the old ones.
+TEST_F(RunSafety, ResumeCutsMetricsAfterTheResumedStep) {
+  ASSERT_EQ(shardlm(args("cut", 6) + " --save-every 2 --eval-every 2").code, 0);
+  const auto original = testing::step_losses(dir_ / "cut" / "metrics.jsonl");
+  ASSERT_EQ(original.size(), 6u);
+  std::ofstream(dir_ / "cut" / "metrics.jsonl", std::ios::app) << "{\"step\": 6, \"loss\": 1.2";  // killed mid-line
+  const Result r = shardlm(args("cut", 6) + " --save-every 2 --eval-every 2 --resume " + ckpt("cut", 4));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(train_steps(dir_ / "cut" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(testing::step_losses(dir_ / "cut" / "metrics.jsonl"), original);
+  std::vector<int64_t> evals;
+  for (const auto& row : testing::read_metrics(dir_ / "cut" / "metrics.jsonl"))
+    if (row.contains("val_loss")) evals.push_back(row["step"].get<int64_t>());
+  EXPECT_EQ(evals, (std::vector<int64_t>{2, 4, 6}));
+  for (const auto& e : fs::directory_iterator(dir_ / "cut"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+}
+
+// A run killed while writing a checkpoint leaves ckpt/step_N.tmp-PID behind; no run removed it.
+TEST_F(RunSafety, LeftoverTemporaryCheckpointsAreRemoved) {
+  ASSERT_EQ(shardlm(args("left", 4) + " --save-every 2").code, 0);
+  for (const char* dead : {"step_4.tmp-999999", "step_2.old-999998"}) {
+    fs::create_directories(dir_ / "left" / "ckpt" / dead);
+    std::ofstream(dir_ / "left" / "ckpt" / dead / "model.safetensors") << "half";
+  }
+  fs::create_directories(dir_ / "left" / "ckpt" / "keep.tmp-1");  // not a checkpoint's: left alone
+  const Result r = shardlm(args("left", 4) + " --save-every 2 --resume " + ckpt("left", 2));
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir_ / "left" / "ckpt")) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"step_2", "step_4", "keep.tmp-1"}));
+}
+
+// A disk-full metrics.jsonl used to be ignored: exit 0 with the log cut mid-line.
+TEST_F(RunSafety, FailedMetricsWriteStopsTheRunWithTheReason) {
+  fs::create_directories(dir_ / "full");
+  fs::create_symlink("/dev/full", dir_ / "full" / "metrics.jsonl");  // every write: ENOSPC
+  expect_one_error(shardlm(args("full", 3)), {"metrics.jsonl", "No space left on device"});
+}
+
+// A trace that cannot be written ends the run naming it and the reason, and leaves no .tmp.
+TEST_F(RunSafety, FailedTraceWriteStopsTheRunWithTheReason) {
+  // A 4 KiB file size limit (SIGXFSZ ignored, so the write fails with EFBIG): metrics.jsonl of
+  // two steps fits, the trace does not.
+  const fs::path trace = dir_ / "tr" / "trace.json";
+  const Result r = run_command("bash -c \"trap '' XFSZ; ulimit -f 4; exec " + testing::shardlm_binary() + " " +
+                               args("tr", 2) + " --trace " + trace.string() + "\"");
+  expect_one_error(r, {trace.string(), "File too large"});
+  EXPECT_FALSE(fs::exists(trace.string() + ".tmp"));
+}
+
+// ---- ranks agree ----
+
+// Ranks started with different settings used to die of heap corruption (--n-layer under fsdp) or
+// train to exit 0 with inconsistent replicas (--seed, --lr, --batch). Now: one line naming the
+// setting and each rank's value, every rank ends, nothing crashes.
+TEST_F(RunSafety, RanksWithDifferentSettingsEndWithOneLineNamingFieldAndRanks) {
+  const std::string a = args("agree", 2) + " --strategy fsdp";
+  struct Case {
+    std::string flag, expected;
+  };
+  for (const Case& c : {Case{" --n-layer 3", "n-layer (0 on rank 0, 3 on rank 1)"},
+                        Case{" --seed 9", "seed (5 on rank 0, 9 on rank 1)"},
+                        Case{" --lr 0.01", "lr (0.0006 on rank 0, 0.01 on rank 1)"},
+                        Case{" --batch 3", "batch (2 on rank 0, 3 on rank 1)"}}) {
+    SCOPED_TRACE(c.flag);
+    expect_one_error(mpmd(a, a + c.flag), {"ranks disagree on settings", c.expected});
+  }
+}
+
+// What is a process's own (threads, console, output paths) may differ.
+TEST_F(RunSafety, RanksMayDifferInThreadsQuietAndOutput) {
+  const std::string a = args("own", 2);
+  const Result r = mpmd(a, a + " --threads 2 --out " + (dir_ / "elsewhere").string() + " --timeout 200");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
+// Rank 0 owns the run directory: when it cannot lock it, every rank ends, with one line.
+TEST_F(RunSafety, LockedRunDirectoryEndsEveryRank) {
+  fs::create_directories(dir_ / "locked");
+  const int fd = ::open((dir_ / "locked" / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  const std::string me = "pid " + std::to_string(::getpid()) + " on the test\n";
+  ASSERT_EQ(::write(fd, me.data(), me.size()), static_cast<ssize_t>(me.size()));
+  const Result r = testing::mpirun(2, args("locked", 2));
+  ::close(fd);
+  expect_one_error(r, {"in use by another run", "pid " + std::to_string(::getpid())});
+}
+
+// ---- resume is the saved run ----
+
+// --resume used to accept a changed --lr (or --steps, --batch, --seq, --data) silently.
+TEST_F(RunSafety, ResumeWithAChangedSettingIsRefusedUnlessOverridden) {
+  ASSERT_EQ(shardlm(args("lr", 4) + " --save-every 2").code, 0);
+  const std::string before = read_file(dir_ / "lr" / "metrics.jsonl");
+  const std::string resume = " --save-every 2 --resume " + ckpt("lr", 2);
+  expect_one_error(shardlm(args("lr", 4) + resume + " --lr 0.01"), {"state.json", "lr is 0.01 (saved 0.0006)",
+                                                                   "--resume-override lr"});
+  expect_one_error(shardlm(args("lr", 6) + resume), {"steps is 6 (saved 4)"});
+  expect_one_error(shardlm(args("lr", 4, 4) + resume), {"global-batch is 4 (saved 2)"});
+  expect_one_error(shardlm(args("lr", 4) + resume + " --resume-override lr,no-such"), {"'no-such'"});
+  EXPECT_EQ(read_file(dir_ / "lr" / "metrics.jsonl"), before) << "a refused resume changed the run's record";
+
+  const Result r = shardlm(args("lr", 6) + resume + " --lr 0.01 --resume-override lr --resume-override steps");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(train_steps(dir_ / "lr" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  // The checkpoints of the resumed run record the run as it now is.
+  const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("lr", 6)) / "state.json"));
+  EXPECT_EQ(state["run"]["steps"], 6);
+  EXPECT_FLOAT_EQ(state["run"]["lr"].get<float>(), 0.01f);
+}
+
+// The per-rank batch and the strategy follow the rank count: fsdp on 2 ranks with --batch 2 is
+// the same run as ddp on 4 with --batch 1 (global batch 4), and it continues the saved losses.
+TEST_F(RunSafety, FsdpOnTwoRanksResumesAsDdpOnFour) {
+  const Result saved = testing::mpirun(2, args("ranks", 4) + " --strategy fsdp --save-every 2");
+  ASSERT_EQ(saved.code, 0) << saved.out;
+  const auto original = testing::step_losses(dir_ / "ranks" / "metrics.jsonl");
+  ASSERT_EQ(original.size(), 4u);
+  expect_one_error(testing::mpirun(4, args("ranks", 4, 2) + " --strategy ddp --resume " + ckpt("ranks", 2)),
+                   {"global-batch is 8 (saved 4)"});
+  const Result r = testing::mpirun(4, args("ranks", 4, 1) + " --strategy ddp --resume " + ckpt("ranks", 2));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(train_steps(dir_ / "ranks" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3}));
+  const auto resumed = testing::step_losses(dir_ / "ranks" / "metrics.jsonl");
+  for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
+}
+
+}  // namespace
+}  // namespace shardlm

@@ -1,0 +1,127 @@
+// The pieces behind the run-safety end-to-end tests (tests/cli/run_safety_test.cc), alone: where
+// a resumed run cuts its metrics log, the checked log's behaviour on a full disk, the settings
+// ranks must agree on, and the resume identity check.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "train/agreement.h"
+#include "train/resume_check.h"
+#include "train/run_dir.h"
+
+namespace shardlm::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(MetricsBefore, KeepsTheSavedRunsRowsAndDropsHalfLines) {
+  const std::vector<std::string> log = {
+      R"({"step": 0, "loss": 5})", R"({"step": 1, "loss": 4})", R"({"step": 2, "val_loss": 4})",
+      R"({"step": 2, "loss": 3})", R"({"step": 3, "loss": 2})", R"({"step": 4, "val_loss": 2})",
+      R"({"step": 4, "lo)",  // a killed run's last line
+  };
+  // Resuming at step 2: steps 0 and 1 ran, and the evaluation after them is the saved run's.
+  EXPECT_EQ(metrics_before(log, 2), (std::vector<std::string>(log.begin(), log.begin() + 3)));
+  EXPECT_EQ(metrics_before(log, 0), std::vector<std::string>{});
+  EXPECT_EQ(metrics_before(log, 4), (std::vector<std::string>(log.begin(), log.begin() + 6)));
+}
+
+// A log on a disk that fills up: the write throws naming the file and the reason, and the file
+// still ends with the last whole line (the partial write is cut back off).
+TEST(CheckedLog, AFailedWriteThrowsWithTheReasonAndLeavesWholeLines) {
+  const fs::path path = fs::temp_directory_path() / ("shardlm_checked_log_" + std::to_string(::getpid()));
+  fs::remove(path);
+  // A file size limit stands in for a full disk (EFBIG once a write would pass it).
+  auto old_handler = ::signal(SIGXFSZ, SIG_IGN);
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit small = old_limit;
+  small.rlim_cur = 1000;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string error;
+  {
+    CheckedLog log;
+    log.open(path.string());
+    try {
+      for (int i = 0; i < 100; ++i) log << "{\"step\": " << i << ", \"pad\": \"" << std::string(60, 'x') << "\"}\n" << std::flush;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  ::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find(path.string() + ": cannot write: File too large"), std::string::npos) << error;
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  ASSERT_FALSE(text.str().empty());
+  EXPECT_EQ(text.str().back(), '\n');
+  EXPECT_LE(text.str().size(), 1000u);
+  fs::remove(path);
+}
+
+TEST(RankSettings, LeaveOutWhatIsTheProcesssOwn) {
+  TrainConfig a, b;
+  b.threads = a.threads + 1;
+  b.quiet = !a.quiet;
+  b.out = "elsewhere";
+  b.timeout_s = a.timeout_s + 1;
+  b.peak_gflops = 7;
+  b.overwrite = true;
+  EXPECT_EQ(rank_settings(a), rank_settings(b));
+  b.trace = "t.json";  // whether there is a trace decides its gathers
+  EXPECT_NE(rank_settings(a), rank_settings(b));
+}
+
+// Ranks on machines that hold different token files under one name are told apart by size.
+TEST(RankSettings, TellDifferentTokenFilesUnderOneNameApart) {
+  const fs::path prefix = fs::temp_directory_path() / ("shardlm_settings_" + std::to_string(::getpid()));
+  TrainConfig c;
+  c.data = prefix.string();
+  const auto absent = rank_settings(c);
+  std::ofstream(prefix.string() + "_train.bin") << "0123456789";
+  std::ofstream(prefix.string() + "_val.bin") << "01234";
+  const auto present = rank_settings(c);
+  EXPECT_NE(absent, present);
+  EXPECT_NE(std::find(present.begin(), present.end(), std::pair<std::string, std::string>{"data file bytes (train/val)", "10/5"}),
+            present.end());
+  fs::remove(prefix.string() + "_train.bin");
+  fs::remove(prefix.string() + "_val.bin");
+}
+
+TEST(ResumeCheck, NamesEveryChangeAndHonoursOverrides) {
+  TrainConfig saved;
+  saved.data = "/data/x";
+  const auto identity = run_identity(saved, 2);
+  TrainConfig now = saved;
+  now.lr = 1e-3f;
+  now.steps = saved.steps + 10;
+  try {
+    check_resume_matches(now, 2, identity, "ck/state.json");
+    FAIL() << "a changed lr and steps were accepted";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("lr is 0.001 (saved 0.0006)"), std::string::npos) << what;
+    EXPECT_NE(what.find("steps is 1010 (saved 1000)"), std::string::npos) << what;
+    EXPECT_NE(what.find("--resume-override lr,steps"), std::string::npos) << what;
+  }
+  now.resume = "ck";
+  now.resume_override = {"lr", "steps"};
+  EXPECT_NO_THROW(check_resume_matches(now, 2, identity, "ck/state.json"));
+  // The same global batch on other ranks is the same run; another global batch is not.
+  TrainConfig same = saved;
+  same.batch = saved.batch * 2;
+  EXPECT_NO_THROW(check_resume_matches(same, 1, identity, "ck/state.json"));
+  EXPECT_THROW(check_resume_matches(same, 2, identity, "ck/state.json"), std::runtime_error);
+  now.resume_override = {"min_lr", "nonsense"};
+  EXPECT_THROW(check_resume_matches(now, 2, identity, "ck/state.json"), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace shardlm::train
