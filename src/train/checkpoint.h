@@ -19,6 +19,7 @@ struct RunState {
   int64_t step = 0;  // steps completed; the next step to run
   uint64_t seed = 0;
   std::string tokenizer = "gpt2";
+  int64_t adam_step = 0;  // updates AdamW applied: fewer than `step` when non-finite steps were skipped
 };
 
 // exp_avg / exp_avg_sq may be null (no optimizer.safetensors).
@@ -30,8 +31,8 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 model::ModelConfig read_checkpoint_config(const std::string& dir);
 RunState read_checkpoint_state(const std::string& dir);
 // Loads parameters and, when exp_avg is not null, AdamW moments into flat buffers laid out by
-// `layout` (padding untouched). Every tensor must exist with its exact shape; errors name the
-// file and tensor.
+// `layout` (padding untouched). Every tensor must exist with its exact shape and hold only finite
+// values; errors name the file and tensor.
 void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                      float* params, float* exp_avg, float* exp_avg_sq);
 
