@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fmt/format.h>
@@ -16,6 +17,7 @@
 #include "run/executor.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/guard.h"
 #include "train/schedule.h"
 #include "trace/trace.h"
 
@@ -224,6 +226,21 @@ double run_eval(Session& s) {
   return val;
 }
 
+// The stop signal any rank has received, agreed by all (collective: every rank stops at the
+// same step, and a job missing a rank never gets past it to a checkpoint).
+int agreed_stop_signal(Session& s) { return static_cast<int>(max_over_ranks(s, StopSignals::pending())); }
+
+// Ends the run at the step just finished because a signal asked for it: a checkpoint of that
+// step when the run saves any (unless it just saved it), then the reason and 128 + signal.
+void stop_on_signal(Session& s, int sig, TrainSummary& summary) {
+  if (s.cfg.save_every > 0 && s.state.step % s.cfg.save_every != 0) save(s);
+  summary.exit_code = 128 + sig;
+  summary.stop_reason = fmt::format("stopped by signal {} after step {} ({}){}", sig, s.state.step - 1,
+                                    sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal",
+                                    s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
+                                                         : "; no checkpoint (--save-every 0)");
+}
+
 void write_trace(Session& s) {
   s.ex.sample_memory();
   const std::string mine = s.ex.trace().events_json();
@@ -274,6 +291,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   }
 
   TrainSummary summary;
+  NonFiniteGuard nonfinite(cfg.on_nonfinite, cfg.max_skipped_steps);
+  const StopSignals signals;
   const float grad_scale = 1.0f / static_cast<float>(global_batch * T);
   for (int64_t step = s.state.step; step < cfg.steps; ++step) {
     const auto t0 = Clock::now();
@@ -286,8 +305,10 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     in.grad_clip = cfg.grad_clip;
     in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
               cfg.weight_decay};
-    in.adam_t = step + 1;
+    in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
     const run::StepResult r = s.ex.step(step, in);
+    if (!r.update_skipped) ++s.state.adam_step;
+    const std::string stop_reason = nonfinite.after_step(step, r);
     const double step_ms = ms_since(t0);
     const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
     const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
@@ -301,7 +322,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
       s.metrics << json{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
                         {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
                         {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
-                        {"mem_between_steps", mem_json(held)}}
+                        {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
+                        {"skipped_steps", nonfinite.skipped_total()}}
                        .dump()
                 << "\n"
                 << std::flush;
@@ -313,10 +335,22 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
                  tokens_per_s, 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
       std::fflush(stdout);
     }
+    if (!stop_reason.empty()) {  // before any checkpoint of this step: nothing after it is saved
+      summary.exit_code = 3;
+      summary.stop_reason = stop_reason;
+      return summary;
+    }
+    if (r.update_skipped && s.talk)
+      fmt::print("{}: update skipped ({} in a row, {} in all)\n", describe_nonfinite(step, r),
+                 nonfinite.skipped_in_a_row(), nonfinite.skipped_total());
     summary.final_loss = loss;
     summary.steps_done = step + 1;
     s.state.step = step + 1;
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
+    if (const int sig = agreed_stop_signal(s)) {
+      stop_on_signal(s, sig, summary);
+      return summary;
+    }
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
 
