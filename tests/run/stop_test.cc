@@ -129,6 +129,22 @@ TEST_F(StopTest, SkipModeCountsSkippedUpdatesAndStopsAfterKInARow) {
   EXPECT_EQ(state["optimizer"]["adamw_step"].get<int64_t>(), first_skip);
 }
 
+// One NaN step (rank 0's loss at step 2) in skip mode: its update is dropped, the run goes on to
+// its end and exits 0, and AdamW counted one update fewer than the steps.
+TEST_F(StopTest, SkipModeCarriesOnAfterASingleNonFiniteStep) {
+  const Result r = run_command("SHARDLM_FAULT_NAN_LOSS=0:2 " + testing::shardlm_binary() + " " + args("skip_once", 5) +
+                           " --on-nonfinite skip --save-every 5");
+  EXPECT_EQ(r.code, 0) << r.out;
+  const auto rows = steps_of("skip_once");
+  ASSERT_EQ(rows.size(), 5u);
+  for (const auto& row : rows) EXPECT_EQ(row["skipped"].get<bool>(), row["step"].get<int64_t>() == 2) << row.dump();
+  EXPECT_EQ(rows.back()["skipped_steps"].get<int64_t>(), 1);
+  EXPECT_TRUE(rows.back()["loss"].is_number());
+  std::ifstream f(dir_ / "skip_once" / "ckpt" / "step_5" / "state.json");
+  ASSERT_TRUE(f);
+  EXPECT_EQ(nlohmann::json::parse(f)["optimizer"]["adamw_step"].get<int64_t>(), 4);
+}
+
 // Writes NaN over the first element of `tensor` in a safetensors file.
 void poison(const fs::path& file, const std::string& tensor) {
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
