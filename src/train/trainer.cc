@@ -338,6 +338,7 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     if (!stop_reason.empty()) {  // before any checkpoint of this step: nothing after it is saved
       summary.exit_code = 3;
       summary.stop_reason = stop_reason;
+      if (!cfg.trace.empty()) write_trace(s);  // every rank stops here, so the gather is safe
       return summary;
     }
     if (r.update_skipped && s.talk)
@@ -349,6 +350,7 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
     if (const int sig = agreed_stop_signal(s)) {
       stop_on_signal(s, sig, summary);
+      if (!cfg.trace.empty()) write_trace(s);
       return summary;
     }
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);

@@ -198,13 +198,13 @@ TEST_F(StopSlow, ANonFiniteLossOnOneRankStopsEveryRankNamingIt) {
   EXPECT_EQ(checkpoints("nan_rank1").back(), 2);
 }
 
-// Starts `command` in the background, waits until the run's metrics hold `rows` step rows, sends
-// `signal` to it and returns its exit status.
-Result signal_after(const std::string& command, const fs::path& metrics, int rows, const char* signal) {
+// Starts `command` in the background, waits until the run's metrics hold `rows` step rows, runs
+// `kill` (on $pid, e.g. "kill -TERM $pid") and returns the command's exit status and output.
+Result signal_after(const std::string& command, const fs::path& metrics, int rows, const std::string& kill) {
   const std::string script = command + " > " + metrics.parent_path().string() + ".log 2>&1 & pid=$!\n" +
                              "while kill -0 $pid 2>/dev/null && [ \"$(cat " + metrics.string() +
                              " 2>/dev/null | grep -c '\"loss\"')\" -lt " + std::to_string(rows) + " ]; do sleep 0.1; done\n" +
-                             "kill -" + signal + " $pid\nwait $pid\ncode=$?\ncat " + metrics.parent_path().string() +
+                             kill + "\nwait $pid\ncode=$?\ncat " + metrics.parent_path().string() +
                              ".log\nexit $code\n";
   const fs::path file = metrics.parent_path().string() + ".sh";
   std::ofstream(file) << script;
@@ -233,11 +233,23 @@ TEST_F(StopSlow, SigtermAndSigintFinishTheStepCheckpointAndExitNonZero) {
     const std::string out = std::string("signal_") + sig;
     // Finite, so that a binary ignoring the signal (a background job ignores SIGINT) ends anyway.
     const Result r = signal_after(testing::shardlm_binary() + " " + args(out, 20000) + " --save-every 100000",
-                                  dir_ / out / "metrics.jsonl", 3, sig);
+                                  dir_ / out / "metrics.jsonl", 3, std::string("kill -") + sig + " $pid");
     bool leftovers = true;
     const auto ckpts = checkpoints(out, &leftovers);
     expect_stopped_by_signal(r, steps_of(out), ckpts, leftovers, code, dir_ / out);
   }
+}
+
+// A second signal ends the process at once: no stop line, no checkpoint. Both signals are made
+// pending while the process is stopped, so the second arrives before any step can finish.
+TEST_F(StopSlow, ASecondSignalEndsAtOnce) {
+  const std::string out = "signal_twice";
+  const Result r = signal_after(testing::shardlm_binary() + " " + args(out, 20000) + " --save-every 100000",
+                                dir_ / out / "metrics.jsonl", 3,
+                                "kill -STOP $pid; kill -INT $pid; kill -TERM $pid; kill -CONT $pid");
+  EXPECT_TRUE(r.code == 130 || r.code == 143) << r.out;
+  EXPECT_FALSE(contains(r.out, "stopped by signal")) << r.out;
+  EXPECT_TRUE(checkpoints(out).empty()) << r.out;
 }
 
 // mpirun, on SIGTERM, waits odls_base_sigkill_timeout seconds (1 by default), sends SIGTERM to
@@ -248,7 +260,7 @@ TEST_F(StopSlow, SigtermUnderMpirunCheckpointsTheAgreedStep) {
   const std::string cmd = std::string(kMpiEnv) + "mpirun --oversubscribe -np 2 --mca odls_base_sigkill_timeout 10 " +
                           testing::shardlm_binary() + " " + args(out, 1000000) +
                           " --save-every 100000 --timeout 60 --strategy fsdp";
-  const Result r = signal_after(cmd, dir_ / out / "metrics.jsonl", 3, "TERM");
+  const Result r = signal_after(cmd, dir_ / out / "metrics.jsonl", 3, "kill -TERM $pid");
   bool leftovers = true;
   const auto ckpts = checkpoints(out, &leftovers);
   EXPECT_NE(r.code, 0) << r.out;
