@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <toml++/toml.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
@@ -302,6 +303,9 @@ int run(int argc, char** argv) {
       data::TokenShard shard(eval_data);
       shard.validate_tokens(static_cast<int32_t>(std::min<int64_t>(m->desc.config.vocab_size, 1 << 30)));
       const double loss = train::evaluate(*m->ex, m->desc, m->plan.config, shard, eval_batch, eval_seq, 0, 0);
+      // Finite weights can still overflow (a run that diverged): a NaN is no measurement.
+      if (!std::isfinite(loss))
+        throw std::runtime_error(fmt::format("eval: {}: the mean loss over {} is not finite ({})", ckpt, eval_data, loss));
       fmt::print("{:.6f}\n", loss);
     } else if (*gen_cmd) {
       kernels::init_compute(threads);

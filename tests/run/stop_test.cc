@@ -96,11 +96,14 @@ TEST_F(StopTest, HugeLearningRateStopsBeforeTheUpdateAndSavesNothingPoisoned) {
   expect_stopped_at_nonfinite(r, rows, checkpoints("lr_huge"));
   EXPECT_TRUE(contains(r.out, "rank 0")) << r.out;
   EXPECT_LT(rows.size(), 8u) << "the run went on after the non-finite step";
-  // What was saved before the stop is finite: eval accepts it.
+  // What was saved before the stop holds finite values, but the last one may be weights that
+  // overflow in the forward (the stop was found by running them): eval gives a number or refuses,
+  // never prints NaN with exit 0.
   for (int64_t c : checkpoints("lr_huge")) {
     const Result e = shardlm("eval --ckpt " + (dir_ / "lr_huge" / "ckpt" / ("step_" + std::to_string(c))).string() +
                              " --data " + (dir_ / "tok_val.bin").string() + " --seq 32 --batch 2 --threads 1");
-    EXPECT_EQ(e.code, 0) << e.out;
+    if (e.code == 0) EXPECT_FALSE(contains(e.out, "nan")) << e.out;
+    else EXPECT_TRUE(contains(e.out, "not finite")) << e.out;
   }
 }
 
