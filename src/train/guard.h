@@ -10,6 +10,9 @@
 
 namespace shardlm::train {
 
+// The exit status of a run stopped by a non-finite step (a signal gives 128 + its number).
+inline constexpr int kNonFiniteExitCode = 3;
+
 // --on-nonfinite: `stop` ends the run at the first non-finite step; `skip` drops that step's
 // update (as a loss scaler does) and ends the run after `max_skipped` such steps in a row.
 class NonFiniteGuard {

@@ -230,15 +230,14 @@ double run_eval(Session& s) {
 // same step, and a job missing a rank never gets past it to a checkpoint).
 int agreed_stop_signal(Session& s) { return static_cast<int>(max_over_ranks(s, StopSignals::pending())); }
 
-// Ends the run at the step just finished because a signal asked for it: a checkpoint of that
-// step when the run saves any (unless it just saved it), then the reason and 128 + signal.
-void stop_on_signal(Session& s, int sig, TrainSummary& summary) {
+// A signal asked the run to stop after the step just finished: a checkpoint of that step when
+// the run saves any (unless it has just saved it). Returns the reason.
+std::string stop_on_signal(Session& s, int sig) {
   if (s.cfg.save_every > 0 && s.state.step % s.cfg.save_every != 0) save(s);
-  summary.exit_code = 128 + sig;
-  summary.stop_reason = fmt::format("stopped by signal {} after step {} ({}){}", sig, s.state.step - 1,
-                                    sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal",
-                                    s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
-                                                         : "; no checkpoint (--save-every 0)");
+  return fmt::format("stopped by signal {} ({}) after step {}{}", sig,
+                     sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal", s.state.step - 1,
+                     s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
+                                          : "; no checkpoint (--save-every 0)");
 }
 
 void write_trace(Session& s) {
@@ -256,6 +255,15 @@ void write_trace(Session& s) {
   std::vector<std::string> parts;
   for (int r = 0; r < s.N; ++r) parts.push_back(all.substr(r * most, lens[r]));
   trace::write_trace(s.cfg.trace, parts);
+}
+
+// Every rank ends the run at the same step (the decision came from collectives): the trace still
+// gathers, and the caller gets the exit status and the reason.
+TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::string& reason) {
+  summary.exit_code = code;
+  summary.stop_reason = reason;
+  if (!s.cfg.trace.empty()) write_trace(s);
+  return summary;
 }
 
 }  // namespace
@@ -335,12 +343,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
                  tokens_per_s, 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
       std::fflush(stdout);
     }
-    if (!stop_reason.empty()) {  // before any checkpoint of this step: nothing after it is saved
-      summary.exit_code = 3;
-      summary.stop_reason = stop_reason;
-      if (!cfg.trace.empty()) write_trace(s);  // every rank stops here, so the gather is safe
-      return summary;
-    }
+    // Before any checkpoint of this step: nothing from it on is saved.
+    if (!stop_reason.empty()) return end_early(s, summary, kNonFiniteExitCode, stop_reason);
     if (r.update_skipped && s.talk)
       fmt::print("{}: update skipped ({} in a row, {} in all)\n", describe_nonfinite(step, r),
                  nonfinite.skipped_in_a_row(), nonfinite.skipped_total());
@@ -348,11 +352,7 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     summary.steps_done = step + 1;
     s.state.step = step + 1;
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
-    if (const int sig = agreed_stop_signal(s)) {
-      stop_on_signal(s, sig, summary);
-      if (!cfg.trace.empty()) write_trace(s);
-      return summary;
-    }
+    if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
 
