@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <toml++/toml.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
@@ -95,6 +96,10 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
   cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
   cmd->add_option("--grad-clip", c.grad_clip, "global gradient norm limit (0: off)")->capture_default_str();
+  cmd->add_option("--on-nonfinite", c.on_nonfinite, "NaN/inf loss or gradient norm: stop | skip (the update)")
+      ->capture_default_str();
+  cmd->add_option("--max-skipped-steps", c.max_skipped_steps, "skip: end the run after this many skipped in a row")
+      ->capture_default_str();
   cmd->add_option("--eval-every", c.eval_every, "steps between evaluations (0: at the end only)")->capture_default_str();
   cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
@@ -181,7 +186,10 @@ int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
   try {
     world = comm::make_communicator();
     auto summary = train::run_training(tc, *world);
-    if (!summary.sample.empty()) {
+    if (summary.exit_code != 0) {  // every rank stopped at the same step for the same reason
+      if (world->rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";
+      code = summary.exit_code;
+    } else if (!summary.sample.empty()) {
       auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
       fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
     }
@@ -305,6 +313,9 @@ int run(int argc, char** argv) {
       data::TokenShard shard(eval_data);
       shard.validate_tokens(static_cast<int32_t>(std::min<int64_t>(m->desc.config.vocab_size, 1 << 30)));
       const double loss = train::evaluate(*m->ex, m->desc, m->plan.config, shard, eval_batch, eval_seq, 0, 0);
+      // Finite weights can still overflow (a run that diverged): a NaN is no measurement.
+      if (!std::isfinite(loss))
+        throw std::runtime_error(fmt::format("eval: {}: the mean loss over {} is not finite ({})", ckpt, eval_data, loss));
       fmt::print("{:.6f}\n", loss);
     } else if (*gen_cmd) {
       kernels::init_compute(threads);

@@ -56,7 +56,7 @@ enum class Op {
   reduce_scatter,  // comm: a unit's full gradients -> this rank's summed gradient shard
   all_reduce,      // comm: a bucket of gradients (DDP, ZeRO-1) or a shard across replicas (hybrid)
   param_gather,    // comm: ZeRO-1/2: updated parameter shards -> every rank's full copy
-  norm_reduce,     // comm: sum of the ranks' squared-gradient sums over the shard axis
+  norm_reduce,     // comm: every rank's squared-gradient sum and loss to every rank (norm, finiteness)
   loss_reduce,     // comm: sum of the ranks' losses over the world
 };
 inline constexpr int kNumOps = 15;

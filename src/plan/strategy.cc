@@ -369,10 +369,10 @@ void Builder::finish() {
     const int norm = add(Op::grad_norm, kCompute, -1, last_micro_, reductions_);
     settle_grads(norm, true);
     int before_opt = norm;
-    if (cfg_.world > 1 && sharded_grads_) {
+    if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
       before_opt = add(Op::norm_reduce, kComm, -1, last_micro_, {norm});
-      at(before_opt).axes = {plan_.shard_axis};
-      at(before_opt).bytes = 8;
+      at(before_opt).axes = {plan_.replicate_axis, plan_.shard_axis};
+      at(before_opt).bytes = 16;
     }
     const int opt = add(Op::optimizer, kCompute, -1, last_micro_, {before_opt});
     const int64_t elems = sharded_optimizer_ ? plan_.layout.total / plan_.shard_size : plan_.layout.total;

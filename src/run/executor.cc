@@ -41,6 +41,7 @@ struct Executor::Run {
   std::mutex mu;
   StepResult result;
   double sum_squares = 0;
+  bool finiteness_known = false;  // norm_reduce has told every rank which ranks went non-finite
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -75,6 +76,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   };
   fault_skip_step_ = fault_step("SHARDLM_FAULT_SKIP_COLLECTIVE");
   fault_kill_step_ = fault_step("SHARDLM_FAULT_KILL");
+  fault_nan_loss_step_ = fault_step("SHARDLM_FAULT_NAN_LOSS");
   // Every rank's trace clock starts at the same moment (to within a barrier's latency), so the
   // ranks' slices line up in one timeline.
   comms.world().barrier("trace clock")->wait(timeout_);
@@ -248,7 +250,10 @@ void Executor::unit_task(const Task& t, Run& r) {
 
 void Executor::forward(const Task& t, Run& r) { unit_task(t, r); }
 void Executor::recompute(const Task& t, Run& r) { unit_task(t, r); }
-void Executor::head(const Task& t, Run& r) { unit_task(t, r); }
+void Executor::head(const Task& t, Run& r) {
+  unit_task(t, r);
+  if (r.step >= 0 && r.step == fault_nan_loss_step_) r.result.loss_sum = std::nan("");
+}
 void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
@@ -257,8 +262,20 @@ void Executor::grad_norm(const Task&, Run& r) {
   r.sum_squares = backend_.sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
 }
 
+// Records a rank whose loss or squared-gradient sum is NaN or infinite.
+void Executor::note_nonfinite(Run& r, int rank, double sum_squares, double loss_sum) {
+  if (!std::isfinite(loss_sum)) r.result.nonfinite_loss.push_back(rank);
+  if (!std::isfinite(sum_squares)) r.result.nonfinite_grads.push_back(rank);
+}
+
 void Executor::optimizer(const Task&, Run& r) {
   r.result.grad_norm = std::sqrt(r.sum_squares);
+  // One rank (no norm_reduce in the plan): its own values are the whole step's.
+  if (!r.finiteness_known) note_nonfinite(r, comms_.world().rank(), r.sum_squares, r.result.loss_sum);
+  if (r.result.nonfinite()) {  // nothing non-finite reaches the parameters or AdamW's moments
+    r.result.update_skipped = true;
+    return;
+  }
   const float clip = r.in.grad_clip;
   const int64_t n = static_cast<int64_t>(grads_.bytes() / sizeof(float));
   if (clip > 0 && r.result.grad_norm > clip) backend_.scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
@@ -347,8 +364,23 @@ void Executor::all_reduce(const Task& t, Run& r) {
   backend_.bf16_to_fp32(buf, tmp, n);
 }
 
+// Every rank's (squared-gradient sum, loss sum) reaches every rank of the plan's communicator (the
+// world): the norm adds, in rank order, the sums of the ranks holding this replica's gradient
+// shards (only this rank's own when gradients are whole), and every rank learns, identically and
+// before any optimizer task runs, which ranks' loss or gradients went non-finite.
 void Executor::norm_reduce(const Task& t, Run& r) {
-  r.sum_squares = sum_over(comms_.get(r.plan, t.axes), r.sum_squares, "grad_norm step " + std::to_string(r.step));
+  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  const double mine[2] = {r.sum_squares, r.result.loss_sum};
+  std::vector<double> all(2 * c.size());
+  c.all_gather(mine, all.data(), 4, DType::fp32, "grad_norm step " + std::to_string(r.step))->wait(timeout_);
+  const int group = plan_.state.grads > 1 ? plan_.shard_size : 1;  // consecutive ranks of one replica
+  double sum = 0;
+  for (int i = 0; i < c.size(); ++i) {
+    if (i / group == c.rank() / group) sum += all[2 * i];
+    note_nonfinite(r, i, all[2 * i], all[2 * i + 1]);
+  }
+  r.sum_squares = sum;
+  r.finiteness_known = true;
 }
 
 void Executor::loss_reduce(const Task& t, Run& r) {
@@ -361,7 +393,7 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
   if (plan.layout.total != plan_.layout.total || plan.state.params != plan_.state.params ||
       plan.state.grads > plan_.state.grads || plan.state.optimizer > plan_.state.optimizer)
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
-  Run r{plan, step, in, {}, {}, {}, 0};
+  Run r{plan, step, in, {}, {}, {}, 0, false};
   r.live.resize(plan.buffers.size());
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
   const size_t n = plan.tasks.size();

@@ -63,6 +63,12 @@ struct StepResult {
   double loss_sum = 0;         // summed cross-entropy over the global batch (all ranks, micro-steps)
   double grad_norm = 0;        // global, before clipping
   double comm_exposed_ms = 0;  // time the compute stream waited for other streams
+  // World ranks (ascending) whose summed loss / squared-gradient sum was not finite this step.
+  // Every rank sees the same lists before its optimizer task runs; when either is non-empty the
+  // optimizer leaves parameters and AdamW moments untouched (update_skipped).
+  std::vector<int> nonfinite_loss, nonfinite_grads;
+  bool update_skipped = false;
+  bool nonfinite() const { return !nonfinite_loss.empty() || !nonfinite_grads.empty(); }
 };
 
 class Executor {
@@ -113,6 +119,7 @@ class Executor {
   float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
   double sum_over(comm::Communicator& c, double local, const std::string& label);
+  static void note_nonfinite(Run& r, int rank, double sum_squares, double loss_sum);
   double now_us() const;
   void allocate(const plan::Task& t, const std::vector<int>& ids, Run& r);
   void release(const plan::Task& t, Run& r);
@@ -145,8 +152,9 @@ class Executor {
   std::chrono::steady_clock::time_point t0_;
   // Test-only fault injection, from the environment: SHARDLM_FAULT_SKIP_COLLECTIVE=RANK:STEP makes
   // that rank skip its first collective of that step and stall (the others must time out and
-  // name it); SHARDLM_FAULT_KILL=RANK:STEP makes it die by SIGKILL at the start of that step.
-  int64_t fault_skip_step_ = -1, fault_kill_step_ = -1;
+  // name it); SHARDLM_FAULT_KILL=RANK:STEP makes it die by SIGKILL at the start of that step;
+  // SHARDLM_FAULT_NAN_LOSS=RANK:STEP makes that rank's loss of that step NaN (gradients finite).
+  int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1;
   trace::RankTrace trace_;
   std::mutex trace_mu_;
 };

@@ -106,6 +106,8 @@ Settings rank_settings(const TrainConfig& c) {
       {"beta2", s(c.beta2)},
       {"eps", s(c.eps)},
       {"grad-clip", s(c.grad_clip)},
+      {"on-nonfinite", c.on_nonfinite},
+      {"max-skipped-steps", s(c.max_skipped_steps)},
       // These decide when the job runs evaluations, checkpoints (gathers) and sampling: collectives.
       {"eval-every", s(c.eval_every)},
       {"eval-windows", s(c.eval_windows)},

@@ -1,5 +1,6 @@
 #include "train/checkpoint.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -47,6 +48,15 @@ void for_each_tensor(const model::ModelDesc& desc, const model::FlatLayout& layo
     for (const auto& p : desc.units[u].params) fn(p, layout.units[u].offset + p.offset);
 }
 
+// A model trained into NaN or infinity is no model: evaluating or resuming it would only carry
+// the poison on, so loading refuses it naming the tensor.
+void check_finite(const std::string& file, const std::string& tensor, const float* x, const model::ParamSpec& p) {
+  for (int64_t i = 0, n = p.exported_numel(); i < n; ++i)
+    if (!std::isfinite(x[i]))
+      throw std::runtime_error("checkpoint: " + file + ": tensor '" + tensor + "' holds a non-finite value (" +
+                               std::to_string(x[i]) + " at element " + std::to_string(i) + ")");
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
@@ -71,6 +81,7 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
     write_json(tmp + "/config.json", config);
     write_json(tmp + "/state.json",
                {{"step", state.step},
+                {"optimizer", {{"adamw_step", state.adam_step}}},
                 {"tokenizer", state.tokenizer},
                 // Batches are a pure function of (seed, step), so the step is the data position.
                 {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", state.step}}},
@@ -100,6 +111,8 @@ RunState read_checkpoint_state(const std::string& dir) {
   const json j = read_json(path);
   RunState s;
   s.step = field<int64_t>(j, "step", path);
+  // Checkpoints from before skipped steps existed applied an update at every step.
+  s.adam_step = j.contains("optimizer") ? field<int64_t>(j["optimizer"], "adamw_step", path) : s.step;
   s.tokenizer = field<std::string>(j, "tokenizer", path);
   if (!j.contains("rng")) throw std::runtime_error("checkpoint: " + path + " has no field 'rng'");
   s.seed = field<uint64_t>(j["rng"], "seed", path);
@@ -121,14 +134,19 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
                      float* params, float* exp_avg, float* exp_avg_sq) {
   {
     ckpt::SafetensorsFile f(dir + "/model.safetensors");
-    for_each_tensor(desc, layout,
-                    [&](const model::ParamSpec& p, int64_t at) { f.read_f32(p.name, params + at, p.exported_shape()); });
+    for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
+      f.read_f32(p.name, params + at, p.exported_shape());
+      check_finite(dir + "/model.safetensors", p.name, params + at, p);
+    });
   }
   if (exp_avg) {
-    ckpt::SafetensorsFile f(dir + "/optimizer.safetensors");
+    const std::string path = dir + "/optimizer.safetensors";
+    ckpt::SafetensorsFile f(path);
     for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
       f.read_f32("exp_avg." + p.name, exp_avg + at, p.exported_shape());
       f.read_f32("exp_avg_sq." + p.name, exp_avg_sq + at, p.exported_shape());
+      check_finite(path, "exp_avg." + p.name, exp_avg + at, p);
+      check_finite(path, "exp_avg_sq." + p.name, exp_avg_sq + at, p);
     });
   }
 }

@@ -23,6 +23,7 @@ struct RunState {
   // The settings that define the run (resume_check.h's run_identity), checked on resume. Read
   // from state.json's "run"; older files give what their "schedule" and "rng" hold.
   nlohmann::json run;
+  int64_t adam_step = 0;  // updates AdamW applied: fewer than `step` when non-finite steps were skipped
 };
 
 // exp_avg / exp_avg_sq may be null (no optimizer.safetensors).
@@ -34,8 +35,8 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 model::ModelConfig read_checkpoint_config(const std::string& dir);
 RunState read_checkpoint_state(const std::string& dir);
 // Loads parameters and, when exp_avg is not null, AdamW moments into flat buffers laid out by
-// `layout` (padding untouched). Every tensor must exist with its exact shape; errors name the
-// file and tensor.
+// `layout` (padding untouched). Every tensor must exist with its exact shape and hold only finite
+// values; errors name the file and tensor.
 void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                      float* params, float* exp_avg, float* exp_avg_sq);
 

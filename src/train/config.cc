@@ -1,5 +1,6 @@
 #include "train/config.h"
 
+#include <cmath>
 #include <stdexcept>
 
 #include "ckpt/hf_config.h"
@@ -38,6 +39,9 @@ void TrainConfig::validate() const {
   need(grad_accum > 0, "grad-accum must be positive");
   need(threads > 0, "threads must be positive");
   need(lr >= 0 && min_lr >= 0, "lr and min-lr must be >= 0");
+  need(std::isfinite(lr) && std::isfinite(min_lr), "lr and min-lr must be finite");
+  need(on_nonfinite == "stop" || on_nonfinite == "skip", "on-nonfinite '" + on_nonfinite + "' must be stop or skip");
+  need(max_skipped_steps > 0, "max-skipped-steps must be positive");
   need(warmup >= 0, "warmup must be >= 0");
   need(beta1 >= 0 && beta1 < 1, "beta1 must be in [0, 1)");
   need(beta2 >= 0 && beta2 < 1, "beta2 must be in [0, 1)");

@@ -40,6 +40,10 @@ struct TrainConfig {
   float beta2 = 0.95f;
   float eps = 1e-8f;
   float grad_clip = 1.0f;  // 0: off
+  // A step whose loss or gradient norm is NaN or infinite on any rank: `stop` ends the run
+  // before the update; `skip` drops the update and ends the run after max_skipped_steps in a row.
+  std::string on_nonfinite = "stop";
+  int64_t max_skipped_steps = 5;
 
   int64_t eval_every = 100;    // 0: only at the end
   int64_t eval_windows = 64;   // validation windows per evaluation (spread over the file)

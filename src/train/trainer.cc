@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fmt/format.h>
@@ -18,6 +19,7 @@
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/guard.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
 #include "train/schedule.h"
@@ -271,6 +273,20 @@ double run_eval(Session& s) {
   return val;
 }
 
+// The stop signal any rank has received, agreed by all (collective: every rank stops at the
+// same step, and a job missing a rank never gets past it to a checkpoint).
+int agreed_stop_signal(Session& s) { return static_cast<int>(max_over_ranks(s, StopSignals::pending())); }
+
+// A signal asked the run to stop after the step just finished: a checkpoint of that step when
+// the run saves any (unless it has just saved it). Returns the reason.
+std::string stop_on_signal(Session& s, int sig) {
+  if (s.cfg.save_every > 0 && s.state.step % s.cfg.save_every != 0) save(s);
+  return fmt::format("stopped by signal {} ({}) after step {}{}", sig,
+                     sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal", s.state.step - 1,
+                     s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
+                                          : "; no checkpoint (--save-every 0)");
+}
+
 void write_trace(Session& s) {
   s.ex.sample_memory();
   const std::string mine = s.ex.trace().events_json();
@@ -286,6 +302,15 @@ void write_trace(Session& s) {
   std::vector<std::string> parts;
   for (int r = 0; r < s.N; ++r) parts.push_back(all.substr(r * most, lens[r]));
   trace::write_trace(s.cfg.trace, parts);
+}
+
+// Every rank ends the run at the same step (the decision came from collectives): the trace still
+// gathers, and the caller gets the exit status and the reason.
+TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::string& reason) {
+  summary.exit_code = code;
+  summary.stop_reason = reason;
+  if (!s.cfg.trace.empty()) write_trace(s);
+  return summary;
 }
 
 }  // namespace
@@ -322,6 +347,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   }
 
   TrainSummary summary;
+  NonFiniteGuard nonfinite(cfg.on_nonfinite, cfg.max_skipped_steps);
+  const StopSignals signals;
   const float grad_scale = 1.0f / static_cast<float>(global_batch * T);
   for (int64_t step = s.state.step; step < cfg.steps; ++step) {
     const auto t0 = Clock::now();
@@ -334,8 +361,10 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     in.grad_clip = cfg.grad_clip;
     in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
               cfg.weight_decay};
-    in.adam_t = step + 1;
+    in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
     const run::StepResult r = s.ex.step(step, in);
+    if (!r.update_skipped) ++s.state.adam_step;
+    const std::string stop_reason = nonfinite.after_step(step, r);
     const double step_ms = ms_since(t0);
     const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
     const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
@@ -349,7 +378,8 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
       s.metrics << json{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
                         {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
                         {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
-                        {"mem_between_steps", mem_json(held)}}
+                        {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
+                        {"skipped_steps", nonfinite.skipped_total()}}
                        .dump()
                 << "\n"
                 << std::flush;
@@ -361,10 +391,16 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
                  tokens_per_s, 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
       std::fflush(stdout);
     }
+    // Before any checkpoint of this step: nothing from it on is saved.
+    if (!stop_reason.empty()) return end_early(s, summary, kNonFiniteExitCode, stop_reason);
+    if (r.update_skipped && s.talk)
+      fmt::print("{}: update skipped ({} in a row, {} in all)\n", describe_nonfinite(step, r),
+                 nonfinite.skipped_in_a_row(), nonfinite.skipped_total());
     summary.final_loss = loss;
     summary.steps_done = step + 1;
     s.state.step = step + 1;
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
+    if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
 

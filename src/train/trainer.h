@@ -20,6 +20,10 @@ struct TrainSummary {
   double final_val_loss = 0;       // nats per token
   double val_unigram_entropy = 0;  // nats per token, of the validation tokens
   std::vector<int32_t> sample;     // tokens generated at the end (none when sample_tokens == 0)
+  // A run that ended early on every rank (non-finite step, stop signal): the process's exit
+  // status and the one line that says why. 0 for a run that went to its end.
+  int exit_code = 0;
+  std::string stop_reason;
 };
 
 // Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,

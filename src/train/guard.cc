@@ -1,0 +1,72 @@
+#include "train/guard.h"
+
+#include <atomic>
+#include <csignal>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+namespace shardlm::train {
+
+namespace {
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
+}
+
+}  // namespace
+
+std::string describe_nonfinite(int64_t step, const run::StepResult& r) {
+  std::string s = fmt::format("step {}: ", step);
+  if (!r.nonfinite_loss.empty()) s += "non-finite loss on " + ranks_text(r.nonfinite_loss);
+  if (!r.nonfinite_loss.empty() && !r.nonfinite_grads.empty()) s += ", ";
+  if (!r.nonfinite_grads.empty()) s += "non-finite gradient norm on " + ranks_text(r.nonfinite_grads);
+  return s;
+}
+
+std::string NonFiniteGuard::after_step(int64_t step, const run::StepResult& r) {
+  if (!r.nonfinite()) {
+    in_a_row_ = 0;
+    return "";
+  }
+  ++total_;
+  ++in_a_row_;
+  if (!skip_) return describe_nonfinite(step, r) + "; stopped before the optimizer applied it (--on-nonfinite stop)";
+  if (in_a_row_ < max_skipped_) return "";
+  return describe_nonfinite(step, r) + fmt::format("; {} updates skipped in a row (--max-skipped-steps {}): stopping",
+                                                   in_a_row_, max_skipped_);
+}
+
+namespace {
+
+std::atomic<int> g_signal{0};
+struct sigaction g_old_int, g_old_term;
+
+// Async-signal-safe: an atomic store, or for a second signal the default action re-raised.
+void on_signal(int sig) {
+  int none = 0;
+  if (g_signal.compare_exchange_strong(none, sig)) return;
+  std::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+}  // namespace
+
+StopSignals::StopSignals() {
+  g_signal = 0;
+  struct sigaction sa = {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // blocking calls (file writes, MPI progress) carry on after the flag is set
+  sigaction(SIGINT, &sa, &g_old_int);
+  sigaction(SIGTERM, &sa, &g_old_term);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGINT, &g_old_int, nullptr);
+  sigaction(SIGTERM, &g_old_term, nullptr);
+}
+
+int StopSignals::pending() { return g_signal.load(); }
+
+}  // namespace shardlm::train
