@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 
 namespace {
@@ -146,6 +148,23 @@ TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
   expect_one_line_error(run(gen + " --temperature -1"), {"--temperature", "-1"});
   expect_one_line_error(run(gen + " --temperature nan"), {"--temperature", "nan"});
   expect_one_line_error(run(gen + " --threads -3"), {"--threads", "-3"});
+}
+
+// Truncating the token file during a run crashed with a bus error and no message.
+TEST_F(BadInput, TokenFileTruncatedDuringARun) {
+  const std::string prefix = path("shrinking");
+  for (const char* part : {"_train.bin", "_val.bin"}) fs::copy_file(data() + part, prefix + part);
+  const fs::path metrics = dir_ / "shrink" / "metrics.jsonl";
+  std::string args = train_args("shrink", 100000);
+  args.replace(args.find(data()), data().size(), prefix);
+  Result r;
+  std::thread runner([&] { r = run(args); });
+  // Truncate once the run has trained a step (it has read batches from the file).
+  for (int i = 0; i < 1200 && !(fs::exists(metrics) && fs::file_size(metrics) > 0); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  fs::resize_file(prefix + "_train.bin", 1024 + 2 * 40);
+  runner.join();
+  expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
 }
 
 }  // namespace
