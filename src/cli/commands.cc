@@ -20,6 +20,7 @@
 #include "run/executor.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/memory_check.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -135,7 +136,7 @@ struct LoadedModel {
 std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads, plan::PlanConfig::Mode mode,
                                         int64_t B, int64_t T) {
   auto m = std::make_unique<LoadedModel>();
-  m->desc = model::describe(train::read_checkpoint_config(ckpt_dir));
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
   m->state = train::read_checkpoint_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
@@ -144,7 +145,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads
   pc.batch = B;
   pc.seq = T;
   pc.threads = threads;
-  m->plan = plan::build_plan(m->desc, pc);
+  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false);
   m->world = std::make_unique<comm::SingleRankCommunicator>();
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));

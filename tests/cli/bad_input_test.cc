@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <thread>
@@ -165,6 +166,79 @@ TEST_F(BadInput, TokenFileTruncatedDuringARun) {
   fs::resize_file(prefix + "_train.bin", 1024 + 2 * 40);
   runner.join();
   expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
+}
+
+// A config.json with n_layer 1e8 ran for minutes instead of being refused; a model too big for
+// this machine is refused with the figures before anything is allocated.
+TEST_F(BadInput, ModelTooBigForTheMachineIsRefusedWithTheFigure) {
+  auto hf = [&](int64_t layers) {
+    write("big.json", "{\"model_type\": \"gpt2\", \"n_layer\": " + std::to_string(layers) +
+                          ", \"n_head\": 4, \"n_embd\": 64, \"vocab_size\": 256, \"n_positions\": 256}");
+    return " --model " + path("big.json");
+  };
+  expect_one_line_error(run(train_args("big", 1) + hf(100000000)), {"big.json", "n_layer", "100000000"});
+  // Under the layer limit, the parameters alone (16 bytes each) exceed any machine this runs on.
+  expect_one_line_error(run(train_args("big", 1) + hf(1000000)),
+                        {"does not fit in memory", "n_layer 1000000", "GiB per rank", "MemAvailable"});
+  expect_one_line_error(run(train_args("big", 1) + " --n-embd 16384 --n-head 128 --n-layer 100"),
+                        {"does not fit in memory", "n_embd 16384", "MemAvailable"});
+  // Parameters fit, the plan's activations (2^31 tokens a micro-step) do not: the plan's figure.
+  expect_one_line_error(run(train_args("big", 1) + " --batch 8388607 --seq 256"),
+                        {"does not fit in memory", "the plan needs", "activations", "MemAvailable"});
+  EXPECT_FALSE(fs::exists(path("big") + "/metrics.jsonl"));
+  // eval of a real checkpoint with a batch whose activations cannot fit.
+  ASSERT_EQ(run(train_args("small", 1) + " --save-every 1").code, 0);
+  expect_one_line_error(run("eval --ckpt " + path("small") + "/ckpt/step_1 --data " + data() +
+                            "_val.bin --seq 256 --batch 100000"),
+                        {"does not fit in memory", "activations", "MemAvailable"});
+}
+
+// A copy of a real checkpoint whose config.json or state.json `edit` changes.
+class BadCheckpoint : public BadInput {
+ protected:
+  static void SetUpTestSuite() {
+    BadInput::SetUpTestSuite();
+    const Result r = run(train_args("ck", 2) + " --save-every 2");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  std::string edited(const std::string& file, const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path ck = dir_ / ("edited_" + std::to_string(n_++));
+    fs::copy(dir_ / "ck" / "ckpt" / "step_2", ck);
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(ck / file));
+    edit(j);
+    std::ofstream(ck / file) << j.dump();
+    return ck.string();
+  }
+  // Every command that reads a checkpoint refuses it with the same line.
+  void expect_refused(const std::string& ck, std::initializer_list<std::string> needles) {
+    expect_one_line_error(run("eval --ckpt " + ck + " --data " + data() + "_val.bin --seq 32"), needles);
+    expect_one_line_error(run("generate --ckpt " + ck + " --tokens 2"), needles);
+    expect_one_line_error(run(train_args("resumed", 3) + " --resume " + ck), needles);
+  }
+  int n_ = 0;
+};
+
+// state.json with step -7 gave `basic_string::_M_replace_aux`.
+TEST_F(BadCheckpoint, StateFieldsAreRangeChecked) {
+  expect_refused(edited("state.json", [](auto& j) { j["step"] = -7; }), {"state.json", "'step'", "-7"});
+  expect_refused(edited("state.json", [](auto& j) { j["step"] = 2.5; }), {"state.json", "'step'", "2.5"});
+  expect_refused(edited("state.json", [](auto& j) { j["rng"]["seed"] = -1; }), {"state.json", "'seed'", "-1"});
+  expect_refused(edited("state.json", [](auto& j) { j.erase("step"); }), {"state.json", "'step'"});
+  expect_refused(edited("state.json", [](auto& j) { j["tokenizer"] = ""; }), {"state.json", "'tokenizer'"});
+}
+
+// config.json is checked against model.safetensors' own tensor sizes before anything is allocated.
+TEST_F(BadCheckpoint, ConfigIsCheckedAgainstTheTensorFile) {
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 100000000; }), {"config.json", "n_layer", "100000000"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 1000; }),
+                 {"config.json", "n_layer 1000", "model.safetensors", "tensors"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 3; }), {"config.json", "n_layer 3", "model.safetensors"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_inner"] = 200; }), {"config.json", "ffn_dim 200", "model.safetensors"});
+  // Same element count, other shapes: n_positions 256 -> 128 with vocabulary 256 -> 384 keeps
+  // wte + wpe at (256 + 256) x 64 = (384 + 128) x 64; caught tensor by tensor.
+  expect_refused(edited("config.json", [](auto& j) { j["n_positions"] = 128; j["vocab_size"] = 384; }),
+                 {"config.json", "wte.weight", "[256, 64]", "[384, 64]"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_head"] = 0; }), {"config.json", "n_head", "0"});
 }
 
 }  // namespace
