@@ -102,7 +102,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
   cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
   cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->check(at_least(0))->capture_default_str();
   cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   cmd->add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "linear warmup steps")->capture_default_str();
@@ -226,7 +226,7 @@ int run(int argc, char** argv) {
   gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->capture_default_str();
+  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--threads", threads, "compute threads")->check(at_least(1))->capture_default_str();
   gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
 

@@ -115,7 +115,8 @@ void check_distribution(const TrainConfig& c) {
   positive(c.bucket_mb, "bucket-mb");
   finite(c.bucket_mb, "bucket-mb");
   positive(c.timeout_s, "timeout");
-  finite(c.timeout_s, "timeout");
+  // Held as int64 milliseconds; a billion seconds (32 years) is "never".
+  if (!(c.timeout_s <= 1e9)) throw std::invalid_argument(fmt::format("--timeout: must be <= 1e9 seconds, got {}", c.timeout_s));
   for (const auto& [dt, flag] : {std::pair{&c.param_dtype, "param-dtype"}, std::pair{&c.reduce_dtype, "reduce-dtype"},
                                  std::pair{&c.compute_dtype, "compute-dtype"}})
     if (*dt != "fp32" && *dt != "bf16")

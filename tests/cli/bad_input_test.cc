@@ -124,7 +124,8 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
            {"--grad-accum 0", "--grad-accum"}, {"--threads 0", "--threads"}, {"--eval-windows 0", "--eval-windows"},
            {"--sample-tokens -1", "--sample-tokens"}, {"--lr inf", "--lr"}, {"--lr -1", "--lr"},
            {"--beta2 1", "--beta2"}, {"--eps 0", "--eps"}, {"--timeout 0", "--timeout"},
-           {"--bucket-mb nan", "--bucket-mb"}, {"--batch 100000000 --seq 64", "--batch 100000000"}}) {
+           {"--bucket-mb nan", "--bucket-mb"}, {"--batch 100000000 --seq 64", "--batch 100000000"},
+           {"--seed -1", "--seed"}, {"--timeout 1e+300", "--timeout"}}) {
     const std::string bad = flags.substr(flags.find(' ') + 1);
     SCOPED_TRACE(flags);
     expect_one_line_error(run(base + " " + flags), {needle, bad.substr(bad.rfind(' ') + 1)});
@@ -149,6 +150,28 @@ TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
   expect_one_line_error(run(gen + " --temperature -1"), {"--temperature", "-1"});
   expect_one_line_error(run(gen + " --temperature nan"), {"--temperature", "nan"});
   expect_one_line_error(run(gen + " --threads -3"), {"--threads", "-3"});
+  expect_one_line_error(run(gen + " --seed -2"), {"--seed", "-2"});
+}
+
+// A Hugging Face config.json given as --model: every key range-checked, integers as integers.
+TEST_F(BadInput, HuggingFaceConfigKeysAreRangeChecked) {
+  const std::string gpt2 = R"("model_type": "gpt2", "n_head": 4, "n_embd": 64, "vocab_size": 256, "n_positions": 256)";
+  for (const auto& [json, needles] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"{" + gpt2 + R"(, "n_layer": -2})", {"n_layer", "-2"}},
+           {"{" + gpt2 + R"(, "n_layer": 0})", {"n_layer", "0"}},
+           {"{" + gpt2 + R"(, "n_layer": 2.5})", {"n_layer", "2.5"}},
+           {"{" + gpt2 + R"(, "n_layer": 1e8})", {"n_layer", "100000000"}},
+           {R"({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3,
+                "hidden_size": 64, "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 256})",
+            {"n_kv_head", "3"}}}) {
+    SCOPED_TRACE(json);
+    write("hf.json", json);
+    std::vector<std::string> all = needles;
+    all.push_back(path("hf.json"));
+    const Result r = run(train_args("hf", 1) + " --model " + path("hf.json"));
+    for (const auto& needle : all) EXPECT_NE(r.out.find(needle), std::string::npos) << needle << " in: " << r.out;
+    expect_one_line_error(r, {});
+  }
 }
 
 // Truncating the token file during a run crashed with a bus error and no message.
