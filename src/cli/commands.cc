@@ -40,6 +40,18 @@ std::string default_data_dir() {
   return "data";
 }
 
+// CLI11 reads `--out=` as `--out` wanting a value and takes the next word (`--out= --seq=64`
+// wrote into a directory named `--seq=64`): an empty value after '=' is passed as a value.
+std::vector<std::string> split_empty_values(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (const auto& a : args) {
+    const bool empty_value = a.size() > 3 && a.rfind("--", 0) == 0 && a.back() == '=' && a.find('=') == a.size() - 1;
+    out.push_back(empty_value ? a.substr(0, a.size() - 1) : a);
+    if (empty_value) out.emplace_back();
+  }
+  return out;
+}
+
 // A CLI11 check: "--FLAG: must be >= LO, got V" (or "> LO" when `strict`), for finite numbers
 // only. Text that is not a number is left to the option's own conversion error.
 CLI::Validator bounded_below(double lo, bool strict = false) {
@@ -239,7 +251,7 @@ int run(int argc, char** argv) {
   add_plan_options(explain_cmd, ec);
 
   try {
-    std::vector<std::string> args(argv + 1, argv + argc);
+    std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
     app.parse(args);
     if (!config_path.empty()) apply_toml_config(config_path, train_cmd);

@@ -84,6 +84,9 @@ TEST_F(BadInput, TomlEmptyStringIsAValue) {
   EXPECT_FALSE(fs::exists("--seq=64"));
   write("seq_after_out.toml", "model = \"tiny\"\nout = \"" + path("o") + "\"\nseq = 100000\nsteps = 1\n");
   expect_one_line_error(run("train --config " + path("seq_after_out.toml") + " --data " + data()), {"seq", "100000"});
+  // The same on the command line: `--out=` is an empty value, not a request for the next word.
+  expect_one_line_error(run(train_args("x", 1) + " --out= --seq=64"), {"out", "empty"});
+  EXPECT_FALSE(fs::exists("--seq=64"));
   // A string starting with '-' is a value too, not a flag.
   write("dash.toml", "out = \"" + path("-dash") + "\"\nlr = -1\n");
   expect_one_line_error(run(train_args("x", 1) + " --config " + path("dash.toml") + " --out " + path("y")), {"lr", "-1"});
