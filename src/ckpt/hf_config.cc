@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <stdexcept>
+#include <type_traits>
 
 namespace shardlm::ckpt {
 
@@ -42,6 +43,10 @@ namespace {
 template <class T>
 T field(const json& j, const char* key, const std::string& path) {
   if (!j.contains(key) || j[key].is_null()) throw std::runtime_error(path + ": no field '" + key + "'");
+  // nlohmann would truncate 2.5 (or 1e8 written as a float) to an integer without a word.
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>)
+    if (!j[key].is_number_integer())
+      throw std::runtime_error(path + ": field '" + key + "' must be an integer, got " + j[key].dump());
   try {
     return j.at(key).get<T>();
   } catch (const std::exception&) {

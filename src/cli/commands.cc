@@ -1,7 +1,7 @@
 #include "cli/commands.h"
+#include "cli/toml_config.h"
 
 #include <CLI/CLI.hpp>
-#include <toml++/toml.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -21,6 +21,7 @@
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/memory_check.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -40,21 +41,53 @@ std::string default_data_dir() {
   return "data";
 }
 
+// CLI11 reads `--out=` as `--out` wanting a value and takes the next word (`--out= --seq=64`
+// wrote into a directory named `--seq=64`): an empty value after '=' is passed as a value.
+std::vector<std::string> split_empty_values(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (const auto& a : args) {
+    const bool empty_value = a.size() > 3 && a.rfind("--", 0) == 0 && a.back() == '=' && a.find('=') == a.size() - 1;
+    out.push_back(empty_value ? a.substr(0, a.size() - 1) : a);
+    if (empty_value) out.emplace_back();
+  }
+  return out;
+}
+
+// A CLI11 check: "--FLAG: must be >= LO, got V" (or "> LO" when `strict`), for finite numbers
+// only. Text that is not a number is left to the option's own conversion error.
+CLI::Validator bounded_below(double lo, bool strict = false) {
+  const std::string rule = fmt::format("{} {}", strict ? ">" : ">=", lo);
+  return CLI::Validator(
+      [lo, strict, rule](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          v = std::stod(text);
+        } catch (const std::exception&) {
+          return "";
+        }
+        if (!std::isfinite(v)) return fmt::format("must be finite, got {}", text);
+        return (strict ? v > lo : v >= lo) ? "" : fmt::format("must be {}, got {}", rule, text);
+      },
+      rule);
+}
+CLI::Validator at_least(double lo) { return bounded_below(lo); }
+CLI::Validator positive() { return bounded_below(0, true); }
+
 // The model: a preset or config.json, and explicit dimensions over it (train and explain).
 void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--model", c.model,
                   "preset (tiny, small, gpt2-124m, llama-tiny, llama-small, llama2-7b, llama2-13b, llama2-70b, "
                   "llama3-8b, llama3-70b, gpt3-175b) or a Hugging Face config.json")
       ->capture_default_str();
-  cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)");
-  cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)");
-  cmd->add_option("--n-kv-head", c.n_kv_head, "key/value heads, dividing n-head (llama)");
-  cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)");
-  cmd->add_option("--ffn-dim", c.ffn_dim, "MLP width (gpt2: 4 n-embd)");
-  cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)");
-  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the config's, else the data's tokenizer)");
-  cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)");
-  cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)");
+  cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)")->check(at_least(1));
+  cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)")->check(at_least(1));
+  cmd->add_option("--n-kv-head", c.n_kv_head, "key/value heads, dividing n-head (llama)")->check(at_least(1));
+  cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)")->check(at_least(1));
+  cmd->add_option("--ffn-dim", c.ffn_dim, "MLP width (gpt2: 4 n-embd)")->check(at_least(1));
+  cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)")->check(at_least(1));
+  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the config's, else the data's tokenizer)")->check(at_least(1));
+  cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)")->check(positive());
+  cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)")->check(positive());
   cmd->add_flag("--tie-embeddings", c.tie_embeddings, "llama: the head reuses the token embedding");
 }
 
@@ -87,7 +120,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->check(at_least(0))->capture_default_str();
   cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   cmd->add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "linear warmup steps")->capture_default_str();
@@ -125,7 +158,7 @@ struct LoadedModel {
 std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads, plan::PlanConfig::Mode mode,
                                         int64_t B, int64_t T) {
   auto m = std::make_unique<LoadedModel>();
-  m->desc = model::describe(train::read_checkpoint_config(ckpt_dir));
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
   m->state = train::read_checkpoint_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
@@ -134,48 +167,13 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads
   pc.batch = B;
   pc.seq = T;
   pc.threads = threads;
-  m->plan = plan::build_plan(m->desc, pc);
+  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false);
   m->world = std::make_unique<comm::SingleRankCommunicator>();
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));
   train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
                          nullptr);
   return m;
-}
-
-// `train --config FILE.toml`: the file's keys become flags placed before the command line's own,
-// so that, with last-one-wins options, the command line overrides the file. Keys are the flag
-// names, with '-' or '_' (`grad-clip = 1.0`, `grad_clip = 1.0`).
-std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App* train_cmd) {
-  std::string path;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--config" && i + 1 < args.size()) path = args[i + 1];
-    if (args[i].rfind("--config=", 0) == 0) path = args[i].substr(9);
-  }
-  if (path.empty() || args.empty() || args[0] != "train") return args;
-  toml::table table;
-  try {
-    table = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    std::string what(e.description());
-    throw std::runtime_error(fmt::format("config {}: line {}: {}", path, e.source().begin.line, what));
-  }
-  std::vector<std::string> out{args[0]};
-  for (const auto& [key, node] : table) {
-    std::string flag(key.str());
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    if (flag == "config" || !train_cmd->get_option_no_throw("--" + flag))
-      throw std::runtime_error(fmt::format("config {}: unknown key '{}'", path, key.str()));
-    std::string value;
-    if (node.is_string()) value = *node.value<std::string>();
-    else if (node.is_boolean()) value = *node.value<bool>() ? "true" : "false";
-    else if (node.is_integer()) value = std::to_string(*node.value<int64_t>());
-    else if (node.is_floating_point()) value = fmt::format("{}", *node.value<double>());
-    else throw std::runtime_error(fmt::format("config {}: key '{}' must be a string, number or boolean", path, key.str()));
-    out.push_back("--" + flag + "=" + value);
-  }
-  out.insert(out.end(), args.begin() + 1, args.end());
-  return out;
 }
 
 // Training may span ranks: errors name the rank, and a failing rank ends the whole job (an MPI
@@ -232,9 +230,9 @@ int run(int argc, char** argv) {
   // train
   auto* train_cmd = app.add_subcommand("train", "train a model");
   train::TrainConfig tc;
-  std::string config_path;
   train_cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  train_cmd->add_option("--config", config_path, "TOML file of train options (command-line flags win)");
+  std::string config_path;
+  train_cmd->add_option("--config", config_path, "TOML file of train options (keys are flag names; command-line flags win)");
   add_train_options(train_cmd, tc);
   train_cmd->add_option("--data-dir", data_dir, "tokenizer files (for the final sample)")->capture_default_str();
 
@@ -244,9 +242,9 @@ int run(int argc, char** argv) {
   int64_t eval_seq = 256, eval_batch = 4;
   eval_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
   eval_cmd->add_option("--data", eval_data, "token file (.bin)")->required();
-  eval_cmd->add_option("--seq", eval_seq, "window length T")->capture_default_str();
-  eval_cmd->add_option("--batch", eval_batch, "windows per forward")->capture_default_str();
-  eval_cmd->add_option("--threads", threads, "compute threads")->capture_default_str();
+  eval_cmd->add_option("--seq", eval_seq, "window length T")->check(at_least(1))->capture_default_str();
+  eval_cmd->add_option("--batch", eval_batch, "windows per forward")->check(at_least(1))->capture_default_str();
+  eval_cmd->add_option("--threads", threads, "compute threads")->check(at_least(1))->capture_default_str();
 
   // generate
   auto* gen_cmd = app.add_subcommand("generate", "continue a prompt from a checkpoint");
@@ -254,31 +252,26 @@ int run(int argc, char** argv) {
   train::SampleConfig sc;
   gen_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
   gen_cmd->add_option("--prompt", prompt, "text to continue (empty: start of a document)");
-  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate")->capture_default_str();
-  gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->capture_default_str();
-  gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->capture_default_str();
-  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->capture_default_str();
-  gen_cmd->add_option("--threads", threads, "compute threads")->capture_default_str();
+  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate")->check(at_least(0))->capture_default_str();
+  gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
+  gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
+  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->check(at_least(0))->capture_default_str();
+  gen_cmd->add_option("--threads", threads, "compute threads")->check(at_least(1))->capture_default_str();
   gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
 
   // explain
   auto* explain_cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
   train::TrainConfig ec;
   int explain_ranks = 1;
-  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->capture_default_str();
+  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(at_least(1))->capture_default_str();
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
 
   try {
-    std::vector<std::string> args(argv + 1, argv + argc);
-    try {
-      args = expand_config(args, train_cmd);
-    } catch (const std::exception& e) {
-      std::cerr << "shardlm: error: " << e.what() << "\n";
-      return 2;
-    }
+    std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
     app.parse(args);
+    if (!config_path.empty()) apply_toml_config(config_path, train_cmd);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
@@ -307,7 +300,6 @@ int run(int argc, char** argv) {
       const model::ModelDesc desc = model::describe(mc);
       std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
     } else if (*eval_cmd) {
-      if (eval_batch <= 0) throw std::invalid_argument("--batch must be positive, got " + std::to_string(eval_batch));
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);
       data::TokenShard shard(eval_data);

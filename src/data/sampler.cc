@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace shardlm::data {
 namespace {
@@ -21,10 +22,11 @@ void check_shard(const TokenShard& shard, int64_t T) {
                              " tokens, fewer than T + 1 = " + std::to_string(T + 1) + " needed for one sequence");
 }
 
-inline void copy_window(const uint16_t* tok, int64_t off, int64_t T, int32_t* in, int32_t* tg) {
+// Splits T + 1 consecutive tokens into inputs and the targets one position later.
+inline void split_window(const uint16_t* tok, int64_t T, int32_t* in, int32_t* tg) {
   for (int64_t t = 0; t < T; ++t) {
-    in[t] = tok[off + t];
-    tg[t] = tok[off + t + 1];
+    in[t] = tok[t];
+    tg[t] = tok[t + 1];
   }
 }
 
@@ -47,9 +49,11 @@ void sample_batch(const TokenShard& shard, uint64_t seed, int64_t step, int64_t 
   if (num_seq < 0 || first_seq < 0)
     throw std::invalid_argument("sample_batch: first_seq and num_seq must be >= 0 (got " +
                                 std::to_string(first_seq) + ", " + std::to_string(num_seq) + ")");
+  std::vector<uint16_t> window(static_cast<size_t>(T + 1));
   for (int64_t i = 0; i < num_seq; ++i) {
     const auto off = static_cast<int64_t>(sample_offset(seed, step, micro_step, first_seq + i, shard.size(), T));
-    copy_window(shard.data(), off, T, inputs + i * T, targets + i * T);
+    shard.read(off, T + 1, window.data());
+    split_window(window.data(), T, inputs + i * T, targets + i * T);
   }
 }
 
@@ -66,8 +70,10 @@ void eval_batch(const TokenShard& shard, int64_t first, int64_t count, int64_t T
     throw std::out_of_range("token shard " + shard.path() + ": eval windows [" + std::to_string(first) + ", " +
                             std::to_string(first + count) + ") are not within its " + std::to_string(n) +
                             " windows of T = " + std::to_string(T));
-  for (int64_t i = 0; i < count; ++i)
-    copy_window(shard.data(), (first + i) * T, T, inputs + i * T, targets + i * T);
+  // Consecutive windows share their boundary tokens: one read of count * T + 1 tokens.
+  if (count == 0) return;
+  const std::vector<uint16_t> tok = shard.read(first * T, count * T + 1);
+  for (int64_t i = 0; i < count; ++i) split_window(tok.data() + i * T, T, inputs + i * T, targets + i * T);
 }
 
 void eval_window(const TokenShard& shard, int64_t i, int64_t T, int32_t* inputs, int32_t* targets) {

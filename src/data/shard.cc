@@ -1,7 +1,6 @@
 #include "data/shard.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -86,50 +85,45 @@ void write_token_shard(const std::string& path, std::span<const int32_t> tokens)
   write_shard_u16(path, t.data(), t.size());
 }
 
+namespace {
+
+// The header's token count, after checking magic, version and that the file holds exactly
+// that many tokens.
+int64_t read_header(int fd, int64_t bytes, const std::string& path) {
+  int32_t header[kShardHeaderInts];
+  if (::pread(fd, header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header)))
+    fail(path, "cannot read the header: " + errno_text());
+  if (header[0] != kShardMagic)
+    fail(path, "bad magic " + std::to_string(header[0]) + " (expected " + std::to_string(kShardMagic) +
+                   "; not an llm.c token shard)");
+  if (header[1] != kShardVersion)
+    fail(path, "unsupported version " + std::to_string(header[1]) + " (expected " + std::to_string(kShardVersion) +
+                   ": uint16 tokens)");
+  const int64_t n = header[2];
+  if (n < 0) fail(path, "negative token count " + std::to_string(n));
+  const int64_t expect = kShardHeaderBytes + 2 * n;
+  if (bytes < expect)
+    fail(path, "truncated: header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
+                   " bytes) but the file has " + std::to_string(bytes) + " bytes");
+  if (bytes > expect)
+    fail(path, "header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
+                   " bytes) but the file has " + std::to_string(bytes) + " bytes (trailing data)");
+  return n;
+}
+
+}  // namespace
+
 TokenShard::TokenShard(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open: " + errno_text());
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const std::string err = errno_text();
-    ::close(fd);
-    fail(path, "cannot stat: " + err);
-  }
-  const int64_t bytes = st.st_size;
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path, "not a regular file");
-  }
-  if (bytes < kShardHeaderBytes) {
-    ::close(fd);
-    fail(path, "file is " + std::to_string(bytes) + " bytes, shorter than the " +
-                   std::to_string(kShardHeaderBytes) + "-byte header");
-  }
-  void* map = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_SHARED, fd, 0);
-  const std::string err = errno_text();
-  ::close(fd);
-  if (map == MAP_FAILED) fail(path, "mmap failed: " + err);
-  map_ = map;
-  map_bytes_ = static_cast<size_t>(bytes);
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail(path, "cannot open: " + errno_text());
   try {
-    const auto* header = static_cast<const int32_t*>(map_);
-    if (header[0] != kShardMagic)
-      fail(path, "bad magic " + std::to_string(header[0]) + " (expected " + std::to_string(kShardMagic) +
-                     "; not an llm.c token shard)");
-    if (header[1] != kShardVersion)
-      fail(path, "unsupported version " + std::to_string(header[1]) + " (expected " +
-                     std::to_string(kShardVersion) + ": uint16 tokens)");
-    const int64_t n = header[2];
-    if (n < 0) fail(path, "negative token count " + std::to_string(n));
-    const int64_t expect = kShardHeaderBytes + 2 * n;
-    if (bytes < expect)
-      fail(path, "truncated: header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
-                     " bytes) but the file has " + std::to_string(bytes) + " bytes");
-    if (bytes > expect)
-      fail(path, "header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
-                     " bytes) but the file has " + std::to_string(bytes) + " bytes (trailing data)");
-    ntokens_ = n;
-    tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map_) + kShardHeaderBytes);
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) fail(path, "cannot stat: " + errno_text());
+    if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
+    if (st.st_size < kShardHeaderBytes)
+      fail(path, "file is " + std::to_string(st.st_size) + " bytes, shorter than the " +
+                     std::to_string(kShardHeaderBytes) + "-byte header");
+    ntokens_ = read_header(fd_, st.st_size, path);
   } catch (...) {
     release();
     throw;
@@ -139,18 +133,13 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
 TokenShard::~TokenShard() { release(); }
 
 void TokenShard::release() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
-  map_ = nullptr;
-  map_bytes_ = 0;
-  tokens_ = nullptr;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   ntokens_ = 0;
 }
 
-TokenShard::TokenShard(TokenShard&& o) noexcept
-    : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), tokens_(o.tokens_), ntokens_(o.ntokens_) {
-  o.map_ = nullptr;
-  o.map_bytes_ = 0;
-  o.tokens_ = nullptr;
+TokenShard::TokenShard(TokenShard&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_), ntokens_(o.ntokens_) {
+  o.fd_ = -1;
   o.ntokens_ = 0;
 }
 
@@ -158,24 +147,57 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
   if (this != &o) {
     release();
     path_ = std::move(o.path_);
-    map_ = o.map_;
-    map_bytes_ = o.map_bytes_;
-    tokens_ = o.tokens_;
+    fd_ = o.fd_;
     ntokens_ = o.ntokens_;
-    o.map_ = nullptr;
-    o.map_bytes_ = 0;
-    o.tokens_ = nullptr;
+    o.fd_ = -1;
     o.ntokens_ = 0;
   }
   return *this;
 }
 
-void TokenShard::validate_tokens(int32_t vocab_size) const {
-  for (int64_t i = 0; i < ntokens_; ++i) {
-    if (static_cast<int32_t>(tokens_[i]) >= vocab_size)
-      fail(path_, "token id " + std::to_string(tokens_[i]) + " at position " + std::to_string(i) +
-                      " is >= the vocabulary size " + std::to_string(vocab_size));
+void TokenShard::read(int64_t first, int64_t count, uint16_t* out) const {
+  if (first < 0 || count < 0 || first > ntokens_ - count)
+    throw std::out_of_range("token shard " + path_ + ": tokens [" + std::to_string(first) + ", " +
+                            std::to_string(first + count) + ") are not within its " + std::to_string(ntokens_));
+  char* dst = reinterpret_cast<char*>(out);
+  size_t left = static_cast<size_t>(count) * sizeof(uint16_t);
+  off_t at = kShardHeaderBytes + first * static_cast<off_t>(sizeof(uint16_t));
+  while (left > 0) {
+    const ssize_t got = ::pread(fd_, dst, left, at);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail(path_, "read failed at byte " + std::to_string(at) + ": " + errno_text());
+    if (got == 0) {
+      struct stat st;
+      const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "shorter";
+      fail(path_, "the file is now " + now + " but its header says " + std::to_string(ntokens_) + " tokens (" +
+                      std::to_string(kShardHeaderBytes + 2 * ntokens_) +
+                      " bytes): it was truncated while in use");
+    }
+    dst += got;
+    at += got;
+    left -= static_cast<size_t>(got);
   }
+}
+
+std::vector<uint16_t> TokenShard::read(int64_t first, int64_t count) const {
+  std::vector<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
+  read(first, count, out.data());
+  return out;
+}
+
+uint16_t TokenShard::operator[](int64_t i) const {
+  uint16_t t = 0;
+  read(i, 1, &t);
+  return t;
+}
+
+void TokenShard::validate_tokens(int32_t vocab_size) const {
+  for_each_chunk(*this, [&](int64_t first, const uint16_t* t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      if (static_cast<int32_t>(t[i]) >= vocab_size)
+        fail(path_, "token id " + std::to_string(t[i]) + " at position " + std::to_string(first + i) +
+                        " is >= the vocabulary size " + std::to_string(vocab_size));
+  });
 }
 
 }  // namespace shardlm::data

@@ -2,9 +2,11 @@
 // version 1, token count, the rest 0), then the tokens as little-endian uint16.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace shardlm::data {
 
@@ -19,9 +21,14 @@ constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
 void write_token_shard(const std::string& path, std::span<const int32_t> tokens);
 void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
 
-// A shard mapped read-only into memory. The constructor validates the header and the size;
-// each problem (missing file, shorter than the header, wrong magic, wrong version, size not
-// matching the token count) is a std::runtime_error with one line naming the file.
+// A shard open for reading. The constructor validates the header and the size; each problem
+// (missing file, shorter than the header, wrong magic, wrong version, size not matching the
+// token count) is a std::runtime_error with one line naming the file.
+//
+// Tokens are read with pread, not through a memory map: a mapped file truncated while the run
+// uses it kills the process with SIGBUS and no message, where a read that comes back short is an
+// error naming the file. A file replaced by rename keeps being read as opened (the descriptor
+// holds the old inode).
 class TokenShard {
  public:
   explicit TokenShard(const std::string& path);
@@ -33,20 +40,34 @@ class TokenShard {
 
   const std::string& path() const { return path_; }
   int64_t size() const { return ntokens_; }
-  const uint16_t* data() const { return tokens_; }
-  uint16_t operator[](int64_t i) const { return tokens_[i]; }
+
+  // Copies tokens [first, first + count) to out. Throws std::out_of_range naming the file for a
+  // range outside [0, size()), std::runtime_error naming the file when the file has become
+  // shorter than its header says (truncated after it was opened) or the read fails.
+  void read(int64_t first, int64_t count, uint16_t* out) const;
+  std::vector<uint16_t> read(int64_t first, int64_t count) const;
+  uint16_t operator[](int64_t i) const;  // one token; for tests and spot checks
 
   // Throws std::runtime_error naming the file, the first token id >= vocab_size and its
-  // position. A scan of the whole shard (about 1 GB/s).
+  // position. A scan of the whole shard.
   void validate_tokens(int32_t vocab_size) const;
 
  private:
   void release();
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const uint16_t* tokens_ = nullptr;
+  int fd_ = -1;
   int64_t ntokens_ = 0;
 };
+
+// Calls fn(first, tokens, n) over the whole shard in consecutive chunks of at most `chunk` tokens.
+template <class Fn>
+void for_each_chunk(const TokenShard& shard, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
+  std::vector<uint16_t> buf(static_cast<size_t>(std::min(chunk, shard.size())));
+  for (int64_t first = 0; first < shard.size(); first += chunk) {
+    const int64_t n = std::min(chunk, shard.size() - first);
+    shard.read(first, n, buf.data());
+    fn(first, static_cast<const uint16_t*>(buf.data()), n);
+  }
+}
 
 }  // namespace shardlm::data

@@ -45,6 +45,18 @@ void ModelConfig::validate() const {
   positive(n_embd, "n_embd");
   positive(ffn_dim, "ffn_dim");
   positive(max_seq, "max_seq");
+  // Far above any real model, low enough that element and byte counts of a layer or a batch's
+  // activations stay inside int64 (a config.json asking for more is a typo or an attack).
+  auto at_most = [](int64_t v, int64_t limit, const char* field) {
+    if (v > limit)
+      throw std::invalid_argument(std::string("model: ") + field + " is " + std::to_string(v) + ", above the limit " +
+                                  std::to_string(limit));
+  };
+  at_most(n_layer, int64_t{1} << 20, "n_layer");
+  at_most(n_embd, int64_t{1} << 20, "n_embd");
+  at_most(ffn_dim, int64_t{1} << 22, "ffn_dim");
+  at_most(vocab_size, int64_t{1} << 24, "vocab_size");
+  at_most(max_seq, int64_t{1} << 24, "max_seq");
   if (n_embd % n_head != 0)
     throw std::invalid_argument("model: n_embd (" + std::to_string(n_embd) + ") is not divisible by n_head (" +
                                 std::to_string(n_head) + ")");

@@ -1,7 +1,10 @@
 #include "train/checkpoint.h"
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -95,27 +98,98 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
   });
 }
 
+namespace {
+
+struct TensorCount {
+  int64_t tensors = 0, elements = 0;
+};
+
+TensorCount exported(const model::ModelDesc& desc) {
+  TensorCount n;
+  for (const auto& u : desc.units)
+    for (const auto& p : u.params) n.tensors += 1, n.elements += p.exported_numel();
+  return n;
+}
+
+TensorCount in_file(const ckpt::SafetensorsFile& f) {
+  TensorCount n;
+  for (const auto& name : f.names()) n.tensors += 1, n.elements += f.info(name).numel();
+  return n;
+}
+
+// config.json against model.safetensors' own header, before anything the config sizes is
+// allocated or even described: a config.json claiming 1e8 layers is refused here instead of
+// being described for minutes. A 1- and a 2-layer copy give the tensors of one layer; the file
+// must hold exactly the tensors the config's layer count implies, then each with its shape.
+void check_config_against_tensors(const model::ModelConfig& c, const std::string& dir) {
+  const std::string config = dir + "/config.json";
+  const ckpt::SafetensorsFile f(dir + "/model.safetensors");
+  const TensorCount have = in_file(f);
+  model::ModelConfig probe = c;
+  probe.n_layer = 1;
+  const TensorCount one = exported(model::describe(probe));
+  probe.n_layer = 2;
+  const TensorCount two = exported(model::describe(probe));
+  const TensorCount layer{two.tensors - one.tensors, two.elements - one.elements};
+  // Every layer holds at least one tensor, so more layers than the file's tensors cannot match;
+  // below that the products stay far inside int64.
+  const bool too_many = c.n_layer - 1 > have.tensors;
+  const TensorCount want{one.tensors + (c.n_layer - 1) * layer.tensors, one.elements + (c.n_layer - 1) * layer.elements};
+  if (too_many || want.tensors != have.tensors || want.elements != have.elements)
+    throw std::runtime_error(fmt::format(
+        "checkpoint: {}: n_layer {}, n_embd {}, ffn_dim {}, vocab_size {} {}but {} holds {} tensors of {} elements",
+        config, c.n_layer, c.n_embd, c.ffn_dim, c.vocab_size,
+        too_many ? "" : fmt::format("give {} tensors of {} elements ", want.tensors, want.elements), f.path(),
+        have.tensors, have.elements));
+  for (const auto& u : model::describe(c).units)
+    for (const auto& p : u.params) {
+      const auto& shape = f.info(p.name).shape;  // throws naming file and tensor when absent
+      if (shape != p.exported_shape())
+        throw std::runtime_error(fmt::format("checkpoint: {}: tensor {} has shape [{}] in {} but the config gives [{}]",
+                                             config, p.name, fmt::join(shape, ", "), f.path(),
+                                             fmt::join(p.exported_shape(), ", ")));
+    }
+}
+
+}  // namespace
+
 model::ModelConfig read_checkpoint_config(const std::string& dir) {
   if (!std::filesystem::is_directory(dir)) throw std::runtime_error("checkpoint: " + dir + " is not a directory");
   const std::string path = dir + "/config.json";
+  model::ModelConfig c;
   try {
-    return ckpt::from_hf_config(read_json(path), path);
+    c = ckpt::from_hf_config(read_json(path), path);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     throw std::runtime_error(what.rfind("checkpoint: ", 0) == 0 ? what : "checkpoint: " + what);
   }
+  check_config_against_tensors(c, dir);
+  return c;
 }
 
 RunState read_checkpoint_state(const std::string& dir) {
   const std::string path = dir + "/state.json";
   const json j = read_json(path);
+  // Integers >= 0 only: nlohmann would turn 2.5 into 2 and -1 into 2^64 - 1 without a word.
+  auto count = [&](const json& obj, const char* key) {
+    if (!obj.contains(key)) throw std::runtime_error("checkpoint: " + path + " has no field '" + key + "'");
+    const json& v = obj[key];
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0))
+      throw std::runtime_error(fmt::format("checkpoint: {}: field '{}' must be an integer >= 0, got {}", path, key, v.dump()));
+    return v;
+  };
   RunState s;
-  s.step = field<int64_t>(j, "step", path);
+  const json step = count(j, "step");
+  if (step.is_number_unsigned() && step.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    throw std::runtime_error(fmt::format("checkpoint: {}: field 'step' is too large, got {}", path, step.dump()));
+  s.step = step.get<int64_t>();
   // Checkpoints from before skipped steps existed applied an update at every step.
-  s.adam_step = j.contains("optimizer") ? field<int64_t>(j["optimizer"], "adamw_step", path) : s.step;
+  s.adam_step = j.contains("optimizer") ? count(j["optimizer"], "adamw_step").get<int64_t>() : s.step;
   s.tokenizer = field<std::string>(j, "tokenizer", path);
-  if (!j.contains("rng")) throw std::runtime_error("checkpoint: " + path + " has no field 'rng'");
-  s.seed = field<uint64_t>(j["rng"], "seed", path);
+  if (s.tokenizer.empty()) throw std::runtime_error("checkpoint: " + path + ": field 'tokenizer' is empty");
+  if (!j.contains("rng") || !j["rng"].is_object())
+    throw std::runtime_error("checkpoint: " + path + " has no field 'rng' holding {\"seed\": n}");
+  s.seed = count(j["rng"], "seed").get<uint64_t>();
   if (j.contains("run") && j["run"].is_object()) {
     s.run = j["run"];
   } else {

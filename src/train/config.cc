@@ -1,6 +1,8 @@
 #include "train/config.h"
 
 #include <cmath>
+#include <fmt/format.h>
+#include <limits>
 #include <stdexcept>
 
 #include "ckpt/hf_config.h"
@@ -29,35 +31,111 @@ model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   return c;
 }
 
+namespace {
+
+// One line naming the flag (also the TOML key) and the value refused; `!(v >= lo)` also
+// refuses NaN.
+template <class T>
+void at_least(T v, T lo, const char* flag) {
+  if (!(v >= lo)) throw std::invalid_argument(fmt::format("--{}: must be >= {}, got {}", flag, lo, v));
+}
+
+void positive(double v, const char* flag) {
+  if (!(v > 0)) throw std::invalid_argument(fmt::format("--{}: must be > 0, got {}", flag, v));
+}
+
+// Infinity passes every lower bound above; no setting here means anything at infinity.
+void finite(double v, const char* flag) {
+  if (!std::isfinite(v)) throw std::invalid_argument(fmt::format("--{}: must be finite, got {}", flag, v));
+}
+
+void in_unit_interval(double v, const char* flag) {
+  if (!(v >= 0 && v < 1)) throw std::invalid_argument(fmt::format("--{}: must be in [0, 1), got {}", flag, v));
+}
+
+// The explicit model dimensions: 0 leaves the preset's (the command line refuses an explicit
+// 0 before this, see cli/), so only negative values are wrong here.
+void check_model_overrides(const TrainConfig& c) {
+  at_least<int64_t>(c.n_layer, 0, "n-layer");
+  at_least<int64_t>(c.n_head, 0, "n-head");
+  at_least<int64_t>(c.n_kv_head, 0, "n-kv-head");
+  at_least<int64_t>(c.n_embd, 0, "n-embd");
+  at_least<int64_t>(c.ffn_dim, 0, "ffn-dim");
+  at_least<int64_t>(c.max_seq, 0, "max-seq");
+  at_least<int64_t>(c.vocab, 0, "vocab");
+  at_least(c.rope_theta, 0.0, "rope-theta");
+  finite(c.rope_theta, "rope-theta");
+  at_least(c.norm_eps, 0.0, "norm-eps");
+  finite(c.norm_eps, "norm-eps");
+}
+
+// Steps, batch shape and the optimizer's settings.
+void check_run(const TrainConfig& c) {
+  at_least<int64_t>(c.steps, 0, "steps");
+  at_least<int64_t>(c.batch, 1, "batch");
+  at_least<int64_t>(c.seq, 1, "seq");
+  at_least<int64_t>(c.grad_accum, 1, "grad-accum");
+  // Token buffers of one micro-step are indexed with 32 bits.
+  if (c.batch > std::numeric_limits<int32_t>::max() / c.seq)
+    throw std::invalid_argument(fmt::format("--batch {} x --seq {}: tokens per micro-step exceed 2^31", c.batch, c.seq));
+  at_least(c.threads, 1, "threads");
+  at_least(c.lr, 0.0f, "lr");
+  finite(c.lr, "lr");
+  at_least(c.min_lr, 0.0f, "min-lr");
+  finite(c.min_lr, "min-lr");
+  at_least<int64_t>(c.warmup, 0, "warmup");
+  at_least(c.weight_decay, 0.0f, "weight-decay");
+  finite(c.weight_decay, "weight-decay");
+  in_unit_interval(c.beta1, "beta1");
+  in_unit_interval(c.beta2, "beta2");
+  positive(c.eps, "eps");
+  finite(c.eps, "eps");
+  at_least(c.grad_clip, 0.0f, "grad-clip");
+  finite(c.grad_clip, "grad-clip");
+  if (c.on_nonfinite != "stop" && c.on_nonfinite != "skip")
+    throw std::invalid_argument(fmt::format("--on-nonfinite: must be stop or skip, got '{}'", c.on_nonfinite));
+  at_least<int64_t>(c.max_skipped_steps, 1, "max-skipped-steps");
+}
+
+// Evaluation, checkpoints, sampling, output.
+void check_reporting(const TrainConfig& c) {
+  at_least<int64_t>(c.eval_every, 0, "eval-every");
+  at_least<int64_t>(c.eval_windows, 1, "eval-windows");
+  at_least<int64_t>(c.save_every, 0, "save-every");
+  at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
+  at_least(c.peak_gflops, 0.0, "peak-gflops");
+  finite(c.peak_gflops, "peak-gflops");
+  if (c.data.empty()) throw std::invalid_argument("--data: no token file prefix given (--data PREFIX)");
+  if (c.out.empty()) throw std::invalid_argument("--out: the run directory is an empty string");
+}
+
+// How the step is laid out over ranks.
+void check_distribution(const TrainConfig& c) {
+  at_least(c.shard_group, 0, "shard-group");
+  at_least(c.prefetch_forward, 0, "prefetch-forward");
+  at_least(c.prefetch_backward, 0, "prefetch-backward");
+  at_least(c.max_gathers_in_flight, 1, "max-gathers-in-flight");
+  positive(c.bucket_mb, "bucket-mb");
+  finite(c.bucket_mb, "bucket-mb");
+  positive(c.timeout_s, "timeout");
+  // Held as int64 milliseconds; a billion seconds (32 years) is "never".
+  if (!(c.timeout_s <= 1e9)) throw std::invalid_argument(fmt::format("--timeout: must be <= 1e9 seconds, got {}", c.timeout_s));
+  for (const auto& [dt, flag] : {std::pair{&c.param_dtype, "param-dtype"}, std::pair{&c.reduce_dtype, "reduce-dtype"},
+                                 std::pair{&c.compute_dtype, "compute-dtype"}})
+    if (*dt != "fp32" && *dt != "bf16")
+      throw std::invalid_argument(fmt::format("--{}: must be fp32 or bf16, got '{}'", flag, *dt));
+  if (c.compute_dtype != "fp32")
+    throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
+  model::parse_recompute(c.recompute);
+}
+
+}  // namespace
+
 void TrainConfig::validate() const {
-  auto need = [](bool ok, const std::string& msg) {
-    if (!ok) throw std::invalid_argument(msg);
-  };
-  need(steps >= 0, "steps must be >= 0");
-  need(batch > 0, "batch must be positive");
-  need(seq > 0, "seq must be positive");
-  need(grad_accum > 0, "grad-accum must be positive");
-  need(threads > 0, "threads must be positive");
-  need(lr >= 0 && min_lr >= 0, "lr and min-lr must be >= 0");
-  need(std::isfinite(lr) && std::isfinite(min_lr), "lr and min-lr must be finite");
-  need(on_nonfinite == "stop" || on_nonfinite == "skip", "on-nonfinite '" + on_nonfinite + "' must be stop or skip");
-  need(max_skipped_steps > 0, "max-skipped-steps must be positive");
-  need(warmup >= 0, "warmup must be >= 0");
-  need(beta1 >= 0 && beta1 < 1, "beta1 must be in [0, 1)");
-  need(beta2 >= 0 && beta2 < 1, "beta2 must be in [0, 1)");
-  need(eps > 0, "eps must be positive");
-  need(grad_clip >= 0, "grad-clip must be >= 0");
-  need(eval_every >= 0 && save_every >= 0, "eval-every and save-every must be >= 0");
-  need(eval_windows > 0, "eval-windows must be positive");
-  need(!data.empty(), "data: no token file prefix given (--data PREFIX)");
-  need(timeout_s > 0, "timeout must be positive");
-  for (const auto* dt : {&param_dtype, &reduce_dtype, &compute_dtype})
-    need(*dt == "fp32" || *dt == "bf16", "dtype '" + *dt + "' must be fp32 or bf16");
-  model::parse_recompute(recompute);
-  need(n_layer >= 0 && n_head >= 0 && n_kv_head >= 0 && n_embd >= 0 && ffn_dim >= 0 && max_seq >= 0 && vocab >= 0,
-       "model dimensions (--n-layer, --n-head, --n-kv-head, --n-embd, --ffn-dim, --max-seq, --vocab) must be positive");
-  need(rope_theta >= 0 && norm_eps >= 0, "rope-theta and norm-eps must be positive");
-  need(compute_dtype == "fp32", "compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
+  check_model_overrides(*this);
+  check_run(*this);
+  check_reporting(*this);
+  check_distribution(*this);
 }
 
 }  // namespace shardlm::train

@@ -54,8 +54,9 @@ double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::Pla
 
 double unigram_entropy(const data::TokenShard& shard) {
   std::vector<int64_t> counts(65536, 0);
-  const uint16_t* t = shard.data();
-  for (int64_t i = 0; i < shard.size(); ++i) ++counts[t[i]];
+  data::for_each_chunk(shard, [&](int64_t, const uint16_t* t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) ++counts[t[i]];
+  });
   double h = 0;
   const double n = static_cast<double>(shard.size());
   for (int64_t c : counts)

@@ -22,6 +22,7 @@
 #include "train/guard.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
+#include "train/memory_check.h"
 #include "train/schedule.h"
 #include "trace/trace.h"
 
@@ -171,8 +172,8 @@ struct Session {
         meta(m),
         train_data(c.data + "_train.bin"),
         val_data(c.data + "_val.bin"),
-        desc(model::describe(mc)),
-        plan(plan::build_plan(desc, plan_config(c, w))),
+        desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
+        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)), !c.resume.empty() || c.save_every > 0)),
         comms(w, plan),
         ex(desc, plan, comms, c.threads, timeout) {}
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "data/sampler.h"
 #include "data/shard.h"
 #include "data_test_util.h"
 
@@ -169,6 +170,47 @@ TEST(TokenShard, AtomicWrite) {
     EXPECT_NE(std::string(e.what()).find(nowhere), std::string::npos) << e.what();
   }
   EXPECT_FALSE(std::filesystem::exists(nowhere));
+}
+
+// A mapped shard truncated while in use killed the process with SIGBUS and no message; reads
+// that come back short are one line naming the file, whichever reader meets them.
+TEST(TokenShard, TruncatedWhileOpenIsAClearError) {
+  TempDir dir;
+  const std::string path = dir.file("t.bin");
+  std::vector<int32_t> tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i % 1000);
+  write_token_shard(path, tokens);
+  TokenShard s(path);
+  std::vector<int32_t> in(4 * 64), tg(4 * 64);
+  ASSERT_NO_THROW(sample_batch(s, 1, 0, 0, 0, 4, 64, in.data(), tg.data()));
+  std::filesystem::resize_file(path, 1024 + 2 * 10);  // 10 tokens left of 5000
+  auto expect_clear = [&](auto&& read) {
+    try {
+      read();
+      FAIL() << "expected an error";
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(path), std::string::npos) << m;
+      EXPECT_NE(m.find("truncated"), std::string::npos) << m;
+      EXPECT_NE(m.find("1044 bytes"), std::string::npos) << m;
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    }
+  };
+  expect_clear([&] { sample_batch(s, 1, 1, 0, 0, 4, 64, in.data(), tg.data()); });
+  expect_clear([&] { eval_batch(s, 10, 2, 64, in.data(), tg.data()); });
+  expect_clear([&] { s.validate_tokens(1000); });
+  // Reopening checks the header against the new size.
+  EXPECT_NE(open_error(path).find("truncated"), std::string::npos);
+}
+
+TEST(TokenShard, ReadsOutsideTheShardAreRefused) {
+  TempDir dir;
+  write_token_shard(dir.file("r.bin"), std::vector<int32_t>{1, 2, 3});
+  TokenShard s(dir.file("r.bin"));
+  EXPECT_EQ(s.read(1, 2), (std::vector<uint16_t>{2, 3}));
+  EXPECT_THROW(s.read(2, 2), std::out_of_range);
+  EXPECT_THROW(s.read(-1, 1), std::out_of_range);
+  EXPECT_THROW(s.read(0, -1), std::out_of_range);
 }
 
 }  // namespace

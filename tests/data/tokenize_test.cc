@@ -16,7 +16,8 @@ using testing::write_file;
 
 std::vector<int32_t> read_tokens(const std::string& path) {
   TokenShard s(path);
-  return std::vector<int32_t>(s.data(), s.data() + s.size());
+  const std::vector<uint16_t> t = s.read(0, s.size());
+  return std::vector<int32_t>(t.begin(), t.end());
 }
 
 TEST(Tokenize, BytesJoinsFilesWithNothing) {

@@ -1,0 +1,89 @@
+#include "train/memory_check.h"
+
+#include <cstdlib>
+#include <fmt/format.h>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace shardlm::train {
+
+namespace {
+
+double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
+
+std::string human(double bytes) {
+  if (bytes >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", gib(bytes));
+  if (bytes >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024));
+  return fmt::format("{:.0f} bytes", bytes);
+}
+
+std::string machine_text(const MachineMemory& m, int ranks) {
+  return fmt::format("{}this machine has {:.2f} GiB available (MemAvailable; {:.2f} GiB physical)",
+                     ranks > 1 ? fmt::format("{} ranks share this machine; ", ranks) : "", gib(m.available),
+                     gib(m.physical));
+}
+
+}  // namespace
+
+MachineMemory machine_memory() {
+  MachineMemory m;
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string key;
+    int64_t kib = 0;
+    in >> key >> kib;
+    if (key == "MemTotal:") m.physical = kib * 1024;
+    if (key == "MemAvailable:") m.available = kib * 1024;
+  }
+  if (m.available == 0) m.available = m.physical;
+  return m;
+}
+
+int ranks_on_this_machine() {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int n = local ? std::atoi(local) : 1;
+  return n > 0 ? n : 1;
+}
+
+const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards) {
+  const MachineMemory m = machine_memory();
+  if (m.physical == 0) return c;  // no /proc/meminfo: nothing to compare with
+  model::ModelConfig probe = c;
+  probe.n_layer = 1;
+  const double one = static_cast<double>(model::describe(probe).num_params());
+  probe.n_layer = 2;
+  const double per_layer = static_cast<double>(model::describe(probe).num_params()) - one;
+  const double params = one + static_cast<double>(c.n_layer - 1) * per_layer;  // double: no overflow
+  const int ranks = ranks_on_this_machine();
+  const double per_rank = bytes_per_param * params / shards;
+  if (per_rank * ranks > static_cast<double>(m.available))
+    throw std::runtime_error(fmt::format(
+        "model does not fit in memory: {:.3g} parameters (n_layer {}, n_embd {}) need at least {} per rank "
+        "({} bytes each over {} rank(s)), but {}",
+        params, c.n_layer, c.n_embd, human(per_rank), bytes_per_param, shards, machine_text(m, ranks)));
+  return c;
+}
+
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state) {
+  const MachineMemory m = machine_memory();
+  if (m.physical == 0) return plan;
+  const MemSnapshot peak = plan.peak_memory();
+  const int64_t staging = stages_whole_state ? 3 * static_cast<int64_t>(sizeof(float)) * plan.layout.total : 0;
+  const int ranks = ranks_on_this_machine();
+  const double per_rank = static_cast<double>(peak.total + staging);
+  if (per_rank * ranks <= static_cast<double>(m.available)) return plan;
+  std::string parts;
+  for (int i = 0; i < kNumMemCategories; ++i)
+    if (peak.bytes[i] > 0)
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", to_string(static_cast<MemCategory>(i)),
+                           human(static_cast<double>(peak.bytes[i])));
+  if (staging > 0) parts += ", checkpoint staging " + human(static_cast<double>(staging));
+  throw std::runtime_error(fmt::format("model does not fit in memory: the plan needs {} per rank at its peak ({}), but {}",
+                                       human(per_rank), parts, machine_text(m, ranks)));
+}
+
+}  // namespace shardlm::train

@@ -1,0 +1,35 @@
+// A model whose state needs more memory than this machine has is refused, with the figures,
+// before anything is allocated (it would otherwise die of std::bad_alloc or the OOM killer after
+// minutes, or swap the machine to a halt).
+#pragma once
+
+#include <cstdint>
+
+#include "model/model.h"
+#include "plan/plan.h"
+
+namespace shardlm::train {
+
+struct MachineMemory {
+  int64_t available = 0;  // /proc/meminfo MemAvailable (MemTotal where the kernel lacks it)
+  int64_t physical = 0;   // MemTotal
+};
+MachineMemory machine_memory();
+
+// Ranks of this job sharing this machine's memory: Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, else 1.
+int ranks_on_this_machine();
+
+// A cheap first check from the configuration alone: each rank holds at least
+// bytes_per_param × parameters / shards (training: fp32 parameters, gradients and AdamW's two
+// moments, 16 bytes, over the ranks that shard them; evaluation: 4 bytes, 1 shard). Describes
+// only a 1- and a 2-layer copy of the model, so a config asking for a million layers is refused
+// at once instead of being described for minutes. Returns `c`; throws std::runtime_error.
+const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards);
+
+// The plan's peak per rank (every category, as `explain` prints it), plus three whole fp32
+// copies of the state when `stages_whole_state` (checkpoint save and resume gather parameters
+// and both moments on every rank), times the ranks on this machine, against its available
+// memory. Returns `plan`; throws std::runtime_error naming the figures.
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state);
+
+}  // namespace shardlm::train

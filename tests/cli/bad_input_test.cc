@@ -1,0 +1,270 @@
+// Bad input is refused with one line naming the flag, key, file or field and the bad value, before
+// anything runs or is allocated (issue 9). Each case is a command that misbehaved before: looped,
+// died of std::bad_alloc or a bus error, ran for minutes, or silently did something else.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  const char* bin = std::getenv("SHARDLM_BINARY");
+  if (!bin) return {-1, "SHARDLM_BINARY not set"};
+  FILE* p = popen((std::string(bin) + " " + args + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+// Non-zero exit, exactly one line, holding every needle.
+void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count_lines(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("error"), std::string::npos) << r.out;
+  for (const auto& needle : needles)
+    EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
+}
+
+class BadInput : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("shardlm_bad_input_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream text(dir_ / "corpus.txt");
+    for (int i = 0; i < 400; ++i) text << "In the beginning God created the heaven and the earth. " << i << "\n";
+    text.close();
+    const Result r = run("tokenize --tokenizer bytes --in " + (dir_ / "corpus.txt").string() + " --out " + data());
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  static std::string data() { return (dir_ / "tok").string(); }
+  static std::string path(const std::string& name) { return (dir_ / name).string(); }
+  // A tiny run of `steps` steps; flags given after these win.
+  static std::string train_args(const std::string& out, int steps) {
+    return "train --model tiny --data " + data() + " --out " + path(out) + " --steps " + std::to_string(steps) +
+           " --batch 2 --seq 32 --threads 2 --seed 5 --eval-every 0 --eval-windows 2 --sample-tokens 0" +
+           " --peak-gflops 100 --warmup 1 --quiet";
+  }
+  static void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+
+  static inline fs::path dir_;
+};
+
+// `out = ""` swallowed the next key: the run wrote into a directory named `--seq=64` and trained
+// at T=256. Every TOML value is a value: the empty string is refused as the run directory, and the
+// key after it is read as a key.
+TEST_F(BadInput, TomlEmptyStringIsAValue) {
+  write("empty_out.toml", "model = \"tiny\"\nout = \"\"\nseq = 64\nsteps = 1\n");
+  expect_one_line_error(run("train --config " + path("empty_out.toml") + " --data " + data()), {"out", "empty"});
+  EXPECT_FALSE(fs::exists("--seq=64"));
+  write("seq_after_out.toml", "model = \"tiny\"\nout = \"" + path("o") + "\"\nseq = 100000\nsteps = 1\n");
+  expect_one_line_error(run("train --config " + path("seq_after_out.toml") + " --data " + data()), {"seq", "100000"});
+  // The same on the command line: `--out=` is an empty value, not a request for the next word.
+  expect_one_line_error(run(train_args("x", 1) + " --out= --seq=64"), {"out", "empty"});
+  EXPECT_FALSE(fs::exists("--seq=64"));
+  // A string starting with '-' is a value too, not a flag.
+  write("dash.toml", "out = \"" + path("-dash") + "\"\nlr = -1\n");
+  expect_one_line_error(run(train_args("x", 1) + " --config " + path("dash.toml") + " --out " + path("y")), {"lr", "-1"});
+}
+
+TEST_F(BadInput, TomlKeysApplyAndTheCommandLineWins) {
+  write("run.toml", "model = \"tiny\"\nout = \"" + path("from_toml") + "\"\nsteps = 3\nsave_every = 1\n");
+  const Result r = run(train_args("x", 1) + " --config " + path("run.toml") + " --steps 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  // --out from the command line (train_args) wins over the file's; save-every from the file applies.
+  EXPECT_FALSE(fs::exists(path("from_toml")));
+  EXPECT_TRUE(fs::exists(path("x") + "/ckpt/step_2"));
+  EXPECT_FALSE(fs::exists(path("x") + "/ckpt/step_3"));
+}
+
+// `--config` naming a directory ran the defaults silently.
+TEST_F(BadInput, ConfigFileThatIsNotAFile) {
+  fs::create_directories(dir_ / "adir");
+  expect_one_line_error(run("train --config " + path("adir")), {path("adir"), "directory"});
+  expect_one_line_error(run("train --config " + path("absent.toml")), {path("absent.toml")});
+  write("syntax.toml", "steps = 3\nlr = \n");
+  expect_one_line_error(run("train --config " + path("syntax.toml")), {path("syntax.toml"), "line 2"});
+  write("array.toml", "steps = [1, 2]\n");
+  expect_one_line_error(run("train --config " + path("array.toml")), {path("array.toml"), "steps"});
+  write("word.toml", "steps = \"many\"\n");
+  expect_one_line_error(run("train --config " + path("word.toml")), {path("word.toml"), "steps", "many"});
+}
+
+// `eval --batch 0` looped forever, `--batch -1` died of std::bad_alloc, `--n-head 0` and
+// `--n-layer -2` were ignored: every numeric flag of every command is range-checked.
+TEST_F(BadInput, NumericFlagsAreRangeChecked) {
+  const std::string base = train_args("range", 1);
+  for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"--n-head 0", "--n-head"}, {"--n-layer -2", "--n-layer"}, {"--n-embd 0", "--n-embd"},
+           {"--n-kv-head 0", "--n-kv-head"}, {"--ffn-dim -1", "--ffn-dim"}, {"--vocab 0", "--vocab"},
+           {"--max-seq 0", "--max-seq"}, {"--norm-eps 0", "--norm-eps"}, {"--rope-theta -1", "--rope-theta"},
+           {"--batch 0", "--batch"}, {"--batch -1", "--batch"}, {"--seq 0", "--seq"}, {"--steps -1", "--steps"},
+           {"--grad-accum 0", "--grad-accum"}, {"--threads 0", "--threads"}, {"--eval-windows 0", "--eval-windows"},
+           {"--sample-tokens -1", "--sample-tokens"}, {"--lr inf", "--lr"}, {"--lr -1", "--lr"},
+           {"--beta2 1", "--beta2"}, {"--eps 0", "--eps"}, {"--timeout 0", "--timeout"},
+           {"--bucket-mb nan", "--bucket-mb"}, {"--batch 100000000 --seq 64", "--batch 100000000"},
+           {"--seed -1", "--seed"}, {"--timeout 1e+300", "--timeout"}}) {
+    const std::string bad = flags.substr(flags.find(' ') + 1);
+    SCOPED_TRACE(flags);
+    expect_one_line_error(run(base + " " + flags), {needle, bad.substr(bad.rfind(' ') + 1)});
+  }
+  expect_one_line_error(run("explain --model tiny --n-head 0"), {"--n-head", "0"});
+  expect_one_line_error(run("explain --model tiny --ranks 0"), {"--ranks", "0"});
+  expect_one_line_error(run("explain --model tiny --batch -1"), {"--batch", "-1"});
+  expect_one_line_error(run("explain --model llama-tiny --n-kv-head 3"), {"n_kv_head", "3"});
+}
+
+TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
+  // The flags are refused before the checkpoint is even read.
+  const std::string ck = path("no_ckpt");
+  const std::string eval = "eval --ckpt " + ck + " --data " + data() + "_val.bin";
+  expect_one_line_error(run(eval + " --batch 0"), {"--batch", "0"});
+  expect_one_line_error(run(eval + " --batch -1"), {"--batch", "-1"});
+  expect_one_line_error(run(eval + " --seq 0"), {"--seq", "0"});
+  expect_one_line_error(run(eval + " --threads 0"), {"--threads", "0"});
+  const std::string gen = "generate --ckpt " + ck;
+  expect_one_line_error(run(gen + " --tokens -1"), {"--tokens", "-1"});
+  expect_one_line_error(run(gen + " --top-k -1"), {"--top-k", "-1"});
+  expect_one_line_error(run(gen + " --temperature -1"), {"--temperature", "-1"});
+  expect_one_line_error(run(gen + " --temperature nan"), {"--temperature", "nan"});
+  expect_one_line_error(run(gen + " --threads -3"), {"--threads", "-3"});
+  expect_one_line_error(run(gen + " --seed -2"), {"--seed", "-2"});
+}
+
+// A Hugging Face config.json given as --model: every key range-checked, integers as integers.
+TEST_F(BadInput, HuggingFaceConfigKeysAreRangeChecked) {
+  const std::string gpt2 = R"("model_type": "gpt2", "n_head": 4, "n_embd": 64, "vocab_size": 256, "n_positions": 256)";
+  for (const auto& [json, needles] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"{" + gpt2 + R"(, "n_layer": -2})", {"n_layer", "-2"}},
+           {"{" + gpt2 + R"(, "n_layer": 0})", {"n_layer", "0"}},
+           {"{" + gpt2 + R"(, "n_layer": 2.5})", {"n_layer", "2.5"}},
+           {"{" + gpt2 + R"(, "n_layer": 1e8})", {"n_layer", "100000000"}},
+           {R"({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3,
+                "hidden_size": 64, "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 256})",
+            {"n_kv_head", "3"}}}) {
+    SCOPED_TRACE(json);
+    write("hf.json", json);
+    std::vector<std::string> all = needles;
+    all.push_back(path("hf.json"));
+    const Result r = run(train_args("hf", 1) + " --model " + path("hf.json"));
+    for (const auto& needle : all) EXPECT_NE(r.out.find(needle), std::string::npos) << needle << " in: " << r.out;
+    expect_one_line_error(r, {});
+  }
+}
+
+// Truncating the token file during a run crashed with a bus error and no message.
+TEST_F(BadInput, TokenFileTruncatedDuringARun) {
+  const std::string prefix = path("shrinking");
+  for (const char* part : {"_train.bin", "_val.bin"}) fs::copy_file(data() + part, prefix + part);
+  const fs::path metrics = dir_ / "shrink" / "metrics.jsonl";
+  std::string args = train_args("shrink", 100000);
+  args.replace(args.find(data()), data().size(), prefix);
+  Result r;
+  std::thread runner([&] { r = run(args); });
+  // Truncate once the run has trained a step (it has read batches from the file).
+  for (int i = 0; i < 1200 && !(fs::exists(metrics) && fs::file_size(metrics) > 0); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  fs::resize_file(prefix + "_train.bin", 1024 + 2 * 40);
+  runner.join();
+  expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
+}
+
+// A config.json with n_layer 1e8 ran for minutes instead of being refused; a model too big for
+// this machine is refused with the figures before anything is allocated.
+TEST_F(BadInput, ModelTooBigForTheMachineIsRefusedWithTheFigure) {
+  auto hf = [&](int64_t layers) {
+    write("big.json", "{\"model_type\": \"gpt2\", \"n_layer\": " + std::to_string(layers) +
+                          ", \"n_head\": 4, \"n_embd\": 64, \"vocab_size\": 256, \"n_positions\": 256}");
+    return " --model " + path("big.json");
+  };
+  expect_one_line_error(run(train_args("big", 1) + hf(100000000)), {"big.json", "n_layer", "100000000"});
+  // Under the layer limit, the parameters alone (16 bytes each) exceed any machine this runs on.
+  expect_one_line_error(run(train_args("big", 1) + hf(1000000)),
+                        {"does not fit in memory", "n_layer 1000000", "GiB per rank", "MemAvailable"});
+  expect_one_line_error(run(train_args("big", 1) + " --n-embd 16384 --n-head 128 --n-layer 100"),
+                        {"does not fit in memory", "n_embd 16384", "MemAvailable"});
+  // Parameters fit, the plan's activations (2^31 tokens a micro-step) do not: the plan's figure.
+  expect_one_line_error(run(train_args("big", 1) + " --batch 8388607 --seq 256"),
+                        {"does not fit in memory", "the plan needs", "activations", "MemAvailable"});
+  EXPECT_FALSE(fs::exists(path("big") + "/metrics.jsonl"));
+  // eval of a real checkpoint with a batch whose activations cannot fit.
+  ASSERT_EQ(run(train_args("small", 1) + " --save-every 1").code, 0);
+  expect_one_line_error(run("eval --ckpt " + path("small") + "/ckpt/step_1 --data " + data() +
+                            "_val.bin --seq 256 --batch 100000"),
+                        {"does not fit in memory", "activations", "MemAvailable"});
+}
+
+// A copy of a real checkpoint whose config.json or state.json `edit` changes.
+class BadCheckpoint : public BadInput {
+ protected:
+  static void SetUpTestSuite() {
+    BadInput::SetUpTestSuite();
+    const Result r = run(train_args("ck", 2) + " --save-every 2");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  std::string edited(const std::string& file, const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path ck = dir_ / ("edited_" + std::to_string(n_++));
+    fs::copy(dir_ / "ck" / "ckpt" / "step_2", ck);
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(ck / file));
+    edit(j);
+    std::ofstream(ck / file) << j.dump();
+    return ck.string();
+  }
+  // Every command that reads a checkpoint refuses it with the same line.
+  void expect_refused(const std::string& ck, std::initializer_list<std::string> needles) {
+    expect_one_line_error(run("eval --ckpt " + ck + " --data " + data() + "_val.bin --seq 32"), needles);
+    expect_one_line_error(run("generate --ckpt " + ck + " --tokens 2"), needles);
+    expect_one_line_error(run(train_args("resumed", 3) + " --resume " + ck), needles);
+  }
+  int n_ = 0;
+};
+
+// state.json with step -7 gave `basic_string::_M_replace_aux`.
+TEST_F(BadCheckpoint, StateFieldsAreRangeChecked) {
+  expect_refused(edited("state.json", [](auto& j) { j["step"] = -7; }), {"state.json", "'step'", "-7"});
+  expect_refused(edited("state.json", [](auto& j) { j["step"] = 2.5; }), {"state.json", "'step'", "2.5"});
+  expect_refused(edited("state.json", [](auto& j) { j["rng"]["seed"] = -1; }), {"state.json", "'seed'", "-1"});
+  expect_refused(edited("state.json", [](auto& j) { j.erase("step"); }), {"state.json", "'step'"});
+  expect_refused(edited("state.json", [](auto& j) { j["tokenizer"] = ""; }), {"state.json", "'tokenizer'"});
+}
+
+// config.json is checked against model.safetensors' own tensor sizes before anything is allocated.
+TEST_F(BadCheckpoint, ConfigIsCheckedAgainstTheTensorFile) {
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 100000000; }), {"config.json", "n_layer", "100000000"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 1000; }),
+                 {"config.json", "n_layer 1000", "model.safetensors", "tensors"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 3; }), {"config.json", "n_layer 3", "model.safetensors"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_inner"] = 200; }), {"config.json", "ffn_dim 200", "model.safetensors"});
+  // Same element count, other shapes: n_positions 256 -> 128 with vocabulary 256 -> 384 keeps
+  // wte + wpe at (256 + 256) x 64 = (384 + 128) x 64; caught tensor by tensor.
+  expect_refused(edited("config.json", [](auto& j) { j["n_positions"] = 128; j["vocab_size"] = 384; }),
+                 {"config.json", "wte.weight", "[256, 64]", "[384, 64]"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_head"] = 0; }), {"config.json", "n_head", "0"});
+}
+
+}  // namespace
