@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "comm/factory.h"
@@ -18,6 +19,9 @@
 #include "data/tokenizer.h"
 #include "kernels/cpu.h"
 #include "run/executor.h"
+#include "sim/hardware.h"
+#include "sim/simulator.h"
+#include "trace/trace.h"
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
@@ -207,6 +211,59 @@ int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
   return code;
 }
 
+nlohmann::json mem_json(const MemSnapshot& s) {
+  nlohmann::json j;
+  for (int c = 0; c < kNumMemCategories; ++c) j[to_string(static_cast<MemCategory>(c))] = s.bytes[c];
+  j["total"] = s.total;
+  return j;
+}
+
+struct SimulateArgs {
+  train::TrainConfig cfg;
+  int ranks = 1;
+  std::string hardware = "cpu-local", trace;
+  bool json = false;
+};
+
+// `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
+// the model is allocated, so shapes far beyond this machine simulate in milliseconds.
+void run_simulate(SimulateArgs& a) {
+  a.cfg.data = "-";  // simulate reads no data
+  a.cfg.validate();
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
+  const plan::Plan plan = plan::build_plan(desc, train::plan_config(a.cfg, a.ranks));
+  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads);
+  if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
+  const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
+  if (a.json) {
+    nlohmann::json j{{"model", a.cfg.model},       {"strategy", plan::to_string(plan.config.strategy)},
+                     {"ranks", a.ranks},           {"hardware", hw.name},
+                     {"step_ms", r.step_ms},       {"tokens_per_s", r.tokens_per_s},
+                     {"mfu", r.mfu},               {"comm_exposed_ms", r.comm_exposed_ms},
+                     {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
+                     {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
+                     {"device_memory", hw.device_memory}, {"fits", fits}};
+    std::cout << j.dump() << "\n";
+    return;
+  }
+  const double peak = hw.peak_flops * (hw.per_thread ? a.cfg.threads : 1);
+  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
+             a.cfg.model, plan::to_string(plan.config.strategy), a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
+             hw.gemm_efficiency);
+  fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
+             r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
+  fmt::print("memory per rank at peak (bytes):\n");
+  for (int c = 0; c < kNumMemCategories; ++c)
+    if (r.mem.bytes[c] > 0 || r.mem_max.bytes[c] > 0)
+      fmt::print("  {}: {} ({:.1f} MiB), own peak {}\n", to_string(static_cast<MemCategory>(c)), r.mem.bytes[c],
+                 r.mem.bytes[c] / 1048576.0, r.mem_max.bytes[c]);
+  fmt::print("  total: {} ({:.2f} GiB){}\n", r.mem.total, r.mem.total / 1073741824.0,
+             hw.device_memory == 0 ? std::string()
+                                   : fmt::format(", device memory {:.0f} GiB: {}", hw.device_memory / 1073741824.0,
+                                                 fits ? "fits" : "does NOT fit"));
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -267,6 +324,17 @@ int run(int argc, char** argv) {
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
 
+  // simulate
+  auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
+  SimulateArgs sa;
+  sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  sim_cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
+      ->capture_default_str();
+  sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
+  sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
+  add_model_options(sim_cmd, sa.cfg);
+  add_plan_options(sim_cmd, sa.cfg);
+
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
@@ -299,6 +367,8 @@ int run(int argc, char** argv) {
       const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
       std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
+    } else if (*sim_cmd) {
+      run_simulate(sa);
     } else if (*eval_cmd) {
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);
