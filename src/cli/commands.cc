@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu.h"
+#include "run/calibrate.h"
 #include "run/executor.h"
 #include "sim/hardware.h"
 #include "sim/simulator.h"
@@ -264,6 +266,32 @@ void run_simulate(SimulateArgs& a) {
                                                  fits ? "fits" : "does NOT fit"));
 }
 
+// `calibrate`: every rank measures (collectives span the world); rank 0 writes the profile.
+int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
+  std::unique_ptr<comm::Communicator> world;
+  int code = 0;
+  try {
+    world = comm::make_communicator();
+    const std::string text = run::calibrate(kernels::cpu_backend(), *world, co);
+    if (world->rank() == 0) {
+      std::ofstream f(out);
+      f << text << "\n";
+      f.close();
+      if (!f) throw std::runtime_error("calibrate: cannot write " + out);
+      fmt::print("calibrate: wrote {} ({} rank(s) x {} thread(s))\n", out, world->size(), co.threads);
+    }
+  } catch (const std::exception& e) {
+    const bool distributed = world && world->size() > 1;
+    std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";
+    std::cerr.flush();
+    if (distributed) comm::abort_job(1);
+    code = 1;
+  }
+  world.reset();
+  comm::finalize_mpi();
+  return code;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -335,6 +363,19 @@ int run(int argc, char** argv) {
   add_model_options(sim_cmd, sa.cfg);
   add_plan_options(sim_cmd, sa.cfg);
 
+  // calibrate
+  auto* cal_cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
+  std::string cal_out;
+  run::CalibrateOptions co;
+  std::vector<int64_t> cal_sizes_kib;
+  cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
+  cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(at_least(1))->capture_default_str();
+  cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")->check(at_least(1))->capture_default_str();
+  cal_cmd->add_option("--sizes-kib", cal_sizes_kib, "collective sizes in KiB (comma list; default 4 .. 65536 by x4)")
+      ->delimiter(',')
+      ->check(at_least(1));
+  cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
+
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
@@ -367,6 +408,9 @@ int run(int argc, char** argv) {
       const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
       std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
+    } else if (*cal_cmd) {
+      for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
+      return run_calibrate(co, cal_out);
     } else if (*sim_cmd) {
       run_simulate(sa);
     } else if (*eval_cmd) {

@@ -112,4 +112,21 @@ TEST_F(Simulate, TraceMatchesARealRun) {
   EXPECT_TRUE(std::any_of(t["traceEvents"].begin(), t["traceEvents"].end(), [](const json& e) { return e["ph"] == "C"; }));
 }
 
+// calibrate writes a profile (at 1 and 2 ranks) that simulate reads.
+TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
+  const std::string quick = " --threads 1 --sizes-kib 4,256,2048 --iters 2";
+  const Result one = shardlm("calibrate --out " + (dir_ / "cal1.json").string() + quick);
+  ASSERT_EQ(one.code, 0) << one.out;
+  const Result two = shardlm::testing::mpirun(2, "calibrate --out " + (dir_ / "cal2.json").string() + quick);
+  ASSERT_EQ(two.code, 0) << two.out;
+  for (const char* f : {"cal1.json", "cal2.json"}) {
+    const Result r = shardlm(kSmall + "--ranks 2 --json --hardware " + (dir_ / f).string());
+    ASSERT_EQ(r.code, 0) << f << ": " << r.out;
+    EXPECT_GT(json::parse(r.out)["step_ms"].get<double>(), 0) << f;
+  }
+  const json j = json::parse(std::ifstream(dir_ / "cal2.json"));
+  EXPECT_GT(j["intra_node"]["all_reduce"]["bus_bw"]["value"].get<double>(), 0);
+  EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);
+}
+
 }  // namespace
