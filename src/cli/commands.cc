@@ -22,6 +22,7 @@
 #include "run/calibrate.h"
 #include "run/executor.h"
 #include "sim/hardware.h"
+#include "sim/planner.h"
 #include "sim/simulator.h"
 #include "trace/trace.h"
 #include "train/agreement.h"
@@ -292,6 +293,41 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
   return code;
 }
 
+struct PlanArgs {
+  train::TrainConfig cfg;
+  int ranks = 1, top = 10;
+  int64_t global_batch = 0;
+  double memory = -1;  // bytes per rank; unset: the profile's device memory
+  std::string hardware = "cpu-local";
+};
+
+// `plan`: the planner's ranked table of the configurations that fit.
+int run_plan(PlanArgs& a) {
+  a.cfg.data = "-";
+  a.cfg.validate();
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
+  sim::PlanQuery q;
+  q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
+  q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  const sim::PlanSearch s = sim::search_plans(desc, train::plan_config(a.cfg, a.ranks), hw, q);
+  if (s.fitting.empty())
+    throw std::runtime_error(fmt::format("plan: no configuration of {} on {} rank(s) fits {} bytes per rank; the smallest of {} "
+                                         "needs {} ({})",
+                                         a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
+                                         s.smallest.flags));
+  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {}\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size(),
+             q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)");
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "flags");
+  for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
+    const sim::Candidate& c = s.fitting[i];
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
+               c.peak_bytes / 1073741824.0, c.flags);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -376,6 +412,19 @@ int run(int argc, char** argv) {
       ->check(at_least(1));
   cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
 
+  // plan
+  auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
+  PlanArgs pa;
+  add_model_options(plan_cmd, pa.cfg);
+  plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
+  plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
+  plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank")->capture_default_str();
+  plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
+  plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
+      ->check(positive());
+  plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
+
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
@@ -411,6 +460,8 @@ int run(int argc, char** argv) {
     } else if (*cal_cmd) {
       for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
       return run_calibrate(co, cal_out);
+    } else if (*plan_cmd) {
+      return run_plan(pa);
     } else if (*sim_cmd) {
       run_simulate(sa);
     } else if (*eval_cmd) {

@@ -129,4 +129,31 @@ TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
   EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);
 }
 
+// The planner under a budget that rules out DDP (below DDP's least memory: batch 1, full
+// recompute, 25 MB buckets): its best configuration is another strategy and fits when run.
+TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
+  const Result ddp = shardlm("simulate --model small --ranks 2 --threads 1 --strategy ddp --batch 1 --seq 64 --recompute full --json");
+  ASSERT_EQ(ddp.code, 0) << ddp.out;
+  const int64_t budget = json::parse(ddp.out)["mem"]["total"].get<int64_t>() - 1;
+  const Result p = shardlm("plan --model small --ranks 2 --threads 1 --seq 64 --global-batch 256 --top 1 --memory-per-rank " +
+                           std::to_string(budget));
+  ASSERT_EQ(p.code, 0) << p.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
+  const std::string flags = m[1];
+  EXPECT_EQ(flags.find("--strategy ddp"), std::string::npos) << flags;
+  const Result run = shardlm::testing::mpirun(
+      2, "train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " + (dir_ / "planned").string() +
+             " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet");
+  ASSERT_EQ(run.code, 0) << run.out;
+  const auto rows = shardlm::testing::read_metrics(dir_ / "planned" / "metrics.jsonl");
+  ASSERT_FALSE(rows.empty());
+  ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();  // the step's row (the last is the evaluation's)
+  EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+  // Bad budgets and a model that fits nowhere: one line each.
+  expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 0"), {"--memory-per-rank", "0"});
+  expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 1000"),
+                        {"no configuration", "1000"});
+}
+
 }  // namespace

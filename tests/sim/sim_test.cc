@@ -11,6 +11,7 @@
 #include "plan/plan.h"
 #include "sim/cost.h"
 #include "sim/hardware.h"
+#include "sim/planner.h"
 #include "sim/simulator.h"
 #include "tensor/memory.h"
 
@@ -220,6 +221,46 @@ TEST(Simulator, Gpt3At1024RanksWithoutAllocating) {
   // 175e9 parameters, sharded 1024 ways: params + grads + 2 moments of fp32 ≈ 2.7 GB per rank.
   EXPECT_NEAR(static_cast<double>(p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer),
               16.0 * 175e9 / 1024, 0.02 * 16.0 * 175e9 / 1024);
+}
+
+}  // namespace
+}  // namespace shardlm::sim
+
+namespace shardlm::sim {
+namespace {
+
+// Under a budget below every DDP configuration, the planner's best is another strategy that fits,
+// and its table is ranked by predicted step time.
+TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanQuery q;
+  q.ranks = 2, q.seq = 64, q.global_tokens = 2 * 2 * 64, q.threads = 1;
+  const PlanSearch all = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(all.fitting.empty());
+  int64_t ddp_min = -1;
+  for (const Candidate& c : all.fitting)
+    if (c.config.strategy == Strategy::ddp && (ddp_min < 0 || c.peak_bytes < ddp_min)) ddp_min = c.peak_bytes;
+  q.memory_budget = ddp_min - 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  EXPECT_EQ(s.considered, all.considered);
+  for (const Candidate& c : s.fitting) {
+    EXPECT_NE(c.config.strategy, Strategy::ddp);
+    EXPECT_LE(c.peak_bytes, q.memory_budget);
+    // The flags rebuild the same plan: its memory is the candidate's.
+    EXPECT_EQ(plan::build_plan(desc, c.config).peak_memory().total, c.peak_bytes);
+  }
+  for (size_t i = 1; i < s.fitting.size(); ++i) EXPECT_LE(s.fitting[i - 1].step_ms, s.fitting[i].step_ms);
+  EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
+}
+
+TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny"));
+  PlanQuery q;
+  q.ranks = 2, q.seq = 64, q.global_tokens = 100;
+  const std::string e = error_of([&] { search_plans(desc, PlanConfig{}, preset("cpu-local"), q); });
+  EXPECT_NE(e.find("--global-batch"), std::string::npos) << e;
 }
 
 }  // namespace
