@@ -84,7 +84,10 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
     });
   std::stable_sort(out.fitting.begin(), out.fitting.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.step_ms < b.step_ms; });
+                   [](const Candidate& a, const Candidate& b) {
+                     // Equal times (prefetch depths that change nothing): the one that needs less memory.
+                     return a.step_ms < b.step_ms || (a.step_ms == b.step_ms && a.peak_bytes < b.peak_bytes);
+                   });
   return out;
 }
 

@@ -30,7 +30,7 @@ struct Candidate {
 };
 
 struct PlanSearch {
-  std::vector<Candidate> fitting;  // by step time, fastest first
+  std::vector<Candidate> fitting;  // by step time, fastest first (then least memory)
   int64_t considered = 0;           // configurations simulated
   Candidate smallest;               // the least memory of all (to say by how much nothing fits)
 };
