@@ -299,10 +299,13 @@ struct PlanArgs {
   int64_t global_batch = 0;
   double memory = -1;  // bytes per rank; unset: the profile's device memory
   std::string hardware = "cpu-local";
+  bool run = false, overwrite = false, talk = true;
+  std::string data, out = "runs/plan";
+  int64_t run_steps = 6;
 };
 
-// `plan`: the planner's ranked table of the configurations that fit.
-int run_plan(PlanArgs& a) {
+// `plan`: the planner's ranked table of the configurations that fit (printed when `talk`).
+sim::PlanSearch search_and_print(PlanArgs& a) {
   a.cfg.data = "-";
   a.cfg.validate();
   const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
@@ -311,6 +314,7 @@ int run_plan(PlanArgs& a) {
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
   const sim::PlanSearch s = sim::search_plans(desc, train::plan_config(a.cfg, a.ranks), hw, q);
+  if (!a.talk) return s;
   if (s.fitting.empty())
     throw std::runtime_error(fmt::format("plan: no configuration of {} on {} rank(s) fits {} bytes per rank; the smallest of {} "
                                          "needs {} ({})",
@@ -325,7 +329,76 @@ int run_plan(PlanArgs& a) {
     fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
                c.peak_bytes / 1073741824.0, c.flags);
   }
-  return 0;
+  return s;
+}
+
+// The best configuration as train options over the model options of `a`.
+train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c) {
+  train::TrainConfig tc = a.cfg;
+  tc.strategy = plan::to_string(c.strategy);
+  tc.shard_group = c.shard_group;
+  tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
+  tc.recompute = model::to_string(c.recompute);
+  tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
+  tc.max_gathers_in_flight = c.max_gathers_in_flight;
+  tc.bucket_mb = c.bucket_mb;
+  tc.param_dtype = c.param_bytes == 2 ? "bf16" : "fp32";
+  tc.reduce_dtype = c.reduce_bytes == 2 ? "bf16" : "fp32";
+  tc.data = a.data, tc.out = a.out, tc.overwrite = a.overwrite;
+  tc.steps = a.run_steps, tc.warmup = 0, tc.eval_every = 0, tc.eval_windows = 1, tc.sample_tokens = 0, tc.quiet = true;
+  return tc;
+}
+
+// `plan --run`: every rank searches (the search is deterministic), trains the best for a few
+// steps, and rank 0 prints predicted against measured (median step after 2 untimed).
+int run_plan(PlanArgs& a) {
+  if (!a.run) {
+    search_and_print(a);
+    return 0;
+  }
+  if (a.data.empty()) throw std::runtime_error("plan --run: --data PREFIX is required (the tokens to train on)");
+  std::unique_ptr<comm::Communicator> world;
+  int code = 0;
+  try {
+    world = comm::make_communicator();
+    if (world->size() != a.ranks)
+      throw std::runtime_error(fmt::format("plan --run: --ranks {} but {} process(es) were started (mpirun -np {})", a.ranks,
+                                           world->size(), a.ranks));
+    a.talk = world->rank() == 0;
+    const sim::PlanSearch s = search_and_print(a);
+    if (s.fitting.empty())
+      throw std::runtime_error("plan --run: no configuration fits " + std::to_string(s.smallest.peak_bytes));
+    const sim::Candidate& best = s.fitting.front();
+    const train::TrainConfig tc = train_config_of(a, best.config);
+    const train::TrainSummary run = train::run_training(tc, *world);
+    if (run.exit_code != 0) throw std::runtime_error("plan --run: training stopped: " + run.stop_reason);
+    if (world->rank() == 0) {
+      std::ifstream f(std::filesystem::path(tc.out) / "metrics.jsonl");
+      std::vector<double> ms;
+      int64_t mem = 0;
+      for (std::string line; std::getline(f, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (!j.contains("step_ms")) continue;
+        if (j["step"].get<int64_t>() >= 2) ms.push_back(j["step_ms"].get<double>());
+        mem = j["mem"]["total"].get<int64_t>();
+      }
+      std::sort(ms.begin(), ms.end());
+      const double measured = ms.empty() ? 0 : ms[ms.size() / 2];
+      fmt::print("best ({}): predicted {:.1f} ms/step, measured {:.1f} ms/step (median of {} after 2 untimed, {:+.1f}%); "
+                 "memory per rank predicted {} bytes, measured {}\n",
+                 best.flags, best.step_ms, measured, ms.size(), measured > 0 ? 100 * (best.step_ms - measured) / measured : 0.0,
+                 best.peak_bytes, mem);
+    }
+  } catch (const std::exception& e) {
+    const bool distributed = world && world->size() > 1;
+    std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";
+    std::cerr.flush();
+    if (distributed) comm::abort_job(1);
+    code = 1;
+  }
+  world.reset();
+  comm::finalize_mpi();
+  return code;
 }
 
 }  // namespace
@@ -424,6 +497,11 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
       ->check(positive());
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
+  plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
+  plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
+  plan_cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
+  plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
 
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));

@@ -156,4 +156,15 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
                         {"no configuration", "1000"});
 }
 
+// plan --run trains the best configuration here and prints predicted against measured.
+TEST_F(Simulate, PlanRunTrainsTheBest) {
+  const Result r = shardlm::testing::mpirun(
+      2, "plan --model tiny --ranks 2 --threads 1 --seq 32 --global-batch 256 --top 1 --run --run-steps 3 --data " +
+             (dir_ / "tok").string() + " --out " + (dir_ / "planrun").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("predicted [0-9.]+ ms/step, measured [0-9.]+ ms/step"))) << r.out;
+  EXPECT_TRUE(fs::exists(dir_ / "planrun" / "metrics.jsonl"));
+  expect_one_line_error(shardlm("plan --model tiny --ranks 2 --global-batch 256 --seq 32 --run"), {"--data"});
+}
+
 }  // namespace
