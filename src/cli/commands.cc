@@ -110,6 +110,9 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
   cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
   cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
+  cmd->add_option("--keep-gathered", c.keep_gathered,
+                  "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm)")
+      ->capture_default_str();
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
