@@ -17,7 +17,8 @@ std::string flags_of(const PlanConfig& c) {
     << model::to_string(c.recompute);
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
-      << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32");
+      << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
+      << " --keep-gathered " << (c.keep_gathered.empty() ? "none" : "all");
   if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
   if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
   return o.str();
@@ -45,7 +46,9 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
           for (int inflight : sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2})
             for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
               for (int pb : sharded ? std::vector<int>{4, 2} : std::vector<int>{4})
-                for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4}) {
+                for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4})
+                  for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+                  c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
                   c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
                   c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
                   c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
