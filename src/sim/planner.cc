@@ -9,6 +9,14 @@ namespace shardlm::sim {
 using plan::PlanConfig;
 using plan::Strategy;
 
+namespace {
+std::string keep_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ",") + n;
+  return s.empty() ? "none" : s;
+}
+}  // namespace
+
 std::string flags_of(const PlanConfig& c) {
   std::ostringstream o;
   o << "--strategy " << plan::to_string(c.strategy);
@@ -18,7 +26,7 @@ std::string flags_of(const PlanConfig& c) {
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
       << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
-      << " --keep-gathered " << (c.keep_gathered.empty() ? "none" : "all");
+      << " --keep-gathered " << keep_list(c.keep_gathered);
   if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
   if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
   return o.str();
@@ -59,6 +67,32 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
 
 }  // namespace
 
+namespace {
+
+void rank(std::vector<Candidate>& v) {
+  std::stable_sort(v.begin(), v.end(), [](const Candidate& a, const Candidate& b) {
+    // Equal times (prefetch depths that change nothing): the one that needs less memory.
+    return a.step_ms < b.step_ms || (a.step_ms == b.step_ms && a.peak_bytes < b.peak_bytes);
+  });
+}
+
+// Walks the units from the last to the first (the backward needs the last ones first, when the
+// least time is left to prefetch them) and keeps each one gathered when that makes the step
+// faster and still fits the budget.
+Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
+  for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
+    PlanConfig c = best.config;
+    c.keep_gathered.push_back(desc.units[u].name);
+    const plan::Plan p = plan::build_plan(desc, c);
+    const SimResult r = simulate(desc, p, hw, q.threads);
+    if (r.step_ms >= best.step_ms || (q.memory_budget > 0 && r.mem.total > q.memory_budget)) continue;
+    best = {c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+  }
+  return best;
+}
+
+}  // namespace
+
 PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, const HardwareProfile& hw,
                         const PlanQuery& q) {
   const int64_t per_step = static_cast<int64_t>(q.ranks) * q.seq;
@@ -86,11 +120,18 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
       if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
     });
-  std::stable_sort(out.fitting.begin(), out.fitting.end(),
-                   [](const Candidate& a, const Candidate& b) {
-                     // Equal times (prefetch depths that change nothing): the one that needs less memory.
-                     return a.step_ms < b.step_ms || (a.step_ms == b.step_ms && a.peak_bytes < b.peak_bytes);
-                   });
+  rank(out.fitting);
+  // Selective unsharding, unit by unit, on the fastest few sharded configurations.
+  std::vector<Candidate> refined;
+  for (size_t i = 0, tried = 0; i < out.fitting.size() && tried < 3; ++i) {
+    const Candidate& c = out.fitting[i];
+    if ((c.config.strategy != Strategy::fsdp && c.config.strategy != Strategy::hybrid) || !c.config.keep_gathered.empty()) continue;
+    ++tried;
+    Candidate k = keep_greedily(desc, hw, q, c);
+    if (!k.config.keep_gathered.empty()) refined.push_back(std::move(k));
+  }
+  for (auto& k : refined) out.fitting.push_back(std::move(k));
+  rank(out.fitting);
   return out;
 }
 

@@ -1,6 +1,8 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
 // simulates each, keeps those whose per-rank peak memory fits the budget and ranks them by
-// predicted step time. Configurations whose plan cannot be built are skipped.
+// predicted step time. Configurations whose plan cannot be built are skipped. The fastest few
+// sharded ones are then refined by selective unsharding: units kept gathered one by one, from the
+// last, while the step gets faster and the budget holds.
 #pragma once
 
 #include <cstdint>
