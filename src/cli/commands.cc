@@ -323,9 +323,11 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          "needs {} ({})",
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
-  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {}\n",
-             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size(),
-             q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)");
+  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {} "
+             "(+{} refined by keeping units gathered)\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size() - s.refined,
+             q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
+             s.refined);
   fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "flags");
   for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
     const sim::Candidate& c = s.fitting[i];

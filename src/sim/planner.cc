@@ -130,6 +130,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
     Candidate k = keep_greedily(desc, hw, q, c);
     if (!k.config.keep_gathered.empty()) refined.push_back(std::move(k));
   }
+  out.refined = static_cast<int64_t>(refined.size());
   for (auto& k : refined) out.fitting.push_back(std::move(k));
   rank(out.fitting);
   return out;

@@ -33,7 +33,8 @@ struct Candidate {
 
 struct PlanSearch {
   std::vector<Candidate> fitting;  // by step time, fastest first (then least memory)
-  int64_t considered = 0;           // configurations simulated
+  int64_t considered = 0;           // configurations of the grid simulated
+  int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
   Candidate smallest;               // the least memory of all (to say by how much nothing fits)
 };
 
