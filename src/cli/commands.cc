@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "comm/factory.h"
@@ -17,7 +19,12 @@
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu.h"
+#include "run/calibrate.h"
 #include "run/executor.h"
+#include "sim/hardware.h"
+#include "sim/planner.h"
+#include "sim/simulator.h"
+#include "trace/trace.h"
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
@@ -103,6 +110,9 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
   cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
   cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
+  cmd->add_option("--keep-gathered", c.keep_gathered,
+                  "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm)")
+      ->capture_default_str();
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
@@ -207,6 +217,195 @@ int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
   return code;
 }
 
+nlohmann::json mem_json(const MemSnapshot& s) {
+  nlohmann::json j;
+  for (int c = 0; c < kNumMemCategories; ++c) j[to_string(static_cast<MemCategory>(c))] = s.bytes[c];
+  j["total"] = s.total;
+  return j;
+}
+
+struct SimulateArgs {
+  train::TrainConfig cfg;
+  int ranks = 1;
+  std::string hardware = "cpu-local", trace;
+  bool json = false;
+};
+
+// `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
+// the model is allocated, so shapes far beyond this machine simulate in milliseconds.
+void run_simulate(SimulateArgs& a) {
+  a.cfg.data = "-";  // simulate reads no data
+  a.cfg.validate();
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
+  const plan::Plan plan = plan::build_plan(desc, train::plan_config(a.cfg, a.ranks));
+  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads);
+  if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
+  const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
+  if (a.json) {
+    nlohmann::json j{{"model", a.cfg.model},       {"strategy", plan::to_string(plan.config.strategy)},
+                     {"ranks", a.ranks},           {"hardware", hw.name},
+                     {"step_ms", r.step_ms},       {"tokens_per_s", r.tokens_per_s},
+                     {"mfu", r.mfu},               {"comm_exposed_ms", r.comm_exposed_ms},
+                     {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
+                     {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
+                     {"device_memory", hw.device_memory}, {"fits", fits}};
+    std::cout << j.dump() << "\n";
+    return;
+  }
+  const double peak = hw.peak_flops * (hw.per_thread ? a.cfg.threads : 1);
+  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
+             a.cfg.model, plan::to_string(plan.config.strategy), a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
+             hw.gemm_efficiency);
+  fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
+             r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
+  fmt::print("memory per rank at peak (bytes):\n");
+  for (int c = 0; c < kNumMemCategories; ++c)
+    if (r.mem.bytes[c] > 0 || r.mem_max.bytes[c] > 0)
+      fmt::print("  {}: {} ({:.1f} MiB), own peak {}\n", to_string(static_cast<MemCategory>(c)), r.mem.bytes[c],
+                 r.mem.bytes[c] / 1048576.0, r.mem_max.bytes[c]);
+  fmt::print("  total: {} ({:.2f} GiB){}\n", r.mem.total, r.mem.total / 1073741824.0,
+             hw.device_memory == 0 ? std::string()
+                                   : fmt::format(", device memory {:.0f} GiB: {}", hw.device_memory / 1073741824.0,
+                                                 fits ? "fits" : "does NOT fit"));
+}
+
+// `calibrate`: every rank measures (collectives span the world); rank 0 writes the profile.
+int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
+  std::unique_ptr<comm::Communicator> world;
+  int code = 0;
+  try {
+    world = comm::make_communicator();
+    const std::string text = run::calibrate(kernels::cpu_backend(), *world, co);
+    if (world->rank() == 0) {
+      std::ofstream f(out);
+      f << text << "\n";
+      f.close();
+      if (!f) throw std::runtime_error("calibrate: cannot write " + out);
+      fmt::print("calibrate: wrote {} ({} rank(s) x {} thread(s))\n", out, world->size(), co.threads);
+    }
+  } catch (const std::exception& e) {
+    const bool distributed = world && world->size() > 1;
+    std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";
+    std::cerr.flush();
+    if (distributed) comm::abort_job(1);
+    code = 1;
+  }
+  world.reset();
+  comm::finalize_mpi();
+  return code;
+}
+
+struct PlanArgs {
+  train::TrainConfig cfg;
+  int ranks = 1, top = 10;
+  int64_t global_batch = 0;
+  double memory = -1;  // bytes per rank; unset: the profile's device memory
+  std::string hardware = "cpu-local";
+  bool run = false, overwrite = false, talk = true;
+  std::string data, out = "runs/plan";
+  int64_t run_steps = 6;
+};
+
+// `plan`: the planner's ranked table of the configurations that fit (printed when `talk`).
+sim::PlanSearch search_and_print(PlanArgs& a) {
+  a.cfg.data = "-";
+  a.cfg.validate();
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
+  sim::PlanQuery q;
+  q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
+  q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  const sim::PlanSearch s = sim::search_plans(desc, train::plan_config(a.cfg, a.ranks), hw, q);
+  if (!a.talk) return s;
+  if (s.fitting.empty())
+    throw std::runtime_error(fmt::format("plan: no configuration of {} on {} rank(s) fits {} bytes per rank; the smallest of {} "
+                                         "needs {} ({})",
+                                         a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
+                                         s.smallest.flags));
+  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {} "
+             "(+{} refined by keeping units gathered)\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size() - s.refined,
+             q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
+             s.refined);
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "flags");
+  for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
+    const sim::Candidate& c = s.fitting[i];
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
+               c.peak_bytes / 1073741824.0, c.flags);
+  }
+  return s;
+}
+
+// The best configuration as train options over the model options of `a`.
+train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c) {
+  train::TrainConfig tc = a.cfg;
+  tc.strategy = plan::to_string(c.strategy);
+  tc.shard_group = c.shard_group;
+  tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
+  tc.recompute = model::to_string(c.recompute);
+  tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
+  tc.max_gathers_in_flight = c.max_gathers_in_flight;
+  tc.bucket_mb = c.bucket_mb;
+  tc.param_dtype = c.param_bytes == 2 ? "bf16" : "fp32";
+  tc.reduce_dtype = c.reduce_bytes == 2 ? "bf16" : "fp32";
+  tc.data = a.data, tc.out = a.out, tc.overwrite = a.overwrite;
+  tc.steps = a.run_steps, tc.warmup = 0, tc.eval_every = 0, tc.eval_windows = 1, tc.sample_tokens = 0, tc.quiet = true;
+  return tc;
+}
+
+// `plan --run`: every rank searches (the search is deterministic), trains the best for a few
+// steps, and rank 0 prints predicted against measured (median step after 2 untimed).
+int run_plan(PlanArgs& a) {
+  if (!a.run) {
+    search_and_print(a);
+    return 0;
+  }
+  if (a.data.empty()) throw std::runtime_error("plan --run: --data PREFIX is required (the tokens to train on)");
+  std::unique_ptr<comm::Communicator> world;
+  int code = 0;
+  try {
+    world = comm::make_communicator();
+    if (world->size() != a.ranks)
+      throw std::runtime_error(fmt::format("plan --run: --ranks {} but {} process(es) were started (mpirun -np {})", a.ranks,
+                                           world->size(), a.ranks));
+    a.talk = world->rank() == 0;
+    const sim::PlanSearch s = search_and_print(a);
+    if (s.fitting.empty())
+      throw std::runtime_error("plan --run: no configuration fits " + std::to_string(s.smallest.peak_bytes));
+    const sim::Candidate& best = s.fitting.front();
+    const train::TrainConfig tc = train_config_of(a, best.config);
+    const train::TrainSummary run = train::run_training(tc, *world);
+    if (run.exit_code != 0) throw std::runtime_error("plan --run: training stopped: " + run.stop_reason);
+    if (world->rank() == 0) {
+      std::ifstream f(std::filesystem::path(tc.out) / "metrics.jsonl");
+      std::vector<double> ms;
+      int64_t mem = 0;
+      for (std::string line; std::getline(f, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (!j.contains("step_ms")) continue;
+        if (j["step"].get<int64_t>() >= 2) ms.push_back(j["step_ms"].get<double>());
+        mem = j["mem"]["total"].get<int64_t>();
+      }
+      std::sort(ms.begin(), ms.end());
+      const double measured = ms.empty() ? 0 : ms[ms.size() / 2];
+      fmt::print("best ({}): predicted {:.1f} ms/step, measured {:.1f} ms/step (median of {} after 2 untimed, {:+.1f}%); "
+                 "memory per rank predicted {} bytes, measured {}\n",
+                 best.flags, best.step_ms, measured, ms.size(), measured > 0 ? 100 * (best.step_ms - measured) / measured : 0.0,
+                 best.peak_bytes, mem);
+    }
+  } catch (const std::exception& e) {
+    const bool distributed = world && world->size() > 1;
+    std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";
+    std::cerr.flush();
+    if (distributed) comm::abort_job(1);
+    code = 1;
+  }
+  world.reset();
+  comm::finalize_mpi();
+  return code;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -267,6 +466,48 @@ int run(int argc, char** argv) {
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
 
+  // simulate
+  auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
+  SimulateArgs sa;
+  sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  sim_cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
+      ->capture_default_str();
+  sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
+  sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
+  add_model_options(sim_cmd, sa.cfg);
+  add_plan_options(sim_cmd, sa.cfg);
+
+  // calibrate
+  auto* cal_cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
+  std::string cal_out;
+  run::CalibrateOptions co;
+  std::vector<int64_t> cal_sizes_kib;
+  cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
+  cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(at_least(1))->capture_default_str();
+  cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")->check(at_least(1))->capture_default_str();
+  cal_cmd->add_option("--sizes-kib", cal_sizes_kib, "collective sizes in KiB (comma list; default 4 .. 65536 by x4)")
+      ->delimiter(',')
+      ->check(at_least(1));
+  cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
+
+  // plan
+  auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
+  PlanArgs pa;
+  add_model_options(plan_cmd, pa.cfg);
+  plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
+  plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
+  plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank")->capture_default_str();
+  plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
+  plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
+      ->check(positive());
+  plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
+  plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
+  plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
+  plan_cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
+  plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
+
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
@@ -299,6 +540,13 @@ int run(int argc, char** argv) {
       const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
       std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
+    } else if (*cal_cmd) {
+      for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
+      return run_calibrate(co, cal_out);
+    } else if (*plan_cmd) {
+      return run_plan(pa);
+    } else if (*sim_cmd) {
+      run_simulate(sa);
     } else if (*eval_cmd) {
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);

@@ -132,6 +132,10 @@ struct PlanConfig {
   int param_bytes = 4;   // gathered parameter / communication element size (fp32 4, bf16 2)
   int reduce_bytes = 4;  // gradient communication element size
   model::Recompute recompute = model::Recompute::none;
+  // Selective unsharding (FSDP / hybrid): units that stay gathered from the step's start to their
+  // last backward instead of being regathered, by name ("h.10", "final_norm") or {"all"}; a
+  // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
+  std::vector<std::string> keep_gathered;
   int threads = 1;  // compute threads (kernels' per-thread scratch)
   enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
   // Bytes of working memory the communicator takes for a reduction task of `count` elements

@@ -104,6 +104,7 @@ class Builder {
   void close_bucket(int producer);
   void read_values(int t, int u, int m);
   void free_at_last_use();
+  void keep_units(const std::vector<std::string>& names);
   void finish();
   std::vector<Task> schedule();
 
@@ -350,6 +351,21 @@ void Builder::close_bucket(int producer) {
   bucket_bytes_ = 0;
 }
 
+// Marks the units --keep-gathered names as kept: gathered once per step, freed after their last
+// use (the last micro-step's backward), as the borrowed embedding is.
+void Builder::keep_units(const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    bool found = false;
+    for (size_t u = 0; u < desc_.units.size(); ++u)
+      if (name == "all" || desc_.units[u].name == name) kept_[u] = 1, found = true;
+    if (!found) {
+      std::string all;
+      for (const auto& ud : desc_.units) all += (all.empty() ? "" : ", ") + ud.name;
+      throw std::invalid_argument("keep_gathered (--keep-gathered): no unit named '" + name + "' (units: " + all + "; or all, none)");
+    }
+  }
+}
+
 // Values and kept gathered units are freed by the last task that reads them.
 void Builder::free_at_last_use() {
   std::map<int, int> last;
@@ -425,6 +441,7 @@ Plan Builder::build() {
     costs_.push_back(desc_.costs(u, shape_));
     if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
   }
+  keep_units(cfg_.keep_gathered);
   last_micro_ = train_ ? static_cast<int>(cfg_.grad_accum) - 1 : 0;
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.

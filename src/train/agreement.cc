@@ -119,6 +119,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"prefetch-backward", s(c.prefetch_backward)},
       {"max-gathers-in-flight", s(c.max_gathers_in_flight)},
       {"bucket-mb", s(c.bucket_mb)},
+      {"keep-gathered", c.keep_gathered},
       {"param-dtype", c.param_dtype},
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},

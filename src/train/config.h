@@ -58,6 +58,7 @@ struct TrainConfig {
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;
+  std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm)
   std::string param_dtype = "fp32", reduce_dtype = "fp32", compute_dtype = "fp32";
   double timeout_s = 300;  // a collective that does not finish in time ends the job
   std::string trace;       // Chrome trace JSON of every rank's tasks and memory

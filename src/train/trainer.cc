@@ -126,6 +126,13 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
   pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
   pc.recompute = model::parse_recompute(cfg.recompute);
+  if (cfg.keep_gathered != "none") {  // a comma list of unit names (or "all"); build_plan checks them
+    std::string rest = cfg.keep_gathered;
+    for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
+      at = rest.find(',');
+      if (const std::string name = rest.substr(0, at); !name.empty()) pc.keep_gathered.push_back(name);
+    }
+  }
   pc.threads = cfg.threads;
   pc.reduction_scratch = reduction_scratch([o = comm::mpi_options_from_env()](comm::Reduction op, int64_t count,
                                                                                DType dtype, int group) {

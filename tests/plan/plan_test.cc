@@ -305,3 +305,43 @@ TEST(Plan, ComputeFlopsAreTheModelsCosts) {
 
 }  // namespace
 }  // namespace shardlm::plan
+
+namespace shardlm::plan {
+namespace {
+
+int gathers_of(const Plan& p, int unit) {
+  int n = 0;
+  for (const Task& t : p.tasks) n += t.op == Op::all_gather && t.unit == unit;
+  return n;
+}
+
+// Selective unsharding: a kept unit is gathered once per step (whatever the micro-steps) and
+// stays gathered to its last backward; the memory price shows in the plan's params.
+TEST(Plan, KeepGatheredUnitsAreGatheredOncePerStep) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2, c.grad_accum = 2;
+  const Plan none = build_plan(desc, c);
+  c.keep_gathered = {"h.0", "final_norm"};
+  const Plan some = build_plan(desc, c);
+  c.keep_gathered = {"all"};
+  const Plan all = build_plan(desc, c);
+  int h0 = -1;
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    if (desc.units[u].name == "h.0") h0 = static_cast<int>(u);
+  EXPECT_GT(gathers_of(none, h0), 1);
+  EXPECT_EQ(gathers_of(some, h0), 1);
+  for (size_t u = 0; u < desc.units.size(); ++u) EXPECT_EQ(gathers_of(all, static_cast<int>(u)), 1) << desc.units[u].name;
+  EXPECT_LT(none.peak_memory()[MemCategory::params], some.peak_memory()[MemCategory::params]);
+  EXPECT_LT(some.peak_memory()[MemCategory::params], all.peak_memory()[MemCategory::params]);
+  c.keep_gathered = {"h.99"};
+  try {
+    build_plan(desc, c);
+    ADD_FAILURE() << "h.99 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'h.99'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace shardlm::plan

@@ -1,0 +1,89 @@
+#include "sim/cost.h"
+
+#include <stdexcept>
+
+namespace shardlm::sim {
+
+using plan::Op;
+
+double bus_factor(Collective c, int n) {
+  if (n <= 1) return 0;
+  const double f = static_cast<double>(n - 1) / n;
+  return c == Collective::all_reduce ? 2 * f : f;
+}
+
+double collective_seconds(const LinkCost& link, Collective c, double S, int n) {
+  if (n <= 1) return 0;  // a group of one moves nothing and waits for no one
+  return link.latency_s + S * bus_factor(c, n) / link.bus_bw;  // s + bytes / (bytes/s)
+}
+
+Collective collective_of(Op op) {
+  switch (op) {
+    case Op::all_gather:
+    case Op::param_gather:
+    case Op::norm_reduce: return Collective::all_gather;
+    case Op::reduce_scatter: return Collective::reduce_scatter;
+    case Op::all_reduce:
+    case Op::loss_reduce: return Collective::all_reduce;
+    default: throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
+  }
+}
+
+CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads)
+    : desc_(desc), plan_(plan), hw_(hw) {
+  peak_ = hw.peak_flops * (hw.per_thread ? threads : 1);
+  rate_ = peak_ * hw.gemm_efficiency;
+  // The same micro-batch shape the plan's memory figures use (Plan::to_text).
+  const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads};
+  for (size_t u = 0; u < desc.units.size(); ++u) pointwise_.push_back(desc.costs(static_cast<int>(u), shape).pointwise_bytes);
+}
+
+int CostModel::group_size(const plan::Task& t) const {
+  int n = 1;
+  for (int a : t.axes) n *= plan_.mesh[a].size;
+  return n;
+}
+
+bool CostModel::crosses_nodes(const plan::Task& t) const {
+  if (t.axes.empty()) return false;
+  // Mesh axes are laid out outermost first (rank = replicate·|dp_shard| + shard), so the ranks of
+  // a group over axes {a..} lie within a block of `extent` consecutive ranks: the product of the
+  // sizes from its outermost axis inwards. The group stays in a node when that block fits one
+  // and blocks never straddle a node boundary.
+  int outer = t.axes[0];
+  for (int a : t.axes) outer = std::min(outer, a);
+  int64_t extent = 1;
+  for (size_t a = outer; a < plan_.mesh.size(); ++a) extent *= plan_.mesh[a].size;
+  const int64_t dpn = hw_.devices_per_node;
+  return extent > dpn || (dpn % extent != 0 && plan_.config.world > dpn);
+}
+
+double CostModel::compute_seconds(const plan::Task& t) const {
+  // Bytes the task's pointwise kernels (and the memory-bound optimizer passes) move.
+  double bytes = 0;
+  const auto& st = plan_.static_memory;
+  switch (t.op) {
+    case Op::forward:
+    case Op::recompute:
+    case Op::head:
+    case Op::loss:
+    case Op::logits: bytes = t.unit >= 0 ? pointwise_[t.unit] : 0; break;
+    // The backward reads the forward's values and writes their gradients: about twice.
+    case Op::backward: bytes = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
+    // AdamW reads params, grads and both moments and writes params and moments.
+    case Op::optimizer: bytes = 2.0 * (st.params + st.optimizer) + st.grads; break;
+    case Op::grad_norm:
+    case Op::zero_grads: bytes = static_cast<double>(st.grads); break;
+    default: break;
+  }
+  return t.flops / rate_ + bytes / hw_.memory_bw;  // FLOP / (FLOP/s) + B / (B/s)
+}
+
+double CostModel::seconds(const plan::Task& t) const {
+  if (t.stream == plan::kCompute) return compute_seconds(t);
+  const Collective c = collective_of(t.op);
+  const Tier& tier = crosses_nodes(t) ? hw_.inter : hw_.intra;
+  return collective_seconds(tier.of(c), c, static_cast<double>(t.bytes), group_size(t));
+}
+
+}  // namespace shardlm::sim

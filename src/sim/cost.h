@@ -1,0 +1,44 @@
+// The cost model: how long each task of a plan takes on a hardware profile.
+//  - compute: FLOPs / (peak × GEMM efficiency) + pointwise bytes / memory bandwidth;
+//  - collectives: α + S · factor(n) / busBw (nccl-tests' definitions: S the whole buffer,
+//    factor (n−1)/n for all-gather and reduce-scatter, 2(n−1)/n for all-reduce), α and busBw
+//    those of the link tier the group spans (inside a node, or across nodes).
+#pragma once
+
+#include <vector>
+
+#include "model/model.h"
+#include "plan/plan.h"
+#include "sim/hardware.h"
+
+namespace shardlm::sim {
+
+// factor(n) of a collective over n ranks (0 for one rank: nothing moves).
+double bus_factor(Collective c, int n);
+// Seconds of one collective of S bytes (the whole buffer) over n ranks on one link.
+double collective_seconds(const LinkCost& link, Collective c, double S, int n);
+// Which collective a plan op is priced as (norm_reduce gathers each rank's four figures).
+Collective collective_of(plan::Op op);
+
+class CostModel {
+ public:
+  // `threads`: compute threads per rank (a per-thread CPU profile multiplies its peak by it).
+  CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads);
+  // Seconds task `t` takes at full speed (compute slowed by communication is the simulator's).
+  double seconds(const plan::Task& t) const;
+  // Ranks of the group a collective spans, and whether it crosses a node boundary.
+  int group_size(const plan::Task& t) const;
+  bool crosses_nodes(const plan::Task& t) const;
+  double flops_per_s() const { return rate_; }  // achieved GEMM FLOP/s of one rank
+  double peak_flops() const { return peak_; }   // one rank's peak (the MFU denominator)
+
+ private:
+  double compute_seconds(const plan::Task& t) const;
+  const model::ModelDesc& desc_;
+  const plan::Plan& plan_;
+  const HardwareProfile& hw_;
+  double peak_ = 0, rate_ = 0;
+  std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
+};
+
+}  // namespace shardlm::sim

@@ -1,0 +1,150 @@
+#include "sim/hardware.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardlm::sim {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* to_string(Collective c) {
+  switch (c) {
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::all_reduce: return "all_reduce";
+  }
+  return "?";
+}
+
+namespace {
+
+std::runtime_error bad(const std::string& origin, const std::string& field, const std::string& why) {
+  return std::runtime_error("hardware profile " + origin + ": " + field + ": " + why);
+}
+
+// A figure: {"value": positive number, "source": non-empty string}. `path` names it in errors.
+double figure(const json& parent, const std::string& key, const std::string& path, const std::string& origin,
+              bool allow_zero = false) {
+  const std::string field = path.empty() ? key : path + "." + key;
+  if (!parent.contains(key)) throw bad(origin, field, "missing");
+  const json& f = parent.at(key);
+  if (!f.is_object()) throw bad(origin, field, "must be {\"value\": N, \"source\": \"...\"}");
+  if (!f.contains("source") || !f.at("source").is_string() || f.at("source").get<std::string>().empty())
+    throw bad(origin, field + ".source", "missing (every figure names where it comes from)");
+  if (!f.contains("value") || !f.at("value").is_number()) throw bad(origin, field + ".value", "must be a number");
+  const double v = f.at("value").get<double>();
+  if (!std::isfinite(v) || v < 0 || (v == 0 && !allow_zero))
+    throw bad(origin, field + ".value", "must be " + std::string(allow_zero ? ">= 0" : "> 0") + ", got " + f.at("value").dump());
+  return v;
+}
+
+Tier tier(const json& j, const std::string& key, const std::string& origin) {
+  if (!j.contains(key) || !j.at(key).is_object()) throw bad(origin, key, "missing (an object per collective)");
+  const json& t = j.at(key);
+  Tier out;
+  for (int c = 0; c < kNumCollectives; ++c) {
+    const std::string name = to_string(static_cast<Collective>(c)), path = key + "." + name;
+    if (!t.contains(name) || !t.at(name).is_object()) throw bad(origin, path, "missing");
+    out.op[c].latency_s = figure(t.at(name), "latency_s", path, origin, true);
+    out.op[c].bus_bw = figure(t.at(name), "bus_bw", path, origin);
+  }
+  return out;
+}
+
+bool is_dir(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_directory(p, ec);
+}
+
+}  // namespace
+
+HardwareProfile parse_hardware(const std::string& text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    throw std::runtime_error("hardware profile " + origin + ": not valid JSON: " + what);
+  }
+  if (!j.is_object()) throw std::runtime_error("hardware profile " + origin + ": not a JSON object");
+  HardwareProfile h;
+  h.origin = origin;
+  if (!j.contains("name") || !j.at("name").is_string()) throw bad(origin, "name", "missing (a string)");
+  h.name = j.at("name").get<std::string>();
+  if (!j.contains("compute_dtype") || !j.at("compute_dtype").is_string()) throw bad(origin, "compute_dtype", "missing");
+  h.compute_dtype = j.at("compute_dtype").get<std::string>();
+  if (h.compute_dtype != "bf16" && h.compute_dtype != "fp32")
+    throw bad(origin, "compute_dtype", "must be bf16 or fp32, got " + h.compute_dtype);
+  if (j.contains("per_thread") && !j.at("per_thread").is_boolean()) throw bad(origin, "per_thread", "must be true or false");
+  h.per_thread = j.value("per_thread", false);
+  h.peak_flops = figure(j, "peak_flops", "", origin);
+  h.fp32_peak_flops = figure(j, "fp32_peak_flops", "", origin);
+  h.gemm_efficiency = figure(j, "gemm_efficiency", "", origin);
+  if (h.gemm_efficiency > 1) throw bad(origin, "gemm_efficiency.value", "must be <= 1 (a fraction of peak_flops)");
+  h.memory_bw = figure(j, "memory_bw", "", origin);
+  const double dpn = figure(j, "devices_per_node", "", origin);
+  if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");
+  h.devices_per_node = static_cast<int>(dpn);
+  h.device_memory = static_cast<int64_t>(figure(j, "device_memory", "", origin, true));
+  h.comm_compute_slowdown = figure(j, "comm_compute_slowdown", "", origin);
+  if (h.comm_compute_slowdown < 1) throw bad(origin, "comm_compute_slowdown.value", "must be >= 1 (a slowdown)");
+  h.intra = tier(j, "intra_node", origin);
+  h.inter = tier(j, "inter_node", origin);
+  return h;
+}
+
+std::string hardware_dir() {
+  if (const char* env = std::getenv("SHARDLM_HARDWARE_DIR")) return env;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec && is_dir(exe.parent_path().parent_path() / "configs" / "hardware"))
+    return (exe.parent_path().parent_path() / "configs" / "hardware").string();
+#ifdef SHARDLM_HARDWARE_DIR_DEFAULT
+  if (is_dir(SHARDLM_HARDWARE_DIR_DEFAULT)) return SHARDLM_HARDWARE_DIR_DEFAULT;
+#endif
+  return "configs/hardware";
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(hardware_dir(), ec))
+    if (e.path().extension() == ".json") names.push_back(e.path().stem().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+HardwareProfile load_hardware(const std::string& name_or_path) {
+  if (name_or_path.empty()) throw std::runtime_error("--hardware: empty (a preset name or a JSON file)");
+  // A path names a file (it has a '/' or ends in .json); anything else is a preset name.
+  const bool is_path = name_or_path.find('/') != std::string::npos ||
+                       (name_or_path.size() > 5 && name_or_path.substr(name_or_path.size() - 5) == ".json");
+  fs::path file = name_or_path;
+  if (!is_path) {
+    file = fs::path(hardware_dir()) / (name_or_path + ".json");
+    std::error_code ec;
+    if (!fs::exists(file, ec)) {
+      std::string list;
+      for (const auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;
+      throw std::runtime_error("--hardware: unknown preset '" + name_or_path + "' (presets: " +
+                               (list.empty() ? "none found in " + hardware_dir() : list) + "; or a JSON file path)");
+    }
+  }
+  std::ifstream in(file);
+  if (!in) throw std::runtime_error("hardware profile " + file.string() + ": cannot read it (" + std::strerror(errno) + ")");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_hardware(text.str(), file.string());
+}
+
+}  // namespace shardlm::sim

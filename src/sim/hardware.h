@@ -1,0 +1,57 @@
+// A hardware profile: the figures the cost model prices a plan with, read from JSON. Every figure
+// in the file is {"value": V, "source": "..."} in SI units (FLOP/s, bytes/s, seconds, bytes), so
+// a reader can tell a datasheet number from a measurement from an assumption.
+//
+// Bundled presets live in configs/hardware/NAME.json (a100-80gb, h100-80gb, cpu-local);
+// `--hardware` takes a preset name or a path to such a file.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardlm::sim {
+
+// The collectives a plan emits, as the cost model groups them (nccl-tests' names).
+enum class Collective { all_gather, reduce_scatter, all_reduce };
+inline constexpr int kNumCollectives = 3;
+const char* to_string(Collective c);
+
+// One collective on one link tier: time(S) = latency + S · factor(n) / bus_bw.
+struct LinkCost {
+  double latency_s = 0;  // α: a small message's time, seconds
+  double bus_bw = 0;     // busBw as nccl-tests reports it, bytes/s
+};
+
+// A link tier: inside a node (NVLink, shared memory) or across nodes (the network).
+struct Tier {
+  LinkCost op[kNumCollectives];
+  const LinkCost& of(Collective c) const { return op[static_cast<int>(c)]; }
+};
+
+struct HardwareProfile {
+  std::string name;
+  std::string origin;              // the file it came from
+  bool per_thread = false;         // CPU: compute figures are per compute thread (× --threads)
+  std::string compute_dtype;       // dtype the peak applies to: "bf16" (GPU) or "fp32" (CPU)
+  double peak_flops = 0;           // dense peak in compute_dtype, FLOP/s (the MFU denominator)
+  double fp32_peak_flops = 0;      // FP32 peak (non-tensor-core on GPUs), FLOP/s
+  double gemm_efficiency = 1;      // achieved GEMM FLOP/s ÷ peak_flops
+  double memory_bw = 0;            // pointwise kernels' bandwidth, bytes/s
+  int devices_per_node = 1;
+  int64_t device_memory = 0;       // bytes per device (0: unbounded, the host's memory)
+  double comm_compute_slowdown = 1;  // compute runs this many times slower while a collective runs
+  Tier intra, inter;
+};
+
+// A preset name (see preset_names) or a JSON file path. Throws std::runtime_error with one line
+// naming the file and field, or the unknown preset and the ones there are.
+HardwareProfile load_hardware(const std::string& name_or_path);
+// Parses a profile from JSON text; `origin` names it in errors.
+HardwareProfile parse_hardware(const std::string& text, const std::string& origin);
+std::vector<std::string> preset_names();
+// Where the presets are: $SHARDLM_HARDWARE_DIR, else configs/hardware beside the build directory
+// holding this executable, else the source tree's.
+std::string hardware_dir();
+
+}  // namespace shardlm::sim

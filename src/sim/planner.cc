@@ -1,0 +1,139 @@
+#include "sim/planner.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardlm::sim {
+
+using plan::PlanConfig;
+using plan::Strategy;
+
+namespace {
+std::string keep_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ",") + n;
+  return s.empty() ? "none" : s;
+}
+}  // namespace
+
+std::string flags_of(const PlanConfig& c) {
+  std::ostringstream o;
+  o << "--strategy " << plan::to_string(c.strategy);
+  if (c.strategy == Strategy::hybrid) o << " --shard-group " << c.shard_group;
+  o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
+    << model::to_string(c.recompute);
+  if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
+    o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
+      << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
+      << " --keep-gathered " << keep_list(c.keep_gathered);
+  if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
+  if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
+  return o.str();
+}
+
+namespace {
+
+// Every configuration of one strategy the search tries, handed to `visit`.
+template <class F>
+void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, F visit) {
+  PlanConfig c = base;
+  c.strategy = s;
+  const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
+  std::vector<int> groups{0};
+  if (s == Strategy::hybrid) {
+    groups.clear();
+    for (int g = 2; g < c.world; ++g)
+      if (c.world % g == 0) groups.push_back(g);
+  }
+  for (int g : groups)
+    for (int64_t B = 1; B <= sequences_per_rank; ++B) {
+      if (sequences_per_rank % B) continue;
+      for (auto r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
+        for (int pf : sharded ? std::vector<int>{1, 2} : std::vector<int>{1})
+          for (int inflight : sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2})
+            for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
+              for (int pb : sharded ? std::vector<int>{4, 2} : std::vector<int>{4})
+                for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4})
+                  for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+                  c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
+                  c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
+                  c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
+                  c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
+                  visit(c);
+                }
+    }
+}
+
+}  // namespace
+
+namespace {
+
+void rank(std::vector<Candidate>& v) {
+  std::stable_sort(v.begin(), v.end(), [](const Candidate& a, const Candidate& b) {
+    // Equal times (prefetch depths that change nothing): the one that needs less memory.
+    return a.step_ms < b.step_ms || (a.step_ms == b.step_ms && a.peak_bytes < b.peak_bytes);
+  });
+}
+
+// Walks the units from the last to the first (the backward needs the last ones first, when the
+// least time is left to prefetch them) and keeps each one gathered when that makes the step
+// faster and still fits the budget.
+Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
+  for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
+    PlanConfig c = best.config;
+    c.keep_gathered.push_back(desc.units[u].name);
+    const plan::Plan p = plan::build_plan(desc, c);
+    const SimResult r = simulate(desc, p, hw, q.threads);
+    if (r.step_ms >= best.step_ms || (q.memory_budget > 0 && r.mem.total > q.memory_budget)) continue;
+    best = {c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+  }
+  return best;
+}
+
+}  // namespace
+
+PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, const HardwareProfile& hw,
+                        const PlanQuery& q) {
+  const int64_t per_step = static_cast<int64_t>(q.ranks) * q.seq;
+  if (q.global_tokens <= 0 || q.global_tokens % per_step != 0)
+    throw std::invalid_argument("--global-batch: " + std::to_string(q.global_tokens) + " tokens is not a whole number of " +
+                                std::to_string(q.seq) + "-token sequences on each of " + std::to_string(q.ranks) + " ranks");
+  PlanConfig b = base;
+  b.world = q.ranks, b.seq = q.seq, b.threads = q.threads;
+  PlanSearch out;
+  out.smallest.peak_bytes = -1;
+  const std::vector<Strategy> strategies =
+      q.ranks == 1 ? std::vector<Strategy>{Strategy::ddp}
+                   : std::vector<Strategy>{Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid};
+  for (Strategy s : strategies)
+    each_config(b, s, q.global_tokens / per_step, [&](const PlanConfig& c) {
+      plan::Plan p;
+      try {
+        p = plan::build_plan(desc, c);
+      } catch (const std::invalid_argument&) {
+        return;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+      }
+      const SimResult r = simulate(desc, p, hw, q.threads);
+      ++out.considered;
+      Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+      if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+      if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
+    });
+  rank(out.fitting);
+  // Selective unsharding, unit by unit, on the fastest few sharded configurations.
+  std::vector<Candidate> refined;
+  for (size_t i = 0, tried = 0; i < out.fitting.size() && tried < 3; ++i) {
+    const Candidate& c = out.fitting[i];
+    if ((c.config.strategy != Strategy::fsdp && c.config.strategy != Strategy::hybrid) || !c.config.keep_gathered.empty()) continue;
+    ++tried;
+    Candidate k = keep_greedily(desc, hw, q, c);
+    if (!k.config.keep_gathered.empty()) refined.push_back(std::move(k));
+  }
+  out.refined = static_cast<int64_t>(refined.size());
+  for (auto& k : refined) out.fitting.push_back(std::move(k));
+  rank(out.fitting);
+  return out;
+}
+
+}  // namespace shardlm::sim

@@ -1,0 +1,48 @@
+// The planner: enumerates plan configurations for a model, a rank count and a global batch,
+// simulates each, keeps those whose per-rank peak memory fits the budget and ranks them by
+// predicted step time. Configurations whose plan cannot be built are skipped. The fastest few
+// sharded ones are then refined by selective unsharding: units kept gathered one by one, from the
+// last, while the step gets faster and the budget holds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "plan/plan.h"
+#include "sim/hardware.h"
+#include "sim/simulator.h"
+
+namespace shardlm::sim {
+
+struct PlanQuery {
+  int ranks = 1;
+  int64_t global_tokens = 0;  // tokens per optimizer step over all ranks (ranks × B × accum × T)
+  int64_t seq = 256;
+  int64_t memory_budget = 0;  // bytes per rank; 0: no limit
+  int threads = 1;
+};
+
+struct Candidate {
+  plan::PlanConfig config;
+  double step_ms = 0, tokens_per_s = 0, mfu = 0, comm_exposed_ms = 0;
+  int64_t peak_bytes = 0;
+  std::string flags;  // the train / simulate flags that reproduce it
+};
+
+struct PlanSearch {
+  std::vector<Candidate> fitting;  // by step time, fastest first (then least memory)
+  int64_t considered = 0;           // configurations of the grid simulated
+  int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
+  Candidate smallest;               // the least memory of all (to say by how much nothing fits)
+};
+
+// `base` carries what the search does not vary (reduction_scratch, threads). Throws
+// std::invalid_argument when the global batch is not a whole number of sequences per rank.
+PlanSearch search_plans(const model::ModelDesc& desc, const plan::PlanConfig& base, const HardwareProfile& hw,
+                        const PlanQuery& q);
+
+std::string flags_of(const plan::PlanConfig& c);
+
+}  // namespace shardlm::sim

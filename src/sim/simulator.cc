@@ -1,0 +1,167 @@
+#include "sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "sim/cost.h"
+
+namespace shardlm::sim {
+
+using plan::Plan;
+using plan::Task;
+
+namespace {
+
+// Live bytes per category as tasks allocate and free their buffers.
+struct MemoryWalk {
+  const Plan& plan;
+  MemSnapshot live, peak;
+  std::vector<char> alive;
+  explicit MemoryWalk(const Plan& p) : plan(p), alive(p.buffers.size(), 0) {
+    add(MemCategory::params, p.static_memory.params);
+    add(MemCategory::grads, p.static_memory.grads);
+    add(MemCategory::optimizer, p.static_memory.optimizer);
+    peak = live;
+  }
+  void add(MemCategory c, int64_t b) {
+    live.bytes[static_cast<int>(c)] += b;
+    live.total += b;
+  }
+  void alloc(const std::vector<int>& ids) {
+    for (int a : ids) {
+      alive[a] = 1;
+      add(plan.buffers[a].category, plan.buffers[a].bytes);
+    }
+    if (live.total > peak.total) peak = live;
+  }
+  void free(const std::vector<int>& ids) {
+    for (int f : ids) {
+      if (!alive[f]) continue;
+      alive[f] = 0;
+      add(plan.buffers[f].category, -plan.buffers[f].bytes);
+    }
+  }
+};
+
+}  // namespace
+
+SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads) {
+  const CostModel cost(desc, plan, hw, threads);
+  const int S = static_cast<int>(plan.streams.size()), N = static_cast<int>(plan.tasks.size());
+  std::vector<std::vector<int>> order(S);  // each stream's tasks in plan order
+  for (const Task& t : plan.tasks) order.at(t.stream).push_back(t.id);
+
+  SimResult r;
+  r.times.assign(N, {});
+  std::vector<char> done(N, 0);
+  std::vector<size_t> next(S, 0);
+  std::vector<int> running(S, -1);
+  std::vector<double> remaining(S, 0);  // seconds of work left at full speed
+  std::vector<double> free_since(S, 0);
+  std::vector<double> busy(S, 0);
+  MemoryWalk mem(plan);
+  double now = 0;
+  int finished = 0;
+
+  auto ready = [&](int t) {
+    for (int d : plan.tasks[t].deps)
+      if (!done[d]) return false;
+    return true;
+  };
+  while (finished < N) {
+    // Start every stream's next task whose dependencies are done.
+    for (int s = 0; s < S; ++s) {
+      if (running[s] >= 0 || next[s] >= order[s].size()) continue;
+      const int t = order[s][next[s]];
+      if (!ready(t)) continue;
+      if (s == plan::kCompute) r.comm_exposed_ms += (now - free_since[s]) * 1e3;  // as the executor's wait_deps
+      running[s] = t;
+      remaining[s] = cost.seconds(plan.tasks[t]);
+      r.times[t].start_s = now;
+      mem.alloc(plan.tasks[t].allocs);
+    }
+    bool comm_running = false;
+    for (int s = 0; s < S; ++s) comm_running |= s != plan::kCompute && running[s] >= 0;
+    // Compute shares the machine with a running collective (NCCL's SMs, a CPU core).
+    auto rate = [&](int s) { return s == plan::kCompute && comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0; };
+    double dt = std::numeric_limits<double>::infinity();
+    for (int s = 0; s < S; ++s)
+      if (running[s] >= 0) dt = std::min(dt, remaining[s] / rate(s));
+    if (!std::isfinite(dt))
+      throw std::runtime_error("simulate: the plan cannot proceed: " + std::to_string(N - finished) +
+                               " task(s) wait for tasks that never run");
+    now += dt;
+    for (int s = 0; s < S; ++s) {
+      if (running[s] < 0) continue;
+      busy[s] += dt;
+      remaining[s] -= dt * rate(s);
+      if (remaining[s] > 1e-15 * std::max(1.0, now)) continue;
+      const Task& t = plan.tasks[running[s]];
+      r.times[t.id].end_s = now;
+      done[t.id] = 1;
+      ++finished;
+      mem.free(t.frees);
+      mem.alloc(t.hands_off);
+      running[s] = -1;
+      ++next[s];
+      free_since[s] = now;
+    }
+  }
+
+  const double step_s = now;
+  const auto& c = plan.config;
+  r.step_ms = step_s * 1e3;
+  const double tokens = static_cast<double>(c.world) * c.batch * c.grad_accum * c.seq;
+  r.tokens_per_s = step_s > 0 ? tokens / step_s : 0;
+  const double flops = desc.train_flops(static_cast<int64_t>(c.world) * c.batch * c.grad_accum, c.seq);
+  r.mfu = step_s > 0 ? flops / step_s / (cost.peak_flops() * c.world) : 0;
+  r.compute_busy_ms = busy[plan::kCompute] * 1e3;
+  for (int s = 1; s < S; ++s) r.comm_busy_ms += busy[s] * 1e3;
+  r.mem = plan.peak_memory();
+  r.mem_max = plan.max_memory();
+  r.timeline_peak = mem.peak;
+  return r;
+}
+
+trace::RankTrace to_trace(const model::ModelDesc& desc, const Plan& plan, const SimResult& r, int64_t step) {
+  trace::RankTrace tr;
+  tr.rank = 0;
+  tr.streams = plan.streams;
+  for (const Task& t : plan.tasks) {
+    const TaskTime& tt = r.times.at(t.id);
+    tr.slices.push_back({t.name(&desc), t.stream, step, tt.start_s * 1e6, (tt.end_s - tt.start_s) * 1e6});
+  }
+  // Memory counters at every allocation and free, in time order (frees before allocations at
+  // the same instant, as a task's end precedes the next one's start).
+  struct Event {
+    double t;
+    int kind;  // 0: end of a task (frees, then hands_off), 1: start (allocs)
+    int task;
+  };
+  std::vector<Event> ev;
+  for (const Task& t : plan.tasks) {
+    ev.push_back({r.times[t.id].start_s, 1, t.id});
+    ev.push_back({r.times[t.id].end_s, 0, t.id});
+  }
+  std::stable_sort(ev.begin(), ev.end(), [](const Event& a, const Event& b) { return a.t < b.t || (a.t == b.t && a.kind < b.kind); });
+  MemoryWalk mem(plan);
+  tr.memory.push_back({0, mem.live.bytes});
+  for (const Event& e : ev) {
+    const Task& t = plan.tasks[e.task];
+    if (e.kind == 1) {
+      if (t.allocs.empty()) continue;
+      mem.alloc(t.allocs);
+    } else {
+      if (t.frees.empty() && t.hands_off.empty()) continue;
+      mem.free(t.frees);
+      mem.alloc(t.hands_off);
+    }
+    tr.memory.push_back({e.t * 1e6, mem.live.bytes});
+  }
+  return tr;
+}
+
+}  // namespace shardlm::sim

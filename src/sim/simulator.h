@@ -1,0 +1,42 @@
+// The simulator: runs one rank's plan as a discrete-event simulation against the cost model.
+// Each stream runs its tasks in plan order; a task starts when its stream is free and every
+// dependency has finished; compute runs slower (the profile's comm_compute_slowdown) while a
+// collective is running. The plan is the same on every rank and a homogeneous mesh makes every
+// rank alike, so one rank stands for all. Nothing is allocated for the model: memory is the
+// plan's figures and the timeline of its buffers.
+#pragma once
+
+#include <vector>
+
+#include "model/model.h"
+#include "plan/plan.h"
+#include "sim/hardware.h"
+#include "tensor/memory.h"
+#include "trace/trace.h"
+
+namespace shardlm::sim {
+
+struct TaskTime {
+  double start_s = 0, end_s = 0;
+};
+
+struct SimResult {
+  double step_ms = 0;
+  double tokens_per_s = 0;   // global: every rank's tokens
+  double mfu = 0;            // model FLOPs per second ÷ (ranks × one rank's peak)
+  double comm_exposed_ms = 0;  // time the compute stream waited for other streams
+  double compute_busy_ms = 0, comm_busy_ms = 0;  // time each kind of stream ran a task
+  MemSnapshot mem;      // the plan's snapshot at its highest total (Plan::peak_memory)
+  MemSnapshot mem_max;  // each category's own highest (Plan::max_memory)
+  MemSnapshot timeline_peak;  // the highest total over the simulated timeline's buffers
+  std::vector<TaskTime> times;  // per task id
+};
+
+// `threads`: compute threads per rank (per-thread CPU profiles scale with it).
+SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads);
+
+// The simulated rank as a trace: the same slices (task names, streams) and memory counters a
+// real run records, for step `step`.
+trace::RankTrace to_trace(const model::ModelDesc& desc, const plan::Plan& plan, const SimResult& r, int64_t step = 0);
+
+}  // namespace shardlm::sim

@@ -1,0 +1,170 @@
+// `shardlm simulate`: its output, its bad input (one line each), and its trace against a real
+// run's (the same tasks on the same streams in the same order).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "run/test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using shardlm::testing::Result;
+
+Result shardlm(const std::string& args) { return shardlm::testing::shardlm(args); }
+
+void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  EXPECT_NE(r.out.find("shardlm: error"), std::string::npos) << r.out;
+  for (const auto& n : needles) EXPECT_NE(r.out.find(n), std::string::npos) << "expected '" << n << "' in: " << r.out;
+}
+
+class Simulate : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("shardlm_simulate_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    shardlm::testing::make_corpus(dir_);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static fs::path dir_;
+};
+fs::path Simulate::dir_;
+
+const std::string kSmall = "simulate --model tiny --batch 2 --seq 32 --threads 1 ";
+
+TEST_F(Simulate, BadInputIsOneLine) {
+  expect_one_line_error(shardlm(kSmall + "--ranks 0"), {"--ranks", "0"});
+  expect_one_line_error(shardlm(kSmall + "--hardware no-such-gpu"), {"unknown preset 'no-such-gpu'", "h100-80gb"});
+  const fs::path missing = dir_ / "absent.json";
+  expect_one_line_error(shardlm(kSmall + "--hardware " + missing.string()), {missing.string(), "cannot read"});
+  std::ofstream(dir_ / "cut.json") << "{\"name\": \"x\", ";
+  expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "cut.json").string()), {"cut.json", "not valid JSON"});
+  // A profile missing one figure names it.
+  json j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb.json"));
+  j.erase("memory_bw");
+  std::ofstream(dir_ / "partial.json") << j.dump();
+  expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "partial.json").string()), {"partial.json", "memory_bw", "missing"});
+}
+
+// --json holds the figures metrics.jsonl has, and its memory is the plan's: what `explain` prints.
+TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
+  const std::string plan = "--model small --batch 2 --seq 64 --strategy fsdp --ranks 4 --threads 1";
+  const Result r = shardlm("simulate --hardware h100-80gb --json " + plan);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json j = json::parse(r.out);
+  for (const char* k : {"step_ms", "tokens_per_s", "mfu", "comm_exposed_ms"}) EXPECT_TRUE(j.at(k).is_number()) << k;
+  EXPECT_GT(j["step_ms"].get<double>(), 0);
+  EXPECT_GT(j["mfu"].get<double>(), 0);
+  EXPECT_LT(j["mfu"].get<double>(), 1);
+  EXPECT_NEAR(j["tokens_per_s"].get<double>(), 4 * 2 * 64 / (j["step_ms"].get<double>() * 1e-3), 1e-6 * j["tokens_per_s"].get<double>());
+  const Result e = shardlm("explain " + plan);
+  ASSERT_EQ(e.code, 0) << e.out;
+  for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace"}) {
+    const std::regex line(std::string("  ") + cat + ": static [0-9]+, at peak ([0-9]+)");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(e.out, m, line)) << cat;
+    EXPECT_EQ(j["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
+  }
+  const Result human = shardlm("simulate --hardware h100-80gb " + plan);
+  ASSERT_EQ(human.code, 0) << human.out;
+  for (const char* s : {"step ", "tokens/s", "MFU", "comm exposed", "params:", "total:"})
+    EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
+}
+
+// Per stream, the names of the slices of one step, in time order.
+std::map<int, std::vector<std::string>> stream_tasks(const fs::path& trace, int pid, int step) {
+  const json t = json::parse(std::ifstream(trace));
+  std::vector<json> xs;
+  for (const json& e : t.at("traceEvents"))
+    if (e["ph"] == "X" && e["pid"] == pid && e["args"]["step"] == step) xs.push_back(e);
+  std::stable_sort(xs.begin(), xs.end(), [](const json& a, const json& b) { return a["ts"].get<double>() < b["ts"].get<double>(); });
+  std::map<int, std::vector<std::string>> out;
+  for (const json& e : xs) out[e["tid"].get<int>()].push_back(e["name"].get<std::string>());
+  return out;
+}
+
+// The same plan run for real (2 ranks, FSDP) and simulated: both traces hold the same tasks on
+// the same streams in the same order.
+TEST_F(Simulate, TraceMatchesARealRun) {
+  const std::string plan = "--model tiny --batch 2 --seq 32 --threads 1 --strategy fsdp --grad-accum 2";
+  const Result real = shardlm::testing::mpirun(
+      2, "train " + plan + " --data " + (dir_ / "tok").string() + " --out " + (dir_ / "run").string() +
+             " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet --trace " + (dir_ / "real.json").string());
+  ASSERT_EQ(real.code, 0) << real.out;
+  const Result sim = shardlm("simulate " + plan + " --ranks 2 --trace " + (dir_ / "sim.json").string());
+  ASSERT_EQ(sim.code, 0) << sim.out;
+  const auto measured = stream_tasks(dir_ / "real.json", 0, 0), predicted = stream_tasks(dir_ / "sim.json", 0, 0);
+  ASSERT_EQ(measured.size(), 2u);  // compute and comm
+  EXPECT_EQ(predicted, measured);
+  // The simulated trace also carries the memory counters.
+  const json t = json::parse(std::ifstream(dir_ / "sim.json"));
+  EXPECT_TRUE(std::any_of(t["traceEvents"].begin(), t["traceEvents"].end(), [](const json& e) { return e["ph"] == "C"; }));
+}
+
+// calibrate writes a profile (at 1 and 2 ranks) that simulate reads.
+TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
+  const std::string quick = " --threads 1 --sizes-kib 4,256,2048 --iters 2";
+  const Result one = shardlm("calibrate --out " + (dir_ / "cal1.json").string() + quick);
+  ASSERT_EQ(one.code, 0) << one.out;
+  const Result two = shardlm::testing::mpirun(2, "calibrate --out " + (dir_ / "cal2.json").string() + quick);
+  ASSERT_EQ(two.code, 0) << two.out;
+  for (const char* f : {"cal1.json", "cal2.json"}) {
+    const Result r = shardlm(kSmall + "--ranks 2 --json --hardware " + (dir_ / f).string());
+    ASSERT_EQ(r.code, 0) << f << ": " << r.out;
+    EXPECT_GT(json::parse(r.out)["step_ms"].get<double>(), 0) << f;
+  }
+  const json j = json::parse(std::ifstream(dir_ / "cal2.json"));
+  EXPECT_GT(j["intra_node"]["all_reduce"]["bus_bw"]["value"].get<double>(), 0);
+  EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);
+}
+
+// The planner under a budget that rules out DDP (below DDP's least memory: batch 1, full
+// recompute, 25 MB buckets): its best configuration is another strategy and fits when run.
+TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
+  const Result ddp = shardlm("simulate --model small --ranks 2 --threads 1 --strategy ddp --batch 1 --seq 64 --recompute full --json");
+  ASSERT_EQ(ddp.code, 0) << ddp.out;
+  const int64_t budget = json::parse(ddp.out)["mem"]["total"].get<int64_t>() - 1;
+  const Result p = shardlm("plan --model small --ranks 2 --threads 1 --seq 64 --global-batch 256 --top 1 --memory-per-rank " +
+                           std::to_string(budget));
+  ASSERT_EQ(p.code, 0) << p.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
+  const std::string flags = m[1];
+  EXPECT_EQ(flags.find("--strategy ddp"), std::string::npos) << flags;
+  const Result run = shardlm::testing::mpirun(
+      2, "train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " + (dir_ / "planned").string() +
+             " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet");
+  ASSERT_EQ(run.code, 0) << run.out;
+  const auto rows = shardlm::testing::read_metrics(dir_ / "planned" / "metrics.jsonl");
+  ASSERT_FALSE(rows.empty());
+  ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();  // the step's row (the last is the evaluation's)
+  EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+  // Bad budgets and a model that fits nowhere: one line each.
+  expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 0"), {"--memory-per-rank", "0"});
+  expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 1000"),
+                        {"no configuration", "1000"});
+}
+
+// plan --run trains the best configuration here and prints predicted against measured.
+TEST_F(Simulate, PlanRunTrainsTheBest) {
+  const Result r = shardlm::testing::mpirun(
+      2, "plan --model tiny --ranks 2 --threads 1 --seq 32 --global-batch 256 --top 1 --run --run-steps 3 --data " +
+             (dir_ / "tok").string() + " --out " + (dir_ / "planrun").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("predicted [0-9.]+ ms/step, measured [0-9.]+ ms/step"))) << r.out;
+  EXPECT_TRUE(fs::exists(dir_ / "planrun" / "metrics.jsonl"));
+  expect_one_line_error(shardlm("plan --model tiny --ranks 2 --global-batch 256 --seq 32 --run"), {"--data"});
+}
+
+}  // namespace

@@ -1,0 +1,24 @@
+#include "run/calibrate.h"
+
+#include <gtest/gtest.h>
+
+namespace shardlm::run {
+namespace {
+
+TEST(Calibrate, FitRecoversAlphaAndBusBandwidth) {
+  std::vector<double> x, t;
+  for (double S = 4096; S <= 64 << 20; S *= 4) x.push_back(S), t.push_back(25e-6 + S / 3.5e9);
+  const LineFit f = fit_alpha_beta(x, t);
+  EXPECT_NEAR(f.alpha, 25e-6, 1e-9);
+  EXPECT_NEAR(f.bw, 3.5e9, 1e3);
+}
+
+// Noise that would put the intercept below zero: no negative latency, the line through the origin.
+TEST(Calibrate, FitNeverGivesANegativeLatency) {
+  const LineFit f = fit_alpha_beta({1e3, 1e6, 1e7}, {0, 0.9e-3, 1.0e-2});
+  EXPECT_EQ(f.alpha, 0);
+  EXPECT_GT(f.bw, 0);
+}
+
+}  // namespace
+}  // namespace shardlm::run
