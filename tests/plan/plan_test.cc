@@ -138,7 +138,9 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     for (int a : t.hands_off) {
       EXPECT_EQ(t.stream, kCompute) << what << ": only compute tasks hand buffers off";
       EXPECT_FALSE(live.count(a)) << what << ": " << p.buffers[a].name << " handed off while alive";
-      if (last_free.count(a)) EXPECT_TRUE(t.id == last_free[a] || p.depends_on(t.id, last_free[a])) << what;
+      if (last_free.count(a)) {
+        EXPECT_TRUE(t.id == last_free[a] || p.depends_on(t.id, last_free[a])) << what;
+      }
       live[a] = t.id;
     }
   }
