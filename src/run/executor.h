@@ -87,7 +87,8 @@ class Executor {
   void gather_full(State which, float* full);
   // Takes this rank's part of a whole padded flat buffer.
   void load_full(State which, const float* full);
-  // The state buffer itself when this rank holds it whole (a single process, DDP); else null.
+  // The state buffer itself when this rank holds it whole (a single process, DDP); else null. It is
+  // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host memory.
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
 
