@@ -47,13 +47,17 @@ void TrainConfig::validate() const {
   need(eval_windows > 0, "eval-windows must be positive");
   need(!data.empty(), "data: no token file prefix given (--data PREFIX)");
   need(timeout_s > 0, "timeout must be positive");
-  for (const auto* dt : {&param_dtype, &reduce_dtype, &compute_dtype})
+  for (const auto* dt : {&param_dtype, &reduce_dtype})
     need(*dt == "fp32" || *dt == "bf16", "dtype '" + *dt + "' must be fp32 or bf16");
+  need(compute_dtype == "auto" || compute_dtype == "fp32" || compute_dtype == "bf16",
+       "compute-dtype '" + compute_dtype + "' must be auto, fp32 or bf16");
+  need(device == "cpu" || device == "cuda", "device '" + device + "' must be cpu or cuda");
+  need(device == "cpu" || strategy == "ddp", "device cuda runs one process with strategy ddp (no NCCL yet)");
   model::parse_recompute(recompute);
   need(n_layer >= 0 && n_head >= 0 && n_kv_head >= 0 && n_embd >= 0 && ffn_dim >= 0 && max_seq >= 0 && vocab >= 0,
        "model dimensions (--n-layer, --n-head, --n-kv-head, --n-embd, --ffn-dim, --max-seq, --vocab) must be positive");
   need(rope_theta >= 0 && norm_eps >= 0, "rope-theta and norm-eps must be positive");
-  need(compute_dtype == "fp32", "compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
+  need(device == "cuda" || compute_dtype != "bf16", "compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
 }
 
 }  // namespace shardlm::train
