@@ -175,6 +175,8 @@ namespace {
 
 using cuda::Context;
 
+constexpr int64_t kHeadSlabRows = 2048;  // logits rows per head slab: 2048 x 50304 floats = 412 MB
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(bool bf16) : bf16_(bf16) {}
@@ -356,6 +358,14 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
                                           float grad_scale, int64_t chunk, float* scratch, float* logits_out) const {
   if (chunk <= 0 || chunk > N) chunk = N;
   if (Vp % 2 != 0) throw std::invalid_argument("lm_head_cross_entropy: Vp must be even (double row losses)");
+  // The plan's scratch holds `chunk` rows (256 in training): so thin a slab leaves the GEMMs slow
+  // and re-reads dwte once per slab. Larger slabs come from scratch of their own (workspace).
+  Buffer slab;
+  if (const int64_t big = std::min<int64_t>(N, kHeadSlabRows); big > chunk) {
+    slab = cuda::device_scratch(sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)));
+    chunk = big;
+    scratch = slab.f32();
+  }
   float* logits = scratch;
   double* rows = reinterpret_cast<double*>(scratch + chunk * Vp);
   double* acc = Context::get().sums + 1025;
