@@ -175,7 +175,14 @@ namespace {
 
 using cuda::Context;
 
-constexpr int64_t kHeadSlabRows = 2048;  // logits rows per head slab: 2048 x 50304 floats = 412 MB
+// Logits rows per head slab (2048 x 50304 floats = 412 MB); SHARDLM_CUDA_HEAD_ROWS overrides it.
+int64_t head_slab_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("SHARDLM_CUDA_HEAD_ROWS");
+    return e && std::atoll(e) > 0 ? int64_t(std::atoll(e)) : int64_t(2048);
+  }();
+  return rows;
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -361,7 +368,7 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   // The plan's scratch holds `chunk` rows (256 in training): so thin a slab leaves the GEMMs slow
   // and re-reads dwte once per slab. Larger slabs come from scratch of their own (workspace).
   Buffer slab;
-  if (const int64_t big = std::min<int64_t>(N, kHeadSlabRows); big > chunk) {
+  if (const int64_t big = std::min<int64_t>(N, head_slab_rows()); big > chunk) {
     slab = cuda::device_scratch(sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)));
     chunk = big;
     scratch = slab.f32();

@@ -64,6 +64,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   grads_ = state(MemCategory::grads, plan.state.grads);
   exp_avg_ = state(MemCategory::optimizer, plan.state.optimizer);
   exp_avg_sq_ = state(MemCategory::optimizer, plan.state.optimizer);
+  check_carved_fits();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
   auto fault_step = [&](const char* var) -> int64_t {
@@ -83,6 +84,23 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
 }
 
 Executor::~Executor() = default;
+
+// The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
+// whose kernels would carve more would write past them. Checked once, before any step.
+void Executor::check_carved_fits() const {
+  const model::Shape shape{plan_.config.batch, plan_.config.seq, 4, plan_.config.threads};
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const model::UnitDesc& unit = desc_.units[u];
+    const auto carved = layers::layer(unit.kind).carved;
+    if (!carved) continue;
+    const layers::Carved got = carved(backend_, desc_, unit, shape);
+    const model::UnitCosts want = desc_.costs(u, shape);
+    if (got.saved > want.saved_bytes || got.recomputable > want.recomputable_bytes ||
+        got.forward_ws > want.forward_workspace || got.backward_ws > want.backward_workspace)
+      throw std::logic_error("executor: backend " + std::string(backend_.name()) + " carves more of unit " +
+                             unit.name + "'s buffers than the plan sizes");
+  }
+}
 
 double Executor::now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - t0_).count(); }
 

@@ -107,6 +107,7 @@ class Executor {
     int64_t len;          // elements per shard of this unit
     int64_t begin;        // first element of this rank's shard within the unit
   };
+  void check_carved_fits() const;
   Shard shard_of(int u) const;
   const Buffer& state(State which) const;
   float* local(const Buffer& buf, int parts, int u) const;  // this rank's part of unit u
