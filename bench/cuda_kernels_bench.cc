@@ -38,15 +38,16 @@ struct Bench {
     float x;
     be.download(&x, sync_buf.data(), 4);
   }
-  // Times fn; `per_step` is how often a training step runs it.
-  void time(const std::string& name, int per_step, const std::function<void()>& fn) {
+  // Times fn; `per_step` is how often a training step runs it; `part` lines (inside another
+  // method) are shown but not added to the step's sum.
+  void time(const std::string& name, int per_step, const std::function<void()>& fn, bool part = false) {
     for (int i = 0; i < 2; ++i) fn();
     sync();
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < 10; ++i) fn();
     sync();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 10;
-    step_ms += ms * per_step;
+    if (!part) step_ms += ms * per_step;
     std::printf("%-36s %8.3f ms  x%-3d = %8.2f ms/step\n", name.c_str(), ms, per_step, ms * per_step);
   }
 };
@@ -93,6 +94,17 @@ int main() {
   b.time("embedding_forward", 1, [&] { be.embedding_forward(y.f32(), tk, wte.f32(), wpe.f32(), B, T, C); });
   b.time("embedding_backward", 1, [&] { be.embedding_backward(dwte.f32(), dw.f32(), x.f32(), tk, B, T, C); });
   b.time("lm_head_cross_entropy (train)", 1, [&] { be.lm_head_cross_entropy(dx.f32(), dwte.f32(), x.f32(), wte.f32(), tk, N, C, V, Vp, 1.0f / N, 256, scratch.f32(), nullptr); });
+  {  // the head's parts for one 2048-row slab (8 per step): its three GEMMs through dense_*
+    const int64_t S = 2048;
+    Buffer logits = b.rand(S * Vp);
+    b.time("  head GEMM logits (2048x768 @ 768x50257)", 8, [&] { be.dense_forward(logits.f32(), x.f32(), wte.f32(), S, C, V); }, true);
+    b.time("  head GEMM dx (2048x50257 @ 50257x768)", 8, [&] { be.dense_backward(dx.f32(), nullptr, logits.f32(), x.f32(), wte.f32(), S, C, V); }, true);
+    b.time("  head GEMM dwte (50257x2048 @ 2048x768)", 8, [&] { be.dense_backward(nullptr, dwte.f32(), logits.f32(), x.f32(), wte.f32(), S, C, V); }, true);
+    b.time("  the same three at Vp = 50304 columns", 8, [&] {
+      be.dense_forward(logits.f32(), x.f32(), wte.f32(), S, C, Vp);
+      be.dense_backward(dx.f32(), dwte.f32(), logits.f32(), x.f32(), wte.f32(), S, C, Vp);
+    }, true);
+  }
   const int64_t P = 124475904;
   Buffer p = b.rand(P), g = b.rand(P), m = b.rand(P), v = b.rand(P, 0.01f);
   b.time("adamw_update (124M)", 1, [&] { be.adamw_update(p.f32(), g.f32(), m.f32(), v.f32(), P, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 3); });
