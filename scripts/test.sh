@@ -20,5 +20,13 @@ cmake --build build-asan -j"$JOBS"
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j"$JOBS" -E 'Slow'
 
+if command -v nvcc >/dev/null 2>&1; then
+  # The CUDA backend compiles where nvcc is; its tests skip without a GPU (and say so).
+  echo "=== CUDA build (nvcc found): compile, kernel tests ==="
+  cmake -S . -B build-cuda -DSHARDLM_CUDA=ON -DSHARDLM_NATIVE=OFF >/dev/null
+  cmake --build build-cuda -j"$JOBS" --target shardlm cuda_tests cuda_kernels_bench
+  build-cuda/tests/cuda_tests
+fi
+
 echo "=== thread sanitizer build: comm tests under mpirun ==="
 bash scripts/test_tsan.sh

@@ -149,7 +149,10 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
-  cmd->add_option("--compute-dtype", c.compute_dtype, "fp32 (bf16 is not supported on CPU)")->capture_default_str();
+  cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+      ->capture_default_str();
+  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; one process, --strategy ddp)")
+      ->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
 }

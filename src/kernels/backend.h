@@ -30,6 +30,16 @@ class Backend {
   // (tensor/memory.h's Buffer); a CUDA backend will return device memory.
   virtual Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const = 0;
 
+  // What run/ and layers/ do to buffers besides kernels (memcpy / memset on the CPU): copies
+  // between host memory and the backend's, within the backend's, and zeroing. download returns
+  // once the bytes are on the host; the others may complete later, in order with the kernels.
+  virtual void upload(void* dst, const void* host_src, size_t bytes) const = 0;
+  virtual void download(void* host_dst, const void* src, size_t bytes) const = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) const = 0;
+  virtual void zero(void* dst, size_t bytes) const = 0;
+  // Whether the host may read and write the backend's buffers directly (true on the CPU).
+  virtual bool host_memory() const = 0;
+
   // Sets up the calling thread (and its pool) for compute with `threads` threads.
   virtual void init_compute(int threads) const = 0;
 

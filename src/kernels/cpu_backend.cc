@@ -1,4 +1,6 @@
 // The CPU backend: forwards every method to kernels/cpu.h.
+#include <cstring>
+
 #include "kernels/backend.h"
 #include "kernels/cpu.h"
 
@@ -13,6 +15,16 @@ class CpuBackend final : public Backend {
   Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
     return Buffer(category, bytes, fill);
   }
+
+  void upload(void* dst, const void* host_src, size_t bytes) const override { copy(dst, host_src, bytes); }
+  void download(void* host_dst, const void* src, size_t bytes) const override { copy(host_dst, src, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+  void zero(void* dst, size_t bytes) const override {
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
+  bool host_memory() const override { return true; }
 
   void init_compute(int threads) const override { kernels::init_compute(threads); }
 

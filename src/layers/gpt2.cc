@@ -161,17 +161,17 @@ void block_backward(const UnitArgs& a) {
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const int64_t BT = d.BT, C = d.C, F = d.F;
   float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
-  std::memset(w.dfch_gelu, 0, sizeof(float) * BT * F);
-  std::memset(w.dfch, 0, sizeof(float) * BT * F);
-  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  be.zero(w.dfch_gelu, sizeof(float) * BT * F);
+  be.zero(w.dfch, sizeof(float) * BT * F);
+  be.zero(w.dln, sizeof(float) * BT * C);
   be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
   be.gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
   be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
   be.layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
   // dres now holds d res1.
-  std::memset(w.datty, 0, sizeof(float) * BT * C);
-  std::memset(w.dqkv, 0, sizeof(float) * BT * 3 * C);
-  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  be.zero(w.datty, sizeof(float) * BT * C);
+  be.zero(w.dqkv, sizeof(float) * BT * 3 * C);
+  be.zero(w.dln, sizeof(float) * BT * C);
   be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
   be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS, w.attention);
   be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, BT, C, 3 * C);
@@ -229,10 +229,10 @@ double head(const UnitArgs& a, HeadMode mode) {
                                     nullptr);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* dwte = mut(embedding_view(a.desc->units[a.unit->borrows], a.borrowed_grads).wte);
-  std::memset(dln, 0, sizeof(float) * d.BT * d.C);
+  be.zero(dln, sizeof(float) * d.BT * d.C);
   const double loss = be.lm_head_cross_entropy(dln, dwte, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, a.grad_scale,
                                                chunk, w.logits, nullptr);
-  std::memset(a.dx, 0, sizeof(float) * d.BT * d.C);
+  be.zero(a.dx, sizeof(float) * d.BT * d.C);
   be.layernorm_backward(a.dx, a.grads + a.unit->param("ln_f.weight").offset,
                         a.grads + a.unit->param("ln_f.bias").offset, dln, a.in, lnf_w, w.mean, w.rstd, d.BT, d.C);
   return loss;

@@ -158,17 +158,17 @@ void block_backward(const UnitArgs& a) {
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const int64_t BT = d.BT, C = d.C, F = d.F;
   float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
-  std::memset(w.dact, 0, sizeof(float) * BT * F);
-  std::memset(w.dgate_up, 0, sizeof(float) * BT * 2 * F);
-  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  be.zero(w.dact, sizeof(float) * BT * F);
+  be.zero(w.dgate_up, sizeof(float) * BT * 2 * F);
+  be.zero(w.dln, sizeof(float) * BT * C);
   be.dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
   be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
   be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
   be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
   // dres now holds d res1.
-  std::memset(w.datty, 0, sizeof(float) * BT * C);
-  std::memset(w.dqkv, 0, sizeof(float) * BT * d.QKV);
-  std::memset(w.dln, 0, sizeof(float) * BT * C);
+  be.zero(w.datty, sizeof(float) * BT * C);
+  be.zero(w.dqkv, sizeof(float) * BT * d.QKV);
+  be.zero(w.dln, sizeof(float) * BT * C);
   be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
   be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
   be.rope_table(w.rope, d.T, d.HS, d.theta);
@@ -231,10 +231,10 @@ double head(const UnitArgs& a, HeadMode mode) {
                                     w.logits, nullptr);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* g_head = (tied ? a.borrowed_grads : a.grads) + owner.param(weight_name).offset;
-  std::memset(dln, 0, sizeof(float) * d.BT * d.C);
+  be.zero(dln, sizeof(float) * d.BT * d.C);
   const double loss = be.lm_head_cross_entropy(dln, g_head, w.ln, w_head, a.targets, d.BT, d.C, V, Vp,
                                                a.grad_scale, chunk, w.logits, nullptr);
-  std::memset(a.dx, 0, sizeof(float) * d.BT * d.C);
+  be.zero(a.dx, sizeof(float) * d.BT * d.C);
   be.rmsnorm_backward(a.dx, a.grads + u.param("model.norm.weight").offset, dln, a.in, norm_w, w.rstd, d.BT, d.C);
   return loss;
 }

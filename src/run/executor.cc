@@ -65,6 +65,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   grads_ = state(MemCategory::grads, plan.state.grads);
   exp_avg_ = state(MemCategory::optimizer, plan.state.optimizer);
   exp_avg_sq_ = state(MemCategory::optimizer, plan.state.optimizer);
+  check_carved_fits();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
   auto fault_step = [&](const char* var) -> int64_t {
@@ -85,6 +86,23 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
 }
 
 Executor::~Executor() = default;
+
+// The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
+// whose kernels would carve more would write past them. Checked once, before any step.
+void Executor::check_carved_fits() const {
+  const model::Shape shape{plan_.config.batch, plan_.config.seq, 4, plan_.config.threads};
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const model::UnitDesc& unit = desc_.units[u];
+    const auto carved = layers::layer(unit.kind).carved;
+    if (!carved) continue;
+    const layers::Carved got = carved(backend_, desc_, unit, shape);
+    const model::UnitCosts want = desc_.costs(u, shape);
+    if (got.saved > want.saved_bytes || got.recomputable > want.recomputable_bytes ||
+        got.forward_ws > want.forward_workspace || got.backward_ws > want.backward_workspace)
+      throw std::logic_error("executor: backend " + std::string(backend_.name()) + " carves more of unit " +
+                             unit.name + "'s buffers than the plan sizes");
+  }
+}
 
 double Executor::now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - t0_).count(); }
 
@@ -142,7 +160,14 @@ void Executor::init_params(uint64_t seed) {
     const int64_t begin = sharded ? s.begin : 0;
     const int64_t end = sharded ? s.begin + s.len : plan_.layout.units[u].padded;
     float* dst = sharded ? local(params_, plan_.state.params, u) : params_.f32() + s.unit_offset;
-    layers::init_unit(desc_.units[u], seed, dst, begin, std::min(end, desc_.units[u].numel));
+    if (backend_.host_memory()) {
+      layers::init_unit(desc_.units[u], seed, dst, begin, std::min(end, desc_.units[u].numel));
+      continue;
+    }
+    // Device memory: initialise on the host, then copy (the padding stays as alloc zeroed it).
+    std::vector<float> host(std::max<int64_t>(0, std::min(end, desc_.units[u].numel) - begin));
+    layers::init_unit(desc_.units[u], seed, host.data(), begin, std::min(end, desc_.units[u].numel));
+    backend_.upload(dst, host.data(), sizeof(float) * host.size());
   }
 }
 
@@ -161,7 +186,14 @@ void Executor::allocate(const Task& t, const std::vector<int>& ids, Run& r) {
     const plan::BufferDesc& b = r.plan.buffers[a];
     if (b.role == Role::value && b.value == 0) {
       int32_t* tokens = r.live[a].as<int32_t>();
-      r.in.batch(t.micro, tokens, tokens + b.bytes / 8);
+      if (backend_.host_memory()) {
+        r.in.batch(t.micro, tokens, tokens + b.bytes / 8);
+        continue;
+      }
+      // The batch is sampled on the host; a device backend gets a copy.
+      std::vector<int32_t> host(b.bytes / 4);
+      r.in.batch(t.micro, host.data(), host.data() + b.bytes / 8);
+      backend_.upload(tokens, host.data(), b.bytes);
     }
   }
   sample_memory();
@@ -198,7 +230,7 @@ double Executor::sum_over(comm::Communicator& c, double local, const std::string
 // ---- compute handlers
 
 void Executor::zero_grads(const Task&, Run&) {
-  if (grads_.data()) std::memset(grads_.data(), 0, grads_.bytes());
+  if (grads_.data()) backend_.zero(grads_.data(), grads_.bytes());
 }
 
 // Resolves a unit task's operands and runs its layer.
@@ -474,9 +506,10 @@ void Executor::gather_full(State which, float* full) {
   const int parts = parts_of(plan_.state, which);
   if (parts == 0) throw std::logic_error("executor: this plan holds no " + std::string(which == State::grads ? "gradients" : "optimizer state"));
   if (parts == 1) {
-    std::memcpy(full, buf.data(), buf.bytes());
+    backend_.download(full, buf.data(), buf.bytes());
     return;
   }
+  if (!backend_.host_memory()) throw std::logic_error("executor: sharded state on a device backend is not supported yet");
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
     comms_.shard()
@@ -490,12 +523,12 @@ void Executor::load_full(State which, const float* full) {
   const int parts = parts_of(plan_.state, which);
   if (parts == 0) return;
   if (parts == 1) {
-    if (buf.f32() != full) std::memcpy(buf.data(), full, buf.bytes());
+    if (buf.f32() != full) backend_.upload(buf.data(), full, buf.bytes());
     return;
   }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
-    std::memcpy(local(buf, parts, u), full + s.unit_offset + s.begin, sizeof(float) * s.len);
+    backend_.upload(local(buf, parts, u), full + s.unit_offset + s.begin, sizeof(float) * s.len);
   }
 }
 

@@ -93,7 +93,8 @@ class Executor {
   void gather_full(State which, float* full);
   // Takes this rank's part of a whole padded flat buffer.
   void load_full(State which, const float* full);
-  // The state buffer itself when this rank holds it whole (a single process, DDP); else null.
+  // The state buffer itself when this rank holds it whole (a single process, DDP); else null. It is
+  // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host memory.
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
 
@@ -112,6 +113,7 @@ class Executor {
     int64_t len;          // elements per shard of this unit
     int64_t begin;        // first element of this rank's shard within the unit
   };
+  void check_carved_fits() const;
   Shard shard_of(int u) const;
   const Buffer& state(State which) const;
   float* local(const Buffer& buf, int parts, int u) const;  // this rank's part of unit u

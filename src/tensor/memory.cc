@@ -143,10 +143,24 @@ Buffer::Buffer(MemCategory category, size_t bytes, Fill fill) : bytes_(bytes), c
   MemoryTracker::global().on_alloc(category_, static_cast<int64_t>(bytes_));
 }
 
+Buffer Buffer::adopt(MemCategory category, void* data, size_t bytes, GiveBack give_back) {
+  Buffer b;
+  b.category_ = category;
+  if (!data) return b;
+  b.data_ = data;
+  b.bytes_ = bytes;
+  b.give_back_ = give_back;
+  MemoryTracker::global().on_alloc(category, static_cast<int64_t>(bytes));
+  return b;
+}
+
 Buffer::~Buffer() { release(); }
 
 Buffer::Buffer(Buffer&& o) noexcept
-    : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), category_(o.category_) {}
+    : data_(std::exchange(o.data_, nullptr)),
+      bytes_(std::exchange(o.bytes_, 0)),
+      category_(o.category_),
+      give_back_(std::exchange(o.give_back_, nullptr)) {}
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
@@ -154,6 +168,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
     category_ = o.category_;
+    give_back_ = std::exchange(o.give_back_, nullptr);
   }
   return *this;
 }
@@ -162,6 +177,13 @@ void Buffer::release() {
   if (!data_) return;
   MemoryTracker& tracker = MemoryTracker::global();
   tracker.on_free(category_, static_cast<int64_t>(bytes_));
+  if (give_back_) {
+    give_back_(data_, bytes_);
+    data_ = nullptr;
+    bytes_ = 0;
+    give_back_ = nullptr;
+    return;
+  }
   // Phases of a step (blocks, head, evaluation) free sets of sizes the others do not ask for; a
   // margin of 5% of the peak + 64 MiB keeps them all cached without letting the cache grow past it.
   const int64_t peak = tracker.run_peak();

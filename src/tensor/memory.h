@@ -66,6 +66,11 @@ class Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 
+  // Memory another allocator owns (the CUDA backend's device blocks): charged to the tracker like
+  // any buffer, and handed to `give_back(data, bytes)` instead of the host cache on release.
+  using GiveBack = void (*)(void* data, size_t bytes);
+  static Buffer adopt(MemCategory category, void* data, size_t bytes, GiveBack give_back);
+
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   MemCategory category() const { return category_; }
@@ -78,6 +83,7 @@ class Buffer {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   MemCategory category_ = MemCategory::workspace;
+  GiveBack give_back_ = nullptr;  // null: a host block of the cache below
 };
 
 }  // namespace shardlm

@@ -120,11 +120,16 @@ void check_distribution(const TrainConfig& c) {
   positive(c.timeout_s, "timeout");
   // Held as int64 milliseconds; a billion seconds (32 years) is "never".
   if (!(c.timeout_s <= 1e9)) throw std::invalid_argument(fmt::format("--timeout: must be <= 1e9 seconds, got {}", c.timeout_s));
-  for (const auto& [dt, flag] : {std::pair{&c.param_dtype, "param-dtype"}, std::pair{&c.reduce_dtype, "reduce-dtype"},
-                                 std::pair{&c.compute_dtype, "compute-dtype"}})
+  for (const auto& [dt, flag] : {std::pair{&c.param_dtype, "param-dtype"}, std::pair{&c.reduce_dtype, "reduce-dtype"}})
     if (*dt != "fp32" && *dt != "bf16")
       throw std::invalid_argument(fmt::format("--{}: must be fp32 or bf16, got '{}'", flag, *dt));
-  if (c.compute_dtype != "fp32")
+  if (c.compute_dtype != "auto" && c.compute_dtype != "fp32" && c.compute_dtype != "bf16")
+    throw std::invalid_argument(fmt::format("--compute-dtype: must be auto, fp32 or bf16, got '{}'", c.compute_dtype));
+  if (c.device != "cpu" && c.device != "cuda")
+    throw std::invalid_argument(fmt::format("--device: must be cpu or cuda, got '{}'", c.device));
+  if (c.device == "cuda" && c.strategy != "ddp")
+    throw std::invalid_argument("--device cuda runs one process with --strategy ddp (no NCCL communicator yet)");
+  if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   model::parse_recompute(c.recompute);
 }

@@ -59,7 +59,10 @@ struct TrainConfig {
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;
   std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm)
-  std::string param_dtype = "fp32", reduce_dtype = "fp32", compute_dtype = "fp32";
+  std::string param_dtype = "fp32", reduce_dtype = "fp32";
+  // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.
+  std::string compute_dtype = "auto";
+  std::string device = "cpu";  // cpu | cuda (a build with -DSHARDLM_CUDA=ON; one process, ddp)
   double timeout_s = 300;  // a collective that does not finish in time ends the job
   std::string trace;       // Chrome trace JSON of every rank's tasks and memory
 

@@ -15,6 +15,9 @@
 #include "data/sampler.h"
 #include "data/shard.h"
 #include "kernels/cpu.h"
+#ifdef SHARDLM_CUDA
+#include "kernels/cuda_backend.h"
+#endif
 #include "run/executor.h"
 #include "train/agreement.h"
 #include "train/checkpoint.h"
@@ -152,6 +155,17 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& w
   return pc;
 }
 
+// The kernels a run uses: the CPU's, or with --device cuda the CUDA backend's.
+const kernels::Backend& backend_for(const TrainConfig& c) {
+  if (c.device == "cpu") return kernels::cpu_backend();
+#ifdef SHARDLM_CUDA
+  if (!kernels::cuda_device_present()) throw std::runtime_error("--device cuda: no CUDA device present");
+  return kernels::cuda_backend(c.compute_dtype != "fp32");
+#else
+  throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with -DSHARDLM_CUDA=ON)");
+#endif
+}
+
 // Everything one rank's run holds: data, model, plan, communicators, executor.
 struct Session {
   const TrainConfig& cfg;
@@ -182,7 +196,7 @@ struct Session {
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
         plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)), !c.resume.empty() || c.save_every > 0)),
         comms(w, plan),
-        ex(desc, plan, comms, c.threads, timeout) {}
+        ex(desc, plan, comms, c.threads, timeout, backend_for(c)) {}
 
   // The whole padded flat buffer of one kind of state on every rank (collective).
   Buffer gather(run::Executor::State which) {
@@ -342,7 +356,10 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     run_dir->prepare();
     s.metrics.open(run_dir->metrics_path());
   }
-  const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : measure_gemm_gflops();
+  if (cfg.device == "cuda" && world.size() > 1)
+    throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
+  // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
+  const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
   const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;
   const double step_flops = s.desc.train_flops(global_batch, T);
   if (s.talk) {
@@ -383,14 +400,15 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
     const double tokens_per_s = static_cast<double>(global_batch * T) / (step_ms * 1e-3);
     const double mfu = step_flops / (step_ms * 1e-3) / (peak * 1e9 * N);
     if (s.lead) {
-      s.metrics << json{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
-                        {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-                        {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
-                        {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
-                        {"skipped_steps", nonfinite.skipped_total()}}
-                       .dump()
-                << "\n"
-                << std::flush;
+      json row{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
+               {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
+               {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
+               {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
+               {"skipped_steps", nonfinite.skipped_total()}};
+#ifdef SHARDLM_CUDA
+      if (cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes();  // the caching allocator's
+#endif
+      s.metrics << row.dump() << "\n" << std::flush;
     }
     if (s.talk) {
       fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "

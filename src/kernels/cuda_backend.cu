@@ -1,0 +1,427 @@
+// The CUDA backend: allocator, cuBLAS GEMMs and the Backend table over this directory's kernels.
+#include "kernels/cuda_backend.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "kernels/cpu.h"  // the scratch sizes, which the model's costs (and so the plan) are made of
+#include "kernels/cuda_internal.cuh"
+
+namespace shardlm::kernels {
+
+namespace cuda {
+
+namespace {
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLAS: ") + what + " failed with status " + std::to_string(int(s)));
+}
+
+// The device this process uses: its local rank's, when launched by mpirun with several GPUs.
+int device_index() {
+  int count = 0;
+  SHARDLM_CUDA_CHECK(cudaGetDeviceCount(&count));
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  return local ? std::atoi(local) % count : 0;
+}
+
+// Freed device blocks by rounded size, for reuse: cudaMalloc and cudaFree synchronise the device,
+// and a step frees and asks again for the same sizes. Blocks are returned to CUDA only when a
+// cudaMalloc fails (then every cached block is, and the cudaMalloc is tried once more).
+class DeviceCache {
+ public:
+  static DeviceCache& global() {
+    static DeviceCache* cache = new DeviceCache;  // never destroyed: buffers may outlive statics
+    return *cache;
+  }
+  static size_t rounded(size_t bytes) { return (bytes + 511) / 512 * 512; }
+
+  void* take(size_t bytes) {
+    const size_t r = rounded(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(r);
+    if (it != free_.end()) {
+      void* p = it->second;
+      free_.erase(it);
+      return p;
+    }
+    void* p = nullptr;
+    if (cudaMalloc(&p, r) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the sticky-free out-of-memory error
+      release_cached();
+      SHARDLM_CUDA_CHECK(cudaMalloc(&p, r));
+    }
+    reserved_ += static_cast<int64_t>(r);
+    return p;
+  }
+  void give(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(rounded(bytes), p);
+  }
+  int64_t reserved() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reserved_;
+  }
+
+ private:
+  void release_cached() {
+    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    for (auto& [r, p] : free_) {
+      SHARDLM_CUDA_CHECK(cudaFree(p));
+      reserved_ -= static_cast<int64_t>(r);
+    }
+    free_.clear();
+  }
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  int64_t reserved_ = 0;
+};
+
+void give_back(void* p, size_t bytes) { DeviceCache::global().give(p, bytes); }
+
+}  // namespace
+
+Buffer device_scratch(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  return Buffer::adopt(MemCategory::workspace, DeviceCache::global().take(bytes), bytes, give_back);
+}
+
+namespace {
+
+// The stream, the cuBLAS handle and a few doubles of device scratch, made on first use.
+struct Context {
+  int device = 0;
+  cudaStream_t s = nullptr;
+  cublasHandle_t blas = nullptr;
+  double* sums = nullptr;  // [0]: sum_squares, [1..1024]: its per-block partials, [1025]: the head's loss
+  std::mutex blas_mu;      // a cuBLAS handle is not for concurrent use
+
+  static Context& get() {
+    static Context* c = make();
+    return *c;
+  }
+  static Context* make() {
+    auto* c = new Context;
+    c->device = device_index();
+    SHARDLM_CUDA_CHECK(cudaSetDevice(c->device));
+    SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
+    check_cublas(cublasCreate(&c->blas), "cublasCreate");
+    check_cublas(cublasSetStream(c->blas, c->s), "cublasSetStream");
+    SHARDLM_CUDA_CHECK(cudaMalloc(&c->sums, sizeof(double) * 1026));
+    return c;
+  }
+};
+
+bool is_device_pointer(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+}  // namespace
+
+cudaStream_t stream() { return Context::get().s; }
+
+void after_launch(const char* file, int line) {
+  check(cudaGetLastError(), "kernel launch", file, line);
+  static const bool debug = std::getenv("SHARDLM_CUDA_DEBUG") && std::string(std::getenv("SHARDLM_CUDA_DEBUG")) == "1";
+  if (debug) check(cudaStreamSynchronize(stream()), "kernel (SHARDLM_CUDA_DEBUG)", file, line);
+}
+
+void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                          int64_t lda, int64_t sA, const float* B, int64_t ldb, int64_t sB, float beta, float* C,
+                          int64_t ldc, int64_t sC, int64_t batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  Context& ctx = Context::get();
+  std::lock_guard<std::mutex> lock(ctx.blas_mu);
+  check_cublas(cublasGemmStridedBatchedEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                          int(N), int(M), int(K), &alpha, B, CUDA_R_32F, int(ldb), sB, A, CUDA_R_32F,
+                                          int(lda), sA, &beta, C, CUDA_R_32F, int(ldc), sC, int(batch),
+                                          bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx");
+}
+
+// A failed copy or memset names its pointers, their kind of memory and the byte count.
+void check_memop(cudaError_t e, const char* what, const void* dst, const void* src, size_t bytes) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  auto kind = [](const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return -1;
+    }
+    return int(a.type);
+  };
+  char msg[256];
+  std::snprintf(msg, sizeof msg, "CUDA: %s(dst %p [type %d], src %p [type %d], %zu bytes): %s", what, dst, kind(dst),
+                src, src ? kind(src) : -1, bytes, cudaGetErrorString(e));
+  throw std::runtime_error(msg);
+}
+
+}  // namespace cuda
+
+namespace {
+
+using cuda::Context;
+
+// Logits rows per head slab (2048 x 50304 floats = 412 MB); SHARDLM_CUDA_HEAD_ROWS overrides it.
+int64_t head_slab_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("SHARDLM_CUDA_HEAD_ROWS");
+    return e && std::atoll(e) > 0 ? int64_t(std::atoll(e)) : int64_t(2048);
+  }();
+  return rows;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(bool bf16) : bf16_(bf16) {}
+  const char* name() const override { return bf16_ ? "cuda" : "cuda-fp32"; }
+
+  Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
+    if (bytes == 0) return Buffer::adopt(category, nullptr, 0, nullptr);
+    void* p = cuda::DeviceCache::global().take(bytes);
+    Buffer b = Buffer::adopt(category, p, bytes, cuda::give_back);
+    if (fill == Buffer::Fill::zero) zero(p, cuda::DeviceCache::rounded(bytes));
+    return b;
+  }
+  void upload(void* dst, const void* src, size_t bytes) const override {
+    if (bytes) cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda::stream()), "upload", dst, src, bytes);
+  }
+  void download(void* dst, const void* src, size_t bytes) const override {
+    if (!bytes) return;
+    cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cuda::stream()), "download", dst, src,
+                      bytes);
+    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+  }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    if (bytes && dst != src)
+      cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream()), "copy", dst, src,
+                        bytes);
+  }
+  void zero(void* dst, size_t bytes) const override {
+    if (bytes) cuda::check_memop(cudaMemsetAsync(dst, 0, bytes, cuda::stream()), "zero", dst, nullptr, bytes);
+  }
+  bool host_memory() const override { return false; }
+  void init_compute(int) const override { SHARDLM_CUDA_CHECK(cudaSetDevice(Context::get().device)); }
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                      int64_t OC) const override {
+    if (bias) cuda::add_bias_rows(out, bias, N, OC);
+    gemm(false, false, N, OC, C, inp, C, weight, OC, bias ? 1.0f : 0.0f, out, OC);
+  }
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t N, int64_t C, int64_t OC) const override {
+    if (dinp) gemm(false, true, N, C, OC, dout, OC, weight, OC, 1.0f, dinp, C);
+    if (dweight) gemm(true, false, C, OC, N, inp, C, dout, OC, 1.0f, dweight, OC);
+    if (dbias) cuda::bias_grad(dbias, dout, N, OC);
+  }
+  void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
+                     int64_t OC) const override {
+    gemm(false, true, N, OC, C, inp, C, weight, C, 0.0f, out, OC);
+  }
+  void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      int64_t N, int64_t C, int64_t OC) const override {
+    if (dinp) gemm(false, false, N, C, OC, dout, OC, weight, C, 1.0f, dinp, C);
+    if (dweight) gemm(true, false, OC, C, N, dout, OC, inp, C, 1.0f, dweight, C);
+  }
+
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int64_t N, int64_t C) const override {
+    cuda::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int64_t N,
+                          int64_t C) const override {
+    cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                       float eps) const override {
+    cuda::rmsnorm_forward(out, rstd, inp, weight, N, C, eps);
+  }
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                        const float* rstd, int64_t N, int64_t C) const override {
+    cuda::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void gelu_forward(float* out, const float* inp, int64_t n) const override { cuda::gelu_forward(out, inp, n); }
+  void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) const override {
+    cuda::gelu_backward(dinp, dout, inp, n);
+  }
+  void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F) const override {
+    cuda::swiglu_forward(out, gate_up, N, F);
+  }
+  void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N,
+                       int64_t F) const override {
+    cuda::swiglu_backward(dgate_up, dout, gate_up, N, F);
+  }
+  void residual_forward(float* out, const float* a, const float* b, int64_t n) const override {
+    cuda::residual_forward(out, a, b, n);
+  }
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
+                         int64_t T, int64_t C) const override {
+    cuda::embedding_forward(out, tokens, wte, wpe, B, T, C);
+  }
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                          int64_t C) const override {
+    cuda::embedding_backward(dwte, dwpe, dout, tokens, B, T, C);
+  }
+
+  int64_t rope_table_floats(int64_t T, int64_t HS) const override { return T * HS; }
+  void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const override {
+    if (HS <= 0 || HS % 2 != 0) throw std::invalid_argument("rope_table: HS must be even");
+    cuda::rope_table(cos_sin, T, HS, theta);
+  }
+  void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                    const float* cos_sin) const override {
+    cuda::rope_apply(x, B, T, n_heads, HS, row_stride, cos_sin, false);
+  }
+  void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                     const float* cos_sin) const override {
+    cuda::rope_apply(dx, B, T, n_heads, HS, row_stride, cos_sin, true);
+  }
+
+  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                         int64_t HS) const override {
+    if (B * T == 0) return;
+    if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (cuda::attention_gemm_fits(T, NH, NKV)) return cuda::attention_gemm_forward(bf16_, out, lse, qkv, B, T, NH, NKV, HS);
+    cuda::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
+  }
+  // The plan sizes scratch by the CPU kernels' formulas (model/'s costs), so the queries answer those.
+  // The backward's own scratch, one float per query row (B NH T: dout . out), does not fit them:
+  // it is a workspace buffer of its own (charged to the tracker, outside the plan's figure).
+  int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                                     int threads) const override {
+    return kernels::attention_backward_scratch(B, T, NH, NKV, HS, threads);
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*) const override {
+    if (B * T == 0) return;
+    if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (cuda::attention_gemm_fits(T, NH, NKV))
+      return cuda::attention_gemm_backward(bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
+    Buffer rows = alloc(MemCategory::workspace, sizeof(float) * B * NH * T, Buffer::Fill::none);
+    cuda::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, rows.f32());
+  }
+
+  // Scratch (the CPU's size): chunk x Vp logits, then the chunk's row losses in double.
+  int64_t head_scratch(int64_t chunk, int64_t Vp) const override { return kernels::head_scratch(chunk, Vp); }
+  double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte, const int32_t* targets,
+                               int64_t N, int64_t C, int64_t V, int64_t Vp, float grad_scale, int64_t chunk,
+                               float* scratch, float* logits_out) const override;
+
+  void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                    float eps, float weight_decay, int64_t t) const override {
+    // Scalars as kernels/cpu.h computes them (torch's Python doubles, used as float).
+    const double lr_d = lr, b1 = beta1, b2 = beta2;
+    const float decay = static_cast<float>(1.0 - lr_d * static_cast<double>(weight_decay));
+    const float w1 = static_cast<float>(1.0 - b1), w2 = static_cast<float>(1.0 - b2);
+    const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t)), bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
+    cuda::adamw_update(p, g, m, v, n, decay, w1, std::fabs(w1) < 0.5f, beta2, w2, static_cast<float>(std::sqrt(bc2)),
+                       eps, static_cast<float>(-(lr_d / bc1)));
+  }
+  double sum_squares(const float* x, int64_t n) const override {
+    double* sums = Context::get().sums;
+    cuda::sum_squares(sums, sums + 1, x, n);
+    double r = 0;
+    download(&r, sums, sizeof(double));
+    return r;
+  }
+  void scale(float* x, int64_t n, float s) const override { cuda::scale(x, n, s); }
+  void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const override { cuda::fp32_to_bf16(out, in, n); }
+  void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
+
+ private:
+  // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
+  // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+            int64_t ldb, float beta, float* C, int64_t ldc) const {
+    if (M == 0 || N == 0) return;
+    Context& ctx = Context::get();
+    const float alpha = 1.0f;
+    std::lock_guard<std::mutex> lock(ctx.blas_mu);
+    cuda::check_cublas(
+        cublasGemmEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
+                     &alpha, B, CUDA_R_32F, int(ldb), A, CUDA_R_32F, int(lda), &beta, C, CUDA_R_32F, int(ldc),
+                     bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+  }
+  bool bf16_;
+};
+
+double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte,
+                                          const int32_t* targets, int64_t N, int64_t C, int64_t V, int64_t Vp,
+                                          float grad_scale, int64_t chunk, float* scratch, float* logits_out) const {
+  if (chunk <= 0 || chunk > N) chunk = N;
+  if (Vp % 2 != 0) throw std::invalid_argument("lm_head_cross_entropy: Vp must be even (double row losses)");
+  // The plan's scratch holds `chunk` rows (256 in training): so thin a slab leaves the GEMMs slow
+  // and re-reads dwte once per slab. Larger slabs come from scratch of their own (workspace).
+  Buffer slab;
+  if (const int64_t big = std::min<int64_t>(N, head_slab_rows()); big > chunk) {
+    slab = cuda::device_scratch(sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)));
+    chunk = big;
+    scratch = slab.f32();
+  }
+  float* logits = scratch;
+  double* rows = reinterpret_cast<double*>(scratch + chunk * Vp);
+  double* acc = Context::get().sums + 1025;
+  // Generation passes a host target (-1); the tensors themselves are device buffers.
+  Buffer staged;
+  if (N > 0 && !cuda::is_device_pointer(targets)) {
+    staged = alloc(MemCategory::workspace, sizeof(int32_t) * N, Buffer::Fill::none);
+    upload(staged.data(), targets, sizeof(int32_t) * N);
+    targets = staged.as<int32_t>();
+  }
+  const bool logits_on_host = logits_out && !cuda::is_device_pointer(logits_out);
+  zero(acc, sizeof(double));
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t n = std::min(chunk, N - r0);
+    // The GEMMs run over all Vp rows of wte: with V = 50257 (odd) cuBLAS ran the three 2.4x slower
+    // than at Vp = 50304 (H100). Columns >= V are ignored by the softmax and get zero gradients,
+    // so dx is unchanged and dwte's padding rows receive += 0 (their values stay as they were).
+    gemm(false, true, n, Vp, C, x + r0 * C, C, wte, C, 0.0f, logits, Vp);
+    if (logits_out) {
+      SHARDLM_CUDA_CHECK(cudaMemcpy2DAsync(logits_out + r0 * V, V * sizeof(float), logits, Vp * sizeof(float),
+                                           V * sizeof(float), n, cudaMemcpyDefault, cuda::stream()));
+      if (logits_on_host) SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    }
+    cuda::softmax_xent(logits, rows, targets + r0, n, V, Vp, grad_scale, dx || dwte);
+    cuda::accumulate_sum(acc, rows, n);
+    if (dx) gemm(false, false, n, C, Vp, logits, Vp, wte, C, 1.0f, dx + r0 * C, C);
+    if (dwte) gemm(true, false, Vp, C, n, logits, Vp, x + r0 * C, C, 1.0f, dwte, C);
+  }
+  double loss = 0;
+  download(&loss, acc, sizeof(double));
+  return loss;
+}
+
+}  // namespace
+
+const Backend& cuda_backend(bool bf16_gemm) {
+  static const CudaBackend bf16(true), fp32(false);
+  return bf16_gemm ? bf16 : fp32;
+}
+
+bool cuda_device_present() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+int64_t cuda_reserved_bytes() { return cuda::DeviceCache::global().reserved(); }
+
+}  // namespace shardlm::kernels

@@ -1,0 +1,100 @@
+// Internals shared by the CUDA backend's translation units: error checks, the backend's one
+// stream, and the launchers each .cu file defines. Not part of the kernels/ interface.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tensor/memory.h"
+
+namespace shardlm::kernels::cuda {
+
+// Every CUDA call's status is checked; a failure names the call and where it was made.
+inline void check(cudaError_t e, const char* what, const char* file, int line) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA: ") + what + " failed at " + file + ":" + std::to_string(line) +
+                             ": " + cudaGetErrorString(e));
+}
+#define SHARDLM_CUDA_CHECK(call) ::shardlm::kernels::cuda::check((call), #call, __FILE__, __LINE__)
+// After each launch: a bad configuration shows up only as the last error. With SHARDLM_CUDA_DEBUG=1
+// in the environment the stream is also synchronised, so a fault is reported at its own launch.
+void after_launch(const char* file, int line);
+#define SHARDLM_CUDA_LAUNCHED() ::shardlm::kernels::cuda::after_launch(__FILE__, __LINE__)
+
+// The one stream every kernel, copy and GEMM of the backend is issued on: in-order, so a block
+// freed by the host and handed out again is only touched after the work that used it.
+cudaStream_t stream();
+
+// Device scratch from the backend's caching allocator (a workspace buffer): for kernels whose
+// scratch the plan does not size.
+Buffer device_scratch(size_t bytes);
+
+inline unsigned blocks_for(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 65535 * 32 ? b : 65535 * 32);
+}
+
+// ---- cuda_pointwise.cu
+void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC);  // out[n,:] = bias
+void bias_grad(float* dbias, const float* dout, int64_t N, int64_t OC);    // dbias += column sums
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C);
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C);
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                     float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C);
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F);
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int64_t N, int64_t F);
+void residual_forward(float* out, const float* a, const float* b, int64_t n);
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
+                       int64_t T, int64_t C);
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C);
+void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta);
+void rope_apply(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
+                const float* cos_sin, bool inverse);
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float decay, float w1, bool lerp_low,
+                  float beta2, float w2, float bc2_sqrt, float eps, float neg_step);
+// Sum of squares in double into *out_dev (one double on the device); partials: 1024 doubles.
+void sum_squares(double* out_dev, double* partials, const float* x, int64_t n);
+void scale(float* x, int64_t n, float s);
+void fp32_to_bf16(uint16_t* out, const float* in, int64_t n);
+void bf16_to_fp32(float* out, const uint16_t* in, int64_t n);
+
+// ---- cuda_attention.cu
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                       int64_t HS);
+// scratch: B*NH*T floats (the rows' dout . out).
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float* scratch);
+
+// ---- cuda_attention_gemm.cu: the same through cuBLAS, scores in device scratch
+bool attention_gemm_fits(int64_t T, int64_t NH, int64_t NKV);
+void attention_gemm_forward(bool bf16, float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                            int64_t NKV, int64_t HS);
+void attention_gemm_backward(bool bf16, float* dqkv, const float* dout, const float* qkv, const float* out,
+                             const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+
+// ---- cuda_backend.cu: row-major strided-batched GEMM on the backend's cuBLAS handle, for i < batch
+// C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i with X_i = X + i * sX (bf16: tensor-core bf16 inputs).
+void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                          int64_t lda, int64_t sA, const float* B, int64_t ldb, int64_t sB, float beta, float* C,
+                          int64_t ldc, int64_t sC, int64_t batch);
+
+// ---- cuda_head.cu
+// In place over logits (n, ld): row losses into loss_rows (double, n), and when grad_scale != 0
+// the rows become (softmax - onehot) * grad_scale (zero for ignored rows).
+void softmax_xent(float* logits, double* loss_rows, const int32_t* targets, int64_t n, int64_t V, int64_t ld,
+                  float grad_scale, bool grad);
+// *acc += sum of rows (in order: deterministic).
+void accumulate_sum(double* acc, const double* rows, int64_t n);
+
+}  // namespace shardlm::kernels::cuda

@@ -1,0 +1,359 @@
+// Every method of the CUDA backend against the CPU backend on the same random inputs. Built only
+// with -DSHARDLM_CUDA=ON; skips (saying so) where no GPU is present. Each check prints one line,
+// KERNEL <name> rel=<|got-ref|_2/|ref|_2> max_abs=<max |got-ref|> tol=<rel tolerance>, so a run
+// on a GPU records the per-kernel errors.
+//
+// Tolerances (relative L2 error against the fp32 CPU kernels):
+//  - GEMM-based (linear, dense, head gradients) with bf16 tensor-core GEMMs: 1e-2 (bf16 operands
+//    carry 8 bits of mantissa, ~4e-3 per product); with fp32 GEMMs: 1e-5.
+//  - norms, activations, rope (fp32 with expf vs the CPU's exp approximation and other summation
+//    orders): 1e-5.
+//  - attention: the cuBLAS path with fp32 GEMMs and the fp32 flash kernels (forced through
+//    SHARDLM_CUDA_ATTENTION=flash): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k):
+//    2e-2.
+//  - embedding, AdamW, scale, sum_squares: 1e-6; casts: exact.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda_backend.h"
+
+namespace {
+
+using shardlm::Buffer;
+using shardlm::MemCategory;
+using shardlm::kernels::Backend;
+using fvec = std::vector<float>;
+
+fvec randv(int64_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  fvec v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// A device copy of a host vector.
+struct Dev {
+  Buffer buf;
+  int64_t n;
+  Dev(const Backend& gpu, const fvec& host) : n(int64_t(host.size())) {
+    buf = gpu.alloc(MemCategory::workspace, sizeof(float) * host.size(), Buffer::Fill::none);
+    gpu.upload(buf.data(), host.data(), sizeof(float) * host.size());
+  }
+  float* p() const { return buf.f32(); }
+  fvec get(const Backend& gpu) const {
+    fvec h(n);
+    gpu.download(h.data(), buf.data(), sizeof(float) * n);
+    return h;
+  }
+};
+
+// Relative L2 error and max abs difference; every element must be finite (outputs start as NaN).
+void compare(const char* name, const fvec& got, const fvec& ref, double tol) {
+  ASSERT_EQ(got.size(), ref.size()) << name;
+  double num = 0, den = 0, mx = 0;
+  bool finite = true;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) finite = false;
+    const double d = double(got[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * double(ref[i]);
+    mx = std::max(mx, std::fabs(d));
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  std::printf("KERNEL %-34s rel=%.3e max_abs=%.3e tol=%.0e\n", name, rel, mx, tol);
+  EXPECT_TRUE(finite) << name << ": a non-finite element (unwritten output?)";
+  EXPECT_LE(rel, tol) << name;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!shardlm::kernels::cuda_device_present()) GTEST_SKIP() << "no CUDA device present: CUDA backend tests skipped";
+    cpu = &shardlm::kernels::cpu_backend();
+    gpu = &shardlm::kernels::cuda_backend(true);
+    gpu32 = &shardlm::kernels::cuda_backend(false);
+    cpu->init_compute(2);
+    gpu->init_compute(1);
+  }
+  const Backend *cpu = nullptr, *gpu = nullptr, *gpu32 = nullptr;
+};
+
+TEST_F(CudaBackendTest, Linear) {
+  const int64_t N = 512, C = 384, OC = 1152;
+  for (const Backend* g : {gpu, gpu32}) {
+    const double tol = g == gpu ? 1e-2 : 1e-5;
+    const std::string tag = g == gpu ? " bf16" : " fp32";
+    fvec x = randv(N * C, 1), w = randv(C * OC, 2, -0.05f, 0.05f), b = randv(OC, 3), dout = randv(N * OC, 4);
+    fvec out(N * OC);
+    cpu->linear_forward(out.data(), x.data(), w.data(), b.data(), N, C, OC);
+    Dev dx(*g, x), dw(*g, w), db(*g, b), dout_d(*g, dout), dy(*g, fvec(N * OC, kNaN));
+    g->linear_forward(dy.p(), dx.p(), dw.p(), db.p(), N, C, OC);
+    compare(("linear_forward" + tag).c_str(), dy.get(*g), out, tol);
+    fvec gi(N * C, 0.25f), gw(C * OC, 0.25f), gb(OC, 0.25f);
+    Dev dgi(*g, gi), dgw(*g, gw), dgb(*g, gb);
+    cpu->linear_backward(gi.data(), gw.data(), gb.data(), dout.data(), x.data(), w.data(), N, C, OC);
+    g->linear_backward(dgi.p(), dgw.p(), dgb.p(), dout_d.p(), dx.p(), dw.p(), N, C, OC);
+    compare(("linear_backward dinp" + tag).c_str(), dgi.get(*g), gi, tol);
+    compare(("linear_backward dweight" + tag).c_str(), dgw.get(*g), gw, tol);
+    compare(("linear_backward dbias" + tag).c_str(), dgb.get(*g), gb, 1e-5);
+  }
+}
+
+TEST_F(CudaBackendTest, Dense) {
+  const int64_t N = 512, C = 384, OC = 1024;
+  for (const Backend* g : {gpu, gpu32}) {
+    const double tol = g == gpu ? 1e-2 : 1e-5;
+    const std::string tag = g == gpu ? " bf16" : " fp32";
+    fvec x = randv(N * C, 5), w = randv(OC * C, 6, -0.05f, 0.05f), dout = randv(N * OC, 7);
+    fvec out(N * OC);
+    cpu->dense_forward(out.data(), x.data(), w.data(), N, C, OC);
+    Dev dx(*g, x), dw(*g, w), dout_d(*g, dout), dy(*g, fvec(N * OC, kNaN));
+    g->dense_forward(dy.p(), dx.p(), dw.p(), N, C, OC);
+    compare(("dense_forward" + tag).c_str(), dy.get(*g), out, tol);
+    fvec gi(N * C, 0.25f), gw(OC * C, 0.25f);
+    Dev dgi(*g, gi), dgw(*g, gw);
+    cpu->dense_backward(gi.data(), gw.data(), dout.data(), x.data(), w.data(), N, C, OC);
+    g->dense_backward(dgi.p(), dgw.p(), dout_d.p(), dx.p(), dw.p(), N, C, OC);
+    compare(("dense_backward dinp" + tag).c_str(), dgi.get(*g), gi, tol);
+    compare(("dense_backward dweight" + tag).c_str(), dgw.get(*g), gw, tol);
+  }
+}
+
+TEST_F(CudaBackendTest, LayerNorm) {
+  const int64_t N = 777, C = 384;
+  fvec x = randv(N * C, 8, -2, 2), w = randv(C, 9), b = randv(C, 10), dout = randv(N * C, 11);
+  fvec out(N * C), mean(N), rstd(N);
+  cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+  Dev dx(*gpu, x), dw(*gpu, w), db(*gpu, b), ddout(*gpu, dout);
+  Dev dy(*gpu, fvec(N * C, kNaN)), dm(*gpu, fvec(N, kNaN)), dr(*gpu, fvec(N, kNaN));
+  gpu->layernorm_forward(dy.p(), dm.p(), dr.p(), dx.p(), dw.p(), db.p(), N, C);
+  compare("layernorm_forward out", dy.get(*gpu), out, 1e-5);
+  compare("layernorm_forward mean", dm.get(*gpu), mean, 1e-5);
+  compare("layernorm_forward rstd", dr.get(*gpu), rstd, 1e-5);
+  fvec gi(N * C, 0.25f), gw(C, 0.25f), gb(C, 0.25f);
+  Dev dgi(*gpu, gi), dgw(*gpu, gw), dgb(*gpu, gb);
+  cpu->layernorm_backward(gi.data(), gw.data(), gb.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                          N, C);
+  gpu->layernorm_backward(dgi.p(), dgw.p(), dgb.p(), ddout.p(), dx.p(), dw.p(), dm.p(), dr.p(), N, C);
+  compare("layernorm_backward dinp", dgi.get(*gpu), gi, 1e-5);
+  compare("layernorm_backward dweight", dgw.get(*gpu), gw, 1e-5);
+  compare("layernorm_backward dbias", dgb.get(*gpu), gb, 1e-5);
+}
+
+TEST_F(CudaBackendTest, RmsNorm) {
+  const int64_t N = 777, C = 384;
+  fvec x = randv(N * C, 12, -2, 2), w = randv(C, 13), dout = randv(N * C, 14);
+  fvec out(N * C), rstd(N);
+  cpu->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+  Dev dx(*gpu, x), dw(*gpu, w), ddout(*gpu, dout), dy(*gpu, fvec(N * C, kNaN)), dr(*gpu, fvec(N, kNaN));
+  gpu->rmsnorm_forward(dy.p(), dr.p(), dx.p(), dw.p(), N, C, 1e-5f);
+  compare("rmsnorm_forward out", dy.get(*gpu), out, 1e-5);
+  compare("rmsnorm_forward rstd", dr.get(*gpu), rstd, 1e-5);
+  fvec gi(N * C, 0.25f), gw(C, 0.25f);
+  Dev dgi(*gpu, gi), dgw(*gpu, gw);
+  cpu->rmsnorm_backward(gi.data(), gw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+  gpu->rmsnorm_backward(dgi.p(), dgw.p(), ddout.p(), dx.p(), dw.p(), dr.p(), N, C);
+  compare("rmsnorm_backward dinp", dgi.get(*gpu), gi, 1e-5);
+  compare("rmsnorm_backward dweight", dgw.get(*gpu), gw, 1e-5);
+}
+
+TEST_F(CudaBackendTest, Pointwise) {
+  const int64_t N = 300, F = 1024, n = N * F;
+  fvec x = randv(n, 15, -4, 4), y = randv(n, 16), gu = randv(2 * n, 17, -4, 4), dout = randv(n, 18);
+  Dev dx(*gpu, x), dyv(*gpu, y), dgu(*gpu, gu), ddout(*gpu, dout);
+  fvec ref(n);
+  cpu->gelu_forward(ref.data(), x.data(), n);
+  Dev o1(*gpu, fvec(n, kNaN));
+  gpu->gelu_forward(o1.p(), dx.p(), n);
+  compare("gelu_forward", o1.get(*gpu), ref, 1e-5);
+  fvec gref(n, 0.25f);
+  Dev g1(*gpu, gref);
+  cpu->gelu_backward(gref.data(), dout.data(), x.data(), n);
+  gpu->gelu_backward(g1.p(), ddout.p(), dx.p(), n);
+  compare("gelu_backward", g1.get(*gpu), gref, 1e-5);
+  cpu->swiglu_forward(ref.data(), gu.data(), N, F);
+  Dev o2(*gpu, fvec(n, kNaN));
+  gpu->swiglu_forward(o2.p(), dgu.p(), N, F);
+  compare("swiglu_forward", o2.get(*gpu), ref, 1e-5);
+  fvec sref(2 * n, 0.25f);
+  Dev g2(*gpu, sref);
+  cpu->swiglu_backward(sref.data(), dout.data(), gu.data(), N, F);
+  gpu->swiglu_backward(g2.p(), ddout.p(), dgu.p(), N, F);
+  compare("swiglu_backward", g2.get(*gpu), sref, 1e-5);
+  cpu->residual_forward(ref.data(), x.data(), y.data(), n);
+  Dev o3(*gpu, fvec(n, kNaN));
+  gpu->residual_forward(o3.p(), dx.p(), dyv.p(), n);
+  compare("residual_forward", o3.get(*gpu), ref, 0);
+  fvec sc = x;
+  cpu->scale(sc.data(), n, 0.37f);
+  gpu->scale(dx.p(), n, 0.37f);
+  compare("scale", dx.get(*gpu), sc, 0);
+}
+
+TEST_F(CudaBackendTest, Embedding) {
+  const int64_t B = 4, T = 128, C = 384, V = 500;
+  std::vector<int32_t> tok(B * T);
+  std::mt19937 rng(19);
+  for (auto& t : tok) t = int32_t(rng() % V);
+  fvec wte = randv(V * C, 20), wpe = randv(T * C, 21), dout = randv(B * T * C, 22);
+  Buffer dtok = gpu->alloc(MemCategory::workspace, sizeof(int32_t) * tok.size(), Buffer::Fill::none);
+  gpu->upload(dtok.data(), tok.data(), sizeof(int32_t) * tok.size());
+  Dev dwte(*gpu, wte), dwpe(*gpu, wpe), ddout(*gpu, dout), out(*gpu, fvec(B * T * C, kNaN));
+  fvec ref(B * T * C);
+  for (const bool pos : {true, false}) {
+    cpu->embedding_forward(ref.data(), tok.data(), wte.data(), pos ? wpe.data() : nullptr, B, T, C);
+    gpu->embedding_forward(out.p(), dtok.as<int32_t>(), dwte.p(), pos ? dwpe.p() : nullptr, B, T, C);
+    compare(pos ? "embedding_forward" : "embedding_forward (no wpe)", out.get(*gpu), ref, 0);
+  }
+  fvec gwte(V * C, 0.25f), gwpe(T * C, 0.25f);
+  Dev dgwte(*gpu, gwte), dgwpe(*gpu, gwpe);
+  cpu->embedding_backward(gwte.data(), gwpe.data(), dout.data(), tok.data(), B, T, C);
+  gpu->embedding_backward(dgwte.p(), dgwpe.p(), ddout.p(), dtok.as<int32_t>(), B, T, C);
+  compare("embedding_backward dwte", dgwte.get(*gpu), gwte, 1e-6);
+  compare("embedding_backward dwpe", dgwpe.get(*gpu), gwpe, 1e-6);
+}
+
+TEST_F(CudaBackendTest, Rope) {
+  const int64_t B = 2, T = 300, NH = 6, NKV = 2, HS = 64, stride = (NH + 2 * NKV) * HS;
+  ASSERT_EQ(gpu->rope_table_floats(T, HS), cpu->rope_table_floats(T, HS));
+  fvec table(cpu->rope_table_floats(T, HS));
+  cpu->rope_table(table.data(), T, HS, 10000.0f);
+  Dev dtable(*gpu, fvec(table.size(), kNaN));
+  gpu->rope_table(dtable.p(), T, HS, 10000.0f);
+  compare("rope_table", dtable.get(*gpu), table, 1e-6);
+  fvec x = randv(B * T * stride, 23);
+  Dev dx(*gpu, x);
+  cpu->rope_forward(x.data(), B, T, NH + NKV, HS, stride, table.data());
+  gpu->rope_forward(dx.p(), B, T, NH + NKV, HS, stride, dtable.p());
+  compare("rope_forward", dx.get(*gpu), x, 1e-6);
+  cpu->rope_backward(x.data(), B, T, NH + NKV, HS, stride, table.data());
+  gpu->rope_backward(dx.p(), B, T, NH + NKV, HS, stride, dtable.p());
+  compare("rope_backward", dx.get(*gpu), x, 1e-6);
+}
+
+void attention_case(const Backend& cpu, const Backend& gpu, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                    int64_t HS, double tol, const std::string& path) {
+  const std::string tag = " " + path + " B" + std::to_string(B) + " T" + std::to_string(T) + " NH" + std::to_string(NH) + " NKV" +
+                          std::to_string(NKV) + " HS" + std::to_string(HS);
+  const int64_t W = (NH + 2 * NKV) * HS;
+  fvec qkv = randv(B * T * W, 24, -2, 2), dout = randv(B * T * NH * HS, 25);
+  fvec out(B * T * NH * HS), lse(B * NH * T);
+  cpu.attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NKV, HS);
+  Dev dqkv(gpu, qkv), ddout(gpu, dout), dout_o(gpu, fvec(out.size(), kNaN)), dlse(gpu, fvec(lse.size(), kNaN));
+  gpu.attention_forward(dout_o.p(), dlse.p(), dqkv.p(), B, T, NH, NKV, HS);
+  compare(("attention_forward out" + tag).c_str(), dout_o.get(gpu), out, tol);
+  compare(("attention_forward lse" + tag).c_str(), dlse.get(gpu), lse, tol / 10);
+  // The plan sizes scratch by the CPU's formulas: the CUDA backend must ask for no more.
+  EXPECT_EQ(gpu.attention_backward_scratch(B, T, NH, NKV, HS, 2), cpu.attention_backward_scratch(B, T, NH, NKV, HS, 2));
+  fvec g(qkv.size(), 0.25f), scratch(cpu.attention_backward_scratch(B, T, NH, NKV, HS, 2));
+  Dev dg(gpu, g), dscr(gpu, fvec(gpu.attention_backward_scratch(B, T, NH, NKV, HS, 1), kNaN));
+  cpu.attention_backward(g.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, NH, NKV, HS, scratch.data());
+  gpu.attention_backward(dg.p(), ddout.p(), dqkv.p(), dout_o.p(), dlse.p(), B, T, NH, NKV, HS, dscr.p());
+  compare(("attention_backward dqkv" + tag).c_str(), dg.get(gpu), g, tol);
+}
+
+TEST_F(CudaBackendTest, Attention) {
+  const int64_t cases[4][5] = {
+      {2, 256, 6, 6, 64},   // GPT-2 small's heads
+      {2, 200, 6, 2, 64},   // grouped-query, T not a multiple of the tile
+      {1, 130, 4, 1, 128},  // multi-query, HS 128
+      {1, 70, 2, 2, 48},    // HS not a multiple of 32
+  };
+  for (const auto& c : cases) {
+    attention_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], 1e-4, "gemm-fp32");
+    attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "gemm-bf16");
+    setenv("SHARDLM_CUDA_ATTENTION", "flash", 1);
+    attention_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], 1e-4, "flash");
+    unsetenv("SHARDLM_CUDA_ATTENTION");
+  }
+}
+
+TEST_F(CudaBackendTest, Head) {
+  const int64_t N = 256, C = 384, V = 1000, Vp = 1024, chunk = 96;
+  std::vector<int32_t> tgt(N);
+  std::mt19937 rng(26);
+  for (auto& t : tgt) t = int32_t(rng() % V);
+  tgt[5] = -1;  // an ignored row
+  fvec x = randv(N * C, 27), wte = randv(Vp * C, 28, -0.1f, 0.1f);
+  Buffer dtgt = gpu->alloc(MemCategory::workspace, sizeof(int32_t) * N, Buffer::Fill::none);
+  gpu->upload(dtgt.data(), tgt.data(), sizeof(int32_t) * N);
+  EXPECT_EQ(gpu->head_scratch(chunk, Vp), cpu->head_scratch(chunk, Vp));  // as the plan sizes it
+  for (const Backend* g : {gpu, gpu32}) {
+    const double tol = g == gpu ? 1e-2 : 1e-5;
+    const std::string tag = g == gpu ? " bf16" : " fp32";
+    Dev dx_in(*g, x), dwte(*g, wte);
+    fvec gx(N * C, 0.25f), gw(Vp * C, 0.25f), logits(N * V), scr(cpu->head_scratch(chunk, Vp));
+    Dev dgx(*g, gx), dgw(*g, gw), dlog(*g, fvec(N * V, kNaN)), dscr(*g, fvec(g->head_scratch(chunk, Vp), kNaN));
+    const double ref = cpu->lm_head_cross_entropy(gx.data(), gw.data(), x.data(), wte.data(), tgt.data(), N, C, V, Vp,
+                                                  1.0f / N, chunk, scr.data(), logits.data());
+    const double got = g->lm_head_cross_entropy(dgx.p(), dgw.p(), dx_in.p(), dwte.p(), dtgt.as<int32_t>(), N, C, V,
+                                                Vp, 1.0f / N, chunk, dscr.p(), dlog.p());
+    compare(("lm_head_cross_entropy loss" + tag).c_str(), fvec{float(got)}, fvec{float(ref)}, g == gpu ? 1e-3 : 1e-6);
+    compare(("lm_head_cross_entropy logits" + tag).c_str(), dlog.get(*g), logits, tol);
+    compare(("lm_head_cross_entropy dx" + tag).c_str(), dgx.get(*g), gx, tol);
+    compare(("lm_head_cross_entropy dwte" + tag).c_str(), dgw.get(*g), gw, tol);
+    // One host row, host target and host logits: the generation path.
+    const int32_t ignore = -1;
+    fvec l1(V), l2(V);
+    cpu->lm_head_cross_entropy(nullptr, nullptr, x.data(), wte.data(), &ignore, 1, C, V, Vp, 0, 1, scr.data(),
+                               l1.data());
+    g->lm_head_cross_entropy(nullptr, nullptr, dx_in.p(), dwte.p(), &ignore, 1, C, V, Vp, 0, 1, dscr.p(), l2.data());
+    compare(("lm_head logits to host" + tag).c_str(), l2, l1, tol);
+  }
+}
+
+TEST_F(CudaBackendTest, OptimizerAndUtilities) {
+  const int64_t n = 1000003;
+  fvec p = randv(n, 29), g = randv(n, 30), m = randv(n, 31, -0.1f, 0.1f), v = randv(n, 32, 0, 0.01f);
+  Dev dp(*gpu, p), dg(*gpu, g), dm(*gpu, m), dv(*gpu, v);
+  for (int64_t t = 1; t <= 3; ++t) {
+    cpu->adamw_update(p.data(), g.data(), m.data(), v.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    gpu->adamw_update(dp.p(), dg.p(), dm.p(), dv.p(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+  }
+  compare("adamw_update p", dp.get(*gpu), p, 1e-6);
+  compare("adamw_update m", dm.get(*gpu), m, 1e-6);
+  compare("adamw_update v", dv.get(*gpu), v, 1e-6);
+  const double ss_ref = cpu->sum_squares(g.data(), n), ss = gpu->sum_squares(dg.p(), n);
+  std::printf("KERNEL %-34s rel=%.3e\n", "sum_squares", std::fabs(ss - ss_ref) / ss_ref);
+  EXPECT_NEAR(ss, ss_ref, 1e-12 * ss_ref);
+  std::vector<uint16_t> h16(n), d16(n);
+  cpu->fp32_to_bf16(h16.data(), g.data(), n);
+  Buffer b16 = gpu->alloc(MemCategory::workspace, 2 * n, Buffer::Fill::none);
+  gpu->fp32_to_bf16(b16.as<uint16_t>(), dg.p(), n);
+  gpu->download(d16.data(), b16.data(), 2 * n);
+  EXPECT_EQ(h16, d16) << "fp32_to_bf16";
+  fvec back(n);
+  cpu->bf16_to_fp32(back.data(), h16.data(), n);
+  gpu->bf16_to_fp32(dg.p(), b16.as<uint16_t>(), n);
+  compare("fp32_to_bf16 + bf16_to_fp32", dg.get(*gpu), back, 0);
+}
+
+TEST_F(CudaBackendTest, AllocatorAccounting) {
+  auto& tracker = shardlm::MemoryTracker::global();
+  const int64_t before = tracker.live()[MemCategory::activations];
+  {
+    Buffer a = gpu->alloc(MemCategory::activations, 1000, Buffer::Fill::zero);
+    EXPECT_EQ(tracker.live()[MemCategory::activations], before + 1000);
+    std::vector<char> h(1000, 1);
+    gpu->download(h.data(), a.data(), 1000);
+    EXPECT_EQ(std::count(h.begin(), h.end(), 0), 1000) << "Fill::zero";
+    EXPECT_GE(shardlm::kernels::cuda_reserved_bytes(), 1000);
+  }
+  EXPECT_EQ(tracker.live()[MemCategory::activations], before);
+  const int64_t reserved = shardlm::kernels::cuda_reserved_bytes();
+  Buffer b = gpu->alloc(MemCategory::activations, 1000, Buffer::Fill::none);  // from the cache
+  EXPECT_EQ(shardlm::kernels::cuda_reserved_bytes(), reserved);
+}
+
+}  // namespace
