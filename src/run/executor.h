@@ -96,6 +96,10 @@ class Executor {
   // The state buffer itself when this rank holds it whole (a single process, DDP); else null.
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
+  // This rank's buffer of `which` as the plan's StateLayout holds it (parts > 1: the unit shards
+  // back to back; 1: the whole padded flat buffer); null when the plan holds none. For ckpt/,
+  // which reads and writes each rank's element ranges in place.
+  float* local_state(State which) { return state(which).bytes() ? state(which).f32() : nullptr; }
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }

@@ -102,6 +102,7 @@ void check_reporting(const TrainConfig& c) {
   at_least<int64_t>(c.eval_every, 0, "eval-every");
   at_least<int64_t>(c.eval_windows, 1, "eval-windows");
   at_least<int64_t>(c.save_every, 0, "save-every");
+  at_least<int64_t>(c.keep_last, 0, "keep-last");
   at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
   at_least(c.peak_gflops, 0.0, "peak-gflops");
   finite(c.peak_gflops, "peak-gflops");

@@ -11,7 +11,10 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <unistd.h>
 
+#include "ckpt/hf_config.h"
+#include "ckpt/sharded.h"
 #include "data/sampler.h"
 #include "data/shard.h"
 #include "kernels/cpu.h"
@@ -160,6 +163,7 @@ struct Session {
   run::CommGroups comms;
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
+  int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
 
   Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
       : cfg(c),
@@ -208,8 +212,9 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
 
 // Before any collective of the step: the ranks agree on their settings; then rank 0 checks that
 // a resume continues the saved run and takes the run directory. A failure there ends every rank.
-// Returns rank 0's run directory (nullptr on the other ranks).
-std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicator& world) {
+// --resume names a run or step directory; afterwards cfg.resume is the step directory on every
+// rank. Returns rank 0's run directory (nullptr on the other ranks).
+std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& world) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
   std::unique_ptr<RunDirectory> dir;
@@ -217,37 +222,119 @@ std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicato
     int64_t resumed_step = -1;
     check_resume_override_use(cfg);
     if (!cfg.resume.empty()) {
+      cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
       resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
       const RunState saved = read_checkpoint_state(cfg.resume);
-      check_resume_matches(cfg, world.size(), saved.run, cfg.resume + "/state.json");
+      check_resume_matches(cfg, world.size(), saved.run,
+                           cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json"));
       resumed_step = saved.step;
     }
     dir = RunDirectory::open(cfg, resumed_step);
   });
+  if (world.rank() != 0 && !cfg.resume.empty()) cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
   return dir;
 }
 
-// Loads a checkpoint into the executor's state: read whole on every rank, each keeps its part.
-// That the checkpoint's run is this run, start_up() checked.
+// Runs fn on every rank and tells every rank whether any threw: each failing rank reports its
+// own line, and every rank throws AgreedFailure, so none waits for another that gave up.
+void every_rank_or_all_fail(Session& s, const std::function<void()>& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "failed";
+  }
+  const int64_t mine = error.empty() ? 0 : 1;
+  std::vector<int64_t> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint agreement")->wait(s.timeout);
+  if (std::find(all.begin(), all.end(), 1) != all.end()) throw AgreedFailure(error, !error.empty());
+}
+
+ckpt::RankBuffers rank_buffers(Session& s) {
+  using St = run::Executor::State;
+  return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
+}
+
+// Loads a checkpoint into the executor's state. Sharded: each rank verifies every N-th file
+// (size, checksum, header against the index) and reads only its own element ranges. A whole
+// (older) checkpoint is read whole on every rank. That the checkpoint's run is this run,
+// start_up() checked.
 void resume(Session& s) {
-  s.state = read_checkpoint_state(s.cfg.resume);
+  const std::string& dir = s.cfg.resume;
+  s.state = read_checkpoint_state(dir);
+  if (ckpt::is_sharded(dir)) {
+    every_rank_or_all_fail(s, [&] {
+      const json index = ckpt::read_index(dir);
+      for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
+      ckpt::check_index_against_model(dir, index, s.desc, true);
+      ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s));
+    });
+    return;
+  }
   Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
       v(MemCategory::comm, p.bytes());
-  load_checkpoint(s.cfg.resume, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
+  load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
   s.ex.load_full(run::Executor::State::params, p.f32());
   s.ex.load_full(run::Executor::State::exp_avg, m.f32());
   s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
 }
 
-// The whole state gathered to every rank; rank 0 writes it in the single-process layout, which
-// every strategy and rank count resumes from.
+// What index.json records besides the tensors: state.json's fields, the model and the plan.
+json index_meta(Session& s) {
+  json config = ckpt::to_hf_config(s.desc.config);
+  config["shardlm_tokenizer"] = s.state.tokenizer;
+  return {{"format", "shardlm-sharded-1"},
+          {"step", s.state.step},
+          {"optimizer", {{"adamw_step", s.state.adam_step}}},
+          {"tokenizer", s.state.tokenizer},
+          // Batches are a pure function of (seed, step), so the step is the data position.
+          {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", s.state.step}}},
+          {"rng", {{"seed", s.state.seed}}},
+          {"run", s.state.run},
+          {"schedule",
+           {{"lr", s.cfg.lr}, {"min_lr", s.cfg.min_lr}, {"warmup_steps", s.cfg.warmup}, {"total_steps", s.cfg.steps}}},
+          {"strategy", plan::to_string(s.plan.config.strategy)},
+          {"config", config}};
+}
+
+// Test-only fault point: SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP kills that rank by SIGKILL in the
+// save of that step, after its own file is written and before the ranks agree that all are.
+void maybe_die_in_save(const Session& s) {
+  const char* v = std::getenv("SHARDLM_FAULT_KILL_IN_SAVE");
+  int rank = -1;
+  long long step = -1;
+  if (v && std::sscanf(v, "%d:%lld", &rank, &step) == 2 && rank == s.rank && step == s.state.step) std::raise(SIGKILL);
+}
+
+// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
+// fsync, rename); the all-gather of the files' sizes and checksums is the barrier after which
+// every file is durable; then rank 0 writes index.json, moves the directory into place and only
+// then points ckpt/latest at it.
 void save(Session& s) {
-  Buffer p = s.gather(run::Executor::State::params);
-  Buffer m = s.gather(run::Executor::State::exp_avg);
-  Buffer v = s.gather(run::Executor::State::exp_avg_sq);
-  if (s.lead)
-    save_checkpoint(checkpoint_dir(s.cfg.out, s.state.step), s.desc, s.plan.layout, p.f32(), m.f32(), v.f32(), s.state,
-                    s.cfg);
+  if (s.lead_pid < 0) {
+    const int64_t mine = ::getpid();
+    std::vector<int64_t> all(s.N);
+    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
+    s.lead_pid = all[0];
+  }
+  const std::string step_dir = checkpoint_dir(s.cfg.out, s.state.step);
+  const std::string tmp = step_dir + ".tmp-" + std::to_string(s.lead_pid);
+  const ckpt::ShardedLayout L = sharded_layout(s.plan, s.N);
+  ckpt::FileSummary mine;
+  every_rank_or_all_fail(s, [&] {
+    std::filesystem::create_directories(tmp);
+    mine = ckpt::write_rank_file(tmp, s.desc, L, s.rank, rank_buffers(s));
+  });
+  maybe_die_in_save(s);
+  std::vector<ckpt::FileSummary> files(s.N);
+  static_assert(sizeof(ckpt::FileSummary) == 16);
+  s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);
+  on_lead_or_all_fail(s.world, s.timeout, [&] {
+    const json index = ckpt::make_index(s.desc, L, files, index_meta(s));
+    ckpt::commit_step(tmp, step_dir, index, index["config"]);
+    ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
+  });
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
@@ -316,8 +403,9 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
-  cfg.validate();
+TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
+  cfg_in.validate();
+  TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
   const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);

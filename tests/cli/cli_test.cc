@@ -130,7 +130,7 @@ TEST_F(Cli, ConfigFileUnknownKeyNamesIt) {
 TEST_F(Cli, UnreadableCheckpoint) {
   fs::create_directories(dir_ / "notackpt");
   expect_one_line_error(run("eval --ckpt " + (dir_ / "notackpt").string() + " --data " + (dir_ / "tok_val.bin").string()),
-                        "config.json");
+                        "index.json");
 }
 
 TEST_F(Cli, CommandLineWinsOverConfigFile) {
@@ -175,7 +175,7 @@ TEST_F(Cli, ResumeContinuesBitwise) {
   ASSERT_EQ(run(train_args("full", 6)).code, 0);
   ASSERT_EQ(run(train_args("part", 6) + " --save-every 3").code, 0);
   const fs::path ck = dir_ / "part" / "ckpt" / "step_3";
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json", "state.json"})
+  for (const char* f : {"rank-00000-of-00001.safetensors", "index.json", "config.json"})
     EXPECT_TRUE(fs::exists(ck / f)) << f;
   ASSERT_EQ(run(train_args("resumed", 6) + " --resume " + ck.string()).code, 0);
   const auto full = losses(dir_ / "full" / "metrics.jsonl");
@@ -227,8 +227,11 @@ TEST_F(Cli, LlamaCheckpointCarriesHuggingFaceNamesAndConfig) {
     EXPECT_EQ(config["num_hidden_layers"], 1);
     EXPECT_EQ(config["tie_word_embeddings"], tied);
     EXPECT_EQ(config["vocab_size"], 256);
-    // The safetensors header names every tensor with its shape.
-    std::ifstream mf(ck / "model.safetensors", std::ios::binary);
+    // The exported safetensors header names every tensor with its shape.
+    const Result x = run("ckpt export --format hf --ckpt " + ck.string() + " --out " + (dir_ / (out + "_hf")).string());
+    ASSERT_EQ(x.code, 0) << x.out;
+    EXPECT_TRUE(fs::exists(dir_ / (out + "_hf") / "config.json"));
+    std::ifstream mf(dir_ / (out + "_hf") / "model.safetensors", std::ios::binary);
     uint64_t n = 0;
     mf.read(reinterpret_cast<char*>(&n), 8);
     std::string header(n, ' ');

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "ckpt/sharded.h"
 #include "test_util.h"
 
 namespace shardlm {
@@ -165,7 +166,13 @@ void poison(const fs::path& file, const std::string& tensor) {
 TEST_F(StopTest, EvalGenerateAndResumeRefuseANonFiniteCheckpointNamingTheTensor) {
   ASSERT_EQ(shardlm(args("poisoned", 2) + " --save-every 2").code, 0);
   const fs::path ckpt = dir_ / "poisoned" / "ckpt" / "step_2";
-  poison(ckpt / "model.safetensors", "h.0.attn.c_attn.weight");
+  // As an older build without the guard would have saved it: the file's checksum in index.json
+  // matches, so the load itself must find the NaN.
+  const fs::path file = ckpt / "rank-00000-of-00001.safetensors";
+  poison(file, "param/h.0.attn.c_attn.weight");
+  nlohmann::json index = nlohmann::json::parse(std::ifstream(ckpt / "index.json"));
+  index["files"][0]["xxh64"] = ckpt::hex64(ckpt::summarize_file(file.string()).xxh64);
+  std::ofstream(ckpt / "index.json") << index.dump();
   const std::string tensor = "'h.0.attn.c_attn.weight'";
   const Result e = shardlm("eval --ckpt " + ckpt.string() + " --data " + (dir_ / "tok_val.bin").string() +
                            " --seq 32 --batch 2 --threads 1");
