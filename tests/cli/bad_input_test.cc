@@ -219,7 +219,7 @@ TEST_F(BadInput, ModelTooBigForTheMachineIsRefusedWithTheFigure) {
                         {"does not fit in memory", "activations", "MemAvailable"});
 }
 
-// A copy of a real checkpoint whose config.json or state.json `edit` changes.
+// A copy of a real checkpoint whose config.json or index.json `edit` changes.
 class BadCheckpoint : public BadInput {
  protected:
   static void SetUpTestSuite() {

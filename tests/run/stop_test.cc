@@ -126,7 +126,7 @@ TEST_F(StopTest, SkipModeCountsSkippedUpdatesAndStopsAfterKInARow) {
   EXPECT_LT(rows.back()["lr"].get<double>(), rows[rows.size() - 3]["lr"].get<double>());
   // The checkpoint after the first skipped step: the step advanced, AdamW's count did not.
   const int64_t first_skip = rows[rows.size() - 3]["step"].get<int64_t>();
-  std::ifstream f(dir_ / "skip" / "ckpt" / ("step_" + std::to_string(first_skip + 1)) / "state.json");
+  std::ifstream f(dir_ / "skip" / "ckpt" / ("step_" + std::to_string(first_skip + 1)) / "index.json");
   ASSERT_TRUE(f) << "no checkpoint after the first skipped step";
   const auto state = nlohmann::json::parse(f);
   EXPECT_EQ(state["step"].get<int64_t>(), first_skip + 1);
@@ -144,7 +144,7 @@ TEST_F(StopTest, SkipModeCarriesOnAfterASingleNonFiniteStep) {
   for (const auto& row : rows) EXPECT_EQ(row["skipped"].get<bool>(), row["step"].get<int64_t>() == 2) << row.dump();
   EXPECT_EQ(rows.back()["skipped_steps"].get<int64_t>(), 1);
   EXPECT_TRUE(rows.back()["loss"].is_number());
-  std::ifstream f(dir_ / "skip_once" / "ckpt" / "step_5" / "state.json");
+  std::ifstream f(dir_ / "skip_once" / "ckpt" / "step_5" / "index.json");
   ASSERT_TRUE(f);
   EXPECT_EQ(nlohmann::json::parse(f)["optimizer"]["adamw_step"].get<int64_t>(), 4);
 }
@@ -233,7 +233,7 @@ void expect_stopped_by_signal(const Result& r, const std::vector<nlohmann::json>
   ASSERT_FALSE(ckpts.empty()) << r.out;
   EXPECT_EQ(ckpts.back(), done) << r.out;
   EXPECT_FALSE(leftovers);
-  std::ifstream f(out / "ckpt" / ("step_" + std::to_string(done)) / "state.json");
+  std::ifstream f(out / "ckpt" / ("step_" + std::to_string(done)) / "index.json");
   ASSERT_TRUE(f);
   EXPECT_EQ(nlohmann::json::parse(f)["step"].get<int64_t>(), done);
 }
