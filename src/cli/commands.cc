@@ -162,7 +162,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   auto m = std::make_unique<LoadedModel>();
   const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
   m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
-  m->state = train::read_checkpoint_state(ckpt_dir);
+  m->state = train::read_model_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
   plan::PlanConfig pc;

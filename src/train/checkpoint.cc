@@ -185,6 +185,16 @@ model::ModelConfig read_checkpoint_config(const std::string& dir) {
   return c;
 }
 
+RunState read_model_state(const std::string& dir) {
+  if (ckpt::is_sharded(dir) || std::filesystem::exists(dir + "/state.json")) return read_checkpoint_state(dir);
+  // An exported Hugging Face directory: weights and config.json, no run.
+  const std::string path = dir + "/config.json";
+  RunState s;
+  s.tokenizer = read_json(path).value("shardlm_tokenizer", "gpt2");
+  if (s.tokenizer.empty()) throw std::runtime_error("checkpoint: " + path + ": field 'shardlm_tokenizer' is empty");
+  return s;
+}
+
 RunState read_checkpoint_state(const std::string& dir) {
   // A sharded checkpoint's index.json holds state.json's fields.
   const std::string path = dir + (ckpt::is_sharded(dir) ? "/index.json" : "/state.json");

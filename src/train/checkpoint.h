@@ -38,6 +38,9 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 // Reads config.json (throws std::runtime_error naming the file and field when absent or bad).
 model::ModelConfig read_checkpoint_config(const std::string& dir);
 RunState read_checkpoint_state(const std::string& dir);
+// What eval and generate need of a checkpoint's state (its tokenizer): read_checkpoint_state, or
+// for an exported Hugging Face directory (no run state) config.json's shardlm_tokenizer.
+RunState read_model_state(const std::string& dir);
 // Loads parameters and, when exp_avg is not null, AdamW moments into flat buffers laid out by
 // `layout` (padding untouched). Every tensor must exist with its exact shape and hold only finite
 // values; errors name the file and tensor.

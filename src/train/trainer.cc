@@ -318,6 +318,7 @@ void save(Session& s) {
     s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
     s.lead_pid = all[0];
   }
+  const auto t0 = Clock::now();
   const std::string step_dir = checkpoint_dir(s.cfg.out, s.state.step);
   const std::string tmp = step_dir + ".tmp-" + std::to_string(s.lead_pid);
   const ckpt::ShardedLayout L = sharded_layout(s.plan, s.N);
@@ -335,6 +336,13 @@ void save(Session& s) {
     ckpt::commit_step(tmp, step_dir, index, index["config"]);
     ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
   });
+  if (s.talk) {
+    uint64_t most = 0, total = 0;
+    for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
+    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms\n", step_dir, total / 1e6,
+               s.N, most / 1e6, ms_since(t0));
+    std::fflush(stdout);
+  }
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).

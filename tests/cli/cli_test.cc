@@ -14,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "ckpt/safetensors.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -202,6 +204,39 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   const Result g = run("generate --ckpt " + ck + " --prompt 'In the' --tokens 5 --seed 3");
   ASSERT_EQ(g.code, 0) << g.out;
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
+}
+
+// `ckpt export` writes the whole Hugging Face form of a sharded checkpoint: evaluated, it gives
+// the step directory's loss to the last digit (the same fp32 parameters); --dtype bf16 rounds
+// each to nearest even. `ckpt info` names the step and the rank files.
+TEST_F(Cli, CkptExportAndInfo) {
+  ASSERT_EQ(run(train_args("ex", 2) + " --save-every 2").code, 0);
+  const fs::path run_dir = dir_ / "ex", ck = run_dir / "ckpt" / "step_2";
+  const Result info = run("ckpt info --ckpt " + run_dir.string());
+  ASSERT_EQ(info.code, 0) << info.out;
+  EXPECT_NE(info.out.find("step 2"), std::string::npos) << info.out;
+  EXPECT_NE(info.out.find("rank-00000-of-00001.safetensors"), std::string::npos) << info.out;
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const Result x = run("ckpt export --format hf --dtype " + std::string(dtype) + " --ckpt " + ck.string() + " --out " +
+                         (dir_ / ("ex_" + std::string(dtype))).string());
+    ASSERT_EQ(x.code, 0) << x.out;
+  }
+  const std::string eval = " --data " + (dir_ / "tok_val.bin").string() + " --seq 32";
+  const Result a = run("eval --ckpt " + ck.string() + eval), b = run("eval --ckpt " + (dir_ / "ex_fp32").string() + eval);
+  ASSERT_EQ(a.code, 0) << a.out;
+  EXPECT_EQ(a.out, b.out);
+  const shardlm::ckpt::SafetensorsFile f32((dir_ / "ex_fp32" / "model.safetensors").string()),
+      b16((dir_ / "ex_bf16" / "model.safetensors").string());
+  ASSERT_EQ(f32.names().size(), b16.names().size());
+  for (const auto& name : f32.names()) {
+    ASSERT_EQ(b16.info(name).dtype, shardlm::ckpt::StDType::BF16) << name;
+    const auto* x = static_cast<const uint32_t*>(f32.data(name));
+    const auto* y = static_cast<const uint16_t*>(b16.data(name));
+    for (int64_t i = 0; i < f32.info(name).numel(); ++i)
+      ASSERT_EQ(y[i], static_cast<uint16_t>((x[i] + 0x7fffu + ((x[i] >> 16) & 1u)) >> 16)) << name << " " << i;
+  }
+  const nlohmann::json config = nlohmann::json::parse(std::ifstream(dir_ / "ex_bf16" / "config.json"));
+  EXPECT_EQ(config["torch_dtype"], "bfloat16");
 }
 
 // A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
