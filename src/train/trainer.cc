@@ -431,6 +431,9 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
     run_dir->prepare();
     s.metrics.open(run_dir->metrics_path());
   }
+  // Test-only: SHARDLM_TEST_SAVE_AFTER_RESUME=1 saves the state just loaded, under this run's
+  // strategy and rank count, so a test can compare it with the checkpoint it came from.
+  if (!cfg.resume.empty() && std::getenv("SHARDLM_TEST_SAVE_AFTER_RESUME")) save(s);
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : measure_gemm_gflops();
   const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;
   const double step_flops = s.desc.train_flops(global_batch, T);

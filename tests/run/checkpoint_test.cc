@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 
+#include "ckpt/sharded.h"
+#include "model/model.h"
 #include "test_util.h"
 
 namespace shardlm {
@@ -78,6 +81,36 @@ TEST_F(CheckpointSlow, ResumeOnTwoRanksGivesTheUninterruptedLossesBitwise) {
   EXPECT_EQ(a, b);  // exact
   // Each rank wrote its own half; --keep-last was not given, so every checkpoint stays.
   for (int s : {2, 4, 6}) EXPECT_TRUE(fs::exists(step("part", s) + "/rank-00001-of-00002.safetensors")) << s;
+}
+
+// Every tensor of every kind of a checkpoint, whole, read in one process.
+std::vector<std::vector<float>> whole_state(const std::string& step, const model::ModelDesc& desc) {
+  const model::FlatLayout flat = model::flat_layout(desc);
+  std::vector<std::vector<float>> s(ckpt::kNumKinds, std::vector<float>(flat.total));
+  const nlohmann::json index = ckpt::read_index(step);
+  ckpt::load_rank(step, index, desc, ckpt::whole_layout(flat), 0, {s[0].data(), s[1].data(), s[2].data()});
+  return s;
+}
+
+// Saved by zero2 on 2 ranks; loaded by real runs under other strategies and rank counts, which
+// save what they loaded at once (SHARDLM_TEST_SAVE_AFTER_RESUME): parameters and both AdamW
+// moments are bitwise those saved.
+TEST_F(CheckpointSlow, StateAfterLoadingUnderAnotherStrategyAndRankCountIsBitwiseTheSaved) {
+  ASSERT_EQ(mpirun(2, args("src", 2) + " --strategy zero2").code, 0);
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
+  const auto want = whole_state(step("src", 2), desc);
+  for (const auto& [ranks, strategy] : {std::pair{3, std::string("fsdp")}, {4, "hybrid --shard-group 2"}, {1, "ddp"}}) {
+    const std::string out = "reload_" + std::to_string(ranks);
+    const std::string a = args(out, 2, 1) + " --strategy " + strategy + " --resume-override global-batch --resume " +
+                          step("src", 2);
+    const Result r = ranks == 1 ? testing::run_command("SHARDLM_TEST_SAVE_AFTER_RESUME=1 " + testing::shardlm_binary() + " " + a)
+                                : mpirun(ranks, a, "-x SHARDLM_TEST_SAVE_AFTER_RESUME=1");
+    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_TRUE(fs::exists(step(out, 2) + "/" + ckpt::rank_file_name(ranks - 1, ranks))) << strategy;
+    const auto got = whole_state(step(out, 2), desc);
+    for (int k = 0; k < ckpt::kNumKinds; ++k)
+      EXPECT_EQ(0, std::memcmp(got[k].data(), want[k].data(), 4 * want[k].size())) << strategy << " x" << ranks << " kind " << k;
+  }
 }
 
 TEST_F(CheckpointSlow, KeepLastKeepsTheNewest) {
