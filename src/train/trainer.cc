@@ -177,16 +177,12 @@ struct Session {
         train_data(c.data + "_train.bin"),
         val_data(c.data + "_val.bin"),
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
-        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)), !c.resume.empty() || c.save_every > 0)),
+        // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
+        // whole checkpoint stages the whole state on every rank.
+        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)),
+                                     !c.resume.empty() && !ckpt::is_sharded(c.resume))),
         comms(w, plan),
         ex(desc, plan, comms, c.threads, timeout) {}
-
-  // The whole padded flat buffer of one kind of state on every rank (collective).
-  Buffer gather(run::Executor::State which) {
-    Buffer full(MemCategory::comm, sizeof(float) * plan.layout.total);
-    ex.gather_full(which, full.f32());
-    return full;
-  }
 };
 
 model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
