@@ -260,12 +260,14 @@ void resume(Session& s) {
   const std::string& dir = s.cfg.resume;
   s.state = read_checkpoint_state(dir);
   if (ckpt::is_sharded(dir)) {
+    const auto t0 = Clock::now();
     every_rank_or_all_fail(s, [&] {
       const json index = ckpt::read_index(dir);
       for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
       ckpt::check_index_against_model(dir, index, s.desc, true);
       ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s));
     });
+    if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
     return;
   }
   Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
