@@ -168,6 +168,7 @@ TEST_F(RunSafety, LeftoverTemporaryCheckpointsAreRemoved) {
     fs::create_directories(dir_ / "left" / "ckpt" / dead);
     std::ofstream(dir_ / "left" / "ckpt" / dead / "model.safetensors") << "half";
   }
+  std::ofstream(dir_ / "left" / "ckpt" / "latest.tmp-999997") << "step_";
   fs::create_directories(dir_ / "left" / "ckpt" / "keep.tmp-1");  // not a checkpoint's: left alone
   const Result r = shardlm(args("left", 4) + " --save-every 2 --resume " + ckpt("left", 2));
   ASSERT_EQ(r.code, 0) << r.out;
