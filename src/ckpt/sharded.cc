@@ -253,6 +253,9 @@ json read_index(const std::string& step_dir) {
   for (const auto& [name, t] : j["tensors"].items()) {
     if (!t.is_object() || !t.contains("shape") || !t["shape"].is_array() || t.value("dtype", "") != "F32")
       fail(path, "tensor " + name + " needs 'shape' and dtype F32");
+    for (const auto& d : t["shape"])
+      if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40))
+        fail(path, "tensor " + name + ": shape " + t["shape"].dump() + " must hold integers >= 0");
     for (int k = 0; k < kNumKinds; ++k) {
       const char* kn = kind_name(Kind(k));
       if (!t.contains(kn)) continue;

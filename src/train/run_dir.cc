@@ -192,7 +192,7 @@ std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t
     if (!cfg.overwrite)
       throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/)" +
                                (resumed_step >= 0 ? ", not the run --resume " + cfg.resume + " continues" : "") +
-                               "; --resume " + dir + "/ckpt/step_N to continue it, --overwrite to replace it, or "
+                               "; --resume " + dir + " (its latest checkpoint) to continue it, --overwrite to replace it, or "
                                "choose another --out");
     run->replace_ = true;
   }
