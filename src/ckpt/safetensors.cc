@@ -524,6 +524,15 @@ void write_dir_atomically(const std::string& final_dir_in,
     throw;
   }
 
+  commit_dir(tmp, final_dir);
+}
+
+void commit_dir(const std::string& tmp, const std::string& final_dir_in) {
+  std::string final_dir = final_dir_in;
+  while (final_dir.size() > 1 && final_dir.back() == '/') final_dir.pop_back();
+  const std::string what = "commit_dir: " + final_dir;
+  const std::string pid = std::to_string(::getpid());
+  const std::string parent = parent_dir(final_dir);
   try {
     sync_tree(tmp, what);
     if (!fs::exists(final_dir)) {
@@ -553,5 +562,7 @@ void write_dir_atomically(const std::string& final_dir_in,
     throw std::runtime_error(what + ": " + one_line(e.what()));
   }
 }
+
+void fsync_dir(const std::string& dir) { fsync_path(dir, true, "fsync_dir: " + dir); }
 
 }  // namespace shardlm::ckpt

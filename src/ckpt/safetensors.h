@@ -128,4 +128,11 @@ class SafetensorsFile {
 void write_dir_atomically(const std::string& final_dir,
                           const std::function<void(const std::string& tmp_dir)>& fill);
 
+// write_dir_atomically's second half: fsyncs every file of `tmp` and `tmp` itself, then moves it
+// to `final_dir` (replacing an existing one the same way). For directories filled by several
+// processes, which agree on `tmp` and finish writing before one of them commits.
+void commit_dir(const std::string& tmp, const std::string& final_dir);
+// fsyncs a directory (after a rename inside it). Throws std::runtime_error naming it.
+void fsync_dir(const std::string& dir);
+
 }  // namespace shardlm::ckpt

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "ckpt/sharded.h"
 #include "comm/factory.h"
 #include "comm/mpi_backend.h"
 #include "comm/single_rank.h"
@@ -123,7 +124,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   add_plan_options(cmd, c);
   cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
-  cmd->add_option("--resume", c.resume, "checkpoint directory to continue from");
+  cmd->add_option("--resume", c.resume, "checkpoint to continue from: a run directory (its ckpt/latest) or a step directory");
   cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
   cmd->add_option("--resume-override", c.resume_override,
                   "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")
@@ -146,6 +147,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--eval-every", c.eval_every, "steps between evaluations (0: at the end only)")->capture_default_str();
   cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
+  cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->capture_default_str();
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
@@ -168,11 +170,12 @@ struct LoadedModel {
   train::RunState state;
 };
 
-std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads, plan::PlanConfig::Mode mode,
+std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int threads, plan::PlanConfig::Mode mode,
                                         int64_t B, int64_t T) {
   auto m = std::make_unique<LoadedModel>();
+  const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
   m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
-  m->state = train::read_checkpoint_state(ckpt_dir);
+  m->state = train::read_model_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
   plan::PlanConfig pc;
@@ -187,6 +190,51 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir, int threads
   train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
                          nullptr);
   return m;
+}
+
+// `shardlm ckpt export | info`: checkpoints as files, on one process.
+struct CkptCommands {
+  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *info_cmd = nullptr;
+  std::string dir, out, format = "hf", dtype = "fp32";
+};
+
+void add_ckpt_commands(CLI::App& app, CkptCommands& c) {
+  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint or say what it holds");
+  c.ckpt->require_subcommand(1);
+  c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory");
+  c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
+  c.export_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
+  c.export_cmd->add_option("--out", c.out, "output directory (model.safetensors, config.json)")->required();
+  c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
+  c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
+}
+
+void print_ckpt_info(const std::string& arg) {
+  const std::string dir = ckpt::resolve_checkpoint(arg);
+  const model::ModelConfig mc = train::read_checkpoint_config(dir);
+  const train::RunState st = train::read_checkpoint_state(dir);
+  fmt::print("checkpoint {}\n  model {} L={} C={} NH={} NKV={} F={} V={} max_seq={}\n  step {} (adamw_step {}), seed {}, tokenizer {}\n",
+             dir, model::to_string(mc.family), mc.n_layer, mc.n_embd, mc.n_head, mc.n_kv_head, mc.ffn_dim,
+             mc.vocab_size, mc.max_seq, st.step, st.adam_step, st.seed, st.tokenizer);
+  if (!ckpt::is_sharded(dir)) return fmt::print("  whole (model.safetensors, optimizer.safetensors, state.json)\n");
+  const nlohmann::json index = ckpt::read_index(dir);
+  const auto [tensors, elements] = ckpt::index_tensor_count(index);
+  fmt::print("  sharded: saved by {} on {} rank(s); {} tensors, {} elements each of param, exp_avg, exp_avg_sq\n",
+             index.value("strategy", "?"), index["world_size"].get<int>(), tensors, elements);
+  for (const auto& f : index["files"])
+    fmt::print("  {}  {} bytes  xxh64 {}\n", f["name"].get<std::string>(), f["bytes"].get<uint64_t>(),
+               f["xxh64"].get<std::string>());
+}
+
+int run_ckpt(const CkptCommands& c) {
+  if (*c.export_cmd) {
+    train::export_hf(ckpt::resolve_checkpoint(c.dir), c.out, c.dtype);
+    fmt::print("exported {} -> {}/model.safetensors ({}), {}/config.json\n", c.dir, c.out, c.dtype, c.out);
+  } else {
+    print_ckpt_info(c.dir);
+  }
+  return 0;
 }
 
 // Training may span ranks: errors name the rank, and a failing rank ends the whole job (an MPI
@@ -510,6 +558,8 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
   plan_cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
   plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
+  CkptCommands ckpt_cmds;
+  add_ckpt_commands(app, ckpt_cmds);
 
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
@@ -550,6 +600,8 @@ int run(int argc, char** argv) {
       return run_plan(pa);
     } else if (*sim_cmd) {
       run_simulate(sa);
+    } else if (*ckpt_cmds.ckpt) {
+      return run_ckpt(ckpt_cmds);
     } else if (*eval_cmd) {
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);

@@ -97,6 +97,10 @@ class Executor {
   // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host memory.
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
+  // This rank's buffer of `which` as the plan's StateLayout holds it (parts > 1: the unit shards
+  // back to back; 1: the whole padded flat buffer); null when the plan holds none. For ckpt/,
+  // which reads and writes each rank's element ranges in place.
+  float* local_state(State which) { return state(which).bytes() ? state(which).f32() : nullptr; }
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }

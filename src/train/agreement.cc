@@ -112,6 +112,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"eval-every", s(c.eval_every)},
       {"eval-windows", s(c.eval_windows)},
       {"save-every", s(c.save_every)},
+      {"keep-last", s(c.keep_last)},
       {"sample-tokens", s(c.sample_tokens)},
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},

@@ -2,15 +2,19 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <stdexcept>
 
 #include "ckpt/hf_config.h"
 #include "ckpt/safetensors.h"
+#include "ckpt/sharded.h"
 
 namespace shardlm::train {
 
@@ -123,8 +127,19 @@ TensorCount in_file(const ckpt::SafetensorsFile& f) {
 // must hold exactly the tensors the config's layer count implies, then each with its shape.
 void check_config_against_tensors(const model::ModelConfig& c, const std::string& dir) {
   const std::string config = dir + "/config.json";
-  const ckpt::SafetensorsFile f(dir + "/model.safetensors");
-  const TensorCount have = in_file(f);
+  const bool sharded = ckpt::is_sharded(dir);
+  ckpt::SafetensorsFile f;
+  json index;
+  TensorCount have;
+  if (sharded) {
+    index = ckpt::read_index(dir);
+    const auto [tensors, elements] = ckpt::index_tensor_count(index);
+    have = {tensors, elements};
+  } else {
+    f.open(dir + "/model.safetensors");
+    have = in_file(f);
+  }
+  const std::string holder = sharded ? dir + "/index.json" : f.path();
   model::ModelConfig probe = c;
   probe.n_layer = 1;
   const TensorCount one = exported(model::describe(probe));
@@ -139,14 +154,17 @@ void check_config_against_tensors(const model::ModelConfig& c, const std::string
     throw std::runtime_error(fmt::format(
         "checkpoint: {}: n_layer {}, n_embd {}, ffn_dim {}, vocab_size {} {}but {} holds {} tensors of {} elements",
         config, c.n_layer, c.n_embd, c.ffn_dim, c.vocab_size,
-        too_many ? "" : fmt::format("give {} tensors of {} elements ", want.tensors, want.elements), f.path(),
+        too_many ? "" : fmt::format("give {} tensors of {} elements ", want.tensors, want.elements), holder,
         have.tensors, have.elements));
   for (const auto& u : model::describe(c).units)
     for (const auto& p : u.params) {
-      const auto& shape = f.info(p.name).shape;  // throws naming file and tensor when absent
+      if (sharded && !index["tensors"].contains(p.name))
+        throw std::runtime_error("checkpoint: " + holder + " has no tensor " + p.name + ", which " + config + " implies");
+      // f.info throws naming file and tensor when absent
+      const auto shape = sharded ? index["tensors"][p.name]["shape"].get<std::vector<int64_t>>() : f.info(p.name).shape;
       if (shape != p.exported_shape())
         throw std::runtime_error(fmt::format("checkpoint: {}: tensor {} has shape [{}] in {} but the config gives [{}]",
-                                             config, p.name, fmt::join(shape, ", "), f.path(),
+                                             config, p.name, fmt::join(shape, ", "), holder,
                                              fmt::join(p.exported_shape(), ", ")));
     }
 }
@@ -167,8 +185,19 @@ model::ModelConfig read_checkpoint_config(const std::string& dir) {
   return c;
 }
 
+RunState read_model_state(const std::string& dir) {
+  if (ckpt::is_sharded(dir) || std::filesystem::exists(dir + "/state.json")) return read_checkpoint_state(dir);
+  // An exported Hugging Face directory: weights and config.json, no run.
+  const std::string path = dir + "/config.json";
+  RunState s;
+  s.tokenizer = read_json(path).value("shardlm_tokenizer", "gpt2");
+  if (s.tokenizer.empty()) throw std::runtime_error("checkpoint: " + path + ": field 'shardlm_tokenizer' is empty");
+  return s;
+}
+
 RunState read_checkpoint_state(const std::string& dir) {
-  const std::string path = dir + "/state.json";
+  // A sharded checkpoint's index.json holds state.json's fields.
+  const std::string path = dir + (ckpt::is_sharded(dir) ? "/index.json" : "/state.json");
   const json j = read_json(path);
   // Integers >= 0 only: nlohmann would turn 2.5 into 2 and -1 into 2^64 - 1 without a word.
   auto count = [&](const json& obj, const char* key) {
@@ -206,6 +235,13 @@ RunState read_checkpoint_state(const std::string& dir) {
 
 void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                      float* params, float* exp_avg, float* exp_avg_sq) {
+  if (ckpt::is_sharded(dir)) {  // one process reads every file whole
+    const json index = ckpt::read_index(dir);
+    for (int f = 0; f < index["world_size"].get<int>(); ++f) ckpt::verify_file(dir, index, f);
+    ckpt::check_index_against_model(dir, index, desc, exp_avg != nullptr);
+    ckpt::load_rank(dir, index, desc, ckpt::whole_layout(layout), 0, {params, exp_avg, exp_avg_sq});
+    return;
+  }
   {
     ckpt::SafetensorsFile f(dir + "/model.safetensors");
     for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
@@ -223,6 +259,68 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
       check_finite(path, "exp_avg_sq." + p.name, exp_avg_sq + at, p);
     });
   }
+}
+
+// Which rank holds and writes which part of each kind of state: the plan's StateLayout over its
+// dp_shard axis; replicas (ddp, zero1's parameters, hybrid's replicate groups) write once, from
+// the lowest rank holding a part.
+ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
+  ckpt::ShardedLayout L;
+  L.flat = p.layout;
+  L.world = world;
+  const int parts[ckpt::kNumKinds] = {p.state.params, p.state.optimizer, p.state.optimizer};
+  for (int k = 0; k < ckpt::kNumKinds; ++k) {
+    if (parts[k] != 1 && parts[k] != p.shard_size)
+      throw std::logic_error(fmt::format("checkpoint: state in {} parts over a dp_shard axis of {}", parts[k], p.shard_size));
+    ckpt::KindLayout& K = L.kinds[k];
+    K.parts = parts[k];
+    std::set<int> seen;
+    for (int r = 0; r < world; ++r) {
+      K.part_of.push_back(K.parts > 1 ? p.shard_index(r) : 0);
+      K.writes.push_back(seen.insert(K.part_of.back()).second);
+    }
+  }
+  return L;
+}
+
+namespace {
+
+// Round to nearest even, as PyTorch's .to(torch.bfloat16) does; NaN stays NaN.
+uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const std::string& dtype) {
+  if (dtype != "fp32" && dtype != "bf16")
+    throw std::runtime_error("ckpt export: --dtype must be fp32 or bf16, got '" + dtype + "'");
+  const model::ModelDesc desc = model::describe(read_checkpoint_config(ckpt_dir));
+  const RunState state = read_checkpoint_state(ckpt_dir);
+  const model::FlatLayout layout = model::flat_layout(desc);
+  std::vector<float> params(layout.total);
+  load_checkpoint(ckpt_dir, desc, layout, params.data(), nullptr, nullptr);
+  std::vector<uint16_t> half(dtype == "bf16" ? layout.total : 0);
+  for (size_t i = 0; i < half.size(); ++i) half[i] = to_bf16(params[i]);
+  std::filesystem::create_directories(std::filesystem::path(out_dir).parent_path().empty()
+                                          ? std::filesystem::path(".")
+                                          : std::filesystem::path(out_dir).parent_path());
+  ckpt::write_dir_atomically(out_dir, [&](const std::string& tmp) {
+    ckpt::SafetensorsWriter weights;
+    for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
+      if (half.empty()) weights.add_f32(p.name, p.exported_shape(), params.data() + at);
+      else weights.add(p.name, ckpt::StDType::BF16, p.exported_shape(), half.data() + at, 2 * p.exported_numel());
+    });
+    weights.set_metadata("format", "pt");
+    weights.write(tmp + "/model.safetensors");
+    json config = ckpt::to_hf_config(desc.config);
+    config["shardlm_tokenizer"] = state.tokenizer;
+    config["torch_dtype"] = dtype == "bf16" ? "bfloat16" : "float32";
+    write_json(tmp + "/config.json", config);
+  });
 }
 
 }  // namespace shardlm::train

@@ -1,4 +1,6 @@
-// The whole checkpoint: a Hugging Face-style directory written atomically.
+// Checkpoints as train/ and cli/ read them, whole or sharded (ckpt/sharded.h; training writes
+// only the sharded form now, the trainer's save()), and the whole form below, which export_hf
+// and tests write: a Hugging Face-style directory written atomically.
 //   model.safetensors      Hugging Face names and layouts of the model's family (GPT-2: Conv1D
 //                          (in, out); LLaMA: Linear (out, in)), fp32, vocabulary matrices with V rows
 //   optimizer.safetensors  AdamW moments: exp_avg.<name>, exp_avg_sq.<name>
@@ -11,7 +13,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "ckpt/sharded.h"
 #include "model/model.h"
+#include "plan/plan.h"
 #include "train/config.h"
 
 namespace shardlm::train {
@@ -34,10 +38,22 @@ void save_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 // Reads config.json (throws std::runtime_error naming the file and field when absent or bad).
 model::ModelConfig read_checkpoint_config(const std::string& dir);
 RunState read_checkpoint_state(const std::string& dir);
+// What eval and generate need of a checkpoint's state (its tokenizer): read_checkpoint_state, or
+// for an exported Hugging Face directory (no run state) config.json's shardlm_tokenizer.
+RunState read_model_state(const std::string& dir);
 // Loads parameters and, when exp_avg is not null, AdamW moments into flat buffers laid out by
 // `layout` (padding untouched). Every tensor must exist with its exact shape and hold only finite
 // values; errors name the file and tensor.
 void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                      float* params, float* exp_avg, float* exp_avg_sq);
+
+// Which rank holds and writes which part of each kind of state under `plan` on `world` ranks:
+// the plan's StateLayout over its dp_shard axis; replicas (ddp, zero1's parameters, hybrid's
+// replicate groups) write once, from the lowest rank holding a part.
+ckpt::ShardedLayout sharded_layout(const plan::Plan& plan, int world);
+
+// `shardlm ckpt export --format hf`: a checkpoint (sharded or whole) as a Hugging Face directory,
+// model.safetensors (fp32 or bf16) + config.json, written atomically.
+void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const std::string& dtype);
 
 }  // namespace shardlm::train

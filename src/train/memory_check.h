@@ -27,8 +27,8 @@ int ranks_on_this_machine();
 const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards);
 
 // The plan's peak per rank (every category, as `explain` prints it), plus three whole fp32
-// copies of the state when `stages_whole_state` (checkpoint save and resume gather parameters
-// and both moments on every rank), times the ranks on this machine, against its available
+// copies of the state when `stages_whole_state` (resuming an older whole checkpoint reads
+// parameters and both moments whole on every rank), times the ranks on this machine, against its available
 // memory. Returns `plan`; throws std::runtime_error naming the figures.
 plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state);
 

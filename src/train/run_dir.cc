@@ -99,11 +99,11 @@ void remove_path(const fs::path& p) {
   if (ec) throw std::runtime_error("cannot remove " + p.string() + ": " + ec.message());
 }
 
-// Directories a checkpoint write of a dead process left behind (ckpt/step_N.tmp-PID, and
-// .old-PID where the final name could not be swapped atomically): only the lock holder writes
-// checkpoints here, so none of them belongs to a living run.
+// What a checkpoint write of a dead process left behind (ckpt/step_N.tmp-PID, .old-PID where
+// the final name could not be swapped atomically, latest.tmp-PID): only the lock holder's ranks
+// write checkpoints here, so none of them belongs to a living run.
 void remove_leftovers(const std::string& dir) {
-  static const std::regex leftover(R"(step_\d+\.(tmp|old)-\d+)");
+  static const std::regex leftover(R"((step_\d+\.(tmp|old)|latest\.tmp)-\d+)");
   std::error_code ec;
   const fs::path ckpt = fs::path(dir) / "ckpt";
   if (!fs::is_directory(ckpt, ec)) return;
@@ -192,7 +192,7 @@ std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t
     if (!cfg.overwrite)
       throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/)" +
                                (resumed_step >= 0 ? ", not the run --resume " + cfg.resume + " continues" : "") +
-                               "; --resume " + dir + "/ckpt/step_N to continue it, --overwrite to replace it, or "
+                               "; --resume " + dir + " (its latest checkpoint) to continue it, --overwrite to replace it, or "
                                "choose another --out");
     run->replace_ = true;
   }

@@ -11,7 +11,10 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <unistd.h>
 
+#include "ckpt/hf_config.h"
+#include "ckpt/sharded.h"
 #include "data/sampler.h"
 #include "data/shard.h"
 #include "kernels/cpu.h"
@@ -181,6 +184,7 @@ struct Session {
   run::CommGroups comms;
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
+  int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
 
   Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
       : cfg(c),
@@ -194,16 +198,12 @@ struct Session {
         train_data(c.data + "_train.bin"),
         val_data(c.data + "_val.bin"),
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
-        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)), !c.resume.empty() || c.save_every > 0)),
+        // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
+        // whole checkpoint stages the whole state on every rank.
+        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)),
+                                     !c.resume.empty() && !ckpt::is_sharded(c.resume))),
         comms(w, plan),
         ex(desc, plan, comms, c.threads, timeout, backend_for(c)) {}
-
-  // The whole padded flat buffer of one kind of state on every rank (collective).
-  Buffer gather(run::Executor::State which) {
-    Buffer full(MemCategory::comm, sizeof(float) * plan.layout.total);
-    ex.gather_full(which, full.f32());
-    return full;
-  }
 };
 
 model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
@@ -229,8 +229,9 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
 
 // Before any collective of the step: the ranks agree on their settings; then rank 0 checks that
 // a resume continues the saved run and takes the run directory. A failure there ends every rank.
-// Returns rank 0's run directory (nullptr on the other ranks).
-std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicator& world) {
+// --resume names a run or step directory; afterwards cfg.resume is the step directory on every
+// rank. Returns rank 0's run directory (nullptr on the other ranks).
+std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& world) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
   std::unique_ptr<RunDirectory> dir;
@@ -238,37 +239,129 @@ std::unique_ptr<RunDirectory> start_up(const TrainConfig& cfg, comm::Communicato
     int64_t resumed_step = -1;
     check_resume_override_use(cfg);
     if (!cfg.resume.empty()) {
+      cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
       resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
       const RunState saved = read_checkpoint_state(cfg.resume);
-      check_resume_matches(cfg, world.size(), saved.run, cfg.resume + "/state.json");
+      check_resume_matches(cfg, world.size(), saved.run,
+                           cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json"));
       resumed_step = saved.step;
     }
     dir = RunDirectory::open(cfg, resumed_step);
   });
+  if (world.rank() != 0 && !cfg.resume.empty()) cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
   return dir;
 }
 
-// Loads a checkpoint into the executor's state: read whole on every rank, each keeps its part.
-// That the checkpoint's run is this run, start_up() checked.
+// Runs fn on every rank and tells every rank whether any threw: each failing rank reports its
+// own line, and every rank throws AgreedFailure, so none waits for another that gave up.
+void every_rank_or_all_fail(Session& s, const std::function<void()>& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "failed";
+  }
+  const int64_t mine = error.empty() ? 0 : 1;
+  std::vector<int64_t> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint agreement")->wait(s.timeout);
+  if (std::find(all.begin(), all.end(), 1) != all.end()) throw AgreedFailure(error, !error.empty());
+}
+
+ckpt::RankBuffers rank_buffers(Session& s) {
+  using St = run::Executor::State;
+  return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
+}
+
+// Loads a checkpoint into the executor's state. Sharded: each rank verifies every N-th file
+// (size, checksum, header against the index) and reads only its own element ranges. A whole
+// (older) checkpoint is read whole on every rank. That the checkpoint's run is this run,
+// start_up() checked.
 void resume(Session& s) {
-  s.state = read_checkpoint_state(s.cfg.resume);
+  const std::string& dir = s.cfg.resume;
+  s.state = read_checkpoint_state(dir);
+  if (ckpt::is_sharded(dir)) {
+    const auto t0 = Clock::now();
+    every_rank_or_all_fail(s, [&] {
+      const json index = ckpt::read_index(dir);
+      for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
+      ckpt::check_index_against_model(dir, index, s.desc, true);
+      ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s));
+    });
+    if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
+    return;
+  }
   Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
       v(MemCategory::comm, p.bytes());
-  load_checkpoint(s.cfg.resume, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
+  load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
   s.ex.load_full(run::Executor::State::params, p.f32());
   s.ex.load_full(run::Executor::State::exp_avg, m.f32());
   s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
 }
 
-// The whole state gathered to every rank; rank 0 writes it in the single-process layout, which
-// every strategy and rank count resumes from.
+// What index.json records besides the tensors: state.json's fields, the model and the plan.
+json index_meta(Session& s) {
+  json config = ckpt::to_hf_config(s.desc.config);
+  config["shardlm_tokenizer"] = s.state.tokenizer;
+  return {{"format", "shardlm-sharded-1"},
+          {"step", s.state.step},
+          {"optimizer", {{"adamw_step", s.state.adam_step}}},
+          {"tokenizer", s.state.tokenizer},
+          // Batches are a pure function of (seed, step), so the step is the data position.
+          {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", s.state.step}}},
+          {"rng", {{"seed", s.state.seed}}},
+          {"run", s.state.run},
+          {"schedule",
+           {{"lr", s.cfg.lr}, {"min_lr", s.cfg.min_lr}, {"warmup_steps", s.cfg.warmup}, {"total_steps", s.cfg.steps}}},
+          {"strategy", plan::to_string(s.plan.config.strategy)},
+          {"config", config}};
+}
+
+// Test-only fault point: SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP kills that rank by SIGKILL in the
+// save of that step, after its own file is written and before the ranks agree that all are.
+void maybe_die_in_save(const Session& s) {
+  const char* v = std::getenv("SHARDLM_FAULT_KILL_IN_SAVE");
+  int rank = -1;
+  long long step = -1;
+  if (v && std::sscanf(v, "%d:%lld", &rank, &step) == 2 && rank == s.rank && step == s.state.step) std::raise(SIGKILL);
+}
+
+// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
+// fsync, rename); the all-gather of the files' sizes and checksums is the barrier after which
+// every file is durable; then rank 0 writes index.json, moves the directory into place and only
+// then points ckpt/latest at it.
 void save(Session& s) {
-  Buffer p = s.gather(run::Executor::State::params);
-  Buffer m = s.gather(run::Executor::State::exp_avg);
-  Buffer v = s.gather(run::Executor::State::exp_avg_sq);
-  if (s.lead)
-    save_checkpoint(checkpoint_dir(s.cfg.out, s.state.step), s.desc, s.plan.layout, p.f32(), m.f32(), v.f32(), s.state,
-                    s.cfg);
+  if (s.lead_pid < 0) {
+    const int64_t mine = ::getpid();
+    std::vector<int64_t> all(s.N);
+    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
+    s.lead_pid = all[0];
+  }
+  const auto t0 = Clock::now();
+  const std::string step_dir = checkpoint_dir(s.cfg.out, s.state.step);
+  const std::string tmp = step_dir + ".tmp-" + std::to_string(s.lead_pid);
+  const ckpt::ShardedLayout L = sharded_layout(s.plan, s.N);
+  ckpt::FileSummary mine;
+  every_rank_or_all_fail(s, [&] {
+    std::filesystem::create_directories(tmp);
+    mine = ckpt::write_rank_file(tmp, s.desc, L, s.rank, rank_buffers(s));
+  });
+  maybe_die_in_save(s);
+  std::vector<ckpt::FileSummary> files(s.N);
+  static_assert(sizeof(ckpt::FileSummary) == 16);
+  s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);
+  on_lead_or_all_fail(s.world, s.timeout, [&] {
+    const json index = ckpt::make_index(s.desc, L, files, index_meta(s));
+    ckpt::commit_step(tmp, step_dir, index, index["config"]);
+    ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
+  });
+  if (s.talk) {
+    uint64_t most = 0, total = 0;
+    for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
+    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms\n", step_dir, total / 1e6,
+               s.N, most / 1e6, ms_since(t0));
+    std::fflush(stdout);
+  }
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
@@ -337,8 +430,9 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
-  cfg.validate();
+TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
+  cfg_in.validate();
+  TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
   const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
@@ -358,6 +452,9 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world) {
   }
   if (cfg.device == "cuda" && world.size() > 1)
     throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
+  // Test-only: SHARDLM_TEST_SAVE_AFTER_RESUME=1 saves the state just loaded, under this run's
+  // strategy and rank count, so a test can compare it with the checkpoint it came from.
+  if (!cfg.resume.empty() && std::getenv("SHARDLM_TEST_SAVE_AFTER_RESUME")) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
   const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;

@@ -219,7 +219,7 @@ TEST_F(BadInput, ModelTooBigForTheMachineIsRefusedWithTheFigure) {
                         {"does not fit in memory", "activations", "MemAvailable"});
 }
 
-// A copy of a real checkpoint whose config.json or state.json `edit` changes.
+// A copy of a real checkpoint whose config.json or index.json `edit` changes.
 class BadCheckpoint : public BadInput {
  protected:
   static void SetUpTestSuite() {
@@ -244,22 +244,23 @@ class BadCheckpoint : public BadInput {
   int n_ = 0;
 };
 
-// state.json with step -7 gave `basic_string::_M_replace_aux`.
+// The run state (state.json's fields, in a sharded checkpoint's index.json) with step -7 gave
+// `basic_string::_M_replace_aux`.
 TEST_F(BadCheckpoint, StateFieldsAreRangeChecked) {
-  expect_refused(edited("state.json", [](auto& j) { j["step"] = -7; }), {"state.json", "'step'", "-7"});
-  expect_refused(edited("state.json", [](auto& j) { j["step"] = 2.5; }), {"state.json", "'step'", "2.5"});
-  expect_refused(edited("state.json", [](auto& j) { j["rng"]["seed"] = -1; }), {"state.json", "'seed'", "-1"});
-  expect_refused(edited("state.json", [](auto& j) { j.erase("step"); }), {"state.json", "'step'"});
-  expect_refused(edited("state.json", [](auto& j) { j["tokenizer"] = ""; }), {"state.json", "'tokenizer'"});
+  expect_refused(edited("index.json", [](auto& j) { j["step"] = -7; }), {"index.json", "'step'", "-7"});
+  expect_refused(edited("index.json", [](auto& j) { j["step"] = 2.5; }), {"index.json", "'step'", "2.5"});
+  expect_refused(edited("index.json", [](auto& j) { j["rng"]["seed"] = -1; }), {"index.json", "'seed'", "-1"});
+  expect_refused(edited("index.json", [](auto& j) { j.erase("step"); }), {"index.json", "'step'"});
+  expect_refused(edited("index.json", [](auto& j) { j["tokenizer"] = ""; }), {"index.json", "'tokenizer'"});
 }
 
-// config.json is checked against model.safetensors' own tensor sizes before anything is allocated.
+// config.json is checked against the tensors index.json lists before anything is allocated.
 TEST_F(BadCheckpoint, ConfigIsCheckedAgainstTheTensorFile) {
   expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 100000000; }), {"config.json", "n_layer", "100000000"});
   expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 1000; }),
-                 {"config.json", "n_layer 1000", "model.safetensors", "tensors"});
-  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 3; }), {"config.json", "n_layer 3", "model.safetensors"});
-  expect_refused(edited("config.json", [](auto& j) { j["n_inner"] = 200; }), {"config.json", "ffn_dim 200", "model.safetensors"});
+                 {"config.json", "n_layer 1000", "index.json", "tensors"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_layer"] = 3; }), {"config.json", "n_layer 3", "index.json"});
+  expect_refused(edited("config.json", [](auto& j) { j["n_inner"] = 200; }), {"config.json", "ffn_dim 200", "index.json"});
   // Same element count, other shapes: n_positions 256 -> 128 with vocabulary 256 -> 384 keeps
   // wte + wpe at (256 + 256) x 64 = (384 + 128) x 64; caught tensor by tensor.
   expect_refused(edited("config.json", [](auto& j) { j["n_positions"] = 128; j["vocab_size"] = 384; }),

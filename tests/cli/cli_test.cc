@@ -14,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "ckpt/safetensors.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -130,7 +132,7 @@ TEST_F(Cli, ConfigFileUnknownKeyNamesIt) {
 TEST_F(Cli, UnreadableCheckpoint) {
   fs::create_directories(dir_ / "notackpt");
   expect_one_line_error(run("eval --ckpt " + (dir_ / "notackpt").string() + " --data " + (dir_ / "tok_val.bin").string()),
-                        "config.json");
+                        "index.json");
 }
 
 TEST_F(Cli, CommandLineWinsOverConfigFile) {
@@ -175,7 +177,7 @@ TEST_F(Cli, ResumeContinuesBitwise) {
   ASSERT_EQ(run(train_args("full", 6)).code, 0);
   ASSERT_EQ(run(train_args("part", 6) + " --save-every 3").code, 0);
   const fs::path ck = dir_ / "part" / "ckpt" / "step_3";
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json", "state.json"})
+  for (const char* f : {"rank-00000-of-00001.safetensors", "index.json", "config.json"})
     EXPECT_TRUE(fs::exists(ck / f)) << f;
   ASSERT_EQ(run(train_args("resumed", 6) + " --resume " + ck.string()).code, 0);
   const auto full = losses(dir_ / "full" / "metrics.jsonl");
@@ -204,6 +206,39 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
 }
 
+// `ckpt export` writes the whole Hugging Face form of a sharded checkpoint: evaluated, it gives
+// the step directory's loss to the last digit (the same fp32 parameters); --dtype bf16 rounds
+// each to nearest even. `ckpt info` names the step and the rank files.
+TEST_F(Cli, CkptExportAndInfo) {
+  ASSERT_EQ(run(train_args("ex", 2) + " --save-every 2").code, 0);
+  const fs::path run_dir = dir_ / "ex", ck = run_dir / "ckpt" / "step_2";
+  const Result info = run("ckpt info --ckpt " + run_dir.string());
+  ASSERT_EQ(info.code, 0) << info.out;
+  EXPECT_NE(info.out.find("step 2"), std::string::npos) << info.out;
+  EXPECT_NE(info.out.find("rank-00000-of-00001.safetensors"), std::string::npos) << info.out;
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const Result x = run("ckpt export --format hf --dtype " + std::string(dtype) + " --ckpt " + ck.string() + " --out " +
+                         (dir_ / ("ex_" + std::string(dtype))).string());
+    ASSERT_EQ(x.code, 0) << x.out;
+  }
+  const std::string eval = " --data " + (dir_ / "tok_val.bin").string() + " --seq 32";
+  const Result a = run("eval --ckpt " + ck.string() + eval), b = run("eval --ckpt " + (dir_ / "ex_fp32").string() + eval);
+  ASSERT_EQ(a.code, 0) << a.out;
+  EXPECT_EQ(a.out, b.out);
+  const shardlm::ckpt::SafetensorsFile f32((dir_ / "ex_fp32" / "model.safetensors").string()),
+      b16((dir_ / "ex_bf16" / "model.safetensors").string());
+  ASSERT_EQ(f32.names().size(), b16.names().size());
+  for (const auto& name : f32.names()) {
+    ASSERT_EQ(b16.info(name).dtype, shardlm::ckpt::StDType::BF16) << name;
+    const auto* x = static_cast<const uint32_t*>(f32.data(name));
+    const auto* y = static_cast<const uint16_t*>(b16.data(name));
+    for (int64_t i = 0; i < f32.info(name).numel(); ++i)
+      ASSERT_EQ(y[i], static_cast<uint16_t>((x[i] + 0x7fffu + ((x[i] >> 16) & 1u)) >> 16)) << name << " " << i;
+  }
+  const nlohmann::json config = nlohmann::json::parse(std::ifstream(dir_ / "ex_bf16" / "config.json"));
+  EXPECT_EQ(config["torch_dtype"], "bfloat16");
+}
+
 // A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
 // layouts, exactly V vocabulary rows, no lm_head when tied, and LlamaConfig's keys; it evaluates
 // and generates.
@@ -227,8 +262,11 @@ TEST_F(Cli, LlamaCheckpointCarriesHuggingFaceNamesAndConfig) {
     EXPECT_EQ(config["num_hidden_layers"], 1);
     EXPECT_EQ(config["tie_word_embeddings"], tied);
     EXPECT_EQ(config["vocab_size"], 256);
-    // The safetensors header names every tensor with its shape.
-    std::ifstream mf(ck / "model.safetensors", std::ios::binary);
+    // The exported safetensors header names every tensor with its shape.
+    const Result x = run("ckpt export --format hf --ckpt " + ck.string() + " --out " + (dir_ / (out + "_hf")).string());
+    ASSERT_EQ(x.code, 0) << x.out;
+    EXPECT_TRUE(fs::exists(dir_ / (out + "_hf") / "config.json"));
+    std::ifstream mf(dir_ / (out + "_hf") / "model.safetensors", std::ios::binary);
     uint64_t n = 0;
     mf.read(reinterpret_cast<char*>(&n), 8);
     std::string header(n, ' ');

@@ -168,12 +168,13 @@ TEST_F(RunSafety, LeftoverTemporaryCheckpointsAreRemoved) {
     fs::create_directories(dir_ / "left" / "ckpt" / dead);
     std::ofstream(dir_ / "left" / "ckpt" / dead / "model.safetensors") << "half";
   }
+  std::ofstream(dir_ / "left" / "ckpt" / "latest.tmp-999997") << "step_";
   fs::create_directories(dir_ / "left" / "ckpt" / "keep.tmp-1");  // not a checkpoint's: left alone
   const Result r = shardlm(args("left", 4) + " --save-every 2 --resume " + ckpt("left", 2));
   ASSERT_EQ(r.code, 0) << r.out;
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator(dir_ / "left" / "ckpt")) names.insert(e.path().filename().string());
-  EXPECT_EQ(names, (std::set<std::string>{"step_2", "step_4", "keep.tmp-1"}));
+  EXPECT_EQ(names, (std::set<std::string>{"step_2", "step_4", "latest", "keep.tmp-1"}));
 }
 
 // A disk-full metrics.jsonl used to be ignored: exit 0 with the log cut mid-line.
@@ -240,7 +241,7 @@ TEST_F(RunSafety, ResumeWithAChangedSettingIsRefusedUnlessOverridden) {
   ASSERT_EQ(shardlm(args("lr", 4) + " --save-every 2").code, 0);
   const std::string before = read_file(dir_ / "lr" / "metrics.jsonl");
   const std::string resume = " --save-every 2 --resume " + ckpt("lr", 2);
-  expect_one_error(shardlm(args("lr", 4) + resume + " --lr 0.01"), {"state.json", "lr is 0.01 (saved 0.0006)",
+  expect_one_error(shardlm(args("lr", 4) + resume + " --lr 0.01"), {"index.json", "lr is 0.01 (saved 0.0006)",
                                                                    "--resume-override lr"});
   expect_one_error(shardlm(args("lr", 6) + resume), {"steps is 6 (saved 4)"});
   expect_one_error(shardlm(args("lr", 4, 4) + resume), {"global-batch is 4 (saved 2)"});
@@ -251,7 +252,7 @@ TEST_F(RunSafety, ResumeWithAChangedSettingIsRefusedUnlessOverridden) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(train_steps(dir_ / "lr" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
   // The checkpoints of the resumed run record the run as it now is.
-  const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("lr", 6)) / "state.json"));
+  const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("lr", 6)) / "index.json"));
   EXPECT_EQ(state["run"]["steps"], 6);
   EXPECT_FLOAT_EQ(state["run"]["lr"].get<float>(), 0.01f);
 }

@@ -120,8 +120,8 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   ASSERT_EQ(got.size(), 5u);
   for (int s = 0; s < 5; ++s) EXPECT_NEAR(got[s], want_losses[s], l.loss_tol * std::fabs(want_losses[s])) << "step " << s;
 
-  ckpt::SafetensorsFile a((dir_ / single / "ckpt" / "step_5" / "model.safetensors").string());
-  ckpt::SafetensorsFile b((dir_ / name / "ckpt" / "step_5" / "model.safetensors").string());
+  ckpt::SafetensorsFile a(testing::exported_weights(dir_ / single / "ckpt" / "step_5").string());
+  ckpt::SafetensorsFile b(testing::exported_weights(dir_ / name / "ckpt" / "step_5").string());
   int tensors = 0, params = 0;
   for (const auto& u : desc.units) params += static_cast<int>(u.params.size());
   double worst = 0;
@@ -347,7 +347,7 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
         rows.push_back(row);
       }
       peak[mode] = p.max_memory()[MemCategory::activations];
-      std::ifstream f(dir_ / name / "ckpt" / "step_5" / "model.safetensors", std::ios::binary);
+      std::ifstream f(testing::exported_weights(dir_ / name / "ckpt" / "step_5"), std::ios::binary);
       const std::string weights((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
       if (mode == "none") {
         base = rows;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "ckpt/sharded.h"
 #include "test_util.h"
 
 namespace shardlm {
@@ -125,7 +126,7 @@ TEST_F(StopTest, SkipModeCountsSkippedUpdatesAndStopsAfterKInARow) {
   EXPECT_LT(rows.back()["lr"].get<double>(), rows[rows.size() - 3]["lr"].get<double>());
   // The checkpoint after the first skipped step: the step advanced, AdamW's count did not.
   const int64_t first_skip = rows[rows.size() - 3]["step"].get<int64_t>();
-  std::ifstream f(dir_ / "skip" / "ckpt" / ("step_" + std::to_string(first_skip + 1)) / "state.json");
+  std::ifstream f(dir_ / "skip" / "ckpt" / ("step_" + std::to_string(first_skip + 1)) / "index.json");
   ASSERT_TRUE(f) << "no checkpoint after the first skipped step";
   const auto state = nlohmann::json::parse(f);
   EXPECT_EQ(state["step"].get<int64_t>(), first_skip + 1);
@@ -143,7 +144,7 @@ TEST_F(StopTest, SkipModeCarriesOnAfterASingleNonFiniteStep) {
   for (const auto& row : rows) EXPECT_EQ(row["skipped"].get<bool>(), row["step"].get<int64_t>() == 2) << row.dump();
   EXPECT_EQ(rows.back()["skipped_steps"].get<int64_t>(), 1);
   EXPECT_TRUE(rows.back()["loss"].is_number());
-  std::ifstream f(dir_ / "skip_once" / "ckpt" / "step_5" / "state.json");
+  std::ifstream f(dir_ / "skip_once" / "ckpt" / "step_5" / "index.json");
   ASSERT_TRUE(f);
   EXPECT_EQ(nlohmann::json::parse(f)["optimizer"]["adamw_step"].get<int64_t>(), 4);
 }
@@ -165,7 +166,13 @@ void poison(const fs::path& file, const std::string& tensor) {
 TEST_F(StopTest, EvalGenerateAndResumeRefuseANonFiniteCheckpointNamingTheTensor) {
   ASSERT_EQ(shardlm(args("poisoned", 2) + " --save-every 2").code, 0);
   const fs::path ckpt = dir_ / "poisoned" / "ckpt" / "step_2";
-  poison(ckpt / "model.safetensors", "h.0.attn.c_attn.weight");
+  // As an older build without the guard would have saved it: the file's checksum in index.json
+  // matches, so the load itself must find the NaN.
+  const fs::path file = ckpt / "rank-00000-of-00001.safetensors";
+  poison(file, "param/h.0.attn.c_attn.weight");
+  nlohmann::json index = nlohmann::json::parse(std::ifstream(ckpt / "index.json"));
+  index["files"][0]["xxh64"] = ckpt::hex64(ckpt::summarize_file(file.string()).xxh64);
+  std::ofstream(ckpt / "index.json") << index.dump();
   const std::string tensor = "'h.0.attn.c_attn.weight'";
   const Result e = shardlm("eval --ckpt " + ckpt.string() + " --data " + (dir_ / "tok_val.bin").string() +
                            " --seq 32 --batch 2 --threads 1");
@@ -226,7 +233,7 @@ void expect_stopped_by_signal(const Result& r, const std::vector<nlohmann::json>
   ASSERT_FALSE(ckpts.empty()) << r.out;
   EXPECT_EQ(ckpts.back(), done) << r.out;
   EXPECT_FALSE(leftovers);
-  std::ifstream f(out / "ckpt" / ("step_" + std::to_string(done)) / "state.json");
+  std::ifstream f(out / "ckpt" / ("step_" + std::to_string(done)) / "index.json");
   ASSERT_TRUE(f);
   EXPECT_EQ(nlohmann::json::parse(f)["step"].get<int64_t>(), done);
 }

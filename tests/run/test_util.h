@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <sys/wait.h>
 #include <vector>
@@ -41,6 +42,15 @@ inline Result mpirun(int n, const std::string& args, const std::string& mpi_opti
 }
 
 inline Result shardlm(const std::string& args) { return run_command(shardlm_binary() + " " + args); }
+
+// A step directory's weights in the whole Hugging Face form: `shardlm ckpt export` into
+// STEP_DIR.hf; returns the path of its model.safetensors.
+inline std::filesystem::path exported_weights(const std::filesystem::path& step_dir) {
+  const std::filesystem::path out = step_dir.string() + ".hf";
+  const Result r = shardlm("ckpt export --format hf --ckpt " + step_dir.string() + " --out " + out.string());
+  if (r.code != 0) throw std::runtime_error("ckpt export failed: " + r.out);
+  return out / "model.safetensors";
+}
 
 inline std::vector<nlohmann::json> read_metrics(const std::filesystem::path& path) {
   std::vector<nlohmann::json> rows;

@@ -1,0 +1,99 @@
+// Sharded checkpoints: one safetensors file per rank holding only that rank's shard, plus
+// index.json saying where every element of every tensor lives, so a checkpoint saved on N ranks
+// loads on M under any strategy.
+//
+//   step_N/rank-0000r-of-0000N.safetensors  1-D F32 slices param/NAME, exp_avg/NAME,
+//                                           exp_avg_sq/NAME; "__metadata__": {"format": "pt"}
+//   step_N/index.json   run state (step, data position, RNG, schedule, run identity,
+//                       optimizer.adamw_step), "config" (Hugging Face keys), "strategy",
+//                       "world_size", "files": [{"name", "bytes", "xxh64"}] and
+//                       "tensors": {NAME: {"shape", "dtype", "param"|"exp_avg"|"exp_avg_sq":
+//                       [{"file": i, "begin": b, "end": e}, ...]}} (ranges of the flattened
+//                       exported tensor, ascending, covering it exactly)
+//   step_N/config.json  Hugging Face config
+//   latest              the name of the newest complete step directory
+//
+// ckpt/ knows element ranges, not strategies: the caller says, per kind of state, in how many
+// equal parts each unit's padded flat buffer is split, which part each rank holds and which rank
+// writes it (replicated state is written once).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+
+namespace shardlm::ckpt {
+
+enum class Kind { param, exp_avg, exp_avg_sq };
+constexpr int kNumKinds = 3;
+const char* kind_name(Kind k);
+
+// One kind of state over the ranks: each unit's padded buffer in `parts` equal parts; rank r
+// holds part part_of[r] and writes it to its file when writes[r].
+struct KindLayout {
+  int parts = 1;
+  std::vector<int> part_of;
+  std::vector<bool> writes;
+};
+
+struct ShardedLayout {
+  model::FlatLayout flat;
+  int world = 1;
+  std::array<KindLayout, kNumKinds> kinds;
+};
+
+// Everything whole on one process (eval, generate, export).
+ShardedLayout whole_layout(const model::FlatLayout& flat);
+
+// A rank's buffers per kind, as the executor holds them: parts > 1: the unit shards back to back
+// (unit u at flat.units[u].offset / parts); parts == 1: the whole padded flat buffer. A null
+// buffer is neither written nor read.
+using RankBuffers = std::array<float*, kNumKinds>;
+
+struct FileSummary {
+  uint64_t bytes = 0, xxh64 = 0;
+};
+
+std::string rank_file_name(int rank, int world);
+// A file's size and XXH64 (seed 0) as index.json records them.
+FileSummary summarize_file(const std::string& path);
+std::string hex64(uint64_t x);
+
+// Writes rank `rank`'s file into `dir` (temporary name, fsync, rename); returns its size and
+// checksum.
+FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& layout,
+                            int rank, const RankBuffers& bufs);
+
+// `meta` (the run state and "config") completed with "world_size", "files" and "tensors".
+nlohmann::json make_index(const model::ModelDesc& desc, const ShardedLayout& layout,
+                          const std::vector<FileSummary>& files, nlohmann::json meta);
+
+// Writes index.json and config.json into `tmp_dir` (every rank's file already durable there),
+// moves it to `step_dir`, then names it in `step_dir`/../latest (write-temp, fsync, rename).
+void commit_step(const std::string& tmp_dir, const std::string& step_dir, const nlohmann::json& index,
+                 const nlohmann::json& hf_config);
+// Removes all but the newest `keep` step_N directories under `ckpt_root` (keep <= 0: none).
+void keep_last(const std::string& ckpt_root, int64_t keep);
+
+bool is_sharded(const std::string& dir);
+// A run directory (DIR/ckpt/latest), a ckpt directory (its latest) or a step directory.
+std::string resolve_checkpoint(const std::string& path);
+// Parses index.json and checks its structure; errors name the file.
+nlohmann::json read_index(const std::string& step_dir);
+// The tensors' (count, elements) as the index lists them.
+std::pair<int64_t, int64_t> index_tensor_count(const nlohmann::json& index);
+// File `file` against the index: present, its size, its checksum, its header's slices.
+void verify_file(const std::string& step_dir, const nlohmann::json& index, int file);
+// Every tensor of `desc` in the index with its shape and every kind covered exactly.
+void check_index_against_model(const std::string& step_dir, const nlohmann::json& index,
+                               const model::ModelDesc& desc, bool optimizer);
+// Fills `rank`'s buffers (padding zero) reading only the byte ranges it holds. Refuses
+// non-finite values naming file and tensor.
+void load_rank(const std::string& step_dir, const nlohmann::json& index, const model::ModelDesc& desc,
+               const ShardedLayout& layout, int rank, const RankBuffers& bufs);
+
+}  // namespace shardlm::ckpt
