@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "run/test_util.h"
+#include "train/agreement.h"
 
 namespace shardlm {
 namespace {
@@ -271,6 +272,28 @@ TEST_F(RunSafety, FsdpOnTwoRanksResumesAsDdpOnFour) {
   EXPECT_EQ(train_steps(dir_ / "ranks" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3}));
   const auto resumed = testing::step_losses(dir_ / "ranks" / "metrics.jsonl");
   for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
+}
+
+// Every train flag is either compared across ranks or one of the process's own settings: a new
+// run-defining flag left out of rank_settings() would let ranks start with different values.
+TEST(RankSettings, CoverEveryTrainFlag) {
+  const Result r = shardlm("train --help");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::set<std::string> flags;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t at = line.find_first_not_of(' ');
+    if (at == std::string::npos || line.compare(at, 2, "--") != 0) continue;
+    flags.insert(line.substr(at + 2, line.find_first_of(" =", at) - at - 2));
+  }
+  ASSERT_GT(flags.size(), 40u) << r.out;
+  std::set<std::string> compared;
+  for (const auto& [name, value] : train::rank_settings(train::TrainConfig{})) compared.insert(name.substr(0, name.find(' ')));
+  const std::set<std::string> own = {"config", "data-dir", "help-all", "out",     "overwrite", "peak-gflops",
+                                     "quiet",  "resume-override", "threads", "timeout"};
+  for (const std::string& f : flags)
+    EXPECT_TRUE(compared.count(f) || own.count(f))
+        << "--" << f << " is neither compared across ranks (rank_settings, src/train/agreement.cc) nor the process's own";
 }
 
 }  // namespace
