@@ -80,6 +80,9 @@ class Cli : public ::testing::Test {
            " --steps " + std::to_string(steps) + " --batch 2 --seq 32 --threads 2 --seed 5 --eval-every 0" +
            " --eval-windows 4 --sample-tokens 8 --peak-gflops 100 --warmup 2 --quiet";
   }
+  // Runs that fail on bad input still name a run directory of their own: the default, runs/default
+  // in the working directory, is shared with every other test running at the same time.
+  static std::string own_out() { return " --out " + (dir_ / "refused").string(); }
   static inline fs::path dir_;
 };
 
@@ -92,7 +95,7 @@ void expect_one_line_error(const Result& r, const std::string& needle) {
 TEST_F(Cli, UnknownFlagIsOneLine) { expect_one_line_error(run("train --no-such-flag 3"), "--no-such-flag"); }
 
 TEST_F(Cli, MissingTokenFileNamesIt) {
-  expect_one_line_error(run("train --model tiny --data " + (dir_ / "absent").string() + " --steps 1"), "absent_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + (dir_ / "absent").string() + " --steps 1" + own_out()), "absent_train.bin");
 }
 
 TEST_F(Cli, WrongMagicNamesTheFile) {
@@ -104,7 +107,7 @@ TEST_F(Cli, WrongMagicNamesTheFile) {
     header[0] = 12345;
     f.write(reinterpret_cast<const char*>(header.data()), 1024);
   }
-  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1"), "badmagic_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), "badmagic_train.bin");
 }
 
 TEST_F(Cli, TruncatedTokenFileNamesIt) {
@@ -112,16 +115,16 @@ TEST_F(Cli, TruncatedTokenFileNamesIt) {
   fs::copy_file(dir_ / "tok_val.bin", bad.string() + "_val.bin", fs::copy_options::overwrite_existing);
   fs::copy_file(dir_ / "tok_train.bin", bad.string() + "_train.bin", fs::copy_options::overwrite_existing);
   fs::resize_file(bad.string() + "_train.bin", fs::file_size(bad.string() + "_train.bin") - 100);
-  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1"), "trunc_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), "trunc_train.bin");
 }
 
 TEST_F(Cli, TokenIdBeyondVocabNamesIt) {
   // Byte tokens (< 256) against a model told its vocabulary is 50: every id above is out of range.
-  expect_one_line_error(run("train --model tiny --vocab 50 --data " + (dir_ / "tok").string() + " --steps 1"), "vocab");
+  expect_one_line_error(run("train --model tiny --vocab 50 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), "vocab");
 }
 
 TEST_F(Cli, HeadsNotDividingChannels) {
-  expect_one_line_error(run("train --model tiny --n-head 5 --data " + (dir_ / "tok").string() + " --steps 1"), "n_head");
+  expect_one_line_error(run("train --model tiny --n-head 5 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), "n_head");
 }
 
 TEST_F(Cli, ConfigFileUnknownKeyNamesIt) {
