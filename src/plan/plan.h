@@ -137,6 +137,9 @@ struct PlanConfig {
   // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
   std::vector<std::string> keep_gathered;
   int threads = 1;  // compute threads (kernels' per-thread scratch)
+  // Bytes of an activation element: 4 is what the executor runs (layers/ keeps fp32); 2 prices an
+  // engine keeping bf16 activations, as the simulator does on a bf16 (GPU) hardware profile.
+  int activation_bytes = 4;
   enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
   // Bytes of working memory the communicator takes for a reduction task of `count` elements
   // (per rank for reduce_scatter, in all for all_reduce) of `elem` bytes over `group` ranks

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <unordered_map>
 #include <stdexcept>
 
 #include "plan/plan.h"
@@ -55,7 +56,7 @@ class Builder {
   int value(int v, int m) {
     const int b = buffer(desc_.values[v].name + tag(m), Role::value, MemCategory::activations,
                          desc_.values[v].bytes(shape_, desc_.config.n_embd), -1,
-                         desc_.values[v].tokens ? DType::int8 : DType::fp32);
+                         desc_.values[v].tokens ? DType::int8 : cfg_.activation_bytes == 2 ? DType::bf16 : DType::fp32);
     plan_.buffers[b].value = v;
     return b;
   }
@@ -112,7 +113,7 @@ class Builder {
   const PlanConfig& cfg_;
   Plan plan_;
   std::vector<Task> tasks_;
-  std::map<std::string, int> by_name_;
+  std::unordered_map<std::string, int> by_name_;
   model::Shape shape_;
   std::vector<model::UnitCosts> costs_;
   std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
@@ -434,7 +435,7 @@ Plan Builder::build() {
   buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(plan_.state.optimizer), -1);
 
   const int U = static_cast<int>(desc_.units.size());
-  shape_ = {cfg_.batch, cfg_.seq, 4, cfg_.threads};
+  shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads};
   kept_.assign(U, 0);
   kept_gather_.assign(U, -1);
   for (int u = 0; u < U; ++u) {
@@ -455,7 +456,7 @@ Plan Builder::build() {
   finish();
   free_at_last_use();
   plan_.tasks = schedule();
-  return plan_;
+  return std::move(plan_);
 }
 
 // Orders the comm stream: each collective goes right after the compute task that makes it
@@ -491,8 +492,9 @@ std::vector<Task> Builder::schedule() {
   std::vector<int> new_id(n);
   for (int i = 0; i < n; ++i) new_id[order[i]] = i;
   std::vector<Task> out;
+  out.reserve(n);
   for (int old : order) {
-    Task t = tasks_[old];
+    Task t = std::move(tasks_[old]);
     t.id = new_id[old];
     for (int& d : t.deps) d = new_id[d];
     std::sort(t.deps.begin(), t.deps.end());
@@ -514,6 +516,7 @@ void validate(const PlanConfig& c) {
   need(c.threads >= 1, "threads must be >= 1");
   need(c.param_bytes == 4 || c.param_bytes == 2, "param dtype must be fp32 or bf16");
   need(c.reduce_bytes == 4 || c.reduce_bytes == 2, "reduce dtype must be fp32 or bf16");
+  need(c.activation_bytes == 4 || c.activation_bytes == 2, "activation bytes must be 4 (fp32) or 2 (bf16)");
   // ZeRO-1/2 and DDP keep no separate fp32 master copy of the parameters: gathering them in
   // bf16 would round the replicas apart. Their mixed precision is bf16 reduction.
   need(c.param_bytes == 4 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid,

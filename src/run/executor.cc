@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 #include "kernels/backend.h"
@@ -56,6 +57,9 @@ const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
                    std::chrono::milliseconds timeout, const kernels::Backend& backend)
     : desc_(desc), plan_(plan), comms_(comms), threads_(threads), timeout_(timeout), backend_(backend) {
+  if (plan.config.activation_bytes != 4)
+    throw std::invalid_argument("executor: layers keep fp32 activations; the plan prices " +
+                                std::to_string(plan.config.activation_bytes) + "-byte ones (a simulator's plan)");
   shard_index_ = plan.shard_index(comms.world().rank());
   const int64_t full = plan.layout.total;
   auto state = [&](MemCategory c, int parts) {

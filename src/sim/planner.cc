@@ -32,6 +32,29 @@ std::string flags_of(const PlanConfig& c) {
   return o.str();
 }
 
+SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, int threads) {
+  constexpr int64_t kShort = 3;
+  if (c.mode != PlanConfig::Mode::train || c.grad_accum <= 2 * kShort)
+    return simulate(desc, plan::build_plan(desc, c), hw, threads);
+  PlanConfig shorter = c;
+  shorter.grad_accum = kShort;
+  const SimResult a = simulate(desc, plan::build_plan(desc, shorter), hw, threads);
+  shorter.grad_accum = kShort + 1;
+  SimResult r = simulate(desc, plan::build_plan(desc, shorter), hw, threads);
+  const double more = static_cast<double>(c.grad_accum - kShort - 1), step_ms_at_4 = r.step_ms;
+  auto extend = [&](double& field, double at_3) { field += more * (field - at_3); };
+  extend(r.step_ms, a.step_ms);
+  extend(r.comm_exposed_ms, a.comm_exposed_ms);
+  extend(r.compute_busy_ms, a.compute_busy_ms);
+  extend(r.comm_busy_ms, a.comm_busy_ms);
+  // Tokens and model FLOPs are proportional to the micro-steps.
+  const double work = static_cast<double>(c.grad_accum) / (kShort + 1), time = r.step_ms / step_ms_at_4;
+  r.tokens_per_s *= work / time;
+  r.mfu *= work / time;
+  r.times.clear();
+  return r;
+}
+
 namespace {
 
 // Every configuration of one strategy the search tries, handed to `visit`.
@@ -83,8 +106,7 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
   for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
     PlanConfig c = best.config;
     c.keep_gathered.push_back(desc.units[u].name);
-    const plan::Plan p = plan::build_plan(desc, c);
-    const SimResult r = simulate(desc, p, hw, q.threads);
+    const SimResult r = simulate_config(desc, c, hw, q.threads);
     if (r.step_ms >= best.step_ms || (q.memory_budget > 0 && r.mem.total > q.memory_budget)) continue;
     best = {c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
   }
@@ -99,7 +121,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   if (q.global_tokens <= 0 || q.global_tokens % per_step != 0)
     throw std::invalid_argument("--global-batch: " + std::to_string(q.global_tokens) + " tokens is not a whole number of " +
                                 std::to_string(q.seq) + "-token sequences on each of " + std::to_string(q.ranks) + " ranks");
-  PlanConfig b = base;
+  PlanConfig b = for_hardware(base, hw);
   b.world = q.ranks, b.seq = q.seq, b.threads = q.threads;
   PlanSearch out;
   out.smallest.peak_bytes = -1;
@@ -108,13 +130,12 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
                    : std::vector<Strategy>{Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid};
   for (Strategy s : strategies)
     each_config(b, s, q.global_tokens / per_step, [&](const PlanConfig& c) {
-      plan::Plan p;
+      SimResult r;
       try {
-        p = plan::build_plan(desc, c);
+        r = simulate_config(desc, c, hw, q.threads);
       } catch (const std::invalid_argument&) {
         return;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
       }
-      const SimResult r = simulate(desc, p, hw, q.threads);
       ++out.considered;
       Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
       if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;

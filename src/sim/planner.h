@@ -45,4 +45,12 @@ PlanSearch search_plans(const model::ModelDesc& desc, const plan::PlanConfig& ba
 
 std::string flags_of(const plan::PlanConfig& c);
 
+// One configuration's simulation as the search sees it. Micro-steps after the first are alike
+// (the same tasks meeting the same state at their boundaries), so a long accumulation is
+// simulated at 3 and 4 micro-steps and its times extended linearly, the memory taken from the
+// 4; the search's cost no longer grows with the accumulation. Equal to simulating the whole plan
+// to rounding (tested); `times` is left empty. Throws std::invalid_argument as build_plan does.
+SimResult simulate_config(const model::ModelDesc& desc, const plan::PlanConfig& c, const HardwareProfile& hw,
+                          int threads);
+
 }  // namespace shardlm::sim

@@ -48,6 +48,11 @@ struct MemoryWalk {
 
 }  // namespace
 
+plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
+  c.activation_bytes = hw.compute_dtype == "bf16" ? 2 : 4;
+  return c;
+}
+
 SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads) {
   const CostModel cost(desc, plan, hw, threads);
   const int S = static_cast<int>(plan.streams.size()), N = static_cast<int>(plan.tasks.size());

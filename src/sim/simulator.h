@@ -32,6 +32,10 @@ struct SimResult {
   std::vector<TaskTime> times;  // per task id
 };
 
+// The plan options a profile implies: on a bf16 profile (a GPU) activations are bf16, as the
+// engines that profile stands for keep them; on an fp32 (CPU) profile, what `train` runs here.
+plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
+
 // `threads`: compute threads per rank (per-thread CPU profiles scale with it).
 SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads);
 

@@ -57,7 +57,8 @@ TEST_F(Simulate, BadInputIsOneLine) {
   expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "partial.json").string()), {"partial.json", "memory_bw", "missing"});
 }
 
-// --json holds the figures metrics.jsonl has, and its memory is the plan's: what `explain` prints.
+// --json holds the figures metrics.jsonl has, and its memory is the plan's: what `explain` prints
+// on the CPU profile (what `train` runs here); a bf16 (GPU) profile prices activations in bf16.
 TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   const std::string plan = "--model small --batch 2 --seq 64 --strategy fsdp --ranks 4 --threads 1";
   const Result r = shardlm("simulate --hardware h100-80gb --json " + plan);
@@ -68,14 +69,22 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   EXPECT_GT(j["mfu"].get<double>(), 0);
   EXPECT_LT(j["mfu"].get<double>(), 1);
   EXPECT_NEAR(j["tokens_per_s"].get<double>(), 4 * 2 * 64 / (j["step_ms"].get<double>() * 1e-3), 1e-6 * j["tokens_per_s"].get<double>());
+  const Result cpu = shardlm("simulate --hardware cpu-local --json " + plan);
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  const json jc = json::parse(cpu.out);
   const Result e = shardlm("explain " + plan);
   ASSERT_EQ(e.code, 0) << e.out;
   for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace"}) {
     const std::regex line(std::string("  ") + cat + ": static [0-9]+, at peak ([0-9]+)");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(e.out, m, line)) << cat;
-    EXPECT_EQ(j["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
+    EXPECT_EQ(jc["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
+    if (std::string(cat) != "activations" && std::string(cat) != "workspace")
+      EXPECT_EQ(j["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
   }
+  // Half the bytes, give or take each slice's rounding to 64 bytes.
+  const double bf16_share = j["mem"]["activations"].get<double>() / jc["mem"]["activations"].get<double>();
+  EXPECT_NEAR(bf16_share, 0.5, 0.01);
   const Result human = shardlm("simulate --hardware h100-80gb " + plan);
   ASSERT_EQ(human.code, 0) << human.out;
   for (const char* s : {"step ", "tokens/s", "MFU", "comm exposed", "params:", "total:"})

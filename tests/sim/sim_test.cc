@@ -265,3 +265,49 @@ TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
 
 }  // namespace
 }  // namespace shardlm::sim
+
+namespace shardlm::sim {
+namespace {
+
+// The planner's shortcut for long accumulations (3 and 4 micro-steps, extended linearly) gives
+// what simulating the whole plan gives, for every strategy and the plan options that change how
+// micro-steps overlap.
+TEST(Planner, LongAccumulationIsSimulatedExactlyFromShortOnes) {
+  struct Case {
+    const char* model;
+    const char* hardware;
+    int world;
+  };
+  int compared = 0;
+  for (const Case k : {Case{"small", "cpu-local", 4}, Case{"llama-small", "cpu-local", 2}, Case{"gpt2-124m", "h100-80gb", 16}}) {
+    const model::ModelDesc desc = model::describe(model::model_preset(k.model));
+    const HardwareProfile hw = preset(k.hardware);
+    for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+      for (auto r : {model::Recompute::none, model::Recompute::full})
+        for (int64_t accum : {7, 16}) {
+          PlanConfig c;
+          c.strategy = s, c.world = k.world, c.shard_group = s == Strategy::hybrid ? 2 : 0;
+          c.batch = 1, c.seq = 64, c.grad_accum = accum, c.recompute = r, c.threads = 1;
+          const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
+          if (sharded) c.param_bytes = 2, c.prefetch_forward = c.prefetch_backward = 2, c.max_gathers_in_flight = 3;
+          if (sharded && r == model::Recompute::full) c.keep_gathered = {"all"};
+          const SimResult whole = simulate(desc, plan::build_plan(desc, c), hw, 1);
+          const SimResult quick = simulate_config(desc, c, hw, 1);
+          SCOPED_TRACE(std::string(k.model) + " " + flags_of(c));
+          EXPECT_NEAR(quick.step_ms, whole.step_ms, 1e-9 * whole.step_ms);
+          EXPECT_NEAR(quick.comm_exposed_ms, whole.comm_exposed_ms, 1e-9 * whole.step_ms);
+          EXPECT_NEAR(quick.comm_busy_ms, whole.comm_busy_ms, 1e-9 * whole.step_ms);
+          EXPECT_NEAR(quick.tokens_per_s, whole.tokens_per_s, 1e-9 * whole.tokens_per_s);
+          EXPECT_NEAR(quick.mfu, whole.mfu, 1e-9 * whole.mfu);
+          for (int i = 0; i < kNumMemCategories; ++i) {
+            EXPECT_EQ(quick.mem.bytes[i], whole.mem.bytes[i]) << i;
+            EXPECT_EQ(quick.mem_max.bytes[i], whole.mem_max.bytes[i]) << i;
+          }
+          ++compared;
+        }
+  }
+  EXPECT_EQ(compared, 60);
+}
+
+}  // namespace
+}  // namespace shardlm::sim
