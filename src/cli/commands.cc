@@ -201,7 +201,7 @@ struct CkptCommands {
 };
 
 void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
-  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint or say what it holds");
+  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint, import a Hugging Face model, or say what a checkpoint holds");
   c.ckpt->require_subcommand(1);
   c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory");
   c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();

@@ -200,7 +200,7 @@ struct Session {
         val_data(c.data + "_val.bin"),
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
         // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
-        // whole checkpoint stages the whole state on every rank.
+        // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
         plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)),
                                      (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                          (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
