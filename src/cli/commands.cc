@@ -126,6 +126,8 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
   cmd->add_option("--resume", c.resume, "checkpoint to continue from: a run directory (its ckpt/latest) or a step directory");
+  cmd->add_option("--init-from", c.init_from,
+                  "start from these parameters (step 0, fresh optimizer): a checkpoint or a Hugging Face model directory");
   cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
   cmd->add_option("--resume-override", c.resume_override,
                   "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")
@@ -193,20 +195,27 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   return m;
 }
 
-// `shardlm ckpt export | info`: checkpoints as files, on one process.
+// `shardlm ckpt export | import | info`: checkpoints as files, on one process.
 struct CkptCommands {
-  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *info_cmd = nullptr;
-  std::string dir, out, format = "hf", dtype = "fp32";
+  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *import_cmd = nullptr, *info_cmd = nullptr;
+  std::string dir, out, format = "hf", dtype = "fp32", max_shard_size = "5GB";
 };
 
-void add_ckpt_commands(CLI::App& app, CkptCommands& c) {
-  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint or say what it holds");
+void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
+  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint, import a Hugging Face model, or say what a checkpoint holds");
   c.ckpt->require_subcommand(1);
   c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory");
   c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
   c.export_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
   c.export_cmd->add_option("--out", c.out, "output directory (model.safetensors, config.json)")->required();
   c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c.export_cmd->add_option("--max-shard-size", c.max_shard_size, "larger: model-0000i-of-0000n.safetensors + index (5GB, 500MB, bytes)")
+      ->capture_default_str();
+  c.export_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
+  c.import_cmd = c.ckpt->add_subcommand("import", "turn a Hugging Face model directory into a checkpoint train --init-from takes");
+  c.import_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
+  c.import_cmd->add_option("--in", c.dir, "Hugging Face directory: config.json, model.safetensors (or its index)")->required();
+  c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->required();
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
   c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
 }
@@ -228,10 +237,17 @@ void print_ckpt_info(const std::string& arg) {
                f["xxh64"].get<std::string>());
 }
 
-int run_ckpt(const CkptCommands& c) {
+int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
   if (*c.export_cmd) {
-    train::export_hf(ckpt::resolve_checkpoint(c.dir), c.out, c.dtype);
-    fmt::print("exported {} -> {}/model.safetensors ({}), {}/config.json\n", c.dir, c.out, c.dtype, c.out);
+    const data::Gpt2Files tok = data::gpt2_files(data_dir);
+    const auto s = train::export_hf(ckpt::resolve_checkpoint(c.dir), c.out,
+                                    {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe});
+    fmt::print("exported {} -> {}: {} safetensors file(s), {} bytes of {} tensors, config.json{}\n", c.dir, c.out, s.files,
+               s.total_size, c.dtype, s.tokenizer_files ? ", vocab.json, merges.txt" : "; " + s.tokenizer_note);
+  } else if (*c.import_cmd) {
+    const model::ModelConfig mc = train::import_hf(c.dir, c.out);
+    fmt::print("imported {} -> {}: {} model, {} parameters, step 0 (train --init-from {})\n", c.dir, c.out,
+               model::to_string(mc.family), model::describe(mc).num_params_exported(), c.out);
   } else {
     print_ckpt_info(c.dir);
   }
@@ -564,7 +580,7 @@ int run(int argc, char** argv) {
   plan_cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
   plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
   CkptCommands ckpt_cmds;
-  add_ckpt_commands(app, ckpt_cmds);
+  add_ckpt_commands(app, ckpt_cmds, data_dir);
 
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
@@ -606,7 +622,7 @@ int run(int argc, char** argv) {
     } else if (*sim_cmd) {
       run_simulate(sa);
     } else if (*ckpt_cmds.ckpt) {
-      return run_ckpt(ckpt_cmds);
+      return run_ckpt(ckpt_cmds, data_dir);
     } else if (*eval_cmd) {
       kernels::init_compute(threads);
       auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, eval_batch, eval_seq);

@@ -41,11 +41,16 @@ class ByteTokenizer final : public Tokenizer {
 
 }  // namespace
 
+Gpt2Files gpt2_files(const std::string& data_dir) {
+  const std::string dir = (data_dir.empty() ? std::string(".") : data_dir) + "/gpt2/";
+  return {dir + "encoder.json", dir + "vocab.bpe"};
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir) {
   if (name == "bytes") return std::make_unique<ByteTokenizer>();
   if (name == "gpt2") {
-    const std::string dir = (data_dir.empty() ? std::string(".") : data_dir) + "/gpt2/";
-    return load_gpt2_tokenizer(dir + "encoder.json", dir + "vocab.bpe");
+    const Gpt2Files f = gpt2_files(data_dir);
+    return load_gpt2_tokenizer(f.encoder_json, f.vocab_bpe);
   }
   throw std::runtime_error("unknown tokenizer '" + name + "' (expected 'gpt2' or 'bytes')");
 }

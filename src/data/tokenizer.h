@@ -33,6 +33,13 @@ class Tokenizer {
 // Errors are std::runtime_error with one line naming the file (or the unknown name).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
 
+// Where make_tokenizer("gpt2", data_dir) reads its files: {encoder.json, vocab.bpe} under
+// data_dir/gpt2/ (ckpt export copies them as Hugging Face's vocab.json and merges.txt).
+struct Gpt2Files {
+  std::string encoder_json, vocab_bpe;
+};
+Gpt2Files gpt2_files(const std::string& data_dir);
+
 // The GPT-2 tokenizer from explicit file paths.
 std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
                                                const std::string& vocab_bpe_path);

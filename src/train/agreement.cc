@@ -93,6 +93,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"data", c.data},
       {"data file bytes (train/val)", data_file_sizes(c.data)},
       {"resume", c.resume},
+      {"init-from", c.init_from},
       {"steps", s(c.steps)},
       {"batch", s(c.batch)},
       {"seq", s(c.seq)},

@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "ckpt/hf_config.h"
+#include "ckpt/hf_import.h"
 #include "ckpt/safetensors.h"
 #include "ckpt/sharded.h"
 
@@ -283,44 +284,56 @@ ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
   return L;
 }
 
-namespace {
-
-// Round to nearest even, as PyTorch's .to(torch.bfloat16) does; NaN stays NaN.
-uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-}  // namespace
-
-void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const std::string& dtype) {
-  if (dtype != "fp32" && dtype != "bf16")
-    throw std::runtime_error("ckpt export: --dtype must be fp32 or bf16, got '" + dtype + "'");
+ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& out_dir, ckpt::HfExportOptions opt) {
   const model::ModelDesc desc = model::describe(read_checkpoint_config(ckpt_dir));
-  const RunState state = read_checkpoint_state(ckpt_dir);
+  opt.tokenizer = read_model_state(ckpt_dir).tokenizer;
   const model::FlatLayout layout = model::flat_layout(desc);
   std::vector<float> params(layout.total);
   load_checkpoint(ckpt_dir, desc, layout, params.data(), nullptr, nullptr);
-  std::vector<uint16_t> half(dtype == "bf16" ? layout.total : 0);
-  for (size_t i = 0; i < half.size(); ++i) half[i] = to_bf16(params[i]);
-  std::filesystem::create_directories(std::filesystem::path(out_dir).parent_path().empty()
-                                          ? std::filesystem::path(".")
-                                          : std::filesystem::path(out_dir).parent_path());
+  return ckpt::write_hf_dir(out_dir, desc, layout, params.data(), opt);
+}
+
+model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir) {
+  const ckpt::HfModel hf = ckpt::read_hf_model(in_dir);
+  const model::ModelDesc desc = model::describe(hf.config);
+  const model::FlatLayout layout = model::flat_layout(desc);
+  std::vector<float> params(layout.total), zeros(layout.total, 0.0f);
+  ckpt::read_hf_weights(in_dir, desc, layout, params.data());
+  json config = ckpt::to_hf_config(hf.config);
+  config["shardlm_tokenizer"] = hf.tokenizer;
+  // index.json's run state: step 0, no updates applied, and no run to continue ("run" empty), so
+  // the run that starts from it defines itself.
+  const json meta = {{"format", "shardlm-sharded-1"},
+                     {"step", 0},
+                     {"optimizer", {{"adamw_step", 0}}},
+                     {"tokenizer", hf.tokenizer},
+                     {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", 0}}},
+                     {"rng", {{"seed", 0}}},
+                     {"run", json::object()},
+                     {"strategy", "import"},
+                     {"imported_from", std::filesystem::absolute(in_dir).lexically_normal().string()},
+                     {"config", config}};
+  const std::filesystem::path parent = std::filesystem::path(out_dir).parent_path();
+  std::filesystem::create_directories(parent.empty() ? std::filesystem::path(".") : parent);
+  const ckpt::ShardedLayout whole = ckpt::whole_layout(layout);
   ckpt::write_dir_atomically(out_dir, [&](const std::string& tmp) {
-    ckpt::SafetensorsWriter weights;
-    for_each_tensor(desc, layout, [&](const model::ParamSpec& p, int64_t at) {
-      if (half.empty()) weights.add_f32(p.name, p.exported_shape(), params.data() + at);
-      else weights.add(p.name, ckpt::StDType::BF16, p.exported_shape(), half.data() + at, 2 * p.exported_numel());
-    });
-    weights.set_metadata("format", "pt");
-    weights.write(tmp + "/model.safetensors");
-    json config = ckpt::to_hf_config(desc.config);
-    config["shardlm_tokenizer"] = state.tokenizer;
-    config["torch_dtype"] = dtype == "bf16" ? "bfloat16" : "float32";
+    const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params.data(), zeros.data(), zeros.data()});
+    write_json(tmp + "/index.json", ckpt::make_index(desc, whole, {file}, meta));
     write_json(tmp + "/config.json", config);
   });
+  return hf.config;
+}
+
+std::string resolve_initial(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (std::filesystem::exists(p / "model.safetensors.index.json") ||
+      (std::filesystem::exists(p / "model.safetensors") && !std::filesystem::exists(p / "index.json")))
+    return path;
+  return ckpt::resolve_checkpoint(path);
+}
+
+model::ModelConfig read_initial_config(const std::string& dir) {
+  return ckpt::is_sharded(dir) ? read_checkpoint_config(dir) : ckpt::read_hf_model(dir).config;
 }
 
 }  // namespace shardlm::train

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "ckpt/hf_export.h"
 #include "ckpt/sharded.h"
 #include "model/model.h"
 #include "plan/plan.h"
@@ -52,8 +53,21 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 // replicate groups) write once, from the lowest rank holding a part.
 ckpt::ShardedLayout sharded_layout(const plan::Plan& plan, int world);
 
-// `shardlm ckpt export --format hf`: a checkpoint (sharded or whole) as a Hugging Face directory,
-// model.safetensors (fp32 or bf16) + config.json, written atomically.
-void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const std::string& dtype);
+// `shardlm ckpt export --format hf`: a checkpoint (sharded or whole) as a Hugging Face directory
+// (ckpt/hf_export.h), written atomically. opt.tokenizer is taken from the checkpoint.
+ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& out_dir, ckpt::HfExportOptions opt);
+
+// `shardlm ckpt import --format hf`: a Hugging Face directory (ckpt/hf_import.h) as a sharded
+// step directory `out_dir` (index.json, one rank file, config.json; written atomically) at step
+// 0 with zero AdamW moments and no run recorded: what `train --init-from` starts from (as it
+// starts from the Hugging Face directory itself). Returns the model's config.
+model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir);
+
+// `train --init-from PATH`: a sharded checkpoint (a run, ckpt or step directory; the step
+// directory is returned) or a directory import_hf reads (a Hugging Face model, an export, an
+// older whole checkpoint; returned as is).
+std::string resolve_initial(const std::string& path);
+// Its model (config.json, checked against its tensors where sharded).
+model::ModelConfig read_initial_config(const std::string& dir);
 
 }  // namespace shardlm::train

@@ -131,8 +131,8 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cuda" && c.strategy != "ddp")
     throw std::invalid_argument("--device cuda runs one process with --strategy ddp (no NCCL communicator yet)");
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
-  if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty()))
-    throw std::invalid_argument("--device cuda: --save-every and --resume are not supported yet (checkpoints read host memory)");
+  if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty()))
+    throw std::invalid_argument("--device cuda: --save-every, --resume and --init-from are not supported yet (checkpoints read host memory)");
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   model::parse_recompute(c.recompute);

@@ -21,6 +21,9 @@ struct TrainConfig {
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";
   std::string resume;  // checkpoint directory
+  // A new run's starting parameters (AdamW moments zero, step 0): a shardlm checkpoint or a
+  // Hugging Face model directory (checkpoint.h's resolve_initial). Not used with --resume.
+  std::string init_from;
   bool overwrite = false;  // a new run may replace the run that --out holds (run_dir.h)
   // Settings that define the run which a resumed run may change on purpose (resume_check.h).
   std::vector<std::string> resume_override;

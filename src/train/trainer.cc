@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "ckpt/hf_config.h"
+#include "ckpt/hf_import.h"
 #include "ckpt/sharded.h"
 #include "data/sampler.h"
 #include "data/shard.h"
@@ -199,20 +200,23 @@ struct Session {
         val_data(c.data + "_val.bin"),
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
         // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
-        // whole checkpoint stages the whole state on every rank.
+        // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
         plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)),
-                                     !c.resume.empty() && !ckpt::is_sharded(c.resume))),
+                                     (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
+                                         (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
         comms(w, plan),
         ex(desc, plan, comms, c.threads, timeout, backend_for(c)) {}
 };
 
+// The run's model; with --resume (or --init-from) the checkpoint's must be the same.
 model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
   model::ModelConfig mc = cfg.model_config(meta.vocab_size);
-  if (cfg.resume.empty()) return mc;
-  const model::ModelConfig saved = read_checkpoint_config(cfg.resume);
+  if (cfg.resume.empty() && cfg.init_from.empty()) return mc;
+  const std::string& dir = cfg.resume.empty() ? cfg.init_from : cfg.resume;
+  const model::ModelConfig saved = cfg.resume.empty() ? read_initial_config(dir) : read_checkpoint_config(dir);
   auto check = [&](const char* field, auto run, auto ck) {
     if (run != ck)
-      throw std::runtime_error(fmt::format("checkpoint: {}/config.json: {} is {} but this run's model has {}", cfg.resume,
+      throw std::runtime_error(fmt::format("checkpoint: {}/config.json: {} is {} but this run's model has {}", dir,
                                            field, ck, run));
   };
   check("model_type", std::string(model::to_string(mc.family)), std::string(model::to_string(saved.family)));
@@ -245,10 +249,15 @@ std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& wor
       check_resume_matches(cfg, world.size(), saved.run,
                            cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json"));
       resumed_step = saved.step;
+    } else if (!cfg.init_from.empty()) {
+      cfg.init_from = resolve_initial(cfg.init_from);
+      resolve_model(cfg, read_data_meta(cfg.data));
     }
     dir = RunDirectory::open(cfg, resumed_step);
   });
   if (world.rank() != 0 && !cfg.resume.empty()) cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
+  if (!cfg.resume.empty()) cfg.init_from.clear();  // the checkpoint holds the weights
+  if (world.rank() != 0 && !cfg.init_from.empty()) cfg.init_from = resolve_initial(cfg.init_from);
   return dir;
 }
 
@@ -297,6 +306,28 @@ void resume(Session& s) {
   s.ex.load_full(run::Executor::State::params, p.f32());
   s.ex.load_full(run::Executor::State::exp_avg, m.f32());
   s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
+}
+
+// --init-from: parameters only; the moments stay as the executor allocated them (zero). A sharded
+// checkpoint is read as a resume reads it, each rank its own ranges; a Hugging Face directory is
+// read whole on every rank.
+void init_from(Session& s) {
+  const std::string& dir = s.cfg.init_from;
+  const auto t0 = Clock::now();
+  every_rank_or_all_fail(s, [&] {
+    if (ckpt::is_sharded(dir)) {
+      const json index = ckpt::read_index(dir);
+      for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
+      ckpt::check_index_against_model(dir, index, s.desc, false);
+      ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank,
+                      {s.ex.local_state(run::Executor::State::params), nullptr, nullptr});
+      return;
+    }
+    Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
+    ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
+    s.ex.load_full(run::Executor::State::params, p.f32());
+  });
+  if (s.talk) fmt::print("parameters from {} in {:.0f} ms\n", dir, ms_since(t0));
 }
 
 // What index.json records besides the tensors: state.json's fields, the model and the plan.
@@ -441,8 +472,9 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
-  if (cfg.resume.empty()) s.ex.init_params(cfg.seed);
-  else resume(s);
+  if (!cfg.resume.empty()) resume(s);
+  else if (!cfg.init_from.empty()) init_from(s);
+  else s.ex.init_params(cfg.seed);
   s.state.seed = cfg.seed;  // after resume(): what this run's checkpoints record is this run
   s.state.run = run_identity(cfg, s.N);
 

@@ -242,6 +242,36 @@ TEST_F(Cli, CkptExportAndInfo) {
   EXPECT_EQ(config["torch_dtype"], "bfloat16");
 }
 
+// Export in several files, import, train from it: `train --init-from` the imported checkpoint,
+// the export itself or the step directory starts from the same parameters (the same losses bit
+// for bit), which are not a fresh initialisation's.
+TEST_F(Cli, ImportOfAnExportTrainsFromTheSameParameters) {
+  ASSERT_EQ(run(train_args("imp", 2) + " --save-every 2").code, 0);
+  const fs::path ck = dir_ / "imp" / "ckpt" / "step_2", hf = dir_ / "imp_hf", imported = dir_ / "imp_ck";
+  const Result x = run("ckpt export --format hf --max-shard-size 100KB --ckpt " + ck.string() + " --out " + hf.string());
+  ASSERT_EQ(x.code, 0) << x.out;
+  EXPECT_TRUE(fs::exists(hf / "model.safetensors.index.json")) << x.out;
+  EXPECT_TRUE(fs::exists(hf / "model-00001-of-00008.safetensors")) << x.out;  // 531 kB by 100 kB: tensors are not split
+  const Result i = run("ckpt import --format hf --in " + hf.string() + " --out " + imported.string());
+  ASSERT_EQ(i.code, 0) << i.out;
+  const Result info = run("ckpt info --ckpt " + imported.string());
+  EXPECT_NE(info.out.find("step 0 (adamw_step 0)"), std::string::npos) << info.out;
+  std::vector<std::vector<double>> runs;
+  for (const fs::path& from : {imported, hf, ck}) {
+    const std::string out = "from_" + from.filename().string();
+    const Result t = run(train_args(out, 2) + " --init-from " + from.string());
+    ASSERT_EQ(t.code, 0) << t.out;
+    runs.push_back(losses(dir_ / out / "metrics.jsonl"));
+  }
+  ASSERT_EQ(runs[0].size(), 2u);
+  EXPECT_EQ(runs[0], runs[1]);
+  EXPECT_EQ(runs[0], runs[2]);
+  EXPECT_NE(runs[0][0], losses(dir_ / "imp" / "metrics.jsonl")[0]);  // the first step of a fresh run
+  expect_one_line_error(run(train_args("refused", 2) + " --n-embd 32 --init-from " + imported.string()), "n_embd");
+  expect_one_line_error(run("ckpt import --format hf --in " + (dir_ / "absent").string() + " --out " + (dir_ / "x").string()),
+                        "absent");
+}
+
 // A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
 // layouts, exactly V vocabulary rows, no lm_head when tied, and LlamaConfig's keys; it evaluates
 // and generates.

@@ -113,6 +113,32 @@ TEST_F(CheckpointSlow, StateAfterLoadingUnderAnotherStrategyAndRankCountIsBitwis
   }
 }
 
+// --init-from on two fsdp ranks: from the sharded step directory (each rank reading its ranges)
+// and from its Hugging Face export (read whole) the runs start from the same parameters — equal
+// losses bit for bit — and agree with one process starting from them within 1e-5.
+TEST_F(CheckpointSlow, InitFromOnTwoRanksShardedOrHuggingFace) {
+  ASSERT_EQ(mpirun(2, args("init_src", 2) + " --strategy zero2").code, 0);
+  const std::string hf = (dir_ / "init_hf").string();
+  const Result x = shardlm("ckpt export --format hf --ckpt " + step("init_src", 2) + " --out " + hf);
+  ASSERT_EQ(x.code, 0) << x.out;
+  std::vector<std::vector<double>> runs;
+  for (const std::string& from : {step("init_src", 2), hf}) {
+    const std::string out = "init_" + std::to_string(runs.size());
+    const Result r = mpirun(2, args(out, 2, 1) + " --strategy fsdp --init-from " + from);
+    ASSERT_EQ(r.code, 0) << r.out;
+    runs.push_back(step_losses(dir_ / out / "metrics.jsonl"));
+  }
+  const Result one = shardlm(args("init_one", 2) + " --init-from " + hf);
+  ASSERT_EQ(one.code, 0) << one.out;
+  const auto single = step_losses(dir_ / "init_one" / "metrics.jsonl");
+  ASSERT_EQ(runs[0].size(), 2u);
+  EXPECT_EQ(runs[0], runs[1]);
+  ASSERT_EQ(single.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(runs[0][i], single[i], 1e-5 * single[i]) << "step " << i;
+  ASSERT_EQ(shardlm(args("init_fresh", 2)).code, 0);
+  EXPECT_NE(single[0], step_losses(dir_ / "init_fresh" / "metrics.jsonl")[0]);  // not a fresh start
+}
+
 TEST_F(CheckpointSlow, KeepLastKeepsTheNewest) {
   ASSERT_EQ(mpirun(2, args("keep", 6) + " --strategy zero2 --keep-last 2").code, 0);
   EXPECT_FALSE(fs::exists(step("keep", 2)));

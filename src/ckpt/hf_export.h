@@ -1,0 +1,56 @@
+// A model as a Hugging Face directory, the layout `from_pretrained` loads as is:
+//   config.json                        GPT2Config / LlamaConfig keys (hf_config.h), torch_dtype
+//   model.safetensors                  every tensor under its Hugging Face name, F32 or BF16,
+//                                      "__metadata__": {"format": "pt"} — when all of them fit in
+//                                      max_shard_bytes; otherwise
+//   model-0000i-of-0000n.safetensors   the tensors in model order, a new file whenever the next
+//                                      tensor would pass max_shard_bytes (a larger tensor gets a
+//                                      file of its own), as huggingface_hub splits them, and
+//   model.safetensors.index.json       {"metadata": {"total_size": tensor bytes},
+//                                       "weight_map": {name: file}}
+//   vocab.json, merges.txt             for the gpt2 tokenizer: its encoder.json and vocab.bpe,
+//                                      the files GPT2Tokenizer reads under these names
+//   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk
+//   special_tokens_map.json
+// The directory is written atomically (write_dir_atomically): a good one is never replaced by a
+// half-written one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "model/model.h"
+
+namespace shardlm::ckpt {
+
+struct HfExportOptions {
+  std::string dtype = "fp32";                  // fp32 | bf16 (rounded to nearest even)
+  uint64_t max_shard_bytes = 5'000'000'000;    // Hugging Face's default "5GB"
+  std::string tokenizer = "gpt2";              // the checkpoint's tokenizer name
+  // The gpt2 tokenizer's files (data_dir/gpt2/encoder.json and vocab.bpe); only read when
+  // `tokenizer` is gpt2.
+  std::string encoder_json, vocab_bpe;
+};
+
+// "5GB" (10^9), "500MB", "64KiB" (2^10), "1234" (bytes), as huggingface_hub parses
+// max_shard_size. Throws std::invalid_argument "--max-shard-size: …" for anything else or 0.
+uint64_t parse_size(const std::string& text);
+
+// What write_hf_dir wrote, for the command's summary line.
+struct HfExportSummary {
+  int files = 1;             // safetensors files
+  uint64_t total_size = 0;   // tensor bytes
+  bool tokenizer_files = false;
+  std::string tokenizer_note;  // why no tokenizer files were written, where none were
+};
+
+// Writes `params` (flat buffers laid out by `layout`, as gather_full produces them) as a Hugging
+// Face directory `out_dir`. A gpt2 tokenizer whose files are missing is an error naming them;
+// other tokenizers (bytes) have no Hugging Face files and are noted in the summary.
+HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc& desc,
+                             const model::FlatLayout& layout, const float* params, const HfExportOptions& opt);
+
+// Round to nearest even, as PyTorch's .to(torch.bfloat16) does; NaN stays NaN.
+uint16_t to_bf16(float x);
+
+}  // namespace shardlm::ckpt

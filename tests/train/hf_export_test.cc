@@ -1,0 +1,341 @@
+// Hugging Face export and import (ckpt/hf_export.h, ckpt/hf_import.h through train/checkpoint.h):
+// the exported directory, read by the PyTorch references through its Hugging Face names
+// (tests/reference/hf_export_check.py), gives shardlm's logits within 1e-5 (fp32, whole or in
+// several files) or within bf16's rounding; importing an export gives back the parameters bit
+// for bit; bad directories are refused in one line naming the file and tensor.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <unistd.h>
+
+#include "ckpt/hf_export.h"
+#include "ckpt/safetensors.h"
+#include "comm/single_rank.h"
+#include "kernels/cpu.h"
+#include "run/executor.h"
+#include "train/checkpoint.h"
+
+namespace shardlm::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string env_or_fail(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) ADD_FAILURE() << name << " is not set (run through ctest)";
+  return v ? v : "";
+}
+
+// A fresh directory, removed when the test ends however it ends.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name)
+      : path(fs::temp_directory_path() / ("shardlm_hf_" + std::to_string(::getpid()) + "_" + name)) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+struct Case {
+  std::string name;
+  model::ModelConfig mc;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// A model at its initialisation, its logits for one batch, and its whole checkpoint.
+struct Model {
+  static constexpr int64_t B = 2, T = 16;
+  bool threads_ready = (kernels::init_compute(2), true);
+  model::ModelDesc desc;
+  plan::Plan plan;
+  comm::SingleRankCommunicator world;
+  run::CommGroups comms;
+  run::Executor ex;
+  std::vector<int32_t> inputs;
+  std::vector<float> logits;
+
+  static plan::PlanConfig config(plan::PlanConfig::Mode mode) {
+    plan::PlanConfig pc;
+    pc.batch = B, pc.seq = T, pc.threads = 2, pc.mode = mode;
+    return pc;
+  }
+  Model(const model::ModelConfig& mc, const fs::path& dir)
+      : desc(model::describe(mc)), plan(plan::build_plan(desc, config(plan::PlanConfig::Mode::logits))),
+        comms(world, plan), ex(desc, plan, comms, 2, std::chrono::seconds(60)) {
+    ex.init_params(42);
+    std::mt19937 rng(7);
+    inputs.resize(B * T);
+    for (auto& t : inputs) t = static_cast<int32_t>(rng() % mc.vocab_size);
+    logits.resize(B * T * mc.vocab_size);
+    run::StepInputs fwd;
+    fwd.batch = [&](int, int32_t* in, int32_t* tg) {
+      std::copy(inputs.begin(), inputs.end(), in);
+      std::fill(tg, tg + B * T, 0);
+    };
+    fwd.logits = logits.data();
+    fwd.all_logits = true;
+    ex.run(plan, 0, fwd);
+    ckpt::SafetensorsWriter batch, out;
+    batch.add("inputs", ckpt::StDType::I32, {B, T}, inputs.data(), inputs.size() * 4);
+    batch.write((dir / "batch.safetensors").string());
+    out.add_f32("logits", {B, T, mc.vocab_size}, logits.data());
+    out.write((dir / "logits.safetensors").string());
+    save_checkpoint((dir / "ckpt").string(), desc, plan.layout, params(), nullptr, nullptr, RunState{0, 42, "bytes"},
+                    TrainConfig{});
+  }
+  const float* params() { return ex.whole(run::Executor::State::params); }
+};
+
+// hf_export_check.py's verdict on `model_dir` at tolerance `tol` (and its line, for the log).
+bool reference_agrees(const fs::path& tmp, const fs::path& model_dir, double tol, std::string* line) {
+  const std::string cmd = env_or_fail("SHARDLM_PYTHON") + " " + env_or_fail("SHARDLM_SOURCE_DIR") +
+                          "/tests/reference/hf_export_check.py --model-dir " + model_dir.string() + " --batch " +
+                          (tmp / "batch.safetensors").string() + " --logits " + (tmp / "logits.safetensors").string() +
+                          " --tol " + std::to_string(tol) + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return false;
+  char buf[4096];
+  line->clear();
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) line->append(buf, n);
+  std::cout << *line;  // the measured difference, for the log
+  return pclose(p) == 0;
+}
+
+// Every parameter of an imported checkpoint, whole, and its moments (which must be zero).
+std::vector<float> imported_params(const fs::path& dir, const model::ModelDesc& desc, const model::FlatLayout& layout) {
+  std::vector<float> p(layout.total, 0.0f), m(layout.total, 1.0f), v(layout.total, 1.0f);
+  load_checkpoint(dir.string(), desc, layout, p.data(), m.data(), v.data());
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    for (const auto& s : desc.units[u].params)
+      for (int64_t i = 0; i < s.exported_numel(); ++i) {
+        const int64_t at = layout.units[u].offset + s.offset + i;
+        if (m[at] != 0.0f || v[at] != 0.0f) ADD_FAILURE() << s.name << ": moment not zero at " << i;
+      }
+  return p;
+}
+
+// Exported parameters (padding rows excluded) bitwise equal.
+void expect_same_params(const model::ModelDesc& desc, const model::FlatLayout& layout, const float* want,
+                        const float* got, const std::string& what) {
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    for (const auto& s : desc.units[u].params) {
+      const int64_t at = layout.units[u].offset + s.offset;
+      EXPECT_EQ(std::memcmp(want + at, got + at, 4 * s.exported_numel()), 0) << what << ": " << s.name;
+    }
+}
+
+class HfExport : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HfExport, ReferenceReadsItImportGivesItBack) {
+  const Case c = GetParam();
+  TempDir tmp(c.name);
+  Model m(c.mc, tmp.path);
+  const std::string ck = (tmp.path / "ckpt").string();
+  std::string line;
+
+  ckpt::HfExportOptions fp32;
+  const auto whole = export_hf(ck, (tmp.path / "fp32").string(), fp32);
+  EXPECT_EQ(whole.files, 1);
+  EXPECT_TRUE(fs::exists(tmp.path / "fp32" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp.path / "fp32" / "model.safetensors.index.json"));
+  EXPECT_TRUE(reference_agrees(tmp.path, tmp.path / "fp32", 1e-5, &line)) << line;
+
+  ckpt::HfExportOptions bf16;
+  bf16.dtype = "bf16";
+  export_hf(ck, (tmp.path / "bf16").string(), bf16);
+  EXPECT_TRUE(reference_agrees(tmp.path, tmp.path / "bf16", 1e-2, &line)) << line;
+  EXPECT_FALSE(reference_agrees(tmp.path, tmp.path / "bf16", 1e-5, &line)) << "bf16 rounding left no trace: " << line;
+
+  // Several files: the tensors byte for byte those of the one file, each named by the index.
+  ckpt::HfExportOptions split = fp32;
+  split.max_shard_bytes = whole.total_size / 4;
+  const auto parts = export_hf(ck, (tmp.path / "split").string(), split);
+  EXPECT_GE(parts.files, 4);
+  EXPECT_EQ(parts.total_size, whole.total_size);
+  EXPECT_FALSE(fs::exists(tmp.path / "split" / "model.safetensors"));
+  const json index = json::parse(std::ifstream(tmp.path / "split" / "model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"], whole.total_size);
+  const ckpt::SafetensorsFile one((tmp.path / "fp32" / "model.safetensors").string());
+  EXPECT_EQ(index["weight_map"].size(), one.names().size());
+  std::set<std::string> files;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    files.insert(file.get<std::string>());
+    const ckpt::SafetensorsFile part((tmp.path / "split" / file.get<std::string>()).string());
+    ASSERT_EQ(part.info(name).shape, one.info(name).shape) << name;
+    EXPECT_EQ(std::memcmp(part.data(name), one.data(name), one.info(name).bytes), 0) << name;
+    EXPECT_EQ(part.metadata().at("format"), "pt") << file;
+  }
+  EXPECT_EQ(static_cast<int>(files.size()), parts.files);
+  EXPECT_TRUE(files.count("model-00001-of-0000" + std::to_string(parts.files) + ".safetensors"));
+  EXPECT_TRUE(reference_agrees(tmp.path, tmp.path / "split", 1e-5, &line)) << line;
+
+  // Import of each gives back the parameters: fp32 bit for bit, bf16 as rounded.
+  const model::FlatLayout& L = m.plan.layout;
+  for (const char* from : {"fp32", "split"}) {
+    const fs::path out = tmp.path / (std::string("imported_") + from);
+    EXPECT_EQ(import_hf((tmp.path / from).string(), out.string()).n_layer, c.mc.n_layer);
+    EXPECT_TRUE(fs::exists(out / "index.json"));
+    expect_same_params(m.desc, L, m.params(), imported_params(out, m.desc, L).data(), from);
+  }
+  import_hf((tmp.path / "bf16").string(), (tmp.path / "imported_bf16").string());
+  std::vector<float> rounded(m.params(), m.params() + L.total);
+  for (float& x : rounded) {
+    const uint32_t u = uint32_t(ckpt::to_bf16(x)) << 16;
+    std::memcpy(&x, &u, 4);
+  }
+  expect_same_params(m.desc, L, rounded.data(), imported_params(tmp.path / "imported_bf16", m.desc, L).data(), "bf16");
+}
+
+// A copy of DIR's model.safetensors into OUT (with DIR's config.json) after `edit` changed the
+// tensors: {name: (dtype, shape, bytes)}.
+struct Raw {
+  ckpt::StDType dtype;
+  std::vector<int64_t> shape;
+  std::vector<char> bytes;
+};
+void rewrite(const fs::path& dir, const fs::path& out, const std::function<void(std::map<std::string, Raw>&)>& edit) {
+  std::map<std::string, Raw> t;
+  {
+    const ckpt::SafetensorsFile f((dir / "model.safetensors").string());
+    for (const auto& n : f.names()) {
+      const auto* d = static_cast<const char*>(f.data(n));
+      t[n] = {f.info(n).dtype, f.info(n).shape, std::vector<char>(d, d + f.info(n).bytes)};
+    }
+  }
+  edit(t);
+  fs::create_directories(out);
+  fs::copy_file(dir / "config.json", out / "config.json", fs::copy_options::overwrite_existing);
+  ckpt::SafetensorsWriter w;
+  for (const auto& [n, r] : t) w.add(n, r.dtype, r.shape, r.bytes.data(), r.bytes.size());
+  w.set_metadata("format", "pt");
+  w.write((out / "model.safetensors").string());
+}
+
+std::string import_error(const fs::path& in, const fs::path& out) {
+  try {
+    import_hf(in.string(), out.string());
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Each bad directory: one line naming the file and the tensor (or field); nothing written.
+TEST(HfImport, RefusesBadDirectoriesAcceptsSavePretrainedNames) {
+  TempDir tmp("bad");
+  Model m(model::model_preset("tiny", 300), tmp.path);
+  const fs::path good = tmp.path / "good", bad = tmp.path / "bad", out = tmp.path / "out";
+  export_hf((tmp.path / "ckpt").string(), good.string(), {});
+  auto expect_refused = [&](const std::string& what, const std::string& file, const std::string& name) {
+    const std::string e = import_error(bad, out);
+    EXPECT_NE(e.find(file), std::string::npos) << what << ": " << e;
+    EXPECT_NE(e.find(name), std::string::npos) << what << ": " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << what << ": " << e;
+    EXPECT_FALSE(fs::exists(out)) << what;
+    std::cout << what << ": " << e << "\n";
+    fs::remove_all(bad);
+  };
+  const std::string st = (bad / "model.safetensors").string();
+  rewrite(good, bad, [](auto& t) { t.erase("h.1.ln_2.bias"); });
+  expect_refused("missing", st, "h.1.ln_2.bias");
+  rewrite(good, bad, [](auto& t) { std::swap(t["h.0.attn.c_attn.weight"].shape[0], t["h.0.attn.c_attn.weight"].shape[1]); });
+  expect_refused("shape", st, "h.0.attn.c_attn.weight");
+  rewrite(good, bad, [](auto& t) { t["h.0.attn.c_extra.weight"] = t["ln_f.bias"]; });
+  expect_refused("unknown tensor", st, "h.0.attn.c_extra.weight");
+  rewrite(good, bad, [](auto& t) { t["ln_f.weight"].dtype = ckpt::StDType::I32; });
+  expect_refused("dtype", st, "ln_f.weight");
+  rewrite(good, bad, [](auto& t) {
+    const float nan = std::nanf("");
+    std::memcpy(t["wpe.weight"].bytes.data() + 40, &nan, 4);
+  });
+  expect_refused("NaN", st, "wpe.weight");
+  rewrite(good, bad, [](auto&) {});
+  json config = json::parse(std::ifstream(bad / "config.json"));
+  config["model_type"] = "bert";
+  std::ofstream(bad / "config.json") << config.dump();
+  expect_refused("model_type", (bad / "config.json").string(), "model_type");
+  // A sharded index naming a file that is not there.
+  rewrite(good, bad, [](auto&) {});
+  fs::rename(bad / "model.safetensors", bad / "model-00001-of-00002.safetensors");
+  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", json::object()}};
+  for (const auto& n : ckpt::SafetensorsFile((bad / "model-00001-of-00002.safetensors").string()).names())
+    index["weight_map"][n] = n == "ln_f.bias" ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+  std::ofstream(bad / "model.safetensors.index.json") << index.dump();
+  expect_refused("missing file", "model-00002-of-00002.safetensors", "");
+
+  // What transformers' GPT2LMHeadModel.save_pretrained writes: "transformer." names, the tied
+  // head, the causal-mask buffers. Read as the same parameters.
+  rewrite(good, bad, [](auto& t) {
+    std::map<std::string, Raw> hf;
+    for (auto& [n, r] : t) hf["transformer." + n] = r;
+    hf["lm_head.weight"] = t["wte.weight"];
+    hf["transformer.h.0.attn.bias"] = t["ln_f.bias"];
+    t = hf;
+  });
+  import_hf(bad.string(), out.string());
+  expect_same_params(m.desc, m.plan.layout, m.params(), imported_params(out, m.desc, m.plan.layout).data(),
+                     "save_pretrained names");
+}
+
+// An export that fails half-way (the gpt2 tokenizer's files are missing) leaves the directory it
+// would have replaced as it was, and nothing beside it.
+TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
+  TempDir tmp("atomic");
+  Model m(model::model_preset("tiny", 300), tmp.path);
+  const fs::path out = tmp.path / "hf";
+  export_hf((tmp.path / "ckpt").string(), out.string(), {});
+  const auto before = fs::file_size(out / "model.safetensors");
+  ckpt::HfExportOptions opt;
+  opt.dtype = "bf16";
+  opt.tokenizer = "gpt2";  // export_hf takes the checkpoint's (bytes): write_hf_dir directly
+  opt.encoder_json = (tmp.path / "none" / "encoder.json").string();
+  opt.vocab_bpe = (tmp.path / "none" / "vocab.bpe").string();
+  try {
+    ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+    ADD_FAILURE() << "exported without the tokenizer's files";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("encoder.json"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(fs::file_size(out / "model.safetensors"), before);  // still fp32
+  EXPECT_EQ(json::parse(std::ifstream(out / "config.json"))["torch_dtype"], "float32");
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(tmp.path)) ++entries;
+  EXPECT_EQ(entries, 4);  // batch, logits, ckpt, hf
+
+  // With the files there: vocab.json and merges.txt are them byte for byte.
+  fs::create_directories(tmp.path / "gpt2");
+  std::ofstream(opt.encoder_json = (tmp.path / "gpt2" / "encoder.json").string()) << "{\"a\": 0}";
+  std::ofstream(opt.vocab_bpe = (tmp.path / "gpt2" / "vocab.bpe").string()) << "#version: 0.2\n";
+  ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+  EXPECT_EQ(fs::file_size(out / "vocab.json"), 8u);
+  EXPECT_EQ(fs::file_size(out / "merges.txt"), 14u);
+  const json tc = json::parse(std::ifstream(out / "tokenizer_config.json"));
+  EXPECT_EQ(tc["tokenizer_class"], "GPT2Tokenizer");
+  EXPECT_EQ(tc["eos_token"], "<|endoftext|>");
+}
+
+model::ModelConfig llama(bool tied) {
+  model::ModelConfig m = model::model_preset("llama-tiny", 300);
+  m.tie_embeddings = tied;
+  return m;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HfExport,
+                         ::testing::Values(Case{"gpt2", model::model_preset("tiny", 300)}, Case{"llama", llama(false)},
+                                           Case{"llama_tied", llama(true)}),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace shardlm::train
