@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "ckpt/sharded.h"
+#include "ckpt/snapshot.h"
 #include "comm/factory.h"
 #include "comm/mpi_backend.h"
 #include "comm/single_rank.h"
@@ -30,6 +31,7 @@
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/memory_check.h"
+#include "train/snapshots.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -119,12 +121,23 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
 }
 
+// In-memory snapshots (train, and explain for their memory).
+void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")
+      ->capture_default_str();
+  cmd->add_option("--snapshot-parity", c.snapshot_parity,
+                  "snapshot redundancy: 0 a partner rank holds a copy; G one XOR parity per group of G ranks")
+      ->capture_default_str();
+}
+
 void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   add_model_options(cmd, c);
   add_plan_options(cmd, c);
   cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
-  cmd->add_option("--resume", c.resume, "checkpoint to continue from: a run directory (its ckpt/latest) or a step directory");
+  cmd->add_option("--resume", c.resume,
+                  "checkpoint to continue from: a run directory (its ckpt/latest), a step directory, or auto (--out's newest "
+                  "in-memory snapshot every rank holds, else its latest checkpoint; ./auto names a directory)");
   cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
   cmd->add_option("--resume-override", c.resume_override,
                   "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")
@@ -148,6 +161,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
   cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->capture_default_str();
+  add_snapshot_options(cmd, c);
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
@@ -194,8 +208,9 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
 
 // `shardlm ckpt export | info`: checkpoints as files, on one process.
 struct CkptCommands {
-  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *info_cmd = nullptr;
-  std::string dir, out, format = "hf", dtype = "fp32";
+  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *info_cmd = nullptr, *snapshots_cmd = nullptr;
+  std::string dir, out, format = "hf", dtype = "fp32", run;
+  bool clear = false;
 };
 
 void add_ckpt_commands(CLI::App& app, CkptCommands& c) {
@@ -208,6 +223,23 @@ void add_ckpt_commands(CLI::App& app, CkptCommands& c) {
   c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
   c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
+  c.snapshots_cmd = c.ckpt->add_subcommand("snapshots", "list (or --clear) the in-memory snapshots in this machine's shared memory");
+  c.snapshots_cmd->add_option("--out", c.run, "the run directory whose snapshots (default: every run's)");
+  c.snapshots_cmd->add_flag("--clear", c.clear, "remove them");
+}
+
+// `ckpt snapshots`: every slot with its step and whether its checksums verify.
+int run_ckpt_snapshots(const CkptCommands& c) {
+  const std::string prefix = c.run.empty() ? "shardlm-" : ckpt::snapshot_prefix(c.run) + "-";
+  if (c.clear) {
+    fmt::print("removed {} snapshot segment(s) {}*\n", ckpt::remove_snapshot_segments(prefix), prefix);
+    return 0;
+  }
+  const auto slots = ckpt::list_snapshot_slots(prefix, true);
+  if (slots.empty()) fmt::print("no snapshots{}\n", c.run.empty() ? "" : " of " + c.run);
+  for (const auto& s : slots)
+    fmt::print("/dev/shm/{}  step {}  world {}  {} bytes  {}\n", s.name, s.step, s.world, s.bytes, s.status);
+  return 0;
 }
 
 void print_ckpt_info(const std::string& arg) {
@@ -231,6 +263,8 @@ int run_ckpt(const CkptCommands& c) {
   if (*c.export_cmd) {
     train::export_hf(ckpt::resolve_checkpoint(c.dir), c.out, c.dtype);
     fmt::print("exported {} -> {}/model.safetensors ({}), {}/config.json\n", c.dir, c.out, c.dtype, c.out);
+  } else if (*c.snapshots_cmd) {
+    return run_ckpt_snapshots(c);
   } else {
     print_ckpt_info(c.dir);
   }
@@ -516,6 +550,7 @@ int run(int argc, char** argv) {
   explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(at_least(1))->capture_default_str();
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
+  add_snapshot_options(explain_cmd, ec);
 
   // simulate
   auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
@@ -592,7 +627,7 @@ int run(int argc, char** argv) {
       ec.validate();
       const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
-      std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
+      std::cout << train::with_snapshot_memory(plan::build_plan(desc, train::plan_config(ec, explain_ranks)), ec).to_text(desc);
     } else if (*cal_cmd) {
       for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
       return run_calibrate(co, cal_out);
