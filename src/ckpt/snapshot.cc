@@ -425,7 +425,7 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
       // A header that verifies names its step; one that does not taints every step.
       if (std::memcmp(h.magic, kMagic, 8) == 0 && status == "payload checksum mismatch") e.step = h.step;
     }
-    if (e.status != 0) why_not.push_back(name + ": " + status + (e.status == 2 ? " — not used" : ""));
+    if (e.status != 0) why_not.push_back(name + ": " + status + (e.status == 2 ? "; not used" : ""));
     if (mine.count < kMaxEntries) mine.e[mine.count++] = e;
   }
   for (const auto& w : why_not) std::fprintf(stderr, "snapshot %s\n", w.c_str());
@@ -438,12 +438,12 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
   bool all_tainted = false;
   for (const Entry& e : table_) {
     if (e.status == 0) steps.insert(e.step);
-    if (e.status == 2 && e.step >= 0) tainted.insert(e.step);
+    if (e.status == 2 && e.step >= 0) tainted.insert(e.step), steps.insert(e.step);
     if (e.status == 2 && e.step < 0) all_tainted = true;
   }
   SnapshotChoice c;
   if (steps.empty()) {
-    c.why = tainted.empty() && !all_tainted ? "no snapshot of this run at this world size" : "the only snapshots failed their checksums";
+    c.why = all_tainted ? "the only snapshots failed their checksums" : "no snapshot of this run at this world size";
     return c;
   }
   std::string skipped;
@@ -462,8 +462,8 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
     c.step = s;
     std::string rebuilt;
     for (int r = 0; r < N; ++r)
-      if (const std::string h = how_held(r, s); h != "own") rebuilt += ", rank " + std::to_string(r) + "'s from its " + h;
-    c.why = "every rank's state at step " + std::to_string(s) + " verified" + (rebuilt.empty() ? "" : " (rebuilt" + rebuilt + ")") +
+      if (const std::string h = how_held(r, s); h != "own") rebuilt += "; rank " + std::to_string(r) + "'s rebuilt from its " + h;
+    c.why = "every rank's state at step " + std::to_string(s) + " verified" + rebuilt +
             (skipped.empty() ? "" : "; newer not used: " + skipped);
     break;
   }
@@ -476,7 +476,8 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
   std::string meta;
   for (const auto& [name, m] : mapped_) {
     Header h{};
-    if (check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step) {
+    if (check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step && h.world == N &&
+        h.payload_bytes == payload_bytes) {
       meta = std::string(m->base() + kMetaOffset, h.meta_bytes);
       have = 1;
       break;
