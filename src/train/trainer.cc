@@ -390,9 +390,15 @@ void save(Session& s) {
 
 // Every rank's state into shared memory, with its partner copy or parity (collective).
 void take_snapshot(Session& s) {
+  const auto t0 = Clock::now();
   json meta = index_meta(s);
   meta["layout"] = snapshot_layout(s.plan, s.desc);
   s.snapshots->save(s.state.step, meta, snapshot_parts(s.ex, s.plan));
+  if (s.talk) {
+    fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
+               (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
+    std::fflush(stdout);
+  }
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
