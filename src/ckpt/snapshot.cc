@@ -99,10 +99,7 @@ Buffer map_segment(const std::string& name, int64_t bytes, bool create) {
     ::close(fd);
     throw std::runtime_error("snapshot " + name + ": cannot size to " + std::to_string(bytes) + " bytes: " + errno_text());
   }
-  // A segment made for writing is populated at once: its pages are the memory the plan counts, and
-  // the first snapshots do not pay a page fault per 4 KiB.
-  void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (create ? MAP_POPULATE : 0), fd, 0)
-                      : nullptr;
+  void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : nullptr;
   ::close(fd);
   if (p == MAP_FAILED) throw std::runtime_error("snapshot " + name + ": cannot map: " + errno_text());
   return Buffer::adopt(MemCategory::snapshot, p, bytes, [](void* d, size_t b) { ::munmap(d, b); });
@@ -266,7 +263,13 @@ std::vector<std::string> SnapshotStore::held_roles() const {
 
 void SnapshotStore::prepare(int64_t payload_bytes) {
   for (const std::string& role : held_roles())
-    for (int slot = 0; slot < 2; ++slot) map_slot(role, slot, payload_bytes, true);
+    for (int slot = 0; slot < 2; ++slot) {
+      // Every page written once now (its own value back: a slot may hold the snapshot this run
+      // resumed from), so that the first snapshots do not pay the page faults of fresh memory.
+      Mapped* m = map_slot(role, slot, payload_bytes, true);
+      volatile char* p = m->base();
+      for (size_t at = 0; at < m->buf.bytes(); at += 4096) p[at] = p[at];
+    }
   if (held_roles().size() > 1 && scheme_.parity_group > 0 && scratch_.empty())
     for (int m = 0; m < scheme_.parity_group; ++m) scratch_.emplace_back(MemCategory::snapshot, kChunk, Buffer::Fill::none);
 }

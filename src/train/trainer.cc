@@ -238,7 +238,7 @@ std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& wor
                                        std::unique_ptr<ckpt::SnapshotStore>& store, ckpt::SnapshotChoice& snapshot) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
-  check_resume_override_use(cfg);  // before --resume auto may clear cfg.resume
+  const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   if (cfg.snapshot_every > 0 || cfg.resume == "auto")
     store = std::make_unique<ckpt::SnapshotStore>(cfg.out, world, ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
                                                   timeout);
@@ -246,11 +246,12 @@ std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& wor
   std::unique_ptr<RunDirectory> dir;
   on_lead_or_all_fail(world, timeout, [&] {
     int64_t resumed_step = -1;
+    TrainConfig asked = cfg;
+    asked.resume = asked_resume;
+    check_resume_override_use(asked);
     if (snapshot.step >= 0) {
       const RunState saved = snapshot_state(snapshot.meta);
-      TrainConfig resumed = cfg;
-      resumed.resume = "auto";
-      check_resume_matches(resumed, world.size(), saved.run, "snapshot " + store->prefix() + " of step " + std::to_string(saved.step));
+      check_resume_matches(asked, world.size(), saved.run, "snapshot " + store->prefix() + " of step " + std::to_string(saved.step));
       return void(dir = RunDirectory::open(cfg, saved.step, true));
     }
     if (!cfg.resume.empty()) {
