@@ -35,9 +35,9 @@ class SnapshotSlow : public ::testing::Test {
     outs_.push_back((dir_ / name).string());
     return outs_.back();
   }
-  static std::string args(const std::string& out, const std::string& extra = "") {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + out +
-           " --steps 10 --batch 2 --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2"
+  static std::string args(const std::string& out, const std::string& extra = "", int steps = 10) {
+    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + out + " --steps " + std::to_string(steps) +
+           " --batch 2 --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2"
            " --sample-tokens 0 --peak-gflops 100 --timeout 60 --quiet --strategy fsdp " + extra;
   }
   // The uninterrupted run's losses on `ranks` ranks (run once per rank count).
@@ -86,6 +86,31 @@ TEST_F(SnapshotSlow, ResumeFromSnapshotGivesTheUninterruptedLossesBitwise) {
   EXPECT_NE(r.out.find("took the in-memory snapshot of step 5"), std::string::npos) << r.out;
   EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);  // exact
   EXPECT_TRUE(segments(o).empty()) << "snapshots left after a normal end";
+}
+
+// The shared memory each rank maps is the plan's `snapshot` figure (what `explain` prints), and
+// metrics.jsonl shows it: partner copies on 2 ranks, parity on 4 (the parity holders hold most).
+TEST_F(SnapshotSlow, SnapshotMemoryIsThePlansFigure) {
+  for (const auto& [ranks, parity] : {std::pair{2, 0}, {4, 2}}) {
+    const std::string o = out("mem_" + std::to_string(ranks));
+    const std::string flags = " --snapshot-every 1 --snapshot-parity " + std::to_string(parity);
+    const Result r = mpirun(ranks, args(o, "--vocab 256" + flags, 3));
+    ASSERT_EQ(r.code, 0) << r.out;
+    const Result e = testing::shardlm("explain --model tiny --vocab 256 --batch 2 --seq 32 --threads 1 --strategy fsdp --ranks " +
+                                      std::to_string(ranks) + flags);
+    ASSERT_EQ(e.code, 0) << e.out;
+    const size_t at = e.out.find("  snapshot: static ");
+    ASSERT_NE(at, std::string::npos) << e.out;
+    const int64_t planned = std::stoll(e.out.substr(at + 19));
+    EXPECT_GT(planned, 0);
+    int steps = 0;
+    for (const auto& row : testing::read_metrics(fs::path(o) / "metrics.jsonl")) {
+      if (!row.contains("mem_between_steps")) continue;
+      ++steps;  // every slot is mapped before the first step
+      EXPECT_EQ(row["mem_between_steps"]["snapshot"].get<int64_t>(), planned) << ranks << " ranks";
+    }
+    EXPECT_EQ(steps, 3);
+  }
 }
 
 // --snapshot-every 1, rank 1 killed at step 6: the relaunch continues from step 6 (>= k - 1)
