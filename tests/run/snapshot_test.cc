@@ -81,11 +81,28 @@ TEST_F(SnapshotSlow, ResumeFromSnapshotGivesTheUninterruptedLossesBitwise) {
   const std::string o = out("five");
   ASSERT_NE(mpirun(2, args(o, "--snapshot-every 5"), "-x SHARDLM_FAULT_KILL=0:5").code, 0);
   EXPECT_EQ(segments(o, "rank0-own").size(), 2u);
+  const Result listed = testing::shardlm("ckpt snapshots --out " + o);  // what it holds, verified
+  EXPECT_NE(listed.out.find(ckpt::snapshot_prefix(o) + "-rank1-own-slot"), std::string::npos) << listed.out;
+  EXPECT_NE(listed.out.find("step 5  world 2"), std::string::npos) << listed.out;
+  EXPECT_EQ(listed.out.find("mismatch"), std::string::npos) << listed.out;
   const Result r = mpirun(2, args(o, "--snapshot-every 5 --resume auto"));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("took the in-memory snapshot of step 5"), std::string::npos) << r.out;
   EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);  // exact
   EXPECT_TRUE(segments(o).empty()) << "snapshots left after a normal end";
+}
+
+// `ckpt snapshots --clear` removes a run's segments (and only that run's).
+TEST_F(SnapshotSlow, CkptSnapshotsClearRemovesTheRunsSegments) {
+  const std::string a = out("clear_a"), b = out("clear_b");
+  ASSERT_NE(mpirun(2, args(a, "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
+  ASSERT_NE(mpirun(2, args(b, "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
+  ASSERT_EQ(segments(a).size(), 8u);
+  const Result r = testing::shardlm("ckpt snapshots --clear --out " + a);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("removed 8 snapshot segment(s)"), std::string::npos) << r.out;
+  EXPECT_TRUE(segments(a).empty());
+  EXPECT_EQ(segments(b).size(), 8u);
 }
 
 // The shared memory each rank maps is the plan's `snapshot` figure (what `explain` prints), and
