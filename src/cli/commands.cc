@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "ckpt/sharded.h"
+#include "ckpt/snapshot.h"
 #include "comm/factory.h"
 #include "comm/mpi_backend.h"
 #include "comm/single_rank.h"
@@ -31,6 +32,7 @@
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/memory_check.h"
+#include "train/snapshots.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -120,12 +122,23 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
 }
 
+// In-memory snapshots (train, and explain for their memory).
+void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")
+      ->capture_default_str();
+  cmd->add_option("--snapshot-parity", c.snapshot_parity,
+                  "snapshot redundancy: 0 a partner rank holds a copy; G one XOR parity per group of G ranks")
+      ->capture_default_str();
+}
+
 void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   add_model_options(cmd, c);
   add_plan_options(cmd, c);
   cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
-  cmd->add_option("--resume", c.resume, "checkpoint to continue from: a run directory (its ckpt/latest) or a step directory");
+  cmd->add_option("--resume", c.resume,
+                  "checkpoint to continue from: a run directory (its ckpt/latest), a step directory, or auto (--out's newest "
+                  "in-memory snapshot every rank holds, else its latest checkpoint; ./auto names a directory)");
   cmd->add_option("--init-from", c.init_from,
                   "start from these parameters (step 0, fresh optimizer): a checkpoint or a Hugging Face model directory");
   cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
@@ -151,6 +164,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
   cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->capture_default_str();
+  add_snapshot_options(cmd, c);
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
@@ -197,8 +211,9 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
 
 // `shardlm ckpt export | import | info`: checkpoints as files, on one process.
 struct CkptCommands {
-  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *import_cmd = nullptr, *info_cmd = nullptr;
-  std::string dir, out, format = "hf", dtype = "fp32", max_shard_size = "5GB";
+  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *import_cmd = nullptr, *info_cmd = nullptr, *snapshots_cmd = nullptr;
+  std::string dir, out, format = "hf", dtype = "fp32", max_shard_size = "5GB", run;
+  bool clear = false;
 };
 
 void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
@@ -218,6 +233,23 @@ void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
   c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->required();
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
   c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
+  c.snapshots_cmd = c.ckpt->add_subcommand("snapshots", "list (or --clear) the in-memory snapshots in this machine's shared memory");
+  c.snapshots_cmd->add_option("--out", c.run, "the run directory whose snapshots (default: every run's)");
+  c.snapshots_cmd->add_flag("--clear", c.clear, "remove them");
+}
+
+// `ckpt snapshots`: every slot with its step and whether its checksums verify.
+int run_ckpt_snapshots(const CkptCommands& c) {
+  const std::string prefix = c.run.empty() ? "shardlm-" : ckpt::snapshot_prefix(c.run) + "-";
+  if (c.clear) {
+    fmt::print("removed {} snapshot segment(s) {}*\n", ckpt::remove_snapshot_segments(prefix), prefix);
+    return 0;
+  }
+  const auto slots = ckpt::list_snapshot_slots(prefix, true);
+  if (slots.empty()) fmt::print("no snapshots{}\n", c.run.empty() ? "" : " of " + c.run);
+  for (const auto& s : slots)
+    fmt::print("/dev/shm/{}  step {}  world {}  {} bytes  {}\n", s.name, s.step, s.world, s.bytes, s.status);
+  return 0;
 }
 
 void print_ckpt_info(const std::string& arg) {
@@ -248,6 +280,8 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
     const model::ModelConfig mc = train::import_hf(c.dir, c.out);
     fmt::print("imported {} -> {}: {} model, {} parameters, step 0 (train --init-from {})\n", c.dir, c.out,
                model::to_string(mc.family), model::describe(mc).num_params_exported(), c.out);
+  } else if (*c.snapshots_cmd) {
+    return run_ckpt_snapshots(c);
   } else {
     print_ckpt_info(c.dir);
   }
@@ -537,6 +571,7 @@ int run(int argc, char** argv) {
   explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(at_least(1))->capture_default_str();
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
+  add_snapshot_options(explain_cmd, ec);
 
   // simulate
   auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
@@ -613,7 +648,7 @@ int run(int argc, char** argv) {
       ec.validate();
       const model::ModelConfig mc = ec.model_config(50257);
       const model::ModelDesc desc = model::describe(mc);
-      std::cout << plan::build_plan(desc, train::plan_config(ec, explain_ranks)).to_text(desc);
+      std::cout << train::with_snapshot_memory(plan::build_plan(desc, train::plan_config(ec, explain_ranks)), ec).to_text(desc);
     } else if (*cal_cmd) {
       for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
       return run_calibrate(co, cal_out);

@@ -159,9 +159,10 @@ struct StateLayout {
   int params = 1, grads = 1, optimizer = 1;
 };
 
-// Bytes per category the rank holds for the whole run.
+// Bytes per category the rank holds for the whole run. snapshot: in-memory snapshots' shared
+// memory; the plan builder leaves it 0 and train/ fills it in when the run takes snapshots.
 struct StaticMemory {
-  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t params = 0, grads = 0, optimizer = 0, snapshot = 0;
 };
 
 struct Plan {

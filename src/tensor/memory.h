@@ -11,8 +11,9 @@
 
 namespace shardlm {
 
-enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace };
-inline constexpr int kNumMemCategories = 6;
+// snapshot: in-memory snapshots' shared memory (ckpt/snapshot.h), held between steps.
+enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace, snapshot };
+inline constexpr int kNumMemCategories = 7;
 const char* to_string(MemCategory c);
 
 // Bytes per category at one moment; `total` is their sum.

@@ -114,6 +114,8 @@ Settings rank_settings(const TrainConfig& c) {
       {"eval-windows", s(c.eval_windows)},
       {"save-every", s(c.save_every)},
       {"keep-last", s(c.keep_last)},
+      {"snapshot-every", s(c.snapshot_every)},
+      {"snapshot-parity", s(c.snapshot_parity)},
       {"sample-tokens", s(c.sample_tokens)},
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},

@@ -103,6 +103,9 @@ void check_reporting(const TrainConfig& c) {
   at_least<int64_t>(c.eval_windows, 1, "eval-windows");
   at_least<int64_t>(c.save_every, 0, "save-every");
   at_least<int64_t>(c.keep_last, 0, "keep-last");
+  at_least<int64_t>(c.snapshot_every, 0, "snapshot-every");
+  at_least(c.snapshot_parity, 0, "snapshot-parity");
+  if (c.snapshot_parity == 1) throw std::invalid_argument("--snapshot-parity: a group of 1 rank has no parity; 0 (partner copies) or >= 2");
   at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
   at_least(c.peak_gflops, 0.0, "peak-gflops");
   finite(c.peak_gflops, "peak-gflops");
@@ -131,8 +134,9 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cuda" && c.strategy != "ddp")
     throw std::invalid_argument("--device cuda runs one process with --strategy ddp (no NCCL communicator yet)");
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
-  if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty()))
-    throw std::invalid_argument("--device cuda: --save-every, --resume and --init-from are not supported yet (checkpoints read host memory)");
+  if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
+    throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
+                                "(checkpoints read host memory)");
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   model::parse_recompute(c.recompute);

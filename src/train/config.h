@@ -20,7 +20,7 @@ struct TrainConfig {
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";
-  std::string resume;  // checkpoint directory
+  std::string resume;  // checkpoint directory, or "auto": --out's newest snapshot, else its latest checkpoint
   // A new run's starting parameters (AdamW moments zero, step 0): a shardlm checkpoint or a
   // Hugging Face model directory (checkpoint.h's resolve_initial). Not used with --resume.
   std::string init_from;
@@ -52,6 +52,8 @@ struct TrainConfig {
   int64_t eval_windows = 64;   // validation windows per evaluation (spread over the file)
   int64_t save_every = 0;      // 0: never
   int64_t keep_last = 0;       // checkpoints kept (the newest); 0: all
+  int64_t snapshot_every = 0;  // steps between in-memory snapshots (ckpt/snapshot.h); 0: never
+  int snapshot_parity = 0;     // 0: a partner rank holds a copy; G: XOR parity per group of G ranks
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress

@@ -176,7 +176,7 @@ std::vector<std::string> metrics_before(const std::vector<std::string>& lines, i
   return kept;
 }
 
-std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t resumed_step) {
+std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t resumed_step, bool from_snapshot) {
   const std::string& dir = cfg.out;
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -187,7 +187,7 @@ std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t
   run->resumed_step_ = resumed_step;
   // Resuming DIR's own checkpoint continues DIR's run; any other run into a directory holding a
   // run would mix two runs' records.
-  const bool continues_dir = resumed_step >= 0 && is_inside(cfg.resume, fs::path(dir) / "ckpt");
+  const bool continues_dir = resumed_step >= 0 && (from_snapshot || is_inside(cfg.resume, fs::path(dir) / "ckpt"));
   if (!continues_dir && holds_a_run(dir)) {
     if (!cfg.overwrite)
       throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/)" +

@@ -28,9 +28,10 @@ class RunDirectory {
   // Creates DIR, takes its lock and refuses a directory holding another run; changes nothing
   // else yet, so that a run refused by a later start-up check leaves DIR as it was.
   // `resumed_step` is the step the run resumes from (the checkpoint's state.json step), or -1
-  // for a new run. Throws std::runtime_error naming the directory (and the holder's pid when it
-  // is locked).
-  static std::unique_ptr<RunDirectory> open(const TrainConfig& cfg, int64_t resumed_step);
+  // for a new run; `from_snapshot`: it resumes DIR's own in-memory snapshot (--resume auto), which
+  // continues DIR's run like one of its checkpoints. Throws std::runtime_error naming the
+  // directory (and the holder's pid when it is locked).
+  static std::unique_ptr<RunDirectory> open(const TrainConfig& cfg, int64_t resumed_step, bool from_snapshot = false);
   // Once the run is sure to start: removes the old run (--overwrite) and dead runs' leftovers,
   // and cuts metrics.jsonl back to the resumed step.
   void prepare();

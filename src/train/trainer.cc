@@ -31,6 +31,7 @@
 #include "train/run_dir.h"
 #include "train/memory_check.h"
 #include "train/schedule.h"
+#include "train/snapshots.h"
 #include "trace/trace.h"
 
 namespace shardlm::train {
@@ -186,6 +187,7 @@ struct Session {
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
+  std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
 
   Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
       : cfg(c),
@@ -201,7 +203,7 @@ struct Session {
         desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
         // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
         // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
-        plan(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(c, w)),
+        plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
                                      (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                          (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
         comms(w, plan),
@@ -234,14 +236,28 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
 // Before any collective of the step: the ranks agree on their settings; then rank 0 checks that
 // a resume continues the saved run and takes the run directory. A failure there ends every rank.
 // --resume names a run or step directory; afterwards cfg.resume is the step directory on every
-// rank. Returns rank 0's run directory (nullptr on the other ranks).
-std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& world) {
+// rank. --resume auto picks a snapshot (returned in `snapshot`; cfg.resume becomes empty) or a
+// checkpoint. Returns rank 0's run directory (nullptr on the other ranks).
+std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& world,
+                                       std::unique_ptr<ckpt::SnapshotStore>& store, ckpt::SnapshotChoice& snapshot) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
+  const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
+  if (cfg.snapshot_every > 0 || cfg.resume == "auto")
+    store = std::make_unique<ckpt::SnapshotStore>(cfg.out, world, ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
+                                                  timeout);
+  if (cfg.resume == "auto") snapshot = resume_auto(cfg, world, *store);
   std::unique_ptr<RunDirectory> dir;
   on_lead_or_all_fail(world, timeout, [&] {
     int64_t resumed_step = -1;
-    check_resume_override_use(cfg);
+    TrainConfig asked = cfg;
+    asked.resume = asked_resume;
+    check_resume_override_use(asked);
+    if (snapshot.step >= 0) {
+      const RunState saved = snapshot_state(snapshot.meta);
+      check_resume_matches(asked, world.size(), saved.run, "snapshot " + store->prefix() + " of step " + std::to_string(saved.step));
+      return void(dir = RunDirectory::open(cfg, saved.step, true));
+    }
     if (!cfg.resume.empty()) {
       cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
       resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
@@ -282,8 +298,18 @@ ckpt::RankBuffers rank_buffers(Session& s) {
   return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
 }
 
-// Loads a checkpoint into the executor's state. Sharded: each rank verifies every N-th file
-// (size, checksum, header against the index) and reads only its own element ranges. A whole
+// Each rank verifies every N-th file of the sharded checkpoint `dir` (size, checksum, header
+// against the index) and reads only its own element ranges into the buffers `bufs` names.
+void load_sharded(Session& s, const std::string& dir, const ckpt::RankBuffers& bufs, bool optimizer) {
+  every_rank_or_all_fail(s, [&] {
+    const json index = ckpt::read_index(dir);
+    for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
+    ckpt::check_index_against_model(dir, index, s.desc, optimizer);
+    ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, bufs);
+  });
+}
+
+// Loads a checkpoint into the executor's state. Sharded: load_sharded. A whole
 // (older) checkpoint is read whole on every rank. That the checkpoint's run is this run,
 // start_up() checked.
 void resume(Session& s) {
@@ -291,12 +317,7 @@ void resume(Session& s) {
   s.state = read_checkpoint_state(dir);
   if (ckpt::is_sharded(dir)) {
     const auto t0 = Clock::now();
-    every_rank_or_all_fail(s, [&] {
-      const json index = ckpt::read_index(dir);
-      for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
-      ckpt::check_index_against_model(dir, index, s.desc, true);
-      ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s));
-    });
+    load_sharded(s, dir, rank_buffers(s), true);
     if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
     return;
   }
@@ -314,20 +335,25 @@ void resume(Session& s) {
 void init_from(Session& s) {
   const std::string& dir = s.cfg.init_from;
   const auto t0 = Clock::now();
-  every_rank_or_all_fail(s, [&] {
-    if (ckpt::is_sharded(dir)) {
-      const json index = ckpt::read_index(dir);
-      for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
-      ckpt::check_index_against_model(dir, index, s.desc, false);
-      ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank,
-                      {s.ex.local_state(run::Executor::State::params), nullptr, nullptr});
-      return;
-    }
-    Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
-    ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
-    s.ex.load_full(run::Executor::State::params, p.f32());
-  });
+  if (ckpt::is_sharded(dir)) {
+    load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
+  } else {
+    every_rank_or_all_fail(s, [&] {
+      Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
+      ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
+      s.ex.load_full(run::Executor::State::params, p.f32());
+    });
+  }
   if (s.talk) fmt::print("parameters from {} in {:.0f} ms\n", dir, ms_since(t0));
+}
+
+// Every rank's state from the in-memory snapshot --resume auto chose (its own slot, or rebuilt
+// from a partner's copy or its group's parity).
+void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
+  const auto t0 = Clock::now();
+  s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  s.state = snapshot_state(chosen.meta);
+  if (s.talk) fmt::print("resumed from the in-memory snapshot of step {} in {:.0f} ms\n", s.state.step, ms_since(t0));
 }
 
 // What index.json records besides the tensors: state.json's fields, the model and the plan.
@@ -391,6 +417,19 @@ void save(Session& s) {
     for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
     fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms\n", step_dir, total / 1e6,
                s.N, most / 1e6, ms_since(t0));
+    std::fflush(stdout);
+  }
+}
+
+// Every rank's state into shared memory, with its partner copy or parity (collective).
+void take_snapshot(Session& s) {
+  const auto t0 = Clock::now();
+  json meta = index_meta(s);
+  meta["layout"] = snapshot_layout(s.plan, s.desc);
+  s.snapshots->save(s.state.step, meta, snapshot_parts(s.ex, s.plan));
+  if (s.talk) {
+    fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
+               (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
     std::fflush(stdout);
   }
 }
@@ -464,7 +503,9 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
 TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
   cfg_in.validate();
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
-  const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world);
+  std::unique_ptr<ckpt::SnapshotStore> snapshots;
+  ckpt::SnapshotChoice snapshot;  // --resume auto's, when it took one
+  const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world, snapshots, snapshot);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
   Session s(cfg, world, resolve_model(cfg, meta), meta);
@@ -472,11 +513,19 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
-  if (!cfg.resume.empty()) resume(s);
+  s.snapshots = std::move(snapshots);
+  if (snapshot.step >= 0) resume_from_snapshot(s, snapshot);
+  else if (!cfg.resume.empty()) resume(s);
   else if (!cfg.init_from.empty()) init_from(s);
   else s.ex.init_params(cfg.seed);
   s.state.seed = cfg.seed;  // after resume(): what this run's checkpoints record is this run
   s.state.run = run_identity(cfg, s.N);
+  if (s.snapshots) {
+    // Snapshots of another timeline (a new run, or one resumed from disk) must never be taken
+    // for this run's; then both slots of every held segment are mapped, as the plan counts them.
+    if (snapshot.step < 0) s.snapshots->remove_held();
+    if (cfg.snapshot_every > 0) s.snapshots->prepare(s.plan.static_memory.params + s.plan.static_memory.optimizer);
+  }
 
   if (s.lead) {
     run_dir->prepare();
@@ -555,6 +604,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
     summary.steps_done = step + 1;
     s.state.step = step + 1;
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
+    if (cfg.snapshot_every > 0 && s.state.step % cfg.snapshot_every == 0) take_snapshot(s);
     if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
@@ -576,6 +626,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   }
   if (!cfg.trace.empty()) write_trace(s);
   if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", MemoryTracker::global().run_peak());
+  if (s.snapshots) s.snapshots->remove_held();  // the run ended normally: its snapshots are not needed
   return summary;
 }
 

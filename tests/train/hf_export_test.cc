@@ -92,7 +92,7 @@ struct Model {
     batch.write((dir / "batch.safetensors").string());
     out.add_f32("logits", {B, T, mc.vocab_size}, logits.data());
     out.write((dir / "logits.safetensors").string());
-    save_checkpoint((dir / "ckpt").string(), desc, plan.layout, params(), nullptr, nullptr, RunState{0, 42, "bytes"},
+    save_checkpoint((dir / "ckpt").string(), desc, plan.layout, params(), nullptr, nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "bytes"; return st; }(),
                     TrainConfig{});
   }
   const float* params() { return ex.whole(run::Executor::State::params); }

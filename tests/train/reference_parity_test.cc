@@ -77,7 +77,7 @@ TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
   Engine e(c.mc, plan_config(c));
   e.ex.init_params(42);
   save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(run::Executor::State::params), nullptr,
-                  nullptr, RunState{0, 42, "gpt2"}, TrainConfig{});
+                  nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "gpt2"; return st; }(), TrainConfig{});
 
   std::mt19937 rng(7);
   std::vector<int32_t> inputs(c.B * c.T), targets(c.B * c.T);

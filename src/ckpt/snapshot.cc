@@ -1,0 +1,637 @@
+#include "ckpt/snapshot.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <xxhash.h>
+
+namespace shardlm::ckpt {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[8] = {'S', 'L', 'M', 'S', 'N', 'A', 'P', '1'};
+constexpr int64_t kChunk = 8 << 20;  // bytes per message and per checksum update
+constexpr int64_t kMetaOffset = 1024, kChecksumOffset = kSnapshotHeaderBytes - 16,
+                  kValidOffset = kSnapshotHeaderBytes - 8;
+constexpr int kTagSave = 0x5a1, kTagRestore = 0x5a2;
+const char* const kShmDir = "/dev/shm";
+
+enum Role : int32_t { own = 0, copy = 1, parity = 2 };
+
+// The fixed fields at the start of a slot; the run state's JSON follows at kMetaOffset, the
+// header's XXH64 (of bytes [0, kChecksumOffset)) at kChecksumOffset and the valid flag (1: the
+// slot is complete) at kValidOffset.
+struct Header {
+  char magic[8];
+  int64_t step;
+  int32_t world, holder, role, source, members, meta_bytes;
+  int64_t payload_bytes;
+  uint64_t payload_xxh64;
+  uint64_t member_xxh64[kMaxParityGroup];  // parity: the group's states' checksums, for a rebuild
+};
+static_assert(sizeof(Header) <= kMetaOffset);
+
+std::atomic<uint32_t>* valid_flag(char* base) { return reinterpret_cast<std::atomic<uint32_t>*>(base + kValidOffset); }
+
+uint64_t header_checksum(const char* base) { return XXH64(base, kChecksumOffset, 0); }
+
+std::string errno_text() { return std::strerror(errno); }
+
+// "ok", "incomplete" (valid flag 0: its writer died mid-write) or what is wrong, for a slot of
+// `size` bytes at `base`; `h` receives the header.
+std::string check_slot(const char* base, int64_t size, bool verify_payload, Header* h) {
+  if (size < kSnapshotHeaderBytes) return "shorter than its header";
+  std::memcpy(h, base, sizeof(Header));
+  uint32_t valid;
+  std::memcpy(&valid, base + kValidOffset, 4);
+  if (valid == 0) return "incomplete";
+  if (valid != 1) return "valid flag is " + std::to_string(valid);
+  if (std::memcmp(h->magic, kMagic, 8) != 0) return "not a shardlm snapshot";
+  uint64_t sum;
+  std::memcpy(&sum, base + kChecksumOffset, 8);
+  if (sum != header_checksum(base)) return "header checksum mismatch";
+  if (h->payload_bytes != size - kSnapshotHeaderBytes) return "size disagrees with its header";
+  if (verify_payload && XXH64(base + kSnapshotHeaderBytes, h->payload_bytes, 0) != h->payload_xxh64)
+    return "payload checksum mismatch";
+  return "ok";
+}
+
+// Completes a slot whose payload is written: fields, meta, header checksum, then the valid flag.
+void commit_slot(char* base, Header h, const json& meta) {
+  const std::string m = meta.dump();
+  if (static_cast<int64_t>(m.size()) > kChecksumOffset - kMetaOffset)
+    throw std::runtime_error("snapshot: run state of " + std::to_string(m.size()) + " bytes does not fit the header");
+  std::memcpy(h.magic, kMagic, 8);
+  h.meta_bytes = static_cast<int32_t>(m.size());
+  std::memcpy(base, &h, sizeof h);
+  std::memcpy(base + kMetaOffset, m.data(), m.size());
+  const uint64_t sum = header_checksum(base);
+  std::memcpy(base + kChecksumOffset, &sum, 8);
+  valid_flag(base)->store(1, std::memory_order_release);
+}
+
+// A mapping of a whole segment, charged to MemCategory::snapshot.
+Buffer map_segment(const std::string& name, int64_t bytes, bool create) {
+  const std::string path = "/" + name;
+  const int fd = ::shm_open(path.c_str(), O_RDWR | (create ? O_CREAT : 0), 0600);
+  if (fd < 0) throw std::runtime_error("snapshot " + name + ": cannot open: " + errno_text());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw std::runtime_error("snapshot " + name + ": cannot stat: " + errno_text());
+  }
+  if (!create) bytes = st.st_size;
+  else if (st.st_size != bytes && ::ftruncate(fd, bytes) != 0) {
+    ::close(fd);
+    throw std::runtime_error("snapshot " + name + ": cannot size to " + std::to_string(bytes) + " bytes: " + errno_text());
+  }
+  void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : nullptr;
+  ::close(fd);
+  if (p == MAP_FAILED) throw std::runtime_error("snapshot " + name + ": cannot map: " + errno_text());
+  return Buffer::adopt(MemCategory::snapshot, p, bytes, [](void* d, size_t b) { ::munmap(d, b); });
+}
+
+// Segment names in /dev/shm starting with `prefix`.
+std::vector<std::string> segments_named(const std::string& prefix) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(kShmDir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(prefix, 0) == 0) out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// prefix-rank<h>-<role>[<source>]-slot<s> → its parts (false for another name).
+bool parse_name(const std::string& name, SlotInfo& s) {
+  const size_t at = name.find("-rank");
+  if (at == std::string::npos) return false;
+  char role[16] = {};
+  int holder, slot, n = 0;
+  if (std::sscanf(name.c_str() + at, "-rank%d-%15[a-z]%n", &holder, role, &n) != 2) return false;
+  const char* rest = name.c_str() + at + n;
+  int source = holder;
+  if (std::strcmp(role, "own") != 0 && std::sscanf(rest, "%d", &source) != 1) return false;
+  const char* sl = std::strstr(rest, "-slot");
+  if (!sl || std::sscanf(sl, "-slot%d", &slot) != 1) return false;
+  s.name = name, s.holder = holder, s.role = role, s.source = source, s.slot = slot;
+  return true;
+}
+
+void wait_all(std::vector<std::shared_ptr<comm::Work>>& works, std::chrono::milliseconds timeout) {
+  for (auto& w : works) w->wait(timeout);
+  works.clear();
+}
+
+// Point to point in chunks (a message's count is an int in MPI); both sides chunk alike.
+void send_bytes(comm::Communicator& c, const char* p, int64_t n, int peer, int tag,
+                std::vector<std::shared_ptr<comm::Work>>& works) {
+  for (int64_t o = 0; o < n; o += kChunk)
+    works.push_back(c.send(p + o, std::min(kChunk, n - o), DType::int8, peer, tag, "snapshot send"));
+}
+void recv_bytes(comm::Communicator& c, char* p, int64_t n, int peer, int tag,
+                std::vector<std::shared_ptr<comm::Work>>& works) {
+  for (int64_t o = 0; o < n; o += kChunk)
+    works.push_back(c.recv(p + o, std::min(kChunk, n - o), DType::int8, peer, tag, "snapshot recv"));
+}
+
+template <class T>
+std::vector<T> gather(comm::Communicator& c, const T& mine, std::chrono::milliseconds timeout, const char* label) {
+  std::vector<T> all(c.size());
+  c.all_gather(&mine, all.data(), sizeof(T), DType::int8, label)->wait(timeout);
+  return all;
+}
+
+void xor_into(char* dst, const char* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t a, b;
+    std::memcpy(&a, dst + i, 8);
+    std::memcpy(&b, src + i, 8);
+    a ^= b;
+    std::memcpy(dst + i, &a, 8);
+  }
+  for (; i < n; ++i) dst[i] ^= src[i];
+}
+
+constexpr int kMaxEntries = 16;
+struct EntryList {
+  int32_t count;
+  int32_t pad;
+  SnapshotStore::Entry e[kMaxEntries];
+};
+
+}  // namespace
+
+struct SnapshotStore::Mapped {
+  Buffer buf;
+  char* base() const { return buf.as<char>(); }
+};
+
+std::string snapshot_prefix(const std::string& run_dir) {
+  std::error_code ec;
+  const std::string p = fs::weakly_canonical(fs::absolute(run_dir, ec), ec).string();
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(XXH64(p.data(), p.size(), 0)));
+  return std::string("shardlm-") + hex;
+}
+
+void SnapshotScheme::check() const {
+  if (parity_group == 0) return;
+  if (parity_group < 2 || parity_group > kMaxParityGroup || world % parity_group != 0 || world / parity_group < 2)
+    throw std::invalid_argument("--snapshot-parity " + std::to_string(parity_group) + ": groups must split the " +
+                                std::to_string(world) + " ranks evenly (2 to " + std::to_string(kMaxParityGroup) +
+                                " each) and leave a rank outside each group to hold its parity");
+}
+
+int64_t snapshot_bytes_held(const SnapshotScheme& s, int rank, int64_t payload_bytes) {
+  const int64_t both_slots = 2 * (kSnapshotHeaderBytes + payload_bytes);
+  if (!s.redundant()) return both_slots;
+  if (s.parity_group == 0) return 2 * both_slots;
+  // Group g's parity is held by rank (g+1)·G mod N: each multiple of G holds one, and folds it
+  // from G receive buffers of one chunk.
+  return both_slots + (rank % s.parity_group == 0 ? both_slots + s.parity_group * kChunk : 0);
+}
+
+int64_t snapshot_bytes_most(const SnapshotScheme& s, int64_t payload_bytes) {
+  int64_t most = 0;
+  for (int r = 0; r < s.world; ++r) most = std::max(most, snapshot_bytes_held(s, r, payload_bytes));
+  return most;
+}
+
+std::vector<SlotInfo> list_snapshot_slots(const std::string& prefix, bool verify) {
+  std::vector<SlotInfo> out;
+  for (const std::string& name : segments_named(prefix)) {
+    SlotInfo s;
+    if (!parse_name(name, s)) continue;
+    try {
+      const Buffer m = map_segment(name, 0, false);
+      s.bytes = static_cast<int64_t>(m.bytes());
+      Header h{};
+      s.status = check_slot(m.as<char>(), s.bytes, verify, &h);
+      if (s.status == "ok" || s.status == "incomplete") s.step = h.step, s.world = h.world;
+    } catch (const std::exception& e) {
+      s.status = e.what();
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+int remove_snapshot_segments(const std::string& prefix) {
+  int n = 0;
+  for (const std::string& name : segments_named(prefix)) n += ::shm_unlink(("/" + name).c_str()) == 0;
+  return n;
+}
+
+SnapshotStore::SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme,
+                             std::chrono::milliseconds timeout)
+    : world_(world), scheme_(scheme), timeout_(timeout), prefix_(snapshot_prefix(run_dir)), rank_(world.rank()) {
+  scheme_.check();
+}
+
+SnapshotStore::~SnapshotStore() {
+  for (auto& [name, m] : mapped_) delete m;
+}
+
+std::vector<std::string> SnapshotStore::held_roles() const {
+  std::vector<std::string> roles{"own"};
+  if (!scheme_.redundant()) return roles;
+  if (scheme_.parity_group == 0) {
+    roles.push_back("copy" + std::to_string((rank_ + 1) % scheme_.world));
+    return roles;
+  }
+  for (int g = 0; g < scheme_.world / scheme_.parity_group; ++g)
+    if (scheme_.parity_holder(g) == rank_) roles.push_back("parity" + std::to_string(g));
+  return roles;
+}
+
+void SnapshotStore::prepare(int64_t payload_bytes) {
+  for (const std::string& role : held_roles())
+    for (int slot = 0; slot < 2; ++slot) {
+      // Every page written once now (its own value back: a slot may hold the snapshot this run
+      // resumed from), so that the first snapshots do not pay the page faults of fresh memory.
+      Mapped* m = map_slot(role, slot, payload_bytes, true);
+      volatile char* p = m->base();
+      for (size_t at = 0; at < m->buf.bytes(); at += 4096) p[at] = p[at];
+    }
+  if (held_roles().size() > 1 && scheme_.parity_group > 0 && scratch_.empty())
+    for (int m = 0; m < scheme_.parity_group; ++m) scratch_.emplace_back(MemCategory::snapshot, kChunk, Buffer::Fill::none);
+}
+
+std::string SnapshotStore::segment(const std::string& role, int slot) const {
+  return prefix_ + "-rank" + std::to_string(rank_) + "-" + role + "-slot" + std::to_string(slot);
+}
+
+SnapshotStore::Mapped* SnapshotStore::map_slot(const std::string& role, int slot, int64_t payload_bytes, bool create) {
+  const std::string name = segment(role, slot);
+  const int64_t want = kSnapshotHeaderBytes + payload_bytes;
+  auto it = mapped_.find(name);
+  if (it != mapped_.end() && (!create || static_cast<int64_t>(it->second->buf.bytes()) == want)) return it->second;
+  if (it != mapped_.end()) {
+    delete it->second;
+    mapped_.erase(it);
+  }
+  if (!create && ::access((std::string(kShmDir) + "/" + name).c_str(), F_OK) != 0) return nullptr;
+  auto* m = new Mapped{map_segment(name, want, create)};
+  mapped_[name] = m;
+  return m;
+}
+
+namespace {
+// The slot to overwrite: an invalid one, else the one holding the older step.
+int older_slot(char* a, char* b) {
+  Header ha{}, hb{};
+  const bool va = valid_flag(a)->load() == 1, vb = valid_flag(b)->load() == 1;
+  std::memcpy(&ha, a, sizeof ha);
+  std::memcpy(&hb, b, sizeof hb);
+  if (!va) return 0;
+  if (!vb) return 1;
+  return ha.step <= hb.step ? 0 : 1;
+}
+}  // namespace
+
+void SnapshotStore::save(int64_t step, const json& meta, const std::vector<StatePart>& parts) {
+  int64_t S = 0;
+  for (const auto& p : parts) S += p.bytes;
+  const int N = scheme_.world;
+  // Own slot: invalid while the payload is copied (its checksum computed chunk by chunk as it lands).
+  struct Mine {
+    int64_t step, bytes;
+    uint64_t xxh64;
+    int32_t ok, pad;
+  } mine{step, S, 0, 0, 0};
+  std::string error;
+  char* own = nullptr;
+  try {
+    char* slots[2] = {map_slot("own", 0, S, true)->base(), map_slot("own", 1, S, true)->base()};
+    own = slots[older_slot(slots[0], slots[1])];
+    valid_flag(own)->store(0, std::memory_order_release);
+    XXH64_state_t* st = XXH64_createState();
+    XXH64_reset(st, 0);
+    char* dst = own + kSnapshotHeaderBytes;
+    for (const auto& p : parts)
+      for (int64_t o = 0; o < p.bytes; o += kChunk) {
+        const int64_t n = std::min(kChunk, p.bytes - o);
+        std::memcpy(dst, reinterpret_cast<const char*>(p.data) + o, n);
+        XXH64_update(st, dst, n);
+        dst += n;
+      }
+    mine.xxh64 = XXH64_digest(st);
+    XXH64_freeState(st);
+    Header h{};
+    h.step = step, h.world = N, h.holder = rank_, h.role = Role::own, h.source = rank_, h.payload_bytes = S;
+    h.payload_xxh64 = mine.xxh64;
+    commit_slot(own, h, meta);
+    mine.ok = 1;
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::vector<Mine> all = gather(world_, mine, timeout_, "snapshot checksums");
+  for (int r = 0; r < N; ++r)
+    if (!all[r].ok) throw std::runtime_error(error.empty() ? "snapshot: rank " + std::to_string(r) + " failed to write its own" : error);
+  if (!scheme_.redundant()) return;
+
+  std::vector<std::shared_ptr<comm::Work>> works;
+  if (scheme_.parity_group == 0) {  // partner copy: send mine to r−1, take r+1's
+    const int from = (rank_ + 1) % N;
+    if (all[from].bytes != S) throw std::runtime_error("snapshot: rank " + std::to_string(from) + "'s state has another size");
+    const std::string role = "copy" + std::to_string(from);
+    char* slots[2] = {map_slot(role, 0, S, true)->base(), map_slot(role, 1, S, true)->base()};
+    char* cp = slots[older_slot(slots[0], slots[1])];
+    valid_flag(cp)->store(0, std::memory_order_release);
+    recv_bytes(world_, cp + kSnapshotHeaderBytes, S, from, kTagSave, works);
+    send_bytes(world_, own + kSnapshotHeaderBytes, S, scheme_.partner_of(rank_), kTagSave, works);
+    wait_all(works, timeout_);
+    if (XXH64(cp + kSnapshotHeaderBytes, S, 0) != all[from].xxh64)
+      throw std::runtime_error("snapshot: rank " + std::to_string(from) + "'s state arrived with another checksum");
+    Header h{};
+    h.step = step, h.world = N, h.holder = rank_, h.role = Role::copy, h.source = from, h.payload_bytes = S;
+    h.payload_xxh64 = all[from].xxh64;
+    commit_slot(cp, h, meta);
+    return;
+  }
+  // Parity: every member sends its state to its group's holder, which folds them by XOR.
+  const int G = scheme_.parity_group;
+  send_bytes(world_, own + kSnapshotHeaderBytes, S, scheme_.parity_holder(scheme_.group_of(rank_)), kTagSave, works);
+  for (int g = 0; g < N / G; ++g) {
+    if (scheme_.parity_holder(g) != rank_) continue;
+    for (int m = 0; m < G; ++m)
+      if (all[g * G + m].bytes != S) throw std::runtime_error("snapshot: group " + std::to_string(g) + "'s states differ in size");
+    const std::string role = "parity" + std::to_string(g);
+    char* slots[2] = {map_slot(role, 0, S, true)->base(), map_slot(role, 1, S, true)->base()};
+    char* par = slots[older_slot(slots[0], slots[1])];
+    valid_flag(par)->store(0, std::memory_order_release);
+    if (scratch_.empty()) prepare(S);
+    std::vector<Buffer>& scratch = scratch_;
+    XXH64_state_t* st = XXH64_createState();
+    XXH64_reset(st, 0);
+    for (int64_t o = 0; o < S; o += kChunk) {  // receive a chunk from every member, fold it
+      const int64_t n = std::min(kChunk, S - o);
+      std::vector<std::shared_ptr<comm::Work>> got;
+      for (int m = 0; m < G; ++m)
+        got.push_back(world_.recv(scratch[m].data(), n, DType::int8, g * G + m, kTagSave, "snapshot parity"));
+      wait_all(got, timeout_);
+      char* dst = par + kSnapshotHeaderBytes + o;
+      std::memcpy(dst, scratch[0].data(), n);
+      for (int m = 1; m < G; ++m) xor_into(dst, scratch[m].as<char>(), n);
+      XXH64_update(st, dst, n);
+    }
+    Header h{};
+    h.step = step, h.world = N, h.holder = rank_, h.role = Role::parity, h.source = g, h.members = G, h.payload_bytes = S;
+    h.payload_xxh64 = XXH64_digest(st);
+    XXH64_freeState(st);
+    for (int m = 0; m < G; ++m) h.member_xxh64[m] = all[g * G + m].xxh64;
+    commit_slot(par, h, meta);
+  }
+  wait_all(works, timeout_);
+}
+
+SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
+  const int N = scheme_.world;
+  EntryList mine{};
+  std::vector<std::string> why_not;  // this rank's unusable or corrupt slots, printed by it
+  for (const std::string& name : segments_named(prefix_ + "-rank" + std::to_string(rank_) + "-")) {
+    SlotInfo s;
+    if (!parse_name(name, s) || s.holder != rank_ || s.slot < 0 || s.slot > 1) continue;
+    const std::string role = s.role == "own" ? "own" : s.role + std::to_string(s.source);
+    Entry e{rank_, s.role == "own" ? Role::own : s.role == "copy" ? Role::copy : Role::parity, s.source, 2, 0, 0, -1};
+    Header h{};
+    std::string status;
+    try {
+      const Mapped* m = map_slot(role, s.slot, 0, false);
+      status = m ? check_slot(m->base(), m->buf.bytes(), true, &h) : "vanished";
+    } catch (const std::exception& ex) {
+      status = ex.what();
+    }
+    if (status == "ok") {
+      e.step = h.step;
+      e.members = h.members;
+      if (h.world != N) status = "taken at world size " + std::to_string(h.world), e.status = 1;
+      else if (h.payload_bytes != payload_bytes) status = "holds another layout of the state", e.status = 1;
+      else e.status = 0;
+    } else if (status == "incomplete") {
+      e.status = 1;
+    } else if (status != "ok") {
+      // A header that verifies names its step; one that does not taints every step.
+      if (std::memcmp(h.magic, kMagic, 8) == 0 && status == "payload checksum mismatch") e.step = h.step;
+    }
+    if (e.status != 0) why_not.push_back(name + ": " + status + (e.status == 2 ? "; not used" : ""));
+    if (mine.count < kMaxEntries) mine.e[mine.count++] = e;
+  }
+  for (const auto& w : why_not) std::fprintf(stderr, "snapshot %s\n", w.c_str());
+  const std::vector<EntryList> all = gather(world_, mine, timeout_, "snapshot inventory");
+  table_.clear();
+  for (const auto& l : all) table_.insert(table_.end(), l.e, l.e + l.count);
+
+  std::set<int64_t, std::greater<>> steps;
+  std::set<int64_t> tainted;
+  bool all_tainted = false;
+  for (const Entry& e : table_) {
+    if (e.status == 0) steps.insert(e.step);
+    if (e.status == 2 && e.step >= 0) tainted.insert(e.step), steps.insert(e.step);
+    if (e.status == 2 && e.step < 0) all_tainted = true;
+  }
+  SnapshotChoice c;
+  if (steps.empty()) {
+    c.why = all_tainted ? "the only snapshots failed their checksums" : "no snapshot of this run at this world size";
+    return c;
+  }
+  std::string skipped;
+  for (int64_t s : steps) {
+    if (all_tainted || tainted.count(s)) {
+      skipped += (skipped.empty() ? "" : "; ") + std::string("step ") + std::to_string(s) + ": a slot failed its checksum";
+      continue;
+    }
+    std::string missing;
+    for (int r = 0; r < N && missing.empty(); ++r)
+      if (how_held(r, s).empty()) missing = "rank " + std::to_string(r) + "'s state is neither held nor rebuildable";
+    if (!missing.empty()) {
+      skipped += (skipped.empty() ? "" : "; ") + std::string("step ") + std::to_string(s) + ": " + missing;
+      continue;
+    }
+    c.step = s;
+    std::string rebuilt;
+    for (int r = 0; r < N; ++r)
+      if (const std::string h = how_held(r, s); h != "own") rebuilt += "; rank " + std::to_string(r) + "'s rebuilt from its " + h;
+    c.why = "every rank's state at step " + std::to_string(s) + " verified" + rebuilt +
+            (skipped.empty() ? "" : "; newer not used: " + skipped);
+    break;
+  }
+  if (c.step < 0) {
+    c.why = "no usable snapshot: " + skipped;
+    return c;
+  }
+  // The run state: from the lowest rank holding a verified slot of the step.
+  int64_t have = 0;
+  std::string meta;
+  for (const auto& [name, m] : mapped_) {
+    Header h{};
+    if (check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step && h.world == N &&
+        h.payload_bytes == payload_bytes) {
+      meta = std::string(m->base() + kMetaOffset, h.meta_bytes);
+      have = 1;
+      break;
+    }
+  }
+  const std::vector<int64_t> holders = gather(world_, have, timeout_, "snapshot meta holders");
+  const int root = static_cast<int>(std::find(holders.begin(), holders.end(), 1) - holders.begin());
+  int64_t len = static_cast<int64_t>(meta.size());
+  world_.broadcast(&len, 8, DType::int8, root, "snapshot meta size")->wait(timeout_);
+  meta.resize(len);
+  world_.broadcast(meta.data(), len, DType::int8, root, "snapshot meta")->wait(timeout_);
+  c.meta = json::parse(meta);
+  return c;
+}
+
+// The verified parity slot of r's group at step s, when every other member's own state is held
+// verified too (r's state = parity XOR theirs); else null.
+const SnapshotStore::Entry* SnapshotStore::parity_entry(int r, int64_t s) const {
+  for (const Entry& e : table_) {
+    if (e.status != 0 || e.step != s || e.role != Role::parity || e.members < 2 || r / e.members != e.source) continue;
+    bool others = true;
+    for (int m = e.source * e.members; m < (e.source + 1) * e.members && others; ++m) {
+      if (m == r) continue;
+      others = false;
+      for (const Entry& o : table_) others |= o.status == 0 && o.step == s && o.role == Role::own && o.source == m && o.holder == m;
+    }
+    if (others) return &e;
+  }
+  return nullptr;
+}
+
+std::string SnapshotStore::how_held(int r, int64_t s) const {
+  auto ok = [&](int role, int source) {
+    for (const Entry& e : table_)
+      if (e.status == 0 && e.step == s && e.role == role && e.source == source) return e.holder;
+    return -1;
+  };
+  if (ok(Role::own, r) == r) return "own";
+  if (ok(Role::copy, r) >= 0) return "partner copy";
+  if (parity_entry(r, s)) return "group's parity";
+  return "";
+}
+
+std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<StatePart>& parts) {
+  int64_t S = 0;
+  for (const auto& p : parts) S += p.bytes;
+  const int N = scheme_.world;
+  const int64_t slot_bytes = kSnapshotHeaderBytes + S;
+  // The slot of (role, source) at the chosen step this rank holds, verified.
+  auto held = [&](const std::string& role) -> char* {
+    for (int sl = 0; sl < 2; ++sl) {
+      Mapped* m = map_slot(role, sl, 0, false);
+      Header h{};
+      if (m && check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step) return m->base();
+    }
+    return nullptr;
+  };
+  // Every rank walks the same plan: who sends what to whom.
+  std::vector<std::shared_ptr<comm::Work>> works;
+  std::vector<Buffer> got;  // what this rank receives, in plan order
+  std::vector<int> got_from;
+  std::string how;
+  for (int r = 0; r < N; ++r) {
+    const std::string h = how_held(r, c.step);
+    if (r == rank_) how = h;
+    if (h == "own") continue;
+    std::vector<std::pair<int, std::string>> senders;  // (rank, its role naming the slot)
+    if (h == "partner copy") {
+      for (const Entry& e : table_)
+        if (e.status == 0 && e.step == c.step && e.role == Role::copy && e.source == r) {
+          senders.push_back({e.holder, "copy" + std::to_string(r)});
+          break;
+        }
+    } else {
+      const Entry* e = parity_entry(r, c.step);
+      const int G = e->members, g = e->source;
+      senders.push_back({e->holder, "parity" + std::to_string(g)});
+      for (int m = g * G; m < (g + 1) * G; ++m)
+        if (m != r) senders.push_back({m, "own"});
+    }
+    for (const auto& [from, role] : senders) {
+      if (from == rank_) {
+        char* p = held(role);
+        if (!p) throw std::runtime_error("snapshot: rank " + std::to_string(rank_) + " lost its " + role + " slot of step " + std::to_string(c.step));
+        send_bytes(world_, p, slot_bytes, r, kTagRestore, works);
+      }
+      if (r == rank_) {
+        got.emplace_back(MemCategory::snapshot, slot_bytes, Buffer::Fill::none);
+        got_from.push_back(from);
+        recv_bytes(world_, got.back().as<char>(), slot_bytes, from, kTagRestore, works);
+      }
+    }
+  }
+  wait_all(works, timeout_);
+
+  std::string error;
+  try {
+    const char* payload = nullptr;
+    Header h{};
+    if (how == "own") {
+      const char* p = held("own");
+      if (!p) throw std::runtime_error("snapshot: own slot of step " + std::to_string(c.step) + " vanished");
+      payload = p + kSnapshotHeaderBytes;
+    } else {
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string st = check_slot(got[i].as<char>(), slot_bytes, true, &h);
+        if (st != "ok")
+          throw std::runtime_error("snapshot: the slot rank " + std::to_string(got_from[i]) + " sent for rank " +
+                                   std::to_string(rank_) + ": " + st);
+      }
+      char* first = got[0].as<char>();
+      std::memcpy(&h, first, sizeof h);
+      if (how != "partner copy") {  // parity first, then the group's other states
+        for (size_t i = 1; i < got.size(); ++i) xor_into(first + kSnapshotHeaderBytes, got[i].as<char>() + kSnapshotHeaderBytes, S);
+        const uint64_t want = h.member_xxh64[rank_ - h.source * h.members];
+        if (XXH64(first + kSnapshotHeaderBytes, S, 0) != want)
+          throw std::runtime_error("snapshot: rank " + std::to_string(rank_) + "'s state rebuilt from parity fails its checksum");
+      }
+      payload = first + kSnapshotHeaderBytes;
+    }
+    for (const auto& p : parts) {
+      std::memcpy(p.data, payload, p.bytes);
+      payload += p.bytes;
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::vector<int64_t> ok = gather(world_, static_cast<int64_t>(error.empty()), timeout_, "snapshot restored");
+  for (int r = 0; r < N; ++r)
+    if (!ok[r]) throw std::runtime_error(error.empty() ? "snapshot: rank " + std::to_string(r) + " could not restore its state" : error);
+  // The run goes on from the chosen step: a slot of any other step (a newer one that failed, or an
+  // older one) is of no use, and a slot that failed must not be picked as the newer one to keep.
+  for (auto& [name, m] : mapped_) {
+    Header h{};
+    if (m->buf.bytes() >= static_cast<size_t>(kSnapshotHeaderBytes) &&
+        (check_slot(m->base(), m->buf.bytes(), false, &h) != "ok" || h.step != c.step))
+      valid_flag(m->base())->store(0, std::memory_order_release);
+    delete m;
+  }
+  mapped_.clear();
+  return how;
+}
+
+void SnapshotStore::remove_held() {
+  for (auto& [name, m] : mapped_) delete m;
+  mapped_.clear();
+  scratch_.clear();
+  remove_snapshot_segments(prefix_ + "-rank" + std::to_string(rank_) + "-");
+}
+
+}  // namespace shardlm::ckpt

@@ -1,0 +1,153 @@
+// In-memory snapshots (after REFT, Gemini and NVRx): each rank copies its shard of the training
+// state into POSIX shared memory that outlives the process, so that a crashed job restarts from
+// the last step instead of the last disk checkpoint.
+//
+// Segments (/dev/shm/NAME), named after the rank that HOLDS them, so a lost node is every segment
+// of its ranks:
+//   shardlm-<xxh64 of the run directory>-rank<h>-own-slot<s>         rank h's own state
+//   shardlm-<…>-rank<h>-copy<r>-slot<s>       rank r's state, held by h = (r−1) mod N (partner copy)
+//   shardlm-<…>-rank<h>-parity<g>-slot<s>     XOR of group g's states (ranks gG … gG+G−1), held by
+//                                             h = (g+1)·G mod N, outside the group (--snapshot-parity G)
+// Two slots per segment: a snapshot overwrites the older one, so the one being written is never
+// the only one. A slot is kHeaderBytes of header (magic, step, world, whose state, the payload's
+// xxh64, the run state as JSON, the header's own xxh64, then the valid flag, set last) followed
+// by the payload: the rank's state buffers back to back as it holds them. The valid flag is
+// cleared before a slot is rewritten and set only after payload and header are complete, so a
+// process killed mid-write leaves an invalid slot, never a wrong one.
+//
+// Trust: a slot is used only if its header and payload checksums verify. A slot that fails them
+// taints its step (the memory that held it is not trusted); a missing segment (a lost node) is
+// rebuilt from its partner copy or from parity + the group's other states, verified against the
+// checksum the redundancy recorded.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "tensor/memory.h"
+
+namespace shardlm::ckpt {
+
+inline constexpr int64_t kSnapshotHeaderBytes = 16384;
+inline constexpr int kMaxParityGroup = 64;
+
+// "shardlm-<16 hex digits>" for the run directory `run_dir` (its absolute, normalised path).
+std::string snapshot_prefix(const std::string& run_dir);
+
+// Who holds what. parity_group 0: partner copies; G >= 2: XOR parity per group of G ranks.
+struct SnapshotScheme {
+  int world = 1;
+  int parity_group = 0;
+  // Rank r's partner copy is held by partner_of(r); its group's parity by parity_holder(group).
+  int partner_of(int r) const { return (r + world - 1) % world; }
+  int group_of(int r) const { return r / parity_group; }
+  int parity_holder(int g) const { return ((g + 1) * parity_group) % world; }
+  bool redundant() const { return world > 1; }
+  // Throws naming --snapshot-parity when G does not divide the world or leaves no rank outside a group.
+  void check() const;
+};
+
+// Bytes of shared memory rank `rank` maps (both slots of every segment it holds, plus the
+// receive buffers it folds parity with) for a state of `payload_bytes` per rank: the plan's
+// `snapshot` figure.
+int64_t snapshot_bytes_held(const SnapshotScheme& scheme, int rank, int64_t payload_bytes);
+// The most any rank maps.
+int64_t snapshot_bytes_most(const SnapshotScheme& scheme, int64_t payload_bytes);
+
+// One slot as found in /dev/shm.
+struct SlotInfo {
+  std::string name;
+  int holder = -1;
+  std::string role;    // "own", "copy", "parity"
+  int source = -1;     // whose state (own, copy) or which group (parity)
+  int slot = -1;
+  int64_t step = -1, world = 0, bytes = 0;
+  std::string status;  // "ok", "incomplete" (being written when its writer died), or what fails
+};
+// Every slot of every segment whose name starts with `prefix` ("shardlm-" for all runs).
+// verify: checks the payload's checksum too (reads every byte).
+std::vector<SlotInfo> list_snapshot_slots(const std::string& prefix, bool verify);
+// Removes every segment whose name starts with `prefix`; returns how many.
+int remove_snapshot_segments(const std::string& prefix);
+
+// A rank's state buffers (host memory), copied back to back into the payload.
+struct StatePart {
+  float* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// What --resume auto found: the newest step every rank's state can be had at, or none (step -1),
+// and why, in words.
+struct SnapshotChoice {
+  int64_t step = -1;
+  std::string why;
+  nlohmann::json meta;  // the run state recorded with the snapshot
+};
+
+// One rank's snapshots of one run. Collective methods are called by every rank in the same order.
+class SnapshotStore {
+ public:
+  // One held slot as every rank sees it (all-gathered by find_newest).
+  struct Entry {
+    int32_t holder, role, source, status;  // role: 0 own, 1 copy, 2 parity; status: 0 ok, 1 unusable here, 2 corrupt
+    int32_t members, pad;                  // parity: the group's size
+    int64_t step;                          // -1: unknown (its header failed)
+  };
+
+  SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme,
+                std::chrono::milliseconds timeout);
+  ~SnapshotStore();
+  SnapshotStore(const SnapshotStore&) = delete;
+  SnapshotStore& operator=(const SnapshotStore&) = delete;
+
+  const std::string& prefix() const { return prefix_; }
+
+  // Collective. Writes `parts` and `meta` (the run state, JSON) as step `step` into this rank's
+  // older own slot, then its redundancy: the partner copy / the group's parity.
+  void save(int64_t step, const nlohmann::json& meta, const std::vector<StatePart>& parts);
+
+  // Collective. The newest step at which every rank's state (payload of `payload_bytes` each) is
+  // held verified or can be rebuilt, at this world size; no step is used where any slot failed
+  // its checksum.
+  SnapshotChoice find_newest(int64_t payload_bytes);
+
+  // Collective. Fills every rank's `parts` from `choice` (own slot, or rebuilt from the partner
+  // copy or from parity); returns how this rank's state was had ("own", "partner copy", "parity").
+  std::string restore(const SnapshotChoice& choice, const std::vector<StatePart>& parts);
+
+  // Maps both slots of every segment this rank holds under the scheme (creating them), and a
+  // parity holder's receive buffers: from here on the rank holds snapshot_bytes_held().
+  void prepare(int64_t payload_bytes);
+
+  // Unmaps and removes every segment this rank holds (the run ended normally, or it starts a
+  // timeline of its own).
+  void remove_held();
+
+ private:
+  struct Mapped;
+  // This rank's segment `role` slot `slot`: created (or resized) to hold `payload_bytes` when
+  // `create`, else mapped as it is, or null when absent.
+  Mapped* map_slot(const std::string& role, int slot, int64_t payload_bytes, bool create);
+  std::string segment(const std::string& role, int slot) const;
+  std::vector<std::string> held_roles() const;  // "own", "copy<r>", "parity<g>"
+  // How rank r's state at step s can be had from table_: "own", "partner copy", "group's parity"
+  // or "" (it cannot).
+  std::string how_held(int r, int64_t s) const;
+  const Entry* parity_entry(int r, int64_t s) const;
+
+  comm::Communicator& world_;
+  SnapshotScheme scheme_;
+  std::chrono::milliseconds timeout_;
+  std::string prefix_;
+  int rank_;
+  std::map<std::string, Mapped*> mapped_;  // by segment name
+  std::vector<Entry> table_;               // every rank's held slots, from find_newest
+  std::vector<Buffer> scratch_;            // a parity holder's receive buffers, one per member
+};
+
+}  // namespace shardlm::ckpt

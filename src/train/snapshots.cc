@@ -1,0 +1,84 @@
+#include "train/snapshots.h"
+
+#include <fmt/format.h>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/sharded.h"
+#include "train/trainer.h"
+
+namespace shardlm::train {
+
+using nlohmann::json;
+
+plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
+  if (cfg.snapshot_every <= 0) return plan;
+  const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity};
+  plan.static_memory.snapshot =
+      ckpt::snapshot_bytes_most(scheme, plan.static_memory.params + plan.static_memory.optimizer);
+  return plan;
+}
+
+std::vector<ckpt::StatePart> snapshot_parts(run::Executor& ex, const plan::Plan& plan) {
+  using St = run::Executor::State;
+  const int64_t opt = plan.static_memory.optimizer / 2;
+  return {{ex.local_state(St::params), plan.static_memory.params},
+          {ex.local_state(St::exp_avg), opt},
+          {ex.local_state(St::exp_avg_sq), opt}};
+}
+
+json snapshot_layout(const plan::Plan& plan, const model::ModelDesc& desc) {
+  return {{"world", plan.config.world},
+          {"strategy", plan::to_string(plan.config.strategy)},
+          {"shard_size", plan.shard_size},
+          {"parts", {plan.state.params, plan.state.optimizer}},
+          {"flat_elements", plan.layout.total},
+          {"model", ckpt::to_hf_config(desc.config)}};
+}
+
+RunState snapshot_state(const json& meta) {
+  RunState s;
+  s.step = meta.at("step").get<int64_t>();
+  s.adam_step = meta.at("optimizer").at("adamw_step").get<int64_t>();
+  s.seed = meta.at("rng").at("seed").get<uint64_t>();
+  s.tokenizer = meta.at("tokenizer").get<std::string>();
+  s.run = meta.at("run");
+  return s;
+}
+
+ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ckpt::SnapshotStore& store) {
+  // The layout this run will hold, to know a snapshot's bytes fit it.
+  const model::ModelDesc desc = model::describe(cfg.model_config(read_data_meta(cfg.data).vocab_size));
+  const plan::Plan plan = plan::build_plan(desc, plan_config(cfg, world.size()));
+  ckpt::SnapshotChoice c = store.find_newest(plan.static_memory.params + plan.static_memory.optimizer);
+  if (c.step >= 0 && c.meta.value("layout", json()) != snapshot_layout(plan, desc)) {
+    c.why = fmt::format("the snapshot of step {} holds another model or split of the state", c.step);
+    c.step = -1;
+  }
+  std::string disk, disk_why;
+  int64_t disk_step = -1;
+  try {
+    disk = ckpt::resolve_checkpoint(cfg.out);
+    disk_step = read_checkpoint_state(disk).step;
+  } catch (const std::exception& e) {
+    disk.clear();
+    disk_why = e.what();
+  }
+  std::string took;
+  if (c.step >= 0 && c.step >= disk_step) {
+    cfg.resume.clear();
+    took = fmt::format("the in-memory snapshot of step {} ({})", c.step, c.why);
+  } else {
+    if (c.step >= 0) c.why = fmt::format("the snapshot of step {} is older than the checkpoint", c.step);
+    c.step = -1;
+    cfg.resume = disk;
+    took = disk.empty() ? fmt::format("nothing: no usable snapshot ({}) and no checkpoint ({}); a new run", c.why, disk_why)
+                        : fmt::format("the checkpoint {} ({})", disk, c.why);
+  }
+  if (world.rank() == 0) {
+    fmt::print("--resume auto: took {}\n", took);
+    std::fflush(stdout);
+  }
+  return c;
+}
+
+}  // namespace shardlm::train
