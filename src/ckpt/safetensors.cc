@@ -229,7 +229,7 @@ std::string SafetensorsWriter::header_json() const {
   return h.dump();
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
   std::string header = header_json();
   while ((8 + header.size()) % 8 != 0) header.push_back(' ');
   const uint64_t n = header.size();
@@ -242,7 +242,13 @@ void SafetensorsWriter::write(const std::string& path) const {
   try {
     write_all(fd, len, 8, path);
     write_all(fd, header.data(), header.size(), path);
-    for (const Entry* e : ordered()) write_all(fd, e->data, e->bytes, path);
+    uint64_t written = 8 + header.size(), total = written;
+    for (const Entry& e : entries_) total += e.bytes;
+    if (progress) progress(written, total);
+    for (const Entry* e : ordered()) {
+      write_all(fd, e->data, e->bytes, path);
+      if (progress) progress(written += e->bytes, total);
+    }
     if (::fsync(fd) != 0) throw std::runtime_error("safetensors: " + path + ": fsync failed: " + errno_text());
   } catch (...) {
     ::close(fd);

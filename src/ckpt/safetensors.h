@@ -59,7 +59,10 @@ class SafetensorsWriter {
 
   // Writes to path + ".tmp", fsyncs, then renames over `path`: a reader never sees a half-written
   // file under the final name. Throws std::runtime_error naming the path on an I/O failure.
-  void write(const std::string& path) const;
+  // `progress(written, total)`, when given, is called after the header and after each tensor's
+  // bytes (fault injection; an exception from it removes the temporary like an I/O failure).
+  using Progress = std::function<void(uint64_t written, uint64_t total)>;
+  void write(const std::string& path, const Progress& progress = {}) const;
 
   // The header JSON (unpadded) that write() would produce; for tests and debugging.
   std::string header_json() const;

@@ -142,8 +142,13 @@ std::string rank_file_name(int rank, int world) {
   return s;
 }
 
+int64_t written_elements(const ShardedLayout& L, int k, int rank) {
+  const KindLayout& K = L.kinds[k];
+  return K.writes[rank] ? L.flat.total / K.parts : 0;
+}
+
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& L, int rank,
-                            const RankBuffers& bufs) {
+                            const RankBuffers& bufs, const SafetensorsWriter::Progress& progress) {
   SafetensorsWriter w;
   for (int k = 0; k < kNumKinds; ++k) {
     if (!bufs[k] || !L.kinds[k].writes[rank]) continue;
@@ -155,7 +160,7 @@ FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc
   }
   w.set_metadata("format", "pt");
   const std::string path = dir + "/" + rank_file_name(rank, L.world);
-  w.write(path);
+  w.write(path, progress);
   return summarize_file(path);
 }
 

@@ -127,6 +127,7 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
   add(MemCategory::params, plan.static_memory.params);
   add(MemCategory::grads, plan.static_memory.grads);
   add(MemCategory::optimizer, plan.static_memory.optimizer);
+  add(MemCategory::staging, plan.static_memory.staging);
   MemSnapshot peak = live;
   if (each) *each = live;
   std::vector<char> alive(plan.buffers.size(), 0);
@@ -205,6 +206,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   line(MemCategory::activations, 0);
   line(MemCategory::comm, 0);
   line(MemCategory::workspace, 0);
+  line(MemCategory::staging, static_memory.staging);
   o << "  total at peak: " << peak.total << " (" << mib(peak.total) << " MiB)\n";
 
   o << "\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";

@@ -138,6 +138,9 @@ struct PlanConfig {
   std::vector<std::string> keep_gathered;
   int threads = 1;  // compute threads (kernels' per-thread scratch)
   enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
+  // --async-save: the rank keeps a copy of the state its checkpoint file holds (staging), which a
+  // background thread writes while the steps go on.
+  bool stage_checkpoint = false;
   // Bytes of working memory the communicator takes for a reduction task of `count` elements
   // (per rank for reduce_scatter, in all for all_reduce) of `elem` bytes over `group` ranks
   // (Communicator::scratch_bytes); each such task gets a buffer of that size. Unset: none.
@@ -156,9 +159,10 @@ struct StateLayout {
   int params = 1, grads = 1, optimizer = 1;
 };
 
-// Bytes per category the rank holds for the whole run.
+// Bytes per category the rank holds for the whole run. staging: the checkpoint copy of a rank
+// that writes every kind of state it holds (the lowest rank always does).
 struct StaticMemory {
-  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t params = 0, grads = 0, optimizer = 0, staging = 0;
 };
 
 struct Plan {

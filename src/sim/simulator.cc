@@ -24,6 +24,7 @@ struct MemoryWalk {
     add(MemCategory::params, p.static_memory.params);
     add(MemCategory::grads, p.static_memory.grads);
     add(MemCategory::optimizer, p.static_memory.optimizer);
+    add(MemCategory::staging, p.static_memory.staging);
     peak = live;
   }
   void add(MemCategory c, int64_t b) {

@@ -16,6 +16,7 @@ const char* to_string(MemCategory c) {
     case MemCategory::activations: return "activations";
     case MemCategory::comm: return "comm";
     case MemCategory::workspace: return "workspace";
+    case MemCategory::staging: return "staging";
   }
   return "?";
 }

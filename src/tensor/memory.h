@@ -11,8 +11,9 @@
 
 namespace shardlm {
 
-enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace };
-inline constexpr int kNumMemCategories = 6;
+// staging: a copy of the rank's shard that a checkpoint writes in the background (--async-save).
+enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace, staging };
+inline constexpr int kNumMemCategories = 7;
 const char* to_string(MemCategory c);
 
 // Bytes per category at one moment; `total` is their sum.

@@ -113,6 +113,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"eval-windows", s(c.eval_windows)},
       {"save-every", s(c.save_every)},
       {"keep-last", s(c.keep_last)},
+      {"async-save", c.async_save ? "on" : "off"},
       {"sample-tokens", s(c.sample_tokens)},
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},

@@ -49,6 +49,7 @@ struct TrainConfig {
   int64_t eval_windows = 64;   // validation windows per evaluation (spread over the file)
   int64_t save_every = 0;      // 0: never
   int64_t keep_last = 0;       // checkpoints kept (the newest); 0: all
+  bool async_save = false;     // stage each rank's shard and write it in a background thread
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress

@@ -70,7 +70,7 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   EXPECT_NEAR(j["tokens_per_s"].get<double>(), 4 * 2 * 64 / (j["step_ms"].get<double>() * 1e-3), 1e-6 * j["tokens_per_s"].get<double>());
   const Result e = shardlm("explain " + plan);
   ASSERT_EQ(e.code, 0) << e.out;
-  for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace"}) {
+  for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace", "staging"}) {
     const std::regex line(std::string("  ") + cat + ": static [0-9]+, at peak ([0-9]+)");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(e.out, m, line)) << cat;
