@@ -12,7 +12,7 @@ AsyncRankWriter::AsyncRankWriter(const model::ModelDesc& desc, const ShardedLayo
     : desc_(desc), layout_(layout), rank_(rank) {
   for (int k = 0; k < kNumKinds; ++k)
     if (const int64_t n = written_elements(layout_, k, rank_); n > 0)
-      staging_[k] = Buffer(MemCategory::staging, sizeof(float) * n, Buffer::Fill::none);
+      staging_[k] = Buffer(MemCategory::staging, sizeof(float) * n);  // zeroed: its pages fault in now, not in a save
 }
 
 AsyncRankWriter::~AsyncRankWriter() {

@@ -178,6 +178,8 @@ struct PendingSave {
   int64_t step = 0;
   json meta;  // index.json's run state, as it was when the state was copied
   Clock::time_point t0;
+  double paused_ms = 0;  // the training thread's time in save() (all of it when synchronous)
+  double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
 };
 
 // Everything one rank's run holds: data, model, plan, communicators, executor.
@@ -378,7 +380,10 @@ void commit_save(Session& s, const ckpt::FileSummary& mine) {
     uint64_t most = 0, total = 0;
     for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
     fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms{}\n", step_dir, total / 1e6,
-               s.N, most / 1e6, ms_since(p.t0), s.writer ? " (written in the background)" : "");
+               s.N, most / 1e6, ms_since(p.t0),
+               s.writer ? fmt::format(" (written in the background: training paused {:.0f} ms to stage it, waited {:.0f} ms "
+                                      "for the write)", p.paused_ms, p.waited_ms)
+                        : "");
     std::fflush(stdout);
   }
 }
@@ -389,7 +394,9 @@ void commit_save(Session& s, const ckpt::FileSummary& mine) {
 void settle_save(Session& s, bool wait) {
   using W = ckpt::AsyncRankWriter::State;
   if (!s.writer || !s.pending) return;
+  const auto t0 = Clock::now();
   if (wait) s.writer->wait();
+  s.pending->waited_ms += ms_since(t0);
   const int64_t mine = static_cast<int64_t>(s.writer->state());
   std::vector<int64_t> all(s.N);
   s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint write state")->wait(s.timeout);
@@ -405,6 +412,7 @@ void settle_save(Session& s, bool wait) {
 // staging copy while the steps go on, and settle_save() commits. One save at a time.
 void save(Session& s) {
   settle_save(s, true);
+  const auto t0 = Clock::now();
   if (s.lead_pid < 0) {
     const int64_t mine = ::getpid();
     std::vector<int64_t> all(s.N);
@@ -419,6 +427,7 @@ void save(Session& s) {
     if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step));
     else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
   });
+  s.pending->paused_ms = ms_since(t0);
   if (!s.writer) commit_save(s, mine);
 }
 
