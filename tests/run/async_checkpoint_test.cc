@@ -9,6 +9,7 @@
 
 #include <fstream>
 #include <iterator>
+#include <regex>
 
 #include "ckpt/sharded.h"
 #include "model/model.h"
@@ -99,10 +100,20 @@ TEST_F(AsyncCheckpointSlow, FilesAreBitwiseTheSynchronousSavesAndStagingIsThePla
   pc.stage_checkpoint = true;
   const plan::Plan p = plan::build_plan(model::describe(model::model_preset("tiny", 256)), pc);
   ASSERT_GT(p.static_memory.staging, 0);
+  // explain takes the flag and prints the same figure.
+  const Result e = testing::shardlm("explain --model tiny --vocab 256 --ranks 2 --batch 2 --seq 32 --threads 1 --async-save");
+  ASSERT_EQ(e.code, 0) << e.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(e.out, m, std::regex("  staging: static ([0-9]+),"))) << e.out;
+  EXPECT_EQ(std::stoll(m[1]), p.static_memory.staging);
   for (const auto& row : testing::read_metrics(dir_ / "async" / "metrics.jsonl"))
-    if (row.contains("loss")) EXPECT_EQ(row["mem_between_steps"]["staging"].get<int64_t>(), p.static_memory.staging);
+    if (row.contains("loss")) {
+      EXPECT_EQ(row["mem_between_steps"]["staging"].get<int64_t>(), p.static_memory.staging);
+    }
   for (const auto& row : testing::read_metrics(dir_ / "straight" / "metrics.jsonl"))
-    if (row.contains("loss")) EXPECT_EQ(row["mem"]["staging"].get<int64_t>(), 0);
+    if (row.contains("loss")) {
+      EXPECT_EQ(row["mem"]["staging"].get<int64_t>(), 0);
+    }
   EXPECT_EQ(step_losses(dir_ / "async" / "metrics.jsonl"), step_losses(dir_ / "straight" / "metrics.jsonl"));
 }
 
