@@ -14,6 +14,8 @@ For each model and rank count N (fsdp, B=2 per rank, T=128, 1 thread per rank):
          while a checkpoint was being written (from its start until `train` printed its commit)
          against the other steps (the first step excluded: warm-up), medians; and the time the
          training thread paused to copy the shard into staging (what `train` prints).
+  control  (--control) the same 12 steps without checkpoints: the same steps against the same
+         others, so the ratio this machine's noise gives with no save at all.
 Nothing here is asserted; the table goes to BENCHMARKS.md with the machine's description.
 """
 import argparse
@@ -74,7 +76,14 @@ def measure(args, ranks, work):
     shutil.rmtree(out)
     normal = [v for s, v in ms.items() if s not in during and s > 0]
     busy = [v for s, v in ms.items() if s in during]
-    return {
+    control = float("nan")
+    if args.control and busy:
+        train(args, ranks, out, ["--steps", str(total)])
+        c = step_ms(out)
+        shutil.rmtree(out)
+        control = (statistics.median([v for s, v in c.items() if s in during]) /
+                   statistics.median([v for s, v in c.items() if s not in during and s > 0]))
+    return {"control": control,
         "files": len(sizes), "max_bytes": max(sizes), "total_bytes": sum(sizes),
         "save_ms": float(saves[-1].group(5)), "load_ms": float(loaded[0].group(1)),
         "normal_ms": statistics.median(normal), "writing_ms": statistics.median(busy) if busy else float("nan"),
@@ -91,12 +100,13 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--control", action="store_true", help="also the same steps of a run without checkpoints")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="shardlm_ckpt_bench_")
     print(f"fsdp, B={args.batch} per rank, T={args.seq}, {args.threads} thread(s) per rank, data {args.data}")
     print("| model | ranks | files | bytes per rank (max) | total | save | load | step (normal) | step while "
-          "writing (async) | ratio | async stage pause |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "writing (async) | ratio | async stage pause |" + (" control ratio (no saves) |" if args.control else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.control else ""))
     try:
         for model in args.models.split(","):
             for ranks in map(int, args.ranks.split(",")):
@@ -105,7 +115,7 @@ def main():
                 print(f"| {model} | {ranks} | {r['files']} | {r['max_bytes'] / 1e6:.1f} MB | {r['total_bytes'] / 1e6:.1f} MB "
                       f"| {r['save_ms']:.0f} ms | {r['load_ms']:.0f} ms | {r['normal_ms']:.0f} ms "
                       f"| {r['writing_ms']:.0f} ms ({r['writing_steps']} steps) | {r['writing_ms'] / r['normal_ms']:.2f}x "
-                      f"| {r['stage_ms']:.0f} ms |", flush=True)
+                      f"| {r['stage_ms']:.0f} ms |" + (f" {r['control']:.2f}x |" if args.control else ""), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -240,15 +240,15 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error("safetensors: " + path + ": cannot create " + tmp + ": " + errno_text());
   try {
-    write_all(fd, len, 8, path);
-    write_all(fd, header.data(), header.size(), path);
-    uint64_t written = 8 + header.size(), total = written;
+    uint64_t written = 0, total = 8 + header.size();
     for (const Entry& e : entries_) total += e.bytes;
-    if (progress) progress(written, total);
-    for (const Entry* e : ordered()) {
-      write_all(fd, e->data, e->bytes, path);
-      if (progress) progress(written += e->bytes, total);
-    }
+    auto put = [&](const void* p, size_t n) {
+      write_all(fd, p, n, path);
+      if (progress) progress(p, n, written += n, total);
+    };
+    put(len, 8);
+    put(header.data(), header.size());
+    for (const Entry* e : ordered()) put(e->data, e->bytes);
     if (::fsync(fd) != 0) throw std::runtime_error("safetensors: " + path + ": fsync failed: " + errno_text());
   } catch (...) {
     ::close(fd);

@@ -65,7 +65,8 @@ FileSummary summarize_file(const std::string& path);
 std::string hex64(uint64_t x);
 
 // Writes rank `rank`'s file into `dir` (temporary name, fsync, rename); returns its size and
-// checksum. `progress` as SafetensorsWriter::write takes it (fault injection).
+// checksum, taken of the bytes as they are written. `progress` as SafetensorsWriter::write takes
+// it (fault injection).
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& layout,
                             int rank, const RankBuffers& bufs, const SafetensorsWriter::Progress& progress = {});
 // Elements of kind `k` a rank holds as RankBuffers lay it out (0 when it writes none of it).

@@ -349,7 +349,7 @@ bool fault_at(const char* var, const Session& s, int64_t step) {
 ckpt::SafetensorsWriter::Progress write_faults(const Session& s, int64_t step) {
   const bool kill = fault_at("SHARDLM_FAULT_KILL_MID_WRITE", s, step), fail = fault_at("SHARDLM_FAULT_FAIL_WRITE", s, step);
   if (!kill && !fail) return {};
-  return [kill](uint64_t written, uint64_t total) {
+  return [kill](const void*, size_t, uint64_t written, uint64_t total) {
     if (2 * written < total) return;
     if (kill) std::raise(SIGKILL);
     throw std::runtime_error("checkpoint: write failed: injected by SHARDLM_FAULT_FAIL_WRITE");

@@ -93,7 +93,7 @@ TEST_F(AsyncWriter, AFailedWriteIsReportedAndLeavesNoFile) {
   std::vector<std::vector<float>> state(ckpt::kNumKinds, std::vector<float>(L.flat.total / 2, 0.5f));
   ckpt::AsyncRankWriter w(desc_, L, 1);
   w.start((dir_ / "async").string(), {state[0].data(), state[1].data(), state[2].data()},
-          [](uint64_t written, uint64_t total) {
+          [](const void*, size_t, uint64_t written, uint64_t total) {
             if (2 * written >= total) throw std::runtime_error("disk full (injected)");
           });
   EXPECT_THROW(w.start((dir_ / "async").string(), {}), std::logic_error);  // one write at a time
