@@ -229,7 +229,7 @@ std::string SafetensorsWriter::header_json() const {
   return h.dump();
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
   std::string header = header_json();
   while ((8 + header.size()) % 8 != 0) header.push_back(' ');
   const uint64_t n = header.size();
@@ -240,9 +240,15 @@ void SafetensorsWriter::write(const std::string& path) const {
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error("safetensors: " + path + ": cannot create " + tmp + ": " + errno_text());
   try {
-    write_all(fd, len, 8, path);
-    write_all(fd, header.data(), header.size(), path);
-    for (const Entry* e : ordered()) write_all(fd, e->data, e->bytes, path);
+    uint64_t written = 0, total = 8 + header.size();
+    for (const Entry& e : entries_) total += e.bytes;
+    auto put = [&](const void* p, size_t n) {
+      write_all(fd, p, n, path);
+      if (progress) progress(p, n, written += n, total);
+    };
+    put(len, 8);
+    put(header.data(), header.size());
+    for (const Entry* e : ordered()) put(e->data, e->bytes);
     if (::fsync(fd) != 0) throw std::runtime_error("safetensors: " + path + ": fsync failed: " + errno_text());
   } catch (...) {
     ::close(fd);

@@ -59,7 +59,12 @@ class SafetensorsWriter {
 
   // Writes to path + ".tmp", fsyncs, then renames over `path`: a reader never sees a half-written
   // file under the final name. Throws std::runtime_error naming the path on an I/O failure.
-  void write(const std::string& path) const;
+  // `progress(piece, bytes, written, total)`, when given, is called after each piece of the file
+  // is written — the length, the header, each tensor's data — with that piece, in file order: a
+  // checksum of the file as it is written, or fault injection (an exception from it removes the
+  // temporary like an I/O failure).
+  using Progress = std::function<void(const void* piece, size_t bytes, uint64_t written, uint64_t total)>;
+  void write(const std::string& path, const Progress& progress = {}) const;
 
   // The header JSON (unpadded) that write() would produce; for tests and debugging.
   std::string header_json() const;

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
 #include <set>
 #include <stdexcept>
@@ -142,8 +143,13 @@ std::string rank_file_name(int rank, int world) {
   return s;
 }
 
+int64_t written_elements(const ShardedLayout& L, int k, int rank) {
+  const KindLayout& K = L.kinds[k];
+  return K.writes[rank] ? L.flat.total / K.parts : 0;
+}
+
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& L, int rank,
-                            const RankBuffers& bufs) {
+                            const RankBuffers& bufs, const SafetensorsWriter::Progress& progress) {
   SafetensorsWriter w;
   for (int k = 0; k < kNumKinds; ++k) {
     if (!bufs[k] || !L.kinds[k].writes[rank]) continue;
@@ -154,9 +160,18 @@ FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc
                      });
   }
   w.set_metadata("format", "pt");
-  const std::string path = dir + "/" + rank_file_name(rank, L.world);
-  w.write(path);
-  return summarize_file(path);
+  // The checksum of the bytes as they go out: reading the file back would only read the page
+  // cache, at the cost of a second pass over it.
+  std::unique_ptr<XXH64_state_t, XXH_errorcode (*)(XXH64_state_t*)> st(XXH64_createState(), XXH64_freeState);
+  XXH64_reset(st.get(), 0);
+  FileSummary s;
+  w.write(dir + "/" + rank_file_name(rank, L.world), [&](const void* piece, size_t n, uint64_t written, uint64_t total) {
+    XXH64_update(st.get(), piece, n);
+    s.bytes = written;
+    if (progress) progress(piece, n, written, total);
+  });
+  s.xxh64 = XXH64_digest(st.get());
+  return s;
 }
 
 json make_index(const model::ModelDesc& desc, const ShardedLayout& L, const std::vector<FileSummary>& files, json meta) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/safetensors.h"
 #include "model/model.h"
 
 namespace shardlm::ckpt {
@@ -64,9 +65,12 @@ FileSummary summarize_file(const std::string& path);
 std::string hex64(uint64_t x);
 
 // Writes rank `rank`'s file into `dir` (temporary name, fsync, rename); returns its size and
-// checksum.
+// checksum, taken of the bytes as they are written. `progress` as SafetensorsWriter::write takes
+// it (fault injection).
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& layout,
-                            int rank, const RankBuffers& bufs);
+                            int rank, const RankBuffers& bufs, const SafetensorsWriter::Progress& progress = {});
+// Elements of kind `k` a rank holds as RankBuffers lay it out (0 when it writes none of it).
+int64_t written_elements(const ShardedLayout& layout, int k, int rank);
 
 // `meta` (the run state and "config") completed with "world_size", "files" and "tensors".
 nlohmann::json make_index(const model::ModelDesc& desc, const ShardedLayout& layout,

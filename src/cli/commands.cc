@@ -120,6 +120,9 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
+  cmd->add_flag("--async-save", c.async_save,
+                "checkpoints: copy each rank's shard into a staging buffer (memory category staging) and write it "
+                "in a background thread while training goes on");
 }
 
 // In-memory snapshots (train, and explain for their memory).

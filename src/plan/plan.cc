@@ -128,6 +128,7 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
   add(MemCategory::grads, plan.static_memory.grads);
   add(MemCategory::optimizer, plan.static_memory.optimizer);
   add(MemCategory::snapshot, plan.static_memory.snapshot);
+  add(MemCategory::staging, plan.static_memory.staging);
   MemSnapshot peak = live;
   if (each) *each = live;
   std::vector<char> alive(plan.buffers.size(), 0);
@@ -207,6 +208,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   line(MemCategory::comm, 0);
   line(MemCategory::workspace, 0);
   line(MemCategory::snapshot, static_memory.snapshot);
+  line(MemCategory::staging, static_memory.staging);
   o << "  total at peak: " << peak.total << " (" << mib(peak.total) << " MiB)\n";
 
   o << "\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";

@@ -141,6 +141,9 @@ struct PlanConfig {
   // engine keeping bf16 activations, as the simulator does on a bf16 (GPU) hardware profile.
   int activation_bytes = 4;
   enum class Mode { train, loss, logits } mode = Mode::train;  // loss, logits: forward only
+  // --async-save: the rank keeps a copy of the state its checkpoint file holds (staging), which a
+  // background thread writes while the steps go on.
+  bool stage_checkpoint = false;
   // Bytes of working memory the communicator takes for a reduction task of `count` elements
   // (per rank for reduce_scatter, in all for all_reduce) of `elem` bytes over `group` ranks
   // (Communicator::scratch_bytes); each such task gets a buffer of that size. Unset: none.
@@ -161,8 +164,10 @@ struct StateLayout {
 
 // Bytes per category the rank holds for the whole run. snapshot: in-memory snapshots' shared
 // memory; the plan builder leaves it 0 and train/ fills it in when the run takes snapshots.
+// staging: the checkpoint copy of a rank that writes every kind of state it holds (the lowest
+// rank always does).
 struct StaticMemory {
-  int64_t params = 0, grads = 0, optimizer = 0, snapshot = 0;
+  int64_t params = 0, grads = 0, optimizer = 0, snapshot = 0, staging = 0;
 };
 
 struct Plan {

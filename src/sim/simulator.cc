@@ -25,6 +25,7 @@ struct MemoryWalk {
     add(MemCategory::grads, p.static_memory.grads);
     add(MemCategory::optimizer, p.static_memory.optimizer);
     add(MemCategory::snapshot, p.static_memory.snapshot);
+    add(MemCategory::staging, p.static_memory.staging);
     peak = live;
   }
   void add(MemCategory c, int64_t b) {

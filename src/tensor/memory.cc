@@ -17,6 +17,7 @@ const char* to_string(MemCategory c) {
     case MemCategory::comm: return "comm";
     case MemCategory::workspace: return "workspace";
     case MemCategory::snapshot: return "snapshot";
+    case MemCategory::staging: return "staging";
   }
   return "?";
 }

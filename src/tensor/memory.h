@@ -12,8 +12,9 @@
 namespace shardlm {
 
 // snapshot: in-memory snapshots' shared memory (ckpt/snapshot.h), held between steps.
-enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace, snapshot };
-inline constexpr int kNumMemCategories = 7;
+// staging: a copy of the rank's shard that a checkpoint writes in the background (--async-save).
+enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace, snapshot, staging };
+inline constexpr int kNumMemCategories = 8;
 const char* to_string(MemCategory c);
 
 // Bytes per category at one moment; `total` is their sum.

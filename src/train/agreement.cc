@@ -116,6 +116,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"keep-last", s(c.keep_last)},
       {"snapshot-every", s(c.snapshot_every)},
       {"snapshot-parity", s(c.snapshot_parity)},
+      {"async-save", c.async_save ? "on" : "off"},
       {"sample-tokens", s(c.sample_tokens)},
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},

@@ -54,6 +54,7 @@ struct TrainConfig {
   int64_t keep_last = 0;       // checkpoints kept (the newest); 0: all
   int64_t snapshot_every = 0;  // steps between in-memory snapshots (ckpt/snapshot.h); 0: never
   int snapshot_parity = 0;     // 0: a partner rank holds a copy; G: XOR parity per group of G ranks
+  bool async_save = false;     // stage each rank's shard and write it in a background thread
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress

@@ -9,10 +9,12 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <unistd.h>
 
+#include "ckpt/async_writer.h"
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/sharded.h"
@@ -142,6 +144,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
     }
   }
   pc.threads = cfg.threads;
+  pc.stage_checkpoint = cfg.async_save;
   pc.reduction_scratch = reduction_scratch([o = comm::mpi_options_from_env()](comm::Reduction op, int64_t count,
                                                                                DType dtype, int group) {
     return comm::mpi_scratch_bytes(o, op, count, dtype, group);
@@ -171,6 +174,16 @@ const kernels::Backend& backend_for(const TrainConfig& c) {
 #endif
 }
 
+// A save whose rank files are being written (--async-save) or have just been: what its commit
+// needs.
+struct PendingSave {
+  int64_t step = 0;
+  json meta;  // index.json's run state, as it was when the state was copied
+  Clock::time_point t0;
+  double paused_ms = 0;  // the training thread's time in save() (all of it when synchronous)
+  double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
+};
+
 // Everything one rank's run holds: data, model, plan, communicators, executor.
 struct Session {
   const TrainConfig& cfg;
@@ -188,6 +201,10 @@ struct Session {
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
   std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
+  std::optional<PendingSave> pending;
+  // --async-save: the background writer and its staging copy (declared last: it joins its
+  // thread before the model it writes goes away).
+  std::unique_ptr<ckpt::AsyncRankWriter> writer;
 
   Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
       : cfg(c),
@@ -207,7 +224,8 @@ struct Session {
                                      (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                          (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
         comms(w, plan),
-        ex(desc, plan, comms, c.threads, timeout, backend_for(c)) {}
+        ex(desc, plan, comms, c.threads, timeout, backend_for(c)),
+        writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
 };
 
 // The run's model; with --resume (or --init-from) the checkpoint's must be the same.
@@ -374,49 +392,55 @@ json index_meta(Session& s) {
           {"config", config}};
 }
 
-// Test-only fault point: SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP kills that rank by SIGKILL in the
-// save of that step, after its own file is written and before the ranks agree that all are.
-void maybe_die_in_save(const Session& s) {
-  const char* v = std::getenv("SHARDLM_FAULT_KILL_IN_SAVE");
+// Test-only fault points, each RANK:STEP, in the save of checkpoint STEP on that rank.
+bool fault_at(const char* var, const Session& s, int64_t step) {
+  const char* v = std::getenv(var);
   int rank = -1;
-  long long step = -1;
-  if (v && std::sscanf(v, "%d:%lld", &rank, &step) == 2 && rank == s.rank && step == s.state.step) std::raise(SIGKILL);
+  long long at = -1;
+  return v && std::sscanf(v, "%d:%lld", &rank, &at) == 2 && rank == s.rank && at == step;
 }
 
-// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
-// fsync, rename); the all-gather of the files' sizes and checksums is the barrier after which
-// every file is durable; then rank 0 writes index.json, moves the directory into place and only
-// then points ckpt/latest at it.
-void save(Session& s) {
-  if (s.lead_pid < 0) {
-    const int64_t mine = ::getpid();
-    std::vector<int64_t> all(s.N);
-    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
-    s.lead_pid = all[0];
-  }
-  const auto t0 = Clock::now();
-  const std::string step_dir = checkpoint_dir(s.cfg.out, s.state.step);
-  const std::string tmp = step_dir + ".tmp-" + std::to_string(s.lead_pid);
-  const ckpt::ShardedLayout L = sharded_layout(s.plan, s.N);
-  ckpt::FileSummary mine;
-  every_rank_or_all_fail(s, [&] {
-    std::filesystem::create_directories(tmp);
-    mine = ckpt::write_rank_file(tmp, s.desc, L, s.rank, rank_buffers(s));
-  });
-  maybe_die_in_save(s);
+// In the write of the rank file (on the writing thread under --async-save):
+// SHARDLM_FAULT_KILL_MID_WRITE: SIGKILL once half the file's bytes are written (a partial
+// temporary file stays on disk); SHARDLM_FAULT_FAIL_WRITE: the write fails, as a full disk would.
+ckpt::SafetensorsWriter::Progress write_faults(const Session& s, int64_t step) {
+  const bool kill = fault_at("SHARDLM_FAULT_KILL_MID_WRITE", s, step), fail = fault_at("SHARDLM_FAULT_FAIL_WRITE", s, step);
+  if (!kill && !fail) return {};
+  return [kill](const void*, size_t, uint64_t written, uint64_t total) {
+    if (2 * written < total) return;
+    if (kill) std::raise(SIGKILL);
+    throw std::runtime_error("checkpoint: write failed: injected by SHARDLM_FAULT_FAIL_WRITE");
+  };
+}
+
+std::string pending_tmp(const Session& s) {
+  return checkpoint_dir(s.cfg.out, s.pending->step) + ".tmp-" + std::to_string(s.lead_pid);
+}
+
+// Every rank's file of the pending save is durable (this rank's: `mine`). The all-gather of the
+// files' sizes and checksums is the barrier after which all are; then rank 0 writes index.json,
+// moves the directory into place and only then points ckpt/latest at it.
+// SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP (test-only) kills that rank by SIGKILL before the barrier.
+void commit_save(Session& s, const ckpt::FileSummary& mine) {
+  if (fault_at("SHARDLM_FAULT_KILL_IN_SAVE", s, s.pending->step)) std::raise(SIGKILL);
   std::vector<ckpt::FileSummary> files(s.N);
   static_assert(sizeof(ckpt::FileSummary) == 16);
   s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);
+  const std::string step_dir = checkpoint_dir(s.cfg.out, s.pending->step), tmp = pending_tmp(s);
+  const PendingSave p = *std::exchange(s.pending, std::nullopt);
   on_lead_or_all_fail(s.world, s.timeout, [&] {
-    const json index = ckpt::make_index(s.desc, L, files, index_meta(s));
+    const json index = ckpt::make_index(s.desc, sharded_layout(s.plan, s.N), files, p.meta);
     ckpt::commit_step(tmp, step_dir, index, index["config"]);
     ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
   });
   if (s.talk) {
     uint64_t most = 0, total = 0;
     for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
-    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms\n", step_dir, total / 1e6,
-               s.N, most / 1e6, ms_since(t0));
+    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms{}\n", step_dir, total / 1e6,
+               s.N, most / 1e6, ms_since(p.t0),
+               s.writer ? fmt::format(" (written in the background: training paused {:.0f} ms to stage it, waited {:.0f} ms "
+                                      "for the write)", p.paused_ms, p.waited_ms)
+                        : "");
     std::fflush(stdout);
   }
 }
@@ -432,6 +456,49 @@ void take_snapshot(Session& s) {
                (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
     std::fflush(stdout);
   }
+}
+
+// --async-save: a pending save commits once every rank's file is written — now, or with `wait`
+// after this rank's write has ended. Collective (a save is pending on every rank alike); a failed
+// write ends every rank, the failing one reporting its line.
+void settle_save(Session& s, bool wait) {
+  using W = ckpt::AsyncRankWriter::State;
+  if (!s.writer || !s.pending) return;
+  const auto t0 = Clock::now();
+  if (wait) s.writer->wait();
+  s.pending->waited_ms += ms_since(t0);
+  const int64_t mine = static_cast<int64_t>(s.writer->state());
+  std::vector<int64_t> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint write state")->wait(s.timeout);
+  if (std::count(all.begin(), all.end(), int64_t(W::failed)) > 0) {
+    const bool me = mine == int64_t(W::failed);
+    throw AgreedFailure(me ? s.writer->take_error() : "another rank's checkpoint write failed", me);
+  }
+  if (std::count(all.begin(), all.end(), int64_t(W::written)) == s.N) commit_save(s, s.writer->take_result());
+}
+
+// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
+// fsync, rename) and commit_save() follows; with --async-save a background thread writes a
+// staging copy while the steps go on, and settle_save() commits. One save at a time.
+void save(Session& s) {
+  settle_save(s, true);
+  const auto t0 = Clock::now();
+  if (s.lead_pid < 0) {
+    const int64_t mine = ::getpid();
+    std::vector<int64_t> all(s.N);
+    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
+    s.lead_pid = all[0];
+  }
+  s.pending = PendingSave{s.state.step, index_meta(s), Clock::now()};
+  ckpt::FileSummary mine;
+  every_rank_or_all_fail(s, [&] {
+    const std::string tmp = pending_tmp(s);
+    std::filesystem::create_directories(tmp);
+    if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step));
+    else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
+  });
+  s.pending->paused_ms = ms_since(t0);
+  if (!s.writer) commit_save(s, mine);
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
@@ -492,6 +559,7 @@ void write_trace(Session& s) {
 // Every rank ends the run at the same step (the decision came from collectives): the trace still
 // gathers, and the caller gets the exit status and the reason.
 TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::string& reason) {
+  settle_save(s, true);
   summary.exit_code = code;
   summary.stop_reason = reason;
   if (!s.cfg.trace.empty()) write_trace(s);
@@ -502,6 +570,8 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
 
 TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
   cfg_in.validate();
+  if (cfg_in.async_save && cfg_in.save_every == 0)
+    throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
   std::unique_ptr<ckpt::SnapshotStore> snapshots;
   ckpt::SnapshotChoice snapshot;  // --resume auto's, when it took one
@@ -603,12 +673,14 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
     summary.final_loss = loss;
     summary.steps_done = step + 1;
     s.state.step = step + 1;
+    settle_save(s, false);
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
     if (cfg.snapshot_every > 0 && s.state.step % cfg.snapshot_every == 0) take_snapshot(s);
     if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
 
+  settle_save(s, true);  // a run ends with its last checkpoint committed
   summary.final_val_loss = run_eval(s);
   if (s.lead) {
     summary.val_unigram_entropy = unigram_entropy(s.val_data);

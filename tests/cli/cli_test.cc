@@ -155,7 +155,7 @@ TEST_F(Cli, MetricsHaveEveryField) {
   for (int i = 0; i < 3; ++i) {
     for (const char* k : {"step", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "mem"}) EXPECT_TRUE(rows[i].contains(k)) << k;
     int64_t sum = 0;
-    for (const char* k : {"params", "grads", "optimizer", "activations", "comm", "workspace"}) {
+    for (const char* k : {"params", "grads", "optimizer", "activations", "comm", "workspace", "staging"}) {
       ASSERT_TRUE(rows[i]["mem"].contains(k)) << k;
       sum += rows[i]["mem"][k].get<int64_t>();
     }

@@ -74,13 +74,14 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   const json jc = json::parse(cpu.out);
   const Result e = shardlm("explain " + plan);
   ASSERT_EQ(e.code, 0) << e.out;
-  for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace"}) {
+  for (const char* cat : {"params", "grads", "optimizer", "activations", "comm", "workspace", "snapshot", "staging"}) {
     const std::regex line(std::string("  ") + cat + ": static [0-9]+, at peak ([0-9]+)");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(e.out, m, line)) << cat;
     EXPECT_EQ(jc["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
-    if (std::string(cat) != "activations" && std::string(cat) != "workspace")
+    if (std::string(cat) != "activations" && std::string(cat) != "workspace") {
       EXPECT_EQ(j["mem"][cat].get<int64_t>(), std::stoll(m[1])) << cat;
+    }
   }
   // Half the bytes, give or take each slice's rounding to 64 bytes.
   const double bf16_share = j["mem"]["activations"].get<double>() / jc["mem"]["activations"].get<double>();

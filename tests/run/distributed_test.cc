@@ -251,8 +251,8 @@ TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
   for (int rank : {0, 1}) EXPECT_EQ(forward_only[rank], (std::set<std::string>{"all_", "forw", "loss"})) << rank;
   for (int rank : {0, 1}) {
     EXPECT_EQ(threads[rank], (std::set<std::string>{"compute", "comm"}));
-    EXPECT_EQ(counters[rank],
-              (std::set<std::string>{"params", "grads", "optimizer", "activations", "comm", "workspace", "snapshot"}));
+    EXPECT_EQ(counters[rank], (std::set<std::string>{"params", "grads", "optimizer", "activations", "comm", "workspace",
+                                                      "snapshot", "staging"}));
     ASSERT_EQ(slices[rank].size(), static_cast<size_t>(steps));
     // The plan's tasks per stream, in order: position k of stream s is task order[s][k].
     std::map<int, std::vector<int>> order;
@@ -289,7 +289,7 @@ TEST_F(DistributedSlow, TraceHasEveryTaskInPlanOrderAfterItsDependencies) {
     ++step_rows;
     EXPECT_GE(row["comm_exposed_ms"].get<double>(), 0.0);
     EXPECT_GT(row["tokens_per_s"].get<double>(), 0.0);
-    for (const char* k : {"params", "grads", "optimizer", "activations", "comm", "workspace", "total"})
+    for (const char* k : {"params", "grads", "optimizer", "activations", "comm", "workspace", "staging", "total"})
       EXPECT_TRUE(row["mem"].contains(k)) << k;
   }
   EXPECT_EQ(step_rows, steps);
