@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -253,6 +254,40 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
   }
   for (size_t i = 1; i < s.fitting.size(); ++i) EXPECT_LE(s.fitting[i - 1].step_ms, s.fitting[i].step_ms);
   EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
+}
+
+// Selective unsharding under a budget that holds some units gathered but not all: the refined
+// plan fits, is faster than where it started, and no unit left out could be kept as well.
+TEST(Planner, KeepsGatheredWhatSavesMostPerByteWithinTheBudget) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
+  const HardwareProfile hw = preset("h100-80gb");
+  PlanQuery q;
+  q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
+  PlanConfig c = for_hardware(PlanConfig{}, hw);
+  c.world = 16, c.batch = 1, c.seq = 1024;
+  auto candidate = [&](const PlanConfig& pc) {
+    const SimResult r = simulate_config(desc, pc, hw, q.threads);
+    return Candidate{pc, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(pc)};
+  };
+  const Candidate none = candidate(c);
+  PlanConfig all_cfg = c;
+  all_cfg.keep_gathered = {"all"};
+  const Candidate all = candidate(all_cfg);
+  ASSERT_LT(all.step_ms, none.step_ms) << "keeping gathered must pay on this profile for the test to mean anything";
+  q.memory_budget = (none.peak_bytes + all.peak_bytes) / 2;
+  const Candidate k = keep_greedily(desc, hw, q, none);
+  EXPECT_LE(k.peak_bytes, q.memory_budget);
+  EXPECT_LT(k.step_ms, none.step_ms);
+  ASSERT_FALSE(k.config.keep_gathered.empty());
+  EXPECT_LT(k.config.keep_gathered.size(), desc.units.size());
+  EXPECT_EQ(plan::build_plan(desc, k.config).peak_memory().total, k.peak_bytes);
+  for (const auto& unit : desc.units) {
+    if (std::find(k.config.keep_gathered.begin(), k.config.keep_gathered.end(), unit.name) != k.config.keep_gathered.end()) continue;
+    PlanConfig more = k.config;
+    more.keep_gathered.push_back(unit.name);
+    const Candidate m = candidate(more);
+    EXPECT_FALSE(m.step_ms < k.step_ms && m.peak_bytes <= q.memory_budget) << unit.name << " could have been kept too";
+  }
 }
 
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
