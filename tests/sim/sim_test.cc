@@ -175,6 +175,20 @@ TEST(Simulator, OneRankIsItsComputeTime) {
   EXPECT_NEAR(r.tokens_per_s, tokens / (r.step_ms * 1e-3), 1e-6);
 }
 
+// More compute threads on a node than the profile's cores time-slice them: 4 ranks × 1 thread on
+// cpu-local's 2 cores compute each rank's (equal) micro-batch in twice the time of 2 ranks × 1;
+// a profile that does not give its cores (the GPU presets) sees no such slowdown.
+TEST(Simulator, OversubscribedCoresSlowEachRanksCompute) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("cpu-local");
+  ASSERT_EQ(hw.cores_per_node, 2);
+  const Plan two = small_plan(Strategy::ddp, 2), four = small_plan(Strategy::ddp, 4);
+  EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, 2 * simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
+  hw.cores_per_node = 0;
+  EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
+  EXPECT_EQ(preset("h100-80gb").cores_per_node, 0);
+}
+
 // Memory is the plan's: the figures `explain` prints, and the simulated timeline of the same
 // buffers never holds more.
 TEST(Simulator, MemoryIsThePlans) {
