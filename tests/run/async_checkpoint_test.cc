@@ -27,20 +27,15 @@ using testing::step_losses;
 class AsyncCheckpointSlow : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_async_ckpt_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.flags = "--lr 3e-3 --save-every 2 --timeout 60 --strategy fsdp";
+    runs_.create("async_ckpt");
+    dir_ = runs_.dir;
     // The uninterrupted synchronous run every test compares with.
     const Result r = mpirun(2, args("straight", 6));
     ASSERT_EQ(r.code, 0) << r.out;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
-  static std::string args(const std::string& out, int steps) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) +
-           " --batch 2 --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2"
-           " --sample-tokens 0 --peak-gflops 100 --save-every 2 --timeout 60 --quiet --strategy fsdp";
-  }
+  static void TearDownTestSuite() { runs_.remove(); }
+  static std::string args(const std::string& out, int steps) { return runs_.args(out, steps); }
   static fs::path step(const std::string& run, int n) { return dir_ / run / "ckpt" / ("step_" + std::to_string(n)); }
   static std::string latest(const std::string& run) {
     std::ifstream f(dir_ / run / "ckpt" / "latest");
@@ -75,6 +70,7 @@ class AsyncCheckpointSlow : public ::testing::Test {
       EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
     EXPECT_EQ(step_losses(dir_ / run / "metrics.jsonl"), step_losses(dir_ / "straight" / "metrics.jsonl"));
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 
