@@ -223,7 +223,10 @@ void save(Session& s) {
   every_rank_or_all_fail(s, [&] {
     const std::string tmp = pending_tmp(s);
     std::filesystem::create_directories(tmp);
-    if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step));
+    // Paced over half the steps until the next save: the write then ends well before that save
+    // would have to wait for it.
+    const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.5 * s.cfg.save_every * s.last_step_ms));
+    if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step), spread);
     else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
   });
   s.pending->paused_ms = ms_since(t0);

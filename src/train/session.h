@@ -56,6 +56,7 @@ struct Session {
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
   std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
   std::optional<PendingSave> pending;
+  double last_step_ms = 0;  // paces --async-save's writer
   // --async-save: the background writer and its staging copy (declared last: it joins its
   // thread before the model it writes goes away).
   std::unique_ptr<ckpt::AsyncRankWriter> writer;

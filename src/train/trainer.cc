@@ -363,6 +363,7 @@ void print_run_header(const Session& s, double peak) {
 // communication are the maxima over ranks). Returns the step's loss.
 double record_step(Session& s, int64_t step, const run::StepInputs& in, const run::StepResult& r, double step_ms,
                    const StepScale& scale, const NonFiniteGuard& nonfinite) {
+  s.last_step_ms = step_ms;
   const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
   const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
   // What stays allocated between steps: the (sharded) state.

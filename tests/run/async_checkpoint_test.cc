@@ -47,8 +47,8 @@ class AsyncCheckpointSlow : public ::testing::Test {
     std::ifstream f(p, std::ios::binary);
     return {std::istreambuf_iterator<char>(f), {}};
   }
-  // A rank killed by SIGKILL in the middle of writing its file of step 4: only a partial
-  // temporary file of it is on disk, step_4 never appears, latest names step_2; resuming (with
+  // A rank killed by SIGKILL in the middle of writing its file of step 4: only a partial (or
+  // empty) temporary file of it is on disk, step_4 never appears, latest names step_2; resuming (with
   // `resume_flags`) removes the leftover and gives the uninterrupted losses bit for bit.
   static void expect_mid_write_kill_recovers(const std::string& run, const std::string& flags) {
     const Result r = mpirun(2, args(run, 6) + flags, "-x SHARDLM_FAULT_KILL_MID_WRITE=1:4");
@@ -58,8 +58,7 @@ class AsyncCheckpointSlow : public ::testing::Test {
     int partial = 0;
     for (const auto& e : fs::recursive_directory_iterator(dir_ / run / "ckpt"))
       if (e.path().filename() == "rank-00001-of-00002.safetensors.tmp") {
-        ++partial;
-        EXPECT_GT(fs::file_size(e.path()), 0u);
+        ++partial;  // possibly empty: --async-save writes through an 8 MiB block, larger than tiny's file
         EXPECT_LT(fs::file_size(e.path()), fs::file_size(step("straight", 4) / "rank-00001-of-00002.safetensors"));
       }
     EXPECT_EQ(partial, 1) << "no partial rank file: the fault did not strike in the middle of the write";
