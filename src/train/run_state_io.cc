@@ -223,9 +223,10 @@ void save(Session& s) {
   every_rank_or_all_fail(s, [&] {
     const std::string tmp = pending_tmp(s);
     std::filesystem::create_directories(tmp);
-    // Paced over half the steps until the next save: the write then ends well before that save
-    // would have to wait for it.
-    const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.5 * s.cfg.save_every * s.last_step_ms));
+    // Paced over nine tenths of the steps until the next save: each step shares the least of the
+    // write (llama-small, 2 ranks: 1.07x a normal step against 1.14x over half of them), and it
+    // still ends before that save would have to wait for it.
+    const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.9 * s.cfg.save_every * s.last_step_ms));
     if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step), spread);
     else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
   });
