@@ -79,8 +79,11 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
               for (int pb : sharded ? std::vector<int>{4, 2} : std::vector<int>{4})
                 for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4})
                   for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false})
-                    // All-gather buckets: none kept (keeping all leaves one gather per unit a step).
-                    for (double gather_bucket : sharded && !keep ? std::vector<double>{0, 25, 100} : std::vector<double>{0}) {
+                    // All-gather buckets when no unit is kept (keeping all leaves one gather per unit
+                    // a step), at the first prefetch depth and gather limit only: a bucket counts as
+                    // one gather there, and the grid stays within the search's time.
+                    for (double gather_bucket : sharded && !keep && pf == 1 && inflight == 2 ? std::vector<double>{0, 25, 100}
+                                                                                        : std::vector<double>{0}) {
                   c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
                   c.gather_bucket_mb = gather_bucket;
                   c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
