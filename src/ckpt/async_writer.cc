@@ -13,6 +13,7 @@ AsyncRankWriter::AsyncRankWriter(const model::ModelDesc& desc, const ShardedLayo
   for (int k = 0; k < kNumKinds; ++k)
     if (const int64_t n = written_elements(layout_, k, rank_); n > 0)
       staging_[k] = Buffer(MemCategory::staging, sizeof(float) * n);  // zeroed: its pages fault in now, not in a save
+  io_ = Buffer(MemCategory::staging, kCheckpointIoBytes);  // large blocks are 2 MiB aligned (tensor/memory.cc)
 }
 
 AsyncRankWriter::~AsyncRankWriter() {
@@ -22,10 +23,23 @@ AsyncRankWriter::~AsyncRankWriter() {
 int64_t AsyncRankWriter::staging_bytes() const {
   int64_t n = 0;
   for (const Buffer& b : staging_) n += static_cast<int64_t>(b.bytes());
-  return n;
+  return n + static_cast<int64_t>(io_.bytes());
 }
 
-void AsyncRankWriter::start(const std::string& dir, const RankBuffers& bufs, SafetensorsWriter::Progress progress) {
+namespace {
+// `progress`, after sleeping whenever the write is ahead of an even pace over `spread`.
+SafetensorsWriter::Progress paced(SafetensorsWriter::Progress progress, std::chrono::milliseconds spread) {
+  if (spread.count() <= 0) return progress;
+  const auto t0 = std::chrono::steady_clock::now();
+  return [=](const void* piece, size_t n, uint64_t written, uint64_t total) {
+    if (progress) progress(piece, n, written, total);
+    std::this_thread::sleep_until(t0 + spread * (static_cast<double>(written) / static_cast<double>(total)));
+  };
+}
+}  // namespace
+
+void AsyncRankWriter::start(const std::string& dir, const RankBuffers& bufs, SafetensorsWriter::Progress progress,
+                            std::chrono::milliseconds spread) {
   if (state() != State::idle) throw std::logic_error("AsyncRankWriter::start: the previous write was not collected");
   if (thread_.joinable()) thread_.join();
   RankBuffers copy{};
@@ -35,12 +49,12 @@ void AsyncRankWriter::start(const std::string& dir, const RankBuffers& bufs, Saf
     copy[k] = staging_[k].f32();
   }
   state_.store(State::writing, std::memory_order_release);
-  thread_ = std::thread([this, dir, copy, progress = std::move(progress)] {
+  thread_ = std::thread([this, dir, copy, progress = paced(std::move(progress), spread)] {
     // Below the compute threads: the write waits for the disk most of the time, and what CPU it
     // needs (copies into the page cache, the checksum) should not stretch a training step.
     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
     try {
-      result_ = write_rank_file(dir, desc_, layout_, rank_, copy, progress);
+      result_ = write_rank_file(dir, desc_, layout_, rank_, copy, progress, {static_cast<char*>(io_.data()), io_.bytes()});
       state_.store(State::written, std::memory_order_release);
     } catch (const std::exception& e) {
       error_ = e.what();

@@ -229,7 +229,57 @@ std::string SafetensorsWriter::header_json() const {
   return h.dump();
 }
 
-void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
+namespace {
+// Where a file's bytes go: straight to `fd`, each piece handed to the kernel's writeback as soon
+// as it is written (dirty pages never pile up into one burst at the fsync), or, with a block
+// buffer, gathered into it and written a whole block at a time with O_DIRECT; the last block is
+// padded to the 4096-byte granule and the file cut back to its length.
+class FileSink {
+ public:
+  FileSink(int fd, std::string path, SafetensorsWriter::BlockBuffer block) : fd_(fd), path_(std::move(path)), block_(block) {}
+  void put(const char* c, size_t n) {
+    if (!block_.data) {
+      write_all(fd_, c, n, path_);
+      ::sync_file_range(fd_, static_cast<off_t>(written_), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+      written_ += n;
+      return;
+    }
+    while (n > 0) {
+      const size_t k = std::min(n, block_.bytes - fill_);
+      std::memcpy(block_.data + fill_, c, k);
+      fill_ += k, c += k, n -= k, written_ += k;
+      if (fill_ == block_.bytes) flush(fill_);
+    }
+  }
+  void finish() {
+    if (!block_.data || fill_ == 0) return;
+    const size_t padded = (fill_ + kGranule - 1) / kGranule * kGranule;
+    std::memset(block_.data + fill_, 0, padded - fill_);
+    flush(padded);
+    if (::ftruncate(fd_, static_cast<off_t>(written_)) != 0)
+      throw std::runtime_error("safetensors: " + path_ + ": truncate failed: " + errno_text());
+  }
+  static constexpr size_t kGranule = 4096;
+
+ private:
+  void flush(size_t bytes) {
+    write_all(fd_, block_.data, bytes, path_);
+    fill_ = 0;
+  }
+  int fd_;
+  std::string path_;
+  SafetensorsWriter::BlockBuffer block_;
+  size_t fill_ = 0;
+  uint64_t written_ = 0;
+};
+
+bool usable_block(SafetensorsWriter::BlockBuffer b) {
+  return b.data && b.bytes > 0 && b.bytes % FileSink::kGranule == 0 &&
+         reinterpret_cast<uintptr_t>(b.data) % FileSink::kGranule == 0;
+}
+}  // namespace
+
+void SafetensorsWriter::write(const std::string& path, const Progress& progress, BlockBuffer direct) const {
   std::string header = header_json();
   while ((8 + header.size()) % 8 != 0) header.push_back(' ');
   const uint64_t n = header.size();
@@ -237,18 +287,34 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
   for (int i = 0; i < 8; ++i) len[i] = (unsigned char)((n >> (8 * i)) & 0xff);
 
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  constexpr int kFlags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  if (direct.data && !usable_block(direct)) throw std::logic_error("SafetensorsWriter::write: block buffer not 4096-byte aligned");
+  int fd = direct.data ? ::open(tmp.c_str(), kFlags | O_DIRECT, 0644) : -1;
+  if (fd < 0) {  // no block buffer, or a file system without O_DIRECT
+    direct = {};
+    fd = ::open(tmp.c_str(), kFlags, 0644);
+  }
   if (fd < 0) throw std::runtime_error("safetensors: " + path + ": cannot create " + tmp + ": " + errno_text());
   try {
     uint64_t written = 0, total = 8 + header.size();
     for (const Entry& e : entries_) total += e.bytes;
+    FileSink sink(fd, path, direct);
+    // Pieces of at most kPiece bytes, so that a paced writer's progress comes in steps small
+    // enough to pace.
+    constexpr size_t kPiece = size_t{8} << 20;
     auto put = [&](const void* p, size_t n) {
-      write_all(fd, p, n, path);
-      if (progress) progress(p, n, written += n, total);
+      for (const char* c = static_cast<const char*>(p); n > 0;) {
+        const size_t k = std::min(n, kPiece);
+        sink.put(c, k);
+        if (progress) progress(c, k, written += k, total);
+        c += k;
+        n -= k;
+      }
     };
     put(len, 8);
     put(header.data(), header.size());
     for (const Entry* e : ordered()) put(e->data, e->bytes);
+    sink.finish();
     if (::fsync(fd) != 0) throw std::runtime_error("safetensors: " + path + ": fsync failed: " + errno_text());
   } catch (...) {
     ::close(fd);

@@ -39,6 +39,12 @@ struct TensorInfo {
   int64_t numel() const;
 };
 
+// An aligned block buffer SafetensorsWriter::write may send a file through (see there).
+struct WriteBlock {
+  char* data = nullptr;
+  size_t bytes = 0;
+};
+
 // Collects tensors and writes them as one file. add() does NOT copy: `data` must stay valid
 // until write() returns. Tensors are laid out by decreasing element size, then by name (as the
 // reference implementation does), so every tensor is aligned to its element size in a
@@ -60,11 +66,16 @@ class SafetensorsWriter {
   // Writes to path + ".tmp", fsyncs, then renames over `path`: a reader never sees a half-written
   // file under the final name. Throws std::runtime_error naming the path on an I/O failure.
   // `progress(piece, bytes, written, total)`, when given, is called after each piece of the file
-  // is written — the length, the header, each tensor's data — with that piece, in file order: a
+  // is written — the length, the header, each tensor's data in pieces of at most 8 MiB — with that piece, in file order: a
   // checksum of the file as it is written, or fault injection (an exception from it removes the
   // temporary like an I/O failure).
+  // `direct`, when given (4096-byte aligned, a multiple of 4096 bytes), is a block buffer through
+  // which the file is written with O_DIRECT: the bytes go from it to the disk without a copy into
+  // the page cache, which is most of a buffered write's CPU time. A file system without O_DIRECT
+  // (tmpfs) gets a buffered write. The file's bytes are the same either way.
   using Progress = std::function<void(const void* piece, size_t bytes, uint64_t written, uint64_t total)>;
-  void write(const std::string& path, const Progress& progress = {}) const;
+  using BlockBuffer = WriteBlock;
+  void write(const std::string& path, const Progress& progress = {}, BlockBuffer direct = {}) const;
 
   // The header JSON (unpadded) that write() would produce; for tests and debugging.
   std::string header_json() const;

@@ -149,7 +149,8 @@ int64_t written_elements(const ShardedLayout& L, int k, int rank) {
 }
 
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& L, int rank,
-                            const RankBuffers& bufs, const SafetensorsWriter::Progress& progress) {
+                            const RankBuffers& bufs, const SafetensorsWriter::Progress& progress,
+                            SafetensorsWriter::BlockBuffer direct) {
   SafetensorsWriter w;
   for (int k = 0; k < kNumKinds; ++k) {
     if (!bufs[k] || !L.kinds[k].writes[rank]) continue;
@@ -169,7 +170,7 @@ FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc
     XXH64_update(st.get(), piece, n);
     s.bytes = written;
     if (progress) progress(piece, n, written, total);
-  });
+  }, direct);
   s.xxh64 = XXH64_digest(st.get());
   return s;
 }

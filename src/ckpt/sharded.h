@@ -68,7 +68,8 @@ std::string hex64(uint64_t x);
 // checksum, taken of the bytes as they are written. `progress` as SafetensorsWriter::write takes
 // it (fault injection).
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& layout,
-                            int rank, const RankBuffers& bufs, const SafetensorsWriter::Progress& progress = {});
+                            int rank, const RankBuffers& bufs, const SafetensorsWriter::Progress& progress = {},
+                            SafetensorsWriter::BlockBuffer direct = {});
 // Elements of kind `k` a rank holds as RankBuffers lay it out (0 when it writes none of it).
 int64_t written_elements(const ShardedLayout& layout, int k, int rank);
 

@@ -24,7 +24,7 @@ __device__ float warp_max(float v) {
   return v;
 }
 
-// The packed qkv layout: rows of (NH + 2 NKV) HS floats.
+// The packed qkv layout: rows of (NH + 2 NKV) HS floats; and the shapes of a launch over it.
 struct Layout {
   int T, NH, NKV, HS;
   __host__ __device__ int64_t stride() const { return int64_t(NH + 2 * NKV) * HS; }
@@ -32,6 +32,14 @@ struct Layout {
   __device__ int q_col(int h) const { return h * HS; }
   __device__ int k_col(int g) const { return (NH + g) * HS; }
   __device__ int v_col(int g) const { return (NH + NKV + g) * HS; }
+  // Blocks of kRows rows (queries or keys) of each of `heads` heads of each of B sequences.
+  dim3 grid(int heads, int64_t B) const { return dim3((T + kRows - 1) / kRows, heads, unsigned(B)); }
+  // Shared memory of a block: two tiles of kTile rows (pitch HS + 1), `row_buffers` buffers of
+  // the block's kRows rows, and `extra` floats.
+  size_t smem(int row_buffers, int extra = 0) const {
+    return sizeof(float) * (2 * kTile * (HS + 1) + row_buffers * kRows * HS + extra);
+  }
+  float scale() const { return 1.0f / std::sqrt(float(HS)); }  // of the scores q.k
 };
 
 // Copies rows r0.. r0+31 (zeros past T) of columns [col, col+HS) into dst (pitch HS+1).
@@ -215,12 +223,13 @@ __global__ void attn_dkv_kernel(float* dqkv, const float* dout, const float* qkv
     }
 }
 
-template <class K>
-void launch(K kernel, dim3 grid, size_t smem, Layout L, float* a, const float* b, const float* c, const float* d,
-            const float* e, float scale) {
+// kernel<<<grid, (32, kRows), smem>>>(args...) on the stream, above the default 48 KiB of
+// dynamic shared memory where `smem` needs it.
+template <class K, class... Args>
+void launch(K kernel, dim3 grid, size_t smem, Args... args) {
   if (smem > 48 * 1024)
     SHARDLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, dim3(32, kRows), smem, stream()>>>(a, b, c, d, e, L, scale);
+  kernel<<<grid, dim3(32, kRows), smem, stream()>>>(args...);
   SHARDLM_CUDA_LAUNCHED();
 }
 
@@ -242,23 +251,13 @@ Layout layout(int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
 
 template <int DPL>
 void fwd(float* out, float* lse, const float* qkv, int64_t B, Layout L) {
-  const dim3 grid((L.T + kRows - 1) / kRows, L.NH, unsigned(B));
-  const size_t smem = sizeof(float) * (2 * kTile * (L.HS + 1) + kRows * L.HS);
-  if (smem > 48 * 1024)
-    SHARDLM_CUDA_CHECK(
-        cudaFuncSetAttribute(attn_fwd_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  attn_fwd_kernel<DPL><<<grid, dim3(32, kRows), smem, stream()>>>(out, lse, qkv, L, 1.0f / std::sqrt(float(L.HS)));
-  SHARDLM_CUDA_LAUNCHED();
+  launch(attn_fwd_kernel<DPL>, L.grid(L.NH, B), L.smem(1), out, lse, qkv, L, L.scale());
 }
 
 template <int DPL>
 void bwd(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* D, int64_t B, Layout L) {
-  const float scale = 1.0f / std::sqrt(float(L.HS));
-  const dim3 gq((L.T + kRows - 1) / kRows, L.NH, unsigned(B)), gkv((L.T + kRows - 1) / kRows, L.NKV, unsigned(B));
-  const size_t smem_q = sizeof(float) * (2 * kTile * (L.HS + 1) + 2 * kRows * L.HS);
-  const size_t smem_kv = smem_q + sizeof(float) * 2 * kTile;
-  launch(attn_dq_kernel<DPL>, gq, smem_q, L, dqkv, dout, qkv, lse, D, scale);
-  launch(attn_dkv_kernel<DPL>, gkv, smem_kv, L, dqkv, dout, qkv, lse, D, scale);
+  launch(attn_dq_kernel<DPL>, L.grid(L.NH, B), L.smem(2), dqkv, dout, qkv, lse, D, L, L.scale());
+  launch(attn_dkv_kernel<DPL>, L.grid(L.NKV, B), L.smem(2, 2 * kTile), dqkv, dout, qkv, lse, D, L, L.scale());
 }
 
 }  // namespace

@@ -502,7 +502,8 @@ Plan Builder::build() {
   const int64_t full = plan_.layout.total * 4;
   auto held = [&](int parts) { return parts == 0 ? 0 : full / parts; };
   plan_.static_memory = {held(plan_.state.params), held(plan_.state.grads), 2 * held(plan_.state.optimizer), 0};
-  if (cfg_.stage_checkpoint && train_) plan_.static_memory.staging = plan_.static_memory.params + plan_.static_memory.optimizer;
+  if (cfg_.stage_checkpoint && train_)
+    plan_.static_memory.staging = plan_.static_memory.params + plan_.static_memory.optimizer + kCheckpointIoBytes;
   buffer("params", Role::params, MemCategory::params, held(plan_.state.params), -1);
   buffer("grads", Role::grads, MemCategory::grads, held(plan_.state.grads), -1);
   buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(plan_.state.optimizer), -1);

@@ -144,6 +144,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"gemm_efficiency", fig(std::min(1.0, shapes / peak), here + ": small's block GEMMs (1024 rows) against the 2048^3 peak")},
          {"memory_bw", fig(bw, here + ": residual add over 64 MiB arrays")},
          {"devices_per_node", fig(std::max(n, 1), "one machine: every rank is on it")},
+         {"cores_per_node", fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency")},
          {"device_memory", fig(0, "host memory: no per-device limit")},
          {"comm_compute_slowdown", fig(slowdown, here + ": a GEMM beside a 64 MiB all_reduce, against alone")},
          {"intra_node", tier},

@@ -1,5 +1,6 @@
 #include "sim/cost.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace shardlm::sim {
@@ -32,6 +33,10 @@ Collective collective_of(Op op) {
 CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads)
     : desc_(desc), plan_(plan), hw_(hw) {
   peak_ = hw.peak_flops * (hw.per_thread ? threads : 1);
+  if (hw.per_thread && hw.cores_per_node > 0) {
+    const int64_t busy = static_cast<int64_t>(std::min(plan.config.world, hw.devices_per_node)) * threads;
+    oversubscription_ = std::max(1.0, static_cast<double>(busy) / hw.cores_per_node);
+  }
   rate_ = peak_ * hw.gemm_efficiency;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
   const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads};
@@ -76,7 +81,7 @@ double CostModel::compute_seconds(const plan::Task& t) const {
     case Op::zero_grads: bytes = static_cast<double>(st.grads); break;
     default: break;
   }
-  return t.flops / rate_ + bytes / hw_.memory_bw;  // FLOP / (FLOP/s) + B / (B/s)
+  return (t.flops / rate_ + bytes / hw_.memory_bw) * oversubscription_;  // FLOP / (FLOP/s) + B / (B/s)
 }
 
 double CostModel::seconds(const plan::Task& t) const {

@@ -38,6 +38,7 @@ class CostModel {
   const plan::Plan& plan_;
   const HardwareProfile& hw_;
   double peak_ = 0, rate_ = 0;
+  double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
 };
 

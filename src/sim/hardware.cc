@@ -95,6 +95,11 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   const double dpn = figure(j, "devices_per_node", "", origin);
   if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");
   h.devices_per_node = static_cast<int>(dpn);
+  if (j.contains("cores_per_node")) {
+    const double cores = figure(j, "cores_per_node", "", origin);
+    if (cores != std::floor(cores) || cores > 1e6) throw bad(origin, "cores_per_node.value", "must be a whole number");
+    h.cores_per_node = static_cast<int>(cores);
+  }
   h.device_memory = static_cast<int64_t>(figure(j, "device_memory", "", origin, true));
   h.comm_compute_slowdown = figure(j, "comm_compute_slowdown", "", origin);
   if (h.comm_compute_slowdown < 1) throw bad(origin, "comm_compute_slowdown.value", "must be >= 1 (a slowdown)");

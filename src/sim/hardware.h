@@ -39,6 +39,10 @@ struct HardwareProfile {
   double gemm_efficiency = 1;      // achieved GEMM FLOP/s ÷ peak_flops
   double memory_bw = 0;            // pointwise kernels' bandwidth, bytes/s
   int devices_per_node = 1;
+  // CPU (per_thread) profiles, optional: cores the ranks of a node share. More compute threads
+  // than cores (ranks on the node × --threads) time-slice them: each rank's compute slows by
+  // that oversubscription. 0: not given, no slowdown.
+  int cores_per_node = 0;
   int64_t device_memory = 0;       // bytes per device (0: unbounded, the host's memory)
   double comm_compute_slowdown = 1;  // compute runs this many times slower while a collective runs
   Tier intra, inter;

@@ -105,21 +105,34 @@ void rank(std::vector<Candidate>& v) {
   });
 }
 
-// Walks the units from the last to the first (the backward needs the last ones first, when the
-// least time is left to prefetch them) and keeps each one gathered when that makes the step
-// faster and still fits the budget.
+}  // namespace
+
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
-  for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
-    PlanConfig c = best.config;
+  auto with = [&](const Candidate& from, int u) {
+    PlanConfig c = from.config;
     c.keep_gathered.push_back(desc.units[u].name);
     const SimResult r = simulate_config(desc, c, hw, q.threads);
-    if (r.step_ms >= best.step_ms || (q.memory_budget > 0 && r.mem.total > q.memory_budget)) continue;
-    best = {c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+    return Candidate{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+  };
+  auto fits = [&](const Candidate& k) { return q.memory_budget == 0 || k.peak_bytes <= q.memory_budget; };
+  // Each unit's own saving per byte, measured once against the start.
+  struct Option {
+    int unit;
+    double ms_per_byte;
+  };
+  std::vector<Option> options;
+  for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
+    const Candidate k = with(best, u);
+    if (k.step_ms < best.step_ms && fits(k))
+      options.push_back({u, (best.step_ms - k.step_ms) / static_cast<double>(std::max<int64_t>(1, k.peak_bytes - best.peak_bytes))});
+  }
+  std::stable_sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.ms_per_byte > b.ms_per_byte; });
+  for (const Option& o : options) {
+    const Candidate k = with(best, o.unit);
+    if (k.step_ms < best.step_ms && fits(k)) best = k;
   }
   return best;
 }
-
-}  // namespace
 
 PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, const HardwareProfile& hw,
                         const PlanQuery& q) {

@@ -1,8 +1,7 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
 // simulates each, keeps those whose per-rank peak memory fits the budget and ranks them by
 // predicted step time. Configurations whose plan cannot be built are skipped. The fastest few
-// sharded ones are then refined by selective unsharding: units kept gathered one by one, from the
-// last, while the step gets faster and the budget holds.
+// sharded ones are then refined by selective unsharding (keep_greedily).
 #pragma once
 
 #include <cstdint>
@@ -44,6 +43,12 @@ PlanSearch search_plans(const model::ModelDesc& desc, const plan::PlanConfig& ba
                         const PlanQuery& q);
 
 std::string flags_of(const plan::PlanConfig& c);
+
+// Selective unsharding of `start` (fsdp / hybrid): each unit's saving of step time per byte of
+// peak memory is measured alone; then, best first, a unit stays gathered when that still makes
+// the step faster and the peak fits q.memory_budget (one pass in that order). The result is no
+// slower than `start` and fits.
+Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start);
 
 // One configuration's simulation as the search sees it. Micro-steps after the first are alike
 // (the same tasks meeting the same state at their boundaries), so a long accumulation is

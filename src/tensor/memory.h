@@ -12,8 +12,12 @@
 namespace shardlm {
 
 // snapshot: in-memory snapshots' shared memory (ckpt/snapshot.h), held between steps.
-// staging: a copy of the rank's shard that a checkpoint writes in the background (--async-save).
+// staging: a copy of the rank's shard that a checkpoint writes in the background (--async-save),
+// and the writer's direct-I/O block buffer (kCheckpointIoBytes).
 enum class MemCategory : int { params, grads, optimizer, activations, comm, workspace, snapshot, staging };
+
+// The background checkpoint writer's block buffer: the file goes out through it with O_DIRECT.
+inline constexpr int64_t kCheckpointIoBytes = int64_t{8} << 20;
 inline constexpr int kNumMemCategories = 8;
 const char* to_string(MemCategory c);
 

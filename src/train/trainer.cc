@@ -9,14 +9,9 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
-#include <unistd.h>
 
-#include "ckpt/async_writer.h"
-#include "ckpt/hf_config.h"
-#include "ckpt/hf_import.h"
 #include "ckpt/sharded.h"
 #include "data/sampler.h"
 #include "data/shard.h"
@@ -32,20 +27,17 @@
 #include "train/resume_check.h"
 #include "train/run_dir.h"
 #include "train/memory_check.h"
+#include "train/run_state_io.h"
 #include "train/schedule.h"
+#include "train/session.h"
 #include "train/snapshots.h"
 #include "trace/trace.h"
 
 namespace shardlm::train {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 json mem_json(const MemSnapshot& s) {
   json j;
@@ -175,59 +167,30 @@ const kernels::Backend& backend_for(const TrainConfig& c) {
 #endif
 }
 
-// A save whose rank files are being written (--async-save) or have just been: what its commit
-// needs.
-struct PendingSave {
-  int64_t step = 0;
-  json meta;  // index.json's run state, as it was when the state was copied
-  Clock::time_point t0;
-  double paused_ms = 0;  // the training thread's time in save() (all of it when synchronous)
-  double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
-};
+}  // namespace
 
-// Everything one rank's run holds: data, model, plan, communicators, executor.
-struct Session {
-  const TrainConfig& cfg;
-  comm::Communicator& world;
-  int rank, N;
-  bool lead, talk;
-  std::chrono::milliseconds timeout;
-  DataMeta meta;
-  data::TokenShard train_data, val_data;
-  model::ModelDesc desc;
-  RunState state;
-  plan::Plan plan;
-  run::CommGroups comms;
-  run::Executor ex;
-  CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
-  int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
-  std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
-  std::optional<PendingSave> pending;
-  // --async-save: the background writer and its staging copy (declared last: it joins its
-  // thread before the model it writes goes away).
-  std::unique_ptr<ckpt::AsyncRankWriter> writer;
+Session::Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
+    : cfg(c),
+      world(w),
+      rank(w.rank()),
+      N(w.size()),
+      lead(rank == 0),
+      talk(lead && !c.quiet),
+      timeout(static_cast<int64_t>(c.timeout_s * 1000)),
+      meta(m),
+      train_data(c.data + "_train.bin"),
+      val_data(c.data + "_val.bin"),
+      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
+      // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
+      // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
+      plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
+                                   (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
+                                       (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
+      comms(w, plan),
+      ex(desc, plan, comms, c.threads, timeout, backend_for(c)),
+      writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
 
-  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
-      : cfg(c),
-        world(w),
-        rank(w.rank()),
-        N(w.size()),
-        lead(rank == 0),
-        talk(lead && !c.quiet),
-        timeout(static_cast<int64_t>(c.timeout_s * 1000)),
-        meta(m),
-        train_data(c.data + "_train.bin"),
-        val_data(c.data + "_val.bin"),
-        desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
-        // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
-        // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
-        plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
-                                     (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
-                                         (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
-        comms(w, plan),
-        ex(desc, plan, comms, c.threads, timeout, backend_for(c)),
-        writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
-};
+namespace {
 
 // The run's model; with --resume (or --init-from) the checkpoint's must be the same.
 model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
@@ -296,212 +259,6 @@ std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& wor
   return dir;
 }
 
-// Runs fn on every rank and tells every rank whether any threw: each failing rank reports its
-// own line, and every rank throws AgreedFailure, so none waits for another that gave up.
-void every_rank_or_all_fail(Session& s, const std::function<void()>& fn) {
-  std::string error;
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    error = e.what();
-    if (error.empty()) error = "failed";
-  }
-  const int64_t mine = error.empty() ? 0 : 1;
-  std::vector<int64_t> all(s.N);
-  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint agreement")->wait(s.timeout);
-  if (std::find(all.begin(), all.end(), 1) != all.end()) throw AgreedFailure(error, !error.empty());
-}
-
-ckpt::RankBuffers rank_buffers(Session& s) {
-  using St = run::Executor::State;
-  return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
-}
-
-// Each rank verifies every N-th file of the sharded checkpoint `dir` (size, checksum, header
-// against the index) and reads only its own element ranges into the buffers `bufs` names.
-void load_sharded(Session& s, const std::string& dir, const ckpt::RankBuffers& bufs, bool optimizer) {
-  every_rank_or_all_fail(s, [&] {
-    const json index = ckpt::read_index(dir);
-    for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
-    ckpt::check_index_against_model(dir, index, s.desc, optimizer);
-    ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, bufs);
-  });
-}
-
-// Loads a checkpoint into the executor's state. Sharded: load_sharded. A whole
-// (older) checkpoint is read whole on every rank. That the checkpoint's run is this run,
-// start_up() checked.
-void resume(Session& s) {
-  const std::string& dir = s.cfg.resume;
-  s.state = read_checkpoint_state(dir);
-  if (ckpt::is_sharded(dir)) {
-    const auto t0 = Clock::now();
-    load_sharded(s, dir, rank_buffers(s), true);
-    if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
-    return;
-  }
-  Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
-      v(MemCategory::comm, p.bytes());
-  load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
-  s.ex.load_full(run::Executor::State::params, p.f32());
-  s.ex.load_full(run::Executor::State::exp_avg, m.f32());
-  s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
-}
-
-// --init-from: parameters only; the moments stay as the executor allocated them (zero). A sharded
-// checkpoint is read as a resume reads it, each rank its own ranges; a Hugging Face directory is
-// read whole on every rank.
-void init_from(Session& s) {
-  const std::string& dir = s.cfg.init_from;
-  const auto t0 = Clock::now();
-  if (ckpt::is_sharded(dir)) {
-    load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
-  } else {
-    every_rank_or_all_fail(s, [&] {
-      Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
-      ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
-      s.ex.load_full(run::Executor::State::params, p.f32());
-    });
-  }
-  if (s.talk) fmt::print("parameters from {} in {:.0f} ms\n", dir, ms_since(t0));
-}
-
-// Every rank's state from the in-memory snapshot --resume auto chose (its own slot, or rebuilt
-// from a partner's copy or its group's parity).
-void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
-  const auto t0 = Clock::now();
-  s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
-  s.state = snapshot_state(chosen.meta);
-  if (s.talk) fmt::print("resumed from the in-memory snapshot of step {} in {:.0f} ms\n", s.state.step, ms_since(t0));
-}
-
-// What index.json records besides the tensors: state.json's fields, the model and the plan.
-json index_meta(Session& s) {
-  json config = ckpt::to_hf_config(s.desc.config);
-  config["shardlm_tokenizer"] = s.state.tokenizer;
-  return {{"format", "shardlm-sharded-1"},
-          {"step", s.state.step},
-          {"optimizer", {{"adamw_step", s.state.adam_step}}},
-          {"tokenizer", s.state.tokenizer},
-          // Batches are a pure function of (seed, step), so the step is the data position.
-          {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", s.state.step}}},
-          {"rng", {{"seed", s.state.seed}}},
-          {"run", s.state.run},
-          {"schedule",
-           {{"lr", s.cfg.lr}, {"min_lr", s.cfg.min_lr}, {"warmup_steps", s.cfg.warmup}, {"total_steps", s.cfg.steps}}},
-          {"strategy", plan::to_string(s.plan.config.strategy)},
-          {"config", config}};
-}
-
-// Test-only fault points, each RANK:STEP, in the save of checkpoint STEP on that rank.
-bool fault_at(const char* var, const Session& s, int64_t step) {
-  const char* v = std::getenv(var);
-  int rank = -1;
-  long long at = -1;
-  return v && std::sscanf(v, "%d:%lld", &rank, &at) == 2 && rank == s.rank && at == step;
-}
-
-// In the write of the rank file (on the writing thread under --async-save):
-// SHARDLM_FAULT_KILL_MID_WRITE: SIGKILL once half the file's bytes are written (a partial
-// temporary file stays on disk); SHARDLM_FAULT_FAIL_WRITE: the write fails, as a full disk would.
-ckpt::SafetensorsWriter::Progress write_faults(const Session& s, int64_t step) {
-  const bool kill = fault_at("SHARDLM_FAULT_KILL_MID_WRITE", s, step), fail = fault_at("SHARDLM_FAULT_FAIL_WRITE", s, step);
-  if (!kill && !fail) return {};
-  return [kill](const void*, size_t, uint64_t written, uint64_t total) {
-    if (2 * written < total) return;
-    if (kill) std::raise(SIGKILL);
-    throw std::runtime_error("checkpoint: write failed: injected by SHARDLM_FAULT_FAIL_WRITE");
-  };
-}
-
-std::string pending_tmp(const Session& s) {
-  return checkpoint_dir(s.cfg.out, s.pending->step) + ".tmp-" + std::to_string(s.lead_pid);
-}
-
-// Every rank's file of the pending save is durable (this rank's: `mine`). The all-gather of the
-// files' sizes and checksums is the barrier after which all are; then rank 0 writes index.json,
-// moves the directory into place and only then points ckpt/latest at it.
-// SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP (test-only) kills that rank by SIGKILL before the barrier.
-void commit_save(Session& s, const ckpt::FileSummary& mine) {
-  if (fault_at("SHARDLM_FAULT_KILL_IN_SAVE", s, s.pending->step)) std::raise(SIGKILL);
-  std::vector<ckpt::FileSummary> files(s.N);
-  static_assert(sizeof(ckpt::FileSummary) == 16);
-  s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);
-  const std::string step_dir = checkpoint_dir(s.cfg.out, s.pending->step), tmp = pending_tmp(s);
-  const PendingSave p = *std::exchange(s.pending, std::nullopt);
-  on_lead_or_all_fail(s.world, s.timeout, [&] {
-    const json index = ckpt::make_index(s.desc, sharded_layout(s.plan, s.N), files, p.meta);
-    ckpt::commit_step(tmp, step_dir, index, index["config"]);
-    ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
-  });
-  if (s.talk) {
-    uint64_t most = 0, total = 0;
-    for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
-    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms{}\n", step_dir, total / 1e6,
-               s.N, most / 1e6, ms_since(p.t0),
-               s.writer ? fmt::format(" (written in the background: training paused {:.0f} ms to stage it, waited {:.0f} ms "
-                                      "for the write)", p.paused_ms, p.waited_ms)
-                        : "");
-    std::fflush(stdout);
-  }
-}
-
-// Every rank's state into shared memory, with its partner copy or parity (collective).
-void take_snapshot(Session& s) {
-  const auto t0 = Clock::now();
-  json meta = index_meta(s);
-  meta["layout"] = snapshot_layout(s.plan, s.desc);
-  s.snapshots->save(s.state.step, meta, snapshot_parts(s.ex, s.plan));
-  if (s.talk) {
-    fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
-               (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
-    std::fflush(stdout);
-  }
-}
-
-// --async-save: a pending save commits once every rank's file is written — now, or with `wait`
-// after this rank's write has ended. Collective (a save is pending on every rank alike); a failed
-// write ends every rank, the failing one reporting its line.
-void settle_save(Session& s, bool wait) {
-  using W = ckpt::AsyncRankWriter::State;
-  if (!s.writer || !s.pending) return;
-  const auto t0 = Clock::now();
-  if (wait) s.writer->wait();
-  s.pending->waited_ms += ms_since(t0);
-  const int64_t mine = static_cast<int64_t>(s.writer->state());
-  std::vector<int64_t> all(s.N);
-  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint write state")->wait(s.timeout);
-  if (std::count(all.begin(), all.end(), int64_t(W::failed)) > 0) {
-    const bool me = mine == int64_t(W::failed);
-    throw AgreedFailure(me ? s.writer->take_error() : "another rank's checkpoint write failed", me);
-  }
-  if (std::count(all.begin(), all.end(), int64_t(W::written)) == s.N) commit_save(s, s.writer->take_result());
-}
-
-// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
-// fsync, rename) and commit_save() follows; with --async-save a background thread writes a
-// staging copy while the steps go on, and settle_save() commits. One save at a time.
-void save(Session& s) {
-  settle_save(s, true);
-  const auto t0 = Clock::now();
-  if (s.lead_pid < 0) {
-    const int64_t mine = ::getpid();
-    std::vector<int64_t> all(s.N);
-    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
-    s.lead_pid = all[0];
-  }
-  s.pending = PendingSave{s.state.step, index_meta(s), Clock::now()};
-  ckpt::FileSummary mine;
-  every_rank_or_all_fail(s, [&] {
-    const std::string tmp = pending_tmp(s);
-    std::filesystem::create_directories(tmp);
-    if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step));
-    else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
-  });
-  s.pending->paused_ms = ms_since(t0);
-  if (!s.writer) commit_save(s, mine);
-}
-
 // The per-category maximum over ranks of a memory snapshot (collective).
 MemSnapshot max_over_ranks(Session& s, const MemSnapshot& mine) {
   std::vector<int64_t> all(kNumMemCategories * s.N);
@@ -567,6 +324,120 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
   return summary;
 }
 
+// The state the run starts from: --resume auto's snapshot, a checkpoint, --init-from's weights or
+// fresh parameters; then what this run's checkpoints record of itself.
+void load_start_state(Session& s, const ckpt::SnapshotChoice& snapshot) {
+  const TrainConfig& cfg = s.cfg;
+  if (snapshot.step >= 0) resume_from_snapshot(s, snapshot);
+  else if (!cfg.resume.empty()) resume(s);
+  else if (!cfg.init_from.empty()) init_from(s);
+  else s.ex.init_params(cfg.seed);
+  s.state.seed = cfg.seed;  // after resume(): what this run's checkpoints record is this run
+  s.state.run = run_identity(cfg, s.N);
+  if (s.snapshots) {
+    // Snapshots of another timeline (a new run, or one resumed from disk) must never be taken
+    // for this run's; then both slots of every held segment are mapped, as the plan counts them.
+    if (snapshot.step < 0) s.snapshots->remove_held();
+    if (cfg.snapshot_every > 0) s.snapshots->prepare(s.plan.static_memory.params + s.plan.static_memory.optimizer);
+  }
+}
+
+// What a step's throughput is measured against.
+struct StepScale {
+  double peak_gflops;  // per rank
+  double flops;        // of one step over every rank
+  int64_t tokens;      // of one step over every rank
+};
+
+void print_run_header(const Session& s, double peak) {
+  const TrainConfig& cfg = s.cfg;
+  const auto& mc = s.desc.config;
+  fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) x {} thread(s), "
+             "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank\n",
+             cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
+             mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
+             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak);
+  std::fflush(stdout);
+}
+
+// A step's row of metrics.jsonl and its console line (collective: memory and exposed
+// communication are the maxima over ranks). Returns the step's loss.
+double record_step(Session& s, int64_t step, const run::StepInputs& in, const run::StepResult& r, double step_ms,
+                   const StepScale& scale, const NonFiniteGuard& nonfinite) {
+  s.last_step_ms = step_ms;
+  const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
+  const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
+  // What stays allocated between steps: the (sharded) state.
+  const MemSnapshot held = max_over_ranks(s, MemoryTracker::global().live());
+  const double exposed = max_over_ranks(s, r.comm_exposed_ms);
+  const double loss = r.loss_sum * in.grad_scale;
+  const double tokens_per_s = static_cast<double>(scale.tokens) / (step_ms * 1e-3);
+  const double mfu = scale.flops / (step_ms * 1e-3) / (scale.peak_gflops * 1e9 * s.N);
+  if (s.lead) {
+    json row{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
+             {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
+             {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
+             {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
+             {"skipped_steps", nonfinite.skipped_total()}};
+#ifdef SHARDLM_CUDA
+    if (s.cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes();  // the caching allocator's
+#endif
+    s.metrics << row.dump() << "\n" << std::flush;
+  }
+  if (s.talk) {
+    const int64_t steps = s.cfg.steps;
+    fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "
+               "mem {:.1f} MiB{}\n",
+               step + 1, steps, progress_bar(step + 1, steps), loss, in.opt.lr, r.grad_norm, step_ms, tokens_per_s,
+               100 * mfu, mem.total / 1048576.0, s.N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
+    std::fflush(stdout);
+  }
+  return loss;
+}
+
+// Step `step`'s inputs: its batches (a pure function of seed and step), learning rate and
+// AdamW's update count.
+run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
+  const TrainConfig& cfg = s.cfg;
+  run::StepInputs in;
+  in.batch = [&s, step](int micro, int32_t* inputs, int32_t* targets) {
+    const TrainConfig& c = s.cfg;
+    data::sample_batch(s.train_data, c.seed, step, micro, s.rank * c.batch, c.batch, c.seq, inputs, targets);
+  };
+  in.grad_scale = grad_scale;
+  in.grad_clip = cfg.grad_clip;
+  in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
+            cfg.weight_decay};
+  in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
+  return in;
+}
+
+// The end of a run that went to its last step: its last checkpoint committed, the final
+// evaluation and sample, the trace; its snapshots are no longer needed.
+TrainSummary finish(Session& s, TrainSummary summary) {
+  const TrainConfig& cfg = s.cfg;
+  settle_save(s, true);
+  summary.final_val_loss = run_eval(s);
+  if (s.lead) {
+    summary.val_unigram_entropy = unigram_entropy(s.val_data);
+    if (s.talk)
+      fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
+                 summary.final_val_loss, summary.val_unigram_entropy);
+  }
+  if (cfg.sample_tokens > 0) {
+    SampleConfig sc;
+    sc.tokens = cfg.sample_tokens;
+    sc.seed = cfg.seed;
+    sc.vocab_limit = s.meta.vocab_size;
+    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, s.meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
+    if (s.lead) summary.sample = ids;
+  }
+  if (!cfg.trace.empty()) write_trace(s);
+  if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", MemoryTracker::global().run_peak());
+  if (s.snapshots) s.snapshots->remove_held();
+  return summary;
+}
+
 }  // namespace
 
 TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
@@ -585,18 +456,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(snapshots);
-  if (snapshot.step >= 0) resume_from_snapshot(s, snapshot);
-  else if (!cfg.resume.empty()) resume(s);
-  else if (!cfg.init_from.empty()) init_from(s);
-  else s.ex.init_params(cfg.seed);
-  s.state.seed = cfg.seed;  // after resume(): what this run's checkpoints record is this run
-  s.state.run = run_identity(cfg, s.N);
-  if (s.snapshots) {
-    // Snapshots of another timeline (a new run, or one resumed from disk) must never be taken
-    // for this run's; then both slots of every held segment are mapped, as the plan counts them.
-    if (snapshot.step < 0) s.snapshots->remove_held();
-    if (cfg.snapshot_every > 0) s.snapshots->prepare(s.plan.static_memory.params + s.plan.static_memory.optimizer);
-  }
+  load_start_state(s, snapshot);
 
   if (s.lead) {
     run_dir->prepare();
@@ -609,16 +469,9 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   if (!cfg.resume.empty() && std::getenv("SHARDLM_TEST_SAVE_AFTER_RESUME")) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
-  const int64_t B = cfg.batch, T = cfg.seq, N = s.N, global_batch = N * B * cfg.grad_accum;
-  const double step_flops = s.desc.train_flops(global_batch, T);
-  if (s.talk) {
-    fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) x {} thread(s), "
-               "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank\n",
-               cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
-               mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, N, cfg.threads,
-               plan::to_string(s.plan.config.strategy), B, T, cfg.grad_accum, cfg.recompute, peak);
-    std::fflush(stdout);
-  }
+  const int64_t T = cfg.seq, global_batch = s.N * cfg.batch * cfg.grad_accum;
+  const StepScale scale{peak, s.desc.train_flops(global_batch, T), global_batch * T};
+  if (s.talk) print_run_header(s, peak);
 
   TrainSummary summary;
   NonFiniteGuard nonfinite(cfg.on_nonfinite, cfg.max_skipped_steps);
@@ -627,45 +480,11 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   for (int64_t step = s.state.step; step < cfg.steps; ++step) {
     const auto t0 = Clock::now();
     MemoryTracker::global().reset_peak();
-    run::StepInputs in;
-    in.batch = [&](int micro, int32_t* inputs, int32_t* targets) {
-      data::sample_batch(s.train_data, cfg.seed, step, micro, s.rank * B, B, T, inputs, targets);
-    };
-    in.grad_scale = grad_scale;
-    in.grad_clip = cfg.grad_clip;
-    in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
-              cfg.weight_decay};
-    in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
+    const run::StepInputs in = step_inputs(s, step, grad_scale);
     const run::StepResult r = s.ex.step(step, in);
     if (!r.update_skipped) ++s.state.adam_step;
     const std::string stop_reason = nonfinite.after_step(step, r);
-    const double step_ms = ms_since(t0);
-    const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
-    const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
-    // What stays allocated between steps: the (sharded) state.
-    const MemSnapshot held = max_over_ranks(s, MemoryTracker::global().live());
-    const double exposed = max_over_ranks(s, r.comm_exposed_ms);
-    const double loss = r.loss_sum * grad_scale;
-    const double tokens_per_s = static_cast<double>(global_batch * T) / (step_ms * 1e-3);
-    const double mfu = step_flops / (step_ms * 1e-3) / (peak * 1e9 * N);
-    if (s.lead) {
-      json row{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
-               {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-               {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
-               {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
-               {"skipped_steps", nonfinite.skipped_total()}};
-#ifdef SHARDLM_CUDA
-      if (cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes();  // the caching allocator's
-#endif
-      s.metrics << row.dump() << "\n" << std::flush;
-    }
-    if (s.talk) {
-      fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "
-                 "mem {:.1f} MiB{}\n",
-                 step + 1, cfg.steps, progress_bar(step + 1, cfg.steps), loss, in.opt.lr, r.grad_norm, step_ms,
-                 tokens_per_s, 100 * mfu, mem.total / 1048576.0, N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
-      std::fflush(stdout);
-    }
+    const double loss = record_step(s, step, in, r, ms_since(t0), scale, nonfinite);
     // Before any checkpoint of this step: nothing from it on is saved.
     if (!stop_reason.empty()) return end_early(s, summary, kNonFiniteExitCode, stop_reason);
     if (r.update_skipped && s.talk)
@@ -680,27 +499,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
     if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
     if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
   }
-
-  settle_save(s, true);  // a run ends with its last checkpoint committed
-  summary.final_val_loss = run_eval(s);
-  if (s.lead) {
-    summary.val_unigram_entropy = unigram_entropy(s.val_data);
-    if (s.talk)
-      fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
-                 summary.final_val_loss, summary.val_unigram_entropy);
-  }
-  if (cfg.sample_tokens > 0) {
-    SampleConfig sc;
-    sc.tokens = cfg.sample_tokens;
-    sc.seed = cfg.seed;
-    sc.vocab_limit = meta.vocab_size;
-    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
-    if (s.lead) summary.sample = ids;
-  }
-  if (!cfg.trace.empty()) write_trace(s);
-  if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", MemoryTracker::global().run_peak());
-  if (s.snapshots) s.snapshots->remove_held();  // the run ended normally: its snapshots are not needed
-  return summary;
+  return finish(s, summary);
 }
 
 }  // namespace shardlm::train

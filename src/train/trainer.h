@@ -1,6 +1,6 @@
 // The training loop: the sequence of a step (batch, executor step, metrics, checkpoint,
 // evaluation) over every rank; evaluation and sampling live in evaluate.h, checkpoint I/O in
-// checkpoint.h. Metrics go to DIR/metrics.jsonl and, at a glance, to the console.
+// checkpoint.h, saving, snapshots and resuming a run's state in run_state_io.h. Metrics go to DIR/metrics.jsonl and, at a glance, to the console.
 #pragma once
 
 #include <cstdint>

@@ -3,75 +3,46 @@
 // died of std::bad_alloc or a bus error, ran for minutes, or silently did something else.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
+
+#include "run/test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int code;
-  std::string out;  // stdout and stderr together
-};
+using shardlm::testing::expect_one_line_error;
+using shardlm::testing::Result;
 
-Result run(const std::string& args) {
-  const char* bin = std::getenv("SHARDLM_BINARY");
-  if (!bin) return {-1, "SHARDLM_BINARY not set"};
-  FILE* p = popen((std::string(bin) + " " + args + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
-
-// Non-zero exit, exactly one line, holding every needle.
-void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
-  EXPECT_NE(r.code, 0) << r.out;
-  EXPECT_EQ(count_lines(r.out), 1) << r.out;
-  EXPECT_NE(r.out.find("error"), std::string::npos) << r.out;
-  for (const auto& needle : needles)
-    EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
-}
+// `shardlm ARGS` (testing::shardlm, which cannot be named here beside namespace shardlm).
+Result run(const std::string& args) { return shardlm::testing::shardlm(args); }
 
 class BadInput : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_bad_input_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::ofstream text(dir_ / "corpus.txt");
-    for (int i = 0; i < 400; ++i) text << "In the beginning God created the heaven and the earth. " << i << "\n";
-    text.close();
-    const Result r = run("tokenize --tokenizer bytes --in " + (dir_ / "corpus.txt").string() + " --out " + data());
+    runs_.seed = 5;
+    runs_.warmup = 1;
+    runs_.threads = 2;
+    const Result r = runs_.create("bad_input", shardlm::testing::kGenesisLine, 1);
     ASSERT_EQ(r.code, 0) << r.out;
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { runs_.remove(); }
 
-  static std::string data() { return (dir_ / "tok").string(); }
+  static std::string data() { return runs_.data(); }
   static std::string path(const std::string& name) { return (dir_ / name).string(); }
   // A tiny run of `steps` steps; flags given after these win.
-  static std::string train_args(const std::string& out, int steps) {
-    return "train --model tiny --data " + data() + " --out " + path(out) + " --steps " + std::to_string(steps) +
-           " --batch 2 --seq 32 --threads 2 --seed 5 --eval-every 0 --eval-windows 2 --sample-tokens 0" +
-           " --peak-gflops 100 --warmup 1 --quiet";
-  }
+  static std::string train_args(const std::string& out, int steps) { return runs_.args(out, steps); }
   static void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
 
+  static inline shardlm::testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 

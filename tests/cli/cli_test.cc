@@ -4,98 +4,54 @@
 // the README's default training run on the King James Bible that scripts/setup.sh fetched.
 #include <gtest/gtest.h>
 
-#include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ckpt/safetensors.h"
+#include "run/test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int code;
-  std::string out;  // stdout and stderr together
-};
+using shardlm::testing::expect_one_line_error;
+using shardlm::testing::read_metrics;
+using shardlm::testing::Result;
 
-Result run(const std::string& args) {
-  const char* bin = std::getenv("SHARDLM_BINARY");
-  if (!bin) return {-1, "SHARDLM_BINARY not set"};
-  const std::string cmd = std::string(bin) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+// `shardlm ARGS` (testing::shardlm, which cannot be named here beside namespace shardlm).
+Result run(const std::string& args) { return shardlm::testing::shardlm(args); }
 
-std::vector<nlohmann::json> read_metrics(const fs::path& path) {
-  std::vector<nlohmann::json> rows;
-  std::ifstream f(path);
-  std::string line;
-  while (std::getline(f, line)) rows.push_back(nlohmann::json::parse(line));
-  return rows;
-}
-
-std::vector<double> losses(const fs::path& metrics) {
-  std::vector<double> out;
-  for (const auto& r : read_metrics(metrics))
-    if (r.contains("loss")) out.push_back(r["loss"].get<double>());
-  return out;
-}
-
-int count_lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n;
-}
+std::vector<double> losses(const fs::path& metrics) { return shardlm::testing::step_losses(metrics); }
 
 class Cli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_cli_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::ofstream text(dir_ / "corpus.txt");
-    for (int i = 0; i < 400; ++i) text << "In the beginning God created the heaven and the earth. " << i << "\n";
-    text.close();
-    const Result r = run("tokenize --tokenizer bytes --in " + (dir_ / "corpus.txt").string() + " --out " +
-                         (dir_ / "tok").string());
+    runs_.seed = 5;
+    runs_.threads = 2;
+    runs_.eval_windows = 4;
+    runs_.sample_tokens = 8;
+    const Result r = runs_.create("cli", shardlm::testing::kGenesisLine, 1);
     ASSERT_EQ(r.code, 0) << r.out;
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { runs_.remove(); }
 
-  static std::string train_args(const std::string& out, int steps) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) + " --batch 2 --seq 32 --threads 2 --seed 5 --eval-every 0" +
-           " --eval-windows 4 --sample-tokens 8 --peak-gflops 100 --warmup 2 --quiet";
-  }
+  static std::string train_args(const std::string& out, int steps) { return runs_.args(out, steps); }
   // Runs that fail on bad input still name a run directory of their own: the default, runs/default
   // in the working directory, is shared with every other test running at the same time.
   static std::string own_out() { return " --out " + (dir_ / "refused").string(); }
+  static inline shardlm::testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 
-void expect_one_line_error(const Result& r, const std::string& needle) {
-  EXPECT_NE(r.code, 0) << r.out;
-  EXPECT_EQ(count_lines(r.out), 1) << r.out;
-  EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
-}
-
-TEST_F(Cli, UnknownFlagIsOneLine) { expect_one_line_error(run("train --no-such-flag 3"), "--no-such-flag"); }
+TEST_F(Cli, UnknownFlagIsOneLine) { expect_one_line_error(run("train --no-such-flag 3"), {"--no-such-flag"}); }
 
 TEST_F(Cli, MissingTokenFileNamesIt) {
-  expect_one_line_error(run("train --model tiny --data " + (dir_ / "absent").string() + " --steps 1" + own_out()), "absent_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + (dir_ / "absent").string() + " --steps 1" + own_out()), {"absent_train.bin"});
 }
 
 TEST_F(Cli, WrongMagicNamesTheFile) {
@@ -107,7 +63,7 @@ TEST_F(Cli, WrongMagicNamesTheFile) {
     header[0] = 12345;
     f.write(reinterpret_cast<const char*>(header.data()), 1024);
   }
-  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), "badmagic_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), {"badmagic_train.bin"});
 }
 
 TEST_F(Cli, TruncatedTokenFileNamesIt) {
@@ -115,27 +71,27 @@ TEST_F(Cli, TruncatedTokenFileNamesIt) {
   fs::copy_file(dir_ / "tok_val.bin", bad.string() + "_val.bin", fs::copy_options::overwrite_existing);
   fs::copy_file(dir_ / "tok_train.bin", bad.string() + "_train.bin", fs::copy_options::overwrite_existing);
   fs::resize_file(bad.string() + "_train.bin", fs::file_size(bad.string() + "_train.bin") - 100);
-  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), "trunc_train.bin");
+  expect_one_line_error(run("train --model tiny --data " + bad.string() + " --steps 1" + own_out()), {"trunc_train.bin"});
 }
 
 TEST_F(Cli, TokenIdBeyondVocabNamesIt) {
   // Byte tokens (< 256) against a model told its vocabulary is 50: every id above is out of range.
-  expect_one_line_error(run("train --model tiny --vocab 50 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), "vocab");
+  expect_one_line_error(run("train --model tiny --vocab 50 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), {"vocab"});
 }
 
 TEST_F(Cli, HeadsNotDividingChannels) {
-  expect_one_line_error(run("train --model tiny --n-head 5 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), "n_head");
+  expect_one_line_error(run("train --model tiny --n-head 5 --data " + (dir_ / "tok").string() + " --steps 1" + own_out()), {"n_head"});
 }
 
 TEST_F(Cli, ConfigFileUnknownKeyNamesIt) {
   std::ofstream(dir_ / "bad.toml") << "steps = 2\nno_such_key = 3\n";
-  expect_one_line_error(run("train --config " + (dir_ / "bad.toml").string()), "no_such_key");
+  expect_one_line_error(run("train --config " + (dir_ / "bad.toml").string()), {"no_such_key"});
 }
 
 TEST_F(Cli, UnreadableCheckpoint) {
   fs::create_directories(dir_ / "notackpt");
   expect_one_line_error(run("eval --ckpt " + (dir_ / "notackpt").string() + " --data " + (dir_ / "tok_val.bin").string()),
-                        "index.json");
+                        {"index.json"});
 }
 
 TEST_F(Cli, CommandLineWinsOverConfigFile) {
@@ -193,7 +149,7 @@ TEST_F(Cli, ResumeContinuesBitwise) {
 TEST_F(Cli, ResumeRejectsAMismatchedModel) {
   ASSERT_EQ(run(train_args("mm", 2) + " --save-every 2").code, 0);
   expect_one_line_error(run(train_args("mm2", 4) + " --n-embd 32 --resume " + (dir_ / "mm" / "ckpt" / "step_2").string()),
-                        "n_embd");
+                        {"n_embd"});
 }
 
 TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
@@ -267,9 +223,9 @@ TEST_F(Cli, ImportOfAnExportTrainsFromTheSameParameters) {
   EXPECT_EQ(runs[0], runs[1]);
   EXPECT_EQ(runs[0], runs[2]);
   EXPECT_NE(runs[0][0], losses(dir_ / "imp" / "metrics.jsonl")[0]);  // the first step of a fresh run
-  expect_one_line_error(run(train_args("refused", 2) + " --n-embd 32 --init-from " + imported.string()), "n_embd");
+  expect_one_line_error(run(train_args("refused", 2) + " --n-embd 32 --init-from " + imported.string()), {"n_embd"});
   expect_one_line_error(run("ckpt import --format hf --in " + (dir_ / "absent").string() + " --out " + (dir_ / "x").string()),
-                        "absent");
+                        {"absent"});
 }
 
 // A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
@@ -346,9 +302,9 @@ TEST_F(Cli, ModelFromHuggingFaceConfigWithOverrides) {
     "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128})";
   expect_one_line_error(run(base.substr(0, base.find(" --model")) + base.substr(base.find(" --data")) + " --model " +
                             cfg.string() + " --out " + (dir_ / "hf_small_vocab").string()),
-                        "tok_train.bin");
+                        {"tok_train.bin"});
   std::ofstream(cfg) << R"({"model_type": "llama", "hidden_size": 64})";
-  expect_one_line_error(run(train_args("hf2", 1) + " --model " + cfg.string()), "no field 'num_hidden_layers'");
+  expect_one_line_error(run(train_args("hf2", 1) + " --model " + cfg.string()), {"no field 'num_hidden_layers'"});
 }
 
 // `explain` needs no MPI and no data: the plan for 4 ranks, with every category's memory, each
@@ -380,9 +336,9 @@ TEST(CliExplain, RealShapesWithRecomputeWithoutAllocating) {
 }
 
 TEST(CliExplain, BadLayoutIsOneLineNamingTheField) {
-  expect_one_line_error(run("explain --strategy hybrid --ranks 4 --shard-group 3 --model tiny"), "shard-group");
-  expect_one_line_error(run("explain --strategy fsdpp --ranks 2 --model tiny"), "fsdpp");
-  expect_one_line_error(run("explain --strategy ddp --param-dtype bf16 --ranks 2 --model tiny"), "param-dtype");
+  expect_one_line_error(run("explain --strategy hybrid --ranks 4 --shard-group 3 --model tiny"), {"shard-group"});
+  expect_one_line_error(run("explain --strategy fsdpp --ranks 2 --model tiny"), {"fsdpp"});
+  expect_one_line_error(run("explain --strategy ddp --param-dtype bf16 --ranks 2 --model tiny"), {"param-dtype"});
 }
 
 // Nothing outside the accounting: a single process's peak resident memory (GNU time's maximum
@@ -390,18 +346,13 @@ TEST(CliExplain, BadLayoutIsOneLineNamingTheField) {
 // included (no checkpoint saves: their whole-model copies are the checkpoint issue's).
 TEST_F(Cli, MemorySlowResidentMemoryIsTheAccountedPeak) {
   ASSERT_TRUE(fs::exists("/usr/bin/time")) << "GNU time missing: bash scripts/setup.sh installs Debian's time";
-  const char* bin = std::getenv("SHARDLM_BINARY");
-  const std::string cmd = std::string("/usr/bin/time -v ") + bin + " train --model gpt2-124m --vocab 50257 --data " +
-                          (dir_ / "tok").string() + " --out " + (dir_ / "rss").string() +
-                          " --steps 3 --batch 4 --seq 64 --threads 2 --eval-every 0 --eval-windows 8 --sample-tokens 8" +
-                          " --peak-gflops 100 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_TRUE(p);
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  ASSERT_EQ(pclose(p), 0) << out;
+  const Result r = shardlm::testing::run_command("/usr/bin/time -v " + shardlm::testing::shardlm_binary() +
+                                                 " train --model gpt2-124m --vocab 50257 --data " + (dir_ / "tok").string() +
+                                                 " --out " + (dir_ / "rss").string() +
+                                                 " --steps 3 --batch 4 --seq 64 --threads 2 --eval-every 0 --eval-windows 8"
+                                                 " --sample-tokens 8 --peak-gflops 100");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string& out = r.out;
   auto number_after = [&](const std::string& key) {
     const size_t at = out.find(key);
     return at == std::string::npos ? -1.0 : std::stod(out.substr(at + key.size()));

@@ -65,18 +65,14 @@ const char* kMpiEnv = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 class RunSafety : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_safety_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.seed = 5;
+    runs_.warmup = 1;
+    runs_.create("safety");
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { runs_.remove(); }
 
-  static std::string args(const std::string& out, int steps, int batch = 2) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) + " --batch " + std::to_string(batch) +
-           " --seq 32 --threads 1 --seed 5 --warmup 1 --eval-every 0 --eval-windows 2 --sample-tokens 0" +
-           " --peak-gflops 100 --quiet";
-  }
+  static std::string args(const std::string& out, int steps, int batch = 2) { return runs_.args(out, steps, batch); }
   static std::string ckpt(const std::string& out, int step) {
     return (dir_ / out / "ckpt" / ("step_" + std::to_string(step))).string();
   }
@@ -86,6 +82,7 @@ class RunSafety : public ::testing::Test {
     return run_command(std::string(kMpiEnv) + "mpirun --oversubscribe -np 1 " + bin + " " + a + " : -np 1 " + bin +
                        " " + b);
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 

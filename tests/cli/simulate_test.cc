@@ -18,16 +18,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using shardlm::testing::expect_one_line_error;
 using shardlm::testing::Result;
 
 Result shardlm(const std::string& args) { return shardlm::testing::shardlm(args); }
-
-void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
-  EXPECT_NE(r.code, 0) << r.out;
-  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
-  EXPECT_NE(r.out.find("shardlm: error"), std::string::npos) << r.out;
-  for (const auto& n : needles) EXPECT_NE(r.out.find(n), std::string::npos) << "expected '" << n << "' in: " << r.out;
-}
 
 class Simulate : public ::testing::Test {
  protected:

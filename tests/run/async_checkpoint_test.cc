@@ -27,20 +27,15 @@ using testing::step_losses;
 class AsyncCheckpointSlow : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_async_ckpt_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.flags = "--lr 3e-3 --save-every 2 --timeout 60 --strategy fsdp";
+    runs_.create("async_ckpt");
+    dir_ = runs_.dir;
     // The uninterrupted synchronous run every test compares with.
     const Result r = mpirun(2, args("straight", 6));
     ASSERT_EQ(r.code, 0) << r.out;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
-  static std::string args(const std::string& out, int steps) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) +
-           " --batch 2 --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2"
-           " --sample-tokens 0 --peak-gflops 100 --save-every 2 --timeout 60 --quiet --strategy fsdp";
-  }
+  static void TearDownTestSuite() { runs_.remove(); }
+  static std::string args(const std::string& out, int steps) { return runs_.args(out, steps); }
   static fs::path step(const std::string& run, int n) { return dir_ / run / "ckpt" / ("step_" + std::to_string(n)); }
   static std::string latest(const std::string& run) {
     std::ifstream f(dir_ / run / "ckpt" / "latest");
@@ -52,8 +47,8 @@ class AsyncCheckpointSlow : public ::testing::Test {
     std::ifstream f(p, std::ios::binary);
     return {std::istreambuf_iterator<char>(f), {}};
   }
-  // A rank killed by SIGKILL in the middle of writing its file of step 4: only a partial
-  // temporary file of it is on disk, step_4 never appears, latest names step_2; resuming (with
+  // A rank killed by SIGKILL in the middle of writing its file of step 4: only a partial (or
+  // empty) temporary file of it is on disk, step_4 never appears, latest names step_2; resuming (with
   // `resume_flags`) removes the leftover and gives the uninterrupted losses bit for bit.
   static void expect_mid_write_kill_recovers(const std::string& run, const std::string& flags) {
     const Result r = mpirun(2, args(run, 6) + flags, "-x SHARDLM_FAULT_KILL_MID_WRITE=1:4");
@@ -63,8 +58,7 @@ class AsyncCheckpointSlow : public ::testing::Test {
     int partial = 0;
     for (const auto& e : fs::recursive_directory_iterator(dir_ / run / "ckpt"))
       if (e.path().filename() == "rank-00001-of-00002.safetensors.tmp") {
-        ++partial;
-        EXPECT_GT(fs::file_size(e.path()), 0u);
+        ++partial;  // possibly empty: --async-save writes through an 8 MiB block, larger than tiny's file
         EXPECT_LT(fs::file_size(e.path()), fs::file_size(step("straight", 4) / "rank-00001-of-00002.safetensors"));
       }
     EXPECT_EQ(partial, 1) << "no partial rank file: the fault did not strike in the middle of the write";
@@ -75,6 +69,7 @@ class AsyncCheckpointSlow : public ::testing::Test {
       EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
     EXPECT_EQ(step_losses(dir_ / run / "metrics.jsonl"), step_losses(dir_ / "straight" / "metrics.jsonl"));
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 

@@ -24,17 +24,12 @@ using testing::step_losses;
 class CheckpointSlow : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_ckpt_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.flags = "--lr 3e-3 --save-every 2 --timeout 60";
+    runs_.create("ckpt");
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
-  static std::string args(const std::string& out, int steps, int batch = 2) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) + " --batch " + std::to_string(batch) +
-           " --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2 --sample-tokens 0"
-           " --peak-gflops 100 --save-every 2 --timeout 60 --quiet";
-  }
+  static void TearDownTestSuite() { runs_.remove(); }
+  static std::string args(const std::string& out, int steps, int batch = 2) { return runs_.args(out, steps, batch); }
   static std::string step(const std::string& run, int n) { return (dir_ / run / "ckpt" / ("step_" + std::to_string(n))).string(); }
   static std::string latest(const std::string& run) {
     std::ifstream f(dir_ / run / "ckpt" / "latest");
@@ -42,14 +37,9 @@ class CheckpointSlow : public ::testing::Test {
     std::getline(f, s);
     return s;
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
-
-int count_lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n;
-}
 
 // One line naming `file` and saying `what`; for eval (one process) and a resumed training run on
 // two ranks, which must not start (no metrics.jsonl).
@@ -57,7 +47,7 @@ void expect_refused(const std::string& ck, const std::string& file, const std::s
                     const std::string& train_args, const fs::path& train_out) {
   const Result e = shardlm("eval --ckpt " + ck + " --data " + data + " --seq 32 --threads 1");
   EXPECT_NE(e.code, 0) << e.out;
-  EXPECT_EQ(count_lines(e.out), 1) << e.out;
+  EXPECT_EQ(testing::count_lines(e.out), 1) << e.out;
   EXPECT_NE(e.out.find(file), std::string::npos) << e.out;
   EXPECT_NE(e.out.find(what), std::string::npos) << e.out;
   fs::remove_all(train_out);

@@ -43,11 +43,11 @@ void PrintTo(const Layout& l, std::ostream* os) {
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_dist_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.flags = "--lr 3e-3 --eps 1e-6 --save-every 5";
+    runs_.create("dist");
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { runs_.remove(); }
   // 5 steps of the tiny model, saving the parameters at the end. AdamW's eps is 1e-6, not 1e-8:
   // the attention key bias has an exactly zero gradient in exact arithmetic (softmax ignores a
   // constant added to every score of a row), so its fp32 gradient is rounding noise of ~1e-11
@@ -55,9 +55,7 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
   // for a different reduction order. eps = 1e-6 keeps those steps far below the tolerance while
   // leaving every real gradient (>= 1e-4 here) in Adam's normalised regime.
   static std::string args(const std::string& out, int batch, const std::string& model = "tiny") {
-    return "train --model " + model + " --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps 5 --batch " + std::to_string(batch) + " --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eps 1e-6" +
-           " --eval-every 0 --eval-windows 2 --sample-tokens 0 --peak-gflops 100 --save-every 5 --quiet";
+    return runs_.args(out, 5, batch, model);
   }
   // The model and plan configuration args() trains, as the executor sees them.
   static model::ModelDesc tiny(const std::string& model = "tiny") { return model::describe(model::model_preset(model, 256)); }
@@ -69,6 +67,7 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
     pc.seq = 32;
     return pc;
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 
 #include "ckpt/snapshot.h"
 #include "test_util.h"
@@ -22,29 +23,27 @@ using testing::step_losses;
 class SnapshotSlow : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_snap_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.flags = "--lr 3e-3 --timeout 60 --strategy fsdp";
+    runs_.create("snap");
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { runs_.remove(); }
   // Whatever a test's runs left in /dev/shm goes, pass or fail.
   void TearDown() override {
     for (const auto& out : outs_) ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(out) + "-");
   }
+  // The run directory of run NAME, whose segments this test removes.
   std::string out(const std::string& name) {
-    outs_.push_back((dir_ / name).string());
+    outs_.push_back(runs_.out(name).string());
     return outs_.back();
   }
-  static std::string args(const std::string& out, const std::string& extra = "", int steps = 10) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + out + " --steps " + std::to_string(steps) +
-           " --batch 2 --seq 32 --threads 1 --seed 11 --warmup 2 --lr 3e-3 --eval-every 0 --eval-windows 2"
-           " --sample-tokens 0 --peak-gflops 100 --timeout 60 --quiet --strategy fsdp " + extra;
+  static std::string args(const std::string& name, const std::string& extra = "", int steps = 10) {
+    return runs_.args(name, steps) + " " + extra;
   }
   // The uninterrupted run's losses on `ranks` ranks (run once per rank count).
   std::vector<double> straight(int ranks) {
-    const std::string o = out("straight_" + std::to_string(ranks));
+    const std::string name = "straight_" + std::to_string(ranks), o = out(name);
     if (!fs::exists(fs::path(o) / "metrics.jsonl")) {
-      const Result r = mpirun(ranks, args(o));
+      const Result r = mpirun(ranks, args(name));
       EXPECT_EQ(r.code, 0) << r.out;
     }
     return step_losses(fs::path(o) / "metrics.jsonl");
@@ -54,14 +53,30 @@ class SnapshotSlow : public ::testing::Test {
     for (const auto& s : ckpt::list_snapshot_slots(ckpt::snapshot_prefix(out) + "-" + infix, false)) names.push_back(s.name);
     return names;
   }
+  // Rank 1 killed at step 6 of run NAME (snapshots every step, `flags` besides), then every
+  // segment it held removed, as on a lost node: the relaunch continues from the snapshot of
+  // step 6 with the uninterrupted losses, saying it rebuilt rank 1's state `from`.
+  // `check_segments` looks at what the crash left before they are removed.
+  void expect_lost_rank_rebuilt(const std::string& name, int ranks, const std::string& flags, const std::string& from,
+                                const std::function<void(const std::string&)>& check_segments) {
+    const auto want = straight(ranks);
+    const std::string o = out(name);
+    ASSERT_NE(crash(ranks, args(name, "--snapshot-every 1" + flags), 6).code, 0);
+    check_segments(o);
+    ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(o) + "-rank1-");
+    const Result r = mpirun(ranks, args(name, "--snapshot-every 1" + flags + " --resume auto"));
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("snapshot of step 6"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("rank 1's rebuilt from " + from), std::string::npos) << r.out;
+    EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);
+  }
+  // Kills rank 1 at the start of step `k` of a run taking a snapshot every step.
+  static Result crash(int ranks, const std::string& a, int k) {
+    return mpirun(ranks, a, "-x SHARDLM_FAULT_KILL=1:" + std::to_string(k));
+  }
   std::vector<std::string> outs_;
-  static inline fs::path dir_;
+  static inline testing::TinyRuns runs_;
 };
-
-// Kills rank 1 at the start of step `k` of a run taking a snapshot every step.
-Result crash(int ranks, const std::string& a, int k) {
-  return mpirun(ranks, a, "-x SHARDLM_FAULT_KILL=1:" + std::to_string(k));
-}
 
 void flip_byte(const std::string& segment, int64_t at) {
   std::fstream f("/dev/shm/" + segment, std::ios::in | std::ios::out | std::ios::binary);
@@ -79,13 +94,13 @@ void flip_byte(const std::string& segment, int64_t at) {
 TEST_F(SnapshotSlow, ResumeFromSnapshotGivesTheUninterruptedLossesBitwise) {
   const auto want = straight(2);
   const std::string o = out("five");
-  ASSERT_NE(mpirun(2, args(o, "--snapshot-every 5"), "-x SHARDLM_FAULT_KILL=0:5").code, 0);
+  ASSERT_NE(mpirun(2, args("five", "--snapshot-every 5"), "-x SHARDLM_FAULT_KILL=0:5").code, 0);
   EXPECT_EQ(segments(o, "rank0-own").size(), 2u);
   const Result listed = testing::shardlm("ckpt snapshots --out " + o);  // what it holds, verified
   EXPECT_NE(listed.out.find(ckpt::snapshot_prefix(o) + "-rank1-own-slot"), std::string::npos) << listed.out;
   EXPECT_NE(listed.out.find("step 5  world 2"), std::string::npos) << listed.out;
   EXPECT_EQ(listed.out.find("mismatch"), std::string::npos) << listed.out;
-  const Result r = mpirun(2, args(o, "--snapshot-every 5 --resume auto"));
+  const Result r = mpirun(2, args("five", "--snapshot-every 5 --resume auto"));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("took the in-memory snapshot of step 5"), std::string::npos) << r.out;
   EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);  // exact
@@ -95,8 +110,8 @@ TEST_F(SnapshotSlow, ResumeFromSnapshotGivesTheUninterruptedLossesBitwise) {
 // `ckpt snapshots --clear` removes a run's segments (and only that run's).
 TEST_F(SnapshotSlow, CkptSnapshotsClearRemovesTheRunsSegments) {
   const std::string a = out("clear_a"), b = out("clear_b");
-  ASSERT_NE(mpirun(2, args(a, "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
-  ASSERT_NE(mpirun(2, args(b, "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
+  ASSERT_NE(mpirun(2, args("clear_a", "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
+  ASSERT_NE(mpirun(2, args("clear_b", "--snapshot-every 1"), "-x SHARDLM_FAULT_KILL=0:2").code, 0);
   ASSERT_EQ(segments(a).size(), 8u);
   const Result r = testing::shardlm("ckpt snapshots --clear --out " + a);
   EXPECT_EQ(r.code, 0) << r.out;
@@ -109,9 +124,9 @@ TEST_F(SnapshotSlow, CkptSnapshotsClearRemovesTheRunsSegments) {
 // metrics.jsonl shows it: partner copies on 2 ranks, parity on 4 (the parity holders hold most).
 TEST_F(SnapshotSlow, SnapshotMemoryIsThePlansFigure) {
   for (const auto& [ranks, parity] : {std::pair{2, 0}, {4, 2}}) {
-    const std::string o = out("mem_" + std::to_string(ranks));
+    const std::string name = "mem_" + std::to_string(ranks), o = out(name);
     const std::string flags = " --snapshot-every 1 --snapshot-parity " + std::to_string(parity);
-    const Result r = mpirun(ranks, args(o, "--vocab 256" + flags, 3));
+    const Result r = mpirun(ranks, args(name, "--vocab 256" + flags, 3));
     ASSERT_EQ(r.code, 0) << r.out;
     const Result e = testing::shardlm("explain --model tiny --vocab 256 --batch 2 --seq 32 --threads 1 --strategy fsdp --ranks " +
                                       std::to_string(ranks) + flags);
@@ -135,9 +150,9 @@ TEST_F(SnapshotSlow, SnapshotMemoryIsThePlansFigure) {
 TEST_F(SnapshotSlow, ARankKilledMidRunResumesFromTheLastSnapshot) {
   for (int ranks : {2, 4}) {
     const auto want = straight(ranks);
-    const std::string o = out("kill_" + std::to_string(ranks));
-    ASSERT_NE(crash(ranks, args(o, "--snapshot-every 1"), 6).code, 0);
-    const Result r = mpirun(ranks, args(o, "--snapshot-every 1 --resume auto"));
+    const std::string name = "kill_" + std::to_string(ranks), o = out(name);
+    ASSERT_NE(crash(ranks, args(name, "--snapshot-every 1"), 6).code, 0);
+    const Result r = mpirun(ranks, args(name, "--snapshot-every 1 --resume auto"));
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_NE(r.out.find("took the in-memory snapshot of step 6"), std::string::npos) << r.out;
     EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want) << ranks << " ranks";
@@ -147,33 +162,19 @@ TEST_F(SnapshotSlow, ARankKilledMidRunResumesFromTheLastSnapshot) {
 // A lost node: every segment rank 1 held is gone before the relaunch. Its state comes back from
 // rank 0's copy of it.
 TEST_F(SnapshotSlow, ALostRanksSnapshotIsRebuiltFromItsPartnerCopy) {
-  const auto want = straight(2);
-  const std::string o = out("partner");
-  ASSERT_NE(crash(2, args(o, "--snapshot-every 1"), 6).code, 0);
-  ASSERT_EQ(segments(o, "rank1-").size(), 4u);  // own and rank 0's copy, two slots each
-  ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(o) + "-rank1-");
-  const Result r = mpirun(2, args(o, "--snapshot-every 1 --resume auto"));
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("snapshot of step 6"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("rank 1's rebuilt from its partner copy"), std::string::npos) << r.out;
-  EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);
+  expect_lost_rank_rebuilt("partner", 2, "", "its partner copy", [](const std::string& o) {
+    ASSERT_EQ(segments(o, "rank1-").size(), 4u);  // own and rank 0's copy, two slots each
+  });
 }
 
 // N = 4, --snapshot-parity 2: groups {0,1} and {2,3}, parities held by ranks 2 and 0. Rank 1's
 // segments are gone; its state is parity(0,1) XOR rank 0's.
 TEST_F(SnapshotSlow, ALostRanksSnapshotIsRebuiltFromParity) {
-  const auto want = straight(4);
-  const std::string o = out("parity");
-  ASSERT_NE(crash(4, args(o, "--snapshot-every 1 --snapshot-parity 2"), 6).code, 0);
-  EXPECT_EQ(segments(o, "rank2-parity0").size(), 2u);
-  EXPECT_EQ(segments(o, "rank0-parity1").size(), 2u);
-  EXPECT_TRUE(segments(o, "rank1-copy").empty()) << "parity keeps no copies";
-  ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(o) + "-rank1-");
-  const Result r = mpirun(4, args(o, "--snapshot-every 1 --snapshot-parity 2 --resume auto"));
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("snapshot of step 6"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("rank 1's rebuilt from its group's parity"), std::string::npos) << r.out;
-  EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);
+  expect_lost_rank_rebuilt("parity", 4, " --snapshot-parity 2", "its group's parity", [](const std::string& o) {
+    EXPECT_EQ(segments(o, "rank2-parity0").size(), 2u);
+    EXPECT_EQ(segments(o, "rank0-parity1").size(), 2u);
+    EXPECT_TRUE(segments(o, "rank1-copy").empty()) << "parity keeps no copies";
+  });
 }
 
 // One byte of rank 1's state flipped in both its slots: detected, never used; the relaunch takes
@@ -181,11 +182,11 @@ TEST_F(SnapshotSlow, ALostRanksSnapshotIsRebuiltFromParity) {
 TEST_F(SnapshotSlow, AFlippedByteIsDetectedAndTheDiskCheckpointIsUsed) {
   const auto want = straight(2);
   const std::string o = out("flip");
-  ASSERT_NE(crash(2, args(o, "--snapshot-every 1 --save-every 3"), 7).code, 0);
+  ASSERT_NE(crash(2, args("flip", "--snapshot-every 1 --save-every 3"), 7).code, 0);
   const auto own = segments(o, "rank1-own");
   ASSERT_EQ(own.size(), 2u);
   for (const auto& s : own) flip_byte(s, ckpt::kSnapshotHeaderBytes + 1000);
-  const Result r = mpirun(2, args(o, "--snapshot-every 1 --save-every 3 --resume auto"));
+  const Result r = mpirun(2, args("flip", "--snapshot-every 1 --save-every 3 --resume auto"));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("payload checksum mismatch"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("took the checkpoint " + o + "/ckpt/step_6"), std::string::npos) << r.out;

@@ -29,16 +29,12 @@ const char* kMpiEnv = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 class StopTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("shardlm_stop_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    testing::make_corpus(dir_);
+    runs_.seed = 3;
+    runs_.create("stop");
+    dir_ = runs_.dir;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
-  static std::string args(const std::string& out, int steps) {
-    return "train --model tiny --data " + (dir_ / "tok").string() + " --out " + (dir_ / out).string() +
-           " --steps " + std::to_string(steps) + " --batch 2 --seq 32 --threads 1 --seed 3 --warmup 2" +
-           " --eval-every 0 --eval-windows 2 --sample-tokens 0 --peak-gflops 100 --quiet";
-  }
+  static void TearDownTestSuite() { runs_.remove(); }
+  static std::string args(const std::string& out, int steps) { return runs_.args(out, steps); }
   // The step rows of a run's metrics.jsonl (every line must parse).
   static std::vector<nlohmann::json> steps_of(const std::string& out) {
     std::vector<nlohmann::json> rows;
@@ -62,6 +58,7 @@ class StopTest : public ::testing::Test {
     std::sort(steps.begin(), steps.end());
     return steps;
   }
+  static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
 

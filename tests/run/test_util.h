@@ -1,11 +1,16 @@
 // Helpers for tests that run the shardlm executable, alone or under mpirun.
 #pragma once
 
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -67,14 +72,64 @@ inline std::vector<double> step_losses(const std::filesystem::path& metrics) {
   return out;
 }
 
-// A small byte-level corpus tokenized into DIR/tok_{train,val}.bin.
-inline void make_corpus(const std::filesystem::path& dir) {
+// A small byte-level corpus tokenized into DIR/tok_{train,val}.bin: 400 lines, each `line`
+// followed by its number times `stride`. Returns the tokenizer's result.
+inline Result make_corpus(const std::filesystem::path& dir,
+                          const std::string& line = "And God said, Let there be light: and there was light. ",
+                          int stride = 7) {
   std::filesystem::create_directories(dir);
   std::ofstream text(dir / "corpus.txt");
-  for (int i = 0; i < 400; ++i) text << "And God said, Let there be light: and there was light. " << i * 7 << "\n";
+  for (int i = 0; i < 400; ++i) text << line << i * stride << "\n";
   text.close();
-  run_command(shardlm_binary() + " tokenize --tokenizer bytes --in " + (dir / "corpus.txt").string() + " --out " +
-              (dir / "tok").string());
+  return run_command(shardlm_binary() + " tokenize --tokenizer bytes --in " + (dir / "corpus.txt").string() +
+                     " --out " + (dir / "tok").string());
+}
+
+// The short `train` runs of one test suite: a directory of this process's holding a small corpus
+// (make_corpus), and the command lines of runs on it whose run directories lie in it. The fields
+// are what every run of the suite shares; `flags` the rest of it (--lr, --save-every,
+// --strategy, --timeout ...). Flags appended to args() come after all of these and win.
+struct TinyRuns {
+  int seed = 11;
+  int warmup = 2;
+  int threads = 1;
+  int eval_windows = 2;
+  int sample_tokens = 0;
+  std::string flags;
+  std::filesystem::path dir;  // set by create()
+
+  // DIR = <temp>/shardlm_<name>_<pid>, made afresh; the corpus written into it is make_corpus's
+  // with `line` and `stride` where given.
+  Result create(const std::string& name, const std::string& line = "", int stride = 7) {
+    dir = std::filesystem::temp_directory_path() / ("shardlm_" + name + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    return line.empty() ? make_corpus(dir) : make_corpus(dir, line, stride);
+  }
+  void remove() const { std::filesystem::remove_all(dir); }
+  std::filesystem::path out(const std::string& run) const { return dir / run; }
+  std::string data() const { return (dir / "tok").string(); }
+  // `train` of `steps` steps of `model`, `batch` sequences of 32 tokens per rank, into DIR/RUN.
+  std::string args(const std::string& run, int steps, int batch = 2, const std::string& model = "tiny") const {
+    return "train --model " + model + " --data " + data() + " --out " + out(run).string() + " --steps " +
+           std::to_string(steps) + " --batch " + std::to_string(batch) + " --seq 32 --threads " +
+           std::to_string(threads) + " --seed " + std::to_string(seed) + " --warmup " + std::to_string(warmup) +
+           " --eval-every 0 --eval-windows " + std::to_string(eval_windows) + " --sample-tokens " +
+           std::to_string(sample_tokens) + " --peak-gflops 100 --quiet" + (flags.empty() ? "" : " " + flags);
+  }
+};
+
+// The text of the corpus the cli tests train on (make_corpus's `line`, stride 1).
+inline constexpr const char* kGenesisLine = "In the beginning God created the heaven and the earth. ";
+
+inline int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+// Refused: a non-zero exit and exactly one line, "shardlm: error: ..." holding every needle.
+inline void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count_lines(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("shardlm: error"), std::string::npos) << r.out;
+  for (const auto& needle : needles)
+    EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
 }
 
 }  // namespace shardlm::testing

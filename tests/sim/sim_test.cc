@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -174,6 +175,20 @@ TEST(Simulator, OneRankIsItsComputeTime) {
   EXPECT_NEAR(r.tokens_per_s, tokens / (r.step_ms * 1e-3), 1e-6);
 }
 
+// More compute threads on a node than the profile's cores time-slice them: 4 ranks × 1 thread on
+// cpu-local's 2 cores compute each rank's (equal) micro-batch in twice the time of 2 ranks × 1;
+// a profile that does not give its cores (the GPU presets) sees no such slowdown.
+TEST(Simulator, OversubscribedCoresSlowEachRanksCompute) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("cpu-local");
+  ASSERT_EQ(hw.cores_per_node, 2);
+  const Plan two = small_plan(Strategy::ddp, 2), four = small_plan(Strategy::ddp, 4);
+  EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, 2 * simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
+  hw.cores_per_node = 0;
+  EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
+  EXPECT_EQ(preset("h100-80gb").cores_per_node, 0);
+}
+
 // Memory is the plan's: the figures `explain` prints, and the simulated timeline of the same
 // buffers never holds more.
 TEST(Simulator, MemoryIsThePlans) {
@@ -253,6 +268,40 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
   }
   for (size_t i = 1; i < s.fitting.size(); ++i) EXPECT_LE(s.fitting[i - 1].step_ms, s.fitting[i].step_ms);
   EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
+}
+
+// Selective unsharding under a budget that holds some units gathered but not all: the refined
+// plan fits, is faster than where it started, and no unit left out could be kept as well.
+TEST(Planner, KeepsGatheredWhatSavesMostPerByteWithinTheBudget) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
+  const HardwareProfile hw = preset("h100-80gb");
+  PlanQuery q;
+  q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
+  PlanConfig c = for_hardware(PlanConfig{}, hw);
+  c.world = 16, c.batch = 1, c.seq = 1024;
+  auto candidate = [&](const PlanConfig& pc) {
+    const SimResult r = simulate_config(desc, pc, hw, q.threads);
+    return Candidate{pc, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(pc)};
+  };
+  const Candidate none = candidate(c);
+  PlanConfig all_cfg = c;
+  all_cfg.keep_gathered = {"all"};
+  const Candidate all = candidate(all_cfg);
+  ASSERT_LT(all.step_ms, none.step_ms) << "keeping gathered must pay on this profile for the test to mean anything";
+  q.memory_budget = (none.peak_bytes + all.peak_bytes) / 2;
+  const Candidate k = keep_greedily(desc, hw, q, none);
+  EXPECT_LE(k.peak_bytes, q.memory_budget);
+  EXPECT_LT(k.step_ms, none.step_ms);
+  ASSERT_FALSE(k.config.keep_gathered.empty());
+  EXPECT_LT(k.config.keep_gathered.size(), desc.units.size());
+  EXPECT_EQ(plan::build_plan(desc, k.config).peak_memory().total, k.peak_bytes);
+  for (const auto& unit : desc.units) {
+    if (std::find(k.config.keep_gathered.begin(), k.config.keep_gathered.end(), unit.name) != k.config.keep_gathered.end()) continue;
+    PlanConfig more = k.config;
+    more.keep_gathered.push_back(unit.name);
+    const Candidate m = candidate(more);
+    EXPECT_FALSE(m.step_ms < k.step_ms && m.peak_bytes <= q.memory_budget) << unit.name << " could have been kept too";
+  }
 }
 
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {

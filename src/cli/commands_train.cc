@@ -1,0 +1,115 @@
+// `shardlm train | eval | generate | explain`.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <fmt/format.h>
+#include <iostream>
+#include <memory>
+
+#include "ckpt/sharded.h"
+#include "cli/subcommands.h"
+#include "comm/single_rank.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu.h"
+#include "run/executor.h"
+#include "train/agreement.h"
+#include "train/checkpoint.h"
+#include "train/evaluate.h"
+#include "train/memory_check.h"
+#include "train/snapshots.h"
+#include "train/trainer.h"
+
+namespace shardlm::cli {
+
+namespace {
+
+// A checkpoint's model on one process under a forward-only plan of (B, T): what eval and
+// generate run on.
+struct LoadedModel {
+  model::ModelDesc desc;
+  plan::Plan plan;
+  std::unique_ptr<comm::Communicator> world;
+  std::unique_ptr<run::CommGroups> comms;
+  std::unique_ptr<run::Executor> ex;
+  train::RunState state;
+};
+
+std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int threads, plan::PlanConfig::Mode mode,
+                                        int64_t B, int64_t T) {
+  auto m = std::make_unique<LoadedModel>();
+  const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
+  m->state = train::read_model_state(ckpt_dir);
+  if (T > m->desc.config.max_seq)
+    throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
+  plan::PlanConfig pc;
+  pc.mode = mode;
+  pc.batch = B;
+  pc.seq = T;
+  pc.threads = threads;
+  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false);
+  m->world = std::make_unique<comm::SingleRankCommunicator>();
+  m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
+  m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));
+  train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
+                         nullptr);
+  return m;
+}
+
+}  // namespace
+
+// Training may span ranks: errors name the rank, and a failing rank ends the whole job
+// (on_world). A failure every rank knows of (AgreedFailure) is one line from rank 0, and every
+// rank finalizes instead of aborting.
+int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
+  return on_world([&](comm::Communicator& world) {
+    try {
+      auto summary = train::run_training(tc, world);
+      if (summary.exit_code != 0) {  // every rank stopped at the same step for the same reason
+        if (world.rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";
+        return summary.exit_code;
+      }
+      if (!summary.sample.empty()) {
+        auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
+        fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
+      }
+      return 0;
+    } catch (const train::AgreedFailure& e) {
+      if (e.report()) std::cerr << "shardlm: error: " << e.what() << "\n";
+      return 1;
+    }
+  });
+}
+
+void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch, int64_t seq, int threads) {
+  kernels::init_compute(threads);
+  auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, batch, seq);
+  data::TokenShard shard(tokens);
+  shard.validate_tokens(static_cast<int32_t>(std::min<int64_t>(m->desc.config.vocab_size, 1 << 30)));
+  const double loss = train::evaluate(*m->ex, m->desc, m->plan.config, shard, batch, seq, 0, 0);
+  // Finite weights can still overflow (a run that diverged): a NaN is no measurement.
+  if (!std::isfinite(loss))
+    throw std::runtime_error(fmt::format("eval: {}: the mean loss over {} is not finite ({})", ckpt, tokens, loss));
+  fmt::print("{:.6f}\n", loss);
+}
+
+void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, int threads,
+                  const std::string& data_dir) {
+  kernels::init_compute(threads);
+  auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
+  auto tok = data::make_tokenizer(m->state.tokenizer, data_dir);
+  sc.vocab_limit = tok->vocab_size();
+  const auto ids = train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt),
+                                   tok->eot() >= 0 ? tok->eot() : '\n', sc);
+  fmt::print("{}{}\n", prompt, tok->decode(ids));
+}
+
+void run_explain(train::TrainConfig cfg, int ranks) {
+  cfg.data = "-";  // explain reads no data
+  cfg.validate();
+  const model::ModelConfig mc = cfg.model_config(50257);
+  const model::ModelDesc desc = model::describe(mc);
+  std::cout << train::with_snapshot_memory(plan::build_plan(desc, train::plan_config(cfg, ranks)), cfg).to_text(desc);
+}
+
+}  // namespace shardlm::cli

@@ -1,0 +1,66 @@
+// Internal to cli/: the subcommands as commands.cc's dispatcher calls them, one file per group
+// (commands_train.cc: train, eval, generate, explain; commands_sim.cc: simulate, calibrate,
+// plan; commands_ckpt.cc: ckpt). Each returns the process exit code or throws; the dispatcher
+// turns an exception into one "shardlm: error: ..." line.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "comm/communicator.h"
+#include "run/calibrate.h"
+#include "train/config.h"
+#include "train/evaluate.h"
+
+namespace shardlm::cli {
+
+// Runs `body` on this process's world communicator (MPI under mpirun, else a world of one) and
+// returns its exit code. A failure ends the whole job: one line, naming the rank when there are
+// several, then an MPI abort so that no rank waits forever for the failed one. MPI is finalized
+// whichever way the body ends.
+int on_world(const std::function<int(comm::Communicator&)>& body);
+
+// commands_train.cc
+int run_train(const train::TrainConfig& tc, const std::string& data_dir);
+// `eval`: the checkpoint's mean loss over a token file, printed.
+void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch, int64_t seq, int threads);
+// `generate`: the prompt and its continuation, printed.
+void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, int threads,
+                  const std::string& data_dir);
+// `explain`: the plan of one step of `cfg` on `ranks` ranks, printed.
+void run_explain(train::TrainConfig cfg, int ranks);
+
+// commands_sim.cc
+struct SimulateArgs {
+  train::TrainConfig cfg;
+  int ranks = 1;
+  std::string hardware = "cpu-local", trace;
+  bool json = false;
+};
+void run_simulate(SimulateArgs& a);
+int run_calibrate(const run::CalibrateOptions& co, const std::string& out);
+struct PlanArgs {
+  train::TrainConfig cfg;
+  int ranks = 1, top = 10;
+  int64_t global_batch = 0;
+  double memory = -1;  // bytes per rank; unset: the profile's device memory
+  std::string hardware = "cpu-local";
+  bool run = false, overwrite = false, talk = true;
+  std::string data, out = "runs/plan";
+  int64_t run_steps = 6;
+};
+int run_plan(PlanArgs& a);
+
+// commands_ckpt.cc
+// `shardlm ckpt export | import | info`: checkpoints as files, on one process.
+struct CkptCommands {
+  CLI::App *ckpt = nullptr, *export_cmd = nullptr, *import_cmd = nullptr, *info_cmd = nullptr, *snapshots_cmd = nullptr;
+  std::string dir, out, format = "hf", dtype = "fp32", max_shard_size = "5GB", run;
+  bool clear = false;
+};
+void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir);
+int run_ckpt(const CkptCommands& c, const std::string& data_dir);
+
+}  // namespace shardlm::cli

@@ -1,0 +1,236 @@
+#include "train/run_state_io.h"
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fmt/format.h>
+#include <functional>
+#include <stdexcept>
+#include <unistd.h>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/hf_import.h"
+#include "ckpt/sharded.h"
+#include "train/agreement.h"
+#include "train/snapshots.h"
+
+namespace shardlm::train {
+
+using nlohmann::json;
+
+namespace {
+
+// Runs fn on every rank and tells every rank whether any threw: each failing rank reports its
+// own line, and every rank throws AgreedFailure, so none waits for another that gave up.
+void every_rank_or_all_fail(Session& s, const std::function<void()>& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "failed";
+  }
+  const int64_t mine = error.empty() ? 0 : 1;
+  std::vector<int64_t> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint agreement")->wait(s.timeout);
+  if (std::find(all.begin(), all.end(), 1) != all.end()) throw AgreedFailure(error, !error.empty());
+}
+
+ckpt::RankBuffers rank_buffers(Session& s) {
+  using St = run::Executor::State;
+  return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
+}
+
+// Each rank verifies every N-th file of the sharded checkpoint `dir` (size, checksum, header
+// against the index) and reads only its own element ranges into the buffers `bufs` names.
+void load_sharded(Session& s, const std::string& dir, const ckpt::RankBuffers& bufs, bool optimizer) {
+  every_rank_or_all_fail(s, [&] {
+    const json index = ckpt::read_index(dir);
+    for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
+    ckpt::check_index_against_model(dir, index, s.desc, optimizer);
+    ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, bufs);
+  });
+}
+
+// What index.json records besides the tensors: state.json's fields, the model and the plan.
+json index_meta(Session& s) {
+  json config = ckpt::to_hf_config(s.desc.config);
+  config["shardlm_tokenizer"] = s.state.tokenizer;
+  return {{"format", "shardlm-sharded-1"},
+          {"step", s.state.step},
+          {"optimizer", {{"adamw_step", s.state.adam_step}}},
+          {"tokenizer", s.state.tokenizer},
+          // Batches are a pure function of (seed, step), so the step is the data position.
+          {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", s.state.step}}},
+          {"rng", {{"seed", s.state.seed}}},
+          {"run", s.state.run},
+          {"schedule",
+           {{"lr", s.cfg.lr}, {"min_lr", s.cfg.min_lr}, {"warmup_steps", s.cfg.warmup}, {"total_steps", s.cfg.steps}}},
+          {"strategy", plan::to_string(s.plan.config.strategy)},
+          {"config", config}};
+}
+
+// Test-only fault points, each RANK:STEP, in the save of checkpoint STEP on that rank.
+bool fault_at(const char* var, const Session& s, int64_t step) {
+  const char* v = std::getenv(var);
+  int rank = -1;
+  long long at = -1;
+  return v && std::sscanf(v, "%d:%lld", &rank, &at) == 2 && rank == s.rank && at == step;
+}
+
+// In the write of the rank file (on the writing thread under --async-save):
+// SHARDLM_FAULT_KILL_MID_WRITE: SIGKILL once half the file's bytes are written (a partial
+// temporary file stays on disk); SHARDLM_FAULT_FAIL_WRITE: the write fails, as a full disk would.
+ckpt::SafetensorsWriter::Progress write_faults(const Session& s, int64_t step) {
+  const bool kill = fault_at("SHARDLM_FAULT_KILL_MID_WRITE", s, step), fail = fault_at("SHARDLM_FAULT_FAIL_WRITE", s, step);
+  if (!kill && !fail) return {};
+  return [kill](const void*, size_t, uint64_t written, uint64_t total) {
+    if (2 * written < total) return;
+    if (kill) std::raise(SIGKILL);
+    throw std::runtime_error("checkpoint: write failed: injected by SHARDLM_FAULT_FAIL_WRITE");
+  };
+}
+
+std::string pending_tmp(const Session& s) {
+  return checkpoint_dir(s.cfg.out, s.pending->step) + ".tmp-" + std::to_string(s.lead_pid);
+}
+
+// Every rank's file of the pending save is durable (this rank's: `mine`). The all-gather of the
+// files' sizes and checksums is the barrier after which all are; then rank 0 writes index.json,
+// moves the directory into place and only then points ckpt/latest at it.
+// SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP (test-only) kills that rank by SIGKILL before the barrier.
+void commit_save(Session& s, const ckpt::FileSummary& mine) {
+  if (fault_at("SHARDLM_FAULT_KILL_IN_SAVE", s, s.pending->step)) std::raise(SIGKILL);
+  std::vector<ckpt::FileSummary> files(s.N);
+  static_assert(sizeof(ckpt::FileSummary) == 16);
+  s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);
+  const std::string step_dir = checkpoint_dir(s.cfg.out, s.pending->step), tmp = pending_tmp(s);
+  const PendingSave p = *std::exchange(s.pending, std::nullopt);
+  on_lead_or_all_fail(s.world, s.timeout, [&] {
+    const json index = ckpt::make_index(s.desc, sharded_layout(s.plan, s.N), files, p.meta);
+    ckpt::commit_step(tmp, step_dir, index, index["config"]);
+    ckpt::keep_last(s.cfg.out + "/ckpt", s.cfg.keep_last);
+  });
+  if (s.talk) {
+    uint64_t most = 0, total = 0;
+    for (const auto& f : files) most = std::max(most, f.bytes), total += f.bytes;
+    fmt::print("checkpoint {}: {:.1f} MB in {} file(s), at most {:.1f} MB per rank, {:.0f} ms{}\n", step_dir, total / 1e6,
+               s.N, most / 1e6, ms_since(p.t0),
+               s.writer ? fmt::format(" (written in the background: training paused {:.0f} ms to stage it, waited {:.0f} ms "
+                                      "for the write)", p.paused_ms, p.waited_ms)
+                        : "");
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+// Loads a checkpoint into the executor's state. Sharded: load_sharded. A whole
+// (older) checkpoint is read whole on every rank. That the checkpoint's run is this run,
+// start_up() checked.
+void resume(Session& s) {
+  const std::string& dir = s.cfg.resume;
+  s.state = read_checkpoint_state(dir);
+  if (ckpt::is_sharded(dir)) {
+    const auto t0 = Clock::now();
+    load_sharded(s, dir, rank_buffers(s), true);
+    if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
+    return;
+  }
+  Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
+      v(MemCategory::comm, p.bytes());
+  load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
+  s.ex.load_full(run::Executor::State::params, p.f32());
+  s.ex.load_full(run::Executor::State::exp_avg, m.f32());
+  s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
+}
+
+// --init-from: parameters only; the moments stay as the executor allocated them (zero). A sharded
+// checkpoint is read as a resume reads it, each rank its own ranges; a Hugging Face directory is
+// read whole on every rank.
+void init_from(Session& s) {
+  const std::string& dir = s.cfg.init_from;
+  const auto t0 = Clock::now();
+  if (ckpt::is_sharded(dir)) {
+    load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
+  } else {
+    every_rank_or_all_fail(s, [&] {
+      Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
+      ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
+      s.ex.load_full(run::Executor::State::params, p.f32());
+    });
+  }
+  if (s.talk) fmt::print("parameters from {} in {:.0f} ms\n", dir, ms_since(t0));
+}
+
+// Every rank's state from the in-memory snapshot --resume auto chose (its own slot, or rebuilt
+// from a partner's copy or its group's parity).
+void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
+  const auto t0 = Clock::now();
+  s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  s.state = snapshot_state(chosen.meta);
+  if (s.talk) fmt::print("resumed from the in-memory snapshot of step {} in {:.0f} ms\n", s.state.step, ms_since(t0));
+}
+
+// Every rank's state into shared memory, with its partner copy or parity (collective).
+void take_snapshot(Session& s) {
+  const auto t0 = Clock::now();
+  json meta = index_meta(s);
+  meta["layout"] = snapshot_layout(s.plan, s.desc);
+  s.snapshots->save(s.state.step, meta, snapshot_parts(s.ex, s.plan));
+  if (s.talk) {
+    fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
+               (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
+    std::fflush(stdout);
+  }
+}
+
+// --async-save: a pending save commits once every rank's file is written — now, or with `wait`
+// after this rank's write has ended. Collective (a save is pending on every rank alike); a failed
+// write ends every rank, the failing one reporting its line.
+void settle_save(Session& s, bool wait) {
+  using W = ckpt::AsyncRankWriter::State;
+  if (!s.writer || !s.pending) return;
+  const auto t0 = Clock::now();
+  if (wait) s.writer->wait();
+  s.pending->waited_ms += ms_since(t0);
+  const int64_t mine = static_cast<int64_t>(s.writer->state());
+  std::vector<int64_t> all(s.N);
+  s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint write state")->wait(s.timeout);
+  if (std::count(all.begin(), all.end(), int64_t(W::failed)) > 0) {
+    const bool me = mine == int64_t(W::failed);
+    throw AgreedFailure(me ? s.writer->take_error() : "another rank's checkpoint write failed", me);
+  }
+  if (std::count(all.begin(), all.end(), int64_t(W::written)) == s.N) commit_save(s, s.writer->take_result());
+}
+
+// Every rank writes its own shard into DIR/ckpt/step_N.tmp-<rank 0's pid> (temporary name,
+// fsync, rename) and commit_save() follows; with --async-save a background thread writes a
+// staging copy while the steps go on, and settle_save() commits. One save at a time.
+void save(Session& s) {
+  settle_save(s, true);
+  const auto t0 = Clock::now();
+  if (s.lead_pid < 0) {
+    const int64_t mine = ::getpid();
+    std::vector<int64_t> all(s.N);
+    s.world.all_gather(&mine, all.data(), 2, DType::fp32, "checkpoint pid")->wait(s.timeout);
+    s.lead_pid = all[0];
+  }
+  s.pending = PendingSave{s.state.step, index_meta(s), Clock::now()};
+  ckpt::FileSummary mine;
+  every_rank_or_all_fail(s, [&] {
+    const std::string tmp = pending_tmp(s);
+    std::filesystem::create_directories(tmp);
+    // Paced over half the steps until the next save: the write then ends well before that save
+    // would have to wait for it.
+    const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.5 * s.cfg.save_every * s.last_step_ms));
+    if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step), spread);
+    else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
+  });
+  s.pending->paused_ms = ms_since(t0);
+  if (!s.writer) commit_save(s, mine);
+}
+
+}  // namespace shardlm::train

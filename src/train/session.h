@@ -1,0 +1,67 @@
+// Internal to the trainer: one rank's run as trainer.cc and run_state_io.cc share it (the
+// Session), and the clock both time their work with. Not an interface for other parts.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "ckpt/async_writer.h"
+#include "ckpt/snapshot.h"
+#include "comm/communicator.h"
+#include "data/shard.h"
+#include "model/model.h"
+#include "plan/plan.h"
+#include "run/executor.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/run_dir.h"
+#include "train/trainer.h"
+
+namespace shardlm::train {
+
+using Clock = std::chrono::steady_clock;
+
+inline double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// A save whose rank files are being written (--async-save) or have just been: what its commit
+// needs.
+struct PendingSave {
+  int64_t step = 0;
+  nlohmann::json meta;  // index.json's run state, as it was when the state was copied
+  Clock::time_point t0;
+  double paused_ms = 0;  // the training thread's time in save() (all of it when synchronous)
+  double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
+};
+
+// Everything one rank's run holds: data, model, plan, communicators, executor.
+struct Session {
+  const TrainConfig& cfg;
+  comm::Communicator& world;
+  int rank, N;
+  bool lead, talk;
+  std::chrono::milliseconds timeout;
+  DataMeta meta;
+  data::TokenShard train_data, val_data;
+  model::ModelDesc desc;
+  RunState state;
+  plan::Plan plan;
+  run::CommGroups comms;
+  run::Executor ex;
+  CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
+  int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
+  std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
+  std::optional<PendingSave> pending;
+  double last_step_ms = 0;  // paces --async-save's writer
+  // --async-save: the background writer and its staging copy (declared last: it joins its
+  // thread before the model it writes goes away).
+  std::unique_ptr<ckpt::AsyncRankWriter> writer;
+
+  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m);
+};
+
+}  // namespace shardlm::train
