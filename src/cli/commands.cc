@@ -101,6 +101,9 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--keep-gathered", c.keep_gathered,
                   "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm)")
       ->capture_default_str();
+  cmd->add_option("--gather-bucket-mb", c.gather_bucket_mb,
+                  "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")
+      ->capture_default_str();
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();

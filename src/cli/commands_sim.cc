@@ -71,6 +71,7 @@ train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c)
   tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
   tc.max_gathers_in_flight = c.max_gathers_in_flight;
   tc.bucket_mb = c.bucket_mb;
+  tc.gather_bucket_mb = c.gather_bucket_mb;
   tc.param_dtype = c.param_bytes == 2 ? "bf16" : "fp32";
   tc.reduce_dtype = c.reduce_bytes == 2 ? "bf16" : "fp32";
   tc.data = a.data, tc.out = a.out, tc.overwrite = a.overwrite;

@@ -1,6 +1,7 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 
@@ -74,7 +75,7 @@ std::string Task::name(const model::ModelDesc* desc) const {
       s += std::to_string(u);
     }
   };
-  if (op == Op::all_reduce && first_unit >= 0) {
+  if ((op == Op::all_reduce || op == Op::all_gather) && first_unit >= 0) {
     add_unit(first_unit);
     s += "..";
     add_unit(last_unit);
@@ -160,6 +161,36 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
   return peak;
 }
 
+// --gather-bucket-mb: which units share an all_gather, and what that costs in memory against
+// the same plan with one all_gather per unit.
+void gather_buckets_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
+  if (plan.config.gather_bucket_mb <= 0 || plan.state.params <= 1) return;  // no sharded parameters, no gathers
+  std::vector<const Task*> buckets;
+  int gathers = 0;
+  for (const Task& t : plan.tasks) {
+    gathers += t.op == Op::all_gather;
+    if (t.op == Op::all_gather && t.first_unit >= 0) buckets.push_back(&t);
+  }
+  PlanConfig unbucketed = plan.config;
+  unbucketed.gather_bucket_mb = 0;
+  const Plan base = build_plan(desc, unbucketed);
+  int base_gathers = 0;
+  for (const Task& t : base.tasks) base_gathers += t.op == Op::all_gather;
+  auto mib = [](int64_t b) { return b / 1048576.0; };
+  o << "\ngather buckets (<= " << plan.config.gather_bucket_mb << " MiB): " << gathers << " all_gathers a step instead of "
+    << base_gathers << "; " << buckets.size() << " of them gather several units:\n";
+  for (const Task* t : buckets) {
+    const int n = std::abs(t->last_unit - t->first_unit) + 1;
+    o << "  " << t->name(&desc) << ": " << n << " units, " << mib(t->bytes) << " MiB, staging "
+      << mib(plan.buffers[t->io.staging].bytes) << " MiB (comm)\n";
+  }
+  const MemSnapshot with = plan.peak_memory(), without = base.peak_memory();
+  const MemSnapshot each = plan.max_memory(), each_base = base.max_memory();
+  o << "  memory price (own peak, bucketed - unbucketed): params " << mib(each[MemCategory::params] - each_base[MemCategory::params])
+    << " MiB, comm " << mib(each[MemCategory::comm] - each_base[MemCategory::comm]) << " MiB; total at peak "
+    << mib(with.total - without.total) << " MiB\n";
+}
+
 }  // namespace
 
 MemSnapshot Plan::peak_memory() const { return walk_memory(*this, nullptr); }
@@ -179,7 +210,9 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   for (const auto& a : mesh) o << " " << a.name << "=" << a.size;
   o << "), B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
-    << model::to_string(c.recompute) << ", " << c.threads << " thread(s)\n";
+    << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
+  if (c.gather_bucket_mb > 0 && state.params > 1) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
+  o << "\n";
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
@@ -210,6 +243,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   line(MemCategory::snapshot, static_memory.snapshot);
   line(MemCategory::staging, static_memory.staging);
   o << "  total at peak: " << peak.total << " (" << mib(peak.total) << " MiB)\n";
+  gather_buckets_text(*this, desc, o);
 
   o << "\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";
   double flops = 0;

@@ -101,6 +101,9 @@ struct Operands {
   int grad_stream = -1;
   int staging = -1;       // bf16 collectives: the cast copy
   int comm_scratch = -1;  // reductions: the communicator's working memory
+  // A bucketed all_gather (first_unit >= 0): each unit's gathered buffer, in gather order; its
+  // staging (the concatenated shards and their gathered concatenation) is `staging`.
+  std::vector<int> bucket;
 };
 
 struct Task {
@@ -110,7 +113,9 @@ struct Task {
   std::vector<int> axes;  // mesh axes a collective spans (indices into Plan::mesh)
   int unit = -1;          // index into ModelDesc::units; -1: all units / none
   int micro = 0;          // micro-step
-  int first_unit = -1, last_unit = -1;  // all_reduce buckets: units [first, last]
+  // all_reduce buckets: units [first, last]; all_gather buckets: first..last in gather order
+  // (ascending in a forward, descending in a backward; unit is then -1).
+  int first_unit = -1, last_unit = -1;
   std::vector<int> deps;
   double flops = 0;   // compute work
   int64_t bytes = 0;  // a collective's size in the wire dtype
@@ -136,6 +141,12 @@ struct PlanConfig {
   // last backward instead of being regathered, by name ("h.10", "final_norm") or {"all"}; a
   // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
   std::vector<std::string> keep_gathered;
+  // All-gather buckets (FSDP / hybrid): consecutive units, in the order they are gathered, whose
+  // gathered bytes (wire dtype) sum to <= this many MiB share one all_gather over their
+  // concatenated shards, unpacked into each unit's gathered buffer; the unit shard layout stays.
+  // A price in memory (a bucket's units are gathered, so alive, together; comm staging) for fewer
+  // collectives. 0: off, one all_gather per unit. Ignored by ddp / zero1 / zero2.
+  double gather_bucket_mb = 0;
   int threads = 1;  // compute threads (kernels' per-thread scratch)
   // Bytes of an activation element: 4 is what the executor runs (layers/ keeps fp32); 2 prices an
   // engine keeping bf16 activations, as the simulator does on a bf16 (GPU) hardware profile.

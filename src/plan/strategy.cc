@@ -2,6 +2,7 @@
 // compute tasks with the buffers they allocate, read and free, and, depending on the strategy,
 // the collectives around them.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -95,9 +96,12 @@ class Builder {
     at(t).io.comm_scratch = b;
   }
 
-  int gather(int u, int micro, int prefetch);
+  int gather(int u, int micro, int prefetch, int direction);
+  bool chain_gathered(int u, int direction) const;
+  std::vector<int> bucket_from(int u, int direction) const;
+  void stage_bucket(int t, const std::vector<int>& units);
   int gather_kept(int u);
-  void consume(int compute_task);
+  void consume(int compute_task, int u);
   int reuse(int compute_task);
   void forward(int u, int m);
   void backward(int u, int m);
@@ -118,8 +122,17 @@ class Builder {
   std::vector<model::UnitCosts> costs_;
   std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
   std::vector<int> kept_gather_;  // its gather task
+  // One all_gather of the chain: a bucket of units (one unless --gather-bucket-mb), gathered
+  // together, each freed by its own consumer; the bucket is done when its last unit is.
   struct Gathered {
-    int gather, consumer, unit;
+    int gather;
+    std::vector<int> units, consumers;  // consumers[i]: the compute task freeing units[i]; -1 until built
+    int done() const { return consumers.back(); }
+    int pending(int u) const {  // index of u when its consumer is not built yet; else -1
+      for (size_t i = 0; i < units.size(); ++i)
+        if (units[i] == u && consumers[i] < 0) return static_cast<int>(i);
+      return -1;
+    }
   };
   std::vector<Gathered> chain_;  // every other all_gather, in issue order
   std::vector<int> reductions_;  // every gradient collective
@@ -138,34 +151,89 @@ class Builder {
   int start_ = -1;  // zero_grads (training plans)
 };
 
-// An all-gather in the rotating chain: at most `max_gathers_in_flight` gathered buffers, and
-// issued at most `prefetch` compute tasks ahead of its consumer. A unit's gathered buffer is one
-// buffer, so a unit is never gathered twice at once: its gather waits for the consumer of its
-// previous gather.
-int Builder::gather(int u, int micro, int prefetch) {
+// An all-gather in the rotating chain: at most `max_gathers_in_flight` gathers (buckets) whose
+// buffers are alive, and issued at most `prefetch` gathers ahead of its consumer. A unit's
+// gathered buffer is one buffer, so a unit is never gathered twice at once: its gather waits for
+// the consumer of its previous gather. With --gather-bucket-mb the gather takes the units after
+// u in this pass (`direction` +1: a forward, -1: a backward) into one bucket; their compute
+// tasks then find u's bucket already issued.
+int Builder::gather(int u, int micro, int prefetch, int direction) {
+  if (!chain_.empty() && chain_.back().pending(u) >= 0) return chain_.back().gather;
+  const std::vector<int> units = bucket_from(u, direction);
   std::vector<int> deps;
   const int j = static_cast<int>(chain_.size());
   const int limit = cfg_.max_gathers_in_flight;
-  if (j - limit >= 0) deps.push_back(chain_[j - limit].consumer);
-  if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].consumer);
-  for (int k = j - 1; k >= 0; --k)
-    if (chain_[k].unit == u) {
-      deps.push_back(chain_[k].consumer);
-      break;
+  if (j - limit >= 0) deps.push_back(chain_[j - limit].done());
+  if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].done());
+  for (int v : units)
+    for (int k = j - 1; k >= 0; --k) {
+      const auto& g = chain_[k];
+      const auto i = std::find(g.units.begin(), g.units.end(), v) - g.units.begin();
+      if (i < static_cast<int64_t>(g.units.size())) {
+        deps.push_back(g.consumers[i]);
+        break;
+      }
     }
   if (deps.empty() && start_ >= 0) deps.push_back(start_);
   std::sort(deps.begin(), deps.end());
   deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
-  const int t = add(Op::all_gather, kComm, u, micro, deps);
+  const bool bucket = units.size() > 1;
+  const int t = add(Op::all_gather, kComm, bucket ? -1 : u, micro, deps);
   at(t).axes = {plan_.shard_axis};
-  at(t).bytes = unit_bytes(u, cfg_.param_bytes);
-  at(t).io.params = gathered(u);
-  // The compute task the gather waits for brings its buffer into being as it ends.
-  if (deps.empty()) alloc(t, gathered(u));
-  else at(deps.back()).hands_off.push_back(gathered(u));
-  stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
-  chain_.push_back({t, -1, u});
+  for (int v : units) {
+    at(t).bytes += unit_bytes(v, cfg_.param_bytes);
+    // The compute task the gather waits for brings its buffers into being as it ends.
+    if (deps.empty()) alloc(t, gathered(v));
+    else at(deps.back()).hands_off.push_back(gathered(v));
+  }
+  if (bucket) {
+    at(t).first_unit = units.front(), at(t).last_unit = units.back();
+    for (int v : units) at(t).io.bucket.push_back(gathered(v));
+    stage_bucket(t, units);
+  } else {
+    at(t).io.params = gathered(u);
+    stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+  }
+  chain_.push_back({t, units, std::vector<int>(units.size(), -1)});
   return t;
+}
+
+// Whether this pass gathers unit u through the chain (not kept; in a backward, only the units
+// whose backward reads parameters or rebuilds activations, the head's ran with its forward).
+bool Builder::chain_gathered(int u, int direction) const {
+  if (u < 0 || u >= static_cast<int>(desc_.units.size()) || kept_[u]) return false;
+  if (direction > 0) return true;
+  const model::UnitCosts& c = costs_[u];
+  const bool rebuild = c.kept_bytes(cfg_.recompute) < c.saved_bytes + c.recomputable_bytes;
+  return !model::is_head(desc_.units[u].kind) && (desc_.units[u].backward_reads_params || rebuild);
+}
+
+// u and the units gathered right after it in this pass while their wire bytes together stay
+// within --gather-bucket-mb (u alone when it is larger, or bucketing is off). A bucket ends at a
+// unit the pass does not gather, so it is one run of consecutive units.
+std::vector<int> Builder::bucket_from(int u, int direction) const {
+  std::vector<int> units{u};
+  const double limit = cfg_.gather_bucket_mb * 1048576.0;
+  double bytes = static_cast<double>(unit_bytes(u, cfg_.param_bytes));
+  for (int v = u + direction; limit > 0 && chain_gathered(v, direction); v += direction) {
+    bytes += static_cast<double>(unit_bytes(v, cfg_.param_bytes));
+    if (bytes > limit) break;
+    units.push_back(v);
+  }
+  return units;
+}
+
+// A bucket's staging (comm): its units' gathered concatenation, rank after rank, in the wire
+// dtype (this rank's concatenated shards are packed in place, at its own slot); alive inside
+// the gather.
+void Builder::stage_bucket(int t, const std::vector<int>& units) {
+  int64_t shards = 0;
+  for (int v : units) shards += shard_elems(v);
+  const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
+                       shards * plan_.shard_size * cfg_.param_bytes, -1,
+                       cfg_.param_bytes == 2 ? DType::bf16 : DType::fp32);
+  scratch(t, b);
+  at(t).io.staging = b;
 }
 
 int Builder::gather_kept(int u) {
@@ -180,20 +248,24 @@ int Builder::gather_kept(int u) {
   return t;
 }
 
-// The consumer frees the gathered buffer.
-void Builder::consume(int compute_task) {
-  free(compute_task, gathered(chain_.back().unit));
-  chain_.back().consumer = compute_task;
+// The consumer frees unit u's gathered buffer (u is in the chain's latest bucket).
+void Builder::consume(int compute_task, int u) {
+  Gathered& g = chain_.back();
+  const auto i = std::find(g.units.begin(), g.units.end(), u) - g.units.begin();
+  free(compute_task, gathered(u));
+  g.consumers[i] = compute_task;
 }
 
 // Between micro-steps the parameters do not change, and the last unit the backward gathered is
 // the first the next forward needs when it is the same unit: keep it instead of gathering it
 // again. Returns the gather the compute task now depends on.
 int Builder::reuse(int compute_task) {
-  auto& frees = at(chain_.back().consumer).frees;
-  frees.erase(std::remove(frees.begin(), frees.end(), gathered(chain_.back().unit)), frees.end());
-  consume(compute_task);
-  return chain_.back().gather;
+  Gathered& g = chain_.back();
+  const int u = g.units.back();
+  auto& frees = at(g.done()).frees;
+  frees.erase(std::remove(frees.begin(), frees.end(), gathered(u)), frees.end());
+  consume(compute_task, u);
+  return g.gather;
 }
 
 void Builder::read_values(int t, int u, int m) {
@@ -209,12 +281,13 @@ void Builder::forward(int u, int m) {
   if (sharded_params_ && kept_[u]) {
     if (m == 0) ag = gather_kept(u);
   } else if (sharded_params_) {
-    held = m > 0 && !chain_.empty() && chain_.back().unit == u;
-    if (!held) ag = gather(u, m, cfg_.prefetch_forward);
+    // The backward's last gathered unit, all of its bucket consumed, is this forward's first.
+    held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0;
+    if (!held) ag = gather(u, m, cfg_.prefetch_forward, +1);
   }
   const int t = add(op, kCompute, u, m, {ag});
   if (held) at(t).deps.push_back(reuse(t));
-  else if (ag >= 0 && !kept_[u]) consume(t);
+  else if (ag >= 0 && !kept_[u]) consume(t, u);
   const model::UnitCosts& c = costs_[u];
   Operands& io = at(t).io;
   if (sharded_params_) io.params = gathered(u);
@@ -259,7 +332,7 @@ void Builder::backward(int u, int m) {
   const model::UnitCosts& c = costs_[u];
   const bool rebuild = c.kept_bytes(cfg_.recompute) < c.saved_bytes + c.recomputable_bytes;
   int ag = -1;
-  if (sharded_params_ && !kept_[u] && (ud.backward_reads_params || rebuild)) ag = gather(u, m, cfg_.prefetch_backward);
+  if (sharded_params_ && chain_gathered(u, -1)) ag = gather(u, m, cfg_.prefetch_backward, -1);
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
   if (rebuild) {
     const int r = add(Op::recompute, kCompute, u, m, {ag});
@@ -277,7 +350,7 @@ void Builder::backward(int u, int m) {
   }
   const int b = add(Op::backward, kCompute, u, m, {ag});
   settle_grads(b, false);
-  if (params >= 0 && !kept_[u]) consume(b);
+  if (params >= 0 && !kept_[u]) consume(b, u);
   Operands& io = at(b).io;
   io.params = params;
   read_values(b, u, m);
@@ -515,6 +588,9 @@ void validate(const PlanConfig& c) {
   need(c.prefetch_forward >= 0 && c.prefetch_backward >= 0, "prefetch-forward and prefetch-backward must be >= 0");
   need(c.max_gathers_in_flight >= 1, "max-gathers-in-flight must be >= 1");
   need(c.bucket_mb > 0, "bucket-mb must be positive");
+  need(std::isfinite(c.gather_bucket_mb) && c.gather_bucket_mb >= 0,
+       "gather_bucket_mb (--gather-bucket-mb): must be a finite number of MiB >= 0 (0: off), got " +
+           std::to_string(c.gather_bucket_mb));
   need(c.threads >= 1, "threads must be >= 1");
   need(c.param_bytes == 4 || c.param_bytes == 2, "param dtype must be fp32 or bf16");
   need(c.reduce_bytes == 4 || c.reduce_bytes == 2, "reduce dtype must be fp32 or bf16");

@@ -214,7 +214,7 @@ void Executor::release(const Task& t, Run& r) {
 
 std::string Executor::label(const Task& t, int64_t step) const {
   std::string s = plan::to_string(t.op);
-  if (t.op == Op::all_reduce && t.first_unit >= 0)
+  if ((t.op == Op::all_reduce || t.op == Op::all_gather) && t.first_unit >= 0)
     s += " units " + desc_.units[t.first_unit].name + ".." + desc_.units[t.last_unit].name;
   else if (t.unit >= 0)
     s += " unit " + desc_.units[t.unit].name;
@@ -343,6 +343,7 @@ comm::Scratch Executor::comm_scratch(const Task& t, Run& r) {
 }
 
 void Executor::all_gather(const Task& t, Run& r) {
+  if (t.first_unit >= 0) return gather_bucket(t, r);
   comm::Communicator& c = comms_.get(r.plan, t.axes);
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(t.unit);
@@ -355,6 +356,45 @@ void Executor::all_gather(const Task& t, Run& r) {
   backend_.fp32_to_bf16(own, mine, s.len);
   c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
   backend_.bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+}
+
+// A bucket of units, one collective: this rank's shards of the units, back to back (cast to
+// bf16 as each unit's own gather would) in its own slot of the staging buffer, gathered in
+// place rank after rank, then
+// each rank's part of each unit copied (widened) into the unit's gathered buffer. The values are
+// those of one gather per unit, bit for bit.
+void Executor::gather_bucket(const Task& t, Run& r) {
+  const int step = t.last_unit >= t.first_unit ? 1 : -1;
+  std::vector<int> units;
+  int64_t shards = 0;
+  for (int u = t.first_unit;; u += step) {
+    units.push_back(u);
+    shards += shard_of(u).len;
+    if (u == t.last_unit) break;
+  }
+  const bool bf16 = r.plan.config.param_bytes == 2;
+  const size_t elem = bf16 ? 2 : 4;
+  char* whole = r.data(t.io.staging);
+  char* own = whole + shard_index_ * shards * elem;  // in place: this rank's slot of the gathered
+  int64_t at = 0;
+  for (int u : units) {
+    const Shard s = shard_of(u);
+    const float* mine = local(params_, plan_.state.params, u);
+    if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(own) + at, mine, s.len);
+    else backend_.copy(reinterpret_cast<float*>(own) + at, mine, s.len * elem);
+    at += s.len;
+  }
+  comms_.get(r.plan, t.axes).all_gather(own, whole, shards, bf16 ? DType::bf16 : DType::fp32, label(t, r.step))->wait(timeout_);
+  for (int q = 0; q < plan_.shard_size; ++q) {
+    at = q * shards;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const int64_t len = shard_of(units[i]).len;
+      float* dst = r.f32(t.io.bucket[i]) + q * len;
+      if (bf16) backend_.bf16_to_fp32(dst, reinterpret_cast<const uint16_t*>(whole) + at, len);
+      else backend_.copy(dst, reinterpret_cast<const float*>(whole) + at, len * elem);
+      at += len;
+    }
+  }
 }
 
 void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer

@@ -140,6 +140,7 @@ class Executor {
   void grad_norm(const plan::Task& t, Run& r);
   void optimizer(const plan::Task& t, Run& r);
   void all_gather(const plan::Task& t, Run& r);
+  void gather_bucket(const plan::Task& t, Run& r);
   void reduce_scatter(const plan::Task& t, Run& r);
   comm::Scratch comm_scratch(const plan::Task& t, Run& r);
   void all_reduce(const plan::Task& t, Run& r);

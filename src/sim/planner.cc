@@ -26,7 +26,7 @@ std::string flags_of(const PlanConfig& c) {
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
       << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
-      << " --keep-gathered " << keep_list(c.keep_gathered);
+      << " --keep-gathered " << keep_list(c.keep_gathered) << " --gather-bucket-mb " << c.gather_bucket_mb;
   if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
   if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
   return o.str();
@@ -78,8 +78,14 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
             for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
               for (int pb : sharded ? std::vector<int>{4, 2} : std::vector<int>{4})
                 for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4})
-                  for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+                  for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false})
+                    // All-gather buckets when no unit is kept (keeping all leaves one gather per unit
+                    // a step), at the first prefetch depth and gather limit only: a bucket counts as
+                    // one gather there, and the grid stays within the search's time.
+                    for (double gather_bucket : sharded && !keep && pf == 1 && inflight == 2 ? std::vector<double>{0, 25, 100}
+                                                                                        : std::vector<double>{0}) {
                   c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
+                  c.gather_bucket_mb = gather_bucket;
                   c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
                   c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
                   c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;

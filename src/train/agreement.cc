@@ -125,6 +125,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"max-gathers-in-flight", s(c.max_gathers_in_flight)},
       {"bucket-mb", s(c.bucket_mb)},
       {"keep-gathered", c.keep_gathered},
+      {"gather-bucket-mb", s(c.gather_bucket_mb)},
       {"param-dtype", c.param_dtype},
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},

@@ -121,6 +121,8 @@ void check_distribution(const TrainConfig& c) {
   at_least(c.max_gathers_in_flight, 1, "max-gathers-in-flight");
   positive(c.bucket_mb, "bucket-mb");
   finite(c.bucket_mb, "bucket-mb");
+  at_least(c.gather_bucket_mb, 0.0, "gather-bucket-mb");
+  finite(c.gather_bucket_mb, "gather-bucket-mb");
   positive(c.timeout_s, "timeout");
   // Held as int64 milliseconds; a billion seconds (32 years) is "never".
   if (!(c.timeout_s <= 1e9)) throw std::invalid_argument(fmt::format("--timeout: must be <= 1e9 seconds, got {}", c.timeout_s));

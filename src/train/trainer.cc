@@ -135,6 +135,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
       if (const std::string name = rest.substr(0, at); !name.empty()) pc.keep_gathered.push_back(name);
     }
   }
+  pc.gather_bucket_mb = cfg.gather_bucket_mb;
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;
   pc.reduction_scratch = reduction_scratch([o = comm::mpi_options_from_env()](comm::Reduction op, int64_t count,

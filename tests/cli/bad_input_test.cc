@@ -99,7 +99,8 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
            {"--sample-tokens -1", "--sample-tokens"}, {"--lr inf", "--lr"}, {"--lr -1", "--lr"},
            {"--beta2 1", "--beta2"}, {"--eps 0", "--eps"}, {"--timeout 0", "--timeout"},
            {"--bucket-mb nan", "--bucket-mb"}, {"--batch 100000000 --seq 64", "--batch 100000000"},
-           {"--seed -1", "--seed"}, {"--timeout 1e+300", "--timeout"}}) {
+           {"--seed -1", "--seed"}, {"--timeout 1e+300", "--timeout"}, {"--gather-bucket-mb -1", "--gather-bucket-mb"},
+           {"--gather-bucket-mb nan", "--gather-bucket-mb"}, {"--gather-bucket-mb inf", "--gather-bucket-mb"}}) {
     const std::string bad = flags.substr(flags.find(' ') + 1);
     SCOPED_TRACE(flags);
     expect_one_line_error(run(base + " " + flags), {needle, bad.substr(bad.rfind(' ') + 1)});
@@ -107,6 +108,9 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
   expect_one_line_error(run("explain --model tiny --n-head 0"), {"--n-head", "0"});
   expect_one_line_error(run("explain --model tiny --ranks 0"), {"--ranks", "0"});
   expect_one_line_error(run("explain --model tiny --batch -1"), {"--batch", "-1"});
+  expect_one_line_error(run("explain --model tiny --ranks 2 --gather-bucket-mb -2"), {"--gather-bucket-mb", "-2"});
+  expect_one_line_error(run("simulate --model tiny --ranks 2 --hardware cpu-local --gather-bucket-mb nan"),
+                        {"--gather-bucket-mb", "nan"});
   expect_one_line_error(run("explain --model llama-tiny --n-kv-head 3"), {"n_kv_head", "3"});
 }
 

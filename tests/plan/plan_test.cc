@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
+#include <set>
 #include <string>
 
 namespace shardlm::plan {
@@ -157,6 +159,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     for (int b : {io.params, io.grads, io.borrowed_params, io.borrowed_grads, io.output, io.saved, io.recomputable,
                   io.forward_ws, io.backward_ws, io.grad_stream, io.staging})
       if (b >= 0) used.push_back(b);
+    used.insert(used.end(), io.bucket.begin(), io.bucket.end());
     for (int b : used) {
       ASSERT_TRUE(alloc_by.count(b)) << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " before any allocation";
       const int a = alloc_by[b];
@@ -180,8 +183,13 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
       for (int accum : {1, 2, 3})
         for (int limit : {1, 2, 3, 4})
           for (int prefetch : {0, 1, 2, 3})
-            for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
+            for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
+              // All-gather buckets (only sharded parameters have gathers): off, two or three of
+              // the tiny units' bf16 gathers (~0.1 MiB each) a bucket, a whole pass a bucket.
+              for (double bucket : s == Strategy::fsdp || s == Strategy::hybrid ? std::vector<double>{0, 0.25, 100}
+                                                                                   : std::vector<double>{0}) {
               PlanConfig c;
+              c.gather_bucket_mb = bucket;
               c.strategy = s;
               c.world = 4;
               c.shard_group = 2;
@@ -193,7 +201,7 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
               c.recompute = r;
               const std::string what = family + " " + to_string(s) + " accum " + std::to_string(accum) + " limit " +
                                        std::to_string(limit) + " prefetch " + std::to_string(prefetch) +
-                                       " recompute " + model::to_string(r);
+                                       " recompute " + model::to_string(r) + " gather bucket " + std::to_string(bucket);
               expect_no_buffer_alive_twice(d, c, what);
               if (accum == 1 && r == model::Recompute::none) {
                 c.mode = PlanConfig::Mode::loss;
@@ -342,6 +350,110 @@ TEST(Plan, KeepGatheredUnitsAreGatheredOncePerStep) {
     ADD_FAILURE() << "h.99 accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("'h.99'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace shardlm::plan
+
+namespace shardlm::plan {
+namespace {
+
+// Every (micro-step, unit) an all_gather brings, buckets expanded, and the gathers' count.
+std::multiset<std::pair<int, int>> gathered_units(const Plan& p, int* gathers) {
+  std::multiset<std::pair<int, int>> out;
+  *gathers = 0;
+  for (const Task& t : p.tasks) {
+    if (t.op != Op::all_gather) continue;
+    ++*gathers;
+    if (t.first_unit < 0) {
+      out.insert({t.micro, t.unit});
+      continue;
+    }
+    const int step = t.last_unit >= t.first_unit ? 1 : -1;
+    for (int u = t.first_unit;; u += step) {
+      out.insert({t.micro, u});
+      if (u == t.last_unit) break;
+    }
+  }
+  return out;
+}
+
+// All-gather buckets: with a bucket as large as a pass, fewer all_gather tasks gather the same
+// units (each micro-step, forward and backward) as one gather per unit; a bucket's bytes are its
+// units' and never above the limit unless it holds one unit; the price is memory (gathered
+// parameters alive together, and the bucket's comm staging).
+TEST(Plan, GatherBucketsGatherTheSameUnitsWithFewerCollectives) {
+  for (const char* preset : {"small", "llama-small"})
+    for (Strategy s : {Strategy::fsdp, Strategy::hybrid})
+      for (int pb : {4, 2}) {
+        const model::ModelDesc d = model::describe(model::model_preset(preset));
+        const std::string what = std::string(preset) + " " + to_string(s) + " param bytes " + std::to_string(pb);
+        PlanConfig c;
+        c.strategy = s, c.world = 4, c.shard_group = 2, c.grad_accum = 2, c.param_bytes = pb;
+        const Plan off = build_plan(d, c);
+        c.gather_bucket_mb = 1000;
+        const Plan big = build_plan(d, c);
+        c.gather_bucket_mb = 20;
+        const Plan mid = build_plan(d, c);
+        int n_off = 0, n_big = 0, n_mid = 0;
+        const auto units_off = gathered_units(off, &n_off);
+        const auto units_big = gathered_units(big, &n_big);
+        const auto units_mid = gathered_units(mid, &n_mid);
+        EXPECT_LT(n_big, n_off) << what;
+        EXPECT_LE(n_big, n_mid) << what;
+        EXPECT_LT(n_mid, n_off) << what;
+        // The forward of micro-step 0 (every unit but the kept embedding, when tied) in one bucket.
+        int forward0 = 0;
+        for (const Task& t : big.tasks) forward0 += t.op == Op::all_gather && t.micro == 0 && t.first_unit >= 0 && t.last_unit > t.first_unit;
+        EXPECT_EQ(forward0, 1) << what;
+        if (std::string(preset) == "small") {  // tied: no unit's reuse between micro-steps changes
+          EXPECT_EQ(units_big, units_off) << what;
+          EXPECT_EQ(units_mid, units_off) << what;
+        }
+        for (const Task& t : mid.tasks) {
+          if (t.op != Op::all_gather || t.first_unit < 0) continue;
+          int64_t bytes = 0;
+          const int step = t.last_unit >= t.first_unit ? 1 : -1;
+          for (int u = t.first_unit;; u += step) {
+            bytes += mid.layout.units[u].padded * pb;
+            if (u == t.last_unit) break;
+          }
+          EXPECT_EQ(t.bytes, bytes) << what << " " << t.name(&d);
+          EXPECT_LE(t.bytes, 20 * 1048576) << what << " " << t.name(&d);
+          ASSERT_GE(t.io.staging, 0) << what;
+          EXPECT_EQ(mid.buffers[t.io.staging].category, MemCategory::comm);
+          EXPECT_EQ(mid.buffers[t.io.staging].bytes, bytes) << what;  // the gathered concatenation
+        }
+        EXPECT_GT(big.max_memory()[MemCategory::params], off.max_memory()[MemCategory::params]) << what;
+        // fp32 gathers had no staging; bf16 ones had (and a bf16 reduce-scatter may stage more).
+        if (pb == 4) EXPECT_GT(big.max_memory()[MemCategory::comm], off.max_memory()[MemCategory::comm]) << what;
+        else EXPECT_GE(big.max_memory()[MemCategory::comm], off.max_memory()[MemCategory::comm]) << what;
+        EXPECT_GE(big.peak_memory().total, mid.peak_memory().total) << what;
+      }
+}
+
+// Bucketing applies to sharded parameters only: ddp / zero1 / zero2 plans are unchanged; a
+// negative or non-finite size is refused naming the flag.
+TEST(Plan, GatherBucketsLeaveUnshardedPlansAndRefuseBadSizes) {
+  const model::ModelDesc d = small();
+  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2}) {
+    PlanConfig c;
+    c.strategy = s, c.world = 2;
+    const Plan off = build_plan(d, c);
+    c.gather_bucket_mb = 100;
+    EXPECT_EQ(build_plan(d, c).to_text(d).substr(off.to_text(d).find('\n')), off.to_text(d).substr(off.to_text(d).find('\n')))
+        << to_string(s);
+  }
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    PlanConfig c;
+    c.world = 2, c.gather_bucket_mb = bad;
+    try {
+      build_plan(d, c);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--gather-bucket-mb"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -33,9 +33,12 @@ struct Layout {
   double loss_tol = 1e-5;   // relative, per step
   double param_tol = 1e-5;  // ||delta|| / ||p||, per tensor
   std::string model = "tiny";
+  double gather_bucket_mb = 0;  // --gather-bucket-mb (0: one all_gather per unit)
 };
 
-void PrintTo(const Layout& l, std::ostream* os) { *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes; }
+void PrintTo(const Layout& l, std::ostream* os) {
+  *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb;
+}
 
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
  protected:
@@ -76,8 +79,10 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
     const auto r = shardlm(args(single, B * l.ranks, l.model));
     ASSERT_EQ(r.code, 0) << r.out;
   }
-  const std::string name = l.model + "_" + l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16");
+  const std::string name = l.model + "_" + l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16") +
+                           (l.gather_bucket_mb > 0 ? "_buckets" : "");
   std::string extra = " --strategy " + l.strategy + " " + l.dtypes;
+  if (l.gather_bucket_mb > 0) extra += " --gather-bucket-mb " + std::to_string(l.gather_bucket_mb);
   if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
   const auto r = l.ranks == 1 ? shardlm(args(name, B, l.model) + extra) : mpirun(l.ranks, args(name, B, l.model) + extra);
   ASSERT_EQ(r.code, 0) << r.out;
@@ -94,6 +99,7 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   pc.shard_group = l.shard_group;
   pc.param_bytes = l.dtypes.find("--param-dtype bf16") != std::string::npos ? 2 : 4;
   pc.reduce_bytes = l.dtypes.find("--reduce-dtype bf16") != std::string::npos ? 2 : 4;
+  pc.gather_bucket_mb = l.gather_bucket_mb;
   const model::ModelDesc desc = tiny(l.model);
   const plan::Plan p = plan::build_plan(desc, pc);
   const MemSnapshot want = p.max_memory();
@@ -161,13 +167,18 @@ std::vector<Layout> layouts() {
   out.push_back({"hybrid", 4, 2, bf16, 1e-2, 0.15});
   out.push_back({"ddp", 3, 0, "--reduce-dtype bf16", 1e-3, 1e-2});
   out.push_back({"zero2", 2, 0, "--reduce-dtype bf16", 1e-3, 1e-2});
+  // All-gather buckets (0.4 MiB: tiny's two blocks share a gather; in bf16 the head too): the
+  // buckets' comm staging and the gathered units alive together are the plan's, as measured.
+  out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "tiny", 0.4});
+  out.push_back({"hybrid", 4, 2, bf16, 1e-2, 0.15, "tiny", 0.4});
+  out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "llama-tiny", 0.4});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layouts()), [](const auto& info) {
   return (info.param.model == "tiny" ? "" : "llama_") + info.param.strategy + "_np" + std::to_string(info.param.ranks) +
          (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "") +
-         (info.param.dtypes.empty() ? "" : "_bf16");
+         (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "");
 });
 
 // A checkpoint written under one strategy and rank count resumes under another with the same
