@@ -51,7 +51,7 @@ void AsyncRankWriter::start(const std::string& dir, const RankBuffers& bufs, Saf
   state_.store(State::writing, std::memory_order_release);
   thread_ = std::thread([this, dir, copy, progress = paced(std::move(progress), spread)] {
     // Below the compute threads: the write waits for the disk most of the time, and what CPU it
-    // needs (copies into the page cache, the checksum) should not stretch a training step.
+    // needs (copies into the block buffer, the checksum) should not stretch a training step.
     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
     try {
       result_ = write_rank_file(dir, desc_, layout_, rank_, copy, progress, {static_cast<char*>(io_.data()), io_.bytes()});
