@@ -99,7 +99,8 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
   cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
   cmd->add_option("--keep-gathered", c.keep_gathered,
-                  "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm)")
+                  "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm); "
+                  "NAME:FRACTION keeps that part of a unit from its forward to its backward (h.9:0.5)")
       ->capture_default_str();
   cmd->add_option("--gather-bucket-mb", c.gather_bucket_mb,
                   "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")

@@ -52,6 +52,7 @@ const char* to_string(Role r) {
     case Role::exp_avg: return "exp_avg";
     case Role::exp_avg_sq: return "exp_avg_sq";
     case Role::gathered: return "gathered";
+    case Role::kept_part: return "kept_part";
     case Role::full_grads: return "full_grads";
     case Role::value: return "value";
     case Role::saved: return "saved";

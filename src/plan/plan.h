@@ -66,6 +66,7 @@ const char* to_string(Op op);
 enum class Role {
   params, grads, exp_avg, exp_avg_sq,  // run-long state (this rank's element ranges)
   gathered,                            // a unit's whole parameters, gathered
+  kept_part,                           // a partly kept unit's kept part, forward to backward (wire dtype)
   full_grads,                          // a unit's whole gradients before reduce-scatter
   value,                               // a residual-stream value (batch or hidden state)
   saved, recomputable,                 // a unit's activations kept for its backward
@@ -104,6 +105,11 @@ struct Operands {
   // A bucketed all_gather (first_unit >= 0): each unit's gathered buffer, in gather order; its
   // staging (the concatenated shards and their gathered concatenation) is `staging`.
   std::vector<int> bucket;
+  // A partly kept unit (--keep-gathered NAME:FRACTION): its forward all_gather also copies the
+  // kept part (the first Plan::kept_elems[unit] elements of every rank's shard) into `keep_into`;
+  // its backward all_gather gathers only the rest of each shard and copies the kept part back
+  // from `restore_from`. -1: not used.
+  int keep_into = -1, restore_from = -1;
 };
 
 struct Task {
@@ -119,6 +125,9 @@ struct Task {
   std::vector<int> deps;
   double flops = 0;   // compute work
   int64_t bytes = 0;  // a collective's size in the wire dtype
+  // Bytes a collective also copies in local memory (each read once and written once): a bucket's
+  // packing and unpacking, a partly kept unit's kept part.
+  int64_t copy_bytes = 0;
   std::vector<int> allocs, frees;  // buffer ids
   std::vector<int> hands_off;      // allocated at the task's end, after its frees
   Operands io;
@@ -140,6 +149,9 @@ struct PlanConfig {
   // Selective unsharding (FSDP / hybrid): units that stay gathered from the step's start to their
   // last backward instead of being regathered, by name ("h.10", "final_norm") or {"all"}; a
   // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
+  // "NAME:FRACTION" (0 < FRACTION < 1, e.g. "h.10:0.5") keeps that fraction of the unit (of each
+  // rank's shard, rounded down to 16 elements) from each forward to its backward, whose gather
+  // then moves only the rest: the choice split finer, for a budget a whole unit does not fit.
   std::vector<std::string> keep_gathered;
   // All-gather buckets (FSDP / hybrid): consecutive units, in the order they are gathered, whose
   // gathered bytes (wire dtype) sum to <= this many MiB share one all_gather over their
@@ -192,6 +204,9 @@ struct Plan {
   StaticMemory static_memory;
   std::vector<BufferDesc> buffers;
   std::vector<Task> tasks;
+  // Per unit: elements of each shard a partly kept unit keeps between forward and backward (0:
+  // not partly kept).
+  std::vector<int64_t> kept_elems;
 
   // Highest bytes per category of the buffers when tasks run in plan order (compute and comm
   // interleaved as their dependencies allow the earliest), plus the static memory.

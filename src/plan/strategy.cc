@@ -3,6 +3,7 @@
 // the collectives around them.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -54,6 +55,11 @@ class Builder {
 
   int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
   int full_grads(int u) { return buffer("grads " + uname(u), Role::full_grads, MemCategory::grads, unit_bytes(u, 4), u); }
+  bool partly_kept(int u) const { return plan_.kept_elems[u] > 0; }
+  int kept_part(int u) {
+    return buffer("kept " + uname(u), Role::kept_part, MemCategory::params,
+                  plan_.kept_elems[u] * plan_.shard_size * cfg_.param_bytes, u, cfg_.param_bytes == 2 ? DType::bf16 : DType::fp32);
+  }
   int value(int v, int m) {
     const int b = buffer(desc_.values[v].name + tag(m), Role::value, MemCategory::activations,
                          desc_.values[v].bytes(shape_, desc_.config.n_embd), -1,
@@ -73,13 +79,15 @@ class Builder {
   int backward_ws(int u) {
     return buffer("backward ws " + uname(u), Role::backward_ws, MemCategory::workspace, costs_[u].backward_workspace, u);
   }
-  // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard.
+  // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard. The
+  // casts copy the whole unit once.
   void stage(int t, int64_t full_elems, int64_t shard_elems, int elem) {
     if (elem == 4) return;
     const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
                          (full_elems + shard_elems) * elem, at(t).unit, DType::bf16);
     scratch(t, b);
     at(t).io.staging = b;
+    at(t).copy_bytes = full_elems * 4;
   }
 
   // The communicator's working memory for a reduction of `count` elements per rank
@@ -101,6 +109,7 @@ class Builder {
   std::vector<int> bucket_from(int u, int direction) const;
   void stage_bucket(int t, const std::vector<int>& units);
   int gather_kept(int u);
+  void gather_part(int t, int u, int direction, int deps_last);
   void consume(int compute_task, int u);
   int reuse(int compute_task);
   void forward(int u, int m);
@@ -110,6 +119,7 @@ class Builder {
   void read_values(int t, int u, int m);
   void free_at_last_use();
   void keep_units(const std::vector<std::string>& names);
+  void keep_parts();
   void finish();
   std::vector<Task> schedule();
 
@@ -121,6 +131,7 @@ class Builder {
   model::Shape shape_;
   std::vector<model::UnitCosts> costs_;
   std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
+  std::vector<double> part_;      // --keep-gathered NAME:FRACTION, per unit (0: none)
   std::vector<int> kept_gather_;  // its gather task
   // One all_gather of the chain: a bucket of units (one unless --gather-bucket-mb), gathered
   // together, each freed by its own consumer; the bucket is done when its last unit is.
@@ -192,7 +203,8 @@ int Builder::gather(int u, int micro, int prefetch, int direction) {
     stage_bucket(t, units);
   } else {
     at(t).io.params = gathered(u);
-    stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+    if (partly_kept(u)) gather_part(t, u, direction, deps.empty() ? -1 : deps.back());
+    else stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
   }
   chain_.push_back({t, units, std::vector<int>(units.size(), -1)});
   return t;
@@ -213,9 +225,10 @@ bool Builder::chain_gathered(int u, int direction) const {
 // unit the pass does not gather, so it is one run of consecutive units.
 std::vector<int> Builder::bucket_from(int u, int direction) const {
   std::vector<int> units{u};
+  if (partly_kept(u)) return units;  // its gathers move a part of it: never in a bucket
   const double limit = cfg_.gather_bucket_mb * 1048576.0;
   double bytes = static_cast<double>(unit_bytes(u, cfg_.param_bytes));
-  for (int v = u + direction; limit > 0 && chain_gathered(v, direction); v += direction) {
+  for (int v = u + direction; limit > 0 && chain_gathered(v, direction) && !partly_kept(v); v += direction) {
     bytes += static_cast<double>(unit_bytes(v, cfg_.param_bytes));
     if (bytes > limit) break;
     units.push_back(v);
@@ -234,6 +247,31 @@ void Builder::stage_bucket(int t, const std::vector<int>& units) {
                        cfg_.param_bytes == 2 ? DType::bf16 : DType::fp32);
   scratch(t, b);
   at(t).io.staging = b;
+  for (int v : units) at(t).copy_bytes += unit_bytes(v, 4);
+}
+
+// A partly kept unit's gather. In a forward it gathers the whole unit and copies the kept part
+// aside (allocated with the gathered buffer, by the compute task the gather waits for); in a
+// backward it gathers the rest of each shard into staging (its concatenation, rank after rank)
+// and puts the unit together from the two. The backward's consumer frees the kept part.
+void Builder::gather_part(int t, int u, int direction, int deps_last) {
+  const int64_t shard = shard_elems(u), kept = plan_.kept_elems[u], rest = shard - kept;
+  const int S = plan_.shard_size, elem = cfg_.param_bytes;
+  if (direction > 0) {
+    stage(t, plan_.layout.units[u].padded, shard, elem);
+    at(t).io.keep_into = kept_part(u);
+    if (deps_last < 0) alloc(t, kept_part(u));
+    else at(deps_last).hands_off.push_back(kept_part(u));
+    at(t).copy_bytes += kept * S * elem;
+    return;
+  }
+  at(t).bytes = rest * S * elem;
+  at(t).io.restore_from = kept_part(u);
+  const int b = buffer("staging " + at(t).name(&desc_) + " rest", Role::staging, MemCategory::comm, rest * S * elem, u,
+                       elem == 2 ? DType::bf16 : DType::fp32);
+  scratch(t, b);
+  at(t).io.staging = b;
+  at(t).copy_bytes = unit_bytes(u, 4);
 }
 
 int Builder::gather_kept(int u) {
@@ -282,7 +320,8 @@ void Builder::forward(int u, int m) {
     if (m == 0) ag = gather_kept(u);
   } else if (sharded_params_) {
     // The backward's last gathered unit, all of its bucket consumed, is this forward's first.
-    held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0;
+    // (Not a partly kept unit: its forward gather also sets its kept part aside.)
+    held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0 && !partly_kept(u);
     if (!held) ag = gather(u, m, cfg_.prefetch_forward, +1);
   }
   const int t = add(op, kCompute, u, m, {ag});
@@ -351,6 +390,7 @@ void Builder::backward(int u, int m) {
   const int b = add(Op::backward, kCompute, u, m, {ag});
   settle_grads(b, false);
   if (params >= 0 && !kept_[u]) consume(b, u);
+  if (params >= 0 && partly_kept(u)) free(b, kept_part(u));
   Operands& io = at(b).io;
   io.params = params;
   read_values(b, u, m);
@@ -426,17 +466,44 @@ void Builder::close_bucket(int producer) {
 }
 
 // Marks the units --keep-gathered names as kept: gathered once per step, freed after their last
-// use (the last micro-step's backward), as the borrowed embedding is.
+// use (the last micro-step's backward), as the borrowed embedding is. NAME:FRACTION marks a part.
 void Builder::keep_units(const std::vector<std::string>& names) {
-  for (const std::string& name : names) {
+  for (const std::string& entry : names) {
+    const size_t colon = entry.find(':');
+    const std::string name = entry.substr(0, colon);
+    double fraction = 1;
+    if (colon != std::string::npos) {
+      const std::string f = entry.substr(colon + 1);
+      char* end = nullptr;
+      fraction = std::strtod(f.c_str(), &end);
+      if (f.empty() || *end != '\0' || !(fraction > 0 && fraction < 1))
+        throw std::invalid_argument("keep_gathered (--keep-gathered): '" + entry +
+                                    "': the part to keep must be a fraction between 0 and 1, as in h.3:0.5");
+    }
     bool found = false;
     for (size_t u = 0; u < desc_.units.size(); ++u)
-      if (name == "all" || desc_.units[u].name == name) kept_[u] = 1, found = true;
+      if (name == "all" || desc_.units[u].name == name) {
+        found = true;
+        if (fraction < 1) part_[u] = fraction;
+        else kept_[u] = 1;
+      }
     if (!found) {
       std::string all;
       for (const auto& ud : desc_.units) all += (all.empty() ? "" : ", ") + ud.name;
       throw std::invalid_argument("keep_gathered (--keep-gathered): no unit named '" + name + "' (units: " + all + "; or all, none)");
     }
+  }
+}
+
+// A part kept counts where a training step gathers the unit again for its backward; it is the
+// fraction of each shard, rounded down to 16 elements.
+void Builder::keep_parts() {
+  plan_.kept_elems.assign(desc_.units.size(), 0);
+  if (!train_ || !sharded_params_) return;
+  for (size_t u = 0; u < desc_.units.size(); ++u) {
+    const int i = static_cast<int>(u);
+    if (part_[u] > 0 && chain_gathered(i, -1))
+      plan_.kept_elems[u] = static_cast<int64_t>(part_[u] * static_cast<double>(shard_elems(i)) / 16) * 16;
   }
 }
 
@@ -512,12 +579,14 @@ Plan Builder::build() {
   const int U = static_cast<int>(desc_.units.size());
   shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads};
   kept_.assign(U, 0);
+  part_.assign(U, 0);
   kept_gather_.assign(U, -1);
   for (int u = 0; u < U; ++u) {
     costs_.push_back(desc_.costs(u, shape_));
     if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
   }
   keep_units(cfg_.keep_gathered);
+  keep_parts();
   last_micro_ = train_ ? static_cast<int>(cfg_.grad_accum) - 1 : 0;
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.

@@ -344,18 +344,60 @@ comm::Scratch Executor::comm_scratch(const Task& t, Run& r) {
 
 void Executor::all_gather(const Task& t, Run& r) {
   if (t.first_unit >= 0) return gather_bucket(t, r);
+  if (t.io.restore_from >= 0) return gather_rest(t, r);
   comm::Communicator& c = comms_.get(r.plan, t.axes);
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(t.unit);
   float* full = r.f32(t.io.params);
   float* mine = local(params_, plan_.state.params, t.unit);
-  if (t.io.staging < 0) return c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
-  // bf16: [whole unit | one shard] staging, cast, gather, widen.
-  uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
-  uint16_t* own = whole + s.len * plan_.shard_size;
-  backend_.fp32_to_bf16(own, mine, s.len);
-  c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
-  backend_.bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+  if (t.io.staging < 0) {
+    c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
+  } else {  // bf16: [whole unit | one shard] staging, cast, gather, widen.
+    uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
+    uint16_t* own = whole + s.len * plan_.shard_size;
+    backend_.fp32_to_bf16(own, mine, s.len);
+    c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
+    backend_.bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+  }
+  if (t.io.keep_into >= 0) keep_part(t, r);
+}
+
+// Copies a partly kept unit's kept part (the first kept_elems of each rank's shard) out of its
+// gathered buffer, in the wire dtype: the values are the gather's, bf16 ones narrowed exactly.
+void Executor::keep_part(const Task& t, Run& r) {
+  const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit];
+  const float* full = r.f32(t.io.params);
+  char* part = r.data(t.io.keep_into);
+  const bool bf16 = r.plan.config.param_bytes == 2;
+  for (int q = 0; q < plan_.shard_size; ++q) {
+    if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(part) + q * kept, full + q * len, kept);
+    else backend_.copy(reinterpret_cast<float*>(part) + q * kept, full + q * len, kept * 4);
+  }
+}
+
+// A partly kept unit's backward gather: the rest of each rank's shard (after its kept part),
+// gathered in place rank after rank into staging, then each rank's kept part and rest copied
+// (widened) into the gathered buffer: the whole gather's values, bit for bit.
+void Executor::gather_rest(const Task& t, Run& r) {
+  const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit], rest = len - kept;
+  const bool bf16 = r.plan.config.param_bytes == 2;
+  const size_t elem = bf16 ? 2 : 4;
+  char* whole = r.data(t.io.staging);
+  char* own = whole + shard_index_ * rest * elem;
+  const float* mine = local(params_, plan_.state.params, t.unit) + kept;
+  if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(own), mine, rest);
+  else backend_.copy(own, mine, rest * elem);
+  comms_.get(r.plan, t.axes).all_gather(own, whole, rest, bf16 ? DType::bf16 : DType::fp32, label(t, r.step))->wait(timeout_);
+  float* full = r.f32(t.io.params);
+  const char* part = r.data(t.io.restore_from);
+  auto widen = [&](float* dst, const char* src, int64_t n) {
+    if (bf16) backend_.bf16_to_fp32(dst, reinterpret_cast<const uint16_t*>(src), n);
+    else backend_.copy(dst, src, n * elem);
+  };
+  for (int q = 0; q < plan_.shard_size; ++q) {
+    widen(full + q * len, part + q * kept * elem, kept);
+    widen(full + q * len + kept, whole + q * rest * elem, rest);
+  }
 }
 
 // A bucket of units, one collective: this rank's shards of the units, back to back (cast to

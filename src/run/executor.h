@@ -141,6 +141,8 @@ class Executor {
   void optimizer(const plan::Task& t, Run& r);
   void all_gather(const plan::Task& t, Run& r);
   void gather_bucket(const plan::Task& t, Run& r);
+  void gather_rest(const plan::Task& t, Run& r);
+  void keep_part(const plan::Task& t, Run& r);
   void reduce_scatter(const plan::Task& t, Run& r);
   comm::Scratch comm_scratch(const plan::Task& t, Run& r);
   void all_reduce(const plan::Task& t, Run& r);

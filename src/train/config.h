@@ -65,7 +65,7 @@ struct TrainConfig {
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;
-  std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm)
+  std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm,h.9:0.5)
   double gather_bucket_mb = 0;         // fsdp / hybrid all-gather buckets (0: off)
   std::string param_dtype = "fp32", reduce_dtype = "fp32";
   // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.

@@ -100,7 +100,8 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
            {"--beta2 1", "--beta2"}, {"--eps 0", "--eps"}, {"--timeout 0", "--timeout"},
            {"--bucket-mb nan", "--bucket-mb"}, {"--batch 100000000 --seq 64", "--batch 100000000"},
            {"--seed -1", "--seed"}, {"--timeout 1e+300", "--timeout"}, {"--gather-bucket-mb -1", "--gather-bucket-mb"},
-           {"--gather-bucket-mb nan", "--gather-bucket-mb"}, {"--gather-bucket-mb inf", "--gather-bucket-mb"}}) {
+           {"--gather-bucket-mb nan", "--gather-bucket-mb"}, {"--gather-bucket-mb inf", "--gather-bucket-mb"},
+           {"--keep-gathered h.0:2", "--keep-gathered"}}) {
     const std::string bad = flags.substr(flags.find(' ') + 1);
     SCOPED_TRACE(flags);
     expect_one_line_error(run(base + " " + flags), {needle, bad.substr(bad.rfind(' ') + 1)});
@@ -112,6 +113,7 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
   expect_one_line_error(run("simulate --model tiny --ranks 2 --hardware cpu-local --gather-bucket-mb nan"),
                         {"--gather-bucket-mb", "nan"});
   expect_one_line_error(run("explain --model llama-tiny --n-kv-head 3"), {"n_kv_head", "3"});
+  expect_one_line_error(run("explain --model tiny --ranks 2 --keep-gathered h.1:x"), {"--keep-gathered", "h.1:x"});
 }
 
 TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {

@@ -157,7 +157,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     const Operands& io = t.io;
     std::vector<int> used = io.inputs;
     for (int b : {io.params, io.grads, io.borrowed_params, io.borrowed_grads, io.output, io.saved, io.recomputable,
-                  io.forward_ws, io.backward_ws, io.grad_stream, io.staging})
+                  io.forward_ws, io.backward_ws, io.grad_stream, io.staging, io.keep_into, io.restore_from})
       if (b >= 0) used.push_back(b);
     used.insert(used.end(), io.bucket.begin(), io.bucket.end());
     for (int b : used) {
@@ -187,9 +187,13 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
               // All-gather buckets (only sharded parameters have gathers): off, two or three of
               // the tiny units' bf16 gathers (~0.1 MiB each) a bucket, a whole pass a bucket.
               for (double bucket : s == Strategy::fsdp || s == Strategy::hybrid ? std::vector<double>{0, 0.25, 100}
-                                                                                   : std::vector<double>{0}) {
+                                                                                   : std::vector<double>{0})
+              // Half of every unit kept from its forward to its backward (which then gathers the rest).
+              for (const std::string& keep : s == Strategy::fsdp || s == Strategy::hybrid ? std::vector<std::string>{"", "all:0.5"}
+                                                                                          : std::vector<std::string>{""}) {
               PlanConfig c;
               c.gather_bucket_mb = bucket;
+              if (!keep.empty()) c.keep_gathered = {keep};
               c.strategy = s;
               c.world = 4;
               c.shard_group = 2;
@@ -201,7 +205,8 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
               c.recompute = r;
               const std::string what = family + " " + to_string(s) + " accum " + std::to_string(accum) + " limit " +
                                        std::to_string(limit) + " prefetch " + std::to_string(prefetch) +
-                                       " recompute " + model::to_string(r) + " gather bucket " + std::to_string(bucket);
+                                       " recompute " + model::to_string(r) + " gather bucket " + std::to_string(bucket) +
+                                       " keep " + keep;
               expect_no_buffer_alive_twice(d, c, what);
               if (accum == 1 && r == model::Recompute::none) {
                 c.mode = PlanConfig::Mode::loss;
@@ -350,6 +355,47 @@ TEST(Plan, KeepGatheredUnitsAreGatheredOncePerStep) {
     ADD_FAILURE() << "h.99 accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("'h.99'"), std::string::npos) << e.what();
+  }
+}
+
+// Part of a unit kept (NAME:FRACTION): its forward gathers the whole unit and sets the part
+// aside; its backward gathers only the rest. The memory price lies between none and the whole.
+TEST(Plan, KeepingPartOfAUnitGathersOnlyTheRestForItsBackward) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  int h0 = -1;
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    if (desc.units[u].name == "h.0") h0 = static_cast<int>(u);
+  for (int param_bytes : {4, 2}) {
+    PlanConfig c;
+    c.strategy = Strategy::fsdp, c.world = 2, c.param_bytes = param_bytes;
+    const Plan none = build_plan(desc, c);
+    c.keep_gathered = {"h.0:0.5"};
+    const Plan part = build_plan(desc, c);
+    c.keep_gathered = {"h.0"};
+    const Plan whole = build_plan(desc, c);
+    const int64_t shard = part.layout.units[h0].padded / 2, kept = shard / 2 / 16 * 16;
+    EXPECT_EQ(part.kept_elems[h0], kept);
+    std::vector<int64_t> bytes;
+    for (const Task& t : part.tasks)
+      if (t.op == Op::all_gather && t.unit == h0) bytes.push_back(t.bytes);
+    ASSERT_EQ(bytes.size(), 2u);
+    EXPECT_EQ(bytes[0], part.layout.units[h0].padded * param_bytes);  // the forward: all of it
+    EXPECT_EQ(bytes[1], (shard - kept) * 2 * param_bytes);           // the backward: the rest
+    const int64_t params_none = none.max_memory()[MemCategory::params], params_part = part.max_memory()[MemCategory::params];
+    EXPECT_EQ(params_part - params_none, kept * 2 * param_bytes) << "the kept part, in the wire dtype";
+    EXPECT_LT(params_part, whole.max_memory()[MemCategory::params]);
+  }
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2;
+  for (const std::string bad : {"h.0:0", "h.0:1", "h.0:1.5", "h.0:x", "h.0:", "h.0:-0.5"}) {
+    c.keep_gathered = {bad};
+    try {
+      build_plan(desc, c);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--keep-gathered"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'" + bad + "'"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -34,10 +34,11 @@ struct Layout {
   double param_tol = 1e-5;  // ||delta|| / ||p||, per tensor
   std::string model = "tiny";
   double gather_bucket_mb = 0;  // --gather-bucket-mb (0: one all_gather per unit)
+  std::string keep = "";        // --keep-gathered ("": none)
 };
 
 void PrintTo(const Layout& l, std::ostream* os) {
-  *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb;
+  *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb << " keep " << l.keep;
 }
 
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
@@ -80,8 +81,9 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
     ASSERT_EQ(r.code, 0) << r.out;
   }
   const std::string name = l.model + "_" + l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16") +
-                           (l.gather_bucket_mb > 0 ? "_buckets" : "");
+                           (l.gather_bucket_mb > 0 ? "_buckets" : "") + (l.keep.empty() ? "" : "_keep");
   std::string extra = " --strategy " + l.strategy + " " + l.dtypes;
+  if (!l.keep.empty()) extra += " --keep-gathered " + l.keep;
   if (l.gather_bucket_mb > 0) extra += " --gather-bucket-mb " + std::to_string(l.gather_bucket_mb);
   if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
   const auto r = l.ranks == 1 ? shardlm(args(name, B, l.model) + extra) : mpirun(l.ranks, args(name, B, l.model) + extra);
@@ -100,6 +102,7 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   pc.param_bytes = l.dtypes.find("--param-dtype bf16") != std::string::npos ? 2 : 4;
   pc.reduce_bytes = l.dtypes.find("--reduce-dtype bf16") != std::string::npos ? 2 : 4;
   pc.gather_bucket_mb = l.gather_bucket_mb;
+  if (!l.keep.empty()) pc.keep_gathered = {l.keep};
   const model::ModelDesc desc = tiny(l.model);
   const plan::Plan p = plan::build_plan(desc, pc);
   const MemSnapshot want = p.max_memory();
@@ -172,13 +175,17 @@ std::vector<Layout> layouts() {
   out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "tiny", 0.4});
   out.push_back({"hybrid", 4, 2, bf16, 1e-2, 0.15, "tiny", 0.4});
   out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "llama-tiny", 0.4});
+  // Half of every unit kept from its forward to its backward: the kept parts (in the wire dtype)
+  // and the rest's staging are the plan's, as measured.
+  out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "tiny", 0, "all:0.5"});
+  out.push_back({"hybrid", 4, 2, bf16, 1e-2, 0.15, "llama-tiny", 0, "all:0.5"});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layouts()), [](const auto& info) {
   return (info.param.model == "tiny" ? "" : "llama_") + info.param.strategy + "_np" + std::to_string(info.param.ranks) +
          (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "") +
-         (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "");
+         (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "") + (info.param.keep.empty() ? "" : "_keep");
 });
 
 // A checkpoint written under one strategy and rank count resumes under another with the same
