@@ -269,6 +269,9 @@ int run(int argc, char** argv) {
       ->delimiter(',')
       ->check(at_least(1));
   cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
+  cal_cmd->add_option("--gemm-models", co.gemm_models, "models whose GEMM shapes are timed (comma list; none: skip)")
+      ->delimiter(',')
+      ->capture_default_str();
 
   // plan
   auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");

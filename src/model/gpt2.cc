@@ -78,7 +78,9 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       const double gemm = 2 * bt * (C * 3 * C + C * C + C * F + F * C);
       const double attention = 2 * bt * T * C;  // QK^T and AV, 2 FLOPs a multiply-add, causal half
       k.forward_flops = gemm + attention;
+      k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;
+      k.gemms = {{BT, C, 3 * C}, {BT, C, C}, {BT, C, F}, {BT, F, C}};
       k.selective_recompute_flops = 2 * 8 * bt * C + 20 * bt * F;  // two layer norms, GELU
       k.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * BT * F) * e;  // norms, residuals, GELU
       k.output_bytes = slice(BT * C, e);
@@ -96,6 +98,7 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       const int64_t V = c.vocab_size, Vp = c.padded_vocab(), rows = detail::head_chunk_rows(BT);
       k.forward_flops = 2 * bt * C * V;
       k.backward_flops = 4 * bt * C * V;
+      k.gemms = {{BT, C, V}};
       k.pointwise_bytes = (2 * BT * C + BT * V) * e;
       // Final norm out + mean + rstd, and the logits of one chunk of rows (+ 2 per row).
       k.forward_workspace = slice(BT * C, e) + 2 * slice(BT, 4) + slice(rows * Vp + 2 * rows, 4);

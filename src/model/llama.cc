@@ -74,7 +74,9 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       const double gemm = 2 * bt * (C * QKV + C * C + C * 2 * F + F * C);
       const double attention = 2 * bt * T * C;  // QK^T and AV over the NH query heads, causal half
       k.forward_flops = gemm + attention;
+      k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;
+      k.gemms = {{BT, C, QKV}, {BT, C, C}, {BT, C, 2 * F}, {BT, F, C}};
       k.selective_recompute_flops = 2 * 4 * bt * C + 6 * bt * F;  // two RMSNorms, SwiGLU
       k.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * (BT * (NH + c.n_kv_head) * HS) + 3 * BT * F) * e;
       k.output_bytes = slice(BT * C, e);
@@ -95,6 +97,7 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       const int64_t V = c.vocab_size, Vp = c.padded_vocab(), rows = detail::head_chunk_rows(BT);
       k.forward_flops = 2 * bt * C * V;
       k.backward_flops = 4 * bt * C * V;
+      k.gemms = {{BT, C, V}};
       k.pointwise_bytes = (2 * BT * C + BT * V) * e;
       k.forward_workspace = slice(BT * C, e) + slice(BT, 4) + slice(rows * Vp + 2 * rows, 4);
       k.backward_workspace = slice(BT * C, e);

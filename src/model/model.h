@@ -87,6 +87,13 @@ struct Shape {
   int threads = 1;
 };
 
+// One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
+// Its backward is two GEMMs of the same FLOPs each (the input's gradient and the weight's).
+struct GemmShape {
+  int64_t M = 0, K = 0, N = 0;
+  double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N); }
+};
+
 // What one unit costs for one micro-batch. Activation bytes are exactly what layers/ allocates
 // (each slice rounded up to 64 bytes); a test per unit kind holds the two together.
 struct UnitCosts {
@@ -99,6 +106,10 @@ struct UnitCosts {
   int64_t recomputable_bytes = 0;        // kept for the backward only when recompute is none
   int64_t forward_workspace = 0;         // scratch alive inside one forward (or recompute) task
   int64_t backward_workspace = 0;        // scratch alive inside one backward task
+  // The forward's weight GEMMs (their FLOPs are part of forward_flops; the head's is its vocabulary
+  // projection), for a cost model that prices GEMMs by shape.
+  std::vector<GemmShape> gemms;
+  double attention_flops = 0;  // causal attention's forward FLOPs (part of forward_flops; backward 2×)
   // Activation bytes kept from the forward to the backward under `mode`.
   int64_t kept_bytes(Recompute mode) const;
   double recompute_flops(Recompute mode) const;

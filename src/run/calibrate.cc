@@ -4,9 +4,11 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "model/model.h"
 #include "tensor/memory.h"
 
 namespace shardlm::run {
@@ -37,6 +39,26 @@ double best_seconds(F f) {
   return best;
 }
 
+// Median time of `f` over at least 5 runs and ~0.3 s (the first untimed), each starting from
+// caches another 64 MiB has passed through: what a kernel meets inside a training step, where
+// the weights and activations of every other unit pass between its runs, on a machine whose
+// speed varies (the best warm run would be optimistic).
+template <class F>
+double typical_seconds(F f) {
+  static Buffer other(MemCategory::workspace, 64 << 20);
+  f();
+  std::vector<double> times;
+  double spent = 0;
+  while (times.size() < 5 || (spent < 0.3 && times.size() < 50)) {
+    std::memset(other.data(), static_cast<int>(times.size()), other.bytes());
+    const auto t0 = Clock::now();
+    f();
+    times.push_back(seconds_since(t0));
+    spent += times.back();
+  }
+  return median(times);
+}
+
 // FLOP/s of one (N, C) × (C, OC) GEMM.
 double gemm_flops(const kernels::Backend& k, int64_t N, int64_t C, int64_t OC) {
   Buffer a(MemCategory::workspace, 4 * N * C), w(MemCategory::workspace, 4 * OC * C), out(MemCategory::workspace, 4 * N * OC);
@@ -46,6 +68,128 @@ double gemm_flops(const kernels::Backend& k, int64_t N, int64_t C, int64_t OC) {
 }
 
 json fig(double v, const std::string& source) { return {{"value", v}, {"source", source}}; }
+
+// Forward and backward FLOP/s of one unit GEMM with the kernels its layers run: Conv1D linear
+// (GPT-2 blocks), nn.Linear dense (LLaMA blocks), or the head fused with its loss (one task,
+// 6·M·K·N FLOPs: both rates are its rate).
+std::pair<double, double> unit_gemm_flops(const kernels::Backend& k, model::UnitKind kind, const model::GemmShape& g,
+                                          int64_t padded_vocab) {
+  const int64_t M = g.M, K = g.K, N = g.N;
+  if (model::is_head(kind)) {
+    const int64_t chunk = model::detail::head_chunk_rows(M);
+    Buffer x(MemCategory::workspace, 4 * M * K), w(MemCategory::workspace, 4 * padded_vocab * K),
+        dx(MemCategory::workspace, 4 * M * K), dw(MemCategory::workspace, 4 * padded_vocab * K),
+        scratch(MemCategory::workspace, 4 * k.head_scratch(chunk, padded_vocab));
+    std::fill(x.f32(), x.f32() + M * K, 0.5f);
+    std::fill(w.f32(), w.f32() + padded_vocab * K, 0.01f);
+    std::vector<int32_t> targets(M);
+    for (int64_t i = 0; i < M; ++i) targets[i] = static_cast<int32_t>(i % N);
+    const double rate = g.flops() * 3 / typical_seconds([&] {
+      k.lm_head_cross_entropy(dx.f32(), dw.f32(), x.f32(), w.f32(), targets.data(), M, K, N, padded_vocab, 1.0f / M, chunk,
+                              scratch.f32(), nullptr);
+    });
+    return {rate, rate};
+  }
+  const bool conv1d = kind == model::UnitKind::gpt2_block;
+  Buffer x(MemCategory::workspace, 4 * M * K), w(MemCategory::workspace, 4 * K * N), b(MemCategory::workspace, 4 * N),
+      y(MemCategory::workspace, 4 * M * N), dx(MemCategory::workspace, 4 * M * K), dw(MemCategory::workspace, 4 * K * N),
+      db(MemCategory::workspace, 4 * N);
+  std::fill(x.f32(), x.f32() + M * K, 0.5f);
+  std::fill(w.f32(), w.f32() + K * N, 0.25f);
+  std::fill(b.f32(), b.f32() + N, 0.0f);
+  std::fill(y.f32(), y.f32() + M * N, 0.125f);
+  const double forward = g.flops() / typical_seconds([&] {
+    if (conv1d) k.linear_forward(y.f32(), x.f32(), w.f32(), b.f32(), M, K, N);
+    else k.dense_forward(y.f32(), x.f32(), w.f32(), M, K, N);
+  });
+  const double backward = 2 * g.flops() / typical_seconds([&] {
+    if (conv1d) k.linear_backward(dx.f32(), dw.f32(), db.f32(), y.f32(), x.f32(), w.f32(), M, K, N);
+    else k.dense_backward(dx.f32(), dw.f32(), y.f32(), x.f32(), w.f32(), M, K, N);
+  });
+  return {forward, backward};
+}
+
+// Bytes per second of the blocks' pointwise kernels as the cost model counts them (each array
+// read or written once): layer norm, RMSNorm, GELU, SwiGLU and the residual add, forward and
+// backward, over `small`'s block activations (N = 1024 rows, C = 384, F = 1536): mostly cache
+// resident, as in training, and the transcendental ones compute-bound, as in training.
+double pointwise_bandwidth(const kernels::Backend& k) {
+  const int64_t N = 1024, C = 384, F = 1536, NC = N * C, NF = N * F;
+  auto buf = [](int64_t n, float v) {
+    Buffer b(MemCategory::workspace, 4 * n);
+    std::fill(b.f32(), b.f32() + n, v);
+    return b;
+  };
+  Buffer x = buf(NF * 2, 0.5f), y = buf(NF * 2, 0.25f), z = buf(NF * 2, 0.125f), w = buf(F, 1.0f), bias = buf(F, 0.0f),
+         dw = buf(F, 0.0f), db = buf(F, 0.0f), mean = buf(N, 0.0f), rstd = buf(N, 1.0f);
+  double bytes = 0, seconds = 0;
+  auto time = [&](double moved, auto f) { bytes += 4 * moved, seconds += typical_seconds(f); };
+  time(2.0 * NC, [&] { k.layernorm_forward(y.f32(), mean.f32(), rstd.f32(), x.f32(), w.f32(), bias.f32(), N, C); });
+  time(3.0 * NC, [&] { k.layernorm_backward(z.f32(), dw.f32(), db.f32(), y.f32(), x.f32(), w.f32(), mean.f32(), rstd.f32(), N, C); });
+  time(2.0 * NC, [&] { k.rmsnorm_forward(y.f32(), rstd.f32(), x.f32(), w.f32(), N, C, 1e-5f); });
+  time(3.0 * NC, [&] { k.rmsnorm_backward(z.f32(), dw.f32(), y.f32(), x.f32(), w.f32(), rstd.f32(), N, C); });
+  time(2.0 * NF, [&] { k.gelu_forward(y.f32(), x.f32(), NF); });
+  time(3.0 * NF, [&] { k.gelu_backward(z.f32(), y.f32(), x.f32(), NF); });
+  time(3.0 * NF, [&] { k.swiglu_forward(y.f32(), x.f32(), N, F); });
+  time(5.0 * NF, [&] { k.swiglu_backward(z.f32(), y.f32(), x.f32(), N, F); });
+  time(3.0 * NC, [&] { k.residual_forward(z.f32(), x.f32(), y.f32(), NC); });
+  return bytes / seconds;
+}
+
+// Forward and backward FLOP/s (as the model counts them) of a block's causal attention.
+std::pair<double, double> attention_flops(const kernels::Backend& k, const model::ModelConfig& c, const model::Shape& s,
+                                          double flops, int threads) {
+  const int64_t B = s.B, T = s.T, NH = c.n_head, NKV = c.n_kv_head, HS = c.head_size();
+  const int64_t qkv_elems = B * T * (NH + 2 * NKV) * HS, out_elems = B * T * NH * HS;
+  Buffer qkv(MemCategory::workspace, 4 * qkv_elems), dqkv(MemCategory::workspace, 4 * qkv_elems),
+      out(MemCategory::workspace, 4 * out_elems), dout(MemCategory::workspace, 4 * out_elems),
+      lse(MemCategory::workspace, 4 * B * NH * T),
+      scratch(MemCategory::workspace, 4 * k.attention_backward_scratch(B, T, NH, NKV, HS, threads));
+  for (int64_t i = 0; i < qkv_elems; ++i) qkv.f32()[i] = 0.01f * static_cast<float>(i % 97);
+  std::fill(dout.f32(), dout.f32() + out_elems, 0.001f);
+  const double forward = flops / typical_seconds([&] { k.attention_forward(out.f32(), lse.f32(), qkv.f32(), B, T, NH, NKV, HS); });
+  const double backward = 2 * flops / typical_seconds([&] {
+    k.attention_backward(dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), lse.f32(), B, T, NH, NKV, HS, scratch.f32());
+  });
+  return {forward, backward};
+}
+
+// gemm_rates and attention_rates: each distinct weight GEMM of the models' first block and head,
+// and the first block's attention, at 1 thread and at `threads`.
+std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<std::string>& models, int threads) {
+  json rates = json::array(), attention = json::array();
+  std::vector<int> counts{1};
+  if (threads > 1) counts.push_back(threads);
+  for (int t : counts) {
+    k.init_compute(t);
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> seen;
+    std::vector<std::pair<int64_t, int64_t>> seen_attention;
+    for (const std::string& name : models) {
+      const model::ModelDesc desc = model::describe(model::model_preset(name));
+      const model::Shape shape{4, 256, 4, t};
+      for (size_t u = 0; u < desc.units.size(); ++u) {
+        const model::UnitKind kind = desc.units[u].kind;
+        if (!(model::is_head(kind) || desc.units[u].layer == 0)) continue;
+        const model::UnitCosts costs = desc.costs(static_cast<int>(u), shape);
+        const int64_t HS = desc.config.head_size();
+        if (costs.attention_flops > 0 &&
+            std::find(seen_attention.begin(), seen_attention.end(), std::make_pair(shape.T, HS)) == seen_attention.end()) {
+          seen_attention.emplace_back(shape.T, HS);
+          const auto [forward, backward] = attention_flops(k, desc.config, shape, costs.attention_flops, t);
+          attention.push_back({{"t", shape.T}, {"hs", HS}, {"threads", t}, {"forward", forward}, {"backward", backward}});
+        }
+        for (const model::GemmShape& g : costs.gemms) {
+          if (std::find(seen.begin(), seen.end(), std::make_tuple(g.M, g.K, g.N)) != seen.end()) continue;
+          seen.emplace_back(g.M, g.K, g.N);
+          const auto [forward, backward] = unit_gemm_flops(k, kind, g, desc.config.padded_vocab());
+          rates.push_back({{"m", g.M}, {"k", g.K}, {"n", g.N}, {"threads", t}, {"forward", forward}, {"backward", backward}});
+        }
+      }
+    }
+  }
+  k.init_compute(threads);
+  return {rates, attention};
+}
 
 }  // namespace
 
@@ -75,6 +219,12 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   const int64_t elems = 16 << 20;
   Buffer a(MemCategory::workspace, 4 * elems), b(MemCategory::workspace, 4 * elems), c(MemCategory::workspace, 4 * elems);
   const double bw = 12.0 * elems / best_seconds([&] { k.residual_forward(c.f32(), a.f32(), b.f32(), elems); });
+  const double pointwise = pointwise_bandwidth(k);
+  json rates, attention;
+  if (!o.gemm_models.empty() && o.gemm_models != std::vector<std::string>{"none"}) {
+    world.barrier("calibrate")->wait();  // every rank's kernels at once, as in training
+    std::tie(rates, attention) = kernel_rates(k, o.gemm_models, o.threads);
+  }
 
   std::vector<int64_t> sizes = o.sizes;
   if (sizes.empty())
@@ -143,6 +293,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"fp32_peak_flops", fig(peak / o.threads, here + ": the same as peak_flops")},
          {"gemm_efficiency", fig(std::min(1.0, shapes / peak), here + ": small's block GEMMs (1024 rows) against the 2048^3 peak")},
          {"memory_bw", fig(bw, here + ": residual add over 64 MiB arrays")},
+         {"pointwise_bw", fig(pointwise / o.threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward and backward) over small's block activations, bytes read and written per second, per thread")},
          {"devices_per_node", fig(std::max(n, 1), "one machine: every rank is on it")},
          {"cores_per_node", fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency")},
          {"device_memory", fig(0, "host memory: no per-device limit")},
@@ -151,6 +302,16 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"inter_node", tier}};
   for (const char* c : {"all_gather", "reduce_scatter", "all_reduce"})
     for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][c][f]["source"] = "no network here: the intra_node figure";
+  if (!rates.is_null()) {
+    std::string models;
+    for (const auto& m : o.gemm_models) models += (models.empty() ? "" : ", ") + m;
+    j["gemm_rates"] = fig(0, here + ": the weight GEMMs of " + models +
+                                 " at B=4, T=256 with the kernels their layers run, FLOP/s per rank forward and backward");
+    j["gemm_rates"]["value"] = rates;
+    j["attention_rates"] = fig(0, here + ": the first block's causal attention of " + models +
+                                      " at B=4, T=256, FLOP/s per rank (2·B·T·T·C forward, twice that backward)");
+    j["attention_rates"]["value"] = attention;
+  }
   return j.dump(2);
 }
 

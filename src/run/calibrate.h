@@ -23,6 +23,9 @@ struct CalibrateOptions {
   std::vector<int64_t> sizes;  // collective buffer sizes S in bytes; empty: 4 KiB .. 64 MiB by ×4
   int iters = 5;               // timed repetitions per size (after one untimed)
   std::string name = "cpu-local";
+  // Models whose weight GEMMs (at B = 4, T = 256) are timed into gemm_rates, at 1 thread and at
+  // `threads`; empty: none.
+  std::vector<std::string> gemm_models{"small", "llama-small"};
 };
 
 // One fitted line t = alpha + x / bw (x = S·factor), from (x, t) points.

@@ -1,11 +1,34 @@
 #include "sim/cost.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace shardlm::sim {
 
 using plan::Op;
+
+namespace {
+
+double log_distance(int64_t a, int64_t b) {
+  const double r = std::log(static_cast<double>(a) / static_cast<double>(b));
+  return r * r;
+}
+
+// The measured row nearest by `distance` among those at the nearest thread count, and the factor
+// that scales its rates linearly to `threads`.
+template <class Row, class Distance>
+std::pair<const Row*, double> nearest(const std::vector<Row>& rows, int threads, Distance distance) {
+  int at = rows.front().threads;
+  for (const Row& r : rows)
+    if (std::abs(r.threads - threads) < std::abs(at - threads)) at = r.threads;
+  const Row* best = nullptr;
+  for (const Row& r : rows)
+    if (r.threads == at && (!best || distance(r) < distance(*best))) best = &r;
+  return {best, static_cast<double>(threads) / at};
+}
+
+}  // namespace
 
 double bus_factor(Collective c, int n) {
   if (n <= 1) return 0;
@@ -38,9 +61,34 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     oversubscription_ = std::max(1.0, static_cast<double>(busy) / hw.cores_per_node);
   }
   rate_ = peak_ * hw.gemm_efficiency;
+  pointwise_bw_ = hw.pointwise_bw > 0 ? hw.pointwise_bw * (hw.per_thread ? threads : 1) : hw.memory_bw;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
   const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads};
-  for (size_t u = 0; u < desc.units.size(); ++u) pointwise_.push_back(desc.costs(static_cast<int>(u), shape).pointwise_bytes);
+  for (size_t u = 0; u < desc.units.size(); ++u) {
+    const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
+    pointwise_.push_back(c.pointwise_bytes);
+    if (hw.gemm_rates.empty() && hw.attention_rates.empty()) continue;
+    double flops = 0, forward = 0, backward = 0;
+    if (!hw.gemm_rates.empty())
+      for (const model::GemmShape& g : c.gemms) {
+        const auto [r, scale] = nearest(hw.gemm_rates, threads, [&](const GemmRate& m) {
+          return log_distance(g.M, m.M) + log_distance(g.K, m.K) + log_distance(g.N, m.N);
+        });
+        flops += g.flops();
+        forward += g.flops() / (r->forward * scale);
+        backward += 2 * g.flops() / (r->backward * scale);
+      }
+    if (!hw.attention_rates.empty() && c.attention_flops > 0) {
+      const int64_t T = plan.config.seq, HS = desc.config.head_size();
+      const auto [r, scale] = nearest(hw.attention_rates, threads, [&](const AttentionRate& m) {
+        return log_distance(T, m.T) + log_distance(HS, m.HS);
+      });
+      flops += c.attention_flops;
+      forward += c.attention_flops / (r->forward * scale);
+      backward += 2 * c.attention_flops / (r->backward * scale);
+    }
+    measured_flops_.push_back(flops), measured_forward_s_.push_back(forward), measured_backward_s_.push_back(backward);
+  }
 }
 
 int CostModel::group_size(const plan::Task& t) const {
@@ -65,30 +113,49 @@ bool CostModel::crosses_nodes(const plan::Task& t) const {
 
 double CostModel::compute_seconds(const plan::Task& t) const {
   // Bytes the task's pointwise kernels (and the memory-bound optimizer passes) move.
-  double bytes = 0;
+  double bytes = 0, pointwise = 0;
   const auto& st = plan_.static_memory;
   switch (t.op) {
     case Op::forward:
     case Op::recompute:
     case Op::head:
     case Op::loss:
-    case Op::logits: bytes = t.unit >= 0 ? pointwise_[t.unit] : 0; break;
+    case Op::logits: pointwise = t.unit >= 0 ? pointwise_[t.unit] : 0; break;
     // The backward reads the forward's values and writes their gradients: about twice.
-    case Op::backward: bytes = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
+    case Op::backward: pointwise = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
     // AdamW reads params, grads and both moments and writes params and moments.
     case Op::optimizer: bytes = 2.0 * (st.params + st.optimizer) + st.grads; break;
     case Op::grad_norm:
     case Op::zero_grads: bytes = static_cast<double>(st.grads); break;
     default: break;
   }
-  return (t.flops / rate_ + bytes / hw_.memory_bw) * oversubscription_;  // FLOP / (FLOP/s) + B / (B/s)
+  // A unit's weight GEMMs and attention at their measured rates, when the profile has them.
+  double gemm_flops = 0, gemm_s = 0;
+  if (!measured_flops_.empty() && t.unit >= 0) {
+    const double f = measured_flops_[t.unit], fwd = measured_forward_s_[t.unit], bwd = measured_backward_s_[t.unit];
+    switch (t.op) {
+      case Op::forward:
+      case Op::loss:
+      case Op::logits: gemm_flops = f, gemm_s = fwd; break;
+      case Op::head: gemm_flops = 3 * f, gemm_s = fwd + bwd; break;  // forward and backward, fused
+      case Op::backward: gemm_flops = 2 * f, gemm_s = bwd; break;
+      case Op::recompute:
+        if (plan_.config.recompute == model::Recompute::full) gemm_flops = f, gemm_s = fwd;
+        break;
+      default: break;
+    }
+  }
+  // FLOP / (FLOP/s) + B / (B/s)
+  return ((t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_ + bytes / hw_.memory_bw) * oversubscription_;
 }
 
 double CostModel::seconds(const plan::Task& t) const {
   if (t.stream == plan::kCompute) return compute_seconds(t);
   const Collective c = collective_of(t.op);
   const Tier& tier = crosses_nodes(t) ? hw_.inter : hw_.intra;
-  return collective_seconds(tier.of(c), c, static_cast<double>(t.bytes), group_size(t));
+  // A collective's local copies (casts, a bucket's unpacking) read and write memory once each.
+  return collective_seconds(tier.of(c), c, static_cast<double>(t.bytes), group_size(t)) +
+         2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
 }
 
 }  // namespace shardlm::sim

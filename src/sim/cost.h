@@ -1,5 +1,7 @@
 // The cost model: how long each task of a plan takes on a hardware profile.
-//  - compute: FLOPs / (peak × GEMM efficiency) + pointwise bytes / memory bandwidth;
+//  - compute: FLOPs / (peak × GEMM efficiency) + pointwise bytes / memory bandwidth; where the
+//    profile has measured rates, a unit's weight GEMMs and attention at the nearest measured
+//    shape's rate;
 //  - collectives: α + S · factor(n) / busBw (nccl-tests' definitions: S the whole buffer,
 //    factor (n−1)/n for all-gather and reduce-scatter, 2(n−1)/n for all-reduce), α and busBw
 //    those of the link tier the group spans (inside a node, or across nodes).
@@ -37,9 +39,12 @@ class CostModel {
   const model::ModelDesc& desc_;
   const plan::Plan& plan_;
   const HardwareProfile& hw_;
-  double peak_ = 0, rate_ = 0;
+  double peak_ = 0, rate_ = 0, pointwise_bw_ = 0;
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
+  // Per unit, with measured rates: the forward FLOPs they price (weight GEMMs, attention) and
+  // their seconds forward and backward (empty without).
+  std::vector<double> measured_flops_, measured_forward_s_, measured_backward_s_;
 };
 
 }  // namespace shardlm::sim

@@ -60,6 +60,33 @@ Tier tier(const json& j, const std::string& key, const std::string& origin) {
   return out;
 }
 
+// A measured table: {"value": [{field: number, ...}, ...], "source": "..."}; each row's fields in
+// the order given, positive, the first `whole` of them whole numbers. Absent: no rows.
+std::vector<std::vector<double>> table(const json& j, const std::string& key, const std::vector<std::string>& fields,
+                                       size_t whole, const std::string& origin) {
+  std::vector<std::vector<double>> rows;
+  if (!j.contains(key)) return rows;
+  const json& f = j.at(key);
+  if (!f.is_object() || !f.contains("source") || !f.at("source").is_string() || f.at("source").get<std::string>().empty())
+    throw bad(origin, key, "must be {\"value\": [...], \"source\": \"...\"}");
+  if (!f.contains("value") || !f.at("value").is_array()) throw bad(origin, key + ".value", "must be a list");
+  for (size_t i = 0; i < f.at("value").size(); ++i) {
+    const json& e = f.at("value")[i];
+    const std::string path = key + ".value[" + std::to_string(i) + "]";
+    std::vector<double> row;
+    for (size_t c = 0; c < fields.size(); ++c) {
+      const std::string& name = fields[c];
+      if (!e.is_object() || !e.contains(name) || !e.at(name).is_number()) throw bad(origin, path + "." + name, "must be a number");
+      const double v = e.at(name).get<double>();
+      if (!std::isfinite(v) || v <= 0 || (c < whole && (v != std::floor(v) || v > 1e12)))
+        throw bad(origin, path + "." + name, std::string("must be a positive ") + (c < whole ? "whole " : "") + "number, got " + e.at(name).dump());
+      row.push_back(v);
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
+
 bool is_dir(const fs::path& p) {
   std::error_code ec;
   return fs::is_directory(p, ec);
@@ -92,6 +119,7 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   h.gemm_efficiency = figure(j, "gemm_efficiency", "", origin);
   if (h.gemm_efficiency > 1) throw bad(origin, "gemm_efficiency.value", "must be <= 1 (a fraction of peak_flops)");
   h.memory_bw = figure(j, "memory_bw", "", origin);
+  if (j.contains("pointwise_bw")) h.pointwise_bw = figure(j, "pointwise_bw", "", origin);
   const double dpn = figure(j, "devices_per_node", "", origin);
   if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");
   h.devices_per_node = static_cast<int>(dpn);
@@ -103,6 +131,11 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   h.device_memory = static_cast<int64_t>(figure(j, "device_memory", "", origin, true));
   h.comm_compute_slowdown = figure(j, "comm_compute_slowdown", "", origin);
   if (h.comm_compute_slowdown < 1) throw bad(origin, "comm_compute_slowdown.value", "must be >= 1 (a slowdown)");
+  for (const auto& r : table(j, "gemm_rates", {"m", "k", "n", "threads", "forward", "backward"}, 4, origin))
+    h.gemm_rates.push_back({static_cast<int64_t>(r[0]), static_cast<int64_t>(r[1]), static_cast<int64_t>(r[2]),
+                            static_cast<int>(r[3]), r[4], r[5]});
+  for (const auto& r : table(j, "attention_rates", {"t", "hs", "threads", "forward", "backward"}, 3, origin))
+    h.attention_rates.push_back({static_cast<int64_t>(r[0]), static_cast<int64_t>(r[1]), static_cast<int>(r[2]), r[3], r[4]});
   h.intra = tier(j, "intra_node", origin);
   h.inter = tier(j, "inter_node", origin);
   return h;

@@ -29,6 +29,22 @@ struct Tier {
   const LinkCost& of(Collective c) const { return op[static_cast<int>(c)]; }
 };
 
+// A measured GEMM rate: one rank running an (M, K) × (K, N) GEMM with `threads` compute threads,
+// FLOP/s of the forward and of the backward (its two gradient GEMMs together).
+struct GemmRate {
+  int64_t M = 0, K = 0, N = 0;
+  int threads = 1;
+  double forward = 0, backward = 0;
+};
+
+// A measured causal attention rate: one rank, sequence length T, head size HS, `threads` compute
+// threads; FLOP/s of the forward (2·B·T·T·C as the model counts it) and of the backward (twice).
+struct AttentionRate {
+  int64_t T = 0, HS = 0;
+  int threads = 1;
+  double forward = 0, backward = 0;
+};
+
 struct HardwareProfile {
   std::string name;
   std::string origin;              // the file it came from
@@ -37,7 +53,11 @@ struct HardwareProfile {
   double peak_flops = 0;           // dense peak in compute_dtype, FLOP/s (the MFU denominator)
   double fp32_peak_flops = 0;      // FP32 peak (non-tensor-core on GPUs), FLOP/s
   double gemm_efficiency = 1;      // achieved GEMM FLOP/s ÷ peak_flops
-  double memory_bw = 0;            // pointwise kernels' bandwidth, bytes/s
+  double memory_bw = 0;            // streaming bandwidth (optimizer, gradient zeroing and norm, copies), bytes/s
+  // Optional: bytes/s of the units' pointwise kernels as the model counts their bytes (per thread
+  // on a per_thread profile: norms and activations are partly compute-bound and cache-resident).
+  // 0: memory_bw.
+  double pointwise_bw = 0;
   int devices_per_node = 1;
   // CPU (per_thread) profiles, optional: cores the ranks of a node share. More compute threads
   // than cores (ranks on the node × --threads) time-slice them: each rank's compute slows by
@@ -45,6 +65,11 @@ struct HardwareProfile {
   int cores_per_node = 0;
   int64_t device_memory = 0;       // bytes per device (0: unbounded, the host's memory)
   double comm_compute_slowdown = 1;  // compute runs this many times slower while a collective runs
+  // Optional (calibrate writes them): measured rates of the GEMM shapes models use. A unit's
+  // weight GEMMs are then priced at the nearest measured shape's rate; other FLOPs, and every GEMM
+  // without them, at peak_flops × gemm_efficiency.
+  std::vector<GemmRate> gemm_rates;
+  std::vector<AttentionRate> attention_rates;  // the same for blocks' attention (nearest T, HS)
   Tier intra, inter;
 };
 

@@ -118,7 +118,7 @@ TEST_F(Simulate, TraceMatchesARealRun) {
 
 // calibrate writes a profile (at 1 and 2 ranks) that simulate reads.
 TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
-  const std::string quick = " --threads 1 --sizes-kib 4,256,2048 --iters 2";
+  const std::string quick = " --threads 1 --sizes-kib 4,256,2048 --iters 2 --gemm-models tiny";
   const Result one = shardlm("calibrate --out " + (dir_ / "cal1.json").string() + quick);
   ASSERT_EQ(one.code, 0) << one.out;
   const Result two = shardlm::testing::mpirun(2, "calibrate --out " + (dir_ / "cal2.json").string() + quick);
@@ -131,6 +131,10 @@ TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
   const json j = json::parse(std::ifstream(dir_ / "cal2.json"));
   EXPECT_GT(j["intra_node"]["all_reduce"]["bus_bw"]["value"].get<double>(), 0);
   EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);
+  // tiny's block (qkv, projection, MLP up and down: 4 shapes) and head GEMMs, and its attention.
+  EXPECT_EQ(j["gemm_rates"]["value"].size(), 5u);
+  EXPECT_EQ(j["attention_rates"]["value"].size(), 1u);
+  EXPECT_GT(j["pointwise_bw"]["value"].get<double>(), 0);
 }
 
 // The planner under a budget that rules out DDP (below DDP's least memory: batch 1, full

@@ -68,6 +68,25 @@ TEST(ModelDesc, TrainFlopsFollowSixND) {
   EXPECT_NEAR(d.train_flops(4, 64), 6 * N * tokens + 6.0 * 12 * 64 * C * tokens, 1.0);
 }
 
+// A unit's weight GEMMs are its forward's FLOPs less causal attention (2·B·T·T·C a block), and
+// each GEMM's K × N is one of the unit's weight matrices.
+TEST(UnitCosts, GemmShapesAreTheWeightMatricesAndCarryTheForwardFlops) {
+  for (const char* preset : {"small", "llama-small", "llama2-7b"}) {
+    const ModelDesc d = describe(model_preset(preset));
+    const Shape s{2, 64, 4, 1};
+    for (size_t u = 0; u < d.units.size(); ++u) {
+      const UnitCosts c = d.costs(static_cast<int>(u), s);
+      double gemm = 0;
+      for (const GemmShape& g : c.gemms) {
+        EXPECT_EQ(g.M, s.B * s.T) << preset << " " << d.units[u].name;
+        gemm += g.flops();
+      }
+      const double attention = is_block(d.units[u].kind) ? 2.0 * s.B * s.T * s.T * d.config.n_embd : 0;
+      EXPECT_NEAR(gemm + attention, c.forward_flops, 1e-9 * c.forward_flops) << preset << " " << d.units[u].name;
+    }
+  }
+}
+
 // Hugging Face's parameter counts of the real shapes (no allocation: a description only).
 TEST(ModelDesc, RealShapesHaveTheirPublishedParameterCounts) {
   EXPECT_EQ(describe(model_preset("llama2-7b")).num_params_exported(), 6738415616);

@@ -89,6 +89,35 @@ TEST(Hardware, BadProfilesNameFileAndField) {
   for (const std::string& s : {e}) EXPECT_EQ(s.find('\n'), std::string::npos);
 }
 
+// Measured kernel rates (what calibrate writes) are read row by row; a bad row names its field.
+TEST(Hardware, MeasuredRatesAreReadAndBadRowsNamed) {
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  j["gemm_rates"] = {{"source", "test"},
+                     {"value", {{{"m", 1024}, {"k", 384}, {"n", 1152}, {"threads", 2}, {"forward", 3e11}, {"backward", 2.5e11}}}}};
+  j["attention_rates"] = {{"source", "test"}, {"value", {{{"t", 256}, {"hs", 64}, {"threads", 1}, {"forward", 1e11}, {"backward", 9e10}}}}};
+  j["pointwise_bw"] = {{"source", "test"}, {"value", 2e10}};
+  const HardwareProfile h = parse_hardware(j.dump(), "x.json");
+  ASSERT_EQ(h.gemm_rates.size(), 1u);
+  EXPECT_EQ(h.gemm_rates[0].N, 1152);
+  EXPECT_EQ(h.gemm_rates[0].threads, 2);
+  EXPECT_DOUBLE_EQ(h.gemm_rates[0].backward, 2.5e11);
+  ASSERT_EQ(h.attention_rates.size(), 1u);
+  EXPECT_EQ(h.attention_rates[0].HS, 64);
+  EXPECT_DOUBLE_EQ(h.pointwise_bw, 2e10);
+  auto bad = j;
+  bad["gemm_rates"]["value"][0]["threads"] = 1.5;
+  std::string e = error_of([&] { parse_hardware(bad.dump(), "x.json"); });
+  EXPECT_NE(e.find("x.json: gemm_rates.value[0].threads"), std::string::npos) << e;
+  bad = j;
+  bad["attention_rates"]["value"][0].erase("forward");
+  e = error_of([&] { parse_hardware(bad.dump(), "x.json"); });
+  EXPECT_NE(e.find("attention_rates.value[0].forward"), std::string::npos) << e;
+  bad = j;
+  bad["gemm_rates"].erase("source");
+  e = error_of([&] { parse_hardware(bad.dump(), "x.json"); });
+  EXPECT_NE(e.find("gemm_rates"), std::string::npos) << e;
+}
+
 TEST(Cost, CollectiveFollowsAlphaBeta) {
   const LinkCost link{20e-6, 100e9};
   const double S = 256.0 * 1048576;
@@ -99,6 +128,82 @@ TEST(Cost, CollectiveFollowsAlphaBeta) {
     EXPECT_DOUBLE_EQ(collective_seconds(link, Collective::all_reduce, S, n), 20e-6 + S * 2 * f / 100e9);
   }
   EXPECT_EQ(collective_seconds(link, Collective::all_reduce, S, 1), 0);
+}
+
+// A collective's local copies (bf16 casts, a bucket's unpacking, a partly kept unit's kept part
+// and rest) are priced at the memory bandwidth: one read and one write of each byte. An fp32
+// gather straight into the gathered buffer copies nothing.
+TEST(Cost, CollectivesPayForTheirLocalCopies) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile slow = preset("cpu-local"), fast = slow;
+  slow.memory_bw = 1e9, fast.memory_bw = 2e9;
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2;
+  const Plan plain = plan::build_plan(desc, c);
+  for (const auto& t : plain.tasks) {
+    if (t.op == Op::all_gather) {
+      EXPECT_EQ(t.copy_bytes, 0) << t.name(&desc);
+    }
+  }
+  for (int variant = 0; variant < 3; ++variant) {
+    PlanConfig v = c;
+    if (variant == 0) v.param_bytes = 2;
+    if (variant == 1) v.gather_bucket_mb = 100;
+    if (variant == 2) v.keep_gathered = {"all:0.5"};
+    const Plan p = plan::build_plan(desc, v);
+    const CostModel a(desc, p, slow, 1), b(desc, p, fast, 1);
+    int copying = 0;
+    for (const auto& t : p.tasks) {
+      if (t.op != Op::all_gather || t.copy_bytes == 0) continue;
+      ++copying;
+      EXPECT_NEAR(a.seconds(t) - b.seconds(t), 2.0 * t.copy_bytes * (1 / 1e9 - 1 / 2e9), 1e-12) << t.name(&desc);
+    }
+    EXPECT_GT(copying, 0) << "variant " << variant;
+  }
+}
+
+// With measured rates a block's time is its weight GEMMs at the nearest measured shape's rate,
+// its attention at the attention rate and its pointwise bytes at pointwise_bw (per thread on a
+// CPU profile); a thread count not measured scales the nearest linearly.
+TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("cpu-local");
+  hw.gemm_rates = {{1024, 384, 1152, 1, 1e11, 5e10}, {1024, 384, 1536, 1, 2e11, 1e11}, {1024, 1536, 384, 1, 4e11, 2e11},
+                   {1024, 384, 50257, 1, 3e11, 3e11}, {1024, 384, 1152, 2, 9e11, 9e11}};
+  hw.attention_rates = {{256, 64, 1, 5e10, 2.5e10}};
+  hw.pointwise_bw = 1e10;
+  PlanConfig c;
+  c.batch = 4, c.seq = 256;
+  const Plan p = plan::build_plan(desc, c);
+  const int block = 1;
+  const model::UnitCosts k = desc.costs(block, {4, 256, 4, 1});
+  ASSERT_EQ(k.gemms.size(), 4u);
+  // qkv (384 -> 1152), attention projection (384 -> 384: nearest 384 -> 1152, then 1536), MLP up, down.
+  const double forward_gemms = k.gemms[0].flops() / 1e11 + k.gemms[1].flops() / 1e11 + k.gemms[2].flops() / 2e11 + k.gemms[3].flops() / 4e11;
+  const double backward_gemms = 2 * (k.gemms[0].flops() / 5e10 + k.gemms[1].flops() / 5e10 + k.gemms[2].flops() / 1e11 + k.gemms[3].flops() / 2e11);
+  const CostModel one(desc, p, hw, 1);
+  int checked = 0;
+  for (const auto& t : p.tasks) {
+    if (t.unit == block && t.op == Op::forward) {
+      EXPECT_NEAR(one.seconds(t), forward_gemms + k.attention_flops / 5e10 + k.pointwise_bytes / 1e10, 1e-12);
+      ++checked;
+    }
+    if (t.unit == block && t.op == Op::backward) {
+      EXPECT_NEAR(one.seconds(t), backward_gemms + 2 * k.attention_flops / 2.5e10 + 2.0 * k.pointwise_bytes / 1e10, 1e-12);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2);
+  // At 4 threads (cores not limited): the rows measured at 2 threads are the nearest, doubled;
+  // attention's only row (1 thread) is scaled by 4, and pointwise_bw is per thread.
+  hw.cores_per_node = 0;
+  const CostModel four(desc, p, hw, 4);
+  double all_gemms = 0;
+  for (const auto& g : k.gemms) all_gemms += g.flops();
+  for (const auto& t : p.tasks)
+    if (t.unit == block && t.op == Op::forward) {
+      EXPECT_NEAR(four.seconds(t), all_gemms / 1.8e12 + k.attention_flops / 2e11 + k.pointwise_bytes / 4e10, 1e-12);
+    }
 }
 
 // A plan's collectives are priced on the tier their group spans: inside an 8-GPU node on
