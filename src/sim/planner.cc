@@ -57,9 +57,12 @@ SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, con
 
 namespace {
 
-// Every configuration of one strategy the search tries, handed to `visit`.
+// Every configuration of one strategy the search tries, handed to `visit`. bf16 gathers and
+// reductions only where the profile computes in bf16 (a GPU): on an fp32 CPU profile their cost
+// is mostly CPU work (casts, a hand-written bf16 sum beside the compute threads) that the model
+// does not price, so a search there would take them for free.
 template <class F>
-void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, F visit) {
+void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, bool bf16_collectives, F visit) {
   PlanConfig c = base;
   c.strategy = s;
   const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
@@ -76,8 +79,8 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
         for (int pf : sharded ? std::vector<int>{1, 2} : std::vector<int>{1})
           for (int inflight : sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2})
             for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
-              for (int pb : sharded ? std::vector<int>{4, 2} : std::vector<int>{4})
-                for (int rb : c.world > 1 ? std::vector<int>{4, 2} : std::vector<int>{4})
+              for (int pb : sharded && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4})
+                for (int rb : c.world > 1 && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4})
                   for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false})
                     // All-gather buckets when no unit is kept (keeping all leaves one gather per unit
                     // a step), at the first prefetch depth and gather limit only: a bucket counts as
@@ -108,28 +111,45 @@ void rank(std::vector<Candidate>& v) {
 }  // namespace
 
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
-  auto with = [&](const Candidate& from, int u) {
+  auto with = [&](const Candidate& from, const std::string& entry) {
     PlanConfig c = from.config;
-    c.keep_gathered.push_back(desc.units[u].name);
+    c.keep_gathered.push_back(entry);
     const SimResult r = simulate_config(desc, c, hw, q.threads);
     return Candidate{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
   };
   auto fits = [&](const Candidate& k) { return q.memory_budget == 0 || k.peak_bytes <= q.memory_budget; };
-  // Each unit's own saving per byte, measured once against the start.
+  // Each unit's own saving per byte, measured once against the start, whether it fits or not.
   struct Option {
     int unit;
     double ms_per_byte;
   };
   std::vector<Option> options;
   for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
-    const Candidate k = with(best, u);
-    if (k.step_ms < best.step_ms && fits(k))
+    const Candidate k = with(best, desc.units[u].name);
+    if (k.step_ms < best.step_ms)
       options.push_back({u, (best.step_ms - k.step_ms) / static_cast<double>(std::max<int64_t>(1, k.peak_bytes - best.peak_bytes))});
   }
   std::stable_sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.ms_per_byte > b.ms_per_byte; });
   for (const Option& o : options) {
-    const Candidate k = with(best, o.unit);
-    if (k.step_ms < best.step_ms && fits(k)) best = k;
+    const std::string& name = desc.units[o.unit].name;
+    const Candidate k = with(best, name);
+    if (!(k.step_ms < best.step_ms)) continue;
+    if (fits(k)) {
+      best = k;
+      continue;
+    }
+    // The whole unit does not fit: the largest part of it, in eighths, that fits the budget left.
+    const double left = static_cast<double>(q.memory_budget - best.peak_bytes);
+    const double price = static_cast<double>(k.peak_bytes - best.peak_bytes);
+    for (int eighths = std::min(7, static_cast<int>(8 * left / price)); eighths >= 1; --eighths) {
+      std::ostringstream part;
+      part << name << ':' << eighths / 8.0;  // h.3:0.375
+      const Candidate p = with(best, part.str());
+      if (p.step_ms < best.step_ms && fits(p)) {
+        best = p;
+        break;
+      }
+    }
   }
   return best;
 }
@@ -148,7 +168,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       q.ranks == 1 ? std::vector<Strategy>{Strategy::ddp}
                    : std::vector<Strategy>{Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid};
   for (Strategy s : strategies)
-    each_config(b, s, q.global_tokens / per_step, [&](const PlanConfig& c) {
+    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", [&](const PlanConfig& c) {
       SimResult r;
       try {
         r = simulate_config(desc, c, hw, q.threads);

@@ -1,7 +1,8 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
 // simulates each, keeps those whose per-rank peak memory fits the budget and ranks them by
-// predicted step time. Configurations whose plan cannot be built are skipped. The fastest few
-// sharded ones are then refined by selective unsharding (keep_greedily).
+// predicted step time. bf16 gathers and reductions are tried on bf16 (GPU) profiles only.
+// Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
+// refined by selective unsharding (keep_greedily).
 #pragma once
 
 #include <cstdint>
@@ -46,8 +47,9 @@ std::string flags_of(const plan::PlanConfig& c);
 
 // Selective unsharding of `start` (fsdp / hybrid): each unit's saving of step time per byte of
 // peak memory is measured alone; then, best first, a unit stays gathered when that still makes
-// the step faster and the peak fits q.memory_budget (one pass in that order). The result is no
-// slower than `start` and fits.
+// the step faster and the peak fits q.memory_budget (one pass in that order). A unit whose whole
+// does not fit is split finer: the largest part of it, in eighths, that fits is kept (NAME:0.375)
+// instead. The result is no slower than `start` and fits.
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start);
 
 // One configuration's simulation as the search sees it. Micro-steps after the first are alike

@@ -375,19 +375,29 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
   EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
 }
 
+// llama-small on 16 ranks of h100-80gb at B=1, T=1024: where keeping units gathered pays.
+struct KeepSetup {
+  model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
+  HardwareProfile hw = preset("h100-80gb");
+  PlanQuery q;
+  PlanConfig c;
+  KeepSetup() {
+    q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
+    c = for_hardware(PlanConfig{}, hw);
+    c.world = 16, c.batch = 1, c.seq = 1024;
+  }
+  Candidate candidate(const PlanConfig& pc) const {
+    const SimResult r = simulate_config(desc, pc, hw, q.threads);
+    return Candidate{pc, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(pc)};
+  }
+};
+
 // Selective unsharding under a budget that holds some units gathered but not all: the refined
 // plan fits, is faster than where it started, and no unit left out could be kept as well.
 TEST(Planner, KeepsGatheredWhatSavesMostPerByteWithinTheBudget) {
-  const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
-  const HardwareProfile hw = preset("h100-80gb");
-  PlanQuery q;
-  q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
-  PlanConfig c = for_hardware(PlanConfig{}, hw);
-  c.world = 16, c.batch = 1, c.seq = 1024;
-  auto candidate = [&](const PlanConfig& pc) {
-    const SimResult r = simulate_config(desc, pc, hw, q.threads);
-    return Candidate{pc, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(pc)};
-  };
+  KeepSetup setup;
+  auto& [desc, hw, q, c] = setup;
+  auto candidate = [&](const PlanConfig& pc) { return setup.candidate(pc); };
   const Candidate none = candidate(c);
   PlanConfig all_cfg = c;
   all_cfg.keep_gathered = {"all"};
@@ -406,6 +416,50 @@ TEST(Planner, KeepsGatheredWhatSavesMostPerByteWithinTheBudget) {
     more.keep_gathered.push_back(unit.name);
     const Candidate m = candidate(more);
     EXPECT_FALSE(m.step_ms < k.step_ms && m.peak_bytes <= q.memory_budget) << unit.name << " could have been kept too";
+  }
+}
+
+// When no whole unit that would save time fits the budget, the planner splits the choice finer:
+// it keeps a part of one (NAME:FRACTION), which fits and is faster than keeping nothing.
+TEST(Planner, KeepsPartOfAUnitWhenNoWholeUnitFits) {
+  KeepSetup setup;
+  auto& [desc, hw, q, c] = setup;
+  auto candidate = [&](const PlanConfig& pc) { return setup.candidate(pc); };
+  const Candidate none = candidate(c);
+  int64_t cheapest = -1;  // the smallest price of a unit that saves time
+  for (const auto& unit : desc.units) {
+    PlanConfig one = c;
+    one.keep_gathered = {unit.name};
+    const Candidate k = candidate(one);
+    if (k.step_ms < none.step_ms && (cheapest < 0 || k.peak_bytes - none.peak_bytes < cheapest)) cheapest = k.peak_bytes - none.peak_bytes;
+  }
+  ASSERT_GT(cheapest, 0) << "keeping a unit must pay on this profile for the test to mean anything";
+  q.memory_budget = none.peak_bytes + cheapest * 6 / 10;
+  const Candidate k = keep_greedily(desc, hw, q, none);
+  EXPECT_LE(k.peak_bytes, q.memory_budget);
+  EXPECT_LT(k.step_ms, none.step_ms);
+  ASSERT_EQ(k.config.keep_gathered.size(), 1u);
+  EXPECT_NE(k.config.keep_gathered[0].find(':'), std::string::npos) << k.config.keep_gathered[0];
+  EXPECT_NE(k.flags.find("--keep-gathered " + k.config.keep_gathered[0]), std::string::npos) << k.flags;
+  EXPECT_EQ(plan::build_plan(desc, k.config).peak_memory().total, k.peak_bytes);
+}
+
+// bf16 collectives are searched on a bf16 (GPU) profile only: on the fp32 CPU profile their CPU
+// cost is not modelled, so the planner would take them for free.
+TEST(Planner, SearchesBf16CollectivesOnBf16ProfilesOnly) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  PlanQuery q;
+  q.ranks = 2, q.seq = 256, q.global_tokens = 2 * 2 * 256, q.threads = 1;
+  for (const char* profile : {"cpu-local", "h100-80gb"}) {
+    const PlanSearch s = search_plans(desc, PlanConfig{}, preset(profile), q);
+    int bf16 = 0;
+    for (const Candidate& c : s.fitting) bf16 += c.config.param_bytes == 2 || c.config.reduce_bytes == 2;
+    ASSERT_FALSE(s.fitting.empty()) << profile;
+    if (std::string(profile) == "cpu-local") {
+      EXPECT_EQ(bf16, 0);
+    } else {
+      EXPECT_GT(bf16, 0);
+    }
   }
 }
 
