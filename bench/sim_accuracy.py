@@ -10,7 +10,9 @@ measured:  [mpirun --oversubscribe -np N] build/shardlm train --model M --data d
            the median step_ms of the steps after --warmup, and "mem" of the last step (the maximum
            over ranks of each rank's accounted bytes at its peak).
 predicted: build/shardlm simulate (same flags) --ranks N --hardware PROFILE --json, for each profile
-           of --hardware (a comma list; memory from the first).
+           of --hardware (a comma list; memory from the first). The profile "calibrate" is fitted
+           here for each layout just before its rows are measured: [mpirun -np N] build/shardlm
+           calibrate --threads (2/N) --out FILE, as a user calibrates for the layout they run.
 Ranks × threads stay within the machine's 2 cores (the issue's accuracy targets apply there).
 """
 import argparse
@@ -46,6 +48,14 @@ def predict(common, ranks, hardware):
     return json.loads(out)
 
 
+def calibrate(ranks, threads, out):
+    cmd = ([BIN] if ranks == 1 else ["mpirun", "--oversubscribe", "-np", str(ranks), BIN])
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    subprocess.run(cmd + ["calibrate", "--threads", str(threads), "--out", out], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small")
@@ -66,11 +76,14 @@ def main():
     print("|---|---|---|---|" + "---|---|" * len(profiles) + "---|" * len(CATS))
     with tempfile.TemporaryDirectory(prefix="sim_accuracy_") as tmp:
         for ranks in [int(r) for r in a.ranks.split(",")]:
+            threads = max(1, a.cores // ranks)
+            here = [calibrate(ranks, threads, os.path.join(tmp, f"cal{ranks}x{threads}.json")) if h == "calibrate" else h
+                    for h in profiles]
             # One rank runs every strategy as DDP without collectives: one row.
             for strategy in (a.strategies.split(",") if ranks > 1 else ["ddp"]):
                 common = flags(a.model, strategy, ranks, a.batch, a.seq, a.cores)
                 ms, mem = measure(common, ranks, a.steps, a.warmup, a.data, os.path.join(tmp, f"{strategy}{ranks}"))
-                ps = [predict(common, ranks, h) for h in profiles]
+                ps = [predict(common, ranks, h) for h in here]
                 times = " | ".join(f"{p['step_ms']:.0f} | {100 * (p['step_ms'] - ms) / ms:+.1f}%" for p in ps)
                 mib = lambda b: b / 1048576
                 cells = " | ".join(f"{mib(mem.get(c, 0)):.1f} / {mib(ps[0]['mem'].get(c, 0)):.1f}" for c in CATS)
