@@ -1,8 +1,13 @@
 #include "sim/planner.h"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 namespace shardlm::sim {
 
@@ -101,6 +106,36 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
 
 namespace {
 
+// Each configuration simulated, on one worker thread per core (the simulations share nothing);
+// empty where the plan cannot be built. In the grid's order, whatever the threads.
+std::vector<std::optional<SimResult>> simulate_all(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
+                                                   const HardwareProfile& hw, int threads) {
+  std::vector<std::optional<SimResult>> results(grid.size());
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::exception_ptr failure;  // anything but a refused plan: the first one, rethrown here
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
+      try {
+        results[i] = simulate_config(desc, grid[i], hw, threads);
+        results[i]->times.clear();
+      } catch (const std::invalid_argument&) {
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!failure) failure = std::current_exception();
+        next = grid.size();
+      }
+    }
+  };
+  const unsigned workers = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), 16));
+  std::vector<std::thread> pool;
+  for (unsigned w = 1; w < workers; ++w) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
+  return results;
+}
+
 void rank(std::vector<Candidate>& v) {
   std::stable_sort(v.begin(), v.end(), [](const Candidate& a, const Candidate& b) {
     // Equal times (prefetch depths that change nothing): the one that needs less memory.
@@ -167,19 +202,18 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   const std::vector<Strategy> strategies =
       q.ranks == 1 ? std::vector<Strategy>{Strategy::ddp}
                    : std::vector<Strategy>{Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid};
+  std::vector<PlanConfig> grid;
   for (Strategy s : strategies)
-    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", [&](const PlanConfig& c) {
-      SimResult r;
-      try {
-        r = simulate_config(desc, c, hw, q.threads);
-      } catch (const std::invalid_argument&) {
-        return;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
-      }
-      ++out.considered;
-      Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
-      if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
-      if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
-    });
+    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", [&](const PlanConfig& c) { grid.push_back(c); });
+  const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads);
+  for (size_t i = 0; i < grid.size(); ++i) {
+    if (!results[i]) continue;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+    ++out.considered;
+    const SimResult& r = *results[i];
+    Candidate k{grid[i], r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(grid[i])};
+    if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+    if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
+  }
   rank(out.fitting);
   // Selective unsharding, unit by unit, on the fastest few sharded configurations.
   std::vector<Candidate> refined;

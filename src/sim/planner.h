@@ -1,6 +1,7 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
-// simulates each, keeps those whose per-rank peak memory fits the budget and ranks them by
-// predicted step time. bf16 gathers and reductions are tried on bf16 (GPU) profiles only.
+// simulates each (one worker thread per core), keeps those whose per-rank peak memory fits the
+// budget and ranks them by predicted step time. bf16 gathers and reductions are tried on bf16
+// (GPU) profiles only.
 // Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
 // refined by selective unsharding (keep_greedily).
 #pragma once
