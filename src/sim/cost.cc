@@ -145,6 +145,9 @@ double CostModel::compute_seconds(const plan::Task& t) const {
       default: break;
     }
   }
+  // Gradient buffers start at zero: the task that allocates them writes each byte once.
+  for (int b : t.allocs)
+    if (plan_.buffers[b].role == plan::Role::full_grads) bytes += static_cast<double>(plan_.buffers[b].bytes);
   // FLOP / (FLOP/s) + B / (B/s)
   return ((t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_ + bytes / hw_.memory_bw) * oversubscription_;
 }

@@ -162,6 +162,32 @@ TEST(Cost, CollectivesPayForTheirLocalCopies) {
   }
 }
 
+// A task that allocates a unit's whole gradients (zero2, fsdp) also writes them to zero: their
+// bytes at the memory bandwidth, once; every unit's, once a step.
+TEST(Cost, ZeroFilledGradientsAreWrittenOnce) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile slow = preset("cpu-local");
+  slow.pointwise_bw = 1e10;  // the kernels' own bytes: the same on both
+  HardwareProfile fast = slow;
+  slow.memory_bw = 1e9, fast.memory_bw = 2e9;
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2;
+  const Plan p = plan::build_plan(desc, c);
+  const CostModel a(desc, p, slow, 1), b(desc, p, fast, 1);
+  int64_t zeroed_in_step = 0;
+  for (const auto& t : p.tasks) {
+    if (t.stream != plan::kCompute || t.op == Op::optimizer || t.op == Op::grad_norm || t.op == Op::zero_grads) continue;
+    int64_t zeroed = 0;
+    for (int id : t.allocs)
+      if (p.buffers[id].role == plan::Role::full_grads) zeroed += p.buffers[id].bytes;
+    zeroed_in_step += zeroed;
+    EXPECT_NEAR(a.seconds(t) - b.seconds(t), zeroed * (1 / 1e9 - 1 / 2e9), 1e-12) << t.name(&desc);
+  }
+  int64_t all_units = 0;
+  for (const auto& u : p.layout.units) all_units += u.padded * 4;
+  EXPECT_EQ(zeroed_in_step, all_units);
+}
+
 // With measured rates a block's time is its weight GEMMs at the nearest measured shape's rate,
 // its attention at the attention rate and its pointwise bytes at pointwise_bw (per thread on a
 // CPU profile); a thread count not measured scales the nearest linearly.
