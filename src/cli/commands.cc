@@ -265,7 +265,7 @@ int run(int argc, char** argv) {
   cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
   cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(at_least(1))->capture_default_str();
   cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")->check(at_least(1))->capture_default_str();
-  cal_cmd->add_option("--sizes-kib", cal_sizes_kib, "collective sizes in KiB (comma list; default 4 .. 65536 by x4)")
+  cal_cmd->add_option("--sizes-kib", cal_sizes_kib, "collective sizes in KiB (comma list; default 4 .. 262144 by x4)")
       ->delimiter(',')
       ->check(at_least(1));
   cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();

@@ -194,12 +194,19 @@ std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<
 }  // namespace
 
 LineFit fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& t) {
-  // Least squares of t = a + b·x; bw = 1/b. A negative intercept (noise at small sizes) is 0.
-  const double n = static_cast<double>(x.size());
-  double sx = 0, st = 0, sxx = 0, sxt = 0;
-  for (size_t i = 0; i < x.size(); ++i) sx += x[i], st += t[i], sxx += x[i] * x[i], sxt += x[i] * t[i];
-  const double den = n * sxx - sx * sx;
-  double b = den > 0 ? (n * sxt - sx * st) / den : 0, a = (st - b * sx) / n;
+  // Least squares of t = a + b·x in relative error (each point weighted 1/t²), so that the
+  // sizes from 4 KiB to 256 MiB count alike: unweighted, a few per cent of noise on the largest
+  // time would swamp every small size's latency. bw = 1/b. A negative intercept is 0.
+  double floor = 0;
+  for (double ti : t)
+    if (ti > 0 && (floor == 0 || ti < floor)) floor = ti;
+  double sw = 0, sx = 0, st = 0, sxx = 0, sxt = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double ti = std::max(t[i], floor), w = ti > 0 ? 1 / (ti * ti) : 1;
+    sw += w, sx += w * x[i], st += w * t[i], sxx += w * x[i] * x[i], sxt += w * x[i] * t[i];
+  }
+  const double den = sw * sxx - sx * sx;
+  double b = den > 0 ? (sw * sxt - sx * st) / den : 0, a = (st - b * sx) / sw;
   if (a < 0) {  // refit through the origin
     a = 0;
     b = sxx > 0 ? sxt / sxx : 0;
@@ -228,7 +235,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
 
   std::vector<int64_t> sizes = o.sizes;
   if (sizes.empty())
-    for (int64_t s = 4096; s <= (64 << 20); s *= 4) sizes.push_back(s);
+    for (int64_t s = 4096; s <= (256 << 20); s *= 4) sizes.push_back(s);
   json tier;
   const char* names[] = {"all_gather", "reduce_scatter", "all_reduce"};
   for (int op = 0; op < 3; ++op) {

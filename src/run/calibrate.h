@@ -20,7 +20,7 @@ namespace shardlm::run {
 
 struct CalibrateOptions {
   int threads = 1;
-  std::vector<int64_t> sizes;  // collective buffer sizes S in bytes; empty: 4 KiB .. 64 MiB by ×4
+  std::vector<int64_t> sizes;  // collective buffer sizes S in bytes; empty: 4 KiB .. 256 MiB by ×4
   int iters = 5;               // timed repetitions per size (after one untimed)
   std::string name = "cpu-local";
   // Models whose weight GEMMs (at B = 4, T = 256) are timed into gemm_rates, at 1 thread and at
