@@ -32,12 +32,16 @@ def flags(model, strategy, ranks, batch, seq, cores):
             "--threads", str(max(1, cores // ranks))]
 
 
-def measure(common, ranks, steps, warmup, data, out):
+def launch(ranks, args, **kw):
+    """build/shardlm ARGS on `ranks` processes (mpirun beyond one)."""
     cmd = ([BIN] if ranks == 1 else ["mpirun", "--oversubscribe", "-np", str(ranks), BIN])
-    cmd += ["train", *common, "--data", data, "--steps", str(steps), "--eval-every", "0", "--eval-windows", "1",
-            "--sample-tokens", "0", "--seed", "1", "--out", out, "--overwrite", "--quiet"]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    subprocess.run(cmd, check=True, env=env)
+    subprocess.run(cmd + args, check=True, env=env, **kw)
+
+
+def measure(common, ranks, steps, warmup, data, out):
+    launch(ranks, ["train", *common, "--data", data, "--steps", str(steps), "--eval-every", "0", "--eval-windows", "1",
+                   "--sample-tokens", "0", "--seed", "1", "--out", out, "--overwrite", "--quiet"])
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
     return statistics.median(r["step_ms"] for r in rows[warmup:]), rows[-1]["mem"]
 
@@ -49,10 +53,7 @@ def predict(common, ranks, hardware):
 
 
 def calibrate(ranks, threads, out):
-    cmd = ([BIN] if ranks == 1 else ["mpirun", "--oversubscribe", "-np", str(ranks), BIN])
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    subprocess.run(cmd + ["calibrate", "--threads", str(threads), "--out", out], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
+    launch(ranks, ["calibrate", "--threads", str(threads), "--out", out], stdout=subprocess.DEVNULL)
     return out
 
 

@@ -58,12 +58,12 @@ class Builder {
   bool partly_kept(int u) const { return plan_.kept_elems[u] > 0; }
   int kept_part(int u) {
     return buffer("kept " + uname(u), Role::kept_part, MemCategory::params,
-                  plan_.kept_elems[u] * plan_.shard_size * cfg_.param_bytes, u, cfg_.param_bytes == 2 ? DType::bf16 : DType::fp32);
+                  plan_.kept_elems[u] * plan_.shard_size * cfg_.param_bytes, u, float_dtype(cfg_.param_bytes));
   }
   int value(int v, int m) {
     const int b = buffer(desc_.values[v].name + tag(m), Role::value, MemCategory::activations,
                          desc_.values[v].bytes(shape_, desc_.config.n_embd), -1,
-                         desc_.values[v].tokens ? DType::int8 : cfg_.activation_bytes == 2 ? DType::bf16 : DType::fp32);
+                         desc_.values[v].tokens ? DType::int8 : float_dtype(cfg_.activation_bytes));
     plan_.buffers[b].value = v;
     return b;
   }
@@ -99,7 +99,7 @@ class Builder {
     const int64_t bytes = cfg_.reduction_scratch(at(t).op, count, cfg_.reduce_bytes, group);
     if (bytes <= 0) return;
     const int b = buffer("comm scratch " + at(t).name(&desc_), Role::staging, MemCategory::comm, bytes, at(t).unit,
-                         cfg_.reduce_bytes == 2 ? DType::bf16 : DType::fp32);
+                         float_dtype(cfg_.reduce_bytes));
     scratch(t, b);
     at(t).io.comm_scratch = b;
   }
@@ -244,7 +244,7 @@ void Builder::stage_bucket(int t, const std::vector<int>& units) {
   for (int v : units) shards += shard_elems(v);
   const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
                        shards * plan_.shard_size * cfg_.param_bytes, -1,
-                       cfg_.param_bytes == 2 ? DType::bf16 : DType::fp32);
+                       float_dtype(cfg_.param_bytes));
   scratch(t, b);
   at(t).io.staging = b;
   for (int v : units) at(t).copy_bytes += unit_bytes(v, 4);
@@ -268,7 +268,7 @@ void Builder::gather_part(int t, int u, int direction, int deps_last) {
   at(t).bytes = rest * S * elem;
   at(t).io.restore_from = kept_part(u);
   const int b = buffer("staging " + at(t).name(&desc_) + " rest", Role::staging, MemCategory::comm, rest * S * elem, u,
-                       elem == 2 ? DType::bf16 : DType::fp32);
+                       float_dtype(elem));
   scratch(t, b);
   at(t).io.staging = b;
   at(t).copy_bytes = unit_bytes(u, 4);

@@ -321,12 +321,12 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   if (!rates.is_null()) {
     std::string models;
     for (const auto& m : o.gemm_models) models += (models.empty() ? "" : ", ") + m;
-    j["gemm_rates"] = fig(0, here + ": the weight GEMMs of " + models +
-                                 " at B=4, T=256 with the kernels their layers run, FLOP/s per rank forward and backward");
-    j["gemm_rates"]["value"] = rates;
-    j["attention_rates"] = fig(0, here + ": the first block's causal attention of " + models +
-                                      " at B=4, T=256, FLOP/s per rank (2·B·T·T·C forward, twice that backward)");
-    j["attention_rates"]["value"] = attention;
+    j["gemm_rates"] = {{"value", rates},
+                       {"source", here + ": the weight GEMMs of " + models +
+                                      " at B=4, T=256 with the kernels their layers run, FLOP/s per rank forward and backward"}};
+    j["attention_rates"] = {{"value", attention},
+                            {"source", here + ": the first block's causal attention of " + models +
+                                           " at B=4, T=256, FLOP/s per rank (2·B·T·T·C forward, twice that backward)"}};
   }
   return j.dump(2);
 }

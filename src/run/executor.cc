@@ -368,11 +368,8 @@ void Executor::keep_part(const Task& t, Run& r) {
   const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit];
   const float* full = r.f32(t.io.params);
   char* part = r.data(t.io.keep_into);
-  const bool bf16 = r.plan.config.param_bytes == 2;
-  for (int q = 0; q < plan_.shard_size; ++q) {
-    if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(part) + q * kept, full + q * len, kept);
-    else backend_.copy(reinterpret_cast<float*>(part) + q * kept, full + q * len, kept * 4);
-  }
+  const int elem = r.plan.config.param_bytes;
+  for (int q = 0; q < plan_.shard_size; ++q) to_wire(part + q * kept * elem, full + q * len, kept, elem);
 }
 
 // A partly kept unit's backward gather: the rest of each rank's shard (after its kept part),
@@ -380,24 +377,29 @@ void Executor::keep_part(const Task& t, Run& r) {
 // (widened) into the gathered buffer: the whole gather's values, bit for bit.
 void Executor::gather_rest(const Task& t, Run& r) {
   const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit], rest = len - kept;
-  const bool bf16 = r.plan.config.param_bytes == 2;
-  const size_t elem = bf16 ? 2 : 4;
+  const int elem = r.plan.config.param_bytes;
   char* whole = r.data(t.io.staging);
   char* own = whole + shard_index_ * rest * elem;
-  const float* mine = local(params_, plan_.state.params, t.unit) + kept;
-  if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(own), mine, rest);
-  else backend_.copy(own, mine, rest * elem);
-  comms_.get(r.plan, t.axes).all_gather(own, whole, rest, bf16 ? DType::bf16 : DType::fp32, label(t, r.step))->wait(timeout_);
+  to_wire(own, local(params_, plan_.state.params, t.unit) + kept, rest, elem);
+  comms_.get(r.plan, t.axes).all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
   float* full = r.f32(t.io.params);
   const char* part = r.data(t.io.restore_from);
-  auto widen = [&](float* dst, const char* src, int64_t n) {
-    if (bf16) backend_.bf16_to_fp32(dst, reinterpret_cast<const uint16_t*>(src), n);
-    else backend_.copy(dst, src, n * elem);
-  };
   for (int q = 0; q < plan_.shard_size; ++q) {
-    widen(full + q * len, part + q * kept * elem, kept);
-    widen(full + q * len + kept, whole + q * rest * elem, rest);
+    from_wire(full + q * len, part + q * kept * elem, kept, elem);
+    from_wire(full + q * len + kept, whole + q * rest * elem, rest, elem);
   }
+}
+
+// A floating array into a collective's wire dtype (`elem` bytes: bf16 narrowed, fp32 copied),
+// and back.
+void Executor::to_wire(void* dst, const float* src, int64_t n, int elem) const {
+  if (elem == 2) backend_.fp32_to_bf16(static_cast<uint16_t*>(dst), src, n);
+  else backend_.copy(dst, src, 4 * n);
+}
+
+void Executor::from_wire(float* dst, const void* src, int64_t n, int elem) const {
+  if (elem == 2) backend_.bf16_to_fp32(dst, static_cast<const uint16_t*>(src), n);
+  else backend_.copy(dst, src, 4 * n);
 }
 
 // A bucket of units, one collective: this rank's shards of the units, back to back (cast to
@@ -414,26 +416,21 @@ void Executor::gather_bucket(const Task& t, Run& r) {
     shards += shard_of(u).len;
     if (u == t.last_unit) break;
   }
-  const bool bf16 = r.plan.config.param_bytes == 2;
-  const size_t elem = bf16 ? 2 : 4;
+  const int elem = r.plan.config.param_bytes;
   char* whole = r.data(t.io.staging);
   char* own = whole + shard_index_ * shards * elem;  // in place: this rank's slot of the gathered
   int64_t at = 0;
   for (int u : units) {
     const Shard s = shard_of(u);
-    const float* mine = local(params_, plan_.state.params, u);
-    if (bf16) backend_.fp32_to_bf16(reinterpret_cast<uint16_t*>(own) + at, mine, s.len);
-    else backend_.copy(reinterpret_cast<float*>(own) + at, mine, s.len * elem);
+    to_wire(own + at * elem, local(params_, plan_.state.params, u), s.len, elem);
     at += s.len;
   }
-  comms_.get(r.plan, t.axes).all_gather(own, whole, shards, bf16 ? DType::bf16 : DType::fp32, label(t, r.step))->wait(timeout_);
+  comms_.get(r.plan, t.axes).all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
   for (int q = 0; q < plan_.shard_size; ++q) {
     at = q * shards;
     for (size_t i = 0; i < units.size(); ++i) {
       const int64_t len = shard_of(units[i]).len;
-      float* dst = r.f32(t.io.bucket[i]) + q * len;
-      if (bf16) backend_.bf16_to_fp32(dst, reinterpret_cast<const uint16_t*>(whole) + at, len);
-      else backend_.copy(dst, reinterpret_cast<const float*>(whole) + at, len * elem);
+      from_wire(r.f32(t.io.bucket[i]) + q * len, whole + at * elem, len, elem);
       at += len;
     }
   }

@@ -143,6 +143,8 @@ class Executor {
   void gather_bucket(const plan::Task& t, Run& r);
   void gather_rest(const plan::Task& t, Run& r);
   void keep_part(const plan::Task& t, Run& r);
+  void to_wire(void* dst, const float* src, int64_t n, int elem) const;
+  void from_wire(float* dst, const void* src, int64_t n, int elem) const;
   void reduce_scatter(const plan::Task& t, Run& r);
   comm::Scratch comm_scratch(const plan::Task& t, Run& r);
   void all_reduce(const plan::Task& t, Run& r);

@@ -87,7 +87,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
       forward += c.attention_flops / (r->forward * scale);
       backward += 2 * c.attention_flops / (r->backward * scale);
     }
-    measured_flops_.push_back(flops), measured_forward_s_.push_back(forward), measured_backward_s_.push_back(backward);
+    measured_.push_back({flops, forward, backward});
   }
 }
 
@@ -131,8 +131,8 @@ double CostModel::compute_seconds(const plan::Task& t) const {
   }
   // A unit's weight GEMMs and attention at their measured rates, when the profile has them.
   double gemm_flops = 0, gemm_s = 0;
-  if (!measured_flops_.empty() && t.unit >= 0) {
-    const double f = measured_flops_[t.unit], fwd = measured_forward_s_[t.unit], bwd = measured_backward_s_[t.unit];
+  if (!measured_.empty() && t.unit >= 0) {
+    const auto [f, fwd, bwd] = measured_[t.unit];
     switch (t.op) {
       case Op::forward:
       case Op::loss:

@@ -42,9 +42,12 @@ class CostModel {
   double peak_ = 0, rate_ = 0, pointwise_bw_ = 0;
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
-  // Per unit, with measured rates: the forward FLOPs they price (weight GEMMs, attention) and
-  // their seconds forward and backward (empty without).
-  std::vector<double> measured_flops_, measured_forward_s_, measured_backward_s_;
+  // Per unit, with measured rates (empty without): the forward FLOPs they price (weight GEMMs,
+  // attention) and their seconds forward and backward.
+  struct Measured {
+    double flops = 0, forward_s = 0, backward_s = 0;
+  };
+  std::vector<Measured> measured_;
 };
 
 }  // namespace shardlm::sim

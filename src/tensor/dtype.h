@@ -19,6 +19,10 @@ inline int dtype_size(DType t) {
   return 0;
 }
 
+// The floating type of an element size the plan configures (param, activation, reduce bytes):
+// 2 is bf16, otherwise fp32.
+inline DType float_dtype(int bytes) { return bytes == 2 ? DType::bf16 : DType::fp32; }
+
 inline const char* to_string(DType t) {
   switch (t) {
     case DType::fp32: return "fp32";

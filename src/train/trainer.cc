@@ -108,7 +108,7 @@ std::function<int64_t(plan::Op, int64_t, int, int)> reduction_scratch(
     std::function<int64_t(comm::Reduction, int64_t, DType, int)> scratch_bytes) {
   return [scratch_bytes](plan::Op op, int64_t count, int elem, int group) {
     return scratch_bytes(op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
-                         count, elem == 2 ? DType::bf16 : DType::fp32, group);
+                         count, float_dtype(elem), group);
   };
 }
 }  // namespace
