@@ -4,6 +4,8 @@
 #include <csignal>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <pthread.h>
+#include <thread>
 #include <unistd.h>
 
 namespace shardlm::train {
@@ -50,7 +52,38 @@ void on_signal(int sig) {
   ::raise(sig);
 }
 
+// On the signal thread, where `sig` is blocked: what its disposition would have done.
+void act_on(int sig, siginfo_t& info) {
+  struct sigaction now = {};
+  sigaction(sig, nullptr, &now);
+  if (now.sa_handler == SIG_IGN) return;
+  if (now.sa_handler == SIG_DFL) {  // the process ends by the signal, as it would have
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    ::raise(sig);
+    return;
+  }
+  if (now.sa_flags & SA_SIGINFO) now.sa_sigaction(sig, &info, nullptr);
+  else now.sa_handler(sig);  // on_signal's re-raise leaves the signal pending here: taken next
+}
+
 }  // namespace
+
+void route_stop_signals() {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // inherited by every thread made from here on
+  std::thread([stop] {
+    for (;;) {
+      siginfo_t info;
+      if (const int sig = sigwaitinfo(&stop, &info); sig > 0) act_on(sig, info);
+    }
+  }).detach();
+}
 
 StopSignals::StopSignals() {
   g_signal = 0;

@@ -31,6 +31,15 @@ class NonFiniteGuard {
 // "step 3: non-finite loss on rank 1, non-finite gradient norm on ranks 0, 1"
 std::string describe_nonfinite(int64_t step, const run::StepResult& r);
 
+// Call first in main, before any thread exists: SIGINT and SIGTERM are then blocked in every
+// thread the process makes, and one thread that runs no kernels takes them and does what their
+// disposition says (runs the handler, ends the process by the signal, or drops an ignored one).
+// Why: oneDNN's JIT GEMM kernels move the stack pointer into their heap workspace while they run,
+// so a handler run on a compute thread at that moment writes its signal frame over the heap
+// (seen as "corrupted size vs. prev_size" a few steps later). Any handler added later must be for
+// a signal routed here too.
+void route_stop_signals();
+
 // While alive, SIGINT and SIGTERM only set a flag (the step in progress finishes); a second
 // signal ends the process at once. The previous handlers come back on destruction.
 class StopSignals {
