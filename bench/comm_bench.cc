@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
 
   std::vector<std::unique_ptr<MpiCommunicator>> keep;
   auto comm_with = [&](const char* coll, Algorithm algo) {
-    MpiOptions o = mpi_options_from_env();
+    MpiOptions o = mpi_options_from([](const char* name) { return std::getenv(name); });
     o.wait = args.wait;
     std::string c = coll;
     if (c == "all_gather") o.all_gather = algo;

@@ -7,7 +7,8 @@ peak memory per category, on this CPU.
 
 measured:  [mpirun --oversubscribe -np N] build/shardlm train --model M --data data/bench --batch B
            --seq T --threads (2/N) --strategy S --steps STEPS --eval-every 0 --sample-tokens 0;
-           the median step_ms of the steps after --warmup, and "mem" of the last step (the maximum
+           the median compute_ms (the step itself; step_ms before it was logged) of the steps after
+           --warmup, and "mem" of the last step (the maximum
            over ranks of each rank's accounted bytes at its peak).
 predicted: build/shardlm simulate (same flags) --ranks N --hardware PROFILE --json, for each profile
            of --hardware (a comma list; memory from the first). The profile "calibrate" is fitted
@@ -43,7 +44,7 @@ def measure(common, ranks, steps, warmup, data, out):
     launch(ranks, ["train", *common, "--data", data, "--steps", str(steps), "--eval-every", "0", "--eval-windows", "1",
                    "--sample-tokens", "0", "--seed", "1", "--out", out, "--overwrite", "--quiet"])
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
-    return statistics.median(r["step_ms"] for r in rows[warmup:]), rows[-1]["mem"]
+    return statistics.median(r.get("compute_ms", r["step_ms"]) for r in rows[warmup:]), rows[-1]["mem"]
 
 
 def predict(common, ranks, hardware):

@@ -167,7 +167,7 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
       summary.tokenizer_note = "tokenizer '" + opt.tokenizer + "' has no Hugging Face tokenizer files";
     }
     write_json(tmp + "/config.json", config);
-  });
+  }, opt.overwrite ? OnExisting::replace : OnExisting::refuse);
   return summary;
 }
 

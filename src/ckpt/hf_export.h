@@ -13,7 +13,7 @@
 //   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk
 //   special_tokens_map.json
 // The directory is written atomically (write_dir_atomically): a good one is never replaced by a
-// half-written one.
+// half-written one, and an existing one only when HfExportOptions::overwrite says so.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +30,9 @@ struct HfExportOptions {
   // The gpt2 tokenizer's files (data_dir/gpt2/encoder.json and vocab.bpe); only read when
   // `tokenizer` is gpt2.
   std::string encoder_json, vocab_bpe;
+  // An existing non-empty out_dir is replaced (once the new one is complete) only when true;
+  // otherwise the export fails and leaves it as it was.
+  bool overwrite = false;
 };
 
 // "5GB" (10^9), "500MB", "64KiB" (2^10), "1234" (bytes), as huggingface_hub parses

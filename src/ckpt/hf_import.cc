@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "ckpt/hf_config.h"
+#include "ckpt/json_no_duplicates.h"
 #include "ckpt/safetensors.h"
 
 namespace shardlm::ckpt {
@@ -24,12 +25,10 @@ namespace {
 }
 
 json read_json(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) fail(path, "cannot read");
   try {
-    return json::parse(f);
-  } catch (const std::exception&) {
-    fail(path, "is not valid JSON");
+    return read_json_no_duplicates(path);  // "PATH: …"
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("ckpt import: ") + e.what());
   }
 }
 
@@ -64,6 +63,8 @@ std::map<std::string, std::string> weight_files(const std::string& dir, std::str
         fail(index_path, "weight_map entry '" + name + "' must name a file in " + dir);
       where[name] = dir + "/" + file.get<std::string>();
     }
+    for (const auto& [name, file] : where)
+      if (!fs::is_regular_file(file)) fail(file, "is missing (" + index_path + " places '" + name + "' in it)");
     return where;
   }
   const std::string single = dir + "/model.safetensors";
@@ -118,7 +119,14 @@ void read_hf_weights(const std::string& dir, const model::ModelDesc& desc, const
       if (it == found.end()) fail(holder, "has no tensor '" + p.name + "', which config.json implies");
       const auto& [file, name] = it->second;
       auto f = open.find(file);
-      if (f == open.end()) f = open.emplace(file, SafetensorsFile(file)).first;
+      if (f == open.end()) {
+        f = open.emplace(file, SafetensorsFile(file)).first;
+        // Every tensor of a file is where the index says: a copy the index does not name (a
+        // tensor twice, in two files) is refused, not silently passed over.
+        for (const auto& held : f->second.names())
+          if (in_files.count(held) == 0 || in_files.at(held) != file)
+            fail(file, "holds tensor '" + held + "', which " + holder + " does not place in this file");
+      }
       float* dst = params + layout.units[u].offset + p.offset;
       f->second.read_f32(name, dst, p.exported_shape());  // names file and tensor on a bad shape or dtype
       for (int64_t i = 0, n = p.exported_numel(); i < n; ++i)

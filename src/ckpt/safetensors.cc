@@ -17,6 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckpt/json_no_duplicates.h"
+
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; this code maps it as is");
 
@@ -122,6 +124,32 @@ void fsync_path(const std::string& path, bool directory, const std::string& what
 std::string parent_dir(const std::string& path) {
   fs::path p = fs::path(path).parent_path();
   return p.empty() ? std::string(".") : p.string();
+}
+
+// The data section must be the tensors and nothing else, as the format's reference reader
+// demands: in offset order they start at 0, each where the one before ends (no gap, no overlap),
+// and the last ends at the end of the file. Returns what is wrong ("" if nothing).
+std::string layout_error(std::vector<std::pair<std::string, const TensorInfo*>> ranges, uint64_t data_bytes) {
+  std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) {
+    if (a.second->offset != b.second->offset) return a.second->offset < b.second->offset;
+    return a.second->bytes < b.second->bytes;
+  });
+  uint64_t end = 0;
+  std::string last;
+  for (const auto& [name, info] : ranges) {
+    if (info->offset < end) return "tensor '" + name + "' overlaps tensor '" + last + "' in the data section";
+    if (info->offset > end)
+      return "data bytes [" + std::to_string(end) + ", " + std::to_string(info->offset) + ") " +
+             (last.empty() ? "before the first tensor '" + name + "'" : "between tensors '" + last + "' and '" + name + "'") +
+             " belong to no tensor";
+    end = info->offset + info->bytes;
+    last = name;
+  }
+  if (end != data_bytes)
+    return std::to_string(data_bytes - end) + " bytes after " + (last.empty() ? "the header" : "the last tensor '" + last + "'") +
+           " belong to no tensor (the file has " + std::to_string(data_bytes) + " data bytes, the tensors " +
+           std::to_string(end) + ")";
+  return "";
 }
 
 }  // namespace
@@ -409,8 +437,8 @@ void SafetensorsFile::open(const std::string& path) {
 
     json h;
     try {
-      h = json::parse(reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + n));
-    } catch (const json::exception& e) {
+      h = parse_json_no_duplicates({reinterpret_cast<const char*>(bytes + 8), n});
+    } catch (const std::exception& e) {
       fail(std::string("bad JSON header: ") + e.what());
     }
     if (!h.is_object()) fail("header is not a JSON object");
@@ -464,19 +492,7 @@ void SafetensorsFile::open(const std::string& path) {
       auto [pos, inserted] = tensors_.emplace(name, std::move(info));
       ranges.emplace_back(name, &pos->second);
     }
-    std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) {
-      if (a.second->offset != b.second->offset) return a.second->offset < b.second->offset;
-      return a.second->bytes < b.second->bytes;
-    });
-    uint64_t covered = 0;
-    std::string last;
-    for (const auto& [name, info] : ranges) {
-      if (info->bytes == 0) continue;
-      if (info->offset < covered)
-        fail("tensor '" + name + "' overlaps tensor '" + last + "' in the data section");
-      covered = info->offset + info->bytes;
-      last = name;
-    }
+    if (const std::string e = layout_error(std::move(ranges), data_bytes); !e.empty()) fail(e);
   } catch (...) {
     const bool mapped = base_ != nullptr;
     if (mapped) ::munmap(base_, file_bytes_);
@@ -568,45 +584,68 @@ void sync_tree(const fs::path& dir, const std::string& what) {
 
 }  // namespace
 
-void write_dir_atomically(const std::string& final_dir_in,
-                          const std::function<void(const std::string& tmp_dir)>& fill) {
-  std::string final_dir = final_dir_in;
-  while (final_dir.size() > 1 && final_dir.back() == '/') final_dir.pop_back();
+namespace {
+
+std::string without_trailing_slashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+// A fresh directory "<final_dir>.tmp-<pid>-<n>" beside `final_dir`, the first n whose name no
+// one has: nothing already there is ever removed to make room for it. Made by mkdir, so the
+// umask decides its mode as for any directory the user creates.
+std::string make_temporary_dir(const std::string& final_dir, const std::string& what) {
+  const std::string stem = final_dir + ".tmp-" + std::to_string(::getpid()) + "-";
+  for (int n = 0;; ++n) {
+    const std::string name = stem + std::to_string(n);
+    if (::mkdir(name.c_str(), 0777) == 0) return name;
+    if (errno != EEXIST) throw std::runtime_error(what + ": cannot create " + name + ": " + errno_text());
+  }
+}
+
+}  // namespace
+
+void write_dir_atomically(const std::string& final_dir_in, const std::function<void(const std::string& tmp_dir)>& fill,
+                          OnExisting existing) {
+  const std::string final_dir = without_trailing_slashes(final_dir_in);
   const std::string what = "write_dir_atomically: " + final_dir;
   if (final_dir.empty()) throw std::runtime_error("write_dir_atomically: empty directory name");
-  const std::string pid = std::to_string(::getpid());
-  const std::string tmp = final_dir + ".tmp-" + pid;
-  const std::string parent = parent_dir(final_dir);
-
+  std::string tmp;
   try {
     if (fs::exists(final_dir) && !fs::is_directory(final_dir))
       throw std::runtime_error(what + ": exists and is not a directory");
-    fs::create_directories(parent);
-    fs::remove_all(tmp);  // left by an earlier crashed process with the same pid
-    fs::create_directory(tmp);
+    fs::create_directories(parent_dir(final_dir));
+    tmp = make_temporary_dir(final_dir, what);
   } catch (const fs::filesystem_error& e) {
     throw std::runtime_error(what + ": " + one_line(e.what()));
   }
-
   try {
     fill(tmp);
+    commit_dir(tmp, final_dir, existing);
   } catch (...) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
     throw;
   }
-
-  commit_dir(tmp, final_dir);
 }
 
-void commit_dir(const std::string& tmp, const std::string& final_dir_in) {
-  std::string final_dir = final_dir_in;
-  while (final_dir.size() > 1 && final_dir.back() == '/') final_dir.pop_back();
+void commit_dir(const std::string& tmp, const std::string& final_dir_in, OnExisting existing) {
+  const std::string final_dir = without_trailing_slashes(final_dir_in);
   const std::string what = "commit_dir: " + final_dir;
-  const std::string pid = std::to_string(::getpid());
   const std::string parent = parent_dir(final_dir);
   try {
     sync_tree(tmp, what);
+    if (existing == OnExisting::refuse) {
+      // rename(2) moves a directory onto an absent name or an empty directory only: whatever
+      // else is there now (created since the caller looked) stays as it is.
+      if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+        if (errno == ENOTEMPTY || errno == EEXIST)
+          throw std::runtime_error(final_dir + ": exists and is not an empty directory; nothing was replaced");
+        throw std::runtime_error(what + ": cannot rename " + tmp + " into place: " + errno_text());
+      }
+      fsync_path(parent, true, what);
+      return;
+    }
     if (!fs::exists(final_dir)) {
       fs::rename(tmp, final_dir);
       fsync_path(parent, true, what);
@@ -622,9 +661,10 @@ void commit_dir(const std::string& tmp, const std::string& final_dir_in) {
     if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)
       throw std::runtime_error(what + ": exchanging with " + tmp + " failed: " + errno_text());
     // No atomic exchange here: move the old one aside first. A crash between the two renames
-    // leaves the final name absent and the old directory complete under `old`.
-    const std::string old = final_dir + ".old-" + pid;
-    fs::remove_all(old);
+    // leaves the final name absent and the old directory complete under `old`. A directory
+    // already named `old` (a crashed process's of the same pid) is never removed: the rename
+    // replaces it only when empty, else fails.
+    const std::string old = final_dir + ".old-" + std::to_string(::getpid());
     fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
     fsync_path(parent, true, what);

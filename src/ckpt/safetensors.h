@@ -134,20 +134,28 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// What committing a directory does with a directory already under its final name.
+//   replace: swapped out atomically, then removed (a checkpoint step rewritten, --overwrite).
+//   refuse:  taken only when it is empty; anything else there fails the commit, untouched.
+enum class OnExisting { replace, refuse };
+
 // Writes a directory so that, whatever happens, `final_dir` is either absent, the complete old
 // directory, or the complete new one — never half written. `fill` writes the files into a fresh
-// temporary directory (final_dir + ".tmp-<pid>", beside it); then every file and the directory
-// are fsynced and it is moved into place: with an atomic exchange where the file system supports
-// it, else by renaming the old directory aside (final_dir + ".old-<pid>"), renaming the new one
-// in, and deleting the old. If `fill` throws, the temporary directory is removed and the
-// exception propagates; the old directory is untouched.
+// temporary directory beside it (final_dir + ".tmp-XXXXXX", a name of its own, so nothing there
+// is removed to make room); then every file and the directory are fsynced and it is moved into
+// place (commit_dir). If `fill` or the commit throws, the temporary directory is removed and
+// the exception propagates; the old directory is untouched.
 void write_dir_atomically(const std::string& final_dir,
-                          const std::function<void(const std::string& tmp_dir)>& fill);
+                          const std::function<void(const std::string& tmp_dir)>& fill,
+                          OnExisting existing = OnExisting::replace);
 
 // write_dir_atomically's second half: fsyncs every file of `tmp` and `tmp` itself, then moves it
-// to `final_dir` (replacing an existing one the same way). For directories filled by several
-// processes, which agree on `tmp` and finish writing before one of them commits.
-void commit_dir(const std::string& tmp, const std::string& final_dir);
+// to `final_dir`. An existing `final_dir` is replaced with an atomic exchange where the file
+// system supports it, else by renaming it aside (final_dir + ".old-<pid>"), renaming the new one
+// in and deleting the old; or, with OnExisting::refuse, kept (the commit fails unless it is an
+// empty directory). For directories filled by several processes, which agree on `tmp` and
+// finish writing before one of them commits.
+void commit_dir(const std::string& tmp, const std::string& final_dir, OnExisting existing = OnExisting::replace);
 // fsyncs a directory (after a rename inside it). Throws std::runtime_error naming it.
 void fsync_dir(const std::string& dir);
 

@@ -16,6 +16,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "ckpt/json_no_duplicates.h"
 #include "ckpt/safetensors.h"
 
 namespace shardlm::ckpt {
@@ -248,23 +249,34 @@ std::string resolve_checkpoint(const std::string& path) {
 
 json read_index(const std::string& step_dir) {
   const std::string path = step_dir + "/index.json";
-  std::ifstream f(path);
-  if (!f) fail(path, "cannot read");
   json j;
   try {
-    j = json::parse(f);
-  } catch (const std::exception&) {
-    fail(path, "is not valid JSON");
+    j = read_json_no_duplicates(path);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("checkpoint: ") + e.what());
   }
+  if (!j.is_object()) fail(path, "is not a JSON object");
+  if (!j.contains("format") || j["format"] != kIndexFormat)
+    fail(path, "field 'format' is " + (j.contains("format") ? j["format"].dump() : std::string("missing")) +
+                   "; this shardlm reads \"" + kIndexFormat + "\"");
   const int64_t world = int_field(j, "world_size", path, "the index");
+  if (world < 1 || world > kMaxWorld)
+    fail(path, "field 'world_size' is " + std::to_string(world) + "; a checkpoint is saved by 1 to " +
+                   std::to_string(kMaxWorld) + " ranks");
   if (!j.contains("files") || !j["files"].is_array() || static_cast<int64_t>(j["files"].size()) != world)
     fail(path, "'files' must list world_size (" + std::to_string(world) + ") files");
-  for (const auto& file : j["files"])
+  for (int64_t r = 0; r < world; ++r) {
+    const json& file = j["files"][r];
     if (!file.is_object() || !file.contains("name") || !file["name"].is_string() || !file.contains("xxh64") ||
-        !file["xxh64"].is_string() || file["name"].get<std::string>().find('/') != std::string::npos)
+        !file["xxh64"].is_string())
       fail(path, "each of 'files' needs 'name', 'bytes' and 'xxh64'");
-    else
-      int_field(file, "bytes", path, "file " + file["name"].get<std::string>());
+    // Rank r's file has its fixed name: nothing else in (or outside) the directory is read.
+    const std::string want = rank_file_name(static_cast<int>(r), static_cast<int>(world));
+    if (file["name"] != want)
+      fail(path, "files[" + std::to_string(r) + "] field 'name' is " + file["name"].dump() + "; rank " +
+                     std::to_string(r) + " of " + std::to_string(world) + " writes " + want);
+    int_field(file, "bytes", path, "file " + want);
+  }
   if (!j.contains("tensors") || !j["tensors"].is_object()) fail(path, "has no 'tensors' object");
   for (const auto& [name, t] : j["tensors"].items()) {
     if (!t.is_object() || !t.contains("shape") || !t["shape"].is_array() || t.value("dtype", "") != "F32")
@@ -350,6 +362,12 @@ void check_index_against_model(const std::string& step_dir, const json& index, c
                          std::to_string(p.exported_numel()) + " elements exactly once");
       }
     }
+}
+
+void verify_checkpoint(const std::string& step_dir, const json& index, const model::ModelDesc& desc, bool optimizer,
+                       int first, int stride) {
+  for (int f = first; f < index["world_size"].get<int>(); f += stride) verify_file(step_dir, index, f);
+  check_index_against_model(step_dir, index, desc, optimizer);
 }
 
 void load_rank(const std::string& step_dir, const json& index, const model::ModelDesc& desc, const ShardedLayout& L,

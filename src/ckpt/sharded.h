@@ -29,6 +29,11 @@
 
 namespace shardlm::ckpt {
 
+// index.json's "format": the layout this file describes (an index of another is refused).
+inline constexpr const char* kIndexFormat = "shardlm-sharded-1";
+// The most ranks an index may name (rank_file_name's five digits).
+inline constexpr int64_t kMaxWorld = 99999;
+
 enum class Kind { param, exp_avg, exp_avg_sq };
 constexpr int kNumKinds = 3;
 const char* kind_name(Kind k);
@@ -87,7 +92,9 @@ void keep_last(const std::string& ckpt_root, int64_t keep);
 bool is_sharded(const std::string& dir);
 // A run directory (DIR/ckpt/latest), a ckpt directory (its latest) or a step directory.
 std::string resolve_checkpoint(const std::string& path);
-// Parses index.json and checks its structure; errors name the file.
+// Parses index.json (a duplicated key is refused) and checks its structure: its format, world
+// size, each rank's file by its name, the tensors and their ranges; errors name the file and
+// field. The run state it also holds is train/'s to check (read_checkpoint_state).
 nlohmann::json read_index(const std::string& step_dir);
 // The tensors' (count, elements) as the index lists them.
 std::pair<int64_t, int64_t> index_tensor_count(const nlohmann::json& index);
@@ -96,6 +103,11 @@ void verify_file(const std::string& step_dir, const nlohmann::json& index, int f
 // Every tensor of `desc` in the index with its shape and every kind covered exactly.
 void check_index_against_model(const std::string& step_dir, const nlohmann::json& index,
                                const model::ModelDesc& desc, bool optimizer);
+// What every reader checks before it loads: files first, first + stride, … of the index
+// (verify_file; each rank of a resume checks every N-th), then the index against the model
+// (check_index_against_model). Errors name the file.
+void verify_checkpoint(const std::string& step_dir, const nlohmann::json& index, const model::ModelDesc& desc,
+                       bool optimizer, int first = 0, int stride = 1);
 // Fills `rank`'s buffers (padding zero) reading only the byte ranges it holds. Refuses
 // non-finite values naming file and tensor.
 void load_rank(const std::string& step_dir, const nlohmann::json& index, const model::ModelDesc& desc,

@@ -23,7 +23,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr char kMagic[8] = {'S', 'L', 'M', 'S', 'N', 'A', 'P', '1'};
+// The last character is the format's version. 2: the header names the run and the state's owner
+// (version 1 slots lack them and are refused, not misread).
+constexpr char kMagic[8] = {'S', 'L', 'M', 'S', 'N', 'A', 'P', '2'};
+constexpr size_t kMagicNameBytes = 7;  // "SLMSNAP": a shardlm snapshot of some version
 constexpr int64_t kChunk = 8 << 20;  // bytes per message and per checksum update
 constexpr int64_t kMetaOffset = 1024, kChecksumOffset = kSnapshotHeaderBytes - 16,
                   kValidOffset = kSnapshotHeaderBytes - 8;
@@ -33,14 +36,18 @@ const char* const kShmDir = "/dev/shm";
 enum Role : int32_t { own = 0, copy = 1, parity = 2 };
 
 // The fixed fields at the start of a slot; the run state's JSON follows at kMetaOffset, the
-// header's XXH64 (of bytes [0, kChecksumOffset)) at kChecksumOffset and the valid flag (1: the
-// slot is complete) at kValidOffset.
+// header's XXH64 (of bytes [0, kChecksumOffset): these fields and the JSON) at kChecksumOffset
+// and the valid flag (1: the slot is complete) at kValidOffset.
 struct Header {
   char magic[8];
   int64_t step;
   int32_t world, holder, role, source, members, meta_bytes;
   int64_t payload_bytes;
   uint64_t payload_xxh64;
+  char run_id[kMaxRunIdChars + 1];  // the run that wrote it, NUL-terminated
+  int32_t mesh_axes;                // own, copy: the owner's (rank `source`'s) place on the mesh
+  char axis_name[kMaxMeshAxes][kMaxAxisNameChars + 1];
+  int32_t coordinate[kMaxMeshAxes];
   uint64_t member_xxh64[kMaxParityGroup];  // parity: the group's states' checksums, for a rebuild
 };
 static_assert(sizeof(Header) <= kMetaOffset);
@@ -51,6 +58,10 @@ uint64_t header_checksum(const char* base) { return XXH64(base, kChecksumOffset,
 
 std::string errno_text() { return std::strerror(errno); }
 
+// The status of a slot written in another version of the format: not this run's to use, though
+// nothing says its memory is damaged.
+const std::string kOtherFormat = "written in another snapshot format";
+
 // "ok", "incomplete" (valid flag 0: its writer died mid-write) or what is wrong, for a slot of
 // `size` bytes at `base`; `h` receives the header.
 std::string check_slot(const char* base, int64_t size, bool verify_payload, Header* h) {
@@ -60,6 +71,8 @@ std::string check_slot(const char* base, int64_t size, bool verify_payload, Head
   std::memcpy(&valid, base + kValidOffset, 4);
   if (valid == 0) return "incomplete";
   if (valid != 1) return "valid flag is " + std::to_string(valid);
+  if (std::memcmp(h->magic, kMagic, kMagicNameBytes) == 0 && h->magic[7] != kMagic[7])
+    return kOtherFormat + " (" + std::string(h->magic, 8) + "; this shardlm reads " + std::string(kMagic, 8) + ")";
   if (std::memcmp(h->magic, kMagic, 8) != 0) return "not a shardlm snapshot";
   uint64_t sum;
   std::memcpy(&sum, base + kChecksumOffset, 8);
@@ -68,6 +81,43 @@ std::string check_slot(const char* base, int64_t size, bool verify_payload, Head
   if (verify_payload && XXH64(base + kSnapshotHeaderBytes, h->payload_bytes, 0) != h->payload_xxh64)
     return "payload checksum mismatch";
   return "ok";
+}
+
+const char* role_name(int32_t role) { return role == Role::own ? "own" : role == Role::copy ? "copy" : "parity"; }
+
+std::string run_of(const Header& h) { return std::string(h.run_id, strnlen(h.run_id, sizeof h.run_id)); }
+
+// Why a slot whose header verified is not what its name says (held by `holder`, in role `role`,
+// of rank or group `source`), or "": a segment renamed to another rank's name, say, holds that
+// other rank's state, and must not be taken for this one's.
+std::string not_as_named(const Header& h, int holder, const std::string& role, int source) {
+  if (h.holder == holder && role == role_name(h.role) && h.source == source) return "";
+  const std::string whose = h.role == Role::parity ? "group " + std::to_string(h.source) + "'s parity"
+                                                    : "rank " + std::to_string(h.source) + "'s state";
+  return "holds " + whose + " as rank " + std::to_string(h.holder) + " wrote it (" + role_name(h.role) +
+         "), not what its name says";
+}
+
+// Why a slot whose header verified and is what its name says is not state of run `run_id` at the
+// place `mesh` gives its owner, or "".
+std::string not_of_run(const Header& h, const std::string& run_id, const SnapshotMesh& mesh) {
+  if (run_of(h) != run_id)
+    return "of another run (" + (run_of(h).empty() ? std::string("none named") : run_of(h)) + "; this run is " +
+           (run_id.empty() ? std::string("new") : run_id) + ")";
+  if (h.role == Role::parity) return "";
+  if (h.source < 0 || h.source >= static_cast<int>(mesh.of_rank.size()))
+    return "of rank " + std::to_string(h.source) + ", outside this world";
+  const std::vector<int>& want = mesh.of_rank[h.source];
+  bool same = h.mesh_axes == static_cast<int32_t>(mesh.axes.size());
+  for (int a = 0; same && a < h.mesh_axes; ++a)
+    same = mesh.axes[a] == h.axis_name[a] && want[a] == h.coordinate[a];
+  if (same) return "";
+  std::string was, is;
+  for (int a = 0; a < std::min(h.mesh_axes, kMaxMeshAxes); ++a)
+    was += std::string(a ? ", " : "") + h.axis_name[a] + "=" + std::to_string(h.coordinate[a]);
+  for (size_t a = 0; a < mesh.axes.size(); ++a) is += (a ? ", " : "") + mesh.axes[a] + "=" + std::to_string(want[a]);
+  return "taken with rank " + std::to_string(h.source) + " at another place on the mesh (" + was + "; this run has it at " +
+         is + ")";
 }
 
 // Completes a slot whose payload is written: fields, meta, header checksum, then the valid flag.
@@ -131,6 +181,12 @@ bool parse_name(const std::string& name, SlotInfo& s) {
   if (!sl || std::sscanf(sl, "-slot%d", &slot) != 1) return false;
   s.name = name, s.holder = holder, s.role = role, s.source = source, s.slot = slot;
   return true;
+}
+
+// Whether the slot named `name` holds what its name says.
+bool is_named_state(const std::string& name, const Header& h) {
+  SlotInfo s;
+  return parse_name(name, s) && not_as_named(h, s.holder, s.role, s.source).empty();
 }
 
 void wait_all(std::vector<std::shared_ptr<comm::Work>>& works, std::chrono::milliseconds timeout) {
@@ -225,6 +281,9 @@ std::vector<SlotInfo> list_snapshot_slots(const std::string& prefix, bool verify
       Header h{};
       s.status = check_slot(m.as<char>(), s.bytes, verify, &h);
       if (s.status == "ok" || s.status == "incomplete") s.step = h.step, s.world = h.world;
+      if (s.status == "ok") s.run_id = run_of(h);
+      if (const std::string why = s.status == "ok" ? not_as_named(h, s.holder, s.role, s.source) : ""; !why.empty())
+        s.status = why;
     } catch (const std::exception& e) {
       s.status = e.what();
     }
@@ -240,9 +299,18 @@ int remove_snapshot_segments(const std::string& prefix) {
 }
 
 SnapshotStore::SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme,
-                             std::chrono::milliseconds timeout)
-    : world_(world), scheme_(scheme), timeout_(timeout), prefix_(snapshot_prefix(run_dir)), rank_(world.rank()) {
+                             SnapshotMesh mesh, std::chrono::milliseconds timeout)
+    : world_(world),
+      scheme_(scheme),
+      mesh_(std::move(mesh)),
+      timeout_(timeout),
+      prefix_(snapshot_prefix(run_dir)),
+      rank_(world.rank()) {
   scheme_.check();
+  bool fits = static_cast<int>(mesh_.of_rank.size()) == scheme_.world && mesh_.axes.size() <= kMaxMeshAxes;
+  for (const auto& name : mesh_.axes) fits = fits && name.size() <= kMaxAxisNameChars;
+  for (const auto& place : mesh_.of_rank) fits = fits && place.size() == mesh_.axes.size();
+  if (!fits) throw std::invalid_argument("snapshot: the mesh does not give every rank's place on at most 4 named axes");
 }
 
 SnapshotStore::~SnapshotStore() {
@@ -294,6 +362,26 @@ SnapshotStore::Mapped* SnapshotStore::map_slot(const std::string& role, int slot
 }
 
 namespace {
+// A header for step `step` of run `run_id`: `holder` holds `source`'s state (own, copy; with that
+// rank's mesh place) or group `source`'s parity, of `payload_bytes`.
+Header slot_header(const SnapshotMesh& mesh, int holder, Role role, int source, int64_t step, int64_t payload_bytes,
+                   const std::string& run_id) {
+  if (run_id.size() > static_cast<size_t>(kMaxRunIdChars))
+    throw std::invalid_argument("snapshot: run id '" + run_id + "' is longer than " + std::to_string(kMaxRunIdChars));
+  Header h{};
+  h.step = step, h.world = static_cast<int32_t>(mesh.of_rank.size()), h.holder = holder, h.role = role;
+  h.source = source, h.payload_bytes = payload_bytes;
+  std::memcpy(h.run_id, run_id.data(), run_id.size());
+  if (role != Role::parity) {
+    h.mesh_axes = static_cast<int32_t>(mesh.axes.size());
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      std::memcpy(h.axis_name[a], mesh.axes[a].data(), mesh.axes[a].size());
+      h.coordinate[a] = mesh.of_rank.at(source)[a];
+    }
+  }
+  return h;
+}
+
 // The slot to overwrite: an invalid one, else the one holding the older step.
 int older_slot(char* a, char* b) {
   Header ha{}, hb{};
@@ -306,7 +394,7 @@ int older_slot(char* a, char* b) {
 }
 }  // namespace
 
-void SnapshotStore::save(int64_t step, const json& meta, const std::vector<StatePart>& parts) {
+void SnapshotStore::save(const std::string& run_id, int64_t step, const json& meta, const std::vector<StatePart>& parts) {
   int64_t S = 0;
   for (const auto& p : parts) S += p.bytes;
   const int N = scheme_.world;
@@ -334,8 +422,7 @@ void SnapshotStore::save(int64_t step, const json& meta, const std::vector<State
       }
     mine.xxh64 = XXH64_digest(st);
     XXH64_freeState(st);
-    Header h{};
-    h.step = step, h.world = N, h.holder = rank_, h.role = Role::own, h.source = rank_, h.payload_bytes = S;
+    Header h = slot_header(mesh_, rank_, Role::own, rank_, step, S, run_id);
     h.payload_xxh64 = mine.xxh64;
     commit_slot(own, h, meta);
     mine.ok = 1;
@@ -360,8 +447,7 @@ void SnapshotStore::save(int64_t step, const json& meta, const std::vector<State
     wait_all(works, timeout_);
     if (XXH64(cp + kSnapshotHeaderBytes, S, 0) != all[from].xxh64)
       throw std::runtime_error("snapshot: rank " + std::to_string(from) + "'s state arrived with another checksum");
-    Header h{};
-    h.step = step, h.world = N, h.holder = rank_, h.role = Role::copy, h.source = from, h.payload_bytes = S;
+    Header h = slot_header(mesh_, rank_, Role::copy, from, step, S, run_id);
     h.payload_xxh64 = all[from].xxh64;
     commit_slot(cp, h, meta);
     return;
@@ -392,8 +478,8 @@ void SnapshotStore::save(int64_t step, const json& meta, const std::vector<State
       for (int m = 1; m < G; ++m) xor_into(dst, scratch[m].as<char>(), n);
       XXH64_update(st, dst, n);
     }
-    Header h{};
-    h.step = step, h.world = N, h.holder = rank_, h.role = Role::parity, h.source = g, h.members = G, h.payload_bytes = S;
+    Header h = slot_header(mesh_, rank_, Role::parity, g, step, S, run_id);
+    h.members = G;
     h.payload_xxh64 = XXH64_digest(st);
     XXH64_freeState(st);
     for (int m = 0; m < G; ++m) h.member_xxh64[m] = all[g * G + m].xxh64;
@@ -402,7 +488,7 @@ void SnapshotStore::save(int64_t step, const json& meta, const std::vector<State
   wait_all(works, timeout_);
 }
 
-SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
+SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes, const std::string& run_id) {
   const int N = scheme_.world;
   EntryList mine{};
   std::vector<std::string> why_not;  // this rank's unusable or corrupt slots, printed by it
@@ -422,16 +508,19 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
     if (status == "ok") {
       e.step = h.step;
       e.members = h.members;
-      if (h.world != N) status = "taken at world size " + std::to_string(h.world), e.status = 1;
-      else if (h.payload_bytes != payload_bytes) status = "holds another layout of the state", e.status = 1;
+      e.status = 1;  // unless it is this run's state as its name says, at this world size, mesh and layout
+      if (std::string why = not_as_named(h, s.holder, s.role, s.source); !why.empty()) status = why;
+      else if (h.world != N) status = "taken at world size " + std::to_string(h.world);
+      else if (std::string other = not_of_run(h, run_id, mesh_); !other.empty()) status = other;
+      else if (h.payload_bytes != payload_bytes) status = "holds another layout of the state";
       else e.status = 0;
-    } else if (status == "incomplete") {
+    } else if (status == "incomplete" || status.rfind(kOtherFormat, 0) == 0) {
       e.status = 1;
-    } else if (status != "ok") {
+    } else {
       // A header that verifies names its step; one that does not taints every step.
       if (std::memcmp(h.magic, kMagic, 8) == 0 && status == "payload checksum mismatch") e.step = h.step;
     }
-    if (e.status != 0) why_not.push_back(name + ": " + status + (e.status == 2 ? "; not used" : ""));
+    if (e.status != 0) why_not.push_back(name + ": " + status + "; not used");
     if (mine.count < kMaxEntries) mine.e[mine.count++] = e;
   }
   for (const auto& w : why_not) std::fprintf(stderr, "snapshot %s\n", w.c_str());
@@ -448,6 +537,7 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
     if (e.status == 2 && e.step < 0) all_tainted = true;
   }
   SnapshotChoice c;
+  c.run_id = run_id;
   if (steps.empty()) {
     c.why = all_tainted ? "the only snapshots failed their checksums" : "no snapshot of this run at this world size";
     return c;
@@ -483,7 +573,7 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes) {
   for (const auto& [name, m] : mapped_) {
     Header h{};
     if (check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step && h.world == N &&
-        h.payload_bytes == payload_bytes) {
+        h.payload_bytes == payload_bytes && is_named_state(name, h) && not_of_run(h, run_id, mesh_).empty()) {
       meta = std::string(m->base() + kMetaOffset, h.meta_bytes);
       have = 1;
       break;
@@ -532,12 +622,16 @@ std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<St
   for (const auto& p : parts) S += p.bytes;
   const int N = scheme_.world;
   const int64_t slot_bytes = kSnapshotHeaderBytes + S;
-  // The slot of (role, source) at the chosen step this rank holds, verified.
+  // Whether a verified slot `name` (header `h`) is what its name says, of the chosen run and step.
+  auto chosen = [&](const std::string& name, const Header& h) {
+    return h.step == c.step && is_named_state(name, h) && not_of_run(h, c.run_id, mesh_).empty();
+  };
+  // This rank's slot in `role` of the chosen step, verified.
   auto held = [&](const std::string& role) -> char* {
     for (int sl = 0; sl < 2; ++sl) {
       Mapped* m = map_slot(role, sl, 0, false);
       Header h{};
-      if (m && check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && h.step == c.step) return m->base();
+      if (m && check_slot(m->base(), m->buf.bytes(), false, &h) == "ok" && chosen(segment(role, sl), h)) return m->base();
     }
     return nullptr;
   };
@@ -589,8 +683,15 @@ std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<St
       payload = p + kSnapshotHeaderBytes;
     } else {
       for (size_t i = 0; i < got.size(); ++i) {
-        const std::string st = check_slot(got[i].as<char>(), slot_bytes, true, &h);
-        if (st != "ok")
+        // The partner's copy of this rank's state; or the group's parity, then the other members' own states.
+        const bool copy = how == "partner copy";
+        const std::string role = copy ? "copy" : i == 0 ? "parity" : "own";
+        const int source = copy ? rank_ : i == 0 ? scheme_.group_of(rank_) : got_from[i];
+        std::string st = check_slot(got[i].as<char>(), slot_bytes, true, &h);
+        if (st == "ok") st = not_as_named(h, got_from[i], role, source);
+        if (st.empty()) st = not_of_run(h, c.run_id, mesh_);
+        if (st.empty() && h.step != c.step) st = "of step " + std::to_string(h.step) + ", not " + std::to_string(c.step);
+        if (!st.empty())
           throw std::runtime_error("snapshot: the slot rank " + std::to_string(got_from[i]) + " sent for rank " +
                                    std::to_string(rank_) + ": " + st);
       }
@@ -615,11 +716,12 @@ std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<St
   for (int r = 0; r < N; ++r)
     if (!ok[r]) throw std::runtime_error(error.empty() ? "snapshot: rank " + std::to_string(r) + " could not restore its state" : error);
   // The run goes on from the chosen step: a slot of any other step (a newer one that failed, or an
-  // older one) is of no use, and a slot that failed must not be picked as the newer one to keep.
+  // older one) or not the chosen run's state as named is of no use, and a slot that failed must
+  // not be picked as the newer one to keep.
   for (auto& [name, m] : mapped_) {
     Header h{};
     if (m->buf.bytes() >= static_cast<size_t>(kSnapshotHeaderBytes) &&
-        (check_slot(m->base(), m->buf.bytes(), false, &h) != "ok" || h.step != c.step))
+        (check_slot(m->base(), m->buf.bytes(), false, &h) != "ok" || !chosen(name, h)))
       valid_flag(m->base())->store(0, std::memory_order_release);
     delete m;
   }

@@ -9,16 +9,19 @@
 //   shardlm-<…>-rank<h>-parity<g>-slot<s>     XOR of group g's states (ranks gG … gG+G−1), held by
 //                                             h = (g+1)·G mod N, outside the group (--snapshot-parity G)
 // Two slots per segment: a snapshot overwrites the older one, so the one being written is never
-// the only one. A slot is kHeaderBytes of header (magic, step, world, whose state, the payload's
-// xxh64, the run state as JSON, the header's own xxh64, then the valid flag, set last) followed
-// by the payload: the rank's state buffers back to back as it holds them. The valid flag is
-// cleared before a slot is rewritten and set only after payload and header are complete, so a
-// process killed mid-write leaves an invalid slot, never a wrong one.
+// the only one. A slot is kHeaderBytes of header (magic and format version, step, world, who
+// holds it, whose state it is — the run's id, the owner's rank and its coordinates on the mesh —
+// the payload's xxh64, the run state as JSON, the header's own xxh64 over all of these, then the
+// valid flag, set last) followed by the payload: the rank's state buffers back to back as it
+// holds them. The valid flag is cleared before a slot is rewritten and set only after payload
+// and header are complete, so a process killed mid-write leaves an invalid slot, never a wrong one.
 //
-// Trust: a slot is used only if its header and payload checksums verify. A slot that fails them
-// taints its step (the memory that held it is not trusted); a missing segment (a lost node) is
-// rebuilt from its partner copy or from parity + the group's other states, verified against the
-// checksum the redundancy recorded.
+// Trust: a slot is used only if its header and payload checksums verify and its header says it
+// is what its name says (a segment renamed to another rank's name holds that other rank's state)
+// and belongs to this run, at this world size and mesh place. A slot that fails its checksums
+// taints its step (the memory that held it is not trusted); a slot that is someone else's, like a
+// missing segment (a lost node), is rebuilt from its partner copy or from parity + the group's
+// other states, verified against the checksum the redundancy recorded.
 #pragma once
 
 #include <chrono>
@@ -35,6 +38,9 @@ namespace shardlm::ckpt {
 
 inline constexpr int64_t kSnapshotHeaderBytes = 16384;
 inline constexpr int kMaxParityGroup = 64;
+inline constexpr int kMaxRunIdChars = 39;
+inline constexpr int kMaxMeshAxes = 4;
+inline constexpr int kMaxAxisNameChars = 15;
 
 // "shardlm-<16 hex digits>" for the run directory `run_dir` (its absolute, normalised path).
 std::string snapshot_prefix(const std::string& run_dir);
@@ -59,6 +65,13 @@ int64_t snapshot_bytes_held(const SnapshotScheme& scheme, int rank, int64_t payl
 // The most any rank maps.
 int64_t snapshot_bytes_most(const SnapshotScheme& scheme, int64_t payload_bytes);
 
+// The ranks' places on the mesh: the axes' names (outermost first) and each rank's coordinate on
+// every axis, as the plan lays them out. A slot records its state's owner's place.
+struct SnapshotMesh {
+  std::vector<std::string> axes;
+  std::vector<std::vector<int>> of_rank;  // [rank][axis]
+};
+
 // One slot as found in /dev/shm.
 struct SlotInfo {
   std::string name;
@@ -67,7 +80,10 @@ struct SlotInfo {
   int source = -1;     // whose state (own, copy) or which group (parity)
   int slot = -1;
   int64_t step = -1, world = 0, bytes = 0;
-  std::string status;  // "ok", "incomplete" (being written when its writer died), or what fails
+  std::string run_id;  // the run that wrote it (from a header that verifies)
+  // "ok", "incomplete" (being written when its writer died), or what fails: its checksums, or a
+  // header that says it is not the state its name says (a segment renamed to another's name).
+  std::string status;
 };
 // Every slot of every segment whose name starts with `prefix` ("shardlm-" for all runs).
 // verify: checks the payload's checksum too (reads every byte).
@@ -86,6 +102,7 @@ struct StatePart {
 struct SnapshotChoice {
   int64_t step = -1;
   std::string why;
+  std::string run_id;   // the run whose snapshot it is
   nlohmann::json meta;  // the run state recorded with the snapshot
 };
 
@@ -99,7 +116,8 @@ class SnapshotStore {
     int64_t step;                          // -1: unknown (its header failed)
   };
 
-  SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme,
+  // `mesh`: every rank's place (of_rank has one row per rank of `world`).
+  SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme, SnapshotMesh mesh,
                 std::chrono::milliseconds timeout);
   ~SnapshotStore();
   SnapshotStore(const SnapshotStore&) = delete;
@@ -107,17 +125,20 @@ class SnapshotStore {
 
   const std::string& prefix() const { return prefix_; }
 
-  // Collective. Writes `parts` and `meta` (the run state, JSON) as step `step` into this rank's
-  // older own slot, then its redundancy: the partner copy / the group's parity.
-  void save(int64_t step, const nlohmann::json& meta, const std::vector<StatePart>& parts);
+  // Collective. Writes `parts` and `meta` (the run state, JSON) as step `step` of run `run_id`
+  // into this rank's older own slot, then its redundancy: the partner copy / the group's parity.
+  // Each slot's header names the run, whose state it holds and that owner's mesh place.
+  void save(const std::string& run_id, int64_t step, const nlohmann::json& meta, const std::vector<StatePart>& parts);
 
-  // Collective. The newest step at which every rank's state (payload of `payload_bytes` each) is
-  // held verified or can be rebuilt, at this world size; no step is used where any slot failed
-  // its checksum.
-  SnapshotChoice find_newest(int64_t payload_bytes);
+  // Collective. The newest step of run `run_id` at which every rank's state (payload of
+  // `payload_bytes` each) is held verified or can be rebuilt, at this world size and mesh; no
+  // step is used where any slot failed its checksum, and no slot whose header says it is another
+  // run's, or another rank's state than its name says, is used (each is printed, with why).
+  SnapshotChoice find_newest(int64_t payload_bytes, const std::string& run_id);
 
   // Collective. Fills every rank's `parts` from `choice` (own slot, or rebuilt from the partner
-  // copy or from parity); returns how this rank's state was had ("own", "partner copy", "parity").
+  // copy or from parity), each slot checked again to be this rank's state of the chosen run and
+  // step; returns how this rank's state was had ("own", "partner copy", "parity").
   std::string restore(const SnapshotChoice& choice, const std::vector<StatePart>& parts);
 
   // Maps both slots of every segment this rank holds under the scheme (creating them), and a
@@ -142,6 +163,7 @@ class SnapshotStore {
 
   comm::Communicator& world_;
   SnapshotScheme scheme_;
+  SnapshotMesh mesh_;
   std::chrono::milliseconds timeout_;
   std::string prefix_;
   int rank_;

@@ -10,13 +10,17 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <iostream>
+#include <limits>
 #include <memory>
 
+#include "cli/environment.h"
 #include "cli/subcommands.h"
 #include "comm/factory.h"
 #include "comm/mpi_backend.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
+#include "run/calibrate.h"
+#include "train/config.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -48,12 +52,15 @@ std::vector<std::string> split_empty_values(const std::vector<std::string>& args
   return out;
 }
 
-// A CLI11 check: "--FLAG: must be >= LO, got V" (or "> LO" when `strict`), for finite numbers
-// only. Text that is not a number is left to the option's own conversion error.
-CLI::Validator bounded_below(double lo, bool strict = false) {
-  const std::string rule = fmt::format("{} {}", strict ? ">" : ">=", lo);
+// A CLI11 check: "--FLAG: must be >= LO, got V" (or "> LO" when `strict`; "in [LO, HI]" with an
+// upper bound), for finite numbers only. Text that is not a number is left to the option's own
+// conversion error.
+CLI::Validator bounded(double lo, bool strict, double hi) {
+  const bool upper = hi < std::numeric_limits<double>::infinity();
+  const std::string rule = upper ? fmt::format("in {}{}, {}]", strict ? "(" : "[", lo, hi)
+                                 : fmt::format("{} {}", strict ? ">" : ">=", lo);
   return CLI::Validator(
-      [lo, strict, rule](std::string& text) -> std::string {
+      [lo, strict, hi, rule](std::string& text) -> std::string {
         double v = 0;
         try {
           v = std::stod(text);
@@ -61,12 +68,42 @@ CLI::Validator bounded_below(double lo, bool strict = false) {
           return "";
         }
         if (!std::isfinite(v)) return fmt::format("must be finite, got {}", text);
-        return (strict ? v > lo : v >= lo) ? "" : fmt::format("must be {}, got {}", rule, text);
+        return (strict ? v > lo : v >= lo) && v <= hi ? "" : fmt::format("must be {}, got {}", rule, text);
       },
       rule);
 }
-CLI::Validator at_least(double lo) { return bounded_below(lo); }
-CLI::Validator positive() { return bounded_below(0, true); }
+CLI::Validator at_least(double lo) { return bounded(lo, false, std::numeric_limits<double>::infinity()); }
+CLI::Validator positive() { return bounded(0, true, std::numeric_limits<double>::infinity()); }
+CLI::Validator in_range(double lo, double hi) { return bounded(lo, false, hi); }
+
+// A fraction strictly between 0 and 1.
+CLI::Validator open_unit_interval() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          v = std::stod(text);
+        } catch (const std::exception&) {
+          return "";
+        }
+        return v > 0 && v < 1 ? "" : fmt::format("must be > 0 and < 1, got {}", text);
+      },
+      "in (0, 1)");
+}
+
+// `--sizes-kib`: whole KiB, as bytes (range and count are calibrate's to check).
+std::vector<int64_t> sizes_in_bytes(const std::vector<std::string>& kib) {
+  std::vector<int64_t> bytes;
+  for (const std::string& k : kib) {
+    const bool whole = !k.empty() && k.size() <= 9 && std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const int64_t v = whole ? std::stoll(k) : -1;
+    if (v < 1 || v * 1024 > run::kMaxSize)
+      throw std::invalid_argument(fmt::format("--sizes-kib: '{}' is not a whole number of KiB in [1, {}] (each rank holds two "
+                                              "buffers of the size)", k, run::kMaxSize / 1024));
+    bytes.push_back(v * 1024);
+  }
+  return bytes;
+}
 
 // The model: a preset or config.json, and explicit dimensions over it (train and explain).
 void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
@@ -173,7 +210,7 @@ int on_world(const std::function<int(comm::Communicator&)>& body) {
   std::unique_ptr<comm::Communicator> world;
   int code = 0;
   try {
-    world = comm::make_communicator();
+    world = comm::make_communicator(comm_options(), launched_by_mpi());
     code = body(*world);
   } catch (const std::exception& e) {
     const bool distributed = world && world->size() > 1;
@@ -202,7 +239,10 @@ int run(int argc, char** argv) {
   tok_cmd->add_option("--in", tok_in, "input text files")->required()->check(CLI::ExistingFile);
   tok_cmd->add_option("--out", tok_out, "output prefix")->required();
   tok_cmd->add_option("--tokenizer", tok_name, "gpt2 | bytes")->check(CLI::IsMember({"gpt2", "bytes"}))->capture_default_str();
-  tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
+  tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation (train evaluates on them)")
+      ->check(open_unit_interval())
+      ->capture_default_str();
   tok_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
 
   // train
@@ -222,7 +262,7 @@ int run(int argc, char** argv) {
   eval_cmd->add_option("--data", eval_data, "token file (.bin)")->required();
   eval_cmd->add_option("--seq", eval_seq, "window length T")->check(at_least(1))->capture_default_str();
   eval_cmd->add_option("--batch", eval_batch, "windows per forward")->check(at_least(1))->capture_default_str();
-  eval_cmd->add_option("--threads", threads, "compute threads")->check(at_least(1))->capture_default_str();
+  eval_cmd->add_option("--threads", threads, "compute threads")->check(in_range(1, train::kMaxThreads))->capture_default_str();
 
   // generate
   auto* gen_cmd = app.add_subcommand("generate", "continue a prompt from a checkpoint");
@@ -230,18 +270,20 @@ int run(int argc, char** argv) {
   train::SampleConfig sc;
   gen_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
   gen_cmd->add_option("--prompt", prompt, "text to continue (empty: start of a document)");
-  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate")->check(at_least(0))->capture_default_str();
+  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate (printed as they are drawn)")
+      ->check(in_range(0, train::kMaxSampleTokens))
+      ->capture_default_str();
   gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--seed", sc.seed, "sampling seed")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--threads", threads, "compute threads")->check(at_least(1))->capture_default_str();
+  gen_cmd->add_option("--threads", threads, "compute threads")->check(in_range(1, train::kMaxThreads))->capture_default_str();
   gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
 
   // explain
   auto* explain_cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
   train::TrainConfig ec;
   int explain_ranks = 1;
-  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   add_model_options(explain_cmd, ec);
   add_plan_options(explain_cmd, ec);
   add_snapshot_options(explain_cmd, ec);
@@ -249,7 +291,7 @@ int run(int argc, char** argv) {
   // simulate
   auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
   SimulateArgs sa;
-  sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   sim_cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
       ->capture_default_str();
   sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
@@ -261,13 +303,16 @@ int run(int argc, char** argv) {
   auto* cal_cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
   std::string cal_out;
   run::CalibrateOptions co;
-  std::vector<int64_t> cal_sizes_kib;
+  std::vector<std::string> cal_sizes_kib;
   cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
-  cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(at_least(1))->capture_default_str();
-  cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")->check(at_least(1))->capture_default_str();
-  cal_cmd->add_option("--sizes-kib", cal_sizes_kib, "collective sizes in KiB (comma list; default 4 .. 262144 by x4)")
-      ->delimiter(',')
-      ->check(at_least(1));
+  cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(in_range(1, train::kMaxThreads))->capture_default_str();
+  cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")
+      ->check(in_range(1, run::kMaxIters))
+      ->capture_default_str();
+  cal_cmd->add_option("--sizes-kib", cal_sizes_kib,
+                      "collective sizes in KiB (comma list; default 4 .. 262144 by x4): at least two, the largest >= 1024 "
+                      "and >= 4 x the smallest, none above 1048576")
+      ->delimiter(',');
   cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
   cal_cmd->add_option("--gemm-models", co.gemm_models, "models whose GEMM shapes are timed (comma list; none: skip)")
       ->delimiter(',')
@@ -277,13 +322,13 @@ int run(int argc, char** argv) {
   auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
   PlanArgs pa;
   add_model_options(plan_cmd, pa.cfg);
-  plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   plan_cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
   plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
   plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank")->capture_default_str();
   plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
   plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
-      ->check(positive());
+      ->check(bounded(0, true, 1e18));
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
   plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
   plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
@@ -311,6 +356,7 @@ int run(int argc, char** argv) {
   }
 
   try {
+    for (train::TrainConfig* c : {&tc, &ec, &sa.cfg, &pa.cfg}) *c = with_environment(*c);
     if (*tok_cmd) {
       auto tok = data::make_tokenizer(tok_name, data_dir);
       auto stats = data::tokenize_files(tok_in, tok_out, *tok, val_fraction);
@@ -322,7 +368,7 @@ int run(int argc, char** argv) {
     } else if (*explain_cmd) {
       run_explain(ec, explain_ranks);
     } else if (*cal_cmd) {
-      for (int64_t k : cal_sizes_kib) co.sizes.push_back(k * 1024);
+      co.sizes = sizes_in_bytes(cal_sizes_kib);
       return run_calibrate(co, cal_out);
     } else if (*plan_cmd) {
       return run_plan(pa);

@@ -1,6 +1,12 @@
 // `shardlm ckpt export | import | info | snapshots`: checkpoints as files, on one process.
 #include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "ckpt/sharded.h"
 #include "ckpt/snapshot.h"
@@ -21,12 +27,15 @@ void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
   c.export_cmd->add_option("--max-shard-size", c.max_shard_size, "larger: model-0000i-of-0000n.safetensors + index (5GB, 500MB, bytes)")
       ->capture_default_str();
   c.export_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
+  c.export_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
   c.import_cmd = c.ckpt->add_subcommand("import", "turn a Hugging Face model directory into a checkpoint train --init-from takes");
   c.import_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
   c.import_cmd->add_option("--in", c.dir, "Hugging Face directory: config.json, model.safetensors (or its index)")->required();
   c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->required();
+  c.import_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
   c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
+  c.info_cmd->add_flag("--no-verify", c.no_verify, "print what index.json says without checking each file's size and checksum");
   c.snapshots_cmd = c.ckpt->add_subcommand("snapshots", "list (or --clear) the in-memory snapshots in this machine's shared memory");
   c.snapshots_cmd->add_option("--out", c.run, "the run directory whose snapshots (default: every run's)");
   c.snapshots_cmd->add_flag("--clear", c.clear, "remove them");
@@ -48,21 +57,66 @@ int run_ckpt_snapshots(const CkptCommands& c) {
   return 0;
 }
 
-void print_ckpt_info(const std::string& arg) {
+namespace fs = std::filesystem;
+
+// A path as the file system finds it: absolute, `..` and symlinks resolved (as far as it exists).
+fs::path real_path(const std::string& p) {
+  std::error_code ec;
+  fs::path abs = fs::absolute(p, ec);
+  fs::path real = ec ? abs.lexically_normal() : fs::weakly_canonical(abs, ec);
+  if (ec) real = abs.lexically_normal();
+  // "DIR/" names DIR: without its empty last element, so that it compares equal to DIR.
+  return real.has_filename() || !real.has_parent_path() ? real : real.parent_path();
+}
+
+// Whether `inner` is `outer` or lies inside it.
+bool within(const fs::path& inner, const fs::path& outer) {
+  const auto [outer_end, inner_at] = std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end());
+  return outer_end == outer.end();
+}
+
+// Before export or import writes anything: `--out` may not overlap what the command reads (each
+// {flag, path} of `reads`; replacing the one would destroy the other, --overwrite or not), and an
+// existing --out must be an empty directory unless --overwrite says to replace it.
+void check_out_dir(const std::string& out, bool overwrite, const std::vector<std::pair<std::string, std::string>>& reads) {
+  const fs::path real_out = real_path(out);
+  for (const auto& [flag, path] : reads) {
+    const fs::path real_in = real_path(path);
+    if (!within(real_in, real_out) && !within(real_out, real_in)) continue;
+    const std::string how = real_in == real_out      ? "is the same directory as"
+                            : within(real_out, real_in) ? "lies inside"
+                                                        : "holds";
+    throw std::invalid_argument(fmt::format("--out {} {} {} {} ({}): the command would write over what it reads", out,
+                                            how, flag, path, real_in.string()));
+  }
+  std::error_code ec;
+  const auto st = fs::symlink_status(out, ec);
+  if (!fs::exists(st) || overwrite) return;
+  if (!fs::is_directory(out, ec)) throw std::invalid_argument("--out " + out + ": exists and is not a directory");
+  if (!fs::is_empty(out, ec))
+    throw std::invalid_argument("--out " + out + ": exists and is not empty; --overwrite replaces it (once the new one is complete)");
+}
+
+// `ckpt info`: what the checkpoint holds, each shard file checked (present, its size, its
+// XXH64) as a resume checks it, unless --no-verify. Everything is checked before anything is
+// printed: a broken checkpoint gives its one error line and nothing that looks like a listing.
+void print_ckpt_info(const std::string& arg, bool verify) {
   const std::string dir = ckpt::resolve_checkpoint(arg);
   const model::ModelConfig mc = train::read_checkpoint_config(dir);
   const train::RunState st = train::read_checkpoint_state(dir);
+  const bool sharded = ckpt::is_sharded(dir);
+  const nlohmann::json index = sharded ? ckpt::read_index(dir) : nlohmann::json();
+  if (sharded && verify) ckpt::verify_checkpoint(dir, index, model::describe(mc), true);
   fmt::print("checkpoint {}\n  model {} L={} C={} NH={} NKV={} F={} V={} max_seq={}\n  step {} (adamw_step {}), seed {}, tokenizer {}\n",
              dir, model::to_string(mc.family), mc.n_layer, mc.n_embd, mc.n_head, mc.n_kv_head, mc.ffn_dim,
              mc.vocab_size, mc.max_seq, st.step, st.adam_step, st.seed, st.tokenizer);
-  if (!ckpt::is_sharded(dir)) return fmt::print("  whole (model.safetensors, optimizer.safetensors, state.json)\n");
-  const nlohmann::json index = ckpt::read_index(dir);
+  if (!sharded) return fmt::print("  whole (model.safetensors, optimizer.safetensors, state.json)\n");
   const auto [tensors, elements] = ckpt::index_tensor_count(index);
   fmt::print("  sharded: saved by {} on {} rank(s); {} tensors, {} elements each of param, exp_avg, exp_avg_sq\n",
-             index.value("strategy", "?"), index["world_size"].get<int>(), tensors, elements);
+             index["strategy"].get<std::string>(), index["world_size"].get<int>(), tensors, elements);
   for (const auto& f : index["files"])
-    fmt::print("  {}  {} bytes  xxh64 {}\n", f["name"].get<std::string>(), f["bytes"].get<uint64_t>(),
-               f["xxh64"].get<std::string>());
+    fmt::print("  {}  {} bytes  xxh64 {}{}\n", f["name"].get<std::string>(), f["bytes"].get<uint64_t>(),
+               f["xxh64"].get<std::string>(), verify ? "  verified" : "  (not verified: --no-verify)");
 }
 
 }  // namespace
@@ -70,18 +124,23 @@ void print_ckpt_info(const std::string& arg) {
 int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
   if (*c.export_cmd) {
     const data::Gpt2Files tok = data::gpt2_files(data_dir);
-    const auto s = train::export_hf(ckpt::resolve_checkpoint(c.dir), c.out,
-                                    {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe});
+    const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
+    check_out_dir(c.out, c.overwrite,
+                  {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe}});
+    const auto s = train::export_hf(step_dir, c.out,
+                                    {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe,
+                                     c.overwrite});
     fmt::print("exported {} -> {}: {} safetensors file(s), {} bytes of {} tensors, config.json{}\n", c.dir, c.out, s.files,
                s.total_size, c.dtype, s.tokenizer_files ? ", vocab.json, merges.txt" : "; " + s.tokenizer_note);
   } else if (*c.import_cmd) {
-    const model::ModelConfig mc = train::import_hf(c.dir, c.out);
+    check_out_dir(c.out, c.overwrite, {{"--in", c.dir}});
+    const model::ModelConfig mc = train::import_hf(c.dir, c.out, c.overwrite);
     fmt::print("imported {} -> {}: {} model, {} parameters, step 0 (train --init-from {})\n", c.dir, c.out,
                model::to_string(mc.family), model::describe(mc).num_params_exported(), c.out);
   } else if (*c.snapshots_cmd) {
     return run_ckpt_snapshots(c);
   } else {
-    print_ckpt_info(c.dir);
+    print_ckpt_info(c.dir, !c.no_verify);
   }
   return 0;
 }

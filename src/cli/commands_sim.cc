@@ -7,6 +7,7 @@
 #include <malloc.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/environment.h"
 #include "cli/subcommands.h"
 #include "kernels/cpu.h"
 #include "run/calibrate.h"
@@ -31,7 +32,8 @@ nlohmann::json mem_json(const MemSnapshot& s) {
 sim::PlanSearch search_and_print(PlanArgs& a) {
   a.cfg.data = "-";
   a.cfg.validate();
-  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
+  sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
@@ -87,7 +89,8 @@ void print_predicted_and_measured(const sim::Candidate& best, const std::string&
   for (std::string line; std::getline(f, line);) {
     const auto j = nlohmann::json::parse(line);
     if (!j.contains("step_ms")) continue;
-    if (j["step"].get<int64_t>() >= 2) ms.push_back(j["step_ms"].get<double>());
+    // The step itself, as the simulator prices it (step_ms also holds the time between steps).
+    if (j["step"].get<int64_t>() >= 2) ms.push_back(j.value("compute_ms", j["step_ms"].get<double>()));
     mem = j["mem"]["total"].get<int64_t>();
   }
   std::sort(ms.begin(), ms.end());
@@ -105,7 +108,8 @@ void print_predicted_and_measured(const sim::Candidate& best, const std::string&
 void run_simulate(SimulateArgs& a) {
   a.cfg.data = "-";  // simulate reads no data
   a.cfg.validate();
-  const sim::HardwareProfile hw = sim::load_hardware(a.hardware);
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
+  sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
   const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
   const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads);
@@ -140,15 +144,31 @@ void run_simulate(SimulateArgs& a) {
 }
 
 // `calibrate`: every rank measures (collectives span the world); rank 0 writes the profile.
+// The profile is read back as simulate reads it before it is written (a figure simulate would
+// refuse is an error here, not a file), and written to a temporary name renamed into place.
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
+  run::check_calibrate_options(co);  // before MPI: a bad flag is one line, not an aborted job
   return on_world([&](comm::Communicator& world) {
     const std::string text = run::calibrate(kernels::cpu_backend(), world, co);
     if (world.rank() == 0) {
-      std::ofstream f(out);
+      try {
+        sim::parse_hardware(text, out);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("calibrate: nothing written: ") + e.what());
+      }
+      const std::string tmp = out + ".tmp";
+      std::ofstream f(tmp);
       f << text << "\n";
       f.close();
-      if (!f) throw std::runtime_error("calibrate: cannot write " + out);
-      fmt::print("calibrate: wrote {} ({} rank(s) x {} thread(s))\n", out, world.size(), co.threads);
+      std::error_code ec;
+      if (f) std::filesystem::rename(tmp, out, ec);
+      if (!f || ec) {
+        std::filesystem::remove(tmp, ec);
+        throw std::runtime_error("calibrate: cannot write " + out);
+      }
+      fmt::print("calibrate: wrote {} ({} rank(s) x {} thread(s)){}\n", out, world.size(), co.threads,
+                 world.size() > 1 ? "" : "; one rank has no collectives to time: the profile simulates one rank "
+                                         "(mpirun -np N calibrate for more)");
     }
     return 0;
   });

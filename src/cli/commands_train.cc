@@ -1,11 +1,16 @@
 // `shardlm train | eval | generate | explain`.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <fmt/format.h>
 #include <iostream>
+#include <limits>
 #include <memory>
 
 #include "ckpt/sharded.h"
+#include "cli/environment.h"
 #include "cli/subcommands.h"
 #include "comm/single_rank.h"
 #include "data/shard.h"
@@ -38,7 +43,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
                                         int64_t B, int64_t T) {
   auto m = std::make_unique<LoadedModel>();
   const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
-  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1));
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1, ranks_on_this_machine()));
   m->state = train::read_model_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
@@ -47,7 +52,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   pc.batch = B;
   pc.seq = T;
   pc.threads = threads;
-  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false);
+  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false, ranks_on_this_machine());
   m->world = std::make_unique<comm::SingleRankCommunicator>();
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));
@@ -82,6 +87,10 @@ int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
 }
 
 void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch, int64_t seq, int threads) {
+  // A forward's token buffers are indexed with 32 bits (train's --batch x --seq has the same
+  // bound); a larger product wrapped around and crashed the plan.
+  if (batch > std::numeric_limits<int32_t>::max() / seq)
+    throw std::invalid_argument(fmt::format("eval: --batch {} x --seq {}: tokens per forward exceed 2^31", batch, seq));
   kernels::init_compute(threads);
   auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, batch, seq);
   data::TokenShard shard(tokens);
@@ -99,9 +108,17 @@ void run_generate(const std::string& ckpt, const std::string& prompt, train::Sam
   auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
   auto tok = data::make_tokenizer(m->state.tokenizer, data_dir);
   sc.vocab_limit = tok->vocab_size();
-  const auto ids = train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt),
-                                   tok->eot() >= 0 ? tok->eot() : '\n', sc);
-  fmt::print("{}{}\n", prompt, tok->decode(ids));
+  // Each token is written as it is drawn: a long generation shows its text as it goes. A
+  // token's bytes may be part of a UTF-8 character; the bytes as a whole are the decoded text.
+  // Nobody reading (a closed pipe whose SIGPIPE is ignored) ends the generation.
+  const auto show = [](const std::string& text) {
+    if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() || std::fflush(stdout) != 0)
+      throw std::runtime_error(fmt::format("generate: cannot write to standard output: {}", std::strerror(errno)));
+  };
+  show(prompt);
+  train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt), tok->eot() >= 0 ? tok->eot() : '\n', sc,
+                  [&](int32_t id) { show(tok->decode_token(id)); });
+  show("\n");
 }
 
 void run_explain(train::TrainConfig cfg, int ranks) {

@@ -58,7 +58,7 @@ int run_plan(PlanArgs& a);
 struct CkptCommands {
   CLI::App *ckpt = nullptr, *export_cmd = nullptr, *import_cmd = nullptr, *info_cmd = nullptr, *snapshots_cmd = nullptr;
   std::string dir, out, format = "hf", dtype = "fp32", max_shard_size = "5GB", run;
-  bool clear = false;
+  bool clear = false, overwrite = false, no_verify = false;
 };
 void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir);
 int run_ckpt(const CkptCommands& c, const std::string& data_dir);

@@ -1,6 +1,5 @@
 #include "comm/options.h"
 
-#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 
@@ -37,8 +36,8 @@ int64_t parse_positive(const char* env, const char* value) {
 }
 }  // namespace
 
-MpiOptions mpi_options_from_env(MpiOptions o) {
-  if (const char* v = std::getenv("SHARDLM_COMM_ALGOS"); v && *v) {
+MpiOptions mpi_options_from(const SettingLookup& settings, MpiOptions o) {
+  if (const char* v = settings("SHARDLM_COMM_ALGOS"); v && *v) {
     std::stringstream ss(v);
     std::string item;
     while (std::getline(ss, item, ',')) {
@@ -57,10 +56,10 @@ MpiOptions mpi_options_from_env(MpiOptions o) {
       else throw std::invalid_argument("comm: SHARDLM_COMM_ALGOS key \"" + key + "\" is unknown");
     }
   }
-  if (const char* v = std::getenv("SHARDLM_COMM_CHUNK_KB"); v && *v) {
+  if (const char* v = settings("SHARDLM_COMM_CHUNK_KB"); v && *v) {
     o.chunk_bytes = parse_positive("SHARDLM_COMM_CHUNK_KB", v) * 1024;
   }
-  if (const char* v = std::getenv("SHARDLM_COMM_WINDOW"); v && *v) {
+  if (const char* v = settings("SHARDLM_COMM_WINDOW"); v && *v) {
     o.window = static_cast<int>(parse_positive("SHARDLM_COMM_WINDOW", v));
   }
   return o;

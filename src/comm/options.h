@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "tensor/dtype.h"
@@ -68,9 +69,13 @@ Algorithm resolve_algorithm(const std::string& collective, Algorithm requested, 
 // reduce_scatter takes its temporary from the communicator's pool).
 int64_t mpi_scratch_bytes(const MpiOptions& o, Reduction op, int64_t count, DType dtype, int size);
 
-// Applies SHARDLM_COMM_ALGOS (e.g. "reduce_scatter=ring,all_reduce=native"; keys all_gather,
-// reduce_scatter, all_reduce, all_to_all, broadcast), SHARDLM_COMM_CHUNK_KB and SHARDLM_COMM_WINDOW from
-// the environment to `base`. Throws std::invalid_argument on a malformed value.
-MpiOptions mpi_options_from_env(MpiOptions base = {});
+// Where settings come from: a setting's value by name, or null when unset. comm reads none itself
+// (the command line passes the environment in; tests pass a table).
+using SettingLookup = std::function<const char*(const char* name)>;
+
+// Applies the settings SHARDLM_COMM_ALGOS (e.g. "reduce_scatter=ring,all_reduce=native"; keys
+// all_gather, reduce_scatter, all_reduce, all_to_all, broadcast), SHARDLM_COMM_CHUNK_KB and
+// SHARDLM_COMM_WINDOW to `base`. Throws std::invalid_argument naming a malformed one.
+MpiOptions mpi_options_from(const SettingLookup& settings, MpiOptions base = {});
 
 }  // namespace shardlm::comm

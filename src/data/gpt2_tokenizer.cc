@@ -80,6 +80,13 @@ size_t next_piece(const unsigned char* s, size_t n, size_t i) {
   return last;
 }
 
+// Whether the piece [i, e) that next_piece returned is whitespace only (alternatives 5 and 6):
+// every other piece that starts with whitespace is a space followed by a non-space run.
+bool is_whitespace_piece(const unsigned char* s, size_t n, size_t i, size_t e) {
+  const CodePoint first = decode_utf8(s, n, i);
+  return first.cls == CharClass::kSpace && (i + first.len == e || decode_utf8(s, n, i + first.len).cls == CharClass::kSpace);
+}
+
 // ---- GPT-2's byte <-> unicode mapping ----------------------------------------------------
 
 // bytes_to_unicode(): printable bytes (! to ~, ¡ to ¬, ® to ÿ) stand for themselves; the
@@ -181,6 +188,24 @@ class Gpt2Tokenizer final : public Tokenizer {
   int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
   int32_t eot() const override { return eot_; }
   std::string name() const override { return "gpt2"; }
+
+  size_t stable_prefix(std::string_view text) const override {
+    // next_piece reads at most a whitespace char (3 bytes) and a code point (4) past the piece
+    // it returns, so a piece ending kLookahead bytes before the end is the one the whole text
+    // has. Encoded alone, the prefix must also split the same way: it may not end in a
+    // whitespace piece, which the end of the text would join to the whitespace before it.
+    constexpr size_t kLookahead = 8;
+    const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+    const size_t n = text.size();
+    size_t stable = 0;
+    for (size_t i = 0; i < n;) {
+      const size_t e = next_piece(s, n, i);
+      if (e + kLookahead > n) break;
+      if (!is_whitespace_piece(s, n, i, e)) stable = e;
+      i = e;
+    }
+    return stable;
+  }
 
  private:
   static constexpr size_t kMaxCached = 64;  // longer pieces (long space runs, ...) are rare

@@ -4,12 +4,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace shardlm::data {
@@ -38,51 +39,97 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
   }
 }
 
-void write_shard_u16(const std::string& path, const uint16_t* tokens, size_t n) {
-  if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-    fail(path, std::to_string(n) + " tokens do not fit the header's int32 count");
-  int32_t header[kShardHeaderInts] = {};
-  header[0] = kShardMagic;
-  header[1] = kShardVersion;
-  header[2] = static_cast<int32_t>(n);
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(tmp, "cannot create: " + errno_text());
-  try {
-    write_all(fd, header, sizeof(header), tmp);
-    write_all(fd, tokens, n * sizeof(uint16_t), tmp);
-    if (::fsync(fd) != 0) fail(tmp, "fsync failed: " + errno_text());
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    fail(tmp, "close failed: " + errno_text());
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = errno_text();
-    ::unlink(tmp.c_str());
-    fail(path, "cannot rename " + tmp + " to it: " + err);
-  }
-}
-
 }  // namespace
 
-void write_token_shard(const std::string& path, std::span<const uint16_t> tokens) {
-  write_shard_u16(path, tokens.data(), tokens.size());
+TokenShardWriter::TokenShardWriter(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(tmp_, "cannot create: " + errno_text());
+  const int32_t header[kShardHeaderInts] = {kShardMagic, kShardVersion, 0};
+  try {
+    write_all(fd_, header, sizeof(header), tmp_);
+  } catch (...) {
+    discard();
+    throw;
+  }
 }
 
-void write_token_shard(const std::string& path, std::span<const int32_t> tokens) {
+TokenShardWriter::~TokenShardWriter() { discard(); }
+
+void TokenShardWriter::discard() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(tmp_.c_str());
+  fd_ = -1;
+}
+
+void TokenShardWriter::append(std::span<const uint16_t> tokens) {
+  if (fd_ < 0) fail(path_, "written after commit");
+  if (static_cast<int64_t>(tokens.size()) > kShardMaxTokens - count_)
+    fail(path_, std::to_string(count_ + static_cast<int64_t>(tokens.size())) + " tokens do not fit the header's int32 count");
+  write_all(fd_, tokens.data(), tokens.size() * sizeof(uint16_t), tmp_);
+  count_ += static_cast<int64_t>(tokens.size());
+}
+
+void TokenShardWriter::append(std::span<const int32_t> tokens) {
   std::vector<uint16_t> t(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] > 0xFFFF)
-      fail(path, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(i) +
-                     " does not fit uint16");
+      fail(path_, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(count_ + static_cast<int64_t>(i)) +
+                      " does not fit uint16");
     t[i] = static_cast<uint16_t>(tokens[i]);
   }
-  write_shard_u16(path, t.data(), t.size());
+  append(std::span<const uint16_t>(t));
+}
+
+void TokenShardWriter::move_tail(int64_t n, TokenShardWriter& to) {
+  if (n < 0 || n > count_) fail(path_, "cannot move " + std::to_string(n) + " of its " + std::to_string(count_) + " tokens");
+  const int64_t keep = count_ - n;
+  std::vector<uint16_t> buf(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)));
+  for (int64_t first = keep; first < count_; first += static_cast<int64_t>(buf.size())) {
+    const size_t len = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(buf.size()), count_ - first));
+    const off_t at = kShardHeaderBytes + first * static_cast<off_t>(sizeof(uint16_t));
+    if (::pread(fd_, buf.data(), len * sizeof(uint16_t), at) != static_cast<ssize_t>(len * sizeof(uint16_t)))
+      fail(tmp_, "cannot read back: " + errno_text());
+    to.append(std::span<const uint16_t>(buf.data(), len));
+  }
+  if (::ftruncate(fd_, kShardHeaderBytes + keep * static_cast<off_t>(sizeof(uint16_t))) != 0 || ::lseek(fd_, 0, SEEK_END) < 0)
+    fail(tmp_, "cannot truncate: " + errno_text());
+  count_ = keep;
+}
+
+void TokenShardWriter::commit() {
+  if (fd_ < 0) fail(path_, "committed twice");
+  const int32_t count = static_cast<int32_t>(count_);
+  try {
+    if (::pwrite(fd_, &count, sizeof(count), 2 * sizeof(int32_t)) != static_cast<ssize_t>(sizeof(count)))
+      fail(tmp_, "cannot write the header: " + errno_text());
+    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed: " + errno_text());
+  } catch (...) {
+    discard();
+    throw;
+  }
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) {
+    ::unlink(tmp_.c_str());
+    fail(tmp_, "close failed: " + errno_text());
+  }
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const std::string err = errno_text();
+    ::unlink(tmp_.c_str());
+    fail(path_, "cannot rename " + tmp_ + " to it: " + err);
+  }
+}
+
+void write_token_shard(const std::string& path, std::span<const uint16_t> tokens) {
+  TokenShardWriter w(path);
+  w.append(tokens);
+  w.commit();
+}
+
+void write_token_shard(const std::string& path, std::span<const int32_t> tokens) {
+  TokenShardWriter w(path);
+  w.append(tokens);
+  w.commit();
 }
 
 namespace {

@@ -14,12 +14,39 @@ constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 constexpr int kShardHeaderInts = 256;
 constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
+constexpr int64_t kShardMaxTokens = 2147483647;  // the header's int32 count
 
 // Writes PATH.tmp, then renames it to PATH, so PATH is either absent, the old file, or the
 // whole new file. Throws std::runtime_error (naming the file) on an I/O error, a token that
 // does not fit uint16, or more tokens than an int32 count can hold.
 void write_token_shard(const std::string& path, std::span<const int32_t> tokens);
 void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
+
+// A shard written as its tokens come, for inputs too large to hold (tokenize streams them):
+// PATH.tmp until commit() writes the count into the header, fsyncs and renames it to PATH. A
+// writer destroyed before commit() removes PATH.tmp; PATH is never touched until then. Errors
+// are std::runtime_error naming the file.
+class TokenShardWriter {
+ public:
+  explicit TokenShardWriter(std::string path);
+  ~TokenShardWriter();
+  TokenShardWriter(const TokenShardWriter&) = delete;
+  TokenShardWriter& operator=(const TokenShardWriter&) = delete;
+
+  int64_t size() const { return count_; }
+  // Each id must fit uint16, and the shard at most kShardMaxTokens.
+  void append(std::span<const int32_t> tokens);
+  void append(std::span<const uint16_t> tokens);
+  // Moves the last n tokens (n <= size()) to the end of `to`.
+  void move_tail(int64_t n, TokenShardWriter& to);
+  void commit();
+
+ private:
+  void discard();
+  std::string path_, tmp_;
+  int fd_ = -1;
+  int64_t count_ = 0;
+};
 
 // A shard open for reading. The constructor validates the header and the size; each problem
 // (missing file, shorter than the header, wrong magic, wrong version, size not matching the

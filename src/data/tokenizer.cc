@@ -31,6 +31,7 @@ class ByteTokenizer final : public Tokenizer {
   int32_t vocab_size() const override { return 256; }
   int32_t eot() const override { return -1; }
   std::string name() const override { return "bytes"; }
+  size_t stable_prefix(std::string_view text) const override { return text.size(); }
 
  private:
   static void check(int32_t id) {

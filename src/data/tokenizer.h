@@ -26,6 +26,12 @@ class Tokenizer {
   // a byte, so there is no id left for it; the tokenize driver then joins files with nothing).
   virtual int32_t eot() const = 0;
   virtual std::string name() const = 0;  // "gpt2" | "bytes"
+  // The length n of the longest prefix of `text` whose encoding nothing after it can change:
+  // encode(text[0, n)) followed by encode(text[n, ...) + more) is encode(text + more) for every
+  // `more`. Lets a stream be encoded a chunk at a time. bytes: all of it; gpt2: up to the end of
+  // the last pre-tokenizer piece that ends 8 bytes or more before the end (the most the
+  // pre-tokenizer looks past a piece) and is not whitespace (0 if there is none).
+  virtual size_t stable_prefix(std::string_view text) const = 0;
 };
 
 // "gpt2": loads data_dir/gpt2/encoder.json and data_dir/gpt2/vocab.bpe (made by

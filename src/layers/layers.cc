@@ -1,17 +1,18 @@
 #include "layers/layers.h"
 
-#include <array>
 #include <cmath>
 #include <stdexcept>
 
 namespace shardlm::layers {
 
 const LayerKind& layer(model::UnitKind kind) {
-  static const std::array<LayerKind, 6> table = {gpt2_embedding_kind(),  gpt2_block_kind(),  gpt2_head_kind(),
-                                                 llama_embedding_kind(), llama_block_kind(), llama_head_kind()};
-  const int k = static_cast<int>(kind);
-  if (k < 0 || k >= static_cast<int>(table.size())) throw std::logic_error("layers: unknown unit kind");
-  return table[k];
+  static const LayerKind table[] = {
+#define SHARDLM_LAYER_KIND(name, place) name##_kind(),
+      SHARDLM_UNIT_KINDS(SHARDLM_LAYER_KIND)
+#undef SHARDLM_LAYER_KIND
+  };
+  static_assert(sizeof(table) / sizeof(table[0]) == model::kNumUnitKinds);
+  return table[static_cast<int>(kind)];
 }
 
 namespace {

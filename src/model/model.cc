@@ -1,5 +1,7 @@
 #include "model/model.h"
 
+#include <cmath>
+#include <cstdio>
 #include <map>
 #include <stdexcept>
 
@@ -20,18 +22,6 @@ Recompute parse_recompute(const std::string& name) {
   for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full})
     if (name == to_string(r)) return r;
   throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective or full)");
-}
-
-const char* to_string(UnitKind k) {
-  switch (k) {
-    case UnitKind::gpt2_embedding: return "gpt2_embedding";
-    case UnitKind::gpt2_block: return "gpt2_block";
-    case UnitKind::gpt2_head: return "gpt2_head";
-    case UnitKind::llama_embedding: return "llama_embedding";
-    case UnitKind::llama_block: return "llama_block";
-    case UnitKind::llama_head: return "llama_head";
-  }
-  return "?";
 }
 
 void ModelConfig::validate() const {
@@ -72,8 +62,14 @@ void ModelConfig::validate() const {
                                 ") must be even for rotary embeddings");
   if (head_size() > 256)
     throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) + ") exceeds 256");
-  if (!(rope_theta > 0)) throw std::invalid_argument("model: rope_theta must be positive");
-  if (!(norm_eps > 0)) throw std::invalid_argument("model: norm_eps must be positive");
+  if (!(rope_theta > 0) || !std::isfinite(rope_theta)) throw std::invalid_argument("model: rope_theta must be positive and finite");
+  if (!(norm_eps > 0) || !std::isfinite(norm_eps)) throw std::invalid_argument("model: norm_eps must be positive and finite");
+  // GPT-2's layer norm epsilon is the kernels' constant: a model asking for another is not this one.
+  if (family == Family::gpt2 && norm_eps != 1e-5) {
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", norm_eps);
+    throw std::invalid_argument(std::string("model: gpt2's layer norm epsilon is 1e-05 (norm_eps, --norm-eps, is llama's), got ") + got);
+  }
 }
 
 namespace {

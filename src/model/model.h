@@ -55,11 +55,37 @@ enum class Recompute { none, selective, full };
 const char* to_string(Recompute r);
 Recompute parse_recompute(const std::string& name);  // throws std::invalid_argument
 
-enum class UnitKind { gpt2_embedding, gpt2_block, gpt2_head, llama_embedding, llama_block, llama_head };
-const char* to_string(UnitKind k);
-inline bool is_block(UnitKind k) { return k == UnitKind::gpt2_block || k == UnitKind::llama_block; }
-inline bool is_head(UnitKind k) { return k == UnitKind::gpt2_head || k == UnitKind::llama_head; }
-inline bool is_embedding(UnitKind k) { return k == UnitKind::gpt2_embedding || k == UnitKind::llama_embedding; }
+// Every kind of unit, declared once: X(name, place) with place embedding | block | head.
+// layers/ builds its kernel table from this list: a kind without a `NAME_kind()` there does not
+// compile.
+#define SHARDLM_UNIT_KINDS(X) \
+  X(gpt2_embedding, embedding) \
+  X(gpt2_block, block)         \
+  X(gpt2_head, head)           \
+  X(llama_embedding, embedding) \
+  X(llama_block, block)        \
+  X(llama_head, head)
+
+enum class UnitKind {
+#define SHARDLM_UNIT_KIND_ENUM(name, place) name,
+  SHARDLM_UNIT_KINDS(SHARDLM_UNIT_KIND_ENUM)
+#undef SHARDLM_UNIT_KIND_ENUM
+};
+enum class UnitPlace { embedding, block, head };
+struct UnitKindInfo {
+  const char* name;
+  UnitPlace place;
+};
+inline constexpr UnitKindInfo kUnitKinds[] = {
+#define SHARDLM_UNIT_KIND_INFO(name, place) {#name, UnitPlace::place},
+    SHARDLM_UNIT_KINDS(SHARDLM_UNIT_KIND_INFO)
+#undef SHARDLM_UNIT_KIND_INFO
+};
+inline constexpr int kNumUnitKinds = static_cast<int>(sizeof(kUnitKinds) / sizeof(kUnitKinds[0]));
+constexpr const char* to_string(UnitKind k) { return kUnitKinds[static_cast<int>(k)].name; }
+constexpr bool is_block(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::block; }
+constexpr bool is_head(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::head; }
+constexpr bool is_embedding(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::embedding; }
 
 // How a parameter starts: normal(0, std) when std > 0, else the constant `value`.
 struct ParamInit {

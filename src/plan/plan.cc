@@ -24,27 +24,6 @@ Strategy parse_strategy(const std::string& name) {
   throw std::invalid_argument("strategy: unknown '" + name + "' (expected ddp, zero1, zero2, fsdp or hybrid)");
 }
 
-const char* to_string(Op op) {
-  switch (op) {
-    case Op::zero_grads: return "zero_grads";
-    case Op::forward: return "forward";
-    case Op::recompute: return "recompute";
-    case Op::head: return "head";
-    case Op::loss: return "loss";
-    case Op::logits: return "logits";
-    case Op::backward: return "backward";
-    case Op::grad_norm: return "grad_norm";
-    case Op::optimizer: return "optimizer";
-    case Op::all_gather: return "all_gather";
-    case Op::reduce_scatter: return "reduce_scatter";
-    case Op::all_reduce: return "all_reduce";
-    case Op::param_gather: return "param_gather";
-    case Op::norm_reduce: return "norm_reduce";
-    case Op::loss_reduce: return "loss_reduce";
-  }
-  return "?";
-}
-
 const char* to_string(Role r) {
   switch (r) {
     case Role::params: return "params";
@@ -65,7 +44,7 @@ const char* to_string(Role r) {
   return "?";
 }
 
-std::string Task::name(const model::ModelDesc* desc) const {
+std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   std::string s = to_string(op);
   auto add_unit = [&](int u) {
     s += ' ';
@@ -86,10 +65,37 @@ std::string Task::name(const model::ModelDesc* desc) const {
   if (op == Op::forward || op == Op::backward || op == Op::recompute || op == Op::head || op == Op::loss ||
       op == Op::logits || op == Op::all_gather) {
     s += " [m";
-    s += std::to_string(micro);
+    s += std::to_string(step_micro >= 0 ? step_micro : micro);
     s += ']';
   }
   return s;
+}
+
+Plan::Wait Plan::wait_for(const Task& t, int64_t run, int dep) const {
+  const int R = repeat.micro, dep_micro = tasks[dep].micro;
+  if (R < 0 || dep_micro < R - 1) return {dep, 1};
+  if (dep_micro == R) return {dep, t.micro == R ? run + 1 : repeat.times};
+  if (dep_micro == R - 1 && t.micro == R && run > 0) return {repeat.counterpart[dep], run};
+  return {dep, 1};
+}
+
+StreamWalk::StreamWalk(const Plan& plan, int stream) : times_(plan.repeat.times) {
+  for (const Task& t : plan.tasks) {
+    if (t.stream != stream) continue;
+    if (t.micro == plan.repeat.micro && first_ == end_) first_ = end_ = order_.size();
+    order_.push_back(t.id);
+    if (t.micro == plan.repeat.micro) end_ = order_.size();
+  }
+}
+
+void StreamWalk::next() {
+  if (i_ + 1 == end_ && run_ + 1 < times_) {
+    i_ = first_;
+    ++run_;
+    return;
+  }
+  if (i_ + 1 == end_) run_ = 0;
+  ++i_;
 }
 
 bool Plan::depends_on(int later, int earlier) const {
@@ -192,6 +198,22 @@ void gather_buckets_text(const Plan& plan, const model::ModelDesc& desc, std::os
     << mib(with.total - without.total) << " MiB\n";
 }
 
+// The mesh and each rank's coordinates on it (the first and last ranks of a large world).
+void mesh_text(const Mesh& mesh, std::ostream& o) {
+  o << "\nmesh: " << mesh.to_string() << " (ranks fill it row-major; the last axis holds consecutive ranks)\n";
+  const int n = mesh.rank_count(), shown = 4;
+  for (int r = 0; r < n; ++r) {
+    if (n > 2 * shown && r == shown) {
+      o << "  ...\n";
+      r = n - shown;
+    }
+    const std::vector<int> c = mesh.coords(r);
+    o << "  rank " << r << ":";
+    for (size_t a = 0; a < c.size(); ++a) o << " " << mesh[static_cast<int>(a)].name << "=" << c[a];
+    o << "\n";
+  }
+}
+
 }  // namespace
 
 MemSnapshot Plan::peak_memory() const { return walk_memory(*this, nullptr); }
@@ -208,12 +230,14 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   const char* mode = c.mode == PlanConfig::Mode::train ? "train" : c.mode == PlanConfig::Mode::loss ? "loss" : "logits";
   o << "plan (" << mode << "): model " << model::to_string(desc.config.family) << ", strategy " << to_string(c.strategy)
     << ", " << c.world << " ranks (mesh";
-  for (const auto& a : mesh) o << " " << a.name << "=" << a.size;
+  for (const auto& a : mesh.axes()) o << " " << a.name << "=" << a.size;
   o << "), B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
     << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
   if (c.gather_bucket_mb > 0 && state.params > 1) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
   o << "\n";
+
+  mesh_text(mesh, o);
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
@@ -247,6 +271,10 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   gather_buckets_text(*this, desc, o);
 
   o << "\ntasks (id stream op | deps | GFLOP | MiB | allocs / frees):\n";
+  if (repeat.micro >= 0)
+    o << "  (grad_accum " << c.grad_accum << ": the tasks of [m" << repeat.micro << "] run " << repeat.times
+      << " times, as micro-steps " << repeat.micro << ".." << repeat.micro + repeat.times - 1 << "; [m"
+      << repeat.micro + 1 << "] is micro-step " << c.grad_accum - 1 << ")\n";
   double flops = 0;
   int64_t comm_bytes = 0;
   for (const Task& t : tasks) {
@@ -264,10 +292,12 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     for (int f : t.frees) o << " | -" << buffers[f].name;
     for (int a : t.hands_off) o << " | +" << buffers[a].name << " " << buffers[a].bytes << " (at end)";
     o << "\n";
-    flops += t.flops;
-    if (t.stream != kCompute) comm_bytes += t.bytes;
+    flops += t.flops * static_cast<double>(runs(t));
+    if (t.stream != kCompute) comm_bytes += t.bytes * runs(t);
   }
-  o << "\ntotal: " << tasks.size() << " tasks, " << flops / 1e9 << " GFLOP, " << mib(comm_bytes)
+  int64_t task_runs = 0;
+  for (const Task& t : tasks) task_runs += runs(t);
+  o << "\ntotal: " << tasks.size() << " tasks (" << task_runs << " runs), " << flops / 1e9 << " GFLOP, " << mib(comm_bytes)
     << " MiB of collectives\n";
   return o.str();
 }

@@ -17,8 +17,8 @@
 //    freed by the second backward after its reduce-scatter, which waits for it), so their bytes
 //    over time do not depend on how the streams interleave.
 //  - A task names the buffers it reads and writes (`io`), so an executor resolves ids, not names.
-//  - Collectives run over mesh axes (dp_replicate × dp_shard); the plan is the same on every rank
-//    (ranks differ only in their coordinates, hence which shard they hold).
+//  - Collectives run over named mesh axes (Mesh: dp_replicate × dp_shard today); the plan is the
+//    same on every rank (ranks differ only in their coordinates, hence which shard they hold).
 //  - Nothing happens outside a task: zeroing gradients, the gradient-norm reduction and the loss
 //    sum are tasks.
 #pragma once
@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "model/model.h"
+#include "plan/mesh.h"
+#include "plan/ops.h"
 #include "tensor/dtype.h"
 #include "tensor/memory.h"
 
@@ -41,26 +43,6 @@ const char* to_string(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws std::invalid_argument naming it
 
 inline constexpr int kCompute = 0, kComm = 1;  // the streams builders emit today
-
-enum class Op {
-  zero_grads,      // compute: the run-long gradient buffer to zero
-  forward,         // compute: unit forward of one micro-step
-  recompute,       // compute: rebuild a unit's dropped activations before its backward
-  head,            // compute: head forward + loss + its backward, fused (training)
-  loss,            // compute: head forward + loss (evaluation)
-  logits,          // compute: head forward, logits of the last position (generation)
-  backward,        // compute: unit backward of one micro-step
-  grad_norm,       // compute: this rank's sum of squares of its distinct gradients
-  optimizer,       // compute: clipping by the global norm, AdamW on this rank's shard
-  all_gather,      // comm: a unit's parameter shards -> its gathered parameters
-  reduce_scatter,  // comm: a unit's full gradients -> this rank's summed gradient shard
-  all_reduce,      // comm: a bucket of gradients (DDP, ZeRO-1) or a shard across replicas (hybrid)
-  param_gather,    // comm: ZeRO-1/2: updated parameter shards -> every rank's full copy
-  norm_reduce,     // comm: every rank's squared-gradient sum and loss to every rank (norm, finiteness)
-  loss_reduce,     // comm: sum of the ranks' losses over the world
-};
-inline constexpr int kNumOps = 15;
-const char* to_string(Op op);
 
 // What a buffer holds.
 enum class Role {
@@ -116,7 +98,7 @@ struct Task {
   int id = 0;
   Op op = Op::forward;
   int stream = kCompute;
-  std::vector<int> axes;  // mesh axes a collective spans (indices into Plan::mesh)
+  std::vector<int> axes;  // mesh axes a collective spans (indices into Plan::mesh), ascending
   int unit = -1;          // index into ModelDesc::units; -1: all units / none
   int micro = 0;          // micro-step
   // all_reduce buckets: units [first, last]; all_gather buckets: first..last in gather order
@@ -131,8 +113,9 @@ struct Task {
   std::vector<int> allocs, frees;  // buffer ids
   std::vector<int> hands_off;      // allocated at the task's end, after its frees
   Operands io;
-  // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]".
-  std::string name(const model::ModelDesc* desc = nullptr) const;
+  // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]"; `step_micro`
+  // >= 0 names that micro-step of the step instead (a run of a repeated task, Plan::step_micro).
+  std::string name(const model::ModelDesc* desc = nullptr, int64_t step_micro = -1) const;
 };
 
 struct PlanConfig {
@@ -140,6 +123,9 @@ struct PlanConfig {
   int world = 1;        // N ranks
   int shard_group = 0;  // hybrid: G consecutive ranks shard (0: world)
   int64_t batch = 4, seq = 256, grad_accum = 1;
+  // Build every micro-step's tasks even past kUnrolledMicroSteps (tests: the repeated plan runs
+  // as the unrolled one).
+  bool unroll_micro_steps = false;
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;
@@ -173,9 +159,21 @@ struct PlanConfig {
   std::function<int64_t(Op op, int64_t count, int elem, int group)> reduction_scratch;
 };
 
-struct MeshAxis {
-  std::string name;
-  int size = 1;
+// A plan lists the tasks of at most this many micro-steps; more are runs of a repeated one.
+inline constexpr int64_t kUnrolledMicroSteps = 4;
+
+// Micro-steps in the middle of a step are alike: no first gathers, no gradient reductions. With
+// grad_accum N > kUnrolledMicroSteps a plan lists micro-steps 0, 1, 2 and 3, where micro-step 2
+// stands for micro-steps 2 .. N-2 (its tasks run `times` = N-3 times in a row) and 3 is the
+// step's last, N-1; so a plan's size, and the time to build, walk or simulate it, do not grow
+// with N. Run k+1 of a repeated task waits on run k of the tasks it waits on in micro-step 2, and
+// on run k of their counterparts where it waits on micro-step 1 (`counterpart`, per task id: the
+// repeated task in the same place of its stream, for a task of micro-step 1; else -1). The
+// repeated tasks are consecutive on each stream, and no task waits on one two micro-steps back.
+struct Repeat {
+  int micro = -1;  // -1: nothing repeats
+  int64_t times = 1;
+  std::vector<int> counterpart;
 };
 
 // Which element range of each unit this rank holds, per kind of state: shard `i` of `parts`
@@ -196,8 +194,7 @@ struct StaticMemory {
 struct Plan {
   PlanConfig config;
   std::vector<std::string> streams{"compute", "comm"};
-  std::vector<MeshAxis> mesh;  // {dp_replicate, dp_shard}; rank = replicate·|dp_shard| + shard
-  int shard_axis = 1, replicate_axis = 0;
+  Mesh mesh;                   // dp_replicate × dp_shard
   int shard_size = 1;          // |dp_shard|: ranks one unit is split over
   model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
   StateLayout state;
@@ -207,6 +204,21 @@ struct Plan {
   // Per unit: elements of each shard a partly kept unit keeps between forward and backward (0:
   // not partly kept).
   std::vector<int64_t> kept_elems;
+  Repeat repeat;
+
+  // How many times task t runs in a step.
+  int64_t runs(const Task& t) const { return t.micro == repeat.micro ? repeat.times : 1; }
+  // The micro-step of the step that run `run` of task t belongs to.
+  int64_t step_micro(const Task& t, int64_t run) const {
+    if (repeat.micro < 0 || t.micro < repeat.micro) return t.micro;
+    return t.micro == repeat.micro ? t.micro + run : t.micro + repeat.times - 1;
+  }
+  // What run `run` of task t waits for from its dependency `dep`: that many runs of `task`.
+  struct Wait {
+    int task;
+    int64_t runs;
+  };
+  Wait wait_for(const Task& t, int64_t run, int dep) const;
 
   // Highest bytes per category of the buffers when tasks run in plan order (compute and comm
   // interleaved as their dependencies allow the earliest), plus the static memory.
@@ -217,8 +229,31 @@ struct Plan {
   // on it through deps and stream order (a task waits for the one before it on its stream).
   bool depends_on(int later, int earlier) const;
   std::string to_text(const model::ModelDesc& desc) const;
-  // This rank's shard coordinate from its world rank.
-  int shard_index(int rank) const { return rank % shard_size; }
+  // The axes units are sharded over, the axes their shards are replicated over, and all the
+  // data-parallel axes (the ranks that read different batches), outermost first.
+  std::vector<int> shard_axes() const { return {mesh.axis(kDpShard)}; }
+  std::vector<int> replicate_axes() const { return {mesh.axis(kDpReplicate)}; }
+  std::vector<int> dp_axes() const { return {mesh.axis(kDpReplicate), mesh.axis(kDpShard)}; }
+  // A rank's shard of every unit, and its data-parallel coordinate (which batch it reads).
+  int shard_index(int rank) const { return mesh.index_in(rank, shard_axes()); }
+  int dp_index(int rank) const { return mesh.index_in(rank, dp_axes()); }
+  int dp_size() const { return mesh.group_size(dp_axes()); }
+};
+
+// One stream's task runs in order: each task once, the repeated ones (Plan::repeat) `times`
+// times over.
+class StreamWalk {
+ public:
+  StreamWalk(const Plan& plan, int stream);
+  bool done() const { return i_ >= order_.size(); }
+  int task() const { return order_[i_]; }
+  int64_t run() const { return run_; }
+  void next();
+
+ private:
+  std::vector<int> order_;
+  size_t i_ = 0, first_ = 0, end_ = 0;  // [first_, end_): the repeated tasks
+  int64_t run_ = 0, times_ = 1;
 };
 
 // Builds one rank's plan of a training step (or, with Mode::loss / logits, of a forward pass

@@ -23,10 +23,11 @@ class Builder {
   Plan build();
 
  private:
-  int add(Op op, int stream, int unit, int micro, std::vector<int> deps = {}) {
+  int add(Op op, int unit, int micro, std::vector<int> deps = {}) {
     Task t;
     t.id = static_cast<int>(tasks_.size());
-    t.op = op, t.stream = stream, t.unit = unit, t.micro = micro;
+    t.op = op, t.unit = unit, t.micro = micro;
+    t.stream = info(op).stream == OpStream::comm ? kComm : kCompute;
     for (int d : deps)
       if (d >= 0) t.deps.push_back(d);
     tasks_.push_back(std::move(t));
@@ -94,8 +95,7 @@ class Builder {
   // (reduce_scatter) or in all (all_reduce), alive inside the task.
   void reduction_scratch(int t, int64_t count) {
     if (!cfg_.reduction_scratch) return;
-    int group = 1;
-    for (int a : at(t).axes) group *= plan_.mesh[a].size;
+    const int group = plan_.mesh.group_size(at(t).axes);
     const int64_t bytes = cfg_.reduction_scratch(at(t).op, count, cfg_.reduce_bytes, group);
     if (bytes <= 0) return;
     const int b = buffer("comm scratch " + at(t).name(&desc_), Role::staging, MemCategory::comm, bytes, at(t).unit,
@@ -122,6 +122,7 @@ class Builder {
   void keep_parts();
   void finish();
   std::vector<Task> schedule();
+  void repeat_middle_micro_step();
 
   const model::ModelDesc& desc_;
   const PlanConfig& cfg_;
@@ -186,11 +187,12 @@ int Builder::gather(int u, int micro, int prefetch, int direction) {
       }
     }
   if (deps.empty() && start_ >= 0) deps.push_back(start_);
-  std::sort(deps.begin(), deps.end());
-  deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+  // Every dependency is a compute task, and the compute stream runs in order: the latest implies
+  // the others (and a gather then never waits on a task two micro-steps back, as Repeat needs).
+  if (!deps.empty()) deps = {*std::max_element(deps.begin(), deps.end())};
   const bool bucket = units.size() > 1;
-  const int t = add(Op::all_gather, kComm, bucket ? -1 : u, micro, deps);
-  at(t).axes = {plan_.shard_axis};
+  const int t = add(Op::all_gather, bucket ? -1 : u, micro, deps);
+  at(t).axes = plan_.shard_axes();
   for (int v : units) {
     at(t).bytes += unit_bytes(v, cfg_.param_bytes);
     // The compute task the gather waits for brings its buffers into being as it ends.
@@ -275,8 +277,8 @@ void Builder::gather_part(int t, int u, int direction, int deps_last) {
 }
 
 int Builder::gather_kept(int u) {
-  const int t = add(Op::all_gather, kComm, u, 0, {start_});
-  at(t).axes = {plan_.shard_axis};
+  const int t = add(Op::all_gather, u, 0, {start_});
+  at(t).axes = plan_.shard_axes();
   at(t).bytes = unit_bytes(u, cfg_.param_bytes);
   at(t).io.params = gathered(u);
   if (start_ < 0) alloc(t, gathered(u));
@@ -324,7 +326,7 @@ void Builder::forward(int u, int m) {
     held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0 && !partly_kept(u);
     if (!held) ag = gather(u, m, cfg_.prefetch_forward, +1);
   }
-  const int t = add(op, kCompute, u, m, {ag});
+  const int t = add(op, u, m, {ag});
   if (held) at(t).deps.push_back(reuse(t));
   else if (ag >= 0 && !kept_[u]) consume(t, u);
   const model::UnitCosts& c = costs_[u];
@@ -374,7 +376,7 @@ void Builder::backward(int u, int m) {
   if (sharded_params_ && chain_gathered(u, -1)) ag = gather(u, m, cfg_.prefetch_backward, -1);
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
   if (rebuild) {
-    const int r = add(Op::recompute, kCompute, u, m, {ag});
+    const int r = add(Op::recompute, u, m, {ag});
     Operands& io = at(r).io;
     io.params = params;
     read_values(r, u, m);
@@ -387,7 +389,7 @@ void Builder::backward(int u, int m) {
     if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
     ag = -1;  // the backward follows on the same stream
   }
-  const int b = add(Op::backward, kCompute, u, m, {ag});
+  const int b = add(Op::backward, u, m, {ag});
   settle_grads(b, false);
   if (params >= 0 && !kept_[u]) consume(b, u);
   if (params >= 0 && partly_kept(u)) free(b, kept_part(u));
@@ -426,8 +428,8 @@ void Builder::settle_grads(int compute_task, bool all) {
 void Builder::reduce_grad(int u, int producer) {
   if (cfg_.world == 1) return;
   if (sharded_grads_) {
-    const int rs = add(Op::reduce_scatter, kComm, u, last_micro_, {producer});
-    at(rs).axes = {plan_.shard_axis};
+    const int rs = add(Op::reduce_scatter, u, last_micro_, {producer});
+    at(rs).axes = plan_.shard_axes();
     at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
     at(rs).io.grads = full_grads(u);
     pending_grads_.push_back({rs, full_grads(u), 2});
@@ -435,8 +437,8 @@ void Builder::reduce_grad(int u, int producer) {
     reduction_scratch(rs, shard_elems(u));
     reductions_.push_back(rs);
     if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
-      const int ar = add(Op::all_reduce, kComm, u, last_micro_, {rs});
-      at(ar).axes = {plan_.replicate_axis};
+      const int ar = add(Op::all_reduce, u, last_micro_, {rs});
+      at(ar).axes = plan_.replicate_axes();
       at(ar).bytes = shard_elems(u) * cfg_.reduce_bytes;
       stage(ar, shard_elems(u), 0, cfg_.reduce_bytes);
       reduction_scratch(ar, shard_elems(u));
@@ -453,8 +455,8 @@ void Builder::reduce_grad(int u, int producer) {
 }
 
 void Builder::close_bucket(int producer) {
-  const int ar = add(Op::all_reduce, kComm, -1, last_micro_, {producer});
-  at(ar).axes = {plan_.replicate_axis, plan_.shard_axis};
+  const int ar = add(Op::all_reduce, -1, last_micro_, {producer});
+  at(ar).axes = plan_.dp_axes();
   at(ar).first_unit = bucket_first_;
   at(ar).last_unit = bucket_last_;
   at(ar).bytes = bucket_bytes_;
@@ -523,22 +525,22 @@ void Builder::finish() {
   const int U = static_cast<int>(desc_.units.size());
   int end = -1;
   if (train_) {
-    const int norm = add(Op::grad_norm, kCompute, -1, last_micro_, reductions_);
+    const int norm = add(Op::grad_norm, -1, last_micro_, reductions_);
     settle_grads(norm, true);
     int before_opt = norm;
     if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
-      before_opt = add(Op::norm_reduce, kComm, -1, last_micro_, {norm});
-      at(before_opt).axes = {plan_.replicate_axis, plan_.shard_axis};
+      before_opt = add(Op::norm_reduce, -1, last_micro_, {norm});
+      at(before_opt).axes = plan_.dp_axes();
       at(before_opt).bytes = 16;
     }
-    const int opt = add(Op::optimizer, kCompute, -1, last_micro_, {before_opt});
+    const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     const int64_t elems = sharded_optimizer_ ? plan_.layout.total / plan_.shard_size : plan_.layout.total;
     at(opt).flops = 10.0 * static_cast<double>(elems);
     end = opt;
     if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
       for (int u = 0; u < U; ++u) {
-        const int pg = add(Op::param_gather, kComm, u, last_micro_, {opt});
-        at(pg).axes = {plan_.shard_axis};
+        const int pg = add(Op::param_gather, u, last_micro_, {opt});
+        at(pg).axes = plan_.shard_axes();
         at(pg).bytes = unit_bytes(u, cfg_.param_bytes);
       }
     }
@@ -546,8 +548,8 @@ void Builder::finish() {
     end = heads_.back();
   }
   if (cfg_.world > 1) {
-    const int lr = add(Op::loss_reduce, kComm, -1, last_micro_, {end});
-    at(lr).axes = {plan_.replicate_axis, plan_.shard_axis};
+    const int lr = add(Op::loss_reduce, -1, last_micro_, {end});
+    at(lr).axes = plan_.dp_axes();
     at(lr).bytes = 8;
   }
 }
@@ -557,7 +559,7 @@ Plan Builder::build() {
   train_ = cfg_.mode == PlanConfig::Mode::train;
   plan_.config = cfg_;
   plan_.shard_size = s == Strategy::ddp ? 1 : s == Strategy::hybrid ? cfg_.shard_group : cfg_.world;
-  plan_.mesh = {{"dp_replicate", cfg_.world / plan_.shard_size}, {"dp_shard", plan_.shard_size}};
+  plan_.mesh = Mesh({{kDpReplicate, cfg_.world / plan_.shard_size}, {kDpShard, plan_.shard_size}});
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
@@ -587,10 +589,11 @@ Plan Builder::build() {
   }
   keep_units(cfg_.keep_gathered);
   keep_parts();
-  last_micro_ = train_ ? static_cast<int>(cfg_.grad_accum) - 1 : 0;
+  const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps;
+  last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.
-  if (train_) start_ = add(Op::zero_grads, kCompute, -1, 0);
+  if (train_) start_ = add(Op::zero_grads, -1, 0);
   for (int m = 0; m <= last_micro_; ++m) {
     for (int u = 0; u < U; ++u) forward(u, m);
     if (!train_) continue;
@@ -600,7 +603,45 @@ Plan Builder::build() {
   finish();
   free_at_last_use();
   plan_.tasks = schedule();
+  if (repeats) repeat_middle_micro_step();
   return std::move(plan_);
+}
+
+// Micro-step 2 of a plan of four stands for micro-steps 2 .. N-2 (Repeat). Pairs each task of
+// micro-step 1 with the one in its place on its stream in micro-step 2, and checks what running
+// micro-step 2's tasks again relies on: they are consecutive on their stream, alike to micro-step
+// 1's, and wait on nothing further back than micro-step 1.
+void Builder::repeat_middle_micro_step() {
+  constexpr int R = 2;
+  Repeat& rep = plan_.repeat;
+  rep.micro = R;
+  rep.times = cfg_.grad_accum - (kUnrolledMicroSteps - 1);
+  rep.counterpart.assign(plan_.tasks.size(), -1);
+  auto broken = [](const std::string& what) { throw std::logic_error("plan: micro-step 2 cannot repeat: " + what); };
+  for (int s = 0; s < static_cast<int>(plan_.streams.size()); ++s) {
+    std::vector<int> before, repeated;
+    bool left = false;
+    for (const Task& t : plan_.tasks) {
+      if (t.stream != s) continue;
+      if (t.micro == R - 1) before.push_back(t.id);
+      if (t.micro == R && left) broken(t.name(&desc_) + " is not with the others on its stream");
+      if (t.micro == R) repeated.push_back(t.id);
+      else left = left || !repeated.empty();
+    }
+    if (before.size() != repeated.size()) broken(plan_.streams[s] + " holds a different number of tasks");
+    for (size_t i = 0; i < before.size(); ++i) {
+      const Task &a = plan_.tasks[before[i]], &b = plan_.tasks[repeated[i]];
+      if (a.op != b.op || a.unit != b.unit || a.first_unit != b.first_unit || a.last_unit != b.last_unit ||
+          a.deps.size() != b.deps.size() || a.allocs.size() != b.allocs.size() || a.frees.size() != b.frees.size() ||
+          a.hands_off.size() != b.hands_off.size())
+        broken(a.name(&desc_) + " and " + b.name(&desc_) + " differ");
+      rep.counterpart[a.id] = b.id;
+    }
+  }
+  for (const Task& t : plan_.tasks)
+    for (int d : t.deps)
+      if (t.micro >= R && plan_.tasks[d].micro < t.micro - 1)
+        broken(t.name(&desc_) + " waits on " + plan_.tasks[d].name(&desc_));
 }
 
 // Orders the comm stream: each collective goes right after the compute task that makes it

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -193,6 +195,25 @@ std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<
 
 }  // namespace
 
+void check_calibrate_options(const CalibrateOptions& o) {
+  if (o.iters < 1 || o.iters > kMaxIters)
+    throw std::invalid_argument("--iters: must be in [1, " + std::to_string(kMaxIters) + "], got " + std::to_string(o.iters));
+  if (o.sizes.empty()) return;  // the default sizes
+  std::string list;
+  for (int64_t s : o.sizes) {
+    if (!list.empty()) list += ',';
+    list += std::to_string(s / 1024);
+    if (s < 1024 || s > kMaxSize || s % 1024 != 0)
+      throw std::invalid_argument("--sizes-kib: " + std::to_string(s / 1024) + " is not a whole number of KiB in [1, " +
+                                  std::to_string(kMaxSize / 1024) + "] (each rank holds two buffers of the size)");
+  }
+  const auto [smallest, largest] = std::minmax_element(o.sizes.begin(), o.sizes.end());
+  if (*smallest == *largest || *largest < kMinLargestSize || *largest < kMinSizeSpread * *smallest)
+    throw std::invalid_argument("--sizes-kib " + list + ": a bandwidth fit needs at least two different sizes, the largest >= " +
+                                std::to_string(kMinLargestSize / 1024) + " KiB (where bandwidth, not latency, sets the time) and >= " +
+                                std::to_string(kMinSizeSpread) + " x the smallest (default 4,16,...,262144)");
+}
+
 LineFit fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& t) {
   // Least squares of t = a + b·x in relative error (each point weighted 1/t²), so that the
   // sizes from 4 KiB to 256 MiB count alike: unweighted, a few per cent of noise on the largest
@@ -211,10 +232,24 @@ LineFit fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& 
     a = 0;
     b = sxx > 0 ? sxt / sxx : 0;
   }
-  return {a, b > 0 ? 1.0 / b : 1e30};
+  return {a, b > 0 ? 1.0 / b : std::numeric_limits<double>::infinity()};
+}
+
+void check_fit(const LineFit& f, double memory_bw, const std::string& what) {
+  auto refuse = [&](const std::string& why) {
+    throw std::runtime_error("calibrate: " + what + ": " + why +
+                             "; measure again on a quieter machine, with larger --sizes-kib or more --iters");
+  };
+  if (!std::isfinite(f.bw) || f.bw <= 0) refuse("the times do not grow with the size (no bandwidth to fit)");
+  if (f.bw > memory_bw)
+    refuse("the fitted bus bandwidth " + std::to_string(f.bw) + " bytes/s is above the memory bandwidth measured, " +
+           std::to_string(memory_bw));
+  if (!(f.alpha >= 0 && f.alpha <= kMaxLatencySeconds))
+    refuse("the fitted latency " + std::to_string(f.alpha) + " s is not in [0, " + std::to_string(kMaxLatencySeconds) + "] s");
 }
 
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
+  check_calibrate_options(o);
   k.init_compute(o.threads);
   const int n = world.size();
   const std::string here = "measured by shardlm calibrate (" + std::to_string(n) + " rank(s) x " +
@@ -258,10 +293,13 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     json entry;
     if (n > 1) {
       const LineFit f = fit_alpha_beta(xs, ts);
+      // Rank 0's figures are the ones written: it judges them.
+      if (world.rank() == 0) check_fit(f, bw, std::string(names[op]) + " on " + std::to_string(n) + " ranks");
       entry = {{"latency_s", fig(f.alpha, here + ": intercept of t = a + S·factor/busBw")},
                {"bus_bw", fig(f.bw, here + ": slope of t = a + S·factor/busBw, " + std::to_string(sizes.size()) + " sizes")}};
-    } else {
-      entry = {{"latency_s", fig(0, "one rank: nothing to measure")}, {"bus_bw", fig(bw, "one rank: the memory bandwidth")}};
+    } else {  // collectives_measured: false says so to whoever reads the profile
+      entry = {{"latency_s", fig(0, "not measured: one rank has no collectives; 0 stands in")},
+               {"bus_bw", fig(bw, "not measured: one rank has no collectives; the memory bandwidth stands in")}};
     }
     tier[names[op]] = entry;
   }
@@ -313,7 +351,10 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"devices_per_node", fig(std::max(n, 1), "one machine: every rank is on it")},
          {"cores_per_node", fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency")},
          {"device_memory", fig(0, "host memory: no per-device limit")},
-         {"comm_compute_slowdown", fig(slowdown, here + ": a 1024x384x1152 GEMM beside 64 MiB all_reduces, the median against alone")},
+         {"comm_compute_slowdown",
+          fig(slowdown, n > 1 ? here + ": a 1024x384x1152 GEMM beside 64 MiB all_reduces, the median against alone"
+                              : "not measured: one rank has no collectives to overlap")},
+         {"collectives_measured", n > 1},
          {"intra_node", tier},
          {"inter_node", tier}};
   for (const char* c : {"all_gather", "reduce_scatter", "all_reduce"})

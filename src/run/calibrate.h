@@ -4,7 +4,10 @@
 //    block GEMM shapes against it give the achievable efficiency;
 //  - pointwise bandwidth: a residual add over 64 MiB arrays (3 × 4 bytes per element moved);
 //  - each collective at sizes from 4 KiB up: α and busBw fitted by least squares to
-//    t = α + S·factor(n)/busBw over the medians (nccl-tests' S and factor);
+//    t = α + S·factor(n)/busBw over the medians (nccl-tests' S and factor); a fit that is not a
+//    link (no bandwidth, one above the memory bandwidth measured, a latency over a second) is an
+//    error, never a profile. On one rank there is nothing to time: the profile says so
+//    (collectives_measured false) and simulate prices one rank only with it;
 //  - the slowdown of a GEMM while a large all-reduce runs beside it.
 // Every rank takes part (collectives span the world); rank 0's figures are the result.
 #pragma once
@@ -18,9 +21,20 @@
 
 namespace shardlm::run {
 
+// What a bandwidth fit needs of the sizes (--sizes-kib): at least two different ones, the largest
+// at least kMinLargestSize (its time is then mostly bandwidth: 1 MiB at a few GB/s takes ~10x
+// a shared-memory latency) and at least kMinSizeSpread times the smallest (a slope needs a
+// spread); none above kMaxSize (each rank holds two buffers of the size).
+inline constexpr int64_t kMinLargestSize = int64_t{1} << 20;
+inline constexpr int64_t kMinSizeSpread = 4;
+inline constexpr int64_t kMaxSize = int64_t{1} << 30;
+inline constexpr int kMaxIters = 1000;
+// The longest latency a fit may give (the bound sim/'s profile reader holds too).
+inline constexpr double kMaxLatencySeconds = 1.0;
+
 struct CalibrateOptions {
   int threads = 1;
-  std::vector<int64_t> sizes;  // collective buffer sizes S in bytes; empty: 4 KiB .. 256 MiB by ×4
+  std::vector<int64_t> sizes;  // collective buffer sizes S in bytes, whole KiB; empty: 4 KiB .. 256 MiB by ×4
   int iters = 5;               // timed repetitions per size (after one untimed)
   std::string name = "cpu-local";
   // Models whose weight GEMMs (at B = 4, T = 256) are timed into gemm_rates, at 1 thread and at
@@ -28,11 +42,19 @@ struct CalibrateOptions {
   std::vector<std::string> gemm_models{"small", "llama-small"};
 };
 
-// One fitted line t = alpha + x / bw (x = S·factor), from (x, t) points.
+// Throws std::invalid_argument, one line naming --sizes-kib or --iters, for options the
+// measurement cannot fit a bandwidth from (see kMinLargestSize) or that would not end.
+void check_calibrate_options(const CalibrateOptions& o);
+
+// One fitted line t = alpha + x / bw (x = S·factor), from (x, t) points. Times that do not grow
+// with x have no bandwidth: bw is then infinite.
 struct LineFit {
   double alpha = 0, bw = 0;
 };
 LineFit fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& t);
+// Throws std::runtime_error naming `what` (the collective) and the figure unless the fit is a
+// link: bw finite, positive and at most memory_bw; alpha in [0, 1 s].
+void check_fit(const LineFit& f, double memory_bw, const std::string& what);
 
 // Runs the measurements (collective: every rank calls it) and returns the profile as JSON text.
 std::string calibrate(const kernels::Backend& backend, comm::Communicator& world, const CalibrateOptions& o);

@@ -20,18 +20,31 @@ using plan::Role;
 using plan::Task;
 using Clock = std::chrono::steady_clock;
 
-CommGroups::CommGroups(comm::Communicator& world, const plan::Plan& plan) : world_(world) {
-  const int S = plan.shard_size, r = world.rank();
-  if (S < world.size()) {
-    shard_ = world.split(r / S, r);
-    replicate_ = world.split(r % S, r);
+CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh) : world_(world), mesh_(mesh) {
+  if (mesh.rank_count() != world.size())
+    throw std::logic_error("comm groups: a mesh of " + std::to_string(mesh.rank_count()) + " ranks (" +
+                           mesh.to_string() + ") over a world of " + std::to_string(world.size()));
+  const int A = static_cast<int>(mesh.axes().size());
+  for (int a = 0; a < A; ++a)
+    if (mesh[a].size > 1) all_ |= 1u << a;
+  for (unsigned set = 0; set < all_; ++set) {  // every proper subset, in the same order on every rank
+    if ((set & ~all_) != 0) continue;
+    std::vector<int> axes;
+    for (int a = 0; a < A; ++a)
+      if (set & (1u << a)) axes.push_back(a);
+    groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
   }
 }
 
-comm::Communicator& CommGroups::get(const plan::Plan& plan, const std::vector<int>& axes) const {
-  if (axes.size() == 1 && axes[0] == plan.shard_axis) return shard();
-  if (axes.size() == 1 && axes[0] == plan.replicate_axis) return replicate();
-  return world();
+unsigned CommGroups::key(const std::vector<int>& axes) const {
+  unsigned k = 0;
+  for (int a : axes) k |= 1u << a;
+  return k & all_;
+}
+
+comm::Communicator& CommGroups::get(const std::vector<int>& axes) const {
+  const unsigned k = key(axes);
+  return k == all_ ? world_ : *groups_.at(k);
 }
 
 struct Executor::Run {
@@ -47,11 +60,11 @@ struct Executor::Run {
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
 
+// One handler per op, in ops.h's order; an op without a member function of its name fails here.
 const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
-    &Executor::zero_grads,     &Executor::forward,      &Executor::recompute,   &Executor::head,
-    &Executor::head,           &Executor::head,         &Executor::backward,    &Executor::grad_norm,
-    &Executor::optimizer,      &Executor::all_gather,   &Executor::reduce_scatter, &Executor::all_reduce,
-    &Executor::param_gather,   &Executor::norm_reduce,  &Executor::loss_reduce,
+#define SHARDLM_OP_HANDLER(name, stream, collective, work) &Executor::name,
+    SHARDLM_OPS(SHARDLM_OP_HANDLER)
+#undef SHARDLM_OP_HANDLER
 };
 
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
@@ -175,7 +188,7 @@ void Executor::init_params(uint64_t seed) {
   }
 }
 
-void Executor::allocate(const Task& t, const std::vector<int>& ids, Run& r) {
+void Executor::allocate(const Task&, int64_t micro, const std::vector<int>& ids, Run& r) {
   if (ids.empty()) return;
   {
     std::lock_guard<std::mutex> lock(r.mu);
@@ -191,12 +204,12 @@ void Executor::allocate(const Task& t, const std::vector<int>& ids, Run& r) {
     if (b.role == Role::value && b.value == 0) {
       int32_t* tokens = r.live[a].as<int32_t>();
       if (backend_.host_memory()) {
-        r.in.batch(t.micro, tokens, tokens + b.bytes / 8);
+        r.in.batch(micro, tokens, tokens + b.bytes / 8);
         continue;
       }
       // The batch is sampled on the host; a device backend gets a copy.
       std::vector<int32_t> host(b.bytes / 4);
-      r.in.batch(t.micro, host.data(), host.data() + b.bytes / 8);
+      r.in.batch(micro, host.data(), host.data() + b.bytes / 8);
       backend_.upload(tokens, host.data(), b.bytes);
     }
   }
@@ -290,6 +303,8 @@ void Executor::head(const Task& t, Run& r) {
   unit_task(t, r);
   if (r.step >= 0 && r.step == fault_nan_loss_step_) r.result.loss_sum = std::nan("");
 }
+void Executor::loss(const Task& t, Run& r) { unit_task(t, r); }
+void Executor::logits(const Task& t, Run& r) { unit_task(t, r); }
 void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
@@ -345,7 +360,7 @@ comm::Scratch Executor::comm_scratch(const Task& t, Run& r) {
 void Executor::all_gather(const Task& t, Run& r) {
   if (t.first_unit >= 0) return gather_bucket(t, r);
   if (t.io.restore_from >= 0) return gather_rest(t, r);
-  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  comm::Communicator& c = comms_.get(t.axes);
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(t.unit);
   float* full = r.f32(t.io.params);
@@ -381,7 +396,7 @@ void Executor::gather_rest(const Task& t, Run& r) {
   char* whole = r.data(t.io.staging);
   char* own = whole + shard_index_ * rest * elem;
   to_wire(own, local(params_, plan_.state.params, t.unit) + kept, rest, elem);
-  comms_.get(r.plan, t.axes).all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
+  comms_.get(t.axes).all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
   float* full = r.f32(t.io.params);
   const char* part = r.data(t.io.restore_from);
   for (int q = 0; q < plan_.shard_size; ++q) {
@@ -425,7 +440,7 @@ void Executor::gather_bucket(const Task& t, Run& r) {
     to_wire(own + at * elem, local(params_, plan_.state.params, u), s.len, elem);
     at += s.len;
   }
-  comms_.get(r.plan, t.axes).all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
+  comms_.get(t.axes).all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
   for (int q = 0; q < plan_.shard_size; ++q) {
     at = q * shards;
     for (size_t i = 0; i < units.size(); ++i) {
@@ -439,11 +454,11 @@ void Executor::gather_bucket(const Task& t, Run& r) {
 void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer
   const Shard s = shard_of(t.unit);
   float* unit = params_.f32() + s.unit_offset;
-  comms_.get(r.plan, t.axes).all_gather(unit + s.begin, unit, s.len, DType::fp32, label(t, r.step))->wait(timeout_);
+  comms_.get(t.axes).all_gather(unit + s.begin, unit, s.len, DType::fp32, label(t, r.step))->wait(timeout_);
 }
 
 void Executor::reduce_scatter(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  comm::Communicator& c = comms_.get(t.axes);
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(t.unit);
   float* full = r.f32(t.io.grads);
@@ -458,7 +473,7 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
 }
 
 void Executor::all_reduce(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  comm::Communicator& c = comms_.get(t.axes);
   const std::string lbl = label(t, r.step);
   float* buf;
   int64_t n;
@@ -484,11 +499,13 @@ void Executor::all_reduce(const Task& t, Run& r) {
 // shards (only this rank's own when gradients are whole), and every rank learns, identically and
 // before any optimizer task runs, which ranks' loss or gradients went non-finite.
 void Executor::norm_reduce(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(r.plan, t.axes);
+  comm::Communicator& c = comms_.get(t.axes);
   const double mine[2] = {r.sum_squares, r.result.loss_sum};
   std::vector<double> all(2 * c.size());
   c.all_gather(mine, all.data(), 4, DType::fp32, "grad_norm step " + std::to_string(r.step))->wait(timeout_);
-  const int group = plan_.state.grads > 1 ? plan_.shard_size : 1;  // consecutive ranks of one replica
+  // The group spans the data-parallel axes, row-major (dp_replicate, dp_shard): one replica's
+  // shards are consecutive members.
+  const int group = plan_.state.grads > 1 ? plan_.shard_size : 1;
   double sum = 0;
   for (int i = 0; i < c.size(); ++i) {
     if (i / group == c.rank() / group) sum += all[2 * i];
@@ -499,7 +516,7 @@ void Executor::norm_reduce(const Task& t, Run& r) {
 }
 
 void Executor::loss_reduce(const Task& t, Run& r) {
-  r.result.loss_sum = sum_over(comms_.get(r.plan, t.axes), r.result.loss_sum, "loss step " + std::to_string(r.step));
+  r.result.loss_sum = sum_over(comms_.get(t.axes), r.result.loss_sum, "loss step " + std::to_string(r.step));
 }
 
 // ---- the stream runner
@@ -512,30 +529,31 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
   r.live.resize(plan.buffers.size());
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
   const size_t n = plan.tasks.size();
-  std::vector<char> done(n, 0);
+  std::vector<int64_t> done(n, 0);  // runs finished, per task
   std::mutex mu;
   std::condition_variable cv;
   std::exception_ptr failure;
   bool stop = false;
 
   // Waits for a task's dependencies; returns ms spent waiting on the other streams' tasks.
-  auto wait_deps = [&](const Task& task) {
+  auto wait_deps = [&](const Task& task, int64_t run) {
     auto t0 = Clock::now();
     std::unique_lock<std::mutex> lock(mu);
     for (int dep : task.deps) {
-      cv.wait(lock, [&] { return done[dep] || stop; });
+      const plan::Plan::Wait w = plan.wait_for(task, run, dep);
+      cv.wait(lock, [&] { return done[w.task] >= w.runs || stop; });
       if (stop) return -1.0;
     }
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   };
-  auto finish = [&](const Task& task, double start_us) {
+  auto finish = [&](const Task& task, int64_t micro, double start_us) {
     const double end = now_us();
     {
       std::lock_guard<std::mutex> lock(trace_mu_);
-      trace_.slices.push_back({task.name(&desc_), task.stream, step, start_us, end - start_us});
+      trace_.slices.push_back({task.name(&desc_, micro), task.stream, step, start_us, end - start_us});
     }
     std::lock_guard<std::mutex> lock(mu);
-    done[task.id] = 1;
+    ++done[task.id];
     cv.notify_all();
   };
   auto fail = [&](std::exception_ptr e) {
@@ -545,20 +563,21 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
     cv.notify_all();
   };
   auto run_stream = [&](int stream) {
-    for (const Task& task : plan.tasks) {
-      if (task.stream != stream) continue;
-      const double waited = wait_deps(task);
+    for (plan::StreamWalk walk(plan, stream); !walk.done(); walk.next()) {
+      const Task& task = plan.tasks[walk.task()];
+      const double waited = wait_deps(task, walk.run());
       if (waited < 0) return;
       if (stream == plan::kCompute) r.result.comm_exposed_ms += waited;
       else if (step >= 0 && step == fault_skip_step_) {  // a rank gone astray: never issues this collective
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       }
+      const int64_t micro = plan.step_micro(task, walk.run());
       const double start = now_us();
-      allocate(task, task.allocs, r);
+      allocate(task, micro, task.allocs, r);
       (this->*kHandlers[static_cast<int>(task.op)])(task, r);
       release(task, r);
-      allocate(task, task.hands_off, r);
-      finish(task, start);
+      allocate(task, micro, task.hands_off, r);
+      finish(task, micro, start);
     }
   };
 
@@ -595,7 +614,7 @@ void Executor::gather_full(State which, float* full) {
   if (!backend_.host_memory()) throw std::logic_error("executor: sharded state on a device backend is not supported yet");
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(u);
-    comms_.shard()
+    comms_.get(plan_.shard_axes())
         .all_gather(local(buf, parts, u), full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
         ->wait(timeout_);
   }

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,20 +27,26 @@
 
 namespace shardlm::run {
 
-// The communicators a plan's collectives run on, one per set of mesh axes: all ranks, this
-// rank's dp_shard group and its dp_replicate group.
+// The communicators a plan's collectives run on, one per set of mesh axes: the ranks that agree
+// with this one on every other axis. Split from the world once, at construction (a collective
+// call on every rank), for every set of the mesh's axes with more than one rank on them; a set
+// spanning all of them is the world.
 class CommGroups {
  public:
-  CommGroups(comm::Communicator& world, const plan::Plan& plan);
+  CommGroups(comm::Communicator& world, const plan::Mesh& mesh);
+  CommGroups(comm::Communicator& world, const plan::Plan& plan) : CommGroups(world, plan.mesh) {}
   comm::Communicator& world() const { return world_; }
-  comm::Communicator& shard() const { return shard_ ? *shard_ : world_; }
-  comm::Communicator& replicate() const { return replicate_ ? *replicate_ : world_; }
-  // The communicator spanning these axes of `plan`'s mesh.
-  comm::Communicator& get(const plan::Plan& plan, const std::vector<int>& axes) const;
+  const plan::Mesh& mesh() const { return mesh_; }
+  // This rank's group over `axes` (indices into the mesh).
+  comm::Communicator& get(const std::vector<int>& axes) const;
 
  private:
+  // Bit a: axis a, for the axes of more than one rank (the others change no group).
+  unsigned key(const std::vector<int>& axes) const;
   comm::Communicator& world_;
-  std::unique_ptr<comm::Communicator> shard_, replicate_;
+  plan::Mesh mesh_;
+  unsigned all_ = 0;
+  std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_;
 };
 
 struct AdamW {
@@ -47,7 +54,7 @@ struct AdamW {
 };
 
 // Fills this rank's batch of micro-step `micro`: inputs and targets, (B, T) each.
-using BatchFn = std::function<void(int micro, int32_t* inputs, int32_t* targets)>;
+using BatchFn = std::function<void(int64_t micro, int32_t* inputs, int32_t* targets)>;
 
 struct StepInputs {
   BatchFn batch;
@@ -127,15 +134,18 @@ class Executor {
   double sum_over(comm::Communicator& c, double local, const std::string& label);
   static void note_nonfinite(Run& r, int rank, double sum_squares, double loss_sum);
   double now_us() const;
-  void allocate(const plan::Task& t, const std::vector<int>& ids, Run& r);
+  // Allocates `ids` for a run of task `t` that belongs to micro-step `micro` of the step.
+  void allocate(const plan::Task& t, int64_t micro, const std::vector<int>& ids, Run& r);
   void release(const plan::Task& t, Run& r);
   void unit_task(const plan::Task& t, Run& r);
 
-  // One handler per op.
+  // One handler per op (ops.h), named as the op.
   void zero_grads(const plan::Task& t, Run& r);
   void forward(const plan::Task& t, Run& r);
   void recompute(const plan::Task& t, Run& r);
   void head(const plan::Task& t, Run& r);
+  void loss(const plan::Task& t, Run& r);
+  void logits(const plan::Task& t, Run& r);
   void backward(const plan::Task& t, Run& r);
   void grad_norm(const plan::Task& t, Run& r);
   void optimizer(const plan::Task& t, Run& r);

@@ -42,15 +42,13 @@ double collective_seconds(const LinkCost& link, Collective c, double S, int n) {
 }
 
 Collective collective_of(Op op) {
-  switch (op) {
-    case Op::all_gather:
-    case Op::param_gather:
-    case Op::norm_reduce: return Collective::all_gather;
-    case Op::reduce_scatter: return Collective::reduce_scatter;
-    case Op::all_reduce:
-    case Op::loss_reduce: return Collective::all_reduce;
-    default: throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
+  switch (plan::info(op).collective) {
+    case plan::OpCollective::all_gather: return Collective::all_gather;
+    case plan::OpCollective::reduce_scatter: return Collective::reduce_scatter;
+    case plan::OpCollective::all_reduce: return Collective::all_reduce;
+    case plan::OpCollective::none: break;
   }
+  throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
 }
 
 CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads)
@@ -91,22 +89,18 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   }
 }
 
-int CostModel::group_size(const plan::Task& t) const {
-  int n = 1;
-  for (int a : t.axes) n *= plan_.mesh[a].size;
-  return n;
-}
+int CostModel::group_size(const plan::Task& t) const { return plan_.mesh.group_size(t.axes); }
 
 bool CostModel::crosses_nodes(const plan::Task& t) const {
   if (t.axes.empty()) return false;
-  // Mesh axes are laid out outermost first (rank = replicate·|dp_shard| + shard), so the ranks of
+  // Mesh axes are laid out outermost first (ranks fill the mesh row-major), so the ranks of
   // a group over axes {a..} lie within a block of `extent` consecutive ranks: the product of the
   // sizes from its outermost axis inwards. The group stays in a node when that block fits one
   // and blocks never straddle a node boundary.
   int outer = t.axes[0];
   for (int a : t.axes) outer = std::min(outer, a);
   int64_t extent = 1;
-  for (size_t a = outer; a < plan_.mesh.size(); ++a) extent *= plan_.mesh[a].size;
+  for (size_t a = outer; a < plan_.mesh.axes().size(); ++a) extent *= plan_.mesh[static_cast<int>(a)].size;
   const int64_t dpn = hw_.devices_per_node;
   return extent > dpn || (dpn % extent != 0 && plan_.config.world > dpn);
 }
@@ -115,31 +109,28 @@ double CostModel::compute_seconds(const plan::Task& t) const {
   // Bytes the task's pointwise kernels (and the memory-bound optimizer passes) move.
   double bytes = 0, pointwise = 0;
   const auto& st = plan_.static_memory;
-  switch (t.op) {
-    case Op::forward:
-    case Op::recompute:
-    case Op::head:
-    case Op::loss:
-    case Op::logits: pointwise = t.unit >= 0 ? pointwise_[t.unit] : 0; break;
+  using plan::OpWork;
+  const OpWork work = plan::info(t.op).work;
+  switch (work) {
+    case OpWork::unit_fwd:
+    case OpWork::unit_rebuild:
+    case OpWork::unit_fwd_bwd: pointwise = t.unit >= 0 ? pointwise_[t.unit] : 0; break;
     // The backward reads the forward's values and writes their gradients: about twice.
-    case Op::backward: pointwise = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
+    case OpWork::unit_bwd: pointwise = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
     // AdamW reads params, grads and both moments and writes params and moments.
-    case Op::optimizer: bytes = 2.0 * (st.params + st.optimizer) + st.grads; break;
-    case Op::grad_norm:
-    case Op::zero_grads: bytes = static_cast<double>(st.grads); break;
-    default: break;
+    case OpWork::adamw: bytes = 2.0 * (st.params + st.optimizer) + st.grads; break;
+    case OpWork::grads_pass: bytes = static_cast<double>(st.grads); break;
+    case OpWork::none: break;
   }
   // A unit's weight GEMMs and attention at their measured rates, when the profile has them.
   double gemm_flops = 0, gemm_s = 0;
   if (!measured_.empty() && t.unit >= 0) {
     const auto [f, fwd, bwd] = measured_[t.unit];
-    switch (t.op) {
-      case Op::forward:
-      case Op::loss:
-      case Op::logits: gemm_flops = f, gemm_s = fwd; break;
-      case Op::head: gemm_flops = 3 * f, gemm_s = fwd + bwd; break;  // forward and backward, fused
-      case Op::backward: gemm_flops = 2 * f, gemm_s = bwd; break;
-      case Op::recompute:
+    switch (work) {
+      case OpWork::unit_fwd: gemm_flops = f, gemm_s = fwd; break;
+      case OpWork::unit_fwd_bwd: gemm_flops = 3 * f, gemm_s = fwd + bwd; break;
+      case OpWork::unit_bwd: gemm_flops = 2 * f, gemm_s = bwd; break;
+      case OpWork::unit_rebuild:
         if (plan_.config.recompute == model::Recompute::full) gemm_flops = f, gemm_s = fwd;
         break;
       default: break;

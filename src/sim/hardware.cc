@@ -27,6 +27,13 @@ const char* to_string(Collective c) {
 
 namespace {
 
+// A number as the profile would write it (6 significant digits: 7.3e+10).
+std::string str(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
 std::runtime_error bad(const std::string& origin, const std::string& field, const std::string& why) {
   return std::runtime_error("hardware profile " + origin + ": " + field + ": " + why);
 }
@@ -47,15 +54,22 @@ double figure(const json& parent, const std::string& key, const std::string& pat
   return v;
 }
 
-Tier tier(const json& j, const std::string& key, const std::string& origin) {
+Tier tier(const json& j, const std::string& key, double memory_bw, const std::string& origin) {
   if (!j.contains(key) || !j.at(key).is_object()) throw bad(origin, key, "missing (an object per collective)");
   const json& t = j.at(key);
   Tier out;
   for (int c = 0; c < kNumCollectives; ++c) {
     const std::string name = to_string(static_cast<Collective>(c)), path = key + "." + name;
     if (!t.contains(name) || !t.at(name).is_object()) throw bad(origin, path, "missing");
-    out.op[c].latency_s = figure(t.at(name), "latency_s", path, origin, true);
-    out.op[c].bus_bw = figure(t.at(name), "bus_bw", path, origin);
+    LinkCost& link = out.op[c];
+    link.latency_s = figure(t.at(name), "latency_s", path, origin, true);
+    if (link.latency_s > kMaxLatencySeconds)
+      throw bad(origin, path + ".latency_s.value",
+                "must be <= " + str(kMaxLatencySeconds) + " s (a small message's time), got " + str(link.latency_s));
+    link.bus_bw = figure(t.at(name), "bus_bw", path, origin);
+    if (link.bus_bw > memory_bw)
+      throw bad(origin, path + ".bus_bw.value",
+                str(link.bus_bw) + " bytes/s is above memory_bw " + str(memory_bw) + " (a collective's bytes pass through memory)");
   }
   return out;
 }
@@ -87,6 +101,69 @@ std::vector<std::vector<double>> table(const json& j, const std::string& key, co
   return rows;
 }
 
+// Where the parser is: the keys and array positions from the document's root ("a.b[2].c").
+class JsonPath {
+ public:
+  bool on(json::parse_event_t event, const json& parsed) {
+    using E = json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      element_started();
+      frames_.push_back({event == E::array_start, "", 0});
+    } else if (event == E::object_end || event == E::array_end) {
+      frames_.pop_back();
+    } else if (event == E::key) {
+      frames_.back().key = parsed.get<std::string>();
+    } else {
+      element_started();
+    }
+    return true;
+  }
+  // The value being read: an array's next element, an object's current key.
+  std::string where() const {
+    std::string out;
+    for (size_t i = 0; i < frames_.size(); ++i) {
+      const Frame& f = frames_[i];
+      const bool innermost = i + 1 == frames_.size();
+      if (f.array) {
+        out += "[" + std::to_string(innermost ? f.started : f.started - 1) + "]";
+      } else if (!f.key.empty()) {
+        if (!out.empty()) out += '.';
+        out += f.key;
+      }
+    }
+    return out;
+  }
+
+ private:
+  struct Frame {
+    bool array;
+    std::string key;
+    int64_t started;  // elements of an array begun so far
+  };
+  void element_started() {
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().started;
+  }
+  std::vector<Frame> frames_;
+};
+
+// The profile's JSON; a syntax error or a number beyond a double's range is one line naming the
+// file and, where the parser got that far, the field.
+json parse_json(const std::string& text, const std::string& origin) {
+  JsonPath path;
+  try {
+    return json::parse(text, [&](int, json::parse_event_t event, json& parsed) { return path.on(event, parsed); });
+  } catch (const json::exception& e) {
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    if (const size_t tag = what.find("] "); what.front() == '[' && tag != std::string::npos) what.erase(0, tag + 2);
+    const std::string field = path.where();
+    if (e.id == 406)  // out_of_range.406: "number overflow parsing '1e400'"
+      throw bad(origin, field.empty() ? "(root)" : field, "a number beyond the range of a double (" + what + ")");
+    throw std::runtime_error("hardware profile " + origin + ": not valid JSON" + (field.empty() ? "" : " at " + field) +
+                             ": " + what);
+  }
+}
+
 bool is_dir(const fs::path& p) {
   std::error_code ec;
   return fs::is_directory(p, ec);
@@ -95,14 +172,7 @@ bool is_dir(const fs::path& p) {
 }  // namespace
 
 HardwareProfile parse_hardware(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    throw std::runtime_error("hardware profile " + origin + ": not valid JSON: " + what);
-  }
+  const json j = parse_json(text, origin);
   if (!j.is_object()) throw std::runtime_error("hardware profile " + origin + ": not a JSON object");
   HardwareProfile h;
   h.origin = origin;
@@ -136,13 +206,16 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
                             static_cast<int>(r[3]), r[4], r[5]});
   for (const auto& r : table(j, "attention_rates", {"t", "hs", "threads", "forward", "backward"}, 3, origin))
     h.attention_rates.push_back({static_cast<int64_t>(r[0]), static_cast<int64_t>(r[1]), static_cast<int>(r[2]), r[3], r[4]});
-  h.intra = tier(j, "intra_node", origin);
-  h.inter = tier(j, "inter_node", origin);
+  h.intra = tier(j, "intra_node", h.memory_bw, origin);
+  h.inter = tier(j, "inter_node", h.memory_bw, origin);
+  if (j.contains("collectives_measured") && !j.at("collectives_measured").is_boolean())
+    throw bad(origin, "collectives_measured", "must be true or false");
+  h.collectives_measured = j.value("collectives_measured", true);
   return h;
 }
 
-std::string hardware_dir() {
-  if (const char* env = std::getenv("SHARDLM_HARDWARE_DIR")) return env;
+std::string hardware_dir(const char* chosen) {
+  if (chosen) return chosen;
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec && is_dir(exe.parent_path().parent_path() / "configs" / "hardware"))
@@ -153,29 +226,36 @@ std::string hardware_dir() {
   return "configs/hardware";
 }
 
-std::vector<std::string> preset_names() {
+std::vector<std::string> preset_names(const std::string& preset_dir) {
   std::vector<std::string> names;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(hardware_dir(), ec))
+  for (const auto& e : fs::directory_iterator(preset_dir, ec))
     if (e.path().extension() == ".json") names.push_back(e.path().stem().string());
   std::sort(names.begin(), names.end());
   return names;
 }
 
-HardwareProfile load_hardware(const std::string& name_or_path) {
+void require_collectives(const HardwareProfile& hw, int ranks) {
+  if (ranks > 1 && !hw.collectives_measured)
+    throw std::runtime_error("hardware profile " + hw.origin +
+                             ": collectives_measured is false (calibrated on one rank, which has no collectives to time): it "
+                             "cannot price " + std::to_string(ranks) + " ranks; calibrate under mpirun -np N");
+}
+
+HardwareProfile load_hardware(const std::string& name_or_path, const std::string& preset_dir) {
   if (name_or_path.empty()) throw std::runtime_error("--hardware: empty (a preset name or a JSON file)");
   // A path names a file (it has a '/' or ends in .json); anything else is a preset name.
   const bool is_path = name_or_path.find('/') != std::string::npos ||
                        (name_or_path.size() > 5 && name_or_path.substr(name_or_path.size() - 5) == ".json");
   fs::path file = name_or_path;
   if (!is_path) {
-    file = fs::path(hardware_dir()) / (name_or_path + ".json");
+    file = fs::path(preset_dir) / (name_or_path + ".json");
     std::error_code ec;
     if (!fs::exists(file, ec)) {
       std::string list;
-      for (const auto& n : preset_names()) list += (list.empty() ? "" : ", ") + n;
+      for (const auto& n : preset_names(preset_dir)) list += (list.empty() ? "" : ", ") + n;
       throw std::runtime_error("--hardware: unknown preset '" + name_or_path + "' (presets: " +
-                               (list.empty() ? "none found in " + hardware_dir() : list) + "; or a JSON file path)");
+                               (list.empty() ? "none found in " + preset_dir : list) + "; or a JSON file path)");
     }
   }
   std::ifstream in(file);

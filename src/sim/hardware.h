@@ -22,6 +22,9 @@ struct LinkCost {
   double latency_s = 0;  // α: a small message's time, seconds
   double bus_bw = 0;     // busBw as nccl-tests reports it, bytes/s
 };
+// The most a profile may give as a collective's latency: a small message taking longer is no
+// link this cost model describes (a profile saying so is a typo or a failed measurement).
+inline constexpr double kMaxLatencySeconds = 1.0;
 
 // A link tier: inside a node (NVLink, shared memory) or across nodes (the network).
 struct Tier {
@@ -71,16 +74,25 @@ struct HardwareProfile {
   std::vector<GemmRate> gemm_rates;
   std::vector<AttentionRate> attention_rates;  // the same for blocks' attention (nearest T, HS)
   Tier intra, inter;
+  // false where the collective figures are no measurement (calibrate on one rank has none to
+  // time): such a profile prices one rank only (require_collectives).
+  bool collectives_measured = true;
 };
 
-// A preset name (see preset_names) or a JSON file path. Throws std::runtime_error with one line
-// naming the file and field, or the unknown preset and the ones there are.
-HardwareProfile load_hardware(const std::string& name_or_path);
+// A preset name (a file in `preset_dir`, see preset_names) or a JSON file path. Throws
+// std::runtime_error with one line naming the file and field, or the unknown preset and the
+// ones there are. Besides each figure's own range, a collective's bus_bw is at most memory_bw
+// (its bytes pass through memory) and its latency_s at most kMaxLatencySeconds.
+HardwareProfile load_hardware(const std::string& name_or_path, const std::string& preset_dir);
 // Parses a profile from JSON text; `origin` names it in errors.
 HardwareProfile parse_hardware(const std::string& text, const std::string& origin);
-std::vector<std::string> preset_names();
-// Where the presets are: $SHARDLM_HARDWARE_DIR, else configs/hardware beside the build directory
-// holding this executable, else the source tree's.
-std::string hardware_dir();
+std::vector<std::string> preset_names(const std::string& preset_dir);
+// Throws std::runtime_error (one line naming the profile) when `ranks` > 1 and the profile's
+// collectives were not measured: a simulation of several ranks would price them at a guess.
+void require_collectives(const HardwareProfile& hw, int ranks);
+// Where the presets are: `chosen` (the user's choice, e.g. $SHARDLM_HARDWARE_DIR, which the command
+// line passes in) when not null, else configs/hardware beside the build directory holding this
+// executable, else the source tree's.
+std::string hardware_dir(const char* chosen);
 
 }  // namespace shardlm::sim

@@ -38,25 +38,8 @@ std::string flags_of(const PlanConfig& c) {
 }
 
 SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, int threads) {
-  constexpr int64_t kShort = 3;
-  if (c.mode != PlanConfig::Mode::train || c.grad_accum <= 2 * kShort)
-    return simulate(desc, plan::build_plan(desc, c), hw, threads);
-  PlanConfig shorter = c;
-  shorter.grad_accum = kShort;
-  const SimResult a = simulate(desc, plan::build_plan(desc, shorter), hw, threads);
-  shorter.grad_accum = kShort + 1;
-  SimResult r = simulate(desc, plan::build_plan(desc, shorter), hw, threads);
-  const double more = static_cast<double>(c.grad_accum - kShort - 1), step_ms_at_4 = r.step_ms;
-  auto extend = [&](double& field, double at_3) { field += more * (field - at_3); };
-  extend(r.step_ms, a.step_ms);
-  extend(r.comm_exposed_ms, a.comm_exposed_ms);
-  extend(r.compute_busy_ms, a.compute_busy_ms);
-  extend(r.comm_busy_ms, a.comm_busy_ms);
-  // Tokens and model FLOPs are proportional to the micro-steps.
-  const double work = static_cast<double>(c.grad_accum) / (kShort + 1), time = r.step_ms / step_ms_at_4;
-  r.tokens_per_s *= work / time;
-  r.mfu *= work / time;
-  r.times.clear();
+  SimResult r = simulate(desc, plan::build_plan(desc, c), hw, threads);
+  r.times.clear(), r.runs.clear();  // the planner keeps thousands of results
   return r;
 }
 
@@ -195,6 +178,11 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   if (q.global_tokens <= 0 || q.global_tokens % per_step != 0)
     throw std::invalid_argument("--global-batch: " + std::to_string(q.global_tokens) + " tokens is not a whole number of " +
                                 std::to_string(q.seq) + "-token sequences on each of " + std::to_string(q.ranks) + " ranks");
+  if (q.global_tokens / per_step > kMaxSequencesPerRank)
+    throw std::invalid_argument("--global-batch: " + std::to_string(q.global_tokens) + " tokens is " +
+                                std::to_string(q.global_tokens / per_step) + " sequences of " + std::to_string(q.seq) +
+                                " tokens on each of " + std::to_string(q.ranks) + " ranks; at most " +
+                                std::to_string(kMaxSequencesPerRank) + " (the search tries each micro-batch dividing them)");
   PlanConfig b = for_hardware(base, hw);
   b.world = q.ranks, b.seq = q.seq, b.threads = q.threads;
   PlanSearch out;

@@ -39,8 +39,13 @@ struct PlanSearch {
   Candidate smallest;               // the least memory of all (to say by how much nothing fits)
 };
 
+// The most sequences per rank a global batch may hold: the search tries every micro-batch that
+// divides them, so its time grows with them.
+inline constexpr int64_t kMaxSequencesPerRank = 1 << 20;
+
 // `base` carries what the search does not vary (reduction_scratch, threads). Throws
-// std::invalid_argument when the global batch is not a whole number of sequences per rank.
+// std::invalid_argument when the global batch is not a whole number of sequences per rank, or
+// more than kMaxSequencesPerRank of them.
 PlanSearch search_plans(const model::ModelDesc& desc, const plan::PlanConfig& base, const HardwareProfile& hw,
                         const PlanQuery& q);
 
@@ -53,11 +58,9 @@ std::string flags_of(const plan::PlanConfig& c);
 // instead. The result is no slower than `start` and fits.
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start);
 
-// One configuration's simulation as the search sees it. Micro-steps after the first are alike
-// (the same tasks meeting the same state at their boundaries), so a long accumulation is
-// simulated at 3 and 4 micro-steps and its times extended linearly, the memory taken from the
-// 4; the search's cost no longer grows with the accumulation. Equal to simulating the whole plan
-// to rounding (tested); `times` is left empty. Throws std::invalid_argument as build_plan does.
+// One configuration's simulation as the search sees it: the plan's simulation (whose cost does
+// not grow with the accumulation: Plan::repeat), without its per-task times. Throws
+// std::invalid_argument as build_plan does.
 SimResult simulate_config(const model::ModelDesc& desc, const plan::PlanConfig& c, const HardwareProfile& hw,
                           int threads);
 

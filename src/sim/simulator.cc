@@ -55,39 +55,55 @@ plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
   return c;
 }
 
-SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads) {
-  const CostModel cost(desc, plan, hw, threads);
-  const int S = static_cast<int>(plan.streams.size()), N = static_cast<int>(plan.tasks.size());
-  std::vector<std::vector<int>> order(S);  // each stream's tasks in plan order
-  for (const Task& t : plan.tasks) order.at(t.stream).push_back(t.id);
+namespace {
+
+// The discrete-event simulation of one step whose repeated micro-step runs `times` times.
+SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareProfile& hw, int64_t times) {
+  Plan shape_only;  // the walk reads the plan's streams, tasks and repeat only
+  const Plan* p = &plan;
+  if (times != plan.repeat.times) {
+    shape_only.streams = plan.streams;
+    shape_only.tasks = plan.tasks;
+    shape_only.repeat = plan.repeat;
+    shape_only.repeat.times = times;
+    p = &shape_only;
+  }
+  const int S = static_cast<int>(plan.streams.size());
+  std::vector<plan::StreamWalk> walk;
+  for (int s = 0; s < S; ++s) walk.emplace_back(*p, s);
 
   SimResult r;
-  r.times.assign(N, {});
-  std::vector<char> done(N, 0);
-  std::vector<size_t> next(S, 0);
+  r.times.assign(plan.tasks.size(), {});
+  std::vector<int64_t> done(plan.tasks.size(), 0);  // runs finished, per task
   std::vector<int> running(S, -1);
   std::vector<double> remaining(S, 0);  // seconds of work left at full speed
-  std::vector<double> free_since(S, 0);
+  std::vector<double> free_since(S, 0), started(S, 0);
   std::vector<double> busy(S, 0);
   MemoryWalk mem(plan);
   double now = 0;
-  int finished = 0;
 
-  auto ready = [&](int t) {
-    for (int d : plan.tasks[t].deps)
-      if (!done[d]) return false;
+  auto ready = [&](int s) {
+    const Task& t = plan.tasks[walk[s].task()];
+    for (int d : t.deps) {
+      const Plan::Wait w = p->wait_for(t, walk[s].run(), d);
+      if (done[w.task] < w.runs) return false;
+    }
     return true;
   };
-  while (finished < N) {
+  auto all_done = [&] {
+    for (int s = 0; s < S; ++s)
+      if (!walk[s].done()) return false;
+    return true;
+  };
+  while (!all_done()) {
     // Start every stream's next task whose dependencies are done.
     for (int s = 0; s < S; ++s) {
-      if (running[s] >= 0 || next[s] >= order[s].size()) continue;
-      const int t = order[s][next[s]];
-      if (!ready(t)) continue;
+      if (running[s] >= 0 || walk[s].done() || !ready(s)) continue;
+      const int t = walk[s].task();
       if (s == plan::kCompute) r.comm_exposed_ms += (now - free_since[s]) * 1e3;  // as the executor's wait_deps
       running[s] = t;
       remaining[s] = cost.seconds(plan.tasks[t]);
-      r.times[t].start_s = now;
+      started[s] = now;
       mem.alloc(plan.tasks[t].allocs);
     }
     bool comm_running = false;
@@ -97,9 +113,7 @@ SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const Hardwar
     double dt = std::numeric_limits<double>::infinity();
     for (int s = 0; s < S; ++s)
       if (running[s] >= 0) dt = std::min(dt, remaining[s] / rate(s));
-    if (!std::isfinite(dt))
-      throw std::runtime_error("simulate: the plan cannot proceed: " + std::to_string(N - finished) +
-                               " task(s) wait for tasks that never run");
+    if (!std::isfinite(dt)) throw std::runtime_error("simulate: the plan cannot proceed: tasks wait for tasks that never run");
     now += dt;
     for (int s = 0; s < S; ++s) {
       if (running[s] < 0) continue;
@@ -107,29 +121,55 @@ SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const Hardwar
       remaining[s] -= dt * rate(s);
       if (remaining[s] > 1e-15 * std::max(1.0, now)) continue;
       const Task& t = plan.tasks[running[s]];
-      r.times[t.id].end_s = now;
-      done[t.id] = 1;
-      ++finished;
+      r.times[t.id] = {started[s], now};
+      r.runs.push_back({t.id, walk[s].run(), {started[s], now}});
+      ++done[t.id];
       mem.free(t.frees);
       mem.alloc(t.hands_off);
       running[s] = -1;
-      ++next[s];
+      walk[s].next();
       free_since[s] = now;
     }
   }
+  r.step_ms = now * 1e3;
+  r.compute_busy_ms = busy[plan::kCompute] * 1e3;
+  for (int s = 1; s < S; ++s) r.comm_busy_ms += busy[s] * 1e3;
+  r.timeline_peak = mem.peak;
+  return r;
+}
 
-  const double step_s = now;
+// `at` plus `more` runs of the repeated micro-step, each costing what `at` costs over `before`
+// (one run fewer): the runs after the repeated ones start that much later.
+void extend_runs(SimResult& at, const SimResult& before, const Plan& plan, int64_t more) {
+  const double extra_ms = static_cast<double>(more) * (at.step_ms - before.step_ms);
+  at.step_ms += extra_ms;
+  at.comm_exposed_ms += static_cast<double>(more) * (at.comm_exposed_ms - before.comm_exposed_ms);
+  at.compute_busy_ms += static_cast<double>(more) * (at.compute_busy_ms - before.compute_busy_ms);
+  at.comm_busy_ms += static_cast<double>(more) * (at.comm_busy_ms - before.comm_busy_ms);
+  auto shift = [&](int task, TaskTime& t) {
+    if (plan.tasks[task].micro <= plan.repeat.micro) return;
+    t.start_s += extra_ms / 1e3, t.end_s += extra_ms / 1e3;
+  };
+  for (size_t i = 0; i < at.times.size(); ++i) shift(static_cast<int>(i), at.times[i]);
+  for (TaskRun& run : at.runs) shift(run.task, run.time);
+}
+
+}  // namespace
+
+SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads) {
+  const CostModel cost(desc, plan, hw, threads);
+  const int64_t times = plan.repeat.times;
+  SimResult r = simulate_runs(cost, plan, hw, std::min(times, kSimulatedRuns));
+  if (times > kSimulatedRuns)
+    extend_runs(r, simulate_runs(cost, plan, hw, kSimulatedRuns - 1), plan, times - kSimulatedRuns);
   const auto& c = plan.config;
-  r.step_ms = step_s * 1e3;
+  const double step_s = r.step_ms / 1e3;
   const double tokens = static_cast<double>(c.world) * c.batch * c.grad_accum * c.seq;
   r.tokens_per_s = step_s > 0 ? tokens / step_s : 0;
   const double flops = desc.train_flops(static_cast<int64_t>(c.world) * c.batch * c.grad_accum, c.seq);
   r.mfu = step_s > 0 ? flops / step_s / (cost.peak_flops() * c.world) : 0;
-  r.compute_busy_ms = busy[plan::kCompute] * 1e3;
-  for (int s = 1; s < S; ++s) r.comm_busy_ms += busy[s] * 1e3;
   r.mem = plan.peak_memory();
   r.mem_max = plan.max_memory();
-  r.timeline_peak = mem.peak;
   return r;
 }
 
@@ -137,9 +177,10 @@ trace::RankTrace to_trace(const model::ModelDesc& desc, const Plan& plan, const 
   trace::RankTrace tr;
   tr.rank = 0;
   tr.streams = plan.streams;
-  for (const Task& t : plan.tasks) {
-    const TaskTime& tt = r.times.at(t.id);
-    tr.slices.push_back({t.name(&desc), t.stream, step, tt.start_s * 1e6, (tt.end_s - tt.start_s) * 1e6});
+  for (const TaskRun& run : r.runs) {
+    const Task& t = plan.tasks[run.task];
+    tr.slices.push_back({t.name(&desc, plan.step_micro(t, run.run)), t.stream, step, run.time.start_s * 1e6,
+                         (run.time.end_s - run.time.start_s) * 1e6});
   }
   // Memory counters at every allocation and free, in time order (frees before allocations at
   // the same instant, as a task's end precedes the next one's start).
@@ -149,9 +190,9 @@ trace::RankTrace to_trace(const model::ModelDesc& desc, const Plan& plan, const 
     int task;
   };
   std::vector<Event> ev;
-  for (const Task& t : plan.tasks) {
-    ev.push_back({r.times[t.id].start_s, 1, t.id});
-    ev.push_back({r.times[t.id].end_s, 0, t.id});
+  for (const TaskRun& run : r.runs) {
+    ev.push_back({run.time.start_s, 1, run.task});
+    ev.push_back({run.time.end_s, 0, run.task});
   }
   std::stable_sort(ev.begin(), ev.end(), [](const Event& a, const Event& b) { return a.t < b.t || (a.t == b.t && a.kind < b.kind); });
   MemoryWalk mem(plan);

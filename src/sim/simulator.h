@@ -20,6 +20,13 @@ struct TaskTime {
   double start_s = 0, end_s = 0;
 };
 
+// One run of a task (a repeated task runs several times a step: Plan::repeat).
+struct TaskRun {
+  int task = 0;
+  int64_t run = 0;
+  TaskTime time;
+};
+
 struct SimResult {
   double step_ms = 0;
   double tokens_per_s = 0;   // global: every rank's tokens
@@ -29,8 +36,16 @@ struct SimResult {
   MemSnapshot mem;      // the plan's snapshot at its highest total (Plan::peak_memory)
   MemSnapshot mem_max;  // each category's own highest (Plan::max_memory)
   MemSnapshot timeline_peak;  // the highest total over the simulated timeline's buffers
-  std::vector<TaskTime> times;  // per task id
+  std::vector<TaskTime> times;  // per task id (of its last run)
+  // Every run simulated, in the order they ended. A plan whose micro-step repeats more than
+  // kSimulatedRuns times is simulated at kSimulatedRuns - 1 and kSimulatedRuns runs and extended
+  // by their difference per further run (the repeated micro-step reaches a steady state at once:
+  // its tasks, costs and buffers are the same every run); the runs not simulated are not listed,
+  // and the tasks after them start that much later.
+  std::vector<TaskRun> runs;
 };
+
+inline constexpr int64_t kSimulatedRuns = 3;
 
 // The plan options a profile implies: on a bf16 profile (a GPU) activations are bf16, as the
 // engines that profile stands for keep them; on an fp32 (CPU) profile, what `train` runs here.

@@ -187,4 +187,13 @@ void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds ti
   throw AgreedFailure("rank 0 failed at start-up", false);
 }
 
+std::string lead_text(comm::Communicator& world, std::chrono::milliseconds timeout, std::string text) {
+  if (world.size() == 1) return text;
+  int64_t bytes = static_cast<int64_t>(text.size());
+  world.broadcast(&bytes, 8, DType::int8, 0, "rank 0's text size")->wait(timeout);
+  text.resize(bytes);
+  if (bytes > 0) world.broadcast(text.data(), bytes, DType::int8, 0, "rank 0's text")->wait(timeout);
+  return text;
+}
+
 }  // namespace shardlm::train

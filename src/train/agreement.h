@@ -47,4 +47,7 @@ void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::c
 // rank-0-only failure (a locked run directory) ends every rank instead of leaving them waiting.
 void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds timeout, const std::function<void()>& fn);
 
+// Collective: rank 0's `text` on every rank (what the other ranks pass is ignored).
+std::string lead_text(comm::Communicator& world, std::chrono::milliseconds timeout, std::string text);
+
 }  // namespace shardlm::train

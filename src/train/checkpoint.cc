@@ -14,6 +14,7 @@
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/json_no_duplicates.h"
 #include "ckpt/safetensors.h"
 #include "ckpt/sharded.h"
 
@@ -30,12 +31,10 @@ void write_json(const std::string& path, const json& j) {
 }
 
 json read_json(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error("checkpoint: cannot read " + path);
   try {
-    return json::parse(f);
+    return ckpt::read_json_no_duplicates(path);
   } catch (const std::exception& e) {
-    throw std::runtime_error("checkpoint: " + path + " is not valid JSON");
+    throw std::runtime_error(std::string("checkpoint: ") + e.what());
   }
 }
 
@@ -170,19 +169,39 @@ void check_config_against_tensors(const model::ModelConfig& c, const std::string
     }
 }
 
+// A sharded checkpoint states its model twice, config.json for Hugging Face's readers and
+// index.json's "config" for its own; both are written from one object, so any difference is
+// damage (or an edit) and neither can be trusted.
+void check_config_is_the_index_config(const json& config, const std::string& dir) {
+  const json index = ckpt::read_index(dir);
+  const json empty = json::object();
+  const json& saved = index.contains("config") && index["config"].is_object() ? index["config"] : empty;
+  if (!config.is_object() || saved == config) return;
+  std::string key;
+  for (const json* obj : {&config, &saved})
+    for (const auto& [k, v] : obj->items())
+      if (key.empty() && (!saved.contains(k) || !config.contains(k) || saved[k] != config[k])) key = k;
+  throw std::runtime_error(fmt::format("checkpoint: {}/config.json: field '{}' is {} but index.json's 'config' has {}", dir, key,
+                                       config.contains(key) ? config[key].dump() : "missing",
+                                       saved.contains(key) ? saved[key].dump() : "none"));
+}
+
 }  // namespace
 
 model::ModelConfig read_checkpoint_config(const std::string& dir) {
   if (!std::filesystem::is_directory(dir)) throw std::runtime_error("checkpoint: " + dir + " is not a directory");
   const std::string path = dir + "/config.json";
+  const json config = read_json(path);
   model::ModelConfig c;
   try {
-    c = ckpt::from_hf_config(read_json(path), path);
+    c = ckpt::from_hf_config(config, path);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     throw std::runtime_error(what.rfind("checkpoint: ", 0) == 0 ? what : "checkpoint: " + what);
   }
   check_config_against_tensors(c, dir);
+  // After the tensors, so that a config.json whose shapes are wrong says which tensor.
+  if (ckpt::is_sharded(dir)) check_config_is_the_index_config(config, dir);
   return c;
 }
 
@@ -196,41 +215,149 @@ RunState read_model_state(const std::string& dir) {
   return s;
 }
 
-RunState read_checkpoint_state(const std::string& dir) {
-  // A sharded checkpoint's index.json holds state.json's fields.
-  const std::string path = dir + (ckpt::is_sharded(dir) ? "/index.json" : "/state.json");
-  const json j = read_json(path);
-  // Integers >= 0 only: nlohmann would turn 2.5 into 2 and -1 into 2^64 - 1 without a word.
-  auto count = [&](const json& obj, const char* key) {
-    if (!obj.contains(key)) throw std::runtime_error("checkpoint: " + path + " has no field '" + key + "'");
-    const json& v = obj[key];
+namespace {
+
+// The run state's fields (state.json; in a sharded checkpoint's index.json beside the fields
+// ckpt::read_index checks); anything else in the file is refused, not ignored.
+const std::set<std::string> kStateFields = {"step", "optimizer", "tokenizer", "data", "rng", "run", "schedule"};
+const std::set<std::string> kIndexFields = {"format", "world_size", "files", "tensors", "strategy", "config", "imported_from"};
+// Batches are a pure function of (seed, step): the data position is the step.
+constexpr const char* kSampler = "hash(seed, step, micro_step, sequence)";
+// schedule's keys (the older record of the run) and the run identity's keys they equal.
+constexpr std::pair<const char*, const char*> kScheduleInRun[] = {
+    {"lr", "lr"}, {"min_lr", "min-lr"}, {"warmup_steps", "warmup"}, {"total_steps", "steps"}};
+
+// Reads one checkpoint's run state, each field checked alone and against the others; every
+// error is "checkpoint: PATH: field 'KEY' [(in 'OBJECT')] …".
+class StateFields {
+ public:
+  StateFields(const json& j, std::string path) : j_(j), path_(std::move(path)) {}
+
+  [[noreturn]] void fail(const std::string& key, const std::string& parent, const std::string& what) const {
+    throw std::runtime_error(fmt::format("checkpoint: {}: field '{}'{} {}", path_, key,
+                                         parent.empty() ? "" : " (in '" + parent + "')", what));
+  }
+  // j_[parent] (or j_ itself), which must be an object.
+  const json& object(const std::string& parent) const {
+    if (parent.empty()) return j_;
+    if (!j_.contains(parent) || !j_[parent].is_object())
+      throw std::runtime_error("checkpoint: " + path_ + " has no field '" + parent + "' holding an object");
+    return j_[parent];
+  }
+  const json& value(const std::string& key, const std::string& parent = "") const {
+    const json& obj = object(parent);
+    if (!obj.contains(key))
+      throw std::runtime_error("checkpoint: " + path_ + " has no field '" + key + "'" +
+                               (parent.empty() ? "" : " in '" + parent + "'"));
+    return obj[key];
+  }
+  // An integer >= 0: nlohmann would turn 2.5 into 2, -1 into 2^64 - 1 and 2^63 into a negative
+  // int64 without a word.
+  uint64_t natural(const std::string& key, const std::string& parent = "") const {
+    const json& v = value(key, parent);
     if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0))
-      throw std::runtime_error(fmt::format("checkpoint: {}: field '{}' must be an integer >= 0, got {}", path, key, v.dump()));
-    return v;
-  };
-  RunState s;
-  const json step = count(j, "step");
-  if (step.is_number_unsigned() && step.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-    throw std::runtime_error(fmt::format("checkpoint: {}: field 'step' is too large, got {}", path, step.dump()));
-  s.step = step.get<int64_t>();
-  // Checkpoints from before skipped steps existed applied an update at every step.
-  s.adam_step = j.contains("optimizer") ? count(j["optimizer"], "adamw_step").get<int64_t>() : s.step;
-  s.tokenizer = field<std::string>(j, "tokenizer", path);
-  if (s.tokenizer.empty()) throw std::runtime_error("checkpoint: " + path + ": field 'tokenizer' is empty");
-  if (!j.contains("rng") || !j["rng"].is_object())
-    throw std::runtime_error("checkpoint: " + path + " has no field 'rng' holding {\"seed\": n}");
-  s.seed = count(j["rng"], "seed").get<uint64_t>();
-  if (j.contains("run") && j["run"].is_object()) {
-    s.run = j["run"];
-  } else {
-    s.run = {{"seed", s.seed}};
-    if (j.contains("schedule") && j["schedule"].is_object()) {
-      const json& sch = j["schedule"];
-      for (const auto& [from, to] :
-           {std::pair{"lr", "lr"}, {"min_lr", "min-lr"}, {"warmup_steps", "warmup"}, {"total_steps", "steps"}})
-        if (sch.contains(from)) s.run[to] = sch[from];
+      fail(key, parent, "must be an integer >= 0, got " + v.dump());
+    return v.get<uint64_t>();
+  }
+  int64_t count(const std::string& key, const std::string& parent = "") const {
+    const uint64_t n = natural(key, parent);
+    if (n > static_cast<uint64_t>(INT64_MAX)) fail(key, parent, "is too large, got " + std::to_string(n));
+    return static_cast<int64_t>(n);
+  }
+  std::string text(const std::string& key, const std::string& parent = "") const {
+    const json& v = value(key, parent);
+    if (!v.is_string() || v.get<std::string>().empty()) fail(key, parent, "must be a non-empty string, got " + v.dump());
+    return v.get<std::string>();
+  }
+
+ private:
+  const json& j_;
+  std::string path_;
+};
+
+// The run's identity: "run", or for files older than it what "schedule" and "rng" hold. Where
+// both are there they must agree, and the step cannot pass the run's length.
+json run_record(const json& j, const StateFields& f, int64_t step, uint64_t seed) {
+  json run;
+  if (j.contains("run") && !j["run"].is_null()) {
+    run = j["run"];
+    if (!run.is_object()) f.fail("run", "", "must be an object, got " + run.dump());
+    if (run.contains("seed") && run["seed"] != seed)
+      f.fail("seed", "run", "is " + run["seed"].dump() + " but 'seed' (in 'rng') is " + std::to_string(seed));
+  }
+  if (j.contains("schedule")) {
+    const json& sch = f.object("schedule");
+    for (const auto& [from, to] : kScheduleInRun) {
+      if (!sch.contains(from)) continue;
+      if (!sch[from].is_number()) f.fail(from, "schedule", "must be a number, got " + sch[from].dump());
+      if (run.is_object() && run.contains(to) && run[to] != sch[from])
+        f.fail(from, "schedule", "is " + sch[from].dump() + " but '" + to + "' (in 'run') is " + run[to].dump());
+    }
+    if (!run.is_object()) {
+      run = {{"seed", seed}};
+      for (const auto& [from, to] : kScheduleInRun)
+        if (sch.contains(from)) run[to] = sch[from];
     }
   }
+  if (!run.is_object()) run = {{"seed", seed}};
+  if (run.contains("steps")) {
+    if (!run["steps"].is_number_integer() || run["steps"].get<int64_t>() < 0)
+      f.fail("steps", "run", "must be an integer >= 0, got " + run["steps"].dump());
+    if (step > run["steps"].get<int64_t>())
+      f.fail("step", "", fmt::format("is {}, beyond the run's 'steps' {}", step, run["steps"].dump()));
+  }
+  return run;
+}
+
+// What only index.json holds besides ckpt::read_index's fields: the strategy that saved it and
+// the model's config, whose tokenizer is the state's.
+void check_index_fields(const json& j, const StateFields& f, const std::string& tokenizer) {
+  const std::string strategy = f.text("strategy");
+  if (strategy != "import") {
+    try {
+      plan::parse_strategy(strategy);
+    } catch (const std::exception&) {
+      f.fail("strategy", "", "is \"" + strategy + "\"; a checkpoint is saved by ddp, zero1, zero2, fsdp or hybrid, or made by import");
+    }
+  }
+  const json& config = f.object("config");
+  if (config.contains("shardlm_tokenizer") && config["shardlm_tokenizer"] != tokenizer)
+    f.fail("shardlm_tokenizer", "config", "is " + config["shardlm_tokenizer"].dump() + " but 'tokenizer' is \"" + tokenizer + "\"");
+  if (j.contains("imported_from") && !j["imported_from"].is_string())
+    f.fail("imported_from", "", "must be a string, got " + j["imported_from"].dump());
+}
+
+}  // namespace
+
+RunState read_checkpoint_state(const std::string& dir) {
+  // A sharded checkpoint's index.json holds state.json's fields.
+  const bool sharded = ckpt::is_sharded(dir);
+  const std::string path = dir + (sharded ? "/index.json" : "/state.json");
+  const json j = read_json(path);
+  if (!j.is_object()) throw std::runtime_error("checkpoint: " + path + " is not a JSON object");
+  const StateFields f(j, path);
+  for (const auto& [key, v] : j.items())
+    if (!kStateFields.count(key) && !(sharded && kIndexFields.count(key)))
+      f.fail(key, "", "is not one shardlm writes (a checkpoint of another version or program?)");
+  RunState s;
+  s.step = f.count("step");
+  // Checkpoints from before skipped steps existed applied an update at every step.
+  s.adam_step = j.contains("optimizer") ? f.count("adamw_step", "optimizer") : s.step;
+  if (s.adam_step > s.step)
+    f.fail("adamw_step", "optimizer", fmt::format("is {}, more than 'step' {}: updates cannot outnumber steps", s.adam_step, s.step));
+  if (sharded || j.contains("data")) {
+    if (f.value("sampler", "data") != kSampler)
+      f.fail("sampler", "data", "is " + f.value("sampler", "data").dump() + "; shardlm's sampler is \"" + kSampler + "\"");
+    const int64_t next = f.count("next_step", "data");
+    if (next != s.step)
+      f.fail("next_step", "data", fmt::format("is {} but 'step' is {} (batches are a function of (seed, step))", next, s.step));
+  }
+  s.tokenizer = f.text("tokenizer");
+  if (!j.contains("rng") || !j["rng"].is_object())
+    throw std::runtime_error("checkpoint: " + path + " has no field 'rng' holding {\"seed\": n}");
+  s.seed = f.natural("seed", "rng");
+  s.run = run_record(j, f, s.step, s.seed);
+  if (sharded) check_index_fields(j, f, s.tokenizer);
   return s;
 }
 
@@ -238,8 +365,7 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
                      float* params, float* exp_avg, float* exp_avg_sq) {
   if (ckpt::is_sharded(dir)) {  // one process reads every file whole
     const json index = ckpt::read_index(dir);
-    for (int f = 0; f < index["world_size"].get<int>(); ++f) ckpt::verify_file(dir, index, f);
-    ckpt::check_index_against_model(dir, index, desc, exp_avg != nullptr);
+    ckpt::verify_checkpoint(dir, index, desc, exp_avg != nullptr);
     ckpt::load_rank(dir, index, desc, ckpt::whole_layout(layout), 0, {params, exp_avg, exp_avg_sq});
     return;
   }
@@ -293,7 +419,7 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
   return ckpt::write_hf_dir(out_dir, desc, layout, params.data(), opt);
 }
 
-model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir) {
+model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite) {
   const ckpt::HfModel hf = ckpt::read_hf_model(in_dir);
   const model::ModelDesc desc = model::describe(hf.config);
   const model::FlatLayout layout = model::flat_layout(desc);
@@ -303,7 +429,7 @@ model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_d
   config["shardlm_tokenizer"] = hf.tokenizer;
   // index.json's run state: step 0, no updates applied, and no run to continue ("run" empty), so
   // the run that starts from it defines itself.
-  const json meta = {{"format", "shardlm-sharded-1"},
+  const json meta = {{"format", ckpt::kIndexFormat},
                      {"step", 0},
                      {"optimizer", {{"adamw_step", 0}}},
                      {"tokenizer", hf.tokenizer},
@@ -320,7 +446,7 @@ model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_d
     const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params.data(), zeros.data(), zeros.data()});
     write_json(tmp + "/index.json", ckpt::make_index(desc, whole, {file}, meta));
     write_json(tmp + "/config.json", config);
-  });
+  }, overwrite ? ckpt::OnExisting::replace : ckpt::OnExisting::refuse);
   return hf.config;
 }
 
@@ -333,7 +459,9 @@ std::string resolve_initial(const std::string& path) {
 }
 
 model::ModelConfig read_initial_config(const std::string& dir) {
-  return ckpt::is_sharded(dir) ? read_checkpoint_config(dir) : ckpt::read_hf_model(dir).config;
+  if (!ckpt::is_sharded(dir)) return ckpt::read_hf_model(dir).config;
+  read_checkpoint_state(dir);  // only the weights are taken, but the index is checked whole as a resume checks it
+  return read_checkpoint_config(dir);
 }
 
 }  // namespace shardlm::train

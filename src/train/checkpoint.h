@@ -60,8 +60,10 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
 // `shardlm ckpt import --format hf`: a Hugging Face directory (ckpt/hf_import.h) as a sharded
 // step directory `out_dir` (index.json, one rank file, config.json; written atomically) at step
 // 0 with zero AdamW moments and no run recorded: what `train --init-from` starts from (as it
-// starts from the Hugging Face directory itself). Returns the model's config.
-model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir);
+// starts from the Hugging Face directory itself). An existing non-empty out_dir is replaced
+// (once the new one is complete) only with `overwrite`; otherwise the import fails and leaves it.
+// Returns the model's config.
+model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite = false);
 
 // `train --init-from PATH`: a sharded checkpoint (a run, ckpt or step directory; the step
 // directory is returned) or a directory import_hf reads (a Hugging Face model, an export, an

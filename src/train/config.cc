@@ -1,9 +1,11 @@
 #include "train/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
 #include <stdexcept>
+#include <tuple>
 
 #include "ckpt/hf_config.h"
 
@@ -49,6 +51,11 @@ void finite(double v, const char* flag) {
   if (!std::isfinite(v)) throw std::invalid_argument(fmt::format("--{}: must be finite, got {}", flag, v));
 }
 
+template <class T>
+void at_most(T v, T hi, const char* flag) {
+  if (v > hi) throw std::invalid_argument(fmt::format("--{}: must be <= {}, got {}", flag, hi, v));
+}
+
 void in_unit_interval(double v, const char* flag) {
   if (!(v >= 0 && v < 1)) throw std::invalid_argument(fmt::format("--{}: must be in [0, 1), got {}", flag, v));
 }
@@ -72,18 +79,26 @@ void check_model_overrides(const TrainConfig& c) {
 // Steps, batch shape and the optimizer's settings.
 void check_run(const TrainConfig& c) {
   at_least<int64_t>(c.steps, 0, "steps");
+  at_most(c.steps, kMaxSteps, "steps");
   at_least<int64_t>(c.batch, 1, "batch");
   at_least<int64_t>(c.seq, 1, "seq");
   at_least<int64_t>(c.grad_accum, 1, "grad-accum");
   // Token buffers of one micro-step are indexed with 32 bits.
   if (c.batch > std::numeric_limits<int32_t>::max() / c.seq)
     throw std::invalid_argument(fmt::format("--batch {} x --seq {}: tokens per micro-step exceed 2^31", c.batch, c.seq));
+  // A step's tokens over kMaxRanks ranks stay within int64; micro-steps are counted in an int.
+  const int64_t max_accum = std::min<int64_t>(std::numeric_limits<int32_t>::max(), kMaxStepTokens / (c.batch * c.seq));
+  if (c.grad_accum > max_accum)
+    throw std::invalid_argument(fmt::format("--grad-accum: must be <= {} (--batch x --seq x --grad-accum: at most 2^40 tokens "
+                                            "per rank per step), got {}", max_accum, c.grad_accum));
   at_least(c.threads, 1, "threads");
+  at_most(c.threads, kMaxThreads, "threads");
   at_least(c.lr, 0.0f, "lr");
   finite(c.lr, "lr");
   at_least(c.min_lr, 0.0f, "min-lr");
   finite(c.min_lr, "min-lr");
   at_least<int64_t>(c.warmup, 0, "warmup");
+  at_most(c.warmup, kMaxSteps, "warmup");
   at_least(c.weight_decay, 0.0f, "weight-decay");
   finite(c.weight_decay, "weight-decay");
   in_unit_interval(c.beta1, "beta1");
@@ -95,18 +110,22 @@ void check_run(const TrainConfig& c) {
   if (c.on_nonfinite != "stop" && c.on_nonfinite != "skip")
     throw std::invalid_argument(fmt::format("--on-nonfinite: must be stop or skip, got '{}'", c.on_nonfinite));
   at_least<int64_t>(c.max_skipped_steps, 1, "max-skipped-steps");
+  at_most(c.max_skipped_steps, kMaxSteps, "max-skipped-steps");
 }
 
 // Evaluation, checkpoints, sampling, output.
 void check_reporting(const TrainConfig& c) {
-  at_least<int64_t>(c.eval_every, 0, "eval-every");
-  at_least<int64_t>(c.eval_windows, 1, "eval-windows");
-  at_least<int64_t>(c.save_every, 0, "save-every");
-  at_least<int64_t>(c.keep_last, 0, "keep-last");
-  at_least<int64_t>(c.snapshot_every, 0, "snapshot-every");
+  // Each count is at most kMaxSteps; evaluation reads at most the validation file's windows.
+  for (const auto& [v, lo, flag] : {std::tuple{c.eval_every, 0, "eval-every"}, std::tuple{c.eval_windows, 1, "eval-windows"},
+                                    std::tuple{c.save_every, 0, "save-every"}, std::tuple{c.keep_last, 0, "keep-last"},
+                                    std::tuple{c.snapshot_every, 0, "snapshot-every"}}) {
+    at_least<int64_t>(v, lo, flag);
+    at_most(v, kMaxSteps, flag);
+  }
   at_least(c.snapshot_parity, 0, "snapshot-parity");
   if (c.snapshot_parity == 1) throw std::invalid_argument("--snapshot-parity: a group of 1 rank has no parity; 0 (partner copies) or >= 2");
   at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
+  at_most(c.sample_tokens, kMaxSampleTokens, "sample-tokens");
   at_least(c.peak_gflops, 0.0, "peak-gflops");
   finite(c.peak_gflops, "peak-gflops");
   if (c.data.empty()) throw std::invalid_argument("--data: no token file prefix given (--data PREFIX)");

@@ -5,9 +5,18 @@
 #include <string>
 #include <vector>
 
+#include "comm/options.h"
 #include "model/model.h"
 
 namespace shardlm::train {
+
+// Upper bounds of the numeric settings, so that every one keeps time, memory and the integer
+// arithmetic over it finite (validate() and the command line refuse more, naming the flag).
+inline constexpr int kMaxThreads = 1024;               // compute threads per rank
+inline constexpr int kMaxRanks = 1 << 20;              // ranks explain, simulate and plan take
+inline constexpr int64_t kMaxSteps = 1'000'000'000'000;  // steps and step counts: beyond any run
+inline constexpr int64_t kMaxStepTokens = int64_t{1} << 40;  // batch x seq x grad-accum per rank
+inline constexpr int64_t kMaxSampleTokens = 1'000'000;  // tokens generate and --sample-tokens draw
 
 struct TrainConfig {
   // Model: a preset or a Hugging Face config.json, with any explicit dimension (> 0) overriding it.
@@ -79,6 +88,10 @@ struct TrainConfig {
   model::ModelConfig model_config(int64_t data_vocab) const;
   // Throws std::invalid_argument naming the field for values out of range.
   void validate() const;
+
+  // From the process's environment; the command line fills these (nothing below cli/ reads it).
+  comm::MpiOptions comm;     // the MPI backend's algorithms and chunking (SHARDLM_COMM_*)
+  int ranks_on_machine = 1;  // ranks of this job sharing this machine's memory
 };
 
 }  // namespace shardlm::train

@@ -31,14 +31,15 @@ double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::Pla
   const int64_t n = data::num_eval_windows(shard.size(), T);
   if (n <= 0) throw std::runtime_error(shard.path() + ": too few tokens for one window of " + std::to_string(T));
   const int64_t count = max_windows > 0 ? std::min(n, max_windows) : n;
-  const int64_t stride = n / count, N = training.world;
   const plan::Plan plan = forward_plan(desc, training, plan::PlanConfig::Mode::loss, B, T);
+  // Ranks with different data-parallel coordinates take different windows.
+  const int64_t stride = n / count, N = plan.dp_size(), dp = plan.dp_index(rank);
   double total = 0;
   for (int64_t first = 0; first < count; first += N * B) {
     run::StepInputs in;
     in.batch = [&](int, int32_t* inputs, int32_t* targets) {
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t w = first + rank * B + b;
+        const int64_t w = first + dp * B + b;
         if (w < count) {
           data::eval_window(shard, w * stride, T, inputs + b * T, targets + b * T);
         } else {  // past the last window: an ignored row
@@ -65,7 +66,8 @@ double unigram_entropy(const data::TokenShard& shard) {
 }
 
 std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
-                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg) {
+                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg,
+                              const std::function<void(int32_t)>& on_token) {
   const auto& c = desc.config;
   std::vector<int32_t> ids = prompt.empty() ? std::vector<int32_t>{start_token} : prompt;
   const size_t n_prompt = ids.size();
@@ -102,6 +104,7 @@ std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, c
       next = order[pick(rng)];
     }
     ids.push_back(next);
+    if (on_token) on_token(next);
   }
   return std::vector<int32_t>(ids.begin() + static_cast<int64_t>(n_prompt), ids.end());
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "data/shard.h"
@@ -14,8 +15,9 @@
 namespace shardlm::train {
 
 // Mean cross-entropy (nats) over the windows i = 0 … n−1, n = ⌊(tokens − 1) / T⌋, taking every
-// stride-th window when max_windows limits them (0: all). Each forward takes N·B windows, rank r
-// the r-th B of them. Collective: every rank of `training`'s plan calls it alike.
+// stride-th window when max_windows limits them (0: all). Each forward takes N·B windows for N
+// data-parallel coordinates, world rank `rank` the B of its coordinate. Collective: every rank of
+// `training`'s plan calls it alike.
 double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
                 const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
 
@@ -29,9 +31,11 @@ struct SampleConfig {
   uint64_t seed = 1337;
   int64_t vocab_limit = 0;  // draw only ids below it (the tokenizer's size when the model's is larger; 0: all)
 };
-// Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens.
+// Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens,
+// handing each to `on_token` as soon as it is drawn (generate prints them as they come).
 // Every rank draws the same tokens (same logits, same seed). Collective.
 std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
-                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg);
+                              const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg,
+                              const std::function<void(int32_t)>& on_token = {});
 
 }  // namespace shardlm::train

@@ -1,5 +1,7 @@
 #include "train/memory_check.h"
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <fmt/format.h>
 #include <fstream>
@@ -43,13 +45,8 @@ MachineMemory machine_memory() {
   return m;
 }
 
-int ranks_on_this_machine() {
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  const int n = local ? std::atoi(local) : 1;
-  return n > 0 ? n : 1;
-}
-
-const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards) {
+const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
+                                                   int ranks_here) {
   const MachineMemory m = machine_memory();
   if (m.physical == 0) return c;  // no /proc/meminfo: nothing to compare with
   model::ModelConfig probe = c;
@@ -58,7 +55,7 @@ const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, 
   probe.n_layer = 2;
   const double per_layer = static_cast<double>(model::describe(probe).num_params()) - one;
   const double params = one + static_cast<double>(c.n_layer - 1) * per_layer;  // double: no overflow
-  const int ranks = ranks_on_this_machine();
+  const int ranks = std::max(1, ranks_here);
   const double per_rank = bytes_per_param * params / shards;
   if (per_rank * ranks > static_cast<double>(m.available))
     throw std::runtime_error(fmt::format(
@@ -68,12 +65,12 @@ const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, 
   return c;
 }
 
-plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state) {
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, int ranks_here) {
   const MachineMemory m = machine_memory();
   if (m.physical == 0) return plan;
   const MemSnapshot peak = plan.peak_memory();
   const int64_t staging = stages_whole_state ? 3 * static_cast<int64_t>(sizeof(float)) * plan.layout.total : 0;
-  const int ranks = ranks_on_this_machine();
+  const int ranks = std::max(1, ranks_here);
   const double per_rank = static_cast<double>(peak.total + staging);
   if (per_rank * ranks <= static_cast<double>(m.available)) return plan;
   std::string parts;

@@ -16,20 +16,19 @@ struct MachineMemory {
 };
 MachineMemory machine_memory();
 
-// Ranks of this job sharing this machine's memory: Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, else 1.
-int ranks_on_this_machine();
-
 // A cheap first check from the configuration alone: each rank holds at least
 // bytes_per_param × parameters / shards (training: fp32 parameters, gradients and AdamW's two
 // moments, 16 bytes, over the ranks that shard them; evaluation: 4 bytes, 1 shard). Describes
 // only a 1- and a 2-layer copy of the model, so a config asking for a million layers is refused
-// at once instead of being described for minutes. Returns `c`; throws std::runtime_error.
-const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards);
+// at once instead of being described for minutes. `ranks_here`: ranks of this job sharing this
+// machine's memory (TrainConfig::ranks_on_machine). Returns `c`; throws std::runtime_error.
+const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
+                                                   int ranks_here);
 
 // The plan's peak per rank (every category, as `explain` prints it), plus three whole fp32
 // copies of the state when `stages_whole_state` (resuming an older whole checkpoint reads
-// parameters and both moments whole on every rank), times the ranks on this machine, against its available
-// memory. Returns `plan`; throws std::runtime_error naming the figures.
-plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state);
+// parameters and both moments whole on every rank), times `ranks_here`, against this machine's
+// available memory. Returns `plan`; throws std::runtime_error naming the figures.
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, int ranks_here);
 
 }  // namespace shardlm::train

@@ -93,4 +93,11 @@ void check_resume_matches(const TrainConfig& cfg, int world_size, const json& sa
                                        state_path, fmt::join(changes, ", "), fmt::join(names, ",")));
 }
 
+void check_resume_has_steps_left(const TrainConfig& cfg, int64_t saved_step, const std::string& state_path) {
+  if (saved_step <= cfg.steps) return;
+  throw std::runtime_error(fmt::format("{}: field 'step' is {}, beyond --steps {}: the schedule ends before the "
+                                       "checkpoint (raise --steps, with --resume-override steps, to train on)",
+                                       state_path, saved_step, cfg.steps));
+}
+
 }  // namespace shardlm::train

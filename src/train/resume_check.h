@@ -25,6 +25,10 @@ nlohmann::json run_identity(const TrainConfig& cfg, int world_size);
 // Also throws for an unknown --resume-override name.
 void check_resume_matches(const TrainConfig& cfg, int world_size, const nlohmann::json& saved_run,
                           const std::string& state_path);
+// Throws std::runtime_error naming `state_path` and its step when the saved step is beyond
+// --steps: the schedule would end before the checkpoint. At --steps the saved run is complete
+// and resuming it trains nothing (a restart after the last save still exits 0).
+void check_resume_has_steps_left(const TrainConfig& cfg, int64_t saved_step, const std::string& state_path);
 // --resume-override names known settings, and only with --resume.
 void check_resume_override_use(const TrainConfig& cfg);
 

@@ -9,17 +9,23 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <regex>
 #include <stdexcept>
 #include <sys/file.h>
 #include <thread>
 #include <unistd.h>
 
+#include "train/resume_check.h"
+
 namespace shardlm::train {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 namespace {
+
+const char* const kRunRecord = "run.json";
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -86,6 +92,45 @@ bool is_inside(const fs::path& path, const fs::path& dir) {
   return d_end == d.end() && p_at != p.end();
 }
 
+// 32 hex digits from the system's random source: two runs never share one.
+std::string new_run_id() {
+  std::random_device source;
+  std::string id;
+  for (int i = 0; i < 4; ++i) id += fmt::format("{:08x}", static_cast<uint32_t>(source()));
+  return id;
+}
+
+bool is_run_id(const std::string& id) {
+  return id.size() == 32 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// DIR/run.json's run id and settings; "" and null when DIR has none.
+std::pair<std::string, json> read_run_record(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kRunRecord;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return {"", json()};
+  try {
+    std::ifstream f(path);
+    const json j = json::parse(f);
+    const std::string id = j.at("run_id").get<std::string>();
+    if (is_run_id(id) && j.at("run").is_object()) return {id, j["run"]};
+  } catch (const std::exception&) {
+  }
+  throw std::runtime_error(path.string() + ": not a run record ({\"run_id\": 32 hex digits, \"run\": {settings}}), which "
+                           "says whose run directory this is; --overwrite to replace the run, or choose another --out");
+}
+
+// Whether DIR has a checkpoint: ckpt/latest or a ckpt/step_N directory (temporary ones aside).
+bool has_checkpoints(const std::string& dir) {
+  static const std::regex step(R"(step_\d+)");
+  std::error_code ec;
+  const fs::path ckpt = fs::path(dir) / "ckpt";
+  if (fs::exists(ckpt / "latest", ec)) return true;
+  for (const auto& entry : fs::directory_iterator(ckpt, ec))
+    if (std::regex_match(entry.path().filename().string(), step)) return true;
+  return false;
+}
+
 bool holds_a_run(const std::string& dir) {
   std::error_code ec;
   const fs::path metrics = fs::path(dir) / "metrics.jsonl";
@@ -100,17 +145,18 @@ void remove_path(const fs::path& p) {
 }
 
 // What a checkpoint write of a dead process left behind (ckpt/step_N.tmp-PID, .old-PID where
-// the final name could not be swapped atomically, latest.tmp-PID): only the lock holder's ranks
-// write checkpoints here, so none of them belongs to a living run.
+// the final name could not be swapped atomically, latest.tmp-PID), and the temporary files of
+// metrics.jsonl's and run.json's rewrites: only the lock holder's ranks write here, so none of
+// them belongs to a living run.
 void remove_leftovers(const std::string& dir) {
   static const std::regex leftover(R"((step_\d+\.(tmp|old)|latest\.tmp)-\d+)");
   std::error_code ec;
   const fs::path ckpt = fs::path(dir) / "ckpt";
-  if (!fs::is_directory(ckpt, ec)) return;
-  for (const auto& entry : fs::directory_iterator(ckpt, ec))
+  for (const auto& entry : fs::directory_iterator(ckpt, ec))  // none when there is no ckpt/
     if (std::regex_match(entry.path().filename().string(), leftover)) remove_path(entry.path());
   for (const auto& entry : fs::directory_iterator(dir, ec))
-    if (entry.path().filename().string().rfind("metrics.jsonl.tmp-", 0) == 0) remove_path(entry.path());
+    for (const std::string rewritten : {"metrics.jsonl", kRunRecord})
+      if (entry.path().filename().string().rfind(rewritten + ".tmp-", 0) == 0) remove_path(entry.path());
 }
 
 std::vector<std::string> read_lines(const std::string& path) {
@@ -176,27 +222,67 @@ std::vector<std::string> metrics_before(const std::vector<std::string>& lines, i
   return kept;
 }
 
-std::unique_ptr<RunDirectory> RunDirectory::open(const TrainConfig& cfg, int64_t resumed_step, bool from_snapshot) {
-  const std::string& dir = cfg.out;
+std::unique_ptr<RunDirectory> RunDirectory::open(const std::string& dir) {
   std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir))
     throw std::runtime_error("run directory " + dir + ": cannot create it: " + (ec ? ec.message() : "not a directory"));
   const int fd = lock_dir(dir);
   std::unique_ptr<RunDirectory> run(new RunDirectory(dir, fd));  // from here on, the lock is released on throw
-  run->resumed_step_ = resumed_step;
-  // Resuming DIR's own checkpoint continues DIR's run; any other run into a directory holding a
-  // run would mix two runs' records.
-  const bool continues_dir = resumed_step >= 0 && (from_snapshot || is_inside(cfg.resume, fs::path(dir) / "ckpt"));
-  if (!continues_dir && holds_a_run(dir)) {
-    if (!cfg.overwrite)
-      throw std::runtime_error("run directory " + dir + " holds a run (metrics.jsonl or ckpt/)" +
-                               (resumed_step >= 0 ? ", not the run --resume " + cfg.resume + " continues" : "") +
-                               "; --resume " + dir + " (its latest checkpoint) to continue it, --overwrite to replace it, or "
-                               "choose another --out");
-    run->replace_ = true;
+  run->created_ = !existed;
+  try {
+    std::tie(run->held_id_, run->held_run_) = read_run_record(dir);
+  } catch (const std::runtime_error& e) {
+    run->unreadable_record_ = e.what();  // refused in admit() unless --overwrite replaces the run
   }
   return run;
+}
+
+void RunDirectory::admit(const TrainConfig& cfg, int world_size, Start start) {
+  if (!unreadable_record_.empty() && !cfg.overwrite) throw std::runtime_error(unreadable_record_);
+  resumed_step_ = start.resumed_step;
+  run_ = run_identity(cfg, world_size);
+  // Resuming DIR's own checkpoint or snapshot continues DIR's run; any other run into a directory
+  // holding a run would mix two runs' records.
+  const bool continues_dir = start.resumed_step >= 0 && (start.from_snapshot || is_inside(cfg.resume, fs::path(path_) / "ckpt"));
+  if (continues_dir) {
+    run_id_ = held_id_.empty() ? new_run_id() : held_id_;  // a directory of an older shardlm gets one now
+    return;
+  }
+  if (holds_a_run(path_)) {
+    if (cfg.overwrite) replace_ = true;
+    else if (start.auto_found_nothing) admit_restart(cfg, world_size);
+    else
+      throw std::runtime_error("run directory " + path_ + " holds a run (metrics.jsonl or ckpt/)" +
+                               (start.resumed_step >= 0 ? ", not the run --resume " + cfg.resume + " continues" : "") +
+                               "; --resume " + path_ + " (its latest checkpoint) to continue it, --overwrite to replace it, or "
+                               "choose another --out");
+  }
+  run_id_ = restart_ ? held_id_ : new_run_id();
+}
+
+void RunDirectory::admit_restart(const TrainConfig& cfg, int world_size) {
+  const std::string record = (fs::path(path_) / kRunRecord).string();
+  if (held_id_.empty())
+    throw std::runtime_error("run directory " + path_ + " holds a run (metrics.jsonl or ckpt/) with no checkpoint or "
+                             "snapshot to resume and no " + kRunRecord + " saying it is this run's; --overwrite to "
+                             "replace it, or choose another --out");
+  if (has_checkpoints(path_))
+    throw std::runtime_error("run directory " + path_ + " holds checkpoints (ckpt/) that --resume auto could not use; "
+                             "--resume " + path_ + "/ckpt/step_N to name one, --overwrite to replace the run, or choose "
+                             "another --out");
+  TrainConfig asked = cfg;
+  asked.resume = "auto";
+  try {
+    check_resume_matches(asked, world_size, held_run_, record);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("run directory " + path_ + " holds another run, which --resume auto does not restart (" +
+                             e.what() + "); --overwrite to replace it, or choose another --out");
+  }
+  // The run DIR holds is this one, killed before it saved anything: it starts over from step 0.
+  restart_ = true;
+  resumed_step_ = 0;
 }
 
 void RunDirectory::prepare() {
@@ -206,9 +292,19 @@ void RunDirectory::prepare() {
   }
   remove_leftovers(path_);
   if (resumed_step_ >= 0) cut_metrics(metrics_path(), resumed_step_);
+  rewrite_atomically((fs::path(path_) / kRunRecord).string(), {json{{"run_id", run_id_}, {"run", run_}}.dump()});
+  prepared_ = true;
 }
 
-RunDirectory::~RunDirectory() { ::close(lock_fd_); }
+RunDirectory::~RunDirectory() {
+  // A run refused before it started leaves no directory it made: only its lock file is there.
+  if (created_ && !prepared_) {
+    std::error_code ec;
+    fs::remove(fs::path(path_) / ".lock", ec);
+    fs::remove(path_, ec);  // not when something else appeared in it meanwhile
+  }
+  ::close(lock_fd_);
+}
 
 // ---------------------------------------------------------------------------------------------
 

@@ -2,10 +2,14 @@
 //  - DIR/.lock is held with flock() while a run lives (the kernel releases it when the process
 //    dies, however it dies) and holds the holder's pid, so a second run on DIR fails at once
 //    naming it;
+//  - DIR/run.json says whose DIR is: the id of the run that started it (kept by every resume of
+//    it, new for a run that replaces it) and that run's settings (resume_check.h's run_identity);
 //  - a directory that already holds a run (a non-empty metrics.jsonl or a ckpt/) is refused unless
 //    the run resumes one of its checkpoints (--resume DIR/ckpt/step_N: metrics.jsonl is cut back to
-//    the resumed step, so no step appears twice) or overwrites it (--overwrite: the old
-//    metrics.jsonl and ckpt/ are removed);
+//    the resumed step, so no step appears twice), its snapshot, or — --resume auto with nothing to
+//    resume from — restarts from step 0 the run DIR/run.json names, of the same settings, that was
+//    killed before it saved anything; or overwrites it (--overwrite: the old metrics.jsonl and
+//    ckpt/ are removed);
 //  - temporary checkpoint directories a dead run left (ckpt/step_N.tmp-PID, .old-PID) are removed;
 //  - metrics.jsonl is written through CheckedLog: a failed write (disk full) stops the run with a
 //    line naming the file and the reason instead of leaving a log cut mid-line behind exit 0.
@@ -14,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <streambuf>
 #include <string>
@@ -25,15 +30,34 @@ namespace shardlm::train {
 
 class RunDirectory {
  public:
-  // Creates DIR, takes its lock and refuses a directory holding another run; changes nothing
-  // else yet, so that a run refused by a later start-up check leaves DIR as it was.
-  // `resumed_step` is the step the run resumes from (the checkpoint's state.json step), or -1
-  // for a new run; `from_snapshot`: it resumes DIR's own in-memory snapshot (--resume auto), which
-  // continues DIR's run like one of its checkpoints. Throws std::runtime_error naming the
-  // directory (and the holder's pid when it is locked).
-  static std::unique_ptr<RunDirectory> open(const TrainConfig& cfg, int64_t resumed_step, bool from_snapshot = false);
+  // Creates DIR, takes its lock and reads whose it is (DIR/run.json); changes nothing else, so
+  // that a run refused by a later start-up check leaves DIR as it was (a DIR it created is removed
+  // again when the RunDirectory goes before prepare()). Throws std::runtime_error
+  // naming the directory (and the holder's pid when it is locked).
+  // A run.json it cannot read is refused by admit(), unless --overwrite replaces the run.
+  static std::unique_ptr<RunDirectory> open(const std::string& dir);
+
+  // The id of the run DIR holds (its run.json), "" when none recorded itself there.
+  const std::string& held_run_id() const { return held_id_; }
+
+  // How a run starts in DIR.
+  struct Start {
+    int64_t resumed_step = -1;  // the step it resumes from (a checkpoint's or snapshot's), -1: none
+    bool from_snapshot = false;  // it resumes DIR's own in-memory snapshot (--resume auto)
+    bool auto_found_nothing = false;  // --resume auto found no snapshot or checkpoint to resume
+  };
+  // Admits run `cfg` (as asked, on `world_size` ranks) into DIR, or throws one line naming DIR
+  // when DIR holds another run (see above) or a run.json that does not say whose it is; decides
+  // this run's id: DIR's run's when this run continues it, else a new one.
+  void admit(const TrainConfig& cfg, int world_size, Start start);
+  // This run's id (after admit).
+  const std::string& run_id() const { return run_id_; }
+  // Whether this run restarts DIR's run from step 0 (--resume auto; nothing of it was saved).
+  bool restarts() const { return restart_; }
+
   // Once the run is sure to start: removes the old run (--overwrite) and dead runs' leftovers,
-  // and cuts metrics.jsonl back to the resumed step.
+  // cuts metrics.jsonl back to the resumed step (all of it for a restart) and records the run in
+  // DIR/run.json.
   void prepare();
   ~RunDirectory();  // closes the lock file: the lock goes with it
   RunDirectory(const RunDirectory&) = delete;
@@ -44,10 +68,21 @@ class RunDirectory {
 
  private:
   RunDirectory(std::string path, int lock_fd) : path_(std::move(path)), lock_fd_(lock_fd) {}
+  // Refuses `cfg`'s run unless --resume auto may restart the run DIR holds: DIR/run.json names a
+  // run of the same settings and no checkpoint of it exists.
+  void admit_restart(const TrainConfig& cfg, int world_size);
   std::string path_;
   int lock_fd_;
+  std::string held_id_;
+  nlohmann::json held_run_;  // the settings run.json records
+  std::string unreadable_record_;  // why DIR/run.json could not be read ("" when it could)
+  std::string run_id_;
+  nlohmann::json run_;       // this run's settings, for run.json
   int64_t resumed_step_ = -1;
   bool replace_ = false;  // a new run with --overwrite into a directory holding a run
+  bool restart_ = false;
+  bool created_ = false;   // open() made DIR: a run refused before prepare() removes it again
+  bool prepared_ = false;
 };
 
 // Keeps the lines of a metrics log that happened before step `step` of a run resumed there: it

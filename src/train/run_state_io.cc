@@ -48,8 +48,7 @@ ckpt::RankBuffers rank_buffers(Session& s) {
 void load_sharded(Session& s, const std::string& dir, const ckpt::RankBuffers& bufs, bool optimizer) {
   every_rank_or_all_fail(s, [&] {
     const json index = ckpt::read_index(dir);
-    for (int f = s.rank; f < index["world_size"].get<int>(); f += s.N) ckpt::verify_file(dir, index, f);
-    ckpt::check_index_against_model(dir, index, s.desc, optimizer);
+    ckpt::verify_checkpoint(dir, index, s.desc, optimizer, s.rank, s.N);
     ckpt::load_rank(dir, index, s.desc, sharded_layout(s.plan, s.N), s.rank, bufs);
   });
 }
@@ -58,7 +57,7 @@ void load_sharded(Session& s, const std::string& dir, const ckpt::RankBuffers& b
 json index_meta(Session& s) {
   json config = ckpt::to_hf_config(s.desc.config);
   config["shardlm_tokenizer"] = s.state.tokenizer;
-  return {{"format", "shardlm-sharded-1"},
+  return {{"format", ckpt::kIndexFormat},
           {"step", s.state.step},
           {"optimizer", {{"adamw_step", s.state.adam_step}}},
           {"tokenizer", s.state.tokenizer},
@@ -179,7 +178,7 @@ void take_snapshot(Session& s) {
   const auto t0 = Clock::now();
   json meta = index_meta(s);
   meta["layout"] = snapshot_layout(s.plan, s.desc);
-  s.snapshots->save(s.state.step, meta, snapshot_parts(s.ex, s.plan));
+  s.snapshots->save(s.run_id, s.state.step, meta, snapshot_parts(s.ex, s.plan));
   if (s.talk) {
     fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
                (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));

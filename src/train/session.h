@@ -7,6 +7,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
 
 #include "ckpt/async_writer.h"
 #include "ckpt/snapshot.h"
@@ -54,6 +55,7 @@ struct Session {
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
+  std::string run_id;     // which run this is (DIR/run.json, run_dir.h): recorded in its snapshots
   std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
   std::optional<PendingSave> pending;
   double last_step_ms = 0;  // paces --async-save's writer

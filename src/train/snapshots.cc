@@ -10,6 +10,31 @@ namespace shardlm::train {
 
 using nlohmann::json;
 
+namespace {
+
+// The plan run `cfg` executes on `world_size` ranks, for the state layout it holds.
+plan::Plan run_plan(const TrainConfig& cfg, int world_size, model::ModelDesc& desc) {
+  desc = model::describe(cfg.model_config(read_data_meta(cfg.data).vocab_size));
+  return plan::build_plan(desc, plan_config(cfg, world_size));
+}
+
+}  // namespace
+
+ckpt::SnapshotMesh snapshot_mesh(const plan::Plan& plan) {
+  ckpt::SnapshotMesh mesh;
+  for (const auto& axis : plan.mesh.axes()) mesh.axes.push_back(axis.name);
+  for (int r = 0; r < plan.config.world; ++r) mesh.of_rank.push_back(plan.mesh.coords(r));
+  return mesh;
+}
+
+std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg, comm::Communicator& world,
+                                                         std::chrono::milliseconds timeout) {
+  model::ModelDesc desc;
+  const plan::Plan plan = run_plan(cfg, world.size(), desc);
+  return std::make_unique<ckpt::SnapshotStore>(cfg.out, world, ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
+                                               snapshot_mesh(plan), timeout);
+}
+
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
   if (cfg.snapshot_every <= 0) return plan;
   const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity};
@@ -45,11 +70,12 @@ RunState snapshot_state(const json& meta) {
   return s;
 }
 
-ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ckpt::SnapshotStore& store) {
+ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ckpt::SnapshotStore& store,
+                                 const std::string& run_id) {
   // The layout this run will hold, to know a snapshot's bytes fit it.
-  const model::ModelDesc desc = model::describe(cfg.model_config(read_data_meta(cfg.data).vocab_size));
-  const plan::Plan plan = plan::build_plan(desc, plan_config(cfg, world.size()));
-  ckpt::SnapshotChoice c = store.find_newest(plan.static_memory.params + plan.static_memory.optimizer);
+  model::ModelDesc desc;
+  const plan::Plan plan = run_plan(cfg, world.size(), desc);
+  ckpt::SnapshotChoice c = store.find_newest(plan.static_memory.params + plan.static_memory.optimizer, run_id);
   if (c.step >= 0 && c.meta.value("layout", json()) != snapshot_layout(plan, desc)) {
     c.why = fmt::format("the snapshot of step {} holds another model or split of the state", c.step);
     c.step = -1;
@@ -71,7 +97,8 @@ ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ck
     if (c.step >= 0) c.why = fmt::format("the snapshot of step {} is older than the checkpoint", c.step);
     c.step = -1;
     cfg.resume = disk;
-    took = disk.empty() ? fmt::format("nothing: no usable snapshot ({}) and no checkpoint ({}); a new run", c.why, disk_why)
+    took = disk.empty() ? fmt::format("nothing: no usable snapshot ({}) and no checkpoint ({}); the run starts from step 0",
+                                      c.why, disk_why)
                         : fmt::format("the checkpoint {} ({})", disk, c.why);
   }
   if (world.rank() == 0) {

@@ -3,6 +3,8 @@
 // newest snapshot and the newest disk checkpoint.
 #pragma once
 
+#include <chrono>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -17,6 +19,12 @@
 
 namespace shardlm::train {
 
+// Every rank's place on `plan`'s mesh, which each snapshot slot records of its state's owner.
+ckpt::SnapshotMesh snapshot_mesh(const plan::Plan& plan);
+// The store of run `cfg`'s snapshots (collective: every rank makes its own).
+std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg, comm::Communicator& world,
+                                                         std::chrono::milliseconds timeout);
+
 // `plan` with static_memory.snapshot the shared memory the most loaded rank maps when the run
 // takes snapshots (cfg.snapshot_every > 0); unchanged otherwise.
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg);
@@ -30,10 +38,12 @@ nlohmann::json snapshot_layout(const plan::Plan& plan, const model::ModelDesc& d
 // tokenizer, run).
 RunState snapshot_state(const nlohmann::json& meta);
 
-// --resume auto (collective): the newest snapshot every rank holds verified (or can rebuild) at
-// this world size and layout, unless --out's latest complete disk checkpoint is newer; then
-// that checkpoint; else nothing (a new run). Sets cfg.resume to the disk checkpoint or "" and
-// returns the snapshot taken (step -1: none). Rank 0 prints which it took and why.
-ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ckpt::SnapshotStore& store);
+// --resume auto (collective): the newest snapshot of run `run_id` (the one --out holds) every
+// rank holds verified (or can rebuild) at this world size and layout, unless --out's latest
+// complete disk checkpoint is newer; then that checkpoint; else nothing (the run starts from step
+// 0). Sets cfg.resume to the disk checkpoint or "" and returns the snapshot taken (step -1:
+// none). Rank 0 prints which it took and why.
+ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ckpt::SnapshotStore& store,
+                                 const std::string& run_id);
 
 }  // namespace shardlm::train

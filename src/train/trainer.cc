@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 
 #include "ckpt/sharded.h"
@@ -138,7 +139,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.gather_bucket_mb = cfg.gather_bucket_mb;
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;
-  pc.reduction_scratch = reduction_scratch([o = comm::mpi_options_from_env()](comm::Reduction op, int64_t count,
+  pc.reduction_scratch = reduction_scratch([o = cfg.comm](comm::Reduction op, int64_t count,
                                                                                DType dtype, int group) {
     return comm::mpi_scratch_bytes(o, op, count, dtype, group);
   });
@@ -180,12 +181,13 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, const model::Model
       meta(m),
       train_data(c.data + "_train.bin"),
       val_data(c.data + "_val.bin"),
-      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size()))),
+      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.ranks_on_machine))),
       // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
       // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
       plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
                                    (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
-                                       (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)))),
+                                       (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
+                                   c.ranks_on_machine)),
       comms(w, plan),
       ex(desc, plan, comms, c.threads, timeout, backend_for(c)),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
@@ -215,48 +217,66 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
   return mc;
 }
 
-// Before any collective of the step: the ranks agree on their settings; then rank 0 checks that
-// a resume continues the saved run and takes the run directory. A failure there ends every rank.
-// --resume names a run or step directory; afterwards cfg.resume is the step directory on every
-// rank. --resume auto picks a snapshot (returned in `snapshot`; cfg.resume becomes empty) or a
-// checkpoint. Returns rank 0's run directory (nullptr on the other ranks).
-std::unique_ptr<RunDirectory> start_up(TrainConfig& cfg, comm::Communicator& world,
-                                       std::unique_ptr<ckpt::SnapshotStore>& store, ckpt::SnapshotChoice& snapshot) {
+// What start-up settles: rank 0's run directory (null on the other ranks), this run's id (every
+// rank), and the snapshot store with --resume auto's choice from it.
+struct StartUp {
+  std::unique_ptr<RunDirectory> dir;
+  std::string run_id;
+  std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
+  ckpt::SnapshotChoice snapshot;                   // --resume auto's, when it took one (else step -1)
+};
+
+// Before any collective of the step: the ranks agree on their settings; rank 0 takes the run
+// directory (whose run it holds says which snapshots are this run's), then checks that a resume
+// continues the saved run and admits the run into the directory. A failure there ends every
+// rank. --resume names a run or step directory; afterwards cfg.resume is the step directory on
+// every rank. --resume auto picks a snapshot (cfg.resume becomes empty) or a checkpoint.
+StartUp start_up(TrainConfig& cfg, comm::Communicator& world) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
-  if (cfg.snapshot_every > 0 || cfg.resume == "auto")
-    store = std::make_unique<ckpt::SnapshotStore>(cfg.out, world, ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
-                                                  timeout);
-  if (cfg.resume == "auto") snapshot = resume_auto(cfg, world, *store);
-  std::unique_ptr<RunDirectory> dir;
+  StartUp up;
+  on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });
+  const std::string held_run = lead_text(world, timeout, up.dir ? up.dir->held_run_id() : "");
+  if (cfg.snapshot_every > 0 || cfg.resume == "auto") up.snapshots = make_snapshot_store(cfg, world, timeout);
+  if (cfg.resume == "auto") up.snapshot = resume_auto(cfg, world, *up.snapshots, held_run);
   on_lead_or_all_fail(world, timeout, [&] {
-    int64_t resumed_step = -1;
+    RunDirectory::Start start;
     TrainConfig asked = cfg;
     asked.resume = asked_resume;
     check_resume_override_use(asked);
-    if (snapshot.step >= 0) {
-      const RunState saved = snapshot_state(snapshot.meta);
-      check_resume_matches(asked, world.size(), saved.run, "snapshot " + store->prefix() + " of step " + std::to_string(saved.step));
-      return void(dir = RunDirectory::open(cfg, saved.step, true));
-    }
-    if (!cfg.resume.empty()) {
+    if (up.snapshot.step >= 0) {
+      const RunState saved = snapshot_state(up.snapshot.meta);
+      const std::string source = "snapshot " + up.snapshots->prefix() + " of step " + std::to_string(saved.step);
+      check_resume_matches(asked, world.size(), saved.run, source);
+      check_resume_has_steps_left(cfg, saved.step, source);
+      start.resumed_step = saved.step;
+      start.from_snapshot = true;
+    } else if (!cfg.resume.empty()) {
       cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
       resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
       const RunState saved = read_checkpoint_state(cfg.resume);
-      check_resume_matches(cfg, world.size(), saved.run,
-                           cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json"));
-      resumed_step = saved.step;
+      const std::string state_path = cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json");
+      check_resume_matches(cfg, world.size(), saved.run, state_path);
+      check_resume_has_steps_left(cfg, saved.step, state_path);
+      start.resumed_step = saved.step;
     } else if (!cfg.init_from.empty()) {
       cfg.init_from = resolve_initial(cfg.init_from);
       resolve_model(cfg, read_data_meta(cfg.data));
     }
-    dir = RunDirectory::open(cfg, resumed_step);
+    start.auto_found_nothing = asked_resume == "auto" && start.resumed_step < 0;
+    up.dir->admit(cfg, world.size(), start);
+    if (up.dir->restarts())
+      fmt::print("--resume auto: {} holds this run (run {}, its run.json), killed before it saved anything: it restarts "
+                 "from step 0\n",
+                 cfg.out, up.dir->run_id());
+    std::fflush(stdout);
   });
+  up.run_id = lead_text(world, timeout, up.dir ? up.dir->run_id() : "");
   if (world.rank() != 0 && !cfg.resume.empty()) cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
   if (!cfg.resume.empty()) cfg.init_from.clear();  // the checkpoint holds the weights
   if (world.rank() != 0 && !cfg.init_from.empty()) cfg.init_from = resolve_initial(cfg.init_from);
-  return dir;
+  return up;
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
@@ -342,6 +362,19 @@ void load_start_state(Session& s, const ckpt::SnapshotChoice& snapshot) {
   }
 }
 
+// A step's time. wall_ms: from the end of the previous step (for a run's or a resume's first
+// step, from its own start) to its end, so that whatever happens between steps — a checkpoint, a
+// snapshot, an evaluation, a stalled process — is in some step's time, and the steps' times add
+// up to the run's (torchtitan's end-to-end step time and its tokens/s are this wall time too).
+// compute_ms: the step itself, which the gap between them is not.
+struct StepTime {
+  double wall_ms, compute_ms;
+};
+
+double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
 // What a step's throughput is measured against.
 struct StepScale {
   double peak_gflops;  // per rank
@@ -362,9 +395,11 @@ void print_run_header(const Session& s, double peak) {
 
 // A step's row of metrics.jsonl and its console line (collective: memory and exposed
 // communication are the maxima over ranks). Returns the step's loss.
-double record_step(Session& s, int64_t step, const run::StepInputs& in, const run::StepResult& r, double step_ms,
+double record_step(Session& s, int64_t step, const run::StepInputs& in, const run::StepResult& r, const StepTime& time,
                    const StepScale& scale, const NonFiniteGuard& nonfinite) {
-  s.last_step_ms = step_ms;
+  // --async-save's writer is paced on compute: a stalled step must not slow the next write down.
+  s.last_step_ms = time.compute_ms;
+  const double step_ms = time.wall_ms;
   const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
   const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
   // What stays allocated between steps: the (sharded) state.
@@ -374,10 +409,19 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
   const double tokens_per_s = static_cast<double>(scale.tokens) / (step_ms * 1e-3);
   const double mfu = scale.flops / (step_ms * 1e-3) / (scale.peak_gflops * 1e9 * s.N);
   if (s.lead) {
-    json row{{"step", step},           {"loss", loss},         {"lr", in.opt.lr},
-             {"grad_norm", r.grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s},
-             {"mfu", mfu},             {"comm_exposed_ms", exposed}, {"mem", mem_json(mem)}, {"mem_max", mem_json(mem_max)},
-             {"mem_between_steps", mem_json(held)}, {"skipped", r.update_skipped},
+    json row{{"step", step},
+             {"loss", loss},
+             {"lr", in.opt.lr},
+             {"grad_norm", r.grad_norm},
+             {"step_ms", step_ms},
+             {"compute_ms", time.compute_ms},
+             {"tokens_per_s", tokens_per_s},
+             {"mfu", mfu},
+             {"comm_exposed_ms", exposed},
+             {"mem", mem_json(mem)},
+             {"mem_max", mem_json(mem_max)},
+             {"mem_between_steps", mem_json(held)},
+             {"skipped", r.update_skipped},
              {"skipped_steps", nonfinite.skipped_total()}};
 #ifdef SHARDLM_CUDA
     if (s.cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes();  // the caching allocator's
@@ -400,9 +444,10 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
 run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   const TrainConfig& cfg = s.cfg;
   run::StepInputs in;
-  in.batch = [&s, step](int micro, int32_t* inputs, int32_t* targets) {
+  in.batch = [&s, step](int64_t micro, int32_t* inputs, int32_t* targets) {
     const TrainConfig& c = s.cfg;
-    data::sample_batch(s.train_data, c.seed, step, micro, s.rank * c.batch, c.batch, c.seq, inputs, targets);
+    // Ranks that share a data-parallel coordinate read the same sequences.
+    data::sample_batch(s.train_data, c.seed, step, micro, s.plan.dp_index(s.rank) * c.batch, c.batch, c.seq, inputs, targets);
   };
   in.grad_scale = grad_scale;
   in.grad_clip = cfg.grad_clip;
@@ -440,14 +485,12 @@ TrainSummary finish(Session& s, TrainSummary summary) {
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) {
+TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, const TrainHooks& hooks) {
   cfg_in.validate();
   if (cfg_in.async_save && cfg_in.save_every == 0)
     throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
-  std::unique_ptr<ckpt::SnapshotStore> snapshots;
-  ckpt::SnapshotChoice snapshot;  // --resume auto's, when it took one
-  const std::unique_ptr<RunDirectory> run_dir = start_up(cfg, world, snapshots, snapshot);
+  StartUp up = start_up(cfg, world);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
   Session s(cfg, world, resolve_model(cfg, meta), meta);
@@ -455,12 +498,13 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
-  s.snapshots = std::move(snapshots);
-  load_start_state(s, snapshot);
+  s.snapshots = std::move(up.snapshots);
+  s.run_id = up.run_id;
+  load_start_state(s, up.snapshot);
 
   if (s.lead) {
-    run_dir->prepare();
-    s.metrics.open(run_dir->metrics_path());
+    up.dir->prepare();
+    s.metrics.open(up.dir->metrics_path());
   }
   if (cfg.device == "cuda" && world.size() > 1)
     throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
@@ -469,7 +513,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   if (!cfg.resume.empty() && std::getenv("SHARDLM_TEST_SAVE_AFTER_RESUME")) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
-  const int64_t T = cfg.seq, global_batch = s.N * cfg.batch * cfg.grad_accum;
+  const int64_t T = cfg.seq, global_batch = s.plan.dp_size() * cfg.batch * cfg.grad_accum;
   const StepScale scale{peak, s.desc.train_flops(global_batch, T), global_batch * T};
   if (s.talk) print_run_header(s, peak);
 
@@ -477,14 +521,18 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
   NonFiniteGuard nonfinite(cfg.on_nonfinite, cfg.max_skipped_steps);
   const StopSignals signals;
   const float grad_scale = 1.0f / static_cast<float>(global_batch * T);
+  std::optional<Clock::time_point> previous_end;  // of the step before, in this process
   for (int64_t step = s.state.step; step < cfg.steps; ++step) {
     const auto t0 = Clock::now();
     MemoryTracker::global().reset_peak();
     const run::StepInputs in = step_inputs(s, step, grad_scale);
     const run::StepResult r = s.ex.step(step, in);
+    const auto end = Clock::now();
+    const StepTime time{ms_between(previous_end.value_or(t0), end), ms_between(t0, end)};
+    previous_end = end;
     if (!r.update_skipped) ++s.state.adam_step;
     const std::string stop_reason = nonfinite.after_step(step, r);
-    const double loss = record_step(s, step, in, r, ms_since(t0), scale, nonfinite);
+    const double loss = record_step(s, step, in, r, time, scale, nonfinite);
     // Before any checkpoint of this step: nothing from it on is saved.
     if (!stop_reason.empty()) return end_early(s, summary, kNonFiniteExitCode, stop_reason);
     if (r.update_skipped && s.talk)
@@ -493,6 +541,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world) 
     summary.final_loss = loss;
     summary.steps_done = step + 1;
     s.state.step = step + 1;
+    if (hooks.at_step_boundary) hooks.at_step_boundary(step);
     settle_save(s, false);
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
     if (cfg.snapshot_every > 0 && s.state.step % cfg.snapshot_every == 0) take_snapshot(s);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,9 +27,17 @@ struct TrainSummary {
   std::string stop_reason;
 };
 
+// Seams for tests, passed in (never read from the environment): what a test does inside a run.
+struct TrainHooks {
+  // Called on every rank after step `step` (numbered from 0) has been recorded in metrics.jsonl,
+  // before that step boundary's checkpoint, snapshot and evaluation: what it takes is time between
+  // steps, as theirs is.
+  std::function<void(int64_t step)> at_step_boundary;
+};
+
 // Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,
 // checkpoints and the trace. Collective: every rank calls it with the same configuration.
-TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world);
+TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world, const TrainHooks& hooks = {});
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
 
 // The tokenizer a token file was made with, from PREFIX_meta.json beside it (written by

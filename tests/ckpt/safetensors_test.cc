@@ -466,6 +466,48 @@ TEST(SafetensorsErrors, TruncatedValidFile) {
   EXPECT_NE(m.find("'a'"), std::string::npos) << m;
 }
 
+// The layout is exactly header + tensors: bytes after the last tensor, a gap between two or
+// before the first, and a tensor named twice (nlohmann's parser would keep one of the two
+// entries) were all read as a good file.
+TEST(SafetensorsErrors, TrailingBytesAfterTheLastTensor) {
+  TempDir dir;
+  const std::string p = dir / "trailing.safetensors";
+  write_bytes(p, raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", std::string(12, '\0')));
+  const std::string m = open_error(p);
+  expect_names_file(m, p);
+  EXPECT_NE(m.find("4 bytes after the last tensor 'a'"), std::string::npos) << m;
+  const std::string q = dir / "no_tensors.safetensors";
+  write_bytes(q, raw_file(R"({"__metadata__": {"format": "pt"}})", std::string(8, '\0')));
+  expect_names_file(open_error(q), q);
+}
+
+TEST(SafetensorsErrors, GapBetweenTensorsOrBeforeTheFirst) {
+  TempDir dir;
+  const std::string p = dir / "gap.safetensors";
+  write_bytes(p, raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                          R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}})",
+                          std::string(20, '\0')));
+  std::string m = open_error(p);
+  expect_names_file(m, p);
+  EXPECT_NE(m.find("[8, 12) between tensors 'a' and 'b' belong to no tensor"), std::string::npos) << m;
+  const std::string q = dir / "lead.safetensors";
+  write_bytes(q, raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", std::string(12, '\0')));
+  m = open_error(q);
+  expect_names_file(m, q);
+  EXPECT_NE(m.find("before the first tensor 'a'"), std::string::npos) << m;
+}
+
+TEST(SafetensorsErrors, TensorNamedTwice) {
+  TempDir dir;
+  const std::string p = dir / "twice.safetensors";
+  write_bytes(p, raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                          R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})",
+                          std::string(12, '\0')));
+  const std::string m = open_error(p);
+  expect_names_file(m, p);
+  EXPECT_NE(m.find("key 'a' appears twice"), std::string::npos) << m;
+}
+
 // ---------------------------------------------------------------- atomic directories
 
 void fill_files(const std::string& dir, const std::string& tag, int n) {
@@ -553,6 +595,44 @@ TEST(WriteDirAtomically, RefusesToReplaceAFile) {
   write_bytes(p, "x");
   EXPECT_THROW(shardlm::ckpt::write_dir_atomically(p, [](const std::string&) {}), std::runtime_error);
   EXPECT_EQ(read_bytes(p), "x");
+}
+
+// OnExisting::refuse (ckpt export and import without --overwrite) takes an absent name or an
+// empty directory, and leaves anything else as it was.
+TEST(WriteDirAtomically, RefuseKeepsANonEmptyDirectory) {
+  TempDir dir;
+  const std::string final_dir = dir / "out";
+  fs::create_directories(final_dir);
+  write_bytes(final_dir + "/precious.txt", "mine");
+  const std::string m = error_of([&] {
+    shardlm::ckpt::write_dir_atomically(final_dir, [](const std::string& tmp) { fill_files(tmp, "new", 1); },
+                                        shardlm::ckpt::OnExisting::refuse);
+  });
+  EXPECT_NE(m.find(final_dir + ": exists and is not an empty directory"), std::string::npos) << m;
+  EXPECT_EQ(read_bytes(final_dir + "/precious.txt"), "mine");
+  EXPECT_TRUE(leftovers(dir.path(), "out").empty());
+
+  const std::string empty = dir / "empty";
+  fs::create_directories(empty);
+  shardlm::ckpt::write_dir_atomically(empty, [](const std::string& tmp) { fill_files(tmp, "new", 2); },
+                                      shardlm::ckpt::OnExisting::refuse);
+  EXPECT_TRUE(complete(empty, "new", 2));
+}
+
+// The temporary directory used to be FINAL.tmp-<pid>, removed first if it existed: a directory
+// of the user's that happened to have that name was deleted. It now takes a name no one has.
+TEST(WriteDirAtomically, NeverRemovesWhatIsBesideIt) {
+  TempDir dir;
+  const std::string final_dir = dir / "ckpt";
+  const std::string pid = std::to_string(::getpid());
+  const std::vector<std::string> beside = {final_dir + ".tmp-" + pid, final_dir + ".tmp-" + pid + "-0"};
+  for (const auto& b : beside) {
+    fs::create_directories(b);
+    write_bytes(b + "/precious.txt", "mine");
+  }
+  shardlm::ckpt::write_dir_atomically(final_dir, [](const std::string& tmp) { fill_files(tmp, "new", 1); });
+  EXPECT_TRUE(complete(final_dir, "new", 1));
+  for (const auto& b : beside) EXPECT_EQ(read_bytes(b + "/precious.txt"), "mine") << b;
 }
 
 // A child process writes the directory and is killed (SIGKILL) at a varying moment: afterwards

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 #include <unistd.h>
 
@@ -116,6 +117,33 @@ TEST_F(BadInput, NumericFlagsAreRangeChecked) {
   expect_one_line_error(run("explain --model tiny --ranks 2 --keep-gathered h.1:x"), {"--keep-gathered", "h.1:x"});
 }
 
+// Numbers too large for any run: refused with one line, where they ran without end (a plan
+// search over 10^16 micro-batches), overflowed (a memory budget of 1e300 bytes read as a negative
+// int64) or would have. The train flags are checked before the data is read (none here).
+TEST_F(BadInput, NumericFlagsHaveUpperBounds) {
+  std::string base = train_args("upper", 1);
+  base.replace(base.find(data()), data().size(), path("no_data"));
+  for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"--steps 10000000000000", "--steps"}, {"--warmup 10000000000000", "--warmup"},
+           {"--eval-every 10000000000000", "--eval-every"}, {"--eval-windows 10000000000000", "--eval-windows"},
+           {"--save-every 10000000000000", "--save-every"}, {"--keep-last 10000000000000", "--keep-last"},
+           {"--snapshot-every 10000000000000", "--snapshot-every"},
+           {"--max-skipped-steps 10000000000000", "--max-skipped-steps"}, {"--threads 5000", "--threads"},
+           {"--sample-tokens 2000000", "--sample-tokens"}, {"--grad-accum 3000000000", "--grad-accum"},
+           {"--batch 1024 --seq 1024 --grad-accum 2000000", "--grad-accum"}}) {
+    SCOPED_TRACE(flags);
+    expect_one_line_error(run(base + " " + flags), {needle, flags.substr(flags.rfind(' ') + 1)});
+  }
+  for (const char* cmd : {"explain --model tiny", "simulate --model tiny", "plan --model tiny --global-batch 128 --seq 32"})
+    expect_one_line_error(run(std::string(cmd) + " --ranks 2000000"), {"--ranks", "2000000"});
+  expect_one_line_error(run("explain --model tiny --threads 2000"), {"--threads", "2000"});
+  const std::string plan = shardlm::testing::shardlm_binary() + " plan --model tiny --ranks 2 --seq 64 ";
+  expect_one_line_error(shardlm::testing::run_command("timeout 60 " + plan + "--global-batch 1000000000000000000"),
+                        {"--global-batch", "1000000000000000000", "1048576"});
+  expect_one_line_error(shardlm::testing::run_command("timeout 60 " + plan + "--global-batch 4096 --memory-per-rank 1e300"),
+                        {"--memory-per-rank", "1e300"});
+}
+
 TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
   // The flags are refused before the checkpoint is even read.
   const std::string ck = path("no_ckpt");
@@ -124,13 +152,46 @@ TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
   expect_one_line_error(run(eval + " --batch -1"), {"--batch", "-1"});
   expect_one_line_error(run(eval + " --seq 0"), {"--seq", "0"});
   expect_one_line_error(run(eval + " --threads 0"), {"--threads", "0"});
+  expect_one_line_error(run(eval + " --threads 5000"), {"--threads", "5000"});
+  // 2^56 x 256 tokens wrapped to 0 and crashed the plan.
+  expect_one_line_error(run(eval + " --batch 72057594037927936 --seq 256"), {"--batch", "72057594037927936", "2^31"});
   const std::string gen = "generate --ckpt " + ck;
   expect_one_line_error(run(gen + " --tokens -1"), {"--tokens", "-1"});
+  expect_one_line_error(run(gen + " --tokens 1000001"), {"--tokens", "1000001"});
+  expect_one_line_error(run(gen + " --threads 5000"), {"--threads", "5000"});
   expect_one_line_error(run(gen + " --top-k -1"), {"--top-k", "-1"});
   expect_one_line_error(run(gen + " --temperature -1"), {"--temperature", "-1"});
   expect_one_line_error(run(gen + " --temperature nan"), {"--temperature", "nan"});
   expect_one_line_error(run(gen + " --threads -3"), {"--threads", "-3"});
   expect_one_line_error(run(gen + " --seed -2"), {"--seed", "-2"});
+}
+
+// `tokenize --val-fraction 0` wrote an empty PREFIX_val.bin that `train` then refused (it
+// evaluates every run on it): refused here, before anything is read or written.
+TEST_F(BadInput, TokenizeNeedsAValidationFraction) {
+  write("text.txt", "In the beginning God created the heaven and the earth.\n");
+  const std::string tok = "tokenize --tokenizer bytes --in " + path("text.txt") + " --out " + path("vf");
+  for (const char* v : {"0", "1", "-0.1", "nan"}) expect_one_line_error(run(tok + " --val-fraction " + v), {"--val-fraction", v});
+  EXPECT_FALSE(fs::exists(path("vf_train.bin")));
+  EXPECT_FALSE(fs::exists(path("vf_val.bin")));
+  ASSERT_EQ(run(tok + " --val-fraction 0.2").code, 0);
+  EXPECT_TRUE(fs::exists(path("vf_val.bin")));
+}
+
+// `calibrate --sizes-kib 1000000000000` died of std::bad_alloc; `--sizes-kib 4` and an empty
+// entry (read as 0 KiB) fitted bus_bw 1e30 and wrote it as measured. Refused before anything
+// is measured or written.
+TEST_F(BadInput, CalibrateSizesAreBoundedAndEnoughForABandwidth) {
+  const std::string cal = "calibrate --out " + path("cal.json") + " --gemm-models none --iters 1 ";
+  expect_one_line_error(run(cal + "--sizes-kib 1000000000000"), {"--sizes-kib", "1000000000000", "1048576"});
+  expect_one_line_error(run(cal + "--sizes-kib 1e12"), {"--sizes-kib", "1e12"});
+  expect_one_line_error(run(cal + "--sizes-kib ''"), {"--sizes-kib", "''"});
+  expect_one_line_error(run(cal + "--sizes-kib 4,"), {"--sizes-kib 4:"});
+  expect_one_line_error(run(cal + "--sizes-kib 4"), {"--sizes-kib 4:", "two different sizes", "1024 KiB"});
+  expect_one_line_error(run(cal + "--sizes-kib 4,256"), {"--sizes-kib 4,256:", "1024 KiB"});
+  expect_one_line_error(run(cal + "--iters 100000"), {"--iters", "100000"});
+  expect_one_line_error(run(cal + "--threads 100000"), {"--threads", "100000"});
+  EXPECT_FALSE(fs::exists(path("cal.json")));
 }
 
 // A Hugging Face config.json given as --model: every key range-checked, integers as integers.
@@ -205,20 +266,34 @@ class BadCheckpoint : public BadInput {
     ASSERT_EQ(r.code, 0) << r.out;
   }
   std::string edited(const std::string& file, const std::function<void(nlohmann::json&)>& edit) {
+    return edited_text(file, [&](std::string& text) {
+      nlohmann::json j = nlohmann::json::parse(text);
+      edit(j);
+      text = j.dump();
+    });
+  }
+  std::string edited_text(const std::string& file, const std::function<void(std::string&)>& edit) {
     const fs::path ck = dir_ / ("edited_" + std::to_string(n_++));
     fs::copy(dir_ / "ck" / "ckpt" / "step_2", ck);
-    nlohmann::json j = nlohmann::json::parse(std::ifstream(ck / file));
-    edit(j);
-    std::ofstream(ck / file) << j.dump();
+    std::stringstream text;
+    text << std::ifstream(ck / file).rdbuf();
+    std::string s = text.str();
+    edit(s);
+    std::ofstream(ck / file) << s;
     return ck.string();
   }
-  // Every command that reads a checkpoint refuses it with the same line.
+  // Every command that reads a checkpoint refuses it with the same line: eval, generate, a
+  // resume, --init-from, ckpt export (writing nothing) and ckpt info.
   void expect_refused(const std::string& ck, std::initializer_list<std::string> needles) {
     expect_one_line_error(run("eval --ckpt " + ck + " --data " + data() + "_val.bin --seq 32"), needles);
     expect_one_line_error(run("generate --ckpt " + ck + " --tokens 2"), needles);
     expect_one_line_error(run(train_args("resumed", 3) + " --resume " + ck), needles);
+    expect_one_line_error(run(train_args("init", 1) + " --overwrite --init-from " + ck), needles);
+    expect_one_line_error(run("ckpt export --ckpt " + ck + " --out " + ck + ".hf"), needles);
+    EXPECT_FALSE(fs::exists(ck + ".hf"));
+    expect_one_line_error(run("ckpt info --ckpt " + ck), needles);
   }
-  int n_ = 0;
+  static inline int n_ = 0;  // across the suite: every edited copy has a name of its own
 };
 
 // The run state (state.json's fields, in a sharded checkpoint's index.json) with step -7 gave
@@ -240,9 +315,81 @@ TEST_F(BadCheckpoint, ConfigIsCheckedAgainstTheTensorFile) {
   expect_refused(edited("config.json", [](auto& j) { j["n_inner"] = 200; }), {"config.json", "ffn_dim 200", "index.json"});
   // Same element count, other shapes: n_positions 256 -> 128 with vocabulary 256 -> 384 keeps
   // wte + wpe at (256 + 256) x 64 = (384 + 128) x 64; caught tensor by tensor.
-  expect_refused(edited("config.json", [](auto& j) { j["n_positions"] = 128; j["vocab_size"] = 384; }),
+  expect_refused(edited("config.json", [](auto& j) { j["n_positions"] = j["n_ctx"] = 128; j["vocab_size"] = 384; }),
                  {"config.json", "wte.weight", "[256, 64]", "[384, 64]"});
   expect_refused(edited("config.json", [](auto& j) { j["n_head"] = 0; }), {"config.json", "n_head", "0"});
+}
+
+// Each field of index.json is checked alone and against the others (issue 25: an unknown format
+// version, an unknown strategy, a negative next step, an optimizer step of 2^63 or past the step,
+// a world size of 0 all loaded).
+TEST_F(BadCheckpoint, IndexFieldsAreCheckedAgainstEachOther) {
+  expect_refused(edited("index.json", [](auto& j) { j["format"] = "shardlm-sharded-9"; }),
+                 {"index.json", "'format'", "shardlm-sharded-9"});
+  expect_refused(edited("index.json", [](auto& j) { j["strategy"] = "zero9"; }), {"index.json", "'strategy'", "zero9"});
+  expect_refused(edited("index.json", [](auto& j) { j["world_size"] = 0; }), {"index.json", "'world_size'", "0"});
+  expect_refused(edited("index.json", [](auto& j) { j["data"]["next_step"] = -1; }), {"index.json", "'next_step'", "-1"});
+  expect_refused(edited("index.json", [](auto& j) { j["data"]["next_step"] = 1; }),
+                 {"index.json", "'next_step'", "is 1 but 'step' is 2"});
+  expect_refused(edited("index.json", [](auto& j) { j["optimizer"]["adamw_step"] = uint64_t{1} << 63; }),
+                 {"index.json", "'adamw_step'", "9223372036854775808"});
+  expect_refused(edited("index.json", [](auto& j) { j["optimizer"]["adamw_step"] = -1; }),
+                 {"index.json", "'adamw_step'", "-1"});
+  expect_refused(edited("index.json", [](auto& j) { j["optimizer"]["adamw_step"] = 3; }),
+                 {"index.json", "'adamw_step'", "is 3, more than 'step' 2"});
+  expect_refused(edited("index.json", [](auto& j) { j["run"]["steps"] = j["schedule"]["total_steps"] = 1; }),
+                 {"index.json", "'step'", "beyond the run's 'steps' 1"});
+  expect_refused(edited("index.json", [](auto& j) { j["schedule"]["total_steps"] = 7; }),
+                 {"index.json", "'total_steps'", "is 7 but 'steps' (in 'run') is 2"});
+  expect_refused(edited("index.json", [](auto& j) { j["rng"]["seed"] = 6; }), {"index.json", "'seed'", "'run'"});
+  expect_refused(edited("index.json", [](auto& j) { j["files"][0]["name"] = "../ck.safetensors"; }),
+                 {"index.json", "'name'", "../ck.safetensors"});
+  expect_refused(edited("index.json", [](auto& j) { j["resharded_by"] = "someone"; }),
+                 {"index.json", "'resharded_by'", "not one shardlm writes"});
+  // The model stated twice must be one: n_head 2 keeps every tensor's shape, so only index.json's
+  // "config" shows config.json was changed.
+  expect_refused(edited("config.json", [](auto& j) { j["n_head"] = 2; }),
+                 {"config.json", "'n_head' is 2 but index.json's 'config' has 4"});
+}
+
+// nlohmann's parser keeps one of two equal keys: a checkpoint naming a field twice was read as
+// whichever came last.
+TEST_F(BadCheckpoint, DuplicatedKeysAreRefused) {
+  expect_refused(edited_text("index.json", [](std::string& t) { t.insert(1, "\"step\": 0, "); }),
+                 {"index.json", "key 'step' appears twice"});
+  expect_refused(edited_text("index.json", [](std::string& t) { t.insert(t.find("\"seed\"") , "\"seed\": 3, "); }),
+                 {"index.json", "key 'seed' appears twice"});
+  expect_refused(edited_text("config.json", [](std::string& t) { t.insert(1, "\"n_layer\": 2, "); }),
+                 {"config.json", "key 'n_layer' appears twice"});
+}
+
+// `ckpt info` printed the sizes and checksums index.json claims for shard files that were
+// missing, truncated or corrupt, and exited 0. It now checks them as a resume does (--no-verify
+// to skip that), and a broken checkpoint is one line naming the file.
+TEST_F(BadCheckpoint, InfoVerifiesEveryFileItLists) {
+  const std::string rank0 = "/rank-00000-of-00001.safetensors";
+  const Result good = run("ckpt info --ckpt " + path("ck"));
+  ASSERT_EQ(good.code, 0) << good.out;
+  EXPECT_NE(good.out.find(rank0.substr(1) + "  "), std::string::npos) << good.out;
+  EXPECT_NE(good.out.find("verified"), std::string::npos) << good.out;
+
+  const std::string cut = edited("index.json", [](auto&) {});
+  fs::resize_file(cut + rank0, fs::file_size(cut + rank0) - 8);
+  expect_one_line_error(run("ckpt info --ckpt " + cut), {cut + rank0, "truncated"});
+  const Result unverified = run("ckpt info --no-verify --ckpt " + cut);
+  EXPECT_EQ(unverified.code, 0) << unverified.out;
+  EXPECT_NE(unverified.out.find("not verified"), std::string::npos) << unverified.out;
+
+  const std::string flipped = edited("index.json", [](auto&) {});
+  std::fstream f(flipped + rank0, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(-3, std::ios::end);
+  f.put('\x7f');
+  f.close();
+  expect_one_line_error(run("ckpt info --ckpt " + flipped), {flipped + rank0, "checksum"});
+
+  const std::string gone = edited("index.json", [](auto&) {});
+  fs::remove(gone + rank0);
+  expect_one_line_error(run("ckpt info --ckpt " + gone), {gone + rank0, "missing"});
 }
 
 }  // namespace

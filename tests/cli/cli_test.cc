@@ -165,6 +165,22 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
 }
 
+// generate printed nothing until it had drawn every token (`--tokens 1e6` took minutes in
+// silence). Each token is written as it is drawn: the first 16 of a million arrive while the rest
+// are still being made, and they are the text a 16-token generation prints.
+TEST_F(Cli, GenerateWritesEachTokenAsItIsDrawn) {
+  ASSERT_EQ(run(train_args("stream", 2) + " --save-every 2").code, 0);
+  const std::string gen = "generate --ckpt " + (dir_ / "stream" / "ckpt" / "step_2").string() + " --prompt 'In the' --seed 3";
+  const Result sixteen = run(gen + " --tokens 16");
+  ASSERT_EQ(sixteen.code, 0) << sixteen.out;
+  ASSERT_EQ(sixteen.out.size(), 6u + 16u + 1u) << sixteen.out;  // byte tokens, then a newline
+  // `head` ends the pipe after 22 bytes, and generate with it; without streaming nothing would
+  // come before `timeout` stopped it (a million tokens of even the tiny model take minutes).
+  const Result first = shardlm::testing::run_command("timeout 60 " + shardlm::testing::shardlm_binary() + " " + gen +
+                                                     " --tokens 1000000 | head -c 22");
+  EXPECT_EQ(first.out, sixteen.out.substr(0, 22));
+}
+
 // `ckpt export` writes the whole Hugging Face form of a sharded checkpoint: evaluated, it gives
 // the step directory's loss to the last digit (the same fp32 parameters); --dtype bf16 rounds
 // each to nearest even. `ckpt info` names the step and the rank files.

@@ -139,6 +139,51 @@ TEST_F(RunSafety, DirectoryHoldingARunIsRefusedUnlessOverwriteOrResume) {
   EXPECT_EQ(train_steps(dir_ / "held" / "metrics.jsonl"), (std::vector<int64_t>{2, 3}));
 }
 
+// A run killed before its first checkpoint or snapshot, relaunched with --resume auto, used to be
+// told "a new run" and then refused ("holds a run"): a restart loop could never restart it.
+// DIR/run.json says the run DIR holds is this one, so the relaunch starts it over from step 0 and
+// finishes with the losses of a run never killed. A directory holding another run (other
+// settings, or no run.json saying whose it is) is still refused, and left as it was.
+TEST_F(RunSafety, ResumeAutoRestartsARunKilledBeforeItsFirstSave) {
+  const std::string a = args("early", 6) + " --save-every 100 --snapshot-every 100";
+  const Result killed = run_command("SHARDLM_FAULT_KILL=0:3 " + testing::shardlm_binary() + " " + a);
+  ASSERT_NE(killed.code, 0) << killed.out;
+  ASSERT_EQ(train_steps(dir_ / "early" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2}));
+  const Result restarted = shardlm(a + " --resume auto");
+  ASSERT_EQ(restarted.code, 0) << restarted.out;
+  EXPECT_NE(restarted.out.find("restarts from step 0"), std::string::npos) << restarted.out;
+  EXPECT_EQ(train_steps(dir_ / "early" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  ASSERT_EQ(shardlm(args("never_killed", 6)).code, 0);
+  EXPECT_EQ(testing::step_losses(dir_ / "early" / "metrics.jsonl"),
+            testing::step_losses(dir_ / "never_killed" / "metrics.jsonl"));
+
+  const std::string before = read_file(dir_ / "early" / "metrics.jsonl");
+  expect_one_error(shardlm(args("early", 6) + " --seed 99 --resume auto"), {"holds another run", "seed is 99", "--overwrite"});
+  fs::remove(dir_ / "early" / "run.json");  // as an older shardlm's run directory, or another program's
+  expect_one_error(shardlm(a + " --resume auto"), {"holds a run", "run.json", "--overwrite"});
+  EXPECT_EQ(read_file(dir_ / "early" / "metrics.jsonl"), before);
+}
+
+// The run directory is taken (and whose run it holds read) before the resume's checkpoint is
+// checked: a start refused there leaves no --out directory it made behind, as before.
+TEST_F(RunSafety, AStartRefusedAtItsResumeCheckLeavesNoNewDirectory) {
+  expect_one_error(shardlm(args("never_made", 2) + " --resume " + (dir_ / "no_such_run").string()),
+                   {"no_such_run"});
+  EXPECT_FALSE(fs::exists(dir_ / "never_made"));
+}
+
+// A run.json that does not say whose the directory is (damaged, or another program's) is refused
+// with one line naming it, and left as it was; --overwrite replaces the run, and the record.
+TEST_F(RunSafety, AnUnreadableRunRecordIsRefusedUnlessOverwrite) {
+  ASSERT_EQ(shardlm(args("bad_record", 2)).code, 0);
+  const fs::path record = dir_ / "bad_record" / "run.json";
+  { std::ofstream(record) << "{\"run_id\": 7}"; }
+  expect_one_error(shardlm(args("bad_record", 2) + " --resume auto"), {record.string(), "not a run record", "--overwrite"});
+  EXPECT_EQ(read_file(record), "{\"run_id\": 7}");
+  ASSERT_EQ(shardlm(args("bad_record", 2) + " --overwrite").code, 0);
+  EXPECT_EQ(nlohmann::json::parse(read_file(record))["run_id"].get<std::string>().size(), 32u);
+}
+
 // A resume used to append after the old run's later steps: step numbers appeared twice. Now the
 // log is cut back to the resumed step (an evaluation at that step stays: it belongs to the saved
 // run), a half line a killed run left is dropped, and the resumed steps are bitwise the old ones.
@@ -191,6 +236,79 @@ TEST_F(RunSafety, FailedTraceWriteStopsTheRunWithTheReason) {
                                args("tr", 2) + " --trace " + trace.string() + "\"");
   expect_one_error(r, {trace.string(), "File too large"});
   EXPECT_FALSE(fs::exists(trace.string() + ".tmp"));
+}
+
+// ---- ckpt export and import never destroy what they did not write ----
+
+// `ckpt export --out DIR` and `ckpt import --out DIR` replaced whatever DIR held without a word (a
+// run directory, a checkpoint, a data directory), and `import --in X --out X` deleted its own
+// source. An existing non-empty --out is now refused unless --overwrite, and an --out that
+// overlaps what the command reads is refused even then.
+TEST_F(RunSafety, ExportAndImportNeverReplaceWhatTheyWereNotToldTo) {
+  ASSERT_EQ(shardlm(args("victim", 2) + " --save-every 2").code, 0);
+  const std::string metrics = read_file(dir_ / "victim" / "metrics.jsonl");
+  const std::string victim = (dir_ / "victim").string();
+  auto intact = [&] {
+    EXPECT_EQ(read_file(dir_ / "victim" / "metrics.jsonl"), metrics);
+    EXPECT_TRUE(fs::exists(ckpt("victim", 2) + "/index.json"));
+  };
+  const std::string exp = "ckpt export --ckpt " + victim + " --out ";
+  expect_one_error(shardlm(exp + victim), {"--out " + victim, "is the same directory as --ckpt"});
+  expect_one_error(shardlm(exp + victim + " --overwrite"), {"--out " + victim, "--ckpt"});
+  expect_one_error(shardlm(exp + dir_.string() + " --overwrite"), {"--out " + dir_.string(), "holds --ckpt"});
+  expect_one_error(shardlm(exp + ckpt("victim", 2) + "/hf"), {"lies inside --ckpt"});
+  intact();
+
+  // An unrelated directory: refused while it holds anything, replaced with --overwrite.
+  const fs::path mine = dir_ / "mine";
+  fs::create_directories(mine);
+  std::ofstream(mine / "notes.txt") << "keep me";
+  expect_one_error(shardlm(exp + mine.string()), {"--out " + mine.string(), "not empty", "--overwrite"});
+  EXPECT_EQ(read_file(mine / "notes.txt"), "keep me");
+  fs::create_directories(dir_ / "empty_out");
+  ASSERT_EQ(shardlm(exp + (dir_ / "empty_out").string()).code, 0);  // an empty directory is taken
+  EXPECT_TRUE(fs::exists(dir_ / "empty_out" / "model.safetensors"));
+  const Result replaced = shardlm(exp + mine.string() + " --overwrite");
+  ASSERT_EQ(replaced.code, 0) << replaced.out;
+  EXPECT_FALSE(fs::exists(mine / "notes.txt"));
+  EXPECT_TRUE(fs::exists(mine / "model.safetensors"));
+
+  // import: --in and --out the same directory however spelled (`..`, a symlink), or nested.
+  const std::string hf = (dir_ / "empty_out").string();
+  fs::create_symlink(dir_ / "empty_out", dir_ / "alias");
+  for (const std::string& out : {hf, hf + "/../empty_out", (dir_ / "alias").string(), hf + "/sub"}) {
+    SCOPED_TRACE(out);
+    expect_one_error(shardlm("ckpt import --in " + hf + " --out " + out + " --overwrite"), {"--out " + out, "--in " + hf});
+  }
+  expect_one_error(shardlm("ckpt import --in " + (dir_ / "alias").string() + " --out " + hf), {"--out " + hf});
+  EXPECT_TRUE(fs::exists(dir_ / "empty_out" / "model.safetensors"));
+  expect_one_error(shardlm("ckpt import --in " + hf + " --out " + victim), {"--out " + victim, "not empty"});
+  intact();
+
+  // With --overwrite the old directory goes only once the new one is complete: an import that
+  // fails (its weights are missing a tensor) leaves it as it was.
+  const fs::path broken = dir_ / "broken_hf";
+  fs::create_directories(broken);
+  fs::copy_file(dir_ / "empty_out" / "config.json", broken / "config.json");
+  std::ofstream(broken / "model.safetensors") << std::string(8, '\0');
+  const Result failed = shardlm("ckpt import --in " + broken.string() + " --out " + ckpt("victim", 2) + " --overwrite");
+  EXPECT_NE(failed.code, 0) << failed.out;
+  intact();
+  EXPECT_EQ(shardlm("ckpt import --in " + hf + " --out " + (dir_ / "imported").string()).code, 0);
+}
+
+// Resuming a checkpoint past --steps (--resume-override steps lowered it) trained nothing and
+// exited 0 as if the run had been continued. It is now one line naming the checkpoint's step and
+// --steps; at --steps (a complete run restarted) it still exits 0.
+TEST_F(RunSafety, ResumeBeyondStepsIsRefused) {
+  ASSERT_EQ(shardlm(args("done", 2) + " --save-every 2").code, 0);
+  const std::string before = read_file(dir_ / "done" / "metrics.jsonl");
+  expect_one_error(shardlm(args("done", 1) + " --resume-override steps --resume " + ckpt("done", 2)),
+                   {ckpt("done", 2) + "/index.json", "field 'step' is 2, beyond --steps 1", "--resume-override steps"});
+  EXPECT_EQ(read_file(dir_ / "done" / "metrics.jsonl"), before);
+  const Result more = shardlm(args("done", 3) + " --resume-override steps --resume " + ckpt("done", 2));
+  ASSERT_EQ(more.code, 0) << more.out;
+  EXPECT_EQ(train_steps(dir_ / "done" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2}));
 }
 
 // ---- ranks agree ----

@@ -49,6 +49,35 @@ TEST_F(Simulate, BadInputIsOneLine) {
   j.erase("memory_bw");
   std::ofstream(dir_ / "partial.json") << j.dump();
   expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "partial.json").string()), {"partial.json", "memory_bw", "missing"});
+  // Free communication (bus_bw 1e30 above the memory's 3e12) is refused by simulate and plan; a
+  // number beyond a double's range gave the JSON parser's raw message.
+  j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb.json"));
+  j["intra_node"]["all_reduce"]["bus_bw"]["value"] = 1e30;
+  std::ofstream(dir_ / "free.json") << j.dump();
+  for (const std::string& cmd : {kSmall, std::string("plan --model tiny --ranks 2 --global-batch 128 --seq 32 ")})
+    expect_one_line_error(shardlm(cmd + "--hardware " + (dir_ / "free.json").string()),
+                          {"free.json", "intra_node.all_reduce.bus_bw", "1e+30", "memory_bw"});
+  std::string text = j.dump();
+  text.replace(text.find("1e+30"), 5, "1e400");
+  std::ofstream(dir_ / "huge.json") << text;
+  expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "huge.json").string()),
+                        {"huge.json", "intra_node.all_reduce.bus_bw.value", "1e400"});
+}
+
+// A billion micro-steps: the plan lists four (its middle one repeats), so explain and simulate
+// answer at once, with the memory of four and the time of a billion.
+TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
+  const std::string plan = "--model small --batch 2 --seq 64 --strategy fsdp --ranks 2 --threads 1 --grad-accum ";
+  const Result explain = shardlm("explain " + plan + "1000000000");
+  ASSERT_EQ(explain.code, 0) << explain.out;
+  EXPECT_NE(explain.out.find("the tasks of [m2] run 999999997 times"), std::string::npos) << explain.out;
+  const Result billion = shardlm("simulate --hardware h100-80gb --json " + plan + "1000000000");
+  ASSERT_EQ(billion.code, 0) << billion.out;
+  const Result four = shardlm("simulate --hardware h100-80gb --json " + plan + "4");
+  ASSERT_EQ(four.code, 0) << four.out;
+  const json b = json::parse(billion.out), f = json::parse(four.out);
+  EXPECT_EQ(b["mem"]["total"], f["mem"]["total"]);
+  EXPECT_GT(b["step_ms"].get<double>(), 1e8 * f["step_ms"].get<double>());
 }
 
 // --json holds the figures metrics.jsonl has, and its memory is the plan's: what `explain` prints
@@ -116,18 +145,22 @@ TEST_F(Simulate, TraceMatchesARealRun) {
   EXPECT_TRUE(std::any_of(t["traceEvents"].begin(), t["traceEvents"].end(), [](const json& e) { return e["ph"] == "C"; }));
 }
 
-// calibrate writes a profile (at 1 and 2 ranks) that simulate reads.
+// calibrate writes a profile (at 1 and 2 ranks) that simulate reads. One rank times no
+// collective: its profile prices one rank, and simulate refuses it for two (it priced their
+// collectives at the memory bandwidth with no latency).
 TEST_F(Simulate, CalibrateWritesAProfileSimulateReads) {
-  const std::string quick = " --threads 1 --sizes-kib 4,256,2048 --iters 2 --gemm-models tiny";
+  const std::string quick = " --threads 1 --sizes-kib 1024,16384,65536 --iters 3 --gemm-models tiny";
   const Result one = shardlm("calibrate --out " + (dir_ / "cal1.json").string() + quick);
   ASSERT_EQ(one.code, 0) << one.out;
   const Result two = shardlm::testing::mpirun(2, "calibrate --out " + (dir_ / "cal2.json").string() + quick);
   ASSERT_EQ(two.code, 0) << two.out;
-  for (const char* f : {"cal1.json", "cal2.json"}) {
-    const Result r = shardlm(kSmall + "--ranks 2 --json --hardware " + (dir_ / f).string());
+  for (const auto& [f, ranks] : {std::pair{"cal1.json", 1}, std::pair{"cal2.json", 2}}) {
+    const Result r = shardlm(kSmall + "--ranks " + std::to_string(ranks) + " --json --hardware " + (dir_ / f).string());
     ASSERT_EQ(r.code, 0) << f << ": " << r.out;
     EXPECT_GT(json::parse(r.out)["step_ms"].get<double>(), 0) << f;
   }
+  expect_one_line_error(shardlm(kSmall + "--ranks 2 --hardware " + (dir_ / "cal1.json").string()),
+                        {"cal1.json", "collectives_measured"});
   const json j = json::parse(std::ifstream(dir_ / "cal2.json"));
   EXPECT_GT(j["intra_node"]["all_reduce"]["bus_bw"]["value"].get<double>(), 0);
   EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -109,25 +111,30 @@ TEST(SingleRank, HugeTimeoutIsNoTimeout) {
 
 TEST(Factory, PicksMpiUnderALauncher) {
   // This binary runs under mpirun (MPI is initialised), so the factory must pick MPI.
-  auto c = make_communicator();
+  auto c = make_communicator({}, false);
   EXPECT_EQ(c->backend(), "mpi");
-  if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
-    EXPECT_TRUE(launched_by_mpi());
-  }
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) EXPECT_TRUE(launched_by_mpi([](const char* name) { return std::getenv(name); }));
+  EXPECT_FALSE(launched_by_mpi([](const char*) -> const char* { return nullptr; }));
+  EXPECT_TRUE(launched_by_mpi([](const char* name) -> const char* { return std::string(name) == "SLURM_NTASKS" ? "4" : nullptr; }));
 }
 
-TEST(Options, FromEnvironment) {
-  setenv("SHARDLM_COMM_ALGOS", "reduce_scatter=ring,all_reduce=native", 1);
-  setenv("SHARDLM_COMM_CHUNK_KB", "64", 1);
-  MpiOptions o = mpi_options_from_env();
+TEST(Options, FromSettings) {
+  std::map<std::string, std::string> table{{"SHARDLM_COMM_ALGOS", "reduce_scatter=ring,all_reduce=native"},
+                                           {"SHARDLM_COMM_CHUNK_KB", "64"}};
+  auto lookup = [&](const char* name) -> const char* {
+    auto it = table.find(name);
+    return it == table.end() ? nullptr : it->second.c_str();
+  };
+  MpiOptions o = mpi_options_from(lookup);
   EXPECT_EQ(o.reduce_scatter, Algorithm::ring);
   EXPECT_EQ(o.all_reduce, Algorithm::native);
   EXPECT_EQ(o.all_gather, Algorithm::automatic);
   EXPECT_EQ(o.chunk_bytes, 64 * 1024);
-  setenv("SHARDLM_COMM_ALGOS", "reduce_scatter=fastest", 1);
-  EXPECT_THROW(mpi_options_from_env(), std::invalid_argument);
-  unsetenv("SHARDLM_COMM_ALGOS");
-  unsetenv("SHARDLM_COMM_CHUNK_KB");
+  table["SHARDLM_COMM_ALGOS"] = "reduce_scatter=fastest";
+  EXPECT_THROW(mpi_options_from(lookup), std::invalid_argument);
+  table["SHARDLM_COMM_ALGOS"] = "";
+  table["SHARDLM_COMM_WINDOW"] = "-1";
+  EXPECT_THROW(mpi_options_from(lookup), std::invalid_argument);
 }
 
 }  // namespace

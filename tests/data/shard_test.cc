@@ -172,6 +172,37 @@ TEST(TokenShard, AtomicWrite) {
   EXPECT_FALSE(std::filesystem::exists(nowhere));
 }
 
+// A shard written as its tokens come: appended in parts, its tail moved to a second shard, both
+// exist only once committed; a writer dropped before commit leaves the old file as it was.
+TEST(TokenShardWriter, AppendsMovesTheTailAndCommits) {
+  TempDir dir;
+  const std::string a = dir.file("a.bin"), b = dir.file("b.bin");
+  write_token_shard(a, std::vector<int32_t>{7});
+  {
+    TokenShardWriter wa(a), wb(b);
+    wa.append(std::vector<int32_t>{1, 2, 3});
+    wa.append(std::vector<uint16_t>{4, 5});
+    EXPECT_EQ(wa.size(), 5);
+    EXPECT_THROW(wa.append(std::vector<int32_t>{65536}), std::runtime_error);
+    EXPECT_THROW(wa.move_tail(6, wb), std::runtime_error);
+    wa.move_tail(2, wb);
+    wa.append(std::vector<int32_t>{6});
+    EXPECT_EQ(wa.size(), 4);
+    EXPECT_EQ(TokenShard(a).size(), 1);  // not committed yet
+    EXPECT_FALSE(std::filesystem::exists(b));
+    wa.commit();
+    wb.commit();
+  }
+  EXPECT_EQ(TokenShard(a).read(0, 4), (std::vector<uint16_t>{1, 2, 3, 6}));
+  EXPECT_EQ(TokenShard(b).read(0, 2), (std::vector<uint16_t>{4, 5}));
+  {
+    TokenShardWriter dropped(a);
+    dropped.append(std::vector<int32_t>{9, 9});
+  }
+  EXPECT_FALSE(std::filesystem::exists(a + ".tmp"));
+  EXPECT_EQ(TokenShard(a).size(), 4);
+}
+
 // A mapped shard truncated while in use killed the process with SIGBUS and no message; reads
 // that come back short are one line naming the file, whichever reader meets them.
 TEST(TokenShard, TruncatedWhileOpenIsAClearError) {

@@ -1,6 +1,8 @@
 // The tokenize driver: files -> train/val shards.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <random>
 #include <vector>
 
 #include "data/shard.h"
@@ -10,6 +12,7 @@
 namespace shardlm::data {
 namespace {
 
+using testing::data_dir;
 using testing::gpt2;
 using testing::TempDir;
 using testing::write_file;
@@ -73,6 +76,94 @@ TEST(Tokenize, Errors) {
   EXPECT_THROW(tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, -0.1), std::runtime_error);
   EXPECT_THROW(tokenize_files({}, dir.file("t"), *tok, 0.1), std::runtime_error);
   EXPECT_FALSE(std::filesystem::exists(dir.file("t_train.bin")));
+}
+
+// Nothing written: no shard, no temporary file.
+void expect_no_output(const TempDir& dir) {
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().extension(), ".txt") << e.path() << " was left behind";
+}
+
+// What tokenize_files throws, or "" if it returns.
+std::string tokenize_error(const std::vector<std::string>& inputs, const std::string& prefix, const Tokenizer& tok,
+                           const TokenizeLimits& limits) {
+  try {
+    tokenize_files(inputs, prefix, tok, 0.1, limits);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The format's token limit (an int32 count, 2^31 - 1) made small: the input is read until the
+// limit, then refused with one line naming the file and the limit; /dev/zero stops there too.
+TEST(Tokenize, StopsAtTheTokenLimitWithOneLine) {
+  TempDir dir;
+  auto tok = make_tokenizer("bytes", "");
+  write_file(dir.file("a.txt"), std::string(600, 'a'));
+  write_file(dir.file("b.txt"), std::string(600, 'b'));
+  const TokenizeLimits limits{.max_tokens = 1000, .max_unbroken_bytes = 1 << 20, .read_bytes = 256};
+  for (const std::vector<std::string>& inputs :
+       {std::vector<std::string>{dir.file("a.txt"), dir.file("b.txt")}, std::vector<std::string>{"/dev/zero"}}) {
+    const std::string err = tokenize_error(inputs, dir.file("t"), *tok, limits);
+    EXPECT_NE(err.find(inputs.back()), std::string::npos) << err;
+    EXPECT_NE(err.find("more than 1000 tokens"), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+    expect_no_output(dir);
+  }
+  // Exactly the limit is written whole.
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.5,
+                                          {.max_tokens = 600, .max_unbroken_bytes = 1 << 20, .read_bytes = 7});
+  EXPECT_EQ(st.tokens, 600);
+  EXPECT_EQ(read_tokens(st.train_path), std::vector<int32_t>(300, 'a'));
+  EXPECT_EQ(read_tokens(st.val_path), std::vector<int32_t>(300, 'a'));
+}
+
+// GPT-2 text is read and encoded in small chunks, and the shards hold the tokens of encoding
+// each file whole (what tokenize wrote when it read whole files).
+TEST(Tokenize, Gpt2ReadInChunksGivesTheTokensOfTheWholeFile) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  TempDir dir;
+  std::string text = testing::read_file(data_dir() + "/kjv/kjv.txt").substr(0, 20000);
+  std::mt19937_64 rng(5);
+  const std::vector<std::string> odd = {"   ", "\n\n\n", "'s", "\xE4\xB8\xAD\xE6\x96\x87", "\xF0\x9F\x98\x80", "\xC2\xA0", "1234"};
+  for (int i = 0; i < 2000; ++i) text.insert(rng() % text.size(), odd[rng() % odd.size()]);
+  write_file(dir.file("a.txt"), text);
+  std::vector<int32_t> want = tok->encode(text);
+  const int64_t val = static_cast<int64_t>(want.size()) / 10;
+  for (const int64_t read_bytes : {int64_t{1}, int64_t{13}, int64_t{4096}}) {
+    const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1,
+                                            {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 1 << 20, .read_bytes = read_bytes});
+    EXPECT_EQ(st.bytes, static_cast<int64_t>(text.size()));
+    EXPECT_EQ(st.val_tokens, val);
+    std::vector<int32_t> got = read_tokens(st.train_path);
+    const std::vector<int32_t> tail = read_tokens(st.val_path);
+    EXPECT_EQ(static_cast<int64_t>(tail.size()), val);
+    got.insert(got.end(), tail.begin(), tail.end());
+    EXPECT_EQ(got, want) << "read " << read_bytes << " bytes at a time";
+  }
+}
+
+// Bytes with no place to break (one pre-tokenizer piece, e.g. /dev/zero's NULs) are refused
+// once there are more than the limit of them, naming the file: the tokenizer cannot stream them.
+TEST(Tokenize, TextWithoutBreaksIsRefusedAtItsLimit) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  TempDir dir;
+  write_file(dir.file("a.txt"), "Some words, then " + std::string(5000, 'x'));
+  const TokenizeLimits limits{.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 1000, .read_bytes = 100};
+  for (const std::string& in : {dir.file("a.txt"), std::string("/dev/zero")}) {
+    const std::string err = tokenize_error({in}, dir.file("t"), *tok, limits);
+    EXPECT_NE(err.find(in), std::string::npos) << err;
+    EXPECT_NE(err.find("more than 1000"), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+    expect_no_output(dir);
+  }
+  // Under the limit the same file is one token run, as when read whole.
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1,
+                                          {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 6000, .read_bytes = 100});
+  EXPECT_EQ(st.tokens, static_cast<int64_t>(tok->encode(testing::read_file(dir.file("a.txt"))).size()));
 }
 
 }  // namespace

@@ -123,7 +123,7 @@ void expect_round_trip(const Tokenizer& tok, const std::string& s) {
     ASSERT_LT(id, tok.vocab_size());
     ASSERT_NE(id, tok.eot());
   }
-  ASSERT_EQ(tok.decode(ids), s) << "round trip failed for " << ::testing::PrintToString(s);
+  ASSERT_EQ(tok.decode(ids), s) << "round trip failed for ";
 }
 
 TEST(Gpt2Tokenizer, InvalidUtf8RoundTripsByteForByte) {
@@ -155,6 +155,39 @@ TEST(Gpt2Tokenizer, RandomBytesRoundTrip) {
     }
     expect_round_trip(*tok, s);
   }
+}
+
+// Encoding a stream a chunk at a time: the stable prefix of what has been read, encoded now,
+// followed by the rest encoded with all that comes after it, is the encoding of the whole text.
+TEST(Gpt2Tokenizer, StablePrefixLetsAStreamBeEncodedInChunks) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  std::mt19937_64 rng(11);
+  const std::vector<std::string> frags = {"a", "Z", " ", "   ", "\n", "\n\n", "'s", "'re", "'", "\xC3\xA9", "\xE4\xB8\xAD",
+                                          "1", "42", "\xF0\x9F\x98\x80", "!", "\t", "\xC2\xA0", "\xCC\x81"};
+  for (int k = 0; k < 300; ++k) {
+    std::string s;
+    const int n = static_cast<int>(rng() % 80);
+    for (int i = 0; i < n; ++i) {
+      const uint64_t r = rng();
+      if (r % 5 == 0)
+        s.push_back(static_cast<char>(r >> 8));  // any byte, a code point cut in two included
+      else
+        s += frags[(r >> 8) % frags.size()];
+    }
+    const std::vector<int32_t> whole = tok->encode(s);
+    for (size_t read = 0; read <= s.size(); ++read) {
+      const size_t stable = tok->stable_prefix(std::string_view(s).substr(0, read));
+      ASSERT_LE(stable, read);
+      std::vector<int32_t> ids = tok->encode(std::string_view(s).substr(0, stable));
+      const std::vector<int32_t> rest = tok->encode(std::string_view(s).substr(stable));
+      ids.insert(ids.end(), rest.begin(), rest.end());
+      ASSERT_EQ(ids, whole) << "text " << k << " cut at " << stable << " of the first " << read << " bytes";
+    }
+  }
+  // Pieces that end well before the end are stable; the last piece never is.
+  EXPECT_GT(tok->stable_prefix("a b c d e f g h i j k l m n o p"), 0u);
+  EXPECT_EQ(tok->stable_prefix("abcdefghijklmnopqrstuvwxyz"), 0u);  // one piece: more may join it
 }
 
 TEST(Gpt2Tokenizer, LongPiecesAreFast) {

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 
 namespace shardlm::plan {
 namespace {
@@ -171,7 +172,10 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
   }
 }
 
-TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
+// Both families (tied and untied heads), every strategy, `accums` micro-step counts, gather
+// limits, prefetch depths, recompute modes, all-gather buckets and partly kept units, on 4 ranks.
+template <class Visit>
+void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
   model::ModelConfig tied = model::model_preset("llama-tiny", 256);
   tied.tie_embeddings = true;
   const std::vector<std::pair<std::string, model::ModelDesc>> models = {
@@ -180,7 +184,7 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
       {"llama tied", model::describe(tied)}};
   for (const auto& [family, d] : models)
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
-      for (int accum : {1, 2, 3})
+      for (int64_t accum : accums)
         for (int limit : {1, 2, 3, 4})
           for (int prefetch : {0, 1, 2, 3})
             for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
@@ -207,14 +211,109 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
                                        std::to_string(limit) + " prefetch " + std::to_string(prefetch) +
                                        " recompute " + model::to_string(r) + " gather bucket " + std::to_string(bucket) +
                                        " keep " + keep;
-              expect_no_buffer_alive_twice(d, c, what);
-              if (accum == 1 && r == model::Recompute::none) {
-                c.mode = PlanConfig::Mode::loss;
-                expect_no_buffer_alive_twice(d, c, what + " loss");
-                c.mode = PlanConfig::Mode::logits;
-                expect_no_buffer_alive_twice(d, c, what + " logits");
-              }
+              visit(d, c, what);
             }
+}
+
+TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
+  each_training_config({1, 2, 3, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    expect_no_buffer_alive_twice(d, c, what);
+    if (c.grad_accum == 1 && c.recompute == model::Recompute::none) {
+      c.mode = PlanConfig::Mode::loss;
+      expect_no_buffer_alive_twice(d, c, what + " loss");
+      c.mode = PlanConfig::Mode::logits;
+      expect_no_buffer_alive_twice(d, c, what + " logits");
+    }
+  });
+}
+
+// One task run as the tests compare them: what it does, which micro-step of the step it is, and
+// the buffers it allocates and frees (by role and size: a repeated task's buffers keep their
+// micro-step 2 names).
+struct RunShape {
+  Op op;
+  int unit, first_unit, last_unit;
+  int64_t micro, bytes;
+  double flops;
+  std::vector<std::tuple<Role, int64_t>> allocs, frees, hands_off;
+  bool operator==(const RunShape&) const = default;
+};
+
+// Every task run of a step, stream by stream, and what each waits for as (stream, position).
+struct Unrolled {
+  std::vector<std::vector<RunShape>> runs;
+  std::vector<std::vector<std::set<std::pair<int, size_t>>>> waits;
+};
+
+Unrolled unroll(const Plan& p) {
+  Unrolled u;
+  const int S = static_cast<int>(p.streams.size());
+  u.runs.resize(S), u.waits.resize(S);
+  std::map<std::pair<int, int64_t>, std::pair<int, size_t>> place;  // (task, run) -> (stream, position)
+  for (int s = 0; s < S; ++s) {
+    size_t position = 0;
+    for (StreamWalk w(p, s); !w.done(); w.next()) place[{w.task(), w.run()}] = {s, position++};
+  }
+  auto shapes = [&](const std::vector<int>& ids) {
+    std::vector<std::tuple<Role, int64_t>> out;
+    for (int b : ids) out.emplace_back(p.buffers[b].role, p.buffers[b].bytes);
+    return out;
+  };
+  for (int s = 0; s < S; ++s)
+    for (StreamWalk w(p, s); !w.done(); w.next()) {
+      const Task& t = p.tasks[w.task()];
+      u.runs[s].push_back({t.op, t.unit, t.first_unit, t.last_unit, p.step_micro(t, w.run()), t.bytes, t.flops,
+                           shapes(t.allocs), shapes(t.frees), shapes(t.hands_off)});
+      std::set<std::pair<int, size_t>> waits;
+      for (int d : t.deps) {
+        const Plan::Wait wait = p.wait_for(t, w.run(), d);
+        waits.insert(place.at({wait.task, wait.runs - 1}));
+      }
+      u.waits[s].push_back(waits);
+    }
+  return u;
+}
+
+// Past kUnrolledMicroSteps a plan lists four micro-steps and repeats the third; run out, it is
+// the plan that lists every micro-step: the same task runs on every stream in the same order,
+// each waiting on the same runs, allocating and freeing the same buffers.
+TEST(Plan, ARepeatedMicroStepRunsAsTheUnrolledPlan) {
+  int compared = 0;
+  each_training_config({5, 7}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    const Plan repeated = build_plan(d, c);
+    ASSERT_EQ(repeated.repeat.micro, 2) << what;
+    ASSERT_EQ(repeated.repeat.times, c.grad_accum - 3) << what;
+    c.unroll_micro_steps = true;
+    const Plan whole = build_plan(d, c);
+    ASSERT_EQ(whole.repeat.micro, -1) << what;
+    const Unrolled a = unroll(repeated), b = unroll(whole);
+    ASSERT_EQ(a.runs.size(), b.runs.size()) << what;
+    for (size_t s = 0; s < a.runs.size(); ++s) {
+      ASSERT_EQ(a.runs[s].size(), b.runs[s].size()) << what << " stream " << s;
+      for (size_t i = 0; i < a.runs[s].size(); ++i) {
+        EXPECT_TRUE(a.runs[s][i] == b.runs[s][i]) << what << " stream " << s << " run " << i;
+        EXPECT_EQ(a.waits[s][i], b.waits[s][i]) << what << " stream " << s << " run " << i;
+      }
+    }
+    const MemSnapshot pa = repeated.peak_memory(), pb = whole.peak_memory();
+    for (int k = 0; k < kNumMemCategories; ++k) EXPECT_EQ(pa.bytes[k], pb.bytes[k]) << what;
+    ++compared;
+  });
+  EXPECT_GT(compared, 1000);
+}
+
+// The plan's size does not grow with the accumulation.
+TEST(Plan, AMillionMicroStepsAreAPlanOfFour) {
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2;
+  c.grad_accum = 4;
+  const size_t four = build_plan(small(), c).tasks.size();
+  c.grad_accum = 1000000;
+  const Plan p = build_plan(small(), c);
+  EXPECT_EQ(p.tasks.size(), four);
+  EXPECT_EQ(p.repeat.times, 999997);
+  const Task& last = p.tasks.back();
+  EXPECT_EQ(p.step_micro(last, 0), 999999);
 }
 
 TEST(Plan, ShardedStateIsOneNthOfThePaddedTotal) {
@@ -501,6 +600,31 @@ TEST(Plan, GatherBucketsLeaveUnshardedPlansAndRefuseBadSizes) {
       EXPECT_NE(std::string(e.what()).find("--gather-bucket-mb"), std::string::npos) << e.what();
     }
   }
+}
+
+}  // namespace
+}  // namespace shardlm::plan
+
+namespace shardlm::plan {
+namespace {
+
+// The plan's mesh: hybrid shards over dp_shard (consecutive ranks) and replicates over
+// dp_replicate; every collective names its axes; explain prints each rank's coordinates.
+TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
+  PlanConfig c;
+  c.strategy = Strategy::hybrid, c.world = 4, c.shard_group = 2;
+  const Plan p = build_plan(small(), c);
+  EXPECT_EQ(p.mesh.to_string(), "dp_replicate=2 × dp_shard=2");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(p.shard_index(r), r % 2);
+    EXPECT_EQ(p.dp_index(r), r);
+  }
+  std::set<std::vector<int>> used;
+  for (const Task& t : p.tasks)
+    if (t.stream != kCompute) used.insert(t.axes);
+  EXPECT_EQ(used, (std::set<std::vector<int>>{p.shard_axes(), p.replicate_axes(), p.dp_axes()}));
+  const std::string text = p.to_text(small());
+  EXPECT_NE(text.find("rank 2: dp_replicate=1 dp_shard=0"), std::string::npos) << text.substr(0, 600);
 }
 
 }  // namespace

@@ -2,6 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "comm/single_rank.h"
+#include "kernels/backend.h"
+
 namespace shardlm::run {
 namespace {
 
@@ -31,6 +38,86 @@ TEST(Calibrate, FitNeverGivesANegativeLatency) {
   const LineFit f = fit_alpha_beta({1e3, 1e6, 1e7}, {0, 0.9e-3, 1.0e-2});
   EXPECT_EQ(f.alpha, 0);
   EXPECT_GT(f.bw, 0);
+}
+
+// Times that do not grow with the size have no bandwidth. The fit gave 1e30 bytes/s, which
+// calibrate wrote as measured and simulate priced as free communication (96% MFU).
+TEST(Calibrate, TimesThatDoNotGrowHaveNoBandwidth) {
+  for (const std::vector<double>& t : {std::vector<double>{1e-3, 1e-3}, std::vector<double>{2e-3, 1e-3}}) {
+    const LineFit f = fit_alpha_beta({1e6, 4e6}, t);
+    EXPECT_TRUE(std::isinf(f.bw)) << f.bw;
+    EXPECT_THROW(check_fit(f, 1e10, "all_reduce on 2 ranks"), std::runtime_error);
+  }
+}
+
+// A fit is a link or an error: bandwidth at most the memory bandwidth measured, latency in [0, 1 s].
+TEST(Calibrate, FitOutsidePhysicalBoundsIsRefusedNamingTheFigure) {
+  auto refusal = [](const LineFit& f) {
+    try {
+      check_fit(f, 3e10, "all_gather on 2 ranks");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(refusal({25e-6, 3e9}), "");
+  EXPECT_EQ(refusal({0, 3e10}), "");
+  for (const LineFit& bad : {LineFit{25e-6, 5e10}, LineFit{25e-6, 0}, LineFit{25e-6, std::numeric_limits<double>::quiet_NaN()},
+                             LineFit{2.0, 3e9}, LineFit{-1e-6, 3e9}}) {
+    const std::string e = refusal(bad);
+    EXPECT_NE(e.find("all_gather on 2 ranks"), std::string::npos) << bad.alpha << " " << bad.bw << ": " << e;
+    EXPECT_NE(e.find("--sizes-kib"), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+// The message of what calibrate throws for `sizes` (bytes), before it measures anything.
+std::string sizes_refusal(const std::vector<int64_t>& sizes) {
+  comm::SingleRankCommunicator world;
+  CalibrateOptions o;
+  o.sizes = sizes;
+  o.iters = 1;
+  o.gemm_models = {"none"};
+  try {
+    calibrate(kernels::cpu_backend(), world, o);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// `--sizes-kib 4` (one size, all latency) fitted bus_bw 1e30; 1e12 KiB died of std::bad_alloc.
+TEST(Calibrate, SizesThatCannotFitABandwidthAreRefusedBeforeMeasuring) {
+  const int64_t KiB = 1024;
+  for (const auto& [sizes, needle] : std::vector<std::pair<std::vector<int64_t>, std::string>>{
+           {{4 * KiB}, "--sizes-kib 4:"},
+           {{1024 * KiB, 1024 * KiB}, "--sizes-kib 1024,1024:"},
+           {{512 * KiB, 1024 * KiB}, "--sizes-kib 512,1024:"},
+           {{4 * KiB, 256 * KiB}, "--sizes-kib 4,256:"},
+           {{4 * KiB, int64_t{1} << 40}, "1048576"},
+           {{0, 1024 * KiB}, "--sizes-kib: 0"}}) {
+    const std::string e = sizes_refusal(sizes);
+    EXPECT_NE(e.find(needle), std::string::npos) << needle << " in: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+// One rank has no collectives: its profile says they were not measured (it had "one rank: the
+// memory bandwidth" as bus_bw and latency 0, beside comm_compute_slowdown 1 labelled measured).
+TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
+  comm::SingleRankCommunicator world;
+  CalibrateOptions o;
+  o.sizes = {4 << 10, 1 << 20};
+  o.iters = 1;
+  o.gemm_models = {"none"};
+  const nlohmann::json j = nlohmann::json::parse(calibrate(kernels::cpu_backend(), world, o));
+  ASSERT_TRUE(j.contains("collectives_measured")) << j.dump();
+  EXPECT_EQ(j["collectives_measured"], false);
+  for (const char* tier : {"intra_node", "inter_node"})
+    for (const char* op : {"all_gather", "reduce_scatter", "all_reduce"})
+      for (const char* f : {"latency_s", "bus_bw"})
+        EXPECT_EQ(j[tier][op][f]["source"].get<std::string>().find("measured by"), std::string::npos) << j[tier][op][f];
+  EXPECT_NE(j["comm_compute_slowdown"]["source"].get<std::string>().find("not measured"), std::string::npos);
 }
 
 }  // namespace

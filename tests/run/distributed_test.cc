@@ -209,14 +209,15 @@ TEST_F(DistributedSlow, ResumeAcrossStrategiesAndRankCounts) {
 }
 
 // Gradient accumulation: micro-steps accumulate locally and communicate once; N ranks with
-// --batch B --grad-accum K match one process with --batch N·B --grad-accum K.
+// --batch B --grad-accum K match one process with --batch N·B --grad-accum K. K = 5: the plan
+// repeats its middle micro-step (Plan::repeat), gathers included.
 TEST_F(DistributedSlow, GradientAccumulationMatchesOneProcess) {
-  const auto single = shardlm(args("accum_single", 4) + " --grad-accum 2");
+  const auto single = shardlm(args("accum_single", 4) + " --grad-accum 5");
   ASSERT_EQ(single.code, 0) << single.out;
   const auto want = step_losses(dir_ / "accum_single" / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
   for (const std::string s : {"fsdp", "zero1"}) {
-    const auto r = mpirun(2, args("accum_" + s, 2) + " --grad-accum 2 --strategy " + s);
+    const auto r = mpirun(2, args("accum_" + s, 2) + " --grad-accum 5 --strategy " + s);
     ASSERT_EQ(r.code, 0) << r.out;
     const auto got = step_losses(dir_ / ("accum_" + s) / "metrics.jsonl");
     ASSERT_EQ(got.size(), 5u);

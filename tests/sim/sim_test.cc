@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 
 #include "plan/plan.h"
 #include "sim/cost.h"
@@ -26,7 +27,7 @@ using plan::PlanConfig;
 using plan::Strategy;
 
 std::string preset_dir() { return std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware"; }
-HardwareProfile preset(const std::string& name) { return load_hardware(preset_dir() + "/" + name + ".json"); }
+HardwareProfile preset(const std::string& name) { return load_hardware(preset_dir() + "/" + name + ".json", preset_dir()); }
 
 std::string read(const fs::path& p) {
   std::ifstream f(p);
@@ -82,11 +83,61 @@ TEST(Hardware, BadProfilesNameFileAndField) {
   EXPECT_NE(e.find("gemm_efficiency.value"), std::string::npos) << e;
   e = error_of([&] { parse_hardware("{\"name\": ", "cut.json"); });
   EXPECT_NE(e.find("cut.json: not valid JSON"), std::string::npos) << e;
-  e = error_of([&] { load_hardware("/nonexistent/p.json"); });
+  e = error_of([&] { load_hardware("/nonexistent/p.json", hardware_dir(nullptr)); });
   EXPECT_NE(e.find("/nonexistent/p.json: cannot read"), std::string::npos) << e;
-  e = error_of([&] { load_hardware("no-such-gpu"); });
+  e = error_of([&] { load_hardware("no-such-gpu", hardware_dir(nullptr)); });
   EXPECT_NE(e.find("unknown preset 'no-such-gpu'"), std::string::npos) << e;
   for (const std::string& s : {e}) EXPECT_EQ(s.find('\n'), std::string::npos);
+}
+
+// A profile whose communication is free (bus_bw 1e30, as calibrate fitted from one 4 KiB size)
+// made simulate report 96% MFU: a collective's bandwidth is at most the memory bandwidth, its
+// latency at most a second.
+TEST(Hardware, FiguresBeyondPhysicalBoundsAreRefused) {
+  const std::string good = read(preset_dir() + "/cpu-local.json");
+  for (const auto& [tier, op, field, value, needle] :
+       std::vector<std::tuple<std::string, std::string, std::string, double, std::string>>{
+           {"intra_node", "all_reduce", "bus_bw", 1e30, "memory_bw"},
+           {"inter_node", "all_gather", "bus_bw", 7.4e10, "memory_bw"},
+           {"intra_node", "reduce_scatter", "latency_s", 5, "<= 1 s"}}) {
+    auto j = nlohmann::json::parse(good);
+    j[tier][op][field]["value"] = value;
+    const std::string e = error_of([&] { parse_hardware(j.dump(), "free.json"); });
+    EXPECT_NE(e.find("free.json: " + tier + "." + op + "." + field + ".value"), std::string::npos) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+  }
+}
+
+// A number beyond a double's range gave nlohmann's raw "[json.exception.out_of_range.406] ..."
+// with no file or field.
+TEST(Hardware, NumberOutOfRangeNamesFileAndField) {
+  std::string text = read(preset_dir() + "/cpu-local.json");
+  text.replace(text.find("207e9"), 5, "1e400");
+  std::string e = error_of([&] { parse_hardware(text, "huge.json"); });
+  EXPECT_NE(e.find("huge.json: peak_flops.value"), std::string::npos) << e;
+  EXPECT_NE(e.find("1e400"), std::string::npos) << e;
+  EXPECT_EQ(e.find("json.exception"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  auto j = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
+  j["gemm_rates"] = {{"source", "test"}, {"value", {{{"m", 1}}, {{"m", 2}, {"k", 3}}}}};
+  text = j.dump();
+  text.replace(text.find("\"k\":3"), 5, "\"k\":-1e999");
+  e = error_of([&] { parse_hardware(text, "rows.json"); });
+  EXPECT_NE(e.find("rows.json: gemm_rates.value[1].k"), std::string::npos) << e;
+}
+
+// calibrate on one rank times no collective: its profile prices one rank, and refuses more.
+TEST(Hardware, UnmeasuredCollectivesPriceOneRankOnly) {
+  auto j = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
+  EXPECT_NO_THROW(require_collectives(parse_hardware(j.dump(), "c.json"), 64));
+  j["collectives_measured"] = false;
+  const HardwareProfile one = parse_hardware(j.dump(), "one.json");
+  EXPECT_NO_THROW(require_collectives(one, 1));
+  const std::string e = error_of([&] { require_collectives(one, 2); });
+  EXPECT_NE(e.find("one.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("collectives_measured"), std::string::npos) << e;
+  j["collectives_measured"] = "no";
+  EXPECT_NE(error_of([&] { parse_hardware(j.dump(), "x.json"); }).find("x.json: collectives_measured"), std::string::npos);
 }
 
 // Measured kernel rates (what calibrate writes) are read row by row; a bad row names its field.
@@ -251,7 +302,7 @@ TEST(Cost, CollectivesUseTheirGroupsTier) {
     for (const auto& t : p.tasks) {
       if (t.stream == plan::kCompute) continue;
       const int n = cost.group_size(t);
-      const bool across = t.axes.size() == 1 && t.axes[0] == p.shard_axis ? p.shard_size > 8 : k.world > 8;
+      const bool across = t.axes.size() == 1 && t.axes == p.shard_axes() ? p.shard_size > 8 : k.world > 8;
       EXPECT_EQ(cost.crosses_nodes(t), across) << t.name();
       const Collective col = collective_of(t.op);
       const LinkCost& link = (across ? h.inter : h.intra).of(col);
@@ -503,10 +554,10 @@ TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
 namespace shardlm::sim {
 namespace {
 
-// The planner's shortcut for long accumulations (3 and 4 micro-steps, extended linearly) gives
-// what simulating the whole plan gives, for every strategy and the plan options that change how
-// micro-steps overlap.
-TEST(Planner, LongAccumulationIsSimulatedExactlyFromShortOnes) {
+// A plan whose middle micro-step repeats (Plan::repeat), simulated at two and three runs and
+// extended linearly past them, gives what simulating every micro-step unrolled gives, for every
+// strategy and the plan options that change how micro-steps overlap.
+TEST(Simulator, RepeatedMicroStepIsSimulatedAsTheUnrolledStep) {
   struct Case {
     const char* model;
     const char* hardware;
@@ -518,15 +569,18 @@ TEST(Planner, LongAccumulationIsSimulatedExactlyFromShortOnes) {
     const HardwareProfile hw = preset(k.hardware);
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
       for (auto r : {model::Recompute::none, model::Recompute::full})
-        for (int64_t accum : {7, 16}) {
+        for (int64_t accum : {5, 7, 16}) {
           PlanConfig c;
           c.strategy = s, c.world = k.world, c.shard_group = s == Strategy::hybrid ? 2 : 0;
           c.batch = 1, c.seq = 64, c.grad_accum = accum, c.recompute = r, c.threads = 1;
           const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
           if (sharded) c.param_bytes = 2, c.prefetch_forward = c.prefetch_backward = 2, c.max_gathers_in_flight = 3;
           if (sharded && r == model::Recompute::full) c.keep_gathered = {"all"};
-          const SimResult whole = simulate(desc, plan::build_plan(desc, c), hw, 1);
+          PlanConfig unrolled = c;
+          unrolled.unroll_micro_steps = true;
+          const SimResult whole = simulate(desc, plan::build_plan(desc, unrolled), hw, 1);
           const SimResult quick = simulate_config(desc, c, hw, 1);
+          ASSERT_EQ(plan::build_plan(desc, c).repeat.times, accum - 3);
           SCOPED_TRACE(std::string(k.model) + " " + flags_of(c));
           EXPECT_NEAR(quick.step_ms, whole.step_ms, 1e-9 * whole.step_ms);
           EXPECT_NEAR(quick.comm_exposed_ms, whole.comm_exposed_ms, 1e-9 * whole.step_ms);
@@ -540,7 +594,7 @@ TEST(Planner, LongAccumulationIsSimulatedExactlyFromShortOnes) {
           ++compared;
         }
   }
-  EXPECT_EQ(compared, 60);
+  EXPECT_EQ(compared, 90);
 }
 
 }  // namespace

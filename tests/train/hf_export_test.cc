@@ -289,6 +289,33 @@ TEST(HfImport, RefusesBadDirectoriesAcceptsSavePretrainedNames) {
                      "save_pretrained names");
 }
 
+// The weights' files are exactly what they say (issue 25): bytes after the last tensor, and a
+// tensor in a file the index places in another, were imported without a word.
+TEST(HfImport, SafetensorsLayoutAndWeightMapAreExact) {
+  TempDir tmp("exact");
+  Model m(model::model_preset("tiny", 300), tmp.path);
+  const fs::path good = tmp.path / "good", bad = tmp.path / "bad", out = tmp.path / "out";
+  export_hf((tmp.path / "ckpt").string(), good.string(), {});
+  rewrite(good, bad, [](auto&) {});
+  std::ofstream(bad / "model.safetensors", std::ios::app | std::ios::binary) << "tail";
+  std::string e = import_error(bad, out);
+  EXPECT_NE(e.find((bad / "model.safetensors").string() + ": 4 bytes after the last tensor"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(out));
+  fs::remove_all(bad);
+
+  // Two files, each holding every tensor; the index places ln_f.bias in the second only.
+  rewrite(good, bad, [](auto&) {});
+  fs::copy_file(bad / "model.safetensors", bad / "model-00002-of-00002.safetensors");
+  fs::rename(bad / "model.safetensors", bad / "model-00001-of-00002.safetensors");
+  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", json::object()}};
+  for (const auto& n : ckpt::SafetensorsFile((bad / "model-00001-of-00002.safetensors").string()).names())
+    index["weight_map"][n] = n == "ln_f.bias" ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+  std::ofstream(bad / "model.safetensors.index.json") << index.dump();
+  e = import_error(bad, out);
+  EXPECT_NE(e.find("model-00001-of-00002.safetensors: holds tensor 'ln_f.bias', which"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(out));
+}
+
 // An export that fails half-way (the gpt2 tokenizer's files are missing) leaves the directory it
 // would have replaced as it was, and nothing beside it.
 TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
@@ -299,6 +326,7 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   const auto before = fs::file_size(out / "model.safetensors");
   ckpt::HfExportOptions opt;
   opt.dtype = "bf16";
+  opt.overwrite = true;
   opt.tokenizer = "gpt2";  // export_hf takes the checkpoint's (bytes): write_hf_dir directly
   opt.encoder_json = (tmp.path / "none" / "encoder.json").string();
   opt.vocab_bpe = (tmp.path / "none" / "vocab.bpe").string();

@@ -89,7 +89,7 @@ class ShardedCheckpoint : public ::testing::Test {
       auto state = rank_state(desc, L, r);
       files.push_back(ckpt::write_rank_file(tmp, desc, L, r, buffers(state)));
     }
-    const json index = ckpt::make_index(desc, L, files, {{"step", 3}, {"strategy", s.strategy}});
+    const json index = ckpt::make_index(desc, L, files, {{"format", ckpt::kIndexFormat}, {"step", 3}, {"strategy", s.strategy}});
     ckpt::commit_step(tmp, step, index, json{{"n_layer", desc.config.n_layer}});
     return step;
   }

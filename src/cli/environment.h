@@ -1,0 +1,25 @@
+// What the command line takes from the process's environment. This is the one place src/ reads
+// it: the parts below cli/ get these values through their option structs and arguments.
+#pragma once
+
+#include <string>
+
+#include "comm/options.h"
+#include "train/config.h"
+
+namespace shardlm::cli {
+
+// getenv, as a comm::SettingLookup.
+const char* environment(const char* name);
+// SHARDLM_COMM_ALGOS, SHARDLM_COMM_CHUNK_KB, SHARDLM_COMM_WINDOW applied to the defaults.
+comm::MpiOptions comm_options();
+// Whether an MPI launcher (mpirun, srun) started this process.
+bool launched_by_mpi();
+// Where the hardware presets are: $SHARDLM_HARDWARE_DIR, else beside the executable.
+std::string hardware_dir();
+// Ranks of this job sharing this machine's memory: Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, else 1.
+int ranks_on_this_machine();
+// `c` with the fields that come from the environment filled in.
+train::TrainConfig with_environment(train::TrainConfig c);
+
+}  // namespace shardlm::cli

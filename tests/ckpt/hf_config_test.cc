@@ -1,0 +1,172 @@
+// A Hugging Face config.json is read whole (issue 25): GPT-2's layer_norm_epsilon 0.5 was
+// ignored and written back as 1e-5, scale_attn_by_inverse_layer_idx: true dropped, unknown keys
+// passed. Every key now maps to the model, holds the value shardlm implements, is one known not
+// to change the model, or is refused in one line naming it and its value; what export writes
+// reads back as the same model.
+#include "ckpt/hf_config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace shardlm::ckpt {
+namespace {
+
+using nlohmann::json;
+
+// The config.json files transformers writes for gpt2 and Meta-Llama-3-8B, as on the Hub.
+json hub_gpt2() {
+  return json::parse(R"({
+    "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+    "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+    "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null,
+    "summary_first_dropout": 0.1, "summary_proj_to_labels": true, "summary_type": "cls_index",
+    "summary_use_proj": true, "task_specific_params": {"text-generation": {"do_sample": true, "max_length": 50}},
+    "vocab_size": 50257})");
+}
+json hub_llama() {
+  return json::parse(R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 500000.0,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0",
+    "use_cache": true, "vocab_size": 128256})");
+}
+
+std::string error_of(const json& j, HfConfigUse use = HfConfigUse::weights) {
+  try {
+    from_hf_config(j, "cfg.json", use);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+json with(json j, const std::string& key, const json& value) {
+  j[key] = value;
+  return j;
+}
+
+void expect_same(const model::ModelConfig& a, const model::ModelConfig& b) {
+  EXPECT_EQ(a.family, b.family);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.n_layer, b.n_layer);
+  EXPECT_EQ(a.n_head, b.n_head);
+  EXPECT_EQ(a.n_kv_head, b.n_kv_head);
+  EXPECT_EQ(a.n_embd, b.n_embd);
+  EXPECT_EQ(a.ffn_dim, b.ffn_dim);
+  EXPECT_EQ(a.max_seq, b.max_seq);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.norm_eps, b.norm_eps);
+  EXPECT_EQ(a.tie_embeddings, b.tie_embeddings);
+}
+
+TEST(HfConfig, ExportReadsBackAsTheSameModelForTraining) {
+  std::vector<model::ModelConfig> models = {model::model_preset("tiny", 300), model::model_preset("gpt2-124m"),
+                                            model::model_preset("llama-small", 300), model::model_preset("llama3-8b")};
+  models.push_back(model::model_preset("llama-tiny", 300));
+  models.back().tie_embeddings = true;
+  models.back().norm_eps = 1e-6;
+  models.back().rope_theta = 123456.5;
+  for (const auto& m : models) {
+    const json written = to_hf_config(m);
+    SCOPED_TRACE(written.dump());
+    const model::ModelConfig back = from_hf_config(written, "cfg.json", HfConfigUse::training);
+    expect_same(back, m);
+    EXPECT_EQ(to_hf_config(back), written);
+  }
+}
+
+TEST(HfConfig, HubFilesDescribeTheirModels) {
+  const model::ModelConfig gpt2 = from_hf_config(hub_gpt2(), "cfg.json");
+  expect_same(gpt2, model::model_preset("gpt2-124m"));
+  const model::ModelConfig llama = from_hf_config(hub_llama(), "cfg.json");
+  expect_same(llama, model::model_preset("llama3-8b"));
+  // A model trained from the file trains as the file says: GPT-2's dropout 0.1 is not shardlm's.
+  EXPECT_EQ(error_of(hub_gpt2(), HfConfigUse::training),
+            "cfg.json: field 'resid_pdrop' is 0.1; shardlm trains without dropout (0), and this file defines the model to train");
+  EXPECT_EQ(error_of(hub_llama(), HfConfigUse::training), "");
+  EXPECT_NE(error_of(with(hub_llama(), "initializer_range", 0.01), HfConfigUse::training).find("'initializer_range' is 0.01"),
+            std::string::npos);
+}
+
+struct Refused {
+  std::string key;
+  json value;
+  std::string needle;
+};
+
+void expect_refused(const json& base, const std::vector<Refused>& cases) {
+  for (const auto& c : cases) {
+    const std::string e = error_of(with(base, c.key, c.value));
+    SCOPED_TRACE(c.key + " = " + c.value.dump());
+    EXPECT_EQ(e.rfind("cfg.json: field '" + c.key + "'", 0), 0u) << e;
+    EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+TEST(HfConfig, Gpt2SettingsShardlmDoesNotImplementAreRefusedNamingFieldAndValue) {
+  expect_refused(hub_gpt2(), {{"layer_norm_epsilon", 0.5, "is 0.5; shardlm's GPT-2 layer norm uses 1e-05"},
+                              {"layer_norm_epsilon", -1, "must be a finite number > 0, got -1"},
+                              {"layer_norm_epsilon", 1e300, "is 1e+300"},
+                              {"layer_norm_epsilon", "small", "must be a number"},
+                              {"scale_attn_by_inverse_layer_idx", true, "is true"},
+                              {"scale_attn_weights", false, "is false"},
+                              {"activation_function", "gelu", "'gelu'"},
+                              {"tie_word_embeddings", false, "is false"},
+                              {"n_ctx", 512, "is 512 but 'n_positions' is 1024"},
+                              {"hidden_size", 1024, "is 1024 but 'n_embd' is 768"},
+                              {"num_hidden_layers", 6, "is 6 but 'n_layer' is 12"},
+                              {"resid_pdrop", 1.5, "must be a probability in [0, 1], got 1.5"},
+                              {"attn_pdrop", -0.1, "got -0.1"},
+                              {"initializer_range", -1, "got -1"},
+                              {"add_cross_attention", true, "cross-attention"},
+                              {"is_encoder_decoder", true, "decoder-only"},
+                              {"pruned_heads", {{"0", {1}}}, "every head"},
+                              {"n_inner", 3.5, "must be an integer, got 3.5"},
+                              {"quantization_config", {{"quant_method", "gptq"}}, "is not a setting shardlm implements"},
+                              {"scale_attn_weightz", true, "(true) is not a setting shardlm implements for model_type gpt2"}});
+}
+
+TEST(HfConfig, LlamaSettingsShardlmDoesNotImplementAreRefusedNamingFieldAndValue) {
+  expect_refused(hub_llama(), {{"rms_norm_eps", 0, "must be a finite number > 0, got 0"},
+                               {"rms_norm_eps", -1e-5, "got -1e-05"},
+                               {"rope_theta", 0, "got 0"},
+                               {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, "unscaled"},
+                               {"head_dim", 64, "is 64; shardlm's heads are hidden_size / num_attention_heads = 128 wide"},
+                               {"attention_bias", true, "no biases"},
+                               {"mlp_bias", true, "no biases"},
+                               {"hidden_act", "gelu", "'gelu'"},
+                               {"pretraining_tp", 0, ">= 1"},
+                               {"attention_dropout", 2, "got 2"},
+                               {"tie_word_embeddings", "yes", "must be true or false"},
+                               {"rope_parameters", {{"rope_theta", 10000.0}}, "is not a setting shardlm implements"}});
+  // What is mapped and valid holds; head_dim equal to the real width passes.
+  EXPECT_EQ(error_of(with(hub_llama(), "head_dim", 128)), "");
+  EXPECT_EQ(from_hf_config(with(hub_llama(), "rms_norm_eps", 1e-6), "cfg.json").norm_eps, 1e-6);
+}
+
+// train --model FILE: the file whole, a duplicated key refused (nlohmann kept the last).
+TEST(HfConfig, ReadRefusesADuplicatedKey) {
+  const auto p = std::filesystem::temp_directory_path() / ("shardlm_hf_config_" + std::to_string(::getpid()) + ".json");
+  std::string text = to_hf_config(model::model_preset("tiny", 300)).dump();
+  std::ofstream(p) << text.substr(0, text.size() - 1) << ", \"n_layer\": 200}";
+  try {
+    read_hf_config(p.string());
+    ADD_FAILURE() << "read a config.json naming n_layer twice";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), p.string() + ": key 'n_layer' appears twice");
+  }
+  std::filesystem::remove(p);
+}
+
+}  // namespace
+}  // namespace shardlm::ckpt
