@@ -47,12 +47,10 @@ struct Held {
 };
 
 Held held(const ShardedLayout& L, int k, int rank, int u, float* buf) {
-  const KindLayout& K = L.kinds[k];
-  const model::UnitSpan& span = L.flat.units[u];
-  const int64_t len = span.padded / K.parts;
+  const UnitLayout& K = L.kinds[k][u];
+  const int64_t len = L.flat.units[u].padded / K.parts;
   const int64_t lo = K.part_of[rank] * len;
-  float* data = buf ? (K.parts > 1 ? buf + span.offset / K.parts : buf + span.offset + lo) : nullptr;
-  return {lo, lo + len, data};
+  return {lo, lo + len, buf ? buf + K.at : nullptr};
 }
 
 // Calls fn(param, tensor_begin, tensor_end, data) for each parameter's part inside `h` (unit u).
@@ -134,8 +132,25 @@ int64_t int_field(const json& j, const char* key, const std::string& path, const
 ShardedLayout whole_layout(const model::FlatLayout& flat) {
   ShardedLayout L;
   L.flat = flat;
-  for (auto& k : L.kinds) k = {1, {0}, {true}};
+  for (auto& k : L.kinds)
+    for (const model::UnitSpan& span : flat.units) k.push_back({1, span.offset, {0}, {true}});
   return L;
+}
+
+void check_layout(const ShardedLayout& L) {
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (L.kinds[k].size() != L.flat.units.size()) throw std::logic_error("checkpoint layout: a unit count differs");
+    int64_t at = 0;
+    for (size_t u = 0; u < L.flat.units.size(); ++u) {
+      const UnitLayout& K = L.kinds[k][u];
+      const bool ok = K.parts >= 1 && L.flat.units[u].padded % K.parts == 0 && K.at == at &&
+                      static_cast<int>(K.part_of.size()) == L.world && static_cast<int>(K.writes.size()) == L.world;
+      if (!ok) throw std::logic_error("checkpoint layout: unit " + std::to_string(u) + " of " + kind_name(Kind(k)));
+      for (int part : K.part_of)
+        if (part < 0 || part >= K.parts) throw std::logic_error("checkpoint layout: a part index out of range");
+      at += L.flat.units[u].padded / K.parts;
+    }
+  }
 }
 
 std::string rank_file_name(int rank, int world) {
@@ -144,19 +159,28 @@ std::string rank_file_name(int rank, int world) {
   return s;
 }
 
+int64_t held_elements(const ShardedLayout& L, int k) {
+  int64_t held = 0;
+  for (size_t u = 0; u < L.flat.units.size(); ++u) held += L.flat.units[u].padded / L.kinds[k][u].parts;
+  return held;
+}
+
 int64_t written_elements(const ShardedLayout& L, int k, int rank) {
-  const KindLayout& K = L.kinds[k];
-  return K.writes[rank] ? L.flat.total / K.parts : 0;
+  for (const UnitLayout& K : L.kinds[k])
+    if (K.writes[rank]) return held_elements(L, k);
+  return 0;
 }
 
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& L, int rank,
                             const RankBuffers& bufs, const SafetensorsWriter::Progress& progress,
                             SafetensorsWriter::BlockBuffer direct) {
   SafetensorsWriter w;
+  check_layout(L);
   for (int k = 0; k < kNumKinds; ++k) {
-    if (!bufs[k] || !L.kinds[k].writes[rank]) continue;
+    if (!bufs[k]) continue;
     for (size_t u = 0; u < desc.units.size(); ++u)
-      for_each_slice(desc.units[u], held(L, k, rank, static_cast<int>(u), bufs[k]),
+      if (L.kinds[k][u].writes[rank])
+        for_each_slice(desc.units[u], held(L, k, rank, static_cast<int>(u), bufs[k]),
                      [&](const model::ParamSpec& p, int64_t a, int64_t b, const float* data) {
                        w.add_f32(slice_name(k, p.name), {b - a}, data);
                      });
@@ -185,15 +209,19 @@ json make_index(const model::ModelDesc& desc, const ShardedLayout& L, const std:
   json tensors = json::object();
   for (const auto& unit : desc.units)
     for (const auto& p : unit.params) tensors[p.name] = {{"shape", p.exported_shape()}, {"dtype", "F32"}};
+  // Each tensor group's (unit's) split, for a reader's information: the ranges below are what loads.
+  json layout = json::object();
+  for (size_t u = 0; u < desc.units.size(); ++u)
+    for (int k = 0; k < kNumKinds; ++k) layout[desc.units[u].name][kind_name(Kind(k))] = {{"parts", L.kinds[k][u].parts}};
+  meta["layout"] = layout;
   for (int k = 0; k < kNumKinds; ++k)
-    for (int r = 0; r < L.world; ++r) {
-      if (!L.kinds[k].writes[r]) continue;
+    for (int r = 0; r < L.world; ++r)
       for (size_t u = 0; u < desc.units.size(); ++u)
-        for_each_slice(desc.units[u], held(L, k, r, static_cast<int>(u), nullptr),
+        if (L.kinds[k][u].writes[r])
+          for_each_slice(desc.units[u], held(L, k, r, static_cast<int>(u), nullptr),
                        [&](const model::ParamSpec& p, int64_t a, int64_t b, const float*) {
                          tensors[p.name][kind_name(Kind(k))].push_back({{"file", r}, {"begin", a}, {"end", b}});
                        });
-    }
   for (auto& [name, t] : tensors.items())
     for (int k = 0; k < kNumKinds; ++k)
       if (t.contains(kind_name(Kind(k)))) {

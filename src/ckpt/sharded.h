@@ -38,10 +38,13 @@ enum class Kind { param, exp_avg, exp_avg_sq };
 constexpr int kNumKinds = 3;
 const char* kind_name(Kind k);
 
-// One kind of state over the ranks: each unit's padded buffer in `parts` equal parts; rank r
-// holds part part_of[r] and writes it to its file when writes[r].
-struct KindLayout {
+// One kind of one unit's state over the ranks: the unit's padded buffer in `parts` equal parts;
+// rank r holds part part_of[r], at element `at` of its buffer of that kind, and writes it to its
+// file when writes[r]. Units may be split differently (experts over other ranks than dense
+// weights): the index records where every element went, so any layout loads into any other.
+struct UnitLayout {
   int parts = 1;
+  int64_t at = 0;
   std::vector<int> part_of;
   std::vector<bool> writes;
 };
@@ -49,15 +52,14 @@ struct KindLayout {
 struct ShardedLayout {
   model::FlatLayout flat;
   int world = 1;
-  std::array<KindLayout, kNumKinds> kinds;
+  std::array<std::vector<UnitLayout>, kNumKinds> kinds;  // [kind][unit]
 };
 
 // Everything whole on one process (eval, generate, export).
 ShardedLayout whole_layout(const model::FlatLayout& flat);
 
-// A rank's buffers per kind, as the executor holds them: parts > 1: the unit shards back to back
-// (unit u at flat.units[u].offset / parts); parts == 1: the whole padded flat buffer. A null
-// buffer is neither written nor read.
+// A rank's buffers per kind, as the executor holds them: each unit's part back to back in unit
+// order (unit u's at UnitLayout::at). A null buffer is neither written nor read.
 using RankBuffers = std::array<float*, kNumKinds>;
 
 struct FileSummary {
@@ -75,8 +77,13 @@ std::string hex64(uint64_t x);
 FileSummary write_rank_file(const std::string& dir, const model::ModelDesc& desc, const ShardedLayout& layout,
                             int rank, const RankBuffers& bufs, const SafetensorsWriter::Progress& progress = {},
                             SafetensorsWriter::BlockBuffer direct = {});
+// Elements of a rank's buffer of kind `k` as RankBuffers lay it out (the same on every rank).
+int64_t held_elements(const ShardedLayout& layout, int k);
 // Elements of kind `k` a rank holds as RankBuffers lay it out (0 when it writes none of it).
 int64_t written_elements(const ShardedLayout& layout, int k, int rank);
+// Checks the per-unit parts against the ranks and the padding, and that `at` lays the parts
+// back to back (throws std::logic_error).
+void check_layout(const ShardedLayout& layout);
 
 // `meta` (the run state and "config") completed with "world_size", "files" and "tensors".
 nlohmann::json make_index(const model::ModelDesc& desc, const ShardedLayout& layout,

@@ -44,6 +44,64 @@ const char* to_string(Role r) {
   return "?";
 }
 
+const char* to_string(Location l) {
+  switch (l) {
+    case Location::host: return "host";
+    case Location::device: return "device";
+    case Location::disk: return "disk";
+  }
+  return "?";
+}
+
+const char* to_string(StateKind k) {
+  switch (k) {
+    case StateKind::params: return "params";
+    case StateKind::grads: return "grads";
+    case StateKind::optimizer: return "optimizer";
+  }
+  return "?";
+}
+
+const Placement& UnitPlacement::of(StateKind k) const {
+  switch (k) {
+    case StateKind::params: return params;
+    case StateKind::grads: return grads;
+    case StateKind::optimizer: return optimizer;
+  }
+  return params;
+}
+
+void Plan::set_placement(std::vector<UnitPlacement> placement) {
+  if (placement.size() != layout.units.size())
+    throw std::logic_error("plan: " + std::to_string(placement.size()) + " unit placements for " +
+                           std::to_string(layout.units.size()) + " units");
+  placement_ = std::move(placement);
+  for (int k = 0; k < kNumStateKinds; ++k) {
+    auto& at = held_offsets_[k];
+    at.assign(1, 0);
+    for (size_t u = 0; u < placement_.size(); ++u) {
+      const Placement& p = placement_[u].of(StateKind(k));
+      const bool held = p.parts > 0;
+      if ((held && p.parts != mesh.group_size(p.axes)) || (!held && (p.parts < 0 || !p.axes.empty())) ||
+          (held && layout.units[u].padded % (16 * p.parts) != 0))
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + to_string(StateKind(k)) + " in " +
+                               std::to_string(p.parts) + " parts does not fit its axes or its padding");
+      at.push_back(at.back() + held_elems(StateKind(k), static_cast<int>(u)));
+    }
+  }
+}
+
+int64_t Plan::held_elems(StateKind k, int u) const {
+  const int parts = placed(k, u).parts;
+  return parts == 0 ? 0 : layout.units[u].padded / parts;
+}
+
+bool Plan::held_whole(StateKind k) const {
+  for (const UnitPlacement& p : placement_)
+    if (p.of(k).parts != 1) return false;
+  return true;
+}
+
 std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   std::string s = to_string(op);
   auto add_unit = [&](int u) {
@@ -171,7 +229,7 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
 // --gather-bucket-mb: which units share an all_gather, and what that costs in memory against
 // the same plan with one all_gather per unit.
 void gather_buckets_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
-  if (plan.config.gather_bucket_mb <= 0 || plan.state.params <= 1) return;  // no sharded parameters, no gathers
+  if (plan.config.gather_bucket_mb <= 0 || plan.held_whole(StateKind::params)) return;  // no sharded parameters, no gathers
   std::vector<const Task*> buckets;
   int gathers = 0;
   for (const Task& t : plan.tasks) {
@@ -214,6 +272,30 @@ void mesh_text(const Mesh& mesh, std::ostream& o) {
   }
 }
 
+// Each kind of state, runs of consecutive units placed alike: "u0-u13 4 parts over dp_shard, host".
+void placement_text(const Plan& plan, std::ostream& o) {
+  o << "\nstate placement (each unit's element ranges over mesh axes, and where they live):\n";
+  const std::vector<UnitPlacement>& units = plan.placement();
+  for (int k = 0; k < kNumStateKinds; ++k) {
+    o << "  " << to_string(StateKind(k)) << ":";
+    for (size_t first = 0, u = 0; first < units.size(); first = u) {
+      const Placement& p = units[first].of(StateKind(k));
+      auto same = [&](const Placement& q) { return q.axes == p.axes && q.parts == p.parts && q.where == p.where; };
+      while (u < units.size() && same(units[u].of(StateKind(k)))) ++u;
+      o << (first ? ";" : "") << " u" << first;
+      if (u - 1 > first) o << "-u" << u - 1;
+      if (p.parts == 0) {
+        o << " not held";
+        continue;
+      }
+      o << " " << (p.parts == 1 ? std::string("whole") : std::to_string(p.parts) + " parts over");
+      for (size_t a = 0; a < p.axes.size() && p.parts > 1; ++a) o << (a ? "×" : " ") << plan.mesh[p.axes[a]].name;
+      o << ", " << to_string(p.where);
+    }
+    o << "\n";
+  }
+}
+
 }  // namespace
 
 MemSnapshot Plan::peak_memory() const { return walk_memory(*this, nullptr); }
@@ -234,10 +316,11 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   o << "), B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
     << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
-  if (c.gather_bucket_mb > 0 && state.params > 1) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
+  if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
   o << "\n";
 
   mesh_text(mesh, o);
+  placement_text(*this, o);
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";

@@ -23,6 +23,7 @@
 //    sum are tasks.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -59,6 +60,7 @@ enum class Role {
 const char* to_string(Role r);
 
 enum class Location { host, device, disk };
+const char* to_string(Location l);
 
 struct BufferDesc {
   int id = 0;
@@ -176,11 +178,27 @@ struct Repeat {
   std::vector<int> counterpart;
 };
 
-// Which element range of each unit this rank holds, per kind of state: shard `i` of `parts`
-// equal parts of the unit's padded flat buffer, i the rank's coordinate on the dp_shard axis.
-// parts 1: the whole unit; 0: not held at all (a forward-only plan has no gradients).
-struct StateLayout {
-  int params = 1, grads = 1, optimizer = 1;
+// The kinds of run-long state a unit has; optimizer: both AdamW moments, which share a layout.
+enum class StateKind { params, grads, optimizer };
+inline constexpr int kNumStateKinds = 3;
+const char* to_string(StateKind k);
+
+// How one kind of one unit's state is held: the unit's padded flat buffer split into `parts`
+// equal element ranges over the ranks of mesh `axes` (parts = the product of their sizes; a rank
+// holds range mesh.index_in(rank, axes)); no axes and parts 1: whole on every rank; parts 0: not
+// held at all (a forward-only plan has no gradients). `where` is where the held range lives.
+struct Placement {
+  std::vector<int> axes;
+  int parts = 1;
+  Location where = Location::host;
+};
+
+// Each kind of a unit's state has a placement of its own, so units may shard over different axes
+// (experts over the ranks that hold the same experts, dense weights over dp_shard) and live in
+// different places.
+struct UnitPlacement {
+  Placement params, grads, optimizer;
+  const Placement& of(StateKind k) const;
 };
 
 // Bytes per category the rank holds for the whole run. snapshot: in-memory snapshots' shared
@@ -197,7 +215,6 @@ struct Plan {
   Mesh mesh;                   // dp_replicate × dp_shard
   int shard_size = 1;          // |dp_shard|: ranks one unit is split over
   model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
-  StateLayout state;
   StaticMemory static_memory;
   std::vector<BufferDesc> buffers;
   std::vector<Task> tasks;
@@ -205,6 +222,23 @@ struct Plan {
   // not partly kept).
   std::vector<int64_t> kept_elems;
   Repeat repeat;
+
+  // Each unit's state placement (set_placement); a rank's buffer of one kind holds its range of
+  // every unit that kind is held of, back to back in unit order.
+  const std::vector<UnitPlacement>& placement() const { return placement_; }
+  const Placement& placed(StateKind k, int u) const { return placement_[u].of(k); }
+  // Checks every placement against the mesh and the layout (throws std::logic_error) and lays out
+  // each kind's buffer.
+  void set_placement(std::vector<UnitPlacement> placement);
+  // Elements of unit u's kind-k state one rank holds, where they start in its buffer of that kind,
+  // and that buffer's length.
+  int64_t held_elems(StateKind k, int u) const;
+  int64_t held_offset(StateKind k, int u) const { return held_offsets_[static_cast<int>(k)][u]; }
+  int64_t held_total(StateKind k) const { return held_offsets_[static_cast<int>(k)].back(); }
+  // Which of unit u's `parts` ranges of kind k rank `rank` holds.
+  int part_index(StateKind k, int u, int rank) const { return mesh.index_in(rank, placed(k, u).axes); }
+  // True when every unit holds kind k whole (a process's buffer is the whole flat layout).
+  bool held_whole(StateKind k) const;
 
   // How many times task t runs in a step.
   int64_t runs(const Task& t) const { return t.micro == repeat.micro ? repeat.times : 1; }
@@ -238,6 +272,10 @@ struct Plan {
   int shard_index(int rank) const { return mesh.index_in(rank, shard_axes()); }
   int dp_index(int rank) const { return mesh.index_in(rank, dp_axes()); }
   int dp_size() const { return mesh.group_size(dp_axes()); }
+
+ private:
+  std::vector<UnitPlacement> placement_;
+  std::array<std::vector<int64_t>, kNumStateKinds> held_offsets_;  // per kind: U + 1 prefix sums
 };
 
 // One stream's task runs in order: each task once, the repeated ones (Plan::repeat) `times`

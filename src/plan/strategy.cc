@@ -121,6 +121,7 @@ class Builder {
   void keep_units(const std::vector<std::string>& names);
   void keep_parts();
   void finish();
+  void place_state();
   std::vector<Task> schedule();
   void repeat_middle_micro_step();
 
@@ -534,8 +535,7 @@ void Builder::finish() {
       at(before_opt).bytes = 16;
     }
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
-    const int64_t elems = sharded_optimizer_ ? plan_.layout.total / plan_.shard_size : plan_.layout.total;
-    at(opt).flops = 10.0 * static_cast<double>(elems);
+    at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
     end = opt;
     if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
       for (int u = 0; u < U; ++u) {
@@ -554,6 +554,17 @@ void Builder::finish() {
   }
 }
 
+// Every unit's state as the strategy holds it: sharded kinds split over dp_shard, the rest whole
+// on every rank, all in host memory (a forward-only plan holds no gradients or moments).
+void Builder::place_state() {
+  const Placement sharded{plan_.shard_axes(), plan_.shard_size}, whole{}, none{{}, 0};
+  UnitPlacement p;
+  p.params = sharded_params_ ? sharded : whole;
+  p.grads = !train_ ? none : sharded_grads_ ? sharded : whole;
+  p.optimizer = !train_ ? none : sharded_optimizer_ ? sharded : whole;
+  plan_.set_placement(std::vector<UnitPlacement>(desc_.units.size(), p));
+}
+
 Plan Builder::build() {
   const Strategy s = cfg_.strategy;
   train_ = cfg_.mode == PlanConfig::Mode::train;
@@ -564,19 +575,15 @@ Plan Builder::build() {
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
   sharded_optimizer_ = s != Strategy::ddp;
-  const int S = plan_.shard_size;
-  plan_.state.params = sharded_params_ ? S : 1;
-  plan_.state.grads = !train_ ? 0 : sharded_grads_ ? S : 1;
-  plan_.state.optimizer = !train_ ? 0 : sharded_optimizer_ ? S : 1;
-  const int64_t full = plan_.layout.total * 4;
-  auto held = [&](int parts) { return parts == 0 ? 0 : full / parts; };
-  plan_.static_memory = {held(plan_.state.params), held(plan_.state.grads), 2 * held(plan_.state.optimizer), 0};
+  place_state();
+  auto held = [&](StateKind k) { return 4 * plan_.held_total(k); };
+  plan_.static_memory = {held(StateKind::params), held(StateKind::grads), 2 * held(StateKind::optimizer), 0};
   if (cfg_.stage_checkpoint && train_)
     plan_.static_memory.staging = plan_.static_memory.params + plan_.static_memory.optimizer + kCheckpointIoBytes;
-  buffer("params", Role::params, MemCategory::params, held(plan_.state.params), -1);
-  buffer("grads", Role::grads, MemCategory::grads, held(plan_.state.grads), -1);
-  buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(plan_.state.optimizer), -1);
-  buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(plan_.state.optimizer), -1);
+  buffer("params", Role::params, MemCategory::params, held(StateKind::params), -1);
+  buffer("grads", Role::grads, MemCategory::grads, held(StateKind::grads), -1);
+  buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(StateKind::optimizer), -1);
+  buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(StateKind::optimizer), -1);
 
   const int U = static_cast<int>(desc_.units.size());
   shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads};

@@ -17,6 +17,7 @@ namespace shardlm::run {
 
 using plan::Op;
 using plan::Role;
+using plan::StateKind;
 using plan::Task;
 using Clock = std::chrono::steady_clock;
 
@@ -73,15 +74,16 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   if (plan.config.activation_bytes != 4)
     throw std::invalid_argument("executor: layers keep fp32 activations; the plan prices " +
                                 std::to_string(plan.config.activation_bytes) + "-byte ones (a simulator's plan)");
-  shard_index_ = plan.shard_index(comms.world().rank());
-  const int64_t full = plan.layout.total;
-  auto state = [&](MemCategory c, int parts) {
-    return parts == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * (full / parts), Buffer::Fill::zero);
+  rank_ = comms.world().rank();
+  check_placement();
+  auto state = [&](MemCategory c, StateKind k) {
+    const int64_t n = plan.held_total(k);
+    return n == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
   };
-  params_ = state(MemCategory::params, plan.state.params);
-  grads_ = state(MemCategory::grads, plan.state.grads);
-  exp_avg_ = state(MemCategory::optimizer, plan.state.optimizer);
-  exp_avg_sq_ = state(MemCategory::optimizer, plan.state.optimizer);
+  params_ = state(MemCategory::params, StateKind::params);
+  grads_ = state(MemCategory::grads, StateKind::grads);
+  exp_avg_ = state(MemCategory::optimizer, StateKind::optimizer);
+  exp_avg_sq_ = state(MemCategory::optimizer, StateKind::optimizer);
   check_carved_fits();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
@@ -129,31 +131,51 @@ void Executor::sample_memory() {
   trace_.memory.push_back({now_us(), live.bytes});
 }
 
-Executor::Shard Executor::shard_of(int u) const {
-  const auto& span = plan_.layout.units[u];
-  const int64_t len = span.padded / plan_.shard_size;
-  return {span.offset, len, shard_index_ * len};
+// The optimizer updates its range of each unit in place on the parameters and gradients, so
+// those must hold it; and the gradient norm adds the ranks' sums of one replica, which needs one
+// gradient placement for all units.
+void Executor::check_placement() const {
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const Shard o = shard_of(StateKind::optimizer, u);
+    if (o.parts == 0) continue;
+    for (StateKind k : {StateKind::params, StateKind::grads}) {
+      const Shard h = shard_of(k, u);
+      if (h.parts == 0 || o.begin < h.begin || o.begin + o.len > h.begin + h.len)
+        throw std::logic_error("executor: unit " + desc_.units[u].name + "'s " + plan::to_string(k) +
+                               " do not hold its optimizer range");
+    }
+    const auto& g = plan_.placed(StateKind::grads, u), &g0 = plan_.placed(StateKind::grads, 0);
+    if (g.axes != g0.axes || g.parts != g0.parts)
+      throw std::logic_error("executor: gradients placed differently across units (the norm sums one placement)");
+  }
 }
 
-float* Executor::local(const Buffer& buf, int parts, int u) const {
-  const Shard s = shard_of(u);
-  return parts > 1 ? buf.f32() + s.unit_offset / plan_.shard_size : buf.f32() + s.unit_offset + s.begin;
+Executor::Shard Executor::shard_of(StateKind k, int u) const {
+  const int64_t len = plan_.held_elems(k, u);
+  const int parts = plan_.placed(k, u).parts;
+  return {plan_.layout.units[u].offset, len, parts > 1 ? plan_.part_index(k, u, rank_) * len : 0, parts,
+          plan_.held_offset(k, u)};
+}
+
+float* Executor::element(const Buffer& buf, StateKind k, int u, int64_t e) const {
+  const Shard s = shard_of(k, u);
+  return buf.f32() + s.at + (e - s.begin);
 }
 
 float* Executor::unit_params(int buffer, int u, Run& r) const {
-  return buffer >= 0 ? r.f32(buffer) : params_.f32() + plan_.layout.units[u].offset;
+  return buffer >= 0 ? r.f32(buffer) : params_.f32() + plan_.held_offset(StateKind::params, u);
 }
 
 float* Executor::unit_grads(int buffer, int u, Run& r) const {
-  return buffer >= 0 ? r.f32(buffer) : grads_.f32() + plan_.layout.units[u].offset;
+  return buffer >= 0 ? r.f32(buffer) : grads_.f32() + plan_.held_offset(StateKind::grads, u);
 }
 
 namespace {
-int parts_of(const plan::StateLayout& s, Executor::State which) {
+StateKind kind_of(Executor::State which) {
   switch (which) {
-    case Executor::State::params: return s.params;
-    case Executor::State::grads: return s.grads;
-    default: return s.optimizer;
+    case Executor::State::params: return StateKind::params;
+    case Executor::State::grads: return StateKind::grads;
+    default: return StateKind::optimizer;
   }
 }
 }  // namespace
@@ -168,15 +190,13 @@ const Buffer& Executor::state(State which) const {
   return params_;
 }
 
-float* Executor::whole(State which) { return parts_of(plan_.state, which) == 1 ? state(which).f32() : nullptr; }
+float* Executor::whole(State which) { return plan_.held_whole(kind_of(which)) ? state(which).f32() : nullptr; }
 
 void Executor::init_params(uint64_t seed) {
-  const bool sharded = plan_.state.params > 1;
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const Shard s = shard_of(u);
-    const int64_t begin = sharded ? s.begin : 0;
-    const int64_t end = sharded ? s.begin + s.len : plan_.layout.units[u].padded;
-    float* dst = sharded ? local(params_, plan_.state.params, u) : params_.f32() + s.unit_offset;
+    const Shard s = shard_of(StateKind::params, u);
+    const int64_t begin = s.begin, end = s.begin + s.len;
+    float* dst = params_.f32() + s.at;
     if (backend_.host_memory()) {
       layers::init_unit(desc_.units[u], seed, dst, begin, std::min(end, desc_.units[u].numel));
       continue;
@@ -262,10 +282,10 @@ void Executor::unit_task(const Task& t, Run& r) {
   a.T = r.plan.config.seq;
   a.threads = threads_;
   a.params = unit_params(io.params, t.unit, r);
-  if (r.plan.state.grads > 0 || io.grads >= 0) a.grads = unit_grads(io.grads, t.unit, r);
+  if (r.plan.placed(StateKind::grads, t.unit).parts > 0 || io.grads >= 0) a.grads = unit_grads(io.grads, t.unit, r);
   if (u.borrows >= 0) {
     a.borrowed_params = unit_params(io.borrowed_params, u.borrows, r);
-    if (r.plan.state.grads > 0 || io.borrowed_grads >= 0) a.borrowed_grads = unit_grads(io.borrowed_grads, u.borrows, r);
+    if (r.plan.placed(StateKind::grads, u.borrows).parts > 0 || io.borrowed_grads >= 0) a.borrowed_grads = unit_grads(io.borrowed_grads, u.borrows, r);
   }
   for (size_t i = 0; i < io.inputs.size(); ++i) {
     const int v = u.reads[i];
@@ -331,15 +351,13 @@ void Executor::optimizer(const Task&, Run& r) {
   const int64_t n = static_cast<int64_t>(grads_.bytes() / sizeof(float));
   if (clip > 0 && r.result.grad_norm > clip) backend_.scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
   const AdamW& opt = r.in.opt;
-  const int parts_p = plan_.state.params, parts_g = plan_.state.grads, parts_o = plan_.state.optimizer;
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const Shard s = shard_of(u);
-    float* p = local(params_, parts_p, u);
-    float* g = local(grads_, parts_g, u);
-    float* m = local(exp_avg_, parts_o, u);
-    float* v = local(exp_avg_sq_, parts_o, u);
-    const int64_t lo = parts_o > 1 ? s.begin : 0;
-    const int64_t hi = parts_o > 1 ? s.begin + s.len : plan_.layout.units[u].padded;
+    const Shard o = shard_of(StateKind::optimizer, u);
+    const int64_t lo = o.begin, hi = o.begin + o.len;
+    float* p = element(params_, StateKind::params, u, lo);
+    float* g = element(grads_, StateKind::grads, u, lo);
+    float* m = exp_avg_.f32() + o.at;
+    float* v = exp_avg_sq_.f32() + o.at;
     for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
       const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
       if (a >= b) continue;
@@ -362,17 +380,17 @@ void Executor::all_gather(const Task& t, Run& r) {
   if (t.io.restore_from >= 0) return gather_rest(t, r);
   comm::Communicator& c = comms_.get(t.axes);
   const std::string lbl = label(t, r.step);
-  const Shard s = shard_of(t.unit);
+  const Shard s = shard_of(StateKind::params, t.unit);
   float* full = r.f32(t.io.params);
-  float* mine = local(params_, plan_.state.params, t.unit);
+  float* mine = params_.f32() + s.at;
   if (t.io.staging < 0) {
     c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
   } else {  // bf16: [whole unit | one shard] staging, cast, gather, widen.
     uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
-    uint16_t* own = whole + s.len * plan_.shard_size;
+    uint16_t* own = whole + s.len * s.parts;
     backend_.fp32_to_bf16(own, mine, s.len);
     c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
-    backend_.bf16_to_fp32(full, whole, s.len * plan_.shard_size);
+    backend_.bf16_to_fp32(full, whole, s.len * s.parts);
   }
   if (t.io.keep_into >= 0) keep_part(t, r);
 }
@@ -380,26 +398,28 @@ void Executor::all_gather(const Task& t, Run& r) {
 // Copies a partly kept unit's kept part (the first kept_elems of each rank's shard) out of its
 // gathered buffer, in the wire dtype: the values are the gather's, bf16 ones narrowed exactly.
 void Executor::keep_part(const Task& t, Run& r) {
-  const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit];
+  const Shard s = shard_of(StateKind::params, t.unit);
+  const int64_t len = s.len, kept = r.plan.kept_elems[t.unit];
   const float* full = r.f32(t.io.params);
   char* part = r.data(t.io.keep_into);
   const int elem = r.plan.config.param_bytes;
-  for (int q = 0; q < plan_.shard_size; ++q) to_wire(part + q * kept * elem, full + q * len, kept, elem);
+  for (int q = 0; q < s.parts; ++q) to_wire(part + q * kept * elem, full + q * len, kept, elem);
 }
 
 // A partly kept unit's backward gather: the rest of each rank's shard (after its kept part),
 // gathered in place rank after rank into staging, then each rank's kept part and rest copied
 // (widened) into the gathered buffer: the whole gather's values, bit for bit.
 void Executor::gather_rest(const Task& t, Run& r) {
-  const int64_t len = shard_of(t.unit).len, kept = r.plan.kept_elems[t.unit], rest = len - kept;
+  const Shard s = shard_of(StateKind::params, t.unit);
+  const int64_t len = s.len, kept = r.plan.kept_elems[t.unit], rest = len - kept;
   const int elem = r.plan.config.param_bytes;
   char* whole = r.data(t.io.staging);
-  char* own = whole + shard_index_ * rest * elem;
-  to_wire(own, local(params_, plan_.state.params, t.unit) + kept, rest, elem);
+  char* own = whole + (s.begin / len) * rest * elem;
+  to_wire(own, params_.f32() + s.at + kept, rest, elem);
   comms_.get(t.axes).all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
   float* full = r.f32(t.io.params);
   const char* part = r.data(t.io.restore_from);
-  for (int q = 0; q < plan_.shard_size; ++q) {
+  for (int q = 0; q < s.parts; ++q) {
     from_wire(full + q * len, part + q * kept * elem, kept, elem);
     from_wire(full + q * len + kept, whole + q * rest * elem, rest, elem);
   }
@@ -428,23 +448,25 @@ void Executor::gather_bucket(const Task& t, Run& r) {
   int64_t shards = 0;
   for (int u = t.first_unit;; u += step) {
     units.push_back(u);
-    shards += shard_of(u).len;
+    shards += shard_of(StateKind::params, u).len;
     if (u == t.last_unit) break;
   }
+  // A bucket's units are placed alike: one group, one slot per rank.
+  const Shard first = shard_of(StateKind::params, t.first_unit);
   const int elem = r.plan.config.param_bytes;
   char* whole = r.data(t.io.staging);
-  char* own = whole + shard_index_ * shards * elem;  // in place: this rank's slot of the gathered
+  char* own = whole + (first.begin / first.len) * shards * elem;  // in place: this rank's slot of the gathered
   int64_t at = 0;
   for (int u : units) {
-    const Shard s = shard_of(u);
-    to_wire(own + at * elem, local(params_, plan_.state.params, u), s.len, elem);
+    const Shard s = shard_of(StateKind::params, u);
+    to_wire(own + at * elem, params_.f32() + s.at, s.len, elem);
     at += s.len;
   }
   comms_.get(t.axes).all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
-  for (int q = 0; q < plan_.shard_size; ++q) {
+  for (int q = 0; q < first.parts; ++q) {
     at = q * shards;
     for (size_t i = 0; i < units.size(); ++i) {
-      const int64_t len = shard_of(units[i]).len;
+      const int64_t len = shard_of(StateKind::params, units[i]).len;
       from_wire(r.f32(t.io.bucket[i]) + q * len, whole + at * elem, len, elem);
       at += len;
     }
@@ -452,22 +474,22 @@ void Executor::gather_bucket(const Task& t, Run& r) {
 }
 
 void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer
-  const Shard s = shard_of(t.unit);
-  float* unit = params_.f32() + s.unit_offset;
+  const Shard s = shard_of(StateKind::optimizer, t.unit);
+  float* unit = params_.f32() + plan_.held_offset(StateKind::params, t.unit);
   comms_.get(t.axes).all_gather(unit + s.begin, unit, s.len, DType::fp32, label(t, r.step))->wait(timeout_);
 }
 
 void Executor::reduce_scatter(const Task& t, Run& r) {
   comm::Communicator& c = comms_.get(t.axes);
   const std::string lbl = label(t, r.step);
-  const Shard s = shard_of(t.unit);
+  const Shard s = shard_of(StateKind::grads, t.unit);
   float* full = r.f32(t.io.grads);
-  float* mine = local(grads_, plan_.state.grads, t.unit);
+  float* mine = grads_.f32() + s.at;
   const comm::Scratch scratch = comm_scratch(t, r);
   if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
-  uint16_t* own = whole + s.len * plan_.shard_size;
-  backend_.fp32_to_bf16(whole, full, s.len * plan_.shard_size);
+  uint16_t* own = whole + s.len * s.parts;
+  backend_.fp32_to_bf16(whole, full, s.len * s.parts);
   c.reduce_scatter(whole, own, s.len, DType::bf16, lbl, scratch)->wait(timeout_);
   backend_.bf16_to_fp32(mine, own, s.len);
 }
@@ -478,13 +500,13 @@ void Executor::all_reduce(const Task& t, Run& r) {
   float* buf;
   int64_t n;
   if (t.first_unit >= 0) {  // a bucket: consecutive units, one contiguous range
-    const int64_t begin = plan_.layout.units[t.first_unit].offset;
-    const auto& last = plan_.layout.units[t.last_unit];
+    const int64_t begin = plan_.held_offset(StateKind::grads, t.first_unit);
     buf = grads_.f32() + begin;
-    n = last.offset + last.padded - begin;
+    n = plan_.held_offset(StateKind::grads, t.last_unit) + plan_.held_elems(StateKind::grads, t.last_unit) - begin;
   } else {  // hybrid: this rank's gradient shard across the replicas
-    buf = local(grads_, plan_.state.grads, t.unit);
-    n = shard_of(t.unit).len;
+    const Shard s = shard_of(StateKind::grads, t.unit);
+    buf = grads_.f32() + s.at;
+    n = s.len;
   }
   const comm::Scratch scratch = comm_scratch(t, r);
   if (t.io.staging < 0) return c.all_reduce(buf, n, DType::fp32, lbl, scratch)->wait(timeout_);
@@ -505,7 +527,7 @@ void Executor::norm_reduce(const Task& t, Run& r) {
   c.all_gather(mine, all.data(), 4, DType::fp32, "grad_norm step " + std::to_string(r.step))->wait(timeout_);
   // The group spans the data-parallel axes, row-major (dp_replicate, dp_shard): one replica's
   // shards are consecutive members.
-  const int group = plan_.state.grads > 1 ? plan_.shard_size : 1;
+  const int group = plan_.placed(StateKind::grads, 0).parts > 1 ? plan_.shard_size : 1;
   double sum = 0;
   for (int i = 0; i < c.size(); ++i) {
     if (i / group == c.rank() / group) sum += all[2 * i];
@@ -521,9 +543,21 @@ void Executor::loss_reduce(const Task& t, Run& r) {
 
 // ---- the stream runner
 
+// A plan this executor's state serves: the same parameters, placed alike, and of the gradients and
+// moments either none or the same placement.
+bool Executor::holds_state_of(const plan::Plan& plan) const {
+  if (plan.layout.total != plan_.layout.total || plan.placement().size() != plan_.placement().size()) return false;
+  for (size_t u = 0; u < plan.placement().size(); ++u)
+    for (int k = 0; k < plan::kNumStateKinds; ++k) {
+      const plan::Placement &a = plan.placement()[u].of(StateKind(k)), &b = plan_.placement()[u].of(StateKind(k));
+      const bool may_drop = StateKind(k) != StateKind::params && a.parts == 0;
+      if (!may_drop && (a.parts != b.parts || a.axes != b.axes)) return false;
+    }
+  return true;
+}
+
 StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
-  if (plan.layout.total != plan_.layout.total || plan.state.params != plan_.state.params ||
-      plan.state.grads > plan_.state.grads || plan.state.optimizer > plan_.state.optimizer)
+  if (!holds_state_of(plan))
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
   Run r{plan, step, in, {}, {}, {}, 0, false};
   r.live.resize(plan.buffers.size());
@@ -605,32 +639,36 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
 
 void Executor::gather_full(State which, float* full) {
   const Buffer& buf = state(which);
-  const int parts = parts_of(plan_.state, which);
-  if (parts == 0) throw std::logic_error("executor: this plan holds no " + std::string(which == State::grads ? "gradients" : "optimizer state"));
-  if (parts == 1) {
+  const StateKind k = kind_of(which);
+  if (plan_.held_total(k) == 0) throw std::logic_error("executor: this plan holds no " + std::string(which == State::grads ? "gradients" : "optimizer state"));
+  if (plan_.held_whole(k)) {
     backend_.download(full, buf.data(), buf.bytes());
     return;
   }
   if (!backend_.host_memory()) throw std::logic_error("executor: sharded state on a device backend is not supported yet");
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const Shard s = shard_of(u);
-    comms_.get(plan_.shard_axes())
-        .all_gather(local(buf, parts, u), full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
+    const Shard s = shard_of(k, u);
+    if (s.parts == 1) {
+      std::copy_n(buf.f32() + s.at, s.len, full + s.unit_offset);
+      continue;
+    }
+    comms_.get(plan_.placed(k, u).axes)
+        .all_gather(buf.f32() + s.at, full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
         ->wait(timeout_);
   }
 }
 
 void Executor::load_full(State which, const float* full) {
   Buffer& buf = const_cast<Buffer&>(state(which));
-  const int parts = parts_of(plan_.state, which);
-  if (parts == 0) return;
-  if (parts == 1) {
+  const StateKind k = kind_of(which);
+  if (plan_.held_total(k) == 0) return;
+  if (plan_.held_whole(k)) {
     if (buf.f32() != full) backend_.upload(buf.data(), full, buf.bytes());
     return;
   }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const Shard s = shard_of(u);
-    backend_.upload(local(buf, parts, u), full + s.unit_offset + s.begin, sizeof(float) * s.len);
+    const Shard s = shard_of(k, u);
+    backend_.upload(buf.f32() + s.at, full + s.unit_offset + s.begin, sizeof(float) * s.len);
   }
 }
 

@@ -5,9 +5,10 @@
 // are recorded for the trace, and every buffer a task allocates is the plan's, charged to the
 // plan's category.
 //
-// State in the plan's layout: parameters, gradients and AdamW moments are each one flat fp32
-// buffer holding either whole units or this rank's shard of each (element range
-// [s·len_u, (s+1)·len_u) of unit u, len_u = padded_u / parts), as the plan's StateLayout says.
+// State in the plan's placement: parameters, gradients and AdamW moments are each one flat fp32
+// buffer holding, unit after unit, this rank's part of each unit (element range
+// [s·len_u, (s+1)·len_u) of unit u, len_u = padded_u / parts_u; the whole unit when parts_u is 1),
+// as the plan places each unit's state (Plan::placement).
 #pragma once
 
 #include <chrono>
@@ -104,8 +105,8 @@ class Executor {
   // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host memory.
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
-  // This rank's buffer of `which` as the plan's StateLayout holds it (parts > 1: the unit shards
-  // back to back; 1: the whole padded flat buffer); null when the plan holds none. For ckpt/,
+  // This rank's buffer of `which` as the plan places it (each unit's part, back to back in unit
+  // order; the whole padded flat buffer when every unit is whole); null when the plan holds none. For ckpt/,
   // which reads and writes each rank's element ranges in place.
   float* local_state(State which) { return state(which).bytes() ? state(which).f32() : nullptr; }
 
@@ -119,15 +120,23 @@ class Executor {
   using Handler = void (Executor::*)(const plan::Task&, Run&);
   static const Handler kHandlers[plan::kNumOps];
 
+  // This rank's part of one kind of unit u's state: elements [begin, begin + len) of the unit's
+  // padded flat buffer, the part `begin / len` of `parts`, at element `at` of this rank's buffer
+  // of that kind.
   struct Shard {
     int64_t unit_offset;  // element offset of the unit in the whole flat layout
-    int64_t len;          // elements per shard of this unit
-    int64_t begin;        // first element of this rank's shard within the unit
+    int64_t len;
+    int64_t begin;
+    int parts;
+    int64_t at;
   };
   void check_carved_fits() const;
-  Shard shard_of(int u) const;
+  void check_placement() const;
+  bool holds_state_of(const plan::Plan& plan) const;
+  Shard shard_of(plan::StateKind k, int u) const;
+  // Element e of unit u (inside this rank's part of kind k) in this rank's buffer `buf` of that kind.
+  float* element(const Buffer& buf, plan::StateKind k, int u, int64_t e) const;
   const Buffer& state(State which) const;
-  float* local(const Buffer& buf, int parts, int u) const;  // this rank's part of unit u
   float* unit_params(int buffer, int u, Run& r) const;
   float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
@@ -168,7 +177,7 @@ class Executor {
   int threads_;
   std::chrono::milliseconds timeout_;
   const kernels::Backend& backend_;
-  int shard_index_;
+  int rank_;  // in the world
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
   std::chrono::steady_clock::time_point t0_;
   // Test-only fault injection, from the environment: SHARDLM_FAULT_SKIP_COLLECTIVE=RANK:STEP makes

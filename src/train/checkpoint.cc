@@ -388,25 +388,29 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
   }
 }
 
-// Which rank holds and writes which part of each kind of state: the plan's StateLayout over its
-// dp_shard axis; replicas (ddp, zero1's parameters, hybrid's replicate groups) write once, from
-// the lowest rank holding a part.
+// Which rank holds and writes which part of each kind of each unit's state: the plan's placement;
+// replicas (ddp, zero1's parameters, hybrid's replicate groups) write once, from the lowest rank
+// holding a part.
 ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
   ckpt::ShardedLayout L;
   L.flat = p.layout;
   L.world = world;
-  const int parts[ckpt::kNumKinds] = {p.state.params, p.state.optimizer, p.state.optimizer};
-  for (int k = 0; k < ckpt::kNumKinds; ++k) {
-    if (parts[k] != 1 && parts[k] != p.shard_size)
-      throw std::logic_error(fmt::format("checkpoint: state in {} parts over a dp_shard axis of {}", parts[k], p.shard_size));
-    ckpt::KindLayout& K = L.kinds[k];
-    K.parts = parts[k];
-    std::set<int> seen;
-    for (int r = 0; r < world; ++r) {
-      K.part_of.push_back(K.parts > 1 ? p.shard_index(r) : 0);
-      K.writes.push_back(seen.insert(K.part_of.back()).second);
+  const plan::StateKind kinds[ckpt::kNumKinds] = {plan::StateKind::params, plan::StateKind::optimizer,
+                                                  plan::StateKind::optimizer};
+  for (int k = 0; k < ckpt::kNumKinds; ++k)
+    for (int u = 0; u < static_cast<int>(p.layout.units.size()); ++u) {
+      const plan::Placement& where = p.placed(kinds[k], u);
+      if (where.parts == 0) throw std::logic_error("checkpoint: a plan that holds no " + std::string(plan::to_string(kinds[k])));
+      ckpt::UnitLayout K;
+      K.parts = where.parts;
+      K.at = p.held_offset(kinds[k], u);
+      std::set<int> seen;
+      for (int r = 0; r < world; ++r) {
+        K.part_of.push_back(where.parts > 1 ? p.part_index(kinds[k], u, r) : 0);
+        K.writes.push_back(seen.insert(K.part_of.back()).second);
+      }
+      L.kinds[k].push_back(std::move(K));
     }
-  }
   return L;
 }
 

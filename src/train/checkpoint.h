@@ -48,9 +48,9 @@ RunState read_model_state(const std::string& dir);
 void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                      float* params, float* exp_avg, float* exp_avg_sq);
 
-// Which rank holds and writes which part of each kind of state under `plan` on `world` ranks:
-// the plan's StateLayout over its dp_shard axis; replicas (ddp, zero1's parameters, hybrid's
-// replicate groups) write once, from the lowest rank holding a part.
+// Which rank holds and writes which part of each kind of each unit's state under `plan` on
+// `world` ranks: the plan's placement; replicas (ddp, zero1's parameters, hybrid's replicate
+// groups) write once, from the lowest rank holding a part. The plan holds every kind.
 ckpt::ShardedLayout sharded_layout(const plan::Plan& plan, int world);
 
 // `shardlm ckpt export --format hf`: a checkpoint (sharded or whole) as a Hugging Face directory

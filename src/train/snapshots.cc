@@ -52,10 +52,12 @@ std::vector<ckpt::StatePart> snapshot_parts(run::Executor& ex, const plan::Plan&
 }
 
 json snapshot_layout(const plan::Plan& plan, const model::ModelDesc& desc) {
+  json parts = json::array();  // per unit: its parameters' and optimizer moments' parts
+  for (const plan::UnitPlacement& u : plan.placement()) parts.push_back({u.params.parts, u.optimizer.parts});
   return {{"world", plan.config.world},
           {"strategy", plan::to_string(plan.config.strategy)},
           {"shard_size", plan.shard_size},
-          {"parts", {plan.state.params, plan.state.optimizer}},
+          {"parts", parts},
           {"flat_elements", plan.layout.total},
           {"model", ckpt::to_hf_config(desc.config)}};
 }

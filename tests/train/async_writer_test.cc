@@ -57,7 +57,7 @@ TEST_F(AsyncWriter, WritesTheSynchronousBytesFromItsStagingCopy) {
     for (int r = 0; r < ranks; ++r) {
       std::vector<std::vector<float>> state(ckpt::kNumKinds);
       for (int k = 0; k < ckpt::kNumKinds; ++k) {
-        state[k].resize(L.flat.total / L.kinds[k].parts);
+        state[k].resize(ckpt::held_elements(L, k));
         for (size_t i = 0; i < state[k].size(); ++i) state[k][i] = 0.001f * static_cast<float>((i * 31 + k * 7 + r) % 997);
       }
       const ckpt::RankBuffers bufs{state[0].data(), state[1].data(), state[2].data()};

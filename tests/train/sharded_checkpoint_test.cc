@@ -55,12 +55,12 @@ float truth(const model::ModelDesc& desc, const model::FlatLayout& flat, int k, 
 std::vector<std::vector<float>> rank_state(const model::ModelDesc& desc, const ckpt::ShardedLayout& L, int r) {
   std::vector<std::vector<float>> out(ckpt::kNumKinds);
   for (int k = 0; k < ckpt::kNumKinds; ++k) {
-    const ckpt::KindLayout& K = L.kinds[k];
-    out[k].resize(L.flat.total / K.parts);
+    out[k].resize(ckpt::held_elements(L, k));
     for (size_t u = 0; u < L.flat.units.size(); ++u) {
+      const ckpt::UnitLayout& K = L.kinds[k][u];
       const auto& span = L.flat.units[u];
       const int64_t len = span.padded / K.parts, lo = K.part_of[r] * len;
-      float* dst = out[k].data() + (K.parts > 1 ? span.offset / K.parts : span.offset + lo);
+      float* dst = out[k].data() + K.at;
       for (int64_t i = 0; i < len; ++i) dst[i] = truth(desc, L.flat, k, span.offset + lo + i);
     }
   }
@@ -80,8 +80,11 @@ class ShardedCheckpoint : public ::testing::Test {
 
   // Saves as `s` would (every rank's file, then the index, then latest); returns the step dir.
   std::string save(const model::ModelDesc& desc, const Saved& s, const std::string& name) {
-    const plan::Plan p = make_plan(desc, s);
-    const ckpt::ShardedLayout L = sharded_layout(p, s.ranks);
+    return save(desc, sharded_layout(make_plan(desc, s), s.ranks), s.strategy, name);
+  }
+  std::string save(const model::ModelDesc& desc, const ckpt::ShardedLayout& L, const std::string& strategy,
+                   const std::string& name) {
+    const Saved s{strategy, L.world};
     const std::string step = (dir_ / "ckpt" / name).string(), tmp = step + ".tmp-1";
     fs::create_directories(tmp);
     std::vector<ckpt::FileSummary> files;
@@ -96,8 +99,10 @@ class ShardedCheckpoint : public ::testing::Test {
 
   // Every rank of `s` loads and holds bitwise what it would hold had it run the saved state.
   void expect_loads(const model::ModelDesc& desc, const std::string& step, const Saved& s, const std::string& what) {
-    const plan::Plan p = make_plan(desc, s);
-    const ckpt::ShardedLayout L = sharded_layout(p, s.ranks);
+    expect_loads(desc, step, sharded_layout(make_plan(desc, s), s.ranks), s, what);
+  }
+  void expect_loads(const model::ModelDesc& desc, const std::string& step, const ckpt::ShardedLayout& L,
+                    const Saved& s, const std::string& what) {
     const json index = ckpt::read_index(step);
     ckpt::check_index_against_model(step, index, desc, true);
     for (int f = 0; f < index["world_size"].get<int>(); ++f) ckpt::verify_file(step, index, f);
@@ -141,6 +146,59 @@ TEST_F(ShardedCheckpoint, EveryStrategyAndRankCountLoadsUnderEveryOther) {
             if (loader != saver) expect_loads(desc, step, {loader, m}, what);
       }
   }
+}
+
+// A plan whose units are placed differently from one another, as experts are placed apart from
+// dense weights: on 4 ranks (dp_replicate 2 × dp_shard 2) unit u's parameters are split 4 ways
+// over both axes, 2 ways over dp_shard or 2 ways over dp_replicate (u mod 3), its moments 4 ways
+// or whole. Its checkpoint loads under every strategy, and every strategy's loads into it.
+plan::Plan mixed_plan(const model::ModelDesc& desc) {
+  plan::Plan p = make_plan(desc, {"fsdp", 4});  // padded to 16 × 4 elements: any split of 4 divides
+  p.mesh = plan::Mesh({{plan::kDpReplicate, 2}, {plan::kDpShard, 2}});
+  const plan::Placement both{{0, 1}, 4}, shard{{1}, 2}, replicate{{0}, 2}, whole{};
+  std::vector<plan::UnitPlacement> units;
+  for (size_t u = 0; u < desc.units.size(); ++u) {
+    const plan::Placement& params = u % 3 == 0 ? both : u % 3 == 1 ? shard : replicate;
+    units.push_back({params, params, u % 2 ? whole : both});
+  }
+  p.set_placement(units);
+  return p;
+}
+
+TEST_F(ShardedCheckpoint, UnitsPlacedApartSaveAndLoadAcrossLayouts) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-tiny", 300));
+  const ckpt::ShardedLayout mixed = sharded_layout(mixed_plan(desc), 4);
+  const std::string step = save(desc, mixed, "mixed", "step_mixed");
+  uint64_t payload = 0;  // replicas write once: the files hold the state once
+  for (int r = 0; r < 4; ++r) {
+    const ckpt::SafetensorsFile f(step + "/" + ckpt::rank_file_name(r, 4));
+    for (const auto& name : f.names()) payload += f.info(name).bytes;
+  }
+  EXPECT_EQ(payload, 3 * 4 * static_cast<uint64_t>(desc.num_params_exported()));
+  const json index = ckpt::read_index(step);
+  EXPECT_EQ(index["layout"][desc.units[0].name]["param"]["parts"], 4);
+  EXPECT_EQ(index["layout"][desc.units[1].name]["exp_avg"]["parts"], 1);
+  for (const std::string loader : {"ddp", "zero1", "fsdp", "hybrid"})
+    for (int m = 1; m <= 3; ++m) expect_loads(desc, step, {loader, m}, "mixed x4");
+  for (const std::string saver : {"ddp", "fsdp", "hybrid"}) {
+    const std::string from = save(desc, {saver, 2}, "step_" + saver);
+    expect_loads(desc, from, mixed, {"mixed", 4}, saver + " x2");
+  }
+}
+
+TEST(PlanPlacement, RefusesAPlacementThatDoesNotFitItsAxesOrPadding) {
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 300));
+  plan::Plan p = make_plan(desc, {"fsdp", 2});
+  std::vector<plan::UnitPlacement> units(desc.units.size());
+  units[0].params = {{}, 2};  // 2 parts over no axis
+  EXPECT_THROW(p.set_placement(units), std::logic_error);
+  units[0].params = {{p.mesh.axis(plan::kDpShard)}, 2};
+  p.set_placement(units);
+  EXPECT_EQ(p.held_offset(plan::StateKind::params, 1), p.layout.units[0].padded / 2);
+  EXPECT_EQ(p.held_total(plan::StateKind::params), p.layout.total - p.layout.units[0].padded / 2);
+  EXPECT_FALSE(p.held_whole(plan::StateKind::params));
+  EXPECT_TRUE(p.held_whole(plan::StateKind::grads));
+  EXPECT_THROW(p.set_placement(std::vector<plan::UnitPlacement>(1)), std::logic_error);  // one per unit
 }
 
 TEST_F(ShardedCheckpoint, LatestNamesTheNewestCompleteStepAndKeepLastPrunes) {
