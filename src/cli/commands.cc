@@ -16,7 +16,7 @@
 #include "cli/environment.h"
 #include "cli/subcommands.h"
 #include "comm/factory.h"
-#include "comm/mpi_backend.h"
+#include "comm/process.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
 #include "run/calibrate.h"

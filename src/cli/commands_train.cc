@@ -67,9 +67,10 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
 // (on_world). A failure every rank knows of (AgreedFailure) is one line from rank 0, and every
 // rank finalizes instead of aborting.
 int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
+  const train::TrainHooks hooks = test_faults();
   return on_world([&](comm::Communicator& world) {
     try {
-      auto summary = train::run_training(tc, world);
+      auto summary = train::run_training(tc, world, hooks);
       if (summary.exit_code != 0) {  // every rank stopped at the same step for the same reason
         if (world.rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";
         return summary.exit_code;

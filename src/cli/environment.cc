@@ -1,6 +1,10 @@
 #include "cli/environment.h"
 
+#include <charconv>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include "comm/factory.h"
 #include "sim/hardware.h"
@@ -25,6 +29,53 @@ train::TrainConfig with_environment(train::TrainConfig c) {
   c.comm = comm_options();
   c.ranks_on_machine = ranks_on_this_machine();
   return c;
+}
+
+namespace {
+
+// The whole of `text` as one integer (no sign, spaces or trailing characters).
+template <typename Int>
+bool parse_whole(std::string_view text, Int& out) {
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, out);
+  return !text.empty() && ec == std::errc() && ptr == end && out >= 0;
+}
+
+// `var` as RANK:STEP, both non-negative integers; unset is no fault.
+run::FaultPoint fault_point(const char* var) {
+  const char* value = environment(var);
+  if (!value) return {};
+  const std::string_view text(value);
+  const size_t colon = text.find(':');
+  run::FaultPoint f;
+  if (colon == std::string_view::npos || !parse_whole(text.substr(0, colon), f.rank) ||
+      !parse_whole(text.substr(colon + 1), f.step))
+    throw std::invalid_argument(std::string(var) + ": expected RANK:STEP (two non-negative integers), got '" +
+                                std::string(text) + "'");
+  return f;
+}
+
+bool flag(const char* var) {
+  const char* value = environment(var);
+  if (!value) return false;
+  const std::string_view text(value);
+  if (text != "0" && text != "1")
+    throw std::invalid_argument(std::string(var) + ": expected 0 or 1, got '" + std::string(text) + "'");
+  return text == "1";
+}
+
+}  // namespace
+
+train::TrainHooks test_faults() {
+  train::TrainHooks h;
+  h.executor_faults.skip_collective = fault_point("SHARDLM_FAULT_SKIP_COLLECTIVE");
+  h.executor_faults.kill = fault_point("SHARDLM_FAULT_KILL");
+  h.executor_faults.nan_loss = fault_point("SHARDLM_FAULT_NAN_LOSS");
+  h.kill_mid_write = fault_point("SHARDLM_FAULT_KILL_MID_WRITE");
+  h.fail_write = fault_point("SHARDLM_FAULT_FAIL_WRITE");
+  h.kill_in_save = fault_point("SHARDLM_FAULT_KILL_IN_SAVE");
+  h.save_after_resume = flag("SHARDLM_TEST_SAVE_AFTER_RESUME");
+  return h;
 }
 
 }  // namespace shardlm::cli

@@ -6,6 +6,7 @@
 
 #include "comm/options.h"
 #include "train/config.h"
+#include "train/trainer.h"
 
 namespace shardlm::cli {
 
@@ -21,5 +22,11 @@ std::string hardware_dir();
 int ranks_on_this_machine();
 // `c` with the fields that come from the environment filled in.
 train::TrainConfig with_environment(train::TrainConfig c);
+// The test seams of a training run, from the environment (unset: no fault):
+// SHARDLM_FAULT_SKIP_COLLECTIVE, SHARDLM_FAULT_KILL, SHARDLM_FAULT_NAN_LOSS (the executor's),
+// SHARDLM_FAULT_KILL_MID_WRITE, SHARDLM_FAULT_FAIL_WRITE, SHARDLM_FAULT_KILL_IN_SAVE (a
+// checkpoint's save), each RANK:STEP; SHARDLM_TEST_SAVE_AFTER_RESUME=1. A malformed value throws
+// std::invalid_argument naming the variable.
+train::TrainHooks test_faults();
 
 }  // namespace shardlm::cli

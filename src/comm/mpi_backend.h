@@ -1,5 +1,5 @@
-// The MPI backend: process set-up (init_mpi / finalize_mpi / abort_job) and MpiCommunicator,
-// whose collectives are nonblocking MPI calls or point-to-point schedules built on MPI_Isend /
+// The MPI backend: MpiCommunicator (the process set-up, init_mpi / finalize_mpi / abort_job, is
+// declared in comm/process.h, free of MPI's headers), whose collectives are nonblocking MPI calls or point-to-point schedules built on MPI_Isend /
 // MPI_Irecv, chosen per collective by measurement (bench/comm_bench.cc).
 //
 // Progress. Open MPI moves nonblocking operations only inside MPI calls, and our schedules
@@ -45,24 +45,11 @@
 
 #include "comm/communicator.h"
 #include "comm/options.h"
+#include "comm/process.h"
 
 namespace shardlm::comm {
 
 inline constexpr int kDirectMaxRanks = 16;
-
-// MPI_Init_thread with MPI_THREAD_MULTIPLE (the executor issues collectives from a comm thread
-// while others test them). Throws Error, after finalizing, if the library grants less. Calling it
-// again, or after the program initialised MPI itself with MPI_THREAD_MULTIPLE, is harmless.
-// argc/argv may be null.
-void init_mpi(int* argc, char*** argv);
-// MPI_Finalize, if init_mpi initialised MPI and it is not finalized yet. Every MpiCommunicator
-// must be destroyed and every collective complete before this.
-void finalize_mpi();
-// True between init_mpi (or the program's own MPI_Init_thread) and finalize.
-bool mpi_active();
-// Ends the whole job with `code`: MPI_Abort on MPI_COMM_WORLD when MPI is active (mpirun then
-// kills every rank), else std::_Exit(code).
-[[noreturn]] void abort_job(int code);
 
 class StagingPool;
 

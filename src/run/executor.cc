@@ -69,8 +69,16 @@ const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
 };
 
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-                   std::chrono::milliseconds timeout, const kernels::Backend& backend)
-    : desc_(desc), plan_(plan), comms_(comms), threads_(threads), timeout_(timeout), backend_(backend) {
+                   std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults)
+    : desc_(desc),
+      plan_(plan),
+      comms_(comms),
+      threads_(threads),
+      timeout_(timeout),
+      backend_(backend),
+      fault_skip_step_(faults.skip_collective.step_of(comms.world().rank())),
+      fault_kill_step_(faults.kill.step_of(comms.world().rank())),
+      fault_nan_loss_step_(faults.nan_loss.step_of(comms.world().rank())) {
   if (plan.config.activation_bytes != 4)
     throw std::invalid_argument("executor: layers keep fp32 activations; the plan prices " +
                                 std::to_string(plan.config.activation_bytes) + "-byte ones (a simulator's plan)");
@@ -87,16 +95,6 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   check_carved_fits();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
-  auto fault_step = [&](const char* var) -> int64_t {
-    const char* v = std::getenv(var);
-    int rank = -1;
-    long long step = -1;
-    if (v && std::sscanf(v, "%d:%lld", &rank, &step) == 2 && rank == comms.world().rank()) return step;
-    return -1;
-  };
-  fault_skip_step_ = fault_step("SHARDLM_FAULT_SKIP_COLLECTIVE");
-  fault_kill_step_ = fault_step("SHARDLM_FAULT_KILL");
-  fault_nan_loss_step_ = fault_step("SHARDLM_FAULT_NAN_LOSS");
   // Every rank's trace clock starts at the same moment (to within a barrier's latency), so the
   // ranks' slices line up in one timeline.
   comms.world().barrier("trace clock")->wait(timeout_);

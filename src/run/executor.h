@@ -79,11 +79,28 @@ struct StepResult {
   bool nonfinite() const { return !nonfinite_loss.empty() || !nonfinite_grads.empty(); }
 };
 
+// A test's fault injection point: something goes wrong on world rank `rank` at step `step`
+// (-1: nowhere). Passed in by whoever builds the run (cli/ reads it from the environment).
+struct FaultPoint {
+  int rank = -1;
+  int64_t step = -1;
+  // The step this fault strikes on rank `r`, -1 if it never does.
+  int64_t step_of(int r) const { return r == rank ? step : -1; }
+};
+
+// Test-only faults in a run's steps. skip_collective: that rank skips its first collective of
+// that step and stalls (the others must time out and name it); kill: it dies by SIGKILL at the
+// start of that step; nan_loss: its loss of that step is NaN (gradients stay finite).
+struct ExecutorFaults {
+  FaultPoint skip_collective, kill, nan_loss;
+};
+
 class Executor {
  public:
   // Every kernel the executor and its layers run goes through `backend` (which must outlive it).
   Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-           std::chrono::milliseconds timeout, const kernels::Backend& backend = kernels::cpu_backend());
+           std::chrono::milliseconds timeout, const kernels::Backend& backend = kernels::cpu_backend(),
+           const ExecutorFaults& faults = {});
   ~Executor();
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)
@@ -180,10 +197,7 @@ class Executor {
   int rank_;  // in the world
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
   std::chrono::steady_clock::time_point t0_;
-  // Test-only fault injection, from the environment: SHARDLM_FAULT_SKIP_COLLECTIVE=RANK:STEP makes
-  // that rank skip its first collective of that step and stall (the others must time out and
-  // name it); SHARDLM_FAULT_KILL=RANK:STEP makes it die by SIGKILL at the start of that step;
-  // SHARDLM_FAULT_NAN_LOSS=RANK:STEP makes that rank's loss of that step NaN (gradients finite).
+  // This rank's steps of the ExecutorFaults it was built with (-1: none).
   int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1;
   trace::RankTrace trace_;
   std::mutex trace_mu_;

@@ -71,24 +71,20 @@ json index_meta(Session& s) {
           {"config", config}};
 }
 
-// Test-only fault points, each RANK:STEP, in the save of checkpoint STEP on that rank.
-bool fault_at(const char* var, const Session& s, int64_t step) {
-  const char* v = std::getenv(var);
-  int rank = -1;
-  long long at = -1;
-  return v && std::sscanf(v, "%d:%lld", &rank, &at) == 2 && rank == s.rank && at == step;
+// Whether the test fault `f` strikes this rank in the save of checkpoint `step`.
+bool fault_at(const run::FaultPoint& f, const Session& s, int64_t step) {
+  return step >= 0 && f.step_of(s.rank) == step;
 }
 
-// In the write of the rank file (on the writing thread under --async-save):
-// SHARDLM_FAULT_KILL_MID_WRITE: SIGKILL once half the file's bytes are written (a partial
-// temporary file stays on disk); SHARDLM_FAULT_FAIL_WRITE: the write fails, as a full disk would.
+// The faults of TrainHooks in the write of the rank file (on the writing thread under
+// --async-save): kill_mid_write and fail_write, once half the file's bytes are written.
 ckpt::SafetensorsWriter::Progress write_faults(const Session& s, int64_t step) {
-  const bool kill = fault_at("SHARDLM_FAULT_KILL_MID_WRITE", s, step), fail = fault_at("SHARDLM_FAULT_FAIL_WRITE", s, step);
+  const bool kill = fault_at(s.hooks.kill_mid_write, s, step), fail = fault_at(s.hooks.fail_write, s, step);
   if (!kill && !fail) return {};
   return [kill](const void*, size_t, uint64_t written, uint64_t total) {
     if (2 * written < total) return;
     if (kill) std::raise(SIGKILL);
-    throw std::runtime_error("checkpoint: write failed: injected by SHARDLM_FAULT_FAIL_WRITE");
+    throw std::runtime_error("checkpoint: write failed: injected");
   };
 }
 
@@ -99,9 +95,9 @@ std::string pending_tmp(const Session& s) {
 // Every rank's file of the pending save is durable (this rank's: `mine`). The all-gather of the
 // files' sizes and checksums is the barrier after which all are; then rank 0 writes index.json,
 // moves the directory into place and only then points ckpt/latest at it.
-// SHARDLM_FAULT_KILL_IN_SAVE=RANK:STEP (test-only) kills that rank by SIGKILL before the barrier.
+// TrainHooks::kill_in_save (test-only) kills that rank by SIGKILL before the barrier.
 void commit_save(Session& s, const ckpt::FileSummary& mine) {
-  if (fault_at("SHARDLM_FAULT_KILL_IN_SAVE", s, s.pending->step)) std::raise(SIGKILL);
+  if (fault_at(s.hooks.kill_in_save, s, s.pending->step)) std::raise(SIGKILL);
   std::vector<ckpt::FileSummary> files(s.N);
   static_assert(sizeof(ckpt::FileSummary) == 16);
   s.world.all_gather(&mine, files.data(), 4, DType::fp32, "checkpoint files")->wait(s.timeout);

@@ -42,6 +42,7 @@ struct PendingSave {
 // Everything one rank's run holds: data, model, plan, communicators, executor.
 struct Session {
   const TrainConfig& cfg;
+  const TrainHooks& hooks;  // the test seams the run was started with
   comm::Communicator& world;
   int rank, N;
   bool lead, talk;
@@ -63,7 +64,8 @@ struct Session {
   // thread before the model it writes goes away).
   std::unique_ptr<ckpt::AsyncRankWriter> writer;
 
-  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m);
+  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m,
+          const TrainHooks& h);
 };
 
 }  // namespace shardlm::train

@@ -170,8 +170,10 @@ const kernels::Backend& backend_for(const TrainConfig& c) {
 
 }  // namespace
 
-Session::Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m)
+Session::Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m,
+                 const TrainHooks& h)
     : cfg(c),
+      hooks(h),
       world(w),
       rank(w.rank()),
       N(w.size()),
@@ -189,7 +191,7 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, const model::Model
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
                                    c.ranks_on_machine)),
       comms(w, plan),
-      ex(desc, plan, comms, c.threads, timeout, backend_for(c)),
+      ex(desc, plan, comms, c.threads, timeout, backend_for(c), h.executor_faults),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
 
 namespace {
@@ -493,7 +495,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   StartUp up = start_up(cfg, world);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
-  Session s(cfg, world, resolve_model(cfg, meta), meta);
+  Session s(cfg, world, resolve_model(cfg, meta), meta, hooks);
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
@@ -508,9 +510,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   }
   if (cfg.device == "cuda" && world.size() > 1)
     throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
-  // Test-only: SHARDLM_TEST_SAVE_AFTER_RESUME=1 saves the state just loaded, under this run's
-  // strategy and rank count, so a test can compare it with the checkpoint it came from.
-  if (!cfg.resume.empty() && std::getenv("SHARDLM_TEST_SAVE_AFTER_RESUME")) save(s);
+  if (!cfg.resume.empty() && hooks.save_after_resume) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
   const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
   const int64_t T = cfg.seq, global_batch = s.plan.dp_size() * cfg.batch * cfg.grad_accum;

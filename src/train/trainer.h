@@ -11,6 +11,7 @@
 #include "comm/communicator.h"
 #include "model/model.h"
 #include "plan/plan.h"
+#include "run/executor.h"
 #include "train/config.h"
 
 namespace shardlm::train {
@@ -33,6 +34,15 @@ struct TrainHooks {
   // before that step boundary's checkpoint, snapshot and evaluation: what it takes is time between
   // steps, as theirs is.
   std::function<void(int64_t step)> at_step_boundary;
+  // Faults injected into the steps (run::ExecutorFaults) and into saving checkpoint STEP on that
+  // rank: kill_mid_write dies by SIGKILL once half the rank file's bytes are written (a partial
+  // temporary file stays on disk); fail_write makes that write fail, as a full disk would;
+  // kill_in_save dies after writing its file, before the barrier that commits the checkpoint.
+  run::ExecutorFaults executor_faults;
+  run::FaultPoint kill_mid_write, fail_write, kill_in_save;
+  // With --resume: save the state just loaded, under this run's strategy and rank count, so a
+  // test can compare it with the checkpoint it came from.
+  bool save_after_resume = false;
 };
 
 // Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,

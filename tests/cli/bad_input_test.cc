@@ -215,6 +215,20 @@ TEST_F(BadInput, HuggingFaceConfigKeysAreRangeChecked) {
   }
 }
 
+// A test fault whose value is not RANK:STEP was ignored (sscanf read what it could), so a test
+// with a typo passed without its fault. It is refused naming the variable.
+TEST_F(BadInput, MalformedTestFaultIsRefusedNamingTheVariable) {
+  const std::string binary = shardlm::testing::shardlm_binary();
+  for (const char* value : {"1", "1:", ":2", "1:2x", "-1:2", "a:b", "1:2:3"})
+    expect_one_line_error(shardlm::testing::run_command("SHARDLM_FAULT_KILL='" + std::string(value) + "' " + binary +
+                                                        " " + train_args("fault", 1)),
+                          {"SHARDLM_FAULT_KILL", "RANK:STEP", value});
+  expect_one_line_error(shardlm::testing::run_command("SHARDLM_TEST_SAVE_AFTER_RESUME=yes " + binary + " " +
+                                                      train_args("fault", 1)),
+                        {"SHARDLM_TEST_SAVE_AFTER_RESUME", "yes"});
+  EXPECT_FALSE(fs::exists(dir_ / "fault"));
+}
+
 // Truncating the token file during a run crashed with a bus error and no message.
 TEST_F(BadInput, TokenFileTruncatedDuringARun) {
   const std::string prefix = path("shrinking");
