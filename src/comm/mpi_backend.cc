@@ -174,6 +174,7 @@ void abort_job(int code) {
 
 class StagingPool {
  public:
+  explicit StagingPool(MemoryPool& memory) : memory_(memory) {}
   Buffer take(size_t bytes) {
     if (bytes == 0) return Buffer();
     {
@@ -189,7 +190,7 @@ class StagingPool {
         return b;
       }
     }
-    return Buffer(MemCategory::comm, bytes);
+    return Buffer(memory_, MemCategory::comm, bytes);
   }
   void give(Buffer b) {
     if (!b.data()) return;
@@ -209,6 +210,7 @@ class StagingPool {
 
  private:
   static constexpr size_t kMaxIdle = 4;
+  MemoryPool& memory_;
   std::mutex mu_;
   std::vector<Buffer> idle_;
 };
@@ -814,14 +816,15 @@ void check_native_count(int64_t count, const char* what) {
 // ---------------------------------------------------------------------------------------------
 // MpiCommunicator.
 
-MpiCommunicator::MpiCommunicator(MpiOptions options, MPI_Comm comm) : options_(options) {
+MpiCommunicator::MpiCommunicator(MemoryPool& memory, MpiOptions options, MPI_Comm comm)
+    : options_(options), memory_(memory) {
   if (!mpi_active()) throw Error("comm: MpiCommunicator needs init_mpi() first");
   check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
   set_up();
 }
 
-MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options)
-    : options_(options), comm_(owned) {
+MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options, MemoryPool& memory)
+    : options_(options), memory_(memory), comm_(owned) {
   set_up();
 }
 
@@ -839,7 +842,7 @@ void MpiCommunicator::set_up() {
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
   const int tag_ub = flag && ub ? *ub : 32767;
   tag_blocks_ = static_cast<int>(std::max<int64_t>(1, (int64_t(tag_ub) + 1) / kTagsPerCollective));
-  pool_ = std::make_shared<StagingPool>();
+  pool_ = std::make_shared<StagingPool>(memory_);
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -1185,7 +1188,7 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
     check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &nc), "MPI_Comm_split");
   }
   if (nc == MPI_COMM_NULL) return nullptr;
-  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_));
+  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_, memory_));
 }
 
 }  // namespace shardlm::comm

@@ -45,6 +45,7 @@
 
 #include "comm/communicator.h"
 #include "comm/options.h"
+#include "tensor/memory.h"
 
 namespace shardlm::comm {
 
@@ -70,8 +71,10 @@ class MpiCommunicator final : public Communicator {
  public:
   // A communicator over a duplicate of `comm` (by default every rank of the job). Needs
   // init_mpi(). Collective over `comm` (MPI_Comm_dup). Destroy it only once its collectives have
-  // completed (the point-to-point schedules still post messages on it until then).
-  explicit MpiCommunicator(MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
+  // completed (the point-to-point schedules still post messages on it until then). Its staging
+  // buffers, and those of the communicators split from it, come from `memory` (which must
+  // outlive them).
+  explicit MpiCommunicator(MemoryPool& memory, MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -115,11 +118,12 @@ class MpiCommunicator final : public Communicator {
 
  private:
   struct Adopt {};
-  MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options);
+  MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options, MemoryPool& memory);
   void set_up();
   int next_tag_base();
 
   MpiOptions options_;
+  MemoryPool& memory_;
   MPI_Comm comm_ = MPI_COMM_NULL;      // collectives and user point-to-point
   MPI_Comm sched_comm_ = MPI_COMM_NULL;  // the point-to-point algorithms' own messages
   int rank_ = 0, size_ = 1;

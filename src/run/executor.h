@@ -80,9 +80,10 @@ struct StepResult {
 
 class Executor {
  public:
-  // Every kernel the executor and its layers run goes through `backend` (which must outlive it).
+  // Every kernel the executor and its layers run goes through `backend` (which must outlive it);
+  // its buffers are charged to, and the trace's memory counters read from, backend.memory().
   Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-           std::chrono::milliseconds timeout, const kernels::Backend& backend = kernels::cpu_backend());
+           std::chrono::milliseconds timeout, const kernels::Backend& backend);
   ~Executor();
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)

@@ -39,10 +39,11 @@ struct PendingSave {
   double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
 };
 
-// Everything one rank's run holds: data, model, plan, communicators, executor.
+// Everything one rank's run holds: data, model, plan, communicators, kernels, executor.
 struct Session {
   const TrainConfig& cfg;
   comm::Communicator& world;
+  MemoryPool& memory;  // the run's: every buffer of it is charged here, and metrics read it
   int rank, N;
   bool lead, talk;
   std::chrono::milliseconds timeout;
@@ -52,6 +53,7 @@ struct Session {
   RunState state;
   plan::Plan plan;
   run::CommGroups comms;
+  std::unique_ptr<kernels::Backend> backend;  // made before the executor, gone after its buffers
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
@@ -63,7 +65,8 @@ struct Session {
   // thread before the model it writes goes away).
   std::unique_ptr<ckpt::AsyncRankWriter> writer;
 
-  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m);
+  Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
+          const DataMeta& m);
 };
 
 }  // namespace shardlm::train
