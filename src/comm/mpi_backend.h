@@ -121,6 +121,7 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options, MemoryPool& memory);
   void set_up();
   int next_tag_base();
+  MPI_Op sum_op(DType t) const;  // MPI's own for fp32, bf16_sum_ for bf16
 
   MpiOptions options_;
   MemoryPool& memory_;
@@ -131,6 +132,7 @@ class MpiCommunicator final : public Communicator {
   std::mutex issue_mu_;
   uint64_t seq_ = 0;
   std::shared_ptr<StagingPool> pool_;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;  // this communicator's own: no process-wide op to create and free
 };
 
 }  // namespace shardlm::comm
