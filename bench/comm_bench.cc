@@ -137,7 +137,8 @@ int main(int argc, char** argv) {
   // Buffers shared by all implementations, sized for the largest run.
   int64_t max_elems = 0;
   for (int s : args.sizes_mib) max_elems = std::max<int64_t>(max_elems, (int64_t(s) << 20) / es);
-  Buffer a(MemCategory::workspace, max_elems * es), b(MemCategory::workspace, max_elems * es);
+  MemoryPool memory;  // before the buffers and communicators, which it outlives
+  Buffer a(memory, MemCategory::workspace, max_elems * es), b(memory, MemCategory::workspace, max_elems * es);
   for (int64_t i = 0; i < max_elems; ++i) {
     if (dt == DType::fp32) a.f32()[i] = 1.0f;
     else a.as<uint16_t>()[i] = float_to_bf16(1.0f);
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
     if (c == "all_reduce") o.all_reduce = algo;
     if (c == "all_to_all") o.all_to_all = algo;
     if (c == "broadcast") o.broadcast = algo;
-    keep.push_back(std::make_unique<MpiCommunicator>(o));
+    keep.push_back(std::make_unique<MpiCommunicator>(memory, o));
     return keep.back().get();
   };
   const std::chrono::milliseconds to(600'000);

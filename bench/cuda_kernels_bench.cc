@@ -59,7 +59,9 @@ int main() {
     std::printf("no CUDA device present: nothing to time\n");
     return 0;
   }
-  const Backend& be = shardlm::kernels::cuda_backend(true);
+  shardlm::MemoryPool memory;
+  const std::unique_ptr<Backend> backend = shardlm::kernels::make_cuda_backend(memory);
+  const Backend& be = *backend;
   Bench b(be);
   const int64_t B = 16, T = 1024, N = B * T, C = 768, NH = 12, HS = 64, F = 4 * C, V = 50257, Vp = 50304, L = 12;
   Buffer x = b.rand(N * C), y = b.rand(N * C), dx = b.rand(N * C), h = b.rand(N * F), dh = b.rand(N * F);

@@ -8,12 +8,14 @@
 
 namespace shardlm::ckpt {
 
-AsyncRankWriter::AsyncRankWriter(const model::ModelDesc& desc, const ShardedLayout& layout, int rank)
+AsyncRankWriter::AsyncRankWriter(MemoryPool& memory, const model::ModelDesc& desc, const ShardedLayout& layout,
+                                 int rank)
     : desc_(desc), layout_(layout), rank_(rank) {
   for (int k = 0; k < kNumKinds; ++k)
     if (const int64_t n = written_elements(layout_, k, rank_); n > 0)
-      staging_[k] = Buffer(MemCategory::staging, sizeof(float) * n);  // zeroed: its pages fault in now, not in a save
-  io_ = Buffer(MemCategory::staging, kCheckpointIoBytes);  // large blocks are 2 MiB aligned (tensor/memory.cc)
+      // Zeroed: its pages fault in now, not in a save.
+      staging_[k] = Buffer(memory, MemCategory::staging, sizeof(float) * n);
+  io_ = Buffer(memory, MemCategory::staging, kCheckpointIoBytes);  // large blocks are 2 MiB aligned (tensor/memory.cc)
 }
 
 AsyncRankWriter::~AsyncRankWriter() {

@@ -30,8 +30,9 @@ class AsyncRankWriter {
  public:
   enum class State : int { idle, writing, written, failed };
 
-  // `desc` must outlive the writer. Allocates the staging copy of what `rank` writes.
-  AsyncRankWriter(const model::ModelDesc& desc, const ShardedLayout& layout, int rank);
+  // `desc` and `memory` must outlive the writer. Allocates the staging copy of what `rank` writes
+  // from `memory`.
+  AsyncRankWriter(MemoryPool& memory, const model::ModelDesc& desc, const ShardedLayout& layout, int rank);
   ~AsyncRankWriter();  // waits for a write in flight (its result is dropped)
   AsyncRankWriter(const AsyncRankWriter&) = delete;
   AsyncRankWriter& operator=(const AsyncRankWriter&) = delete;

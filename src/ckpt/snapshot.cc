@@ -134,8 +134,15 @@ void commit_slot(char* base, Header h, const json& meta) {
   valid_flag(base)->store(1, std::memory_order_release);
 }
 
-// A mapping of a whole segment, charged to MemCategory::snapshot.
-Buffer map_segment(const std::string& name, int64_t bytes, bool create) {
+// Hands a mapping back to the kernel. Holds nothing: one instance serves every mapping.
+class Unmapper final : public Buffer::Owner {
+ public:
+  void give_back(void* data, size_t bytes) override { ::munmap(data, bytes); }
+};
+Unmapper unmapper;
+
+// A mapping of a whole segment, charged to MemCategory::snapshot of `memory`.
+Buffer map_segment(MemoryPool& memory, const std::string& name, int64_t bytes, bool create) {
   const std::string path = "/" + name;
   const int fd = ::shm_open(path.c_str(), O_RDWR | (create ? O_CREAT : 0), 0600);
   if (fd < 0) throw std::runtime_error("snapshot " + name + ": cannot open: " + errno_text());
@@ -152,7 +159,7 @@ Buffer map_segment(const std::string& name, int64_t bytes, bool create) {
   void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : nullptr;
   ::close(fd);
   if (p == MAP_FAILED) throw std::runtime_error("snapshot " + name + ": cannot map: " + errno_text());
-  return Buffer::adopt(MemCategory::snapshot, p, bytes, [](void* d, size_t b) { ::munmap(d, b); });
+  return Buffer::adopt(memory, MemCategory::snapshot, p, bytes, unmapper);
 }
 
 // Segment names in /dev/shm starting with `prefix`.
@@ -271,12 +278,13 @@ int64_t snapshot_bytes_most(const SnapshotScheme& s, int64_t payload_bytes) {
 }
 
 std::vector<SlotInfo> list_snapshot_slots(const std::string& prefix, bool verify) {
+  MemoryPool listing;  // each segment is mapped only while its header is read; nothing reports it
   std::vector<SlotInfo> out;
   for (const std::string& name : segments_named(prefix)) {
     SlotInfo s;
     if (!parse_name(name, s)) continue;
     try {
-      const Buffer m = map_segment(name, 0, false);
+      const Buffer m = map_segment(listing, name, 0, false);
       s.bytes = static_cast<int64_t>(m.bytes());
       Header h{};
       s.status = check_slot(m.as<char>(), s.bytes, verify, &h);
@@ -298,9 +306,10 @@ int remove_snapshot_segments(const std::string& prefix) {
   return n;
 }
 
-SnapshotStore::SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme,
-                             SnapshotMesh mesh, std::chrono::milliseconds timeout)
+SnapshotStore::SnapshotStore(const std::string& run_dir, comm::Communicator& world, MemoryPool& memory,
+                             SnapshotScheme scheme, SnapshotMesh mesh, std::chrono::milliseconds timeout)
     : world_(world),
+      memory_(memory),
       scheme_(scheme),
       mesh_(std::move(mesh)),
       timeout_(timeout),
@@ -339,7 +348,8 @@ void SnapshotStore::prepare(int64_t payload_bytes) {
       for (size_t at = 0; at < m->buf.bytes(); at += 4096) p[at] = p[at];
     }
   if (held_roles().size() > 1 && scheme_.parity_group > 0 && scratch_.empty())
-    for (int m = 0; m < scheme_.parity_group; ++m) scratch_.emplace_back(MemCategory::snapshot, kChunk, Buffer::Fill::none);
+    for (int m = 0; m < scheme_.parity_group; ++m)
+      scratch_.emplace_back(memory_, MemCategory::snapshot, kChunk, Buffer::Fill::none);
 }
 
 std::string SnapshotStore::segment(const std::string& role, int slot) const {
@@ -356,7 +366,7 @@ SnapshotStore::Mapped* SnapshotStore::map_slot(const std::string& role, int slot
     mapped_.erase(it);
   }
   if (!create && ::access((std::string(kShmDir) + "/" + name).c_str(), F_OK) != 0) return nullptr;
-  auto* m = new Mapped{map_segment(name, want, create)};
+  auto* m = new Mapped{map_segment(memory_, name, want, create)};
   mapped_[name] = m;
   return m;
 }
@@ -665,7 +675,7 @@ std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<St
         send_bytes(world_, p, slot_bytes, r, kTagRestore, works);
       }
       if (r == rank_) {
-        got.emplace_back(MemCategory::snapshot, slot_bytes, Buffer::Fill::none);
+        got.emplace_back(memory_, MemCategory::snapshot, slot_bytes, Buffer::Fill::none);
         got_from.push_back(from);
         recv_bytes(world_, got.back().as<char>(), slot_bytes, from, kTagRestore, works);
       }

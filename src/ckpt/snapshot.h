@@ -116,9 +116,10 @@ class SnapshotStore {
     int64_t step;                          // -1: unknown (its header failed)
   };
 
-  // `mesh`: every rank's place (of_rank has one row per rank of `world`).
-  SnapshotStore(const std::string& run_dir, comm::Communicator& world, SnapshotScheme scheme, SnapshotMesh mesh,
-                std::chrono::milliseconds timeout);
+  // `mesh`: every rank's place (of_rank has one row per rank of `world`). Mappings and parity
+  // buffers are charged to `memory` (MemCategory::snapshot), which must outlive the store.
+  SnapshotStore(const std::string& run_dir, comm::Communicator& world, MemoryPool& memory, SnapshotScheme scheme,
+                SnapshotMesh mesh, std::chrono::milliseconds timeout);
   ~SnapshotStore();
   SnapshotStore(const SnapshotStore&) = delete;
   SnapshotStore& operator=(const SnapshotStore&) = delete;
@@ -162,6 +163,7 @@ class SnapshotStore {
   const Entry* parity_entry(int r, int64_t s) const;
 
   comm::Communicator& world_;
+  MemoryPool& memory_;
   SnapshotScheme scheme_;
   SnapshotMesh mesh_;
   std::chrono::milliseconds timeout_;

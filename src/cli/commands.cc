@@ -206,12 +206,13 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
 
 }  // namespace
 
-int on_world(const std::function<int(comm::Communicator&)>& body) {
+int on_world(const std::function<int(comm::Communicator& world, MemoryPool& memory)>& body) {
+  MemoryPool memory;  // before the world: it outlives every buffer
   std::unique_ptr<comm::Communicator> world;
   int code = 0;
   try {
-    world = comm::make_communicator(comm_options(), launched_by_mpi());
-    code = body(*world);
+    world = comm::make_communicator(memory, comm_options(), launched_by_mpi());
+    code = body(*world, memory);
   } catch (const std::exception& e) {
     const bool distributed = world && world->size() > 1;
     std::cerr << "shardlm: error: " << (distributed ? fmt::format("rank {}: ", world->rank()) : "") << e.what() << "\n";

@@ -9,6 +9,7 @@
 
 #include "cli/environment.h"
 #include "cli/subcommands.h"
+#include "kernels/backend.h"
 #include "kernels/cpu.h"
 #include "run/calibrate.h"
 #include "sim/hardware.h"
@@ -148,8 +149,8 @@ void run_simulate(SimulateArgs& a) {
 // refuse is an error here, not a file), and written to a temporary name renamed into place.
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
   run::check_calibrate_options(co);  // before MPI: a bad flag is one line, not an aborted job
-  return on_world([&](comm::Communicator& world) {
-    const std::string text = run::calibrate(kernels::cpu_backend(), world, co);
+  return on_world([&](comm::Communicator& world, MemoryPool& memory) {
+    const std::string text = run::calibrate(*kernels::make_cpu_backend(memory), world, co);
     if (world.rank() == 0) {
       try {
         sim::parse_hardware(text, out);
@@ -182,7 +183,7 @@ int run_plan(PlanArgs& a) {
     return 0;
   }
   if (a.data.empty()) throw std::runtime_error("plan --run: --data PREFIX is required (the tokens to train on)");
-  return on_world([&](comm::Communicator& world) {
+  return on_world([&](comm::Communicator& world, MemoryPool& memory) {
     if (world.size() != a.ranks)
       throw std::runtime_error(fmt::format("plan --run: --ranks {} but {} process(es) were started (mpirun -np {})", a.ranks,
                                            world.size(), a.ranks));
@@ -192,7 +193,7 @@ int run_plan(PlanArgs& a) {
       throw std::runtime_error("plan --run: no configuration fits " + std::to_string(s.smallest.peak_bytes));
     const sim::Candidate& best = s.fitting.front();
     const train::TrainConfig tc = train_config_of(a, best.config);
-    const train::TrainSummary run = train::run_training(tc, world);
+    const train::TrainSummary run = train::run_training(tc, world, memory);
     if (run.exit_code != 0) throw std::runtime_error("plan --run: training stopped: " + run.stop_reason);
     if (world.rank() == 0) print_predicted_and_measured(best, tc.out);
     return 0;

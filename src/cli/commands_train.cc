@@ -15,6 +15,7 @@
 #include "comm/single_rank.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "kernels/backend.h"
 #include "kernels/cpu.h"
 #include "run/executor.h"
 #include "train/agreement.h"
@@ -33,8 +34,10 @@ namespace {
 struct LoadedModel {
   model::ModelDesc desc;
   plan::Plan plan;
+  MemoryPool memory;  // declared first of what allocates: it goes last
   std::unique_ptr<comm::Communicator> world;
   std::unique_ptr<run::CommGroups> comms;
+  std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<run::Executor> ex;
   train::RunState state;
 };
@@ -53,9 +56,10 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   pc.seq = T;
   pc.threads = threads;
   m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false, ranks_on_this_machine());
-  m->world = std::make_unique<comm::SingleRankCommunicator>();
+  m->world = std::make_unique<comm::SingleRankCommunicator>(m->memory);
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
-  m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300));
+  m->backend = kernels::make_cpu_backend(m->memory);
+  m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300), *m->backend);
   train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
                          nullptr);
   return m;
@@ -68,9 +72,9 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
 // rank finalizes instead of aborting.
 int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
   const train::TrainHooks hooks = test_faults();
-  return on_world([&](comm::Communicator& world) {
+  return on_world([&](comm::Communicator& world, MemoryPool& memory) {
     try {
-      auto summary = train::run_training(tc, world, hooks);
+      auto summary = train::run_training(tc, world, memory, hooks);
       if (summary.exit_code != 0) {  // every rank stopped at the same step for the same reason
         if (world.rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";
         return summary.exit_code;

@@ -19,8 +19,9 @@ namespace shardlm::cli {
 // Runs `body` on this process's world communicator (MPI under mpirun, else a world of one) and
 // returns its exit code. A failure ends the whole job: one line, naming the rank when there are
 // several, then an MPI abort so that no rank waits forever for the failed one. MPI is finalized
-// whichever way the body ends.
-int on_world(const std::function<int(comm::Communicator&)>& body);
+// whichever way the body ends. `memory` is the run's: the world's buffers and the body's are
+// charged to it, and it outlives them.
+int on_world(const std::function<int(comm::Communicator& world, MemoryPool& memory)>& body);
 
 // commands_train.cc
 int run_train(const train::TrainConfig& tc, const std::string& data_dir);

@@ -12,12 +12,12 @@ bool launched_by_mpi(const SettingLookup& env) {
   return false;
 }
 
-std::unique_ptr<Communicator> make_communicator(const MpiOptions& options, bool launched) {
+std::unique_ptr<Communicator> make_communicator(MemoryPool& memory, const MpiOptions& options, bool launched) {
   if (mpi_active() || launched) {
     init_mpi(nullptr, nullptr);
-    return std::make_unique<MpiCommunicator>(options);
+    return std::make_unique<MpiCommunicator>(memory, options);
   }
-  return std::make_unique<SingleRankCommunicator>();
+  return std::make_unique<SingleRankCommunicator>(memory);
 }
 
 }  // namespace shardlm::comm

@@ -16,11 +16,11 @@
 namespace shardlm::comm {
 
 // ---------------------------------------------------------------------------------------------
-// Process-wide MPI state.
+// Process-wide MPI state. MPI itself is initialised once per process, so whether this library did
+// it is too; it changes only in init_mpi and finalize_mpi.
 
 namespace {
 
-MPI_Op g_bf16_sum = MPI_OP_NULL;
 bool g_we_initialized = false;
 
 void bf16_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -46,10 +46,6 @@ const char* thread_level_name(int level) {
     case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
   }
   return "unknown";
-}
-
-void ensure_op() {
-  if (g_bf16_sum == MPI_OP_NULL) check(MPI_Op_create(&bf16_sum_fn, 1, &g_bf16_sum), "MPI_Op_create");
 }
 
 }  // namespace
@@ -81,9 +77,11 @@ void init_mpi(int* argc, char*** argv) {
                 ", but shardlm needs MPI_THREAD_MULTIPLE (a comm thread issues collectives "
                 "while others test them); use an MPI built with thread support");
   }
-  ensure_op();
 }
 
+// Every Work in flight, of every communicator. Process-wide because MPI's progress is: a Work
+// waited on may only complete once another communicator's schedule (another thread's) posts its
+// next messages, so a waiting thread advances all of them.
 class ProgressRegistry {
  public:
   static ProgressRegistry& get() {
@@ -154,7 +152,6 @@ void finalize_mpi() {
     std::fprintf(stderr, "shardlm comm: finalize with %zu collective(s) still pending\n", pending);
   }
   ProgressRegistry::get().clear();
-  if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
   if (g_we_initialized) {
     MPI_Finalize();
     g_we_initialized = false;
@@ -174,6 +171,7 @@ void abort_job(int code) {
 
 class StagingPool {
  public:
+  explicit StagingPool(MemoryPool& memory) : memory_(memory) {}
   Buffer take(size_t bytes) {
     if (bytes == 0) return Buffer();
     {
@@ -189,7 +187,7 @@ class StagingPool {
         return b;
       }
     }
-    return Buffer(MemCategory::comm, bytes);
+    return Buffer(memory_, MemCategory::comm, bytes);
   }
   void give(Buffer b) {
     if (!b.data()) return;
@@ -209,6 +207,7 @@ class StagingPool {
 
  private:
   static constexpr size_t kMaxIdle = 4;
+  MemoryPool& memory_;
   std::mutex mu_;
   std::vector<Buffer> idle_;
 };
@@ -231,8 +230,6 @@ MPI_Datatype mpi_type(DType t) {
   }
   return MPI_BYTE;
 }
-
-MPI_Op mpi_sum(DType t) { return t == DType::fp32 ? MPI_SUM : g_bf16_sum; }
 
 inline int64_t num_chunks(int64_t max_len, int64_t chunk_elems) {
   return std::max<int64_t>(1, (max_len + chunk_elems - 1) / chunk_elems);
@@ -814,14 +811,15 @@ void check_native_count(int64_t count, const char* what) {
 // ---------------------------------------------------------------------------------------------
 // MpiCommunicator.
 
-MpiCommunicator::MpiCommunicator(MpiOptions options, MPI_Comm comm) : options_(options) {
+MpiCommunicator::MpiCommunicator(MemoryPool& memory, MpiOptions options, MPI_Comm comm)
+    : options_(options), memory_(memory) {
   if (!mpi_active()) throw Error("comm: MpiCommunicator needs init_mpi() first");
   check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
   set_up();
 }
 
-MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options)
-    : options_(options), comm_(owned) {
+MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options, MemoryPool& memory)
+    : options_(options), memory_(memory), comm_(owned) {
   set_up();
 }
 
@@ -839,11 +837,16 @@ void MpiCommunicator::set_up() {
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
   const int tag_ub = flag && ub ? *ub : 32767;
   tag_blocks_ = static_cast<int>(std::max<int64_t>(1, (int64_t(tag_ub) + 1) / kTagsPerCollective));
-  pool_ = std::make_shared<StagingPool>();
+  pool_ = std::make_shared<StagingPool>(memory_);
+  // MPI calls a user op with no context; bf16_sum_fn needs none (the element type is the op's).
+  check(MPI_Op_create(&bf16_sum_fn, 1, &bf16_sum_), "MPI_Op_create");
 }
+
+MPI_Op MpiCommunicator::sum_op(DType t) const { return t == DType::fp32 ? MPI_SUM : bf16_sum_; }
 
 MpiCommunicator::~MpiCommunicator() {
   if (!mpi_active()) return;  // finalized: MPI has freed them
+  if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
   if (sched_comm_ != MPI_COMM_NULL) MPI_Comm_free(&sched_comm_);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
@@ -958,13 +961,13 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
         out = temp = w->temp.as<char>();
       }
       check(MPI_Ireduce_scatter_block(send, out, static_cast<int>(count_per_rank), mpi_type(dtype),
-                                      mpi_sum(dtype), comm_, &w->reqs.back()),
+                                      sum_op(dtype), comm_, &w->reqs.back()),
             "MPI_Ireduce_scatter_block");
     } else {
       const int64_t total = count_per_rank * size_;
       check_native_count(total, kName);
       temp = take_staging(c, total * es, w->temp);
-      check(MPI_Iallreduce(send, temp, static_cast<int>(total), mpi_type(dtype), mpi_sum(dtype), comm_,
+      check(MPI_Iallreduce(send, temp, static_cast<int>(total), mpi_type(dtype), sum_op(dtype), comm_,
                            &w->reqs.back()),
             "MPI_Iallreduce");
     }
@@ -1012,7 +1015,7 @@ std::shared_ptr<Work> MpiCommunicator::all_reduce(void* buf, int64_t count, DTyp
       w->reqs.emplace_back();
       check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(buf) + o * es,
                            static_cast<int>(std::min(kMaxMessageElems, count - o)), mpi_type(dtype),
-                           mpi_sum(dtype), comm_, &w->reqs.back()),
+                           sum_op(dtype), comm_, &w->reqs.back()),
             "MPI_Iallreduce");
     }
     return w;
@@ -1185,7 +1188,7 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
     check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &nc), "MPI_Comm_split");
   }
   if (nc == MPI_COMM_NULL) return nullptr;
-  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_));
+  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_, memory_));
 }
 
 }  // namespace shardlm::comm

@@ -46,6 +46,7 @@
 #include "comm/communicator.h"
 #include "comm/options.h"
 #include "comm/process.h"
+#include "tensor/memory.h"
 
 namespace shardlm::comm {
 
@@ -57,8 +58,10 @@ class MpiCommunicator final : public Communicator {
  public:
   // A communicator over a duplicate of `comm` (by default every rank of the job). Needs
   // init_mpi(). Collective over `comm` (MPI_Comm_dup). Destroy it only once its collectives have
-  // completed (the point-to-point schedules still post messages on it until then).
-  explicit MpiCommunicator(MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
+  // completed (the point-to-point schedules still post messages on it until then). Its staging
+  // buffers, and those of the communicators split from it, come from `memory` (which must
+  // outlive them).
+  explicit MpiCommunicator(MemoryPool& memory, MpiOptions options = {}, MPI_Comm comm = MPI_COMM_WORLD);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -102,11 +105,13 @@ class MpiCommunicator final : public Communicator {
 
  private:
   struct Adopt {};
-  MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options);
+  MpiCommunicator(Adopt, MPI_Comm owned, MpiOptions options, MemoryPool& memory);
   void set_up();
   int next_tag_base();
+  MPI_Op sum_op(DType t) const;  // MPI's own for fp32, bf16_sum_ for bf16
 
   MpiOptions options_;
+  MemoryPool& memory_;
   MPI_Comm comm_ = MPI_COMM_NULL;      // collectives and user point-to-point
   MPI_Comm sched_comm_ = MPI_COMM_NULL;  // the point-to-point algorithms' own messages
   int rank_ = 0, size_ = 1;
@@ -114,6 +119,7 @@ class MpiCommunicator final : public Communicator {
   std::mutex issue_mu_;
   uint64_t seq_ = 0;
   std::shared_ptr<StagingPool> pool_;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;  // this communicator's own: no process-wide op to create and free
 };
 
 }  // namespace shardlm::comm

@@ -58,7 +58,8 @@ struct SingleRankCommunicator::Mailbox {
   std::deque<Waiting> waiting;
 };
 
-SingleRankCommunicator::SingleRankCommunicator() : mailbox_(std::make_shared<Mailbox>()) {}
+SingleRankCommunicator::SingleRankCommunicator(MemoryPool& memory)
+    : memory_(memory), mailbox_(std::make_shared<Mailbox>()) {}
 SingleRankCommunicator::~SingleRankCommunicator() = default;
 
 std::shared_ptr<Work> SingleRankCommunicator::all_gather(const void* send, void* recv,
@@ -120,7 +121,7 @@ std::shared_ptr<Work> SingleRankCommunicator::send(const void* buf, int64_t coun
     mailbox_->waiting.erase(it);
     return done("send", label);
   }
-  Mailbox::Message m{tag, Buffer(MemCategory::comm, bytes)};
+  Mailbox::Message m{tag, Buffer(memory_, MemCategory::comm, bytes)};
   if (bytes > 0) std::memcpy(m.data.data(), buf, bytes);
   mailbox_->messages.push_back(std::move(m));
   return done("send", label);
@@ -147,7 +148,7 @@ std::shared_ptr<Work> SingleRankCommunicator::recv(void* buf, int64_t count, DTy
 
 std::unique_ptr<Communicator> SingleRankCommunicator::split(int color, int) {
   if (color < 0) return nullptr;
-  return std::make_unique<SingleRankCommunicator>();
+  return std::make_unique<SingleRankCommunicator>(memory_);
 }
 
 }  // namespace shardlm::comm

@@ -6,12 +6,14 @@
 
 #include "comm/communicator.h"
 #include "comm/options.h"
+#include "tensor/memory.h"
 
 namespace shardlm::comm {
 
 class SingleRankCommunicator final : public Communicator {
  public:
-  SingleRankCommunicator();
+  // Messages to oneself are staged in buffers from `memory` (which must outlive it).
+  explicit SingleRankCommunicator(MemoryPool& memory);
   ~SingleRankCommunicator() override;
 
   int rank() const override { return 0; }
@@ -44,6 +46,7 @@ class SingleRankCommunicator final : public Communicator {
 
  private:
   struct Mailbox;
+  MemoryPool& memory_;
   std::shared_ptr<Mailbox> mailbox_;
 };
 

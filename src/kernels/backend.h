@@ -8,14 +8,16 @@
 //    memory for a CUDA backend (buffers from alloc()).
 //  - The scratch-size queries (attention_backward_scratch, head_scratch, rope_table_floats)
 //    give the floats the backend's kernels need; layers/ carves exactly that much.
-//  - A Backend is stateless and shared: its methods are const and may be called from any thread
-//    that init_compute has set up.
+//  - A Backend is made by the run's owner over the MemoryPool its buffers are charged to (the
+//    CUDA backend also holds its device's caches). Its methods are const and may be called from
+//    any thread that init_compute has set up.
 //  - The table holds what run/ and layers/ call; tests and benchmarks may keep calling cpu.h's
 //    free functions directly.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "tensor/memory.h"
 
@@ -23,8 +25,14 @@ namespace shardlm::kernels {
 
 class Backend {
  public:
+  explicit Backend(MemoryPool& memory) : memory_(memory) {}
   virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
   virtual const char* name() const = 0;
+
+  // What alloc() charges: the run's tracker is memory().tracker().
+  MemoryPool& memory() const { return memory_; }
 
   // A buffer of `bytes` charged to `category`. The CPU backend returns host memory
   // (tensor/memory.h's Buffer); a CUDA backend will return device memory.
@@ -105,9 +113,12 @@ class Backend {
   virtual void scale(float* x, int64_t n, float s) const = 0;
   virtual void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const = 0;
   virtual void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const = 0;
+
+ private:
+  MemoryPool& memory_;
 };
 
-// The CPU backend: host Buffers and kernels/cpu.h's functions. One process-wide instance.
-const Backend& cpu_backend();
+// The CPU backend: host Buffers from `memory` and kernels/cpu.h's functions.
+std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory);
 
 }  // namespace shardlm::kernels

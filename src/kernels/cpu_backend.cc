@@ -10,10 +10,11 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(MemoryPool& memory) : Backend(memory) {}
   const char* name() const override { return "cpu"; }
 
   Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
-    return Buffer(category, bytes, fill);
+    return Buffer(memory(), category, bytes, fill);
   }
 
   void upload(void* dst, const void* host_src, size_t bytes) const override { copy(dst, host_src, bytes); }
@@ -136,9 +137,6 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-const Backend& cpu_backend() {
-  static const CpuBackend backend;
-  return backend;
-}
+std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory) { return std::make_unique<CpuBackend>(memory); }
 
 }  // namespace shardlm::kernels

@@ -96,18 +96,16 @@ std::vector<HeadSet> head_sets(int NH, int NKV, int HS) {
 }  // namespace
 
 bool attention_gemm_fits(int64_t T, int64_t NH, int64_t NKV) {
-  // SHARDLM_CUDA_ATTENTION=flash forces the flash kernels (tests, comparisons).
-  if (const char* e = std::getenv("SHARDLM_CUDA_ATTENTION"); e && std::string(e) == "flash") return false;
   const int64_t heads = NKV == NH ? NH : NH / NKV;
   return 2 * heads * T * T * int64_t(sizeof(float)) <= (int64_t(1) << 31);
 }
 
-void attention_gemm_forward(bool bf16, float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                            int64_t NKV, int64_t HS) {
+void attention_gemm_forward(const Backend& backend, bool bf16, float* out, float* lse, const float* qkv, int64_t B,
+                            int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t W = (NH + 2 * NKV) * HS, O = NH * HS;
   const float scale = 1.0f / std::sqrt(float(HS));
   const auto sets = head_sets(int(NH), int(NKV), int(HS));
-  Buffer S = device_scratch(sizeof(float) * sets[0].count * T * T);
+  Buffer S = device_scratch(backend, sizeof(float) * sets[0].count * T * T);
   for (int64_t b = 0; b < B; ++b) {
     const float* base = qkv + b * T * W;
     for (const HeadSet& hs : sets) {
@@ -123,18 +121,20 @@ void attention_gemm_forward(bool bf16, float* out, float* lse, const float* qkv,
   }
 }
 
-void attention_gemm_backward(bool bf16, float* dqkv, const float* dout, const float* qkv, const float* out,
-                             const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+void attention_gemm_backward(const Backend& backend, bool bf16, float* dqkv, const float* dout, const float* qkv,
+                             const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                             int64_t HS) {
   const int64_t W = (NH + 2 * NKV) * HS, O = NH * HS;
   const float scale = 1.0f / std::sqrt(float(HS));
   const auto sets = head_sets(int(NH), int(NKV), int(HS));
   const int64_t rows = B * T * NH;
-  Buffer D = device_scratch(sizeof(float) * rows);
+  Buffer D = device_scratch(backend, sizeof(float) * rows);
   rowdot_kernel<<<unsigned((rows + 7) / 8), dim3(32, 8), 0, stream()>>>(D.f32(), dout, out, rows, int(T), int(NH),
                                                                         int(HS));
   SHARDLM_CUDA_LAUNCHED();
   const int64_t hmax = sets[0].count;
-  Buffer P = device_scratch(sizeof(float) * hmax * T * T), dS = device_scratch(sizeof(float) * hmax * T * T);
+  Buffer P = device_scratch(backend, sizeof(float) * hmax * T * T);
+  Buffer dS = device_scratch(backend, sizeof(float) * hmax * T * T);
   for (int64_t b = 0; b < B; ++b) {
     const float* base = qkv + b * T * W;
     float* dbase = dqkv + b * T * W;

@@ -25,23 +25,29 @@ void check_cublas(cublasStatus_t s, const char* what) {
 }
 
 // The device this process uses: its local rank's, when launched by mpirun with several GPUs.
-int device_index() {
+int device_index(int local_rank) {
   int count = 0;
   SHARDLM_CUDA_CHECK(cudaGetDeviceCount(&count));
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  return local ? std::atoi(local) % count : 0;
+  return local_rank % count;
 }
+
+}  // namespace
 
 // Freed device blocks by rounded size, for reuse: cudaMalloc and cudaFree synchronise the device,
 // and a step frees and asks again for the same sizes. Blocks are returned to CUDA only when a
-// cudaMalloc fails (then every cached block is, and the cudaMalloc is tried once more).
-class DeviceCache {
+// cudaMalloc fails (then every cached block is, and the cudaMalloc is tried once more) and when
+// the backend that owns the cache goes (every buffer from it must be released by then).
+class DeviceCache final : public Buffer::Owner {
  public:
-  static DeviceCache& global() {
-    static DeviceCache* cache = new DeviceCache;  // never destroyed: buffers may outlive statics
-    return *cache;
+  DeviceCache() = default;
+  DeviceCache(const DeviceCache&) = delete;
+  DeviceCache& operator=(const DeviceCache&) = delete;
+  ~DeviceCache() {
+    (void)cudaStreamSynchronize(stream());
+    for (auto& [r, p] : free_) (void)cudaFree(p);
   }
   static size_t rounded(size_t bytes) { return (bytes + 511) / 512 * 512; }
+  void give_back(void* p, size_t bytes) override { give(p, bytes); }
 
   void* take(size_t bytes) {
     const size_t r = rounded(bytes);
@@ -84,32 +90,41 @@ class DeviceCache {
   int64_t reserved_ = 0;
 };
 
-void give_back(void* p, size_t bytes) { DeviceCache::global().give(p, bytes); }
-
-}  // namespace
-
-Buffer device_scratch(size_t bytes) {
-  if (bytes == 0) return Buffer();
-  return Buffer::adopt(MemCategory::workspace, DeviceCache::global().take(bytes), bytes, give_back);
-}
-
 namespace {
 
-// The stream, the cuBLAS handle and a few doubles of device scratch, made on first use.
+// The device's stream, the cuBLAS handle and a few doubles of device scratch, made by the first
+// backend and unchanged after (the mutex only serialises the handle's use). It stays one per
+// process: every launcher of this directory's five .cu files issues on its stream, and handing it
+// to each of them is left for the multi-stream work; a backend asking for another device or
+// another launch check than the first one's is refused.
 struct Context {
   int device = 0;
+  bool sync_each_launch = false;
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
   double* sums = nullptr;  // [0]: sum_squares, [1..1024]: its per-block partials, [1025]: the head's loss
   std::mutex blas_mu;      // a cuBLAS handle is not for concurrent use
 
-  static Context& get() {
-    static Context* c = make();
-    return *c;
+  static Context*& made() {
+    static Context* c = nullptr;  // never destroyed: the device's handles live as long as the process
+    return c;
   }
-  static Context* make() {
+  static Context& get() {
+    if (!made()) throw std::logic_error("CUDA: a kernel ran before any CUDA backend was made");
+    return *made();
+  }
+  static Context& open(const CudaOptions& o) {
+    static std::once_flag once;
+    std::call_once(once, [&] { made() = make(o); });
+    Context& c = *made();
+    if (c.device != device_index(o.local_rank) || c.sync_each_launch != o.sync_each_launch)
+      throw std::invalid_argument("CUDA backend: local_rank and sync_each_launch must be the first backend's");
+    return c;
+  }
+  static Context* make(const CudaOptions& o) {
     auto* c = new Context;
-    c->device = device_index();
+    c->device = device_index(o.local_rank);
+    c->sync_each_launch = o.sync_each_launch;
     SHARDLM_CUDA_CHECK(cudaSetDevice(c->device));
     SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
     check_cublas(cublasCreate(&c->blas), "cublasCreate");
@@ -134,8 +149,7 @@ cudaStream_t stream() { return Context::get().s; }
 
 void after_launch(const char* file, int line) {
   check(cudaGetLastError(), "kernel launch", file, line);
-  static const bool debug = std::getenv("SHARDLM_CUDA_DEBUG") && std::string(std::getenv("SHARDLM_CUDA_DEBUG")) == "1";
-  if (debug) check(cudaStreamSynchronize(stream()), "kernel (SHARDLM_CUDA_DEBUG)", file, line);
+  if (Context::get().sync_each_launch) check(cudaStreamSynchronize(stream()), "kernel (sync_each_launch)", file, line);
 }
 
 void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -175,24 +189,19 @@ namespace {
 
 using cuda::Context;
 
-// Logits rows per head slab (2048 x 50304 floats = 412 MB); SHARDLM_CUDA_HEAD_ROWS overrides it.
-int64_t head_slab_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("SHARDLM_CUDA_HEAD_ROWS");
-    return e && std::atoll(e) > 0 ? int64_t(std::atoll(e)) : int64_t(2048);
-  }();
-  return rows;
-}
-
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(bool bf16) : bf16_(bf16) {}
+  CudaBackend(MemoryPool& memory, const CudaOptions& options)
+      : Backend(memory), options_(options), bf16_(options.bf16_gemm) {
+    Context::open(options);
+  }
   const char* name() const override { return bf16_ ? "cuda" : "cuda-fp32"; }
+  int64_t reserved_bytes() const { return cache_.reserved(); }
 
   Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
-    if (bytes == 0) return Buffer::adopt(category, nullptr, 0, nullptr);
-    void* p = cuda::DeviceCache::global().take(bytes);
-    Buffer b = Buffer::adopt(category, p, bytes, cuda::give_back);
+    if (bytes == 0) return Buffer();
+    void* p = cache_.take(bytes);
+    Buffer b = Buffer::adopt(memory(), category, p, bytes, cache_);
     if (fill == Buffer::Fill::zero) zero(p, cuda::DeviceCache::rounded(bytes));
     return b;
   }
@@ -225,7 +234,7 @@ class CudaBackend final : public Backend {
                        const float* weight, int64_t N, int64_t C, int64_t OC) const override {
     if (dinp) gemm(false, true, N, C, OC, dout, OC, weight, OC, 1.0f, dinp, C);
     if (dweight) gemm(true, false, C, OC, N, inp, C, dout, OC, 1.0f, dweight, OC);
-    if (dbias) cuda::bias_grad(dbias, dout, N, OC);
+    if (dbias) cuda::bias_grad(*this, dbias, dout, N, OC);
   }
   void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
                      int64_t OC) const override {
@@ -244,7 +253,7 @@ class CudaBackend final : public Backend {
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int64_t N,
                           int64_t C) const override {
-    cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+    cuda::layernorm_backward(*this, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
                        float eps) const override {
@@ -252,7 +261,7 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                         const float* rstd, int64_t N, int64_t C) const override {
-    cuda::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+    cuda::rmsnorm_backward(*this, dinp, dweight, dout, inp, weight, rstd, N, C);
   }
   void gelu_forward(float* out, const float* inp, int64_t n) const override { cuda::gelu_forward(out, inp, n); }
   void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) const override {
@@ -295,7 +304,8 @@ class CudaBackend final : public Backend {
                          int64_t HS) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
-    if (cuda::attention_gemm_fits(T, NH, NKV)) return cuda::attention_gemm_forward(bf16_, out, lse, qkv, B, T, NH, NKV, HS);
+    if (use_attention_gemm(T, NH, NKV))
+      return cuda::attention_gemm_forward(*this, bf16_, out, lse, qkv, B, T, NH, NKV, HS);
     cuda::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
   }
   // The plan sizes scratch by the CPU kernels' formulas (model/'s costs), so the queries answer those.
@@ -309,8 +319,8 @@ class CudaBackend final : public Backend {
                           int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
-    if (cuda::attention_gemm_fits(T, NH, NKV))
-      return cuda::attention_gemm_backward(bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
+    if (use_attention_gemm(T, NH, NKV))
+      return cuda::attention_gemm_backward(*this, bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     Buffer rows = alloc(MemCategory::workspace, sizeof(float) * B * NH * T, Buffer::Fill::none);
     cuda::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, rows.f32());
   }
@@ -343,6 +353,9 @@ class CudaBackend final : public Backend {
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
 
  private:
+  bool use_attention_gemm(int64_t T, int64_t NH, int64_t NKV) const {
+    return !options_.flash_attention && cuda::attention_gemm_fits(T, NH, NKV);
+  }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
@@ -357,7 +370,9 @@ class CudaBackend final : public Backend {
                      bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx");
   }
-  bool bf16_;
+  const CudaOptions options_;
+  const bool bf16_;
+  mutable cuda::DeviceCache cache_;  // the device blocks of this backend's buffers
 };
 
 double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte,
@@ -368,8 +383,9 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   // The plan's scratch holds `chunk` rows (256 in training): so thin a slab leaves the GEMMs slow
   // and re-reads dwte once per slab. Larger slabs come from scratch of their own (workspace).
   Buffer slab;
-  if (const int64_t big = std::min<int64_t>(N, head_slab_rows()); big > chunk) {
-    slab = cuda::device_scratch(sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)));
+  if (const int64_t big = std::min<int64_t>(N, options_.head_rows); big > chunk) {
+    slab = alloc(MemCategory::workspace, sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)),
+                 Buffer::Fill::none);
     chunk = big;
     scratch = slab.f32();
   }
@@ -408,9 +424,8 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
 
 }  // namespace
 
-const Backend& cuda_backend(bool bf16_gemm) {
-  static const CudaBackend bf16(true), fp32(false);
-  return bf16_gemm ? bf16 : fp32;
+std::unique_ptr<Backend> make_cuda_backend(MemoryPool& memory, const CudaOptions& options) {
+  return std::make_unique<CudaBackend>(memory, options);
 }
 
 bool cuda_device_present() {
@@ -422,6 +437,6 @@ bool cuda_device_present() {
   return count > 0;
 }
 
-int64_t cuda_reserved_bytes() { return cuda::DeviceCache::global().reserved(); }
+int64_t cuda_reserved_bytes(const Backend& cuda) { return dynamic_cast<const CudaBackend&>(cuda).reserved_bytes(); }
 
 }  // namespace shardlm::kernels

@@ -1,6 +1,6 @@
 // The CUDA backend (built only with -DSHARDLM_CUDA=ON): the Backend interface over device memory.
-// Buffers come from a caching allocator over cudaMalloc, charged per category to the process's
-// MemoryTracker; GEMMs are cuBLAS calls, everything else this backend's kernels, all issued in
+// Buffers come from the backend's caching allocator over cudaMalloc, charged per category to its
+// MemoryPool's tracker; GEMMs are cuBLAS calls, everything else this backend's kernels, all issued in
 // order on one CUDA stream. Results that return to the host (sum_squares, the head's loss) and
 // download() synchronise with that stream.
 #pragma once
@@ -8,17 +8,19 @@
 #include <cstdint>
 
 #include "kernels/backend.h"
+#include "kernels/cuda_options.h"
 
 namespace shardlm::kernels {
 
-// bf16_gemm: GEMMs on bf16 tensor cores with fp32 accumulation (fp32 storage; cuBLAS's
-// CUBLAS_COMPUTE_32F_FAST_16BF); false: full fp32 GEMMs. Two process-wide instances.
-const Backend& cuda_backend(bool bf16_gemm = true);
+// A CUDA backend whose buffers are charged to `memory`, as `options` say (cuda_options.h). Its
+// device blocks are cached for reuse until it goes: every buffer from it must be released first.
+std::unique_ptr<Backend> make_cuda_backend(MemoryPool& memory, const CudaOptions& options = {});
 
 // Whether a CUDA device can be used here (false where there is no GPU or driver).
 bool cuda_device_present();
 
-// Bytes the caching allocator holds from cudaMalloc: in use plus cached for reuse.
-int64_t cuda_reserved_bytes();
+// Bytes the caching allocator of `cuda` (a backend make_cuda_backend made) holds from cudaMalloc:
+// in use plus cached for reuse.
+int64_t cuda_reserved_bytes(const Backend& cuda);
 
 }  // namespace shardlm::kernels

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "tensor/memory.h"
 
 namespace shardlm::kernels::cuda {
@@ -20,8 +21,9 @@ inline void check(cudaError_t e, const char* what, const char* file, int line) {
                              ": " + cudaGetErrorString(e));
 }
 #define SHARDLM_CUDA_CHECK(call) ::shardlm::kernels::cuda::check((call), #call, __FILE__, __LINE__)
-// After each launch: a bad configuration shows up only as the last error. With SHARDLM_CUDA_DEBUG=1
-// in the environment the stream is also synchronised, so a fault is reported at its own launch.
+// After each launch: a bad configuration shows up only as the last error. With the backend's
+// CudaOptions::sync_each_launch the stream is also synchronised, so a fault is reported at its own
+// launch.
 void after_launch(const char* file, int line);
 #define SHARDLM_CUDA_LAUNCHED() ::shardlm::kernels::cuda::after_launch(__FILE__, __LINE__)
 
@@ -29,9 +31,11 @@ void after_launch(const char* file, int line);
 // freed by the host and handed out again is only touched after the work that used it.
 cudaStream_t stream();
 
-// Device scratch from the backend's caching allocator (a workspace buffer): for kernels whose
+// Device scratch from `backend`'s caching allocator (a workspace buffer): for kernels whose
 // scratch the plan does not size.
-Buffer device_scratch(size_t bytes);
+inline Buffer device_scratch(const Backend& backend, size_t bytes) {
+  return backend.alloc(MemCategory::workspace, bytes, Buffer::Fill::none);
+}
 
 inline unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
@@ -40,15 +44,16 @@ inline unsigned blocks_for(int64_t n, int threads) {
 
 // ---- cuda_pointwise.cu
 void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC);  // out[n,:] = bias
-void bias_grad(float* dbias, const float* dout, int64_t N, int64_t OC);    // dbias += column sums
+void bias_grad(const Backend& backend, float* dbias, const float* dout, int64_t N, int64_t OC);  // dbias += column sums
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int64_t N, int64_t C);
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C);
+void layernorm_backward(const Backend& backend, float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd, int64_t N,
+                        int64_t C);
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
                      float eps);
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
-                      const float* rstd, int64_t N, int64_t C);
+void rmsnorm_backward(const Backend& backend, float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
 void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
 void swiglu_forward(float* out, const float* gate_up, int64_t N, int64_t F);
@@ -78,10 +83,11 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 
 // ---- cuda_attention_gemm.cu: the same through cuBLAS, scores in device scratch
 bool attention_gemm_fits(int64_t T, int64_t NH, int64_t NKV);
-void attention_gemm_forward(bool bf16, float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                            int64_t NKV, int64_t HS);
-void attention_gemm_backward(bool bf16, float* dqkv, const float* dout, const float* qkv, const float* out,
-                             const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+void attention_gemm_forward(const Backend& backend, bool bf16, float* out, float* lse, const float* qkv, int64_t B,
+                            int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+void attention_gemm_backward(const Backend& backend, bool bf16, float* dqkv, const float* dout, const float* qkv,
+                             const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                             int64_t HS);
 
 // ---- cuda_backend.cu: row-major strided-batched GEMM on the backend's cuBLAS handle, for i < batch
 // C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i with X_i = X + i * sX (bf16: tensor-core bf16 inputs).

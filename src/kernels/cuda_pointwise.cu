@@ -48,12 +48,12 @@ __global__ void colsum_final_kernel(float* dst, const float* part, int64_t R, in
 }
 
 template <class F>
-void colsum(float* dst, int64_t N, int64_t C, F f) {
+void colsum(const Backend& backend, float* dst, int64_t N, int64_t C, F f) {
   if (N <= 0 || C <= 0) return;
   const int64_t col_blocks = (C + 31) / 32;
   const int64_t slabs = std::max<int64_t>(1, std::min((1056 + col_blocks - 1) / col_blocks, (N + 63) / 64));
   const int64_t rows_per = (N + slabs - 1) / slabs;
-  Buffer part = device_scratch(sizeof(float) * slabs * C);
+  Buffer part = device_scratch(backend, sizeof(float) * slabs * C);
   colsum_partial_kernel<<<dim3(unsigned(col_blocks), unsigned(slabs)), dim3(32, 8), 0, stream()>>>(part.f32(), N, C,
                                                                                                    rows_per, f);
   SHARDLM_CUDA_LAUNCHED();
@@ -311,8 +311,8 @@ void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC) {
   LAUNCH(bias_rows_kernel, N * OC, out, bias, N, OC);
 }
 
-void bias_grad(float* dbias, const float* dout, int64_t N, int64_t OC) {
-  colsum(dbias, N, OC, [=] __device__(int64_t n, int64_t c) { return dout[n * OC + c]; });
+void bias_grad(const Backend& backend, float* dbias, const float* dout, int64_t N, int64_t OC) {
+  colsum(backend, dbias, N, OC, [=] __device__(int64_t n, int64_t c) { return dout[n * OC + c]; });
 }
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -320,13 +320,14 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   LAUNCH_ROWS(layernorm_fwd_kernel, N, out, mean, rstd, inp, weight, bias, N, C);
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C) {
+void layernorm_backward(const Backend& backend, float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd, int64_t N,
+                        int64_t C) {
   if (dinp) LAUNCH_ROWS(layernorm_bwd_kernel, N, dinp, dout, inp, weight, mean, rstd, N, C);
   if (dweight)
-    colsum(dweight, N, C,
+    colsum(backend, dweight, N, C,
            [=] __device__(int64_t n, int64_t c) { return dout[n * C + c] * (inp[n * C + c] - mean[n]) * rstd[n]; });
-  if (dbias) bias_grad(dbias, dout, N, C);
+  if (dbias) bias_grad(backend, dbias, dout, N, C);
 }
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
@@ -334,11 +335,12 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   LAUNCH_ROWS(rmsnorm_fwd_kernel, N, out, rstd, inp, weight, N, C, eps);
 }
 
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
-                      const float* rstd, int64_t N, int64_t C) {
+void rmsnorm_backward(const Backend& backend, float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
   if (dinp) LAUNCH_ROWS(rmsnorm_bwd_kernel, N, dinp, dout, inp, weight, rstd, N, C);
   if (dweight)
-    colsum(dweight, N, C, [=] __device__(int64_t n, int64_t c) { return dout[n * C + c] * inp[n * C + c] * rstd[n]; });
+    colsum(backend, dweight, N, C,
+           [=] __device__(int64_t n, int64_t c) { return dout[n * C + c] * inp[n * C + c] * rstd[n]; });
 }
 
 void gelu_forward(float* out, const float* inp, int64_t n) { LAUNCH(gelu_fwd_kernel, n, out, inp, n); }

@@ -41,13 +41,19 @@ double best_seconds(F f) {
   return best;
 }
 
+// A buffer of the backend's memory for the kernels timed here.
+Buffer workspace(const kernels::Backend& k, int64_t bytes, Buffer::Fill fill = Buffer::Fill::zero) {
+  return Buffer(k.memory(), MemCategory::workspace, static_cast<size_t>(bytes), fill);
+}
+
 // Median time of `f` over at least 5 runs and ~0.3 s (the first untimed), each starting from
 // caches another 64 MiB has passed through: what a kernel meets inside a training step, where
 // the weights and activations of every other unit pass between its runs, on a machine whose
 // speed varies (the best warm run would be optimistic).
 template <class F>
-double typical_seconds(F f) {
-  static Buffer other(MemCategory::workspace, 64 << 20);
+double typical_seconds(const kernels::Backend& k, F f) {
+  // From the pool's cache after the first call: allocating it costs no page faults then.
+  Buffer other = workspace(k, 64 << 20, Buffer::Fill::none);
   f();
   std::vector<double> times;
   double spent = 0;
@@ -63,7 +69,7 @@ double typical_seconds(F f) {
 
 // FLOP/s of one (N, C) × (C, OC) GEMM.
 double gemm_flops(const kernels::Backend& k, int64_t N, int64_t C, int64_t OC) {
-  Buffer a(MemCategory::workspace, 4 * N * C), w(MemCategory::workspace, 4 * OC * C), out(MemCategory::workspace, 4 * N * OC);
+  Buffer a = workspace(k, 4 * N * C), w = workspace(k, 4 * OC * C), out = workspace(k, 4 * N * OC);
   std::fill(a.f32(), a.f32() + N * C, 0.5f);
   std::fill(w.f32(), w.f32() + OC * C, 0.25f);
   return 2.0 * N * C * OC / best_seconds([&] { k.dense_forward(out.f32(), a.f32(), w.f32(), N, C, OC); });
@@ -79,32 +85,32 @@ std::pair<double, double> unit_gemm_flops(const kernels::Backend& k, model::Unit
   const int64_t M = g.M, K = g.K, N = g.N;
   if (model::is_head(kind)) {
     const int64_t chunk = model::detail::head_chunk_rows(M);
-    Buffer x(MemCategory::workspace, 4 * M * K), w(MemCategory::workspace, 4 * padded_vocab * K),
-        dx(MemCategory::workspace, 4 * M * K), dw(MemCategory::workspace, 4 * padded_vocab * K),
-        scratch(MemCategory::workspace, 4 * k.head_scratch(chunk, padded_vocab));
+    Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * padded_vocab * K),
+        dx = workspace(k, 4 * M * K), dw = workspace(k, 4 * padded_vocab * K),
+        scratch = workspace(k, 4 * k.head_scratch(chunk, padded_vocab));
     std::fill(x.f32(), x.f32() + M * K, 0.5f);
     std::fill(w.f32(), w.f32() + padded_vocab * K, 0.01f);
     std::vector<int32_t> targets(M);
     for (int64_t i = 0; i < M; ++i) targets[i] = static_cast<int32_t>(i % N);
-    const double rate = g.flops() * 3 / typical_seconds([&] {
+    const double rate = g.flops() * 3 / typical_seconds(k, [&] {
       k.lm_head_cross_entropy(dx.f32(), dw.f32(), x.f32(), w.f32(), targets.data(), M, K, N, padded_vocab, 1.0f / M, chunk,
                               scratch.f32(), nullptr);
     });
     return {rate, rate};
   }
   const bool conv1d = kind == model::UnitKind::gpt2_block;
-  Buffer x(MemCategory::workspace, 4 * M * K), w(MemCategory::workspace, 4 * K * N), b(MemCategory::workspace, 4 * N),
-      y(MemCategory::workspace, 4 * M * N), dx(MemCategory::workspace, 4 * M * K), dw(MemCategory::workspace, 4 * K * N),
-      db(MemCategory::workspace, 4 * N);
+  Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * K * N), b = workspace(k, 4 * N),
+      y = workspace(k, 4 * M * N), dx = workspace(k, 4 * M * K), dw = workspace(k, 4 * K * N),
+      db = workspace(k, 4 * N);
   std::fill(x.f32(), x.f32() + M * K, 0.5f);
   std::fill(w.f32(), w.f32() + K * N, 0.25f);
   std::fill(b.f32(), b.f32() + N, 0.0f);
   std::fill(y.f32(), y.f32() + M * N, 0.125f);
-  const double forward = g.flops() / typical_seconds([&] {
+  const double forward = g.flops() / typical_seconds(k, [&] {
     if (conv1d) k.linear_forward(y.f32(), x.f32(), w.f32(), b.f32(), M, K, N);
     else k.dense_forward(y.f32(), x.f32(), w.f32(), M, K, N);
   });
-  const double backward = 2 * g.flops() / typical_seconds([&] {
+  const double backward = 2 * g.flops() / typical_seconds(k, [&] {
     if (conv1d) k.linear_backward(dx.f32(), dw.f32(), db.f32(), y.f32(), x.f32(), w.f32(), M, K, N);
     else k.dense_backward(dx.f32(), dw.f32(), y.f32(), x.f32(), w.f32(), M, K, N);
   });
@@ -117,15 +123,15 @@ std::pair<double, double> unit_gemm_flops(const kernels::Backend& k, model::Unit
 // resident, as in training, and the transcendental ones compute-bound, as in training.
 double pointwise_bandwidth(const kernels::Backend& k) {
   const int64_t N = 1024, C = 384, F = 1536, NC = N * C, NF = N * F;
-  auto buf = [](int64_t n, float v) {
-    Buffer b(MemCategory::workspace, 4 * n);
+  auto buf = [&k](int64_t n, float v) {
+    Buffer b = workspace(k, 4 * n);
     std::fill(b.f32(), b.f32() + n, v);
     return b;
   };
   Buffer x = buf(NF * 2, 0.5f), y = buf(NF * 2, 0.25f), z = buf(NF * 2, 0.125f), w = buf(F, 1.0f), bias = buf(F, 0.0f),
          dw = buf(F, 0.0f), db = buf(F, 0.0f), mean = buf(N, 0.0f), rstd = buf(N, 1.0f);
   double bytes = 0, seconds = 0;
-  auto time = [&](double moved, auto f) { bytes += 4 * moved, seconds += typical_seconds(f); };
+  auto time = [&](double moved, auto f) { bytes += 4 * moved, seconds += typical_seconds(k, f); };
   time(2.0 * NC, [&] { k.layernorm_forward(y.f32(), mean.f32(), rstd.f32(), x.f32(), w.f32(), bias.f32(), N, C); });
   time(3.0 * NC, [&] { k.layernorm_backward(z.f32(), dw.f32(), db.f32(), y.f32(), x.f32(), w.f32(), mean.f32(), rstd.f32(), N, C); });
   time(2.0 * NC, [&] { k.rmsnorm_forward(y.f32(), rstd.f32(), x.f32(), w.f32(), N, C, 1e-5f); });
@@ -143,14 +149,15 @@ std::pair<double, double> attention_flops(const kernels::Backend& k, const model
                                           double flops, int threads) {
   const int64_t B = s.B, T = s.T, NH = c.n_head, NKV = c.n_kv_head, HS = c.head_size();
   const int64_t qkv_elems = B * T * (NH + 2 * NKV) * HS, out_elems = B * T * NH * HS;
-  Buffer qkv(MemCategory::workspace, 4 * qkv_elems), dqkv(MemCategory::workspace, 4 * qkv_elems),
-      out(MemCategory::workspace, 4 * out_elems), dout(MemCategory::workspace, 4 * out_elems),
-      lse(MemCategory::workspace, 4 * B * NH * T),
-      scratch(MemCategory::workspace, 4 * k.attention_backward_scratch(B, T, NH, NKV, HS, threads));
+  Buffer qkv = workspace(k, 4 * qkv_elems), dqkv = workspace(k, 4 * qkv_elems),
+      out = workspace(k, 4 * out_elems), dout = workspace(k, 4 * out_elems),
+      lse = workspace(k, 4 * B * NH * T),
+      scratch = workspace(k, 4 * k.attention_backward_scratch(B, T, NH, NKV, HS, threads));
   for (int64_t i = 0; i < qkv_elems; ++i) qkv.f32()[i] = 0.01f * static_cast<float>(i % 97);
   std::fill(dout.f32(), dout.f32() + out_elems, 0.001f);
-  const double forward = flops / typical_seconds([&] { k.attention_forward(out.f32(), lse.f32(), qkv.f32(), B, T, NH, NKV, HS); });
-  const double backward = 2 * flops / typical_seconds([&] {
+  const double forward =
+      flops / typical_seconds(k, [&] { k.attention_forward(out.f32(), lse.f32(), qkv.f32(), B, T, NH, NKV, HS); });
+  const double backward = 2 * flops / typical_seconds(k, [&] {
     k.attention_backward(dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), lse.f32(), B, T, NH, NKV, HS, scratch.f32());
   });
   return {forward, backward};
@@ -259,7 +266,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   // The block GEMMs of `small` at B=4, T=256 (N = 1024 rows): qkv, MLP up and down.
   const double shapes = (gemm_flops(k, 1024, 384, 1152) + gemm_flops(k, 1024, 384, 1536) + gemm_flops(k, 1024, 1536, 384)) / 3;
   const int64_t elems = 16 << 20;
-  Buffer a(MemCategory::workspace, 4 * elems), b(MemCategory::workspace, 4 * elems), c(MemCategory::workspace, 4 * elems);
+  Buffer a = workspace(k, 4 * elems), b = workspace(k, 4 * elems), c = workspace(k, 4 * elems);
   const double bw = 12.0 * elems / best_seconds([&] { k.residual_forward(c.f32(), a.f32(), b.f32(), elems); });
   const double pointwise = pointwise_bandwidth(k);
   json rates, attention;
@@ -277,7 +284,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     std::vector<double> xs, ts;
     for (int64_t S : sizes) {
       const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank
-      Buffer send(MemCategory::comm, 4 * count * n), recv(MemCategory::comm, 4 * count * n);
+      Buffer send(k.memory(), MemCategory::comm, 4 * count * n), recv(k.memory(), MemCategory::comm, 4 * count * n);
       std::vector<double> times;
       for (int it = 0; it <= o.iters; ++it) {
         world.barrier("calibrate")->wait();
@@ -311,8 +318,8 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   if (n > 1) {
     const int64_t count = 16 << 20, M = 1024, K = 384, N = 1152;
     constexpr int kAllReduces = 6;
-    Buffer buf(MemCategory::comm, 4 * count);
-    Buffer x(MemCategory::workspace, 4 * M * K), w(MemCategory::workspace, 4 * K * N), y(MemCategory::workspace, 4 * M * N);
+    Buffer buf(k.memory(), MemCategory::comm, 4 * count);
+    Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * K * N), y = workspace(k, 4 * M * N);
     auto gemm = [&] { k.dense_forward(y.f32(), x.f32(), w.f32(), M, K, N); };
     world.barrier("calibrate")->wait();  // alone: every rank's GEMMs at once, nothing else
     gemm();

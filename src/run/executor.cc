@@ -124,7 +124,7 @@ void Executor::check_carved_fits() const {
 double Executor::now_us() const { return std::chrono::duration<double, std::micro>(Clock::now() - t0_).count(); }
 
 void Executor::sample_memory() {
-  const MemSnapshot live = MemoryTracker::global().live();
+  const MemSnapshot live = backend_.memory().tracker().live();
   std::lock_guard<std::mutex> lock(trace_mu_);
   trace_.memory.push_back({now_us(), live.bytes});
 }

@@ -97,10 +97,10 @@ struct ExecutorFaults {
 
 class Executor {
  public:
-  // Every kernel the executor and its layers run goes through `backend` (which must outlive it).
+  // Every kernel the executor and its layers run goes through `backend` (which must outlive it);
+  // its buffers are charged to, and the trace's memory counters read from, backend.memory().
   Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-           std::chrono::milliseconds timeout, const kernels::Backend& backend = kernels::cpu_backend(),
-           const ExecutorFaults& faults = {});
+           std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults = {});
   ~Executor();
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)

@@ -24,11 +24,6 @@ const char* to_string(MemCategory c) {
   return "?";
 }
 
-MemoryTracker& MemoryTracker::global() {
-  static MemoryTracker tracker;
-  return tracker;
-}
-
 void MemoryTracker::on_alloc(MemCategory c, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   live_.bytes[static_cast<int>(c)] += bytes;
@@ -73,9 +68,7 @@ void MemoryTracker::reset_peak() {
   peak_ = peak_each_ = live_;
 }
 
-namespace {
-
-// Freed blocks by rounded size, for reuse. Blocks live until the process ends.
+// Freed blocks by rounded size, for reuse; freed when the pool goes.
 class BlockCache {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   static constexpr bool kEnabled = false;  // let the sanitizers see every free
@@ -84,9 +77,11 @@ class BlockCache {
 #endif
 
  public:
-  static BlockCache& global() {
-    static BlockCache* cache = new BlockCache;  // never destroyed: buffers may outlive statics
-    return *cache;
+  BlockCache() = default;
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+  ~BlockCache() {
+    for (auto& [rounded, block] : free_) std::free(block.p);
   }
   void* take(size_t rounded) {
     if (kEnabled) {
@@ -143,25 +138,39 @@ class BlockCache {
   int64_t cached_ = 0;
 };
 
+namespace {
 size_t rounded_size(size_t bytes) { return (bytes + 63) / 64 * 64; }
-
 }  // namespace
 
-Buffer::Buffer(MemCategory category, size_t bytes, Fill fill) : bytes_(bytes), category_(category) {
-  if (bytes == 0) return;
-  data_ = BlockCache::global().take(rounded_size(bytes));
-  if (fill == Fill::zero) std::memset(data_, 0, rounded_size(bytes));
-  MemoryTracker::global().on_alloc(category_, static_cast<int64_t>(bytes_));
+MemoryPool::MemoryPool() : cache_(std::make_unique<BlockCache>()) {}
+MemoryPool::~MemoryPool() = default;
+
+void* MemoryPool::take(size_t bytes) { return cache_->take(rounded_size(bytes)); }
+
+void MemoryPool::give(void* data, size_t bytes) {
+  // Phases of a step (blocks, head, evaluation) free sets of sizes the others do not ask for; a
+  // margin of 5% of the peak + 64 MiB keeps them all cached without letting the cache grow past it.
+  const int64_t peak = tracker_.run_peak();
+  cache_->give(data, rounded_size(bytes), bytes, peak - tracker_.live().total + peak / 20 + (64 << 20));
 }
 
-Buffer Buffer::adopt(MemCategory category, void* data, size_t bytes, GiveBack give_back) {
+Buffer::Buffer(MemoryPool& pool, MemCategory category, size_t bytes, Fill fill)
+    : bytes_(bytes), category_(category), pool_(&pool) {
+  if (bytes == 0) return;
+  data_ = pool.take(bytes);
+  if (fill == Fill::zero) std::memset(data_, 0, rounded_size(bytes));
+  pool.tracker().on_alloc(category_, static_cast<int64_t>(bytes_));
+}
+
+Buffer Buffer::adopt(MemoryPool& pool, MemCategory category, void* data, size_t bytes, Owner& owner) {
   Buffer b;
   b.category_ = category;
   if (!data) return b;
   b.data_ = data;
   b.bytes_ = bytes;
-  b.give_back_ = give_back;
-  MemoryTracker::global().on_alloc(category, static_cast<int64_t>(bytes));
+  b.pool_ = &pool;
+  b.owner_ = &owner;
+  pool.tracker().on_alloc(category, static_cast<int64_t>(bytes));
   return b;
 }
 
@@ -171,7 +180,8 @@ Buffer::Buffer(Buffer&& o) noexcept
     : data_(std::exchange(o.data_, nullptr)),
       bytes_(std::exchange(o.bytes_, 0)),
       category_(o.category_),
-      give_back_(std::exchange(o.give_back_, nullptr)) {}
+      pool_(std::exchange(o.pool_, nullptr)),
+      owner_(std::exchange(o.owner_, nullptr)) {}
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
@@ -179,28 +189,24 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
     category_ = o.category_;
-    give_back_ = std::exchange(o.give_back_, nullptr);
+    pool_ = std::exchange(o.pool_, nullptr);
+    owner_ = std::exchange(o.owner_, nullptr);
   }
   return *this;
 }
 
 void Buffer::release() {
   if (!data_) return;
-  MemoryTracker& tracker = MemoryTracker::global();
-  tracker.on_free(category_, static_cast<int64_t>(bytes_));
-  if (give_back_) {
-    give_back_(data_, bytes_);
-    data_ = nullptr;
-    bytes_ = 0;
-    give_back_ = nullptr;
-    return;
+  pool_->tracker().on_free(category_, static_cast<int64_t>(bytes_));
+  if (owner_) {
+    owner_->give_back(data_, bytes_);
+  } else {
+    pool_->give(data_, bytes_);
   }
-  // Phases of a step (blocks, head, evaluation) free sets of sizes the others do not ask for; a
-  // margin of 5% of the peak + 64 MiB keeps them all cached without letting the cache grow past it.
-  const int64_t peak = tracker.run_peak();
-  BlockCache::global().give(data_, rounded_size(bytes_), bytes_, peak - tracker.live().total + peak / 20 + (64 << 20));
   data_ = nullptr;
   bytes_ = 0;
+  pool_ = nullptr;
+  owner_ = nullptr;
 }
 
 }  // namespace shardlm

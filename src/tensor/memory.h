@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -28,12 +29,10 @@ struct MemSnapshot {
   int64_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
 };
 
-// Process-wide and thread-safe. Allocation is rare (buffers are made once per run or step), so a
-// mutex is cheap and keeps the peak snapshot consistent with the live counts.
+// One run's accounting (a MemoryPool's), thread-safe. Allocation is rare (buffers are made once
+// per run or step), so a mutex is cheap and keeps the peak snapshot consistent with the live counts.
 class MemoryTracker {
  public:
-  static MemoryTracker& global();
-
   void on_alloc(MemCategory c, int64_t bytes);
   void on_free(MemCategory c, int64_t bytes);
   MemSnapshot live() const;
@@ -44,7 +43,7 @@ class MemoryTracker {
   MemSnapshot peak_each() const;
   // Starts a new peak window (e.g. one training step) at the current live bytes.
   void reset_peak();
-  // The highest total since the process started (never reset).
+  // The highest total since the tracker was made (never reset).
   int64_t run_peak() const;
 
  private:
@@ -53,29 +52,61 @@ class MemoryTracker {
   int64_t run_peak_ = 0;
 };
 
-// An owning, 64-byte aligned allocation charged to one category. Move-only. Zero-filled unless
-// asked not to be (buffers a collective overwrites whole).
+class BlockCache;
+
+// Where a run's buffers come from and what they are charged to: the tracker, and a cache of freed
+// host blocks keyed by size. A step frees and re-allocates the same gathered-unit and gradient
+// buffers every time, and fresh pages from the kernel would cost a page fault per 4 KiB each time.
+// The tracker counts bytes in use, not bytes cached, so the cache holds at most run_peak() − live
+// bytes plus a margin (5% of the peak + 64 MiB): what is resident stays within that margin of the
+// accounted peak.
 //
-// Blocks come from a process-wide cache keyed by size: a step frees and re-allocates the same
-// gathered-unit and gradient buffers every time, and fresh pages from the kernel would cost a
-// page fault per 4 KiB each time. The tracker counts bytes in use, not bytes cached, so the cache
-// holds at most run_peak() − live bytes plus a margin (5% of the peak + 64 MiB): what is resident
-// stays within that margin of the accounted peak.
+// Made by whoever owns a run (the command, a test) and passed to what allocates (the backend, the
+// communicator, the checkpoint writers). Every Buffer charged to a pool must be released before
+// the pool is destroyed. Not copyable or movable: buffers point to it.
+class MemoryPool {
+ public:
+  MemoryPool();
+  ~MemoryPool();
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  MemoryTracker& tracker() { return tracker_; }
+  const MemoryTracker& tracker() const { return tracker_; }
+
+ private:
+  friend class Buffer;
+  void* take(size_t bytes);
+  void give(void* data, size_t bytes);
+
+  MemoryTracker tracker_;
+  std::unique_ptr<BlockCache> cache_;
+};
+
+// An owning, 64-byte aligned allocation charged to one category of a MemoryPool. Move-only.
+// Zero-filled unless asked not to be (buffers a collective overwrites whole).
 class Buffer {
  public:
   enum class Fill { zero, none };
   Buffer() = default;
-  Buffer(MemCategory category, size_t bytes, Fill fill = Fill::zero);
+  Buffer(MemoryPool& pool, MemCategory category, size_t bytes, Fill fill = Fill::zero);
   ~Buffer();
   Buffer(Buffer&& o) noexcept;
   Buffer& operator=(Buffer&& o) noexcept;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 
-  // Memory another allocator owns (the CUDA backend's device blocks): charged to the tracker like
-  // any buffer, and handed to `give_back(data, bytes)` instead of the host cache on release.
-  using GiveBack = void (*)(void* data, size_t bytes);
-  static Buffer adopt(MemCategory category, void* data, size_t bytes, GiveBack give_back);
+  // Memory another allocator owns (the CUDA backend's device blocks, a shared-memory mapping):
+  // charged to the pool's tracker like any buffer, and handed to `owner.give_back(data, bytes)`
+  // instead of the host cache on release. The owner must outlive the buffer.
+  class Owner {
+   public:
+    virtual void give_back(void* data, size_t bytes) = 0;
+
+   protected:
+    ~Owner() = default;
+  };
+  static Buffer adopt(MemoryPool& pool, MemCategory category, void* data, size_t bytes, Owner& owner);
 
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
@@ -89,7 +120,8 @@ class Buffer {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   MemCategory category_ = MemCategory::workspace;
-  GiveBack give_back_ = nullptr;  // null: a host block of the cache below
+  MemoryPool* pool_ = nullptr;
+  Owner* owner_ = nullptr;  // null: a host block of pool_'s cache
 };
 
 }  // namespace shardlm

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "comm/options.h"
+#include "kernels/cuda_options.h"
 #include "model/model.h"
 
 namespace shardlm::train {
@@ -92,6 +93,7 @@ struct TrainConfig {
   // From the process's environment; the command line fills these (nothing below cli/ reads it).
   comm::MpiOptions comm;     // the MPI backend's algorithms and chunking (SHARDLM_COMM_*)
   int ranks_on_machine = 1;  // ranks of this job sharing this machine's memory
+  kernels::CudaOptions cuda;  // --device cuda: SHARDLM_CUDA_* and the local rank (bf16_gemm is compute_dtype's)
 };
 
 }  // namespace shardlm::train

@@ -134,8 +134,8 @@ void resume(Session& s) {
     if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
     return;
   }
-  Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total), m(MemCategory::comm, p.bytes()),
-      v(MemCategory::comm, p.bytes());
+  Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total), m(s.memory, MemCategory::comm, p.bytes()),
+      v(s.memory, MemCategory::comm, p.bytes());
   load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
   s.ex.load_full(run::Executor::State::params, p.f32());
   s.ex.load_full(run::Executor::State::exp_avg, m.f32());
@@ -152,7 +152,7 @@ void init_from(Session& s) {
     load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
   } else {
     every_rank_or_all_fail(s, [&] {
-      Buffer p(MemCategory::comm, sizeof(float) * s.plan.layout.total);
+      Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total);
       ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
       s.ex.load_full(run::Executor::State::params, p.f32());
     });

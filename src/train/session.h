@@ -39,11 +39,12 @@ struct PendingSave {
   double waited_ms = 0;  // --async-save: the training thread's wait for the write to end
 };
 
-// Everything one rank's run holds: data, model, plan, communicators, executor.
+// Everything one rank's run holds: data, model, plan, communicators, kernels, executor.
 struct Session {
   const TrainConfig& cfg;
   const TrainHooks& hooks;  // the test seams the run was started with
   comm::Communicator& world;
+  MemoryPool& memory;  // the run's: every buffer of it is charged here, and metrics read it
   int rank, N;
   bool lead, talk;
   std::chrono::milliseconds timeout;
@@ -53,6 +54,7 @@ struct Session {
   RunState state;
   plan::Plan plan;
   run::CommGroups comms;
+  std::unique_ptr<kernels::Backend> backend;  // made before the executor, gone after its buffers
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
@@ -64,8 +66,8 @@ struct Session {
   // thread before the model it writes goes away).
   std::unique_ptr<ckpt::AsyncRankWriter> writer;
 
-  Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m,
-          const TrainHooks& h);
+  Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
+          const DataMeta& m, const TrainHooks& h);
 };
 
 }  // namespace shardlm::train

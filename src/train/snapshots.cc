@@ -28,10 +28,11 @@ ckpt::SnapshotMesh snapshot_mesh(const plan::Plan& plan) {
 }
 
 std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg, comm::Communicator& world,
-                                                         std::chrono::milliseconds timeout) {
+                                                         MemoryPool& memory, std::chrono::milliseconds timeout) {
   model::ModelDesc desc;
   const plan::Plan plan = run_plan(cfg, world.size(), desc);
-  return std::make_unique<ckpt::SnapshotStore>(cfg.out, world, ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
+  return std::make_unique<ckpt::SnapshotStore>(cfg.out, world, memory,
+                                               ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
                                                snapshot_mesh(plan), timeout);
 }
 

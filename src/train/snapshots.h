@@ -21,9 +21,9 @@ namespace shardlm::train {
 
 // Every rank's place on `plan`'s mesh, which each snapshot slot records of its state's owner.
 ckpt::SnapshotMesh snapshot_mesh(const plan::Plan& plan);
-// The store of run `cfg`'s snapshots (collective: every rank makes its own).
+// The store of run `cfg`'s snapshots (collective: every rank makes its own), charged to `memory`.
 std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg, comm::Communicator& world,
-                                                         std::chrono::milliseconds timeout);
+                                                         MemoryPool& memory, std::chrono::milliseconds timeout);
 
 // `plan` with static_memory.snapshot the shared memory the most loaded rank maps when the run
 // takes snapshots (cfg.snapshot_every > 0); unchanged otherwise.

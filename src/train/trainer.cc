@@ -85,11 +85,12 @@ void write_data_meta(const std::string& prefix, const DataMeta& meta) {
   std::filesystem::rename(tmp, path);
 }
 
-double measure_gemm_gflops() {
+double measure_gemm_gflops(MemoryPool& memory) {
   // The best of repeated large square GEMMs over ~0.3 s: short runs (a few ms) catch the thread
   // pool and the clock still ramping up and under-read the peak by 30% or more.
   const int64_t n = 2048;
-  Buffer a(MemCategory::workspace, 4 * n * n), b(MemCategory::workspace, 4 * n * n), c(MemCategory::workspace, 4 * n * n);
+  Buffer a(memory, MemCategory::workspace, 4 * n * n), b(memory, MemCategory::workspace, 4 * n * n),
+      c(memory, MemCategory::workspace, 4 * n * n);
   std::fill(a.f32(), a.f32() + n * n, 0.5f);
   std::fill(b.f32(), b.f32() + n * n, 0.25f);
   double best = 1e30, spent = 0;
@@ -157,12 +158,14 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& w
   return pc;
 }
 
-// The kernels a run uses: the CPU's, or with --device cuda the CUDA backend's.
-const kernels::Backend& backend_for(const TrainConfig& c) {
-  if (c.device == "cpu") return kernels::cpu_backend();
+// The kernels a run uses, over the run's memory: the CPU's, or with --device cuda the CUDA backend's.
+std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool& memory) {
+  if (c.device == "cpu") return kernels::make_cpu_backend(memory);
 #ifdef SHARDLM_CUDA
   if (!kernels::cuda_device_present()) throw std::runtime_error("--device cuda: no CUDA device present");
-  return kernels::cuda_backend(c.compute_dtype != "fp32");
+  kernels::CudaOptions options = c.cuda;
+  options.bf16_gemm = c.compute_dtype != "fp32";
+  return kernels::make_cuda_backend(memory, options);
 #else
   throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with -DSHARDLM_CUDA=ON)");
 #endif
@@ -170,11 +173,12 @@ const kernels::Backend& backend_for(const TrainConfig& c) {
 
 }  // namespace
 
-Session::Session(const TrainConfig& c, comm::Communicator& w, const model::ModelConfig& mc, const DataMeta& m,
-                 const TrainHooks& h)
+Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
+                 const DataMeta& m, const TrainHooks& h)
     : cfg(c),
       hooks(h),
       world(w),
+      memory(memory),
       rank(w.rank()),
       N(w.size()),
       lead(rank == 0),
@@ -191,8 +195,10 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, const model::Model
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
                                    c.ranks_on_machine)),
       comms(w, plan),
-      ex(desc, plan, comms, c.threads, timeout, backend_for(c), h.executor_faults),
-      writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(desc, sharded_layout(plan, N), rank) : nullptr) {}
+      backend(make_backend(c, memory)),
+      ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults),
+      writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(memory, desc, sharded_layout(plan, N), rank)
+                          : nullptr) {}
 
 namespace {
 
@@ -233,14 +239,14 @@ struct StartUp {
 // continues the saved run and admits the run into the directory. A failure there ends every
 // rank. --resume names a run or step directory; afterwards cfg.resume is the step directory on
 // every rank. --resume auto picks a snapshot (cfg.resume becomes empty) or a checkpoint.
-StartUp start_up(TrainConfig& cfg, comm::Communicator& world) {
+StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
   on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });
   const std::string held_run = lead_text(world, timeout, up.dir ? up.dir->held_run_id() : "");
-  if (cfg.snapshot_every > 0 || cfg.resume == "auto") up.snapshots = make_snapshot_store(cfg, world, timeout);
+  if (cfg.snapshot_every > 0 || cfg.resume == "auto") up.snapshots = make_snapshot_store(cfg, world, memory, timeout);
   if (cfg.resume == "auto") up.snapshot = resume_auto(cfg, world, *up.snapshots, held_run);
   on_lead_or_all_fail(world, timeout, [&] {
     RunDirectory::Start start;
@@ -402,10 +408,11 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
   // --async-save's writer is paced on compute: a stalled step must not slow the next write down.
   s.last_step_ms = time.compute_ms;
   const double step_ms = time.wall_ms;
-  const MemSnapshot mem = max_over_ranks(s, MemoryTracker::global().peak());
-  const MemSnapshot mem_max = max_over_ranks(s, MemoryTracker::global().peak_each());
+  const MemoryTracker& tracker = s.memory.tracker();
+  const MemSnapshot mem = max_over_ranks(s, tracker.peak());
+  const MemSnapshot mem_max = max_over_ranks(s, tracker.peak_each());
   // What stays allocated between steps: the (sharded) state.
-  const MemSnapshot held = max_over_ranks(s, MemoryTracker::global().live());
+  const MemSnapshot held = max_over_ranks(s, tracker.live());
   const double exposed = max_over_ranks(s, r.comm_exposed_ms);
   const double loss = r.loss_sum * in.grad_scale;
   const double tokens_per_s = static_cast<double>(scale.tokens) / (step_ms * 1e-3);
@@ -426,7 +433,7 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
              {"skipped", r.update_skipped},
              {"skipped_steps", nonfinite.skipped_total()}};
 #ifdef SHARDLM_CUDA
-    if (s.cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes();  // the caching allocator's
+    if (s.cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes(*s.backend);  // the caching allocator's
 #endif
     s.metrics << row.dump() << "\n" << std::flush;
   }
@@ -480,22 +487,23 @@ TrainSummary finish(Session& s, TrainSummary summary) {
     if (s.lead) summary.sample = ids;
   }
   if (!cfg.trace.empty()) write_trace(s);
-  if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", MemoryTracker::global().run_peak());
+  if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", s.memory.tracker().run_peak());
   if (s.snapshots) s.snapshots->remove_held();
   return summary;
 }
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, const TrainHooks& hooks) {
+TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, MemoryPool& memory,
+                          const TrainHooks& hooks) {
   cfg_in.validate();
   if (cfg_in.async_save && cfg_in.save_every == 0)
     throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
-  StartUp up = start_up(cfg, world);
+  StartUp up = start_up(cfg, world, memory);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
-  Session s(cfg, world, resolve_model(cfg, meta), meta, hooks);
+  Session s(cfg, world, memory, resolve_model(cfg, meta), meta, hooks);
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
   s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
@@ -512,7 +520,9 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
     throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
   if (!cfg.resume.empty() && hooks.save_after_resume) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
-  const double peak = cfg.peak_gflops > 0 ? cfg.peak_gflops : cfg.device == "cuda" ? 989e3 : measure_gemm_gflops();
+  const double peak = cfg.peak_gflops > 0      ? cfg.peak_gflops
+                      : cfg.device == "cuda" ? 989e3
+                                             : measure_gemm_gflops(memory);
   const int64_t T = cfg.seq, global_batch = s.plan.dp_size() * cfg.batch * cfg.grad_accum;
   const StepScale scale{peak, s.desc.train_flops(global_batch, T), global_batch * T};
   if (s.talk) print_run_header(s, peak);
@@ -524,7 +534,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   std::optional<Clock::time_point> previous_end;  // of the step before, in this process
   for (int64_t step = s.state.step; step < cfg.steps; ++step) {
     const auto t0 = Clock::now();
-    MemoryTracker::global().reset_peak();
+    memory.tracker().reset_peak();
     const run::StepInputs in = step_inputs(s, step, grad_scale);
     const run::StepResult r = s.ex.step(step, in);
     const auto end = Clock::now();

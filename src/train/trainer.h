@@ -12,6 +12,7 @@
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
+#include "tensor/memory.h"
 #include "train/config.h"
 
 namespace shardlm::train {
@@ -46,8 +47,11 @@ struct TrainHooks {
 };
 
 // Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,
-// checkpoints and the trace. Collective: every rank calls it with the same configuration.
-TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world, const TrainHooks& hooks = {});
+// checkpoints and the trace. Collective: every rank calls it with the same configuration. Every
+// buffer of the run is charged to `memory` (the pool `world` allocates from too), whose tracker
+// the metrics' memory figures are read from.
+TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory,
+                          const TrainHooks& hooks = {});
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
 
 // The tokenizer a token file was made with, from PREFIX_meta.json beside it (written by
@@ -60,7 +64,7 @@ DataMeta read_data_meta(const std::string& prefix);
 void write_data_meta(const std::string& prefix, const DataMeta& meta);
 
 // GFLOP/s of an fp32 GEMM on this machine's current thread count: the MFU denominator.
-double measure_gemm_gflops();
+double measure_gemm_gflops(MemoryPool& memory);
 
 // Directory names under a run: DIR/ckpt/step_N.
 std::string checkpoint_dir(const std::string& out, int64_t step);

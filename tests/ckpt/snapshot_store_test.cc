@@ -25,7 +25,7 @@ class SnapshotStoreTest : public ::testing::Test {
   }
   void TearDown() override { remove_snapshot_segments(prefix_ + "-"); }
   std::unique_ptr<SnapshotStore> store(SnapshotMesh mesh = {{"dp_replicate", "dp_shard"}, {{0, 0}}}) {
-    return std::make_unique<SnapshotStore>(run_, comm_, SnapshotScheme{1, 0}, std::move(mesh),
+    return std::make_unique<SnapshotStore>(run_, comm_, memory_, SnapshotScheme{1, 0}, std::move(mesh),
                                            std::chrono::milliseconds(10000));
   }
   // A state of 3 parts whose every float says which step wrote it.
@@ -51,7 +51,8 @@ class SnapshotStoreTest : public ::testing::Test {
       if (s.step == step && s.status == "ok") return s.slot;
     return -1;
   }
-  comm::SingleRankCommunicator comm_;
+  MemoryPool memory_;
+  comm::SingleRankCommunicator comm_{memory_};
   std::string run_, prefix_;
 };
 
@@ -159,14 +160,14 @@ TEST_F(SnapshotStoreTest, ASlotOfTheOlderFormatIsRefused) {
 }
 
 TEST_F(SnapshotStoreTest, MappedBytesAreThePlansFigure) {
-  const int64_t before = MemoryTracker::global().live()[MemCategory::snapshot];
+  const int64_t before = memory_.tracker().live()[MemCategory::snapshot];
   {
     auto s = store();
     s->prepare(12000);
     save(*s, 1);
-    EXPECT_EQ(MemoryTracker::global().live()[MemCategory::snapshot] - before, snapshot_bytes_held({1, 0}, 0, 12000));
+    EXPECT_EQ(memory_.tracker().live()[MemCategory::snapshot] - before, snapshot_bytes_held({1, 0}, 0, 12000));
   }
-  EXPECT_EQ(MemoryTracker::global().live()[MemCategory::snapshot], before);
+  EXPECT_EQ(memory_.tracker().live()[MemCategory::snapshot], before);
   // Partner copies double it; parity adds a parity segment and its receive buffers on its holders only.
   EXPECT_EQ(snapshot_bytes_held({2, 0}, 1, 12000), 2 * snapshot_bytes_held({1, 0}, 0, 12000));
   EXPECT_GT(snapshot_bytes_held({4, 2}, 2, 12000), snapshot_bytes_held({4, 2}, 1, 12000));

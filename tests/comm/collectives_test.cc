@@ -13,6 +13,7 @@
 namespace shardlm::comm {
 namespace {
 
+using testing::test_memory;
 using testing::decode;
 using testing::encode;
 using testing::kTestTimeout;
@@ -57,7 +58,7 @@ MpiOptions options_for(const Case& c) {
 class CollectiveTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    comm_ = std::make_unique<MpiCommunicator>(options_for(GetParam()));
+    comm_ = std::make_unique<MpiCommunicator>(test_memory(), options_for(GetParam()));
     r_ = comm_->rank();
     n_ = comm_->size();
   }
@@ -177,7 +178,7 @@ INSTANTIATE_TEST_SUITE_P(Algos, AllToAllTest,
 class MpiBasics : public ::testing::Test {
  protected:
   void SetUp() override {
-    comm_ = std::make_unique<MpiCommunicator>();
+    comm_ = std::make_unique<MpiCommunicator>(test_memory());
     r_ = comm_->rank();
     n_ = comm_->size();
   }
@@ -189,7 +190,7 @@ TEST(Broadcast, FromEveryRootWithEveryAlgorithm) {
   for (Algorithm a : {Algorithm::native, Algorithm::direct, Algorithm::automatic}) {
     MpiOptions o;
     o.broadcast = a;
-    MpiCommunicator comm(o);
+    MpiCommunicator comm(test_memory(), o);
     const int n = comm.size(), r = comm.rank();
     for (DType d : {DType::fp32, DType::bf16}) {
       for (int root = 0; root < n; ++root) {
@@ -241,7 +242,7 @@ TEST(Stall, ATimeoutNamesTheRankThatDidNotIssue) {
   for (Algorithm a : {Algorithm::direct, Algorithm::ring}) {
     MpiOptions o;
     o.all_gather = o.reduce_scatter = o.all_reduce = a;
-    MpiCommunicator comm(o);
+    MpiCommunicator comm(test_memory(), o);
     const int n = comm.size(), r = comm.rank(), late = n - 1;
     if (n < 2) GTEST_SKIP() << "needs 2 ranks";
     const int64_t c = testing::kLargeCount;  // too long to go eagerly: sends wait for the receive
@@ -304,7 +305,7 @@ TEST_F(MpiBasics, RejectsWhatItCannotDo) {
   EXPECT_THROW(comm_->send(x, 4, DType::fp32, 0, 40000, "bad tag"), Error);
   MpiOptions o;
   o.all_to_all = Algorithm::ring;
-  MpiCommunicator ring_a2a(o);
+  MpiCommunicator ring_a2a(test_memory(), o);
   if (n_ > 1) {
     EXPECT_THROW(ring_a2a.all_to_all(x, x + 32, 1, DType::fp32, "ring a2a"), Error);
   }
@@ -351,7 +352,7 @@ TEST(SummationOrder, DirectAndRingAreBitExact) {
       MpiOptions o;
       o.reduce_scatter = o.all_reduce = a;
       o.chunk_bytes = 4096;
-      MpiCommunicator comm(o);
+      MpiCommunicator comm(test_memory(), o);
       const int n = comm.size(), r = comm.rank();
       const int64_t c = 10007;
       // x[q] = rank q's buffer (as the dtype holds it), n·c elements.
@@ -391,7 +392,7 @@ TEST(SummationOrder, NativeIsCloseAndIdenticalOnEveryRank) {
   for (DType d : {DType::fp32, DType::bf16}) {
     MpiOptions o;
     o.all_reduce = Algorithm::native;
-    MpiCommunicator comm(o);
+    MpiCommunicator comm(test_memory(), o);
     const int n = comm.size(), r = comm.rank();
     const int64_t c = 100003;
     std::vector<float> v(c);

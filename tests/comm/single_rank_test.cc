@@ -17,7 +17,8 @@ namespace shardlm::comm {
 namespace {
 
 TEST(SingleRank, CollectivesAreCopies) {
-  SingleRankCommunicator c;
+  MemoryPool memory;
+  SingleRankCommunicator c(memory);
   EXPECT_EQ(c.rank(), 0);
   EXPECT_EQ(c.size(), 1);
   EXPECT_EQ(c.backend(), "single");
@@ -43,7 +44,8 @@ TEST(SingleRank, CollectivesAreCopies) {
 }
 
 TEST(SingleRank, RejectsWhatMpiWouldReject) {
-  SingleRankCommunicator c;
+  MemoryPool memory;
+  SingleRankCommunicator c(memory);
   int8_t x[8] = {};
   EXPECT_THROW(c.all_reduce(x, 8, DType::int8, "ar"), Error);
   EXPECT_THROW(c.broadcast(x, 8, DType::int8, 1, "bc"), Error);
@@ -56,18 +58,19 @@ TEST(SingleRank, RejectsWhatMpiWouldReject) {
 }
 
 TEST(SingleRank, SendToSelfMatchesByTagInOrder) {
-  SingleRankCommunicator c;
+  MemoryPool memory;
+  SingleRankCommunicator c(memory);
   std::vector<float> a = {1, 2, 3}, b = {4, 5, 6}, r1(3), r2(3), r3(3);
   // Send first: buffered (charged to comm) until the recv.
-  const int64_t comm_before = MemoryTracker::global().live()[MemCategory::comm];
+  const int64_t comm_before = memory.tracker().live()[MemCategory::comm];
   c.send(a.data(), 3, DType::fp32, 0, 7, "s1")->wait();
-  EXPECT_EQ(MemoryTracker::global().live()[MemCategory::comm] - comm_before, 12);
+  EXPECT_EQ(memory.tracker().live()[MemCategory::comm] - comm_before, 12);
   c.send(b.data(), 3, DType::fp32, 0, 7, "s2")->wait();
   c.recv(r1.data(), 3, DType::fp32, 0, 7, "r1")->wait();
   c.recv(r2.data(), 3, DType::fp32, 0, 7, "r2")->wait();
   EXPECT_EQ(r1, a);
   EXPECT_EQ(r2, b);
-  EXPECT_EQ(MemoryTracker::global().live()[MemCategory::comm], comm_before);
+  EXPECT_EQ(memory.tracker().live()[MemCategory::comm], comm_before);
   // Recv first: completes when the send is made, from another thread here.
   auto w = c.recv(r3.data(), 3, DType::fp32, 0, 9, "r3");
   EXPECT_FALSE(w->is_completed());
@@ -78,7 +81,8 @@ TEST(SingleRank, SendToSelfMatchesByTagInOrder) {
 }
 
 TEST(SingleRank, UnmatchedRecvTimesOut) {
-  SingleRankCommunicator c;
+  MemoryPool memory;
+  SingleRankCommunicator c(memory);
   float x[2];
   auto w = c.recv(x, 2, DType::fp32, 0, 1, "lonely recv step 3");
   try {
@@ -97,7 +101,8 @@ TEST(SingleRank, UnmatchedRecvTimesOut) {
 }
 
 TEST(SingleRank, HugeTimeoutIsNoTimeout) {
-  SingleRankCommunicator c;
+  MemoryPool memory;
+  SingleRankCommunicator c(memory);
   float x[2] = {1, 2}, y[2] = {0, 0};
   auto w = c.recv(y, 2, DType::fp32, 0, 4, "recv");
   std::thread t([&] {
@@ -111,7 +116,8 @@ TEST(SingleRank, HugeTimeoutIsNoTimeout) {
 
 TEST(Factory, PicksMpiUnderALauncher) {
   // This binary runs under mpirun (MPI is initialised), so the factory must pick MPI.
-  auto c = make_communicator({}, false);
+  MemoryPool memory;
+  auto c = make_communicator(memory, {}, false);
   EXPECT_EQ(c->backend(), "mpi");
   if (std::getenv("OMPI_COMM_WORLD_SIZE")) EXPECT_TRUE(launched_by_mpi([](const char* name) { return std::getenv(name); }));
   EXPECT_FALSE(launched_by_mpi([](const char*) -> const char* { return nullptr; }));

@@ -10,11 +10,12 @@
 namespace shardlm::comm {
 namespace {
 
+using testing::test_memory;
 using testing::kTestTimeout;
 using testing::small_int;
 
 TEST(Split, ShardAndReplicateGroupsOfTwo) {
-  MpiCommunicator world;
+  MpiCommunicator world(test_memory());
   const int n = world.size(), r = world.rank();
   if (n % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
   const int G = 2;
@@ -59,7 +60,7 @@ TEST(Split, ShardAndReplicateGroupsOfTwo) {
 }
 
 TEST(Split, UnevenGroupsAndKeyOrder) {
-  MpiCommunicator world;
+  MpiCommunicator world(test_memory());
   const int n = world.size(), r = world.rank();
   // Odd and even ranks, ranked in reverse order of world rank.
   auto sub = world.split(r % 2, n - r);
@@ -74,7 +75,7 @@ TEST(Split, UnevenGroupsAndKeyOrder) {
 }
 
 TEST(Split, NegativeColorGivesNoCommunicator) {
-  MpiCommunicator world;
+  MpiCommunicator world(test_memory());
   const int r = world.rank();
   auto sub = world.split(r == 0 ? -1 : 0, r);
   if (r == 0) {

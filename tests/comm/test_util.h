@@ -7,12 +7,20 @@
 
 #include "comm/reduce.h"
 #include "tensor/dtype.h"
+#include "tensor/memory.h"
 
 namespace shardlm::comm::testing {
 
 // Timeout for waits in tests: long enough for oversubscribed ranks, short enough that a broken
 // collective fails the test instead of hanging it.
 inline constexpr std::chrono::milliseconds kTestTimeout{60'000};
+
+// What the tests' communicators stage in: one pool for the test binary, made before and gone
+// after every communicator of it.
+inline MemoryPool& test_memory() {
+  static MemoryPool pool;
+  return pool;
+}
 
 // The large count of the collective tests (a prime: no multiple of anything). Smaller under
 // ThreadSanitizer, whose instrumented checking loops would otherwise dominate the run.

@@ -19,6 +19,7 @@
 namespace shardlm::comm {
 namespace {
 
+using testing::test_memory;
 using testing::kTestTimeout;
 using testing::small_int;
 
@@ -82,7 +83,7 @@ struct Event {
 };
 
 TEST(Threads, CommStreamGathersAndReducesWhileComputeRuns) {
-  MpiCommunicator comm;
+  MpiCommunicator comm(test_memory());
   const int n = comm.size(), r = comm.rank();
   const int units = 6;
   const int64_t c = 50021;
@@ -127,7 +128,7 @@ TEST(Threads, CommStreamGathersAndReducesWhileComputeRuns) {
 }
 
 TEST(Threads, ComputeThreadTestsWhileCommThreadWaits) {
-  MpiCommunicator comm;
+  MpiCommunicator comm(test_memory());
   const int64_t c = 1 << 20;
   std::vector<float> buf(c);
   for (int64_t i = 0; i < c; ++i) buf[i] = small_int(comm.rank(), i);
@@ -144,7 +145,7 @@ TEST(Threads, ComputeThreadTestsWhileCommThreadWaits) {
 }
 
 TEST(Threads, CommunicatorsOnSeparateThreads) {
-  MpiCommunicator a, b;  // made in the same order on every rank
+  MpiCommunicator a(test_memory()), b(test_memory());  // made in the same order on every rank
   const int n = a.size();
   auto body = [n](MpiCommunicator& comm, int salt) {
     const int64_t c = 30011;
@@ -177,7 +178,7 @@ TEST(Threads, WaitingOnOneCollectiveProgressesTheOthers) {
   o.reduce_scatter = o.all_gather = Algorithm::ring;
   o.chunk_bytes = 4096;
   o.window = 2;
-  MpiCommunicator comm(o);
+  MpiCommunicator comm(test_memory(), o);
   const int n = comm.size(), r = comm.rank();
   const int64_t c = 200003;
   std::vector<float> send(n * c), rs(c), mine(c), ag(n * c);
@@ -205,7 +206,7 @@ TEST(Threads, DroppedWorkStillCompletes) {
   MpiOptions o;
   o.reduce_scatter = Algorithm::direct;
   o.chunk_bytes = 4096;
-  MpiCommunicator comm(o);
+  MpiCommunicator comm(test_memory(), o);
   const int n = comm.size(), r = comm.rank();
   const int64_t c = 100003;
   std::vector<float> send(n * c), out(c, -1000.0f);

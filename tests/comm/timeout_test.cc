@@ -13,6 +13,7 @@
 namespace shardlm::comm {
 namespace {
 
+using testing::test_memory;
 using testing::kTestTimeout;
 
 struct TimeoutCase {
@@ -37,8 +38,8 @@ TEST_P(TimeoutTest, SkippedCollectiveTimesOutWithItsName) {
   const TimeoutCase tc = GetParam();
   MpiOptions o;
   o.all_gather = o.reduce_scatter = o.all_reduce = o.all_to_all = o.broadcast = tc.algo;
-  MpiCommunicator comm(o);
-  MpiCommunicator signal;  // a second channel, free of the pending collective
+  MpiCommunicator comm(test_memory(), o);
+  MpiCommunicator signal(test_memory());  // a second channel, free of the pending collective
   const int n = comm.size(), r = comm.rank();
   if (n < 2) GTEST_SKIP() << "needs 2 ranks";
   const int skipper = n - 1;

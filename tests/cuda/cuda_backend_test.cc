@@ -9,7 +9,7 @@
 //  - norms, activations, rope (fp32 with expf vs the CPU's exp approximation and other summation
 //    orders): 1e-5.
 //  - attention: the cuBLAS path with fp32 GEMMs and the fp32 flash kernels (forced through
-//    SHARDLM_CUDA_ATTENTION=flash): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k):
+//    CudaOptions::flash_attention): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k):
 //    2e-2.
 //  - embedding, AdamW, scale, sum_squares: 1e-6; casts: exact.
 #include <gtest/gtest.h>
@@ -80,13 +80,17 @@ class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!shardlm::kernels::cuda_device_present()) GTEST_SKIP() << "no CUDA device present: CUDA backend tests skipped";
-    cpu = &shardlm::kernels::cpu_backend();
-    gpu = &shardlm::kernels::cuda_backend(true);
-    gpu32 = &shardlm::kernels::cuda_backend(false);
+    cpu_backend = shardlm::kernels::make_cpu_backend(memory);
+    gpu_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = true});
+    gpu32_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = false});
+    flash32_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = false, .flash_attention = true});
+    cpu = cpu_backend.get(), gpu = gpu_backend.get(), gpu32 = gpu32_backend.get(), flash32 = flash32_backend.get();
     cpu->init_compute(2);
     gpu->init_compute(1);
   }
-  const Backend *cpu = nullptr, *gpu = nullptr, *gpu32 = nullptr;
+  shardlm::MemoryPool memory;
+  std::unique_ptr<Backend> cpu_backend, gpu_backend, gpu32_backend, flash32_backend;
+  const Backend *cpu = nullptr, *gpu = nullptr, *gpu32 = nullptr, *flash32 = nullptr;
 };
 
 TEST_F(CudaBackendTest, Linear) {
@@ -273,9 +277,7 @@ TEST_F(CudaBackendTest, Attention) {
   for (const auto& c : cases) {
     attention_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], 1e-4, "gemm-fp32");
     attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "gemm-bf16");
-    setenv("SHARDLM_CUDA_ATTENTION", "flash", 1);
-    attention_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], 1e-4, "flash");
-    unsetenv("SHARDLM_CUDA_ATTENTION");
+    attention_case(*cpu, *flash32, c[0], c[1], c[2], c[3], c[4], 1e-4, "flash");
   }
 }
 
@@ -340,7 +342,7 @@ TEST_F(CudaBackendTest, OptimizerAndUtilities) {
 }
 
 TEST_F(CudaBackendTest, AllocatorAccounting) {
-  auto& tracker = shardlm::MemoryTracker::global();
+  const shardlm::MemoryTracker& tracker = memory.tracker();
   const int64_t before = tracker.live()[MemCategory::activations];
   {
     Buffer a = gpu->alloc(MemCategory::activations, 1000, Buffer::Fill::zero);
@@ -348,12 +350,12 @@ TEST_F(CudaBackendTest, AllocatorAccounting) {
     std::vector<char> h(1000, 1);
     gpu->download(h.data(), a.data(), 1000);
     EXPECT_EQ(std::count(h.begin(), h.end(), 0), 1000) << "Fill::zero";
-    EXPECT_GE(shardlm::kernels::cuda_reserved_bytes(), 1000);
+    EXPECT_GE(shardlm::kernels::cuda_reserved_bytes(*gpu), 1000);
   }
   EXPECT_EQ(tracker.live()[MemCategory::activations], before);
-  const int64_t reserved = shardlm::kernels::cuda_reserved_bytes();
+  const int64_t reserved = shardlm::kernels::cuda_reserved_bytes(*gpu);
   Buffer b = gpu->alloc(MemCategory::activations, 1000, Buffer::Fill::none);  // from the cache
-  EXPECT_EQ(shardlm::kernels::cuda_reserved_bytes(), reserved);
+  EXPECT_EQ(shardlm::kernels::cuda_reserved_bytes(*gpu), reserved);
 }
 
 }  // namespace

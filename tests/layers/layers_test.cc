@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu.h"
 
 namespace shardlm::layers {
@@ -46,7 +47,8 @@ std::string describe_case(const Fixture& f) {
 TEST(Layers, CarvedBytesAreTheModelsFigures) {
   for (const Fixture& f : fixtures()) {
     const auto& u = f.desc.units[f.unit];
-    const Carved got = layer(u.kind).carved(kernels::cpu_backend(), f.desc, u, f.shape());
+    MemoryPool memory;
+    const Carved got = layer(u.kind).carved(*kernels::make_cpu_backend(memory), f.desc, u, f.shape());
     const model::UnitCosts want = f.desc.costs(f.unit, f.shape());
     EXPECT_EQ(got.saved, want.saved_bytes) << describe_case(f);
     EXPECT_EQ(got.recomputable, want.recomputable_bytes) << describe_case(f);
@@ -60,6 +62,8 @@ struct Bench {
   const Fixture& f;
   const model::UnitDesc& u;
   std::vector<float> params, grads, borrowed, borrowed_grads, in, out, dx, weights;
+  MemoryPool memory;  // the kernels run on the vectors here; nothing is allocated through it
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
   std::vector<int32_t> tokens, targets;
   std::vector<char> saved, recomputable, fws, bws;
   explicit Bench(const Fixture& fx) : f(fx), u(fx.desc.units[fx.unit]) {
@@ -96,7 +100,7 @@ struct Bench {
   }
   UnitArgs args() {
     UnitArgs a;
-    a.backend = &kernels::cpu_backend();
+    a.backend = backend.get();
     a.desc = &f.desc;
     a.unit = &u;
     a.B = f.B, a.T = f.T, a.threads = f.threads;

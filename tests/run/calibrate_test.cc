@@ -73,13 +73,14 @@ TEST(Calibrate, FitOutsidePhysicalBoundsIsRefusedNamingTheFigure) {
 
 // The message of what calibrate throws for `sizes` (bytes), before it measures anything.
 std::string sizes_refusal(const std::vector<int64_t>& sizes) {
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
   CalibrateOptions o;
   o.sizes = sizes;
   o.iters = 1;
   o.gemm_models = {"none"};
   try {
-    calibrate(kernels::cpu_backend(), world, o);
+    calibrate(*kernels::make_cpu_backend(memory), world, o);
   } catch (const std::invalid_argument& e) {
     return e.what();
   }
@@ -105,12 +106,13 @@ TEST(Calibrate, SizesThatCannotFitABandwidthAreRefusedBeforeMeasuring) {
 // One rank has no collectives: its profile says they were not measured (it had "one rank: the
 // memory bandwidth" as bus_bw and latency 0, beside comm_compute_slowdown 1 labelled measured).
 TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
   CalibrateOptions o;
   o.sizes = {4 << 10, 1 << 20};
   o.iters = 1;
   o.gemm_models = {"none"};
-  const nlohmann::json j = nlohmann::json::parse(calibrate(kernels::cpu_backend(), world, o));
+  const nlohmann::json j = nlohmann::json::parse(calibrate(*kernels::make_cpu_backend(memory), world, o));
   ASSERT_TRUE(j.contains("collectives_measured")) << j.dump();
   EXPECT_EQ(j["collectives_measured"], false);
   for (const char* tier : {"intra_node", "inter_node"})

@@ -20,9 +20,11 @@ struct Outcome {
 
 Outcome one_step(const model::ModelDesc& desc, plan::PlanConfig pc) {
   const plan::Plan plan = plan::build_plan(desc, pc);
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
   CommGroups comms(world, plan);
-  Executor ex(desc, plan, comms, 1, std::chrono::seconds(60));
+  const auto backend = kernels::make_cpu_backend(memory);
+  Executor ex(desc, plan, comms, 1, std::chrono::seconds(60), *backend);
   ex.init_params(7);
   Outcome out;
   StepInputs in;

@@ -6,46 +6,75 @@ namespace shardlm {
 namespace {
 
 TEST(MemoryTracker, CountsLiveBytesPerCategory) {
-  auto& t = MemoryTracker::global();
-  const MemSnapshot before = t.live();
+  MemoryPool pool;
+  const MemoryTracker& t = pool.tracker();
   {
-    Buffer p(MemCategory::params, 1000);
-    Buffer g(MemCategory::grads, 24);
+    Buffer p(pool, MemCategory::params, 1000);
+    Buffer g(pool, MemCategory::grads, 24);
     const MemSnapshot now = t.live();
-    EXPECT_EQ(now[MemCategory::params] - before[MemCategory::params], 1000);
-    EXPECT_EQ(now[MemCategory::grads] - before[MemCategory::grads], 24);
-    EXPECT_EQ(now.total - before.total, 1024);
+    EXPECT_EQ(now[MemCategory::params], 1000);
+    EXPECT_EQ(now[MemCategory::grads], 24);
+    EXPECT_EQ(now.total, 1024);
   }
-  EXPECT_EQ(t.live().total, before.total);
+  EXPECT_EQ(t.live().total, 0);
+  EXPECT_EQ(t.run_peak(), 1024);
 }
 
 TEST(MemoryTracker, PeakIsTheSnapshotAtTheHighestTotal) {
-  auto& t = MemoryTracker::global();
+  MemoryPool pool;
+  MemoryTracker& t = pool.tracker();
+  Buffer held(pool, MemCategory::params, 512);
   t.reset_peak();
-  const MemSnapshot base = t.live();
   {
-    Buffer a(MemCategory::activations, 4096);
-    Buffer w(MemCategory::workspace, 1024);
+    Buffer a(pool, MemCategory::activations, 4096);
+    Buffer w(pool, MemCategory::workspace, 1024);
   }  // peak: 4096 activations + 1024 workspace
   {
-    Buffer o(MemCategory::optimizer, 2048);
+    Buffer o(pool, MemCategory::optimizer, 2048);
   }  // lower total: must not replace the peak
   const MemSnapshot peak = t.peak();
-  EXPECT_EQ(peak.total - base.total, 5120);
-  EXPECT_EQ(peak[MemCategory::activations] - base[MemCategory::activations], 4096);
-  EXPECT_EQ(peak[MemCategory::optimizer], base[MemCategory::optimizer]);
+  EXPECT_EQ(peak.total, 512 + 5120);
+  EXPECT_EQ(peak[MemCategory::activations], 4096);
+  EXPECT_EQ(peak[MemCategory::optimizer], 0);
+  EXPECT_EQ(t.peak_each()[MemCategory::optimizer], 2048);
+}
+
+TEST(MemoryPool, EachPoolCountsOnlyItsOwnBuffers) {
+  MemoryPool a, b;
+  Buffer x(a, MemCategory::comm, 100);
+  Buffer y(b, MemCategory::comm, 300);
+  EXPECT_EQ(a.tracker().live()[MemCategory::comm], 100);
+  EXPECT_EQ(b.tracker().live()[MemCategory::comm], 300);
+  x = Buffer();
+  EXPECT_EQ(a.tracker().live().total, 0);
+  EXPECT_EQ(b.tracker().live().total, 300);
+}
+
+TEST(MemoryPool, AFreedBlockIsReusedForTheSameSize) {
+  MemoryPool pool;
+  void* first = nullptr;
+  {
+    Buffer a(pool, MemCategory::grads, 1 << 20);
+    first = a.data();
+  }
+  Buffer b(pool, MemCategory::grads, 1 << 20);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  EXPECT_EQ(b.data(), first);
+#endif
+  for (int i = 0; i < (1 << 20); i += 4096) ASSERT_EQ(b.as<unsigned char>()[i], 0) << "a reused block is zeroed";
 }
 
 TEST(Buffer, IsZeroedAlignedAndMovable) {
-  Buffer a(MemCategory::params, 100);
+  MemoryPool pool;
+  Buffer a(pool, MemCategory::params, 100);
   ASSERT_NE(a.data(), nullptr);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 64, 0u);
   for (int i = 0; i < 100; ++i) EXPECT_EQ(a.as<unsigned char>()[i], 0);
-  const int64_t live = MemoryTracker::global().live().total;
+  const int64_t live = pool.tracker().live().total;
   Buffer b = std::move(a);
   EXPECT_EQ(a.data(), nullptr);
   EXPECT_EQ(b.bytes(), 100u);
-  EXPECT_EQ(MemoryTracker::global().live().total, live);  // a move charges nothing
+  EXPECT_EQ(pool.tracker().live().total, live);  // a move charges nothing
 }
 
 }  // namespace

@@ -43,10 +43,10 @@ class AsyncWriter : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   fs::path dir_;
+  MemoryPool memory_;
   const model::ModelDesc desc_ = model::describe(model::model_preset("tiny", 256));
 };
 
-int64_t live_staging() { return MemoryTracker::global().live()[MemCategory::staging]; }
 
 TEST_F(AsyncWriter, WritesTheSynchronousBytesFromItsStagingCopy) {
   for (const auto& [strategy, ranks] : {std::pair{std::string("fsdp"), 2}, {"zero1", 2}, {"ddp", 2}, {"zero2", 3}}) {
@@ -63,9 +63,10 @@ TEST_F(AsyncWriter, WritesTheSynchronousBytesFromItsStagingCopy) {
       const ckpt::RankBuffers bufs{state[0].data(), state[1].data(), state[2].data()};
       const std::string name = ckpt::rank_file_name(r, ranks);
       const ckpt::FileSummary want = ckpt::write_rank_file((dir_ / "sync").string(), desc_, L, r, bufs);
+      const auto live_staging = [&] { return memory_.tracker().live()[MemCategory::staging]; };
       const int64_t before = live_staging();
       {
-        ckpt::AsyncRankWriter w(desc_, L, r);
+        ckpt::AsyncRankWriter w(memory_, desc_, L, r);
         // The lowest rank writes every kind it holds: the plan's figure; no rank stages more.
         EXPECT_EQ(live_staging() - before, w.staging_bytes()) << strategy << " rank " << r;
         if (r == 0) {
@@ -92,7 +93,7 @@ TEST_F(AsyncWriter, AFailedWriteIsReportedAndLeavesNoFile) {
   const plan::Plan p = staged_plan(desc_, "fsdp", 2, true);
   const ckpt::ShardedLayout L = sharded_layout(p, 2);
   std::vector<std::vector<float>> state(ckpt::kNumKinds, std::vector<float>(L.flat.total / 2, 0.5f));
-  ckpt::AsyncRankWriter w(desc_, L, 1);
+  ckpt::AsyncRankWriter w(memory_, desc_, L, 1);
   w.start((dir_ / "async").string(), {state[0].data(), state[1].data(), state[2].data()},
           [](const void*, size_t, uint64_t written, uint64_t total) {
             if (2 * written >= total) throw std::runtime_error("disk full (injected)");

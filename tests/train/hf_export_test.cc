@@ -60,8 +60,10 @@ struct Model {
   bool threads_ready = (kernels::init_compute(2), true);
   model::ModelDesc desc;
   plan::Plan plan;
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world{memory};
   run::CommGroups comms;
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
   run::Executor ex;
   std::vector<int32_t> inputs;
   std::vector<float> logits;
@@ -73,7 +75,7 @@ struct Model {
   }
   Model(const model::ModelConfig& mc, const fs::path& dir)
       : desc(model::describe(mc)), plan(plan::build_plan(desc, config(plan::PlanConfig::Mode::logits))),
-        comms(world, plan), ex(desc, plan, comms, 2, std::chrono::seconds(60)) {
+        comms(world, plan), ex(desc, plan, comms, 2, std::chrono::seconds(60), *backend) {
     ex.init_params(42);
     std::mt19937 rng(7);
     inputs.resize(B * T);

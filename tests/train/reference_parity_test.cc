@@ -39,12 +39,14 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 struct Engine {
   model::ModelDesc desc;
   plan::Plan plan;
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world{memory};
   run::CommGroups comms;
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
   run::Executor ex;
   Engine(const model::ModelConfig& mc, plan::PlanConfig pc)
       : desc(model::describe(mc)), plan(plan::build_plan(desc, pc)), comms(world, plan),
-        ex(desc, plan, comms, 2, std::chrono::seconds(60)) {}
+        ex(desc, plan, comms, 2, std::chrono::seconds(60), *backend) {}
 };
 
 plan::PlanConfig plan_config(const Case& c, plan::PlanConfig::Mode mode = plan::PlanConfig::Mode::train) {

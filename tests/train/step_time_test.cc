@@ -72,9 +72,10 @@ TEST_F(StepTimeTest, TimeBetweenStepsIsInTheNextStepsTime) {
   hooks.at_step_boundary = [](int64_t step) {
     if (step == 1) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kStallMs));
   };
-  comm::SingleRankCommunicator world;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
   const auto t0 = std::chrono::steady_clock::now();
-  run_training(config(4), world, hooks);
+  run_training(config(4), world, memory, hooks);
   const double run_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
   const auto rows = step_rows();
