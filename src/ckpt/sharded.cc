@@ -305,6 +305,17 @@ json read_index(const std::string& step_dir) {
                      std::to_string(r) + " of " + std::to_string(world) + " writes " + want);
     int_field(file, "bytes", path, "file " + want);
   }
+  // "layout" (each tensor group's split; absent from checkpoints written before it) informs;
+  // the ranges of "tensors" are what loads. Its shape is still checked.
+  if (j.contains("layout")) {
+    if (!j["layout"].is_object()) fail(path, "'layout' must be an object");
+    for (const auto& [group, kinds] : j["layout"].items()) {
+      if (!kinds.is_object()) fail(path, "layout '" + group + "' must be an object");
+      for (const auto& [kind, split] : kinds.items())
+        if (!split.is_object() || !split.contains("parts") || !split["parts"].is_number_integer() || split["parts"].get<int64_t>() < 1)
+          fail(path, "layout '" + group + "' " + kind + " needs 'parts' as an integer >= 1");
+    }
+  }
   if (!j.contains("tensors") || !j["tensors"].is_object()) fail(path, "has no 'tensors' object");
   for (const auto& [name, t] : j["tensors"].items()) {
     if (!t.is_object() || !t.contains("shape") || !t["shape"].is_array() || t.value("dtype", "") != "F32")

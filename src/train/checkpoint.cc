@@ -220,7 +220,7 @@ namespace {
 // The run state's fields (state.json; in a sharded checkpoint's index.json beside the fields
 // ckpt::read_index checks); anything else in the file is refused, not ignored.
 const std::set<std::string> kStateFields = {"step", "optimizer", "tokenizer", "data", "rng", "run", "schedule"};
-const std::set<std::string> kIndexFields = {"format", "world_size", "files", "tensors", "strategy", "config", "imported_from"};
+const std::set<std::string> kIndexFields = {"format", "world_size", "files", "tensors", "layout", "strategy", "config", "imported_from"};
 // Batches are a pure function of (seed, step): the data position is the step.
 constexpr const char* kSampler = "hash(seed, step, micro_step, sequence)";
 // schedule's keys (the older record of the run) and the run identity's keys they equal.

@@ -180,6 +180,16 @@ TEST_F(ShardedCheckpoint, UnitsPlacedApartSaveAndLoadAcrossLayouts) {
   EXPECT_EQ(index["layout"][desc.units[1].name]["exp_avg"]["parts"], 1);
   for (const std::string loader : {"ddp", "zero1", "fsdp", "hybrid"})
     for (int m = 1; m <= 3; ++m) expect_loads(desc, step, {loader, m}, "mixed x4");
+  // A layout that cannot be is refused naming it, though loading reads the ranges.
+  json bad = index;
+  bad["layout"][desc.units[0].name]["param"]["parts"] = 0;
+  std::ofstream(step + "/index.json") << bad.dump();
+  try {
+    ckpt::read_index(step);
+    ADD_FAILURE() << "a layout of 0 parts loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("layout '" + desc.units[0].name + "' param"), std::string::npos) << e.what();
+  }
   for (const std::string saver : {"ddp", "fsdp", "hybrid"}) {
     const std::string from = save(desc, {saver, 2}, "step_" + saver);
     expect_loads(desc, from, mixed, {"mixed", 4}, saver + " x2");
