@@ -4,9 +4,11 @@
 // counts are elements of a DType.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/work.h"
 #include "tensor/dtype.h"
@@ -35,7 +37,7 @@ struct Scratch {
 //    error messages (TimeoutError).
 //  - Counts are in elements; 0 is allowed (the Work is complete at once on every rank).
 //  - DTypes: reductions (reduce_scatter, all_reduce) take fp32 and bf16; the data-movement
-//    collectives (all_gather, broadcast, all_to_all, send, recv) take any DType.
+//    collectives (all_gather, broadcast, all_to_all, all_to_all_v, send, recv) take any DType.
 //
 // Reduction is a sum. bf16 (stored as uint16, the upper half of an IEEE fp32) has no MPI sum, so
 // the backends add bf16 values by widening each to fp32 (exact), adding in fp32 and rounding the
@@ -94,6 +96,22 @@ class Communicator {
   virtual std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
                                            DType dtype, const std::string& label) = 0;
 
+  // The variable-count all-to-all (MPI_Alltoallv; expert parallelism's token exchange): to each
+  // rank j this rank sends send_counts[j] elements from send + send_displs[j] and receives
+  // recv_counts[j] elements from j into recv + recv_displs[j] (counts and displacements in
+  // elements, each vector of size() entries, all ≥ 0). Counts may be zero, and differ from rank to
+  // rank; the collective is called on every rank all the same. Rank i's send_counts[j] must equal
+  // rank j's recv_counts[i] (exchange the counts first, see exchange_counts): a receive that
+  // expects more than comes never completes (TimeoutError); one that expects less is an Error.
+  // The recv ranges must not overlap each other or the send ranges. Counts and displacements up
+  // to 2^31−1 elements each on every algorithm; larger ones only with `direct` (native refuses
+  // them, naming the field).
+  virtual std::shared_ptr<Work> all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
+                                             const std::vector<int64_t>& send_displs, void* recv,
+                                             const std::vector<int64_t>& recv_counts,
+                                             const std::vector<int64_t>& recv_displs, DType dtype,
+                                             const std::string& label) = 0;
+
   // Point to point; a send matches the recv on `peer` with the same tag (0 ≤ tag < 2^15), in
   // order. Independent of the collectives (they never match user sends).
   virtual std::shared_ptr<Work> send(const void* buf, int64_t count, DType dtype, int peer,
@@ -110,5 +128,21 @@ class Communicator {
 
 // Bytes of `count` elements of `dtype`.
 inline int64_t bytes_of(int64_t count, DType dtype) { return count * dtype_size(dtype); }
+
+// The usual way into all_to_all_v: every rank tells every other how many elements it will send
+// it. Returns recv_counts (entry j: what rank j sends this rank), through a fixed-count all_to_all
+// of the counts; blocks until done or `timeout`. Collective: every rank calls it.
+std::vector<int64_t> exchange_counts(Communicator& comm, const std::vector<int64_t>& send_counts,
+                                     const std::string& label,
+                                     std::chrono::milliseconds timeout = kDefaultTimeout);
+// Packed displacements of `counts`: the exclusive prefix sum (0, c0, c0 + c1, …).
+std::vector<int64_t> packed_displs(const std::vector<int64_t>& counts);
+
+// Throws Error, one line naming `what`, the field and the entry, unless the vectors of an
+// all_to_all_v over `size` ranks each have `size` entries, none negative (the backends' shared
+// check).
+void check_all_to_all_v(const char* what, int size, const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
+                        const std::vector<int64_t>& recv_displs);
 
 }  // namespace shardlm::comm

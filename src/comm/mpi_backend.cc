@@ -364,6 +364,7 @@ class RequestWork final : public MpiWork {
   std::vector<MPI_Request> reqs;
   std::function<void()> on_done;
   Buffer temp;
+  std::vector<std::vector<int>> arrays;  // counts and displacements MPI reads until completion
 
  protected:
   bool test_own() override {
@@ -374,6 +375,7 @@ class RequestWork final : public MpiWork {
     if (on_done) on_done();
     on_done = nullptr;
     temp = Buffer();
+    arrays.clear();
     return true;
   }
 };
@@ -445,21 +447,41 @@ class ExchangeMachine final : public Machine {
         reqs_.emplace_back();
         isend(c_, m.p, m.n, m.peer, c_.tag, &reqs_.back());
       }
+      statuses_.resize(recvs_.size());
+      early_.assign(recvs_.size(), false);
       posted_ = true;
     }
+    now_.resize(reqs_.size());
     int flag = 0;
-    check(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
-          "MPI_Testall");
-    return flag != 0;
+    check(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, now_.data()), "MPI_Testall");
+    if (!flag) return false;
+    for (size_t i = 0; i < recvs_.size(); ++i) check_received(i, early_[i] ? statuses_[i] : now_[i]);
+    return true;
   }
   void waiting_for(std::set<int>& ranks) override {  // reqs_: the receives, then the sends
     for (size_t i = 0; i < reqs_.size(); ++i) {
-      const int peer = i < recvs_.size() ? recvs_[i].peer : sends_[i - recvs_.size()].peer;
-      add_if_pending(c_, reqs_[i], peer, ranks);
+      if (i < recvs_.size()) {  // keep a receive's status: advance() checks its length
+        int flag = 0;
+        if (reqs_[i] != MPI_REQUEST_NULL) check(MPI_Test(&reqs_[i], &flag, &statuses_[i]), "MPI_Test");
+        if (flag) early_[i] = true;
+        if (reqs_[i] != MPI_REQUEST_NULL) ranks.insert(world_rank(c_.comm, recvs_[i].peer));
+      } else {
+        add_if_pending(c_, reqs_[i], sends_[i - recvs_.size()].peer, ranks);
+      }
     }
   }
 
  private:
+  // A peer that sent fewer elements than this rank expects from it (all_to_all_v's counts
+  // disagree) would otherwise leave the rest of the receive buffer stale, unnoticed.
+  void check_received(size_t i, const MPI_Status& st) {
+    int got = 0;
+    check(MPI_Get_count(&st, c_.type, &got), "MPI_Get_count");
+    const Msg& m = recvs_[i];
+    if (got != m.n)
+      throw Error("comm: rank " + std::to_string(world_rank(c_.comm, m.peer)) + " sent " + std::to_string(got) +
+                  " elements where " + std::to_string(m.n) + " were expected (the ranks' counts disagree)");
+  }
   struct Msg {
     char* p;
     int64_t n;
@@ -475,6 +497,9 @@ class ExchangeMachine final : public Machine {
   std::vector<Msg> sends_, recvs_;
   std::vector<Copy> copies_;
   std::vector<MPI_Request> reqs_;
+  std::vector<MPI_Status> now_;       // of the last MPI_Testall
+  std::vector<MPI_Status> statuses_;  // of receives completed by waiting_for
+  std::vector<bool> early_;           // per receive: completed by waiting_for
   bool posted_ = false;
 };
 
@@ -881,6 +906,15 @@ int64_t mpi_scratch_bytes(const MpiOptions& o, Reduction op, int64_t count, DTyp
 }
 
 namespace {
+// Posts a schedule's first messages now. A failure already (a peer's message of the wrong
+// length that came at once) is the Work's: its wait() reports it, not the issuing call.
+void start(Work& w) {
+  try {
+    w.is_completed();
+  } catch (const Error&) {
+  }
+}
+
 template <class W>
 std::shared_ptr<W> make_work(const char* collective, const std::string& label, int rank, int size,
                              const WaitPolicy& p) {
@@ -926,7 +960,7 @@ std::shared_ptr<Work> MpiCommunicator::all_gather(const void* send, void* recv,
     w->phases.push_back(std::make_unique<RingAllGather>(c, send, recv, b));
   }
   ProgressRegistry::get().add(w);
-  w->is_completed();  // post the first messages now
+  start(*w);
   return w;
 }
 
@@ -994,7 +1028,7 @@ std::shared_ptr<Work> MpiCommunicator::reduce_scatter(const void* send, void* re
     w->phases.push_back(std::make_unique<RingReduceScatter>(c, send, recv, b));
   }
   ProgressRegistry::get().add(w);
-  w->is_completed();
+  start(*w);
   return w;
 }
 
@@ -1040,7 +1074,7 @@ std::shared_ptr<Work> MpiCommunicator::all_reduce(void* buf, int64_t count, DTyp
     w->phases.push_back(std::make_unique<RingAllGather>(c2, own, buf, b));
   }
   ProgressRegistry::get().add(w);
-  w->is_completed();
+  start(*w);
   return w;
 }
 
@@ -1077,7 +1111,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(void* buf, int64_t count, DType
   auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
   w->phases.push_back(std::move(m));
   ProgressRegistry::get().add(w);
-  w->is_completed();
+  start(*w);
   return w;
 }
 
@@ -1132,7 +1166,74 @@ std::shared_ptr<Work> MpiCommunicator::all_to_all(const void* send, void* recv,
   auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
   w->phases.push_back(std::move(m));
   ProgressRegistry::get().add(w);
-  w->is_completed();
+  start(*w);
+  return w;
+}
+
+namespace {
+// Native all_to_all_v hands MPI int counts and displacements: each must fit.
+std::vector<int> native_ints(const std::vector<int64_t>& v, const char* field) {
+  std::vector<int> out(v.size());
+  for (size_t j = 0; j < v.size(); ++j) {
+    if (v[j] > INT_MAX)
+      throw Error(std::string("comm: all_to_all_v: ") + field + "[" + std::to_string(j) + "] = " + std::to_string(v[j]) +
+                  " elements is over INT_MAX, which the native algorithm (MPI_Ialltoallv) cannot take; use direct");
+    out[j] = static_cast<int>(v[j]);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<Work> MpiCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
+                                                    const std::vector<int64_t>& send_displs, void* recv,
+                                                    const std::vector<int64_t>& recv_counts,
+                                                    const std::vector<int64_t>& recv_displs, DType dtype,
+                                                    const std::string& label) {
+  static const char* kName = "all_to_all_v";
+  check_all_to_all_v(kName, size_, send_counts, send_displs, recv_counts, recv_displs);
+  if (send_counts[rank_] != recv_counts[rank_])
+    throw Error("comm: all_to_all_v: send_counts[" + std::to_string(rank_) + "] = " + std::to_string(send_counts[rank_]) +
+                " but recv_counts[" + std::to_string(rank_) + "] = " + std::to_string(recv_counts[rank_]) +
+                " (what this rank sends itself)");
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  const int tag = next_tag_base();
+  const Algorithm a = resolve("all_to_all", options_.all_to_all);
+  const int64_t es = dtype_size(dtype);
+  const char* s = static_cast<const char*>(send);
+  char* r = static_cast<char*>(recv);
+  if (size_ == 1) {
+    local_copy(r + recv_displs[0] * es, s + send_displs[0] * es, send_counts[0] * es);
+    return std::make_shared<CompletedWork>(kName, label, rank_, size_, "mpi");
+  }
+  if (a == Algorithm::native) {  // every rank takes part, whatever its counts
+    auto w = make_work<RequestWork>(kName, label, rank_, size_, options_.wait);
+    w->arrays = {native_ints(send_counts, "send_counts"), native_ints(send_displs, "send_displs"),
+                 native_ints(recv_counts, "recv_counts"), native_ints(recv_displs, "recv_displs")};
+    w->reqs.emplace_back();
+    check(MPI_Ialltoallv(send, w->arrays[0].data(), w->arrays[1].data(), mpi_type(dtype), recv, w->arrays[2].data(),
+                         w->arrays[3].data(), mpi_type(dtype), comm_, &w->reqs.back()),
+          "MPI_Ialltoallv");
+    return w;
+  }
+  if (a != Algorithm::direct) throw Error(std::string("comm: all_to_all_v cannot use algorithm ") + to_string(a));
+  // As all_to_all's direct exchange; a zero count is no message (its peer expects none either).
+  Ctx c{sched_comm_, rank_, size_, dtype, es, mpi_type(dtype), tag,
+        std::max<int64_t>(1, options_.chunk_bytes / es), options_.window, pool_, {}};
+  auto m = std::make_unique<ExchangeMachine>(c);
+  for (int i = 1; i < size_; ++i) {
+    const int q = (rank_ + i) % size_;
+    m->add_recv(r + recv_displs[q] * es, recv_counts[q], q);
+  }
+  for (int i = 1; i < size_; ++i) {
+    const int q = (rank_ + size_ - i) % size_;
+    m->add_send(s + send_displs[q] * es, send_counts[q], q);
+  }
+  m->add_copy(r + recv_displs[rank_] * es, s + send_displs[rank_] * es, send_counts[rank_]);
+  auto w = make_work<ScheduleWork>(kName, label, rank_, size_, options_.wait);
+  w->phases.push_back(std::move(m));
+  ProgressRegistry::get().add(w);
+  start(*w);
   return w;
 }
 

@@ -22,7 +22,8 @@
 //                            and 64 MiB; 10–30× MPI_Ireduce_scatter_block at ≥ 16 MiB)
 //   all_reduce      direct   direct reduce-scatter in place, then direct all-gather (ties with
 //                            ring; ≥ 10× MPI_Iallreduce at 64 MiB)
-//   all_to_all      direct   (ties with MPI_Ialltoall / MPI_Alltoall)
+//   all_to_all      direct   (ties with MPI_Ialltoall / MPI_Alltoall); all_to_all_v follows the
+//                            all_to_all setting (native: MPI_Ialltoallv)
 //   broadcast       direct   the root sends to every rank (≥ MPI_Ibcast)
 //   barrier, send, recv: MPI_Ibarrier, MPI_Isend, MPI_Irecv.
 // Where direct and ring tie, direct wins on accuracy: a bf16 sum is rounded once, not at every
@@ -86,6 +87,15 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> barrier(const std::string& label) override;
   std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
                                    DType dtype, const std::string& label) override;
+  // Runs with the all_to_all algorithm (MpiOptions::all_to_all): direct (one message per peer
+  // with a non-zero count, split at 2^30 elements, so any count fits; a peer that sends fewer
+  // elements than recv_counts says is an Error naming it) or native (MPI_Ialltoallv; counts and
+  // displacements over INT_MAX elements are refused). Neither stages anything.
+  std::shared_ptr<Work> all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
+                                     const std::vector<int64_t>& send_displs, void* recv,
+                                     const std::vector<int64_t>& recv_counts,
+                                     const std::vector<int64_t>& recv_displs, DType dtype,
+                                     const std::string& label) override;
   std::shared_ptr<Work> send(const void* buf, int64_t count, DType dtype, int peer, int tag,
                              const std::string& label) override;
   std::shared_ptr<Work> recv(void* buf, int64_t count, DType dtype, int peer, int tag,

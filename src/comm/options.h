@@ -25,7 +25,7 @@ struct WaitPolicy {
 
 // How the MPI backend carries out a collective.
 //   native          the MPI library's nonblocking collective (MPI_Iallgather, MPI_Iallreduce,
-//                   MPI_Ireduce_scatter_block, MPI_Ialltoall).
+//                   MPI_Ireduce_scatter_block, MPI_Ialltoall, MPI_Ialltoallv).
 //   direct          every rank exchanges with every other rank at once through MPI_Isend /
 //                   MPI_Irecv (reductions: chunked, each chunk summed as soon as it arrives).
 //   ring            n−1 steps around the ring of ranks, each chunk pipelined on its own.
@@ -44,7 +44,7 @@ struct MpiOptions {
   Algorithm all_gather = Algorithm::automatic;
   Algorithm reduce_scatter = Algorithm::automatic;
   Algorithm all_reduce = Algorithm::automatic;
-  Algorithm all_to_all = Algorithm::automatic;
+  Algorithm all_to_all = Algorithm::automatic;  // all_to_all_v too
   Algorithm broadcast = Algorithm::automatic;
   // Granularity of the point-to-point algorithms' reductions: a chunk is received, summed and
   // forwarded while the next ones are in flight. `window` chunks are in flight per peer; the

@@ -107,6 +107,21 @@ std::shared_ptr<Work> SingleRankCommunicator::all_to_all(const void* send, void*
   return done("all_to_all", label);
 }
 
+std::shared_ptr<Work> SingleRankCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
+                                                           const std::vector<int64_t>& send_displs, void* recv,
+                                                           const std::vector<int64_t>& recv_counts,
+                                                           const std::vector<int64_t>& recv_displs, DType dtype,
+                                                           const std::string& label) {
+  check_all_to_all_v("all_to_all_v", 1, send_counts, send_displs, recv_counts, recv_displs);
+  if (send_counts[0] != recv_counts[0])
+    throw Error("comm: all_to_all_v: send_counts[0] = " + std::to_string(send_counts[0]) + " but recv_counts[0] = " +
+                std::to_string(recv_counts[0]) + " (a single rank sends only to itself)");
+  const int64_t es = dtype_size(dtype);
+  copy(static_cast<char*>(recv) + recv_displs[0] * es, static_cast<const char*>(send) + send_displs[0] * es,
+       send_counts[0], dtype);
+  return done("all_to_all_v", label);
+}
+
 std::shared_ptr<Work> SingleRankCommunicator::send(const void* buf, int64_t count, DType dtype,
                                                    int peer, int tag, const std::string& label) {
   check_count(count, "send");

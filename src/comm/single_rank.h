@@ -34,6 +34,12 @@ class SingleRankCommunicator final : public Communicator {
   std::shared_ptr<Work> barrier(const std::string& label) override;
   std::shared_ptr<Work> all_to_all(const void* send, void* recv, int64_t count_per_rank,
                                    DType dtype, const std::string& label) override;
+  // A copy of send_counts[0] elements; send_counts[0] must equal recv_counts[0].
+  std::shared_ptr<Work> all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
+                                     const std::vector<int64_t>& send_displs, void* recv,
+                                     const std::vector<int64_t>& recv_counts,
+                                     const std::vector<int64_t>& recv_displs, DType dtype,
+                                     const std::string& label) override;
   // Messages to oneself (peer 0): a send is copied into a staging buffer (MemCategory::comm)
   // unless a matching recv is already waiting; a recv completes when a send with its tag has
   // been made, in order. A recv that no send matches times out in wait().

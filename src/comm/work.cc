@@ -40,11 +40,19 @@ Work::Work(std::string collective, std::string label, int rank, int size, std::s
 
 bool Work::poll_locked() {
   if (done_.load(std::memory_order_acquire)) return true;
-  if (test()) {
-    done_.store(true, std::memory_order_release);
-    return true;
+  bool finished = false;
+  try {
+    finished = test();
+  } catch (...) {
+    failure_ = std::current_exception();  // this Work's waiter reports it, not whoever polled
+    finished = true;
   }
-  return false;
+  if (finished) done_.store(true, std::memory_order_release);
+  return finished;
+}
+
+void Work::rethrow_failure() const {
+  if (failure_) std::rethrow_exception(failure_);
 }
 
 bool Work::try_poll() {
@@ -54,8 +62,9 @@ bool Work::try_poll() {
 }
 
 bool Work::is_completed() {
-  if (done_.load(std::memory_order_acquire)) return true;
-  return try_poll();
+  if (!done_.load(std::memory_order_acquire) && !try_poll()) return false;
+  rethrow_failure();
+  return true;
 }
 
 void Work::wait(std::chrono::milliseconds timeout) {
@@ -65,7 +74,10 @@ void Work::wait(std::chrono::milliseconds timeout) {
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (poll_locked()) return;
+      if (poll_locked()) {
+        rethrow_failure();
+        return;
+      }
     }
     // Elapsed time in the timeout's unit, so that a huge timeout cannot overflow.
     const auto elapsed = clock::now() - start;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -59,10 +60,13 @@ class Work {
 
   // Advances the collective (one MPI test) and says whether it has finished. Never blocks: if
   // another thread is testing this Work at the moment, answers from the last known state.
+  // Throws the collective's error (below) once it has failed.
   bool is_completed();
 
   // Tests until the collective has finished (see WaitPolicy for how), or throws TimeoutError
-  // once `timeout` has passed. An MPI error is rethrown as comm::Error.
+  // once `timeout` has passed. An error the collective meets (one MPI returned, a peer's message
+  // of the wrong length) ends it: it is thrown as comm::Error by this Work's wait() and
+  // is_completed(), every time, and never by another Work that happened to progress this one.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   const std::string& collective() const { return collective_; }
@@ -81,14 +85,16 @@ class Work {
 
  private:
   friend class ProgressRegistry;
-  bool poll_locked();  // mu_ held
+  bool poll_locked();  // mu_ held; true once finished, failed included (never throws)
   bool try_poll();     // non-blocking: false if another thread holds mu_
+  void rethrow_failure() const;  // after done_: the error the collective failed with, if any
 
   std::string collective_, label_, backend_;
   int rank_, size_;
   WaitPolicy policy_;
   std::mutex mu_;
   std::atomic<bool> done_{false};
+  std::exception_ptr failure_;  // written before done_ is set
 };
 
 // A Work that was complete when it was made (single-rank copies, zero-sized collectives).

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -414,6 +415,207 @@ TEST(SummationOrder, NativeIsCloseAndIdenticalOnEveryRank) {
     auto ref = buf;
     comm.broadcast(ref.data(), c, d, 0, "ref")->wait(kTestTimeout);
     EXPECT_EQ(ref, buf);
+  }
+}
+
+// ---- all_to_all_v: uneven counts (zeros among them), any dtype, blocks laid out apart and in
+// reverse rank order, on the world and on split sub-communicators.
+
+// Elements rank q sends rank r: uneven, zero for some pairs at every size ≥ 2, and none at all
+// to `starved` (an expert rank that receives nothing) when it is a rank of the group.
+int64_t v_count(int q, int r, int64_t scale, int starved) {
+  if (r == starved) return 0;
+  return ((q * 2 + r * 3 + 1) % 4) * scale + (q == r ? 1 : 0);
+}
+
+// Byte b of element i of what rank q sends rank r: distinct per pair, position and byte.
+uint8_t v_byte(int q, int r, int64_t i, int b) {
+  return static_cast<uint8_t>(q * 61 + r * 17 + i * 7 + b * 3 + 1);
+}
+
+// Lays each peer's block `gap` elements apart, the last peer's first, so that displacements
+// are neither packed nor ascending with the rank.
+std::vector<int64_t> spread_displs(const std::vector<int64_t>& counts, int64_t gap, int64_t& total) {
+  std::vector<int64_t> displs(counts.size());
+  int64_t at = gap;
+  for (int j = static_cast<int>(counts.size()) - 1; j >= 0; --j) {
+    displs[j] = at;
+    at += counts[j] + gap;
+  }
+  total = at;
+  return displs;
+}
+
+constexpr uint8_t kUntouched = 0xAB;
+
+// Runs one all_to_all_v on `comm` and checks every received byte and that the gaps are
+// untouched; returns the Work's outcome to the caller through gtest assertions.
+void exchange_and_check(Communicator& comm, DType d, int64_t scale, int starved, int64_t gap,
+                        const std::string& what) {
+  const int n = comm.size(), r = comm.rank();
+  const int64_t es = dtype_size(d);
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  for (int j = 0; j < n; ++j) {
+    send_counts[j] = v_count(r, j, scale, starved);
+    recv_counts[j] = v_count(j, r, scale, starved);
+  }
+  int64_t send_total = 0, recv_total = 0;
+  const auto send_displs = spread_displs(send_counts, gap, send_total);
+  const auto recv_displs = spread_displs(recv_counts, gap, recv_total);
+  std::vector<uint8_t> send(send_total * es, 0), recv(recv_total * es, kUntouched);
+  for (int j = 0; j < n; ++j)
+    for (int64_t i = 0; i < send_counts[j]; ++i)
+      for (int b = 0; b < es; ++b) send[(send_displs[j] + i) * es + b] = v_byte(r, j, i, b);
+  comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, d, "a2av " + what)
+      ->wait(kTestTimeout);
+  std::vector<uint8_t> want(recv_total * es, kUntouched);
+  for (int q = 0; q < n; ++q)
+    for (int64_t i = 0; i < recv_counts[q]; ++i)
+      for (int b = 0; b < es; ++b) want[(recv_displs[q] + i) * es + b] = v_byte(q, r, i, b);
+  if (r == starved) EXPECT_EQ(std::count(recv.begin(), recv.end(), kUntouched), int64_t(recv.size())) << what;
+  for (size_t k = 0; k < want.size(); ++k)
+    ASSERT_EQ(recv[k], want[k]) << what << ": byte " << k << " on rank " << r << " of " << n;
+}
+
+struct VCase {
+  Algorithm algo;
+  DType dtype;
+  int64_t scale;
+};
+
+class AllToAllVTest : public ::testing::TestWithParam<VCase> {
+ protected:
+  MpiOptions options() const {
+    MpiOptions o;
+    o.all_to_all = GetParam().algo;
+    return o;
+  }
+  std::string what() const {
+    return std::string(to_string(GetParam().algo)) + " " + to_string(GetParam().dtype) + " x" +
+           std::to_string(GetParam().scale);
+  }
+};
+
+TEST_P(AllToAllVTest, UnevenCountsLandAtTheirDisplacements) {
+  MpiCommunicator comm(test_memory(), options());
+  const VCase& c = GetParam();
+  exchange_and_check(comm, c.dtype, c.scale, -1, 3, what() + " no starved rank");
+  exchange_and_check(comm, c.dtype, c.scale, comm.size() - 1, 3, what() + " last rank starved");
+  exchange_and_check(comm, c.dtype, c.scale, 0, 0, what() + " rank 0 starved, packed");
+}
+
+// Split into the even and the odd ranks (at 3 ranks: a group of 2 and a group of 1, at 4 two of
+// 2): each group exchanges among itself only.
+TEST_P(AllToAllVTest, OnSplitSubCommunicators) {
+  MpiCommunicator world(test_memory(), options());
+  auto group = world.split(world.rank() % 2, world.rank());
+  ASSERT_TRUE(group);
+  EXPECT_EQ(group->size(), (world.size() - world.rank() % 2 + 1) / 2);
+  const VCase& c = GetParam();
+  exchange_and_check(*group, c.dtype, c.scale, group->size() - 1, 2, what() + " split");
+  // The world still exchanges afterwards with the same tags' sequence.
+  exchange_and_check(world, c.dtype, c.scale, -1, 1, what() + " world after split");
+}
+
+std::vector<VCase> v_cases() {
+  std::vector<VCase> out;
+  for (Algorithm a : {Algorithm::native, Algorithm::direct, Algorithm::automatic})
+    for (DType d : {DType::fp32, DType::bf16, DType::fp16, DType::int8})
+      for (int64_t scale : {int64_t(1), int64_t(20011)}) out.push_back({a, d, scale});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Algos, AllToAllVTest, ::testing::ValuesIn(v_cases()),
+                         [](const ::testing::TestParamInfo<VCase>& i) {
+                           return std::string(to_string(i.param.algo)) + "_" + to_string(i.param.dtype) + "_" +
+                                  std::to_string(i.param.scale);
+                         });
+
+// The pattern expert parallelism uses: exchange the counts, then the tokens, packed.
+TEST_F(MpiBasics, AllToAllVAfterExchangingCounts) {
+  std::vector<int64_t> send_counts(n_);
+  for (int j = 0; j < n_; ++j) send_counts[j] = v_count(r_, j, 5, n_ > 1 ? 1 : -1);
+  const std::vector<int64_t> recv_counts = exchange_counts(*comm_, send_counts, "counts");
+  for (int q = 0; q < n_; ++q) ASSERT_EQ(recv_counts[q], v_count(q, r_, 5, n_ > 1 ? 1 : -1)) << "from rank " << q;
+  const auto send_displs = packed_displs(send_counts), recv_displs = packed_displs(recv_counts);
+  EXPECT_EQ(send_displs[0], 0);
+  if (n_ > 1) EXPECT_EQ(send_displs[1], send_counts[0]);
+  std::vector<float> send(send_displs.back() + send_counts.back()), recv(recv_displs.back() + recv_counts.back(), -1);
+  for (int j = 0; j < n_; ++j)
+    for (int64_t i = 0; i < send_counts[j]; ++i) send[send_displs[j] + i] = small_int(r_, i, j);
+  comm_->all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, DType::fp32, "tokens")
+      ->wait(kTestTimeout);
+  for (int q = 0; q < n_; ++q)
+    for (int64_t i = 0; i < recv_counts[q]; ++i) ASSERT_EQ(recv[recv_displs[q] + i], small_int(q, i, r_));
+}
+
+TEST_F(MpiBasics, AllToAllVOfNothingCompletesAtOnce) {
+  const std::vector<int64_t> zeros(n_, 0);
+  float x = 1;
+  EXPECT_TRUE(comm_->all_to_all_v(&x, zeros, zeros, &x, zeros, zeros, DType::bf16, "nothing")->is_completed());
+}
+
+TEST_F(MpiBasics, AllToAllVRejectsBadCounts) {
+  float x[8] = {};
+  const std::vector<int64_t> zeros(n_, 0), short_v(n_ + 1, 0);
+  auto message = [](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { comm_->all_to_all_v(x, short_v, zeros, x, zeros, zeros, DType::fp32, "l"); })
+                .find("send_counts has " + std::to_string(n_ + 1) + " entries"),
+            std::string::npos);
+  std::vector<int64_t> negative = zeros;
+  negative[n_ - 1] = -2;
+  EXPECT_NE(message([&] { comm_->all_to_all_v(x, zeros, zeros, x, zeros, negative, DType::fp32, "l"); })
+                .find("recv_displs[" + std::to_string(n_ - 1) + "] is negative"),
+            std::string::npos);
+  std::vector<int64_t> to_self = zeros;
+  to_self[r_] = 2;
+  EXPECT_NE(message([&] { comm_->all_to_all_v(x, to_self, zeros, x + 4, zeros, zeros, DType::fp32, "l"); })
+                .find("send_counts[" + std::to_string(r_) + "] = 2 but recv_counts"),
+            std::string::npos);
+  if (n_ > 1) {  // native takes int counts: a larger one is refused before anything is sent
+    MpiOptions o;
+    o.all_to_all = Algorithm::native;
+    MpiCommunicator native(test_memory(), o);
+    std::vector<int64_t> huge = zeros;
+    huge[(r_ + 1) % n_] = int64_t(INT_MAX) + 1;
+    EXPECT_NE(message([&] { native.all_to_all_v(x, zeros, zeros, x, zeros, huge, DType::int8, "l"); })
+                  .find("recv_displs[" + std::to_string((r_ + 1) % n_) + "] = 2147483648 elements is over INT_MAX"),
+              std::string::npos);
+    o.all_to_all = Algorithm::ring;
+    MpiCommunicator ring(test_memory(), o);
+    EXPECT_NE(message([&] { ring.all_to_all_v(x, zeros, zeros, x, zeros, zeros, DType::fp32, "l"); }).find("ring"),
+              std::string::npos);
+  }
+}
+
+// Counts that disagree: rank 0 expects 8 elements from rank 1, which sends 5. direct reports it
+// on rank 0 instead of leaving 3 elements stale.
+TEST_F(MpiBasics, AllToAllVReportsAPeerThatSentFewer) {
+  if (n_ < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::vector<int64_t> send_counts(n_, 0), recv_counts(n_, 0);
+  if (r_ == 1) send_counts[0] = 5;
+  if (r_ == 0) recv_counts[1] = 8;
+  std::vector<float> send(8, 1.0f), recv(8, 0.0f);
+  auto w = comm_->all_to_all_v(send.data(), send_counts, std::vector<int64_t>(n_, 0), recv.data(), recv_counts,
+                               std::vector<int64_t>(n_, 0), DType::fp32, "disagreeing counts");
+  if (r_ != 0) {
+    w->wait(kTestTimeout);
+    return;
+  }
+  try {
+    w->wait(kTestTimeout);
+    ADD_FAILURE() << "a short message went unnoticed";
+  } catch (const TimeoutError& e) {
+    ADD_FAILURE() << e.what();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 sent 5 elements where 8 were expected"), std::string::npos) << e.what();
   }
 }
 

@@ -3,6 +3,7 @@
 // caught the error (they tell it so through a second communicator), so every rank finishes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -30,6 +31,13 @@ std::shared_ptr<Work> issue(Communicator& c, const std::string& which, std::vect
   if (which == "all_gather") return c.all_gather(a.data(), b.data(), n, DType::fp32, label);
   if (which == "reduce_scatter") return c.reduce_scatter(a.data(), b.data(), n, DType::fp32, label);
   if (which == "all_to_all") return c.all_to_all(a.data(), b.data(), n, DType::fp32, label);
+  if (which == "all_to_all_v") {  // uneven, and nothing at all to the last rank
+    std::vector<int64_t> counts(c.size());
+    for (int j = 0; j < c.size(); ++j) counts[j] = j == c.size() - 1 ? 0 : n - j;
+    const std::vector<int64_t> recv_counts(c.size(), c.rank() == c.size() - 1 ? 0 : n - c.rank());
+    return c.all_to_all_v(a.data(), counts, packed_displs(counts), b.data(), recv_counts, packed_displs(recv_counts),
+                          DType::fp32, label);
+  }
   if (which == "broadcast") return c.broadcast(a.data(), n, DType::fp32, c.size() - 1, label);
   return c.barrier(label);
 }
@@ -62,6 +70,10 @@ TEST_P(TimeoutTest, SkippedCollectiveTimesOutWithItsName) {
       EXPECT_EQ(e.collective(), tc.collective);
       EXPECT_EQ(e.label(), label);
       EXPECT_EQ(e.rank(), r);
+      if (std::string(tc.collective) == "all_to_all_v" && tc.algo == Algorithm::direct) {
+        const auto& missing = e.waiting_for();  // direct knows whose message has not come
+        EXPECT_NE(std::find(missing.begin(), missing.end(), skipper), missing.end()) << what;
+      }
     }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_GE(waited, 0.3);
@@ -82,6 +94,7 @@ INSTANTIATE_TEST_SUITE_P(
                       TimeoutCase{"all_reduce", Algorithm::ring}, TimeoutCase{"all_gather", Algorithm::direct},
                       TimeoutCase{"all_gather", Algorithm::native}, TimeoutCase{"reduce_scatter", Algorithm::direct},
                       TimeoutCase{"reduce_scatter", Algorithm::native}, TimeoutCase{"all_to_all", Algorithm::direct},
+                      TimeoutCase{"all_to_all_v", Algorithm::direct}, TimeoutCase{"all_to_all_v", Algorithm::native},
                       TimeoutCase{"broadcast", Algorithm::native}, TimeoutCase{"broadcast", Algorithm::direct},
                       TimeoutCase{"barrier", Algorithm::native}),
     [](const ::testing::TestParamInfo<TimeoutCase>& i) {
