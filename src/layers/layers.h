@@ -35,6 +35,14 @@ struct UnitArgs {
   char* backward_ws = nullptr;
   float* dx = nullptr;  // (B, T, C): d(out) on entry to a backward, d(in) on return
   float grad_scale = 1.0f;
+  // A staged unit (model::UnitCosts::exchanges): the stage this task runs (-1: the whole pass),
+  // the routed rows it reads (what the exchange before it delivered) and writes (for the exchange
+  // after it; a header of byte counts per rank, model::exchange_header_bytes, then the payloads),
+  // and the ranks its exchanges span: `peers` of them, this one at index `peer`.
+  int stage = -1;
+  const char* recv = nullptr;
+  char* send = nullptr;
+  int peers = 1, peer = 0;
   float* logits = nullptr;  // (V): logits of the last position of sequence 0 (Op::logits),
   bool all_logits = false;  // or with all_logits (B, T, V): every row's
 };

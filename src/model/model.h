@@ -111,6 +111,7 @@ struct Shape {
   int64_t B = 1, T = 1;
   int elem = 4;
   int threads = 1;
+  int ep = 1;  // ranks a unit's expert-parallel exchanges span (the mesh's ep axis)
 };
 
 // One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
@@ -119,6 +120,19 @@ struct GemmShape {
   int64_t M = 0, K = 0, N = 0;
   double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N); }
 };
+
+// Between two compute stages of a unit's pass, its routed rows travel over a mesh axis: an
+// all-to-all whose per-rank sizes are known only at run time. Each direction of the pass (forward,
+// backward) has its own exchange, the backward's in reverse. The send and receive buffers are
+// planned at `bound_bytes` each: a header of one int64 per rank of the axis (the payload bytes
+// for that rank, or from it), padded to 64 bytes, then the payloads packed rank after rank.
+struct Exchange {
+  std::string axis;            // mesh axis name, e.g. "ep"
+  int64_t bound_bytes = 0;     // each buffer's size, header included
+  int64_t expected_bytes = 0;  // what a rank sends when routing is balanced (the simulator's figure)
+};
+
+inline int64_t exchange_header_bytes(int64_t ranks) { return (8 * ranks + 63) / 64 * 64; }
 
 // What one unit costs for one micro-batch. Activation bytes are exactly what layers/ allocates
 // (each slice rounded up to 64 bytes); a test per unit kind holds the two together.
@@ -136,6 +150,12 @@ struct UnitCosts {
   // projection), for a cost model that prices GEMMs by shape.
   std::vector<GemmShape> gemms;
   double attention_flops = 0;  // causal attention's forward FLOPs (part of forward_flops; backward 2×)
+  // A pass of exchanges.size() + 1 compute stages with an exchange between each two (empty: one
+  // stage). stage_share[s]: the fraction of the unit's work (FLOPs, pointwise bytes) stage s does.
+  std::vector<Exchange> exchanges;
+  std::vector<double> stage_share;
+  int stages() const { return static_cast<int>(exchanges.size()) + 1; }
+  double share(int stage) const { return stage_share.empty() ? 1.0 : stage_share[stage]; }
   // Activation bytes kept from the forward to the backward under `mode`.
   int64_t kept_bytes(Recompute mode) const;
   double recompute_flops(Recompute mode) const;

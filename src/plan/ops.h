@@ -5,7 +5,7 @@
 //
 // X(name, stream, collective, work)
 //   stream      compute | comm
-//   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce
+//   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce | all_to_all
 //   work        what a compute op's cost counts (sim::CostModel):
 //                 none        nothing beyond its FLOPs
 //                 unit_fwd    the unit's forward GEMMs and pointwise passes
@@ -31,7 +31,8 @@
   X(all_reduce, comm, all_reduce, none)        /* a gradient bucket, or a shard across replicas */     \
   X(param_gather, comm, all_gather, none)      /* ZeRO-1/2: updated shards -> every rank's full copy */ \
   X(norm_reduce, comm, all_gather, none)       /* every rank's norm and loss sums to every rank */     \
-  X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */
+  X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */                          \
+  X(exchange, comm, all_to_all, none)          /* a staged unit's routed rows between its stages */
 
 namespace shardlm::plan {
 
@@ -42,7 +43,7 @@ enum class Op {
 };
 
 enum class OpStream { compute, comm };
-enum class OpCollective { none, all_gather, reduce_scatter, all_reduce };
+enum class OpCollective { none, all_gather, reduce_scatter, all_reduce, all_to_all };
 enum class OpWork { none, unit_fwd, unit_bwd, unit_fwd_bwd, unit_rebuild, grads_pass, adamw };
 
 struct OpInfo {

@@ -40,6 +40,7 @@ const char* to_string(Role r) {
     case Role::backward_ws: return "backward_ws";
     case Role::grad_stream: return "grad_stream";
     case Role::staging: return "staging";
+    case Role::routed: return "routed";
   }
   return "?";
 }
@@ -102,6 +103,25 @@ bool Plan::held_whole(StateKind k) const {
   return true;
 }
 
+namespace {
+// The axes of these names the mesh has, in mesh order.
+std::vector<int> present(const Mesh& mesh, std::initializer_list<const char*> names) {
+  std::vector<int> axes;
+  for (const char* n : names)
+    if (mesh.find(n) >= 0) axes.push_back(mesh.find(n));
+  std::sort(axes.begin(), axes.end());
+  return axes;
+}
+}  // namespace
+
+std::vector<int> Plan::shard_axes() const {
+  return config.strategy == Strategy::ddp ? present(mesh, {kDpShard}) : present(mesh, {kDpShard, kExpert});
+}
+std::vector<int> Plan::replicate_axes() const {
+  return config.strategy == Strategy::ddp ? present(mesh, {kDpReplicate, kExpert}) : present(mesh, {kDpReplicate});
+}
+std::vector<int> Plan::dp_axes() const { return present(mesh, {kDpReplicate, kDpShard, kExpert}); }
+
 std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   std::string s = to_string(op);
   auto add_unit = [&](int u) {
@@ -120,8 +140,14 @@ std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   } else if (unit >= 0) {
     add_unit(unit);
   }
+  if (op == Op::exchange) {
+    s += " x" + std::to_string(stage);
+    if (reverse) s += " grads";
+  } else if (stage >= 0) {
+    s += " s" + std::to_string(stage);
+  }
   if (op == Op::forward || op == Op::backward || op == Op::recompute || op == Op::head || op == Op::loss ||
-      op == Op::logits || op == Op::all_gather) {
+      op == Op::logits || op == Op::all_gather || op == Op::exchange) {
     s += " [m";
     s += std::to_string(step_micro >= 0 ? step_micro : micro);
     s += ']';

@@ -56,6 +56,7 @@ enum class Role {
   forward_ws, backward_ws,             // a task's scratch
   grad_stream,                         // gradient of the residual stream through a backward
   staging,                             // a bf16 collective's cast copy
+  routed,                              // rows an exchange sends or receives between a unit's stages
 };
 const char* to_string(Role r);
 
@@ -86,6 +87,10 @@ struct Operands {
   int grad_stream = -1;
   int staging = -1;       // bf16 collectives: the cast copy
   int comm_scratch = -1;  // reductions: the communicator's working memory
+  // A staged unit (model::UnitCosts::exchanges): the routed rows a stage reads (the exchange before
+  // it delivered them) and writes (for the exchange after it); an exchange reads `send` and fills
+  // `recv`. Where an exchange spans one rank it is left out and the next stage reads its `send`.
+  int send = -1, recv = -1;
   // A bucketed all_gather (first_unit >= 0): each unit's gathered buffer, in gather order; its
   // staging (the concatenated shards and their gathered concatenation) is `staging`.
   std::vector<int> bucket;
@@ -103,6 +108,11 @@ struct Task {
   std::vector<int> axes;  // mesh axes a collective spans (indices into Plan::mesh), ascending
   int unit = -1;          // index into ModelDesc::units; -1: all units / none
   int micro = 0;          // micro-step
+  // A staged unit's task: which stage of its pass a compute task runs (-1: the whole pass), and
+  // for an exchange, which one (between stages `stage` and `stage` + 1) and whether it carries the
+  // backward's gradients (from stage + 1 back to stage).
+  int stage = -1;
+  bool reverse = false;
   // all_reduce buckets: units [first, last]; all_gather buckets: first..last in gather order
   // (ascending in a forward, descending in a backward; unit is then -1).
   int first_unit = -1, last_unit = -1;
@@ -124,6 +134,7 @@ struct PlanConfig {
   Strategy strategy = Strategy::fsdp;
   int world = 1;        // N ranks
   int shard_group = 0;  // hybrid: G consecutive ranks shard (0: world)
+  int ep = 1;           // expert parallel (--ep): the data-parallel ranks split into groups of ep
   int64_t batch = 4, seq = 256, grad_accum = 1;
   // Build every micro-step's tasks even past kUnrolledMicroSteps (tests: the repeated plan runs
   // as the unrolled one).
@@ -212,8 +223,8 @@ struct StaticMemory {
 struct Plan {
   PlanConfig config;
   std::vector<std::string> streams{"compute", "comm"};
-  Mesh mesh;                   // dp_replicate × dp_shard
-  int shard_size = 1;          // |dp_shard|: ranks one unit is split over
+  Mesh mesh;                   // dp_replicate (× ep) × dp_shard
+  int shard_size = 1;          // ranks one unit is split over: |shard_axes()|
   model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
   StaticMemory static_memory;
   std::vector<BufferDesc> buffers;
@@ -265,11 +276,12 @@ struct Plan {
   std::string to_text(const model::ModelDesc& desc) const;
   // The axes units are sharded over, the axes their shards are replicated over, and all the
   // data-parallel axes (the ranks that read different batches), outermost first.
-  std::vector<int> shard_axes() const { return {mesh.axis(kDpShard)}; }
-  std::vector<int> replicate_axes() const { return {mesh.axis(kDpReplicate)}; }
-  std::vector<int> dp_axes() const { return {mesh.axis(kDpReplicate), mesh.axis(kDpShard)}; }
-  // A rank's shard of every unit, and its data-parallel coordinate (which batch it reads).
-  int shard_index(int rank) const { return mesh.index_in(rank, shard_axes()); }
+  // The ep axis (present when --ep > 1) splits the data-parallel ranks: it shards units with
+  // dp_shard under a sharding strategy and replicates them with dp_replicate under DDP.
+  std::vector<int> shard_axes() const;
+  std::vector<int> replicate_axes() const;
+  std::vector<int> dp_axes() const;
+  // A rank's data-parallel coordinate (which batch it reads).
   int dp_index(int rank) const { return mesh.index_in(rank, dp_axes()); }
   int dp_size() const { return mesh.group_size(dp_axes()); }
 

@@ -114,6 +114,8 @@ class Builder {
   int reuse(int compute_task);
   void forward(int u, int m);
   void backward(int u, int m);
+  int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
+  int add_stages(int first, bool reverse);
   void reduce_grad(int u, int producer);
   void close_bucket(int producer);
   void read_values(int t, int u, int m);
@@ -352,7 +354,10 @@ void Builder::forward(int u, int m) {
     if (!train_ || cfg_.recompute != Recompute::none) free(t, io.recomputable);
   }
   if (c.forward_workspace > 0) scratch(t, io.forward_ws = forward_ws(u));
-  if (!head) return;
+  if (!head) {
+    add_stages(t, false);
+    return;
+  }
   heads_.push_back(t);
   if (!train_) return;
   // Training: the head's backward runs in the same task and starts the gradient stream.
@@ -388,6 +393,7 @@ void Builder::backward(int u, int m) {
     }
     if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
     if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
+    add_stages(r, false);
     ag = -1;  // the backward follows on the same stream
   }
   const int b = add(Op::backward, u, m, {ag});
@@ -407,7 +413,69 @@ void Builder::backward(int u, int m) {
     io.grads = full_grads(u);
     if (m == 0 && grads_allocated_.insert(u).second) alloc(b, io.grads);
   }
-  if (m == last_micro_) reduce_grad(u, b);
+  const int last = add_stages(b, true);
+  if (m == last_micro_) reduce_grad(u, last);
+}
+
+// The buffer of a staged unit's routed rows on one end (send, recv) of one of its exchanges.
+int Builder::routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes) {
+  return buffer(std::string(end) + " " + uname(u) + " x" + std::to_string(exchange) + (reverse ? " grads" : "") + tag(m),
+                Role::routed, MemCategory::comm, bytes, u, DType::int8);
+}
+
+// A staged unit's pass (model::UnitCosts::exchanges): `first`, built as the whole pass, becomes
+// its first stage (the last one in a backward, which runs the stages in reverse), and the other
+// stages follow, each after the exchange that feeds it: the stage before writes the exchange's
+// `send`, the exchange fills `recv`, which the stage after reads and frees. An exchange over
+// axes of one rank is left out (the stage after reads `send`). Everything `first` freed, the
+// last stage frees instead, and it is the pass's consumer of gathered parameters. Returns it.
+int Builder::add_stages(int first, bool reverse) {
+  const int u = at(first).unit, m = at(first).micro;
+  const model::UnitCosts& c = costs_[u];
+  const int S = c.stages();
+  if (S == 1) return first;
+  // Every stage names the axes its exchanges span (the layer routes by its index there).
+  const int axis = plan_.mesh.find(c.exchanges[0].axis);
+  const std::vector<int> axes = axis >= 0 ? std::vector<int>{axis} : std::vector<int>{};
+  for (const model::Exchange& x : c.exchanges)
+    if (x.axis != c.exchanges[0].axis) throw std::logic_error("plan: unit " + uname(u) + " exchanges over two axes");
+  at(first).axes = axes;
+  const Task whole = at(first);
+  at(first).frees.clear();
+  at(first).stage = reverse ? S - 1 : 0;
+  at(first).flops = whole.flops * c.share(at(first).stage);
+  int prev = first;
+  for (int i = 1; i < S; ++i) {
+    const int s = reverse ? S - 1 - i : i, e = reverse ? s : s - 1;
+    const model::Exchange& x = c.exchanges[e];
+    const int send = routed(u, m, e, reverse, "send", x.bound_bytes);
+    alloc(prev, send);
+    at(prev).io.send = send;
+    int feed = send, dep = prev;
+    if (plan_.mesh.group_size(axes) > 1) {
+      const int xt = add(Op::exchange, u, m, {prev});
+      at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes;
+      at(xt).bytes = x.expected_bytes;
+      at(xt).io.send = send;
+      at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
+      alloc(xt, feed);
+      free(xt, send);
+      dep = xt;
+    }
+    const int t = add(whole.op, u, m, {dep});
+    at(t).stage = s, at(t).axes = axes;
+    at(t).flops = whole.flops * c.share(s);
+    at(t).io = whole.io;
+    at(t).io.send = -1;
+    at(t).io.recv = feed;
+    free(t, feed);
+    prev = t;
+  }
+  for (int f : whole.frees) free(prev, f);
+  for (Gathered& g : chain_)
+    for (int& consumer : g.consumers)
+      if (consumer == first) consumer = prev;
+  return prev;
 }
 
 // A compute task frees the full gradients of reduce-scatters issued two backwards before it (or
@@ -570,7 +638,14 @@ Plan Builder::build() {
   train_ = cfg_.mode == PlanConfig::Mode::train;
   plan_.config = cfg_;
   plan_.shard_size = s == Strategy::ddp ? 1 : s == Strategy::hybrid ? cfg_.shard_group : cfg_.world;
-  plan_.mesh = Mesh({{kDpReplicate, cfg_.world / plan_.shard_size}, {kDpShard, plan_.shard_size}});
+  // ep sits between the replicas and dp_shard: the ranks of an expert group shard (or under DDP
+  // replicate) dense units together with dp_shard, and a rank's part of a unit split over
+  // {ep, dp_shard} lies inside its ep coordinate's slice of the unit.
+  const int ep = cfg_.ep, outer_ep = s == Strategy::ddp ? ep : 1, inner_ep = s == Strategy::ddp ? 1 : ep;
+  std::vector<MeshAxis> axes{{kDpReplicate, cfg_.world / plan_.shard_size / outer_ep}};
+  if (ep > 1) axes.push_back({kExpert, ep});
+  axes.push_back({kDpShard, plan_.shard_size / inner_ep});
+  plan_.mesh = Mesh(axes);
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
@@ -717,10 +792,14 @@ void validate(const PlanConfig& c) {
   need(c.param_bytes == 4 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid,
        "param-dtype bf16 needs a sharded-parameter strategy (fsdp or hybrid); use reduce-dtype bf16 with " +
            std::string(to_string(c.strategy)));
+  need(c.ep >= 1 && c.world % c.ep == 0,
+       "ep (--ep): " + std::to_string(c.ep) + " must divide the number of data-parallel ranks " + std::to_string(c.world));
   if (c.strategy == Strategy::hybrid) {
     need(c.shard_group >= 1, "hybrid needs --shard-group G >= 1");
     need(c.world % c.shard_group == 0, "shard-group " + std::to_string(c.shard_group) +
                                            " does not divide the number of ranks " + std::to_string(c.world));
+    need(c.shard_group % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) + " must divide the shard group " +
+                                        std::to_string(c.shard_group) + " (an expert group shards together)");
   }
 }
 

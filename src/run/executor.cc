@@ -56,7 +56,9 @@ struct Executor::Run {
   std::mutex mu;
   StepResult result;
   double sum_squares = 0;
+  std::vector<double> class_sums;  // this rank's squared-gradient sum per gradient class
   bool finiteness_known = false;  // norm_reduce has told every rank which ranks went non-finite
+  std::vector<int64_t> moved;     // by task id: bytes an exchange sent to other ranks (-1: none)
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -93,6 +95,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   exp_avg_ = state(MemCategory::optimizer, StateKind::optimizer);
   exp_avg_sq_ = state(MemCategory::optimizer, StateKind::optimizer);
   check_carved_fits();
+  grad_classes_ = grad_classes();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
   // Every rank's trace clock starts at the same moment (to within a barrier's latency), so the
@@ -130,8 +133,7 @@ void Executor::sample_memory() {
 }
 
 // The optimizer updates its range of each unit in place on the parameters and gradients, so
-// those must hold it; and the gradient norm adds the ranks' sums of one replica, which needs one
-// gradient placement for all units.
+// those must hold it.
 void Executor::check_placement() const {
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard o = shard_of(StateKind::optimizer, u);
@@ -142,10 +144,19 @@ void Executor::check_placement() const {
         throw std::logic_error("executor: unit " + desc_.units[u].name + "'s " + plan::to_string(k) +
                                " do not hold its optimizer range");
     }
-    const auto& g = plan_.placed(StateKind::grads, u), &g0 = plan_.placed(StateKind::grads, 0);
-    if (g.axes != g0.axes || g.parts != g0.parts)
-      throw std::logic_error("executor: gradients placed differently across units (the norm sums one placement)");
   }
+}
+
+std::vector<Executor::GradClass> Executor::grad_classes() const {
+  std::vector<GradClass> classes;
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const plan::Placement& g = plan_.placed(StateKind::grads, u);
+    if (g.parts == 0) continue;
+    auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == g.axes; });
+    if (it == classes.end()) it = classes.insert(classes.end(), GradClass{g.axes, {}});
+    it->units.push_back(u);
+  }
+  return classes;
 }
 
 Executor::Shard Executor::shard_of(StateKind k, int u) const {
@@ -301,6 +312,11 @@ void Executor::unit_task(const Task& t, Run& r) {
   if (io.backward_ws >= 0) a.backward_ws = r.data(io.backward_ws);
   a.dx = r.f32(io.grad_stream);
   a.grad_scale = r.in.grad_scale;
+  a.stage = t.stage;
+  if (io.recv >= 0) a.recv = r.data(io.recv);
+  if (io.send >= 0) a.send = r.data(io.send);
+  a.peers = r.plan.mesh.group_size(t.axes);
+  a.peer = r.plan.mesh.index_in(rank_, t.axes);
   a.logits = r.in.logits;
   a.all_logits = r.in.all_logits;
   const layers::LayerKind& kind = layers::layer(u.kind);
@@ -328,7 +344,17 @@ void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
 // shard axis (and identical across replicas): the sum of squares over what this rank holds.
 void Executor::grad_norm(const Task&, Run& r) {
-  r.sum_squares = backend_.sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
+  r.class_sums.assign(grad_classes_.size(), 0.0);
+  if (grad_classes_.size() == 1) {  // every unit alike: the whole buffer at once
+    r.class_sums[0] = backend_.sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
+  } else {
+    for (size_t k = 0; k < grad_classes_.size(); ++k)
+      for (int u : grad_classes_[k].units)
+        r.class_sums[k] += backend_.sum_squares(grads_.f32() + plan_.held_offset(StateKind::grads, u),
+                                                plan_.held_elems(StateKind::grads, u));
+  }
+  r.sum_squares = 0;
+  for (double v : r.class_sums) r.sum_squares += v;
 }
 
 // Records a rank whose loss or squared-gradient sum is NaN or infinite.
@@ -383,12 +409,12 @@ void Executor::all_gather(const Task& t, Run& r) {
   float* mine = params_.f32() + s.at;
   if (t.io.staging < 0) {
     c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
-  } else {  // bf16: [whole unit | one shard] staging, cast, gather, widen.
+  } else {  // bf16: [what the group gathers | one shard] staging, cast, gather, widen.
     uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
-    uint16_t* own = whole + s.len * s.parts;
+    uint16_t* own = whole + s.len * c.size();
     backend_.fp32_to_bf16(own, mine, s.len);
     c.all_gather(own, whole, s.len, DType::bf16, lbl)->wait(timeout_);
-    backend_.bf16_to_fp32(full, whole, s.len * s.parts);
+    backend_.bf16_to_fp32(full, whole, s.len * c.size());
   }
   if (t.io.keep_into >= 0) keep_part(t, r);
 }
@@ -401,7 +427,7 @@ void Executor::keep_part(const Task& t, Run& r) {
   const float* full = r.f32(t.io.params);
   char* part = r.data(t.io.keep_into);
   const int elem = r.plan.config.param_bytes;
-  for (int q = 0; q < s.parts; ++q) to_wire(part + q * kept * elem, full + q * len, kept, elem);
+  for (int q = 0; q < comms_.get(t.axes).size(); ++q) to_wire(part + q * kept * elem, full + q * len, kept, elem);
 }
 
 // A partly kept unit's backward gather: the rest of each rank's shard (after its kept part),
@@ -411,13 +437,14 @@ void Executor::gather_rest(const Task& t, Run& r) {
   const Shard s = shard_of(StateKind::params, t.unit);
   const int64_t len = s.len, kept = r.plan.kept_elems[t.unit], rest = len - kept;
   const int elem = r.plan.config.param_bytes;
+  comm::Communicator& c = comms_.get(t.axes);
   char* whole = r.data(t.io.staging);
-  char* own = whole + (s.begin / len) * rest * elem;
+  char* own = whole + c.rank() * rest * elem;
   to_wire(own, params_.f32() + s.at + kept, rest, elem);
-  comms_.get(t.axes).all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
+  c.all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
   float* full = r.f32(t.io.params);
   const char* part = r.data(t.io.restore_from);
-  for (int q = 0; q < s.parts; ++q) {
+  for (int q = 0; q < c.size(); ++q) {
     from_wire(full + q * len, part + q * kept * elem, kept, elem);
     from_wire(full + q * len + kept, whole + q * rest * elem, rest, elem);
   }
@@ -450,18 +477,18 @@ void Executor::gather_bucket(const Task& t, Run& r) {
     if (u == t.last_unit) break;
   }
   // A bucket's units are placed alike: one group, one slot per rank.
-  const Shard first = shard_of(StateKind::params, t.first_unit);
+  comm::Communicator& c = comms_.get(t.axes);
   const int elem = r.plan.config.param_bytes;
   char* whole = r.data(t.io.staging);
-  char* own = whole + (first.begin / first.len) * shards * elem;  // in place: this rank's slot of the gathered
+  char* own = whole + c.rank() * shards * elem;  // in place: this rank's slot of the gathered
   int64_t at = 0;
   for (int u : units) {
     const Shard s = shard_of(StateKind::params, u);
     to_wire(own + at * elem, params_.f32() + s.at, s.len, elem);
     at += s.len;
   }
-  comms_.get(t.axes).all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
-  for (int q = 0; q < first.parts; ++q) {
+  c.all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
+  for (int q = 0; q < c.size(); ++q) {
     at = q * shards;
     for (size_t i = 0; i < units.size(); ++i) {
       const int64_t len = shard_of(StateKind::params, units[i]).len;
@@ -471,10 +498,12 @@ void Executor::gather_bucket(const Task& t, Run& r) {
   }
 }
 
-void Executor::param_gather(const Task& t, Run& r) {  // in place on the whole parameter buffer
+// In place on this rank's parameters of the unit: the group's optimizer ranges tile them.
+void Executor::param_gather(const Task& t, Run& r) {
   const Shard s = shard_of(StateKind::optimizer, t.unit);
-  float* unit = params_.f32() + plan_.held_offset(StateKind::params, t.unit);
-  comms_.get(t.axes).all_gather(unit + s.begin, unit, s.len, DType::fp32, label(t, r.step))->wait(timeout_);
+  float* held = params_.f32() + plan_.held_offset(StateKind::params, t.unit);
+  comms_.get(t.axes).all_gather(element(params_, StateKind::params, t.unit, s.begin), held, s.len, DType::fp32,
+                                label(t, r.step))->wait(timeout_);
 }
 
 void Executor::reduce_scatter(const Task& t, Run& r) {
@@ -486,8 +515,8 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
   const comm::Scratch scratch = comm_scratch(t, r);
   if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
-  uint16_t* own = whole + s.len * s.parts;
-  backend_.fp32_to_bf16(whole, full, s.len * s.parts);
+  uint16_t* own = whole + s.len * c.size();
+  backend_.fp32_to_bf16(whole, full, s.len * c.size());
   c.reduce_scatter(whole, own, s.len, DType::bf16, lbl, scratch)->wait(timeout_);
   backend_.bf16_to_fp32(mine, own, s.len);
 }
@@ -520,23 +549,71 @@ void Executor::all_reduce(const Task& t, Run& r) {
 // before any optimizer task runs, which ranks' loss or gradients went non-finite.
 void Executor::norm_reduce(const Task& t, Run& r) {
   comm::Communicator& c = comms_.get(t.axes);
-  const double mine[2] = {r.sum_squares, r.result.loss_sum};
-  std::vector<double> all(2 * c.size());
-  c.all_gather(mine, all.data(), 4, DType::fp32, "grad_norm step " + std::to_string(r.step))->wait(timeout_);
-  // The group spans the data-parallel axes, row-major (dp_replicate, dp_shard): one replica's
-  // shards are consecutive members.
-  const int group = plan_.placed(StateKind::grads, 0).parts > 1 ? plan_.shard_size : 1;
-  double sum = 0;
-  for (int i = 0; i < c.size(); ++i) {
-    if (i / group == c.rank() / group) sum += all[2 * i];
-    note_nonfinite(r, i, all[2 * i], all[2 * i + 1]);
+  const int K = static_cast<int>(grad_classes_.size()), n = K + 1;
+  std::vector<double> mine(r.class_sums);
+  mine.push_back(r.result.loss_sum);
+  std::vector<double> all(n * c.size());
+  c.all_gather(mine.data(), all.data(), 2 * n, DType::fp32, "grad_norm step " + std::to_string(r.step))->wait(timeout_);
+  // Member i of the group (row-major over its axes) is the world rank with my coordinates
+  // elsewhere; a class's sum adds the members that differ from me only on the class's axes.
+  const plan::Mesh& mesh = plan_.mesh;
+  const std::vector<int> me = mesh.coords(rank_);
+  std::vector<std::vector<int>> member(c.size(), me);
+  for (int i = 0; i < c.size(); ++i)
+    for (int a = static_cast<int>(t.axes.size()) - 1, rest = i; a >= 0; --a) {
+      member[i][t.axes[a]] = rest % mesh[t.axes[a]].size;
+      rest /= mesh[t.axes[a]].size;
+    }
+  auto same_outside = [&](const std::vector<int>& coords, const std::vector<int>& axes) {
+    for (int a : t.axes)
+      if (std::find(axes.begin(), axes.end(), a) == axes.end() && coords[a] != me[a]) return false;
+    return true;
+  };
+  r.sum_squares = 0;
+  for (int k = 0; k < K; ++k) {
+    double sum = 0;
+    for (int i = 0; i < c.size(); ++i)
+      if (same_outside(member[i], grad_classes_[k].axes)) sum += all[n * i + k];
+    r.sum_squares += sum;
   }
-  r.sum_squares = sum;
+  for (int i = 0; i < c.size(); ++i) {
+    double squares = 0;
+    for (int k = 0; k < K; ++k) squares += all[n * i + k];
+    note_nonfinite(r, mesh.rank_of(member[i]), squares, all[n * i + K]);
+  }
   r.finiteness_known = true;
 }
 
 void Executor::loss_reduce(const Task& t, Run& r) {
   r.result.loss_sum = sum_over(comms_.get(t.axes), r.result.loss_sum, "loss step " + std::to_string(r.step));
+}
+
+// A staged unit's routed rows to the ranks of the task's axes. The send buffer's header says how
+// many bytes go to each rank; one all_to_all of the headers tells every rank what comes from each,
+// then the payloads move, packed rank after rank behind the receive buffer's header, which records
+// what came from each. What left this rank for the others is the task's figure in the trace.
+void Executor::exchange(const Task& t, Run& r) {
+  comm::Communicator& c = comms_.get(t.axes);
+  const int P = c.size();
+  const std::string lbl = label(t, r.step);
+  const char* send = r.data(t.io.send);
+  char* recv = r.data(t.io.recv);
+  std::vector<int64_t> out(P), in(P);
+  std::memcpy(out.data(), send, sizeof(int64_t) * P);
+  c.all_to_all(out.data(), in.data(), sizeof(int64_t), DType::int8, lbl + " (sizes)")->wait(timeout_);
+  const int64_t header = model::exchange_header_bytes(P);
+  std::vector<int64_t> out_at(P), in_at(P);
+  int64_t sent = header, received = header, moved = 0;
+  for (int j = 0; j < P; ++j) {
+    out_at[j] = sent, in_at[j] = received;
+    sent += out[j], received += in[j];
+    if (j != c.rank()) moved += out[j];
+  }
+  if (sent > r.plan.buffers[t.io.send].bytes || received > r.plan.buffers[t.io.recv].bytes)
+    throw std::logic_error("executor: " + lbl + " moves more than its buffers' planned bound");
+  std::memcpy(recv, in.data(), sizeof(int64_t) * P);
+  c.all_to_all_v(send, out, out_at, recv, in, in_at, DType::int8, lbl)->wait(timeout_);
+  r.moved[t.id] = moved;
 }
 
 // ---- the stream runner
@@ -557,8 +634,9 @@ bool Executor::holds_state_of(const plan::Plan& plan) const {
 StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
   if (!holds_state_of(plan))
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
-  Run r{plan, step, in, {}, {}, {}, 0, false};
+  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}};
   r.live.resize(plan.buffers.size());
+  r.moved.assign(plan.tasks.size(), -1);
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
   const size_t n = plan.tasks.size();
   std::vector<int64_t> done(n, 0);  // runs finished, per task
@@ -582,7 +660,7 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
     const double end = now_us();
     {
       std::lock_guard<std::mutex> lock(trace_mu_);
-      trace_.slices.push_back({task.name(&desc_, micro), task.stream, step, start_us, end - start_us});
+      trace_.slices.push_back({task.name(&desc_, micro), task.stream, step, start_us, end - start_us, r.moved[task.id]});
     }
     std::lock_guard<std::mutex> lock(mu);
     ++done[task.id];

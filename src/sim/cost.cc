@@ -46,6 +46,7 @@ Collective collective_of(Op op) {
     case plan::OpCollective::all_gather: return Collective::all_gather;
     case plan::OpCollective::reduce_scatter: return Collective::reduce_scatter;
     case plan::OpCollective::all_reduce: return Collective::all_reduce;
+    case plan::OpCollective::all_to_all: return Collective::all_to_all;
     case plan::OpCollective::none: break;
   }
   throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
@@ -65,6 +66,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);
+    stage_share_.push_back(c.stage_share);
     if (hw.gemm_rates.empty() && hw.attention_rates.empty()) continue;
     double flops = 0, forward = 0, backward = 0;
     if (!hw.gemm_rates.empty())
@@ -135,6 +137,11 @@ double CostModel::compute_seconds(const plan::Task& t) const {
         break;
       default: break;
     }
+  }
+  // One stage of a staged unit's pass does its share of the unit's work (t.flops is already its own).
+  if (t.stage >= 0 && t.unit >= 0 && !stage_share_[t.unit].empty()) {
+    const double share = stage_share_[t.unit][t.stage];
+    pointwise *= share, gemm_flops *= share, gemm_s *= share;
   }
   // Gradient buffers start at zero: the task that allocates them writes each byte once.
   for (int b : t.allocs)

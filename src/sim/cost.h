@@ -42,6 +42,7 @@ class CostModel {
   double peak_ = 0, rate_ = 0, pointwise_bw_ = 0;
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
+  std::vector<std::vector<double>> stage_share_;  // per unit: each stage's share of its work (model::UnitCosts)
   // Per unit, with measured rates (empty without): the forward FLOPs they price (weight GEMMs,
   // attention) and their seconds forward and backward.
   struct Measured {

@@ -20,7 +20,9 @@ std::string RankTrace::events_json() const {
   append({{"ph", "M"}, {"name", "process_name"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
   for (size_t s = 0; s < streams.size(); ++s)
     append({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", s}, {"args", {{"name", streams[s]}}}});
-  for (const Slice& s : slices)
+  for (const Slice& s : slices) {
+    json args{{"step", s.step}};
+    if (s.moved >= 0) args["bytes moved"] = s.moved;
     append({{"ph", "X"},
             {"name", s.name},
             {"cat", streams.at(s.stream)},
@@ -28,7 +30,8 @@ std::string RankTrace::events_json() const {
             {"tid", s.stream},
             {"ts", s.start_us},
             {"dur", s.dur_us},
-            {"args", {{"step", s.step}}}});
+            {"args", args}});
+  }
   for (const MemorySample& m : memory) {
     json args;
     for (int c = 0; c < kNumMemCategories; ++c) args[to_string(static_cast<MemCategory>(c))] = m.bytes[c];

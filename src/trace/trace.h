@@ -18,6 +18,7 @@ struct Slice {
   int stream;  // index into RankTrace::streams
   int64_t step;
   double start_us, dur_us;
+  int64_t moved = -1;  // bytes a collective whose size is known only at run time sent (-1: none such)
 };
 
 struct MemorySample {

@@ -608,6 +608,35 @@ TEST(Plan, GatherBucketsLeaveUnshardedPlansAndRefuseBadSizes) {
 namespace shardlm::plan {
 namespace {
 
+// --ep splits the data-parallel ranks into expert groups: under a sharding
+// strategy ep shards units together with dp_shard, under DDP it replicates them; every ep rank
+// reads its own batch.
+TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
+  PlanConfig c;
+  c.strategy = Strategy::hybrid, c.world = 8, c.shard_group = 4, c.ep = 2;
+  const Plan h = build_plan(small(), c);
+  EXPECT_EQ(h.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=2");
+  EXPECT_EQ(h.shard_size, 4);
+  EXPECT_EQ(h.shard_axes(), (std::vector<int>{1, 2}));
+  EXPECT_EQ(h.replicate_axes(), (std::vector<int>{0}));
+  EXPECT_EQ(h.dp_size(), 8);
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(h.part_index(StateKind::params, 0, r), r % 4);
+  c.strategy = Strategy::ddp, c.world = 4;
+  const Plan d = build_plan(small(), c);
+  EXPECT_EQ(d.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=1");
+  EXPECT_EQ(d.shard_size, 1);
+  EXPECT_EQ(d.replicate_axes(), (std::vector<int>{0, 1}));
+  for (const Task& t : d.tasks) {
+    if (t.op == Op::all_reduce) {
+      EXPECT_EQ(d.mesh.group_size(t.axes), 4);
+    }
+  }
+  c.strategy = Strategy::fsdp, c.world = 6, c.ep = 4;
+  EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+  c.strategy = Strategy::hybrid, c.world = 8, c.shard_group = 2;
+  EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+}
+
 // The plan's mesh: hybrid shards over dp_shard (consecutive ranks) and replicates over
 // dp_replicate; every collective names its axes; explain prints each rank's coordinates.
 TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
@@ -616,7 +645,7 @@ TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
   const Plan p = build_plan(small(), c);
   EXPECT_EQ(p.mesh.to_string(), "dp_replicate=2 × dp_shard=2");
   for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(p.shard_index(r), r % 2);
+    EXPECT_EQ(p.part_index(StateKind::params, 0, r), r % 2);
     EXPECT_EQ(p.dp_index(r), r);
   }
   std::set<std::vector<int>> used;
