@@ -295,7 +295,7 @@ void moe_combine(float* out, const float* res, const float* ys, const float* wei
 // dys[row of (t,s)] += weight[t,s] · dout[t]; dweight[t,s] += dout[t] · ys[row] (kept slots only).
 void moe_combine_backward(float* dys, float* dweight, const float* dout, const float* ys, const float* weight,
                           const int32_t* slot_row, int64_t N, int64_t k, int64_t C);
-// The group's load-balancing loss aux = (E/k) Σ_e f_e P_e, f_e = assigned[e] / (N k), P_e the mean
+// The group's load-balancing loss aux = E Σ_e f_e P_e, f_e = assigned[e] / (N k), P_e the mean
 // of probs[:, e] (1 at perfect balance), and router z-loss z = mean over tokens of lse². Double
 // accumulation.
 void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,

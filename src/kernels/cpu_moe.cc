@@ -135,17 +135,17 @@ void moe_router_losses(double* aux, double* z, const float* probs, const float* 
     a += static_cast<double>(assigned[e]) / static_cast<double>(N * k) * (P / static_cast<double>(N));
   }
   for (int64_t t = 0; t < N; ++t) zz += static_cast<double>(lse[t]) * lse[t];
-  *aux = a * static_cast<double>(E) / static_cast<double>(k);
+  *aux = a * static_cast<double>(E);
   *z = zz / static_cast<double>(N);
 }
 
 void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
                          const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
                          int64_t k, bool norm_topk, float aux_scale, float z_scale) {
-  // d aux / d probs[t, e] = (E/k) f_e / N: the same for every token.
+  // d aux / d probs[t, e] = E f_e / N: the same for every token.
   std::vector<float> daux(E);
   for (int64_t e = 0; e < E; ++e)
-    daux[e] = static_cast<float>(static_cast<double>(aux_scale) * static_cast<double>(E) / static_cast<double>(k) *
+    daux[e] = static_cast<float>(static_cast<double>(aux_scale) * static_cast<double>(E) *
                                  static_cast<double>(assigned[e]) / static_cast<double>(N * k) / static_cast<double>(N));
   const float dz = 2.0f * z_scale / static_cast<float>(N);
 #pragma omp parallel

@@ -11,7 +11,7 @@ experts with index_select / index_add. The objective is
 
     sum_g CE_g / (G B T) + aux_coef * mean_g sum_layers aux + z_coef * mean_g sum_layers z
 
-with aux = (E / k) sum_e f_e P_e (f_e: share of the group's top-k assignments to e, before
+with aux = E sum_e f_e P_e (f_e: share of the group's top-k assignments to e, before
 capacity; P_e: mean router probability of e) and z = mean over tokens of logsumexp(logits)^2.
 Writes loss (language), aux, z (means over groups of the sums over layers) and grad.NAME for every
 weight.
@@ -95,7 +95,7 @@ def main():
             ye = (g * torch.sigmoid(g) * (xe @ W[pe + "w3.weight"].T)) @ W[pe + "w2.weight"].T
             out = out.index_add(0, tok, ye * w[tok, slot][:, None])
         f = torch.stack([(chosen == e).sum() for e in range(E)]).double() / (N * k)
-        aux = E / k * (f * probs.mean(0)).sum()
+        aux = E * (f * probs.mean(0)).sum()
         z = (torch.logsumexp(logits, -1) ** 2).mean()
         return x + out.view(B, T, C), aux, z
 
