@@ -185,6 +185,27 @@ void read_llama(Fields& f, model::ModelConfig& c) {
   f.dropout("attention_dropout");
 }
 
+// Mixtral: LLaMA's keys with intermediate_size the experts' width, and the router's. Settings
+// Mixtral lacks (dense blocks between MoE blocks, capacity, Switch weights, z-loss) are
+// shardlm_-prefixed keys.
+void read_mixtral(Fields& f, model::ModelConfig& c) {
+  read_llama(f, c);
+  c.family = model::Family::moe;
+  c.moe_ffn_dim = c.ffn_dim;
+  c.ffn_dim = f.get_or<int64_t>("shardlm_dense_intermediate_size", c.moe_ffn_dim);
+  c.n_experts = f.get<int64_t>("num_local_experts");
+  c.top_k = f.get<int64_t>("num_experts_per_tok");
+  c.aux_loss_coef = f.get_or<double>("router_aux_loss_coef", 0.01);
+  c.z_loss_coef = f.get_or<double>("shardlm_z_loss_coef", 0.001);
+  c.capacity_factor = f.get_or<double>("shardlm_capacity_factor", 0.0);
+  c.norm_topk = f.get_or<bool>("shardlm_norm_topk", true);
+  c.moe_every = f.get_or<int64_t>("shardlm_moe_every", 1);
+  f.get_or<bool>("output_router_logits", false);  // whether HF adds the aux loss: shardlm always does
+  if (f.has("sliding_window"))
+    f.fail("sliding_window", "is set; shardlm's attention is full causal attention");
+  f.must_be("router_jitter_noise", 0.0, "shardlm's router adds no noise");
+}
+
 }  // namespace
 
 json to_hf_config(const model::ModelConfig& c) {
@@ -209,6 +230,28 @@ json to_hf_config(const model::ModelConfig& c) {
             {"reorder_and_upcast_attn", false},
             {"tie_word_embeddings", true},
             {"torch_dtype", "float32"}};
+  }
+  if (c.family == model::Family::moe) {
+    json j = to_hf_config([&] {
+      model::ModelConfig l = c;
+      l.family = model::Family::llama, l.ffn_dim = c.moe_ffn_dim;
+      l.n_experts = l.top_k = l.moe_ffn_dim = 0, l.moe_every = 1, l.capacity_factor = 0;
+      return l;
+    }());
+    j["model_type"] = "mixtral";
+    j["architectures"] = {"MixtralForCausalLM"};
+    for (const char* k : {"head_dim", "mlp_bias", "pretraining_tp", "rope_scaling"}) j.erase(k);
+    j["num_local_experts"] = c.n_experts;
+    j["num_experts_per_tok"] = c.top_k;
+    j["router_aux_loss_coef"] = c.aux_loss_coef;
+    j["router_jitter_noise"] = 0.0;
+    j["output_router_logits"] = true;
+    j["sliding_window"] = nullptr;
+    j["shardlm_z_loss_coef"] = c.z_loss_coef;
+    if (c.capacity_factor > 0) j["shardlm_capacity_factor"] = c.capacity_factor;
+    if (!c.norm_topk) j["shardlm_norm_topk"] = false;
+    if (c.moe_every != 1) j["shardlm_moe_every"] = c.moe_every, j["shardlm_dense_intermediate_size"] = c.ffn_dim;
+    return j;
   }
   return {{"model_type", "llama"},
           {"architectures", {"LlamaForCausalLM"}},
@@ -240,7 +283,8 @@ model::ModelConfig from_hf_config(const json& j, const std::string& path, HfConf
   model::ModelConfig c;
   if (type == "gpt2") read_gpt2(f, c);
   else if (type == "llama") read_llama(f, c);
-  else f.fail("model_type", "is '" + type + "' (expected gpt2 or llama)");
+  else if (type == "mixtral") read_mixtral(f, c);
+  else f.fail("model_type", "is '" + type + "' (expected gpt2, llama or mixtral)");
   f.plain_decoder();
   f.initializer_range();
   f.finish(type);

@@ -109,7 +109,7 @@ std::vector<int64_t> sizes_in_bytes(const std::vector<std::string>& kib) {
 void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--model", c.model,
                   "preset (tiny, small, gpt2-124m, llama-tiny, llama-small, llama2-7b, llama2-13b, llama2-70b, "
-                  "llama3-8b, llama3-70b, gpt3-175b) or a Hugging Face config.json")
+                  "llama3-8b, llama3-70b, gpt3-175b, moe-tiny, moe-small, mixtral-8x7b, mixtral-8x22b) or a Hugging Face config.json")
       ->capture_default_str();
   cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)")->check(at_least(1));
   cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)")->check(at_least(1));
@@ -121,6 +121,17 @@ void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)")->check(positive());
   cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)")->check(positive());
   cmd->add_flag("--tie-embeddings", c.tie_embeddings, "llama: the head reuses the token embedding");
+  cmd->add_option("--experts", c.experts, "moe: experts per MoE block")->check(at_least(1));
+  cmd->add_option("--top-k", c.top_k, "moe: experts per token (1: Switch)")->check(at_least(1));
+  cmd->add_option("--moe-ffn-dim", c.moe_ffn_dim, "moe: an expert's SwiGLU width")->check(at_least(1));
+  cmd->add_option("--moe-every", c.moe_every, "moe: a MoE block every M blocks (blocks M-1, 2M-1, ...; dense SwiGLU in the others)")
+      ->check(at_least(1));
+  cmd->add_option("--capacity-factor", c.capacity_factor,
+                  "moe: an expert takes at most ceil(C tokens k / E) tokens of a micro-batch (default: dropless)")
+      ->check(positive());
+  cmd->add_flag("--no-norm-topk", c.no_norm_topk, "moe: keep the k experts' softmax weights (not renormalised to 1)");
+  cmd->add_option("--aux-loss-coef", c.aux_loss_coef, "moe: load-balancing loss coefficient (default 0.01)")->check(at_least(0.0));
+  cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->check(at_least(0.0));
 }
 
 // How a step is laid out over ranks and memory (train and explain).

@@ -265,6 +265,48 @@ void dense_backward(float* dinp, float* dweight, const float* dout, const float*
                     const float* weight, int64_t N, int64_t C, int64_t OC);
 
 // ---------------------------------------------------------------------------------------------
+// Mixture-of-experts routing (N tokens, E experts, k slots per token)
+// ---------------------------------------------------------------------------------------------
+//
+// A token's k slots hold its chosen experts in order of decreasing probability (ties: the lower
+// expert index first). A routing sends slot (t, s) to dispatch row slot_row[t·k + s] (-1: dropped
+// by capacity); rows are grouped by expert (expert e's rows are [offsets[e], offsets[e+1])) and,
+// within an expert, in token order. Deterministic and independent of the thread count.
+
+// probs (N,E) = softmax(logits (N,E)) in fp32; lse (N) = log-sum-exp of each row.
+void moe_router_probs(float* probs, float* lse, const float* logits, int64_t N, int64_t E);
+// moe_router_probs, then each token's top k: expert (N,k) int32 and weight (N,k), the softmax
+// probabilities, renormalised to sum 1 over the k when norm_topk.
+void moe_router_forward(float* probs, float* lse, int32_t* expert, float* weight, const float* logits, int64_t N,
+                        int64_t E, int64_t k, bool norm_topk);
+// The dispatch of a routing: assigned (E) counts every slot choosing e; expert e keeps the first
+// `capacity` of them in token order (capacity >= N: all). Writes offsets (E+1), slot_row (N·k) and
+// row_token (rows): the token of each row. Returns the rows (offsets[E]).
+int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
+                     const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity);
+// xs (rows,C) = x[row_token[r]] (N,C).
+void moe_gather_rows(float* xs, const float* x, const int32_t* row_token, int64_t rows, int64_t C);
+// dx (N,C) += sum over token t's kept slots of dxs[slot_row] (the gather's backward).
+void moe_gather_rows_backward(float* dx, const float* dxs, const int32_t* slot_row, int64_t N, int64_t k, int64_t C);
+// out (N,C) = res (N,C) + sum over t's kept slots s of weight[t,s] · ys[slot_row[t,s]] (rows,C).
+// out may alias res.
+void moe_combine(float* out, const float* res, const float* ys, const float* weight, const int32_t* slot_row,
+                 int64_t N, int64_t k, int64_t C);
+// dys[row of (t,s)] += weight[t,s] · dout[t]; dweight[t,s] += dout[t] · ys[row] (kept slots only).
+void moe_combine_backward(float* dys, float* dweight, const float* dout, const float* ys, const float* weight,
+                          const int32_t* slot_row, int64_t N, int64_t k, int64_t C);
+// The group's load-balancing loss aux = E Σ_e f_e P_e, f_e = assigned[e] / (N k), P_e the mean
+// of probs[:, e] (1 at perfect balance), and router z-loss z = mean over tokens of lse². Double
+// accumulation.
+void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,
+                       int64_t N, int64_t E, int64_t k);
+// dlogits (N,E) += the gradient through the softmax of: dweight (N,k) through the top-k weights
+// (renormalised when norm_topk), aux_scale times d aux / d probs, and z_scale times d z / d logits.
+void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
+                         const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
+                         int64_t k, bool norm_topk, float aux_scale, float z_scale);
+
+// ---------------------------------------------------------------------------------------------
 // Optimizer and utilities
 // ---------------------------------------------------------------------------------------------
 

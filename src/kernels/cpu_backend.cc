@@ -121,6 +121,43 @@ class CpuBackend final : public Backend {
                                           logits_out);
   }
 
+  void moe_router_probs(float* probs, float* lse, const float* logits, int64_t N, int64_t E) const override {
+    kernels::moe_router_probs(probs, lse, logits, N, E);
+  }
+  void moe_router_forward(float* probs, float* lse, int32_t* expert, float* weight, const float* logits, int64_t N,
+                          int64_t E, int64_t k, bool norm_topk) const override {
+    kernels::moe_router_forward(probs, lse, expert, weight, logits, N, E, k, norm_topk);
+  }
+  int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
+                       const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity) const override {
+    return kernels::moe_dispatch(offsets, assigned, slot_row, row_token, expert, N, E, k, capacity);
+  }
+  void moe_gather_rows(float* xs, const float* x, const int32_t* row_token, int64_t rows, int64_t C) const override {
+    kernels::moe_gather_rows(xs, x, row_token, rows, C);
+  }
+  void moe_gather_rows_backward(float* dx, const float* dxs, const int32_t* slot_row, int64_t N, int64_t k,
+                                int64_t C) const override {
+    kernels::moe_gather_rows_backward(dx, dxs, slot_row, N, k, C);
+  }
+  void moe_combine(float* out, const float* res, const float* ys, const float* weight, const int32_t* slot_row,
+                   int64_t N, int64_t k, int64_t C) const override {
+    kernels::moe_combine(out, res, ys, weight, slot_row, N, k, C);
+  }
+  void moe_combine_backward(float* dys, float* dweight, const float* dout, const float* ys, const float* weight,
+                            const int32_t* slot_row, int64_t N, int64_t k, int64_t C) const override {
+    kernels::moe_combine_backward(dys, dweight, dout, ys, weight, slot_row, N, k, C);
+  }
+  void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,
+                         int64_t N, int64_t E, int64_t k) const override {
+    kernels::moe_router_losses(aux, z, probs, lse, assigned, N, E, k);
+  }
+  void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
+                           const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
+                           int64_t k, bool norm_topk, float aux_scale, float z_scale) const override {
+    kernels::moe_router_backward(dlogits, dweight, probs, lse, expert, weight, assigned, N, E, k, norm_topk, aux_scale,
+                                 z_scale);
+  }
+
   void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                     float eps, float weight_decay, int64_t t) const override {
     kernels::adamw_update(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, t);

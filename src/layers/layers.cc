@@ -1,5 +1,6 @@
 #include "layers/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -13,6 +14,12 @@ const LayerKind& layer(model::UnitKind kind) {
   };
   static_assert(sizeof(table) / sizeof(table[0]) == model::kNumUnitKinds);
   return table[static_cast<int>(kind)];
+}
+
+void MoeStats::add(const MoeStats& o) {
+  aux_loss += o.aux_loss, z_loss += o.z_loss, routed += o.routed, dropped += o.dropped;
+  if (o.min_load >= 0) min_load = min_load < 0 ? o.min_load : std::min(min_load, o.min_load);
+  max_load = std::max(max_load, o.max_load);
 }
 
 namespace {

@@ -13,6 +13,18 @@
 
 namespace shardlm::layers {
 
+// What a step's mixture-of-experts layers report, summed over this rank's routing groups
+// (micro-batches) and MoE layers. The losses are weighted by UnitArgs::group_weight, so summed over
+// the data-parallel ranks they are the step's mean over routing groups (of the sum over layers).
+struct MoeStats {
+  double aux_loss = 0;  // load-balancing loss, before its coefficient
+  double z_loss = 0;    // router z-loss, before its coefficient
+  int64_t routed = 0;   // (token, slot) assignments
+  int64_t dropped = 0;  // of them, over an expert's capacity
+  int64_t min_load = -1, max_load = -1;  // tokens one expert took in one group (-1: no MoE layer ran)
+  void add(const MoeStats& o);
+};
+
 // What one task of a unit reads and writes, resolved by the executor from the plan's buffers.
 // Pointers a task does not use are null.
 struct UnitArgs {
@@ -43,6 +55,10 @@ struct UnitArgs {
   const char* recv = nullptr;
   char* send = nullptr;
   int peers = 1, peer = 0;
+  // 1 / the routing groups of the step (data-parallel ranks × micro-steps): the weight of one
+  // micro-batch's MoE auxiliary losses in the step's objective.
+  float group_weight = 1.0f;
+  MoeStats* moe = nullptr;  // a forward of a MoE block adds its routing's figures (null: not kept)
   float* logits = nullptr;  // (V): logits of the last position of sequence 0 (Op::logits),
   bool all_logits = false;  // or with all_logits (B, T, V): every row's
 };
@@ -100,5 +116,7 @@ LayerKind gpt2_head_kind();
 LayerKind llama_embedding_kind();
 LayerKind llama_block_kind();
 LayerKind llama_head_kind();
+LayerKind moe_block_kind();
+LayerKind moe_experts_kind();
 
 }  // namespace shardlm::layers

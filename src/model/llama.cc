@@ -8,54 +8,66 @@ namespace shardlm::model {
 using detail::add_param;
 using detail::slice;
 
-ModelDesc describe_llama(const ModelConfig& config) {
-  const int64_t C = config.n_embd, F = config.ffn_dim, L = config.n_layer, HS = config.head_size();
-  const int64_t Vp = config.padded_vocab(), V = config.vocab_size;
-  const ParamInit normal{0.02f, 0.0f}, one{0.0f, 1.0f};
-
-  ModelDesc d;
-  d.config = config;
+void add_llama_embedding(ModelDesc& d) {
+  const auto& config = d.config;
+  const int64_t C = config.n_embd, Vp = config.padded_vocab(), V = config.vocab_size;
   d.values.push_back({"batch", true});
   UnitDesc emb;
   emb.kind = UnitKind::llama_embedding;
   emb.name = "embedding";
-  add_param(emb, "model.embed_tokens.weight", {Vp, C}, true, normal, V);
+  add_param(emb, "model.embed_tokens.weight", {Vp, C}, true, {0.02f, 0.0f}, V);
   emb.reads = {0};
   emb.writes = 1;
   emb.backward_reads_params = false;
   d.values.push_back({"x.0", false});
   d.units.push_back(std::move(emb));
+}
 
-  for (int l = 0; l < L; ++l) {
-    UnitDesc b;
-    b.kind = UnitKind::llama_block;
-    b.layer = l;
-    b.name = "layers." + std::to_string(l);
-    const std::string p = "model." + b.name + ".";
-    // q, k, v (and gate, up) are adjacent, so each pair of runs is one (out, in) matrix: one GEMM.
-    add_param(b, p + "input_layernorm.weight", {C}, false, one);
-    add_param(b, p + "self_attn.q_proj.weight", {config.n_head * HS, C}, true, normal);
-    add_param(b, p + "self_attn.k_proj.weight", {config.n_kv_head * HS, C}, true, normal);
-    add_param(b, p + "self_attn.v_proj.weight", {config.n_kv_head * HS, C}, true, normal);
-    add_param(b, p + "self_attn.o_proj.weight", {C, config.n_head * HS}, true, normal);
-    add_param(b, p + "post_attention_layernorm.weight", {C}, false, one);
-    add_param(b, p + "mlp.gate_proj.weight", {F, C}, true, normal);
-    add_param(b, p + "mlp.up_proj.weight", {F, C}, true, normal);
-    add_param(b, p + "mlp.down_proj.weight", {C, F}, true, normal);
-    b.reads = {l + 1};
-    b.writes = l + 2;
-    d.values.push_back({"x." + std::to_string(l + 1), false});
-    d.units.push_back(std::move(b));
-  }
+// Block l reads x.l+1 and writes x.l+2 (values[0] is the batch, values[1] the embedding's).
+void add_llama_block(ModelDesc& d, int l) {
+  const auto& config = d.config;
+  const int64_t C = config.n_embd, F = config.ffn_dim, HS = config.head_size();
+  const ParamInit normal{0.02f, 0.0f}, one{0.0f, 1.0f};
+  UnitDesc b;
+  b.kind = UnitKind::llama_block;
+  b.layer = l;
+  b.name = "layers." + std::to_string(l);
+  const std::string p = "model." + b.name + ".";
+  // q, k, v (and gate, up) are adjacent, so each pair of runs is one (out, in) matrix: one GEMM.
+  add_param(b, p + "input_layernorm.weight", {C}, false, one);
+  add_param(b, p + "self_attn.q_proj.weight", {config.n_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.k_proj.weight", {config.n_kv_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.v_proj.weight", {config.n_kv_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.o_proj.weight", {C, config.n_head * HS}, true, normal);
+  add_param(b, p + "post_attention_layernorm.weight", {C}, false, one);
+  add_param(b, p + "mlp.gate_proj.weight", {F, C}, true, normal);
+  add_param(b, p + "mlp.up_proj.weight", {F, C}, true, normal);
+  add_param(b, p + "mlp.down_proj.weight", {C, F}, true, normal);
+  b.reads = {l + 1};
+  b.writes = l + 2;
+  d.values.push_back({"x." + std::to_string(l + 1), false});
+  d.units.push_back(std::move(b));
+}
 
+void add_llama_head(ModelDesc& d) {
+  const auto& config = d.config;
+  const int64_t C = config.n_embd, Vp = config.padded_vocab(), V = config.vocab_size, L = config.n_layer;
   UnitDesc head;
   head.kind = UnitKind::llama_head;
   head.name = "head";
-  add_param(head, "model.norm.weight", {C}, false, one);
-  if (!config.tie_embeddings) add_param(head, "lm_head.weight", {Vp, C}, true, normal, V);
+  add_param(head, "model.norm.weight", {C}, false, {0.0f, 1.0f});
+  if (!config.tie_embeddings) add_param(head, "lm_head.weight", {Vp, C}, true, {0.02f, 0.0f}, V);
   head.reads = {static_cast<int>(L) + 1, 0};
   head.borrows = config.tie_embeddings ? 0 : -1;
   d.units.push_back(std::move(head));
+}
+
+ModelDesc describe_llama(const ModelConfig& config) {
+  ModelDesc d;
+  d.config = config;
+  add_llama_embedding(d);
+  for (int l = 0; l < config.n_layer; ++l) add_llama_block(d, l);
+  add_llama_head(d);
   return d;
 }
 

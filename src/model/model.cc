@@ -7,7 +7,14 @@
 
 namespace shardlm::model {
 
-const char* to_string(Family f) { return f == Family::gpt2 ? "gpt2" : "llama"; }
+const char* to_string(Family f) {
+  switch (f) {
+    case Family::gpt2: return "gpt2";
+    case Family::llama: return "llama";
+    case Family::moe: return "moe";
+  }
+  return "?";
+}
 
 const char* to_string(Recompute r) {
   switch (r) {
@@ -57,7 +64,8 @@ void ModelConfig::validate() const {
     throw std::invalid_argument("model: n_kv_head must equal n_head for gpt2 (grouped-query attention is llama's)");
   if (family == Family::gpt2 && !tie_embeddings)
     throw std::invalid_argument("model: gpt2 ties its head to the embedding (tie_embeddings must be true)");
-  if (family == Family::llama && head_size() % 2 != 0)
+  validate_moe();
+  if (family != Family::gpt2 && head_size() % 2 != 0)
     throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) +
                                 ") must be even for rotary embeddings");
   if (head_size() > 256)
@@ -70,6 +78,39 @@ void ModelConfig::validate() const {
     std::snprintf(got, sizeof got, "%g", norm_eps);
     throw std::invalid_argument(std::string("model: gpt2's layer norm epsilon is 1e-05 (norm_eps, --norm-eps, is llama's), got ") + got);
   }
+}
+
+// One line naming the field (and its flag) for each refused mixture-of-experts setting.
+void ModelConfig::validate_moe() const {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("model: " + msg); };
+  if (family != Family::moe) {
+    if (n_experts != 0 || top_k != 0 || moe_ffn_dim != 0 || moe_every != 1 || capacity_factor != 0)
+      fail(std::string("n_experts, top_k, moe_ffn_dim, moe_every and capacity_factor (--experts, --top-k, --moe-ffn-dim, "
+                       "--moe-every, --capacity-factor) are mixture-of-experts settings; a ") +
+           to_string(family) + " model has no experts (use a moe model, e.g. --model moe-tiny)");
+    return;
+  }
+  if (n_experts < 1 || n_experts > 4096)
+    fail("n_experts (--experts) must be in [1, 4096], got " + std::to_string(n_experts));
+  if (top_k < 1 || top_k > n_experts)
+    fail("top_k (--top-k) must be in [1, n_experts = " + std::to_string(n_experts) + "], got " + std::to_string(top_k));
+  if (moe_ffn_dim < 1 || moe_ffn_dim > (int64_t{1} << 22))
+    fail("moe_ffn_dim (--moe-ffn-dim) must be in [1, 4194304], got " + std::to_string(moe_ffn_dim));
+  if (moe_every < 1 || moe_every > n_layer)
+    fail("moe_every (--moe-every) must be in [1, n_layer = " + std::to_string(n_layer) + "], got " +
+         std::to_string(moe_every));
+  if (!std::isfinite(capacity_factor) || capacity_factor < 0)
+    fail("capacity_factor (--capacity-factor) must be > 0 (omit it for dropless routing), got " +
+         std::to_string(capacity_factor));
+  if (!std::isfinite(aux_loss_coef) || aux_loss_coef < 0)
+    fail("aux_loss_coef (--aux-loss-coef) must be finite and >= 0, got " + std::to_string(aux_loss_coef));
+  if (!std::isfinite(z_loss_coef) || z_loss_coef < 0)
+    fail("z_loss_coef (--z-loss-coef) must be finite and >= 0, got " + std::to_string(z_loss_coef));
+  // Each expert's w1, w3, w2 together a multiple of 16 elements: a range of whole experts is then a
+  // range a sharding of the unit can split at.
+  if (3 * moe_ffn_dim * n_embd % 16 != 0)
+    fail("an expert's parameters (3 moe_ffn_dim n_embd = " + std::to_string(3 * moe_ffn_dim * n_embd) +
+         ") must be a multiple of 16");
 }
 
 namespace {
@@ -95,6 +136,12 @@ ModelConfig llama(int64_t L, int64_t NH, int64_t NKV, int64_t C, int64_t F, int6
   return c;
 }
 
+ModelConfig moe(ModelConfig c, int64_t E, int64_t k, int64_t FE) {
+  c.family = Family::moe;
+  c.n_experts = E, c.top_k = k, c.moe_ffn_dim = FE;
+  return c;
+}
+
 const std::map<std::string, Preset>& presets() {
   static const std::map<std::string, Preset> table = [] {
     std::map<std::string, Preset> t;
@@ -108,6 +155,10 @@ const std::map<std::string, Preset>& presets() {
     t["llama2-70b"] = {llama(80, 64, 8, 8192, 28672, 4096, 10000, 1e-5, 32000), true};
     t["llama3-8b"] = {llama(32, 32, 8, 4096, 14336, 8192, 500000, 1e-5, 128256), true};
     t["llama3-70b"] = {llama(80, 64, 8, 8192, 28672, 8192, 500000, 1e-5, 128256), true};
+    t["moe-tiny"] = {moe(t["llama-tiny"].config, 4, 2, 128), false};
+    t["moe-small"] = {moe(t["llama-small"].config, 8, 2, 512), false};
+    t["mixtral-8x7b"] = {moe(llama(32, 32, 8, 4096, 14336, 32768, 1e6, 1e-5, 32000), 8, 2, 14336), true};
+    t["mixtral-8x22b"] = {moe(llama(56, 48, 8, 6144, 16384, 65536, 1e6, 1e-5, 32000), 8, 2, 16384), true};
     ModelConfig g3 = gpt2(96, 96, 12288, 2048);
     g3.vocab_size = 50257;
     t["gpt3-175b"] = {g3, true};
@@ -184,7 +235,12 @@ int64_t ValueDesc::bytes(const Shape& s, int64_t C) const {
 
 ModelDesc describe(const ModelConfig& config) {
   config.validate();
-  return config.family == Family::gpt2 ? describe_gpt2(config) : describe_llama(config);
+  switch (config.family) {
+    case Family::gpt2: return describe_gpt2(config);
+    case Family::llama: return describe_llama(config);
+    case Family::moe: return describe_moe(config);
+  }
+  return describe_llama(config);
 }
 
 int64_t ModelDesc::num_params() const {
@@ -202,7 +258,12 @@ int64_t ModelDesc::num_params_exported() const {
 
 UnitCosts ModelDesc::costs(int unit, const Shape& s) const {
   const UnitDesc& u = units.at(unit);
-  return config.family == Family::gpt2 ? gpt2_costs(*this, u, s) : llama_costs(*this, u, s);
+  switch (config.family) {
+    case Family::gpt2: return gpt2_costs(*this, u, s);
+    case Family::llama: return llama_costs(*this, u, s);
+    case Family::moe: return moe_costs(*this, u, s);
+  }
+  return {};
 }
 
 double ModelDesc::train_flops(int64_t B, int64_t T) const {

@@ -5,7 +5,9 @@
 //
 // Dimension letters used throughout: B batch, T sequence, C channels (n_embd), NH query heads,
 // NKV key/value heads, HS head size (C / NH), F MLP width (ffn_dim), L layers, V vocabulary
-// (token ids), Vp padded vocabulary (rows of the embedding and of an untied head).
+// (token ids), Vp padded vocabulary (rows of the embedding and of an untied head); mixture of
+// experts: E experts, k experts per token (top_k), FE an expert's width (moe_ffn_dim), R routed
+// rows of a micro-batch (at most B·T·k).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +16,7 @@
 
 namespace shardlm::model {
 
-enum class Family { gpt2, llama };
+enum class Family { gpt2, llama, moe };
 const char* to_string(Family f);
 
 struct ModelConfig {
@@ -30,17 +32,36 @@ struct ModelConfig {
   double norm_eps = 1e-5;      // LLaMA's RMSNorm (GPT-2's layer norm uses 1e-5 always)
   bool tie_embeddings = true;  // the head reuses the token embedding (GPT-2: always)
 
+  // Sparse mixture of experts (family moe only; 0 elsewhere). A MoE block replaces the SwiGLU MLP
+  // of every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...; 1: every block, as
+  // Mixtral) by a router over n_experts SwiGLU experts of width moe_ffn_dim, top_k per token.
+  int64_t n_experts = 0;          // E
+  int64_t top_k = 0;              // k
+  int64_t moe_ffn_dim = 0;        // FE
+  int64_t moe_every = 1;
+  bool norm_topk = true;          // renormalise the k routing weights to sum 1 (Mixtral); false: Switch
+  double capacity_factor = 0;     // 0: dropless; else an expert takes ceil(cf·tokens·k/E) of a group
+  double aux_loss_coef = 0.01;    // Switch load-balancing loss (1 at perfect balance)
+  double z_loss_coef = 0.001;     // ST-MoE router z-loss
+
+  bool is_moe_layer(int64_t l) const { return family == Family::moe && (l + 1) % moe_every == 0; }
+  // Rows a routing group of `tokens` tokens sends to one expert at most (capacity mode), or
+  // tokens when dropless.
+  int64_t expert_capacity(int64_t tokens) const;
+  // Routed rows of a group of `tokens` tokens at most: what the dispatch buffers are sized for.
+  int64_t routed_rows_bound(int64_t tokens) const;
   // The embedding (and an untied head) carry extra zero rows so the head's GEMM has a friendly
   // N; files that leave the program carry V rows only.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
   int64_t head_size() const { return n_embd / n_head; }
   // Throws std::invalid_argument naming the offending field.
   void validate() const;
+  void validate_moe() const;
 };
 
-// Presets. GPT-2: tiny, small, gpt2-124m; LLaMA: llama-tiny, llama-small; shapes for `explain`
-// and the simulator only (too big to train here): llama2-7b, llama2-13b, llama2-70b, llama3-8b,
-// llama3-70b, gpt3-175b. `vocab_size` applies to presets whose vocabulary comes from the data
+// Presets. GPT-2: tiny, small, gpt2-124m; LLaMA: llama-tiny, llama-small; mixture of experts:
+// moe-tiny, moe-small; shapes for `explain` and the simulator only (too big to train here):
+// llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, gpt3-175b, mixtral-8x7b, mixtral-8x22b. `vocab_size` applies to presets whose vocabulary comes from the data
 // (the trainable ones); the real shapes carry their own. Throws std::invalid_argument for an
 // unknown name.
 ModelConfig model_preset(const std::string& name, int64_t vocab_size = 50257);
@@ -55,7 +76,9 @@ enum class Recompute { none, selective, full };
 const char* to_string(Recompute r);
 Recompute parse_recompute(const std::string& name);  // throws std::invalid_argument
 
-// Every kind of unit, declared once: X(name, place) with place embedding | block | head.
+// Every kind of unit, declared once: X(name, place) with place embedding | block | head | state.
+// A `state` unit has parameters but no tasks of its own: another unit borrows it (a MoE block
+// borrows its experts, so the experts' state can be placed apart from the block's).
 // layers/ builds its kernel table from this list: a kind without a `NAME_kind()` there does not
 // compile.
 #define SHARDLM_UNIT_KINDS(X) \
@@ -64,14 +87,16 @@ Recompute parse_recompute(const std::string& name);  // throws std::invalid_argu
   X(gpt2_head, head)           \
   X(llama_embedding, embedding) \
   X(llama_block, block)        \
-  X(llama_head, head)
+  X(llama_head, head)          \
+  X(moe_block, block)          \
+  X(moe_experts, state)
 
 enum class UnitKind {
 #define SHARDLM_UNIT_KIND_ENUM(name, place) name,
   SHARDLM_UNIT_KINDS(SHARDLM_UNIT_KIND_ENUM)
 #undef SHARDLM_UNIT_KIND_ENUM
 };
-enum class UnitPlace { embedding, block, head };
+enum class UnitPlace { embedding, block, head, state };
 struct UnitKindInfo {
   const char* name;
   UnitPlace place;
@@ -86,6 +111,8 @@ constexpr const char* to_string(UnitKind k) { return kUnitKinds[static_cast<int>
 constexpr bool is_block(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::block; }
 constexpr bool is_head(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::head; }
 constexpr bool is_embedding(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::embedding; }
+// No compute task of its own: only state, read and trained through the unit that borrows it.
+constexpr bool is_state_only(UnitKind k) { return kUnitKinds[static_cast<int>(k)].place == UnitPlace::state; }
 
 // How a parameter starts: normal(0, std) when std > 0, else the constant `value`.
 struct ParamInit {
@@ -172,7 +199,7 @@ struct UnitDesc {
   std::vector<int> reads;
   int writes = -1;  // -1: none (the head ends the stream with the loss)
   // A unit whose parameters this one also reads (and whose gradients it adds to): the tied head
-  // borrows the embedding. -1: none.
+  // borrows the embedding, a MoE block its experts (a state-only unit right after it). -1: none.
   int borrows = -1;
   bool backward_reads_params = true;  // an embedding's backward is a scatter-add of its output's gradient
   const ParamSpec& param(const std::string& suffix) const;  // by name suffix, e.g. "ln_1.weight"
@@ -222,8 +249,14 @@ FlatLayout flat_layout(const ModelDesc& desc, int64_t shard_size = 1);
 // Architecture files.
 ModelDesc describe_gpt2(const ModelConfig& config);
 ModelDesc describe_llama(const ModelConfig& config);
+ModelDesc describe_moe(const ModelConfig& config);
 UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+// The LLaMA units (embedding, dense block, head) the MoE family shares.
+void add_llama_embedding(ModelDesc& d);
+void add_llama_block(ModelDesc& d, int layer);
+void add_llama_head(ModelDesc& d);
 
 // Helpers shared by the architecture files.
 namespace detail {

@@ -104,6 +104,11 @@ class Builder {
     at(t).io.comm_scratch = b;
   }
 
+  // The state-only unit u borrows (its tasks are u's), or -1.
+  int borrowed_state(int u) const {
+    const int b = desc_.units[u].borrows;
+    return b >= 0 && model::is_state_only(desc_.units[b].kind) ? b : -1;
+  }
   int gather(int u, int micro, int prefetch, int direction);
   bool chain_gathered(int u, int direction) const;
   std::vector<int> bucket_from(int u, int direction) const;
@@ -329,7 +334,11 @@ void Builder::forward(int u, int m) {
     held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0 && !partly_kept(u);
     if (!held) ag = gather(u, m, cfg_.prefetch_forward, +1);
   }
-  const int t = add(op, u, m, {ag});
+  // A borrowed state-only unit (a MoE block's experts) is gathered once per step, like the tied
+  // embedding, by its borrower's first forward.
+  const int b = borrowed_state(u);
+  const int bg = b >= 0 && sharded_params_ && kept_gather_[b] < 0 ? gather_kept(b) : -1;
+  const int t = add(op, u, m, {ag, bg});
   if (held) at(t).deps.push_back(reuse(t));
   else if (ag >= 0 && !kept_[u]) consume(t, u);
   const model::UnitCosts& c = costs_[u];
@@ -385,6 +394,7 @@ void Builder::backward(int u, int m) {
     const int r = add(Op::recompute, u, m, {ag});
     Operands& io = at(r).io;
     io.params = params;
+    if (borrowed_state(u) >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
     read_values(r, u, m);
     at(r).flops = c.recompute_flops(cfg_.recompute);
     if (c.saved_bytes > 0) {
@@ -413,7 +423,18 @@ void Builder::backward(int u, int m) {
     io.grads = full_grads(u);
     if (m == 0 && grads_allocated_.insert(u).second) alloc(b, io.grads);
   }
+  // The borrowed state-only unit's gradients come from this backward alone: reduced with it (just
+  // before it, keeping DDP's buckets runs of consecutive units in backward order).
+  const int lent = borrowed_state(u);
+  if (lent >= 0) {
+    if (sharded_params_) io.borrowed_params = gathered(lent);
+    if (sharded_grads_) {
+      io.borrowed_grads = full_grads(lent);
+      if (m == 0 && grads_allocated_.insert(lent).second) alloc(b, io.borrowed_grads);
+    }
+  }
   const int last = add_stages(b, true);
+  if (lent >= 0 && m == last_micro_) reduce_grad(lent, last);
   if (m == last_micro_) reduce_grad(u, last);
 }
 
@@ -677,10 +698,11 @@ Plan Builder::build() {
   // into being, so even they are allocated in compute-stream order.
   if (train_) start_ = add(Op::zero_grads, -1, 0);
   for (int m = 0; m <= last_micro_; ++m) {
-    for (int u = 0; u < U; ++u) forward(u, m);
+    for (int u = 0; u < U; ++u)
+      if (!model::is_state_only(desc_.units[u].kind)) forward(u, m);
     if (!train_) continue;
     for (int u = U - 1; u >= 0; --u)
-      if (!model::is_head(desc_.units[u].kind)) backward(u, m);
+      if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
   }
   finish();
   free_at_last_use();

@@ -317,6 +317,9 @@ void Executor::unit_task(const Task& t, Run& r) {
   if (io.send >= 0) a.send = r.data(io.send);
   a.peers = r.plan.mesh.group_size(t.axes);
   a.peer = r.plan.mesh.index_in(rank_, t.axes);
+  a.group_weight = r.in.group_weight > 0 ? r.in.group_weight
+                                         : 1.0f / static_cast<float>(r.plan.dp_size() * r.plan.config.grad_accum);
+  if (t.op == Op::forward) a.moe = &r.result.moe;
   a.logits = r.in.logits;
   a.all_logits = r.in.all_logits;
   const layers::LayerKind& kind = layers::layer(u.kind);
@@ -585,7 +588,30 @@ void Executor::norm_reduce(const Task& t, Run& r) {
 }
 
 void Executor::loss_reduce(const Task& t, Run& r) {
-  r.result.loss_sum = sum_over(comms_.get(t.axes), r.result.loss_sum, "loss step " + std::to_string(r.step));
+  comm::Communicator& c = comms_.get(t.axes);
+  const std::string lbl = "loss step " + std::to_string(r.step);
+  if (desc_.config.family != model::Family::moe) {
+    r.result.loss_sum = sum_over(c, r.result.loss_sum, lbl);
+    return;
+  }
+  // With the loss, every rank's routing figures (summed in rank order, so the loss is as above).
+  layers::MoeStats& m = r.result.moe;
+  constexpr int kFields = 7;
+  const double mine[kFields] = {r.result.loss_sum, m.aux_loss, m.z_loss, static_cast<double>(m.routed),
+                                static_cast<double>(m.dropped), static_cast<double>(m.min_load),
+                                static_cast<double>(m.max_load)};
+  std::vector<double> all(kFields * c.size());
+  c.all_gather(mine, all.data(), 2 * kFields, DType::fp32, lbl)->wait(timeout_);
+  double loss = 0;
+  layers::MoeStats sum;
+  for (int i = 0; i < c.size(); ++i) {
+    const double* v = all.data() + kFields * i;
+    loss += v[0];
+    sum.add({v[1], v[2], static_cast<int64_t>(v[3]), static_cast<int64_t>(v[4]), static_cast<int64_t>(v[5]),
+             static_cast<int64_t>(v[6])});
+  }
+  r.result.loss_sum = loss;
+  m = sum;
 }
 
 // A staged unit's routed rows to the ranks of the task's axes. The send buffer's header says how

@@ -21,6 +21,7 @@
 
 #include "comm/communicator.h"
 #include "kernels/backend.h"
+#include "layers/layers.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "tensor/memory.h"
@@ -60,6 +61,9 @@ using BatchFn = std::function<void(int64_t micro, int32_t* inputs, int32_t* targ
 struct StepInputs {
   BatchFn batch;
   float grad_scale = 1;   // multiplies the summed loss for the gradients: 1 / global tokens
+  // Weight of one routing group's (one rank's micro-batch's) MoE auxiliary losses in the objective:
+  // 1 / the step's routing groups. 0: 1 / (ranks × micro-steps) of the plan.
+  float group_weight = 0;
   float grad_clip = 0;    // global-norm clipping (0: off)
   AdamW opt;
   int64_t adam_t = 1;     // AdamW's 1-based step count
@@ -71,6 +75,9 @@ struct StepResult {
   double loss_sum = 0;         // summed cross-entropy over the global batch (all ranks, micro-steps)
   double grad_norm = 0;        // global, before clipping
   double comm_exposed_ms = 0;  // time the compute stream waited for other streams
+  // Mixture-of-experts routing over the global batch: auxiliary losses (before their
+  // coefficients, the mean over routing groups), assignments, drops, per-expert load extremes.
+  layers::MoeStats moe;
   // World ranks (ascending) whose summed loss / squared-gradient sum was not finite this step.
   // Every rank sees the same lists before its optimizer task runs; when either is non-empty the
   // optimizer leaves parameters and AdamW moments untouched (update_skipped).

@@ -26,6 +26,18 @@ model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   if (rope_theta > 0) c.rope_theta = rope_theta;
   if (norm_eps > 0) c.norm_eps = norm_eps;
   if (tie_embeddings) c.tie_embeddings = true;
+  if (moe_flags_given() && c.family != model::Family::moe)
+    throw std::invalid_argument(std::string("--experts, --top-k, --moe-ffn-dim, --moe-every, --capacity-factor, --no-norm-topk, "
+                                            "--aux-loss-coef and --z-loss-coef are mixture-of-experts settings; a ") +
+                                model::to_string(c.family) + " model has no experts (use a moe model, e.g. --model moe-tiny)");
+  if (experts > 0) c.n_experts = experts;
+  if (top_k > 0) c.top_k = top_k;
+  if (moe_ffn_dim > 0) c.moe_ffn_dim = moe_ffn_dim;
+  if (moe_every > 0) c.moe_every = moe_every;
+  if (capacity_factor != -1) c.capacity_factor = capacity_factor;
+  if (no_norm_topk) c.norm_topk = false;
+  if (aux_loss_coef != -1) c.aux_loss_coef = aux_loss_coef;
+  if (z_loss_coef != -1) c.z_loss_coef = z_loss_coef;
   c.validate();
   if (seq > c.max_seq)
     throw std::invalid_argument("seq (" + std::to_string(seq) + ") exceeds the model's max_seq (" +
@@ -74,6 +86,17 @@ void check_model_overrides(const TrainConfig& c) {
   finite(c.rope_theta, "rope-theta");
   at_least(c.norm_eps, 0.0, "norm-eps");
   finite(c.norm_eps, "norm-eps");
+  at_least<int64_t>(c.experts, 0, "experts");
+  at_least<int64_t>(c.top_k, 0, "top-k");
+  at_least<int64_t>(c.moe_ffn_dim, 0, "moe-ffn-dim");
+  at_least<int64_t>(c.moe_every, 0, "moe-every");
+  if (c.capacity_factor != -1) {
+    if (!(c.capacity_factor > 0))
+      throw std::invalid_argument(fmt::format("--capacity-factor: must be > 0 (omit it for dropless routing), got {}", c.capacity_factor));
+    finite(c.capacity_factor, "capacity-factor");
+  }
+  for (auto [v, flag] : {std::pair{c.aux_loss_coef, "aux-loss-coef"}, std::pair{c.z_loss_coef, "z-loss-coef"}})
+    if (v != -1) at_least(v, 0.0, flag), finite(v, flag);
 }
 
 // Steps, batch shape and the optimizer's settings.

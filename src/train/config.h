@@ -26,6 +26,16 @@ struct TrainConfig {
   int64_t vocab = 0;  // 0: the config.json's or real preset's, else the data's tokenizer
   double rope_theta = 0, norm_eps = 0;  // 0: the preset's
   bool tie_embeddings = false;          // llama: tie the head to the embedding
+  // Mixture of experts (moe models; model.h's ModelConfig says what each means). 0 (or -1 for
+  // the real-valued ones): the preset's. Any of them on another family is refused.
+  int64_t experts = 0, top_k = 0, moe_ffn_dim = 0, moe_every = 0;
+  double capacity_factor = -1;  // > 0 when given; the preset's is dropless
+  bool no_norm_topk = false;    // keep the softmax weights of the k experts (Switch / OpenMoE)
+  double aux_loss_coef = -1, z_loss_coef = -1;
+  bool moe_flags_given() const {
+    return experts || top_k || moe_ffn_dim || moe_every || capacity_factor != -1 || no_norm_topk ||
+           aux_loss_coef != -1 || z_loss_coef != -1;
+  }
   std::string recompute = "none";       // none | selective | full
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin

@@ -432,6 +432,13 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
              {"mem_between_steps", mem_json(held)},
              {"skipped", r.update_skipped},
              {"skipped_steps", nonfinite.skipped_total()}};
+    if (r.moe.routed > 0) {  // the language loss stays "loss"; the routers' figures beside it
+      row["aux_loss"] = r.moe.aux_loss;
+      row["z_loss"] = r.moe.z_loss;
+      row["expert_load_min"] = r.moe.min_load;
+      row["expert_load_max"] = r.moe.max_load;
+      row["dropped_frac"] = static_cast<double>(r.moe.dropped) / static_cast<double>(r.moe.routed);
+    }
 #ifdef SHARDLM_CUDA
     if (s.cfg.device == "cuda") row["mem_reserved"] = kernels::cuda_reserved_bytes(*s.backend);  // the caching allocator's
 #endif
@@ -442,7 +449,9 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
     fmt::print("step {:>6}/{} {} loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} ms | {:.0f} tok/s | mfu {:.1f}% | "
                "mem {:.1f} MiB{}\n",
                step + 1, steps, progress_bar(step + 1, steps), loss, in.opt.lr, r.grad_norm, step_ms, tokens_per_s,
-               100 * mfu, mem.total / 1048576.0, s.N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "");
+               100 * mfu, mem.total / 1048576.0,
+               (s.N > 1 ? fmt::format(" | comm exposed {:.0f} ms", exposed) : "") +
+                   (r.moe.routed > 0 ? fmt::format(" | aux {:.4f} z {:.4f}", r.moe.aux_loss, r.moe.z_loss) : ""));
     std::fflush(stdout);
   }
   return loss;

@@ -407,3 +407,18 @@ TEST_F(BadCheckpoint, InfoVerifiesEveryFileItLists) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BadMoeInput, EachRefusedSettingIsOneLineNamingIt) {
+  expect_one_line_error(run("explain --model moe-tiny --top-k 0"), {"--top-k", "0"});
+  expect_one_line_error(run("explain --model moe-tiny --top-k 5"), {"top_k", "--top-k", "5"});
+  expect_one_line_error(run("explain --model moe-tiny --capacity-factor 0"), {"--capacity-factor", "0"});
+  expect_one_line_error(run("explain --model moe-tiny --capacity-factor -0.5"), {"--capacity-factor", "-0.5"});
+  expect_one_line_error(run("explain --model tiny --experts 4"), {"--experts", "gpt2", "no experts"});
+  expect_one_line_error(run("explain --model tiny --capacity-factor 1.0"), {"--capacity-factor", "gpt2"});
+  expect_one_line_error(run("explain --model llama-tiny --top-k 2"), {"--top-k", "llama"});
+  expect_one_line_error(run("explain --model moe-tiny --moe-every 3"), {"moe_every", "--moe-every", "3"});
+}
+
+}  // namespace

@@ -153,5 +153,69 @@ TEST(UnitCosts, RecomputeKeepsLessAndBf16HalvesActivations) {
   EXPECT_NEAR(static_cast<double>(h.saved_bytes), f.saved_bytes / 2.0, 0.01 * f.saved_bytes);
 }
 
+TEST(ModelDesc, MixtralShapesHaveTheirPublishedParameterCounts) {
+  EXPECT_EQ(describe(model_preset("mixtral-8x7b")).num_params_exported(), 46702792704);
+  EXPECT_NEAR(describe(model_preset("mixtral-8x22b")).num_params_exported(), 140.6e9, 0.1e9);
+}
+
+// Each MoE block is followed by its experts: a state-only unit it borrows, expert after expert
+// (w1, w3, w2; a multiple of 16 elements each), with Mixtral's names. --moe-every M puts MoE in
+// blocks M-1, 2M-1, ... and LLaMA's dense blocks elsewhere.
+TEST(ModelDesc, MoeBlocksBorrowTheirExpertsLaidOutExpertAfterExpert) {
+  ModelConfig c = model_preset("moe-tiny", 300);
+  c.n_layer = 4, c.moe_every = 2;
+  const ModelDesc d = describe(c);
+  std::vector<std::string> kinds;
+  for (const auto& u : d.units) kinds.push_back(to_string(u.kind));
+  EXPECT_EQ(kinds, (std::vector<std::string>{"llama_embedding", "llama_block", "moe_block", "moe_experts", "llama_block",
+                                             "moe_block", "moe_experts", "llama_head"}));
+  const UnitDesc &block = d.units[2], &experts = d.units[3];
+  EXPECT_EQ(block.borrows, 3);
+  EXPECT_TRUE(is_state_only(experts.kind));
+  EXPECT_EQ(experts.name, "layers.1.experts");
+  EXPECT_EQ(block.param("block_sparse_moe.gate.weight").shape, (std::vector<int64_t>{4, 64}));
+  const int64_t per_expert = 3 * 128 * 64;
+  EXPECT_EQ(per_expert % 16, 0);
+  EXPECT_EQ(experts.numel, 4 * per_expert);
+  for (int j = 0; j < 4; ++j) {
+    const std::string e = "model.layers.1.block_sparse_moe.experts." + std::to_string(j) + ".";
+    EXPECT_EQ(experts.param(e + "w1.weight").offset, j * per_expert);
+    EXPECT_EQ(experts.param(e + "w3.weight").shape, (std::vector<int64_t>{128, 64}));
+    EXPECT_EQ(experts.param(e + "w2.weight").shape, (std::vector<int64_t>{64, 128}));
+  }
+  const UnitCosts none = d.costs(3, {2, 16, 4, 1});
+  EXPECT_EQ(none.forward_flops, 0);
+  EXPECT_EQ(none.saved_bytes + none.backward_workspace, 0);
+  // The block's GEMMs carry the routed tokens at k per token.
+  const UnitCosts k = d.costs(2, {2, 16, 4, 1});
+  double gemm = 0;
+  for (const auto& g : k.gemms) gemm += g.flops();
+  EXPECT_DOUBLE_EQ(gemm + k.attention_flops, k.forward_flops);
+  EXPECT_EQ(k.gemms[3].M, 2 * 16 * 2);
+}
+
+TEST(ModelConfig, MoeSettingsAreCheckedNamingTheField) {
+  auto refused = [](ModelConfig c, const std::string& needle) {
+    try {
+      c.validate();
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const ModelConfig moe = model_preset("moe-tiny", 300);
+  ModelConfig c = moe;
+  c.top_k = 0, refused(c, "top_k");
+  c = moe, c.top_k = 5, refused(c, "top_k");
+  c = moe, c.capacity_factor = -1, refused(c, "capacity_factor");
+  c = moe, c.n_experts = 0, refused(c, "n_experts");
+  c = model_preset("tiny", 300), c.n_experts = 4, refused(c, "mixture-of-experts");
+  c = moe, c.capacity_factor = 1.25;
+  EXPECT_EQ(c.expert_capacity(32), 20);  // ceil(1.25 · 32 · 2 / 4)
+  EXPECT_EQ(c.routed_rows_bound(32), 64);
+  c.capacity_factor = 0.5;
+  EXPECT_EQ(c.routed_rows_bound(32), 32);
+}
+
 }  // namespace
 }  // namespace shardlm::model

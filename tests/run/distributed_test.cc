@@ -387,3 +387,49 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
 
 }  // namespace
 }  // namespace shardlm
+
+namespace shardlm {
+namespace {
+
+// A mixture-of-experts model (moe-tiny; each block borrows its experts unit) under ddp and fsdp at
+// 2 ranks, --batch 2 --grad-accum 2, against one process with --batch 4 --grad-accum 2: the same
+// sequences. Routing groups are micro-batches, so the one process routes groups of 4 sequences
+// where the ranks route 2; dropless routing and the z-loss (a mean over equal groups) do not
+// depend on that, the load-balancing loss does, so its coefficient is 0 here (its gradient is
+// checked against PyTorch in tests/train/moe_parity_test.cc).
+TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
+  const std::string moe = " --grad-accum 2 --aux-loss-coef 0";
+  const auto single = shardlm(args("moe_single", 4, "moe-tiny") + moe);
+  ASSERT_EQ(single.code, 0) << single.out;
+  const auto want = step_losses(dir_ / "moe_single" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 5u);
+  ckpt::SafetensorsFile a(testing::exported_weights(dir_ / "moe_single" / "ckpt" / "step_5").string());
+  for (const std::string s : {"ddp", "fsdp"}) {
+    const auto r = mpirun(2, args("moe_" + s, 2, "moe-tiny") + moe + " --strategy " + s);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto got = step_losses(dir_ / ("moe_" + s) / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 5u);
+    for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << s << " step " << i;
+    for (const auto& row : testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl")) {
+      if (!row.contains("loss")) continue;
+      EXPECT_TRUE(row.contains("aux_loss") && row.contains("z_loss") && row.contains("expert_load_max")) << row.dump();
+      EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0);
+    }
+    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / "step_5").string());
+    int tensors = 0;
+    for (const auto& tensor : a.names()) {
+      const int64_t n = a.info(tensor).numel();
+      std::vector<float> x(n), y(n);
+      a.read_f32(tensor, x.data(), n);
+      b.read_f32(tensor, y.data(), n);
+      double diff = 0, norm = 0;
+      for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
+      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << s << " " << tensor;
+      tensors += tensor.find(".experts.") != std::string::npos;
+    }
+    EXPECT_EQ(tensors, 2 * 4 * 3) << "every expert weight of both blocks is checked";
+  }
+}
+
+}  // namespace
+}  // namespace shardlm

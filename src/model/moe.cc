@@ -1,0 +1,122 @@
+// Sparse mixture of experts (Mixtral style): LLaMA's embedding, head and dense blocks, and in every
+// moe_every-th block a router over E SwiGLU experts in place of the MLP. The experts of a block
+// are a unit of their own (kind moe_experts, state only, right after the block), borrowed by the
+// block, so their state can be placed over other mesh axes than the dense weights. They are laid
+// out expert after expert (w1, w3, w2 each), so a contiguous range of the unit is a contiguous
+// group of experts.
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace shardlm::model {
+
+using detail::add_param;
+using detail::slice;
+
+int64_t ModelConfig::expert_capacity(int64_t tokens) const {
+  if (capacity_factor <= 0) return tokens;
+  const double cap = std::ceil(capacity_factor * static_cast<double>(tokens) * static_cast<double>(top_k) /
+                               static_cast<double>(n_experts));
+  return std::min<int64_t>(tokens, static_cast<int64_t>(cap));
+}
+
+int64_t ModelConfig::routed_rows_bound(int64_t tokens) const {
+  return std::min(tokens * top_k, n_experts * expert_capacity(tokens));
+}
+
+namespace {
+
+void add_moe_block(ModelDesc& d, int l) {
+  const auto& config = d.config;
+  const int64_t C = config.n_embd, E = config.n_experts, FE = config.moe_ffn_dim, HS = config.head_size();
+  const ParamInit normal{0.02f, 0.0f}, one{0.0f, 1.0f};
+  UnitDesc b;
+  b.kind = UnitKind::moe_block;
+  b.layer = l;
+  b.name = "layers." + std::to_string(l);
+  const std::string p = "model." + b.name + ".";
+  add_param(b, p + "input_layernorm.weight", {C}, false, one);
+  add_param(b, p + "self_attn.q_proj.weight", {config.n_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.k_proj.weight", {config.n_kv_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.v_proj.weight", {config.n_kv_head * HS, C}, true, normal);
+  add_param(b, p + "self_attn.o_proj.weight", {C, config.n_head * HS}, true, normal);
+  add_param(b, p + "post_attention_layernorm.weight", {C}, false, one);
+  add_param(b, p + "block_sparse_moe.gate.weight", {E, C}, true, normal);
+  b.reads = {l + 1};
+  b.writes = l + 2;
+  b.borrows = static_cast<int>(d.units.size()) + 1;
+  d.values.push_back({"x." + std::to_string(l + 1), false});
+  d.units.push_back(std::move(b));
+
+  UnitDesc x;
+  x.kind = UnitKind::moe_experts;
+  x.layer = l;
+  x.name = "layers." + std::to_string(l) + ".experts";
+  // w1 (gate) and w3 (up) adjacent: one (2 FE, C) matrix per expert, one GEMM.
+  for (int64_t j = 0; j < E; ++j) {
+    const std::string e = p + "block_sparse_moe.experts." + std::to_string(j) + ".";
+    add_param(x, e + "w1.weight", {FE, C}, true, normal);
+    add_param(x, e + "w3.weight", {FE, C}, true, normal);
+    add_param(x, e + "w2.weight", {C, FE}, true, normal);
+  }
+  d.units.push_back(std::move(x));
+}
+
+}  // namespace
+
+ModelDesc describe_moe(const ModelConfig& config) {
+  ModelDesc d;
+  d.config = config;
+  add_llama_embedding(d);
+  for (int l = 0; l < config.n_layer; ++l) {
+    if (config.is_moe_layer(l)) add_moe_block(d, l);
+    else add_llama_block(d, l);
+  }
+  add_llama_head(d);
+  return d;
+}
+
+UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s) {
+  if (unit.kind == UnitKind::moe_experts) return {};  // its work is its block's
+  if (unit.kind != UnitKind::moe_block) return llama_costs(desc, unit, s);
+  const auto& c = desc.config;
+  const int64_t B = s.B, T = s.T, BT = B * T, C = c.n_embd, NH = c.n_head, e = s.elem;
+  const int64_t HS = c.head_size(), QKV = (c.n_head + 2 * c.n_kv_head) * HS;
+  const int64_t E = c.n_experts, k = c.top_k, FE = c.moe_ffn_dim, R = c.routed_rows_bound(BT);
+  const double bt = static_cast<double>(BT), routed = bt * static_cast<double>(k);
+  UnitCosts u;
+  const double gemm = 2 * bt * (C * QKV + C * C + C * E) + 2 * routed * (C * 2 * FE + FE * C);
+  const double attention = 2 * bt * T * C;
+  u.forward_flops = gemm + attention;
+  u.attention_flops = attention;
+  u.backward_flops = 2 * u.forward_flops;
+  u.gemms = {{BT, C, QKV}, {BT, C, C}, {BT, C, E}, {BT * k, C, 2 * FE}, {BT * k, FE, C}};
+  u.selective_recompute_flops = 2 * 4 * bt * C + 6 * routed * FE;  // two RMSNorms, the experts' SwiGLU
+  // Norms, rotary q/k, SwiGLU as llama; router softmax over E; dispatch gather, weighted combine.
+  u.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * (BT * (NH + c.n_kv_head) * HS) + 3 * R * FE +
+                       2 * R * C + R * C + 2 * BT * C) * e +
+                      3 * BT * E * 4;
+  u.output_bytes = slice(BT * C, e);
+  // Kept: q|k|v after rotation, attention output, its log-sum-exp, residual 1; router logits, the
+  // routing (expert, weight and dispatch row of each token's k slots; each row's token; offsets
+  // and assigned counts per expert); each routed row's gate|up and expert output.
+  u.saved_bytes = slice(BT * QKV, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * C, e) + slice(BT * E, 4) +
+                  3 * slice(BT * k, 4) + slice(R, 4) + slice(E + 1, 4) + slice(E, 4) + slice(R * 2 * FE, e) +
+                  slice(R * C, e);
+  // Recomputable: both norms' outputs and rstd, the dispatched rows, the experts' SwiGLU output.
+  u.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(R * C, e) + slice(R * FE, e);
+  const int64_t rope_table = slice(T * HS, 4);
+  const int64_t router = slice(BT * E, 4) + slice(BT, 4);  // probabilities and log-sum-exp
+  u.forward_workspace = rope_table + router;
+  // Backward scratch: d norm out, d attention out, d qkv; d expert out, d SwiGLU out, d gate|up,
+  // d dispatched rows (routed); d routing weights, router probabilities, log-sum-exp, d logits;
+  // attention tiles, rope table.
+  u.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(R * C, e) +
+                         slice(R * FE, e) + slice(R * 2 * FE, e) + slice(R * C, e) + slice(BT * k, 4) + router +
+                         slice(BT * E, 4) + slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) +
+                         rope_table;
+  return u;
+}
+
+}  // namespace shardlm::model
