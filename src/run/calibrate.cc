@@ -200,6 +200,23 @@ std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<
   return {rates, attention};
 }
 
+// The profile entry of one collective from its (S·factor, seconds) points. all_to_all's time is
+// latency · (n−1) + S·factor/busBw (each rank sends n−1 messages): its latency is the fitted
+// intercept over n−1. On one rank there is nothing to time: the entry says so.
+json collective_entry(const std::vector<double>& xs, const std::vector<double>& ts, const std::string& name,
+                      bool per_peer, int n, double memory_bw, bool judge, const std::string& here, size_t num_sizes) {
+  if (n <= 1)  // collectives_measured: false says so to whoever reads the profile
+    return {{"latency_s", fig(0, "not measured: one rank has no collectives; 0 stands in")},
+            {"bus_bw", fig(memory_bw, "not measured: one rank has no collectives; the memory bandwidth stands in")}};
+  const LineFit f = fit_alpha_beta(xs, ts);
+  // Rank 0's figures are the ones written: it judges them.
+  if (judge) check_fit(f, memory_bw, name + " on " + std::to_string(n) + " ranks");
+  const std::string line = per_peer ? "t = a·(n−1) + S·factor/busBw" : "t = a + S·factor/busBw";
+  return {{"latency_s", fig(per_peer ? f.alpha / (n - 1) : f.alpha,
+                            here + ": intercept of " + line + (per_peer ? ", over n−1 (per peer message)" : ""))},
+          {"bus_bw", fig(f.bw, here + ": slope of " + line + ", " + std::to_string(num_sizes) + " sizes")}};
+}
+
 }  // namespace
 
 void check_calibrate_options(const CalibrateOptions& o) {
@@ -279,11 +296,11 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   if (sizes.empty())
     for (int64_t s = 4096; s <= (256 << 20); s *= 4) sizes.push_back(s);
   json tier;
-  const char* names[] = {"all_gather", "reduce_scatter", "all_reduce"};
-  for (int op = 0; op < 3; ++op) {
+  const char* names[] = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"};
+  for (int op = 0; op < 4; ++op) {
     std::vector<double> xs, ts;
     for (int64_t S : sizes) {
-      const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank
+      const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank (all_to_all: per peer)
       Buffer send(k.memory(), MemCategory::comm, 4 * count * n), recv(k.memory(), MemCategory::comm, 4 * count * n);
       std::vector<double> times;
       for (int it = 0; it <= o.iters; ++it) {
@@ -292,23 +309,13 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
         if (op == 0) world.all_gather(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
         if (op == 1) world.reduce_scatter(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
         if (op == 2) world.all_reduce(send.f32(), count * n, DType::fp32, "calibrate")->wait();
+        if (op == 3) world.all_to_all(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
         if (it > 0) times.push_back(seconds_since(t0));
       }
       const double factor = n > 1 ? (op == 2 ? 2.0 : 1.0) * (n - 1) / n : 0;
       xs.push_back(4.0 * count * n * factor), ts.push_back(median(times));
     }
-    json entry;
-    if (n > 1) {
-      const LineFit f = fit_alpha_beta(xs, ts);
-      // Rank 0's figures are the ones written: it judges them.
-      if (world.rank() == 0) check_fit(f, bw, std::string(names[op]) + " on " + std::to_string(n) + " ranks");
-      entry = {{"latency_s", fig(f.alpha, here + ": intercept of t = a + S·factor/busBw")},
-               {"bus_bw", fig(f.bw, here + ": slope of t = a + S·factor/busBw, " + std::to_string(sizes.size()) + " sizes")}};
-    } else {  // collectives_measured: false says so to whoever reads the profile
-      entry = {{"latency_s", fig(0, "not measured: one rank has no collectives; 0 stands in")},
-               {"bus_bw", fig(bw, "not measured: one rank has no collectives; the memory bandwidth stands in")}};
-    }
-    tier[names[op]] = entry;
+    tier[names[op]] = collective_entry(xs, ts, names[op], op == 3, n, bw, world.rank() == 0, here, sizes.size());
   }
 
   // A block-sized GEMM's time while large all-reduces run beside it, against alone. The GEMM is
@@ -364,7 +371,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"collectives_measured", n > 1},
          {"intra_node", tier},
          {"inter_node", tier}};
-  for (const char* c : {"all_gather", "reduce_scatter", "all_reduce"})
+  for (const char* c : names)
     for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][c][f]["source"] = "no network here: the intra_node figure";
   if (!rates.is_null()) {
     std::string models;

@@ -3,8 +3,10 @@
 //  - GEMM: the best of repeated 2048³ GEMMs is the peak (what `train` uses for MFU); the model's
 //    block GEMM shapes against it give the achievable efficiency;
 //  - pointwise bandwidth: a residual add over 64 MiB arrays (3 × 4 bytes per element moved);
-//  - each collective at sizes from 4 KiB up: α and busBw fitted by least squares to
-//    t = α + S·factor(n)/busBw over the medians (nccl-tests' S and factor); a fit that is not a
+//  - each collective (all_gather, reduce_scatter, all_reduce, all_to_all) at sizes from 4 KiB
+//    up: α and busBw fitted by least squares to t = α + S·factor(n)/busBw over the medians
+//    (nccl-tests' S and factor; all_to_all's α is per peer message, the intercept over n−1,
+//    as sim prices it α·(n−1) + S·factor(n)/busBw); a fit that is not a
 //    link (no bandwidth, one above the memory bandwidth measured, a latency over a second) is an
 //    error, never a profile. On one rank there is nothing to time: the profile says so
 //    (collectives_measured false) and simulate prices one rank only with it;

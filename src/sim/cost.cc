@@ -38,7 +38,8 @@ double bus_factor(Collective c, int n) {
 
 double collective_seconds(const LinkCost& link, Collective c, double S, int n) {
   if (n <= 1) return 0;  // a group of one moves nothing and waits for no one
-  return link.latency_s + S * bus_factor(c, n) / link.bus_bw;  // s + bytes / (bytes/s)
+  const double messages = c == Collective::all_to_all ? n - 1 : 1;  // latencies paid in turn
+  return link.latency_s * messages + S * bus_factor(c, n) / link.bus_bw;  // s + bytes / (bytes/s)
 }
 
 Collective collective_of(Op op) {
@@ -148,6 +149,11 @@ double CostModel::compute_seconds(const plan::Task& t) const {
     if (plan_.buffers[b].role == plan::Role::full_grads) bytes += static_cast<double>(plan_.buffers[b].bytes);
   // FLOP / (FLOP/s) + B / (B/s)
   return ((t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_ + bytes / hw_.memory_bw) * oversubscription_;
+}
+
+double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool crosses_nodes) const {
+  const Tier& tier = crosses_nodes ? hw_.inter : hw_.intra;
+  return collective_seconds(tier.of(Collective::all_to_all), Collective::all_to_all, bytes_per_rank, group);
 }
 
 double CostModel::seconds(const plan::Task& t) const {

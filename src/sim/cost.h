@@ -4,7 +4,9 @@
 //    shape's rate;
 //  - collectives: α + S · factor(n) / busBw (nccl-tests' definitions: S the whole buffer,
 //    factor (n−1)/n for all-gather and reduce-scatter, 2(n−1)/n for all-reduce), α and busBw
-//    those of the link tier the group spans (inside a node, or across nodes).
+//    those of the link tier the group spans (inside a node, or across nodes);
+//  - all-to-all: α · (n−1) + S · (n−1)/n / busBw, S the bytes each rank sends in all (its own
+//    block included, which stays), α per peer message: each rank sends n−1 messages.
 #pragma once
 
 #include <vector>
@@ -17,7 +19,8 @@ namespace shardlm::sim {
 
 // factor(n) of a collective over n ranks (0 for one rank: nothing moves).
 double bus_factor(Collective c, int n);
-// Seconds of one collective of S bytes (the whole buffer) over n ranks on one link.
+// Seconds of one collective of S bytes (the whole buffer; all_to_all: what each rank sends in
+// all) over n ranks on one link.
 double collective_seconds(const LinkCost& link, Collective c, double S, int n);
 // Which collective a plan op is priced as (norm_reduce gathers each rank's four figures).
 Collective collective_of(plan::Op op);
@@ -31,6 +34,11 @@ class CostModel {
   // Ranks of the group a collective spans, and whether it crosses a node boundary.
   int group_size(const plan::Task& t) const;
   bool crosses_nodes(const plan::Task& t) const;
+  // Seconds of an all-to-all (expert parallelism's token exchange) over a group of `group` ranks
+  // in which each rank sends `bytes_per_rank` bytes in all, (group−1)/group of them leaving it:
+  // latency · (group−1) + bytes_per_rank · (group−1)/group / bus_bw, with the profile's
+  // all_to_all figures of the tier the group spans (`crosses_nodes`: the inter-node one).
+  double all_to_all_seconds(double bytes_per_rank, int group, bool crosses_nodes) const;
   double flops_per_s() const { return rate_; }  // achieved GEMM FLOP/s of one rank
   double peak_flops() const { return peak_; }   // one rank's peak (the MFU denominator)
 

@@ -21,6 +21,7 @@ const char* to_string(Collective c) {
     case Collective::all_gather: return "all_gather";
     case Collective::reduce_scatter: return "reduce_scatter";
     case Collective::all_reduce: return "all_reduce";
+    case Collective::all_to_all: return "all_to_all";
   }
   return "?";
 }

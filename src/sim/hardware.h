@@ -12,14 +12,17 @@
 
 namespace shardlm::sim {
 
-// The collectives a plan emits, as the cost model groups them (nccl-tests' names).
-enum class Collective { all_gather, reduce_scatter, all_reduce };
-inline constexpr int kNumCollectives = 3;
+// The collectives a plan emits, as the cost model groups them (nccl-tests' names). all_to_all
+// prices the variable-count exchange of expert parallelism (comm's all_to_all_v) too.
+enum class Collective { all_gather, reduce_scatter, all_reduce, all_to_all };
+inline constexpr int kNumCollectives = 4;
 const char* to_string(Collective c);
 
-// One collective on one link tier: time(S) = latency + S · factor(n) / bus_bw.
+// One collective on one link tier: time(S) = latency + S · factor(n) / bus_bw; for all_to_all,
+// whose every rank sends a message to each of the n−1 others, latency · (n−1) + S · factor(n) /
+// bus_bw (sim/cost.h).
 struct LinkCost {
-  double latency_s = 0;  // α: a small message's time, seconds
+  double latency_s = 0;  // α: a small message's time, seconds (all_to_all: per peer message)
   double bus_bw = 0;     // busBw as nccl-tests reports it, bytes/s
 };
 // The most a profile may give as a collective's latency: a small message taking longer is no

@@ -168,6 +168,15 @@ TEST_F(SimulateSlow, CalibrateWritesAProfileSimulateReads) {
                         {"cal1.json", "collectives_measured"});
   const json j = json::parse(std::ifstream(dir_ / "cal2.json"));
   EXPECT_GT(j["intra_node"]["all_reduce"]["bus_bw"]["value"].get<double>(), 0);
+  // The all-to-all is measured too, its latency per peer message (sim prices latency·(n−1)).
+  for (const char* tier : {"intra_node", "inter_node"}) {
+    EXPECT_GT(j[tier]["all_to_all"]["bus_bw"]["value"].get<double>(), 0) << tier;
+    EXPECT_GE(j[tier]["all_to_all"]["latency_s"]["value"].get<double>(), 0) << tier;
+  }
+  EXPECT_NE(j["intra_node"]["all_to_all"]["bus_bw"]["source"].get<std::string>().find("measured by shardlm calibrate"),
+            std::string::npos);
+  EXPECT_NE(j["intra_node"]["all_to_all"]["latency_s"]["source"].get<std::string>().find("per peer message"),
+            std::string::npos);
   EXPECT_NE(j["peak_flops"]["source"].get<std::string>().find("calibrate"), std::string::npos);
   // tiny's block (qkv, projection, MLP up and down: 4 shapes) and head GEMMs, and its attention.
   EXPECT_EQ(j["gemm_rates"]["value"].size(), 5u);

@@ -116,7 +116,7 @@ TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
   ASSERT_TRUE(j.contains("collectives_measured")) << j.dump();
   EXPECT_EQ(j["collectives_measured"], false);
   for (const char* tier : {"intra_node", "inter_node"})
-    for (const char* op : {"all_gather", "reduce_scatter", "all_reduce"})
+    for (const char* op : {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"})
       for (const char* f : {"latency_s", "bus_bw"})
         EXPECT_EQ(j[tier][op][f]["source"].get<std::string>().find("measured by"), std::string::npos) << j[tier][op][f];
   EXPECT_NE(j["comm_compute_slowdown"]["source"].get<std::string>().find("not measured"), std::string::npos);

@@ -181,6 +181,59 @@ TEST(Cost, CollectiveFollowsAlphaBeta) {
   EXPECT_EQ(collective_seconds(link, Collective::all_reduce, S, 1), 0);
 }
 
+// An all-to-all over p ranks where each sends `bytes` in all: bytes·(p−1)/p leave the rank in
+// p−1 messages, each paying the latency: latency·(p−1) + bytes·(p−1)/p / bandwidth.
+TEST(Cost, AllToAllPaysALatencyPerPeer) {
+  const LinkCost link{20e-6, 100e9};
+  const double bytes = 64.0 * 1048576;
+  for (int p : {2, 3, 8, 64}) {
+    const double want = 20e-6 * (p - 1) + bytes * (p - 1) / p / 100e9;
+    EXPECT_DOUBLE_EQ(collective_seconds(link, Collective::all_to_all, bytes, p), want) << p;
+    // The bytes an all-gather of the same buffer moves; one latency more per peer beyond the first.
+    EXPECT_NEAR(collective_seconds(link, Collective::all_to_all, bytes, p) -
+                    collective_seconds(link, Collective::all_gather, bytes, p),
+                20e-6 * (p - 2), 1e-12) << p;
+  }
+  EXPECT_EQ(collective_seconds(link, Collective::all_to_all, bytes, 1), 0);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::all_to_all, 4), 0.75);
+  EXPECT_STREQ(to_string(Collective::all_to_all), "all_to_all");
+
+  // CostModel::all_to_all_seconds: the profile's all_to_all figures of the tier the group spans.
+  HardwareProfile h = preset("h100-80gb");
+  h.intra.op[static_cast<int>(Collective::all_to_all)] = {3e-6, 250e9};
+  h.inter.op[static_cast<int>(Collective::all_to_all)] = {7e-6, 30e9};
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  PlanConfig c;
+  c.world = 16;
+  const Plan plan = plan::build_plan(desc, c);
+  const CostModel cost(desc, plan, h, 1);
+  EXPECT_DOUBLE_EQ(cost.all_to_all_seconds(bytes, 8, false), 3e-6 * 7 + bytes * 7 / 8 / 250e9);
+  EXPECT_DOUBLE_EQ(cost.all_to_all_seconds(bytes, 16, true), 7e-6 * 15 + bytes * 15 / 16 / 30e9);
+  EXPECT_EQ(cost.all_to_all_seconds(bytes, 1, false), 0);
+}
+
+// Every preset prices an all-to-all on both tiers, each figure with its source; a profile
+// without one is refused naming it.
+TEST(Hardware, ProfilesCarryAnAllToAllFigure) {
+  for (const auto& name : {"h100-80gb", "a100-80gb", "cpu-local"}) {
+    const HardwareProfile h = preset(name);
+    for (const Tier* t : {&h.intra, &h.inter}) {
+      EXPECT_GT(t->of(Collective::all_to_all).bus_bw, 0) << name;
+      EXPECT_GT(t->of(Collective::all_to_all).latency_s, 0) << name;
+    }
+    // The network is slower than the node's inside.
+    if (std::string(name) != "cpu-local")
+      EXPECT_LT(h.inter.of(Collective::all_to_all).bus_bw, h.intra.of(Collective::all_to_all).bus_bw) << name;
+    auto j = nlohmann::json::parse(read(preset_dir() + "/" + name + ".json"));
+    for (const char* tier : {"intra_node", "inter_node"})
+      for (const char* f : {"latency_s", "bus_bw"})
+        EXPECT_FALSE(j[tier]["all_to_all"][f]["source"].get<std::string>().empty()) << name << " " << tier << " " << f;
+    j["inter_node"].erase("all_to_all");
+    const std::string e = error_of([&] { parse_hardware(j.dump(), "old.json"); });
+    EXPECT_NE(e.find("old.json: inter_node.all_to_all: missing"), std::string::npos) << e;
+  }
+}
+
 // A collective's local copies (bf16 casts, a bucket's unpacking, a partly kept unit's kept part
 // and rest) are priced at the memory bandwidth: one read and one write of each byte. An fp32
 // gather straight into the gathered buffer copies nothing.
