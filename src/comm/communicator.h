@@ -101,9 +101,11 @@ class Communicator {
   // recv_counts[j] elements from j into recv + recv_displs[j] (counts and displacements in
   // elements, each vector of size() entries, all ≥ 0). Counts may be zero, and differ from rank to
   // rank; the collective is called on every rank all the same. Rank i's send_counts[j] must equal
-  // rank j's recv_counts[i] (exchange the counts first, see exchange_counts): a receive that
-  // expects more than comes never completes (TimeoutError); one that expects less is an Error.
-  // The recv ranges must not overlap each other or the send ranges. Counts and displacements up
+  // rank j's recv_counts[i] (exchange the counts first, see exchange_counts). A mismatch is the
+  // caller's error, reported where the backend can: with `direct`, a message shorter than
+  // expected is an Error naming the peer, a longer one MPI's truncation Error, one expected from
+  // a peer that sends none a TimeoutError; `native` leaves it to MPI. The recv ranges must not
+  // overlap each other or the send ranges. Counts and displacements up
   // to 2^31−1 elements each on every algorithm; larger ones only with `direct` (native refuses
   // them, naming the field).
   virtual std::shared_ptr<Work> all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
