@@ -69,6 +69,7 @@ train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c)
   train::TrainConfig tc = a.cfg;
   tc.strategy = plan::to_string(c.strategy);
   tc.shard_group = c.shard_group;
+  tc.ep = c.ep;
   tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
   tc.recompute = model::to_string(c.recompute);
   tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;

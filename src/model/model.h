@@ -50,6 +50,9 @@ struct ModelConfig {
   int64_t expert_capacity(int64_t tokens) const;
   // Routed rows of a group of `tokens` tokens at most: what the dispatch buffers are sized for.
   int64_t routed_rows_bound(int64_t tokens) const;
+  // Rows the E / ranks experts of one rank of an expert-parallel group of `ranks` can receive at
+  // most from the group's routing groups of `tokens` tokens each.
+  int64_t expert_rows_bound(int64_t tokens, int64_t ranks) const;
   // The embedding (and an untied head) carry extra zero rows so the head's GEMM has a friendly
   // N; files that leave the program carry V rows only.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
@@ -253,6 +256,9 @@ ModelDesc describe_moe(const ModelConfig& config);
 UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+// Bytes of each buffer of a MoE block's exchanges (routing groups of `tokens` tokens, an expert
+// group of `ranks`): the header, every expert's row count, and the most rows one rank receives.
+int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks);
 // The LLaMA units (embedding, dense block, head) the MoE family shares.
 void add_llama_embedding(ModelDesc& d);
 void add_llama_block(ModelDesc& d, int layer);

@@ -25,6 +25,15 @@ int64_t ModelConfig::routed_rows_bound(int64_t tokens) const {
   return std::min(tokens * top_k, n_experts * expert_capacity(tokens));
 }
 
+int64_t ModelConfig::expert_rows_bound(int64_t tokens, int64_t ranks) const {
+  return ranks * std::min(routed_rows_bound(tokens), n_experts / ranks * expert_capacity(tokens));
+}
+
+int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks) {
+  const ModelConfig& c = desc.config;
+  return exchange_header_bytes(ranks) + 8 * c.n_experts + 4 * c.n_embd * c.expert_rows_bound(tokens, ranks);
+}
+
 namespace {
 
 void add_moe_block(ModelDesc& d, int l) {
@@ -84,6 +93,7 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   const int64_t B = s.B, T = s.T, BT = B * T, C = c.n_embd, NH = c.n_head, e = s.elem;
   const int64_t HS = c.head_size(), QKV = (c.n_head + 2 * c.n_kv_head) * HS;
   const int64_t E = c.n_experts, k = c.top_k, FE = c.moe_ffn_dim, R = c.routed_rows_bound(BT);
+  const int64_t P = s.ep, L = E / P, RL = c.expert_rows_bound(BT, P);
   const double bt = static_cast<double>(BT), routed = bt * static_cast<double>(k);
   UnitCosts u;
   const double gemm = 2 * bt * (C * QKV + C * C + C * E) + 2 * routed * (C * 2 * FE + FE * C);
@@ -92,6 +102,13 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   u.attention_flops = attention;
   u.backward_flops = 2 * u.forward_flops;
   u.gemms = {{BT, C, QKV}, {BT, C, C}, {BT, C, E}, {BT * k, C, 2 * FE}, {BT * k, FE, C}};
+  // Three stages (token side, expert side, token side) with the routed rows exchanged over ep
+  // between them; balanced routing sends every routed row once.
+  const model::Exchange x{"ep", moe_exchange_bound(desc, BT, P), 8 * E + 4 * C * R};
+  u.exchanges = {x, x};
+  const double experts = 2 * routed * (C * 2 * FE + FE * C), combine = 2 * routed * C;
+  const double total = u.forward_flops + combine;
+  u.stage_share = {(u.forward_flops - experts) / total, experts / total, combine / total};
   u.selective_recompute_flops = 2 * 4 * bt * C + 6 * routed * FE;  // two RMSNorms, the experts' SwiGLU
   // Norms, rotary q/k, SwiGLU as llama; router softmax over E; dispatch gather, weighted combine.
   u.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * (BT * (NH + c.n_kv_head) * HS) + 3 * R * FE +
@@ -100,20 +117,22 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   u.output_bytes = slice(BT * C, e);
   // Kept: q|k|v after rotation, attention output, its log-sum-exp, residual 1; router logits, the
   // routing (expert, weight and dispatch row of each token's k slots; each row's token; offsets
-  // and assigned counts per expert); each routed row's gate|up and expert output.
+  // and assigned counts per expert); each routed row's expert output; on the expert side, the rows
+  // from each rank for each local expert, the rows received and their gate|up.
   u.saved_bytes = slice(BT * QKV, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * C, e) + slice(BT * E, 4) +
-                  3 * slice(BT * k, 4) + slice(R, 4) + slice(E + 1, 4) + slice(E, 4) + slice(R * 2 * FE, e) +
-                  slice(R * C, e);
-  // Recomputable: both norms' outputs and rstd, the dispatched rows, the experts' SwiGLU output.
-  u.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(R * C, e) + slice(R * FE, e);
+                  3 * slice(BT * k, 4) + slice(R, 4) + slice(E + 1, 4) + slice(E, 4) + slice(R * C, e) +
+                  slice(P * L, 4) + slice(RL * C, e) + slice(RL * 2 * FE, e);
+  // Recomputable: both norms' outputs and rstd, the experts' SwiGLU output. Forward scratch: the
+  // rope table, the router's probabilities and log-sum-exp, the expert side's outputs.
+  u.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(RL * FE, e);
   const int64_t rope_table = slice(T * HS, 4);
   const int64_t router = slice(BT * E, 4) + slice(BT, 4);  // probabilities and log-sum-exp
-  u.forward_workspace = rope_table + router;
-  // Backward scratch: d norm out, d attention out, d qkv; d expert out, d SwiGLU out, d gate|up,
-  // d dispatched rows (routed); d routing weights, router probabilities, log-sum-exp, d logits;
+  u.forward_workspace = rope_table + router + slice(RL * C, e);
+  // Backward scratch: d norm out, d attention out, d qkv; on the expert side d expert out,
+  // d SwiGLU out, d gate|up, d received rows; d routing weights, router probabilities, log-sum-exp, d logits;
   // attention tiles, rope table.
-  u.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(R * C, e) +
-                         slice(R * FE, e) + slice(R * 2 * FE, e) + slice(R * C, e) + slice(BT * k, 4) + router +
+  u.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(RL * C, e) +
+                         slice(RL * FE, e) + slice(RL * 2 * FE, e) + slice(RL * C, e) + slice(BT * k, 4) + router +
                          slice(BT * E, 4) + slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) +
                          rope_table;
   return u;

@@ -4,7 +4,8 @@
 // handler table is too (an op without an Executor member of its name does not compile).
 //
 // X(name, stream, collective, work)
-//   stream      compute | comm
+//   stream      compute | comm | exchange (a stream, and communicators, of its own: an exchange
+//               never waits behind a prefetched gather)
 //   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce | all_to_all
 //   work        what a compute op's cost counts (sim::CostModel):
 //                 none        nothing beyond its FLOPs
@@ -32,7 +33,7 @@
   X(param_gather, comm, all_gather, none)      /* ZeRO-1/2: updated shards -> every rank's full copy */ \
   X(norm_reduce, comm, all_gather, none)       /* every rank's norm and loss sums to every rank */     \
   X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */                          \
-  X(exchange, comm, all_to_all, none)          /* a staged unit's routed rows between its stages */
+  X(exchange, exchange, all_to_all, none)      /* a staged unit's routed rows between its stages */
 
 namespace shardlm::plan {
 
@@ -42,7 +43,7 @@ enum class Op {
 #undef SHARDLM_OP_ENUM
 };
 
-enum class OpStream { compute, comm };
+enum class OpStream { compute, comm, exchange };
 enum class OpCollective { none, all_gather, reduce_scatter, all_reduce, all_to_all };
 enum class OpWork { none, unit_fwd, unit_bwd, unit_fwd_bwd, unit_rebuild, grads_pass, adamw };
 
@@ -66,7 +67,7 @@ constexpr const char* to_string(Op op) { return info(op).name; }
 
 // A comm op names its collective and a compute op none.
 constexpr bool well_formed(const OpInfo& o) {
-  return (o.stream == OpStream::comm) == (o.collective != OpCollective::none) &&
+  return (o.stream != OpStream::compute) == (o.collective != OpCollective::none) &&
          (o.stream == OpStream::compute || o.work == OpWork::none);
 }
 constexpr bool all_well_formed() {

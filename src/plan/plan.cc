@@ -350,7 +350,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
-  const model::Shape shape{c.batch, c.seq, 4, c.threads};
+  const model::Shape shape{c.batch, c.seq, 4, c.threads, c.ep};
   auto mib = [](int64_t b) { return b / 1048576.0; };
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts k = desc.costs(static_cast<int>(u), shape);

@@ -27,13 +27,19 @@ class Builder {
     Task t;
     t.id = static_cast<int>(tasks_.size());
     t.op = op, t.unit = unit, t.micro = micro;
-    t.stream = info(op).stream == OpStream::comm ? kComm : kCompute;
+    t.stream = info(op).stream == OpStream::comm ? kComm : info(op).stream == OpStream::exchange ? exchange_stream() : kCompute;
     for (int d : deps)
       if (d >= 0) t.deps.push_back(d);
     tasks_.push_back(std::move(t));
     return tasks_.back().id;
   }
   Task& at(int t) { return tasks_[t]; }
+  // The exchanges' stream, opened by the first.
+  int exchange_stream() {
+    auto it = std::find(plan_.streams.begin(), plan_.streams.end(), "exchange");
+    if (it == plan_.streams.end()) it = plan_.streams.insert(plan_.streams.end(), "exchange");
+    return static_cast<int>(it - plan_.streams.begin());
+  }
   // The buffer of this name, created on first use.
   int buffer(const std::string& name, Role role, MemCategory category, int64_t bytes, int unit,
              DType dtype = DType::fp32) {
@@ -403,7 +409,9 @@ void Builder::backward(int u, int m) {
     }
     if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
     if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
-    add_stages(r, false);
+    // Only a full rebuild reruns the stages (and their exchanges); a selective one rebuilds what
+    // each stage dropped on this rank, in one task.
+    if (cfg_.recompute == Recompute::full) add_stages(r, false);
     ag = -1;  // the backward follows on the same stream
   }
   const int b = add(Op::backward, u, m, {ag});
@@ -682,7 +690,7 @@ Plan Builder::build() {
   buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(StateKind::optimizer), -1);
 
   const int U = static_cast<int>(desc_.units.size());
-  shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads};
+  shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads, cfg_.ep};
   kept_.assign(U, 0);
   part_.assign(U, 0);
   kept_gather_.assign(U, -1);
@@ -835,6 +843,12 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
   if (c.mode != PlanConfig::Mode::train) c.grad_accum = 1;
   validate(c);
+  if (c.ep > 1 && desc.config.family != model::Family::moe)
+    throw std::invalid_argument("ep (--ep): expert parallelism needs a mixture-of-experts model (--experts), not " +
+                                std::string(model::to_string(desc.config.family)));
+  if (c.ep > 1 && desc.config.n_experts % c.ep != 0)
+    throw std::invalid_argument("ep (--ep): " + std::to_string(c.ep) + " does not divide the number of experts " +
+                                std::to_string(desc.config.n_experts));
   return Builder(desc, c).build();
 }
 

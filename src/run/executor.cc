@@ -35,6 +35,15 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh) : worl
       if (set & (1u << a)) axes.push_back(a);
     groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
   }
+  const int ep = mesh.find(plan::kExpert);
+  if (ep < 0 || mesh[ep].size == 1) return;
+  for (unsigned set = 1u << ep; set <= all_; ++set) {
+    if ((set & ~all_) != 0 || !(set & (1u << ep))) continue;
+    std::vector<int> axes;
+    for (int a = 0; a < A; ++a)
+      if (set & (1u << a)) axes.push_back(a);
+    exchange_groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
+  }
 }
 
 unsigned CommGroups::key(const std::vector<int>& axes) const {
@@ -46,6 +55,12 @@ unsigned CommGroups::key(const std::vector<int>& axes) const {
 comm::Communicator& CommGroups::get(const std::vector<int>& axes) const {
   const unsigned k = key(axes);
   return k == all_ ? world_ : *groups_.at(k);
+}
+
+comm::Communicator& CommGroups::exchange(const std::vector<int>& axes) const {
+  const auto it = exchange_groups_.find(key(axes));
+  if (it == exchange_groups_.end()) throw std::logic_error("comm groups: no exchange communicator over these axes");
+  return *it->second;
 }
 
 struct Executor::Run {
@@ -110,7 +125,7 @@ Executor::~Executor() = default;
 // The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
 // whose kernels would carve more would write past them. Checked once, before any step.
 void Executor::check_carved_fits() const {
-  const model::Shape shape{plan_.config.batch, plan_.config.seq, 4, plan_.config.threads};
+  const model::Shape shape{plan_.config.batch, plan_.config.seq, 4, plan_.config.threads, plan_.config.ep};
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const model::UnitDesc& unit = desc_.units[u];
     const auto carved = layers::layer(unit.kind).carved;
@@ -619,7 +634,7 @@ void Executor::loss_reduce(const Task& t, Run& r) {
 // then the payloads move, packed rank after rank behind the receive buffer's header, which records
 // what came from each. What left this rank for the others is the task's figure in the trace.
 void Executor::exchange(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(t.axes);
+  comm::Communicator& c = comms_.exchange(t.axes);
   const int P = c.size();
   const std::string lbl = label(t, r.step);
   const char* send = r.data(t.io.send);

@@ -33,6 +33,11 @@ namespace shardlm::run {
 // with this one on every other axis. Split from the world once, at construction (a collective
 // call on every rank), for every set of the mesh's axes with more than one rank on them; a set
 // spanning all of them is the world.
+//
+// Collectives issued from two threads on one communicator could be ordered differently on two
+// ranks, so each stream that issues collectives has communicators of its own: the comm stream's
+// (`get`), and, when the mesh has an expert axis, the exchange stream's (`exchange`: one per set of
+// axes that includes it).
 class CommGroups {
  public:
   CommGroups(comm::Communicator& world, const plan::Mesh& mesh);
@@ -41,6 +46,7 @@ class CommGroups {
   const plan::Mesh& mesh() const { return mesh_; }
   // This rank's group over `axes` (indices into the mesh).
   comm::Communicator& get(const std::vector<int>& axes) const;
+  comm::Communicator& exchange(const std::vector<int>& axes) const;
 
  private:
   // Bit a: axis a, for the axes of more than one rank (the others change no group).
@@ -48,7 +54,7 @@ class CommGroups {
   comm::Communicator& world_;
   plan::Mesh mesh_;
   unsigned all_ = 0;
-  std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_;
+  std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_, exchange_groups_;
 };
 
 struct AdamW {

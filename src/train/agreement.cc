@@ -128,6 +128,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"sample-tokens", s(c.sample_tokens)},
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},
+      {"ep", s(c.ep)},
       {"prefetch-forward", s(c.prefetch_forward)},
       {"prefetch-backward", s(c.prefetch_backward)},
       {"max-gathers-in-flight", s(c.max_gathers_in_flight)},

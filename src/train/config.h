@@ -82,6 +82,7 @@ struct TrainConfig {
   // Distribution (ranks come from mpirun / srun; one process is a world of 1).
   std::string strategy = "fsdp";  // ddp | zero1 | zero2 | fsdp | hybrid
   int shard_group = 0;            // hybrid: ranks per shard group (0: all)
+  int ep = 1;                     // expert parallel: ranks an expert group spans (E / ep experts each)
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;

@@ -120,6 +120,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.strategy = plan::parse_strategy(cfg.strategy);
   pc.world = world;
   pc.shard_group = cfg.shard_group;
+  pc.ep = cfg.ep;
   pc.batch = cfg.batch;
   pc.seq = cfg.seq;
   pc.grad_accum = cfg.grad_accum;

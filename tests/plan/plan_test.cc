@@ -172,7 +172,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
   }
 }
 
-// Both families (tied and untied heads), every strategy, `accums` micro-step counts, gather
+// Every family (tied and untied heads; MoE with and without expert parallelism), every strategy, `accums` micro-step counts, gather
 // limits, prefetch depths, recompute modes, all-gather buckets and partly kept units, on 4 ranks.
 template <class Visit>
 void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
@@ -181,7 +181,10 @@ void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
   const std::vector<std::pair<std::string, model::ModelDesc>> models = {
       {"gpt2", model::describe(model::model_preset("tiny", 256))},
       {"llama", model::describe(model::model_preset("llama-tiny", 256))},
-      {"llama tied", model::describe(tied)}};
+      {"llama tied", model::describe(tied)},
+      // Staged units: three stages a pass, their exchanges left out (ep 1) or over ep (ep 2).
+      {"moe", model::describe(model::model_preset("moe-tiny", 256))},
+      {"moe ep2", model::describe(model::model_preset("moe-tiny", 256))}};
   for (const auto& [family, d] : models)
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
       for (int64_t accum : accums)
@@ -207,6 +210,7 @@ void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
               c.param_bytes = s == Strategy::fsdp || s == Strategy::hybrid ? 2 : 4;
               c.reduce_bytes = 2;
               c.recompute = r;
+              c.ep = family == "moe ep2" ? 2 : 1;
               const std::string what = family + " " + to_string(s) + " accum " + std::to_string(accum) + " limit " +
                                        std::to_string(limit) + " prefetch " + std::to_string(prefetch) +
                                        " recompute " + model::to_string(r) + " gather bucket " + std::to_string(bucket) +
@@ -612,9 +616,10 @@ namespace {
 // strategy ep shards units together with dp_shard, under DDP it replicates them; every ep rank
 // reads its own batch.
 TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
   PlanConfig c;
   c.strategy = Strategy::hybrid, c.world = 8, c.shard_group = 4, c.ep = 2;
-  const Plan h = build_plan(small(), c);
+  const Plan h = build_plan(moe, c);
   EXPECT_EQ(h.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=2");
   EXPECT_EQ(h.shard_size, 4);
   EXPECT_EQ(h.shard_axes(), (std::vector<int>{1, 2}));
@@ -622,7 +627,7 @@ TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
   EXPECT_EQ(h.dp_size(), 8);
   for (int r = 0; r < 8; ++r) EXPECT_EQ(h.part_index(StateKind::params, 0, r), r % 4);
   c.strategy = Strategy::ddp, c.world = 4;
-  const Plan d = build_plan(small(), c);
+  const Plan d = build_plan(moe, c);
   EXPECT_EQ(d.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=1");
   EXPECT_EQ(d.shard_size, 1);
   EXPECT_EQ(d.replicate_axes(), (std::vector<int>{0, 1}));
@@ -631,10 +636,67 @@ TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
       EXPECT_EQ(d.mesh.group_size(t.axes), 4);
     }
   }
-  c.strategy = Strategy::fsdp, c.world = 6, c.ep = 4;
+  c.strategy = Strategy::fsdp, c.world = 6, c.ep = 4;  // ep must divide the ranks
+  EXPECT_THROW(build_plan(moe, c), std::invalid_argument);
+  c.strategy = Strategy::hybrid, c.world = 8, c.shard_group = 2;  // and the shard group
+  EXPECT_THROW(build_plan(moe, c), std::invalid_argument);
+  c.shard_group = 8, c.ep = 8;  // and the experts (moe-tiny has 4)
+  EXPECT_THROW(build_plan(moe, c), std::invalid_argument);
+  c.ep = 2;  // and needs experts
   EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
-  c.strategy = Strategy::hybrid, c.world = 8, c.shard_group = 2;
-  EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+}
+
+// A MoE block's pass is three stages; with ep 2 an exchange over ep (on a stream of its own) feeds
+// each stage after the first, forward and backward (in reverse), from the buffer the stage before
+// sent into, and the stage after frees what it received. With one expert rank the stages read
+// each other's sends.
+TEST(Plan, StagedUnitsExchangeBetweenTheirStagesOverEp) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
+  int block = -1;
+  for (size_t u = 0; u < moe.units.size(); ++u)
+    if (moe.units[u].kind == model::UnitKind::moe_block && block < 0) block = static_cast<int>(u);
+  for (int ep : {1, 2}) {
+    PlanConfig c;
+    c.strategy = Strategy::fsdp, c.world = 2, c.ep = ep;
+    const Plan p = build_plan(moe, c);
+    std::vector<const Task*> forward, backward, exchanges;
+    for (const Task& t : p.tasks) {
+      if (t.unit != block) continue;
+      if (t.op == Op::forward) forward.push_back(&t);
+      if (t.op == Op::backward) backward.push_back(&t);
+      if (t.op == Op::exchange) exchanges.push_back(&t);
+    }
+    ASSERT_EQ(forward.size(), 3u);
+    ASSERT_EQ(backward.size(), 3u);
+    for (int s = 0; s < 3; ++s) {
+      EXPECT_EQ(forward[s]->stage, s);
+      EXPECT_EQ(backward[s]->stage, 2 - s);
+    }
+    EXPECT_EQ(exchanges.size(), ep == 1 ? 0u : 4u);
+    for (const Task* x : exchanges) {
+      EXPECT_EQ(p.streams.at(x->stream), "exchange");
+      EXPECT_EQ(p.mesh[x->axes.at(0)].name, kExpert);
+      EXPECT_GT(x->bytes, 0);
+      EXPECT_EQ(p.buffers[x->io.recv].bytes, p.buffers[x->io.send].bytes);
+      EXPECT_TRUE(std::count(x->frees.begin(), x->frees.end(), x->io.send));
+    }
+    for (const auto& pass : {forward, backward})
+      for (int s = 1; s < 3; ++s) {
+        const Task &before = *pass[s - 1], &after = *pass[s];
+        EXPECT_GE(before.io.send, 0);
+        EXPECT_TRUE(p.depends_on(after.id, before.id));
+        if (ep == 1) {
+          EXPECT_EQ(after.io.recv, before.io.send);
+        } else {
+          EXPECT_NE(after.io.recv, before.io.send);
+        }
+        EXPECT_TRUE(std::count(after.frees.begin(), after.frees.end(), after.io.recv));
+        EXPECT_EQ(p.buffers[after.io.recv].role, Role::routed);
+      }
+    // The pass's last stage frees its gathered parameters.
+    EXPECT_TRUE(std::count(forward[2]->frees.begin(), forward[2]->frees.end(), forward[0]->io.params));
+    EXPECT_FALSE(std::count(forward[0]->frees.begin(), forward[0]->frees.end(), forward[0]->io.params));
+  }
 }
 
 // The plan's mesh: hybrid shards over dp_shard (consecutive ranks) and replicates over

@@ -397,6 +397,10 @@ namespace {
 // where the ranks route 2; dropless routing and the z-loss (a mean over equal groups) do not
 // depend on that, the load-balancing loss does, so its coefficient is 0 here (its gradient is
 // checked against PyTorch in tests/train/moe_parity_test.cc).
+//
+// With --ep K the ranks of an expert group run E / K experts each: the routed rows travel to their
+// experts and back through the exchanges between the block's stages (all_to_all_v over ep), whose
+// bytes the trace records.
 TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
   const std::string moe = " --grad-accum 2 --aux-loss-coef 0";
   const auto single = shardlm(args("moe_single", 4, "moe-tiny") + moe);
@@ -404,9 +408,33 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
   const auto want = step_losses(dir_ / "moe_single" / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
   ckpt::SafetensorsFile a(testing::exported_weights(dir_ / "moe_single" / "ckpt" / "step_5").string());
-  for (const std::string s : {"ddp", "fsdp"}) {
-    const auto r = mpirun(2, args("moe_" + s, 2, "moe-tiny") + moe + " --strategy " + s);
+  struct Layout {
+    std::string name;
+    int ranks;
+    std::string flags;
+  };
+  const std::vector<Layout> layouts = {
+      {"ddp", 2, "--strategy ddp"},
+      {"fsdp", 2, "--strategy fsdp"},
+      {"ddp_ep2", 2, "--strategy ddp --ep 2"},
+      {"fsdp_ep2", 2, "--strategy fsdp --ep 2"},
+      {"fsdp_ep2_np4", 4, "--strategy fsdp --ep 2"},
+      {"ddp_ep4_np4", 4, "--strategy ddp --ep 4"},
+      {"hybrid_ep2_np4", 4, "--strategy hybrid --shard-group 2 --ep 2"}};
+  for (const Layout& l : layouts) {
+    const std::string s = l.name;
+    const fs::path trace = dir_ / ("moe_" + s + ".json");
+    const auto r = mpirun(l.ranks, args("moe_" + s, 4 / l.ranks, "moe-tiny") + moe + " " + l.flags + " --trace " +
+                                       trace.string());
     ASSERT_EQ(r.code, 0) << r.out;
+    std::ifstream tf(trace);
+    int64_t exchanges = 0, moved = 0;
+    const nlohmann::json events = nlohmann::json::parse(tf);
+    for (const auto& e : events["traceEvents"])
+      if (e["name"].get<std::string>().rfind("exchange ", 0) == 0) ++exchanges, moved += e["args"]["bytes moved"].get<int64_t>();
+    const bool ep = l.flags.find("--ep") != std::string::npos;
+    EXPECT_EQ(exchanges > 0, ep) << s;
+    EXPECT_EQ(moved > 0, ep) << s << ": routed rows travel to the other ranks' experts";
     const auto got = step_losses(dir_ / ("moe_" + s) / "metrics.jsonl");
     ASSERT_EQ(got.size(), 5u);
     for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << s << " step " << i;
