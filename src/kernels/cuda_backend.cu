@@ -304,6 +304,7 @@ class CudaBackend final : public Backend {
                          int64_t HS) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (use_attention_mma(HS)) return cuda::mma_attention_forward(*this, out, lse, qkv, B, T, NH, NKV, HS);
     if (use_attention_gemm(T, NH, NKV))
       return cuda::attention_gemm_forward(*this, bf16_, out, lse, qkv, B, T, NH, NKV, HS);
     cuda::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
@@ -319,6 +320,8 @@ class CudaBackend final : public Backend {
                           int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (use_attention_mma(HS))
+      return cuda::mma_attention_backward(*this, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     if (use_attention_gemm(T, NH, NKV))
       return cuda::attention_gemm_backward(*this, bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     Buffer rows = alloc(MemCategory::workspace, sizeof(float) * B * NH * T, Buffer::Fill::none);
@@ -353,8 +356,12 @@ class CudaBackend final : public Backend {
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
 
  private:
+  // bf16 tensor-core attention only with bf16 GEMMs: fp32 mode stays within fp32 rounding of the CPU.
+  bool use_attention_mma(int64_t HS) const {
+    return bf16_ && options_.attention == CudaOptions::Attention::mma && cuda::mma_attention_supports(HS);
+  }
   bool use_attention_gemm(int64_t T, int64_t NH, int64_t NKV) const {
-    return !options_.flash_attention && cuda::attention_gemm_fits(T, NH, NKV);
+    return options_.attention != CudaOptions::Attention::flash && cuda::attention_gemm_fits(T, NH, NKV);
   }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.

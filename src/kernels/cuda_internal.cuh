@@ -89,6 +89,14 @@ void attention_gemm_backward(const Backend& backend, bool bf16, float* dqkv, con
                              const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                              int64_t HS);
 
+// ---- cuda_attention_mma.cu: flash attention on the bf16 tensor cores, for the head sizes it supports
+bool mma_attention_supports(int64_t HS);
+void mma_attention_forward(const Backend& backend, float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                           int64_t NH, int64_t NKV, int64_t HS);
+void mma_attention_backward(const Backend& backend, float* dqkv, const float* dout, const float* qkv,
+                            const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                            int64_t HS);
+
 // ---- cuda_backend.cu: row-major strided-batched GEMM on the backend's cuBLAS handle, for i < batch
 // C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i with X_i = X + i * sX (bf16: tensor-core bf16 inputs).
 void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
