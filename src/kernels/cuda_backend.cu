@@ -228,22 +228,27 @@ class CudaBackend final : public Backend {
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                       int64_t OC) const override {
     if (bias) cuda::add_bias_rows(out, bias, N, OC);
-    gemm(false, false, N, OC, C, inp, C, weight, OC, bias ? 1.0f : 0.0f, out, OC);
+    gemm(false, false, N, OC, C, operand(inp, N, C, C), operand(weight, C, OC, OC), bias ? 1.0f : 0.0f, out, OC);
   }
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int64_t C, int64_t OC) const override {
-    if (dinp) gemm(false, true, N, C, OC, dout, OC, weight, OC, 1.0f, dinp, C);
-    if (dweight) gemm(true, false, C, OC, N, inp, C, dout, OC, 1.0f, dweight, OC);
+    if (dinp || dweight) {
+      const Operand d = operand(dout, N, OC, OC);
+      if (dinp) gemm(false, true, N, C, OC, d, operand(weight, C, OC, OC), 1.0f, dinp, C);
+      if (dweight) gemm(true, false, C, OC, N, operand(inp, N, C, C), d, 1.0f, dweight, OC);
+    }
     if (dbias) cuda::bias_grad(*this, dbias, dout, N, OC);
   }
   void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
                      int64_t OC) const override {
-    gemm(false, true, N, OC, C, inp, C, weight, C, 0.0f, out, OC);
+    gemm(false, true, N, OC, C, operand(inp, N, C, C), operand(weight, OC, C, C), 0.0f, out, OC);
   }
   void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       int64_t N, int64_t C, int64_t OC) const override {
-    if (dinp) gemm(false, false, N, C, OC, dout, OC, weight, C, 1.0f, dinp, C);
-    if (dweight) gemm(true, false, OC, C, N, dout, OC, inp, C, 1.0f, dweight, C);
+    if (!dinp && !dweight) return;
+    const Operand d = operand(dout, N, OC, OC);
+    if (dinp) gemm(false, false, N, C, OC, d, operand(weight, OC, C, C), 1.0f, dinp, C);
+    if (dweight) gemm(true, false, OC, C, N, d, operand(inp, N, C, C), 1.0f, dweight, C);
   }
 
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -363,19 +368,38 @@ class CudaBackend final : public Backend {
   bool use_attention_gemm(int64_t T, int64_t NH, int64_t NKV) const {
     return options_.attention != CudaOptions::Attention::flash && cuda::attention_gemm_fits(T, NH, NKV);
   }
+  // A GEMM operand, a row-major (rows, cols) matrix with leading dimension ld: with bf16 GEMMs a
+  // bf16 copy (rounded once, however many GEMMs read it), so cuBLAS runs its bf16 kernels at full
+  // tensor-core rate; with fp32 GEMMs the fp32 matrix itself.
+  struct Operand {
+    const void* data;
+    int64_t ld;
+    bool bf16;
+    Buffer copy;  // owns the bf16 copy
+  };
+  Operand operand(const float* x, int64_t rows, int64_t cols, int64_t ld) const {
+    if (!bf16_ || !options_.bf16_operands) return Operand{x, ld, false, Buffer()};
+    const int64_t n = rows > 0 && cols > 0 ? (rows - 1) * ld + cols : 0;
+    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(n), Buffer::Fill::none);
+    if (n > 0) cuda::fp32_to_bf16(copy.as<uint16_t>(), x, n);
+    return Operand{copy.data(), ld, true, std::move(copy)};
+  }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
-  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-            int64_t ldb, float beta, float* C, int64_t ldc) const {
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& A, const Operand& B, float beta,
+            float* C, int64_t ldc) const {
     if (M == 0 || N == 0) return;
     Context& ctx = Context::get();
     const float alpha = 1.0f;
+    const bool both16 = A.bf16 && B.bf16;
+    const cudaDataType_t ta_type = A.bf16 ? CUDA_R_16BF : CUDA_R_32F, tb_type = B.bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute =
+        both16 ? CUBLAS_COMPUTE_32F : (bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F);
     std::lock_guard<std::mutex> lock(ctx.blas_mu);
-    cuda::check_cublas(
-        cublasGemmEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
-                     &alpha, B, CUDA_R_32F, int(ldb), A, CUDA_R_32F, int(lda), &beta, C, CUDA_R_32F, int(ldc),
-                     bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+    cuda::check_cublas(cublasGemmEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N),
+                                    int(M), int(K), &alpha, B.data, tb_type, int(B.ld), A.data, ta_type, int(A.ld),
+                                    &beta, C, CUDA_R_32F, int(ldc), compute, CUBLAS_GEMM_DEFAULT),
+                       "cublasGemmEx");
   }
   const CudaOptions options_;
   const bool bf16_;
@@ -408,12 +432,16 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   }
   const bool logits_on_host = logits_out && !cuda::is_device_pointer(logits_out);
   zero(acc, sizeof(double));
+  const Operand w = operand(wte, Vp, C, C), xs = operand(x, N, C, C);  // rounded once for every slab
+  const auto rows_of = [&](const Operand& o, int64_t r0) {
+    return Operand{static_cast<const char*>(o.data) + r0 * o.ld * (o.bf16 ? 2 : 4), o.ld, o.bf16, Buffer()};
+  };
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t n = std::min(chunk, N - r0);
     // The GEMMs run over all Vp rows of wte: with V = 50257 (odd) cuBLAS ran the three 2.4x slower
     // than at Vp = 50304 (H100). Columns >= V are ignored by the softmax and get zero gradients,
     // so dx is unchanged and dwte's padding rows receive += 0 (their values stay as they were).
-    gemm(false, true, n, Vp, C, x + r0 * C, C, wte, C, 0.0f, logits, Vp);
+    gemm(false, true, n, Vp, C, rows_of(xs, r0), w, 0.0f, logits, Vp);
     if (logits_out) {
       SHARDLM_CUDA_CHECK(cudaMemcpy2DAsync(logits_out + r0 * V, V * sizeof(float), logits, Vp * sizeof(float),
                                            V * sizeof(float), n, cudaMemcpyDefault, cuda::stream()));
@@ -421,8 +449,10 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
     }
     cuda::softmax_xent(logits, rows, targets + r0, n, V, Vp, grad_scale, dx || dwte);
     cuda::accumulate_sum(acc, rows, n);
-    if (dx) gemm(false, false, n, C, Vp, logits, Vp, wte, C, 1.0f, dx + r0 * C, C);
-    if (dwte) gemm(true, false, Vp, C, n, logits, Vp, x + r0 * C, C, 1.0f, dwte, C);
+    if (!dx && !dwte) continue;
+    const Operand d = operand(logits, n, Vp, Vp);
+    if (dx) gemm(false, false, n, C, Vp, d, w, 1.0f, dx + r0 * C, C);
+    if (dwte) gemm(true, false, Vp, C, n, d, rows_of(xs, r0), 1.0f, dwte, C);
   }
   double loss = 0;
   download(&loss, acc, sizeof(double));

@@ -275,6 +275,16 @@ __global__ void to_bf16_kernel(uint16_t* out, const float* in, int64_t n) {
     out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
 }
 
+// Four at a time (16-byte loads, 8-byte stores): n4 = n / 4 groups, in and out aligned to them.
+__global__ void to_bf16_x4_kernel(uint2* out, const float4* in, int64_t n4) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 v = in[i];
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v.x)) | uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.y))) << 16;
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v.z)) | uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.w))) << 16;
+    out[i] = make_uint2(lo, hi);
+  }
+}
+
 __global__ void from_bf16_kernel(float* out, const uint16_t* in, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __uint_as_float(uint32_t(in[i]) << 16);
@@ -387,7 +397,14 @@ void accumulate_sum(double* acc, const double* rows, int64_t n) {
   SHARDLM_CUDA_LAUNCHED();
 }
 void scale(float* x, int64_t n, float s) { LAUNCH(scale_kernel, n, x, n, s); }
-void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) { LAUNCH(to_bf16_kernel, n, out, in, n); }
+void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) {
+  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0) {
+    const int64_t n4 = n / 4;
+    LAUNCH(to_bf16_x4_kernel, n4, reinterpret_cast<uint2*>(out), reinterpret_cast<const float4*>(in), n4);
+    return;
+  }
+  LAUNCH(to_bf16_kernel, n, out, in, n);
+}
 void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) { LAUNCH(from_bf16_kernel, n, out, in, n); }
 
 }  // namespace shardlm::kernels::cuda
