@@ -43,16 +43,16 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Four 8x8 bf16 matrices; lane l gives the row address of matrix l/8.
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const bf16* p) {
+// Four 8x8 bf16 matrices; lane l gives the row address (shared space) of matrix l/8.
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const bf16* p) {
+__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
 // c += a b: a (16x16, row), b (16x8, col), c (16x8) fp32.
 __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -69,18 +69,20 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 // ---- tile products for one warp. Tiles in shared memory are row-major with pitch P elements.
 
+// The lane's address (bytes) is computed once per product; the tile steps are immediates.
 // acc (16 x N) += A (16 x K rows of `a`) * B^T, B (N x K) row-major: scores from rows of q and k.
 template <int K, int N, int P>
 __device__ __forceinline__ void mma_abt(float acc[][4], const bf16* a, const bf16* b, int lane) {
-  const int mi = lane / 8;
+  const uint32_t a0 = smem_addr(a + (lane % 16) * P + (lane / 16) * 8);
+  const uint32_t b0 = smem_addr(b + (lane % 8 + (lane / 16) * 8) * P + ((lane / 8) & 1) * 8);
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t af[4];
-    ldsm_x4(af, a + (lane % 16) * P + kk * 16 + (lane / 16) * 8);
+    ldsm_x4(af, a0 + kk * 32);
 #pragma unroll
     for (int nt = 0; nt < N / 8; nt += 2) {
       uint32_t bfr[4];
-      ldsm_x4(bfr, b + (nt * 8 + lane % 8 + (mi >> 1) * 8) * P + kk * 16 + (mi & 1) * 8);
+      ldsm_x4(bfr, b0 + (nt * 8 * P + kk * 16) * 2);
       mma(acc[nt], af, bfr[0], bfr[1]);
       mma(acc[nt + 1], af, bfr[2], bfr[3]);
     }
@@ -90,7 +92,7 @@ __device__ __forceinline__ void mma_abt(float acc[][4], const bf16* a, const bf1
 // acc (16 x N) += S (16 x K, accumulator layout, rounded to bf16) * B, B (K x N) row-major.
 template <int K, int N, int P>
 __device__ __forceinline__ void mma_sb(float acc[][4], const float s[][4], const bf16* b, int lane) {
-  const int mi = lane / 8;
+  const uint32_t b0 = smem_addr(b + (lane % 8 + ((lane / 8) & 1) * 8) * P + (lane / 16) * 8);
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     const uint32_t af[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
@@ -99,7 +101,7 @@ __device__ __forceinline__ void mma_sb(float acc[][4], const float s[][4], const
 #pragma unroll
     for (int nt = 0; nt < N / 8; nt += 2) {
       uint32_t bfr[4];
-      ldsm_x4_t(bfr, b + (kk * 16 + lane % 8 + (mi & 1) * 8) * P + nt * 8 + (mi >> 1) * 8);
+      ldsm_x4_t(bfr, b0 + (kk * 16 * P + nt * 8) * 2);
       mma(acc[nt], af, bfr[0], bfr[1]);
       mma(acc[nt + 1], af, bfr[2], bfr[3]);
     }
@@ -115,6 +117,66 @@ __device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t ld
     const bool ok = row < T;
     cp_async16(dst + r * P + k, src + int64_t(ok ? row : 0) * ld + k, ok);
   }
+}
+
+// Element (nt, e) of a warp's (16, BN) accumulator tile: row r = e / 2 of the lane's two rows
+// (lane/4 and lane/4 + 8), column nt * 8 + 2 (lane % 4) + (e & 1).
+__device__ __forceinline__ int tile_col(int nt, int e, int lane) { return nt * 8 + 2 * (lane % 4) + (e & 1); }
+
+// Forward scores to base-2 logits (times scale log2 e), and their row maxima into mx. MASK (tiles
+// on the diagonal or past T only): keys after the row, or past T, to -inf.
+template <int BN, bool MASK>
+__device__ __forceinline__ void logits_tile(float s[][4], float mx[2], float scale_log2, int j0, const int row[2],
+                                            int T, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[nt][e] * scale_log2;
+      if (MASK) {
+        const int col = j0 + tile_col(nt, e, lane);
+        if (col > row[e / 2] || col >= T) x = -INFINITY;
+      }
+      s[nt][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+}
+
+// dQ pass: s (scores) becomes dS = P (dP - D), P = 2^(s scale log2 e - lse log2 e) per row.
+template <int BN, bool MASK>
+__device__ __forceinline__ void dscores_rows(float s[][4], const float dp[][4], float scale_log2, const float lse2[2],
+                                             const float Di[2], int j0, const int row[2], int T, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = exp2f(fmaf(s[nt][e], scale_log2, -lse2[e / 2]));
+      if (MASK) {
+        const int col = j0 + tile_col(nt, e, lane);
+        if (col > row[e / 2] || col >= T) p = 0.0f;
+      }
+      s[nt][e] = p * (dp[nt][e] - Di[e / 2]);
+    }
+}
+
+// dK/dV pass over transposed tiles (rows keys, columns queries q0..): st becomes P^T and dpt
+// dS^T; lse and D are per column (lt, dt: the tile's, in shared memory).
+template <int BN, bool MASK>
+__device__ __forceinline__ void dscores_cols(float st[][4], float dpt[][4], float scale_log2, const float* lt,
+                                             const float* dt, int q0, const int row[2], int T, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = tile_col(nt, e, lane);
+      float p = exp2f(fmaf(st[nt][e], scale_log2, -lt[c] * kLog2e));
+      if (MASK) {
+        const int i = q0 + c;
+        if (i < row[e / 2] || i >= T) p = 0.0f;
+      }
+      st[nt][e] = p;
+      dpt[nt][e] = p * (dpt[nt][e] - dt[c]);
+    }
 }
 
 // Forward: block = 64 queries of head h of sequence b; key tiles of BN stream through.
@@ -152,18 +214,11 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(float* out, float* lse, c
     if (j0 <= wrow0 + 15) {  // else every key of the tile is above this warp's diagonal
       float s[BN / 8][4] = {};
       mma_abt<D, BN, P>(s, sQ + warp * 16 * P, sK + (t & 1) * BN * P, lane);
-      const bool edge = j0 + BN - 1 > wrow0 || j0 + BN > T;
       float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          float x = s[nt][e] * scale_log2;
-          if (edge && (col > row[e / 2] || col >= T)) x = -INFINITY;
-          s[nt][e] = x;
-          mx[e / 2] = fmaxf(mx[e / 2], x);
-        }
+      if (j0 + BN - 1 > wrow0 || j0 + BN > T)
+        logits_tile<BN, true>(s, mx, scale_log2, j0, row, T, lane);
+      else
+        logits_tile<BN, false>(s, mx, scale_log2, j0, row, T, lane);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -252,16 +307,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const bf16* q
       float s[BN / 8][4] = {}, dp[BN / 8][4] = {};
       mma_abt<D, BN, P>(s, sQ + warp * 16 * P, k, lane);
       mma_abt<D, BN, P>(dp, sO + warp * 16 * P, v, lane);
-      const bool edge = j0 + BN - 1 > wrow0 || j0 + BN > T;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          const bool visible = !edge || (col <= row[e / 2] && col < T);
-          const float p = visible ? exp2f(s[nt][e] * scale_log2 - lse2[e / 2]) : 0.0f;
-          s[nt][e] = p * (dp[nt][e] - Di[e / 2]);
-        }
+      if (j0 + BN - 1 > wrow0 || j0 + BN > T)
+        dscores_rows<BN, true>(s, dp, scale_log2, lse2, Di, j0, row, T, lane);
+      else
+        dscores_rows<BN, false>(s, dp, scale_log2, lse2, Di, j0, row, T, lane);
       mma_sb<BN, D, P>(dq, s, k, lane);
     }
     __syncthreads();
@@ -332,17 +381,10 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* dqkv, const bf16* 
       float st[BN / 8][4] = {}, dpt[BN / 8][4] = {};
       mma_abt<D, BN, P>(st, sK + warp * 16 * P, q, lane);
       mma_abt<D, BN, P>(dpt, sV + warp * 16 * P, dO, lane);
-      const bool edge = q0 < wrow0 + 15 || q0 + BN > T;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * (lane % 4) + (e & 1), i = q0 + c;
-          const bool visible = !edge || (i >= row[e / 2] && i < T);
-          const float p = visible ? exp2f(st[nt][e] * scale_log2 - lt[c] * kLog2e) : 0.0f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - dt[c]);
-        }
+      if (q0 < wrow0 + 15 || q0 + BN > T)
+        dscores_cols<BN, true>(st, dpt, scale_log2, lt, dt, q0, row, T, lane);
+      else
+        dscores_cols<BN, false>(st, dpt, scale_log2, lt, dt, q0, row, T, lane);
       mma_sb<BN, D, P>(dv, st, dO, lane);
       mma_sb<BN, D, P>(dk, dpt, q, lane);
     }
@@ -367,12 +409,17 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* dqkv, const bf16* 
   }
 }
 
-// D[b,h,i] = dout_i . out_i over all rows (warp per row), fp32.
-__global__ void rowdot_kernel(float* D, const float* dout, const float* out, int64_t rows, int T, int NH, int HS) {
+// D[b,h,i] = dout_i . out_i over all rows (warp per row, fp32), and dout's bf16 copy on the way.
+__global__ void rowdot_kernel(float* D, bf16* dout16, const float* dout, const float* out, int64_t rows, int T, int NH,
+                              int HS) {
   const int64_t r = blockIdx.x * int64_t(blockDim.y) + threadIdx.y;  // (b, i, h) in out's order
   if (r >= rows) return;
   float s = 0;
-  for (int d = threadIdx.x; d < HS; d += 32) s += dout[r * HS + d] * out[r * HS + d];
+  for (int d = threadIdx.x; d < HS; d += 32) {
+    const float x = dout[r * HS + d];
+    s += x * out[r * HS + d];
+    dout16[r * HS + d] = __float2bfloat16_rn(x);
+  }
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   const int64_t h = r % NH, bi = r / NH, b = bi / T, i = bi % T;
   if (threadIdx.x == 0) D[(b * NH + h) * T + i] = s;
@@ -445,11 +492,11 @@ void mma_attention_backward(const Backend& backend, float* dqkv, const float* do
                             int64_t HS) {
   const int64_t rows = B * T * NH;
   Buffer Drow = device_scratch(backend, sizeof(float) * rows);
-  rowdot_kernel<<<unsigned((rows + 7) / 8), dim3(32, 8), 0, stream()>>>(Drow.f32(), dout, out, rows, int(T), int(NH),
-                                                                        int(HS));
+  Buffer dout16 = device_scratch(backend, sizeof(bf16) * rows * HS);
+  rowdot_kernel<<<unsigned((rows + 7) / 8), dim3(32, 8), 0, stream()>>>(
+      Drow.f32(), static_cast<bf16*>(dout16.data()), dout, out, rows, int(T), int(NH), int(HS));
   SHARDLM_CUDA_LAUNCHED();
   const Buffer qkv16 = to_bf16(backend, qkv, B * T * (NH + 2 * NKV) * HS);
-  const Buffer dout16 = to_bf16(backend, dout, rows * HS);
   const auto *q = static_cast<const bf16*>(qkv16.data()), *d = static_cast<const bf16*>(dout16.data());
   SHARDLM_BY_HEAD_SIZE(HS, backward, dqkv, q, d, lse, Drow.f32(), B, int(T), int(NH), int(NKV));
 }
