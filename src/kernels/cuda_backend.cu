@@ -1,6 +1,7 @@
 // The CUDA backend: allocator, cuBLAS GEMMs and the Backend table over this directory's kernels.
 #include "kernels/cuda_backend.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -102,6 +103,9 @@ struct Context {
   bool sync_each_launch = false;
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;  // for GEMMs with a bias epilogue
+  void* lt_workspace = nullptr;
+  static constexpr size_t kLtWorkspace = size_t(32) << 20;
   double* sums = nullptr;  // [0]: sum_squares, [1..1024]: its per-block partials, [1025]: the head's loss
   std::mutex blas_mu;      // a cuBLAS handle is not for concurrent use
 
@@ -129,6 +133,8 @@ struct Context {
     SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
     check_cublas(cublasCreate(&c->blas), "cublasCreate");
     check_cublas(cublasSetStream(c->blas, c->s), "cublasSetStream");
+    check_cublas(cublasLtCreate(&c->lt), "cublasLtCreate");
+    SHARDLM_CUDA_CHECK(cudaMalloc(&c->lt_workspace, kLtWorkspace));
     SHARDLM_CUDA_CHECK(cudaMalloc(&c->sums, sizeof(double) * 1026));
     return c;
   }
@@ -227,8 +233,10 @@ class CudaBackend final : public Backend {
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                       int64_t OC) const override {
+    const Operand x = operand(inp, N, C, C), w = operand(weight, C, OC, OC);
+    if (bias && x.bf16 && gemm_bias(N, OC, C, x, w, bias, out)) return;
     if (bias) cuda::add_bias_rows(out, bias, N, OC);
-    gemm(false, false, N, OC, C, operand(inp, N, C, C), operand(weight, C, OC, OC), bias ? 1.0f : 0.0f, out, OC);
+    gemm(false, false, N, OC, C, x, w, bias ? 1.0f : 0.0f, out, OC);
   }
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int64_t C, int64_t OC) const override {
@@ -383,6 +391,57 @@ class CudaBackend final : public Backend {
     Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(n), Buffer::Fill::none);
     if (n > 0) cuda::fp32_to_bf16(copy.as<uint16_t>(), x, n);
     return Operand{copy.data(), ld, true, std::move(copy)};
+  }
+  // Row-major out (M,N) = A (M,K) B (K,N) + bias (N) over bf16 operands, the bias added by
+  // cublasLt's epilogue as the tiles are written (instead of a pass writing it into out and the
+  // GEMM reading it back: two fewer passes over out). False where cublasLt offers no algorithm.
+  bool gemm_bias(int64_t M, int64_t N, int64_t K, const Operand& A, const Operand& B, const float* bias,
+                 float* out) const {
+    if (M == 0 || N == 0 || K == 0) return false;
+    Context& ctx = Context::get();
+    std::lock_guard<std::mutex> lock(ctx.blas_mu);
+    // Column-major: out^T (N, M) = B^T (N, K) A^T (K, M), the bias one value per row of out^T.
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t lb = nullptr, la = nullptr, lo = nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    const auto release = [&] {
+      if (pref) cublasLtMatmulPreferenceDestroy(pref);
+      if (lo) cublasLtMatrixLayoutDestroy(lo);
+      if (la) cublasLtMatrixLayoutDestroy(la);
+      if (lb) cublasLtMatrixLayoutDestroy(lb);
+      if (desc) cublasLtMatmulDescDestroy(desc);
+    };
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = CUDA_R_32F;
+    const size_t ws = Context::kLtWorkspace;
+    bool ok = cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue) ==
+                  CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
+                  CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                             sizeof bias_type) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, uint64_t(N), uint64_t(K), B.ld) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, uint64_t(K), uint64_t(M), A.ld) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&lo, CUDA_R_32F, uint64_t(N), uint64_t(M), N) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) ==
+                  CUBLAS_STATUS_SUCCESS;
+    cublasLtMatmulHeuristicResult_t heuristic{};
+    int found = 0;
+    ok = ok && cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, lb, la, lo, lo, pref, 1, &heuristic, &found) ==
+                   CUBLAS_STATUS_SUCCESS &&
+         found > 0;
+    if (ok) {
+      const float alpha = 1.0f, beta = 0.0f;
+      const cublasStatus_t st = cublasLtMatmul(ctx.lt, desc, &alpha, B.data, lb, A.data, la, &beta, out, lo, out, lo,
+                                               &heuristic.algo, ctx.lt_workspace, ws, cuda::stream());
+      release();
+      cuda::check_cublas(st, "cublasLtMatmul");
+      return true;
+    }
+    release();
+    return false;
   }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
