@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const bf16* q
 // dK, dV: block = 64 keys of key/value head g; query tiles of every head of its group stream through.
 // dV_j += sum_i P_ij dout_i ; dK_j += scale sum_i dS_ij q_i over queries i >= j.
 template <int D, int BN>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(float* dqkv, const bf16* qkv, const bf16* dout,
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) dkv_kernel(float* dqkv, const bf16* qkv, const bf16* dout,
                                                        const float* lse, const float* Drow, int T, int NH, int NKV,
                                                        float scale, float scale_log2) {
   constexpr int P = D + 8;
