@@ -240,12 +240,14 @@ class CudaBackend final : public Backend {
   }
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int64_t C, int64_t OC) const override {
+    // With bf16 operands the bias gradient's pass over dout also writes dout's bf16 copy.
+    const bool fused = dbias && (dinp || dweight) && bf16_ && options_.bf16_operands && N > 0 && OC > 0;
     if (dinp || dweight) {
-      const Operand d = operand(dout, N, OC, OC);
+      const Operand d = fused ? operand_and_bias_grad(dout, N, OC, dbias) : operand(dout, N, OC, OC);
       if (dinp) gemm(false, true, N, C, OC, d, operand(weight, C, OC, OC), 1.0f, dinp, C);
       if (dweight) gemm(true, false, C, OC, N, operand(inp, N, C, C), d, 1.0f, dweight, OC);
     }
-    if (dbias) cuda::bias_grad(*this, dbias, dout, N, OC);
+    if (dbias && !fused) cuda::bias_grad(*this, dbias, dout, N, OC);
   }
   void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
                      int64_t OC) const override {
@@ -445,6 +447,12 @@ class CudaBackend final : public Backend {
   }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
+  // operand(dout, N, OC, OC) with dbias += dout's column sums taken in the same pass.
+  Operand operand_and_bias_grad(const float* dout, int64_t N, int64_t OC, float* dbias) const {
+    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(N * OC), Buffer::Fill::none);
+    cuda::bias_grad_and_bf16(*this, dbias, copy.as<uint16_t>(), dout, N, OC);
+    return Operand{copy.data(), OC, true, std::move(copy)};
+  }
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& A, const Operand& B, float beta,
             float* C, int64_t ldc) const {
     if (M == 0 || N == 0) return;

@@ -45,6 +45,9 @@ inline unsigned blocks_for(int64_t n, int threads) {
 // ---- cuda_pointwise.cu
 void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC);  // out[n,:] = bias
 void bias_grad(const Backend& backend, float* dbias, const float* dout, int64_t N, int64_t OC);  // dbias += column sums
+// The same sums (same order), and dout's bf16 copy (N, OC) written on the way.
+void bias_grad_and_bf16(const Backend& backend, float* dbias, uint16_t* dout16, const float* dout, int64_t N,
+                        int64_t OC);
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int64_t N, int64_t C);
 void layernorm_backward(const Backend& backend, float* dinp, float* dweight, float* dbias, const float* dout,

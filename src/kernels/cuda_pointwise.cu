@@ -324,6 +324,14 @@ void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC) {
 void bias_grad(const Backend& backend, float* dbias, const float* dout, int64_t N, int64_t OC) {
   colsum(backend, dbias, N, OC, [=] __device__(int64_t n, int64_t c) { return dout[n * OC + c]; });
 }
+void bias_grad_and_bf16(const Backend& backend, float* dbias, uint16_t* dout16, const float* dout, int64_t N,
+                        int64_t OC) {
+  colsum(backend, dbias, N, OC, [=] __device__(int64_t n, int64_t c) {
+    const float x = dout[n * OC + c];
+    dout16[n * OC + c] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    return x;
+  });
+}
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int64_t N, int64_t C) {
