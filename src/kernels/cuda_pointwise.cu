@@ -275,13 +275,16 @@ __global__ void to_bf16_kernel(uint16_t* out, const float* in, int64_t n) {
     out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
 }
 
+__device__ uint32_t bf16_pair(float lo, float hi) {
+  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+}
+
 // Four at a time (16-byte loads, 8-byte stores): n4 = n / 4 groups, in and out aligned to them.
 __global__ void to_bf16_x4_kernel(uint2* out, const float4* in, int64_t n4) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 v = in[i];
-    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v.x)) | uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.y))) << 16;
-    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v.z)) | uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v.w))) << 16;
-    out[i] = make_uint2(lo, hi);
+    out[i] = make_uint2(bf16_pair(v.x, v.y), bf16_pair(v.z, v.w));
   }
 }
 
