@@ -93,6 +93,13 @@ int main() {
   b.time("zero (N x 3C)", 3 * L, [&] { be.zero(dqkv.data(), 4 * N * 3 * C); });
   b.time("attention_forward", L, [&] { be.attention_forward(y.f32(), lse.f32(), qkv.f32(), B, T, NH, NH, HS); });
   b.time("attention_backward", L, [&] { be.attention_backward(dqkv.f32(), x.f32(), qkv.f32(), y.f32(), lse.f32(), B, T, NH, NH, HS, attn_scratch.f32()); });
+  {  // the cuBLAS attention path (SHARDLM_CUDA_ATTENTION=cublas) for comparison
+    const auto cublas = shardlm::kernels::make_cuda_backend(
+        memory, {.attention = shardlm::kernels::CudaOptions::Attention::cublas});
+    const Backend& cb = *cublas;
+    b.time("  attention_forward (cublas path)", L, [&] { cb.attention_forward(y.f32(), lse.f32(), qkv.f32(), B, T, NH, NH, HS); }, true);
+    b.time("  attention_backward (cublas path)", L, [&] { cb.attention_backward(dqkv.f32(), x.f32(), qkv.f32(), y.f32(), lse.f32(), B, T, NH, NH, HS, attn_scratch.f32()); }, true);
+  }
   b.time("embedding_forward", 1, [&] { be.embedding_forward(y.f32(), tk, wte.f32(), wpe.f32(), B, T, C); });
   b.time("embedding_backward", 1, [&] { be.embedding_backward(dwte.f32(), dw.f32(), x.f32(), tk, B, T, C); });
   b.time("lm_head_cross_entropy (train)", 1, [&] { be.lm_head_cross_entropy(dx.f32(), dwte.f32(), x.f32(), wte.f32(), tk, N, C, V, Vp, 1.0f / N, 256, scratch.f32(), nullptr); });

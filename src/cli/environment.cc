@@ -32,7 +32,9 @@ kernels::CudaOptions cuda_options() {
     const char* v = environment(name);
     return v && std::string(v) == value;
   };
-  o.flash_attention = is("SHARDLM_CUDA_ATTENTION", "flash");
+  if (is("SHARDLM_CUDA_ATTENTION", "flash")) o.attention = kernels::CudaOptions::Attention::flash;
+  if (is("SHARDLM_CUDA_ATTENTION", "cublas")) o.attention = kernels::CudaOptions::Attention::cublas;
+  if (is("SHARDLM_CUDA_GEMM_OPERANDS", "fp32")) o.bf16_operands = false;
   o.sync_each_launch = is("SHARDLM_CUDA_DEBUG", "1");
   if (const char* rows = environment("SHARDLM_CUDA_HEAD_ROWS"); rows && std::atoll(rows) > 0)
     o.head_rows = std::atoll(rows);

@@ -20,8 +20,8 @@ bool launched_by_mpi();
 std::string hardware_dir();
 // Ranks of this job sharing this machine's memory: Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, else 1.
 int ranks_on_this_machine();
-// SHARDLM_CUDA_ATTENTION, SHARDLM_CUDA_DEBUG, SHARDLM_CUDA_HEAD_ROWS and the local rank, for the
-// CUDA backend.
+// SHARDLM_CUDA_ATTENTION, SHARDLM_CUDA_GEMM_OPERANDS, SHARDLM_CUDA_DEBUG, SHARDLM_CUDA_HEAD_ROWS and
+// the local rank, for the CUDA backend.
 kernels::CudaOptions cuda_options();
 // `c` with the fields that come from the environment filled in.
 train::TrainConfig with_environment(train::TrainConfig c);

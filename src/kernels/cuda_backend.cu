@@ -1,6 +1,7 @@
 // The CUDA backend: allocator, cuBLAS GEMMs and the Backend table over this directory's kernels.
 #include "kernels/cuda_backend.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -102,6 +103,9 @@ struct Context {
   bool sync_each_launch = false;
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;  // for GEMMs with a bias epilogue
+  void* lt_workspace = nullptr;
+  static constexpr size_t kLtWorkspace = size_t(32) << 20;
   double* sums = nullptr;  // [0]: sum_squares, [1..1024]: its per-block partials, [1025]: the head's loss
   std::mutex blas_mu;      // a cuBLAS handle is not for concurrent use
 
@@ -129,6 +133,8 @@ struct Context {
     SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
     check_cublas(cublasCreate(&c->blas), "cublasCreate");
     check_cublas(cublasSetStream(c->blas, c->s), "cublasSetStream");
+    check_cublas(cublasLtCreate(&c->lt), "cublasLtCreate");
+    SHARDLM_CUDA_CHECK(cudaMalloc(&c->lt_workspace, kLtWorkspace));
     SHARDLM_CUDA_CHECK(cudaMalloc(&c->sums, sizeof(double) * 1026));
     return c;
   }
@@ -227,23 +233,32 @@ class CudaBackend final : public Backend {
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                       int64_t OC) const override {
+    const Operand x = operand(inp, N, C, C), w = operand(weight, C, OC, OC);
+    if (bias && x.bf16 && gemm_bias(N, OC, C, x, w, bias, out)) return;
     if (bias) cuda::add_bias_rows(out, bias, N, OC);
-    gemm(false, false, N, OC, C, inp, C, weight, OC, bias ? 1.0f : 0.0f, out, OC);
+    gemm(false, false, N, OC, C, x, w, bias ? 1.0f : 0.0f, out, OC);
   }
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int64_t C, int64_t OC) const override {
-    if (dinp) gemm(false, true, N, C, OC, dout, OC, weight, OC, 1.0f, dinp, C);
-    if (dweight) gemm(true, false, C, OC, N, inp, C, dout, OC, 1.0f, dweight, OC);
-    if (dbias) cuda::bias_grad(*this, dbias, dout, N, OC);
+    // With bf16 operands the bias gradient's pass over dout also writes dout's bf16 copy.
+    const bool fused = dbias && (dinp || dweight) && bf16_ && options_.bf16_operands && N > 0 && OC > 0;
+    if (dinp || dweight) {
+      const Operand d = fused ? operand_and_bias_grad(dout, N, OC, dbias) : operand(dout, N, OC, OC);
+      if (dinp) gemm(false, true, N, C, OC, d, operand(weight, C, OC, OC), 1.0f, dinp, C);
+      if (dweight) gemm(true, false, C, OC, N, operand(inp, N, C, C), d, 1.0f, dweight, OC);
+    }
+    if (dbias && !fused) cuda::bias_grad(*this, dbias, dout, N, OC);
   }
   void dense_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t C,
                      int64_t OC) const override {
-    gemm(false, true, N, OC, C, inp, C, weight, C, 0.0f, out, OC);
+    gemm(false, true, N, OC, C, operand(inp, N, C, C), operand(weight, OC, C, C), 0.0f, out, OC);
   }
   void dense_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       int64_t N, int64_t C, int64_t OC) const override {
-    if (dinp) gemm(false, false, N, C, OC, dout, OC, weight, C, 1.0f, dinp, C);
-    if (dweight) gemm(true, false, OC, C, N, dout, OC, inp, C, 1.0f, dweight, C);
+    if (!dinp && !dweight) return;
+    const Operand d = operand(dout, N, OC, OC);
+    if (dinp) gemm(false, false, N, C, OC, d, operand(weight, OC, C, C), 1.0f, dinp, C);
+    if (dweight) gemm(true, false, OC, C, N, d, operand(inp, N, C, C), 1.0f, dweight, C);
   }
 
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -304,6 +319,7 @@ class CudaBackend final : public Backend {
                          int64_t HS) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (use_attention_mma(HS)) return cuda::mma_attention_forward(*this, out, lse, qkv, B, T, NH, NKV, HS);
     if (use_attention_gemm(T, NH, NKV))
       return cuda::attention_gemm_forward(*this, bf16_, out, lse, qkv, B, T, NH, NKV, HS);
     cuda::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
@@ -319,6 +335,8 @@ class CudaBackend final : public Backend {
                           int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*) const override {
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
+    if (use_attention_mma(HS))
+      return cuda::mma_attention_backward(*this, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     if (use_attention_gemm(T, NH, NKV))
       return cuda::attention_gemm_backward(*this, bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     Buffer rows = alloc(MemCategory::workspace, sizeof(float) * B * NH * T, Buffer::Fill::none);
@@ -353,22 +371,102 @@ class CudaBackend final : public Backend {
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
 
  private:
+  // bf16 tensor-core attention only with bf16 GEMMs: fp32 mode stays within fp32 rounding of the CPU.
+  bool use_attention_mma(int64_t HS) const {
+    return bf16_ && options_.attention == CudaOptions::Attention::mma && cuda::mma_attention_supports(HS);
+  }
   bool use_attention_gemm(int64_t T, int64_t NH, int64_t NKV) const {
-    return !options_.flash_attention && cuda::attention_gemm_fits(T, NH, NKV);
+    return options_.attention != CudaOptions::Attention::flash && cuda::attention_gemm_fits(T, NH, NKV);
+  }
+  // A GEMM operand, a row-major (rows, cols) matrix with leading dimension ld: with bf16 GEMMs a
+  // bf16 copy (rounded once, however many GEMMs read it), so cuBLAS runs its bf16 kernels at full
+  // tensor-core rate; with fp32 GEMMs the fp32 matrix itself.
+  struct Operand {
+    const void* data;
+    int64_t ld;
+    bool bf16;
+    Buffer copy;  // owns the bf16 copy
+  };
+  Operand operand(const float* x, int64_t rows, int64_t cols, int64_t ld) const {
+    if (!bf16_ || !options_.bf16_operands) return Operand{x, ld, false, Buffer()};
+    const int64_t n = rows > 0 && cols > 0 ? (rows - 1) * ld + cols : 0;
+    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(n), Buffer::Fill::none);
+    if (n > 0) cuda::fp32_to_bf16(copy.as<uint16_t>(), x, n);
+    return Operand{copy.data(), ld, true, std::move(copy)};
+  }
+  // Row-major out (M,N) = A (M,K) B (K,N) + bias (N) over bf16 operands, the bias added by
+  // cublasLt's epilogue as the tiles are written (instead of a pass writing it into out and the
+  // GEMM reading it back: two fewer passes over out). False where cublasLt offers no algorithm.
+  bool gemm_bias(int64_t M, int64_t N, int64_t K, const Operand& A, const Operand& B, const float* bias,
+                 float* out) const {
+    if (M == 0 || N == 0 || K == 0) return false;
+    Context& ctx = Context::get();
+    std::lock_guard<std::mutex> lock(ctx.blas_mu);
+    // Column-major: out^T (N, M) = B^T (N, K) A^T (K, M), the bias one value per row of out^T.
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t lb = nullptr, la = nullptr, lo = nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    const auto release = [&] {
+      if (pref) cublasLtMatmulPreferenceDestroy(pref);
+      if (lo) cublasLtMatrixLayoutDestroy(lo);
+      if (la) cublasLtMatrixLayoutDestroy(la);
+      if (lb) cublasLtMatrixLayoutDestroy(lb);
+      if (desc) cublasLtMatmulDescDestroy(desc);
+    };
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = CUDA_R_32F;
+    const size_t ws = Context::kLtWorkspace;
+    bool ok = cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue) ==
+                  CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
+                  CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                             sizeof bias_type) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, uint64_t(N), uint64_t(K), B.ld) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, uint64_t(K), uint64_t(M), A.ld) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&lo, CUDA_R_32F, uint64_t(N), uint64_t(M), N) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) ==
+                  CUBLAS_STATUS_SUCCESS;
+    cublasLtMatmulHeuristicResult_t heuristic{};
+    int found = 0;
+    ok = ok && cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, lb, la, lo, lo, pref, 1, &heuristic, &found) ==
+                   CUBLAS_STATUS_SUCCESS &&
+         found > 0;
+    if (ok) {
+      const float alpha = 1.0f, beta = 0.0f;
+      const cublasStatus_t st = cublasLtMatmul(ctx.lt, desc, &alpha, B.data, lb, A.data, la, &beta, out, lo, out, lo,
+                                               &heuristic.algo, ctx.lt_workspace, ws, cuda::stream());
+      release();
+      cuda::check_cublas(st, "cublasLtMatmul");
+      return true;
+    }
+    release();
+    return false;
   }
   // Row-major C (M,N) = op(A) (M,K) op(B) (K,N) + beta C, as kernels::matmul: cuBLAS is
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
-  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-            int64_t ldb, float beta, float* C, int64_t ldc) const {
+  // operand(dout, N, OC, OC) with dbias += dout's column sums taken in the same pass.
+  Operand operand_and_bias_grad(const float* dout, int64_t N, int64_t OC, float* dbias) const {
+    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(N * OC), Buffer::Fill::none);
+    cuda::bias_grad_and_bf16(*this, dbias, copy.as<uint16_t>(), dout, N, OC);
+    return Operand{copy.data(), OC, true, std::move(copy)};
+  }
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& A, const Operand& B, float beta,
+            float* C, int64_t ldc) const {
     if (M == 0 || N == 0) return;
     Context& ctx = Context::get();
     const float alpha = 1.0f;
+    const bool both16 = A.bf16 && B.bf16;
+    const cudaDataType_t ta_type = A.bf16 ? CUDA_R_16BF : CUDA_R_32F, tb_type = B.bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute =
+        both16 ? CUBLAS_COMPUTE_32F : (bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F);
     std::lock_guard<std::mutex> lock(ctx.blas_mu);
-    cuda::check_cublas(
-        cublasGemmEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
-                     &alpha, B, CUDA_R_32F, int(ldb), A, CUDA_R_32F, int(lda), &beta, C, CUDA_R_32F, int(ldc),
-                     bf16_ ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+    cuda::check_cublas(cublasGemmEx(ctx.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N),
+                                    int(M), int(K), &alpha, B.data, tb_type, int(B.ld), A.data, ta_type, int(A.ld),
+                                    &beta, C, CUDA_R_32F, int(ldc), compute, CUBLAS_GEMM_DEFAULT),
+                       "cublasGemmEx");
   }
   const CudaOptions options_;
   const bool bf16_;
@@ -401,12 +499,16 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   }
   const bool logits_on_host = logits_out && !cuda::is_device_pointer(logits_out);
   zero(acc, sizeof(double));
+  const Operand w = operand(wte, Vp, C, C), xs = operand(x, N, C, C);  // rounded once for every slab
+  const auto rows_of = [&](const Operand& o, int64_t r0) {
+    return Operand{static_cast<const char*>(o.data) + r0 * o.ld * (o.bf16 ? 2 : 4), o.ld, o.bf16, Buffer()};
+  };
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t n = std::min(chunk, N - r0);
     // The GEMMs run over all Vp rows of wte: with V = 50257 (odd) cuBLAS ran the three 2.4x slower
     // than at Vp = 50304 (H100). Columns >= V are ignored by the softmax and get zero gradients,
     // so dx is unchanged and dwte's padding rows receive += 0 (their values stay as they were).
-    gemm(false, true, n, Vp, C, x + r0 * C, C, wte, C, 0.0f, logits, Vp);
+    gemm(false, true, n, Vp, C, rows_of(xs, r0), w, 0.0f, logits, Vp);
     if (logits_out) {
       SHARDLM_CUDA_CHECK(cudaMemcpy2DAsync(logits_out + r0 * V, V * sizeof(float), logits, Vp * sizeof(float),
                                            V * sizeof(float), n, cudaMemcpyDefault, cuda::stream()));
@@ -414,8 +516,10 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
     }
     cuda::softmax_xent(logits, rows, targets + r0, n, V, Vp, grad_scale, dx || dwte);
     cuda::accumulate_sum(acc, rows, n);
-    if (dx) gemm(false, false, n, C, Vp, logits, Vp, wte, C, 1.0f, dx + r0 * C, C);
-    if (dwte) gemm(true, false, Vp, C, n, logits, Vp, x + r0 * C, C, 1.0f, dwte, C);
+    if (!dx && !dwte) continue;
+    const Operand d = operand(logits, n, Vp, Vp);
+    if (dx) gemm(false, false, n, C, Vp, d, w, 1.0f, dx + r0 * C, C);
+    if (dwte) gemm(true, false, Vp, C, n, d, rows_of(xs, r0), 1.0f, dwte, C);
   }
   double loss = 0;
   download(&loss, acc, sizeof(double));

@@ -45,6 +45,9 @@ inline unsigned blocks_for(int64_t n, int threads) {
 // ---- cuda_pointwise.cu
 void add_bias_rows(float* out, const float* bias, int64_t N, int64_t OC);  // out[n,:] = bias
 void bias_grad(const Backend& backend, float* dbias, const float* dout, int64_t N, int64_t OC);  // dbias += column sums
+// The same sums (same order), and dout's bf16 copy (N, OC) written on the way.
+void bias_grad_and_bf16(const Backend& backend, float* dbias, uint16_t* dout16, const float* dout, int64_t N,
+                        int64_t OC);
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int64_t N, int64_t C);
 void layernorm_backward(const Backend& backend, float* dinp, float* dweight, float* dbias, const float* dout,
@@ -88,6 +91,14 @@ void attention_gemm_forward(const Backend& backend, bool bf16, float* out, float
 void attention_gemm_backward(const Backend& backend, bool bf16, float* dqkv, const float* dout, const float* qkv,
                              const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                              int64_t HS);
+
+// ---- cuda_attention_mma.cu: flash attention on the bf16 tensor cores, for the head sizes it supports
+bool mma_attention_supports(int64_t HS);
+void mma_attention_forward(const Backend& backend, float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                           int64_t NH, int64_t NKV, int64_t HS);
+void mma_attention_backward(const Backend& backend, float* dqkv, const float* dout, const float* qkv,
+                            const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                            int64_t HS);
 
 // ---- cuda_backend.cu: row-major strided-batched GEMM on the backend's cuBLAS handle, for i < batch
 // C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i with X_i = X + i * sX (bf16: tensor-core bf16 inputs).

@@ -9,8 +9,8 @@
 //  - norms, activations, rope (fp32 with expf vs the CPU's exp approximation and other summation
 //    orders): 1e-5.
 //  - attention: the cuBLAS path with fp32 GEMMs and the fp32 flash kernels (forced through
-//    CudaOptions::flash_attention): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k):
-//    2e-2.
+//    CudaOptions::attention): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k) and the
+//    tensor-core flash kernels (bf16 q, k, v, dout, probabilities): 2e-2.
 //  - embedding, AdamW, scale, sum_squares: 1e-6; casts: exact.
 #include <gtest/gtest.h>
 
@@ -83,14 +83,17 @@ class CudaBackendTest : public ::testing::Test {
     cpu_backend = shardlm::kernels::make_cpu_backend(memory);
     gpu_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = true});
     gpu32_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = false});
-    flash32_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = false, .flash_attention = true});
+    using Attention = shardlm::kernels::CudaOptions::Attention;
+    flash32_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = false, .attention = Attention::flash});
+    cublas16_backend = shardlm::kernels::make_cuda_backend(memory, {.bf16_gemm = true, .attention = Attention::cublas});
     cpu = cpu_backend.get(), gpu = gpu_backend.get(), gpu32 = gpu32_backend.get(), flash32 = flash32_backend.get();
+    cublas16 = cublas16_backend.get();
     cpu->init_compute(2);
     gpu->init_compute(1);
   }
   shardlm::MemoryPool memory;
-  std::unique_ptr<Backend> cpu_backend, gpu_backend, gpu32_backend, flash32_backend;
-  const Backend *cpu = nullptr, *gpu = nullptr, *gpu32 = nullptr, *flash32 = nullptr;
+  std::unique_ptr<Backend> cpu_backend, gpu_backend, gpu32_backend, flash32_backend, cublas16_backend;
+  const Backend *cpu = nullptr, *gpu = nullptr, *gpu32 = nullptr, *flash32 = nullptr, *cublas16 = nullptr;
 };
 
 TEST_F(CudaBackendTest, Linear) {
@@ -268,17 +271,25 @@ void attention_case(const Backend& cpu, const Backend& gpu, int64_t B, int64_t T
 }
 
 TEST_F(CudaBackendTest, Attention) {
-  const int64_t cases[4][5] = {
+  const int64_t cases[5][5] = {
       {2, 256, 6, 6, 64},   // GPT-2 small's heads
       {2, 200, 6, 2, 64},   // grouped-query, T not a multiple of the tile
       {1, 130, 4, 1, 128},  // multi-query, HS 128
       {1, 70, 2, 2, 48},    // HS not a multiple of 32
+      {1, 77, 3, 3, 40},    // a head size without a tensor-core kernel: the bf16 backend falls back
   };
   for (const auto& c : cases) {
     attention_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], 1e-4, "gemm-fp32");
-    attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "gemm-bf16");
+    attention_case(*cpu, *cublas16, c[0], c[1], c[2], c[3], c[4], 2e-2, "gemm-bf16");
     attention_case(*cpu, *flash32, c[0], c[1], c[2], c[3], c[4], 1e-4, "flash");
+    attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "mma-bf16");
   }
+}
+
+// The tensor-core flash kernels at long sequences (many tiles per row, GQA and MHA, HS 64 and 128).
+TEST_F(CudaBackendTest, AttentionLong) {
+  const int64_t cases[3][5] = {{1, 4096, 2, 1, 64}, {1, 2048, 2, 2, 128}, {2, 1024, 4, 2, 32}};
+  for (const auto& c : cases) attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "mma-bf16");
 }
 
 TEST_F(CudaBackendTest, Head) {
