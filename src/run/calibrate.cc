@@ -209,8 +209,9 @@ json collective_entry(const std::vector<double>& xs, const std::vector<double>& 
     return {{"latency_s", fig(0, "not measured: one rank has no collectives; 0 stands in")},
             {"bus_bw", fig(memory_bw, "not measured: one rank has no collectives; the memory bandwidth stands in")}};
   const LineFit f = fit_alpha_beta(xs, ts);
-  // Rank 0's figures are the ones written: it judges them.
-  if (judge) check_fit(f, memory_bw, name + " on " + std::to_string(n) + " ranks");
+  // Rank 0's figures are the ones written: it judges them. The n ranks copy at once, each at up to
+  // the memory bandwidth one rank measured (with one compute thread, far below the machine's).
+  if (judge) check_fit(f, n * memory_bw, name + " on " + std::to_string(n) + " ranks");
   const std::string line = per_peer ? "t = a·(n−1) + S·factor/busBw" : "t = a + S·factor/busBw";
   return {{"latency_s", fig(per_peer ? f.alpha / (n - 1) : f.alpha,
                             here + ": intercept of " + line + (per_peer ? ", over n−1 (per peer message)" : ""))},
@@ -266,7 +267,7 @@ void check_fit(const LineFit& f, double memory_bw, const std::string& what) {
   };
   if (!std::isfinite(f.bw) || f.bw <= 0) refuse("the times do not grow with the size (no bandwidth to fit)");
   if (f.bw > memory_bw)
-    refuse("the fitted bus bandwidth " + std::to_string(f.bw) + " bytes/s is above the memory bandwidth measured, " +
+    refuse("the fitted bus bandwidth " + std::to_string(f.bw) + " bytes/s is above what the ranks' memory bandwidth allows, " +
            std::to_string(memory_bw));
   if (!(f.alpha >= 0 && f.alpha <= kMaxLatencySeconds))
     refuse("the fitted latency " + std::to_string(f.alpha) + " s is not in [0, " + std::to_string(kMaxLatencySeconds) + "] s");

@@ -7,7 +7,7 @@
 //    up: α and busBw fitted by least squares to t = α + S·factor(n)/busBw over the medians
 //    (nccl-tests' S and factor; all_to_all's α is per peer message, the intercept over n−1,
 //    as sim prices it α·(n−1) + S·factor(n)/busBw); a fit that is not a
-//    link (no bandwidth, one above the memory bandwidth measured, a latency over a second) is an
+//    link (no bandwidth, one above what the ranks' measured memory bandwidth allows, a latency over a second) is an
 //    error, never a profile. On one rank there is nothing to time: the profile says so
 //    (collectives_measured false) and simulate prices one rank only with it;
 //  - the slowdown of a GEMM while a large all-reduce runs beside it.

@@ -50,7 +50,7 @@ TEST(Calibrate, TimesThatDoNotGrowHaveNoBandwidth) {
   }
 }
 
-// A fit is a link or an error: bandwidth at most the memory bandwidth measured, latency in [0, 1 s].
+// A fit is a link or an error: bandwidth at most what the ranks' memory bandwidth allows (the call site multiplies it by the ranks), latency in [0, 1 s].
 TEST(Calibrate, FitOutsidePhysicalBoundsIsRefusedNamingTheFigure) {
   auto refusal = [](const LineFit& f) {
     try {
