@@ -31,7 +31,10 @@ shardlm:  build/shardlm train --model PRESET --data data/bench --steps N --batch
           --threads 2 --seed 1 --out DIR --eval-every 0 --save-every 0
           (reads compute_ms, the step itself, from DIR/metrics.jsonl)
 torch:    GPT-2 configs: tests/reference/gpt2_reference.py's GPT2 and GPT-2 init; llama configs:
-          tests/reference/llama_reference.py's Llama and init (normal 0.02, norms 1); AdamW (decay
+          tests/reference/llama_reference.py's Llama and init (normal 0.02, norms 1); moe configs:
+          that Llama with bench/moe_torch.py's sparse MoE in place of each MLP (router softmax,
+          top-k, renormalise, a loop over experts with index_select / index_add; aux and z-loss
+          as shardlm's defaults), same init; AdamW (decay
           on 2-D tensors), grad clip 1.0, fp32, torch.set_flush_denormal(True);
           OPENBLAS_CORETYPE=SkylakeX in its environment where /proc/cpuinfo shows avx512f (OpenBLAS
           reads it when it loads). "tuned" malloc sets GLIBC_TUNABLES so that glibc stops
@@ -60,6 +63,10 @@ CONFIGS = {
     "gpt2-124m": dict(arch="gpt2", n_layer=12, n_head=12, n_embd=768, batch=4, seq=64),
     "llama-small": dict(arch="llama", n_layer=6, n_head=6, n_kv_head=2, n_embd=384, ffn=1024,
                         rope_theta=10000.0, eps=1e-5, tied=False, batch=4, seq=256),
+    # llama-small with every block's MLP a mixture of 8 SwiGLU experts of width 512, top-2
+    "moe-small": dict(arch="moe", n_layer=6, n_head=6, n_kv_head=2, n_embd=384, ffn=1024,
+                      rope_theta=10000.0, eps=1e-5, tied=False, experts=8, top_k=2, moe_ffn=512,
+                      batch=4, seq=256),
 }
 DEFAULT_CONFIGS = "small,gpt2-124m"
 VOCAB = 50257
@@ -152,6 +159,10 @@ def build_torch_model(config):
         import gpt2_reference as ref
         cfg = ref.GPT2Config(c["n_layer"], c["n_head"], c["n_embd"], VOCAB, N_POSITIONS)
         return ref, ref.init_gpt2_(ref.GPT2(cfg), seed=1)
+    if c["arch"] == "moe":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import moe_torch
+        return moe_torch.build(c, VOCAB, N_POSITIONS)
     import llama_reference as ref
     cfg = ref.LlamaConfig(vocab_size=VOCAB, hidden_size=c["n_embd"], intermediate_size=c["ffn"],
                           num_hidden_layers=c["n_layer"], num_attention_heads=c["n_head"],

@@ -195,7 +195,10 @@ void read_mixtral(Fields& f, model::ModelConfig& c) {
   c.ffn_dim = f.get_or<int64_t>("shardlm_dense_intermediate_size", c.moe_ffn_dim);
   c.n_experts = f.get<int64_t>("num_local_experts");
   c.top_k = f.get<int64_t>("num_experts_per_tok");
-  c.aux_loss_coef = f.get_or<double>("router_aux_loss_coef", 0.01);
+  // Hugging Face's load-balancing loss is k at balance where shardlm's is 1 (README): the same
+  // objective takes k times its coefficient here.
+  if (f.has("router_aux_loss_coef")) c.aux_loss_coef = f.get<double>("router_aux_loss_coef") * static_cast<double>(c.top_k);
+  else c.aux_loss_coef = 0.01;
   c.z_loss_coef = f.get_or<double>("shardlm_z_loss_coef", 0.001);
   c.capacity_factor = f.get_or<double>("shardlm_capacity_factor", 0.0);
   c.norm_topk = f.get_or<bool>("shardlm_norm_topk", true);
@@ -243,7 +246,7 @@ json to_hf_config(const model::ModelConfig& c) {
     for (const char* k : {"head_dim", "mlp_bias", "pretraining_tp", "rope_scaling"}) j.erase(k);
     j["num_local_experts"] = c.n_experts;
     j["num_experts_per_tok"] = c.top_k;
-    j["router_aux_loss_coef"] = c.aux_loss_coef;
+    j["router_aux_loss_coef"] = c.aux_loss_coef / static_cast<double>(c.top_k);
     j["router_jitter_noise"] = 0.0;
     j["output_router_logits"] = true;
     j["sliding_window"] = nullptr;

@@ -122,6 +122,11 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
   if (opt.dtype != "fp32" && opt.dtype != "bf16")
     throw std::runtime_error("ckpt export: --dtype must be fp32 or bf16, got '" + opt.dtype + "'");
   if (opt.max_shard_bytes == 0) throw std::runtime_error("ckpt export: --max-shard-size must be > 0");
+  const model::ModelConfig& c = desc.config;
+  if (c.family == model::Family::moe && c.moe_every != 1)
+    throw std::runtime_error("ckpt export: a mixture-of-experts model with moe_every = " + std::to_string(c.moe_every) +
+                             " (dense blocks between MoE blocks) has no Hugging Face model type: Mixtral has MoE in "
+                             "every block (--moe-every 1)");
   const bool bf16 = opt.dtype == "bf16";
   std::vector<uint16_t> half(bf16 ? layout.total : 0);
   for (size_t i = 0; i < half.size(); ++i) half[i] = to_bf16(params[i]);

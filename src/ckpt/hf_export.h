@@ -1,5 +1,6 @@
 // A model as a Hugging Face directory, the layout `from_pretrained` loads as is:
-//   config.json                        GPT2Config / LlamaConfig keys (hf_config.h), torch_dtype
+//   config.json                        GPT2Config / LlamaConfig / MixtralConfig keys (hf_config.h),
+//                                      torch_dtype
 //   model.safetensors                  every tensor under its Hugging Face name, F32 or BF16,
 //                                      "__metadata__": {"format": "pt"} — when all of them fit in
 //                                      max_shard_bytes; otherwise
@@ -49,7 +50,10 @@ struct HfExportSummary {
 
 // Writes `params` (flat buffers laid out by `layout`, as gather_full produces them) as a Hugging
 // Face directory `out_dir`. A gpt2 tokenizer whose files are missing is an error naming them;
-// other tokenizers (bytes) have no Hugging Face files and are noted in the summary.
+// other tokenizers (bytes) have no Hugging Face files and are noted in the summary. A
+// mixture-of-experts model is Mixtral's names and layout (each expert's w1, w3, w2 a tensor of
+// its own); one with dense blocks between its MoE blocks (moe_every > 1) has no Hugging Face
+// model type and is refused before anything is written.
 HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc& desc,
                              const model::FlatLayout& layout, const float* params, const HfExportOptions& opt);
 

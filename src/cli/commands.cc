@@ -76,6 +76,11 @@ CLI::Validator at_least(double lo) { return bounded(lo, false, std::numeric_limi
 CLI::Validator positive() { return bounded(0, true, std::numeric_limits<double>::infinity()); }
 CLI::Validator in_range(double lo, double hi) { return bounded(lo, false, hi); }
 
+constexpr const char* kMoeImbalanceHelp =
+    "mixture of experts: max/mean expert load (a run's expert_load_max over the mean B*T*k/E rows); the busiest "
+    "expert-parallel rank (the hottest expert, its E/ep - 1 neighbours at the mean) prices its expert compute and "
+    "all-to-all bytes; default 1: balanced routing";
+
 // A fraction strictly between 0 and 1.
 CLI::Validator open_unit_interval() {
   return CLI::Validator(
@@ -309,6 +314,7 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
   sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
+  sim_cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
   add_model_options(sim_cmd, sa.cfg);
   add_plan_options(sim_cmd, sa.cfg);
 
@@ -343,6 +349,7 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
       ->check(bounded(0, true, 1e18));
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
+  plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
   plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
   plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
   plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();

@@ -22,6 +22,21 @@ namespace shardlm::cli {
 
 namespace {
 
+// --moe-imbalance as the cost model takes it: 1 (balanced routing) unless given, and only for a
+// mixture-of-experts model. simulate and plan read no run, so the figure is the user's (a run's
+// metrics.jsonl has expert_load_max per step: over the mean B·T·k/E it is this figure).
+double expert_load_of(double moe_imbalance, const model::ModelDesc& desc) {
+  if (moe_imbalance == 0) return 1;
+  if (desc.config.family != model::Family::moe)
+    throw std::invalid_argument("--moe-imbalance: the model has no experts (a mixture-of-experts model only)");
+  return moe_imbalance;
+}
+
+std::string expert_load_note(double moe_imbalance) {
+  return moe_imbalance == 0 ? "1 (default: balanced routing; --moe-imbalance F sets a run's max/mean expert load)"
+                            : fmt::format("{:.3g} (--moe-imbalance)", moe_imbalance);
+}
+
 nlohmann::json mem_json(const MemSnapshot& s) {
   nlohmann::json j;
   for (int c = 0; c < kNumMemCategories; ++c) j[to_string(static_cast<MemCategory>(c))] = s.bytes[c];
@@ -39,6 +54,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  q.expert_load = expert_load_of(a.moe_imbalance, desc);
   // The search builds and drops thousands of plans of a few MB: keep their pages in the heap
   // instead of mapping and unmapping them each time (a third of the search's time otherwise).
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
@@ -55,6 +71,9 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
              a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size() - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
              s.refined);
+  if (desc.config.family == model::Family::moe)
+    fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
+               desc.config.n_experts, a.ranks, expert_load_note(a.moe_imbalance));
   fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "flags");
   for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
     const sim::Candidate& c = s.fitting[i];
@@ -114,7 +133,9 @@ void run_simulate(SimulateArgs& a) {
   sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
   const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
-  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads);
+  const double expert_load = expert_load_of(a.moe_imbalance, desc);
+  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads, expert_load);
+  const bool moe = desc.config.family == model::Family::moe;
   if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
   const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
   if (a.json) {
@@ -125,6 +146,12 @@ void run_simulate(SimulateArgs& a) {
                      {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
                      {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
                      {"device_memory", hw.device_memory}, {"fits", fits}};
+    if (moe) {
+      j["ep"] = plan.config.ep;
+      j["moe_imbalance"] = expert_load;
+      j["exchange_busy_ms"] = r.exchange_busy_ms;
+      j["exchange_exposed_ms"] = r.exchange_exposed_ms;
+    }
     std::cout << j.dump() << "\n";
     return;
   }
@@ -134,6 +161,16 @@ void run_simulate(SimulateArgs& a) {
              hw.gemm_efficiency);
   fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
+  if (moe) {
+    const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
+    if (plan.config.ep > 1)
+      fmt::print("all-to-all (ep {} exchanges): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
+                 "the step); expert load max/mean {}\n",
+                 plan.config.ep, r.exchange_busy_ms, r.exchange_busy_ms * pct, r.exchange_exposed_ms,
+                 r.exchange_exposed_ms * pct, expert_load_note(a.moe_imbalance));
+    else
+      fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
+  }
   fmt::print("memory per rank at peak (bytes):\n");
   for (int c = 0; c < kNumMemCategories; ++c)
     if (r.mem.bytes[c] > 0 || r.mem_max.bytes[c] > 0)

@@ -39,6 +39,7 @@ struct SimulateArgs {
   int ranks = 1;
   std::string hardware = "cpu-local", trace;
   bool json = false;
+  double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
 };
 void run_simulate(SimulateArgs& a);
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out);
@@ -51,6 +52,7 @@ struct PlanArgs {
   bool run = false, overwrite = false, talk = true;
   std::string data, out = "runs/plan";
   int64_t run_steps = 6;
+  double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
 };
 int run_plan(PlanArgs& a);
 

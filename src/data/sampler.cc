@@ -32,26 +32,25 @@ inline void split_window(const uint16_t* tok, int64_t T, int32_t* in, int32_t* t
 
 }  // namespace
 
-uint64_t sample_offset(uint64_t seed, int64_t step, int64_t micro_step, int64_t j, int64_t ntokens, int64_t T) {
+uint64_t sample_offset(uint64_t seed, int64_t step, int64_t j, int64_t ntokens, int64_t T) {
   if (T < 1 || ntokens < T + 1)
     throw std::invalid_argument("sample_offset: need T >= 1 and ntokens >= T + 1 (T = " + std::to_string(T) +
                                 ", ntokens = " + std::to_string(ntokens) + ")");
   uint64_t h = mix(seed ^ 0x5348415244444154ull);  // "SHARDDAT"
   h = mix(h ^ static_cast<uint64_t>(step));
-  h = mix(h ^ static_cast<uint64_t>(micro_step));
   h = mix(h ^ static_cast<uint64_t>(j));
   return h % static_cast<uint64_t>(ntokens - T);
 }
 
-void sample_batch(const TokenShard& shard, uint64_t seed, int64_t step, int64_t micro_step, int64_t first_seq,
-                  int64_t num_seq, int64_t T, int32_t* inputs, int32_t* targets) {
+void sample_batch(const TokenShard& shard, uint64_t seed, int64_t step, int64_t first_seq, int64_t num_seq, int64_t T,
+                  int32_t* inputs, int32_t* targets) {
   check_shard(shard, T);
   if (num_seq < 0 || first_seq < 0)
     throw std::invalid_argument("sample_batch: first_seq and num_seq must be >= 0 (got " +
                                 std::to_string(first_seq) + ", " + std::to_string(num_seq) + ")");
   std::vector<uint16_t> window(static_cast<size_t>(T + 1));
   for (int64_t i = 0; i < num_seq; ++i) {
-    const auto off = static_cast<int64_t>(sample_offset(seed, step, micro_step, first_seq + i, shard.size(), T));
+    const auto off = static_cast<int64_t>(sample_offset(seed, step, first_seq + i, shard.size(), T));
     shard.read(off, T + 1, window.data());
     split_window(window.data(), T, inputs + i * T, targets + i * T);
   }

@@ -1,4 +1,5 @@
-// The Backend methods a backend may lack: they refuse, naming it.
+// The Backend methods a backend may lack: they refuse, naming it, or fall back on the ones every
+// backend has.
 #include <stdexcept>
 #include <string>
 
@@ -11,6 +12,22 @@ namespace {
   throw std::logic_error(std::string("backend ") + b.name() + " has no " + what + " (mixture of experts runs on the cpu backend)");
 }
 }  // namespace
+
+void Backend::grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
+                                    int64_t groups, int64_t C, int64_t OC) const {
+  for (int64_t g = 0; g < groups; ++g)
+    if (const int64_t n = first[g + 1] - first[g]; n > 0)
+      dense_forward(out + first[g] * OC, inp + first[g] * C, weight[g], n, C, OC);
+}
+
+void Backend::grouped_dense_backward(float* dinp, float* const* dweight, const float* dout, const float* inp,
+                                     const float* const* weight, const int64_t* first, int64_t groups, int64_t C,
+                                     int64_t OC) const {
+  for (int64_t g = 0; g < groups; ++g)
+    if (const int64_t n = first[g + 1] - first[g]; n > 0)
+      dense_backward(dinp ? dinp + first[g] * C : nullptr, dweight[g], dout + first[g] * OC, inp + first[g] * C,
+                     weight[g], n, C, OC);
+}
 
 void Backend::moe_router_probs(float*, float*, const float*, int64_t, int64_t) const { missing(*this, "moe_router_probs"); }
 void Backend::moe_router_forward(float*, float*, int32_t*, float*, const float*, int64_t, int64_t, int64_t, bool) const {

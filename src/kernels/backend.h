@@ -106,6 +106,15 @@ class Backend {
                                        float grad_scale, int64_t chunk, float* scratch,
                                        float* logits_out) const = 0;
 
+  // The experts' GEMMs over groups of contiguous rows (kernels/cpu.h's grouped_dense_*; weight,
+  // dweight and first are host arrays of `groups` pointers / groups + 1 rows). By default one
+  // dense_forward / dense_backward per non-empty group.
+  virtual void grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
+                                     int64_t groups, int64_t C, int64_t OC) const;
+  virtual void grouped_dense_backward(float* dinp, float* const* dweight, const float* dout, const float* inp,
+                                      const float* const* weight, const int64_t* first, int64_t groups, int64_t C,
+                                      int64_t OC) const;
+
   // Mixture-of-experts routing (kernels/cpu.h's moe_*). Backends without them throw
   // std::logic_error naming themselves (the CUDA backend has none yet).
   virtual void moe_router_probs(float* probs, float* lse, const float* logits, int64_t N, int64_t E) const;

@@ -306,6 +306,19 @@ void moe_router_backward(float* dlogits, const float* dweight, const float* prob
                          const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
                          int64_t k, bool norm_topk, float aux_scale, float z_scale);
 
+// The experts' GEMMs, every group at once (group g: rows [first[g], first[g+1]) of inp and out,
+// its nn.Linear weight (OC, C) at weight[g]): out rows = inp rows @ weight[g]^T. One parallel
+// region over (group, block of rows) tasks, each a one-thread GEMM, instead of a parallel GEMM
+// per group: the fork/join of each small GEMM, not its arithmetic, dominated the experts.
+// Deterministic and independent of the thread count.
+void grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
+                           int64_t groups, int64_t C, int64_t OC);
+// dinp rows += dout rows @ weight[g]; dweight[g] (OC, C) += dout rows^T @ inp rows (tasks: blocks of
+// rows for dinp, blocks of dweight's rows, each summing over all the group's rows in one GEMM).
+// dweight[g] may be null for no weight gradient. Deterministic and independent of the thread count.
+void grouped_dense_backward(float* dinp, float* const* dweight, const float* dout, const float* inp,
+                            const float* const* weight, const int64_t* first, int64_t groups, int64_t C, int64_t OC);
+
 // ---------------------------------------------------------------------------------------------
 // Optimizer and utilities
 // ---------------------------------------------------------------------------------------------

@@ -121,6 +121,15 @@ class CpuBackend final : public Backend {
                                           logits_out);
   }
 
+  void grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
+                             int64_t groups, int64_t C, int64_t OC) const override {
+    kernels::grouped_dense_forward(out, inp, weight, first, groups, C, OC);
+  }
+  void grouped_dense_backward(float* dinp, float* const* dweight, const float* dout, const float* inp,
+                              const float* const* weight, const int64_t* first, int64_t groups, int64_t C,
+                              int64_t OC) const override {
+    kernels::grouped_dense_backward(dinp, dweight, dout, inp, weight, first, groups, C, OC);
+  }
   void moe_router_probs(float* probs, float* lse, const float* logits, int64_t N, int64_t E) const override {
     kernels::moe_router_probs(probs, lse, logits, N, E);
   }

@@ -1,6 +1,6 @@
-// Mixture-of-experts routing kernels: router softmax and top-k, the dispatch into expert-sorted
-// rows, and the weighted combine, with their backwards. The experts' GEMMs are dense_forward /
-// dense_backward on each expert's contiguous rows (layers/moe.cc).
+// Mixture-of-experts kernels: router softmax and top-k, the dispatch into expert-sorted rows, the
+// weighted combine, with their backwards, and the experts' GEMMs on each expert's contiguous rows.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -124,6 +124,63 @@ void moe_combine_backward(float* dys, float* dweight, const float* dout, const f
       }
       dweight[t * k + s] += static_cast<float>(dot);
     }
+}
+
+namespace {
+
+// A one-thread GEMM's share of the experts' work: big enough to run near the GEMM's peak, small
+// enough that a skewed routing still spreads over the threads. Fixed, so results do not depend on
+// the thread count.
+constexpr int64_t kExpertBlock = 64;
+
+struct Block {
+  int64_t group, begin, end;
+};
+
+// Blocks of [first[g], first[g+1]) of `block` rows each (the last shorter), group after group.
+std::vector<Block> row_blocks(const int64_t* first, int64_t groups, int64_t block) {
+  std::vector<Block> out;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = first[g]; r < first[g + 1]; r += block) out.push_back({g, r, std::min(r + block, first[g + 1])});
+  return out;
+}
+
+}  // namespace
+
+void grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
+                           int64_t groups, int64_t C, int64_t OC) {
+  const std::vector<Block> tasks = row_blocks(first, groups, kExpertBlock);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {  // inside the region oneDNN runs each GEMM on its calling thread
+    const Block& t = tasks[i];
+    matmul(false, true, t.end - t.begin, OC, C, 1.0f, inp + t.begin * C, C, weight[t.group], C, 0.0f,
+           out + t.begin * OC, OC);
+  }
+}
+
+void grouped_dense_backward(float* dinp, float* const* dweight, const float* dout, const float* inp,
+                            const float* const* weight, const int64_t* first, int64_t groups, int64_t C, int64_t OC) {
+  // dweight's tasks: blocks of its OC rows, over the whole group (one GEMM sums all its rows).
+  std::vector<Block> grad;
+  for (int64_t g = 0; g < groups; ++g)
+    if (dweight[g] && first[g + 1] > first[g])
+      for (int64_t o = 0; o < OC; o += kExpertBlock) grad.push_back({g, o, std::min(o + kExpertBlock, OC)});
+  const std::vector<Block> rows = dinp ? row_blocks(first, groups, kExpertBlock) : std::vector<Block>{};
+  const int64_t nr = static_cast<int64_t>(rows.size()), n = nr + static_cast<int64_t>(grad.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i < nr) {
+      const Block& t = rows[i];
+      matmul(false, false, t.end - t.begin, C, OC, 1.0f, dout + t.begin * OC, OC, weight[t.group], C, 1.0f,
+             dinp + t.begin * C, C);
+    } else {
+      const Block& t = grad[i - nr];
+      const int64_t r0 = first[t.group], m = first[t.group + 1] - r0;
+      matmul(true, false, t.end - t.begin, C, m, 1.0f, dout + r0 * OC + t.begin, OC, inp + r0 * C, C, 1.0f,
+             dweight[t.group] + t.begin * C, C);
+    }
+  }
 }
 
 void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,

@@ -8,8 +8,8 @@
 // The backward runs the stages in reverse (2, 1, 0) and adds the load-balancing and z-loss
 // gradients, each weighted by its coefficient and UnitArgs::group_weight. With one rank the
 // exchanges are left out: each stage reads what the one before it sent. The experts' weights are
-// the borrowed unit (moe_experts: w1|w3 (2 FE, C) then w2 (C, FE) per expert), whole on every
-// rank for now; rank `peer` of P runs experts peer·L .. peer·L + L − 1 (L = E / P).
+// the borrowed unit (moe_experts: w1|w3 (2 FE, C) then w2 (C, FE) per expert): a rank gets
+// the slice of its L = E / P experts (rank `peer` of P holds experts peer·L .. peer·L + L − 1).
 #include <algorithm>
 #include <vector>
 
@@ -279,8 +279,8 @@ std::vector<int32_t> dispatch(const kernels::Backend& be, const Block& p, const 
   return off;
 }
 
-// Stage 1 (expert side): the received rows, expert-major, through this rank's experts (one GEMM
-// per expert and projection), and their outputs back to the ranks they came from.
+// Stage 1 (expert side): the received rows, expert-major, through this rank's experts (the GEMMs
+// of all its experts at once, per projection), and their outputs back to the ranks they came from.
 ExpertRows receive_rows(const kernels::Backend& be, const char* recv, const Saved& s, const Dims& d) {
   const Routed io{be, d.P};
   const std::vector<int64_t> start = io.starts(io.sizes(recv));
@@ -296,18 +296,14 @@ ExpertRows receive_rows(const kernels::Backend& be, const char* recv, const Save
   return x;
 }
 
-// `experts`: the whole experts unit; this rank's local expert j is expert peer·L + j.
+// `experts`: this rank's slice of the experts unit, its L experts.
 void experts_forward(const kernels::Backend& be, const float* experts, const Saved& s, const Recomputable& r,
-                     float* ys, const ExpertRows& x, int64_t peer, const Dims& d) {
-  for (int64_t j = 0; j < d.L; ++j) {
-    const int64_t at = x.first[j], n = x.first[j + 1] - at, e = peer * d.L + j;
-    if (n > 0) be.dense_forward(s.gate_up + at * 2 * d.FE, s.xs + at * d.C, expert_gate_up(d, experts, e), n, d.C, 2 * d.FE);
-  }
+                     float* ys, const ExpertRows& x, const Dims& d) {
+  std::vector<const float*> gate_up(d.L), down(d.L);
+  for (int64_t j = 0; j < d.L; ++j) gate_up[j] = expert_gate_up(d, experts, j), down[j] = expert_down(d, experts, j);
+  be.grouped_dense_forward(s.gate_up, s.xs, gate_up.data(), x.first.data(), d.L, d.C, 2 * d.FE);
   be.swiglu_forward(r.act, s.gate_up, x.first[d.L], d.FE);
-  for (int64_t j = 0; j < d.L; ++j) {
-    const int64_t at = x.first[j], n = x.first[j + 1] - at, e = peer * d.L + j;
-    if (n > 0) be.dense_forward(ys + at * d.C, r.act + at * d.FE, expert_down(d, experts, e), n, d.FE, d.C);
-  }
+  be.grouped_dense_forward(ys, r.act, down.data(), x.first.data(), d.L, d.FE, d.C);
 }
 
 void record(const UnitArgs& a, const Saved& s, const ForwardWs& w, const std::vector<int32_t>& off, const Dims& d) {
@@ -355,7 +351,7 @@ void forward_stage(const UnitArgs& a, int stage, bool stats) {
     if (stats) record(a, s, w, off, d);
   } else if (stage == 1) {
     const ExpertRows x = receive_rows(be, a.recv, s, d);
-    experts_forward(be, a.borrowed_params, s, r, w.ys, x, a.peer, d);
+    experts_forward(be, a.borrowed_params, s, r, w.ys, x, d);
     send_back(be, a.send, w.ys, d.C, x, d);
   } else {  // stage 2 (token side): the experts' outputs, in dispatch order, weighted into the residual
     const std::vector<int32_t> off = expert_offsets(be, s, d);
@@ -406,24 +402,22 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
 
 // Stage 1 backward (expert side): d expert outputs -> d received rows, into the experts' grads.
 void experts_backward(const kernels::Backend& be, const float* experts, float* g_experts, const Saved& s,
-                      const Recomputable& r, const BackwardWs& w, const ExpertRows& x, int64_t peer, const Dims& d) {
+                      const Recomputable& r, const BackwardWs& w, const ExpertRows& x, const Dims& d) {
   const int64_t rows = x.first[d.L];
   be.zero(w.dact, sizeof(float) * rows * d.FE);
   be.zero(w.dgate_up, sizeof(float) * rows * 2 * d.FE);
   be.zero(w.dxs, sizeof(float) * rows * d.C);
+  // An idle expert (no rows) keeps its gradient as it was.
+  std::vector<const float*> gate_up(d.L), down(d.L);
+  std::vector<float*> g_gate_up(d.L), g_down(d.L);
   for (int64_t j = 0; j < d.L; ++j) {
-    const int64_t at = x.first[j], n = x.first[j + 1] - at, e = peer * d.L + j;
-    if (n == 0) continue;  // an idle expert: no rows, its gradient stays as it was
-    be.dense_backward(w.dact + at * d.FE, mut(expert_down(d, g_experts, e)), w.dys + at * d.C, r.act + at * d.FE,
-                      expert_down(d, experts, e), n, d.FE, d.C);
+    gate_up[j] = expert_gate_up(d, experts, j), down[j] = expert_down(d, experts, j);
+    g_gate_up[j] = mut(expert_gate_up(d, g_experts, j)), g_down[j] = mut(expert_down(d, g_experts, j));
   }
+  be.grouped_dense_backward(w.dact, g_down.data(), w.dys, r.act, down.data(), x.first.data(), d.L, d.FE, d.C);
   be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, rows, d.FE);
-  for (int64_t j = 0; j < d.L; ++j) {
-    const int64_t at = x.first[j], n = x.first[j + 1] - at, e = peer * d.L + j;
-    if (n == 0) continue;
-    be.dense_backward(w.dxs + at * d.C, mut(expert_gate_up(d, g_experts, e)), w.dgate_up + at * 2 * d.FE,
-                      s.xs + at * d.C, expert_gate_up(d, experts, e), n, d.C, 2 * d.FE);
-  }
+  be.grouped_dense_backward(w.dxs, g_gate_up.data(), w.dgate_up, s.xs, gate_up.data(), x.first.data(), d.L, d.C,
+                            2 * d.FE);
 }
 
 void backward_stage(const UnitArgs& a, int stage) {
@@ -445,7 +439,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   if (stage == 1) {
     const ExpertRows x = expert_rows(download_from(be, s, d), d);
     take_rows(be, w.dys, a.recv, 0, d.C, x, d);
-    experts_backward(be, a.borrowed_params, a.borrowed_grads, s, r, w, x, a.peer, d);
+    experts_backward(be, a.borrowed_params, a.borrowed_grads, s, r, w, x, d);
     send_back(be, a.send, w.dxs, d.C, x, d);
     return;
   }

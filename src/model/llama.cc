@@ -23,23 +23,29 @@ void add_llama_embedding(ModelDesc& d) {
   d.units.push_back(std::move(emb));
 }
 
-// Block l reads x.l+1 and writes x.l+2 (values[0] is the batch, values[1] the embedding's).
-void add_llama_block(ModelDesc& d, int l) {
-  const auto& config = d.config;
-  const int64_t C = config.n_embd, F = config.ffn_dim, HS = config.head_size();
+void add_llama_attention(UnitDesc& b, const ModelConfig& config, const std::string& p) {
+  const int64_t C = config.n_embd, HS = config.head_size();
   const ParamInit normal{0.02f, 0.0f}, one{0.0f, 1.0f};
-  UnitDesc b;
-  b.kind = UnitKind::llama_block;
-  b.layer = l;
-  b.name = "layers." + std::to_string(l);
-  const std::string p = "model." + b.name + ".";
-  // q, k, v (and gate, up) are adjacent, so each pair of runs is one (out, in) matrix: one GEMM.
   add_param(b, p + "input_layernorm.weight", {C}, false, one);
   add_param(b, p + "self_attn.q_proj.weight", {config.n_head * HS, C}, true, normal);
   add_param(b, p + "self_attn.k_proj.weight", {config.n_kv_head * HS, C}, true, normal);
   add_param(b, p + "self_attn.v_proj.weight", {config.n_kv_head * HS, C}, true, normal);
   add_param(b, p + "self_attn.o_proj.weight", {C, config.n_head * HS}, true, normal);
   add_param(b, p + "post_attention_layernorm.weight", {C}, false, one);
+}
+
+// Block l reads x.l+1 and writes x.l+2 (values[0] is the batch, values[1] the embedding's).
+void add_llama_block(ModelDesc& d, int l) {
+  const auto& config = d.config;
+  const int64_t C = config.n_embd, F = config.ffn_dim;
+  const ParamInit normal{0.02f, 0.0f};
+  UnitDesc b;
+  b.kind = UnitKind::llama_block;
+  b.layer = l;
+  b.name = "layers." + std::to_string(l);
+  const std::string p = "model." + b.name + ".";
+  add_llama_attention(b, config, p);
+  // gate and up adjacent: one (2F, C) matrix, one GEMM.
   add_param(b, p + "mlp.gate_proj.weight", {F, C}, true, normal);
   add_param(b, p + "mlp.up_proj.weight", {F, C}, true, normal);
   add_param(b, p + "mlp.down_proj.weight", {C, F}, true, normal);

@@ -142,6 +142,11 @@ struct Shape {
   int elem = 4;
   int threads = 1;
   int ep = 1;  // ranks a unit's expert-parallel exchanges span (the mesh's ep axis)
+  // Rows the busiest expert takes over the mean (a run's max/mean expert load; 1: balanced
+  // routing). The costs price the busiest rank of an expert-parallel group from it (the group
+  // waits for that rank): the hottest expert and its rank's other E/ep − 1 at the mean, at most
+  // every row on one rank; moot at ep 1, where one rank runs every row.
+  double expert_load = 1;
 };
 
 // One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
@@ -159,7 +164,9 @@ struct GemmShape {
 struct Exchange {
   std::string axis;            // mesh axis name, e.g. "ep"
   int64_t bound_bytes = 0;     // each buffer's size, header included
-  int64_t expected_bytes = 0;  // what a rank sends when routing is balanced (the simulator's figure)
+  // What the busiest rank sends or receives at the shape's expert_load (balanced: each routed row
+  // once); the simulator's figure, at most bound_bytes.
+  int64_t expected_bytes = 0;
 };
 
 inline int64_t exchange_header_bytes(int64_t ranks) { return (8 * ranks + 63) / 64 * 64; }
@@ -184,8 +191,13 @@ struct UnitCosts {
   // stage). stage_share[s]: the fraction of the unit's work (FLOPs, pointwise bytes) stage s does.
   std::vector<Exchange> exchanges;
   std::vector<double> stage_share;
+  // stage_load[s]: the busiest rank's work in stage s over its balanced share (Shape::expert_load
+  // on an expert side; empty: 1 everywhere). The plan's tasks carry balanced work; the simulator
+  // scales by this, as the step waits for the busiest rank.
+  std::vector<double> stage_load;
   int stages() const { return static_cast<int>(exchanges.size()) + 1; }
   double share(int stage) const { return stage_share.empty() ? 1.0 : stage_share[stage]; }
+  double load(int stage) const { return stage_load.empty() ? 1.0 : stage_load[stage]; }
   // Activation bytes kept from the forward to the backward under `mode`.
   int64_t kept_bytes(Recompute mode) const;
   double recompute_flops(Recompute mode) const;
@@ -205,6 +217,9 @@ struct UnitDesc {
   // borrows the embedding, a MoE block its experts (a state-only unit right after it). -1: none.
   int borrows = -1;
   bool backward_reads_params = true;  // an embedding's backward is a scatter-add of its output's gradient
+  // A mesh axis whose ranks each compute with their own equal, contiguous slice of this unit (a MoE
+  // block's experts over "ep": rank i of K holds experts i·E/K ..); empty: every rank uses all of it.
+  std::string sliced_over;
   const ParamSpec& param(const std::string& suffix) const;  // by name suffix, e.g. "ln_1.weight"
   bool has_param(const std::string& suffix) const;
 };
@@ -263,6 +278,10 @@ int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks)
 void add_llama_embedding(ModelDesc& d);
 void add_llama_block(ModelDesc& d, int layer);
 void add_llama_head(ModelDesc& d);
+// A LLaMA block's parameters up to its MLP: input_layernorm, self_attn.{q,k,v,o}_proj (q, k, v
+// adjacent: one (out, in) matrix, one GEMM) and post_attention_layernorm, under `prefix`
+// ("model.layers.N."). Dense and MoE blocks add their MLP or router after them.
+void add_llama_attention(UnitDesc& block, const ModelConfig& config, const std::string& prefix);
 
 // Helpers shared by the architecture files.
 namespace detail {

@@ -36,21 +36,18 @@ int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks)
 
 namespace {
 
+constexpr const char* kExpertAxis = "ep";  // the mesh axis the experts and their routed rows split over
+
 void add_moe_block(ModelDesc& d, int l) {
   const auto& config = d.config;
-  const int64_t C = config.n_embd, E = config.n_experts, FE = config.moe_ffn_dim, HS = config.head_size();
-  const ParamInit normal{0.02f, 0.0f}, one{0.0f, 1.0f};
+  const int64_t C = config.n_embd, E = config.n_experts, FE = config.moe_ffn_dim;
+  const ParamInit normal{0.02f, 0.0f};
   UnitDesc b;
   b.kind = UnitKind::moe_block;
   b.layer = l;
   b.name = "layers." + std::to_string(l);
   const std::string p = "model." + b.name + ".";
-  add_param(b, p + "input_layernorm.weight", {C}, false, one);
-  add_param(b, p + "self_attn.q_proj.weight", {config.n_head * HS, C}, true, normal);
-  add_param(b, p + "self_attn.k_proj.weight", {config.n_kv_head * HS, C}, true, normal);
-  add_param(b, p + "self_attn.v_proj.weight", {config.n_kv_head * HS, C}, true, normal);
-  add_param(b, p + "self_attn.o_proj.weight", {C, config.n_head * HS}, true, normal);
-  add_param(b, p + "post_attention_layernorm.weight", {C}, false, one);
+  add_llama_attention(b, config, p);
   add_param(b, p + "block_sparse_moe.gate.weight", {E, C}, true, normal);
   b.reads = {l + 1};
   b.writes = l + 2;
@@ -62,6 +59,7 @@ void add_moe_block(ModelDesc& d, int l) {
   x.kind = UnitKind::moe_experts;
   x.layer = l;
   x.name = "layers." + std::to_string(l) + ".experts";
+  x.sliced_over = kExpertAxis;
   // w1 (gate) and w3 (up) adjacent: one (2 FE, C) matrix per expert, one GEMM.
   for (int64_t j = 0; j < E; ++j) {
     const std::string e = p + "block_sparse_moe.experts." + std::to_string(j) + ".";
@@ -103,9 +101,17 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   u.backward_flops = 2 * u.forward_flops;
   u.gemms = {{BT, C, QKV}, {BT, C, C}, {BT, C, E}, {BT * k, C, 2 * FE}, {BT * k, FE, C}};
   // Three stages (token side, expert side, token side) with the routed rows exchanged over ep
-  // between them; balanced routing sends every routed row once.
-  const model::Exchange x{"ep", moe_exchange_bound(desc, BT, P), 8 * E + 4 * C * R};
+  // between them; balanced routing sends every routed row once, and the busiest rank of the group
+  // takes `load` times its share (all-to-all: the group finishes with the rank that receives
+  // most, dispatching, or sends most, combining): the hottest expert's rows at expert_load times
+  // the mean and its L − 1 neighbours' at the mean, at most all P ranks' rows.
+  const double hottest = std::max(1.0, s.expert_load);
+  const double load = P > 1 ? std::min((hottest + static_cast<double>(L - 1)) / static_cast<double>(L), static_cast<double>(P)) : 1.0;
+  const int64_t bound = moe_exchange_bound(desc, BT, P);
+  const int64_t moved = 8 * E + static_cast<int64_t>(std::llround(load * static_cast<double>(4 * C * R)));
+  const model::Exchange x{kExpertAxis, bound, std::min(bound, moved)};
   u.exchanges = {x, x};
+  u.stage_load = {1.0, load, 1.0};
   const double experts = 2 * routed * (C * 2 * FE + FE * C), combine = 2 * routed * C;
   const double total = u.forward_flops + combine;
   u.stage_share = {(u.forward_flops - experts) / total, experts / total, combine / total};

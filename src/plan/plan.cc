@@ -103,6 +103,18 @@ bool Plan::held_whole(StateKind k) const {
   return true;
 }
 
+std::vector<GradClass> Plan::grad_classes() const {
+  std::vector<GradClass> classes;
+  for (int u = 0; u < static_cast<int>(placement_.size()); ++u) {
+    const Placement& g = placed(StateKind::grads, u);
+    if (g.parts == 0) continue;
+    auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == g.axes; });
+    if (it == classes.end()) it = classes.insert(classes.end(), GradClass{g.axes, {}});
+    it->units.push_back(u);
+  }
+  return classes;
+}
+
 namespace {
 // The axes of these names the mesh has, in mesh order.
 std::vector<int> present(const Mesh& mesh, std::initializer_list<const char*> names) {

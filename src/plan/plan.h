@@ -212,6 +212,13 @@ struct UnitPlacement {
   const Placement& of(StateKind k) const;
 };
 
+// Units whose gradients are placed over the same axes: the ranks of one group over those axes
+// hold disjoint parts of them, which together are the whole (the gradient norm sums each class
+// over its own group).
+struct GradClass {
+  std::vector<int> axes, units;
+};
+
 // Bytes per category the rank holds for the whole run. snapshot: in-memory snapshots' shared
 // memory; the plan builder leaves it 0 and train/ fills it in when the run takes snapshots.
 // staging: the checkpoint copy of a rank that writes every kind of state it holds (the lowest
@@ -250,6 +257,8 @@ struct Plan {
   int part_index(StateKind k, int u, int rank) const { return mesh.index_in(rank, placed(k, u).axes); }
   // True when every unit holds kind k whole (a process's buffer is the whole flat layout).
   bool held_whole(StateKind k) const;
+  // The units holding gradients, by the axes their gradients are placed over, in unit order.
+  std::vector<GradClass> grad_classes() const;
 
   // How many times task t runs in a step.
   int64_t runs(const Task& t) const { return t.micro == repeat.micro ? repeat.times : 1; }

@@ -57,7 +57,21 @@ class Builder {
   void scratch(int t, int buf) { alloc(t, buf), free(t, buf); }  // alive inside one task
   static std::string tag(int m) { return " [m" + std::to_string(m) + "]"; }
   const std::string& uname(int u) const { return desc_.units[u].name; }
-  int64_t unit_bytes(int u, int elem) const { return plan_.layout.units[u].padded * elem; }
+  // A unit sliced over a mesh axis (model::UnitDesc::sliced_over: a MoE block's experts over ep)
+  // is used in that many slices, a rank computing with its own: it is gathered and reduced only
+  // among the ranks holding the same slice (`within_slice` drops the axis from a collective's).
+  int slices(int u) const {
+    const int a = plan_.mesh.find(desc_.units[u].sliced_over);
+    return a >= 0 ? plan_.mesh[a].size : 1;
+  }
+  std::vector<int> within_slice(std::vector<int> axes, int u) const {
+    const int a = plan_.mesh.find(desc_.units[u].sliced_over);
+    axes.erase(std::remove(axes.begin(), axes.end(), a), axes.end());
+    return axes;
+  }
+  // Elements of unit u a rank computes with (its slice), and their bytes at `elem` bytes each.
+  int64_t compute_elems(int u) const { return plan_.layout.units[u].padded / slices(u); }
+  int64_t unit_bytes(int u, int elem) const { return compute_elems(u) * elem; }
   int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
 
   int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
@@ -135,6 +149,7 @@ class Builder {
   void keep_parts();
   void finish();
   void place_state();
+  void slice_state(int u, UnitPlacement& p) const;
   std::vector<Task> schedule();
   void repeat_middle_micro_step();
 
@@ -206,7 +221,7 @@ int Builder::gather(int u, int micro, int prefetch, int direction) {
   if (!deps.empty()) deps = {*std::max_element(deps.begin(), deps.end())};
   const bool bucket = units.size() > 1;
   const int t = add(Op::all_gather, bucket ? -1 : u, micro, deps);
-  at(t).axes = plan_.shard_axes();
+  at(t).axes = within_slice(plan_.shard_axes(), u);
   for (int v : units) {
     at(t).bytes += unit_bytes(v, cfg_.param_bytes);
     // The compute task the gather waits for brings its buffers into being as it ends.
@@ -220,7 +235,7 @@ int Builder::gather(int u, int micro, int prefetch, int direction) {
   } else {
     at(t).io.params = gathered(u);
     if (partly_kept(u)) gather_part(t, u, direction, deps.empty() ? -1 : deps.back());
-    else stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+    else stage(t, compute_elems(u), shard_elems(u), cfg_.param_bytes);
   }
   chain_.push_back({t, units, std::vector<int>(units.size(), -1)});
   return t;
@@ -274,7 +289,7 @@ void Builder::gather_part(int t, int u, int direction, int deps_last) {
   const int64_t shard = shard_elems(u), kept = plan_.kept_elems[u], rest = shard - kept;
   const int S = plan_.shard_size, elem = cfg_.param_bytes;
   if (direction > 0) {
-    stage(t, plan_.layout.units[u].padded, shard, elem);
+    stage(t, compute_elems(u), shard, elem);
     at(t).io.keep_into = kept_part(u);
     if (deps_last < 0) alloc(t, kept_part(u));
     else at(deps_last).hands_off.push_back(kept_part(u));
@@ -292,12 +307,12 @@ void Builder::gather_part(int t, int u, int direction, int deps_last) {
 
 int Builder::gather_kept(int u) {
   const int t = add(Op::all_gather, u, 0, {start_});
-  at(t).axes = plan_.shard_axes();
+  at(t).axes = within_slice(plan_.shard_axes(), u);
   at(t).bytes = unit_bytes(u, cfg_.param_bytes);
   at(t).io.params = gathered(u);
   if (start_ < 0) alloc(t, gathered(u));
   else at(start_).hands_off.push_back(gathered(u));
-  stage(t, plan_.layout.units[u].padded, shard_elems(u), cfg_.param_bytes);
+  stage(t, compute_elems(u), shard_elems(u), cfg_.param_bytes);
   kept_gather_[u] = t;
   return t;
 }
@@ -449,7 +464,7 @@ void Builder::backward(int u, int m) {
 // The buffer of a staged unit's routed rows on one end (send, recv) of one of its exchanges.
 int Builder::routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes) {
   return buffer(std::string(end) + " " + uname(u) + " x" + std::to_string(exchange) + (reverse ? " grads" : "") + tag(m),
-                Role::routed, MemCategory::comm, bytes, u, DType::int8);
+                Role::routed, MemCategory::activations, bytes, u, DType::int8);
 }
 
 // A staged unit's pass (model::UnitCosts::exchanges): `first`, built as the whole pass, becomes
@@ -527,11 +542,11 @@ void Builder::reduce_grad(int u, int producer) {
   if (cfg_.world == 1) return;
   if (sharded_grads_) {
     const int rs = add(Op::reduce_scatter, u, last_micro_, {producer});
-    at(rs).axes = plan_.shard_axes();
+    at(rs).axes = within_slice(plan_.shard_axes(), u);
     at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
     at(rs).io.grads = full_grads(u);
     pending_grads_.push_back({rs, full_grads(u), 2});
-    stage(rs, plan_.layout.units[u].padded, shard_elems(u), cfg_.reduce_bytes);
+    stage(rs, compute_elems(u), shard_elems(u), cfg_.reduce_bytes);
     reduction_scratch(rs, shard_elems(u));
     reductions_.push_back(rs);
     if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
@@ -545,16 +560,24 @@ void Builder::reduce_grad(int u, int producer) {
     return;
   }
   // DDP and ZeRO-1: units join a bucket in the order their gradients become final; a bucket of
-  // consecutive units is one contiguous range of the flat gradient buffer.
+  // consecutive units is one contiguous range of the flat gradient buffer, reduced over one group:
+  // a sliced unit is a bucket of its own.
+  if (slices(u) > 1 && bucket_last_ >= 0) close_bucket(producer);
   bucket_first_ = u;
   if (bucket_last_ < 0) bucket_last_ = u;
   bucket_bytes_ += unit_bytes(u, cfg_.reduce_bytes);
-  if (bucket_bytes_ >= cfg_.bucket_mb * 1048576.0 || u == 0) close_bucket(producer);
+  if (bucket_bytes_ >= cfg_.bucket_mb * 1048576.0 || u == 0 || slices(u) > 1) close_bucket(producer);
 }
 
 void Builder::close_bucket(int producer) {
+  const std::vector<int> axes = within_slice(plan_.dp_axes(), bucket_first_);
+  if (plan_.mesh.group_size(axes) == 1) {  // one rank holds these gradients: nothing to reduce
+    bucket_first_ = bucket_last_ = -1;
+    bucket_bytes_ = 0;
+    return;
+  }
   const int ar = add(Op::all_reduce, -1, last_micro_, {producer});
-  at(ar).axes = plan_.dp_axes();
+  at(ar).axes = axes;
   at(ar).first_unit = bucket_first_;
   at(ar).last_unit = bucket_last_;
   at(ar).bytes = bucket_bytes_;
@@ -629,7 +652,8 @@ void Builder::finish() {
     if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
       before_opt = add(Op::norm_reduce, -1, last_micro_, {norm});
       at(before_opt).axes = plan_.dp_axes();
-      at(before_opt).bytes = 16;
+      // Each rank's squared-gradient sum per gradient class and its loss sum, 8 bytes each.
+      at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.dp_axes());
     }
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
@@ -637,7 +661,7 @@ void Builder::finish() {
     if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
       for (int u = 0; u < U; ++u) {
         const int pg = add(Op::param_gather, u, last_micro_, {opt});
-        at(pg).axes = plan_.shard_axes();
+        at(pg).axes = within_slice(plan_.shard_axes(), u);
         at(pg).bytes = unit_bytes(u, cfg_.param_bytes);
       }
     }
@@ -651,15 +675,39 @@ void Builder::finish() {
   }
 }
 
-// Every unit's state as the strategy holds it: sharded kinds split over dp_shard, the rest whole
-// on every rank, all in host memory (a forward-only plan holds no gradients or moments).
+// Every unit's state as the strategy holds it: sharded kinds split over the shard axes, the rest
+// whole on every rank, all in host memory (a forward-only plan holds no gradients or moments). A
+// sliced unit's state is split over its axis too: each rank holds only its own slice, or a part
+// of it.
 void Builder::place_state() {
   const Placement sharded{plan_.shard_axes(), plan_.shard_size}, whole{}, none{{}, 0};
   UnitPlacement p;
   p.params = sharded_params_ ? sharded : whole;
   p.grads = !train_ ? none : sharded_grads_ ? sharded : whole;
   p.optimizer = !train_ ? none : sharded_optimizer_ ? sharded : whole;
-  plan_.set_placement(std::vector<UnitPlacement>(desc_.units.size(), p));
+  std::vector<UnitPlacement> all(desc_.units.size(), p);
+  for (int u = 0; u < static_cast<int>(all.size()); ++u)
+    if (slices(u) > 1) slice_state(u, all[u]);
+  plan_.set_placement(std::move(all));
+}
+
+// Adds unit u's slicing axis to each kind's placement, checking that every part then holds whole
+// experts' elements: the unit (unpadded) must split into parts of a multiple of 16 elements.
+void Builder::slice_state(int u, UnitPlacement& p) const {
+  const int axis = plan_.mesh.find(desc_.units[u].sliced_over);
+  for (Placement* k : {&p.params, &p.grads, &p.optimizer}) {
+    if (k->parts == 0) continue;
+    if (std::find(k->axes.begin(), k->axes.end(), axis) == k->axes.end()) {
+      k->axes.push_back(axis);
+      std::sort(k->axes.begin(), k->axes.end());
+    }
+    k->parts = plan_.mesh.group_size(k->axes);
+    const int64_t numel = desc_.units[u].numel, multiple = 16 * std::max<int64_t>(k->parts, plan_.shard_size);
+    if (numel % multiple != 0)
+      throw std::invalid_argument("ep (--ep): " + uname(u) + " holds " + std::to_string(numel) +
+                                  " elements, not a multiple of 16 × " + std::to_string(multiple / 16) +
+                                  ": each rank's experts would not split evenly over the ranks holding them");
+  }
 }
 
 Plan Builder::build() {

@@ -110,7 +110,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   exp_avg_ = state(MemCategory::optimizer, StateKind::optimizer);
   exp_avg_sq_ = state(MemCategory::optimizer, StateKind::optimizer);
   check_carved_fits();
-  grad_classes_ = grad_classes();
+  grad_classes_ = plan_.grad_classes();
   trace_.rank = comms.world().rank();
   trace_.streams = plan.streams;
   // Every rank's trace clock starts at the same moment (to within a barrier's latency), so the
@@ -160,18 +160,6 @@ void Executor::check_placement() const {
                                " do not hold its optimizer range");
     }
   }
-}
-
-std::vector<Executor::GradClass> Executor::grad_classes() const {
-  std::vector<GradClass> classes;
-  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const plan::Placement& g = plan_.placed(StateKind::grads, u);
-    if (g.parts == 0) continue;
-    auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == g.axes; });
-    if (it == classes.end()) it = classes.insert(classes.end(), GradClass{g.axes, {}});
-    it->units.push_back(u);
-  }
-  return classes;
 }
 
 Executor::Shard Executor::shard_of(StateKind k, int u) const {

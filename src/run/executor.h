@@ -202,13 +202,6 @@ class Executor {
   void loss_reduce(const plan::Task& t, Run& r);
   void exchange(const plan::Task& t, Run& r);
 
-  // Units whose gradients are placed over the same axes: the ranks of one group over those axes
-  // hold disjoint parts of them, which together are the whole (grad_norm sums each class apart).
-  struct GradClass {
-    std::vector<int> axes, units;
-  };
-  std::vector<GradClass> grad_classes() const;
-
   const model::ModelDesc& desc_;
   plan::Plan plan_;
   const CommGroups& comms_;
@@ -217,7 +210,7 @@ class Executor {
   const kernels::Backend& backend_;
   int rank_;  // in the world
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
-  std::vector<GradClass> grad_classes_;
+  std::vector<plan::GradClass> grad_classes_;  // plan_.grad_classes()
   std::chrono::steady_clock::time_point t0_;
   // This rank's steps of the ExecutorFaults it was built with (-1: none).
   int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1;

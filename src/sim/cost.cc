@@ -53,7 +53,8 @@ Collective collective_of(Op op) {
   throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
 }
 
-CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads)
+CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
+                     double expert_load)
     : desc_(desc), plan_(plan), hw_(hw) {
   peak_ = hw.peak_flops * (hw.per_thread ? threads : 1);
   if (hw.per_thread && hw.cores_per_node > 0) {
@@ -63,11 +64,14 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   rate_ = peak_ * hw.gemm_efficiency;
   pointwise_bw_ = hw.pointwise_bw > 0 ? hw.pointwise_bw * (hw.per_thread ? threads : 1) : hw.memory_bw;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
-  const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads, plan.config.ep};
+  const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads, plan.config.ep, expert_load};
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);
     stage_share_.push_back(c.stage_share);
+    stage_load_.push_back(c.stage_load);
+    exchange_bytes_.emplace_back();
+    for (const model::Exchange& x : c.exchanges) exchange_bytes_.back().push_back(x.expected_bytes);
     if (hw.gemm_rates.empty() && hw.attention_rates.empty()) continue;
     double flops = 0, forward = 0, backward = 0;
     if (!hw.gemm_rates.empty())
@@ -139,16 +143,20 @@ double CostModel::compute_seconds(const plan::Task& t) const {
       default: break;
     }
   }
-  // One stage of a staged unit's pass does its share of the unit's work (t.flops is already its own).
+  // One stage of a staged unit's pass does its share of the unit's work (t.flops is already its own),
+  // and the busiest rank `load` times that (the plan's figures are balanced).
+  double load = 1;
   if (t.stage >= 0 && t.unit >= 0 && !stage_share_[t.unit].empty()) {
     const double share = stage_share_[t.unit][t.stage];
     pointwise *= share, gemm_flops *= share, gemm_s *= share;
+    if (!stage_load_[t.unit].empty()) load = stage_load_[t.unit][t.stage];
   }
   // Gradient buffers start at zero: the task that allocates them writes each byte once.
   for (int b : t.allocs)
     if (plan_.buffers[b].role == plan::Role::full_grads) bytes += static_cast<double>(plan_.buffers[b].bytes);
   // FLOP / (FLOP/s) + B / (B/s)
-  return ((t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_ + bytes / hw_.memory_bw) * oversubscription_;
+  const double unit_work = (t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_;
+  return (load * unit_work + bytes / hw_.memory_bw) * oversubscription_;
 }
 
 double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool crosses_nodes) const {
@@ -160,8 +168,14 @@ double CostModel::seconds(const plan::Task& t) const {
   if (t.stream == plan::kCompute) return compute_seconds(t);
   const Collective c = collective_of(t.op);
   const Tier& tier = crosses_nodes(t) ? hw_.inter : hw_.intra;
+  // An exchange moves what the busiest rank of its group does (the model's figure at the expert
+  // load; the plan's t.bytes is balanced routing's).
+  const std::vector<int64_t>* exchanged = t.op == Op::exchange && t.unit >= 0 ? &exchange_bytes_[t.unit] : nullptr;
+  const double S = exchanged && t.stage >= 0 && t.stage < static_cast<int>(exchanged->size())
+                       ? static_cast<double>((*exchanged)[t.stage])
+                       : static_cast<double>(t.bytes);
   // A collective's local copies (casts, a bucket's unpacking) read and write memory once each.
-  return collective_seconds(tier.of(c), c, static_cast<double>(t.bytes), group_size(t)) +
+  return collective_seconds(tier.of(c), c, S, group_size(t)) +
          2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
 }
 

@@ -28,7 +28,11 @@ Collective collective_of(plan::Op op);
 class CostModel {
  public:
   // `threads`: compute threads per rank (a per-thread CPU profile multiplies its peak by it).
-  CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads);
+  // `expert_load`: the busiest expert's routed rows over the mean (model::Shape::expert_load): the
+  // busiest rank's expert side and the exchanges are priced at that rank's load (the model's
+  // figures), which the step waits for.
+  CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
+            double expert_load = 1);
   // Seconds task `t` takes at full speed (compute slowed by communication is the simulator's).
   double seconds(const plan::Task& t) const;
   // Ranks of the group a collective spans, and whether it crosses a node boundary.
@@ -51,6 +55,8 @@ class CostModel {
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
   std::vector<std::vector<double>> stage_share_;  // per unit: each stage's share of its work (model::UnitCosts)
+  std::vector<std::vector<double>> stage_load_;   // per unit: the busiest rank's work per stage over its share
+  std::vector<std::vector<int64_t>> exchange_bytes_;  // per unit: each exchange's bytes at the busiest rank
   // Per unit, with measured rates (empty without): the forward FLOPs they price (weight GEMMs,
   // attention) and their seconds forward and backward.
   struct Measured {

@@ -26,6 +26,7 @@ std::string flags_of(const PlanConfig& c) {
   std::ostringstream o;
   o << "--strategy " << plan::to_string(c.strategy);
   if (c.strategy == Strategy::hybrid) o << " --shard-group " << c.shard_group;
+  if (c.ep > 1) o << " --ep " << c.ep;
   o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
     << model::to_string(c.recompute);
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
@@ -37,8 +38,9 @@ std::string flags_of(const PlanConfig& c) {
   return o.str();
 }
 
-SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, int threads) {
-  SimResult r = simulate(desc, plan::build_plan(desc, c), hw, threads);
+SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, int threads,
+                          double expert_load) {
+  SimResult r = simulate(desc, plan::build_plan(desc, c), hw, threads, expert_load);
   r.times.clear(), r.runs.clear();  // the planner keeps thousands of results
   return r;
 }
@@ -50,7 +52,8 @@ namespace {
 // is mostly CPU work (casts, a hand-written bf16 sum beside the compute threads) that the model
 // does not price, so a search there would take them for free.
 template <class F>
-void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, bool bf16_collectives, F visit) {
+void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, bool bf16_collectives,
+                 const std::vector<int>& eps, F visit) {
   PlanConfig c = base;
   c.strategy = s;
   const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
@@ -60,6 +63,7 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
     for (int g = 2; g < c.world; ++g)
       if (c.world % g == 0) groups.push_back(g);
   }
+  for (int ep : eps)
   for (int g : groups)
     for (int64_t B = 1; B <= sequences_per_rank; ++B) {
       if (sequences_per_rank % B) continue;
@@ -77,6 +81,7 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
                                                                                         : std::vector<double>{0}) {
                   c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
                   c.gather_bucket_mb = gather_bucket;
+                  c.ep = ep;
                   c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
                   c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
                   c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
@@ -92,7 +97,7 @@ namespace {
 // Each configuration simulated, on one worker thread per core (the simulations share nothing);
 // empty where the plan cannot be built. In the grid's order, whatever the threads.
 std::vector<std::optional<SimResult>> simulate_all(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
-                                                   const HardwareProfile& hw, int threads) {
+                                                   const HardwareProfile& hw, int threads, double expert_load) {
   std::vector<std::optional<SimResult>> results(grid.size());
   std::atomic<size_t> next{0};
   std::mutex mu;
@@ -100,7 +105,7 @@ std::vector<std::optional<SimResult>> simulate_all(const model::ModelDesc& desc,
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
       try {
-        results[i] = simulate_config(desc, grid[i], hw, threads);
+        results[i] = simulate_config(desc, grid[i], hw, threads, expert_load);
         results[i]->times.clear();
       } catch (const std::invalid_argument&) {
       } catch (...) {
@@ -132,7 +137,7 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
   auto with = [&](const Candidate& from, const std::string& entry) {
     PlanConfig c = from.config;
     c.keep_gathered.push_back(entry);
-    const SimResult r = simulate_config(desc, c, hw, q.threads);
+    const SimResult r = simulate_config(desc, c, hw, q.threads, q.expert_load);
     return Candidate{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
   };
   auto fits = [&](const Candidate& k) { return q.memory_budget == 0 || k.peak_bytes <= q.memory_budget; };
@@ -190,10 +195,17 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   const std::vector<Strategy> strategies =
       q.ranks == 1 ? std::vector<Strategy>{Strategy::ddp}
                    : std::vector<Strategy>{Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid};
+  // Expert parallelism: each ep dividing the experts and the ranks (the builder refuses the rest,
+  // e.g. an ep that does not divide a hybrid shard group).
+  std::vector<int> eps{1};
+  if (desc.config.family == model::Family::moe)
+    for (int ep = 2; ep <= q.ranks && ep <= desc.config.n_experts; ++ep)
+      if (desc.config.n_experts % ep == 0 && q.ranks % ep == 0) eps.push_back(ep);
   std::vector<PlanConfig> grid;
   for (Strategy s : strategies)
-    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", [&](const PlanConfig& c) { grid.push_back(c); });
-  const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads);
+    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", eps,
+                [&](const PlanConfig& c) { grid.push_back(c); });
+  const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads, q.expert_load);
   for (size_t i = 0; i < grid.size(); ++i) {
     if (!results[i]) continue;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
     ++out.considered;

@@ -1,7 +1,8 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
 // simulates each (one worker thread per core), keeps those whose per-rank peak memory fits the
 // budget and ranks them by predicted step time. bf16 gathers and reductions are tried on bf16
-// (GPU) profiles only.
+// (GPU) profiles only. For a mixture-of-experts model the expert-parallel size (ep) is searched
+// too: each divisor of the experts that divides the ranks.
 // Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
 // refined by selective unsharding (keep_greedily).
 #pragma once
@@ -23,6 +24,7 @@ struct PlanQuery {
   int64_t seq = 256;
   int64_t memory_budget = 0;  // bytes per rank; 0: no limit
   int threads = 1;
+  double expert_load = 1;  // the busiest expert's routed rows over the mean (simulate)
 };
 
 struct Candidate {
@@ -62,6 +64,6 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
 // not grow with the accumulation: Plan::repeat), without its per-task times. Throws
 // std::invalid_argument as build_plan does.
 SimResult simulate_config(const model::ModelDesc& desc, const plan::PlanConfig& c, const HardwareProfile& hw,
-                          int threads);
+                          int threads, double expert_load = 1);
 
 }  // namespace shardlm::sim

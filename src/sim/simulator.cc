@@ -90,6 +90,15 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
     }
     return true;
   };
+  // Whether the dependency that finished last (the one a waiting task waited for) is an exchange.
+  auto last_dep_is_exchange = [&](const Task& t) {
+    int last = -1;
+    for (int d : t.deps) {
+      const int w = p->wait_for(t, walk[plan::kCompute].run(), d).task;
+      if (last < 0 || r.times[w].end_s > r.times[last].end_s) last = w;
+    }
+    return last >= 0 && plan.tasks[last].op == plan::Op::exchange;
+  };
   auto all_done = [&] {
     for (int s = 0; s < S; ++s)
       if (!walk[s].done()) return false;
@@ -100,7 +109,10 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
     for (int s = 0; s < S; ++s) {
       if (running[s] >= 0 || walk[s].done() || !ready(s)) continue;
       const int t = walk[s].task();
-      if (s == plan::kCompute) r.comm_exposed_ms += (now - free_since[s]) * 1e3;  // as the executor's wait_deps
+      if (s == plan::kCompute && now > free_since[s]) {
+        r.comm_exposed_ms += (now - free_since[s]) * 1e3;  // as the executor's wait_deps
+        if (last_dep_is_exchange(plan.tasks[t])) r.exchange_exposed_ms += (now - free_since[s]) * 1e3;
+      }
       running[s] = t;
       remaining[s] = cost.seconds(plan.tasks[t]);
       started[s] = now;
@@ -134,6 +146,8 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   r.step_ms = now * 1e3;
   r.compute_busy_ms = busy[plan::kCompute] * 1e3;
   for (int s = 1; s < S; ++s) r.comm_busy_ms += busy[s] * 1e3;
+  for (int s = 1; s < S; ++s)
+    if (plan.streams[s] == "exchange") r.exchange_busy_ms += busy[s] * 1e3;
   r.timeline_peak = mem.peak;
   return r;
 }
@@ -146,6 +160,8 @@ void extend_runs(SimResult& at, const SimResult& before, const Plan& plan, int64
   at.comm_exposed_ms += static_cast<double>(more) * (at.comm_exposed_ms - before.comm_exposed_ms);
   at.compute_busy_ms += static_cast<double>(more) * (at.compute_busy_ms - before.compute_busy_ms);
   at.comm_busy_ms += static_cast<double>(more) * (at.comm_busy_ms - before.comm_busy_ms);
+  at.exchange_busy_ms += static_cast<double>(more) * (at.exchange_busy_ms - before.exchange_busy_ms);
+  at.exchange_exposed_ms += static_cast<double>(more) * (at.exchange_exposed_ms - before.exchange_exposed_ms);
   auto shift = [&](int task, TaskTime& t) {
     if (plan.tasks[task].micro <= plan.repeat.micro) return;
     t.start_s += extra_ms / 1e3, t.end_s += extra_ms / 1e3;
@@ -156,8 +172,9 @@ void extend_runs(SimResult& at, const SimResult& before, const Plan& plan, int64
 
 }  // namespace
 
-SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads) {
-  const CostModel cost(desc, plan, hw, threads);
+SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads,
+                   double expert_load) {
+  const CostModel cost(desc, plan, hw, threads, expert_load);
   const int64_t times = plan.repeat.times;
   SimResult r = simulate_runs(cost, plan, hw, std::min(times, kSimulatedRuns));
   if (times > kSimulatedRuns)

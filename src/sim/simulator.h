@@ -33,6 +33,10 @@ struct SimResult {
   double mfu = 0;            // model FLOPs per second ÷ (ranks × one rank's peak)
   double comm_exposed_ms = 0;  // time the compute stream waited for other streams
   double compute_busy_ms = 0, comm_busy_ms = 0;  // time each kind of stream ran a task
+  // Expert parallelism's all-to-alls (the exchange tasks): time they ran (part of comm_busy_ms),
+  // and the part of comm_exposed_ms the compute stream waited with an exchange the last task it
+  // waited for.
+  double exchange_busy_ms = 0, exchange_exposed_ms = 0;
   MemSnapshot mem;      // the plan's snapshot at its highest total (Plan::peak_memory)
   MemSnapshot mem_max;  // each category's own highest (Plan::max_memory)
   MemSnapshot timeline_peak;  // the highest total over the simulated timeline's buffers
@@ -51,8 +55,10 @@ inline constexpr int64_t kSimulatedRuns = 3;
 // engines that profile stands for keep them; on an fp32 (CPU) profile, what `train` runs here.
 plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
 
-// `threads`: compute threads per rank (per-thread CPU profiles scale with it).
-SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads);
+// `threads`: compute threads per rank (per-thread CPU profiles scale with it). `expert_load`: the
+// busiest expert's routed rows over the mean (CostModel; 1: balanced routing).
+SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
+                   double expert_load = 1);
 
 // The simulated rank as a trace: the same slices (task names, streams) and memory counters a
 // real run records, for step `step`.

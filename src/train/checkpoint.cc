@@ -122,9 +122,10 @@ TensorCount in_file(const ckpt::SafetensorsFile& f) {
 }
 
 // config.json against model.safetensors' own header, before anything the config sizes is
-// allocated or even described: a config.json claiming 1e8 layers is refused here instead of
-// being described for minutes. A 1- and a 2-layer copy give the tensors of one layer; the file
-// must hold exactly the tensors the config's layer count implies, then each with its shape.
+// allocated: a config.json claiming more layers than the file holds tensors is refused before
+// it is described. Otherwise the file must hold exactly the tensors the config implies (blocks
+// need not be alike: a MoE model with --moe-every > 1 alternates dense and MoE blocks), then each
+// with its shape.
 void check_config_against_tensors(const model::ModelConfig& c, const std::string& dir) {
   const std::string config = dir + "/config.json";
   const bool sharded = ckpt::is_sharded(dir);
@@ -140,16 +141,9 @@ void check_config_against_tensors(const model::ModelConfig& c, const std::string
     have = in_file(f);
   }
   const std::string holder = sharded ? dir + "/index.json" : f.path();
-  model::ModelConfig probe = c;
-  probe.n_layer = 1;
-  const TensorCount one = exported(model::describe(probe));
-  probe.n_layer = 2;
-  const TensorCount two = exported(model::describe(probe));
-  const TensorCount layer{two.tensors - one.tensors, two.elements - one.elements};
-  // Every layer holds at least one tensor, so more layers than the file's tensors cannot match;
-  // below that the products stay far inside int64.
+  // Every layer holds at least one tensor, so more layers than the file's tensors cannot match.
   const bool too_many = c.n_layer - 1 > have.tensors;
-  const TensorCount want{one.tensors + (c.n_layer - 1) * layer.tensors, one.elements + (c.n_layer - 1) * layer.elements};
+  const TensorCount want = too_many ? TensorCount{} : exported(model::describe(c));
   if (too_many || want.tensors != have.tensors || want.elements != have.elements)
     throw std::runtime_error(fmt::format(
         "checkpoint: {}: n_layer {}, n_embd {}, ffn_dim {}, vocab_size {} {}but {} holds {} tensors of {} elements",

@@ -45,16 +45,30 @@ MachineMemory machine_memory() {
   return m;
 }
 
+namespace {
+
+// The parameters of `c` from models of one and two periods of its blocks, without describing
+// its every layer (n_layer may be 2^20). The blocks repeat with period P: 1, or a MoE model's
+// moe_every M (M - 1 dense blocks, then a MoE block); n_layer mod P more blocks are dense ones.
+double count_params(const model::ModelConfig& c) {
+  const int64_t P = c.family == model::Family::moe ? c.moe_every : 1;
+  model::ModelConfig probe = c;
+  auto params = [&](int64_t layers) {
+    probe.n_layer = layers;
+    return static_cast<double>(model::describe(probe).num_params());
+  };
+  const double one = params(P), per_period = params(2 * P) - one, dense = P > 1 ? params(P + 1) - one : 0.0;
+  // double: no overflow
+  return one + static_cast<double>(c.n_layer / P - 1) * per_period + static_cast<double>(c.n_layer % P) * dense;
+}
+
+}  // namespace
+
 const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
                                                    int ranks_here) {
   const MachineMemory m = machine_memory();
   if (m.physical == 0) return c;  // no /proc/meminfo: nothing to compare with
-  model::ModelConfig probe = c;
-  probe.n_layer = 1;
-  const double one = static_cast<double>(model::describe(probe).num_params());
-  probe.n_layer = 2;
-  const double per_layer = static_cast<double>(model::describe(probe).num_params()) - one;
-  const double params = one + static_cast<double>(c.n_layer - 1) * per_layer;  // double: no overflow
+  const double params = count_params(c);
   const int ranks = std::max(1, ranks_here);
   const double per_rank = bytes_per_param * params / shards;
   if (per_rank * ranks > static_cast<double>(m.available))

@@ -219,7 +219,14 @@ model::ModelConfig resolve_model(const TrainConfig& cfg, const DataMeta& meta) {
   check("n_head", mc.n_head, saved.n_head);
   check("n_kv_head", mc.n_kv_head, saved.n_kv_head);
   check("n_embd", mc.n_embd, saved.n_embd);
-  check("ffn_dim", mc.ffn_dim, saved.ffn_dim);
+  // A model whose every block is MoE has no dense MLP: its ffn_dim shapes nothing (a Mixtral
+  // config.json does not carry it).
+  if (mc.family != model::Family::moe || mc.moe_every != 1) check("ffn_dim", mc.ffn_dim, saved.ffn_dim);
+  if (mc.family == model::Family::moe) {
+    check("n_experts", mc.n_experts, saved.n_experts);
+    check("moe_ffn_dim", mc.moe_ffn_dim, saved.moe_ffn_dim);
+    check("moe_every", mc.moe_every, saved.moe_every);
+  }
   check("vocab_size", mc.vocab_size, saved.vocab_size);
   check("max_seq", mc.max_seq, saved.max_seq);
   check("tie_word_embeddings", mc.tie_embeddings, saved.tie_embeddings);
@@ -466,7 +473,8 @@ run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   in.batch = [&s, step](int64_t micro, int32_t* inputs, int32_t* targets) {
     const TrainConfig& c = s.cfg;
     // Ranks that share a data-parallel coordinate read the same sequences.
-    data::sample_batch(s.train_data, c.seed, step, micro, s.plan.dp_index(s.rank) * c.batch, c.batch, c.seq, inputs, targets);
+    const int64_t first = data::first_sequence(micro, s.plan.dp_index(s.rank), s.plan.dp_size(), c.batch);
+    data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, inputs, targets);
   };
   in.grad_scale = grad_scale;
   in.grad_clip = cfg.grad_clip;

@@ -84,6 +84,22 @@ TEST(HfConfig, ExportReadsBackAsTheSameModelForTraining) {
   }
 }
 
+// Mixtral's load-balancing loss is k at balance where shardlm's is 1: its router_aux_loss_coef c
+// is --aux-loss-coef k·c here, both ways.
+TEST(HfConfig, MixtralRouterAuxLossCoefIsScaledByTopK) {
+  model::ModelConfig m = model::model_preset("moe-tiny", 300);
+  m.aux_loss_coef = 0.02;
+  const json written = to_hf_config(m);
+  EXPECT_EQ(written["router_aux_loss_coef"].get<double>(), 0.02 / static_cast<double>(m.top_k));
+  const model::ModelConfig back = from_hf_config(written, "cfg.json", HfConfigUse::training);
+  EXPECT_EQ(back.aux_loss_coef, 0.02);
+  EXPECT_EQ(to_hf_config(back), written);
+  json hub = written;
+  hub["router_aux_loss_coef"] = 0.001;
+  hub["num_experts_per_tok"] = 2;
+  EXPECT_EQ(from_hf_config(hub, "cfg.json").aux_loss_coef, 0.002);
+}
+
 TEST(HfConfig, HubFilesDescribeTheirModels) {
   const model::ModelConfig gpt2 = from_hf_config(hub_gpt2(), "cfg.json");
   expect_same(gpt2, model::model_preset("gpt2-124m"));

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -291,6 +292,52 @@ TEST_F(Cli, LlamaCheckpointCarriesHuggingFaceNamesAndConfig) {
     ASSERT_EQ(g.code, 0) << g.out;
     EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
   }
+}
+
+// A mixture-of-experts run exports as Hugging Face Mixtral (MixtralConfig, the router and each
+// expert's w1, w3, w2 as tensors of their own); importing that gives back its parameters bit for
+// bit (exported again, the same bytes; trained from, the same losses). A run with dense blocks
+// between its MoE blocks (--moe-every 2) has no Hugging Face model type: refused in one line,
+// nothing written.
+TEST_F(Cli, MixtureOfExpertsExportsAsMixtralAndImportsBitwise) {
+  const auto moe_args = [](const std::string& out, int steps) { return runs_.args(out, steps, 2, "moe-tiny"); };
+  ASSERT_EQ(run(moe_args("moe", 2) + " --save-every 2").code, 0);
+  const fs::path ck = dir_ / "moe" / "ckpt" / "step_2", hf = dir_ / "moe_hf", imported = dir_ / "moe_ck", again = dir_ / "moe_hf2";
+  const Result x = run("ckpt export --format hf --ckpt " + ck.string() + " --out " + hf.string());
+  ASSERT_EQ(x.code, 0) << x.out;
+  const nlohmann::json config = nlohmann::json::parse(std::ifstream(hf / "config.json"));
+  EXPECT_EQ(config["model_type"], "mixtral");
+  EXPECT_EQ(config["num_local_experts"], 4);
+  EXPECT_EQ(config["num_experts_per_tok"], 2);
+  const shardlm::ckpt::SafetensorsFile f((hf / "model.safetensors").string());
+  EXPECT_EQ(f.info("model.layers.1.block_sparse_moe.gate.weight").shape, (std::vector<int64_t>{4, 64}));
+  EXPECT_EQ(f.info("model.layers.1.block_sparse_moe.experts.3.w1.weight").shape, (std::vector<int64_t>{128, 64}));
+  EXPECT_EQ(f.info("model.layers.1.block_sparse_moe.experts.3.w3.weight").shape, (std::vector<int64_t>{128, 64}));
+  EXPECT_EQ(f.info("model.layers.1.block_sparse_moe.experts.3.w2.weight").shape, (std::vector<int64_t>{64, 128}));
+  ASSERT_EQ(run("ckpt import --format hf --in " + hf.string() + " --out " + imported.string()).code, 0);
+  ASSERT_EQ(run("ckpt export --format hf --ckpt " + imported.string() + " --out " + again.string()).code, 0);
+  const shardlm::ckpt::SafetensorsFile g((again / "model.safetensors").string());
+  ASSERT_EQ(f.names(), g.names());
+  for (const auto& name : f.names()) {
+    ASSERT_EQ(f.info(name).shape, g.info(name).shape) << name;
+    EXPECT_EQ(std::memcmp(f.data(name), g.data(name), f.info(name).bytes), 0) << name;
+  }
+  std::vector<std::vector<double>> runs;
+  for (const fs::path& from : {imported, ck}) {
+    const std::string out = "moe_from_" + from.filename().string();
+    const Result t = run(moe_args(out, 2) + " --init-from " + from.string());
+    ASSERT_EQ(t.code, 0) << t.out;
+    runs.push_back(losses(dir_ / out / "metrics.jsonl"));
+  }
+  ASSERT_EQ(runs[0].size(), 2u);
+  EXPECT_EQ(runs[0], runs[1]);
+
+  const Result every = run(moe_args("moe_every", 1) + " --moe-every 2 --save-every 1");
+  ASSERT_EQ(every.code, 0) << every.out;
+  const fs::path refused = dir_ / "moe_every_hf";
+  expect_one_line_error(run("ckpt export --format hf --ckpt " + (dir_ / "moe_every").string() + " --out " + refused.string()),
+                        {"moe_every = 2", "no Hugging Face model type", "Mixtral"});
+  EXPECT_FALSE(fs::exists(refused));
 }
 
 // --model takes a Hugging Face config.json; explicit flags and TOML keys override it.

@@ -115,6 +115,41 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
     EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
 }
 
+// Mixtral 8x7B at 64 and 256 ranks of h100-80gb with its experts over ep 8: simulate answers with
+// the step time, memory per rank and the all-to-all's share of the step (BENCHMARKS.md quotes them).
+TEST_F(Simulate, MixtralPrintsItsAllToAllShare) {
+  for (int ranks : {64, 256}) {
+    const std::string plan = "--model mixtral-8x7b --strategy fsdp --ep 8 --batch 1 --seq 4096 --recompute full "
+                             "--param-dtype bf16 --reduce-dtype bf16 --hardware h100-80gb --ranks " + std::to_string(ranks);
+    const Result human = shardlm("simulate " + plan);
+    ASSERT_EQ(human.code, 0) << human.out;
+    for (const std::regex want : {std::regex("step [0-9.]+ ms"), std::regex("total: [0-9]+ \\([0-9.]+ GiB\\)"),
+                                  std::regex("all-to-all \\(ep 8 exchanges\\): [0-9.]+ ms in exchange tasks \\([0-9.]+% of the "
+                                             "step\\), [0-9.]+ ms exposed \\([0-9.]+% of the step\\); expert load max/mean 1 "
+                                             "\\(default")})
+      EXPECT_TRUE(std::regex_search(human.out, want)) << human.out;
+    const Result j = shardlm("simulate --json " + plan);
+    ASSERT_EQ(j.code, 0) << j.out;
+    const json r = json::parse(j.out);
+    EXPECT_GT(r["exchange_busy_ms"].get<double>(), 0);
+    EXPECT_LE(r["exchange_exposed_ms"].get<double>(), r["comm_exposed_ms"].get<double>() + 1e-9);
+    EXPECT_EQ(r["moe_imbalance"].get<double>(), 1);
+    // The busiest rank's load lengthens its exchanges.
+    const Result skewed = shardlm("simulate --json --moe-imbalance 2 " + plan);
+    ASSERT_EQ(skewed.code, 0) << skewed.out;
+    const json k = json::parse(skewed.out);
+    EXPECT_NEAR(k["exchange_busy_ms"].get<double>(), 2 * r["exchange_busy_ms"].get<double>(),
+                0.05 * r["exchange_busy_ms"].get<double>());
+    EXPECT_GT(k["step_ms"].get<double>(), r["step_ms"].get<double>());
+  }
+  expect_one_line_error(shardlm("simulate --model mixtral-8x7b --ep 8 --ranks 64 --moe-imbalance 0.5"),
+                        {"--moe-imbalance", "0.5"});
+  expect_one_line_error(shardlm(kSmall + "--moe-imbalance 1.5"), {"--moe-imbalance", "no experts"});
+  const Result one = shardlm("simulate --model moe-tiny --batch 1 --seq 32 --ranks 2");
+  ASSERT_EQ(one.code, 0) << one.out;
+  EXPECT_NE(one.out.find("all-to-all: none (ep 1"), std::string::npos) << one.out;
+}
+
 // Per stream, the names of the slices of one step, in time order.
 std::map<int, std::vector<std::string>> stream_tasks(const fs::path& trace, int pid, int step) {
   const json t = json::parse(std::ifstream(trace));

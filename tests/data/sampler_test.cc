@@ -25,9 +25,9 @@ struct Batch {
   bool operator==(const Batch&) const = default;
 };
 
-Batch sample(const TokenShard& s, uint64_t seed, int64_t step, int64_t micro, int64_t first, int64_t num, int64_t T) {
+Batch sample(const TokenShard& s, uint64_t seed, int64_t step, int64_t first, int64_t num, int64_t T) {
   Batch b{std::vector<int32_t>(static_cast<size_t>(num * T)), std::vector<int32_t>(static_cast<size_t>(num * T))};
-  sample_batch(s, seed, step, micro, first, num, T, b.in.data(), b.tg.data());
+  sample_batch(s, seed, step, first, num, T, b.in.data(), b.tg.data());
   return b;
 }
 
@@ -35,13 +35,13 @@ TEST(Sampler, DeterministicAndWindowed) {
   TempDir dir;
   const TokenShard s = make_shard(dir, 10000);
   const int64_t B = 8, T = 64;
-  const Batch a = sample(s, 1234, 5, 2, 0, B, T);
-  EXPECT_EQ(a, sample(s, 1234, 5, 2, 0, B, T));
-  EXPECT_NE(a, sample(s, 1235, 5, 2, 0, B, T));
-  EXPECT_NE(a, sample(s, 1234, 6, 2, 0, B, T));
-  EXPECT_NE(a, sample(s, 1234, 5, 3, 0, B, T));
+  const Batch a = sample(s, 1234, 5, 0, B, T);
+  EXPECT_EQ(a, sample(s, 1234, 5, 0, B, T));
+  EXPECT_NE(a, sample(s, 1235, 5, 0, B, T));
+  EXPECT_NE(a, sample(s, 1234, 6, 0, B, T));
+  EXPECT_NE(a, sample(s, 1234, 5, B, B, T));
   for (int64_t i = 0; i < B; ++i) {
-    const auto off = static_cast<int64_t>(sample_offset(1234, 5, 2, i, s.size(), T));
+    const auto off = static_cast<int64_t>(sample_offset(1234, 5, i, s.size(), T));
     ASSERT_LT(off, s.size() - T);
     for (int64_t t = 0; t < T; ++t) {
       ASSERT_EQ(a.in[i * T + t], s[off + t]);
@@ -50,20 +50,25 @@ TEST(Sampler, DeterministicAndWindowed) {
   }
 }
 
+// N ranks with micro-batches of B read, per micro-step, what one process with batch N B reads;
+// and rank r's micro-batch m is micro-batch m N + r of one process with batch B and N times the
+// micro-steps (its routing groups are the ranks').
 TEST(Sampler, RanksSplitTheGlobalBatch) {
   TempDir dir;
   const TokenShard s = make_shard(dir, 5000);
-  const int64_t N = 4, B = 3, T = 16;
+  const int64_t N = 4, B = 3, T = 16, A = 2;
   for (int64_t step = 0; step < 3; ++step) {
-    for (int64_t micro = 0; micro < 2; ++micro) {
-      const Batch full = sample(s, 42, step, micro, 0, N * B, T);
+    for (int64_t micro = 0; micro < A; ++micro) {
+      const Batch full = sample(s, 42, step, first_sequence(micro, 0, 1, N * B), N * B, T);
       for (int64_t r = 0; r < N; ++r) {
-        const Batch part = sample(s, 42, step, micro, r * B, B, T);
+        const Batch part = sample(s, 42, step, first_sequence(micro, r, N, B), B, T);
         const auto lo = static_cast<size_t>(r * B * T), hi = static_cast<size_t>((r + 1) * B * T);
         EXPECT_EQ(part.in, std::vector<int32_t>(full.in.begin() + lo, full.in.begin() + hi));
         EXPECT_EQ(part.tg, std::vector<int32_t>(full.tg.begin() + lo, full.tg.begin() + hi));
+        EXPECT_EQ(part, sample(s, 42, step, first_sequence(micro * N + r, 0, 1, B), B, T));
       }
     }
+    EXPECT_NE(sample(s, 42, step, first_sequence(0, 0, 1, B), B, T), sample(s, 42, step, first_sequence(1, 0, 1, B), B, T));
   }
 }
 
@@ -71,13 +76,13 @@ TEST(Sampler, OffsetsCoverTheRangeEvenly) {
   TempDir dir;
   // With T + 1 tokens the only window is at 0; with T + 2 there are two.
   const TokenShard tight = make_shard(dir, 17, "tight.bin");
-  for (int j = 0; j < 20; ++j) EXPECT_EQ(sample_offset(9, 0, 0, j, tight.size(), 16), 0u);
+  for (int j = 0; j < 20; ++j) EXPECT_EQ(sample_offset(9, 0, j, tight.size(), 16), 0u);
   std::set<uint64_t> seen;
-  for (int j = 0; j < 50; ++j) seen.insert(sample_offset(9, 0, 0, j, 18, 16));
+  for (int j = 0; j < 50; ++j) seen.insert(sample_offset(9, 0, j, 18, 16));
   EXPECT_EQ(seen, (std::set<uint64_t>{0, 1}));
   // 10 buckets, 20000 draws: each bucket near 2000.
   std::vector<int> hist(10);
-  for (int j = 0; j < 20000; ++j) ++hist[sample_offset(7, j / 100, j % 3, j, 1010, 10) / 100];
+  for (int j = 0; j < 20000; ++j) ++hist[sample_offset(7, j / 100, j, 1010, 10) / 100];
   for (int h : hist) {
     EXPECT_GT(h, 1700);
     EXPECT_LT(h, 2300);
@@ -89,14 +94,14 @@ TEST(Sampler, ErrorsOnAShardTooShort) {
   const TokenShard s = make_shard(dir, 16);
   std::vector<int32_t> in(16), tg(16);
   try {
-    sample_batch(s, 0, 0, 0, 0, 1, 16, in.data(), tg.data());
+    sample_batch(s, 0, 0, 0, 1, 16, in.data(), tg.data());
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(dir.file("s.bin")), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("fewer than T + 1 = 17"), std::string::npos) << e.what();
   }
-  EXPECT_NO_THROW(sample_batch(s, 0, 0, 0, 0, 1, 15, in.data(), tg.data()));
-  EXPECT_THROW(sample_batch(s, 0, 0, 0, 0, 1, 0, in.data(), tg.data()), std::invalid_argument);
+  EXPECT_NO_THROW(sample_batch(s, 0, 0, 0, 1, 15, in.data(), tg.data()));
+  EXPECT_THROW(sample_batch(s, 0, 0, 0, 1, 0, in.data(), tg.data()), std::invalid_argument);
   EXPECT_THROW(eval_window(s, 0, 16, in.data(), tg.data()), std::runtime_error);
 }
 

@@ -213,7 +213,7 @@ TEST(TokenShard, TruncatedWhileOpenIsAClearError) {
   write_token_shard(path, tokens);
   TokenShard s(path);
   std::vector<int32_t> in(4 * 64), tg(4 * 64);
-  ASSERT_NO_THROW(sample_batch(s, 1, 0, 0, 0, 4, 64, in.data(), tg.data()));
+  ASSERT_NO_THROW(sample_batch(s, 1, 0, 0, 4, 64, in.data(), tg.data()));
   std::filesystem::resize_file(path, 1024 + 2 * 10);  // 10 tokens left of 5000
   auto expect_clear = [&](auto&& read) {
     try {
@@ -227,7 +227,7 @@ TEST(TokenShard, TruncatedWhileOpenIsAClearError) {
       EXPECT_EQ(m.find('\n'), std::string::npos) << m;
     }
   };
-  expect_clear([&] { sample_batch(s, 1, 1, 0, 0, 4, 64, in.data(), tg.data()); });
+  expect_clear([&] { sample_batch(s, 1, 1, 0, 4, 64, in.data(), tg.data()); });
   expect_clear([&] { eval_batch(s, 10, 2, 64, in.data(), tg.data()); });
   expect_clear([&] { s.validate_tokens(1000); });
   // Reopening checks the header against the new size.

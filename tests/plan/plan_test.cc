@@ -631,9 +631,10 @@ TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
   EXPECT_EQ(d.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=1");
   EXPECT_EQ(d.shard_size, 1);
   EXPECT_EQ(d.replicate_axes(), (std::vector<int>{0, 1}));
-  for (const Task& t : d.tasks) {
+  for (const Task& t : d.tasks) {  // dense buckets over every rank; the experts' over their replicas
     if (t.op == Op::all_reduce) {
-      EXPECT_EQ(d.mesh.group_size(t.axes), 4);
+      const bool experts = moe.units[t.first_unit].kind == model::UnitKind::moe_experts;
+      EXPECT_EQ(d.mesh.group_size(t.axes), experts ? 2 : 4);
     }
   }
   c.strategy = Strategy::fsdp, c.world = 6, c.ep = 4;  // ep must divide the ranks
@@ -644,6 +645,46 @@ TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
   EXPECT_THROW(build_plan(moe, c), std::invalid_argument);
   c.ep = 2;  // and needs experts
   EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+}
+
+// With --ep K a rank holds, of every kind of the experts' state, only a part of its own ep slice
+// (its E/K experts): 1/K of what ep 1 holds where that was whole, the same where it was already
+// sharded over all ranks. Its gathers and reductions run over the ranks that hold the same
+// experts, and DDP reduces it in a bucket of its own.
+TEST(Plan, ExpertsAreHeldAsEachExpertRanksSlice) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
+  const int K = 2;
+  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid}) {
+    PlanConfig c;
+    c.strategy = s, c.world = 8, c.shard_group = 4;
+    const Plan one = build_plan(moe, c);
+    c.ep = K;
+    const Plan p = build_plan(moe, c);
+    const int ep = p.mesh.find(kExpert);
+    for (size_t x = 0; x < moe.units.size(); ++x) {
+      const int u = static_cast<int>(x);
+      const bool experts = moe.units[x].kind == model::UnitKind::moe_experts;
+      for (StateKind k : {StateKind::params, StateKind::grads, StateKind::optimizer}) {
+        const Placement& where = p.placed(k, u);
+        const int64_t whole = p.layout.units[x].padded, before = one.held_elems(k, u);
+        EXPECT_EQ(p.held_elems(k, u), experts && before == whole ? whole / K : before) << to_string(s) << " " << to_string(k);
+        if (!experts) continue;
+        for (int r = 0; r < 8; ++r)  // the part lies in the rank's ep slice
+          EXPECT_EQ(p.part_index(k, u, r) / (where.parts / K), p.mesh.coords(r)[ep]) << to_string(s) << " rank " << r;
+      }
+      if (!experts) continue;
+      for (const Task& t : p.tasks) {
+        const bool mine = t.unit == u || (t.first_unit >= 0 && t.first_unit <= u && u <= t.last_unit) ||
+                          (t.first_unit >= 0 && t.last_unit <= u && u <= t.first_unit);
+        if (!mine || t.stream == kCompute || t.op == Op::exchange) continue;
+        EXPECT_EQ(std::count(t.axes.begin(), t.axes.end(), ep), 0) << to_string(s) << " " << t.name(&moe);
+        if (t.op == Op::all_reduce && t.first_unit >= 0) EXPECT_EQ(t.first_unit, t.last_unit) << to_string(s);
+      }
+      for (const BufferDesc& b : p.buffers)
+        if (b.unit == u && (b.role == Role::gathered || b.role == Role::full_grads))
+          EXPECT_EQ(b.bytes, 4 * p.layout.units[x].padded / K) << to_string(s) << " " << b.name;
+    }
+  }
 }
 
 // A MoE block's pass is three stages; with ep 2 an exchange over ep (on a stream of its own) feeds

@@ -2,7 +2,7 @@
 """Reads a Hugging Face model directory the way transformers' from_pretrained does — config.json,
 then model.safetensors or model.safetensors.index.json and the files its weight_map names —
 loads the tensors by their Hugging Face names into the PyTorch reference model of config.json's
-model_type (gpt2_reference.GPT2, llama_reference.Llama), runs a forward and compares its logits
+model_type (gpt2_reference.GPT2, llama_reference.Llama, mixtral_reference.Mixtral), runs a forward and compares its logits
 with shardlm's.
 
   hf_export_check.py --model-dir DIR --batch BATCH.safetensors --logits SHARDLM.safetensors --tol TOL
@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import gpt2_reference  # noqa: E402
 import llama_reference  # noqa: E402
+import mixtral_reference  # noqa: E402
 from reference_common import load_safetensors  # noqa: E402
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -104,9 +105,17 @@ def main(argv=None):
         model = gpt2_reference.GPT2(gpt2_reference.GPT2Config.from_json(config_path))
     elif kind == "llama":
         model = llama_reference.Llama(llama_reference.LlamaConfig.from_json(config_path))
+    elif kind == "mixtral":
+        try:
+            model = mixtral_reference.Mixtral(mixtral_reference.MixtralConfig.from_json(config_path))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     else:
-        raise SystemExit(f"{config_path}: model_type {kind!r} is neither gpt2 nor llama")
-    model.load_numpy_(load_weights(args.model_dir))
+        raise SystemExit(f"{config_path}: model_type {kind!r} is not gpt2, llama or mixtral")
+    try:
+        model.load_numpy_(load_weights(args.model_dir))
+    except ValueError as e:  # names or shapes not the model's
+        raise SystemExit(f"{args.model_dir}: {e}") from None
     if config.get("shardlm_tokenizer") == "gpt2" or os.path.exists(os.path.join(args.model_dir, "vocab.json")):
         check_gpt2_tokenizer(args.model_dir, 50257)
 

@@ -391,40 +391,74 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
 namespace shardlm {
 namespace {
 
-// A mixture-of-experts model (moe-tiny; each block borrows its experts unit) under ddp and fsdp at
-// 2 ranks, --batch 2 --grad-accum 2, against one process with --batch 4 --grad-accum 2: the same
-// sequences. Routing groups are micro-batches, so the one process routes groups of 4 sequences
-// where the ranks route 2; dropless routing and the z-loss (a mean over equal groups) do not
-// depend on that, the load-balancing loss does, so its coefficient is 0 here (its gradient is
-// checked against PyTorch in tests/train/moe_parity_test.cc).
+// A mixture-of-experts model (moe-tiny; each block borrows its experts unit) at 2 and 4 ranks
+// (--batch 4/ranks --grad-accum 2), under ddp, fsdp and hybrid, with and without expert
+// parallelism, against one process with --batch 4/ranks and --grad-accum 2 × ranks: the same
+// sequences in the same routing groups (a rank's micro-batch is one of the process's micro-steps,
+// data/sampler.h), so the load-balancing loss, the z-loss and, with --capacity-factor, the
+// dropped tokens are the same. Losses over 10 steps and the final parameters within 1e-5.
 //
-// With --ep K the ranks of an expert group run E / K experts each: the routed rows travel to their
-// experts and back through the exchanges between the block's stages (all_to_all_v over ep), whose
-// bytes the trace records.
+// With --ep K the ranks of an expert group run E / K experts each and hold only those experts'
+// state (the allocator's figures are the plan's): the routed rows travel to their experts and
+// back through the exchanges between the block's stages (all_to_all_v over ep), whose bytes the
+// trace records.
 TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
-  const std::string moe = " --grad-accum 2 --aux-loss-coef 0";
-  const auto single = shardlm(args("moe_single", 4, "moe-tiny") + moe);
-  ASSERT_EQ(single.code, 0) << single.out;
-  const auto want = step_losses(dir_ / "moe_single" / "metrics.jsonl");
-  ASSERT_EQ(want.size(), 5u);
-  ckpt::SafetensorsFile a(testing::exported_weights(dir_ / "moe_single" / "ckpt" / "step_5").string());
+  constexpr int kSteps = 10;
   struct Layout {
     std::string name;
     int ranks;
-    std::string flags;
+    std::string strategy;
+    int ep = 1, shard_group = 0;
+    std::string capacity = "";  // --capacity-factor ("": dropless)
+    std::string flags() const {
+      return " --grad-accum 2 --strategy " + strategy + " --ep " + std::to_string(ep) +
+             (shard_group > 0 ? " --shard-group " + std::to_string(shard_group) : "") +
+             (capacity.empty() ? "" : " --capacity-factor " + capacity);
+    }
   };
   const std::vector<Layout> layouts = {
-      {"ddp", 2, "--strategy ddp"},
-      {"fsdp", 2, "--strategy fsdp"},
-      {"ddp_ep2", 2, "--strategy ddp --ep 2"},
-      {"fsdp_ep2", 2, "--strategy fsdp --ep 2"},
-      {"fsdp_ep2_np4", 4, "--strategy fsdp --ep 2"},
-      {"ddp_ep4_np4", 4, "--strategy ddp --ep 4"},
-      {"hybrid_ep2_np4", 4, "--strategy hybrid --shard-group 2 --ep 2"}};
+      {"ddp", 2, "ddp"},
+      {"fsdp", 2, "fsdp"},
+      {"ddp_ep2", 2, "ddp", 2},
+      {"fsdp_ep2", 2, "fsdp", 2},
+      {"fsdp_ep2_np4", 4, "fsdp", 2},
+      {"ddp_ep4_np4", 4, "ddp", 4},
+      {"hybrid_ep2_np4", 4, "hybrid", 2, 2},
+      {"ddp_ep2_cap", 2, "ddp", 2, 0, "1.0"},
+      {"fsdp_ep2_cap", 2, "fsdp", 2, 0, "1.0"},
+      {"fsdp_ep2_np4_cap", 4, "fsdp", 2, 0, "1.0"},
+      {"ddp_ep4_np4_cap", 4, "ddp", 4, 0, "1.0"}};
   for (const Layout& l : layouts) {
     const std::string s = l.name;
+    model::ModelConfig config = model::model_preset("moe-tiny", 256);
+    if (!l.capacity.empty()) config.capacity_factor = std::stod(l.capacity);
+    const model::ModelDesc desc = model::describe(config);
+    // The one process routing the same groups: a micro-step per rank and micro-step.
+    const std::string single = "moe_single_np" + std::to_string(l.ranks) + (l.capacity.empty() ? "" : "_cap");
+    if (!fs::exists(dir_ / single / "metrics.jsonl")) {
+      const auto r = shardlm(runs_.args(single, kSteps, 4 / l.ranks, "moe-tiny") + " --grad-accum " +
+                             std::to_string(2 * l.ranks) +
+                             (l.capacity.empty() ? "" : " --capacity-factor " + l.capacity));
+      ASSERT_EQ(r.code, 0) << r.out;
+    }
+    // Each rank holds its ep slice of the experts (a part of it): the allocator's state bytes are
+    // the plan's, and the experts' part is 1/ep of what ep 1 holds where that held them whole.
+    plan::PlanConfig pc = plan_config(l.strategy, l.ranks, 4 / l.ranks);
+    pc.grad_accum = 2, pc.shard_group = l.shard_group;
+    pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
+      return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
+                                     count, elem == 2 ? DType::bf16 : DType::fp32, group);
+    };
+    const plan::Plan one = plan::build_plan(desc, pc);
+    pc.ep = l.ep;
+    const plan::Plan p = plan::build_plan(desc, pc);
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      if (desc.units[u].kind == model::UnitKind::moe_experts && l.strategy == "ddp")
+        for (plan::StateKind k : {plan::StateKind::params, plan::StateKind::grads, plan::StateKind::optimizer})
+          EXPECT_EQ(p.held_elems(k, static_cast<int>(u)) * l.ep, one.held_elems(k, static_cast<int>(u))) << s;
+
     const fs::path trace = dir_ / ("moe_" + s + ".json");
-    const auto r = mpirun(l.ranks, args("moe_" + s, 4 / l.ranks, "moe-tiny") + moe + " " + l.flags + " --trace " +
+    const auto r = mpirun(l.ranks, runs_.args("moe_" + s, kSteps, 4 / l.ranks, "moe-tiny") + l.flags() + " --trace " +
                                        trace.string());
     ASSERT_EQ(r.code, 0) << r.out;
     std::ifstream tf(trace);
@@ -432,18 +466,40 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     const nlohmann::json events = nlohmann::json::parse(tf);
     for (const auto& e : events["traceEvents"])
       if (e["name"].get<std::string>().rfind("exchange ", 0) == 0) ++exchanges, moved += e["args"]["bytes moved"].get<int64_t>();
-    const bool ep = l.flags.find("--ep") != std::string::npos;
-    EXPECT_EQ(exchanges > 0, ep) << s;
-    EXPECT_EQ(moved > 0, ep) << s << ": routed rows travel to the other ranks' experts";
-    const auto got = step_losses(dir_ / ("moe_" + s) / "metrics.jsonl");
-    ASSERT_EQ(got.size(), 5u);
-    for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << s << " step " << i;
-    for (const auto& row : testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl")) {
+    EXPECT_EQ(exchanges > 0, l.ep > 1) << s;
+    EXPECT_EQ(moved > 0, l.ep > 1) << s << ": routed rows travel to the other ranks' experts";
+
+    const MemSnapshot want_mem = p.max_memory();
+    const auto want = testing::read_metrics(dir_ / single / "metrics.jsonl");
+    const auto got = testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl");
+    int steps = 0;
+    for (size_t i = 0, j = 0; i < got.size(); ++i) {
+      const auto& row = got[i];
       if (!row.contains("loss")) continue;
-      EXPECT_TRUE(row.contains("aux_loss") && row.contains("z_loss") && row.contains("expert_load_max")) << row.dump();
-      EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0);
+      while (j < want.size() && !want[j].contains("loss")) ++j;
+      ASSERT_LT(j, want.size());
+      const auto& ref = want[j++];
+      ++steps;
+      const std::string at = s + " step " + row["step"].dump();
+      for (const char* key : {"loss", "aux_loss", "z_loss"})
+        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
+      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
+        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
+      if (l.capacity.empty()) EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << at;
+      const auto& held = row["mem_between_steps"];
+      EXPECT_EQ(held["params"].get<int64_t>(), p.static_memory.params) << at;
+      EXPECT_EQ(held["grads"].get<int64_t>(), p.static_memory.grads) << at;
+      EXPECT_EQ(held["optimizer"].get<int64_t>(), p.static_memory.optimizer) << at;
+      for (int c = 0; c < kNumMemCategories; ++c) {
+        const auto cat = static_cast<MemCategory>(c);
+        const double used = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want_mem.bytes[c]);
+        EXPECT_NEAR(used, planned, 0.01 * planned) << at << " " << to_string(cat);
+      }
     }
-    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / "step_5").string());
+    EXPECT_EQ(steps, kSteps) << s;
+
+    ckpt::SafetensorsFile a(testing::exported_weights(dir_ / single / "ckpt" / ("step_" + std::to_string(kSteps))).string());
+    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / ("step_" + std::to_string(kSteps))).string());
     int tensors = 0;
     for (const auto& tensor : a.names()) {
       const int64_t n = a.info(tensor).numel();
@@ -457,6 +513,42 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     }
     EXPECT_EQ(tensors, 2 * 4 * 3) << "every expert weight of both blocks is checked";
   }
+  // Capacity 1.0 drops tokens in these runs (else the _cap layouts would prove nothing more).
+  double dropped = 0;
+  for (const auto& row : testing::read_metrics(dir_ / "moe_single_np2_cap" / "metrics.jsonl"))
+    if (row.contains("dropped_frac")) dropped += row["dropped_frac"].get<double>();
+  EXPECT_GT(dropped, 0.0);
+}
+
+// A mixture-of-experts checkpoint written at one rank count and expert-parallel degree resumes
+// at another (the sharded files load N -> M, experts included) and continues the uninterrupted
+// run: saved at 2 ranks (fsdp, ep 2), resumed at 1; saved at 4 ranks (fsdp, ep 4), resumed at 2
+// (fsdp, ep 2). The global batch is the same throughout; the load-balancing loss, which depends
+// on the routing groups (one rank's micro-batch), is off.
+TEST_F(DistributedSlow, MixtureOfExpertsResumesAtAnotherRankCount) {
+  const std::string base = " --steps 6 --save-every 3 --aux-loss-coef 0";
+  auto run = [&](int ranks, const std::string& name, const std::string& extra) {
+    const std::string a = args(name, 4 / ranks, "moe-tiny") + base + extra;
+    const auto r = ranks == 1 ? shardlm(a) : mpirun(ranks, a);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  run(1, "moe_resume_full", "");
+  const auto full = step_losses(dir_ / "moe_resume_full" / "metrics.jsonl");
+  ASSERT_EQ(full.size(), 6u);
+  auto expect_continues = [&](const std::string& name, size_t from) {
+    const auto got = step_losses(dir_ / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 6 - from) << name;
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], full[from + i], 1e-5 * std::fabs(full[from + i])) << name << " step " << from + i;
+  };
+  run(2, "moe_resume_np2", " --strategy fsdp --ep 2");
+  expect_continues("moe_resume_np2", 0);
+  run(1, "moe_resume_np2_to_1", " --resume " + (dir_ / "moe_resume_np2" / "ckpt" / "step_3").string());
+  expect_continues("moe_resume_np2_to_1", 3);
+  run(4, "moe_resume_np4", " --strategy fsdp --ep 4");
+  expect_continues("moe_resume_np4", 0);
+  run(2, "moe_resume_np4_to_2", " --strategy fsdp --ep 2 --resume " + (dir_ / "moe_resume_np4" / "ckpt" / "step_3").string());
+  expect_continues("moe_resume_np4_to_2", 3);
 }
 
 }  // namespace

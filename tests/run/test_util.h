@@ -49,9 +49,10 @@ inline Result mpirun(int n, const std::string& args, const std::string& mpi_opti
 inline Result shardlm(const std::string& args) { return run_command(shardlm_binary() + " " + args); }
 
 // A step directory's weights in the whole Hugging Face form: `shardlm ckpt export` into
-// STEP_DIR.hf; returns the path of its model.safetensors.
+// STEP_DIR.hf (once; a later call reads that export); returns the path of its model.safetensors.
 inline std::filesystem::path exported_weights(const std::filesystem::path& step_dir) {
   const std::filesystem::path out = step_dir.string() + ".hf";
+  if (std::filesystem::exists(out / "model.safetensors")) return out / "model.safetensors";
   const Result r = shardlm("ckpt export --format hf --ckpt " + step_dir.string() + " --out " + out.string());
   if (r.code != 0) throw std::runtime_error("ckpt export failed: " + r.out);
   return out / "model.safetensors";

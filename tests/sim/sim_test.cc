@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <tuple>
 
@@ -210,6 +211,62 @@ TEST(Cost, AllToAllPaysALatencyPerPeer) {
   EXPECT_DOUBLE_EQ(cost.all_to_all_seconds(bytes, 8, false), 3e-6 * 7 + bytes * 7 / 8 / 250e9);
   EXPECT_DOUBLE_EQ(cost.all_to_all_seconds(bytes, 16, true), 7e-6 * 15 + bytes * 15 / 16 / 30e9);
   EXPECT_EQ(cost.all_to_all_seconds(bytes, 1, false), 0);
+}
+
+// The busiest rank of an expert group takes expert_load times the mean: its expert stage and its
+// exchanges are priced at that load (capped at ep), everything else as balanced; ep 1 is balanced.
+TEST(Cost, ExpertLoadScalesTheBusiestRanksExpertSideAndExchanges) {
+  const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny"));
+  const HardwareProfile hw = preset("h100-80gb");
+  PlanConfig c = for_hardware(PlanConfig{}, hw);
+  c.world = 4, c.ep = 4, c.batch = 2, c.seq = 64;  // one expert per rank: the rank's load is its expert's
+  const Plan plan = plan::build_plan(desc, c);
+  const CostModel even(desc, plan, hw, 1), skewed(desc, plan, hw, 1, 1.5), beyond(desc, plan, hw, 1, 9);
+  int exchanges = 0, expert_stages = 0;
+  for (const plan::Task& t : plan.tasks) {
+    const double a = even.seconds(t), b = skewed.seconds(t);
+    if (t.op == Op::exchange) {
+      ++exchanges;
+      const model::UnitCosts u1 = desc.costs(t.unit, {c.batch, c.seq, 4, 1, 4}),
+                             u15 = desc.costs(t.unit, {c.batch, c.seq, 4, 1, 4, 1.5});
+      EXPECT_EQ(t.bytes, u1.exchanges[t.stage].expected_bytes);  // the plan carries balanced bytes
+      EXPECT_GT(u15.exchanges[t.stage].expected_bytes, t.bytes);
+      const double want = even.all_to_all_seconds(static_cast<double>(u15.exchanges[t.stage].expected_bytes), 4,
+                                                  even.crosses_nodes(t));
+      EXPECT_NEAR(b, want, 1e-12);
+      // At most the planned bound: every row on one rank.
+      EXPECT_LE(beyond.seconds(t), even.all_to_all_seconds(static_cast<double>(u1.exchanges[t.stage].bound_bytes), 4,
+                                                            even.crosses_nodes(t)) + 1e-12);
+    } else if (t.stream == plan::kCompute && t.stage == 1) {
+      ++expert_stages;
+      EXPECT_NEAR(b, 1.5 * a, 1e-9 * a);
+    } else {
+      EXPECT_DOUBLE_EQ(a, b) << t.name(&desc, 0);
+    }
+  }
+  EXPECT_GT(exchanges, 0);
+  EXPECT_GT(expert_stages, 0);
+  const SimResult r1 = simulate(desc, plan, hw, 1), r15 = simulate(desc, plan, hw, 1, 1.5);
+  EXPECT_GT(r1.exchange_busy_ms, 0);
+  EXPECT_LE(r1.exchange_busy_ms, r1.comm_busy_ms + 1e-9);
+  EXPECT_GT(r1.exchange_exposed_ms, 0);
+  EXPECT_LE(r1.exchange_exposed_ms, r1.comm_exposed_ms + 1e-9);
+  // Longer, but not 1.5 times: each exchange pays its latencies whatever its bytes.
+  EXPECT_GT(r15.exchange_busy_ms, r1.exchange_busy_ms);
+  EXPECT_LT(r15.exchange_busy_ms, 1.5 * r1.exchange_busy_ms);
+  EXPECT_GT(r15.step_ms, r1.step_ms);
+  // Two experts per rank: the hottest at 3 times the mean beside one at the mean is twice the mean.
+  c.ep = 2;
+  const Plan pairs = plan::build_plan(desc, c);
+  const CostModel pair_even(desc, pairs, hw, 1), pair_hot(desc, pairs, hw, 1, 3);
+  for (const plan::Task& t : pairs.tasks)
+    if (t.stream == plan::kCompute && t.stage == 1) EXPECT_NEAR(pair_hot.seconds(t), 2 * pair_even.seconds(t), 1e-9);
+  // One rank runs every expert: its load is the mean whatever the routing, and nothing is exchanged.
+  c.ep = 1;
+  const Plan whole = plan::build_plan(desc, c);
+  const SimResult w1 = simulate(desc, whole, hw, 1), w2 = simulate(desc, whole, hw, 1, 2);
+  EXPECT_EQ(w1.step_ms, w2.step_ms);
+  EXPECT_EQ(w1.exchange_busy_ms, 0);
 }
 
 // Every preset prices an all-to-all on both tiers, each figure with its source; a profile
@@ -589,6 +646,23 @@ TEST(Planner, SearchesBf16CollectivesOnBf16ProfilesOnly) {
       EXPECT_GT(bf16, 0);
     }
   }
+}
+
+// A mixture-of-experts model's search tries each ep that divides its experts and the ranks, and
+// the flags of an ep > 1 candidate say so; a dense model's stays at ep 1.
+TEST(Planner, SearchesExpertParallelismForMixturesOfExperts) {
+  const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny"));  // 4 experts
+  PlanQuery q;
+  q.ranks = 4, q.seq = 32, q.global_tokens = 4 * 32, q.threads = 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  std::set<int> eps;
+  for (const Candidate& c : s.fitting) {
+    eps.insert(c.config.ep);
+    EXPECT_EQ(c.flags.find("--ep") != std::string::npos, c.config.ep > 1) << c.flags;
+  }
+  EXPECT_EQ(eps, (std::set<int>{1, 2, 4}));
+  const PlanSearch dense = search_plans(model::describe(model::model_preset("tiny")), PlanConfig{}, preset("h100-80gb"), q);
+  for (const Candidate& c : dense.fitting) EXPECT_EQ(c.config.ep, 1);
 }
 
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {

@@ -291,6 +291,44 @@ TEST(HfImport, RefusesBadDirectoriesAcceptsSavePretrainedNames) {
                      "save_pretrained names");
 }
 
+// A Mixtral directory whose expert tensors are missing or misshaped: one line naming the file
+// and the tensor; nothing written.
+TEST(HfImport, RefusesMissingOrMisshapedExperts) {
+  TempDir tmp("bad_moe");
+  const model::ModelConfig mc = model::model_preset("moe-tiny", 300);
+  Model m(mc, tmp.path);
+  const fs::path good = tmp.path / "good", bad = tmp.path / "bad", out = tmp.path / "out";
+  export_hf((tmp.path / "ckpt").string(), good.string(), {});
+  const std::string st = (bad / "model.safetensors").string();
+  const std::string e1 = "model.layers.1.block_sparse_moe.experts.1.", e0 = "model.layers.0.block_sparse_moe.experts.0.";
+  auto expect_refused = [&](const std::string& what, const std::string& name) {
+    const std::string e = import_error(bad, out);
+    EXPECT_NE(e.find(st), std::string::npos) << what << ": " << e;
+    EXPECT_NE(e.find(name), std::string::npos) << what << ": " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << what << ": " << e;
+    EXPECT_FALSE(fs::exists(out)) << what;
+    std::cout << what << ": " << e << "\n";
+    fs::remove_all(bad);
+  };
+  rewrite(good, bad, [&](auto& t) { t.erase(e1 + "w2.weight"); });
+  expect_refused("missing w2", e1 + "w2.weight");
+  rewrite(good, bad, [&](auto& t) { std::swap(t[e0 + "w1.weight"].shape[0], t[e0 + "w1.weight"].shape[1]); });
+  expect_refused("w1 transposed", e0 + "w1.weight");
+  rewrite(good, bad, [&](auto& t) {
+    Raw& w3 = t[e1 + "w3.weight"];
+    w3.shape[0] /= 2;
+    w3.bytes.resize(w3.bytes.size() / 2);
+  });
+  expect_refused("w3 half its rows", e1 + "w3.weight");
+  rewrite(good, bad, [&](auto& t) { t.erase("model.layers.0.block_sparse_moe.gate.weight"); });
+  expect_refused("missing router", "model.layers.0.block_sparse_moe.gate.weight");
+  rewrite(good, bad, [&](auto& t) { t["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = t[e0 + "w1.weight"]; });
+  expect_refused("a fifth expert", "experts.4.w1.weight");
+  // A dense LLaMA MLP in place of a block's experts.
+  rewrite(good, bad, [&](auto& t) { t["model.layers.0.mlp.gate_proj.weight"] = t[e0 + "w1.weight"]; });
+  expect_refused("a dense MLP", "model.layers.0.mlp.gate_proj.weight");
+}
+
 // The weights' files are exactly what they say (issue 25): bytes after the last tensor, and a
 // tensor in a file the index places in another, were imported without a word.
 TEST(HfImport, SafetensorsLayoutAndWeightMapAreExact) {
@@ -356,6 +394,70 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   EXPECT_EQ(tc["eos_token"], "<|endoftext|>");
 }
 
+// A mixture-of-experts model exports as Hugging Face Mixtral: MixtralConfig's keys, the router
+// block_sparse_moe.gate (E, C) and each expert's w1 (F, C) gate, w3 (F, C) up and w2 (C, F) down
+// as tensors of their own, each the checkpoint's values bit for bit (the reference reads them by
+// these names in HfExport.ReferenceReadsItImportGivesItBack/moe).
+TEST(HfExportMixtral, NamesLayoutAndConfigAreMixtrals) {
+  TempDir tmp("mixtral");
+  const model::ModelConfig mc = model::model_preset("moe-tiny", 300);
+  Model m(mc, tmp.path);
+  const fs::path out = tmp.path / "hf";
+  export_hf((tmp.path / "ckpt").string(), out.string(), {});
+  const json config = json::parse(std::ifstream(out / "config.json"));
+  EXPECT_EQ(config["model_type"], "mixtral");
+  EXPECT_EQ(config["architectures"][0], "MixtralForCausalLM");
+  EXPECT_EQ(config["num_local_experts"], mc.n_experts);
+  EXPECT_EQ(config["num_experts_per_tok"], mc.top_k);
+  EXPECT_EQ(config["intermediate_size"], mc.moe_ffn_dim);
+  EXPECT_FALSE(config.contains("shardlm_moe_every"));
+  const ckpt::SafetensorsFile f((out / "model.safetensors").string());
+  const int64_t C = mc.n_embd, E = mc.n_experts, F = mc.moe_ffn_dim;
+  std::map<std::string, std::vector<int64_t>> want;
+  for (int l = 0; l < mc.n_layer; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".block_sparse_moe.";
+    want[p + "gate.weight"] = {E, C};
+    for (int j = 0; j < E; ++j) {
+      const std::string e = p + "experts." + std::to_string(j) + ".";
+      want[e + "w1.weight"] = {F, C}, want[e + "w3.weight"] = {F, C}, want[e + "w2.weight"] = {C, F};
+    }
+    EXPECT_FALSE(f.has("model.layers." + std::to_string(l) + ".mlp.gate_proj.weight"));
+  }
+  for (const auto& [name, shape] : want) {
+    ASSERT_TRUE(f.has(name)) << name;
+    EXPECT_EQ(f.info(name).shape, shape) << name;
+  }
+  int64_t tensors = 0;
+  for (size_t u = 0; u < m.desc.units.size(); ++u)
+    for (const auto& p : m.desc.units[u].params) {
+      ++tensors;
+      ASSERT_TRUE(f.has(p.name)) << p.name;
+      const float* at = m.params() + m.plan.layout.units[u].offset + p.offset;
+      EXPECT_EQ(std::memcmp(f.data(p.name), at, 4 * p.exported_numel()), 0) << p.name;
+    }
+  EXPECT_EQ(static_cast<int64_t>(f.names().size()), tensors);
+}
+
+// Dense blocks between the MoE blocks (--moe-every 2) are no Hugging Face model: the export is
+// refused in one line before anything is written.
+TEST(HfExportMixtral, MoeEveryAboveOneIsRefused) {
+  TempDir tmp("moe_every");
+  model::ModelConfig mc = model::model_preset("moe-tiny", 300);
+  mc.moe_every = 2;
+  Model m(mc, tmp.path);
+  const fs::path out = tmp.path / "sub" / "hf";
+  try {
+    export_hf((tmp.path / "ckpt").string(), out.string(), {});
+    ADD_FAILURE() << "exported a model with moe_every 2";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("moe_every = 2"), std::string::npos) << what;
+    EXPECT_NE(what.find("no Hugging Face model type"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(tmp.path / "sub"));
+}
+
 model::ModelConfig llama(bool tied) {
   model::ModelConfig m = model::model_preset("llama-tiny", 300);
   m.tie_embeddings = tied;
@@ -364,7 +466,8 @@ model::ModelConfig llama(bool tied) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfExport,
                          ::testing::Values(Case{"gpt2", model::model_preset("tiny", 300)}, Case{"llama", llama(false)},
-                                           Case{"llama_tied", llama(true)}),
+                                           Case{"llama_tied", llama(true)},
+                                           Case{"moe", model::model_preset("moe-tiny", 300)}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
