@@ -8,8 +8,9 @@
 namespace shardlm::kernels {
 
 namespace {
-[[noreturn]] void missing(const Backend& b, const char* what) {
-  throw std::logic_error(std::string("backend ") + b.name() + " has no " + what + " (mixture of experts runs on the cpu backend)");
+[[noreturn]] void missing(const Backend& b, const char* what, const char* feature = "mixture of experts") {
+  throw std::logic_error(std::string("backend ") + b.name() + " has no " + what + " (" + feature +
+                         " runs on the cpu backend)");
 }
 }  // namespace
 
@@ -27,6 +28,19 @@ void Backend::grouped_dense_backward(float* dinp, float* const* dweight, const f
     if (const int64_t n = first[g + 1] - first[g]; n > 0)
       dense_backward(dinp ? dinp + first[g] * C : nullptr, dweight[g], dout + first[g] * OC, inp + first[g] * C,
                      weight[g], n, C, OC);
+}
+
+void Backend::attention_chunked_forward(float*, float*, const float*, int64_t, SeqChunks, const float*, const float*,
+                                        int64_t, SeqChunks, int64_t, int64_t, int64_t, int64_t, bool) const {
+  missing(*this, "attention_chunked_forward", "context parallelism");
+}
+int64_t Backend::attention_chunked_backward_scratch(int64_t, int) const {
+  missing(*this, "attention_chunked_backward_scratch", "context parallelism");
+}
+void Backend::attention_chunked_backward(float*, int64_t, float*, float*, int64_t, const float*, const float*, int64_t,
+                                         const float*, const float*, SeqChunks, const float*, const float*, int64_t,
+                                         SeqChunks, int64_t, int64_t, int64_t, int64_t, float*) const {
+  missing(*this, "attention_chunked_backward", "context parallelism");
 }
 
 void Backend::moe_router_probs(float*, float*, const float*, int64_t, int64_t) const { missing(*this, "moe_router_probs"); }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kernels/seq_chunks.h"
 #include "tensor/memory.h"
 
 namespace shardlm::kernels {
@@ -98,6 +99,19 @@ class Backend {
   virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                                   const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
                                   float* scratch) const = 0;
+
+  // Attention over sequence chunks (kernels/cpu.h's attention_chunked_*: context parallelism's
+  // ring steps and head-split form). Backends without them throw std::logic_error naming
+  // themselves (the CUDA backend has none yet).
+  virtual void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
+                                         const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
+                                         int64_t NH, int64_t NKV, int64_t HS, bool accumulate) const;
+  virtual int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const;
+  virtual void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv,
+                                          const float* dout, const float* q, int64_t ldq, const float* out,
+                                          const float* lse, SeqChunks qc, const float* k, const float* v,
+                                          int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
+                                          int64_t HS, float* scratch) const;
 
   // Language-model head fused with cross-entropy, `chunk` rows of logits at a time.
   virtual int64_t head_scratch(int64_t chunk, int64_t Vp) const = 0;

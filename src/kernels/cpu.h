@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "kernels/seq_chunks.h"
+
 namespace shardlm::kernels {
 
 // ---------------------------------------------------------------------------------------------
@@ -179,6 +181,33 @@ void attention_block_backward(const float* q, int64_t ldq, const float* dout, in
 // Drow (nq) = sum_d dout[i,d] * out[i,d].
 void attention_backward_rowdot(float* Drow, const float* dout, int64_t lddo, const float* out,
                                int64_t ldo, int64_t nq, int64_t HS);
+
+// --- Attention over sequence chunks (context parallelism: ring steps, head-split all-to-all).
+//
+// Queries q (B, qc.total()) rows of stride ldq, query head h at columns h*HS; keys k and values
+// v (B, kc.total()) rows of stride ldkv, key/value head g at columns g*HS of each. Masking is
+// causal by the chunks' absolute positions; a chunk pair the mask empties is skipped, not
+// computed. out (B, qc.total(), NH*HS) and lse (B, NH, qc.total()) as attention_forward's.
+
+// The attention of q over this key/value block. With `accumulate`, (out, lse) already hold the
+// result over earlier blocks and receive the merge of both (a row that has seen no key yet has
+// lse = -inf); else they are overwritten. Over all blocks of a sequence, in any order, it equals
+// attention_forward to rounding. Independent of the thread count.
+void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
+                               const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
+                               int64_t NH, int64_t NKV, int64_t HS, bool accumulate);
+
+// Floats of scratch attention_chunked_backward needs with up to `threads` OpenMP threads.
+int64_t attention_chunked_backward_scratch(int64_t HS, int threads);
+
+// This block's share of the backward, given the final out and lse over all blocks: dq (stride
+// lddq) +=, dk and dv (stride lddkv, laid out as k and v) +=. dout and out (B, qc.total(),
+// NH*HS). Parallel over (b, key/value head), so independent of the thread count.
+void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv,
+                                const float* dout, const float* q, int64_t ldq, const float* out,
+                                const float* lse, SeqChunks qc, const float* k, const float* v,
+                                int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
+                                int64_t HS, float* scratch);
 
 // ---------------------------------------------------------------------------------------------
 // Language-model head fused with cross-entropy

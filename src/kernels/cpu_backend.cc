@@ -113,6 +113,22 @@ class CpuBackend final : public Backend {
     kernels::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, scratch);
   }
 
+  void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc, const float* k,
+                                 const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
+                                 int64_t HS, bool accumulate) const override {
+    kernels::attention_chunked_forward(out, lse, q, ldq, qc, k, v, ldkv, kc, B, NH, NKV, HS, accumulate);
+  }
+  int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const override {
+    return kernels::attention_chunked_backward_scratch(HS, threads);
+  }
+  void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, const float* dout,
+                                  const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
+                                  const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
+                                  int64_t NKV, int64_t HS, float* scratch) const override {
+    kernels::attention_chunked_backward(dq, lddq, dk, dv, lddkv, dout, q, ldq, out, lse, qc, k, v, ldkv, kc, B, NH,
+                                        NKV, HS, scratch);
+  }
+
   int64_t head_scratch(int64_t chunk, int64_t Vp) const override { return kernels::head_scratch(chunk, Vp); }
   double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte, const int32_t* targets,
                                int64_t N, int64_t C, int64_t V, int64_t Vp, float grad_scale, int64_t chunk,
