@@ -148,6 +148,8 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
   cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
   cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->capture_default_str();
+  cmd->add_option("--cp", c.cp, "context parallel: ranks each sequence is split over (divides the ranks)")->capture_default_str();
+  cmd->add_option("--cp-impl", c.cp_impl, "context parallel attention: ring | all-to-all (heads split over cp)")->capture_default_str();
   cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->capture_default_str();
   cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
   cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();

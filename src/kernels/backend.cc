@@ -14,6 +14,12 @@ namespace {
 }
 }  // namespace
 
+void Backend::copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                        int64_t rows) const {
+  for (int64_t i = 0; i < rows; ++i)
+    copy(static_cast<char*>(dst) + i * dst_pitch, static_cast<const char*>(src) + i * src_pitch, row_bytes);
+}
+
 void Backend::grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
                                     int64_t groups, int64_t C, int64_t OC) const {
   for (int64_t g = 0; g < groups; ++g)

@@ -46,6 +46,10 @@ class Backend {
   virtual void download(void* host_dst, const void* src, size_t bytes) const = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) const = 0;
   virtual void zero(void* dst, size_t bytes) const = 0;
+  // `rows` rows of `row_bytes` each from src (rows `src_pitch` bytes apart) to dst (`dst_pitch`
+  // apart), within the backend's memory, in order with the kernels. By default one copy per row.
+  virtual void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                         int64_t rows) const;
   // Whether the host may read and write the backend's buffers directly (true on the CPU).
   virtual bool host_memory() const = 0;
 

@@ -25,6 +25,12 @@ class CpuBackend final : public Backend {
   void zero(void* dst, size_t bytes) const override {
     if (bytes > 0) std::memset(dst, 0, bytes);
   }
+  void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                 int64_t rows) const override {
+#pragma omp parallel for schedule(static) if (rows * row_bytes > (1 << 16))
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(static_cast<char*>(dst) + i * dst_pitch, static_cast<const char*>(src) + i * src_pitch, row_bytes);
+  }
   bool host_memory() const override { return true; }
 
   void init_compute(int threads) const override { kernels::init_compute(threads); }

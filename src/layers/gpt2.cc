@@ -1,7 +1,11 @@
 // GPT-2's unit kinds: token + position embedding, pre-LN block, final layer norm + tied head.
 #include <cstring>
 
+#include <stdexcept>
+#include <string>
+
 #include "kernels/backend.h"
+#include "layers/context.h"
 #include "layers/layers.h"
 
 namespace shardlm::layers {
@@ -35,14 +39,15 @@ float* mut(const float* p) { return const_cast<float*>(p); }
 
 struct Dims {
   int64_t B, T, BT, C, NH, HS, F;
+  int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
 };
 Dims dims(const UnitArgs& a) {
   const auto& c = a.desc->config;
-  return {a.B, a.T, a.B * a.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim};
+  return {a.B, a.T, a.B * a.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, a.cp};
 }
 Dims dims(const model::ModelDesc& d, const model::Shape& s) {
   const auto& c = d.config;
-  return {s.B, s.T, s.B * s.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim};
+  return {s.B, s.T, s.B * s.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, s.cp};
 }
 
 // Kept for the backward: GEMM outputs and attention statistics.
@@ -52,6 +57,7 @@ struct Saved {
   float* lse;   // (B, NH, T)
   float* res1;  // (B, T, C) residual after attention
   float* fch;   // (B, T, F) before GELU
+  float* out_split = nullptr;  // split over cp: this rank's heads' attention output (B, T·P, C / P)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -60,6 +66,7 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.fch = cv.take<float>(d.BT * d.F);
+  if (d.P > 1) s.out_split = cv.take<float>(d.BT * d.C);
   return s;
 }
 // Norms and pointwise activations: recomputed under selective recompute.
@@ -81,6 +88,7 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
 }
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dfch, *dfch_gelu, *attention;
+  float *dout_split = nullptr, *dqkv_split = nullptr;  // split over cp: the head split's gradients
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -90,19 +98,43 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   w.dfch = cv.take<float>(d.BT * d.F);
   w.dfch_gelu = cv.take<float>(d.BT * d.F);
   w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NH, d.HS, threads));
+  if (d.P > 1) {
+    w.dout_split = cv.take<float>(d.BT * d.C);
+    w.dqkv_split = cv.take<float>(d.BT * 3 * d.C);
+  }
   return w;
 }
+// Split over cp: this rank's rows' q|k|v before they go to the head split.
+float* carve_forward_ws(Carver& cv, const Dims& d) { return d.P > 1 ? cv.take<float>(d.BT * 3 * d.C) : nullptr; }
 
 // ---- embedding
 
+// Each chunk of this rank's rows takes the position embeddings of its positions in the sequence.
 void embedding_forward(const UnitArgs& a) {
   const auto p = embedding_view(*a.unit, a.params);
-  a.backend->embedding_forward(a.out, a.tokens, p.wte, p.wpe, a.B, a.T, a.desc->config.n_embd);
+  const int64_t C = a.desc->config.n_embd;
+  const context::Positions pos = context::positions(a);
+  if (pos.starts.size() == 1)
+    return a.backend->embedding_forward(a.out, a.tokens, p.wte, p.wpe + pos.starts[0] * C, a.B, a.T, C);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (size_t c = 0; c < pos.starts.size(); ++c) {
+      const int64_t row = b * a.T + static_cast<int64_t>(c) * pos.rows;
+      a.backend->embedding_forward(a.out + row * C, a.tokens + row, p.wte, p.wpe + pos.starts[c] * C, 1, pos.rows, C);
+    }
 }
 
 void embedding_backward(const UnitArgs& a) {
   const auto g = embedding_view(*a.unit, a.grads);
-  a.backend->embedding_backward(mut(g.wte), mut(g.wpe), a.dx, a.tokens, a.B, a.T, a.desc->config.n_embd);
+  const int64_t C = a.desc->config.n_embd;
+  const context::Positions pos = context::positions(a);
+  if (pos.starts.size() == 1)
+    return a.backend->embedding_backward(mut(g.wte), mut(g.wpe) + pos.starts[0] * C, a.dx, a.tokens, a.B, a.T, C);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (size_t c = 0; c < pos.starts.size(); ++c) {
+      const int64_t row = b * a.T + static_cast<int64_t>(c) * pos.rows;
+      a.backend->embedding_backward(mut(g.wte), mut(g.wpe) + pos.starts[c] * C, a.dx + row * C, a.tokens + row, 1,
+                                    pos.rows, C);
+    }
 }
 
 Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const model::UnitDesc&, const model::Shape&) {
@@ -111,13 +143,10 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 
 // ---- block
 
-// The block's forward up to (and without) the MLP's output projection: what a full recompute
-// reruns, with the same kernels on the same inputs, so the backward sees bitwise the same values.
-void block_forward_until_mlp_out(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                                 const Recomputable& r, const Dims& d) {
-  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
-  be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NH, d.HS);
+// From the attention output to the MLP's output projection's input: projection, residual, norm,
+// fc, GELU.
+void mlp_input_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                       const Recomputable& r, const Dims& d) {
   be.linear_forward(s.res1, s.atty, p.proj_w, p.proj_b, d.BT, d.C, d.C);
   be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
   be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
@@ -125,7 +154,49 @@ void block_forward_until_mlp_out(const kernels::Backend& be, const Block& p, con
   be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
 }
 
+void mlp_out_forward(const kernels::Backend& be, const Block& p, const UnitArgs& a, const Saved& s,
+                     const Recomputable& r, const Dims& d) {
+  be.linear_forward(a.out, r.fch_gelu, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
+  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+}
+
+// The block's forward up to (and without) the MLP's output projection: what a full recompute
+// reruns, with the same kernels on the same inputs, so the backward sees bitwise the same values.
+void block_forward_until_mlp_out(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                                 const Recomputable& r, const Dims& d) {
+  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
+  be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NH, d.HS);
+  mlp_input_forward(be, p, in, s, r, d);
+}
+
+// One stage of a pass split over cp (context.h); `out`: through the MLP's output projection (a
+// forward, not a full recompute).
+void split_forward_stage(const UnitArgs& a, bool out) {
+  if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
+  const kernels::Backend& be = *a.backend;
+  const Dims d = dims(a);
+  const Block p = block_view(*a.unit, a.params);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
+  const Saved s = carve_saved(cs, d);
+  const Recomputable r = carve_recomputable(cr, d);
+  float* qkv = carve_forward_ws(cw, d);
+  const context::Split sp = context::split_of(a);
+  if (a.stage == 0) {
+    be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+    be.linear_forward(qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+    context::send_qkv(be, a.send, qkv, sp);
+  } else if (a.stage == 1) {
+    context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
+  } else {
+    context::take_outputs(be, s.atty, a.recv, sp);
+    mlp_input_forward(be, p, a.in, s, r, d);
+    if (out) mlp_out_forward(be, p, a, s, r, d);
+  }
+}
+
 void block_forward(const UnitArgs& a) {
+  if (a.cp > 1) return split_forward_stage(a, true);
   const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
@@ -133,8 +204,7 @@ void block_forward(const UnitArgs& a) {
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
   block_forward_until_mlp_out(be, p, a.in, s, r, d);
-  be.linear_forward(a.out, r.fch_gelu, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
-  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+  mlp_out_forward(be, p, a, s, r, d);
 }
 
 void block_recompute(const UnitArgs& a, model::Recompute mode) {
@@ -144,10 +214,40 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
   Carver cs(a.saved), cr(a.recomputable);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  if (mode == model::Recompute::full) return block_forward_until_mlp_out(be, p, a.in, s, r, d);
+  if (mode == model::Recompute::full) {
+    if (a.cp > 1) return split_forward_stage(a, false);
+    return block_forward_until_mlp_out(be, p, a.in, s, r, d);
+  }
   be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
   be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
   be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
+}
+
+// d out (in a.dx) back through the MLP, the second norm and the projection: a.dx then holds
+// d res1 and w.datty d attention output.
+void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved& s, const Recomputable& r,
+                  const BackwardWs& w, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  const int64_t BT = d.BT, C = d.C, F = d.F;
+  float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
+  be.zero(w.dfch_gelu, sizeof(float) * BT * F);
+  be.zero(w.dfch, sizeof(float) * BT * F);
+  be.zero(w.dln, sizeof(float) * BT * C);
+  be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
+  be.gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
+  be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
+  be.layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
+  be.zero(w.datty, sizeof(float) * BT * C);
+  be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
+}
+
+// d q|k|v (in w.dqkv) back through the GEMM and the first norm into a.dx.
+void qkv_backward(const UnitArgs& a, const Block& p, const Block& g, const Recomputable& r, const BackwardWs& w,
+                  const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.zero(w.dln, sizeof(float) * d.BT * d.C);
+  be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, d.BT, d.C, 3 * d.C);
+  be.layernorm_backward(a.dx, mut(g.ln1_w), mut(g.ln1_b), w.dln, a.in, p.ln1_w, r.ln1_mean, r.ln1_rstd, d.BT, d.C);
 }
 
 void block_backward(const UnitArgs& a) {
@@ -159,34 +259,35 @@ void block_backward(const UnitArgs& a) {
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
-  const int64_t BT = d.BT, C = d.C, F = d.F;
-  float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
-  be.zero(w.dfch_gelu, sizeof(float) * BT * F);
-  be.zero(w.dfch, sizeof(float) * BT * F);
-  be.zero(w.dln, sizeof(float) * BT * C);
-  be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
-  be.gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
-  be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
-  be.layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
-  // dres now holds d res1.
-  be.zero(w.datty, sizeof(float) * BT * C);
-  be.zero(w.dqkv, sizeof(float) * BT * 3 * C);
-  be.zero(w.dln, sizeof(float) * BT * C);
-  be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
-  be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS, w.attention);
-  be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, BT, C, 3 * C);
-  be.layernorm_backward(dres, mut(g.ln1_w), mut(g.ln1_b), w.dln, a.in, p.ln1_w, r.ln1_mean, r.ln1_rstd, BT, C);
-  // dres now holds d in.
+  if (a.cp == 1) {
+    mlp_backward(a, p, g, s, r, w, d);
+    be.zero(w.dqkv, sizeof(float) * d.BT * 3 * d.C);
+    be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS, w.attention);
+    return qkv_backward(a, p, g, r, w, d);
+  }
+  if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
+  const context::Split sp = context::split_of(a);
+  if (a.stage == 2) {
+    mlp_backward(a, p, g, s, r, w, d);
+    context::send_output_grads(be, a.send, w.datty, sp);
+  } else if (a.stage == 1) {
+    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+                                w.attention, sp);
+  } else {
+    context::take_qkv_grads(be, w.dqkv, a.recv, sp);
+    qkv_backward(a, p, g, r, w, d);
+  }
 }
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
   const Dims d = dims(desc, shape);
-  Carver cs(nullptr), cr(nullptr), cw(nullptr);
+  Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);
+  carve_forward_ws(cf, d);
   carve_backward_ws(be, cw, d, shape.threads);
-  return {cs.used(), cr.used(), 0, cw.used()};
+  return {cs.used(), cr.used(), cf.used(), cw.used()};
 }
 
 // ---- final norm + tied head

@@ -31,7 +31,12 @@ struct UnitArgs {
   const kernels::Backend* backend = nullptr;  // every kernel call goes through it
   const model::ModelDesc* desc = nullptr;
   const model::UnitDesc* unit = nullptr;
-  int64_t B = 0, T = 0;
+  int64_t B = 0, T = 0;  // T: the rows of each sequence this rank holds (the sequence is T · cp long)
+  // Ranks each sequence is split over (model::Shape::cp), this rank's place among them and how the
+  // attention runs over the split: which positions the rank's rows hold
+  // (model::context_chunk_starts). A block's pass over cp > 1 ranks runs as stages.
+  int cp = 1, cp_index = 0;
+  model::ContextImpl cp_impl = model::ContextImpl::ring;
   int threads = 1;
   const float* params = nullptr;           // the unit's whole parameters
   float* grads = nullptr;                  // the unit's whole gradients

@@ -2,7 +2,10 @@
 // attention, SwiGLU; Linear weights (out, in), no biases), final RMSNorm + head (own or tied).
 #include <cstring>
 
+#include <stdexcept>
+
 #include "kernels/backend.h"
+#include "layers/context.h"
 #include "layers/layers.h"
 
 namespace shardlm::layers {
@@ -28,21 +31,23 @@ Block block_view(const model::UnitDesc& u, const float* flat) {
 struct Dims {
   int64_t B, T, BT, C, NH, NKV, HS, QKV, F;
   float eps, theta;
+  int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
 };
-Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T) {
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P) {
   const auto& c = desc.config;
   const int64_t HS = c.head_size();
   return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
-          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta)};
+          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P};
 }
-Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T); }
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp); }
 
 struct Saved {
-  float* qkv;      // (B, T, QKV) after rotation
+  float* qkv;      // (B, T, QKV) after rotation; split over cp: this rank's heads, every position
   float* atty;     // (B, T, C) attention output before o_proj
-  float* lse;      // (B, NH, T)
+  float* lse;      // (B, NH, T); split over cp: (B, NH / P, T·P)
   float* res1;     // (B, T, C) residual after attention
   float* gate_up;  // (B, T, 2F)
+  float* out_split = nullptr;  // split over cp: this rank's heads' attention output (B, T·P, C / P)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -51,6 +56,7 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.gate_up = cv.take<float>(d.BT * 2 * d.F);
+  if (d.P > 1) s.out_split = cv.take<float>(d.BT * d.C);
   return s;
 }
 struct Recomputable {
@@ -68,10 +74,21 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   return r;
 }
 float* carve_rope(const kernels::Backend& be, Carver& cv, const Dims& d) {
-  return cv.take<float>(be.rope_table_floats(d.T, d.HS));
+  return cv.take<float>(be.rope_table_floats(d.T * d.P, d.HS));
+}
+struct ForwardWs {
+  float* rope;
+  float* qkv = nullptr;  // split over cp: this rank's rows' q|k|v before they go to the head split
+};
+ForwardWs carve_forward_ws(const kernels::Backend& be, Carver& cv, const Dims& d) {
+  ForwardWs w;
+  w.rope = carve_rope(be, cv, d);
+  if (d.P > 1) w.qkv = cv.take<float>(d.BT * d.QKV);
+  return w;
 }
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dact, *dgate_up, *attention, *rope;
+  float *dout_split = nullptr, *dqkv_split = nullptr;  // split over cp: the head split's gradients
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -82,7 +99,27 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   w.dgate_up = cv.take<float>(d.BT * 2 * d.F);
   w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NKV, d.HS, threads));
   w.rope = carve_rope(be, cv, d);
+  if (d.P > 1) {
+    w.dout_split = cv.take<float>(d.BT * d.C);
+    w.dqkv_split = cv.take<float>(d.BT * d.QKV);
+  }
   return w;
+}
+
+// Rotates (or, backward, rotates back) q and k of this rank's rows at their positions in the
+// sequence; the table holds every position.
+void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, const Dims& d, const float* table, bool back) {
+  const context::Positions pos = context::positions(a);
+  for (int64_t b = 0; b < (pos.starts.size() == 1 ? 1 : d.B); ++b)
+    for (size_t c = 0; c < pos.starts.size(); ++c) {
+      float* x = qkv + (b * d.T + static_cast<int64_t>(c) * pos.rows) * d.QKV;
+      const float* rows = table + be.rope_table_floats(pos.starts[c], d.HS);  // row p of the table
+      const int64_t B = pos.starts.size() == 1 ? d.B : 1;
+      if (back)
+        be.rope_backward(x, B, pos.rows, d.NH + d.NKV, d.HS, d.QKV, rows);
+      else
+        be.rope_forward(x, B, pos.rows, d.NH + d.NKV, d.HS, d.QKV, rows);
+    }
 }
 
 // ---- embedding
@@ -107,14 +144,18 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 
 // ---- block
 
-// Everything up to (and without) the MLP's down projection: what a full recompute reruns.
-void block_forward_until_down(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                              const Recomputable& r, float* rope, const Dims& d) {
+// Norm, q|k|v and their rotation: a pass's start (stage 0 of one split over cp).
+void qkv_forward(const kernels::Backend& be, const Block& p, const float* in, float* qkv, const Recomputable& r,
+                 float* rope, const UnitArgs& a, const Dims& d) {
   be.rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
-  be.dense_forward(s.qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
-  be.rope_table(rope, d.T, d.HS, d.theta);
-  be.rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);  // q and k, in place
-  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.dense_forward(qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  be.rope_table(rope, d.T * d.P, d.HS, d.theta);
+  rotate(be, qkv, a, d, rope, false);  // q and k, in place
+}
+
+// From the attention output to the MLP's input: projection, residual, norm, gate|up, SwiGLU.
+void mlp_input_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                       const Recomputable& r, const Dims& d) {
   be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
   be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
   be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
@@ -122,16 +163,60 @@ void block_forward_until_down(const kernels::Backend& be, const Block& p, const 
   be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
 }
 
-void block_forward(const UnitArgs& a) {
+void down_forward(const kernels::Backend& be, const Block& p, const UnitArgs& a, const Saved& s,
+                  const Recomputable& r, const Dims& d) {
+  be.dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
+  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+}
+
+// One stage of a pass split over cp (context.h); `down`: through the down projection (a forward,
+// not a full recompute).
+void split_forward_stage(const UnitArgs& a, bool down) {
   const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  block_forward_until_down(be, p, a.in, s, r, carve_rope(be, cw, d), d);
-  be.dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
-  be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
+  const ForwardWs w = carve_forward_ws(be, cw, d);
+  const context::Split sp = context::split_of(a);
+  if (a.stage == 0) {
+    qkv_forward(be, p, a.in, w.qkv, r, w.rope, a, d);
+    context::send_qkv(be, a.send, w.qkv, sp);
+  } else if (a.stage == 1) {
+    context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
+  } else {
+    context::take_outputs(be, s.atty, a.recv, sp);
+    mlp_input_forward(be, p, a.in, s, r, d);
+    if (down) down_forward(be, p, a, s, r, d);
+  }
+}
+
+void check_staged(const UnitArgs& a) {
+  if (a.stage < 0) throw std::logic_error("llama block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
+}
+
+// Everything up to (and without) the MLP's down projection: what a full recompute reruns.
+void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r,
+                              const ForwardWs& w, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  qkv_forward(be, p, a.in, s.qkv, r, w.rope, a, d);
+  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
+  mlp_input_forward(be, p, a.in, s, r, d);
+}
+
+void block_forward(const UnitArgs& a) {
+  if (a.cp > 1) {
+    check_staged(a);
+    return split_forward_stage(a, true);
+  }
+  const Dims d = dims(a);
+  const Block p = block_view(*a.unit, a.params);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
+  const Saved s = carve_saved(cs, d);
+  const Recomputable r = carve_recomputable(cr, d);
+  block_forward_until_down(a, p, s, r, carve_forward_ws(*a.backend, cw, d), d);
+  down_forward(*a.backend, p, a, s, r, d);
 }
 
 void block_recompute(const UnitArgs& a, model::Recompute mode) {
@@ -141,10 +226,45 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
-  if (mode == model::Recompute::full) return block_forward_until_down(be, p, a.in, s, r, carve_rope(be, cw, d), d);
+  if (mode == model::Recompute::full) {
+    if (a.cp > 1) {
+      check_staged(a);
+      return split_forward_stage(a, false);
+    }
+    return block_forward_until_down(a, p, s, r, carve_forward_ws(be, cw, d), d);
+  }
   be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
   be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
   be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+}
+
+// d out (in a.dx) back through the MLP, the second norm and the projection: a.dx then holds
+// d res1 and w.datty d attention output.
+void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved& s, const Recomputable& r,
+                  const BackwardWs& w, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  const int64_t BT = d.BT, C = d.C, F = d.F;
+  float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
+  be.zero(w.dact, sizeof(float) * BT * F);
+  be.zero(w.dgate_up, sizeof(float) * BT * 2 * F);
+  be.zero(w.dln, sizeof(float) * BT * C);
+  be.dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
+  be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
+  be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
+  be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
+  be.zero(w.datty, sizeof(float) * BT * C);
+  be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+}
+
+// d q|k|v (rotated, in w.dqkv) back through the rotation, the GEMM and the first norm into a.dx.
+void qkv_backward(const UnitArgs& a, const Block& p, const Block& g, const Recomputable& r, const BackwardWs& w,
+                  const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
+  rotate(be, w.dqkv, a, d, w.rope, true);
+  be.zero(w.dln, sizeof(float) * d.BT * d.C);
+  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
 }
 
 void block_backward(const UnitArgs& a) {
@@ -156,35 +276,33 @@ void block_backward(const UnitArgs& a) {
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
-  const int64_t BT = d.BT, C = d.C, F = d.F;
-  float* dres = a.dx;  // d out on entry; the residual passes it through unchanged
-  be.zero(w.dact, sizeof(float) * BT * F);
-  be.zero(w.dgate_up, sizeof(float) * BT * 2 * F);
-  be.zero(w.dln, sizeof(float) * BT * C);
-  be.dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
-  be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
-  be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
-  be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
-  // dres now holds d res1.
-  be.zero(w.datty, sizeof(float) * BT * C);
-  be.zero(w.dqkv, sizeof(float) * BT * d.QKV);
-  be.zero(w.dln, sizeof(float) * BT * C);
-  be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
-  be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
-  be.rope_table(w.rope, d.T, d.HS, d.theta);
-  be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
-  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, BT, C, d.QKV);
-  be.rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);
-  // dres now holds d in.
+  if (a.cp == 1) {
+    mlp_backward(a, p, g, s, r, w, d);
+    be.zero(w.dqkv, sizeof(float) * d.BT * d.QKV);
+    be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
+    return qkv_backward(a, p, g, r, w, d);
+  }
+  check_staged(a);
+  const context::Split sp = context::split_of(a);
+  if (a.stage == 2) {
+    mlp_backward(a, p, g, s, r, w, d);
+    context::send_output_grads(be, a.send, w.datty, sp);
+  } else if (a.stage == 1) {
+    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+                                w.attention, sp);
+  } else {
+    context::take_qkv_grads(be, w.dqkv, a.recv, sp);
+    qkv_backward(a, p, g, r, w, d);
+  }
 }
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);
-  carve_rope(be, cf, d);
+  carve_forward_ws(be, cf, d);
   carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), cf.used(), cw.used()};
 }
@@ -241,7 +359,7 @@ double head(const UnitArgs& a, HeadMode mode) {
 
 Carved head_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                    const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp);
   Carver cv(nullptr), cb(nullptr);
   carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
   cb.take<float>(d.BT * d.C);

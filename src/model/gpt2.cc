@@ -76,7 +76,8 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       break;
     case UnitKind::gpt2_block: {
       const double gemm = 2 * bt * (C * 3 * C + C * C + C * F + F * C);
-      const double attention = 2 * bt * T * C;  // QK^T and AV, 2 FLOPs a multiply-add, causal half
+      // QK^T and AV, 2 FLOPs a multiply-add, causal half; split over cp ranks, each does 1/cp of it.
+      const double attention = 2 * bt * (T * s.cp) * C;
       k.forward_flops = gemm + attention;
       k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;
@@ -92,6 +93,7 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       // Backward scratch: d ln, d attention out, d qkv, d fc, d GELU, attention tiles.
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * 3 * C, e) + 2 * slice(BT * F, e) +
                              slice(detail::attention_backward_scratch_floats(C / NH, s.threads), 4);
+      if (s.cp > 1) detail::split_attention_over_context(k, s, 3 * C, C, 2 * bt * C * 3 * C);
       break;
     }
     case UnitKind::gpt2_head: {

@@ -90,7 +90,8 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       break;
     case UnitKind::llama_block: {
       const double gemm = 2 * bt * (C * QKV + C * C + C * 2 * F + F * C);
-      const double attention = 2 * bt * T * C;  // QK^T and AV over the NH query heads, causal half
+      // QK^T and AV over the NH query heads, causal half; split over cp ranks, each does 1/cp of it.
+      const double attention = 2 * bt * (T * s.cp) * C;
       k.forward_flops = gemm + attention;
       k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;
@@ -103,12 +104,13 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
                       slice(BT * 2 * F, e);
       // Recomputable: both norms' outputs and rstd, the SwiGLU output.
       k.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(BT * F, e);
-      const int64_t rope_table = slice(T * HS, 4);  // cos and sin, (T, HS/2) each
+      const int64_t rope_table = slice(T * s.cp * HS, 4);  // cos and sin, (T, HS/2) each, every position
       k.forward_workspace = rope_table;
       // Backward scratch: d norm out, d attention out, d qkv, d SwiGLU out, d gate|up, attention tiles.
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(BT * F, e) +
                              slice(BT * 2 * F, e) +
                              slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) + rope_table;
+      if (s.cp > 1) detail::split_attention_over_context(k, s, QKV, C, 2 * bt * C * QKV);
       break;
     }
     case UnitKind::llama_head: {

@@ -31,6 +31,26 @@ Recompute parse_recompute(const std::string& name) {
   throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective or full)");
 }
 
+const char* to_string(ContextImpl c) { return c == ContextImpl::ring ? "ring" : "all-to-all"; }
+
+ContextImpl parse_context_impl(const std::string& name) {
+  for (ContextImpl c : {ContextImpl::ring, ContextImpl::all_to_all})
+    if (name == to_string(c)) return c;
+  throw std::invalid_argument("cp-impl (--cp-impl): unknown '" + name + "' (expected ring or all-to-all)");
+}
+
+int64_t context_chunk_rows(int64_t seq, int cp, ContextImpl impl) {
+  if (cp == 1) return seq;
+  return impl == ContextImpl::ring ? seq / (2 * cp) : seq / cp;
+}
+
+std::vector<int64_t> context_chunk_starts(int64_t seq, int cp, int index, ContextImpl impl) {
+  if (cp == 1) return {0};
+  const int64_t rows = context_chunk_rows(seq, cp, impl);
+  if (impl == ContextImpl::all_to_all) return {index * rows};
+  return {index * rows, (2 * cp - 1 - index) * rows};
+}
+
 void ModelConfig::validate() const {
   auto positive = [](int64_t v, const char* field) {
     if (v <= 0) throw std::invalid_argument(std::string("model: ") + field + " must be positive, got " + std::to_string(v));
@@ -312,6 +332,20 @@ int64_t attention_backward_scratch_floats(int64_t HS, int threads) {
 }
 
 int64_t head_chunk_rows(int64_t BT) { return BT < 256 ? BT : 256; }
+
+void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int64_t C, double qkv_flops) {
+  const int64_t BT = s.B * s.T, header = exchange_header_bytes(s.cp);
+  auto exchange = [&](int64_t width) {
+    const int64_t payload = BT * width * s.elem;
+    return Exchange{"cp", header + payload, payload * (s.cp - 1) / s.cp};  // plan/mesh.h's kContext
+  };
+  k.exchanges = {exchange(qkv), exchange(C)};
+  const double rest = k.forward_flops - qkv_flops - k.attention_flops;
+  k.stage_share = {qkv_flops / k.forward_flops, k.attention_flops / k.forward_flops, rest / k.forward_flops};
+  k.saved_bytes += slice(BT * C, s.elem);
+  k.forward_workspace += slice(BT * qkv, s.elem);
+  k.backward_workspace += slice(BT * C, s.elem) + slice(BT * qkv, s.elem);
+}
 
 }  // namespace detail
 

@@ -79,6 +79,21 @@ enum class Recompute { none, selective, full };
 const char* to_string(Recompute r);
 Recompute parse_recompute(const std::string& name);  // throws std::invalid_argument
 
+// How attention runs over a sequence split among the ranks of the context-parallel axis (cp):
+// key/value blocks passed around a ring, or an all-to-all from the sequence split to a split of
+// the heads and back (DeepSpeed-Ulysses).
+enum class ContextImpl { ring, all_to_all };
+const char* to_string(ContextImpl c);  // "ring", "all-to-all"
+ContextImpl parse_context_impl(const std::string& name);  // throws std::invalid_argument
+
+// A sequence of `seq` positions split over `cp` ranks: for a ring, load-balanced for the causal
+// mask (2·cp chunks, rank `index` holds chunks index and 2·cp−1−index, so every rank does the same
+// attention work); for the all-to-all form, cp consecutive chunks, rank `index` holding chunk
+// `index` (it attends over the whole sequence anyway). The first positions of the rank's chunks of
+// context_chunk_rows each, in the order it holds them (one chunk, the whole sequence, at cp 1).
+std::vector<int64_t> context_chunk_starts(int64_t seq, int cp, int index, ContextImpl impl);
+int64_t context_chunk_rows(int64_t seq, int cp, ContextImpl impl);
+
 // Every kind of unit, declared once: X(name, place) with place embedding | block | head | state.
 // A `state` unit has parameters but no tasks of its own: another unit borrows it (a MoE block
 // borrows its experts, so the experts' state can be placed apart from the block's).
@@ -147,6 +162,10 @@ struct Shape {
   // waits for that rank): the hottest expert and its rank's other E/ep − 1 at the mean, at most
   // every row on one rank; moot at ep 1, where one rank runs every row.
   double expert_load = 1;
+  // Ranks each sequence is split over (the mesh's cp axis): T is the rows of a sequence one rank
+  // holds, the sequence T·cp positions long.
+  int cp = 1;
+  ContextImpl cp_impl = ContextImpl::ring;
 };
 
 // One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
@@ -294,6 +313,14 @@ void add_param(UnitDesc& u, std::string name, std::vector<int64_t> shape, bool d
 int64_t attention_backward_scratch_floats(int64_t HS, int threads);
 // Floats of the fused head's logits chunk (rows of 256).
 int64_t head_chunk_rows(int64_t BT);
+// A block's attention over a sequence split among s.cp > 1 ranks in the all-to-all form: its pass
+// becomes three stages (norm and q|k|v, rotated where the model rotates; attention over the whole
+// sequence for this rank's NH / cp heads; the rest) with q|k|v, then the attention output, sent
+// from the sequence split to the head split and back over cp. Adds the exchanges and stage shares,
+// and what the split keeps and needs besides the plain block: the head split's attention output
+// (kept), this rank's q|k|v before its exchange (forward), the head split's d output and d q|k|v
+// (backward). `qkv` is the q|k|v row width, `qkv_flops` its GEMM's.
+void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int64_t C, double qkv_flops);
 }  // namespace detail
 
 }  // namespace shardlm::model

@@ -127,12 +127,23 @@ std::vector<int> present(const Mesh& mesh, std::initializer_list<const char*> na
 }  // namespace
 
 std::vector<int> Plan::shard_axes() const {
-  return config.strategy == Strategy::ddp ? present(mesh, {kDpShard}) : present(mesh, {kDpShard, kExpert});
+  return config.strategy == Strategy::ddp ? present(mesh, {kDpShard}) : present(mesh, {kDpShard, kExpert, kContext});
 }
 std::vector<int> Plan::replicate_axes() const {
-  return config.strategy == Strategy::ddp ? present(mesh, {kDpReplicate, kExpert}) : present(mesh, {kDpReplicate});
+  return config.strategy == Strategy::ddp ? present(mesh, {kDpReplicate, kExpert, kContext})
+                                          : present(mesh, {kDpReplicate});
 }
 std::vector<int> Plan::dp_axes() const { return present(mesh, {kDpReplicate, kDpShard, kExpert}); }
+std::vector<int> Plan::grad_axes() const {
+  return config.split_sequence ? present(mesh, {kDpReplicate, kDpShard, kExpert, kContext}) : dp_axes();
+}
+model::Shape Plan::unit_shape(int elem, double expert_load) const {
+  model::Shape s{config.batch, local_seq(), elem, config.threads, config.ep, expert_load};
+  s.cp = sequence_split();
+  s.cp_impl = config.cp_impl;
+  return s;
+}
+int Plan::cp_index(int rank) const { return mesh.index_in(rank, present(mesh, {kContext})); }
 
 std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   std::string s = to_string(op);
@@ -351,7 +362,11 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   o << "plan (" << mode << "): model " << model::to_string(desc.config.family) << ", strategy " << to_string(c.strategy)
     << ", " << c.world << " ranks (mesh";
   for (const auto& a : mesh.axes()) o << " " << a.name << "=" << a.size;
-  o << "), B=" << c.batch << " T=" << c.seq << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
+  o << "), B=" << c.batch << " T=" << c.seq;
+  if (c.cp > 1)
+    o << " (cp " << c.cp << ", " << model::to_string(c.cp_impl) << ": " << local_seq() << " positions a rank"
+      << (c.split_sequence ? "" : ", not split here") << ")";
+  o << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
     << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
   if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
@@ -362,7 +377,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
-  const model::Shape shape{c.batch, c.seq, 4, c.threads, c.ep};
+  const model::Shape shape = unit_shape(4);
   auto mib = [](int64_t b) { return b / 1048576.0; };
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts k = desc.costs(static_cast<int>(u), shape);

@@ -135,6 +135,14 @@ struct PlanConfig {
   int world = 1;        // N ranks
   int shard_group = 0;  // hybrid: G consecutive ranks shard (0: world)
   int ep = 1;           // expert parallel (--ep): the data-parallel ranks split into groups of ep
+  // Context parallel (--cp): groups of cp consecutive ranks read the same batch and each holds
+  // seq / cp positions of every sequence (model::context_chunk_starts), attention running as
+  // `cp_impl`. Parameters shard (or replicate, under DDP) over cp with the data-parallel axes, and
+  // gradients and the loss are summed over it. A plan that does not `split_sequence` (generation,
+  // evaluation) keeps the mesh, hence the state's placement, but every rank runs whole sequences.
+  int cp = 1;
+  model::ContextImpl cp_impl = model::ContextImpl::ring;
+  bool split_sequence = true;
   int64_t batch = 4, seq = 256, grad_accum = 1;
   // Build every micro-step's tasks even past kUnrolledMicroSteps (tests: the repeated plan runs
   // as the unrolled one).
@@ -230,7 +238,7 @@ struct StaticMemory {
 struct Plan {
   PlanConfig config;
   std::vector<std::string> streams{"compute", "comm"};
-  Mesh mesh;                   // dp_replicate (× ep) × dp_shard
+  Mesh mesh;                   // dp_replicate (× ep) × dp_shard (× cp)
   int shard_size = 1;          // ranks one unit is split over: |shard_axes()|
   model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
   StaticMemory static_memory;
@@ -293,6 +301,17 @@ struct Plan {
   // A rank's data-parallel coordinate (which batch it reads).
   int dp_index(int rank) const { return mesh.index_in(rank, dp_axes()); }
   int dp_size() const { return mesh.group_size(dp_axes()); }
+  // The ranks whose gradients and losses are summed: the data-parallel axes and, where the plan
+  // splits sequences, cp.
+  std::vector<int> grad_axes() const;
+  // Ranks a sequence is split over in this plan's compute (1: whole sequences), this rank's place
+  // among them, and the rows of each sequence it holds.
+  int sequence_split() const { return config.split_sequence ? config.cp : 1; }
+  int cp_index(int rank) const;
+  int64_t local_seq() const { return config.seq / sequence_split(); }
+  // The micro-batch as the model's costs see it on one rank of this plan (its units' buffers are
+  // sized by it), with activations of `elem` bytes and the busiest expert at `expert_load`.
+  model::Shape unit_shape(int elem, double expert_load = 1) const;
 
  private:
   std::vector<UnitPlacement> placement_;

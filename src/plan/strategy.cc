@@ -570,7 +570,7 @@ void Builder::reduce_grad(int u, int producer) {
 }
 
 void Builder::close_bucket(int producer) {
-  const std::vector<int> axes = within_slice(plan_.dp_axes(), bucket_first_);
+  const std::vector<int> axes = within_slice(plan_.grad_axes(), bucket_first_);
   if (plan_.mesh.group_size(axes) == 1) {  // one rank holds these gradients: nothing to reduce
     bucket_first_ = bucket_last_ = -1;
     bucket_bytes_ = 0;
@@ -651,9 +651,9 @@ void Builder::finish() {
     int before_opt = norm;
     if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
       before_opt = add(Op::norm_reduce, -1, last_micro_, {norm});
-      at(before_opt).axes = plan_.dp_axes();
+      at(before_opt).axes = plan_.grad_axes();
       // Each rank's squared-gradient sum per gradient class and its loss sum, 8 bytes each.
-      at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.dp_axes());
+      at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.grad_axes());
     }
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
@@ -670,7 +670,7 @@ void Builder::finish() {
   }
   if (cfg_.world > 1) {
     const int lr = add(Op::loss_reduce, -1, last_micro_, {end});
-    at(lr).axes = plan_.dp_axes();
+    at(lr).axes = plan_.grad_axes();
     at(lr).bytes = 8;
   }
 }
@@ -718,10 +718,14 @@ Plan Builder::build() {
   // ep sits between the replicas and dp_shard: the ranks of an expert group shard (or under DDP
   // replicate) dense units together with dp_shard, and a rank's part of a unit split over
   // {ep, dp_shard} lies inside its ep coordinate's slice of the unit.
+  // cp is innermost (a ring's neighbours are consecutive ranks); it shards with dp_shard, or under
+  // DDP replicates, like ep.
   const int ep = cfg_.ep, outer_ep = s == Strategy::ddp ? ep : 1, inner_ep = s == Strategy::ddp ? 1 : ep;
-  std::vector<MeshAxis> axes{{kDpReplicate, cfg_.world / plan_.shard_size / outer_ep}};
+  const int cp = cfg_.cp, outer_cp = s == Strategy::ddp ? cp : 1, inner_cp = s == Strategy::ddp ? 1 : cp;
+  std::vector<MeshAxis> axes{{kDpReplicate, cfg_.world / plan_.shard_size / outer_ep / outer_cp}};
   if (ep > 1) axes.push_back({kExpert, ep});
-  axes.push_back({kDpShard, plan_.shard_size / inner_ep});
+  axes.push_back({kDpShard, plan_.shard_size / inner_ep / inner_cp});
+  if (cp > 1) axes.push_back({kContext, cp});
   plan_.mesh = Mesh(axes);
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
@@ -738,7 +742,7 @@ Plan Builder::build() {
   buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(StateKind::optimizer), -1);
 
   const int U = static_cast<int>(desc_.units.size());
-  shape_ = {cfg_.batch, cfg_.seq, cfg_.activation_bytes, cfg_.threads, cfg_.ep};
+  shape_ = plan_.unit_shape(cfg_.activation_bytes);
   kept_.assign(U, 0);
   part_.assign(U, 0);
   kept_gather_.assign(U, -1);
@@ -870,15 +874,40 @@ void validate(const PlanConfig& c) {
   need(c.param_bytes == 4 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid,
        "param-dtype bf16 needs a sharded-parameter strategy (fsdp or hybrid); use reduce-dtype bf16 with " +
            std::string(to_string(c.strategy)));
-  need(c.ep >= 1 && c.world % c.ep == 0,
-       "ep (--ep): " + std::to_string(c.ep) + " must divide the number of data-parallel ranks " + std::to_string(c.world));
+  need(c.cp >= 1 && c.world % c.cp == 0,
+       "cp (--cp): " + std::to_string(c.cp) + " must divide the number of ranks " + std::to_string(c.world));
+  need(c.ep >= 1 && (c.world / c.cp) % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) +
+                                                     " must divide the number of data-parallel ranks " +
+                                                     std::to_string(c.world / c.cp));
   if (c.strategy == Strategy::hybrid) {
     need(c.shard_group >= 1, "hybrid needs --shard-group G >= 1");
     need(c.world % c.shard_group == 0, "shard-group " + std::to_string(c.shard_group) +
                                            " does not divide the number of ranks " + std::to_string(c.world));
     need(c.shard_group % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) + " must divide the shard group " +
                                         std::to_string(c.shard_group) + " (an expert group shards together)");
+    need(c.shard_group % (c.cp * c.ep) == 0, "cp (--cp): " + std::to_string(c.cp) + " × ep " + std::to_string(c.ep) +
+                                                 " must divide the shard group " + std::to_string(c.shard_group) +
+                                                 " (a context group shards together)");
   }
+}
+
+// What splitting each sequence over cp ranks needs of the model and the sequence length.
+void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
+  const std::string K = std::to_string(c.cp), impl = model::to_string(c.cp_impl);
+  if (desc.config.family == model::Family::moe)
+    throw std::invalid_argument("cp (--cp): context parallelism does not run mixture-of-experts blocks yet");
+  if (c.cp_impl == model::ContextImpl::ring)
+    throw std::invalid_argument("cp-impl (--cp-impl): ring attention is not built yet; use --cp-impl all-to-all");
+  if (!c.split_sequence) return;
+  const int64_t parts = c.cp_impl == model::ContextImpl::ring ? 2 * c.cp : c.cp;
+  if (c.seq < parts || c.seq % parts != 0)
+    throw std::invalid_argument("cp (--cp): the sequence length " + std::to_string(c.seq) + " must be a multiple of " +
+                                std::to_string(parts) + " (--cp-impl " + impl + " cuts each sequence into " +
+                                std::to_string(parts) + " equal chunks)");
+  const int64_t NKV = desc.config.n_kv_head > 0 ? desc.config.n_kv_head : desc.config.n_head;
+  if (c.cp_impl == model::ContextImpl::all_to_all && NKV % c.cp != 0)
+    throw std::invalid_argument("cp (--cp): " + K + " must divide the " + std::to_string(NKV) +
+                                " key/value heads (--cp-impl all-to-all gives each rank whole heads)");
 }
 
 }  // namespace
@@ -897,6 +926,7 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   if (c.ep > 1 && desc.config.n_experts % c.ep != 0)
     throw std::invalid_argument("ep (--ep): " + std::to_string(c.ep) + " does not divide the number of experts " +
                                 std::to_string(desc.config.n_experts));
+  if (c.cp > 1) check_context_split(desc, c);
   return Builder(desc, c).build();
 }
 

@@ -35,10 +35,13 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh) : worl
       if (set & (1u << a)) axes.push_back(a);
     groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
   }
-  const int ep = mesh.find(plan::kExpert);
-  if (ep < 0 || mesh[ep].size == 1) return;
-  for (unsigned set = 1u << ep; set <= all_; ++set) {
-    if ((set & ~all_) != 0 || !(set & (1u << ep))) continue;
+  // Exchanges run over ep (a MoE block's routed rows) or cp (a block's attention split): every set
+  // of axes holding one of them gets communicators of its own for the exchange stream.
+  unsigned exchange_axes = 0;
+  for (const char* name : {plan::kExpert, plan::kContext})
+    if (const int a = mesh.find(name); a >= 0 && mesh[a].size > 1) exchange_axes |= 1u << a;
+  for (unsigned set = 1; set <= all_ && exchange_axes != 0; ++set) {
+    if ((set & ~all_) != 0 || !(set & exchange_axes)) continue;
     std::vector<int> axes;
     for (int a = 0; a < A; ++a)
       if (set & (1u << a)) axes.push_back(a);
@@ -125,7 +128,7 @@ Executor::~Executor() = default;
 // The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
 // whose kernels would carve more would write past them. Checked once, before any step.
 void Executor::check_carved_fits() const {
-  const model::Shape shape{plan_.config.batch, plan_.config.seq, 4, plan_.config.threads, plan_.config.ep};
+  const model::Shape shape = plan_.unit_shape(4);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const model::UnitDesc& unit = desc_.units[u];
     const auto carved = layers::layer(unit.kind).carved;
@@ -291,7 +294,10 @@ void Executor::unit_task(const Task& t, Run& r) {
   a.desc = &desc_;
   a.unit = &u;
   a.B = r.plan.config.batch;
-  a.T = r.plan.config.seq;
+  a.T = r.plan.local_seq();
+  a.cp = r.plan.sequence_split();
+  a.cp_index = r.plan.cp_index(rank_);
+  a.cp_impl = r.plan.config.cp_impl;
   a.threads = threads_;
   a.params = unit_params(io.params, t.unit, r);
   if (r.plan.placed(StateKind::grads, t.unit).parts > 0 || io.grads >= 0) a.grads = unit_grads(io.grads, t.unit, r);

@@ -64,7 +64,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   rate_ = peak_ * hw.gemm_efficiency;
   pointwise_bw_ = hw.pointwise_bw > 0 ? hw.pointwise_bw * (hw.per_thread ? threads : 1) : hw.memory_bw;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
-  const model::Shape shape{plan.config.batch, plan.config.seq, 4, plan.config.threads, plan.config.ep, expert_load};
+  const model::Shape shape = plan.unit_shape(4, expert_load);
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);

@@ -129,6 +129,8 @@ Settings rank_settings(const TrainConfig& c) {
       {"strategy", c.strategy},
       {"shard-group", s(c.shard_group)},
       {"ep", s(c.ep)},
+      {"cp", s(c.cp)},
+      {"cp-impl", c.cp_impl},
       {"prefetch-forward", s(c.prefetch_forward)},
       {"prefetch-backward", s(c.prefetch_backward)},
       {"max-gathers-in-flight", s(c.max_gathers_in_flight)},

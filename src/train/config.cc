@@ -159,6 +159,8 @@ void check_reporting(const TrainConfig& c) {
 void check_distribution(const TrainConfig& c) {
   at_least(c.shard_group, 0, "shard-group");
   at_least(c.ep, 1, "ep");
+  at_least(c.cp, 1, "cp");
+  model::parse_context_impl(c.cp_impl);
   at_least(c.prefetch_forward, 0, "prefetch-forward");
   at_least(c.prefetch_backward, 0, "prefetch-backward");
   at_least(c.max_gathers_in_flight, 1, "max-gathers-in-flight");

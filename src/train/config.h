@@ -83,6 +83,8 @@ struct TrainConfig {
   std::string strategy = "fsdp";  // ddp | zero1 | zero2 | fsdp | hybrid
   int shard_group = 0;            // hybrid: ranks per shard group (0: all)
   int ep = 1;                     // expert parallel: ranks an expert group spans (E / ep experts each)
+  int cp = 1;                     // context parallel: ranks each sequence is split over
+  std::string cp_impl = "ring";   // ring | all-to-all
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;

@@ -121,6 +121,8 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.world = world;
   pc.shard_group = cfg.shard_group;
   pc.ep = cfg.ep;
+  pc.cp = cfg.cp;
+  pc.cp_impl = model::parse_context_impl(cfg.cp_impl);
   pc.batch = cfg.batch;
   pc.seq = cfg.seq;
   pc.grad_accum = cfg.grad_accum;
@@ -465,6 +467,15 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
   return loss;
 }
 
+// This rank's positions (model::context_chunk_starts) of each of a batch's sequences (B, T).
+void keep_positions(const plan::Plan& plan, int rank, const int32_t* all, int32_t* mine) {
+  const auto& c = plan.config;
+  const int64_t rows = model::context_chunk_rows(c.seq, c.cp, c.cp_impl);
+  const std::vector<int64_t> starts = model::context_chunk_starts(c.seq, c.cp, plan.cp_index(rank), c.cp_impl);
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t start : starts) mine = std::copy_n(all + b * c.seq + start, rows, mine);
+}
+
 // Step `step`'s inputs: its batches (a pure function of seed and step), learning rate and
 // AdamW's update count.
 run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
@@ -472,9 +483,15 @@ run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   run::StepInputs in;
   in.batch = [&s, step](int64_t micro, int32_t* inputs, int32_t* targets) {
     const TrainConfig& c = s.cfg;
-    // Ranks that share a data-parallel coordinate read the same sequences.
+    // Ranks that share a data-parallel coordinate read the same sequences; a rank of a cp group
+    // keeps its positions of each.
     const int64_t first = data::first_sequence(micro, s.plan.dp_index(s.rank), s.plan.dp_size(), c.batch);
-    data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, inputs, targets);
+    if (s.plan.sequence_split() == 1)
+      return data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, inputs, targets);
+    std::vector<int32_t> all_inputs(c.batch * c.seq), all_targets(c.batch * c.seq);
+    data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, all_inputs.data(), all_targets.data());
+    keep_positions(s.plan, s.rank, all_inputs.data(), inputs);
+    keep_positions(s.plan, s.rank, all_targets.data(), targets);
   };
   in.grad_scale = grad_scale;
   in.grad_clip = cfg.grad_clip;

@@ -759,5 +759,72 @@ TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
   EXPECT_NE(text.find("rank 2: dp_replicate=1 dp_shard=0"), std::string::npos) << text.substr(0, 600);
 }
 
+// --cp K: a mesh axis after dp_shard; the ranks of a cp group read the same batch (one data-parallel
+// coordinate) but shard the state with dp_shard and sum gradients and losses together. A block's
+// pass, split in the all-to-all form, is three stages with its q|k|v and its attention output
+// exchanged over cp; each rank's units are sized for T / K positions.
+TEST(Plan, ContextAxisSplitsSequencesButNotTheData) {
+  const model::ModelDesc llama = model::describe(model::model_preset("llama-tiny", 256));
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 4, c.cp = 2, c.cp_impl = model::ContextImpl::all_to_all;
+  c.batch = 2, c.seq = 64;
+  const Plan p = build_plan(llama, c);
+  EXPECT_EQ(p.mesh.to_string(), "dp_replicate=1 × dp_shard=2 × cp=2");
+  EXPECT_EQ(p.dp_size(), 2);
+  EXPECT_EQ(p.shard_size, 4);
+  EXPECT_EQ(p.grad_axes(), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(p.local_seq(), 32);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(p.dp_index(r), r / 2);
+    EXPECT_EQ(p.cp_index(r), r % 2);
+  }
+  int exchanges = 0;
+  for (const Task& t : p.tasks)
+    if (t.op == Op::exchange) {
+      ++exchanges;
+      EXPECT_EQ(p.mesh.group_size(t.axes), 2);
+    }
+  EXPECT_EQ(exchanges, 2 * 2 * 2);  // two blocks, two exchanges each way
+  c.cp = 1;
+  const model::UnitCosts whole = llama.costs(1, build_plan(llama, c).unit_shape(4));
+  const model::UnitCosts half = llama.costs(1, p.unit_shape(4));
+  EXPECT_EQ(half.stages(), 3);
+  EXPECT_NEAR(half.attention_flops, whole.attention_flops / 2, 1e-9 * whole.attention_flops);
+  EXPECT_LT(half.saved_bytes, whole.saved_bytes);
+  // A plan that does not split sequences (evaluation, generation) keeps the mesh and the placement.
+  c.cp = 2, c.split_sequence = false, c.mode = PlanConfig::Mode::loss;
+  const Plan eval = build_plan(llama, c);
+  EXPECT_EQ(eval.mesh.to_string(), p.mesh.to_string());
+  EXPECT_EQ(eval.local_seq(), 64);
+  EXPECT_EQ(eval.placed(StateKind::params, 1).axes, p.placed(StateKind::params, 1).axes);
+}
+
+// Bad context-parallel layouts: one line each, naming the flag.
+TEST(Plan, ContextSplitRefusesBadLayouts) {
+  const model::ModelDesc llama = model::describe(model::model_preset("llama-tiny", 256));  // NKV 2
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 4, c.cp = 2, c.cp_impl = model::ContextImpl::all_to_all, c.seq = 64;
+  auto refused = [&](const model::ModelDesc& d, const std::string& needle) {
+    try {
+      build_plan(d, c);
+      ADD_FAILURE() << "accepted, expected: " << needle;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  c.world = 3;
+  refused(llama, "cp (--cp): 2 must divide the number of ranks 3");
+  c.world = 4, c.seq = 63;
+  refused(llama, "sequence length 63 must be a multiple of 2");
+  c.seq = 64, c.cp = 4;
+  refused(llama, "must divide the 2 key/value heads");
+  c.cp = 2, c.cp_impl = model::ContextImpl::ring;
+  refused(llama, "ring attention is not built yet");
+  c.cp_impl = model::ContextImpl::all_to_all;
+  refused(model::describe(model::model_preset("moe-tiny", 256)), "does not run mixture-of-experts");
+  c.strategy = Strategy::hybrid, c.shard_group = 1;
+  refused(llama, "must divide the shard group");
+}
+
 }  // namespace
 }  // namespace shardlm::plan

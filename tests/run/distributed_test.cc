@@ -35,10 +35,12 @@ struct Layout {
   std::string model = "tiny";
   double gather_bucket_mb = 0;  // --gather-bucket-mb (0: one all_gather per unit)
   std::string keep = "";        // --keep-gathered ("": none)
+  int cp = 1;                   // --cp (all-to-all): ranks each sequence is split over
 };
 
 void PrintTo(const Layout& l, std::ostream* os) {
-  *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb << " keep " << l.keep;
+  *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb << " keep " << l.keep
+      << " cp " << l.cp;
 }
 
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
@@ -74,15 +76,17 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
 
 TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   const Layout l = GetParam();
-  const int B = 2;
-  const std::string single = "single_" + l.model + "_" + std::to_string(l.ranks);
+  const int B = 2, dp = l.ranks / l.cp;  // the ranks of a cp group read the same sequences
+  const std::string single = "single_" + l.model + "_" + std::to_string(dp);
   if (!fs::exists(dir_ / single / "metrics.jsonl")) {
-    const auto r = shardlm(args(single, B * l.ranks, l.model));
+    const auto r = shardlm(args(single, B * dp, l.model));
     ASSERT_EQ(r.code, 0) << r.out;
   }
   const std::string name = l.model + "_" + l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16") +
-                           (l.gather_bucket_mb > 0 ? "_buckets" : "") + (l.keep.empty() ? "" : "_keep");
+                           (l.gather_bucket_mb > 0 ? "_buckets" : "") + (l.keep.empty() ? "" : "_keep") +
+                           (l.cp > 1 ? "_cp" + std::to_string(l.cp) : "");
   std::string extra = " --strategy " + l.strategy + " " + l.dtypes;
+  if (l.cp > 1) extra += " --cp " + std::to_string(l.cp) + " --cp-impl all-to-all";
   if (!l.keep.empty()) extra += " --keep-gathered " + l.keep;
   if (l.gather_bucket_mb > 0) extra += " --gather-bucket-mb " + std::to_string(l.gather_bucket_mb);
   if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
@@ -103,6 +107,8 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   pc.reduce_bytes = l.dtypes.find("--reduce-dtype bf16") != std::string::npos ? 2 : 4;
   pc.gather_bucket_mb = l.gather_bucket_mb;
   if (!l.keep.empty()) pc.keep_gathered = {l.keep};
+  pc.cp = l.cp;
+  pc.cp_impl = model::ContextImpl::all_to_all;
   const model::ModelDesc desc = tiny(l.model);
   const plan::Plan p = plan::build_plan(desc, pc);
   const MemSnapshot want = p.max_memory();
@@ -179,13 +185,24 @@ std::vector<Layout> layouts() {
   // and the rest's staging are the plan's, as measured.
   out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "tiny", 0, "all:0.5"});
   out.push_back({"hybrid", 4, 2, bf16, 1e-2, 0.15, "llama-tiny", 0, "all:0.5"});
+  // Context parallel, heads split over cp (all-to-all): cp alone, cp × data parallel, each strategy
+  // kind; the ranks of a cp group hold 1/cp of each sequence's positions, so the one-process
+  // reference has the data-parallel ranks' batch.
+  out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "tiny", 0, "", 2});
+  out.push_back({"ddp", 2, 0, "", 1e-5, 1e-5, "tiny", 0, "", 2});
+  out.push_back({"fsdp", 4, 0, "", 1e-5, 1e-5, "tiny", 0, "", 4});
+  out.push_back({"zero2", 4, 0, "", 1e-5, 1e-5, "tiny", 0, "", 2});
+  out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
+  out.push_back({"fsdp", 4, 0, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
+  out.push_back({"hybrid", 4, 2, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layouts()), [](const auto& info) {
   return (info.param.model == "tiny" ? "" : "llama_") + info.param.strategy + "_np" + std::to_string(info.param.ranks) +
          (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "") +
-         (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "") + (info.param.keep.empty() ? "" : "_keep");
+         (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "") + (info.param.keep.empty() ? "" : "_keep") +
+         (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) : "");
 });
 
 // A checkpoint written under one strategy and rank count resumes under another with the same

@@ -1,0 +1,136 @@
+#include "layers/context.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace shardlm::layers::context {
+
+namespace {
+
+// Every rank's payload is the same size here: B·T rows of `width` floats.
+char* payload(char* buf, int q, int64_t width, const Split& s) {
+  return buf + model::exchange_header_bytes(s.P) + static_cast<int64_t>(q) * s.B * s.T * width * 4;
+}
+const char* payload(const char* buf, int q, int64_t width, const Split& s) {
+  return payload(const_cast<char*>(buf), q, width, s);
+}
+void write_sizes(const kernels::Backend& be, char* send, int64_t width, const Split& s) {
+  const std::vector<int64_t> bytes(s.P, s.B * s.T * width * 4);
+  be.upload(send, bytes.data(), 8 * s.P);
+}
+
+// Column segments of a row, each split evenly over the P ranks by heads: q|k|v is three (q over
+// NH heads, k and v over NKV), an attention output one.
+struct Segment {
+  int64_t at, width;  // floats, in the whole row
+};
+std::vector<Segment> qkv_segments(const Split& s) {
+  return {{0, s.NH * s.HS}, {s.NH * s.HS, s.NKV * s.HS}, {(s.NH + s.NKV) * s.HS, s.NKV * s.HS}};
+}
+
+// Rank q's columns of rows (B·T, full width) into its payload (B·T, full / P), or back.
+void columns_to_payloads(const kernels::Backend& be, char* send, const float* rows, const std::vector<Segment>& seg,
+                         int64_t full, const Split& s) {
+  const int64_t mine = full / s.P, n = s.B * s.T;
+  write_sizes(be, send, mine, s);
+  for (int q = 0; q < s.P; ++q) {
+    float* out = reinterpret_cast<float*>(payload(send, q, mine, s));
+    for (const Segment& g : seg) {
+      const int64_t w = g.width / s.P;
+      be.copy_rows(out, 4 * mine, rows + g.at + q * w, 4 * full, 4 * w, n);
+      out += w;
+    }
+  }
+}
+void payloads_to_columns(const kernels::Backend& be, float* rows, const char* recv, const std::vector<Segment>& seg,
+                         int64_t full, const Split& s) {
+  const int64_t mine = full / s.P, n = s.B * s.T;
+  for (int q = 0; q < s.P; ++q) {
+    const float* in = reinterpret_cast<const float*>(payload(recv, q, mine, s));
+    for (const Segment& g : seg) {
+      const int64_t w = g.width / s.P;
+      be.copy_rows(rows + g.at + q * w, 4 * full, in, 4 * mine, 4 * w, n);
+      in += w;
+    }
+  }
+}
+
+// Rank q's rows of the whole sequence (B, T·P, width) into its payload (B, T, width), or back.
+void sequence_to_payloads(const kernels::Backend& be, char* send, const float* seq, int64_t width, const Split& s) {
+  write_sizes(be, send, width, s);
+  for (int q = 0; q < s.P; ++q)
+    for (int64_t b = 0; b < s.B; ++b)
+      be.copy(payload(send, q, width, s) + 4 * b * s.T * width, seq + (b * s.P + q) * s.T * width,
+              4 * s.T * width);
+}
+void payloads_to_sequence(const kernels::Backend& be, float* seq, const char* recv, int64_t width, const Split& s) {
+  for (int q = 0; q < s.P; ++q)
+    for (int64_t b = 0; b < s.B; ++b)
+      be.copy(seq + (b * s.P + q) * s.T * width, payload(recv, q, width, s) + 4 * b * s.T * width,
+              4 * s.T * width);
+}
+
+// The whole sequence, one chunk.
+struct Whole {
+  int64_t start = 0;
+  kernels::SeqChunks chunks;
+  explicit Whole(int64_t positions) : chunks{1, positions, &start} {}
+};
+
+}  // namespace
+
+Positions positions(const UnitArgs& a) {
+  const int64_t seq = a.T * a.cp;
+  return {model::context_chunk_starts(seq, a.cp, a.cp_index, a.cp_impl),
+          model::context_chunk_rows(seq, a.cp, a.cp_impl)};
+}
+
+Split split_of(const UnitArgs& a) {
+  const auto& c = a.desc->config;
+  if (a.cp_impl != model::ContextImpl::all_to_all)
+    throw std::logic_error("context split: only the all-to-all form runs as layers' stages");
+  return {a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size()};
+}
+
+void send_qkv(const kernels::Backend& be, char* send, const float* qkv, const Split& s) {
+  columns_to_payloads(be, send, qkv, qkv_segments(s), s.qkv(), s);
+}
+
+void attention_forward(const kernels::Backend& be, float* qkv_split, float* out_split, float* lse, const char* recv,
+                       char* send, const Split& s) {
+  const int64_t W = s.qkv_split(), q_cols = s.heads() * s.HS;
+  payloads_to_sequence(be, qkv_split, recv, W, s);
+  const Whole all(s.T * s.P);
+  be.attention_chunked_forward(out_split, lse, qkv_split, W, all.chunks, qkv_split + q_cols,
+                               qkv_split + q_cols + s.kv_heads() * s.HS, W, all.chunks, s.B, s.heads(), s.kv_heads(),
+                               s.HS, false);
+  sequence_to_payloads(be, send, out_split, s.out_split(), s);
+}
+
+void take_outputs(const kernels::Backend& be, float* out, const char* recv, const Split& s) {
+  payloads_to_columns(be, out, recv, {{0, s.NH * s.HS}}, s.NH * s.HS, s);
+}
+
+void send_output_grads(const kernels::Backend& be, char* send, const float* dout, const Split& s) {
+  columns_to_payloads(be, send, dout, {{0, s.NH * s.HS}}, s.NH * s.HS, s);
+}
+
+void attention_backward(const kernels::Backend& be, float* dqkv_split, float* dout_split, const float* qkv_split,
+                        const float* out_split, const float* lse, const char* recv, char* send, float* scratch,
+                        const Split& s) {
+  const int64_t W = s.qkv_split(), q_cols = s.heads() * s.HS, kv_cols = s.kv_heads() * s.HS;
+  payloads_to_sequence(be, dout_split, recv, s.out_split(), s);
+  be.zero(dqkv_split, sizeof(float) * s.B * s.T * s.P * W);
+  const Whole all(s.T * s.P);
+  be.attention_chunked_backward(dqkv_split, W, dqkv_split + q_cols, dqkv_split + q_cols + kv_cols, W, dout_split,
+                                qkv_split, W, out_split, lse, all.chunks, qkv_split + q_cols,
+                                qkv_split + q_cols + kv_cols, W, all.chunks, s.B, s.heads(), s.kv_heads(), s.HS,
+                                scratch);
+  sequence_to_payloads(be, send, dqkv_split, W, s);
+}
+
+void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, const Split& s) {
+  payloads_to_columns(be, dqkv, recv, qkv_segments(s), s.qkv(), s);
+}
+
+}  // namespace shardlm::layers::context

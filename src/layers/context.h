@@ -1,0 +1,59 @@
+// Internal to layers/: a block's attention over a sequence split among the cp ranks, shared by the
+// GPT-2 and LLaMA blocks. In the all-to-all form (DeepSpeed-Ulysses) the block's pass runs as three
+// stages with two exchanges over cp between them:
+//   stage 0  norm, q|k|v (rotated where the model rotates)   send: each rank its heads' q|k|v
+//   stage 1  attention over the whole sequence, NH/cp heads   send: each rank its rows' outputs
+//   stage 2  the attention output (all heads, own rows), projection, MLP
+// and the backward in reverse. A rank holds `T` consecutive positions of each sequence (rank i:
+// i·T ..), so after the first exchange its rows are the sequence in order. Exchange buffers are
+// model::Exchange's: a header of one int64 per rank (the payload's bytes), then the payloads.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "layers/layers.h"
+
+namespace shardlm::layers::context {
+
+// The positions of this rank's rows of a sequence: model::context_chunk_starts as kernels take it.
+struct Positions {
+  std::vector<int64_t> starts;
+  int64_t rows = 0;
+  kernels::SeqChunks chunks() const { return {static_cast<int64_t>(starts.size()), rows, starts.data()}; }
+};
+Positions positions(const UnitArgs& a);
+
+struct Split {
+  int P = 1, me = 0;                 // cp ranks, this one's index
+  int64_t B = 0, T = 0;              // sequences, rows of each this rank holds (T·P positions)
+  int64_t NH = 0, NKV = 0, HS = 0;   // heads of the whole model
+  int64_t heads() const { return NH / P; }                  // query heads a rank attends with
+  int64_t kv_heads() const { return NKV / P; }
+  int64_t qkv() const { return (NH + 2 * NKV) * HS; }       // q|k|v row width, all heads
+  int64_t qkv_split() const { return qkv() / P; }           // q|k|v row width, a rank's heads
+  int64_t out_split() const { return heads() * HS; }        // attention output width, a rank's heads
+};
+Split split_of(const UnitArgs& a);
+
+// Forward. Stage 0: this rank's rows of q|k|v (B, T, qkv) to every rank, its heads' columns.
+void send_qkv(const kernels::Backend& be, char* send, const float* qkv, const Split& s);
+// Stage 1: q|k|v of the whole sequence for this rank's heads (B, T·P, qkv_split), its attention
+// output (B, T·P, out_split) and lse (B, heads, T·P); the output back to the ranks holding its rows.
+void attention_forward(const kernels::Backend& be, float* qkv_split, float* out_split, float* lse, const char* recv,
+                       char* send, const Split& s);
+// Stage 2: the attention output of this rank's rows, all heads (B, T, NH·HS).
+void take_outputs(const kernels::Backend& be, float* out, const char* recv, const Split& s);
+
+// Backward. Stage 2: d attention output (B, T, NH·HS) to every rank, its heads' columns.
+void send_output_grads(const kernels::Backend& be, char* send, const float* dout, const Split& s);
+// Stage 1: the head split's d q|k|v (B, T·P, qkv_split, zeroed here) back to the ranks holding its
+// rows; dout_split (B, T·P, out_split) is scratch, scratch the backend's attention scratch.
+void attention_backward(const kernels::Backend& be, float* dqkv_split, float* dout_split, const float* qkv_split,
+                        const float* out_split, const float* lse, const char* recv, char* send, float* scratch,
+                        const Split& s);
+// Stage 0: d q|k|v of this rank's rows, all heads (B, T, qkv).
+void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, const Split& s);
+
+}  // namespace shardlm::layers::context
