@@ -170,6 +170,42 @@ TEST_F(Report, DamagedMetricsAndCorruptTraceAreNamedInThePage) {
   EXPECT_EQ(charts_of(rendered_dom(dir / "report.html", console)).at("loss-step").at("loss"), 6);
 }
 
+// A run resumed from its step-3 checkpoint is one curve of 6 steps with the resume marked, and the
+// page lists both command lines.
+TEST_F(Report, ResumedRunIsOneCurveWithTheResumeMarked) {
+  ASSERT_EQ(run(runs_.args("resumed", 6) + " --save-every 3").code, 0);
+  const Result r = run(runs_.args("resumed", 6) + " --save-every 3 --resume " + (runs_.out("resumed") / "ckpt" / "step_3").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto info = nlohmann::json::parse(slurp(runs_.out("resumed") / "run_info.json"));
+  ASSERT_EQ(info["starts"].size(), 2u);
+  EXPECT_EQ(info["starts"][1]["step"], 3);
+  std::string console;
+  const std::string dom = rendered_dom(runs_.out("resumed") / "report.html", console);
+  EXPECT_EQ(charts_of(dom).at("loss-step").at("loss"), 6);
+  EXPECT_NE(dom.find("resumed at step 3"), std::string::npos);
+  EXPECT_NE(dom.find("step 3: "), std::string::npos);  // the resume's command line
+}
+
+// Two ranks: the trace breakdown has a row per rank and names the slowest of them.
+TEST_F(Report, TwoRanksEachHaveATraceRow) {
+  const Result r = shardlm::testing::mpirun(
+      2, runs_.args("ranks", 3) + " --threads 1 --trace " + (runs_.out("ranks") / "trace.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::string console;
+  const std::string dom = rendered_dom(runs_.out("ranks") / "report.html", console);
+  EXPECT_EQ(charts_of(dom).at("loss-step").at("loss"), 3);
+  const size_t table = dom.find("id=\"trace-ranks-0\"");
+  ASSERT_NE(table, std::string::npos);
+  const std::string rows = dom.substr(table, dom.find("</table>", table) - table);
+  EXPECT_NE(rows.find("<tr><td>0</td>"), std::string::npos);
+  EXPECT_NE(rows.find("<tr><td>1</td>"), std::string::npos);
+  EXPECT_NE(dom.find("data-problems=\"0\""), std::string::npos);
+  const size_t slowest = dom.find("id=\"slowest-rank-0\">");
+  ASSERT_NE(slowest, std::string::npos);
+  const char rank = dom[dom.find('>', slowest) + 1];
+  EXPECT_TRUE(rank == '0' || rank == '1') << rank;
+}
+
 TEST(ReportBadInput, EmptyMissingAndForeignDirectoriesAreOneLine) {
   const fs::path dir = fs::temp_directory_path() / ("shardlm_report_bad_" + std::to_string(::getpid()));
   fs::remove_all(dir);
