@@ -219,7 +219,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
       ->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
-  cmd->add_flag("--no-report{false}", c.report, "do not write DIR/report.html at each evaluation and at the end");
+  cmd->add_flag("--no-report", c.no_report, "do not write DIR/report.html at each evaluation and at the end");
 }
 
 }  // namespace

@@ -63,6 +63,7 @@ std::vector<Slice> slices_of(const json& events, std::vector<std::string>& probl
       ++bad;
       continue;
     }
+    if (e["args"]["step"].get<int64_t>() < 0) continue;  // evaluation and sampling: no training step
     const int pid = e.value("pid", 0), tid = e.value("tid", 0);
     const auto it = names.find({pid, tid});
     const std::string stream = it != names.end() ? it->second : e.value("cat", std::to_string(tid));

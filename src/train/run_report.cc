@@ -96,7 +96,7 @@ void write_run_info(const TrainConfig& cfg, const plan::Plan& plan, const RunInf
 }
 
 void refresh_report(const TrainConfig& cfg) {
-  if (!cfg.report) return;
+  if (cfg.no_report) return;
   try {
     report::ReportOptions opt;
     opt.run_dir = cfg.out;

@@ -509,7 +509,7 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   if (!cfg.trace.empty()) write_trace(s);
   if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", s.memory.tracker().run_peak());
   if (s.lead) refresh_report(cfg);  // after the trace, which the page breaks down
-  if (s.talk && cfg.report) fmt::print("report: {}/report.html\n", cfg.out);
+  if (s.talk && !cfg.no_report) fmt::print("report: {}/report.html\n", cfg.out);
   if (s.snapshots) s.snapshots->remove_held();
   return summary;
 }

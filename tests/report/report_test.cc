@@ -30,6 +30,8 @@ std::string slurp(const fs::path& p) {
 
 // The page as Chromium renders it; `console` gets Chromium's log (console messages included).
 std::string rendered_dom(const fs::path& page, std::string& console) {
+  EXPECT_EQ(shardlm::testing::run_command("command -v chromium").code, 0)
+      << "chromium not found: bash scripts/setup.sh installs it (Debian's chromium)";
   const fs::path dom = page.string() + ".dom", log = page.string() + ".log";
   const Result r = shardlm::testing::run_command(
       "(timeout 120 chromium --headless --no-sandbox --disable-gpu --enable-logging=stderr --v=0 --dump-dom 'file://" +
@@ -254,6 +256,7 @@ TEST(TraceSummary, TypicalStepHiddenCommunicationAndSlowestRank) {
     }
     t0 += 1000;
   }
+  events += slice(0, 0, "forward h.0 [0]", -1, t0, 5000);  // an evaluation's: no training step
   const auto s = shardlm::report::summarize_trace_text("{\"traceEvents\": [" + events + "]}", "t.json");
   ASSERT_TRUE(s.ok) << (s.problems.empty() ? "" : s.problems[0]);
   EXPECT_EQ(s.steps, 3);
