@@ -74,6 +74,14 @@ json earlier_starts(const fs::path& path, int64_t before) {
 }  // namespace
 
 void write_run_info(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info) {
+  try {
+    write_run_info_or_throw(cfg, plan, info);
+  } catch (const std::exception& e) {
+    std::cerr << "shardlm: warning: the report's run_info.json was not written: " << e.what() << "\n";
+  }
+}
+
+void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info) {
   const fs::path path = fs::path(cfg.out) / "run_info.json";
   json starts = info.start_step > 0 ? earlier_starts(path, info.start_step) : json::array();
   starts.push_back({{"step", info.start_step}, {"command_line", cfg.command_line}});

@@ -20,8 +20,11 @@ struct RunInfo {
 };
 
 // Writes DIR/run_info.json (through a temporary file and a rename), keeping the starts an earlier
-// run_info.json of this directory recorded before `info.start_step` (a resume adds its own).
+// run_info.json of this directory recorded before `info.start_step` (a resume adds its own). The
+// file serves only the report: a failure is one warning line on stderr, and training goes on.
 void write_run_info(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info);
+// The same, throwing one line naming the file.
+void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info);
 
 // Rewrites DIR/report.html unless --no-report. A report that cannot be written does not stop
 // training: it is one warning line on stderr (the run's metrics are intact).
