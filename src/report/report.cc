@@ -301,6 +301,14 @@ std::string kv_table(const std::string& id, const json& obj) {
   return table(id, {"", ""}, rows);
 }
 
+// The commit and the machine's fields as one flat list of rows.
+json machine_rows(const json& info) {
+  json rows{{"git commit", info.value("git_commit", "?")}};
+  if (info.contains("machine") && info["machine"].is_object())
+    for (const auto& [k, v] : info["machine"].items()) rows[k] = v;
+  return rows;
+}
+
 std::string config_section(const Page& p) {
   const json& info = p.run.info;
   if (!info.is_object()) return section("config", "Run", note("run_info.json is missing: no command line, commit or machine to show."));
@@ -310,7 +318,7 @@ std::string config_section(const Page& p) {
       starts += fmt::format(R"(<pre class="cmd">step {}: {}</pre>)", s.value("step", 0), escape(s.value("command_line", "")));
   return section("config", "Run",
                  "<h3>Command line (each start of the run)</h3>" + starts + "<h3>Build and machine</h3>" +
-                     kv_table("machine", {{"git commit", info.value("git_commit", "?")}, {"machine", info.value("machine", json())}}) +
+                     kv_table("machine", machine_rows(info)) +
                      "<h3>Configuration</h3>" + kv_table("configuration", info.value("config", json())) +
                      (p.run.identity.is_object() ? "<h3>run.json (what defines the run)</h3>" + kv_table("identity", p.run.identity) : ""));
 }
@@ -345,7 +353,7 @@ std::string problems_section(const Page& p) {
 
 const char* kStyle = R"(body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1340px}
 h1{font-size:20px}h2{font-size:17px;border-bottom:1px solid #ccc;margin-top:28px}h3{font-size:14px}
-figure.chart{display:inline-block;margin:8px 12px 8px 0;vertical-align:top}figcaption{font-weight:600;margin-bottom:2px}
+figure.chart{display:inline-block;width:640px;margin:8px 12px 8px 0;vertical-align:top}figcaption{font-weight:600;margin-bottom:2px}
 .key{font-weight:400;margin-left:10px;font-size:12px}.key i{display:inline-block;width:12px;height:3px;margin-right:4px;vertical-align:middle}
 .plot{fill:#fcfcfc;stroke:#bbb}.grid{stroke:#eee}.tick{font-size:10px;fill:#555}.label{font-size:11px;fill:#333}
 .marker{stroke:#d62728;stroke-dasharray:3 2;stroke-width:1}table{border-collapse:collapse;margin:8px 0}

@@ -89,19 +89,28 @@ std::string axes(const Chart& c, const Frame& f) {
   return out;
 }
 
+// A long run's series is thinned to about kMaxDrawn points (every k-th, and the last), so the page
+// stays small enough to open; data-rows keeps how many there were.
+constexpr size_t kMaxDrawn = 4000;
+
 std::string polyline(const Chart& c, const Frame& f, const Series& s) {
+  std::vector<size_t> keep;
+  for (size_t i = 0; i < s.x.size(); ++i)
+    if (usable(c, s.x[i], s.y[i])) keep.push_back(i);
+  const size_t stride = (keep.size() + kMaxDrawn - 1) / kMaxDrawn;
   std::string pts;
   std::string dots;
   int n = 0;
-  for (size_t i = 0; i < s.x.size(); ++i) {
-    if (!usable(c, s.x[i], s.y[i])) continue;
+  for (size_t k = 0; k < keep.size(); ++k) {
+    if (stride > 1 && k % stride != 0 && k + 1 != keep.size()) continue;
+    const size_t i = keep[k];
     ++n;
     const double x = f.px(s.x[i]), y = f.py(y_value(c, s.y[i]));
     pts += fmt::format("{}{:.1f},{:.1f}", pts.empty() ? "" : " ", x, y);
     if (s.dots) dots += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="{}"/>)", x, y, s.color);
   }
-  return fmt::format(R"(<polyline data-series="{}" data-points="{}" points="{}" fill="none" stroke="{}" stroke-width="1.5"{}/>)",
-                     escape(s.name), n, pts, s.color, s.dashed ? R"( stroke-dasharray="5 3")" : "") +
+  return fmt::format(R"(<polyline data-series="{}" data-points="{}" data-rows="{}" points="{}" fill="none" stroke="{}" stroke-width="1.5"{}/>)",
+                     escape(s.name), n, keep.size(), pts, s.color, s.dashed ? R"( stroke-dasharray="5 3")" : "") +
          dots;
 }
 
@@ -130,12 +139,6 @@ std::string legend(const Chart& c) {
 }
 
 }  // namespace
-
-int drawn_points(const Series& s) {
-  int n = 0;
-  for (size_t i = 0; i < s.x.size(); ++i) n += std::isfinite(s.x[i]) && std::isfinite(s.y[i]);
-  return n;
-}
 
 std::string color(int i) {
   static const char* kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",

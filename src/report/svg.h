@@ -39,9 +39,9 @@ struct Chart {
   bool log_y = false;
 };
 
-// The series' finite points, as drawn.
-int drawn_points(const Series& s);
-// One <figure> holding the chart's SVG and its legend; a chart with no finite point says so.
+// One <figure> holding the chart's SVG and its legend; a chart with no finite point says so. Each
+// polyline's data-points is the points it draws, data-rows the finite points it was given (more
+// than 4000 are thinned to every k-th and the last).
 std::string render_svg(const Chart& c);
 // A palette colour for series i.
 std::string color(int i);

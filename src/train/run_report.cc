@@ -51,10 +51,13 @@ json mem_json(const MemSnapshot& s) {
   return j;
 }
 
+// A float setting as typed (0.001, not the double nearest the float, 0.0010000000474974513).
+double shown(float v) { return std::stod(fmt::format("{}", v)); }
+
 json settings(const TrainConfig& c, const RunInfo& info) {
   return {{"model", c.model},         {"strategy", c.strategy}, {"ranks", info.ranks},          {"threads", c.threads},
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
-          {"lr", c.lr},               {"warmup", c.warmup},     {"recompute", c.recompute},     {"param_dtype", c.param_dtype},
+          {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute},     {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
           {"tokens_per_step", info.tokens_per_step}, {"peak_gflops", info.peak_gflops}};
 }

@@ -11,6 +11,7 @@
 #include <regex>
 #include <sstream>
 
+#include "report/svg.h"
 #include "report/trace_summary.h"
 #include "run/test_util.h"
 
@@ -269,6 +270,23 @@ TEST(TraceSummary, TypicalStepHiddenCommunicationAndSlowestRank) {
   ASSERT_FALSE(s.ops.empty());
   EXPECT_EQ(s.ops[0].first, "reduce_scatter");  // the longest op first
   EXPECT_DOUBLE_EQ(s.ops[0].second, (300 + 450) / 2.0);
+}
+
+// A long run's curve is thinned to what a page can hold, its first and last points kept; NaN (a
+// skipped step's loss) and, on a log axis, non-positive values are not drawn.
+TEST(Svg, LongSeriesAreThinnedAndUndrawablePointsLeftOut) {
+  shardlm::report::Series s{"loss", {}, {}, "#000"};
+  for (int i = 0; i < 10000; ++i) s.x.push_back(i), s.y.push_back(i == 5 ? NAN : 1.0 + i);
+  shardlm::report::Chart c{"long", "t", "x", "y"};
+  c.series.push_back(s);
+  const std::string svg = shardlm::report::render_svg(c);
+  EXPECT_NE(svg.find("data-points=\"3334\" data-rows=\"9999\""), std::string::npos) << svg.substr(0, 400);
+  c.log_y = true;
+  c.series[0].y[7] = -1;
+  EXPECT_NE(shardlm::report::render_svg(c).find("data-rows=\"9998\""), std::string::npos);
+  shardlm::report::Chart empty{"none", "t", "x", "y"};
+  empty.series.push_back({"loss", {1, 2}, {NAN, NAN}, "#000"});
+  EXPECT_NE(shardlm::report::render_svg(empty).find("no data to draw"), std::string::npos);
 }
 
 TEST(TraceSummary, ForeignAndCutTracesAreProblemsNotCrashes) {
