@@ -209,6 +209,18 @@ TEST_F(Report, TwoRanksEachHaveATraceRow) {
   EXPECT_TRUE(rank == '0' || rank == '1') << rank;
 }
 
+// A mixture of experts: the router's losses and the expert load, a point per step.
+TEST_F(Report, MixtureOfExpertsRunHasRouterCharts) {
+  const Result r = run(runs_.args("moe", 3, 2, "moe-tiny"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::string console;
+  const auto charts = charts_of(rendered_dom(runs_.out("moe") / "report.html", console));
+  EXPECT_EQ(charts.at("moe-loss").at("aux_loss"), 3);
+  EXPECT_EQ(charts.at("moe-loss").at("z_loss"), 3);
+  EXPECT_EQ(charts.at("expert-load").at("expert_load_max"), 3);
+  EXPECT_FALSE(charts_of(slurp(runs_.out("run") / "report.html")).count("moe-loss"));  // a dense run has none
+}
+
 TEST(ReportBadInput, EmptyMissingAndForeignDirectoriesAreOneLine) {
   const fs::path dir = fs::temp_directory_path() / ("shardlm_report_bad_" + std::to_string(::getpid()));
   fs::remove_all(dir);
