@@ -375,8 +375,12 @@ std::string page_html(const Page& p) {
 // The traces to summarise: those given, else the one the run recorded, else DIR/trace.json.
 std::vector<std::string> trace_paths(const ReportOptions& opt, const RunData& run) {
   if (!opt.traces.empty()) return opt.traces;
-  if (run.info.is_object() && run.info.contains("trace") && run.info["trace"].is_string() && !run.info["trace"].get<std::string>().empty())
-    return {run.info["trace"].get<std::string>()};
+  if (run.info.is_object() && run.info.contains("trace") && run.info["trace"].is_string() && !run.info["trace"].get<std::string>().empty()) {
+    // A run directory copied elsewhere with its trace inside still finds it there.
+    const fs::path recorded = run.info["trace"].get<std::string>();
+    const fs::path moved = fs::path(run.dir) / recorded.filename();
+    return {!fs::exists(recorded) && fs::exists(moved) ? moved.string() : recorded.string()};
+  }
   if (fs::exists(fs::path(run.dir) / "trace.json")) return {(fs::path(run.dir) / "trace.json").string()};
   return {};
 }
