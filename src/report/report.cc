@@ -243,8 +243,9 @@ std::string memory_section(const Page& p) {
 std::string trace_block(const TraceSummary& t, int index) {
   std::string out = fmt::format(R"(<h3>{}</h3>)", escape(t.path));
   if (!t.ok) return out + note("No time breakdown: see the problems above.");
+  // The trace numbers steps from 0; the page counts steps done, as the charts do.
   out += fmt::format("<p>Step {} (the median of {} steps by the slowest rank's time); slowest rank: <b id=\"slowest-rank-{}\">{}</b>.</p>",
-                     t.step, t.steps, index, t.ranks[t.slowest].rank);
+                     t.step + 1, t.steps, index, t.ranks[t.slowest].rank);
   const double total = t.ranks.empty() ? 0 : t.ranks[0].step_us;
   std::vector<std::vector<std::string>> ops;
   for (const auto& [op, us] : t.ops)
