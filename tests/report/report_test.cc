@@ -209,6 +209,28 @@ TEST_F(Report, TwoRanksEachHaveATraceRow) {
   EXPECT_TRUE(rank == '0' || rank == '1') << rank;
 }
 
+// A step whose loss was NaN (the fault seam) and whose update was skipped: no point for its loss
+// (metrics.jsonl holds null), a marker at it; a run stopped by a NaN still leaves its page.
+TEST_F(Report, SkippedStepIsMarkedAndItsNaNLossNotDrawn) {
+  const Result r = shardlm::testing::run_command("SHARDLM_FAULT_NAN_LOSS=0:2 " + shardlm::testing::shardlm_binary() + " " +
+                                                 runs_.args("skip", 5) + " --on-nonfinite skip");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::string console;
+  const std::string dom = rendered_dom(runs_.out("skip") / "report.html", console);
+  const auto charts = charts_of(dom);
+  EXPECT_EQ(charts.at("loss-step").at("loss"), 4);
+  EXPECT_EQ(charts.at("lr").at("lr"), 5);
+  const size_t chart = dom.find("data-chart=\"loss-step\"");
+  ASSERT_NE(chart, std::string::npos);
+  EXPECT_EQ(attribute(dom, dom.find("<g data-markers", chart), "data-markers"), "1");
+  EXPECT_NE(dom.find("step 3: update skipped"), std::string::npos);
+
+  const Result stopped = shardlm::testing::run_command("SHARDLM_FAULT_NAN_LOSS=0:2 " + shardlm::testing::shardlm_binary() +
+                                                       " " + runs_.args("stop", 5));
+  EXPECT_NE(stopped.code, 0);
+  EXPECT_EQ(charts_of(slurp(runs_.out("stop") / "report.html")).at("lr").at("lr"), 3);
+}
+
 // A mixture of experts: the router's losses and the expert load, a point per step.
 TEST_F(Report, MixtureOfExpertsRunHasRouterCharts) {
   const Result r = run(runs_.args("moe", 3, 2, "moe-tiny"));
