@@ -23,8 +23,9 @@ PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-b
 # BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
 # handicapped.
 # time: GNU time, whose maximum resident set size the memory test compares with the accounting.
+# chromium: the report test renders `shardlm report`'s page headless and checks the DOM.
 [[ "$FOR" == run ]] || PACKAGES+=(libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch
-                                  libopenblas0-pthread time)
+                                  libopenblas0-pthread time chromium)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -221,6 +221,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
       ->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
+  cmd->add_flag("--no-report", c.no_report, "do not write DIR/report.html at each evaluation and at the end");
 }
 
 }  // namespace
@@ -242,6 +243,17 @@ int on_world(const std::function<int(comm::Communicator& world, MemoryPool& memo
   world.reset();
   comm::finalize_mpi();
   return code;
+}
+
+// The command as typed, each argument quoted where a shell would need it, for the report.
+static std::string command_line(int argc, char** argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool plain = !a.empty() && a.find_first_of(" \t'\"\\$`") == std::string::npos;
+    out += (i ? " " : "") + (plain ? a : "'" + a + "'");
+  }
+  return out;
 }
 
 int run(int argc, char** argv) {
@@ -359,6 +371,8 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
   CkptCommands ckpt_cmds;
   add_ckpt_commands(app, ckpt_cmds, data_dir);
+  ReportArgs report_args;
+  add_report_command(app, report_args);
 
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
@@ -386,6 +400,7 @@ int run(int argc, char** argv) {
       fmt::print("{}: {} train tokens -> {}_train.bin, {} val tokens -> {}_val.bin\n", tok->name(), stats.train_tokens,
                  tok_out, stats.val_tokens, tok_out);
     } else if (*train_cmd) {
+      tc.command_line = command_line(argc, argv);
       return run_train(tc, data_dir);
     } else if (*explain_cmd) {
       run_explain(ec, explain_ranks);
@@ -396,6 +411,8 @@ int run(int argc, char** argv) {
       return run_plan(pa);
     } else if (*sim_cmd) {
       run_simulate(sa);
+    } else if (*report_args.cmd) {
+      return run_report(report_args);
     } else if (*ckpt_cmds.ckpt) {
       return run_ckpt(ckpt_cmds, data_dir);
     } else if (*eval_cmd) {

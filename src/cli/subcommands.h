@@ -1,6 +1,6 @@
 // Internal to cli/: the subcommands as commands.cc's dispatcher calls them, one file per group
 // (commands_train.cc: train, eval, generate, explain; commands_sim.cc: simulate, calibrate,
-// plan; commands_ckpt.cc: ckpt). Each returns the process exit code or throws; the dispatcher
+// plan; commands_ckpt.cc: ckpt; commands_report.cc: report). Each returns the process exit code or throws; the dispatcher
 // turns an exception into one "shardlm: error: ..." line.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/communicator.h"
+#include "report/report.h"
 #include "run/calibrate.h"
 #include "train/config.h"
 #include "train/evaluate.h"
@@ -65,5 +66,13 @@ struct CkptCommands {
 };
 void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir);
 int run_ckpt(const CkptCommands& c, const std::string& data_dir);
+
+// commands_report.cc
+struct ReportArgs {
+  CLI::App* cmd = nullptr;
+  report::ReportOptions opt;
+};
+void add_report_command(CLI::App& app, ReportArgs& a);
+int run_report(const ReportArgs& a);
 
 }  // namespace shardlm::cli

@@ -96,6 +96,8 @@ struct TrainConfig {
   std::string device = "cpu";  // cpu | cuda (a build with -DSHARDLM_CUDA=ON; one process, ddp)
   double timeout_s = 300;  // a collective that does not finish in time ends the job
   std::string trace;       // Chrome trace JSON of every rank's tasks and memory
+  bool no_report = false;  // --no-report: no DIR/report.html at each evaluation and at the end
+  std::string command_line;  // as typed, for the report (run_info.json); cli/ fills it
 
   // Resolves the model: preset or config.json, then explicit overrides, then validation.
   // data_vocab sizes the vocabulary of presets that take it from the data.

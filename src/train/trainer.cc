@@ -27,6 +27,7 @@
 #include "train/guard.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
+#include "train/run_report.h"
 #include "train/memory_check.h"
 #include "train/run_state_io.h"
 #include "train/schedule.h"
@@ -359,6 +360,7 @@ TrainSummary end_early(Session& s, TrainSummary summary, int code, const std::st
   summary.exit_code = code;
   summary.stop_reason = reason;
   if (!s.cfg.trace.empty()) write_trace(s);
+  if (s.lead) refresh_report(s.cfg);  // the page shows the steps up to the stop
   return summary;
 }
 
@@ -523,6 +525,8 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   }
   if (!cfg.trace.empty()) write_trace(s);
   if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", s.memory.tracker().run_peak());
+  if (s.lead) refresh_report(cfg);  // after the trace, which the page breaks down
+  if (s.talk && !cfg.no_report) fmt::print("report: {}/report.html\n", cfg.out);
   if (s.snapshots) s.snapshots->remove_held();
   return summary;
 }
@@ -561,6 +565,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   const int64_t T = cfg.seq, global_batch = s.plan.dp_size() * cfg.batch * cfg.grad_accum;
   const StepScale scale{peak, s.desc.train_flops(global_batch, T), global_batch * T};
   if (s.talk) print_run_header(s, peak);
+  if (s.lead) write_run_info(cfg, s.plan, {s.N, s.state.step, peak, global_batch * T});
 
   TrainSummary summary;
   NonFiniteGuard nonfinite(cfg.on_nonfinite, cfg.max_skipped_steps);
@@ -591,7 +596,10 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
     if (cfg.save_every > 0 && s.state.step % cfg.save_every == 0) save(s);
     if (cfg.snapshot_every > 0 && s.state.step % cfg.snapshot_every == 0) take_snapshot(s);
     if (const int sig = agreed_stop_signal(s)) return end_early(s, summary, 128 + sig, stop_on_signal(s, sig));
-    if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) run_eval(s);
+    if (cfg.eval_every > 0 && s.state.step % cfg.eval_every == 0 && s.state.step < cfg.steps) {
+      run_eval(s);
+      if (s.lead) refresh_report(cfg);
+    }
   }
   return finish(s, summary);
 }

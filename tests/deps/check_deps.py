@@ -21,8 +21,9 @@ ALLOWED = {
     "sim": ["model", "plan", "trace"],
     "ckpt": ["tensor", "model", "comm"],
     "data": [],
-    "train": ["run", "layers", "data", "ckpt", "comm", "plan", "model", "kernels", "trace", "tensor"],
-    "cli": ["train", "sim"],
+    "report": [],
+    "train": ["report", "run", "layers", "data", "ckpt", "comm", "plan", "model", "kernels", "trace", "tensor"],
+    "cli": ["train", "sim", "report"],
 }
 # Kernels are reached through the backend interface only from these parts.
 BACKEND_ONLY = {"layers", "run"}

@@ -1,0 +1,120 @@
+#include "train/run_report.h"
+
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <unistd.h>
+
+#include "report/report.h"
+
+#ifndef SHARDLM_GIT_COMMIT
+#define SHARDLM_GIT_COMMIT "unknown"
+#endif
+
+namespace shardlm::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A field of /proc/cpuinfo or /proc/meminfo ("" where the file or field is absent: not Linux).
+std::string proc_field(const char* file, const std::string& key) {
+  std::ifstream f(file);
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      const auto start = line.find_first_not_of(" \t", colon + 1);
+      return start == std::string::npos ? "" : line.substr(start);
+    }
+  return "";
+}
+
+json machine() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  return {{"host", host},
+          {"cpu", proc_field("/proc/cpuinfo", "model name")},
+          {"logical cores", std::thread::hardware_concurrency()},
+          {"memory", proc_field("/proc/meminfo", "MemTotal")}};
+}
+
+json mem_json(const MemSnapshot& s) {
+  json j;
+  for (int c = 0; c < kNumMemCategories; ++c) j[to_string(static_cast<MemCategory>(c))] = s.bytes[c];
+  j["total"] = s.total;
+  return j;
+}
+
+// A float setting as typed (0.001, not the double nearest the float, 0.0010000000474974513).
+double shown(float v) { return std::stod(fmt::format("{}", v)); }
+
+json settings(const TrainConfig& c, const RunInfo& info) {
+  return {{"model", c.model},         {"strategy", c.strategy}, {"ranks", info.ranks},          {"threads", c.threads},
+          {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
+          {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute},     {"param_dtype", c.param_dtype},
+          {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
+          {"tokens_per_step", info.tokens_per_step}, {"peak_gflops", info.peak_gflops}};
+}
+
+// The starts an earlier run_info.json recorded, up to this start's step: a resume continues them.
+json earlier_starts(const fs::path& path, int64_t before) {
+  json kept = json::array();
+  std::ifstream f(path);
+  if (!f) return kept;
+  const json old = json::parse(f, nullptr, false);
+  if (old.is_discarded() || !old.is_object() || !old.contains("starts") || !old["starts"].is_array()) return kept;
+  for (const json& s : old["starts"])
+    if (s.is_object() && s.value("step", int64_t{-1}) < before) kept.push_back(s);
+  return kept;
+}
+
+}  // namespace
+
+void write_run_info(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info) {
+  try {
+    write_run_info_or_throw(cfg, plan, info);
+  } catch (const std::exception& e) {
+    std::cerr << "shardlm: warning: the report's run_info.json was not written: " << e.what() << "\n";
+  }
+}
+
+void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, const RunInfo& info) {
+  const fs::path path = fs::path(cfg.out) / "run_info.json";
+  json starts = info.start_step > 0 ? earlier_starts(path, info.start_step) : json::array();
+  starts.push_back({{"step", info.start_step}, {"command_line", cfg.command_line}});
+  std::error_code ec;
+  const json j{{"starts", starts},
+               {"git_commit", SHARDLM_GIT_COMMIT},
+               {"machine", machine()},
+               {"config", settings(cfg, info)},
+               {"plan_mem", mem_json(plan.peak_memory())},
+               {"plan_mem_max", mem_json(plan.max_memory())},
+               {"trace", cfg.trace.empty() ? "" : fs::absolute(cfg.trace, ec).string()}};
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << j.dump(1) << "\n";
+    if (!f) throw std::runtime_error(fmt::format("cannot write {}", tmp.string()));
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error(fmt::format("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+}
+
+void refresh_report(const TrainConfig& cfg) {
+  if (cfg.no_report) return;
+  try {
+    report::ReportOptions opt;
+    opt.run_dir = cfg.out;
+    report::write_report(opt);
+  } catch (const std::exception& e) {
+    std::cerr << "shardlm: warning: the report was not written: " << e.what() << "\n";
+  }
+}
+
+}  // namespace shardlm::train
