@@ -273,6 +273,25 @@ void check_fit(const LineFit& f, double memory_bw, const std::string& what) {
     refuse("the fitted latency " + std::to_string(f.alpha) + " s is not in [0, " + std::to_string(kMaxLatencySeconds) + "] s");
 }
 
+namespace {
+// Every rank measures at once, as in training; where ranks × threads exceed the cores, each thread
+// had a share of one and its rates are that much lower. The cost model time-slices the cores
+// itself (by the simulated layout's busy threads), so per-thread figures are stated as if alone
+// on a core: multiplied back by this.
+double time_slicing(int ranks, int threads) {
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max(1.0, ranks * threads / cores);
+}
+
+void undo_time_slicing(json& rows, int ranks) {
+  for (json& r : rows) {
+    const double f = time_slicing(ranks, r["threads"].get<int>());
+    r["forward"] = r["forward"].get<double>() * f;
+    r["backward"] = r["backward"].get<double>() * f;
+  }
+}
+}  // namespace
+
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
   check_calibrate_options(o);
   k.init_compute(o.threads);
@@ -291,7 +310,10 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   if (!o.gemm_models.empty() && o.gemm_models != std::vector<std::string>{"none"}) {
     world.barrier("calibrate")->wait();  // every rank's kernels at once, as in training
     std::tie(rates, attention) = kernel_rates(k, o.gemm_models, o.threads);
+    undo_time_slicing(rates, n);
+    undo_time_slicing(attention, n);
   }
+  const double sliced = time_slicing(n, o.threads);
 
   std::vector<int64_t> sizes = o.sizes;
   if (sizes.empty())
@@ -358,11 +380,11 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"description", "this machine, fitted by shardlm calibrate; compute figures per compute thread"},
          {"compute_dtype", "fp32"},
          {"per_thread", true},
-         {"peak_flops", fig(peak / o.threads, here + ": best 2048^3 GEMM, per thread")},
-         {"fp32_peak_flops", fig(peak / o.threads, here + ": the same as peak_flops")},
+         {"peak_flops", fig(peak * sliced / o.threads, here + ": best 2048^3 GEMM, per thread, as if alone on a core")},
+         {"fp32_peak_flops", fig(peak * sliced / o.threads, here + ": the same as peak_flops")},
          {"gemm_efficiency", fig(std::min(1.0, shapes / peak), here + ": small's block GEMMs (1024 rows) against the 2048^3 peak")},
          {"memory_bw", fig(bw, here + ": residual add over 64 MiB arrays")},
-         {"pointwise_bw", fig(pointwise / o.threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward and backward) over small's block activations, bytes read and written per second, per thread")},
+         {"pointwise_bw", fig(pointwise * sliced / o.threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward and backward) over small's block activations, bytes read and written per second, per thread")},
          {"devices_per_node", fig(std::max(n, 1), "one machine: every rank is on it")},
          {"cores_per_node", fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency")},
          {"device_memory", fig(0, "host memory: no per-device limit")},
