@@ -14,21 +14,10 @@ import sys
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "reference"))
 import llama_reference as ref  # noqa: E402
-
-
-class Expert(nn.Module):
-    def __init__(self, C, FE):
-        super().__init__()
-        self.w1 = nn.Linear(C, FE, bias=False)
-        self.w3 = nn.Linear(C, FE, bias=False)
-        self.w2 = nn.Linear(FE, C, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+from mixtral_reference import Expert  # noqa: E402  (one SwiGLU expert: w1 gate, w3 up, w2 down)
 
 
 class SparseMoe(nn.Module):
