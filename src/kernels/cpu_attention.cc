@@ -276,42 +276,13 @@ int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                         int64_t HS, float* scratch) {
-  const int64_t G = gqa_group(NH, NKV, "attention_backward");
-  const int64_t C = NH * HS, W = (NH + 2 * NKV) * HS, CK = NKV * HS;
-  const int64_t nqb = (T + kT - 1) / kT;
-  const int64_t nbk = B * NKV;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-  const int64_t per = attention_block_backward_scratch(HS) + kT;
-  // One (b, kv head) per work unit, its G query heads inside: the unit's dK / dV rows collect
-  // contributions from every query tile of every query head of the group, summed in a fixed
-  // order (head-major, then query tile) by one thread: deterministic, independent of the
-  // thread count, no atomics. dQ columns of different query heads are disjoint.
-  // With NKV == NH (G = 1) this is exactly the multi-head kernel.
-#pragma omp parallel
-  {
-    float* mine = scratch + per * omp_get_thread_num();
-    float* Drow = mine + attention_block_backward_scratch(HS);
-#pragma omp for schedule(static)
-    for (int64_t bk = 0; bk < nbk; ++bk) {
-      const int64_t b = bk / NKV, kh = bk % NKV;
-      const float* row = qkv + b * T * W;
-      float* drow = dqkv + b * T * W;
-      const float* kp = row + C + kh * HS;
-      float* dkp = drow + C + kh * HS;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g, bh = b * NH + h;
-        for (int64_t qb = 0; qb < nqb; ++qb) {
-          const int64_t q0 = qb * kT;
-          const int64_t nq = (T - q0) < kT ? (T - q0) : kT;
-          const float* dO = dout + (b * T + q0) * C + h * HS;
-          attention_backward_rowdot(Drow, dO, C, out + (b * T + q0) * C + h * HS, C, nq, HS);
-          attention_block_backward(row + q0 * W + h * HS, W, dO, C, lse + bh * T + q0, Drow, nq,
-                                   q0, kp, W, kp + CK, W, q0 + nq, 0, HS, scale, true,
-                                   drow + q0 * W + h * HS, W, dkp, W, dkp + CK, W, mine);
-        }
-      }
-    }
-  }
+  gqa_group(NH, NKV, "attention_backward");
+  // The whole sequence is one chunk at position 0: the chunked kernel's work units (b, kv head),
+  // each summing its group's heads and query tiles in a fixed order, are this kernel's.
+  const int64_t C = NH * HS, W = (NH + 2 * NKV) * HS, CK = NKV * HS, start = 0;
+  const SeqChunks all{1, T, &start};
+  attention_chunked_backward(dqkv, W, dqkv + C, dqkv + C + CK, W, dout, qkv, W, out, lse, all, qkv + C,
+                             qkv + C + CK, W, all, B, NH, NKV, HS, scratch);
 }
 
 }  // namespace shardlm::kernels
