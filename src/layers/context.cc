@@ -133,4 +133,52 @@ void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, c
   payloads_to_columns(be, dqkv, recv, qkv_segments(s), s.qkv(), s);
 }
 
+Ring ring_of(const UnitArgs& a) {
+  const auto& c = a.desc->config;
+  if (a.cp_impl != model::ContextImpl::ring) throw std::logic_error("context ring: the plan splits the heads, not a ring");
+  Ring r{a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size(), {}, 0};
+  const int64_t seq = a.T * a.cp;
+  for (int j = 0; j < a.cp; ++j) r.starts.push_back(model::context_chunk_starts(seq, a.cp, j, a.cp_impl));
+  r.rows = model::context_chunk_rows(seq, a.cp, a.cp_impl);
+  return r;
+}
+
+void ring_send_own(const kernels::Backend& be, char* send, const float* qkv, const Ring& r) {
+  be.copy_rows(send, 4 * r.kv(), qkv + r.NH * r.HS, 4 * r.qkv(), 4 * r.kv(), r.B * r.T);  // k|v adjacent in q|k|v
+}
+
+void ring_forward(const kernels::Backend& be, float* out, float* lse, const float* qkv, const char* recv,
+                  float* kv_last, int stage, const Ring& r) {
+  const int64_t BT = r.B * r.T, KV = r.kv(), W = r.qkv(), v_at = r.NKV * r.HS;
+  const bool own = stage == 1;
+  const float* kv = own ? qkv + r.NH * r.HS : reinterpret_cast<const float*>(recv);
+  be.attention_chunked_forward(out, lse, qkv, W, r.chunks(r.me), kv, kv + v_at, own ? W : KV, r.chunks(r.block(stage)),
+                               r.B, r.NH, r.NKV, r.HS, !own);
+  if (stage == r.P) be.copy(kv_last, recv, 4 * BT * KV);
+}
+
+void ring_backward(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
+                   const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int stage,
+                   const Ring& r) {
+  const int64_t BT = r.B * r.T, KV = r.kv(), W = r.qkv(), k_at = r.NH * r.HS, v_at = r.NKV * r.HS;
+  // Where this stage reads the block's k|v and adds to its d k|v: rows of k|v|dk|dv in `send` while
+  // it travels on; at stage 1 this rank's own k|v and dqkv's k|v columns, which first take the
+  // accumulator that came home.
+  const float* k = qkv + k_at;
+  float* dk = dqkv + k_at;
+  int64_t ld = W;
+  if (stage == r.P) {
+    be.zero(dqkv, 4 * BT * W);
+    be.zero(send, 4 * BT * 2 * KV);
+    be.copy_rows(send, 8 * KV, kv_last, 4 * KV, 4 * KV, BT);
+  } else if (stage > 1) {
+    be.copy(send, recv, 4 * BT * 2 * KV);
+  } else {
+    be.copy_rows(dk, 4 * W, recv + 4 * KV, 8 * KV, 4 * KV, BT);
+  }
+  if (stage > 1) k = reinterpret_cast<const float*>(send), dk = reinterpret_cast<float*>(send) + KV, ld = 2 * KV;
+  be.attention_chunked_backward(dqkv, W, dk, dk + v_at, ld, dout, qkv, W, out, lse, r.chunks(r.me), k, k + v_at, ld,
+                                r.chunks(r.block(stage)), r.B, r.NH, r.NKV, r.HS, scratch);
+}
+
 }  // namespace shardlm::layers::context

@@ -56,4 +56,42 @@ void attention_backward(const kernels::Backend& be, float* dqkv_split, float* do
 // Stage 0: d q|k|v of this rank's rows, all heads (B, T, qkv).
 void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, const Split& s);
 
+// ---- The ring form (load-balanced ring attention)
+//
+// A rank holds chunks `me` and 2P−1−me of each sequence (model::context_chunk_starts). Its block's
+// forward runs as P + 1 stages: stage 0 is the norm and q|k|v, and stage s ≥ 1 attends this rank's
+// queries to the key/value block of rank me − (s − 1) (its own at s = 1), partial outputs merged by
+// their log-sum-exp, while the ring brings the next block (rank me + 1 gets what this rank had).
+// The backward runs the stages in reverse on the same blocks, each travelling to rank me − 1 with
+// its gradient accumulator: from the block the forward attended last (kept) down to the rank's own
+// at stage 1, whose accumulator has then come home; stage 0 is q|k|v's backward. Ring buffers
+// hold B·T rows: k|v (forward), k|v|dk|dv (backward).
+struct Ring {
+  int P = 1, me = 0;
+  int64_t B = 0, T = 0;                      // sequences, rows of each this rank holds
+  int64_t NH = 0, NKV = 0, HS = 0;           // heads of the whole model
+  std::vector<std::vector<int64_t>> starts;  // per rank: its chunks' first positions
+  int64_t rows = 0;                          // positions in a chunk
+  int64_t kv() const { return 2 * NKV * HS; }
+  int64_t qkv() const { return (NH + 2 * NKV) * HS; }
+  int block(int stage) const { return (me - (stage - 1) + P) % P; }  // whose key/values stage ≥ 1 uses
+  kernels::SeqChunks chunks(int rank) const { return {static_cast<int64_t>(starts[rank].size()), rows, starts[rank].data()}; }
+};
+Ring ring_of(const UnitArgs& a);
+
+// Forward stage `stage` ≥ 1 (stage 0, q|k|v, is the block's): out (B, T, NH·HS) and lse (B, NH, T)
+// of this rank's queries in qkv (B, T, qkv, rotated) over the blocks so far. Stage 1 attends to its
+// own key/values; later stages to the block in `recv`, and the last keeps it in kv_last (B, T, kv).
+void ring_forward(const kernels::Backend& be, float* out, float* lse, const float* qkv, const char* recv,
+                  float* kv_last, int stage, const Ring& r);
+// Stage 0's part: this rank's own k|v rows into `send`, the ring's first block.
+void ring_send_own(const kernels::Backend& be, char* send, const float* qkv, const Ring& r);
+// Backward stage `stage` ≥ 1: d q (dqkv's q columns, (B, T, qkv), zeroed at the first stage P) +=
+// this block's share, and the block's accumulator in `send` carries its d k|v on; at stage 1
+// dqkv's k|v columns get this rank's own block's finished d k|v. dout (B, T, NH·HS); scratch the
+// backend's attention scratch.
+void ring_backward(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
+                   const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int stage,
+                   const Ring& r);
+
 }  // namespace shardlm::layers::context

@@ -40,14 +40,18 @@ float* mut(const float* p) { return const_cast<float*>(p); }
 struct Dims {
   int64_t B, T, BT, C, NH, HS, F;
   int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
+  bool ring = false;  // split as a ring (else heads split by an all-to-all)
+  bool heads_split() const { return P > 1 && !ring; }
 };
 Dims dims(const UnitArgs& a) {
   const auto& c = a.desc->config;
-  return {a.B, a.T, a.B * a.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, a.cp};
+  return {a.B, a.T, a.B * a.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, a.cp,
+          a.cp > 1 && a.cp_impl == model::ContextImpl::ring};
 }
 Dims dims(const model::ModelDesc& d, const model::Shape& s) {
   const auto& c = d.config;
-  return {s.B, s.T, s.B * s.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, s.cp};
+  return {s.B, s.T, s.B * s.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, s.cp,
+          s.cp > 1 && s.cp_impl == model::ContextImpl::ring};
 }
 
 // Kept for the backward: GEMM outputs and attention statistics.
@@ -57,7 +61,8 @@ struct Saved {
   float* lse;   // (B, NH, T)
   float* res1;  // (B, T, C) residual after attention
   float* fch;   // (B, T, F) before GELU
-  float* out_split = nullptr;  // split over cp: this rank's heads' attention output (B, T·P, C / P)
+  float* out_split = nullptr;  // heads split over cp: this rank's heads' attention output (B, T·P, C / P)
+  float* kv_last = nullptr;    // a ring: the last key/value block the forward attended to (B, T, 2C)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -66,7 +71,8 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.fch = cv.take<float>(d.BT * d.F);
-  if (d.P > 1) s.out_split = cv.take<float>(d.BT * d.C);
+  if (d.heads_split()) s.out_split = cv.take<float>(d.BT * d.C);
+  if (d.ring) s.kv_last = cv.take<float>(d.BT * 2 * d.C);
   return s;
 }
 // Norms and pointwise activations: recomputed under selective recompute.
@@ -98,14 +104,14 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   w.dfch = cv.take<float>(d.BT * d.F);
   w.dfch_gelu = cv.take<float>(d.BT * d.F);
   w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NH, d.HS, threads));
-  if (d.P > 1) {
+  if (d.heads_split()) {
     w.dout_split = cv.take<float>(d.BT * d.C);
     w.dqkv_split = cv.take<float>(d.BT * 3 * d.C);
   }
   return w;
 }
 // Split over cp: this rank's rows' q|k|v before they go to the head split.
-float* carve_forward_ws(Carver& cv, const Dims& d) { return d.P > 1 ? cv.take<float>(d.BT * 3 * d.C) : nullptr; }
+float* carve_forward_ws(Carver& cv, const Dims& d) { return d.heads_split() ? cv.take<float>(d.BT * 3 * d.C) : nullptr; }
 
 // ---- embedding
 
@@ -181,6 +187,20 @@ void split_forward_stage(const UnitArgs& a, bool out) {
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
   float* qkv = carve_forward_ws(cw, d);
+  if (d.ring) {
+    const context::Ring ring = context::ring_of(a);
+    if (a.stage == 0) {
+      be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+      be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+      return context::ring_send_own(be, a.send, s.qkv, ring);
+    }
+    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    if (a.stage == d.P) {
+      mlp_input_forward(be, p, a.in, s, r, d);
+      if (out) mlp_out_forward(be, p, a, s, r, d);
+    }
+    return;
+  }
   const context::Split sp = context::split_of(a);
   if (a.stage == 0) {
     be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
@@ -266,6 +286,13 @@ void block_backward(const UnitArgs& a) {
     return qkv_backward(a, p, g, r, w, d);
   }
   if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
+  if (d.ring) {
+    if (a.stage == 0) return qkv_backward(a, p, g, r, w, d);
+    if (a.stage == d.P) mlp_backward(a, p, g, s, r, w, d);
+    context::ring_backward(be, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, a.recv, a.send, w.attention, a.stage,
+                           context::ring_of(a));
+    return;
+  }
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);

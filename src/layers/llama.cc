@@ -32,14 +32,17 @@ struct Dims {
   int64_t B, T, BT, C, NH, NKV, HS, QKV, F;
   float eps, theta;
   int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
+  bool ring = false;  // split as a ring (else heads split by an all-to-all)
+  bool heads_split() const { return P > 1 && !ring; }
 };
-Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P) {
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, model::ContextImpl impl) {
   const auto& c = desc.config;
   const int64_t HS = c.head_size();
   return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
-          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P};
+          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P,
+          P > 1 && impl == model::ContextImpl::ring};
 }
-Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp); }
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp, a.cp_impl); }
 
 struct Saved {
   float* qkv;      // (B, T, QKV) after rotation; split over cp: this rank's heads, every position
@@ -47,7 +50,8 @@ struct Saved {
   float* lse;      // (B, NH, T); split over cp: (B, NH / P, T·P)
   float* res1;     // (B, T, C) residual after attention
   float* gate_up;  // (B, T, 2F)
-  float* out_split = nullptr;  // split over cp: this rank's heads' attention output (B, T·P, C / P)
+  float* out_split = nullptr;  // heads split over cp: this rank's heads' attention output (B, T·P, C / P)
+  float* kv_last = nullptr;    // a ring: the last key/value block the forward attended to (B, T, 2·NKV·HS)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -56,7 +60,8 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.gate_up = cv.take<float>(d.BT * 2 * d.F);
-  if (d.P > 1) s.out_split = cv.take<float>(d.BT * d.C);
+  if (d.heads_split()) s.out_split = cv.take<float>(d.BT * d.C);
+  if (d.ring) s.kv_last = cv.take<float>(d.BT * 2 * d.NKV * d.HS);
   return s;
 }
 struct Recomputable {
@@ -83,7 +88,7 @@ struct ForwardWs {
 ForwardWs carve_forward_ws(const kernels::Backend& be, Carver& cv, const Dims& d) {
   ForwardWs w;
   w.rope = carve_rope(be, cv, d);
-  if (d.P > 1) w.qkv = cv.take<float>(d.BT * d.QKV);
+  if (d.heads_split()) w.qkv = cv.take<float>(d.BT * d.QKV);
   return w;
 }
 struct BackwardWs {
@@ -99,7 +104,7 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   w.dgate_up = cv.take<float>(d.BT * 2 * d.F);
   w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NKV, d.HS, threads));
   w.rope = carve_rope(be, cv, d);
-  if (d.P > 1) {
+  if (d.heads_split()) {
     w.dout_split = cv.take<float>(d.BT * d.C);
     w.dqkv_split = cv.take<float>(d.BT * d.QKV);
   }
@@ -179,6 +184,19 @@ void split_forward_stage(const UnitArgs& a, bool down) {
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
   const ForwardWs w = carve_forward_ws(be, cw, d);
+  if (d.ring) {
+    const context::Ring ring = context::ring_of(a);
+    if (a.stage == 0) {
+      qkv_forward(be, p, a.in, s.qkv, r, w.rope, a, d);
+      return context::ring_send_own(be, a.send, s.qkv, ring);
+    }
+    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    if (a.stage == d.P) {
+      mlp_input_forward(be, p, a.in, s, r, d);
+      if (down) down_forward(be, p, a, s, r, d);
+    }
+    return;
+  }
   const context::Split sp = context::split_of(a);
   if (a.stage == 0) {
     qkv_forward(be, p, a.in, w.qkv, r, w.rope, a, d);
@@ -283,6 +301,13 @@ void block_backward(const UnitArgs& a) {
     return qkv_backward(a, p, g, r, w, d);
   }
   check_staged(a);
+  if (d.ring) {
+    if (a.stage == 0) return qkv_backward(a, p, g, r, w, d);
+    if (a.stage == d.P) mlp_backward(a, p, g, s, r, w, d);
+    context::ring_backward(be, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, a.recv, a.send, w.attention, a.stage,
+                           context::ring_of(a));
+    return;
+  }
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);
@@ -298,7 +323,7 @@ void block_backward(const UnitArgs& a) {
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp, shape.cp_impl);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);
@@ -359,7 +384,7 @@ double head(const UnitArgs& a, HeadMode mode) {
 
 Carved head_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                    const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp, shape.cp_impl);
   Carver cv(nullptr), cb(nullptr);
   carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), desc.config.padded_vocab());
   cb.take<float>(d.BT * d.C);

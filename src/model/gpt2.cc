@@ -93,7 +93,8 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       // Backward scratch: d ln, d attention out, d qkv, d fc, d GELU, attention tiles.
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * 3 * C, e) + 2 * slice(BT * F, e) +
                              slice(detail::attention_backward_scratch_floats(C / NH, s.threads), 4);
-      if (s.cp > 1) detail::split_attention_over_context(k, s, 3 * C, C, 2 * bt * C * 3 * C);
+      if (s.cp > 1 && s.cp_impl == ContextImpl::ring) detail::ring_attention_over_context(k, s, 2 * C, 2 * bt * C * 3 * C);
+      if (s.cp > 1 && s.cp_impl == ContextImpl::all_to_all) detail::split_attention_over_context(k, s, 3 * C, C, 2 * bt * C * 3 * C);
       break;
     }
     case UnitKind::gpt2_head: {

@@ -110,7 +110,9 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(BT * F, e) +
                              slice(BT * 2 * F, e) +
                              slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) + rope_table;
-      if (s.cp > 1) detail::split_attention_over_context(k, s, QKV, C, 2 * bt * C * QKV);
+      if (s.cp > 1 && s.cp_impl == ContextImpl::ring)
+        detail::ring_attention_over_context(k, s, 2 * c.n_kv_head * HS, 2 * bt * C * QKV);
+      if (s.cp > 1 && s.cp_impl == ContextImpl::all_to_all) detail::split_attention_over_context(k, s, QKV, C, 2 * bt * C * QKV);
       break;
     }
     case UnitKind::llama_head: {

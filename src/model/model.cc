@@ -347,6 +347,27 @@ void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int
   k.backward_workspace += slice(BT * C, s.elem) + slice(BT * qkv, s.elem);
 }
 
+void ring_attention_over_context(UnitCosts& k, const Shape& s, int64_t kv, double qkv_flops) {
+  using Route = Exchange::Route;
+  const int64_t block = s.B * s.T * kv * s.elem;
+  auto step = [&](Route route, int64_t bytes, bool ahead, bool forwards) {
+    return Exchange{"cp", bytes, bytes, route, ahead, forwards};  // plan/mesh.h's kContext
+  };
+  k.exchanges = {step(Route::none, 0, false, false)};
+  k.backward_exchanges = k.exchanges;
+  for (int e = 0; e + 1 < s.cp; ++e) {
+    k.exchanges.push_back(step(Route::ring_next, block, true, e > 0));
+    k.backward_exchanges.push_back(step(Route::ring_prev, 2 * block, false, false));
+  }
+  // Every attending stage has the same share: the load-balanced chunks give each (query,
+  // key/value) pair of ranks the work of two full chunk-by-chunk products.
+  const double attention = k.attention_flops / s.cp, rest = k.forward_flops - qkv_flops - k.attention_flops;
+  k.stage_share.assign(s.cp + 1, attention / k.forward_flops);
+  k.stage_share.front() = qkv_flops / k.forward_flops;
+  k.stage_share.back() += rest / k.forward_flops;
+  k.saved_bytes += slice(block / s.elem, s.elem);  // the last key/value block, where the backward starts
+}
+
 }  // namespace detail
 
 }  // namespace shardlm::model

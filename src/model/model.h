@@ -175,17 +175,31 @@ struct GemmShape {
   double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N); }
 };
 
-// Between two compute stages of a unit's pass, its routed rows travel over a mesh axis: an
-// all-to-all whose per-rank sizes are known only at run time. Each direction of the pass (forward,
-// backward) has its own exchange, the backward's in reverse. The send and receive buffers are
-// planned at `bound_bytes` each: a header of one int64 per rank of the axis (the payload bytes
-// for that rank, or from it), padded to 64 bytes, then the payloads packed rank after rank.
+// Between two compute stages of a unit's pass, its routed rows travel over a mesh axis, in one
+// of these routes:
+// - all_to_all: per-rank sizes known only at run time. The send and receive buffers are planned
+//   at `bound_bytes` each: a header of one int64 per rank of the axis (the payload bytes for that
+//   rank, or from it), padded to 64 bytes, then the payloads packed rank after rank.
+// - ring_next / ring_prev: a ring step; every rank sends its whole buffer (bound_bytes, no header)
+//   to the next rank of the axis (index + 1) or the previous one, and receives the same size from
+//   the other side.
+// - none: nothing travels; the next stage follows on this rank (a stage that needs no exchange).
+// Each direction of the pass (forward, backward) has its own exchanges: UnitCosts::exchanges, and
+// the backward's in reverse (UnitCosts::backward_exchanges, or the same ones).
 struct Exchange {
+  enum class Route { all_to_all, ring_next, ring_prev, none };
   std::string axis;            // mesh axis name, e.g. "ep"
   int64_t bound_bytes = 0;     // each buffer's size, header included
   // What the busiest rank sends or receives at the shape's expert_load (balanced: each routed row
   // once); the simulator's figure, at most bound_bytes.
   int64_t expected_bytes = 0;
+  Route route = Route::all_to_all;
+  // A ring's prefetch (double buffering): the exchange needs only the stage before the previous
+  // one, which writes its send, so it runs beside the previous stage ...
+  bool ahead = false;
+  // ... or it sends on what the exchange before it received, once the stage before the previous
+  // one is done with its block.
+  bool forwards_received = false;
 };
 
 inline int64_t exchange_header_bytes(int64_t ranks) { return (8 * ranks + 63) / 64 * 64; }
@@ -209,12 +223,16 @@ struct UnitCosts {
   // A pass of exchanges.size() + 1 compute stages with an exchange between each two (empty: one
   // stage). stage_share[s]: the fraction of the unit's work (FLOPs, pointwise bytes) stage s does.
   std::vector<Exchange> exchanges;
+  std::vector<Exchange> backward_exchanges;  // the backward's, where they differ (empty: `exchanges`)
   std::vector<double> stage_share;
   // stage_load[s]: the busiest rank's work in stage s over its balanced share (Shape::expert_load
   // on an expert side; empty: 1 everywhere). The plan's tasks carry balanced work; the simulator
   // scales by this, as the step waits for the busiest rank.
   std::vector<double> stage_load;
   int stages() const { return static_cast<int>(exchanges.size()) + 1; }
+  const std::vector<Exchange>& exchanges_of(bool backward) const {
+    return backward && !backward_exchanges.empty() ? backward_exchanges : exchanges;
+  }
   double share(int stage) const { return stage_share.empty() ? 1.0 : stage_share[stage]; }
   double load(int stage) const { return stage_load.empty() ? 1.0 : stage_load[stage]; }
   // Activation bytes kept from the forward to the backward under `mode`.
@@ -321,6 +339,15 @@ int64_t head_chunk_rows(int64_t BT);
 // (kept), this rank's q|k|v before its exchange (forward), the head split's d output and d q|k|v
 // (backward). `qkv` is the q|k|v row width, `qkv_flops` its GEMM's.
 void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int64_t C, double qkv_flops);
+// The same block in the ring form: cp + 1 stages. Stage 0 is the norm and q|k|v; stage s ≥ 1
+// attends this rank's queries to the key/value block of rank index − (s − 1) (its own at stage 1)
+// while the next block travels: cp − 1 ring steps to the next rank, each ahead by one stage (stage
+// s + 1's block moves during stage s). The last stage goes on to the rest of the block. The
+// backward passes each block with its gradient accumulator to the previous rank (cp − 1 steps of
+// twice the bytes, after the stage that adds to it), from the block the forward attended last
+// (kept, saved) down to the rank's own, whose accumulator is then home. `kv` is the key/value row
+// width (2·NKV·HS).
+void ring_attention_over_context(UnitCosts& k, const Shape& s, int64_t kv, double qkv_flops);
 }  // namespace detail
 
 }  // namespace shardlm::model

@@ -420,6 +420,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       for (size_t i = 0; i < t.axes.size(); ++i) o << (i ? "×" : "") << mesh[t.axes[i]].name;
       o << ")";
     }
+    if (t.ring_step != 0) o << (t.ring_step > 0 ? " ring step to the next rank" : " ring step to the previous rank");
     o << " | deps";
     for (int d : t.deps) o << " " << d;
     if (t.flops > 0) o << " | " << t.flops / 1e9 << " GFLOP";

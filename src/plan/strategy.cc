@@ -470,41 +470,61 @@ int Builder::routed(int u, int m, int exchange, bool reverse, const char* end, i
 // A staged unit's pass (model::UnitCosts::exchanges): `first`, built as the whole pass, becomes
 // its first stage (the last one in a backward, which runs the stages in reverse), and the other
 // stages follow, each after the exchange that feeds it: the stage before writes the exchange's
-// `send`, the exchange fills `recv`, which the stage after reads and frees. An exchange over
-// axes of one rank is left out (the stage after reads `send`). Everything `first` freed, the
-// last stage frees instead, and it is the pass's consumer of gathered parameters. Returns it.
+// `send`, the exchange fills `recv`, which the stage after reads and frees. A ring's prefetch
+// differs: an exchange `ahead` follows the stage before the previous one (which wrote its send),
+// and one that `forwards_received` sends on the previous exchange's `recv`, which the stage after
+// the one reading it then frees. An exchange over axes of one rank is left out (the stage after
+// reads `send`); a `none` route has no exchange. Everything `first` freed, the last stage frees
+// instead, and it is the pass's consumer of gathered parameters. Returns it.
 int Builder::add_stages(int first, bool reverse) {
   const int u = at(first).unit, m = at(first).micro;
   const model::UnitCosts& c = costs_[u];
+  const std::vector<model::Exchange>& exchanges = c.exchanges_of(reverse);
   const int S = c.stages();
   if (S == 1) return first;
+  using Route = model::Exchange::Route;
   // Every stage names the axes its exchanges span (the layer routes by its index there).
-  const int axis = plan_.mesh.find(c.exchanges[0].axis);
+  std::string axis_name;
+  for (const model::Exchange& x : exchanges) {
+    if (x.route == Route::none) continue;
+    if (!axis_name.empty() && x.axis != axis_name) throw std::logic_error("plan: unit " + uname(u) + " exchanges over two axes");
+    axis_name = x.axis;
+  }
+  const int axis = plan_.mesh.find(axis_name);
   const std::vector<int> axes = axis >= 0 ? std::vector<int>{axis} : std::vector<int>{};
-  for (const model::Exchange& x : c.exchanges)
-    if (x.axis != c.exchanges[0].axis) throw std::logic_error("plan: unit " + uname(u) + " exchanges over two axes");
+  const bool spans = plan_.mesh.group_size(axes) > 1;
   at(first).axes = axes;
   const Task whole = at(first);
   at(first).frees.clear();
   at(first).stage = reverse ? S - 1 : 0;
   at(first).flops = whole.flops * c.share(at(first).stage);
-  int prev = first;
+  auto exchange_into = [&](int i) -> const model::Exchange& { return exchanges[reverse ? S - 1 - i : i - 1]; };
+  int prev = first, before_prev = -1, prev_exchange = -1, prev_feed = -1, free_next = -1;
   for (int i = 1; i < S; ++i) {
     const int s = reverse ? S - 1 - i : i, e = reverse ? s : s - 1;
-    const model::Exchange& x = c.exchanges[e];
-    const int send = routed(u, m, e, reverse, "send", x.bound_bytes);
-    alloc(prev, send);
-    at(prev).io.send = send;
-    int feed = send, dep = prev;
-    if (plan_.mesh.group_size(axes) > 1) {
-      const int xt = add(Op::exchange, u, m, {prev});
-      at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes;
-      at(xt).bytes = x.expected_bytes;
-      at(xt).io.send = send;
-      at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
-      alloc(xt, feed);
-      free(xt, send);
-      dep = xt;
+    const model::Exchange& x = exchange_into(i);
+    int feed = -1, dep = prev;
+    if (x.route != Route::none) {
+      const int producer = x.ahead && before_prev >= 0 ? before_prev : prev;
+      const bool forward_on = x.forwards_received && spans && prev_exchange >= 0;
+      int send = prev_feed;
+      if (!forward_on) {
+        send = routed(u, m, e, reverse, "send", x.bound_bytes);
+        alloc(producer, send);
+        at(producer).io.send = send;
+      }
+      feed = send;
+      if (spans) {
+        const int xt = add(Op::exchange, u, m, forward_on ? std::vector<int>{prev_exchange, producer} : std::vector<int>{producer});
+        at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes;
+        at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
+        at(xt).bytes = x.expected_bytes;
+        at(xt).io.send = send;
+        at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
+        alloc(xt, feed);
+        if (!forward_on) free(xt, send);
+        dep = prev_exchange = xt;
+      }
     }
     const int t = add(whole.op, u, m, {dep});
     at(t).stage = s, at(t).axes = axes;
@@ -512,8 +532,12 @@ int Builder::add_stages(int first, bool reverse) {
     at(t).io = whole.io;
     at(t).io.send = -1;
     at(t).io.recv = feed;
-    free(t, feed);
-    prev = t;
+    if (free_next >= 0) free(t, free_next);
+    free_next = -1;
+    // A block the next exchange sends on stays until the stage after this one.
+    if (feed >= 0 && i + 1 < S && exchange_into(i + 1).forwards_received && spans) free_next = feed;
+    else if (feed >= 0) free(t, feed);
+    before_prev = prev, prev = t, prev_feed = feed;
   }
   for (int f : whole.frees) free(prev, f);
   for (Gathered& g : chain_)
@@ -896,8 +920,6 @@ void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
   const std::string K = std::to_string(c.cp), impl = model::to_string(c.cp_impl);
   if (desc.config.family == model::Family::moe)
     throw std::invalid_argument("cp (--cp): context parallelism does not run mixture-of-experts blocks yet");
-  if (c.cp_impl == model::ContextImpl::ring)
-    throw std::invalid_argument("cp-impl (--cp-impl): ring attention is not built yet; use --cp-impl all-to-all");
   if (!c.split_sequence) return;
   const int64_t parts = c.cp_impl == model::ContextImpl::ring ? 2 * c.cp : c.cp;
   if (c.seq < parts || c.seq % parts != 0)

@@ -631,6 +631,7 @@ void Executor::exchange(const Task& t, Run& r) {
   comm::Communicator& c = comms_.exchange(t.axes);
   const int P = c.size();
   const std::string lbl = label(t, r.step);
+  if (t.ring_step != 0) return ring_step(t, r, c, lbl);
   const char* send = r.data(t.io.send);
   char* recv = r.data(t.io.recv);
   std::vector<int64_t> out(P), in(P);
@@ -649,6 +650,20 @@ void Executor::exchange(const Task& t, Run& r) {
   std::memcpy(recv, in.data(), sizeof(int64_t) * P);
   c.all_to_all_v(send, out, out_at, recv, in, in_at, DType::int8, lbl)->wait(timeout_);
   r.moved[t.id] = moved;
+}
+
+// A ring step: the whole send buffer to the rank `ring_step` further round the task's axes, the
+// same size from the rank as far back. The tag keeps a pass's steps apart.
+void Executor::ring_step(const Task& t, Run& r, comm::Communicator& c, const std::string& lbl) {
+  const int P = c.size(), me = c.rank();
+  const int64_t bytes = r.plan.buffers[t.io.send].bytes;
+  if (r.plan.buffers[t.io.recv].bytes != bytes) throw std::logic_error("executor: " + lbl + " has unequal ring buffers");
+  const int tag = 2 * t.stage + (t.reverse ? 1 : 0);
+  auto got = c.recv(r.data(t.io.recv), bytes, DType::int8, (me - t.ring_step + P) % P, tag, lbl + " (recv)");
+  auto sent = c.send(r.data(t.io.send), bytes, DType::int8, (me + t.ring_step + P) % P, tag, lbl + " (send)");
+  got->wait(timeout_);
+  sent->wait(timeout_);
+  r.moved[t.id] = bytes;
 }
 
 // ---- the stream runner

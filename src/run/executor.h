@@ -201,6 +201,7 @@ class Executor {
   void norm_reduce(const plan::Task& t, Run& r);
   void loss_reduce(const plan::Task& t, Run& r);
   void exchange(const plan::Task& t, Run& r);
+  void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
 
   const model::ModelDesc& desc_;
   plan::Plan plan_;

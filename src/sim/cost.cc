@@ -71,7 +71,8 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     stage_share_.push_back(c.stage_share);
     stage_load_.push_back(c.stage_load);
     exchange_bytes_.emplace_back();
-    for (const model::Exchange& x : c.exchanges) exchange_bytes_.back().push_back(x.expected_bytes);
+    for (bool backward : {false, true})
+      for (const model::Exchange& x : c.exchanges_of(backward)) exchange_bytes_.back()[backward].push_back(x.expected_bytes);
     if (hw.gemm_rates.empty() && hw.attention_rates.empty()) continue;
     double flops = 0, forward = 0, backward = 0;
     if (!hw.gemm_rates.empty())
@@ -170,10 +171,15 @@ double CostModel::seconds(const plan::Task& t) const {
   const Tier& tier = crosses_nodes(t) ? hw_.inter : hw_.intra;
   // An exchange moves what the busiest rank of its group does (the model's figure at the expert
   // load; the plan's t.bytes is balanced routing's).
-  const std::vector<int64_t>* exchanged = t.op == Op::exchange && t.unit >= 0 ? &exchange_bytes_[t.unit] : nullptr;
+  const std::vector<int64_t>* exchanged = t.op == Op::exchange && t.unit >= 0 ? &exchange_bytes_[t.unit][t.reverse] : nullptr;
   const double S = exchanged && t.stage >= 0 && t.stage < static_cast<int>(exchanged->size())
                        ? static_cast<double>((*exchanged)[t.stage])
                        : static_cast<double>(t.bytes);
+  // A ring step is one message each way between neighbours, on the exchange link.
+  if (t.op == Op::exchange && t.ring_step != 0) {
+    const LinkCost& link = tier.of(Collective::all_to_all);
+    return link.latency_s + S / link.bus_bw;
+  }
   // A collective's local copies (casts, a bucket's unpacking) read and write memory once each.
   return collective_seconds(tier.of(c), c, S, group_size(t)) +
          2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;

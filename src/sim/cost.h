@@ -9,6 +9,7 @@
 //    block included, which stays), α per peer message: each rank sends n−1 messages.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "model/model.h"
@@ -56,7 +57,8 @@ class CostModel {
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
   std::vector<std::vector<double>> stage_share_;  // per unit: each stage's share of its work (model::UnitCosts)
   std::vector<std::vector<double>> stage_load_;   // per unit: the busiest rank's work per stage over its share
-  std::vector<std::vector<int64_t>> exchange_bytes_;  // per unit: each exchange's bytes at the busiest rank
+  // Per unit, forward [0] and backward [1]: each exchange's bytes at the busiest rank.
+  std::vector<std::array<std::vector<int64_t>, 2>> exchange_bytes_;
   // Per unit, with measured rates (empty without): the forward FLOPs they price (weight GEMMs,
   // attention) and their seconds forward and backward.
   struct Measured {

@@ -759,6 +759,63 @@ TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
   EXPECT_NE(text.find("rank 2: dp_replicate=1 dp_shard=0"), std::string::npos) << text.substr(0, 600);
 }
 
+// --cp K --cp-impl ring: per block, K − 1 ring steps forward, each a key/value block (B·T rows of
+// 2·NKV·HS floats) to the next rank of cp, and K − 1 backward, each the block and its gradient
+// accumulator to the previous rank. Forward steps are double-buffered: the step into stage s + 1
+// needs only stage s − 1 (and the step before it, whose block it sends on), so it runs beside
+// stage s. Every block buffer is freed by a later stage; a block is kept from the forward.
+TEST(Plan, RingStepsCountAndBytes) {
+  const model::ModelDesc llama = model::describe(model::model_preset("llama-tiny", 256));
+  for (int K : {2, 3, 4}) {
+    PlanConfig c;
+    c.strategy = Strategy::fsdp, c.world = K, c.cp = K, c.cp_impl = model::ContextImpl::ring;
+    c.batch = 2, c.seq = 24 * K;
+    const Plan p = build_plan(llama, c);
+    const int64_t T = c.seq / K, block = 4 * c.batch * T * 2 * llama.config.n_kv_head * llama.config.head_size();
+    int forward = 0, backward = 0;
+    for (const Task& t : p.tasks) {
+      if (t.op != Op::exchange) continue;
+      EXPECT_EQ(t.ring_step, t.reverse ? -1 : 1) << t.name();
+      EXPECT_EQ(p.buffers[t.io.send].bytes, t.reverse ? 2 * block : block) << t.name();
+      EXPECT_EQ(t.bytes, p.buffers[t.io.send].bytes) << t.name();
+      ++(t.reverse ? backward : forward);
+      // A forward step after the first sends on what the one before it received, once the stage
+      // before the one reading it is done (double buffering), not after that stage.
+      if (!t.reverse) {
+        int exchange_before = -1, stage_before = -1;
+        for (int d : t.deps) {
+          if (p.tasks[d].op == Op::exchange) exchange_before = d;
+          if (p.tasks[d].stream == kCompute) stage_before = p.tasks[d].stage;
+        }
+        // Exchange x1 (x0 is the local step from q|k|v to the first attention) follows stage 0.
+        EXPECT_EQ(stage_before, t.stage - 1) << t.name();
+        if (t.stage > 1) {
+          ASSERT_GE(exchange_before, 0) << t.name();
+          EXPECT_EQ(t.io.send, p.tasks[exchange_before].io.recv) << t.name();
+        }
+      }
+    }
+    for (const Task& t : p.tasks)  // the forward stage a step feeds
+      if (t.op == Op::forward && t.unit == 1 && t.stage >= 2) {
+        ASSERT_EQ(t.deps.size(), 1u) << t.name();
+        EXPECT_EQ(p.tasks[t.deps[0]].op, Op::exchange) << t.name();
+        EXPECT_EQ(p.tasks[t.deps[0]].stage, t.stage - 1) << t.name();
+      }
+    EXPECT_EQ(forward, llama.config.n_layer * (K - 1)) << K;
+    EXPECT_EQ(backward, llama.config.n_layer * (K - 1)) << K;
+    for (model::Recompute r : {model::Recompute::none, model::Recompute::full}) {
+      PlanConfig again = c;
+      again.recompute = r, again.grad_accum = 2;
+      expect_no_buffer_alive_twice(llama, again, "ring " + std::to_string(K) + " " + model::to_string(r));
+    }
+    c.cp = 1, c.world = 1;
+    const model::UnitCosts whole = llama.costs(1, build_plan(llama, c).unit_shape(4));
+    const model::UnitCosts split = llama.costs(1, p.unit_shape(4));
+    EXPECT_EQ(split.stages(), K + 1);
+    EXPECT_NEAR(split.attention_flops, whole.attention_flops / K, 1e-9 * whole.attention_flops);
+  }
+}
+
 // --cp K: a mesh axis after dp_shard; the ranks of a cp group read the same batch (one data-parallel
 // coordinate) but shard the state with dp_shard and sum gradients and losses together. A block's
 // pass, split in the all-to-all form, is three stages with its q|k|v and its attention output
@@ -818,9 +875,9 @@ TEST(Plan, ContextSplitRefusesBadLayouts) {
   refused(llama, "sequence length 63 must be a multiple of 2");
   c.seq = 64, c.cp = 4;
   refused(llama, "must divide the 2 key/value heads");
-  c.cp = 2, c.cp_impl = model::ContextImpl::ring;
-  refused(llama, "ring attention is not built yet");
-  c.cp_impl = model::ContextImpl::all_to_all;
+  c.cp = 2, c.cp_impl = model::ContextImpl::ring, c.seq = 66;
+  refused(llama, "sequence length 66 must be a multiple of 4 (--cp-impl ring cuts each sequence into 4 equal chunks)");
+  c.cp_impl = model::ContextImpl::all_to_all, c.seq = 64;
   refused(model::describe(model::model_preset("moe-tiny", 256)), "does not run mixture-of-experts");
   c.strategy = Strategy::hybrid, c.shard_group = 1;
   refused(llama, "must divide the shard group");

@@ -10,6 +10,7 @@
 #include <iostream>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "ckpt/safetensors.h"
 #include "comm/options.h"
@@ -35,12 +36,13 @@ struct Layout {
   std::string model = "tiny";
   double gather_bucket_mb = 0;  // --gather-bucket-mb (0: one all_gather per unit)
   std::string keep = "";        // --keep-gathered ("": none)
-  int cp = 1;                   // --cp (all-to-all): ranks each sequence is split over
+  int cp = 1;                   // --cp: ranks each sequence is split over
+  std::string cp_impl = "all-to-all";  // --cp-impl
 };
 
 void PrintTo(const Layout& l, std::ostream* os) {
   *os << l.model << " " << l.strategy << " x" << l.ranks << " " << l.dtypes << " gather buckets " << l.gather_bucket_mb << " keep " << l.keep
-      << " cp " << l.cp;
+      << " cp " << l.cp << " " << l.cp_impl;
 }
 
 class DistributedSlow : public ::testing::TestWithParam<Layout> {
@@ -84,9 +86,9 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   }
   const std::string name = l.model + "_" + l.strategy + "_" + std::to_string(l.ranks) + (l.dtypes.empty() ? "" : "_bf16") +
                            (l.gather_bucket_mb > 0 ? "_buckets" : "") + (l.keep.empty() ? "" : "_keep") +
-                           (l.cp > 1 ? "_cp" + std::to_string(l.cp) : "");
+                           (l.cp > 1 ? "_cp" + std::to_string(l.cp) + "_" + l.cp_impl : "");
   std::string extra = " --strategy " + l.strategy + " " + l.dtypes;
-  if (l.cp > 1) extra += " --cp " + std::to_string(l.cp) + " --cp-impl all-to-all";
+  if (l.cp > 1) extra += " --cp " + std::to_string(l.cp) + " --cp-impl " + l.cp_impl;
   if (!l.keep.empty()) extra += " --keep-gathered " + l.keep;
   if (l.gather_bucket_mb > 0) extra += " --gather-bucket-mb " + std::to_string(l.gather_bucket_mb);
   if (l.shard_group > 0) extra += " --shard-group " + std::to_string(l.shard_group);
@@ -108,7 +110,7 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   pc.gather_bucket_mb = l.gather_bucket_mb;
   if (!l.keep.empty()) pc.keep_gathered = {l.keep};
   pc.cp = l.cp;
-  pc.cp_impl = model::ContextImpl::all_to_all;
+  pc.cp_impl = model::parse_context_impl(l.cp_impl);
   const model::ModelDesc desc = tiny(l.model);
   const plan::Plan p = plan::build_plan(desc, pc);
   const MemSnapshot want = p.max_memory();
@@ -195,6 +197,15 @@ std::vector<Layout> layouts() {
   out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
   out.push_back({"fsdp", 4, 0, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
   out.push_back({"hybrid", 4, 2, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2});
+  // Ring attention: cp 2 and 4 alone, cp 2 × fsdp 2, and the other strategy kinds.
+  for (const char* model : {"tiny", "llama-tiny"}) {
+    out.push_back({"fsdp", 2, 0, "", 1e-5, 1e-5, model, 0, "", 2, "ring"});
+    out.push_back({"fsdp", 4, 0, "", 1e-5, 1e-5, model, 0, "", 4, "ring"});
+    out.push_back({"fsdp", 4, 0, "", 1e-5, 1e-5, model, 0, "", 2, "ring"});
+  }
+  out.push_back({"ddp", 2, 0, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2, "ring"});
+  out.push_back({"zero2", 4, 0, "", 1e-5, 1e-5, "tiny", 0, "", 2, "ring"});
+  out.push_back({"hybrid", 4, 2, "", 1e-5, 1e-5, "llama-tiny", 0, "", 2, "ring"});
   return out;
 }
 
@@ -202,7 +213,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, DistributedSlow, ::testing::ValuesIn(layout
   return (info.param.model == "tiny" ? "" : "llama_") + info.param.strategy + "_np" + std::to_string(info.param.ranks) +
          (info.param.shard_group ? "_g" + std::to_string(info.param.shard_group) : "") +
          (info.param.dtypes.empty() ? "" : "_bf16") + (info.param.gather_bucket_mb > 0 ? "_buckets" : "") + (info.param.keep.empty() ? "" : "_keep") +
-         (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) : "");
+         (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) + (info.param.cp_impl == "ring" ? "_ring" : "") : "");
 });
 
 // A checkpoint written under one strategy and rank count resumes under another with the same
@@ -239,6 +250,37 @@ TEST_F(DistributedSlow, GradientAccumulationMatchesOneProcess) {
     const auto got = step_losses(dir_ / ("accum_" + s) / "metrics.jsonl");
     ASSERT_EQ(got.size(), 5u);
     for (int i = 0; i < 5; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i])) << s << " step " << i;
+  }
+}
+
+// Ring attention's point-to-point traffic as the executor records it (each exchange slice of the
+// trace is one send and one receive between ring neighbours): per block and step, K − 1 forward
+// steps of a key/value block (B·T rows of 2·NKV·HS floats) and K − 1 backward steps of twice that.
+TEST_F(DistributedSlow, RingMovesKMinusOneBlocksEachWay) {
+  const int K = 4, steps = 2, B = 2;
+  const fs::path trace_path = dir_ / "ring_trace.json";
+  const auto r = mpirun(K, args("ring_trace", B, "llama-tiny") + " --steps " + std::to_string(steps) +
+                               " --strategy fsdp --cp 4 --cp-impl ring --trace " + trace_path.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const model::ModelDesc desc = tiny("llama-tiny");
+  const int64_t block = 4 * B * (32 / K) * 2 * desc.config.n_kv_head * desc.config.head_size();
+  std::ifstream f(trace_path);
+  ASSERT_TRUE(f) << trace_path;
+  const nlohmann::json trace = nlohmann::json::parse(f);
+  std::map<std::tuple<int, int64_t, bool>, std::vector<int64_t>> moved;  // (rank, step, backward) -> bytes
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X" || e["args"]["step"].get<int64_t>() < 0) continue;
+    const std::string name = e["name"];
+    if (name.rfind("exchange ", 0) != 0) continue;
+    ASSERT_TRUE(e["args"].contains("bytes moved")) << name;
+    moved[{e["pid"].get<int>(), e["args"]["step"].get<int64_t>(), name.find(" grads") != std::string::npos}].push_back(
+        e["args"]["bytes moved"].get<int64_t>());
+  }
+  EXPECT_EQ(moved.size(), static_cast<size_t>(K * steps * 2));  // every rank, step and direction
+  for (const auto& [key, got] : moved) {
+    const auto& [rank, step, backward] = key;
+    EXPECT_EQ(got.size(), static_cast<size_t>(desc.config.n_layer * (K - 1))) << rank << " " << step << " " << backward;
+    for (int64_t b : got) EXPECT_EQ(b, backward ? 2 * block : block) << rank << " " << step;
   }
 }
 
