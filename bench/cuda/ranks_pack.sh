@@ -1,13 +1,17 @@
 #!/bin/bash
-# Packs what bench/cuda/ranks_run.sh needs on the device machine into DIR (default
-# bench/out/devranks, an ignored path the device tool can carry): shardlm and cuda_tests from
+# Packs what bench/cuda/ranks_run.sh needs on the device machine into DIR (default /tmp/devranks),
+# then DIR as one gzipped tarball into CARRY/devranks.tgz (default bench/out/devranks_carry, an
+# ignored path the device tool can carry: oneDNN alone is 38 MB, so the tree is over the carry
+# limit uncompressed). On the device: tar xzf CARRY/devranks.tgz -C /tmp; DIR=/tmp/devranks bash
+# /tmp/devranks/run.sh. Contents: shardlm and cuda_tests from
 # BUILD (default build-cuda), Open MPI 4.1 (orterun as mpirun, its MCA plugins laid out under
 # DIR/ompi as OPAL_PREFIX expects: lib/x86_64-linux-gnu/openmpi/lib/openmpi3, share/openmpi),
 # every shared library `ldd` names except glibc's and CUDA's own (the device machine has CUDA 13),
 # and the KJV shards (GPT-2 tokens) from DATA (default data/kjv_*).
 set -euo pipefail
 BUILD=${BUILD:-build-cuda}
-DIR=${1:-bench/out/devranks}
+DIR=${1:-/tmp/devranks}
+CARRY=${CARRY:-bench/out/devranks_carry}
 DATA=${DATA:-data/kjv}
 OMPI=/usr/lib/x86_64-linux-gnu/openmpi
 rm -rf "$DIR"; mkdir -p "$DIR/bin" "$DIR/lib" "$DIR/data" "$DIR/ompi/lib/x86_64-linux-gnu/openmpi/lib/openmpi3" "$DIR/ompi/share"
@@ -34,4 +38,7 @@ done | sort -u | while read -r name path; do
 done
 cp "$DATA"_train.bin "$DATA"_val.bin "$DATA"_meta.json "$DIR/data/"
 cp bench/cuda/ranks_run.sh "$DIR/run.sh"
-du -sh "$DIR"; du -sh "$DIR"/*
+[ "$(basename "$DIR")" = devranks ] || { echo "DIR must end in /devranks (run.sh's instructions say so)"; exit 1; }
+mkdir -p "$CARRY"
+tar czf "$CARRY/devranks.tgz" -C "$(dirname "$DIR")" devranks
+du -sh "$DIR"/* "$CARRY/devranks.tgz"

@@ -21,16 +21,16 @@ mpirun --version 2>&1 | head -1
 mpirun -np 2 hostname 2>&1 | head -4 | tee "$R/mpi_check.txt"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 cuda_tests > "$R/cuda_tests.log" 2>&1; echo "cuda_tests rc=$?"
+  timeout 120 cuda_tests > "$R/cuda_tests.log" 2>&1; echo "cuda_tests rc=$?"
   grep -E "^\[  (PASSED|FAILED) |tests? ran" "$R/cuda_tests.log" | head -8
 fi
 
 common="--model small --data $D/data/kjv --steps ${STEPS:-10} --seq 256 --lr 1e-3 --min-lr 1e-4 --warmup 10
         --eval-every 0 --eval-windows 4 --sample-tokens 0 --seed 1337 --threads 2 --device cuda --compute-dtype fp32"
-timeout 150 shardlm train $common --batch 8 --strategy ddp --out "$R/one-ddp" > "$R/one-ddp.log" 2>&1
+timeout 90 shardlm train $common --batch 8 --strategy ddp --out "$R/one-ddp" > "$R/one-ddp.log" 2>&1
 echo "one process ddp rc=$?"; tail -2 "$R/one-ddp.log"
 for s in ${STRATEGIES:-ddp zero2 fsdp}; do
-  timeout 150 mpirun -np 2 shardlm train $common --batch 4 --strategy $s --out "$R/two-$s" > "$R/two-$s.log" 2>&1
+  timeout 80 mpirun -np 2 shardlm train $common --batch 4 --strategy $s --out "$R/two-$s" > "$R/two-$s.log" 2>&1
   echo "2 ranks $s rc=$?"; tail -2 "$R/two-$s.log"
 done
 python3 - "$R" ${STRATEGIES:-ddp zero2 fsdp} <<'EOF' | tee "$R/compare.txt"
