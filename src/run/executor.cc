@@ -72,7 +72,6 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
     staged_groups_[set] = std::make_unique<comm::StagedCommunicator>(*group, *copier_, backend->memory());
 }
 
-
 CommGroups::~CommGroups() = default;
 
 unsigned CommGroups::key(const std::vector<int>& axes) const {

@@ -158,6 +158,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& w
   plan::PlanConfig pc = plan_config(cfg, world.size());
   // On a device, collectives are staged through host memory (comm/staged.h) and the MPI
   // communicator underneath takes its scratch on the host itself: no device scratch to plan.
+  // (SHARDLM_TEST_CPU_AS_DEVICE's runs keep the CPU's plan: its scratch goes unused.)
   if (cfg.device != "cpu") {
     pc.reduction_scratch = nullptr;
     return pc;
