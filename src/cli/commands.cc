@@ -217,7 +217,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_flag("--quiet", c.quiet, "no console progress");
   cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
       ->capture_default_str();
-  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; one process, --strategy ddp)")
+  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")
       ->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");

@@ -93,6 +93,7 @@ train::TrainHooks test_faults() {
   h.fail_write = fault_point("SHARDLM_FAULT_FAIL_WRITE");
   h.kill_in_save = fault_point("SHARDLM_FAULT_KILL_IN_SAVE");
   h.save_after_resume = flag("SHARDLM_TEST_SAVE_AFTER_RESUME");
+  h.cpu_as_device = flag("SHARDLM_TEST_CPU_AS_DEVICE");
   return h;
 }
 

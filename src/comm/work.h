@@ -82,6 +82,12 @@ class Work {
   // The world ranks whose messages have not arrived, as far as this rank can tell (called with
   // the mutex held, after a timeout).
   virtual std::vector<int> waiting_for_locked() { return {}; }
+  // What `other` is waiting for (its waiting_for_locked, under its own mutex): for a Work that
+  // wraps another's (comm/staged.h), so its timeout names the same ranks.
+  static std::vector<int> waiting_for_of(Work& other) {
+    std::lock_guard<std::mutex> lock(other.mu_);
+    return other.waiting_for_locked();
+  }
 
  private:
   friend class ProgressRegistry;

@@ -41,7 +41,9 @@ class Backend {
 
   // What run/ and layers/ do to buffers besides kernels (memcpy / memset on the CPU): copies
   // between host memory and the backend's, within the backend's, and zeroing. download returns
-  // once the bytes are on the host; the others may complete later, in order with the kernels.
+  // once the bytes are on the host; the others may complete later, in order with the kernels
+  // (upload's host source may be reused once it returns: the CUDA backend's is pageable memory,
+  // which cudaMemcpyAsync consumes before returning).
   virtual void upload(void* dst, const void* host_src, size_t bytes) const = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) const = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) const = 0;
@@ -166,7 +168,10 @@ class Backend {
   MemoryPool& memory_;
 };
 
-// The CPU backend: host Buffers from `memory` and kernels/cpu.h's functions.
-std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory);
+// The CPU backend: host Buffers from `memory` and kernels/cpu.h's functions. `as_device` (tests):
+// host_memory() answers false, so its callers take the paths meant for a GPU's memory (uploads,
+// downloads, collectives staged through host buffers) and those paths run, and are checked against
+// the host ones, on a machine without a GPU. The values computed are the same.
+std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory, bool as_device = false);
 
 }  // namespace shardlm::kernels

@@ -10,8 +10,8 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(MemoryPool& memory) : Backend(memory) {}
-  const char* name() const override { return "cpu"; }
+  CpuBackend(MemoryPool& memory, bool as_device) : Backend(memory), as_device_(as_device) {}
+  const char* name() const override { return as_device_ ? "cpu-as-device" : "cpu"; }
 
   Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
     return Buffer(memory(), category, bytes, fill);
@@ -31,7 +31,7 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < rows; ++i)
       std::memcpy(static_cast<char*>(dst) + i * dst_pitch, static_cast<const char*>(src) + i * src_pitch, row_bytes);
   }
-  bool host_memory() const override { return true; }
+  bool host_memory() const override { return !as_device_; }
 
   void init_compute(int threads) const override { kernels::init_compute(threads); }
 
@@ -201,10 +201,15 @@ class CpuBackend final : public Backend {
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override {
     kernels::bf16_to_fp32(out, in, n);
   }
+
+ private:
+  bool as_device_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory) { return std::make_unique<CpuBackend>(memory); }
+std::unique_ptr<Backend> make_cpu_backend(MemoryPool& memory, bool as_device) {
+  return std::make_unique<CpuBackend>(memory, as_device);
+}
 
 }  // namespace shardlm::kernels

@@ -21,7 +21,25 @@ using plan::StateKind;
 using plan::Task;
 using Clock = std::chrono::steady_clock;
 
-CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh) : world_(world), mesh_(mesh) {
+namespace {
+// The backend's copies, as the staged communicators want them.
+class BackendCopier final : public comm::DeviceCopier {
+ public:
+  explicit BackendCopier(const kernels::Backend& backend) : backend_(backend) {}
+  void to_host(void* host_dst, const void* device_src, size_t bytes) const override {
+    backend_.download(host_dst, device_src, bytes);
+  }
+  void to_device(void* device_dst, const void* host_src, size_t bytes) const override {
+    backend_.upload(device_dst, host_src, bytes);
+  }
+
+ private:
+  const kernels::Backend& backend_;
+};
+}  // namespace
+
+CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend)
+    : world_(world), mesh_(mesh) {
   if (mesh.rank_count() != world.size())
     throw std::logic_error("comm groups: a mesh of " + std::to_string(mesh.rank_count()) + " ranks (" +
                            mesh.to_string() + ") over a world of " + std::to_string(world.size()));
@@ -47,7 +65,14 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh) : worl
       if (set & (1u << a)) axes.push_back(a);
     exchange_groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
   }
+  if (backend == nullptr || backend->host_memory()) return;
+  copier_ = std::make_unique<BackendCopier>(*backend);
+  staged_world_ = std::make_unique<comm::StagedCommunicator>(world, *copier_, backend->memory());
+  for (auto& [set, group] : groups_)
+    staged_groups_[set] = std::make_unique<comm::StagedCommunicator>(*group, *copier_, backend->memory());
 }
+
+CommGroups::~CommGroups() = default;
 
 unsigned CommGroups::key(const std::vector<int>& axes) const {
   unsigned k = 0;
@@ -56,6 +81,12 @@ unsigned CommGroups::key(const std::vector<int>& axes) const {
 }
 
 comm::Communicator& CommGroups::get(const std::vector<int>& axes) const {
+  if (!copier_) return host(axes);
+  const unsigned k = key(axes);
+  return k == all_ ? *staged_world_ : *staged_groups_.at(k);
+}
+
+comm::Communicator& CommGroups::host(const std::vector<int>& axes) const {
   const unsigned k = key(axes);
   return k == all_ ? world_ : *groups_.at(k);
 }
@@ -104,6 +135,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
                                 std::to_string(plan.config.activation_bytes) + "-byte ones (a simulator's plan)");
   rank_ = comms.world().rank();
   check_placement();
+  if (!backend_.host_memory()) check_device_run(plan);
   auto state = [&](MemCategory c, StateKind k) {
     const int64_t n = plan.held_total(k);
     return n == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
@@ -124,6 +156,18 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
 }
 
 Executor::~Executor() = default;
+
+// What a device backend (memory the host cannot address) cannot run yet, refused before any step:
+// collectives straight on device pointers, and exchanges (their headers are read on the host).
+void Executor::check_device_run(const plan::Plan& plan) const {
+  if (!comms_.staged())
+    throw std::logic_error(std::string("executor: backend ") + backend_.name() +
+                           " keeps state in device memory, but the comm groups were made without it (no staging)");
+  for (const Task& t : plan.tasks)
+    if (t.op == Op::exchange)
+      throw std::invalid_argument(std::string("executor: backend ") + backend_.name() +
+                                  " cannot run exchange tasks (expert or context parallelism) yet");
+}
 
 // The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
 // whose kernels would carve more would write past them. Checked once, before any step.
@@ -560,7 +604,7 @@ void Executor::all_reduce(const Task& t, Run& r) {
 // shards (only this rank's own when gradients are whole), and every rank learns, identically and
 // before any optimizer task runs, which ranks' loss or gradients went non-finite.
 void Executor::norm_reduce(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(t.axes);
+  comm::Communicator& c = comms_.host(t.axes);  // host sums
   const int K = static_cast<int>(grad_classes_.size()), n = K + 1;
   std::vector<double> mine(r.class_sums);
   mine.push_back(r.result.loss_sum);
@@ -597,7 +641,7 @@ void Executor::norm_reduce(const Task& t, Run& r) {
 }
 
 void Executor::loss_reduce(const Task& t, Run& r) {
-  comm::Communicator& c = comms_.get(t.axes);
+  comm::Communicator& c = comms_.host(t.axes);  // host sums
   const std::string lbl = "loss step " + std::to_string(r.step);
   if (desc_.config.family != model::Family::moe) {
     r.result.loss_sum = sum_over(c, r.result.loss_sum, lbl);
@@ -771,7 +815,7 @@ void Executor::gather_full(State which, float* full) {
     backend_.download(full, buf.data(), buf.bytes());
     return;
   }
-  if (!backend_.host_memory()) throw std::logic_error("executor: sharded state on a device backend is not supported yet");
+  if (!backend_.host_memory()) return gather_full_from_device(k, buf, full);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(k, u);
     if (s.parts == 1) {
@@ -781,6 +825,20 @@ void Executor::gather_full(State which, float* full) {
     comms_.get(plan_.placed(k, u).axes)
         .all_gather(buf.f32() + s.at, full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)
         ->wait(timeout_);
+  }
+}
+
+// Device memory: each rank's part comes to its own place in `full` on the host, then the
+// group's parts are gathered there in place (the group's members are the parts in order).
+void Executor::gather_full_from_device(StateKind k, const Buffer& buf, float* full) {
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const Shard s = shard_of(k, u);
+    float* mine = full + s.unit_offset + s.begin;
+    backend_.download(mine, buf.f32() + s.at, sizeof(float) * s.len);
+    if (s.parts == 1) continue;
+    comm::Communicator& c = comms_.host(plan_.placed(k, u).axes);
+    if (s.begin != c.rank() * s.len) throw std::logic_error("executor: unit " + desc_.units[u].name + "'s parts are not in group order");
+    c.all_gather(mine, full + s.unit_offset, s.len, DType::fp32, "gather state unit " + desc_.units[u].name)->wait(timeout_);
   }
 }
 

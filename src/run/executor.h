@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/staged.h"
 #include "kernels/backend.h"
 #include "layers/layers.h"
 #include "model/model.h"
@@ -38,15 +39,29 @@ namespace shardlm::run {
 // ranks, so each stream that issues collectives has communicators of its own: the comm stream's
 // (`get`), and, when the mesh has an expert axis, the exchange stream's (`exchange`: one per set of
 // axes that includes it).
+//
+// Buffers live in the backend's memory. Made with a backend whose memory is not the host's (a
+// GPU's), `get` answers with a staged communicator over each group (comm/staged.h: device ->
+// host -> MPI -> device, copies through the backend), and `host` with the group itself, for what
+// the executor keeps in host memory (loss and norm sums, gather_full's output). Without one, or
+// with a host-memory backend, both are the group itself.
 class CommGroups {
  public:
-  CommGroups(comm::Communicator& world, const plan::Mesh& mesh);
-  CommGroups(comm::Communicator& world, const plan::Plan& plan) : CommGroups(world, plan.mesh) {}
+  CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend = nullptr);
+  CommGroups(comm::Communicator& world, const plan::Plan& plan, const kernels::Backend* backend = nullptr)
+      : CommGroups(world, plan.mesh, backend) {}
+  ~CommGroups();
+  // The world over host memory.
   comm::Communicator& world() const { return world_; }
   const plan::Mesh& mesh() const { return mesh_; }
-  // This rank's group over `axes` (indices into the mesh).
+  // This rank's group over `axes` (indices into the mesh), for buffers in the backend's memory.
   comm::Communicator& get(const std::vector<int>& axes) const;
+  // The same group, for buffers in host memory.
+  comm::Communicator& host(const std::vector<int>& axes) const;
+  // The exchange stream's group (host memory: exchanges are refused on a device backend).
   comm::Communicator& exchange(const std::vector<int>& axes) const;
+  // Whether get() stages through host memory (made with a device-memory backend).
+  bool staged() const { return copier_ != nullptr; }
 
  private:
   // Bit a: axis a, for the axes of more than one rank (the others change no group).
@@ -55,6 +70,10 @@ class CommGroups {
   plan::Mesh mesh_;
   unsigned all_ = 0;
   std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_, exchange_groups_;
+  // Declared after what they wrap, so they go first.
+  std::unique_ptr<comm::DeviceCopier> copier_;
+  std::unique_ptr<comm::Communicator> staged_world_;
+  std::map<unsigned, std::unique_ptr<comm::Communicator>> staged_groups_;
 };
 
 struct AdamW {
@@ -132,7 +151,8 @@ class Executor {
   // Takes this rank's part of a whole padded flat buffer.
   void load_full(State which, const float* full);
   // The state buffer itself when this rank holds it whole (a single process, DDP); else null. It is
-  // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host memory.
+  // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host
+  // memory (on a GPU backend they copy through it, and gather_full's collectives run on the host).
   // Gradients after a step are clipped (when clipping applied).
   float* whole(State which);
   // This rank's buffer of `which` as the plan places it (each unit's part, back to back in unit
@@ -161,6 +181,8 @@ class Executor {
     int64_t at;
   };
   void check_carved_fits() const;
+  void check_device_run(const plan::Plan& plan) const;
+  void gather_full_from_device(plan::StateKind k, const Buffer& buf, float* full);
   void check_placement() const;
   bool holds_state_of(const plan::Plan& plan) const;
   Shard shard_of(plan::StateKind k, int u) const;

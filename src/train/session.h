@@ -53,8 +53,8 @@ struct Session {
   model::ModelDesc desc;
   RunState state;
   plan::Plan plan;
-  run::CommGroups comms;
-  std::unique_ptr<kernels::Backend> backend;  // made before the executor, gone after its buffers
+  std::unique_ptr<kernels::Backend> backend;  // made before the comm groups and executor, gone after them
+  run::CommGroups comms;  // staged through host memory when the backend's is a device's
   run::Executor ex;
   CheckedLog metrics;  // rank 0's DIR/metrics.jsonl: a failed write stops the run
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into

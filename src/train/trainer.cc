@@ -156,6 +156,13 @@ namespace {
 // The plan for the communicator at hand: its reductions' scratch as `world` takes it.
 plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& world) {
   plan::PlanConfig pc = plan_config(cfg, world.size());
+  // On a device, collectives are staged through host memory (comm/staged.h) and the MPI
+  // communicator underneath takes its scratch on the host itself: no device scratch to plan.
+  // (SHARDLM_TEST_CPU_AS_DEVICE's runs keep the CPU's plan: its scratch goes unused.)
+  if (cfg.device != "cpu") {
+    pc.reduction_scratch = nullptr;
+    return pc;
+  }
   pc.reduction_scratch = reduction_scratch([&world](comm::Reduction op, int64_t count, DType dtype, int group) {
     return world.scratch_bytes(op, count, dtype, group);
   });
@@ -163,8 +170,8 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& w
 }
 
 // The kernels a run uses, over the run's memory: the CPU's, or with --device cuda the CUDA backend's.
-std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool& memory) {
-  if (c.device == "cpu") return kernels::make_cpu_backend(memory);
+std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool& memory, bool cpu_as_device) {
+  if (c.device == "cpu") return kernels::make_cpu_backend(memory, cpu_as_device);
 #ifdef SHARDLM_CUDA
   if (!kernels::cuda_device_present()) throw std::runtime_error("--device cuda: no CUDA device present");
   kernels::CudaOptions options = c.cuda;
@@ -198,8 +205,8 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
                                    (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
                                    c.ranks_on_machine)),
-      comms(w, plan),
-      backend(make_backend(c, memory)),
+      backend(make_backend(c, memory, h.cpu_as_device)),
+      comms(w, plan, backend.get()),
       ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(memory, desc, sharded_layout(plan, N), rank)
                           : nullptr) {}
@@ -406,10 +413,12 @@ void print_run_header(const Session& s, double peak) {
   const TrainConfig& cfg = s.cfg;
   const auto& mc = s.desc.config;
   fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) x {} thread(s), "
-             "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank\n",
+             "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank, "
+             "kernels {}, collectives {}\n",
              cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
-             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak);
+             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
+             s.backend->name(), s.comms.staged() ? s.world.backend() + " staged through host memory" : s.world.backend());
   std::fflush(stdout);
 }
 
@@ -555,8 +564,6 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
     up.dir->prepare();
     s.metrics.open(up.dir->metrics_path());
   }
-  if (cfg.device == "cuda" && world.size() > 1)
-    throw std::runtime_error("--device cuda runs one process (the NCCL communicator is not there yet)");
   if (!cfg.resume.empty() && hooks.save_after_resume) save(s);
   // MFU on CUDA is against the H100 SXM's datasheet bf16 dense peak, 989 TFLOP/s.
   const double peak = cfg.peak_gflops > 0      ? cfg.peak_gflops

@@ -44,6 +44,9 @@ struct TrainHooks {
   // With --resume: save the state just loaded, under this run's strategy and rank count, so a
   // test can compare it with the checkpoint it came from.
   bool save_after_resume = false;
+  // The CPU backend as if its memory were a device's (kernels::make_cpu_backend's as_device): the
+  // device paths, staged collectives included, run without a GPU.
+  bool cpu_as_device = false;
 };
 
 // Trains on every rank of `world` (a world of one is a single process); rank 0 writes metrics,

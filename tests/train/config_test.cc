@@ -45,6 +45,16 @@ TEST(TrainConfigValidate, NamesTheFlagAndTheValue) {
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.reduce_dtype = "fp8"; }), "--reduce-dtype: must be fp32 or bf16, got 'fp8'");
 }
 
+// Every strategy runs on CUDA (ranks stage their collectives through host memory); what the CUDA
+// backend cannot run yet is refused with one line naming the flags.
+TEST(TrainConfigValidate, CudaRunsEveryStrategyAndRefusesExpertAndContextParallelism) {
+  for (const char* strategy : {"ddp", "zero1", "zero2", "fsdp", "hybrid"})
+    EXPECT_EQ(validate_error([&](TrainConfig& c) { c.device = "cuda", c.strategy = strategy; }), "") << strategy;
+  const std::string refused = "--device cuda: --ep and --cp are not supported yet (no CUDA kernels for experts or sequence chunks)";
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.model = "moe-tiny", c.ep = 2; }), refused);
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.cp = 2; }), refused);
+}
+
 TEST(TrainConfigValidate, ModelOverridesAreChecked) {
   TrainConfig c;
   c.model = "llama-tiny";
