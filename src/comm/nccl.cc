@@ -41,12 +41,26 @@ ncclDataType_t reduction_type(DType t, const char* collective) {
 // What a communicator and its Works share: a Work may outlive the communicator that issued it,
 // and polls the communicator's asynchronous error.
 struct Handle {
-  ncclComm_t comm = nullptr;
+  std::mutex mu;
+  ncclComm_t comm = nullptr;  // null once released
   cudaStream_t stream = nullptr;
   int device = 0;
+  // Collectives still queued when the communicator goes mean an error path (a timeout, a failure
+  // elsewhere on the way out): they are aborted (ncclCommAbort stops NCCL's kernels), where
+  // ncclCommDestroy, or a later cudaFree's device synchronisation, would wait for them for ever.
+  void release() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!comm) return;
+    const bool busy = stream && cudaStreamQuery(stream) == cudaErrorNotReady;
+    (void)cudaGetLastError();
+    if (busy)
+      ncclCommAbort(comm);
+    else
+      ncclCommDestroy(comm);
+    comm = nullptr;
+  }
   ~Handle() {
-    // A communicator is destroyed after its collectives were waited for (or the job is ending).
-    if (comm) ncclCommDestroy(comm);
+    release();
     if (stream) cudaStreamDestroy(stream);
   }
 };
@@ -62,11 +76,13 @@ class NcclWork final : public Work {
   bool test() override {
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaSuccess) return true;
-    if (e != cudaErrorNotReady) check_cuda(e, quoted(collective().c_str(), label()) + " on rank " + std::to_string(rank()));
+    const std::string what = quoted(collective().c_str(), label()) + " on rank " + std::to_string(rank());
+    if (e != cudaErrorNotReady) check_cuda(e, what);
+    std::lock_guard<std::mutex> lock(handle_->mu);
+    if (!handle_->comm) throw Error("nccl: " + what + ": its communicator was destroyed (aborted) before it completed");
     ncclResult_t async = ncclSuccess;
     check_nccl(ncclCommGetAsyncError(handle_->comm, &async), "ncclCommGetAsyncError", handle_->comm);
-    if (async != ncclSuccess && async != ncclInProgress)
-      check_nccl(async, quoted(collective().c_str(), label()) + " on rank " + std::to_string(rank()), handle_->comm);
+    if (async != ncclSuccess && async != ncclInProgress) check_nccl(async, what, handle_->comm);
     return false;
   }
 
@@ -91,6 +107,7 @@ class NcclCommunicator final : public Communicator {
     check_cuda(cudaMalloc(&one_, sizeof(float)), "cudaMalloc (barrier)");
   }
   ~NcclCommunicator() override {
+    handle_->release();  // first: cudaFree synchronises the device
     if (one_) cudaFree(one_);
   }
 

@@ -139,6 +139,21 @@ TEST_F(NcclTest, SeveralInFlight) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(host(bufs[i], n), iota(n, float(i))) << i;
 }
 
+// A Work may outlive its communicator: once the collective is done, its wait still answers (the
+// communicator's NCCL handle is released only after its last Work).
+TEST_F(NcclTest, WorkOutlivesItsCommunicator) {
+  auto sub = nccl->split(0, 0);
+  ASSERT_NE(sub, nullptr);
+  const std::vector<float> x = iota(1 << 12, -2.0f);
+  Buffer buf = device(x);
+  auto w = sub->all_reduce(buf.data(), x.size(), DType::fp32, "outlives");
+  sub->barrier("before going")->wait();
+  sub.reset();
+  w->wait(milliseconds(60'000));
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_EQ(host(buf, x.size()), x);
+}
+
 // A collective waits for the compute stream: while the stream is held by a host function, the
 // Work stays incomplete and wait() ends in TimeoutError naming the collective and the backend;
 // once the stream moves on, the same Work completes with the value written before it was issued.
