@@ -29,7 +29,8 @@ for p in "$OMPI"/lib/openmpi3/*.so; do
   case "$(basename "$p")" in *ucx*|*ofi*|*psm*|*openib*|*verbs*|*java*|*usnic*|*portals*) continue;; esac
   cp "$p" "$DIR/ompi/lib/x86_64-linux-gnu/openmpi/lib/openmpi3/"
 done
-skip='^(linux-vdso|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|ld-linux|libcuda\.so|libcudart|libcublas|libnvidia)'
+# libnccl (218 MB, over the carry limit) is found on the device in PyTorch's install (nccl_run.sh).
+skip='^(linux-vdso|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|ld-linux|libcuda\.so|libcudart|libcublas|libnvidia|libnccl)'
 for f in "$DIR"/bin/* "$DIR"/ompi/lib/x86_64-linux-gnu/openmpi/lib/openmpi3/*.so "$DIR"/pmix/lib/pmix/*.so; do
   ldd "$f" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
@@ -38,6 +39,7 @@ done | sort -u | while read -r name path; do
 done
 cp "$DATA"_train.bin "$DATA"_val.bin "$DATA"_meta.json "$DIR/data/"
 cp bench/cuda/ranks_run.sh "$DIR/run.sh"
+cp bench/cuda/nccl_run.sh "$DIR/nccl_run.sh"
 [ "$(basename "$DIR")" = devranks ] || { echo "DIR must end in /devranks (run.sh's instructions say so)"; exit 1; }
 mkdir -p "$CARRY"
 tar czf "$CARRY/devranks.tgz" -C "$(dirname "$DIR")" devranks

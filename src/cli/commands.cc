@@ -219,6 +219,10 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
       ->capture_default_str();
   cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")
       ->capture_default_str();
+  cmd->add_option("--comm", c.comm_backend,
+                  "collectives over GPU memory: auto (MPI staged through host memory; ranks may share a GPU) | "
+                  "nccl (--device cuda, one GPU per rank) | mpi")
+      ->capture_default_str();
   cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
   cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
   cmd->add_flag("--no-report", c.no_report, "do not write DIR/report.html at each evaluation and at the end");

@@ -54,6 +54,10 @@ class Backend {
                          int64_t rows) const;
   // Whether the host may read and write the backend's buffers directly (true on the CPU).
   virtual bool host_memory() const = 0;
+  // The native stream every kernel and copy of this backend is issued on, in order, as an opaque
+  // handle (a cudaStream_t on CUDA): what a communicator over device memory orders its collectives
+  // after (comm/nccl.h). Null where there is none (the CPU).
+  virtual void* stream_handle() const { return nullptr; }
 
   // Sets up the calling thread (and its pool) for compute with `threads` threads.
   virtual void init_compute(int threads) const = 0;

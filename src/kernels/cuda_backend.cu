@@ -229,6 +229,7 @@ class CudaBackend final : public Backend {
     if (bytes) cuda::check_memop(cudaMemsetAsync(dst, 0, bytes, cuda::stream()), "zero", dst, nullptr, bytes);
   }
   bool host_memory() const override { return false; }
+  void* stream_handle() const override { return cuda::stream(); }
   void init_compute(int) const override { SHARDLM_CUDA_CHECK(cudaSetDevice(Context::get().device)); }
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,

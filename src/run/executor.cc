@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "comm/nccl.h"
 #include "kernels/backend.h"
 #include "layers/layers.h"
 
@@ -38,7 +39,8 @@ class BackendCopier final : public comm::DeviceCopier {
 };
 }  // namespace
 
-CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend)
+CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend,
+                       DeviceCollectives device)
     : world_(world), mesh_(mesh) {
   if (mesh.rank_count() != world.size())
     throw std::logic_error("comm groups: a mesh of " + std::to_string(mesh.rank_count()) + " ranks (" +
@@ -66,6 +68,16 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
     exchange_groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
   }
   if (backend == nullptr || backend->host_memory()) return;
+  if (device == DeviceCollectives::nccl) {
+    nccl_world_ = comm::make_nccl_communicator(world, backend->stream_handle());
+    for (auto& [set, group] : groups_) {  // the same sets, in the same order, on every rank
+      std::vector<int> axes;
+      for (int a = 0; a < A; ++a)
+        if (set & (1u << a)) axes.push_back(a);
+      nccl_groups_[set] = nccl_world_->split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
+    }
+    return;
+  }
   copier_ = std::make_unique<BackendCopier>(*backend);
   staged_world_ = std::make_unique<comm::StagedCommunicator>(world, *copier_, backend->memory());
   for (auto& [set, group] : groups_)
@@ -81,9 +93,15 @@ unsigned CommGroups::key(const std::vector<int>& axes) const {
 }
 
 comm::Communicator& CommGroups::get(const std::vector<int>& axes) const {
-  if (!copier_) return host(axes);
   const unsigned k = key(axes);
+  if (nccl_world_) return k == all_ ? *nccl_world_ : *nccl_groups_.at(k);
+  if (!copier_) return host(axes);
   return k == all_ ? *staged_world_ : *staged_groups_.at(k);
+}
+
+std::string CommGroups::describe() const {
+  if (nccl_world_) return "nccl";
+  return staged() ? world_.backend() + " staged through host memory" : world_.backend();
 }
 
 comm::Communicator& CommGroups::host(const std::vector<int>& axes) const {
@@ -160,7 +178,7 @@ Executor::~Executor() = default;
 // What a device backend (memory the host cannot address) cannot run yet, refused before any step:
 // collectives straight on device pointers, and exchanges (their headers are read on the host).
 void Executor::check_device_run(const plan::Plan& plan) const {
-  if (!comms_.staged())
+  if (!comms_.staged() && !comms_.nccl())
     throw std::logic_error(std::string("executor: backend ") + backend_.name() +
                            " keeps state in device memory, but the comm groups were made without it (no staging)");
   for (const Task& t : plan.tasks)

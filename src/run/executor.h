@@ -41,15 +41,24 @@ namespace shardlm::run {
 // axes that includes it).
 //
 // Buffers live in the backend's memory. Made with a backend whose memory is not the host's (a
-// GPU's), `get` answers with a staged communicator over each group (comm/staged.h: device ->
-// host -> MPI -> device, copies through the backend), and `host` with the group itself, for what
-// the executor keeps in host memory (loss and norm sums, gather_full's output). Without one, or
-// with a host-memory backend, both are the group itself.
+// GPU's), `get` answers with a communicator over device memory for each group, and `host` with the
+// group itself, for what the executor keeps in host memory (loss and norm sums, gather_full's
+// output). Which one `get` gives is `device`'s choice:
+//   staged  comm/staged.h: device -> host -> MPI -> device, copies through the backend (any number
+//           of ranks per GPU);
+//   nccl    comm/nccl.h: NCCL over the world (bootstrapped through it), ordered after the backend's
+//           stream, and its groups split from it (ncclCommSplit) in the order of `host`'s; one GPU
+//           per rank (NCCL's construction refuses ranks sharing one, with one line).
+// Without a device backend, or with a host-memory one, both are the group itself (`device` unused).
+enum class DeviceCollectives { staged, nccl };
+
 class CommGroups {
  public:
-  CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend = nullptr);
-  CommGroups(comm::Communicator& world, const plan::Plan& plan, const kernels::Backend* backend = nullptr)
-      : CommGroups(world, plan.mesh, backend) {}
+  CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend = nullptr,
+             DeviceCollectives device = DeviceCollectives::staged);
+  CommGroups(comm::Communicator& world, const plan::Plan& plan, const kernels::Backend* backend = nullptr,
+             DeviceCollectives device = DeviceCollectives::staged)
+      : CommGroups(world, plan.mesh, backend, device) {}
   ~CommGroups();
   // The world over host memory.
   comm::Communicator& world() const { return world_; }
@@ -62,6 +71,11 @@ class CommGroups {
   comm::Communicator& exchange(const std::vector<int>& axes) const;
   // Whether get() stages through host memory (made with a device-memory backend).
   bool staged() const { return copier_ != nullptr; }
+  // Whether get() is NCCL's (made with a device-memory backend and DeviceCollectives::nccl).
+  bool nccl() const { return nccl_world_ != nullptr; }
+  // What get() moves device memory with, for the run's header: "nccl", "mpi staged through host
+  // memory", or the world's backend.
+  std::string describe() const;
 
  private:
   // Bit a: axis a, for the axes of more than one rank (the others change no group).
@@ -74,6 +88,8 @@ class CommGroups {
   std::unique_ptr<comm::DeviceCopier> copier_;
   std::unique_ptr<comm::Communicator> staged_world_;
   std::map<unsigned, std::unique_ptr<comm::Communicator>> staged_groups_;
+  std::unique_ptr<comm::Communicator> nccl_world_;
+  std::map<unsigned, std::unique_ptr<comm::Communicator>> nccl_groups_;
 };
 
 struct AdamW {

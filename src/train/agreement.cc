@@ -141,6 +141,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},
       {"device", c.device},
+      {"comm", c.comm_backend},
       // The path is rank 0's alone, but whether there is one decides the trace's gathers.
       {"trace (on or off)", c.trace.empty() ? "off" : "on"},
   };

@@ -178,6 +178,10 @@ void check_distribution(const TrainConfig& c) {
     throw std::invalid_argument(fmt::format("--compute-dtype: must be auto, fp32 or bf16, got '{}'", c.compute_dtype));
   if (c.device != "cpu" && c.device != "cuda")
     throw std::invalid_argument(fmt::format("--device: must be cpu or cuda, got '{}'", c.device));
+  if (c.comm_backend != "auto" && c.comm_backend != "mpi" && c.comm_backend != "nccl")
+    throw std::invalid_argument(fmt::format("--comm: must be auto, mpi or nccl, got '{}'", c.comm_backend));
+  if (c.comm_backend == "nccl" && c.device != "cuda")
+    throw std::invalid_argument("--comm nccl: needs --device cuda (NCCL moves GPU memory; the CPU's collectives are MPI's)");
   // Ranks on CUDA stage their collectives through host memory (MPI); the CUDA backend has no
   // MoE or chunked-attention kernels, and exchanges read their headers on the host.
   if (c.device == "cuda" && (c.ep > 1 || c.cp > 1))

@@ -94,6 +94,9 @@ struct TrainConfig {
   // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.
   std::string compute_dtype = "auto";
   std::string device = "cpu";  // cpu | cuda (a build with -DSHARDLM_CUDA=ON; ranks stage collectives through host MPI; no ep/cp)
+  // Collectives over device memory: auto (MPI staged through host memory, any ranks per GPU) | nccl
+  // (--device cuda, one GPU per rank) | mpi (the CPU's; on cuda the same as auto).
+  std::string comm_backend = "auto";
   double timeout_s = 300;  // a collective that does not finish in time ends the job
   std::string trace;       // Chrome trace JSON of every rank's tasks and memory
   bool no_report = false;  // --no-report: no DIR/report.html at each evaluation and at the end

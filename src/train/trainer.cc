@@ -156,8 +156,9 @@ namespace {
 // The plan for the communicator at hand: its reductions' scratch as `world` takes it.
 plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& world) {
   plan::PlanConfig pc = plan_config(cfg, world.size());
-  // On a device, collectives are staged through host memory (comm/staged.h) and the MPI
-  // communicator underneath takes its scratch on the host itself: no device scratch to plan.
+  // On a device, collectives are staged through host memory (comm/staged.h), where the MPI
+  // communicator underneath takes its scratch itself, or run by NCCL (comm/nccl.h), which keeps
+  // its own buffers: no device scratch to plan.
   // (SHARDLM_TEST_CPU_AS_DEVICE's runs keep the CPU's plan: its scratch goes unused.)
   if (cfg.device != "cpu") {
     pc.reduction_scratch = nullptr;
@@ -206,7 +207,7 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
                                    c.ranks_on_machine)),
       backend(make_backend(c, memory, h.cpu_as_device)),
-      comms(w, plan, backend.get()),
+      comms(w, plan, backend.get(), c.comm_backend == "nccl" ? run::DeviceCollectives::nccl : run::DeviceCollectives::staged),
       ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(memory, desc, sharded_layout(plan, N), rank)
                           : nullptr) {}
@@ -418,7 +419,7 @@ void print_run_header(const Session& s, double peak) {
              cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
              plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
-             s.backend->name(), s.comms.staged() ? s.world.backend() + " staged through host memory" : s.world.backend());
+             s.backend->name(), s.comms.describe());
   std::fflush(stdout);
 }
 

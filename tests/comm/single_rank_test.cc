@@ -10,11 +10,27 @@
 #include <vector>
 
 #include "comm/factory.h"
+#include "comm/nccl.h"
 #include "comm/test_util.h"
 #include "tensor/memory.h"
 
 namespace shardlm::comm {
 namespace {
+
+// A build without NCCL (no CUDA, or no nccl.h / libnccl) refuses it with one line, before any
+// collective. (tests/cuda/nccl_test.cc runs the NCCL backend where there is one.)
+TEST(NcclBackend, RefusedWithOneLineWhereNotBuilt) {
+  if (nccl_built()) GTEST_SKIP() << "this build has NCCL: see cuda_tests' NcclTest";
+  MemoryPool memory;
+  SingleRankCommunicator bootstrap(memory);
+  try {
+    make_nccl_communicator(bootstrap, nullptr);
+    ADD_FAILURE() << "made an NCCL communicator in a build without NCCL";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "nccl: this build has no NCCL (configure with -DSHARDLM_CUDA=ON where CMake finds nccl.h and libnccl)");
+  }
+}
 
 TEST(SingleRank, CollectivesAreCopies) {
   MemoryPool memory;

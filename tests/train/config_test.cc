@@ -55,6 +55,19 @@ TEST(TrainConfigValidate, CudaRunsEveryStrategyAndRefusesExpertAndContextParalle
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.cp = 2; }), refused);
 }
 
+// --comm picks the collectives over GPU memory: NCCL needs the CUDA device; the CPU path is
+// unchanged (auto and mpi are both MPI there).
+TEST(TrainConfigValidate, CommNcclNeedsCuda) {
+  for (const char* comm : {"auto", "mpi"})
+    EXPECT_EQ(validate_error([&](TrainConfig& c) { c.comm_backend = comm; }), "") << comm;
+  for (const char* strategy : {"ddp", "zero2", "fsdp", "hybrid"})
+    EXPECT_EQ(validate_error([&](TrainConfig& c) { c.device = "cuda", c.comm_backend = "nccl", c.strategy = strategy; }), "")
+        << strategy;
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.comm_backend = "nccl"; }),
+            "--comm nccl: needs --device cuda (NCCL moves GPU memory; the CPU's collectives are MPI's)");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.comm_backend = "gloo"; }), "--comm: must be auto, mpi or nccl, got 'gloo'");
+}
+
 TEST(TrainConfigValidate, ModelOverridesAreChecked) {
   TrainConfig c;
   c.model = "llama-tiny";
