@@ -33,9 +33,10 @@ BIN = os.path.join(ROOT, "build", "shardlm")
 CATS = ["params", "grads", "optimizer", "activations", "comm", "workspace"]
 
 
-def flags(model, strategy, ranks, batch, seq, cores, ep=1):
+def flags(model, strategy, ranks, batch, seq, cores, ep=1, cp=1, cp_impl="ring"):
     return (["--model", model, "--strategy", strategy, "--batch", str(batch), "--seq", str(seq)] +
-            (["--ep", str(ep)] if ep > 1 else []) + ["--threads", str(max(1, cores // ranks))])
+            (["--max-seq", str(seq)] if seq > 1024 else []) + (["--ep", str(ep)] if ep > 1 else []) +
+            (["--cp", str(cp), "--cp-impl", cp_impl] if cp > 1 else []) + ["--threads", str(max(1, cores // ranks))])
 
 
 def moe_shape(model):
@@ -87,6 +88,8 @@ def main():
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "bench"))
     ap.add_argument("--ep", type=int, default=2, help="mixture of experts: expert parallel size beyond one rank")
     ap.add_argument("--repeat", type=int, default=1, help="measure each row this many times (one line each)")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size on every layout it divides")
+    ap.add_argument("--cp-impl", default="ring")
     a = ap.parse_args()
     moe = moe_shape(a.model)
     profiles = a.hardware.split(",")
@@ -106,7 +109,8 @@ def main():
             for strategy in (a.strategies.split(",") if ranks > 1 else ["ddp"]):
               for _ in range(a.repeat):
                 ep = a.ep if moe and ranks > 1 else 1
-                common = flags(a.model, strategy, ranks, a.batch, a.seq, a.cores, ep)
+                cp = a.cp if ranks % a.cp == 0 else 1
+                common = flags(a.model, strategy, ranks, a.batch, a.seq, a.cores, ep, cp, a.cp_impl)
                 ms, mem, max_load = measure(common, ranks, a.steps, a.warmup, a.data, os.path.join(tmp, f"{strategy}{ranks}"))
                 # max/mean rows of one expert in one routing group (a rank's micro-batch)
                 load = max(1.0, max_load / (a.batch * a.seq * moe[1] / moe[0])) if moe and max_load and ep > 1 else None
@@ -117,7 +121,8 @@ def main():
                     times += f" | {load or 1:.2f} | " + " | ".join(err(predict(common, ranks, h)) for h in here)
                 mib = lambda b: b / 1048576
                 cells = " | ".join(f"{mib(mem.get(c, 0)):.1f} / {mib(ps[0]['mem'].get(c, 0)):.1f}" for c in CATS)
-                print(f"| {a.model} | {strategy} | {ranks} × {common[-1]} | {ms:.0f} | {times} | {cells} |", flush=True)
+                name = a.model + (f" cp {cp} {a.cp_impl}" if cp > 1 else "")
+                print(f"| {name} | {strategy} | {ranks} × {common[-1]} | {ms:.0f} | {times} | {cells} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -181,9 +181,11 @@ SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const Hardwar
     extend_runs(r, simulate_runs(cost, plan, hw, kSimulatedRuns - 1), plan, times - kSimulatedRuns);
   const auto& c = plan.config;
   const double step_s = r.step_ms / 1e3;
-  const double tokens = static_cast<double>(c.world) * c.batch * c.grad_accum * c.seq;
+  // The ranks of a cp group share their sequences: the step's are the data-parallel ranks'.
+  const int64_t sequences = static_cast<int64_t>(plan.dp_size()) * c.batch * c.grad_accum;
+  const double tokens = static_cast<double>(sequences) * c.seq;
   r.tokens_per_s = step_s > 0 ? tokens / step_s : 0;
-  const double flops = desc.train_flops(static_cast<int64_t>(c.world) * c.batch * c.grad_accum, c.seq);
+  const double flops = desc.train_flops(sequences, c.seq);
   r.mfu = step_s > 0 ? flops / step_s / (cost.peak_flops() * c.world) : 0;
   r.mem = plan.peak_memory();
   r.mem_max = plan.max_memory();
