@@ -467,6 +467,27 @@ TEST(Simulator, OneRankIsItsComputeTime) {
   EXPECT_NEAR(r.tokens_per_s, tokens / (r.step_ms * 1e-3), 1e-6);
 }
 
+// A ring (cp 2 on 2 ranks): the step's tokens are the cp group's sequences once (not once a rank),
+// and each ring step costs one message between neighbours: latency + bytes / bandwidth.
+TEST(Simulator, RingStepsAreOneMessageAndTokensCountSequencesOnce) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-tiny", 256));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanConfig c;
+  c.strategy = Strategy::fsdp, c.world = 2, c.cp = 2, c.cp_impl = model::ContextImpl::ring, c.batch = 2, c.seq = 64;
+  const Plan p = build_plan(desc, c);
+  const SimResult r = simulate(desc, p, hw, 1);
+  EXPECT_NEAR(r.tokens_per_s, 2.0 * 64 / (r.step_ms * 1e-3), 1e-6);
+  const CostModel cost(desc, p, hw, 1);
+  const LinkCost& link = hw.intra.of(Collective::all_to_all);
+  int steps = 0;
+  for (const auto& t : p.tasks)
+    if (t.op == Op::exchange) {
+      ++steps;
+      EXPECT_NEAR(cost.seconds(t), link.latency_s + static_cast<double>(t.bytes) / link.bus_bw, 1e-12) << t.name();
+    }
+  EXPECT_EQ(steps, 2 * desc.config.n_layer);  // one forward and one backward step a block at cp 2
+}
+
 // More compute threads on a node than the profile's cores time-slice them: 4 ranks × 1 thread on
 // cpu-local's 2 cores compute each rank's (equal) micro-batch in twice the time of 2 ranks × 1;
 // a profile that does not give its cores (the GPU presets) sees no such slowdown.
