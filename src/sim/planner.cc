@@ -27,6 +27,7 @@ std::string flags_of(const PlanConfig& c) {
   o << "--strategy " << plan::to_string(c.strategy);
   if (c.strategy == Strategy::hybrid) o << " --shard-group " << c.shard_group;
   if (c.ep > 1) o << " --ep " << c.ep;
+  if (c.cp > 1) o << " --cp " << c.cp << " --cp-impl " << model::to_string(c.cp_impl);
   o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
     << model::to_string(c.recompute);
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
@@ -201,18 +202,34 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   if (desc.config.family == model::Family::moe)
     for (int ep = 2; ep <= q.ranks && ep <= desc.config.n_experts; ++ep)
       if (desc.config.n_experts % ep == 0 && q.ranks % ep == 0) eps.push_back(ep);
-  std::vector<PlanConfig> grid;
-  for (Strategy s : strategies)
-    each_config(b, s, q.global_tokens / per_step, hw.compute_dtype == "bf16", eps,
-                [&](const PlanConfig& c) { grid.push_back(c); });
-  const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads, q.expert_load);
-  for (size_t i = 0; i < grid.size(); ++i) {
-    if (!results[i]) continue;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
-    ++out.considered;
-    const SimResult& r = *results[i];
-    Candidate k{grid[i], r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(grid[i])};
-    if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
-    if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
+  auto search = [&](const std::vector<std::pair<int, model::ContextImpl>>& cps) {
+    std::vector<PlanConfig> grid;
+    for (const auto& [cp, impl] : cps) {
+      PlanConfig bc = b;
+      bc.cp = cp, bc.cp_impl = impl;
+      for (Strategy s : strategies)  // a cp group's K ranks share their sequences
+        each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps,
+                    [&](const PlanConfig& c) { grid.push_back(c); });
+    }
+    const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads, q.expert_load);
+    for (size_t i = 0; i < grid.size(); ++i) {
+      if (!results[i]) continue;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+      ++out.considered;
+      const SimResult& r = *results[i];
+      Candidate k{grid[i], r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(grid[i])};
+      if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+      if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
+    }
+  };
+  search({{1, model::ContextImpl::ring}});
+  // Context parallelism is for sequences too long for a rank's memory: where nothing fits, every
+  // cp (powers of two dividing the ranks) in both forms, as the builder accepts them.
+  if (out.fitting.empty() && q.memory_budget > 0 && desc.config.family != model::Family::moe) {
+    std::vector<std::pair<int, model::ContextImpl>> cps;
+    for (int cp = 2; cp <= q.ranks && cp <= kMaxContextSearch; cp *= 2)
+      if (q.ranks % cp == 0)
+        for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) cps.push_back({cp, impl});
+    search(cps);
   }
   rank(out.fitting);
   // Selective unsharding, unit by unit, on the fastest few sharded configurations.

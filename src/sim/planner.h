@@ -44,6 +44,8 @@ struct PlanSearch {
 // The most sequences per rank a global batch may hold: the search tries every micro-batch that
 // divides them, so its time grows with them.
 inline constexpr int64_t kMaxSequencesPerRank = 1 << 20;
+// The largest cp the search tries (where nothing fits without it).
+inline constexpr int kMaxContextSearch = 64;
 
 // `base` carries what the search does not vary (reduction_scratch, threads). Throws
 // std::invalid_argument when the global batch is not a whole number of sequences per rank, or

@@ -686,6 +686,34 @@ TEST(Planner, SearchesExpertParallelismForMixturesOfExperts) {
   for (const Candidate& c : dense.fitting) EXPECT_EQ(c.config.ep, 1);
 }
 
+// A long sequence whose every cp-1 configuration is over the budget: the search goes on to context
+// parallelism (both forms where the builder takes them) and its best fits; without a budget, or
+// where something fits, cp stays 1.
+TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-tiny", 2048));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanQuery q;
+  q.ranks = 4, q.seq = 2048, q.global_tokens = 4 * 2048, q.threads = 1;
+  const PlanSearch free = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(free.fitting.empty());
+  for (const Candidate& c : free.fitting) EXPECT_EQ(c.config.cp, 1);
+  q.memory_budget = free.smallest.peak_bytes - 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  std::set<std::pair<int, model::ContextImpl>> cps;
+  for (const Candidate& c : s.fitting) {
+    cps.insert({c.config.cp, c.config.cp_impl});
+    EXPECT_GT(c.config.cp, 1);
+    EXPECT_LE(c.peak_bytes, q.memory_budget);
+    EXPECT_NE(c.flags.find("--cp " + std::to_string(c.config.cp)), std::string::npos) << c.flags;
+    EXPECT_EQ(plan::build_plan(desc, c.config).peak_memory().total, c.peak_bytes);
+  }
+  EXPECT_TRUE(cps.count({2, model::ContextImpl::ring}));
+  EXPECT_TRUE(cps.count({4, model::ContextImpl::ring}));
+  EXPECT_TRUE(cps.count({2, model::ContextImpl::all_to_all}));  // llama-tiny's 2 key/value heads: not 4
+  EXPECT_FALSE(cps.count({4, model::ContextImpl::all_to_all}));
+}
+
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
   const model::ModelDesc desc = model::describe(model::model_preset("tiny"));
   PlanQuery q;
