@@ -48,34 +48,26 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
   const int A = static_cast<int>(mesh.axes().size());
   for (int a = 0; a < A; ++a)
     if (mesh[a].size > 1) all_ |= 1u << a;
-  for (unsigned set = 0; set < all_; ++set) {  // every proper subset, in the same order on every rank
-    if ((set & ~all_) != 0) continue;
+  // The group of this rank over the axes in `set`, split from `from` (a collective call).
+  auto split_over = [&](comm::Communicator& from, unsigned set) {
     std::vector<int> axes;
     for (int a = 0; a < A; ++a)
       if (set & (1u << a)) axes.push_back(a);
-    groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
-  }
+    return from.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
+  };
+  for (unsigned set = 0; set < all_; ++set)  // every proper subset, in the same order on every rank
+    if ((set & ~all_) == 0) groups_[set] = split_over(world, set);
   // Exchanges run over ep (a MoE block's routed rows) or cp (a block's attention split): every set
   // of axes holding one of them gets communicators of its own for the exchange stream.
   unsigned exchange_axes = 0;
   for (const char* name : {plan::kExpert, plan::kContext})
     if (const int a = mesh.find(name); a >= 0 && mesh[a].size > 1) exchange_axes |= 1u << a;
-  for (unsigned set = 1; set <= all_ && exchange_axes != 0; ++set) {
-    if ((set & ~all_) != 0 || !(set & exchange_axes)) continue;
-    std::vector<int> axes;
-    for (int a = 0; a < A; ++a)
-      if (set & (1u << a)) axes.push_back(a);
-    exchange_groups_[set] = world.split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
-  }
+  for (unsigned set = 1; set <= all_ && exchange_axes != 0; ++set)
+    if ((set & ~all_) == 0 && (set & exchange_axes)) exchange_groups_[set] = split_over(world, set);
   if (backend == nullptr || backend->host_memory()) return;
   if (device == DeviceCollectives::nccl) {
     nccl_world_ = comm::make_nccl_communicator(world, backend->stream_handle());
-    for (auto& [set, group] : groups_) {  // the same sets, in the same order, on every rank
-      std::vector<int> axes;
-      for (int a = 0; a < A; ++a)
-        if (set & (1u << a)) axes.push_back(a);
-      nccl_groups_[set] = nccl_world_->split(mesh.group_of(world.rank(), axes), mesh.index_in(world.rank(), axes));
-    }
+    for (auto& [set, group] : groups_) nccl_groups_[set] = split_over(*nccl_world_, set);  // same order on every rank
     return;
   }
   copier_ = std::make_unique<BackendCopier>(*backend);
