@@ -42,6 +42,118 @@ double collective_seconds(const LinkCost& link, Collective c, double S, int n) {
   return link.latency_s * messages + S * bus_factor(c, n) / link.bus_bw;  // s + bytes / (bytes/s)
 }
 
+namespace {
+
+// The span of the group over `axes` that holds the rank at `base` coordinates.
+GroupSpan span_from(const plan::Mesh& mesh, const std::vector<int>& axes, std::vector<int> coords, int devices_per_node) {
+  GroupSpan g;
+  g.ranks = mesh.group_size(axes);
+  std::vector<std::pair<int, int>> counts;  // (node, ranks of the group on it)
+  for (int i = 0; i < g.ranks; ++i) {
+    int rest = i;
+    for (auto a = axes.rbegin(); a != axes.rend(); ++a) {
+      coords[*a] = rest % mesh[*a].size;
+      rest /= mesh[*a].size;
+    }
+    const int node = mesh.rank_of(coords) / devices_per_node;
+    auto at = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == node; });
+    if (at == counts.end()) counts.emplace_back(node, 1);
+    else ++at->second;
+  }
+  g.nodes = static_cast<int>(counts.size());
+  for (const auto& c : counts) g.per_node = std::max(g.per_node, c.second);
+  return g;
+}
+
+}  // namespace
+
+GroupSpan span_of(const plan::Mesh& mesh, const std::vector<int>& axes, int devices_per_node) {
+  const int n = mesh.group_size(axes);
+  if (n <= 1 || devices_per_node <= 0) return {n, 1, n};
+  // The first group and the last: where node boundaries do not fall on group boundaries (a world
+  // that is no multiple of the node), a later group straddles one though the first does not.
+  const GroupSpan first = span_from(mesh, axes, mesh.coords(0), devices_per_node);
+  const GroupSpan last = span_from(mesh, axes, mesh.coords(mesh.rank_count() - 1), devices_per_node);
+  return {n, std::max(first.nodes, last.nodes), std::max(first.per_node, last.per_node)};
+}
+
+GroupSpan contiguous_span(int ranks, int devices_per_node) {
+  const int dpn = std::max(1, devices_per_node);
+  return {ranks, (ranks + dpn - 1) / dpn, std::min(ranks, dpn)};
+}
+
+const char* to_string(Algorithm a) {
+  switch (a) {
+    case Algorithm::best: return "best";
+    case Algorithm::ring: return "ring";
+    case Algorithm::tree: return "tree";
+    case Algorithm::nvls: return "nvls";
+    case Algorithm::direct: return "direct";
+  }
+  return "?";
+}
+
+namespace {
+
+// The candidates of one collective on one group; unavailable ones are left out.
+std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+  std::vector<CollectiveCost> out;
+  const int n = g.ranks, k = g.per_node, N = g.nodes;
+  const Algorithm main = c == Collective::all_to_all ? Algorithm::direct : Algorithm::ring;
+  if (N <= 1 || !hw.network.present) {
+    const Tier& tier = N > 1 ? hw.inter : hw.intra;
+    out.push_back({collective_seconds(tier.of(c), c, S, n), main});
+    // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
+    // measurements NVLS gains only from 5 GPUs up).
+    if (c == Collective::all_reduce && N <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
+      out.push_back({collective_seconds(hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
+    return out;
+  }
+  const Network& net = hw.network;
+  const int dpn = hw.devices_per_node;
+  // What the group's devices on one node can push through the network at once: each its share.
+  const double nics = std::min(k, dpn) * net.per_device_bw(dpn);
+  const LinkCost& fabric = hw.intra.of(c);
+  if (c == Collective::all_to_all) {
+    const double off = S * (n - k) / n / (nics / k);             // this rank's bytes to other nodes, on its share
+    const double on = k > 1 ? S * (k - 1) / n / fabric.bus_bw : 0;  // to the others of its node, on the fabric
+    const double alpha = fabric.latency_s * (k - 1) + net.message_latency_s * (n - k);
+    out.push_back({alpha + std::max(off, on), Algorithm::direct});
+    return out;
+  }
+  // Ring: one ring per NIC, each crossing every node boundary once; inside the node the fabric.
+  const double ring_bw = k > 1 ? std::min(fabric.bus_bw, nics) : nics;
+  const int inter_steps = (c == Collective::all_reduce ? 2 : 1) * (N - 1);
+  out.push_back({fabric.latency_s + inter_steps * net.ring_step_latency_s + S * bus_factor(c, n) / ring_bw, Algorithm::ring});
+  if (c == Collective::all_reduce) {
+    const double levels = std::ceil(std::log2(static_cast<double>(N)));
+    const double chain = k > 1 ? 2 * S / fabric.bus_bw : 0;  // up the node's chain and back down
+    const double network = 2 * S * (N - 1) / N / nics;       // a node's share of the two trees' edges
+    out.push_back({fabric.latency_s + 2 * levels * net.tree_step_latency_s + std::max(chain, network) / net.tree_efficiency,
+                   Algorithm::tree});
+  }
+  return out;
+}
+
+}  // namespace
+
+CollectiveCost collective_cost(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g, Algorithm a) {
+  if (g.ranks <= 1) return {0, c == Collective::all_to_all ? Algorithm::direct : Algorithm::ring};
+  const std::vector<CollectiveCost> all = candidates(hw, c, S, g);
+  const CollectiveCost* pick = nullptr;
+  for (const CollectiveCost& x : all)
+    if ((a == Algorithm::best || x.algorithm == a) && (!pick || x.seconds < pick->seconds)) pick = &x;
+  if (!pick) return {0, a, false};
+  return *pick;
+}
+
+double p2p_seconds(const HardwareProfile& hw, double S, bool crosses_nodes) {
+  if (crosses_nodes && hw.network.present)
+    return hw.network.message_latency_s + S / hw.network.per_device_bw(hw.devices_per_node);
+  const LinkCost& link = (crosses_nodes ? hw.inter : hw.intra).of(Collective::all_to_all);
+  return link.latency_s + S / link.bus_bw;
+}
+
 Collective collective_of(Op op) {
   switch (plan::info(op).collective) {
     case plan::OpCollective::all_gather: return Collective::all_gather;
@@ -62,6 +174,12 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     oversubscription_ = std::max(1.0, static_cast<double>(busy) / hw.cores_per_node);
   }
   rate_ = peak_ * hw.gemm_efficiency;
+  for (const plan::Task& t : plan.tasks) {
+    if (t.stream == plan::kCompute) continue;
+    bool known = false;
+    for (const auto& s : spans_) known = known || s.first == t.axes;
+    if (!known) spans_.emplace_back(t.axes, span_of(plan.mesh, t.axes, hw.devices_per_node));
+  }
   pointwise_bw_ = hw.pointwise_bw > 0 ? hw.pointwise_bw * (hw.per_thread ? threads : 1) : hw.memory_bw;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
   const model::Shape shape = plan.unit_shape(4, expert_load);
@@ -99,18 +217,10 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
 
 int CostModel::group_size(const plan::Task& t) const { return plan_.mesh.group_size(t.axes); }
 
-bool CostModel::crosses_nodes(const plan::Task& t) const {
-  if (t.axes.empty()) return false;
-  // Mesh axes are laid out outermost first (ranks fill the mesh row-major), so the ranks of
-  // a group over axes {a..} lie within a block of `extent` consecutive ranks: the product of the
-  // sizes from its outermost axis inwards. The group stays in a node when that block fits one
-  // and blocks never straddle a node boundary.
-  int outer = t.axes[0];
-  for (int a : t.axes) outer = std::min(outer, a);
-  int64_t extent = 1;
-  for (size_t a = outer; a < plan_.mesh.axes().size(); ++a) extent *= plan_.mesh[static_cast<int>(a)].size;
-  const int64_t dpn = hw_.devices_per_node;
-  return extent > dpn || (dpn % extent != 0 && plan_.config.world > dpn);
+GroupSpan CostModel::span(const plan::Task& t) const {
+  for (const auto& [axes, g] : spans_)
+    if (axes == t.axes) return g;
+  return span_of(plan_.mesh, t.axes, hw_.devices_per_node);  // an axis set no task of the plan names
 }
 
 double CostModel::compute_seconds(const plan::Task& t) const {
@@ -161,14 +271,14 @@ double CostModel::compute_seconds(const plan::Task& t) const {
 }
 
 double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool crosses_nodes) const {
-  const Tier& tier = crosses_nodes ? hw_.inter : hw_.intra;
-  return collective_seconds(tier.of(Collective::all_to_all), Collective::all_to_all, bytes_per_rank, group);
+  const GroupSpan g = crosses_nodes ? contiguous_span(group, hw_.devices_per_node) : GroupSpan{group, 1, group};
+  return collective_cost(hw_, Collective::all_to_all, bytes_per_rank, g).seconds;
 }
 
 double CostModel::seconds(const plan::Task& t) const {
   if (t.stream == plan::kCompute) return compute_seconds(t);
   const Collective c = collective_of(t.op);
-  const Tier& tier = crosses_nodes(t) ? hw_.inter : hw_.intra;
+  const GroupSpan g = span(t);
   // An exchange moves what the busiest rank of its group does (the model's figure at the expert
   // load; the plan's t.bytes is balanced routing's).
   const std::vector<int64_t>* exchanged = t.op == Op::exchange && t.unit >= 0 ? &exchange_bytes_[t.unit][t.reverse] : nullptr;
@@ -176,13 +286,9 @@ double CostModel::seconds(const plan::Task& t) const {
                        ? static_cast<double>((*exchanged)[t.stage])
                        : static_cast<double>(t.bytes);
   // A ring step is one message each way between neighbours, on the exchange link.
-  if (t.op == Op::exchange && t.ring_step != 0) {
-    const LinkCost& link = tier.of(Collective::all_to_all);
-    return link.latency_s + S / link.bus_bw;
-  }
+  if (t.op == Op::exchange && t.ring_step != 0) return p2p_seconds(hw_, S, g.nodes > 1);
   // A collective's local copies (casts, a bucket's unpacking) read and write memory once each.
-  return collective_seconds(tier.of(c), c, S, group_size(t)) +
-         2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
+  return collective_cost(hw_, c, S, g).seconds + 2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
 }
 
 }  // namespace shardlm::sim

@@ -4,7 +4,8 @@
 //    shape's rate;
 //  - collectives: α + S · factor(n) / busBw (nccl-tests' definitions: S the whole buffer,
 //    factor (n−1)/n for all-gather and reduce-scatter, 2(n−1)/n for all-reduce), α and busBw
-//    those of the link tier the group spans (inside a node, or across nodes);
+//    from how the group lies on the machine (collective_cost: inside a node the fabric; across
+//    nodes the NICs of its devices in parallel, capped by the fabric);
 //  - all-to-all: α · (n−1) + S · (n−1)/n / busBw, S the bytes each rank sends in all (its own
 //    block included, which stays), α per peer message: each rank sends n−1 messages.
 #pragma once
@@ -26,6 +27,43 @@ double collective_seconds(const LinkCost& link, Collective c, double S, int n);
 // Which collective a plan op is priced as (norm_reduce gathers each rank's four figures).
 Collective collective_of(plan::Op op);
 
+// How a group of ranks lies on the machine: its ranks, the nodes it spans, and the most of its
+// ranks on one node. Ranks fill nodes in order (devices_per_node consecutive ranks a node).
+struct GroupSpan {
+  int ranks = 1, nodes = 1, per_node = 1;
+};
+// The group over mesh `axes` that holds rank 0 (every group of an axis set has the same shape).
+GroupSpan span_of(const plan::Mesh& mesh, const std::vector<int>& axes, int devices_per_node);
+// `ranks` consecutive ranks from rank 0 (as nccl-tests runs them: -np ranks, devices_per_node a node).
+GroupSpan contiguous_span(int ranks, int devices_per_node);
+
+// The algorithms a collective is priced with (NCCL's names). direct: all-to-all's and a
+// point-to-point message's (each pair sends its own bytes). best: the fastest available.
+enum class Algorithm { best, ring, tree, nvls, direct };
+const char* to_string(Algorithm a);
+struct CollectiveCost {
+  double seconds = 0;
+  Algorithm algorithm = Algorithm::ring;
+  bool available = true;  // false: `algorithm` does not apply (tree and NVLS price all-reduce only)
+};
+// Seconds of one collective of S bytes (all_to_all: what each rank sends in all) over group `g`:
+//  - inside one node (or without a `network` in the profile): the intra tier (or the flat inter
+//    tier) as collective_seconds prices it; NVLS where the profile has it and the group is a whole node;
+//  - across nodes with a `network`: the ring's busBw is the NICs of the group's devices on a node
+//    in parallel (one ring a NIC, each device its share of the node's NICs), capped by the intra
+//    tier's busBw of the op; α is the intra tier's plus ring_step_latency_s per step that crosses
+//    the network (2(N−1) for all-reduce, N−1 for all-gather/reduce-scatter over N nodes). The tree
+//    (all-reduce) pays 2·⌈log2 N⌉ tree_step_latency_s and moves 2S through each device inside the
+//    node (up the chain and down) and 2S(N−1)/N through each node's NICs, at tree_efficiency.
+//    All-to-all sends (n−k)/n of each rank's bytes across the network on that rank's own share of
+//    the NICs and (k−1)/n on the fabric, the two at once; α per peer message on each.
+CollectiveCost collective_cost(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g,
+                               Algorithm a = Algorithm::best);
+// Seconds of one message of S bytes between two ranks (a ring attention step): the intra tier's
+// all_to_all figures inside a node; across nodes one device's share of the NICs and the
+// network's message latency (or the flat inter tier's all_to_all figures without a network).
+double p2p_seconds(const HardwareProfile& hw, double S, bool crosses_nodes);
+
 class CostModel {
  public:
   // `threads`: compute threads per rank (a per-thread CPU profile multiplies its peak by it).
@@ -36,9 +74,10 @@ class CostModel {
             double expert_load = 1);
   // Seconds task `t` takes at full speed (compute slowed by communication is the simulator's).
   double seconds(const plan::Task& t) const;
-  // Ranks of the group a collective spans, and whether it crosses a node boundary.
+  // Ranks of the group a collective spans, how it lies on nodes, and whether it crosses a node boundary.
   int group_size(const plan::Task& t) const;
-  bool crosses_nodes(const plan::Task& t) const;
+  GroupSpan span(const plan::Task& t) const;
+  bool crosses_nodes(const plan::Task& t) const { return span(t).nodes > 1; }
   // Seconds of an all-to-all (expert parallelism's token exchange) over a group of `group` ranks
   // in which each rank sends `bytes_per_rank` bytes in all, (group−1)/group of them leaving it:
   // latency · (group−1) + bytes_per_rank · (group−1)/group / bus_bw, with the profile's
@@ -65,6 +104,8 @@ class CostModel {
     double flops = 0, forward_s = 0, backward_s = 0;
   };
   std::vector<Measured> measured_;
+  // The span of each axis set the plan's collectives name (a handful), computed once.
+  std::vector<std::pair<std::vector<int>, GroupSpan>> spans_;
 };
 
 }  // namespace shardlm::sim

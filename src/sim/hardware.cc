@@ -55,6 +55,8 @@ double figure(const json& parent, const std::string& key, const std::string& pat
   return v;
 }
 
+LinkCost link_cost(const json& j, const std::string& path, double memory_bw, const std::string& origin);
+
 Tier tier(const json& j, const std::string& key, double memory_bw, const std::string& origin) {
   if (!j.contains(key) || !j.at(key).is_object()) throw bad(origin, key, "missing (an object per collective)");
   const json& t = j.at(key);
@@ -62,17 +64,68 @@ Tier tier(const json& j, const std::string& key, double memory_bw, const std::st
   for (int c = 0; c < kNumCollectives; ++c) {
     const std::string name = to_string(static_cast<Collective>(c)), path = key + "." + name;
     if (!t.contains(name) || !t.at(name).is_object()) throw bad(origin, path, "missing");
-    LinkCost& link = out.op[c];
-    link.latency_s = figure(t.at(name), "latency_s", path, origin, true);
-    if (link.latency_s > kMaxLatencySeconds)
-      throw bad(origin, path + ".latency_s.value",
-                "must be <= " + str(kMaxLatencySeconds) + " s (a small message's time), got " + str(link.latency_s));
-    link.bus_bw = figure(t.at(name), "bus_bw", path, origin);
-    if (link.bus_bw > memory_bw)
-      throw bad(origin, path + ".bus_bw.value",
-                str(link.bus_bw) + " bytes/s is above memory_bw " + str(memory_bw) + " (a collective's bytes pass through memory)");
+    out.op[c] = link_cost(t.at(name), path, memory_bw, origin);
   }
   return out;
+}
+
+// One collective's {latency_s, bus_bw} at `path` (e.g. "intra_node.all_gather").
+LinkCost link_cost(const json& j, const std::string& path, double memory_bw, const std::string& origin) {
+  LinkCost link;
+  link.latency_s = figure(j, "latency_s", path, origin, true);
+  if (link.latency_s > kMaxLatencySeconds)
+    throw bad(origin, path + ".latency_s.value",
+              "must be <= " + str(kMaxLatencySeconds) + " s (a small message's time), got " + str(link.latency_s));
+  link.bus_bw = figure(j, "bus_bw", path, origin);
+  if (link.bus_bw > memory_bw)
+    throw bad(origin, path + ".bus_bw.value",
+              str(link.bus_bw) + " bytes/s is above memory_bw " + str(memory_bw) + " (a collective's bytes pass through memory)");
+  return link;
+}
+
+Fabric fabric(const json& j, const Tier& intra, double memory_bw, const std::string& origin) {
+  Fabric f;
+  if (!j.contains("fabric")) return f;
+  const json& o = j.at("fabric");
+  if (!o.is_object()) throw bad(origin, "fabric", "must be an object (link_bw, optional nvls_all_reduce)");
+  f.link_bw = figure(o, "link_bw", "fabric", origin);
+  // A ring sends every byte it moves over each device's link once per step: its busBw cannot pass
+  // the link's rate per direction (NVLS can: the switch does the reduction).
+  for (Collective c : {Collective::all_gather, Collective::reduce_scatter, Collective::all_reduce})
+    if (intra.of(c).bus_bw > f.link_bw)
+      throw bad(origin, std::string("intra_node.") + to_string(c) + ".bus_bw.value",
+                str(intra.of(c).bus_bw) + " bytes/s is above fabric.link_bw " + str(f.link_bw) +
+                    " (a ring's busBw is at most the link's rate per direction)");
+  if (o.contains("nvls_all_reduce")) {
+    if (!o.at("nvls_all_reduce").is_object()) throw bad(origin, "fabric.nvls_all_reduce", "must be {latency_s, bus_bw}");
+    f.nvls_all_reduce = link_cost(o.at("nvls_all_reduce"), "fabric.nvls_all_reduce", memory_bw, origin);
+    f.has_nvls = true;
+  }
+  return f;
+}
+
+Network network(const json& j, const std::string& origin) {
+  Network n;
+  if (!j.contains("network")) return n;
+  const json& o = j.at("network");
+  if (!o.is_object()) throw bad(origin, "network", "must be an object (nics_per_node, nic_bw, ...)");
+  n.present = true;
+  const double nics = figure(o, "nics_per_node", "network", origin);
+  if (nics != std::floor(nics) || nics > 1e6) throw bad(origin, "network.nics_per_node.value", "must be a whole number");
+  n.nics_per_node = static_cast<int>(nics);
+  n.nic_bw = figure(o, "nic_bw", "network", origin);
+  n.nic_efficiency = figure(o, "nic_efficiency", "network", origin);
+  if (n.nic_efficiency > 1) throw bad(origin, "network.nic_efficiency.value", "must be <= 1 (a fraction of nic_bw)");
+  n.tree_efficiency = figure(o, "tree_efficiency", "network", origin);
+  if (n.tree_efficiency > 1) throw bad(origin, "network.tree_efficiency.value", "must be <= 1 (a fraction)");
+  for (auto [key, out] : {std::pair{"ring_step_latency_s", &n.ring_step_latency_s},
+                          std::pair{"tree_step_latency_s", &n.tree_step_latency_s},
+                          std::pair{"message_latency_s", &n.message_latency_s}}) {
+    *out = figure(o, key, "network", origin, true);
+    if (*out > kMaxLatencySeconds)
+      throw bad(origin, std::string("network.") + key + ".value", "must be <= " + str(kMaxLatencySeconds) + " s");
+  }
+  return n;
 }
 
 // A measured table: {"value": [{field: number, ...}, ...], "source": "..."}; each row's fields in
@@ -208,7 +261,13 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   for (const auto& r : table(j, "attention_rates", {"t", "hs", "threads", "forward", "backward"}, 3, origin))
     h.attention_rates.push_back({static_cast<int64_t>(r[0]), static_cast<int64_t>(r[1]), static_cast<int>(r[2]), r[3], r[4]});
   h.intra = tier(j, "intra_node", h.memory_bw, origin);
-  h.inter = tier(j, "inter_node", h.memory_bw, origin);
+  h.fabric = fabric(j, h.intra, h.memory_bw, origin);
+  h.network = network(j, origin);
+  // The network is described one way: NICs per node (network) or one flat figure (inter_node).
+  if (h.network.present && j.contains("inter_node"))
+    throw bad(origin, "inter_node", "give either inter_node (one figure for the network) or network (NICs per node), not both");
+  // With a network, a group across nodes is priced from it; the inter tier stays unused.
+  h.inter = h.network.present ? h.intra : tier(j, "inter_node", h.memory_bw, origin);
   if (j.contains("collectives_measured") && !j.at("collectives_measured").is_boolean())
     throw bad(origin, "collectives_measured", "must be true or false");
   h.collectives_measured = j.value("collectives_measured", true);

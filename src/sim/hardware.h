@@ -51,6 +51,34 @@ struct AttentionRate {
   double forward = 0, backward = 0;
 };
 
+// Inside a node, beyond the per-collective figures of the intra tier: the fabric's line rate, and
+// NVLink SHARP (NVLS: the switch reduces, so an all-reduce's bytes cross each GPU's link about once
+// instead of twice) where the hardware has it.
+struct Fabric {
+  double link_bw = 0;       // per GPU, per direction, bytes/s (datasheet): a ring's busBw is below it
+  bool has_nvls = false;
+  LinkCost nvls_all_reduce;  // all-reduce through the switch, a whole node's devices (busBw as nccl-tests)
+};
+
+// The network between nodes, described as the machine is built rather than as one figure: a
+// group that spans nodes uses the NICs of the devices it has on each node in parallel (NCCL runs
+// one ring per NIC), capped by the fabric inside the node. Absent (the `inter_node` tier instead):
+// a flat two-tier model, as a calibrated single machine has.
+struct Network {
+  bool present = false;
+  int nics_per_node = 0;
+  double nic_bw = 0;          // line rate of one NIC, per direction, bytes/s
+  double nic_efficiency = 1;  // the fraction of it a collective achieves (nccl-tests per-NIC busBw ÷ line rate)
+  double ring_step_latency_s = 0;  // added per ring step that crosses the network
+  double tree_step_latency_s = 0;  // added per tree level across nodes (up and down each)
+  double message_latency_s = 0;    // one point-to-point message across the network (all-to-all: per remote peer)
+  double tree_efficiency = 1;      // a tree's achieved bandwidth relative to the ring's links
+  // One device's share of the node's achievable NIC bandwidth, bytes/s.
+  double per_device_bw(int devices_per_node) const {
+    return nics_per_node * nic_bw * nic_efficiency / devices_per_node;
+  }
+};
+
 struct HardwareProfile {
   std::string name;
   std::string origin;              // the file it came from
@@ -76,7 +104,9 @@ struct HardwareProfile {
   // without them, at peak_flops × gemm_efficiency.
   std::vector<GemmRate> gemm_rates;
   std::vector<AttentionRate> attention_rates;  // the same for blocks' attention (nearest T, HS)
-  Tier intra, inter;
+  Tier intra, inter;  // inter: only without `network` (a flat model of the network)
+  Fabric fabric;      // optional (GPU presets): the intra-node fabric's line rate and NVLS
+  Network network;    // optional (GPU presets): NICs per node; replaces the inter tier
   // false where the collective figures are no measurement (calibrate on one rank has none to
   // time): such a profile prices one rank only (require_collectives).
   bool collectives_measured = true;

@@ -53,10 +53,18 @@ TEST(Hardware, PresetsLoadWithTheirFigures) {
   EXPECT_NEAR(h.peak_flops * h.gemm_efficiency, 798e12, 1e12);
   EXPECT_EQ(h.devices_per_node, 8);
   EXPECT_EQ(h.compute_dtype, "bf16");
-  EXPECT_GT(h.inter.of(Collective::all_reduce).latency_s, 0);
+  // The machine as built: 8 NDR NICs a node, NVLink 4 with NVLS; 8 HDR NICs on the A100 node.
+  EXPECT_TRUE(h.network.present);
+  EXPECT_EQ(h.network.nics_per_node, 8);
+  EXPECT_DOUBLE_EQ(h.network.nic_bw, 50e9);
+  EXPECT_DOUBLE_EQ(h.fabric.link_bw, 450e9);
+  EXPECT_TRUE(h.fabric.has_nvls);
   const HardwareProfile a = preset("a100-80gb");
   EXPECT_DOUBLE_EQ(a.peak_flops, 312e12);
-  EXPECT_LT(a.inter.of(Collective::all_gather).bus_bw, h.inter.of(Collective::all_gather).bus_bw);
+  EXPECT_EQ(a.network.nics_per_node, 8);
+  EXPECT_DOUBLE_EQ(a.network.nic_bw, 25e9);
+  EXPECT_FALSE(a.fabric.has_nvls);
+  EXPECT_LT(a.network.per_device_bw(8), h.network.per_device_bw(8));
   const HardwareProfile c = preset("cpu-local");
   EXPECT_TRUE(c.per_thread);
   EXPECT_EQ(c.device_memory, 0);
@@ -199,8 +207,10 @@ TEST(Cost, AllToAllPaysALatencyPerPeer) {
   EXPECT_DOUBLE_EQ(bus_factor(Collective::all_to_all, 4), 0.75);
   EXPECT_STREQ(to_string(Collective::all_to_all), "all_to_all");
 
-  // CostModel::all_to_all_seconds: the profile's all_to_all figures of the tier the group spans.
+  // CostModel::all_to_all_seconds: the profile's all_to_all figures of the tier the group spans
+  // (a flat two-tier profile: without its NICs described).
   HardwareProfile h = preset("h100-80gb");
+  h.network.present = false;
   h.intra.op[static_cast<int>(Collective::all_to_all)] = {3e-6, 250e9};
   h.inter.op[static_cast<int>(Collective::all_to_all)] = {7e-6, 30e9};
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
@@ -278,16 +288,21 @@ TEST(Hardware, ProfilesCarryAnAllToAllFigure) {
       EXPECT_GT(t->of(Collective::all_to_all).bus_bw, 0) << name;
       EXPECT_GT(t->of(Collective::all_to_all).latency_s, 0) << name;
     }
-    // The network is slower than the node's inside.
-    if (std::string(name) != "cpu-local")
-      EXPECT_LT(h.inter.of(Collective::all_to_all).bus_bw, h.intra.of(Collective::all_to_all).bus_bw) << name;
+    // The network is slower than the node's inside: one device's share of the NICs.
+    if (std::string(name) != "cpu-local") {
+      EXPECT_LT(h.network.per_device_bw(h.devices_per_node), h.intra.of(Collective::all_to_all).bus_bw) << name;
+      EXPECT_GT(h.network.message_latency_s, 0) << name;
+    }
     auto j = nlohmann::json::parse(read(preset_dir() + "/" + name + ".json"));
+    const bool flat = !j.contains("network");
     for (const char* tier : {"intra_node", "inter_node"})
       for (const char* f : {"latency_s", "bus_bw"})
-        EXPECT_FALSE(j[tier]["all_to_all"][f]["source"].get<std::string>().empty()) << name << " " << tier << " " << f;
-    j["inter_node"].erase("all_to_all");
+        if (flat || std::string(tier) == "intra_node")
+          EXPECT_FALSE(j[tier]["all_to_all"][f]["source"].get<std::string>().empty()) << name << " " << tier << " " << f;
+    const char* tier = flat ? "inter_node" : "intra_node";
+    j[tier].erase("all_to_all");
     const std::string e = error_of([&] { parse_hardware(j.dump(), "old.json"); });
-    EXPECT_NE(e.find("old.json: inter_node.all_to_all: missing"), std::string::npos) << e;
+    EXPECT_NE(e.find(std::string("old.json: ") + tier + ".all_to_all: missing"), std::string::npos) << e;
   }
 }
 
@@ -393,9 +408,10 @@ TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
     }
 }
 
-// A plan's collectives are priced on the tier their group spans: inside an 8-GPU node on
-// NVLink, across nodes on the network; hybrid's shard group inside, its replicas across.
-TEST(Cost, CollectivesUseTheirGroupsTier) {
+// A plan's collectives are priced by how their group lies on 8-GPU nodes: inside a node on
+// NVLink, across nodes on the NICs of the group's devices; hybrid's shard group inside, its
+// replicas across with one device (so one NIC's share) a node.
+TEST(Cost, CollectivesUseTheirGroupsSpan) {
   const HardwareProfile h = preset("h100-80gb");
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   struct Case {
@@ -412,15 +428,163 @@ TEST(Cost, CollectivesUseTheirGroupsTier) {
     for (const auto& t : p.tasks) {
       if (t.stream == plan::kCompute) continue;
       const int n = cost.group_size(t);
-      const bool across = t.axes.size() == 1 && t.axes == p.shard_axes() ? p.shard_size > 8 : k.world > 8;
+      const bool shard = t.axes.size() == 1 && t.axes == p.shard_axes();
+      const bool across = shard ? p.shard_size > 8 : k.world > 8;
       EXPECT_EQ(cost.crosses_nodes(t), across) << t.name();
+      const GroupSpan g = cost.span(t);
+      EXPECT_EQ(g.ranks, n);
+      // Hybrid's replica group: one rank on each of its 4 nodes.
+      const bool replica = k.s == Strategy::hybrid && !shard && n < k.world;
+      const int per_node = replica ? 1 : std::min(n, 8);
+      EXPECT_EQ(g.per_node, per_node) << t.name();
+      EXPECT_EQ(g.nodes, n / per_node) << t.name();
       const Collective col = collective_of(t.op);
-      const LinkCost& link = (across ? h.inter : h.intra).of(col);
-      EXPECT_DOUBLE_EQ(cost.seconds(t), link.latency_s + t.bytes * bus_factor(col, n) / link.bus_bw) << t.name();
+      EXPECT_DOUBLE_EQ(cost.seconds(t), collective_cost(h, col, static_cast<double>(t.bytes), g).seconds) << t.name();
       ++checked;
     }
     EXPECT_GT(checked, 0);
   }
+}
+
+// nccl-tests' factors: busBw = algBw · 2(n−1)/n for all-reduce, (n−1)/n for all-gather and
+// reduce-scatter; inside one node the ring is the intra tier's figures exactly.
+TEST(Cost, OneNodeIsTheIntraTierRing) {
+  const HardwareProfile a = preset("a100-80gb");
+  const double S = 1 << 30;
+  for (int n : {2, 4, 8}) {
+    const GroupSpan g = contiguous_span(n, 8);
+    EXPECT_EQ(g.nodes, 1);
+    for (Collective c : {Collective::all_gather, Collective::reduce_scatter, Collective::all_reduce}) {
+      const LinkCost& l = a.intra.of(c);
+      const double f = (c == Collective::all_reduce ? 2.0 : 1.0) * (n - 1) / n;
+      const CollectiveCost r = collective_cost(a, c, S, g);
+      EXPECT_EQ(r.algorithm, Algorithm::ring);
+      EXPECT_DOUBLE_EQ(r.seconds, l.latency_s + S * f / l.bus_bw) << to_string(c) << " " << n;
+    }
+  }
+  // H100: a whole node's all-reduce goes through the switch (NVLS), fewer devices by ring.
+  const HardwareProfile h = preset("h100-80gb");
+  const CollectiveCost whole = collective_cost(h, Collective::all_reduce, S, contiguous_span(8, 8));
+  EXPECT_EQ(whole.algorithm, Algorithm::nvls);
+  EXPECT_DOUBLE_EQ(whole.seconds, h.fabric.nvls_all_reduce.latency_s + S * 2 * 7 / 8 / h.fabric.nvls_all_reduce.bus_bw);
+  EXPECT_EQ(collective_cost(h, Collective::all_reduce, S, contiguous_span(4, 8)).algorithm, Algorithm::ring);
+  EXPECT_FALSE(collective_cost(h, Collective::all_gather, S, contiguous_span(8, 8), Algorithm::nvls).available);
+}
+
+// Across nodes: the ring runs on all the group's NICs at once (8 × 0.96 × 25 GB/s = 192 GB/s on
+// A100, NVIDIA's measured figure), capped by the fabric (H100: 8 × 48 = 384 > 365 GB/s NVLink ring),
+// plus one network step latency per ring step that crosses nodes.
+TEST(Cost, AcrossNodesTheNicsRunInParallel) {
+  const HardwareProfile a = preset("a100-80gb"), h = preset("h100-80gb");
+  const double S = 8.0 * (1 << 30);
+  for (int nodes : {2, 4, 16}) {
+    const int n = 8 * nodes;
+    const GroupSpan g = contiguous_span(n, 8);
+    EXPECT_EQ(g.nodes, nodes);
+    EXPECT_EQ(g.per_node, 8);
+    const double f = 2.0 * (n - 1) / n;
+    const CollectiveCost ra = collective_cost(a, Collective::all_reduce, S, g, Algorithm::ring);
+    EXPECT_NEAR(ra.seconds, 45e-6 + 2 * (nodes - 1) * 4e-6 + S * f / 192e9, 1e-9);
+    const CollectiveCost rh = collective_cost(h, Collective::all_reduce, S, g, Algorithm::ring);
+    EXPECT_NEAR(rh.seconds, 26e-6 + 2 * (nodes - 1) * 4e-6 + S * f / 365e9, 1e-9);
+    const CollectiveCost ag = collective_cost(a, Collective::all_gather, S, g);
+    EXPECT_NEAR(ag.seconds, 23e-6 + (nodes - 1) * 4e-6 + S * (n - 1) / n / 192e9, 1e-9);
+    // Never below one NIC's figure nor above the node's aggregate: the ring's busBw between them;
+    // a tree (all-reduce) moves 2S(N−1)/N through a node's NICs, never faster than all of them.
+    for (const HardwareProfile* hw : {&a, &h}) {
+      const double nics = hw->network.per_device_bw(8) * 8;
+      for (Collective c : {Collective::all_gather, Collective::reduce_scatter, Collective::all_reduce}) {
+        const double bus = S * bus_factor(c, n) / collective_cost(*hw, c, S, g, Algorithm::ring).seconds;
+        EXPECT_GT(bus, hw->network.per_device_bw(8)) << hw->name << to_string(c);
+        EXPECT_LE(bus, nics * 1.0000001) << hw->name << to_string(c);
+      }
+      const CollectiveCost tree = collective_cost(*hw, Collective::all_reduce, S, g, Algorithm::tree);
+      EXPECT_GE(tree.seconds, 2 * S * (nodes - 1) / nodes / nics) << hw->name;
+    }
+  }
+  // Fewer of the group's devices on each node, fewer NICs: 2 a node over 4 nodes get 2 NICs.
+  GroupSpan two{8, 4, 2};
+  EXPECT_NEAR(collective_cost(a, Collective::reduce_scatter, S, two).seconds, 23e-6 + 3 * 4e-6 + S * 7 / 8 / 48e9, 1e-9);
+}
+
+// Hybrid shard by construction: the shard group (8 in a node) prices on NVLink, the replica
+// group (one rank a node) on one NIC, whatever the world; hand-computed on A100.
+TEST(Cost, HybridGroupsArePricedByWhereTheirRanksAre) {
+  const HardwareProfile a = preset("a100-80gb");
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  PlanConfig c;
+  c.strategy = Strategy::hybrid, c.world = 64, c.shard_group = 8;
+  const Plan p = plan::build_plan(desc, c);
+  const CostModel cost(desc, p, a, 1);
+  int shard = 0, replica = 0;
+  for (const auto& t : p.tasks) {
+    if (t.stream == plan::kCompute || t.op == Op::norm_reduce) continue;
+    const double S = static_cast<double>(t.bytes);
+    const Collective col = collective_of(t.op);
+    if (t.axes == p.shard_axes()) {
+      ++shard;
+      EXPECT_FALSE(cost.crosses_nodes(t));
+      const LinkCost& l = a.intra.of(col);
+      EXPECT_NEAR(cost.seconds(t) - 2.0 * t.copy_bytes / a.memory_bw, l.latency_s + S * bus_factor(col, 8) / l.bus_bw, 1e-12);
+    } else if (col == Collective::all_reduce && t.axes.size() == 1) {
+      ++replica;
+      const GroupSpan g = cost.span(t);
+      EXPECT_EQ(g.nodes, 8);
+      EXPECT_EQ(g.per_node, 1);
+      // Ring over 8 nodes on one 24 GB/s NIC each (a tree's 2S(N−1)/N on that NIC is no faster).
+      const double ring = 45e-6 + 2 * 7 * 4e-6 + S * 2 * 7 / 8 / 24e9;
+      EXPECT_NEAR(cost.seconds(t) - 2.0 * t.copy_bytes / a.memory_bw, std::min(ring, collective_cost(a, col, S, g, Algorithm::tree).seconds), 1e-12);
+      EXPECT_LE(cost.seconds(t) - 2.0 * t.copy_bytes / a.memory_bw, ring + 1e-12);
+    }
+  }
+  EXPECT_GT(shard, 0);
+  EXPECT_GT(replica, 0);
+}
+
+// All-to-all across nodes is bounded by each device's own share of the NICs: busBw ≈ that share ×
+// N/(N−1) (S. Jeaugey, nccl-tests issue 130); point-to-point across nodes is one device's share.
+TEST(Cost, AllToAllAndPointToPointUseADevicesShareOfTheNics) {
+  const HardwareProfile h = preset("h100-80gb");
+  const double S = 1 << 30, share = h.network.per_device_bw(8);
+  for (int nodes : {2, 4, 8}) {
+    const int n = 8 * nodes;
+    const CollectiveCost r = collective_cost(h, Collective::all_to_all, S, contiguous_span(n, 8));
+    EXPECT_EQ(r.algorithm, Algorithm::direct);
+    const double alpha = h.intra.of(Collective::all_to_all).latency_s * 7 + h.network.message_latency_s * (n - 8);
+    EXPECT_NEAR(r.seconds, alpha + S * (n - 8) / n / share, 1e-12);
+    const double bus = S * (n - 1) / n / (r.seconds - alpha);
+    EXPECT_NEAR(bus, share * nodes / (nodes - 1) * (n - 1) / n, 1e3);
+    EXPECT_GT(bus, share);
+    EXPECT_LT(bus, 8 * share);
+  }
+  EXPECT_DOUBLE_EQ(p2p_seconds(h, S, true), h.network.message_latency_s + S / share);
+  const LinkCost& in = h.intra.of(Collective::all_to_all);
+  EXPECT_DOUBLE_EQ(p2p_seconds(h, S, false), in.latency_s + S / in.bus_bw);
+}
+
+// The profile's network is one description: NICs or a flat inter_node tier, not both, each figure
+// in range, and a ring's intra busBw within the fabric's link.
+TEST(Hardware, NetworkAndFabricAreChecked) {
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  auto err = [](const nlohmann::json& doc) { return error_of([&] { parse_hardware(doc.dump(), "p.json"); }); };
+  auto both = j;
+  both["inter_node"] = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"))["inter_node"];
+  EXPECT_NE(err(both).find("p.json: inter_node: give either"), std::string::npos) << err(both);
+  auto eff = j;
+  eff["network"]["nic_efficiency"]["value"] = 1.5;
+  EXPECT_NE(err(eff).find("p.json: network.nic_efficiency.value: must be <= 1"), std::string::npos) << err(eff);
+  auto nics = j;
+  nics["network"]["nics_per_node"]["value"] = 2.5;
+  EXPECT_NE(err(nics).find("p.json: network.nics_per_node.value: must be a whole number"), std::string::npos);
+  auto missing = j;
+  missing["network"].erase("nic_bw");
+  EXPECT_NE(err(missing).find("p.json: network.nic_bw: missing"), std::string::npos) << err(missing);
+  auto fast = j;
+  fast["fabric"]["link_bw"]["value"] = 100e9;
+  EXPECT_NE(err(fast).find("p.json: intra_node.all_gather.bus_bw.value"), std::string::npos) << err(fast);
+  auto none = j;
+  none.erase("network");
+  EXPECT_NE(err(none).find("p.json: inter_node: missing"), std::string::npos) << err(none);
 }
 
 Plan small_plan(Strategy s, int world, int accum = 1) {
