@@ -333,6 +333,14 @@ int run(int argc, char** argv) {
   sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
   sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
   sim_cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
+  sim_cmd->add_option("--collective", sa.collective,
+                      "instead of a step: time, algbw and busbw of one collective per message size, as nccl-tests prints "
+                      "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware");
+  sim_cmd->add_option("--bytes", sa.bytes,
+                      "with --collective: a size (8, 64K, 1G: K/M/G are 1024-based) or a range MIN:MAX doubling "
+                      "(default 8:8G)");
+  sim_cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")
+      ->capture_default_str();
   add_model_options(sim_cmd, sa.cfg);
   add_plan_options(sim_cmd, sa.cfg);
 

@@ -12,6 +12,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu.h"
 #include "run/calibrate.h"
+#include "sim/cost.h"
 #include "sim/hardware.h"
 #include "sim/planner.h"
 #include "sim/simulator.h"
@@ -122,11 +123,102 @@ void print_predicted_and_measured(const sim::Candidate& best, const std::string&
              best.peak_bytes, mem);
 }
 
+// A message size: digits with an optional K, M or G (1024-based, as nccl-tests' -b/-e).
+int64_t parse_size(const std::string& text, const std::string& whole) {
+  const auto bad = [&] {
+    return std::invalid_argument("--bytes: '" + whole + "' is not a size (8, 64K, 1G) or a range MIN:MAX (8:8G)");
+  };
+  if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0]))) throw bad();
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    throw bad();
+  }
+  int shift = 0;
+  if (used + 1 == text.size()) {
+    const char u = static_cast<char>(std::toupper(static_cast<unsigned char>(text[used])));
+    shift = u == 'K' ? 10 : u == 'M' ? 20 : u == 'G' ? 30 : -1;
+    if (shift < 0) throw bad();
+  } else if (used != text.size()) {
+    throw bad();
+  }
+  // At most 1 TiB: a message beyond any device's memory is a typo.
+  if (v < 1 || v > (int64_t{1} << (40 - shift))) throw std::invalid_argument("--bytes: '" + whole + "' must be in [1, 1T] bytes");
+  return static_cast<int64_t>(v) << shift;
+}
+
+// `simulate --collective`: one collective over --ranks consecutive ranks (nodes of the profile's
+// devices_per_node), priced per message size as the simulator prices a plan's, printed as
+// nccl-tests prints its tables (size, time, algbw = S/t, busbw = algbw × factor(n)).
+void run_collective(const SimulateArgs& a) {
+  const std::string& name = a.collective;
+  sim::Collective c;
+  if (name == "all-reduce" || name == "all_reduce") c = sim::Collective::all_reduce;
+  else if (name == "all-gather" || name == "all_gather") c = sim::Collective::all_gather;
+  else if (name == "reduce-scatter" || name == "reduce_scatter") c = sim::Collective::reduce_scatter;
+  else if (name == "all-to-all" || name == "all_to_all") c = sim::Collective::all_to_all;
+  else throw std::invalid_argument("--collective: '" + name + "' is none of all-reduce, all-gather, reduce-scatter, all-to-all");
+  sim::Algorithm algo;
+  if (a.algo == "best") algo = sim::Algorithm::best;
+  else if (a.algo == "ring") algo = sim::Algorithm::ring;
+  else if (a.algo == "tree") algo = sim::Algorithm::tree;
+  else if (a.algo == "nvls") algo = sim::Algorithm::nvls;
+  else throw std::invalid_argument("--algo: '" + a.algo + "' is none of best, ring, tree, nvls");
+  int64_t lo = 8, hi = int64_t{8} << 30;
+  if (!a.bytes.empty()) {
+    const size_t colon = a.bytes.find(':');
+    lo = parse_size(a.bytes.substr(0, colon), a.bytes);
+    hi = colon == std::string::npos ? lo : parse_size(a.bytes.substr(colon + 1), a.bytes);
+    if (hi < lo) throw std::invalid_argument("--bytes: '" + a.bytes + "': MAX is below MIN");
+  }
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
+  sim::require_collectives(hw, a.ranks);
+  const sim::GroupSpan g = sim::contiguous_span(a.ranks, hw.devices_per_node);
+  const double factor = sim::bus_factor(c, a.ranks);
+  // An algorithm that does not apply is refused before anything is printed.
+  if (const sim::CollectiveCost r = sim::collective_cost(hw, c, static_cast<double>(lo), g, algo); !r.available)
+    throw std::invalid_argument("--algo " + a.algo + ": " +
+                                (r.algorithm == sim::Algorithm::nvls
+                                     ? "NVLS prices an all-reduce inside one whole node of a profile with fabric.nvls_all_reduce"
+                                     : "the tree prices an all-reduce across nodes of a profile with a network"));
+  nlohmann::json rows = nlohmann::json::array();
+  if (!a.json)
+    fmt::print("# {} over {} rank(s) of {}: {} node(s) x {} rank(s) a node ({} devices a node{}); algorithm: {}\n"
+               "# busbw = algbw x {:.4g} ({}); times in us, bandwidths in GB/s (1e9 bytes/s)\n"
+               "# {:>12}  {:>6}  {:>12}  {:>10}  {:>10}\n",
+               sim::to_string(c), a.ranks, hw.name, g.nodes, g.per_node, hw.devices_per_node,
+               hw.network.present ? fmt::format(", {} NICs of {:.4g} GB/s at {:.3g}", hw.network.nics_per_node,
+                                                hw.network.nic_bw / 1e9, hw.network.nic_efficiency)
+                                  : "",
+               a.algo, factor, c == sim::Collective::all_reduce ? "2(n-1)/n" : "(n-1)/n", "size", "algo", "time", "algbw",
+               "busbw");
+  for (int64_t S = lo; S <= hi; S *= 2) {
+    const sim::CollectiveCost r = sim::collective_cost(hw, c, static_cast<double>(S), g, algo);
+    const double algbw = r.seconds > 0 ? S / r.seconds : 0;
+    if (a.json)
+      rows.push_back({{"bytes", S}, {"algorithm", sim::to_string(r.algorithm)}, {"time_us", r.seconds * 1e6},
+                      {"algbw_gbs", algbw / 1e9}, {"busbw_gbs", algbw * factor / 1e9}});
+    else
+      fmt::print("  {:>12}  {:>6}  {:>12.2f}  {:>10.2f}  {:>10.2f}\n", S, sim::to_string(r.algorithm), r.seconds * 1e6,
+                 algbw / 1e9, algbw * factor / 1e9);
+    if (S > hi / 2) break;
+  }
+  if (a.json)
+    std::cout << nlohmann::json{{"collective", sim::to_string(c)}, {"ranks", a.ranks},      {"hardware", hw.name},
+                                {"nodes", g.nodes},                {"per_node", g.per_node}, {"rows", rows}}
+                     .dump()
+              << "\n";
+}
+
 }  // namespace
 
 // `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
 // the model is allocated, so shapes far beyond this machine simulate in milliseconds.
 void run_simulate(SimulateArgs& a) {
+  if (!a.collective.empty()) return run_collective(a);
+  if (!a.bytes.empty() || a.algo != "best") throw std::invalid_argument("--bytes and --algo go with --collective");
   a.cfg.data = "-";  // simulate reads no data
   a.cfg.validate();
   const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());

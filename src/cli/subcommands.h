@@ -41,6 +41,8 @@ struct SimulateArgs {
   std::string hardware = "cpu-local", trace;
   bool json = false;
   double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
+  // --collective: price one collective per message size the way nccl-tests reports it, instead of a step.
+  std::string collective, bytes, algo = "best";
 };
 void run_simulate(SimulateArgs& a);
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out);

@@ -258,3 +258,60 @@ TEST_F(Simulate, PlanRunTrainsTheBest) {
 }
 
 }  // namespace
+
+namespace {
+
+// `simulate --collective`: nccl-tests' table. busbw = algbw × 2(n−1)/n for all-reduce, (n−1)/n
+// for the others; the nodes a group spans are counted from the profile (8 devices a node); one
+// node prices on NVLink (A100 ~230 GB/s), two on the 8 NICs (8 × 24 = 192 GB/s), below the fabric.
+TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
+  struct Case {
+    const char* op;
+    int ranks;
+    double factor;
+  };
+  for (const Case k : {Case{"all-reduce", 8, 2.0 * 7 / 8}, Case{"all-gather", 16, 15.0 / 16},
+                       Case{"reduce-scatter", 24, 23.0 / 24}, Case{"all-to-all", 32, 31.0 / 32}}) {
+    const Result r = shardlm(std::string("simulate --hardware a100-80gb --json --collective ") + k.op +
+                             " --bytes 1K:1G --ranks " + std::to_string(k.ranks));
+    ASSERT_EQ(r.code, 0) << r.out;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["nodes"].get<int>(), (k.ranks + 7) / 8) << k.op;
+    EXPECT_EQ(j["per_node"].get<int>(), 8) << k.op;
+    const auto& rows = j["rows"];
+    ASSERT_EQ(rows.size(), 21u) << k.op;  // 1 KiB, 2 KiB, ..., 1 GiB
+    int64_t last = 512;
+    for (const auto& row : rows) {
+      EXPECT_EQ(row["bytes"].get<int64_t>(), 2 * last);
+      last = row["bytes"].get<int64_t>();
+      const double t = row["time_us"].get<double>() * 1e-6;
+      EXPECT_NEAR(row["algbw_gbs"].get<double>(), last / t / 1e9, 1e-9 * last / t);
+      EXPECT_NEAR(row["busbw_gbs"].get<double>(), row["algbw_gbs"].get<double>() * k.factor, 1e-9 * last / t);
+    }
+    const double big = rows.back()["busbw_gbs"].get<double>();
+    if (k.ranks == 8) EXPECT_NEAR(big, 230, 5) << k.op;
+    if (k.ranks == 16 || k.ranks == 24) EXPECT_NEAR(big, 192, 5) << k.op;
+    // All-to-all across 4 nodes: each GPU's own NIC, 24 GB/s × 4/3 (nccl-tests issue 130).
+    if (k.ranks == 32) EXPECT_NEAR(big, 24.0 * 4 / 3 * 31 / 32, 1) << k.op;
+  }
+  // The human table: a header naming the span, one row per size, 8 B to 8 GiB by default.
+  const Result human = shardlm("simulate --hardware h100-80gb --collective all-reduce --ranks 8");
+  ASSERT_EQ(human.code, 0) << human.out;
+  EXPECT_NE(human.out.find("1 node(s) x 8 rank(s) a node"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("nvls"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find(" 8589934592 "), std::string::npos) << human.out;
+  EXPECT_EQ(std::count(human.out.begin(), human.out.end(), '\n'), 3 + 31);
+}
+
+TEST(SimulateCollective, BadInputIsOneLine) {
+  const std::string base = "simulate --hardware a100-80gb --ranks 16 ";
+  expect_one_line_error(shardlm(base + "--collective broadcast"), {"--collective", "broadcast", "all-reduce"});
+  expect_one_line_error(shardlm(base + "--collective all-reduce --bytes 12X"), {"--bytes", "12X"});
+  expect_one_line_error(shardlm(base + "--collective all-reduce --bytes 1G:1K"), {"--bytes", "MAX is below MIN"});
+  expect_one_line_error(shardlm(base + "--collective all-reduce --bytes 0"), {"--bytes", "must be in"});
+  expect_one_line_error(shardlm(base + "--collective all-gather --algo tree"), {"--algo tree", "all-reduce"});
+  expect_one_line_error(shardlm(base + "--collective all-reduce --algo fast"), {"--algo", "fast"});
+  expect_one_line_error(shardlm("simulate --model tiny --bytes 8"), {"--bytes", "--collective"});
+}
+
+}  // namespace
