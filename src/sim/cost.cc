@@ -174,6 +174,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     oversubscription_ = std::max(1.0, static_cast<double>(busy) / hw.cores_per_node);
   }
   rate_ = peak_ * hw.gemm_efficiency;
+  attention_rate_ = peak_ * hw.attention_efficiency;
   for (const plan::Task& t : plan.tasks) {
     if (t.stream == plan::kCompute) continue;
     bool known = false;
@@ -186,6 +187,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   for (size_t u = 0; u < desc.units.size(); ++u) {
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);
+    if (hw.attention_efficiency > 0 && hw.attention_rates.empty()) attention_.push_back(c.attention_flops);
     stage_share_.push_back(c.stage_share);
     stage_load_.push_back(c.stage_load);
     exchange_bytes_.emplace_back();
@@ -254,19 +256,32 @@ double CostModel::compute_seconds(const plan::Task& t) const {
       default: break;
     }
   }
+  // The blocks' attention at its own efficiency: forward once, backward twice, recomputed under full recompute.
+  double attention_flops = 0;
+  if (!attention_.empty() && t.unit >= 0) {
+    const double a = attention_[t.unit];
+    switch (work) {
+      case OpWork::unit_fwd: attention_flops = a; break;
+      case OpWork::unit_fwd_bwd: attention_flops = 3 * a; break;
+      case OpWork::unit_bwd: attention_flops = 2 * a; break;
+      case OpWork::unit_rebuild: attention_flops = plan_.config.recompute == model::Recompute::full ? a : 0; break;
+      default: break;
+    }
+  }
   // One stage of a staged unit's pass does its share of the unit's work (t.flops is already its own),
   // and the busiest rank `load` times that (the plan's figures are balanced).
   double load = 1;
   if (t.stage >= 0 && t.unit >= 0 && !stage_share_[t.unit].empty()) {
     const double share = stage_share_[t.unit][t.stage];
-    pointwise *= share, gemm_flops *= share, gemm_s *= share;
+    pointwise *= share, gemm_flops *= share, gemm_s *= share, attention_flops *= share;
     if (!stage_load_[t.unit].empty()) load = stage_load_[t.unit][t.stage];
   }
   // Gradient buffers start at zero: the task that allocates them writes each byte once.
   for (int b : t.allocs)
     if (plan_.buffers[b].role == plan::Role::full_grads) bytes += static_cast<double>(plan_.buffers[b].bytes);
   // FLOP / (FLOP/s) + B / (B/s)
-  const double unit_work = (t.flops - gemm_flops) / rate_ + gemm_s + pointwise / pointwise_bw_;
+  const double attention_s = attention_flops > 0 ? attention_flops / attention_rate_ : 0;
+  const double unit_work = (t.flops - gemm_flops - attention_flops) / rate_ + gemm_s + attention_s + pointwise / pointwise_bw_;
   return (load * unit_work + bytes / hw_.memory_bw) * oversubscription_;
 }
 

@@ -94,6 +94,10 @@ class CostModel {
   double peak_ = 0, rate_ = 0, pointwise_bw_ = 0;
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
+  // Per unit: the forward's attention FLOPs, priced at attention_rate_ where the profile gives an
+  // attention_efficiency and no measured attention rates (else empty).
+  std::vector<double> attention_;
+  double attention_rate_ = 0;
   std::vector<std::vector<double>> stage_share_;  // per unit: each stage's share of its work (model::UnitCosts)
   std::vector<std::vector<double>> stage_load_;   // per unit: the busiest rank's work per stage over its share
   // Per unit, forward [0] and backward [1]: each exchange's bytes at the busiest rank.

@@ -242,6 +242,10 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   h.fp32_peak_flops = figure(j, "fp32_peak_flops", "", origin);
   h.gemm_efficiency = figure(j, "gemm_efficiency", "", origin);
   if (h.gemm_efficiency > 1) throw bad(origin, "gemm_efficiency.value", "must be <= 1 (a fraction of peak_flops)");
+  if (j.contains("attention_efficiency")) {
+    h.attention_efficiency = figure(j, "attention_efficiency", "", origin);
+    if (h.attention_efficiency > 1) throw bad(origin, "attention_efficiency.value", "must be <= 1 (a fraction of peak_flops)");
+  }
   h.memory_bw = figure(j, "memory_bw", "", origin);
   if (j.contains("pointwise_bw")) h.pointwise_bw = figure(j, "pointwise_bw", "", origin);
   const double dpn = figure(j, "devices_per_node", "", origin);

@@ -87,6 +87,10 @@ struct HardwareProfile {
   double peak_flops = 0;           // dense peak in compute_dtype, FLOP/s (the MFU denominator)
   double fp32_peak_flops = 0;      // FP32 peak (non-tensor-core on GPUs), FLOP/s
   double gemm_efficiency = 1;      // achieved GEMM FLOP/s ÷ peak_flops
+  // Optional: achieved FLOP/s of the blocks' attention kernels ÷ peak_flops (a GPU's fused flash
+  // attention reaches less of the peak than its GEMMs). 0: gemm_efficiency. Measured
+  // attention_rates take precedence.
+  double attention_efficiency = 0;
   double memory_bw = 0;            // streaming bandwidth (optimizer, gradient zeroing and norm, copies), bytes/s
   // Optional: bytes/s of the units' pointwise kernels as the model counts their bytes (per thread
   // on a per_thread profile: norms and activations are partly compute-bound and cache-resident).

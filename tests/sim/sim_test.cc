@@ -367,6 +367,37 @@ TEST(Cost, ZeroFilledGradientsAreWrittenOnce) {
 // With measured rates a block's time is its weight GEMMs at the nearest measured shape's rate,
 // its attention at the attention rate and its pointwise bytes at pointwise_bw (per thread on a
 // CPU profile); a thread count not measured scales the nearest linearly.
+// A profile's attention_efficiency prices the blocks' attention FLOPs at that fraction of the
+// peak (forward once, backward twice), the rest at the GEMM efficiency; without it, all alike.
+TEST(Cost, AttentionHasItsOwnEfficiency) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
+  HardwareProfile hw = preset("h100-80gb");
+  ASSERT_DOUBLE_EQ(hw.attention_efficiency, 0.35);
+  PlanConfig c;
+  c.batch = 4, c.seq = 1024, c.world = 8;
+  const Plan p = plan::build_plan(desc, c);
+  const int block = 1;
+  const model::UnitCosts k = desc.costs(block, p.unit_shape(4, 1));
+  ASSERT_GT(k.attention_flops, 0);
+  HardwareProfile plain = hw;
+  plain.attention_efficiency = 0;
+  const CostModel with(desc, p, hw, 1), without(desc, p, plain, 1);
+  const double extra = k.attention_flops / (989e12 * 0.35) - k.attention_flops / (989e12 * 0.807);
+  int checked = 0;
+  for (const auto& t : p.tasks)
+    if (t.unit == block && (t.op == Op::forward || t.op == Op::backward)) {
+      const double times = t.op == Op::forward ? 1 : 2;
+      EXPECT_NEAR(with.seconds(t) - without.seconds(t), times * extra,
+                  1e-12) << t.name();
+      ++checked;
+    }
+  EXPECT_EQ(checked, 2);
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  j["attention_efficiency"]["value"] = 1.2;
+  const std::string e = error_of([&] { parse_hardware(j.dump(), "p.json"); });
+  EXPECT_NE(e.find("p.json: attention_efficiency.value: must be <= 1"), std::string::npos) << e;
+}
+
 TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   HardwareProfile hw = preset("cpu-local");
