@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Published FSDP-style training runs as `shardlm simulate` configurations: predicted against
+published throughput (tokens/s per GPU), one markdown row each (issue 22, docs/CLUSTER.md).
+
+  /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm]
+
+Each configuration is what the source states (model shape, GPUs, local batch, sequence length,
+sharding, activation checkpointing; bf16 parameters and reductions, as these runs' mixed
+precision does). Nothing is adjusted per row: every row uses the unchanged preset. What the
+sources leave open is taken as written in the NOTES column.
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+BF16 = ["--param-dtype", "bf16", "--reduce-dtype", "bf16"]
+# MosaicML MPT shapes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP x4, vocab
+# 50368, no biases, ALiBi; shardlm's GPT-2 family is the nearest (it has biases and learned
+# positions: < 0.1% of the FLOPs at these sizes).
+MPT7 = ["--model", "gpt2-124m", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--max-seq", "2048",
+        "--vocab", "50368", "--seq", "2048"]
+MPT13 = ["--model", "gpt2-124m", "--n-layer", "40", "--n-embd", "5120", "--n-head", "40", "--max-seq", "2048",
+         "--vocab", "50368", "--seq", "2048"]
+IBM = "IBM fms-fsdp README, training throughput table"
+TITAN_A = "torchtitan docs/performance.md (64 A100-80GB)"
+TITAN_H = "torchtitan paper arXiv 2410.06511 / docs/performance.md"
+MOSAIC = "llm-foundry scripts/train/benchmarking/README.md"
+
+RUNS = [
+    # (label, published tok/s/GPU, source, notes, flags)
+    ("fms-fsdp Llama2-7B, 128 A100, HSDP, bs 2", 3650, IBM, "HSDP group taken as a node (8); seq 4096 (Llama 2)",
+     ["--model", "llama2-7b", "--hardware", "a100-80gb", "--ranks", "128", "--strategy", "hybrid", "--shard-group", "8",
+      "--batch", "2", "--seq", "4096"]),
+    ("fms-fsdp Llama2-7B, 96 H100, HSDP, bs 2", 7500, IBM, "as above",
+     ["--model", "llama2-7b", "--hardware", "h100-80gb", "--ranks", "96", "--strategy", "hybrid", "--shard-group", "8",
+      "--batch", "2", "--seq", "4096"]),
+    ("fms-fsdp Llama2-13B, 128 A100, FSDP, selective AC", 1800, IBM, "selective AC: shardlm's selective recompute",
+     ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "2", "--seq", "4096",
+      "--recompute", "selective"]),
+    ("fms-fsdp Llama2-13B, 96 H100, FSDP, selective AC", 3800, IBM, "as above",
+     ["--model", "llama2-13b", "--hardware", "h100-80gb", "--ranks", "96", "--batch", "2", "--seq", "4096",
+      "--recompute", "selective"]),
+    ("fms-fsdp Llama2-70B, 128 A100, FSDP, full AC", 370, IBM, "",
+     ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "2", "--seq", "4096",
+      "--recompute", "full"]),
+    ("fms-fsdp Llama2-70B, 96 H100, FSDP, full AC", 800, IBM, "",
+     ["--model", "llama2-70b", "--hardware", "h100-80gb", "--ranks", "96", "--batch", "2", "--seq", "4096",
+      "--recompute", "full"]),
+    ("torchtitan Llama3-8B, 64 A100, FSDP2, selective AC, bs 1", 2904, TITAN_A, "seq 8192 (llama3_8b.toml)",
+     ["--model", "llama3-8b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "1", "--seq", "8192",
+      "--recompute", "selective"]),
+    ("torchtitan Llama2-13B, 64 A100, FSDP2, no AC, bs 2", 2162, TITAN_A, "",
+     ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096"]),
+    ("torchtitan Llama2-70B, 64 A100, FSDP2, full AC, bs 2", 353, TITAN_A, "",
+     ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096",
+      "--recompute", "full"]),
+    ("torchtitan Llama3.1-8B, 8 H100, FSDP2, selective AC, bs 2, eager", 5762, TITAN_H,
+     "their H100s: 96 GB HBM2e, 2.4 TB/s, 500 W cap (the preset: SXM 80 GB HBM3, 700 W)",
+     ["--model", "llama3-8b", "--hardware", "h100-80gb", "--ranks", "8", "--batch", "2", "--seq", "8192",
+      "--recompute", "selective"]),
+    ("torchtitan Llama3.1-8B, 128 H100, FSDP2, selective AC, bs 2, eager", 5605, TITAN_H, "as above",
+     ["--model", "llama3-8b", "--hardware", "h100-80gb", "--ranks", "128", "--batch", "2", "--seq", "8192",
+      "--recompute", "selective"]),
+    ("MPT-7B, 8 H100, FULL_SHARD, mb 6", 10643, MOSAIC, "MPT shape as GPT-2 family", MPT7 +
+     ["--hardware", "h100-80gb", "--ranks", "8", "--batch", "6"]),
+    ("MPT-13B, 8 H100, FULL_SHARD, mb 2", 4792, MOSAIC, "", MPT13 + ["--hardware", "h100-80gb", "--ranks", "8", "--batch", "2"]),
+    ("MPT-13B, 64 H100, FULL_SHARD, mb 2", 4800, MOSAIC, "", MPT13 + ["--hardware", "h100-80gb", "--ranks", "64", "--batch", "2"]),
+    ("MPT-7B, 8 A100, FULL_SHARD, mb 6, grad-acc 2", 4641, MOSAIC, "shardlm's memory model says 88 GiB: does not fit 80",
+     MPT7 + ["--hardware", "a100-80gb", "--ranks", "8", "--batch", "6", "--grad-accum", "2"]),
+    ("MPT-13B, 8 A100, FULL_SHARD, mb 2, grad-acc 3", 2262, MOSAIC, "shardlm's memory model: 101 GiB, does not fit 80",
+     MPT13 + ["--hardware", "a100-80gb", "--ranks", "8", "--batch", "2", "--grad-accum", "3"]),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shardlm", default="build/shardlm")
+    a = ap.parse_args()
+    print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    for label, published, source, notes, flags in RUNS:
+        cmd = [a.shardlm, "simulate", "--json"] + flags + BF16
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"{' '.join(cmd)}: {out.stdout}{out.stderr}")
+        j = json.loads(out.stdout)
+        per_gpu = j["tokens_per_s"] / j["ranks"]
+        err = 100 * (per_gpu - published) / published
+        exposed = 100 * j["comm_exposed_ms"] / j["step_ms"]
+        print(f"| {label} | {published} | {per_gpu:.0f} | {err:+.1f}% | {100 * j['mfu']:.1f}% | {exposed:.1f}% of the step "
+              f"| {source} | {notes} |")
+
+
+if __name__ == "__main__":
+    main()
