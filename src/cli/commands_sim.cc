@@ -13,6 +13,7 @@
 #include "kernels/cpu.h"
 #include "run/calibrate.h"
 #include "sim/cost.h"
+#include "sim/goodput.h"
 #include "sim/hardware.h"
 #include "sim/planner.h"
 #include "sim/simulator.h"
@@ -212,6 +213,38 @@ void run_collective(const SimulateArgs& a) {
               << "\n";
 }
 
+// Goodput under failures for a simulated step: the checkpoint is what shardlm writes (each kind of
+// state once, by the ranks of the first replica of the shard group), at the profile's storage
+// bandwidth per writing node; a snapshot copies each rank's state and its partner's across the
+// device's host link.
+sim::Goodput goodput_of(const SimulateArgs& a, const plan::Plan& plan, const sim::HardwareProfile& hw, double step_ms,
+                        int64_t* checkpoint_bytes, int* writer_nodes) {
+  const double storage = a.storage_gbs > 0 ? a.storage_gbs * 1e9 : hw.storage_bw;
+  if (storage <= 0)
+    throw std::invalid_argument("hardware profile " + hw.origin +
+                                ": storage_bw: missing (--mtbf-hours prices checkpoints at it; or give --storage-gbs)");
+  const int dpn = std::max(1, hw.devices_per_node);
+  const int64_t state = plan.static_memory.params + plan.static_memory.optimizer;  // one rank's
+  *checkpoint_bytes = state * plan.shard_size;
+  *writer_nodes = (plan.shard_size + dpn - 1) / dpn;
+  sim::GoodputInput in;
+  in.step_s = step_ms * 1e-3;
+  in.nodes = (a.ranks + dpn - 1) / dpn;
+  in.mtbf_hours = a.mtbf_hours;
+  in.checkpoint_s = static_cast<double>(*checkpoint_bytes) / (*writer_nodes * storage);
+  in.checkpoint_read_s = in.checkpoint_s;
+  in.snapshot_s = 2.0 * static_cast<double>(state) / (hw.host_link_bw > 0 ? hw.host_link_bw : hw.memory_bw);
+  in.snapshot_survives = a.snapshot_survives;
+  in.restart_s = a.restart_s;
+  return sim::goodput(in);
+}
+
+nlohmann::json level_json(const sim::GoodputLevel& l) {
+  return {{"every_steps", l.every_steps}, {"interval_s", l.interval_s}, {"save_s", l.save_s},
+          {"restart_s", l.restart_s},     {"young_s", l.young_s},       {"failures_per_hour", l.rate * 3600},
+          {"kept", l.kept}};
+}
+
 }  // namespace
 
 // `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
@@ -230,6 +263,10 @@ void run_simulate(SimulateArgs& a) {
   const bool moe = desc.config.family == model::Family::moe;
   if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
   const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
+  sim::Goodput gp;
+  int64_t ckpt_bytes = 0;
+  int writers = 0;
+  if (a.mtbf_hours > 0) gp = goodput_of(a, plan, hw, r.step_ms, &ckpt_bytes, &writers);
   if (a.json) {
     nlohmann::json j{{"model", a.cfg.model},       {"strategy", plan::to_string(plan.config.strategy)},
                      {"ranks", a.ranks},           {"hardware", hw.name},
@@ -244,6 +281,10 @@ void run_simulate(SimulateArgs& a) {
       j["exchange_busy_ms"] = r.exchange_busy_ms;
       j["exchange_exposed_ms"] = r.exchange_exposed_ms;
     }
+    if (a.mtbf_hours > 0)
+      j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", a.mtbf_hours},
+                      {"checkpoint_bytes", ckpt_bytes},     {"checkpoint", level_json(gp.checkpoint)},
+                      {"snapshot", level_json(gp.snapshot)}, {"tokens_per_s", r.tokens_per_s * gp.fraction}};
     std::cout << j.dump() << "\n";
     return;
   }
@@ -262,6 +303,24 @@ void run_simulate(SimulateArgs& a) {
                  r.exchange_exposed_ms * pct, expert_load_note(a.moe_imbalance));
     else
       fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
+  }
+  if (a.mtbf_hours > 0) {
+    const int nodes = (a.ranks + std::max(1, hw.devices_per_node) - 1) / std::max(1, hw.devices_per_node);
+    fmt::print("goodput under failures: {:.2f}% of wall time on counted steps, {:.0f} tokens/s ({} node(s) at MTBF {:.4g} h "
+               "each: a failure every {:.3g} h; restart {:.4g} s)\n",
+               100 * gp.fraction, r.tokens_per_s * gp.fraction, nodes, a.mtbf_hours, a.mtbf_hours / nodes, a.restart_s);
+    const sim::GoodputLevel& c = gp.checkpoint;
+    fmt::print("  disk checkpoint: {:.3g} s each ({:.4g} GB over {} writing node(s)), every {} steps ({:.4g} s; Young "
+               "sqrt(2C/rate) {:.4g} s), {:.4g} failures/h fall back to it, keeps {:.2f}%\n",
+               c.save_s, ckpt_bytes / 1e9, writers, c.every_steps, c.interval_s, c.young_s, c.rate * 3600, 100 * c.kept);
+    const sim::GoodputLevel& s = gp.snapshot;
+    if (s.every_steps > 0)
+      fmt::print("  in-memory snapshot: {:.3g} s each, every {} steps ({:.4g} s; Young {:.4g} s), recovers {:.4g} "
+                 "failures/h ({:.0f}%), keeps {:.2f}%\n",
+                 s.save_s, s.every_steps, s.interval_s, s.young_s, s.rate * 3600, 100 * a.snapshot_survives, 100 * s.kept);
+    else
+      fmt::print("  in-memory snapshots: none ({})\n", a.snapshot_survives > 0 ? "they would cost more than the work they save"
+                                                                               : "--snapshot-survives 0");
   }
   fmt::print("memory per rank at peak (bytes):\n");
   for (int c = 0; c < kNumMemCategories; ++c)

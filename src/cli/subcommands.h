@@ -43,6 +43,8 @@ struct SimulateArgs {
   double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
   // --collective: price one collective per message size the way nccl-tests reports it, instead of a step.
   std::string collective, bytes, algo = "best";
+  // Goodput under failures (--mtbf-hours > 0 turns it on).
+  double mtbf_hours = 0, restart_s = 300, snapshot_survives = 0.15, storage_gbs = 0;
 };
 void run_simulate(SimulateArgs& a);
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out);

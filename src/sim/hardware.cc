@@ -248,6 +248,8 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   }
   h.memory_bw = figure(j, "memory_bw", "", origin);
   if (j.contains("pointwise_bw")) h.pointwise_bw = figure(j, "pointwise_bw", "", origin);
+  if (j.contains("storage_bw")) h.storage_bw = figure(j, "storage_bw", "", origin);
+  if (j.contains("host_link_bw")) h.host_link_bw = figure(j, "host_link_bw", "", origin);
   const double dpn = figure(j, "devices_per_node", "", origin);
   if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");
   h.devices_per_node = static_cast<int>(dpn);

@@ -97,6 +97,11 @@ struct HardwareProfile {
   // 0: memory_bw.
   double pointwise_bw = 0;
   int devices_per_node = 1;
+  // Optional, for goodput under failures: bytes/s one node writes to (and reads from) the
+  // checkpoint storage (0: not given), and one device's link to host memory, per direction, which
+  // an in-memory snapshot crosses (0: memory_bw, as on a CPU whose state is in host memory).
+  double storage_bw = 0;
+  double host_link_bw = 0;
   // CPU (per_thread) profiles, optional: cores the ranks of a node share. More compute threads
   // than cores (ranks on the node × --threads) time-slice them: each rank's compute slows by
   // that oversubscription. 0: not given, no slowdown.

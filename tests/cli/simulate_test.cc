@@ -315,3 +315,34 @@ TEST(SimulateCollective, BadInputIsOneLine) {
 }
 
 }  // namespace
+
+namespace {
+
+// `simulate --mtbf-hours`: the goodput report, human and JSON, its intervals in whole steps;
+// a profile without storage figures needs --storage-gbs, said in one line.
+TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
+  const std::string run = "simulate --model llama2-7b --ranks 1024 --hardware h100-80gb --batch 2 --seq 4096 "
+                          "--param-dtype bf16 --reduce-dtype bf16 --mtbf-hours 6300 ";
+  const Result r = shardlm(run + "--json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json j = json::parse(r.out);
+  const json& g = j["goodput"];
+  EXPECT_GT(g["fraction"].get<double>(), 0.9);
+  EXPECT_LT(g["fraction"].get<double>(), 1);
+  EXPECT_NEAR(g["tokens_per_s"].get<double>(), j["tokens_per_s"].get<double>() * g["fraction"].get<double>(), 1);
+  const json& c = g["checkpoint"];
+  EXPECT_NEAR(c["interval_s"].get<double>(), c["every_steps"].get<double>() * j["step_ms"].get<double>() * 1e-3, 1e-6);
+  // 128 nodes at 6300 h: a failure every 49 h, 85% of them (not recovered by a snapshot) to disk.
+  EXPECT_NEAR(c["failures_per_hour"].get<double>(), 128 / 6300.0 * 0.85, 1e-9);
+  EXPECT_NEAR(c["interval_s"].get<double>(), c["young_s"].get<double>(), 0.05 * c["young_s"].get<double>());
+  const Result human = shardlm(run);
+  ASSERT_EQ(human.code, 0) << human.out;
+  for (const char* s : {"goodput under failures:", "disk checkpoint:", "Young", "in-memory snapshot"})
+    EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
+  expect_one_line_error(shardlm("simulate --model tiny --ranks 2 --mtbf-hours 100"), {"storage_bw", "--storage-gbs"});
+  const Result cpu = shardlm("simulate --model tiny --ranks 2 --mtbf-hours 100 --storage-gbs 0.5 --json");
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  EXPECT_GT(json::parse(cpu.out)["goodput"]["fraction"].get<double>(), 0);
+}
+
+}  // namespace
