@@ -169,6 +169,26 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                 "in a background thread while training goes on");
 }
 
+// Goodput under failures (simulate, plan).
+void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
+  cmd->add_option("--mtbf-hours", g.mtbf_hours,
+                      "goodput under failures: mean time between failures of one node, hours (a run of N nodes fails N times "
+                      "as often); prints the expected share of time on counted steps and the best checkpoint and snapshot intervals")
+      ->check(at_least(0));
+  cmd->add_option("--restart-s", g.restart_s,
+                      "with --mtbf-hours: seconds to relaunch the job after a failure, before reading its state back")
+      ->check(at_least(0))
+      ->capture_default_str();
+  cmd->add_option("--snapshot-survives", g.snapshot_survives,
+                      "with --mtbf-hours: fraction of failures an in-memory snapshot recovers from (the node survives); "
+                      "default 0.15: Llama 3's software bugs, NCCL timeouts and dependency failures, 63 of its 419 (0: no snapshots)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_option("--storage-gbs", g.storage_gbs,
+                      "with --mtbf-hours: GB/s one node writes checkpoints at (default: the profile's storage_bw)")
+      ->check(at_least(0));
+}
+
 // In-memory snapshots (train, and explain for their memory).
 void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")
@@ -339,22 +359,7 @@ int run(int argc, char** argv) {
   sim_cmd->add_option("--bytes", sa.bytes,
                       "with --collective: a size (8, 64K, 1G: K/M/G are 1024-based) or a range MIN:MAX doubling "
                       "(default 8:8G)");
-  sim_cmd->add_option("--mtbf-hours", sa.mtbf_hours,
-                      "goodput under failures: mean time between failures of one node, hours (a run of N nodes fails N times "
-                      "as often); prints the expected share of time on counted steps and the best checkpoint and snapshot intervals")
-      ->check(at_least(0));
-  sim_cmd->add_option("--restart-s", sa.restart_s,
-                      "with --mtbf-hours: seconds to relaunch the job after a failure, before reading its state back")
-      ->check(at_least(0))
-      ->capture_default_str();
-  sim_cmd->add_option("--snapshot-survives", sa.snapshot_survives,
-                      "with --mtbf-hours: fraction of failures an in-memory snapshot recovers from (the node survives); "
-                      "default 0.15: Llama 3's software bugs, NCCL timeouts and dependency failures, 63 of its 419 (0: no snapshots)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->capture_default_str();
-  sim_cmd->add_option("--storage-gbs", sa.storage_gbs,
-                      "with --mtbf-hours: GB/s one node writes checkpoints at (default: the profile's storage_bw)")
-      ->check(at_least(0));
+  add_goodput_options(sim_cmd, sa.goodput);
   sim_cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")
       ->capture_default_str();
   add_model_options(sim_cmd, sa.cfg);
@@ -392,6 +397,7 @@ int run(int argc, char** argv) {
       ->check(bounded(0, true, 1e18));
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
   plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
+  add_goodput_options(plan_cmd, pa.goodput);
   plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
   plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
   plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();

@@ -47,6 +47,38 @@ nlohmann::json mem_json(const MemSnapshot& s) {
 }
 
 // `plan`: the planner's ranked table of the configurations that fit (printed when `talk`).
+// Goodput under failures for a simulated step: the checkpoint is what shardlm writes (each kind of
+// state once, by the ranks of the first replica of the shard group), at the profile's storage
+// bandwidth per writing node; a snapshot copies each rank's state and its partner's across the
+// device's host link.
+sim::Goodput goodput_of(const GoodputFlags& a, int ranks, const plan::Plan& plan, const sim::HardwareProfile& hw,
+                        double step_ms, int64_t* checkpoint_bytes, int* writer_nodes) {
+  const double storage = a.storage_gbs > 0 ? a.storage_gbs * 1e9 : hw.storage_bw;
+  if (storage <= 0)
+    throw std::invalid_argument("hardware profile " + hw.origin +
+                                ": storage_bw: missing (--mtbf-hours prices checkpoints at it; or give --storage-gbs)");
+  const int dpn = std::max(1, hw.devices_per_node);
+  const int64_t state = plan.static_memory.params + plan.static_memory.optimizer;  // one rank's
+  *checkpoint_bytes = state * plan.shard_size;
+  *writer_nodes = (plan.shard_size + dpn - 1) / dpn;
+  sim::GoodputInput in;
+  in.step_s = step_ms * 1e-3;
+  in.nodes = (ranks + dpn - 1) / dpn;
+  in.mtbf_hours = a.mtbf_hours;
+  in.checkpoint_s = static_cast<double>(*checkpoint_bytes) / (*writer_nodes * storage);
+  in.checkpoint_read_s = in.checkpoint_s;
+  in.snapshot_s = 2.0 * static_cast<double>(state) / (hw.host_link_bw > 0 ? hw.host_link_bw : hw.memory_bw);
+  in.snapshot_survives = a.snapshot_survives;
+  in.restart_s = a.restart_s;
+  return sim::goodput(in);
+}
+
+nlohmann::json level_json(const sim::GoodputLevel& l) {
+  return {{"every_steps", l.every_steps}, {"interval_s", l.interval_s}, {"save_s", l.save_s},
+          {"restart_s", l.restart_s},     {"young_s", l.young_s},       {"failures_per_hour", l.rate * 3600},
+          {"kept", l.kept}};
+}
+
 sim::PlanSearch search_and_print(PlanArgs& a) {
   a.cfg.data = "-";
   a.cfg.validate();
@@ -61,7 +93,28 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   // instead of mapping and unmapping them each time (a third of the search's time otherwise).
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  const sim::PlanSearch s = sim::search_plans(desc, train::plan_config(a.cfg, a.ranks), hw, q);
+  sim::PlanSearch s = sim::search_plans(desc, train::plan_config(a.cfg, a.ranks), hw, q);
+  // Under failures the ranking is by tokens/s × goodput: a configuration holding more state per
+  // rank pays more for its checkpoints and snapshots.
+  std::vector<double> kept(s.fitting.size(), 1);
+  const bool failures = a.goodput.mtbf_hours > 0;
+  if (failures) {
+    for (size_t i = 0; i < s.fitting.size(); ++i) {
+      const plan::Plan p = plan::build_plan(desc, sim::for_hardware(s.fitting[i].config, hw));
+      int64_t bytes = 0;
+      int writers = 0;
+      kept[i] = goodput_of(a.goodput, a.ranks, p, hw, s.fitting[i].step_ms, &bytes, &writers).fraction;
+    }
+    std::vector<size_t> order(s.fitting.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      return s.fitting[x].tokens_per_s * kept[x] > s.fitting[y].tokens_per_s * kept[y];
+    });
+    std::vector<sim::Candidate> sorted;
+    std::vector<double> sorted_kept;
+    for (size_t i : order) sorted.push_back(s.fitting[i]), sorted_kept.push_back(kept[i]);
+    s.fitting = std::move(sorted), kept = std::move(sorted_kept);
+  }
   if (!a.talk) return s;
   if (s.fitting.empty())
     throw std::runtime_error(fmt::format("plan: no configuration of {} on {} rank(s) fits {} bytes per rank; the smallest of {} "
@@ -76,11 +129,17 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   if (desc.config.family == model::Family::moe)
     fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
                desc.config.n_experts, a.ranks, expert_load_note(a.moe_imbalance));
-  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "flags");
+  if (failures)
+    fmt::print("ranked by tokens/s x goodput under failures (MTBF {:.4g} h a node, restart {:.4g} s; simulate --mtbf-hours "
+               "prints the intervals)\n",
+               a.goodput.mtbf_hours, a.goodput.restart_s);
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB",
+             failures ? fmt::format("  {:>8}  {:>12}", "goodput", "good tok/s") : "", "flags");
   for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
     const sim::Candidate& c = s.fitting[i];
-    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
-               c.peak_bytes / 1073741824.0, c.flags);
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
+               c.peak_bytes / 1073741824.0,
+               failures ? fmt::format("  {:>7.2f}%  {:>12.0f}", 100 * kept[i], c.tokens_per_s * kept[i]) : "", c.flags);
   }
   return s;
 }
@@ -213,38 +272,6 @@ void run_collective(const SimulateArgs& a) {
               << "\n";
 }
 
-// Goodput under failures for a simulated step: the checkpoint is what shardlm writes (each kind of
-// state once, by the ranks of the first replica of the shard group), at the profile's storage
-// bandwidth per writing node; a snapshot copies each rank's state and its partner's across the
-// device's host link.
-sim::Goodput goodput_of(const SimulateArgs& a, const plan::Plan& plan, const sim::HardwareProfile& hw, double step_ms,
-                        int64_t* checkpoint_bytes, int* writer_nodes) {
-  const double storage = a.storage_gbs > 0 ? a.storage_gbs * 1e9 : hw.storage_bw;
-  if (storage <= 0)
-    throw std::invalid_argument("hardware profile " + hw.origin +
-                                ": storage_bw: missing (--mtbf-hours prices checkpoints at it; or give --storage-gbs)");
-  const int dpn = std::max(1, hw.devices_per_node);
-  const int64_t state = plan.static_memory.params + plan.static_memory.optimizer;  // one rank's
-  *checkpoint_bytes = state * plan.shard_size;
-  *writer_nodes = (plan.shard_size + dpn - 1) / dpn;
-  sim::GoodputInput in;
-  in.step_s = step_ms * 1e-3;
-  in.nodes = (a.ranks + dpn - 1) / dpn;
-  in.mtbf_hours = a.mtbf_hours;
-  in.checkpoint_s = static_cast<double>(*checkpoint_bytes) / (*writer_nodes * storage);
-  in.checkpoint_read_s = in.checkpoint_s;
-  in.snapshot_s = 2.0 * static_cast<double>(state) / (hw.host_link_bw > 0 ? hw.host_link_bw : hw.memory_bw);
-  in.snapshot_survives = a.snapshot_survives;
-  in.restart_s = a.restart_s;
-  return sim::goodput(in);
-}
-
-nlohmann::json level_json(const sim::GoodputLevel& l) {
-  return {{"every_steps", l.every_steps}, {"interval_s", l.interval_s}, {"save_s", l.save_s},
-          {"restart_s", l.restart_s},     {"young_s", l.young_s},       {"failures_per_hour", l.rate * 3600},
-          {"kept", l.kept}};
-}
-
 }  // namespace
 
 // `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
@@ -266,7 +293,8 @@ void run_simulate(SimulateArgs& a) {
   sim::Goodput gp;
   int64_t ckpt_bytes = 0;
   int writers = 0;
-  if (a.mtbf_hours > 0) gp = goodput_of(a, plan, hw, r.step_ms, &ckpt_bytes, &writers);
+  const GoodputFlags& gf = a.goodput;
+  if (gf.mtbf_hours > 0) gp = goodput_of(gf, a.ranks, plan, hw, r.step_ms, &ckpt_bytes, &writers);
   if (a.json) {
     nlohmann::json j{{"model", a.cfg.model},       {"strategy", plan::to_string(plan.config.strategy)},
                      {"ranks", a.ranks},           {"hardware", hw.name},
@@ -281,8 +309,8 @@ void run_simulate(SimulateArgs& a) {
       j["exchange_busy_ms"] = r.exchange_busy_ms;
       j["exchange_exposed_ms"] = r.exchange_exposed_ms;
     }
-    if (a.mtbf_hours > 0)
-      j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", a.mtbf_hours},
+    if (gf.mtbf_hours > 0)
+      j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", gf.mtbf_hours},
                       {"checkpoint_bytes", ckpt_bytes},     {"checkpoint", level_json(gp.checkpoint)},
                       {"snapshot", level_json(gp.snapshot)}, {"tokens_per_s", r.tokens_per_s * gp.fraction}};
     std::cout << j.dump() << "\n";
@@ -304,11 +332,11 @@ void run_simulate(SimulateArgs& a) {
     else
       fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
   }
-  if (a.mtbf_hours > 0) {
+  if (gf.mtbf_hours > 0) {
     const int nodes = (a.ranks + std::max(1, hw.devices_per_node) - 1) / std::max(1, hw.devices_per_node);
     fmt::print("goodput under failures: {:.2f}% of wall time on counted steps, {:.0f} tokens/s ({} node(s) at MTBF {:.4g} h "
                "each: a failure every {:.3g} h; restart {:.4g} s)\n",
-               100 * gp.fraction, r.tokens_per_s * gp.fraction, nodes, a.mtbf_hours, a.mtbf_hours / nodes, a.restart_s);
+               100 * gp.fraction, r.tokens_per_s * gp.fraction, nodes, gf.mtbf_hours, gf.mtbf_hours / nodes, gf.restart_s);
     const sim::GoodputLevel& c = gp.checkpoint;
     fmt::print("  disk checkpoint: {:.3g} s each ({:.4g} GB over {} writing node(s)), every {} steps ({:.4g} s; Young "
                "sqrt(2C/rate) {:.4g} s), {:.4g} failures/h fall back to it, keeps {:.2f}%\n",
@@ -317,9 +345,9 @@ void run_simulate(SimulateArgs& a) {
     if (s.every_steps > 0)
       fmt::print("  in-memory snapshot: {:.3g} s each, every {} steps ({:.4g} s; Young {:.4g} s), recovers {:.4g} "
                  "failures/h ({:.0f}%), keeps {:.2f}%\n",
-                 s.save_s, s.every_steps, s.interval_s, s.young_s, s.rate * 3600, 100 * a.snapshot_survives, 100 * s.kept);
+                 s.save_s, s.every_steps, s.interval_s, s.young_s, s.rate * 3600, 100 * gf.snapshot_survives, 100 * s.kept);
     else
-      fmt::print("  in-memory snapshots: none ({})\n", a.snapshot_survives > 0 ? "they would cost more than the work they save"
+      fmt::print("  in-memory snapshots: none ({})\n", gf.snapshot_survives > 0 ? "they would cost more than the work they save"
                                                                                : "--snapshot-survives 0");
   }
   fmt::print("memory per rank at peak (bytes):\n");

@@ -35,6 +35,11 @@ void run_generate(const std::string& ckpt, const std::string& prompt, train::Sam
 void run_explain(train::TrainConfig cfg, int ranks);
 
 // commands_sim.cc
+// Goodput under failures, for simulate and plan (--mtbf-hours > 0 turns it on).
+struct GoodputFlags {
+  double mtbf_hours = 0, restart_s = 300, snapshot_survives = 0.15, storage_gbs = 0;
+};
+
 struct SimulateArgs {
   train::TrainConfig cfg;
   int ranks = 1;
@@ -43,8 +48,7 @@ struct SimulateArgs {
   double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
   // --collective: price one collective per message size the way nccl-tests reports it, instead of a step.
   std::string collective, bytes, algo = "best";
-  // Goodput under failures (--mtbf-hours > 0 turns it on).
-  double mtbf_hours = 0, restart_s = 300, snapshot_survives = 0.15, storage_gbs = 0;
+  GoodputFlags goodput;
 };
 void run_simulate(SimulateArgs& a);
 int run_calibrate(const run::CalibrateOptions& co, const std::string& out);
@@ -58,6 +62,7 @@ struct PlanArgs {
   std::string data, out = "runs/plan";
   int64_t run_steps = 6;
   double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
+  GoodputFlags goodput;      // --mtbf-hours: rank by tokens/s × goodput
 };
 int run_plan(PlanArgs& a);
 

@@ -345,4 +345,23 @@ TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
   EXPECT_GT(json::parse(cpu.out)["goodput"]["fraction"].get<double>(), 0);
 }
 
+// `plan --mtbf-hours` ranks by tokens/s × goodput: a column of each, in decreasing order of the product.
+TEST(SimulateGoodput, PlanRanksByGoodTokens) {
+  const Result r = shardlm("plan --model llama2-7b --ranks 64 --hardware h100-80gb --global-batch 524288 --seq 4096 "
+                           "--top 8 --mtbf-hours 50");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("ranked by tokens/s x goodput"), std::string::npos) << r.out;
+  const std::regex row(R"(\n +[0-9]+ +[0-9.]+ +([0-9]+) +[0-9.]+% +[0-9.]+ +([0-9.]+)% +([0-9]+) +--strategy)");
+  double last = 1e300;
+  int rows = 0;
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), row); it != std::sregex_iterator(); ++it) {
+    const double tokens = std::stod((*it)[1]), kept = std::stod((*it)[2]) / 100, good = std::stod((*it)[3]);
+    EXPECT_NEAR(good, tokens * kept, 0.0001 * tokens + 1);
+    EXPECT_LE(good, last + 1);
+    last = good;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 8) << r.out;
+}
+
 }  // namespace
