@@ -48,6 +48,10 @@ BENCHMARK(BM_Matmul)
     ->Args({1024, 384, 1536, 0, 1})   // fc dinp:  dout (1024x1536) x W^T
     ->Args({384, 1536, 1024, 1, 0})   // fc dweight: inp^T x dout
     ->Args({256, 50257, 384, 0, 1})   // lm head logits chunk
+    ->Args({256, 384, 50257, 0, 0})   // lm head dx chunk:    dlogits (256xV) x wte
+    ->Args({50257, 384, 256, 1, 0})   // lm head dwte chunk:  dlogits^T x x
+    ->Args({1024, 384, 50257, 0, 0})  // lm head dx, all rows
+    ->Args({50257, 384, 1024, 1, 0})  // lm head dwte, all rows
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
@@ -371,3 +375,37 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   return 0;
 }
+
+// The experts' grouped GEMMs at moe-small's shapes (B4 T256, top-2: 2048 routed rows over 8
+// experts); args: rows per expert, experts, C, OC, backward.
+void BM_GroupedDense(benchmark::State& st) {
+  const int64_t R = st.range(0), G = st.range(1), C = st.range(2), OC = st.range(3);
+  const bool backward = st.range(4) != 0;
+  auto inp = randv(R * G * C, 11), dout = randv(R * G * OC, 12);
+  std::vector<float> out(R * G * OC), dinp(R * G * C);
+  std::vector<std::vector<float>> w(G), dw(G);
+  std::vector<const float*> wp(G);
+  std::vector<float*> dwp(G);
+  std::vector<int64_t> first(G + 1);
+  for (int64_t g = 0; g < G; ++g) {
+    w[g] = randv(OC * C, 13 + g), dw[g].assign(OC * C, 0.0f);
+    wp[g] = w[g].data(), dwp[g] = dw[g].data(), first[g + 1] = (g + 1) * R;
+  }
+  for (auto _ : st) {
+    if (backward)
+      k::grouped_dense_backward(dinp.data(), dwp.data(), dout.data(), inp.data(), wp.data(), first.data(), G, C, OC);
+    else
+      k::grouped_dense_forward(out.data(), inp.data(), wp.data(), first.data(), G, C, OC);
+    benchmark::ClobberMemory();
+  }
+  st.counters["GFLOP/s"] = benchmark::Counter((backward ? 4.0 : 2.0) * R * G * C * OC * st.iterations() / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_GroupedDense)
+    ->ArgNames({"rows", "experts", "C", "OC", "bwd"})
+    ->Args({256, 8, 384, 1024, 0})  // gate|up
+    ->Args({256, 8, 512, 384, 0})   // down
+    ->Args({256, 8, 384, 1024, 1})
+    ->Args({256, 8, 512, 384, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
