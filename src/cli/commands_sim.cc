@@ -122,10 +122,10 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
   fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {} "
-             "(+{} refined by keeping units gathered)\n",
-             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fitting.size() - s.refined,
+             "(+{} refined by keeping units gathered), {} distinct predictions\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fit - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
-             s.refined);
+             s.refined, s.fitting.size());
   if (desc.config.family == model::Family::moe)
     fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
                desc.config.n_experts, a.ranks, expert_load_note(a.moe_imbalance));
@@ -133,12 +133,13 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
     fmt::print("ranked by tokens/s x goodput under failures (MTBF {:.4g} h a node, restart {:.4g} s; simulate --mtbf-hours "
                "prints the intervals)\n",
                a.goodput.mtbf_hours, a.goodput.restart_s);
-  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB",
+  // alike: other fitting flag sets predicted exactly the same (knobs that change nothing here).
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {:>5}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "alike",
              failures ? fmt::format("  {:>8}  {:>12}", "goodput", "good tok/s") : "", "flags");
   for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
     const sim::Candidate& c = s.fitting[i];
-    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
-               c.peak_bytes / 1073741824.0,
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {:>5}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
+               c.peak_bytes / 1073741824.0, c.alike,
                failures ? fmt::format("  {:>7.2f}%  {:>12.0f}", 100 * kept[i], c.tokens_per_s * kept[i]) : "", c.flags);
   }
   return s;

@@ -132,6 +132,19 @@ void rank(std::vector<Candidate>& v) {
   });
 }
 
+// Ranked candidates with the same step time and memory as the one before them are folded into it.
+void collapse_alike(std::vector<Candidate>& v) {
+  std::vector<Candidate> out;
+  for (Candidate& k : v) {
+    if (!out.empty() && out.back().step_ms == k.step_ms && out.back().peak_bytes == k.peak_bytes) {
+      out.back().alike += 1 + k.alike;
+      continue;
+    }
+    out.push_back(std::move(k));
+  }
+  v = std::move(out);
+}
+
 }  // namespace
 
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
@@ -244,6 +257,8 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   out.refined = static_cast<int64_t>(refined.size());
   for (auto& k : refined) out.fitting.push_back(std::move(k));
   rank(out.fitting);
+  out.fit = static_cast<int64_t>(out.fitting.size());
+  collapse_alike(out.fitting);
   return out;
 }
 

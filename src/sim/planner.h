@@ -32,10 +32,16 @@ struct Candidate {
   double step_ms = 0, tokens_per_s = 0, mfu = 0, comm_exposed_ms = 0;
   int64_t peak_bytes = 0;
   std::string flags;  // the train / simulate flags that reproduce it
+  // Other fitting configurations predicted exactly alike (step time and memory): knobs that change
+  // nothing here (e.g. gathers in flight where none wait). This one is the first of them found.
+  int64_t alike = 0;
 };
 
 struct PlanSearch {
-  std::vector<Candidate> fitting;  // by step time, fastest first (then least memory)
+  // By step time, fastest first (then least memory), one per prediction: configurations predicted
+  // exactly alike are counted in the first's `alike`.
+  std::vector<Candidate> fitting;
+  int64_t fit = 0;                  // configurations that fit, alike ones included
   int64_t considered = 0;           // configurations of the grid simulated
   int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
   Candidate smallest;               // the least memory of all (to say by how much nothing fits)

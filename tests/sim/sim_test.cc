@@ -777,6 +777,25 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
   EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
 }
 
+// The ranked list holds one configuration per prediction: knobs that change nothing (gathers in
+// flight where none wait) fold into the first configuration predicted alike, and are counted.
+TEST(Planner, RankedListIsOneConfigurationPerPrediction) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
+  PlanQuery q;
+  q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  ASSERT_FALSE(s.fitting.empty());
+  int64_t total = 0, folded = 0;
+  for (size_t i = 0; i < s.fitting.size(); ++i) {
+    total += 1 + s.fitting[i].alike, folded += s.fitting[i].alike;
+    for (size_t j = 0; j < i; ++j)
+      EXPECT_FALSE(s.fitting[i].step_ms == s.fitting[j].step_ms && s.fitting[i].peak_bytes == s.fitting[j].peak_bytes)
+          << s.fitting[i].flags << " and " << s.fitting[j].flags;
+  }
+  EXPECT_EQ(total, s.fit);
+  EXPECT_GT(folded, 0);  // this grid has such knobs
+}
+
 // llama-small on 16 ranks of h100-80gb at B=1, T=1024: where keeping units gathered pays.
 struct KeepSetup {
   model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
