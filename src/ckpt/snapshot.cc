@@ -330,7 +330,7 @@ std::vector<std::string> SnapshotStore::held_roles() const {
   std::vector<std::string> roles{"own"};
   if (!scheme_.redundant()) return roles;
   if (scheme_.parity_group == 0) {
-    roles.push_back("copy" + std::to_string((rank_ + 1) % scheme_.world));
+    roles.push_back("copy" + std::to_string(scheme_.copy_source(rank_)));
     return roles;
   }
   for (int g = 0; g < scheme_.world / scheme_.parity_group; ++g)
@@ -445,8 +445,8 @@ void SnapshotStore::save(const std::string& run_id, int64_t step, const json& me
   if (!scheme_.redundant()) return;
 
   std::vector<std::shared_ptr<comm::Work>> works;
-  if (scheme_.parity_group == 0) {  // partner copy: send mine to r−1, take r+1's
-    const int from = (rank_ + 1) % N;
+  if (scheme_.parity_group == 0) {  // partner copy: send mine to partner_of(r), take copy_source(r)'s
+    const int from = scheme_.copy_source(rank_);
     if (all[from].bytes != S) throw std::runtime_error("snapshot: rank " + std::to_string(from) + "'s state has another size");
     const std::string role = "copy" + std::to_string(from);
     char* slots[2] = {map_slot(role, 0, S, true)->base(), map_slot(role, 1, S, true)->base()};

@@ -5,7 +5,8 @@
 // Segments (/dev/shm/NAME), named after the rank that HOLDS them, so a lost node is every segment
 // of its ranks:
 //   shardlm-<xxh64 of the run directory>-rank<h>-own-slot<s>         rank h's own state
-//   shardlm-<…>-rank<h>-copy<r>-slot<s>       rank r's state, held by h = (r−1) mod N (partner copy)
+//   shardlm-<…>-rank<h>-copy<r>-slot<s>       rank r's state, held by h = (r−1) mod N (partner copy;
+//                                             r − ranks per machine over several: SnapshotScheme)
 //   shardlm-<…>-rank<h>-parity<g>-slot<s>     XOR of group g's states (ranks gG … gG+G−1), held by
 //                                             h = (g+1)·G mod N, outside the group (--snapshot-parity G)
 // Two slots per segment: a snapshot overwrites the older one, so the one being written is never
@@ -46,11 +47,22 @@ inline constexpr int kMaxAxisNameChars = 15;
 std::string snapshot_prefix(const std::string& run_dir);
 
 // Who holds what. parity_group 0: partner copies; G >= 2: XOR parity per group of G ranks.
+// ranks_per_node: ranks of the job on each machine, consecutive ranks together (Open MPI's and
+// Slurm's default block placement). Where several machines hold the same count, rank r's partner
+// copy goes to the same place on the previous machine, (r − ranks_per_node) mod N, so that losing
+// a machine loses no state that only it held; on one machine (or uneven counts) to r − 1. Parity
+// groups are consecutive ranks whatever the machines.
 struct SnapshotScheme {
   int world = 1;
   int parity_group = 0;
-  // Rank r's partner copy is held by partner_of(r); its group's parity by parity_holder(group).
-  int partner_of(int r) const { return (r + world - 1) % world; }
+  int ranks_per_node = 1;
+  int stride() const {
+    return ranks_per_node > 1 && ranks_per_node < world && world % ranks_per_node == 0 ? ranks_per_node : 1;
+  }
+  // Rank r's partner copy is held by partner_of(r), which holds copy_source's; its group's parity by
+  // parity_holder(group).
+  int partner_of(int r) const { return (r + world - stride()) % world; }
+  int copy_source(int r) const { return (r + stride()) % world; }
   int group_of(int r) const { return r / parity_group; }
   int parity_holder(int g) const { return ((g + 1) * parity_group) % world; }
   bool redundant() const { return world > 1; }

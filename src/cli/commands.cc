@@ -180,9 +180,15 @@ void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
       ->check(at_least(0))
       ->capture_default_str();
   cmd->add_option("--snapshot-survives", g.snapshot_survives,
-                      "with --mtbf-hours: fraction of failures an in-memory snapshot recovers from (the node survives); "
-                      "default 0.15: Llama 3's software bugs, NCCL timeouts and dependency failures, 63 of its 419 (0: no snapshots)")
-      ->check(CLI::Range(0.0, 1.0))
+                      "with --mtbf-hours: fraction of failures an in-memory snapshot recovers from (0: no snapshots); "
+                      "default 0.92 where every rank's snapshot copy lives on another node (the same rank count on each "
+                      "node, no parity group within a node): all but Llama 3's switch and cable failures, 35 of its 419, "
+                      "which may take several nodes; else 0.15: its software bugs, NCCL timeouts and dependency failures, "
+                      "63 of 419, after which the node and its memory remain")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--snapshot-parity", g.snapshot_parity,
+                  "with --mtbf-hours: the run's --snapshot-parity G (0: partner copies), which decides the default above")
+      ->check(at_least(0))
       ->capture_default_str();
   cmd->add_option("--storage-gbs", g.storage_gbs,
                       "with --mtbf-hours: GB/s one node writes checkpoints at (default: the profile's storage_bw)")

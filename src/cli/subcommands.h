@@ -37,7 +37,9 @@ void run_explain(train::TrainConfig cfg, int ranks);
 // commands_sim.cc
 // Goodput under failures, for simulate and plan (--mtbf-hours > 0 turns it on).
 struct GoodputFlags {
-  double mtbf_hours = 0, restart_s = 300, snapshot_survives = 0.15, storage_gbs = 0;
+  // snapshot_survives < 0: from the snapshot layout (sim::snapshot_survives_node_loss).
+  double mtbf_hours = 0, restart_s = 300, snapshot_survives = -1, storage_gbs = 0;
+  int snapshot_parity = 0;
 };
 
 struct SimulateArgs {

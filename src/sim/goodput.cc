@@ -54,6 +54,26 @@ void check(double v, double lo, double hi, const std::string& what) {
 
 }  // namespace
 
+bool snapshot_survives_node_loss(int64_t world, int64_t per_node, int64_t parity_group) {
+  if (world <= 1 || per_node < 1) return false;
+  const int64_t nodes = (world + per_node - 1) / per_node;
+  for (int64_t n = 0; n < nodes; ++n) {
+    auto lost = [&](int64_t r) { return r / per_node == n; };
+    for (int64_t r = n * per_node; r < std::min(world, (n + 1) * per_node); ++r) {
+      if (parity_group <= 0) {
+        const int64_t stride = per_node < world && world % per_node == 0 ? per_node : 1;
+        if (lost((r - stride + world) % world)) return false;  // the partner copy went with it
+        continue;
+      }
+      const int64_t first = r / parity_group * parity_group;
+      if (lost((first + parity_group) % world)) return false;  // the parity went with it
+      for (int64_t m = first; m < first + parity_group; ++m)
+        if (m != r && lost(m)) return false;  // XOR rebuilds one lost member, not two
+    }
+  }
+  return true;
+}
+
 Goodput goodput(const GoodputInput& in) {
   check(in.step_s, 1e-9, 1e9, "step time (s)");
   check(in.mtbf_hours, 1e-6, 1e12, "--mtbf-hours");

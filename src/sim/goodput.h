@@ -49,6 +49,12 @@ struct Goodput {
 double level_kept(double rate, double interval_s, double save_s, double restart_s);
 // Young's first-order optimum sqrt(2C/λ) (infinite where λ = 0).
 double young_interval(double save_s, double rate);
+// Whether losing any one node leaves every rank's in-memory snapshot recoverable, with
+// ckpt/snapshot.h's placement (SnapshotScheme): rank r's copy held by (r − per_node) mod N where
+// per_node divides N (else r − 1), or with parity group G (> 0) the XOR of ranks gG … gG+G−1 held
+// by (g+1)·G mod N and rebuilt from the group's other states. Ranks fill nodes in order.
+bool snapshot_survives_node_loss(int64_t world, int64_t per_node, int64_t parity_group);
+
 // Best whole-step intervals for both levels and the goodput they give. Throws
 // std::invalid_argument (one line naming the figure) for a figure out of range.
 Goodput goodput(const GoodputInput& in);

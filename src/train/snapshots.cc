@@ -32,13 +32,13 @@ std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg,
   model::ModelDesc desc;
   const plan::Plan plan = run_plan(cfg, world.size(), desc);
   return std::make_unique<ckpt::SnapshotStore>(cfg.out, world, memory,
-                                               ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity},
+                                               ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity, cfg.ranks_on_machine},
                                                snapshot_mesh(plan), timeout);
 }
 
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
   if (cfg.snapshot_every <= 0) return plan;
-  const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity};
+  const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity, cfg.ranks_on_machine};
   plan.static_memory.snapshot =
       ckpt::snapshot_bytes_most(scheme, plan.static_memory.params + plan.static_memory.optimizer);
   return plan;

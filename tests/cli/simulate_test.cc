@@ -321,8 +321,10 @@ namespace {
 // `simulate --mtbf-hours`: the goodput report, human and JSON, its intervals in whole steps;
 // a profile without storage figures needs --storage-gbs, said in one line.
 TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
+  // Parity groups of 8 ranks each fill a node: a lost node takes a group, so only the failures
+  // that leave the node (15%) are the snapshots'.
   const std::string run = "simulate --model llama2-7b --ranks 1024 --hardware h100-80gb --batch 2 --seq 4096 "
-                          "--param-dtype bf16 --reduce-dtype bf16 --mtbf-hours 6300 ";
+                          "--param-dtype bf16 --reduce-dtype bf16 --mtbf-hours 6300 --snapshot-parity 8 ";
   const Result r = shardlm(run + "--json");
   ASSERT_EQ(r.code, 0) << r.out;
   const json j = json::parse(r.out);
@@ -335,6 +337,15 @@ TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
   // 128 nodes at 6300 h: a failure every 49 h, 85% of them (not recovered by a snapshot) to disk.
   EXPECT_NEAR(c["failures_per_hour"].get<double>(), 128 / 6300.0 * 0.85, 1e-9);
   EXPECT_NEAR(c["interval_s"].get<double>(), c["young_s"].get<double>(), 0.05 * c["young_s"].get<double>());
+  EXPECT_EQ(g["snapshot_survives"].get<double>(), 0.15);
+  // Partner copies go to the next node: all but the failures that may take several nodes.
+  const Result copies = shardlm(run.substr(0, run.find("--snapshot-parity")) + "--json");
+  ASSERT_EQ(copies.code, 0) << copies.out;
+  const json jc = json::parse(copies.out);
+  const json& gc = jc["goodput"];
+  EXPECT_EQ(gc["snapshot_survives"].get<double>(), 0.92);
+  EXPECT_NEAR(gc["checkpoint"]["failures_per_hour"].get<double>(), 128 / 6300.0 * 0.08, 1e-9);
+  EXPECT_GT(gc["fraction"].get<double>(), g["fraction"].get<double>());
   const Result human = shardlm(run);
   ASSERT_EQ(human.code, 0) << human.out;
   for (const char* s : {"goodput under failures:", "disk checkpoint:", "Young", "in-memory snapshot"})
@@ -351,7 +362,7 @@ TEST(SimulateGoodput, PlanRanksByGoodTokens) {
                            "--top 8 --mtbf-hours 50");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("ranked by tokens/s x goodput"), std::string::npos) << r.out;
-  const std::regex row(R"(\n +[0-9]+ +[0-9.]+ +([0-9]+) +[0-9.]+% +[0-9.]+ +([0-9.]+)% +([0-9]+) +--strategy)");
+  const std::regex row(R"(\n +[0-9]+ +[0-9.]+ +([0-9]+) +[0-9.]+% +[0-9.]+ +[0-9]+ +([0-9.]+)% +([0-9]+) +--strategy)");
   double last = 1e300;
   int rows = 0;
   for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), row); it != std::sregex_iterator(); ++it) {

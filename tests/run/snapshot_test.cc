@@ -176,6 +176,24 @@ TEST_F(SnapshotSlow, ALostRanksSnapshotIsRebuiltFromItsPartnerCopy) {
   });
 }
 
+// Four ranks as two machines of two (the test seam): rank r's copy is held by r − 2, on the other
+// machine, so a lost machine (every segment of ranks 0 and 1 gone) is rebuilt from those copies.
+TEST_F(SnapshotSlow, ALostMachineIsRebuiltFromCopiesOnTheOther) {
+  const auto want = straight(4);
+  const std::string o = out("machines"), seam = "-x SHARDLM_TEST_RANKS_ON_MACHINE=2";
+  ASSERT_NE(mpirun(4, args("machines", "--snapshot-every 1"), seam + " -x SHARDLM_FAULT_KILL=1:6").code, 0);
+  EXPECT_EQ(segments(o, "rank3-copy1-").size(), 2u);
+  EXPECT_EQ(segments(o, "rank2-copy0-").size(), 2u);
+  EXPECT_EQ(segments(o, "rank0-copy2-").size(), 2u);
+  for (const char* rank : {"-rank0-", "-rank1-"}) ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(o) + rank);
+  const Result r = mpirun(4, args("machines", "--snapshot-every 1 --resume auto"), seam);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("snapshot of step 6"), std::string::npos) << r.out;
+  for (const char* rank : {"rank 0's", "rank 1's"})
+    EXPECT_NE(r.out.find(std::string(rank) + " rebuilt from its partner copy"), std::string::npos) << r.out;
+  EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);
+}
+
 // N = 4, --snapshot-parity 2: groups {0,1} and {2,3}, parities held by ranks 2 and 0. Rank 1's
 // segments are gone; its state is parity(0,1) XOR rank 0's.
 TEST_F(SnapshotSlow, ALostRanksSnapshotIsRebuiltFromParity) {

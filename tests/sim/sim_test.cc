@@ -1023,6 +1023,18 @@ TEST(Simulator, GatherBucketsSaveLatencyOnALatencyBoundLink) {
 namespace shardlm::sim {
 namespace {
 
+// Which snapshot layouts survive a lost node (ckpt/snapshot.h's placement, mirrored).
+TEST(Goodput, SnapshotsSurviveANodeOnlyWhereNoStateLivesOnlyThere) {
+  EXPECT_FALSE(snapshot_survives_node_loss(1, 1, 0));   // no partner at all
+  EXPECT_TRUE(snapshot_survives_node_loss(4, 1, 0));    // a rank a node: r - 1 is elsewhere
+  EXPECT_TRUE(snapshot_survives_node_loss(16, 8, 0));   // r's copy on the next node
+  EXPECT_FALSE(snapshot_survives_node_loss(12, 8, 0));  // uneven nodes: r - 1, on r's node
+  EXPECT_FALSE(snapshot_survives_node_loss(8, 8, 0));   // one node
+  EXPECT_TRUE(snapshot_survives_node_loss(8, 1, 4));    // parity of ranks 0-3 held by rank 4
+  EXPECT_FALSE(snapshot_survives_node_loss(4, 1, 4));   // ... but by rank 0 itself at N = G
+  EXPECT_FALSE(snapshot_survives_node_loss(8, 2, 2));   // both members of a group on one node
+}
+
 // A hand-computed case: 100 nodes at 1000 h each fail every 10 h (λ = 1/36000 s); a 60 s
 // checkpoint read back in 60 s, a 240 s relaunch. The level keeps τ/E with
 // E = e^{λR}(e^{λ(τ+C)} − 1)/λ (Daly 2006); the best interval, in whole 1 s steps, is Daly's
