@@ -38,7 +38,7 @@ TEST(MoeKernels, LoadBalancingLossIsOneAtPerfectBalanceForAnyK) {
     std::vector<float> probs(N * E, 1.0f / E), lse(N, 0.0f);
     std::vector<int32_t> assigned(E, static_cast<int32_t>(N * k / E));
     double aux = 0, z = 0;
-    moe_router_losses(&aux, &z, probs.data(), lse.data(), assigned.data(), N, E, k);
+    moe_router_losses(&aux, &z, probs.data(), lse.data(), assigned.data(), N, E, k, N);
     EXPECT_NEAR(aux, 1.0, 1e-12) << "k = " << k;
     EXPECT_EQ(z, 0.0);
   }
