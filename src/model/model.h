@@ -201,6 +201,7 @@ struct Exchange {
   // ... or it sends on what the exchange before it received, once the stage before the previous
   // one is done with its block.
   bool forwards_received = false;
+  const char* carries = nullptr;  // what travels, in words for `explain` (null: routed rows or a ring block)
 };
 
 inline int64_t exchange_header_bytes(int64_t ranks) { return (8 * ranks + 63) / 64 * 64; }

@@ -104,7 +104,9 @@ void moe_over_context(UnitCosts& u, const ModelDesc& desc, const Shape& s, const
   const int64_t counts = moe_count_bytes(desc, s);
   u.forward_workspace += slice(counts / 4, 4);  // the group's slots before each of this rank's chunks, per expert
   if (u.backward_exchanges.empty()) u.backward_exchanges = u.exchanges;
-  u.exchanges.push_back(Exchange{"cp", exchange_header_bytes(s.cp) + s.cp * counts, (s.cp - 1) * counts});  // mesh.h's kContext
+  Exchange group{"cp", exchange_header_bytes(s.cp) + s.cp * counts, (s.cp - 1) * counts};  // mesh.h's kContext
+  group.carries = "routing counts of the cp group";
+  u.exchanges.push_back(group);
   u.backward_exchanges.push_back(Exchange{"cp", 0, 0, Exchange::Route::none});
   for (int i = 0; i < 2; ++i) u.exchanges.push_back(routed), u.backward_exchanges.push_back(routed);
 }

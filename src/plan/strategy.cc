@@ -522,6 +522,7 @@ int Builder::add_stages(int first, bool reverse) {
         at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
         at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
         at(xt).bytes = x.expected_bytes;
+        at(xt).carries = x.carries;
         at(xt).io.send = send;
         at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
         alloc(xt, feed);
