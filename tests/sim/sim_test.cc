@@ -738,6 +738,28 @@ TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
   EXPECT_FALSE(cps.count({4, model::ContextImpl::all_to_all}));
 }
 
+// A mixture of experts too: where nothing fits without cp, the search tries cp beside ep, and
+// what it offers builds to the memory it reports.
+TEST(Planner, SearchesContextParallelismForMixtureOfExperts) {
+  const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny", 2048));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanQuery q;
+  q.ranks = 4, q.seq = 2048, q.global_tokens = 4 * 2048, q.threads = 1;
+  const PlanSearch free = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(free.fitting.empty());
+  q.memory_budget = free.smallest.peak_bytes - 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  bool with_ep = false;
+  for (const Candidate& c : s.fitting) {
+    EXPECT_GT(c.config.cp, 1) << c.flags;
+    EXPECT_LE(c.peak_bytes, q.memory_budget);
+    EXPECT_EQ(plan::build_plan(desc, c.config).peak_memory().total, c.peak_bytes);
+    with_ep = with_ep || c.config.ep > 1;
+  }
+  EXPECT_TRUE(with_ep);
+}
+
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
   const model::ModelDesc desc = model::describe(model::model_preset("tiny"));
   PlanQuery q;
