@@ -925,6 +925,9 @@ TEST(Plan, ContextSplitRefusesBadLayouts) {
   c.cp = 2, c.cp_impl = model::ContextImpl::ring, c.seq = 66;
   refused(llama, "sequence length 66 must be a multiple of 4 (--cp-impl ring cuts each sequence into 4 equal chunks)");
   c.cp_impl = model::ContextImpl::all_to_all, c.seq = 64;
+  c.cp = 4;  // a MoE model meets the same checks: its attention half splits as LLaMA's
+  refused(model::describe(model::model_preset("moe-tiny", 256)), "must divide the 2 key/value heads");
+  c.cp = 2;
   c.strategy = Strategy::hybrid, c.shard_group = 1;
   refused(llama, "must divide the shard group");
 }
