@@ -140,6 +140,19 @@ class Builder {
   void forward(int u, int m);
   void backward(int u, int m);
   int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
+  std::vector<int> exchange_axes(const model::Exchange& x) const {
+    const int a = plan_.mesh.find(x.axis);
+    return a >= 0 ? std::vector<int>{a} : std::vector<int>{};
+  }
+  // The axes a staged unit's compute tasks name, which its layer routes rows by (UnitArgs::peers):
+  // its exchanges' axis other than cp where it has one (a rank's place on cp reaches the layer
+  // apart, UnitArgs::cp_index); empty for a unit of one stage.
+  std::vector<int> stage_axes(int u, bool reverse) const {
+    std::vector<int> axes;
+    for (const model::Exchange& x : costs_[u].exchanges_of(reverse))
+      if (x.route != model::Exchange::Route::none && (axes.empty() || x.axis != kContext)) axes = exchange_axes(x);
+    return axes;
+  }
   int add_stages(int first, bool reverse);
   void reduce_grad(int u, int producer);
   void close_bucket(int producer);
@@ -413,6 +426,9 @@ void Builder::backward(int u, int m) {
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
   if (rebuild) {
     const int r = add(Op::recompute, u, m, {ag});
+    // A selective rebuild is one task, but it carves the same activations as the stages, sized by
+    // the ranks they exchange with.
+    at(r).axes = stage_axes(u, false);
     Operands& io = at(r).io;
     io.params = params;
     if (borrowed_state(u) >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
@@ -485,16 +501,10 @@ int Builder::add_stages(int first, bool reverse) {
   using Route = model::Exchange::Route;
   // Each exchange runs over its own axis (a MoE block under cp: the attention's and the routing
   // counts' over cp, the routed rows' over ep); one over an axis of one rank is left out. The
-  // stages name the axis the layer routes its rows by (UnitArgs::peers): the unit's axis other
-  // than cp where it has one (a rank's place on cp reaches the layer apart, UnitArgs::cp_index).
-  auto axes_of = [&](const model::Exchange& x) {
-    const int a = plan_.mesh.find(x.axis);
-    return a >= 0 ? std::vector<int>{a} : std::vector<int>{};
-  };
+  // stages name stage_axes.
+  auto axes_of = [&](const model::Exchange& x) { return exchange_axes(x); };
   auto spans_of = [&](const model::Exchange& x) { return plan_.mesh.group_size(axes_of(x)) > 1; };
-  std::vector<int> axes;
-  for (const model::Exchange& x : exchanges)
-    if (x.route != Route::none && (axes.empty() || x.axis != kContext)) axes = axes_of(x);
+  const std::vector<int> axes = stage_axes(u, reverse);
   at(first).axes = axes;
   const Task whole = at(first);
   at(first).frees.clear();

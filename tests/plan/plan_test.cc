@@ -808,6 +808,21 @@ TEST(Plan, MixtureOfExpertsUnderContextParallelismExchangesCountsOverCp) {
         again.recompute = r, again.grad_accum = 2;
         expect_no_buffer_alive_twice(moe, again, "moe " + at + " " + model::to_string(r));
       }
+      // A selective rebuild is one task, carving the stages' activations: it names their ep axis
+      // too (sized by it), with and without cp.
+      for (int cp : {1, 2}) {
+        PlanConfig selective = c;
+        selective.recompute = model::Recompute::selective, selective.cp = cp, selective.world = cp * ep;
+        const Plan q = build_plan(moe, selective);
+        const int ep_of_q = q.mesh.find(kExpert);
+        int rebuilds = 0;
+        for (const Task& t : q.tasks)
+          if (t.op == Op::recompute && moe.units[t.unit].kind == model::UnitKind::moe_block) {
+            ++rebuilds;
+            EXPECT_EQ(t.axes, ep > 1 ? std::vector<int>{ep_of_q} : std::vector<int>{}) << t.name();
+          }
+        EXPECT_EQ(rebuilds, moe.config.n_layer) << at;
+      }
     }
 }
 

@@ -597,10 +597,12 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
     int ep = 1;
     std::string capacity = "";  // --capacity-factor ("": dropless)
     std::string model_flags = "";
+    std::string recompute = "none";  // a full rebuild reruns the stages and their exchanges, counts included
     int dp() const { return ranks / cp; }
     std::string flags() const {
       return " --grad-accum 2 --strategy " + strategy + " --cp " + std::to_string(cp) + " --cp-impl " + impl +
-             " --ep " + std::to_string(ep) + (capacity.empty() ? "" : " --capacity-factor " + capacity) + model_flags;
+             " --ep " + std::to_string(ep) + (capacity.empty() ? "" : " --capacity-factor " + capacity) + model_flags +
+             " --recompute " + recompute;
     }
   };
   const std::string kv4 = " --n-kv-head 4";  // all-to-all over 4 ranks needs 4 key/value heads
@@ -617,7 +619,9 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
       {"cp2_a2a_cap", 2, 2, "all-to-all", "fsdp", 1, "1.0"},
       {"cp4_ring_cap", 4, 4, "ring", "fsdp", 1, "1.0"},
       {"cp2_fsdp2_ring_cap", 4, 2, "ring", "fsdp", 1, "1.0"},
-      {"cp2_ep2_a2a_cap", 4, 2, "all-to-all", "fsdp", 2, "1.0"}};
+      {"cp2_ep2_a2a_cap", 4, 2, "all-to-all", "fsdp", 2, "1.0"},
+      {"cp2_ring_cap_full", 2, 2, "ring", "fsdp", 1, "1.0", "", "full"},
+      {"cp2_ep2_a2a_selective", 4, 2, "all-to-all", "fsdp", 2, "", "", "selective"}};
   for (const Layout& l : layouts) {
     const std::string s = l.name;
     model::ModelConfig config = model::model_preset("moe-tiny", 256);
@@ -634,6 +638,7 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
     }
     plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
     pc.grad_accum = 2, pc.ep = l.ep, pc.cp = l.cp, pc.cp_impl = model::parse_context_impl(l.impl);
+    pc.recompute = model::parse_recompute(l.recompute);
     pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
       return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
                                      count, elem == 2 ? DType::bf16 : DType::fp32, group);
@@ -653,8 +658,9 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
       if (e["name"].get<std::string>().rfind("exchange ", 0) == 0 && e["args"]["step"].get<int64_t>() == 1 &&
           e["args"]["bytes moved"].get<int64_t>() == (l.cp - 1) * counts)
         ++count_exchanges[e["pid"].get<int>()];
-    for (int rank = 0; rank < l.ranks; ++rank)  // step 1: each MoE block's counts, once per micro-step
-      EXPECT_EQ(count_exchanges[rank], desc.config.n_layer * 2) << s << " rank " << rank;
+    const int passes = l.recompute == "full" ? 2 : 1;  // a full rebuild exchanges the counts again
+    for (int rank = 0; rank < l.ranks; ++rank)  // step 1: each MoE block's counts, once per micro-step and pass
+      EXPECT_EQ(count_exchanges[rank], desc.config.n_layer * 2 * passes) << s << " rank " << rank;
 
     const MemSnapshot want_mem = p.max_memory();
     const auto want = testing::read_metrics(dir_ / single / "metrics.jsonl");
