@@ -313,6 +313,11 @@ void run_simulate(SimulateArgs& a) {
                      {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
                      {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
                      {"device_memory", hw.device_memory}, {"fits", fits}};
+    if (plan.config.cp > 1) {
+      j["cp"] = plan.config.cp;
+      j["exchange_busy_ms"] = r.exchange_busy_ms;
+      j["exchange_exposed_ms"] = r.exchange_exposed_ms;
+    }
     if (moe) {
       j["ep"] = plan.config.ep;
       j["moe_imbalance"] = expert_load;
@@ -333,8 +338,14 @@ void run_simulate(SimulateArgs& a) {
              hw.gemm_efficiency);
   fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
-  if (moe) {
-    const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
+  const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
+  if (plan.config.cp > 1)  // the attention's exchanges, and a MoE block's routing counts and routed rows
+    fmt::print("exchanges (cp {} {}{}): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
+               "the step)\n",
+               plan.config.cp, model::to_string(plan.config.cp_impl),
+               plan.config.ep > 1 ? fmt::format(", ep {}", plan.config.ep) : std::string(), r.exchange_busy_ms,
+               r.exchange_busy_ms * pct, r.exchange_exposed_ms, r.exchange_exposed_ms * pct);
+  if (moe && plan.config.cp == 1) {
     if (plan.config.ep > 1)
       fmt::print("all-to-all (ep {} exchanges): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
                  "the step); expert load max/mean {}\n",

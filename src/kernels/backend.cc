@@ -54,7 +54,7 @@ void Backend::moe_router_forward(float*, float*, int32_t*, float*, const float*,
   missing(*this, "moe_router_forward");
 }
 int64_t Backend::moe_dispatch(int32_t*, int32_t*, int32_t*, int32_t*, const int32_t*, int64_t, int64_t, int64_t,
-                              int64_t) const {
+                              int64_t, const int32_t*, int64_t) const {
   missing(*this, "moe_dispatch");
 }
 void Backend::moe_gather_rows(float*, const float*, const int32_t*, int64_t, int64_t) const { missing(*this, "moe_gather_rows"); }
@@ -70,11 +70,11 @@ void Backend::moe_combine_backward(float*, float*, const float*, const float*, c
   missing(*this, "moe_combine_backward");
 }
 void Backend::moe_router_losses(double*, double*, const float*, const float*, const int32_t*, int64_t, int64_t,
-                                int64_t) const {
+                                int64_t, int64_t) const {
   missing(*this, "moe_router_losses");
 }
 void Backend::moe_router_backward(float*, const float*, const float*, const float*, const int32_t*, const float*,
-                                  const int32_t*, int64_t, int64_t, int64_t, bool, float, float) const {
+                                  const int32_t*, int64_t, int64_t, int64_t, int64_t, bool, float, float) const {
   missing(*this, "moe_router_backward");
 }
 

@@ -145,7 +145,8 @@ class Backend {
   virtual void moe_router_forward(float* probs, float* lse, int32_t* expert, float* weight, const float* logits,
                                   int64_t N, int64_t E, int64_t k, bool norm_topk) const;
   virtual int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
-                               const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity) const;
+                               const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity,
+                               const int32_t* taken, int64_t segment) const;
   virtual void moe_gather_rows(float* xs, const float* x, const int32_t* row_token, int64_t rows, int64_t C) const;
   virtual void moe_gather_rows_backward(float* dx, const float* dxs, const int32_t* slot_row, int64_t N, int64_t k,
                                         int64_t C) const;
@@ -155,10 +156,11 @@ class Backend {
                                     const float* weight, const int32_t* slot_row, int64_t N, int64_t k,
                                     int64_t C) const;
   virtual void moe_router_losses(double* aux, double* z, const float* probs, const float* lse,
-                                 const int32_t* assigned, int64_t N, int64_t E, int64_t k) const;
+                                 const int32_t* assigned, int64_t N, int64_t E, int64_t k, int64_t G) const;
   virtual void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
                                    const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N,
-                                   int64_t E, int64_t k, bool norm_topk, float aux_scale, float z_scale) const;
+                                   int64_t E, int64_t k, int64_t G, bool norm_topk, float aux_scale,
+                                   float z_scale) const;
 
   // Optimizer and utilities over flat ranges.
   virtual void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,

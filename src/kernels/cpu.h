@@ -311,8 +311,13 @@ void moe_router_forward(float* probs, float* lse, int32_t* expert, float* weight
 // The dispatch of a routing: assigned (E) counts every slot choosing e; expert e keeps the first
 // `capacity` of them in token order (capacity >= N: all). Writes offsets (E+1), slot_row (N·k) and
 // row_token (rows): the token of each row. Returns the rows (offsets[E]).
+// When the routing group is wider than these N tokens (a sequence split over context-parallel
+// ranks), `taken` (null: none) holds, for each segment of `segment` consecutive tokens here, the
+// E counts of the group's slots before that segment in the group's token order: a slot is kept
+// while those and the segment's earlier slots for its expert stay under `capacity`.
 int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
-                     const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity);
+                     const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity,
+                     const int32_t* taken = nullptr, int64_t segment = 0);
 // xs (rows,C) = x[row_token[r]] (N,C).
 void moe_gather_rows(float* xs, const float* x, const int32_t* row_token, int64_t rows, int64_t C);
 // dx (N,C) += sum over token t's kept slots of dxs[slot_row] (the gather's backward).
@@ -324,16 +329,19 @@ void moe_combine(float* out, const float* res, const float* ys, const float* wei
 // dys[row of (t,s)] += weight[t,s] · dout[t]; dweight[t,s] += dout[t] · ys[row] (kept slots only).
 void moe_combine_backward(float* dys, float* dweight, const float* dout, const float* ys, const float* weight,
                           const int32_t* slot_row, int64_t N, int64_t k, int64_t C);
-// The group's load-balancing loss aux = E Σ_e f_e P_e, f_e = assigned[e] / (N k), P_e the mean
-// of probs[:, e] (1 at perfect balance), and router z-loss z = mean over tokens of lse². Double
-// accumulation.
+// The group's load-balancing loss aux = E Σ_e f_e P_e, f_e = assigned[e] / (G k), P_e the mean
+// of probs[:, e] over the group's G tokens (1 at perfect balance), and router z-loss z = mean over
+// the group's tokens of lse². These N tokens are the group's (G = N) or a part of it (a sequence
+// split over context-parallel ranks, `assigned` then the group's counts): both losses are sums
+// over tokens, so the parts' figures add up to the group's. Double accumulation.
 void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,
-                       int64_t N, int64_t E, int64_t k);
+                       int64_t N, int64_t E, int64_t k, int64_t G);
 // dlogits (N,E) += the gradient through the softmax of: dweight (N,k) through the top-k weights
-// (renormalised when norm_topk), aux_scale times d aux / d probs, and z_scale times d z / d logits.
+// (renormalised when norm_topk), aux_scale times d aux / d probs, and z_scale times d z / d logits,
+// the losses those of a group of G tokens holding these N (moe_router_losses).
 void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
                          const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
-                         int64_t k, bool norm_topk, float aux_scale, float z_scale);
+                         int64_t k, int64_t G, bool norm_topk, float aux_scale, float z_scale);
 
 // The experts' GEMMs, every group at once (group g: rows [first[g], first[g+1]) of inp and out,
 // its nn.Linear weight (OC, C) at weight[g]): out rows = inp rows @ weight[g]^T. One parallel

@@ -160,8 +160,9 @@ class CpuBackend final : public Backend {
     kernels::moe_router_forward(probs, lse, expert, weight, logits, N, E, k, norm_topk);
   }
   int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
-                       const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity) const override {
-    return kernels::moe_dispatch(offsets, assigned, slot_row, row_token, expert, N, E, k, capacity);
+                       const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity,
+                       const int32_t* taken, int64_t segment) const override {
+    return kernels::moe_dispatch(offsets, assigned, slot_row, row_token, expert, N, E, k, capacity, taken, segment);
   }
   void moe_gather_rows(float* xs, const float* x, const int32_t* row_token, int64_t rows, int64_t C) const override {
     kernels::moe_gather_rows(xs, x, row_token, rows, C);
@@ -179,14 +180,14 @@ class CpuBackend final : public Backend {
     kernels::moe_combine_backward(dys, dweight, dout, ys, weight, slot_row, N, k, C);
   }
   void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,
-                         int64_t N, int64_t E, int64_t k) const override {
-    kernels::moe_router_losses(aux, z, probs, lse, assigned, N, E, k);
+                         int64_t N, int64_t E, int64_t k, int64_t G) const override {
+    kernels::moe_router_losses(aux, z, probs, lse, assigned, N, E, k, G);
   }
   void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
                            const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
-                           int64_t k, bool norm_topk, float aux_scale, float z_scale) const override {
-    kernels::moe_router_backward(dlogits, dweight, probs, lse, expert, weight, assigned, N, E, k, norm_topk, aux_scale,
-                                 z_scale);
+                           int64_t k, int64_t G, bool norm_topk, float aux_scale, float z_scale) const override {
+    kernels::moe_router_backward(dlogits, dweight, probs, lse, expert, weight, assigned, N, E, k, G, norm_topk,
+                                 aux_scale, z_scale);
   }
 
   void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,

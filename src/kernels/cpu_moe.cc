@@ -54,22 +54,37 @@ void moe_router_forward(float* probs, float* lse, int32_t* expert, float* weight
 }
 
 int64_t moe_dispatch(int32_t* offsets, int32_t* assigned, int32_t* slot_row, int32_t* row_token,
-                     const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity) {
+                     const int32_t* expert, int64_t N, int64_t E, int64_t k, int64_t capacity, const int32_t* taken,
+                     int64_t segment) {
   std::memset(assigned, 0, sizeof(int32_t) * E);
   for (int64_t i = 0; i < N * k; ++i) ++assigned[expert[i]];
-  offsets[0] = 0;
-  for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(std::min<int64_t>(assigned[e], capacity));
-  std::vector<int32_t> next(offsets, offsets + E);
-  for (int64_t t = 0; t < N; ++t)  // token order: the first `capacity` tokens of each expert stay
-    for (int64_t s = 0; s < k; ++s) {
-      const int32_t e = expert[t * k + s];
-      if (next[e] < offsets[e + 1]) {
-        row_token[next[e]] = static_cast<int32_t>(t);
-        slot_row[t * k + s] = next[e]++;
-      } else {
-        slot_row[t * k + s] = -1;
+  const int64_t seg = taken && segment > 0 ? segment : N;
+  // Whether slot (t, s) stays: the group's slots for its expert before it, in token order, are
+  // under capacity. `seen` counts the segment's slots so far.
+  std::vector<int32_t> seen(E);
+  auto walk = [&](auto&& visit) {
+    for (int64_t t = 0; t < N; ++t) {
+      if (t % seg == 0) std::fill(seen.begin(), seen.end(), 0);
+      const int32_t* before = taken ? taken + (t / seg) * E : nullptr;
+      for (int64_t s = 0; s < k; ++s) {
+        const int32_t e = expert[t * k + s];
+        visit(t, s, e, (before ? before[e] : 0) + seen[e]++ < capacity);
       }
     }
+  };
+  std::vector<int32_t> kept(E, 0);
+  walk([&](int64_t, int64_t, int32_t e, bool keep) { kept[e] += keep; });
+  offsets[0] = 0;
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + kept[e];
+  std::vector<int32_t> next(offsets, offsets + E);
+  walk([&](int64_t t, int64_t s, int32_t e, bool keep) {  // token order: the first `capacity` of each expert stay
+    if (keep) {
+      row_token[next[e]] = static_cast<int32_t>(t);
+      slot_row[t * k + s] = next[e]++;
+    } else {
+      slot_row[t * k + s] = -1;
+    }
+  });
   return offsets[E];
 }
 
@@ -184,27 +199,27 @@ void grouped_dense_backward(float* dinp, float* const* dweight, const float* dou
 }
 
 void moe_router_losses(double* aux, double* z, const float* probs, const float* lse, const int32_t* assigned,
-                       int64_t N, int64_t E, int64_t k) {
+                       int64_t N, int64_t E, int64_t k, int64_t G) {
   double a = 0, zz = 0;
   for (int64_t e = 0; e < E; ++e) {
     double P = 0;
     for (int64_t t = 0; t < N; ++t) P += probs[t * E + e];
-    a += static_cast<double>(assigned[e]) / static_cast<double>(N * k) * (P / static_cast<double>(N));
+    a += static_cast<double>(assigned[e]) / static_cast<double>(G * k) * (P / static_cast<double>(G));
   }
   for (int64_t t = 0; t < N; ++t) zz += static_cast<double>(lse[t]) * lse[t];
   *aux = a * static_cast<double>(E);
-  *z = zz / static_cast<double>(N);
+  *z = zz / static_cast<double>(G);
 }
 
 void moe_router_backward(float* dlogits, const float* dweight, const float* probs, const float* lse,
                          const int32_t* expert, const float* weight, const int32_t* assigned, int64_t N, int64_t E,
-                         int64_t k, bool norm_topk, float aux_scale, float z_scale) {
-  // d aux / d probs[t, e] = E f_e / N: the same for every token.
+                         int64_t k, int64_t G, bool norm_topk, float aux_scale, float z_scale) {
+  // d aux / d probs[t, e] = E f_e / G: the same for every token.
   std::vector<float> daux(E);
   for (int64_t e = 0; e < E; ++e)
     daux[e] = static_cast<float>(static_cast<double>(aux_scale) * static_cast<double>(E) *
-                                 static_cast<double>(assigned[e]) / static_cast<double>(N * k) / static_cast<double>(N));
-  const float dz = 2.0f * z_scale / static_cast<float>(N);
+                                 static_cast<double>(assigned[e]) / static_cast<double>(G * k) / static_cast<double>(G));
+  const float dz = 2.0f * z_scale / static_cast<float>(G);
 #pragma omp parallel
   {
     std::vector<float> dp(E);

@@ -85,6 +85,22 @@ Positions positions(const UnitArgs& a) {
           model::context_chunk_rows(seq, a.cp, a.cp_impl)};
 }
 
+void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, int64_t width, int64_t heads, int64_t HS,
+            const float* table, bool back) {
+  const Positions pos = positions(a);
+  const bool whole = pos.starts.size() == 1;  // one chunk: every sequence at once
+  for (int64_t b = 0; b < (whole ? 1 : a.B); ++b)
+    for (size_t c = 0; c < pos.starts.size(); ++c) {
+      float* x = qkv + (b * a.T + static_cast<int64_t>(c) * pos.rows) * width;
+      const float* rows = table + be.rope_table_floats(pos.starts[c], HS);  // row p of the table
+      const int64_t B = whole ? a.B : 1;
+      if (back)
+        be.rope_backward(x, B, pos.rows, heads, HS, width, rows);
+      else
+        be.rope_forward(x, B, pos.rows, heads, HS, width, rows);
+    }
+}
+
 Split split_of(const UnitArgs& a) {
   const auto& c = a.desc->config;
   if (a.cp_impl != model::ContextImpl::all_to_all)

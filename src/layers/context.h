@@ -25,6 +25,11 @@ struct Positions {
 };
 Positions positions(const UnitArgs& a);
 
+// Rotates (back: rotates back) q and k of this rank's rows of qkv (B, T, width, the q and k heads
+// first, `heads` of them) at their positions in the sequence; `table` holds every position.
+void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, int64_t width, int64_t heads, int64_t HS,
+            const float* table, bool back);
+
 struct Split {
   int P = 1, me = 0;                 // cp ranks, this one's index
   int64_t B = 0, T = 0;              // sequences, rows of each this rank holds (T·P positions)

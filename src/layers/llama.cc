@@ -111,20 +111,8 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   return w;
 }
 
-// Rotates (or, backward, rotates back) q and k of this rank's rows at their positions in the
-// sequence; the table holds every position.
 void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, const Dims& d, const float* table, bool back) {
-  const context::Positions pos = context::positions(a);
-  for (int64_t b = 0; b < (pos.starts.size() == 1 ? 1 : d.B); ++b)
-    for (size_t c = 0; c < pos.starts.size(); ++c) {
-      float* x = qkv + (b * d.T + static_cast<int64_t>(c) * pos.rows) * d.QKV;
-      const float* rows = table + be.rope_table_floats(pos.starts[c], d.HS);  // row p of the table
-      const int64_t B = pos.starts.size() == 1 ? d.B : 1;
-      if (back)
-        be.rope_backward(x, B, pos.rows, d.NH + d.NKV, d.HS, d.QKV, rows);
-      else
-        be.rope_forward(x, B, pos.rows, d.NH + d.NKV, d.HS, d.QKV, rows);
-    }
+  context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, table, back);
 }
 
 // ---- embedding

@@ -7,13 +7,20 @@
 //  2. token side: the outputs, in dispatch order, weighted by the routing weights into the residual.
 // The backward runs the stages in reverse (2, 1, 0) and adds the load-balancing and z-loss
 // gradients, each weighted by its coefficient and UnitArgs::group_weight. With one rank the
-// exchanges are left out: each stage reads what the one before it sent. The experts' weights are
+// exchanges are left out: each stage reads what the one before it sent.
+// Under context parallelism (cp ranks each holding T of a sequence's T·cp positions) the attention
+// half runs as a LLaMA block's split attention (layers/context.h: A = cp + 1 stages for a ring, 3
+// for the all-to-all form), its last stage going on through the router and sending this rank's
+// routing counts to the cp group; then stage A dispatches with the group's counts (the routing
+// group stays the data-parallel micro-batch: the load-balancing loss, the z-loss and the capacity
+// are the whole sequences'), and stages A + 1, A + 2 are stages 1 and 2 above. The experts' weights are
 // the borrowed unit (moe_experts: w1|w3 (2 FE, C) then w2 (C, FE) per expert): a rank gets
 // the slice of its L = E / P experts (rank `peer` of P holds experts peer·L .. peer·L + L − 1).
 #include <algorithm>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "layers/context.h"
 #include "layers/layers.h"
 #include "tensor/memory.h"
 
@@ -44,17 +51,26 @@ struct Dims {
   // Expert parallelism: P ranks, each running L = E / P experts on at most RL rows (the rows all
   // P ranks could route to them).
   int64_t P, L, RL;
+  // Context parallelism: K ranks hold each sequence (this rank T of its T·K positions), as a ring
+  // or heads split by an all-to-all; the routing group has G = BT·K tokens, and this rank holds
+  // `chunks` chunks of `chunk_rows` positions of each sequence.
+  int64_t K = 1, G = 0;
+  bool ring = false;
+  int64_t chunks = 1, chunk_rows = 0;
+  bool heads_split() const { return K > 1 && !ring; }
+  int A() const { return ring ? static_cast<int>(K) + 1 : 3; }  // stages of the attention half under cp
 };
-Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P) {
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int64_t K, model::ContextImpl impl) {
   const auto& c = desc.config;
-  const int64_t HS = c.head_size(), BT = B * T;
+  const int64_t HS = c.head_size(), BT = B * T, G = BT * K;
   const int64_t L = c.n_experts / P;
+  const bool ring = K > 1 && impl == model::ContextImpl::ring;
   return {B,           T,       BT, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS,
-          c.n_experts, c.top_k, c.moe_ffn_dim, c.routed_rows_bound(BT), c.expert_capacity(BT),
+          c.n_experts, c.top_k, c.moe_ffn_dim, c.routed_rows_bound(BT, G), c.expert_capacity(G),
           static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), c.norm_topk,
-          P, L, c.expert_rows_bound(BT, P)};
+          P, L, c.expert_rows_bound(BT, P, G), K, G, ring, ring ? 2 : 1, ring ? T / 2 : T};
 }
-Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.peers); }
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.peers, a.cp, a.cp_impl); }
 
 // Expert j's w1|w3 (2 FE, C) and w2 (C, FE) inside the experts unit's flat buffer.
 const float* expert_gate_up(const Dims& d, const float* experts, int64_t j) { return experts + j * 3 * d.FE * d.C; }
@@ -77,6 +93,8 @@ struct Saved {
   int32_t* from;       // (P, L) expert side: rows from rank q for local expert j
   float* xs;           // (RL, C) expert side: received rows, expert-major
   float* gate_up;      // (RL, 2 FE)
+  float* out_split = nullptr;  // heads split over cp: this rank's heads' attention output (B, T·K, C / K)
+  float* kv_last = nullptr;    // a ring: the last key/value block the forward attended to (B, T, 2·NKV·HS)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -95,6 +113,8 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.from = cv.take<int32_t>(d.P * d.L);
   s.xs = cv.take<float>(d.RL * d.C);
   s.gate_up = cv.take<float>(d.RL * 2 * d.FE);
+  if (d.heads_split()) s.out_split = cv.take<float>(d.BT * d.C);
+  if (d.ring) s.kv_last = cv.take<float>(d.BT * 2 * d.NKV * d.HS);
   return s;
 }
 struct Recomputable {
@@ -112,17 +132,22 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
 }
 struct ForwardWs {
   float *rope, *probs, *router_lse, *ys;  // ys: (RL, C) expert side, expert-major
+  float* qkv = nullptr;      // heads split over cp: this rank's rows' q|k|v before they go to the head split
+  int32_t* taken = nullptr;  // under cp: per sequence and chunk here, the group's slots before it per expert
 };
 ForwardWs carve_forward_ws(const kernels::Backend& be, Carver& cv, const Dims& d) {
   ForwardWs w;
-  w.rope = cv.take<float>(be.rope_table_floats(d.T, d.HS));
+  w.rope = cv.take<float>(be.rope_table_floats(d.T * d.K, d.HS));
   w.probs = cv.take<float>(d.BT * d.E);
   w.router_lse = cv.take<float>(d.BT);
   w.ys = cv.take<float>(d.RL * d.C);
+  if (d.heads_split()) w.qkv = cv.take<float>(d.BT * d.QKV);
+  if (d.K > 1) w.taken = cv.take<int32_t>(d.B * d.chunks * d.E);
   return w;
 }
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dys, *dact, *dgate_up, *dxs, *dweight, *probs, *router_lse, *dlogits, *attention, *rope;
+  float *dout_split = nullptr, *dqkv_split = nullptr;  // heads split over cp: the head split's gradients
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -138,7 +163,11 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   w.router_lse = cv.take<float>(d.BT);
   w.dlogits = cv.take<float>(d.BT * d.E);
   w.attention = cv.take<float>(be.attention_backward_scratch(d.B, d.T, d.NH, d.NKV, d.HS, threads));
-  w.rope = cv.take<float>(be.rope_table_floats(d.T, d.HS));
+  w.rope = cv.take<float>(be.rope_table_floats(d.T * d.K, d.HS));
+  if (d.heads_split()) {
+    w.dout_split = cv.take<float>(d.BT * d.C);
+    w.dqkv_split = cv.take<float>(d.BT * d.QKV);
+  }
   return w;
 }
 
@@ -245,6 +274,14 @@ std::vector<int64_t> rows_per_rank(const std::vector<int32_t>& off, int64_t widt
 
 // ---- the forward, stage by stage
 
+// From the attention output to the router's input: projection, residual, norm.
+void post_attention_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+                            const Recomputable& r, const Dims& d) {
+  be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
+  be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
+  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+}
+
 // Stage 0 (token side): the attention half, the router, and the routed rows of ln2 to the
 // ranks of their experts.
 void attention_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
@@ -254,16 +291,21 @@ void attention_forward(const kernels::Backend& be, const Block& p, const float* 
   be.rope_table(rope, d.T, d.HS, d.theta);
   be.rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
   be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
-  be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
-  be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  post_attention_forward(be, p, in, s, r, d);
 }
 
-std::vector<int32_t> dispatch(const kernels::Backend& be, const Block& p, const Saved& s, const Recomputable& r,
-                              const ForwardWs& w, char* send, const Dims& d) {
+void route(const kernels::Backend& be, const Block& p, const Saved& s, const Recomputable& r, const ForwardWs& w,
+           const Dims& d) {
   be.dense_forward(s.logits, r.ln2, p.gate, d.BT, d.C, d.E);
   be.moe_router_forward(w.probs, w.router_lse, s.expert, s.weight, s.logits, d.BT, d.E, d.k, d.norm_topk);
-  be.moe_dispatch(s.offsets, s.assigned, s.slot_row, s.row_token, s.expert, d.BT, d.E, d.k, d.capacity);
+}
+
+// The routed rows in expert order (capacity counted after `taken`, moe_dispatch's), each expert
+// rank's share sent.
+std::vector<int32_t> dispatch(const kernels::Backend& be, const Saved& s, const Recomputable& r, const int32_t* taken,
+                              char* send, const Dims& d) {
+  be.moe_dispatch(s.offsets, s.assigned, s.slot_row, s.row_token, s.expert, d.BT, d.E, d.k, d.capacity, taken,
+                  d.chunk_rows);
   const std::vector<int32_t> off = expert_offsets(be, s, d);
   const Routed io{be, d.P};
   const std::vector<int64_t> bytes = rows_per_rank(off, d.C, 8 * d.L, d);
@@ -306,18 +348,99 @@ void experts_forward(const kernels::Backend& be, const float* experts, const Sav
   be.grouped_dense_forward(ys, r.act, down.data(), x.first.data(), d.L, d.FE, d.C);
 }
 
-void record(const UnitArgs& a, const Saved& s, const ForwardWs& w, const std::vector<int32_t>& off, const Dims& d) {
+// ---- the routing group over cp (model::moe_count_bytes): this rank's slots per (sequence, chunk,
+// expert) to every rank of the group, the same payload to each.
+
+int64_t count_entries(const Dims& d) { return d.B * d.chunks * d.E; }
+
+void send_counts(const kernels::Backend& be, char* send, const Saved& s, const Dims& d) {
+  std::vector<int32_t> expert(d.BT * d.k);
+  be.download(expert.data(), s.expert, sizeof(int32_t) * expert.size());
+  std::vector<int32_t> counts(count_entries(d), 0);
+  for (int64_t t = 0; t < d.BT; ++t) {
+    const int64_t segment = t / d.chunk_rows;  // sequence-major, then the chunks in the order held
+    for (int64_t j = 0; j < d.k; ++j) ++counts[segment * d.E + expert[t * d.k + j]];
+  }
+  const int64_t bytes = 4 * count_entries(d), header = model::exchange_header_bytes(d.K);
+  be.upload(send, std::vector<int64_t>(d.K, bytes).data(), 8 * d.K);
+  for (int64_t q = 0; q < d.K; ++q) be.upload(send + header + q * bytes, counts.data(), bytes);
+}
+
+// From every rank's counts: the group's slots per expert, and into `taken` (device) the group's
+// slots before each of this rank's (sequence, chunk) segments in the group's token order
+// (sequence-major, then position).
+std::vector<int32_t> group_counts(const kernels::Backend& be, const UnitArgs& a, const char* recv, int32_t* taken,
+                                  const Dims& d) {
+  const int64_t n = count_entries(d), header = model::exchange_header_bytes(d.K);
+  std::vector<int32_t> all(d.K * n);
+  be.download(all.data(), recv + header, sizeof(int32_t) * all.size());
+  const int64_t seq = d.T * d.K;
+  std::vector<std::vector<int64_t>> starts(d.K);
+  for (int q = 0; q < d.K; ++q) starts[q] = model::context_chunk_starts(seq, static_cast<int>(d.K), q, a.cp_impl);
+  std::vector<int32_t> group(d.E, 0), before(n, 0);
+  for (int64_t q = 0; q < d.K; ++q)
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t c = 0; c < d.chunks; ++c) {
+        const int32_t* cnt = all.data() + q * n + (b * d.chunks + c) * d.E;
+        for (int64_t e = 0; e < d.E; ++e) group[e] += cnt[e];
+        // Ahead of this rank's segment (b2, c2): every earlier sequence, and this sequence's
+        // chunks at earlier positions.
+        for (int64_t b2 = b; b2 < d.B; ++b2)
+          for (int64_t c2 = 0; c2 < d.chunks; ++c2)
+            if (b2 > b || starts[q][c] < starts[a.cp_index][c2])
+              for (int64_t e = 0; e < d.E; ++e) before[(b2 * d.chunks + c2) * d.E + e] += cnt[e];
+      }
+  be.upload(taken, before.data(), sizeof(int32_t) * n);
+  return group;
+}
+
+// `stage` under cp: the attention half's stages (A − 1 of them exchanging over cp); its last goes
+// on through the router and sends this rank's counts.
+void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r,
+                             const ForwardWs& w, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  auto qkv_forward = [&](float* qkv) {
+    be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+    be.dense_forward(qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+    be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
+    context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, false);
+  };
+  if (d.ring) {
+    const context::Ring ring = context::ring_of(a);
+    if (a.stage == 0) {
+      qkv_forward(s.qkv);
+      return context::ring_send_own(be, a.send, s.qkv, ring);
+    }
+    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    if (a.stage < d.K) return;
+  } else {
+    const context::Split sp = context::split_of(a);
+    if (a.stage == 0) {
+      qkv_forward(w.qkv);
+      return context::send_qkv(be, a.send, w.qkv, sp);
+    }
+    if (a.stage == 1) return context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
+    context::take_outputs(be, s.atty, a.recv, sp);
+  }
+  post_attention_forward(be, p, a.in, s, r, d);
+  route(be, p, s, r, w, d);
+  send_counts(be, a.send, s, d);
+}
+
+// The routing's figures: this rank's part of the group's losses, and the group's expert loads.
+void record(const UnitArgs& a, const Saved& s, const ForwardWs& w, const std::vector<int32_t>& off,
+            const std::vector<int32_t>& group, const Dims& d) {
   if (!a.moe) return;
   const kernels::Backend& be = *a.backend;
   MoeStats m;
   double aux = 0, z = 0;
-  be.moe_router_losses(&aux, &z, w.probs, w.router_lse, s.assigned, d.BT, d.E, d.k);
+  be.moe_router_losses(&aux, &z, w.probs, w.router_lse, s.assigned, d.BT, d.E, d.k, d.G);
   m.aux_loss = a.group_weight * aux;
   m.z_loss = a.group_weight * z;
   m.routed = d.BT * d.k;
   m.dropped = m.routed - off[d.E];
   for (int64_t j = 0; j < d.E; ++j) {
-    const int64_t n = off[j + 1] - off[j];
+    const int64_t n = d.K > 1 ? std::min<int64_t>(group[j], d.capacity) : off[j + 1] - off[j];
     m.min_load = m.min_load < 0 ? n : std::min(m.min_load, n);
     m.max_load = std::max(m.max_load, n);
   }
@@ -345,18 +468,29 @@ void forward_stage(const UnitArgs& a, int stage, bool stats) {
   const auto [d, p, s, r] = views(a);
   Carver cw(a.forward_ws);
   const ForwardWs w = carve_forward_ws(be, cw, d);
-  if (stage == 0) {
+  const int m = d.K == 1 ? stage : stage - d.A();  // the MoE half's stage: 0 dispatch, 1 experts, 2 combine
+  if (m < 0) {
+    split_attention_forward(a, p, s, r, w, d);
+  } else if (m == 0 && d.K == 1) {
     attention_forward(be, p, a.in, s, r, w.rope, d);
-    const std::vector<int32_t> off = dispatch(be, p, s, r, w, a.send, d);
-    if (stats) record(a, s, w, off, d);
-  } else if (stage == 1) {
+    route(be, p, s, r, w, d);
+    const std::vector<int32_t> off = dispatch(be, s, r, nullptr, a.send, d);
+    if (stats) record(a, s, w, off, {}, d);
+  } else if (m == 0) {
+    // The group's counts: capacity after the group's earlier slots; the losses' f_e from the
+    // group's slots (kept in `assigned` for the backward, in place of this rank's).
+    const std::vector<int32_t> group = group_counts(be, a, a.recv, w.taken, d);
+    const std::vector<int32_t> off = dispatch(be, s, r, w.taken, a.send, d);
+    be.upload(s.assigned, group.data(), sizeof(int32_t) * d.E);
+    if (stats) record(a, s, w, off, group, d);
+  } else if (m == 1) {
     const ExpertRows x = receive_rows(be, a.recv, s, d);
     experts_forward(be, a.borrowed_params, s, r, w.ys, x, d);
     send_back(be, a.send, w.ys, d.C, x, d);
   } else {  // stage 2 (token side): the experts' outputs, in dispatch order, weighted into the residual
     const std::vector<int32_t> off = expert_offsets(be, s, d);
     be.copy(s.ys, a.recv + Routed{be, d.P}.header(), sizeof(float) * off[d.E] * d.C);
-    be.moe_combine(a.out, s.res1, s.ys, s.weight, s.slot_row, d.BT, d.k, d.C);
+    if (a.out) be.moe_combine(a.out, s.res1, s.ys, s.weight, s.slot_row, d.BT, d.k, d.C);  // a rebuild writes no output
   }
 }
 
@@ -364,7 +498,8 @@ void forward_stage(const UnitArgs& a, int stage, bool stats) {
 // stages back to back through a routed-rows buffer of its own.
 template <class Stage>
 void whole_pass(const UnitArgs& a, bool reverse, Stage stage) {
-  if (a.peers != 1) throw std::logic_error("moe block: a pass over " + std::to_string(a.peers) + " ranks runs as stages");
+  if (a.peers != 1 || a.cp != 1)
+    throw std::logic_error("moe block: a pass over " + std::to_string(a.peers * a.cp) + " ranks runs as stages");
   const Dims d = dims(a);
   const kernels::Backend& be = *a.backend;
   Buffer x0 = be.alloc(MemCategory::comm, model::moe_exchange_bound(*a.desc, d.BT, 1), Buffer::Fill::none);
@@ -420,13 +555,42 @@ void experts_backward(const kernels::Backend& be, const float* experts, float* g
                             2 * d.FE);
 }
 
+// Under cp, the attention half's backward stages (A − 1 .. 0) as a LLaMA block's: d attention
+// output (w.datty, from stage A) through the ring or the head split, then q|k|v's backward.
+void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved& s,
+                              const Recomputable& r, const BackwardWs& w, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  auto qkv_backward = [&] {
+    be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
+    context::rotate(be, w.dqkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, true);
+    be.zero(w.dln, sizeof(float) * d.BT * d.C);
+    be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+    be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
+  };
+  if (d.ring) {
+    if (a.stage == 0) return qkv_backward();
+    return context::ring_backward(be, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, a.recv, a.send, w.attention,
+                                  a.stage, context::ring_of(a));
+  }
+  const context::Split sp = context::split_of(a);
+  if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
+  if (a.stage == 1)
+    return context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+                                       w.attention, sp);
+  context::take_qkv_grads(be, w.dqkv, a.recv, sp);
+  qkv_backward();
+}
+
 void backward_stage(const UnitArgs& a, int stage) {
   const kernels::Backend& be = *a.backend;
   const auto [d, p, s, r] = views(a);
   Carver cw(a.backward_ws);
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const Routed io{be, d.P};
-  if (stage == 2) {  // token side: d out -> d routing weights, and d expert outputs to their experts
+  const Block g = block_view(*a.unit, a.grads);
+  const int m = d.K == 1 ? stage : stage - d.A();  // the MoE half's stage: 0 dispatch, 1 experts, 2 combine
+  if (m < 0) return split_attention_backward(a, p, g, s, r, w, d);
+  if (m == 2) {  // token side: d out -> d routing weights, and d expert outputs to their experts
     const std::vector<int32_t> off = expert_offsets(be, s, d);
     const std::vector<int64_t> bytes = rows_per_rank(off, d.C, 0, d);
     io.write_sizes(a.send, bytes);
@@ -436,7 +600,7 @@ void backward_stage(const UnitArgs& a, int stage) {
     be.moe_combine_backward(dys, w.dweight, a.dx, s.ys, s.weight, s.slot_row, d.BT, d.k, d.C);
     return;
   }
-  if (stage == 1) {
+  if (m == 1) {
     const ExpertRows x = expert_rows(download_from(be, s, d), d);
     take_rows(be, w.dys, a.recv, 0, d.C, x, d);
     experts_backward(be, a.borrowed_params, a.borrowed_grads, s, r, w, x, d);
@@ -444,7 +608,8 @@ void backward_stage(const UnitArgs& a, int stage) {
     return;
   }
   // Stage 0 (token side): d dispatched rows back to tokens, the router (top-k weights, aux and
-  // z-loss), the norm, then the attention half as llama's.
+  // z-loss of the routing group: its G tokens, `assigned` its counts), the norm, the projection,
+  // then the attention half as llama's (under cp, in the stages before this one).
   const float* dxs = reinterpret_cast<const float*>(a.recv + io.header());
   const auto& c = a.desc->config;
   const int64_t BT = d.BT, C = d.C;
@@ -454,9 +619,8 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.moe_gather_rows_backward(w.dln, dxs, s.slot_row, BT, d.k, C);
   be.moe_router_probs(w.probs, w.router_lse, s.logits, BT, d.E);
   be.moe_router_backward(w.dlogits, w.dweight, w.probs, w.router_lse, s.expert, s.weight, s.assigned, BT, d.E, d.k,
-                         d.norm_topk, static_cast<float>(c.aux_loss_coef * a.group_weight),
+                         d.G, d.norm_topk, static_cast<float>(c.aux_loss_coef * a.group_weight),
                          static_cast<float>(c.z_loss_coef * a.group_weight));
-  const Block g = block_view(*a.unit, a.grads);
   be.dense_backward(w.dln, mut(g.gate), w.dlogits, r.ln2, p.gate, BT, C, d.E);
   be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
   // dres now holds d res1: the attention half, as llama's.
@@ -464,6 +628,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.zero(w.dqkv, sizeof(float) * BT * d.QKV);
   be.zero(w.dln, sizeof(float) * BT * C);
   be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+  if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
   be.rope_table(w.rope, d.T, d.HS, d.theta);
   be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
@@ -478,7 +643,7 @@ void block_backward(const UnitArgs& a) {
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T, shape.ep);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.ep, shape.cp, shape.cp_impl);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
   carve_saved(cs, d);
   carve_recomputable(cr, d);

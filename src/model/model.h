@@ -48,11 +48,12 @@ struct ModelConfig {
   // Rows a routing group of `tokens` tokens sends to one expert at most (capacity mode), or
   // tokens when dropless.
   int64_t expert_capacity(int64_t tokens) const;
-  // Routed rows of a group of `tokens` tokens at most: what the dispatch buffers are sized for.
-  int64_t routed_rows_bound(int64_t tokens) const;
+  // Routed rows of `tokens` tokens of a routing group of `group` tokens (0: the same; more when
+  // context parallelism splits a group's sequences) at most: what the dispatch buffers are sized for.
+  int64_t routed_rows_bound(int64_t tokens, int64_t group = 0) const;
   // Rows the E / ranks experts of one rank of an expert-parallel group of `ranks` can receive at
-  // most from the group's routing groups of `tokens` tokens each.
-  int64_t expert_rows_bound(int64_t tokens, int64_t ranks) const;
+  // most from the group's ranks, each routing `tokens` tokens of a routing group of `group`.
+  int64_t expert_rows_bound(int64_t tokens, int64_t ranks, int64_t group = 0) const;
   // The embedding (and an untied head) carry extra zero rows so the head's GEMM has a friendly
   // N; files that leave the program carry V rows only.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
@@ -200,6 +201,7 @@ struct Exchange {
   // ... or it sends on what the exchange before it received, once the stage before the previous
   // one is done with its block.
   bool forwards_received = false;
+  const char* carries = nullptr;  // what travels, in words for `explain` (null: routed rows or a ring block)
 };
 
 inline int64_t exchange_header_bytes(int64_t ranks) { return (8 * ranks + 63) / 64 * 64; }
@@ -310,7 +312,12 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
 UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 // Bytes of each buffer of a MoE block's exchanges (routing groups of `tokens` tokens, an expert
 // group of `ranks`): the header, every expert's row count, and the most rows one rank receives.
-int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks);
+int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks, int64_t group = 0);
+// Under context parallelism a MoE block's routing group spans the cp ranks: each sends the others
+// how many of its slots chose each expert, per sequence and chunk of it the rank holds (int32,
+// sequence-major, then chunk, then expert), so every rank counts the group's load and, with a
+// capacity, the group's slots ahead of its own. The bytes of one rank's counts.
+int64_t moe_count_bytes(const ModelDesc& desc, const Shape& s);
 // The LLaMA units (embedding, dense block, head) the MoE family shares.
 void add_llama_embedding(ModelDesc& d);
 void add_llama_block(ModelDesc& d, int layer);

@@ -21,17 +21,22 @@ int64_t ModelConfig::expert_capacity(int64_t tokens) const {
   return std::min<int64_t>(tokens, static_cast<int64_t>(cap));
 }
 
-int64_t ModelConfig::routed_rows_bound(int64_t tokens) const {
-  return std::min(tokens * top_k, n_experts * expert_capacity(tokens));
+int64_t ModelConfig::routed_rows_bound(int64_t tokens, int64_t group) const {
+  return std::min(tokens * top_k, n_experts * expert_capacity(group > 0 ? group : tokens));
 }
 
-int64_t ModelConfig::expert_rows_bound(int64_t tokens, int64_t ranks) const {
-  return ranks * std::min(routed_rows_bound(tokens), n_experts / ranks * expert_capacity(tokens));
+int64_t ModelConfig::expert_rows_bound(int64_t tokens, int64_t ranks, int64_t group) const {
+  return ranks * std::min(routed_rows_bound(tokens, group), n_experts / ranks * expert_capacity(group > 0 ? group : tokens));
 }
 
-int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks) {
+int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks, int64_t group) {
   const ModelConfig& c = desc.config;
-  return exchange_header_bytes(ranks) + 8 * c.n_experts + 4 * c.n_embd * c.expert_rows_bound(tokens, ranks);
+  return exchange_header_bytes(ranks) + 8 * c.n_experts + 4 * c.n_embd * c.expert_rows_bound(tokens, ranks, group);
+}
+
+int64_t moe_count_bytes(const ModelDesc& desc, const Shape& s) {
+  const int64_t chunks = s.cp_impl == ContextImpl::ring ? 2 : 1;
+  return 4 * s.B * chunks * desc.config.n_experts;
 }
 
 namespace {
@@ -70,6 +75,42 @@ void add_moe_block(ModelDesc& d, int l) {
   d.units.push_back(std::move(x));
 }
 
+// A MoE block whose sequences are split over s.cp > 1 ranks: the attention half's stages as a
+// LLaMA block's (ring or all-to-all; its last stage goes on through the projection, the norm and
+// the router), then the routing group's counts over cp (moe_count_bytes, every rank's to every
+// rank: an all-to-all of one payload repeated), then the dispatch, the experts and the combine
+// with the routed rows over ep between them as without cp. The backward needs no counts exchange:
+// the forward leaves the group's counts in the saved routing.
+void moe_over_context(UnitCosts& u, const ModelDesc& desc, const Shape& s, const Exchange& routed, double load,
+                      double experts, double combine) {
+  const auto& c = desc.config;
+  const double bt = static_cast<double>(s.B * s.T);
+  const int64_t C = c.n_embd, HS = c.head_size(), QKV = (c.n_head + 2 * c.n_kv_head) * HS, E = c.n_experts;
+  const double qkv_flops = 2 * bt * C * QKV, rest = 2 * bt * C * C + 2 * bt * C * E;  // projection, router
+  const double total = u.forward_flops + combine;
+  const double attention = u.attention_flops;
+  const bool ring = s.cp_impl == ContextImpl::ring;
+  if (ring) detail::ring_attention_over_context(u, s, 2 * c.n_kv_head * HS, qkv_flops);
+  else detail::split_attention_over_context(u, s, QKV, C, qkv_flops);
+  const int A = u.stages();  // the attention half's
+  u.stage_share.assign(A + 3, 0.0);
+  u.stage_share[0] = qkv_flops / total;
+  for (int i = 1; i < A; ++i) u.stage_share[i] = ring ? attention / s.cp / total : (i == 1 ? attention / total : 0.0);
+  u.stage_share[A - 1] += rest / total;
+  u.stage_share[A + 1] = experts / total;  // stage A (the dispatch) moves rows: no FLOPs
+  u.stage_share[A + 2] = combine / total;
+  u.stage_load.assign(A + 3, 1.0);
+  u.stage_load[A + 1] = load;
+  const int64_t counts = moe_count_bytes(desc, s);
+  u.forward_workspace += slice(counts / 4, 4);  // the group's slots before each of this rank's chunks, per expert
+  if (u.backward_exchanges.empty()) u.backward_exchanges = u.exchanges;
+  Exchange group{"cp", exchange_header_bytes(s.cp) + s.cp * counts, (s.cp - 1) * counts};  // mesh.h's kContext
+  group.carries = "routing counts of the cp group";
+  u.exchanges.push_back(group);
+  u.backward_exchanges.push_back(Exchange{"cp", 0, 0, Exchange::Route::none});
+  for (int i = 0; i < 2; ++i) u.exchanges.push_back(routed), u.backward_exchanges.push_back(routed);
+}
+
 }  // namespace
 
 ModelDesc describe_moe(const ModelConfig& config) {
@@ -90,12 +131,15 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   const auto& c = desc.config;
   const int64_t B = s.B, T = s.T, BT = B * T, C = c.n_embd, NH = c.n_head, e = s.elem;
   const int64_t HS = c.head_size(), QKV = (c.n_head + 2 * c.n_kv_head) * HS;
-  const int64_t E = c.n_experts, k = c.top_k, FE = c.moe_ffn_dim, R = c.routed_rows_bound(BT);
-  const int64_t P = s.ep, L = E / P, RL = c.expert_rows_bound(BT, P);
+  // A routing group is the data-parallel micro-batch: its B sequences whole, G tokens, however
+  // many cp ranks hold them (each T of a sequence's T·cp positions).
+  const int64_t G = BT * s.cp;
+  const int64_t E = c.n_experts, k = c.top_k, FE = c.moe_ffn_dim, R = c.routed_rows_bound(BT, G);
+  const int64_t P = s.ep, L = E / P, RL = c.expert_rows_bound(BT, P, G);
   const double bt = static_cast<double>(BT), routed = bt * static_cast<double>(k);
   UnitCosts u;
   const double gemm = 2 * bt * (C * QKV + C * C + C * E) + 2 * routed * (C * 2 * FE + FE * C);
-  const double attention = 2 * bt * T * C;
+  const double attention = 2 * bt * (T * s.cp) * C;  // split over cp ranks, each does 1/cp of it
   u.forward_flops = gemm + attention;
   u.attention_flops = attention;
   u.backward_flops = 2 * u.forward_flops;
@@ -107,7 +151,7 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   // the mean and its L − 1 neighbours' at the mean, at most all P ranks' rows.
   const double hottest = std::max(1.0, s.expert_load);
   const double load = P > 1 ? std::min((hottest + static_cast<double>(L - 1)) / static_cast<double>(L), static_cast<double>(P)) : 1.0;
-  const int64_t bound = moe_exchange_bound(desc, BT, P);
+  const int64_t bound = moe_exchange_bound(desc, BT, P, G);
   const int64_t moved = 8 * E + static_cast<int64_t>(std::llround(load * static_cast<double>(4 * C * R)));
   const model::Exchange x{kExpertAxis, bound, std::min(bound, moved)};
   u.exchanges = {x, x};
@@ -131,7 +175,7 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   // Recomputable: both norms' outputs and rstd, the experts' SwiGLU output. Forward scratch: the
   // rope table, the router's probabilities and log-sum-exp, the expert side's outputs.
   u.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(RL * FE, e);
-  const int64_t rope_table = slice(T * HS, 4);
+  const int64_t rope_table = slice(T * s.cp * HS, 4);  // every position of the sequence
   const int64_t router = slice(BT * E, 4) + slice(BT, 4);  // probabilities and log-sum-exp
   u.forward_workspace = rope_table + router + slice(RL * C, e);
   // Backward scratch: d norm out, d attention out, d qkv; on the expert side d expert out,
@@ -141,6 +185,7 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
                          slice(RL * FE, e) + slice(RL * 2 * FE, e) + slice(RL * C, e) + slice(BT * k, 4) + router +
                          slice(BT * E, 4) + slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) +
                          rope_table;
+  if (s.cp > 1) moe_over_context(u, desc, s, x, load, experts, combine);
   return u;
 }
 

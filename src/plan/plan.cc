@@ -421,6 +421,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       o << ")";
     }
     if (t.ring_step != 0) o << (t.ring_step > 0 ? " ring step to the next rank" : " ring step to the previous rank");
+    if (t.carries) o << " " << t.carries;
     o << " | deps";
     for (int d : t.deps) o << " " << d;
     if (t.flops > 0) o << " | " << t.flops / 1e9 << " GFLOP";

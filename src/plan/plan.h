@@ -116,6 +116,7 @@ struct Task {
   // An exchange's route: 0 an all-to-all (model::Exchange::Route::all_to_all); +1 / −1 a ring step,
   // the whole buffer to the next / previous rank of its axes and the same size from the other side.
   int ring_step = 0;
+  const char* carries = nullptr;  // an exchange's payload in words for `explain` (model::Exchange::carries)
   // all_reduce buckets: units [first, last]; all_gather buckets: first..last in gather order
   // (ascending in a forward, descending in a backward; unit is then -1).
   int first_unit = -1, last_unit = -1;

@@ -140,6 +140,19 @@ class Builder {
   void forward(int u, int m);
   void backward(int u, int m);
   int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
+  std::vector<int> exchange_axes(const model::Exchange& x) const {
+    const int a = plan_.mesh.find(x.axis);
+    return a >= 0 ? std::vector<int>{a} : std::vector<int>{};
+  }
+  // The axes a staged unit's compute tasks name, which its layer routes rows by (UnitArgs::peers):
+  // its exchanges' axis other than cp where it has one (a rank's place on cp reaches the layer
+  // apart, UnitArgs::cp_index); empty for a unit of one stage.
+  std::vector<int> stage_axes(int u, bool reverse) const {
+    std::vector<int> axes;
+    for (const model::Exchange& x : costs_[u].exchanges_of(reverse))
+      if (x.route != model::Exchange::Route::none && (axes.empty() || x.axis != kContext)) axes = exchange_axes(x);
+    return axes;
+  }
   int add_stages(int first, bool reverse);
   void reduce_grad(int u, int producer);
   void close_bucket(int producer);
@@ -413,6 +426,9 @@ void Builder::backward(int u, int m) {
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
   if (rebuild) {
     const int r = add(Op::recompute, u, m, {ag});
+    // A selective rebuild is one task, but it carves the same activations as the stages, sized by
+    // the ranks they exchange with.
+    at(r).axes = stage_axes(u, false);
     Operands& io = at(r).io;
     io.params = params;
     if (borrowed_state(u) >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
@@ -483,16 +499,12 @@ int Builder::add_stages(int first, bool reverse) {
   const int S = c.stages();
   if (S == 1) return first;
   using Route = model::Exchange::Route;
-  // Every stage names the axes its exchanges span (the layer routes by its index there).
-  std::string axis_name;
-  for (const model::Exchange& x : exchanges) {
-    if (x.route == Route::none) continue;
-    if (!axis_name.empty() && x.axis != axis_name) throw std::logic_error("plan: unit " + uname(u) + " exchanges over two axes");
-    axis_name = x.axis;
-  }
-  const int axis = plan_.mesh.find(axis_name);
-  const std::vector<int> axes = axis >= 0 ? std::vector<int>{axis} : std::vector<int>{};
-  const bool spans = plan_.mesh.group_size(axes) > 1;
+  // Each exchange runs over its own axis (a MoE block under cp: the attention's and the routing
+  // counts' over cp, the routed rows' over ep); one over an axis of one rank is left out. The
+  // stages name stage_axes.
+  auto axes_of = [&](const model::Exchange& x) { return exchange_axes(x); };
+  auto spans_of = [&](const model::Exchange& x) { return plan_.mesh.group_size(axes_of(x)) > 1; };
+  const std::vector<int> axes = stage_axes(u, reverse);
   at(first).axes = axes;
   const Task whole = at(first);
   at(first).frees.clear();
@@ -503,6 +515,7 @@ int Builder::add_stages(int first, bool reverse) {
   for (int i = 1; i < S; ++i) {
     const int s = reverse ? S - 1 - i : i, e = reverse ? s : s - 1;
     const model::Exchange& x = exchange_into(i);
+    const bool spans = spans_of(x);
     int feed = -1, dep = prev;
     if (x.route != Route::none) {
       const int producer = x.ahead && before_prev >= 0 ? before_prev : prev;
@@ -516,9 +529,10 @@ int Builder::add_stages(int first, bool reverse) {
       feed = send;
       if (spans) {
         const int xt = add(Op::exchange, u, m, forward_on ? std::vector<int>{prev_exchange, producer} : std::vector<int>{producer});
-        at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes;
+        at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
         at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
         at(xt).bytes = x.expected_bytes;
+        at(xt).carries = x.carries;
         at(xt).io.send = send;
         at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
         alloc(xt, feed);
@@ -535,7 +549,7 @@ int Builder::add_stages(int first, bool reverse) {
     if (free_next >= 0) free(t, free_next);
     free_next = -1;
     // A block the next exchange sends on stays until the stage after this one.
-    if (feed >= 0 && i + 1 < S && exchange_into(i + 1).forwards_received && spans) free_next = feed;
+    if (feed >= 0 && i + 1 < S && exchange_into(i + 1).forwards_received && spans_of(exchange_into(i + 1))) free_next = feed;
     else if (feed >= 0) free(t, feed);
     before_prev = prev, prev = t, prev_feed = feed;
   }
@@ -918,8 +932,6 @@ void validate(const PlanConfig& c) {
 // What splitting each sequence over cp ranks needs of the model and the sequence length.
 void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
   const std::string K = std::to_string(c.cp), impl = model::to_string(c.cp_impl);
-  if (desc.config.family == model::Family::moe)
-    throw std::invalid_argument("cp (--cp): context parallelism does not run mixture-of-experts blocks yet");
   if (!c.split_sequence) return;
   const int64_t parts = c.cp_impl == model::ContextImpl::ring ? 2 * c.cp : c.cp;
   if (c.seq < parts || c.seq % parts != 0)

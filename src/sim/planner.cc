@@ -237,7 +237,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   search({{1, model::ContextImpl::ring}});
   // Context parallelism is for sequences too long for a rank's memory: where nothing fits, every
   // cp (powers of two dividing the ranks) in both forms, as the builder accepts them.
-  if (out.fitting.empty() && q.memory_budget > 0 && desc.config.family != model::Family::moe) {
+  if (out.fitting.empty() && q.memory_budget > 0) {
     std::vector<std::pair<int, model::ContextImpl>> cps;
     for (int cp = 2; cp <= q.ranks && cp <= kMaxContextSearch; cp *= 2)
       if (q.ranks % cp == 0)

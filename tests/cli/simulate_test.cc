@@ -150,6 +150,27 @@ TEST_F(Simulate, MixtralPrintsItsAllToAllShare) {
   EXPECT_NE(one.out.find("all-to-all: none (ep 1"), std::string::npos) << one.out;
 }
 
+// moe-small with its sequences split over cp (and beside ep): simulate prices the block's
+// exchanges, the routing counts over cp among them, and prints their share; explain names the
+// counts exchange.
+TEST_F(Simulate, MixtureOfExpertsUnderContextParallelismPrintsItsExchanges) {
+  for (const std::string flags : {"--cp 2", "--cp 2 --cp-impl all-to-all", "--cp 2 --ep 2"}) {
+    const std::string plan = "--model moe-small --strategy fsdp --batch 1 --seq 256 --ranks 4 " + flags;
+    const Result human = shardlm("simulate --hardware cpu-local " + plan);
+    ASSERT_EQ(human.code, 0) << human.out;
+    EXPECT_TRUE(std::regex_search(human.out, std::regex("exchanges \\(cp 2 [a-z-]+(, ep 2)?\\): [0-9.]+ ms in exchange tasks")))
+        << human.out;
+    const Result j = shardlm("simulate --json --hardware cpu-local " + plan);
+    ASSERT_EQ(j.code, 0) << j.out;
+    const json r = json::parse(j.out);
+    EXPECT_GT(r["exchange_busy_ms"].get<double>(), 0) << flags;
+    EXPECT_EQ(r["cp"].get<int>(), 2) << flags;
+    const Result explained = shardlm("explain " + plan);
+    ASSERT_EQ(explained.code, 0) << explained.out;
+    EXPECT_NE(explained.out.find("(cp) routing counts of the cp group"), std::string::npos) << flags;
+  }
+}
+
 // Per stream, the names of the slices of one step, in time order.
 std::map<int, std::vector<std::string>> stream_tasks(const fs::path& trace, int pid, int step) {
   const json t = json::parse(std::ifstream(trace));

@@ -32,13 +32,46 @@ TEST(MoeKernels, TiesGoToTheLowerExpertAndCapacityDropsLaterTokens) {
   EXPECT_EQ(std::vector<int32_t>(row_token.begin(), row_token.begin() + rows), (std::vector<int32_t>{0, 1, 0, 1, 3}));
 }
 
+// A routing group split over two ranks as a ring splits a sequence (4 chunks: rank 0 holds chunks
+// 0 and 3, rank 1 chunks 1 and 2), each dispatching its chunks with `taken` (the group's slots
+// before each chunk, per expert): every slot is kept or dropped as in the whole group's dispatch.
+TEST(MoeKernels, DispatchOfAGroupSplitInSegmentsKeepsTheWholeGroupsSlots) {
+  const int64_t rows = 5, N = 4 * rows, E = 3, k = 2, capacity = 6;
+  std::vector<int32_t> expert(N * k);
+  for (int64_t t = 0; t < N; ++t) {  // two distinct experts a token, unevenly spread
+    expert[t * k] = static_cast<int32_t>((t * 7) % 5 % E);
+    expert[t * k + 1] = static_cast<int32_t>((expert[t * k] + 1 + t % 2) % E);
+  }
+  std::vector<int32_t> offsets(E + 1), assigned(E), slot_row(N * k), row_token(N * k);
+  moe_dispatch(offsets.data(), assigned.data(), slot_row.data(), row_token.data(), expert.data(), N, E, k, capacity);
+  ASSERT_LT(offsets[E], N * k) << "the capacity drops some slots";
+  const std::vector<std::vector<int64_t>> held = {{0, 3}, {1, 2}};
+  for (const auto& chunks : held) {
+    std::vector<int32_t> mine, taken;
+    for (int64_t c : chunks) {
+      for (int64_t e = 0; e < E; ++e) {
+        int32_t before = 0;
+        for (int64_t i = 0; i < c * rows * k; ++i) before += expert[i] == e;
+        taken.push_back(before);
+      }
+      mine.insert(mine.end(), expert.begin() + c * rows * k, expert.begin() + (c + 1) * rows * k);
+    }
+    const int64_t n = 2 * rows;
+    std::vector<int32_t> off(E + 1), as(E), slot(n * k), tok(n * k);
+    moe_dispatch(off.data(), as.data(), slot.data(), tok.data(), mine.data(), n, E, k, capacity, taken.data(), rows);
+    for (int64_t j = 0; j < 2; ++j)
+      for (int64_t i = 0; i < rows * k; ++i)
+        EXPECT_EQ(slot[j * rows * k + i] >= 0, slot_row[chunks[j] * rows * k + i] >= 0) << "chunk " << chunks[j] << " slot " << i;
+  }
+}
+
 TEST(MoeKernels, LoadBalancingLossIsOneAtPerfectBalanceForAnyK) {
   for (int64_t k : {1, 2, 4}) {
     const int64_t N = 8, E = 4;
     std::vector<float> probs(N * E, 1.0f / E), lse(N, 0.0f);
     std::vector<int32_t> assigned(E, static_cast<int32_t>(N * k / E));
     double aux = 0, z = 0;
-    moe_router_losses(&aux, &z, probs.data(), lse.data(), assigned.data(), N, E, k);
+    moe_router_losses(&aux, &z, probs.data(), lse.data(), assigned.data(), N, E, k, N);
     EXPECT_NEAR(aux, 1.0, 1e-12) << "k = " << k;
     EXPECT_EQ(z, 0.0);
   }

@@ -64,6 +64,37 @@ TEST(Layers, CarvedBytesAreTheModelsFigures) {
   }
 }
 
+// The same under context parallelism (each rank holding T of a sequence's T·cp positions), ring
+// and all-to-all: a LLaMA block, and a MoE block dropless and capped, alone and beside ep.
+TEST(Layers, CarvedBytesAreTheModelsFiguresUnderContextParallelism) {
+  for (const char* preset : {"llama-tiny", "moe-tiny"})
+    for (double capacity : {0.0, 0.5})
+      for (int ep : {1, 2})
+        for (int cp : {2, 4})
+          for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) {
+            model::ModelConfig c = config(preset);
+            if (c.family != model::Family::moe && (capacity > 0 || ep > 1)) continue;
+            c.capacity_factor = capacity;
+            c.n_kv_head = 4;  // the all-to-all form gives each of 4 ranks whole key/value heads
+            const model::ModelDesc desc = model::describe(c);
+            model::Shape shape{2, 16, 4, 2};
+            shape.ep = ep, shape.cp = cp, shape.cp_impl = impl;
+            MemoryPool memory;
+            const Carved got = layer(desc.units[1].kind).carved(*kernels::make_cpu_backend(memory), desc, desc.units[1], shape);
+            const model::UnitCosts want = desc.costs(1, shape);
+            const std::string at = std::string(preset) + " capacity " + std::to_string(capacity) + " ep " +
+                                   std::to_string(ep) + " cp " + std::to_string(cp) + " " + model::to_string(impl);
+            EXPECT_EQ(got.saved, want.saved_bytes) << at;
+            EXPECT_EQ(got.recomputable, want.recomputable_bytes) << at;
+            EXPECT_EQ(got.forward_ws, want.forward_workspace) << at;
+            EXPECT_EQ(got.backward_ws, want.backward_workspace) << at;
+            EXPECT_EQ(static_cast<int>(want.stage_share.size()), want.stages()) << at;
+            double share = 0;
+            for (double x : want.stage_share) share += x;
+            EXPECT_NEAR(share, 1.0, 1e-12) << at;
+          }
+}
+
 // Random parameters (and a borrowed unit's), inputs and buffers for one unit.
 struct Bench {
   const Fixture& f;

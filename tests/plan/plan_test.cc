@@ -764,6 +764,68 @@ TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
 // accumulator to the previous rank. Forward steps are double-buffered: the step into stage s + 1
 // needs only stage s − 1 (and the step before it, whose block it sends on), so it runs beside
 // stage s. Every block buffer is freed by a later stage; a block is kept from the forward.
+// A MoE block under context parallelism, ring and all-to-all, alone and beside ep: the attention
+// half's exchanges over cp, then per block and micro-step one forward exchange over cp of every
+// rank's routing counts (model::moe_count_bytes to each of the cp − 1 others; none in the
+// backward, which reads the counts the forward kept), then the routed rows over ep (left out
+// without an ep axis). The block's stages name the ep axis (the layer routes rows by it), and
+// no buffer is alive twice, with full recompute and gradient accumulation too.
+TEST(Plan, MixtureOfExpertsUnderContextParallelismExchangesCountsOverCp) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
+  for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all})
+    for (int ep : {1, 2}) {
+      PlanConfig c;
+      c.strategy = Strategy::fsdp, c.world = 2 * ep, c.cp = 2, c.ep = ep, c.cp_impl = impl;
+      c.batch = 2, c.seq = 32;
+      const Plan p = build_plan(moe, c);
+      const std::string at = std::string(model::to_string(impl)) + " ep " + std::to_string(ep);
+      model::Shape shape = p.unit_shape(4);
+      const int64_t counts = model::moe_count_bytes(moe, shape);
+      EXPECT_EQ(counts, 4 * c.batch * (impl == model::ContextImpl::ring ? 2 : 1) * moe.config.n_experts) << at;
+      const int cp_axis = p.mesh.find(kContext), ep_axis = p.mesh.find(kExpert);
+      int count_exchanges = 0, ep_exchanges = 0;
+      for (const Task& t : p.tasks) {
+        if (t.unit < 0 || moe.units[t.unit].kind != model::UnitKind::moe_block) continue;
+        if (t.op == Op::exchange && t.carries) {
+          ++count_exchanges;
+          EXPECT_FALSE(t.reverse) << t.name();
+          EXPECT_EQ(t.axes, std::vector<int>{cp_axis}) << t.name();
+          EXPECT_EQ(t.bytes, counts) << t.name();
+          EXPECT_EQ(p.buffers[t.io.send].bytes, model::exchange_header_bytes(2) + 2 * counts) << t.name();
+        } else if (t.op == Op::exchange && t.axes != std::vector<int>{cp_axis}) {
+          ++ep_exchanges;
+          EXPECT_EQ(t.axes, std::vector<int>{ep_axis}) << t.name();
+        } else if (t.op == Op::forward || t.op == Op::backward) {
+          EXPECT_EQ(t.axes, ep > 1 ? std::vector<int>{ep_axis} : std::vector<int>{}) << t.name();
+        }
+      }
+      EXPECT_EQ(count_exchanges, moe.config.n_layer) << at;
+      EXPECT_EQ(ep_exchanges, ep > 1 ? 4 * moe.config.n_layer : 0) << at;
+      const model::UnitCosts u = moe.costs(1, shape);
+      EXPECT_EQ(u.stages(), (impl == model::ContextImpl::ring ? c.cp + 1 : 3) + 3) << at;  // attention, then the MoE half
+      for (model::Recompute r : {model::Recompute::none, model::Recompute::full}) {
+        PlanConfig again = c;
+        again.recompute = r, again.grad_accum = 2;
+        expect_no_buffer_alive_twice(moe, again, "moe " + at + " " + model::to_string(r));
+      }
+      // A selective rebuild is one task, carving the stages' activations: it names their ep axis
+      // too (sized by it), with and without cp.
+      for (int cp : {1, 2}) {
+        PlanConfig selective = c;
+        selective.recompute = model::Recompute::selective, selective.cp = cp, selective.world = cp * ep;
+        const Plan q = build_plan(moe, selective);
+        const int ep_of_q = q.mesh.find(kExpert);
+        int rebuilds = 0;
+        for (const Task& t : q.tasks)
+          if (t.op == Op::recompute && moe.units[t.unit].kind == model::UnitKind::moe_block) {
+            ++rebuilds;
+            EXPECT_EQ(t.axes, ep > 1 ? std::vector<int>{ep_of_q} : std::vector<int>{}) << t.name();
+          }
+        EXPECT_EQ(rebuilds, moe.config.n_layer) << at;
+      }
+    }
+}
+
 TEST(Plan, RingStepsCountAndBytes) {
   const model::ModelDesc llama = model::describe(model::model_preset("llama-tiny", 256));
   for (int K : {2, 3, 4}) {
@@ -878,7 +940,9 @@ TEST(Plan, ContextSplitRefusesBadLayouts) {
   c.cp = 2, c.cp_impl = model::ContextImpl::ring, c.seq = 66;
   refused(llama, "sequence length 66 must be a multiple of 4 (--cp-impl ring cuts each sequence into 4 equal chunks)");
   c.cp_impl = model::ContextImpl::all_to_all, c.seq = 64;
-  refused(model::describe(model::model_preset("moe-tiny", 256)), "does not run mixture-of-experts");
+  c.cp = 4;  // a MoE model meets the same checks: its attention half splits as LLaMA's
+  refused(model::describe(model::model_preset("moe-tiny", 256)), "must divide the 2 key/value heads");
+  c.cp = 2;
   c.strategy = Strategy::hybrid, c.shard_group = 1;
   refused(llama, "must divide the shard group");
 }

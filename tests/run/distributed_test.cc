@@ -579,6 +579,139 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
   EXPECT_GT(dropped, 0.0);
 }
 
+// moe-tiny with each sequence split over cp ranks (ring and all-to-all), alone, beside fsdp and
+// beside ep, against one process routing the same groups: a routing group stays the
+// data-parallel micro-batch, its load statistics (the load-balancing loss's f_e, the logged loads)
+// and, with --capacity-factor, its capacity counted over the cp group, so cp changes no routing
+// decision. The one process has the data-parallel ranks' batch (--grad-accum 2 × dp). Losses
+// (language, load-balancing, z) over 10 steps, the loads and dropped fraction, the final
+// parameters within 1e-5, and memory per category the plan's. Each rank sends its routing
+// counts to the others of its cp group (model::moe_count_bytes per rank) once per MoE block
+// and micro-step: the trace's exchanges carry them.
+TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess) {
+  constexpr int kSteps = 10;
+  struct Layout {
+    std::string name;
+    int ranks, cp;
+    std::string impl, strategy;
+    int ep = 1;
+    std::string capacity = "";  // --capacity-factor ("": dropless)
+    std::string model_flags = "";
+    std::string recompute = "none";  // a full rebuild reruns the stages and their exchanges, counts included
+    int dp() const { return ranks / cp; }
+    std::string flags() const {
+      return " --grad-accum 2 --strategy " + strategy + " --cp " + std::to_string(cp) + " --cp-impl " + impl +
+             " --ep " + std::to_string(ep) + (capacity.empty() ? "" : " --capacity-factor " + capacity) + model_flags +
+             " --recompute " + recompute;
+    }
+  };
+  const std::string kv4 = " --n-kv-head 4";  // all-to-all over 4 ranks needs 4 key/value heads
+  const std::vector<Layout> layouts = {
+      {"cp2_ring", 2, 2, "ring", "fsdp"},
+      {"cp2_a2a", 2, 2, "all-to-all", "fsdp"},
+      {"cp4_ring", 4, 4, "ring", "fsdp"},
+      {"cp4_a2a", 4, 4, "all-to-all", "fsdp", 1, "", kv4},
+      {"cp2_fsdp2_ring", 4, 2, "ring", "fsdp"},
+      {"cp2_fsdp2_a2a", 4, 2, "all-to-all", "fsdp"},
+      {"cp2_ep2_ring", 4, 2, "ring", "fsdp", 2},
+      {"cp2_ep2_a2a_ddp", 4, 2, "all-to-all", "ddp", 2},
+      {"cp2_ring_cap", 2, 2, "ring", "fsdp", 1, "1.0"},
+      {"cp2_a2a_cap", 2, 2, "all-to-all", "fsdp", 1, "1.0"},
+      {"cp4_ring_cap", 4, 4, "ring", "fsdp", 1, "1.0"},
+      {"cp2_fsdp2_ring_cap", 4, 2, "ring", "fsdp", 1, "1.0"},
+      {"cp2_ep2_a2a_cap", 4, 2, "all-to-all", "fsdp", 2, "1.0"},
+      {"cp2_ring_cap_full", 2, 2, "ring", "fsdp", 1, "1.0", "", "full"},
+      {"cp2_ep2_a2a_selective", 4, 2, "all-to-all", "fsdp", 2, "", "", "selective"}};
+  for (const Layout& l : layouts) {
+    const std::string s = l.name;
+    model::ModelConfig config = model::model_preset("moe-tiny", 256);
+    if (!l.capacity.empty()) config.capacity_factor = std::stod(l.capacity);
+    if (!l.model_flags.empty()) config.n_kv_head = 4;
+    const model::ModelDesc desc = model::describe(config);
+    const int B = 4 / l.dp();
+    const std::string single = "moe_cp_single_dp" + std::to_string(l.dp()) + (l.capacity.empty() ? "" : "_cap") +
+                               (l.model_flags.empty() ? "" : "_kv4");
+    if (!fs::exists(dir_ / single / "metrics.jsonl")) {
+      const auto r = shardlm(runs_.args(single, kSteps, B, "moe-tiny") + " --grad-accum " + std::to_string(2 * l.dp()) +
+                             (l.capacity.empty() ? "" : " --capacity-factor " + l.capacity) + l.model_flags);
+      ASSERT_EQ(r.code, 0) << r.out;
+    }
+    plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
+    pc.grad_accum = 2, pc.ep = l.ep, pc.cp = l.cp, pc.cp_impl = model::parse_context_impl(l.impl);
+    pc.recompute = model::parse_recompute(l.recompute);
+    pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
+      return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
+                                     count, elem == 2 ? DType::bf16 : DType::fp32, group);
+    };
+    const plan::Plan p = plan::build_plan(desc, pc);
+
+    const fs::path trace = dir_ / ("moe_" + s + ".json");
+    const auto r = mpirun(l.ranks, runs_.args("moe_" + s, kSteps, B, "moe-tiny") + l.flags() + " --trace " + trace.string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    model::Shape shape;
+    shape.B = B, shape.T = 32 / l.cp, shape.cp = l.cp, shape.cp_impl = pc.cp_impl;
+    const int64_t counts = model::moe_count_bytes(desc, shape);
+    std::ifstream tf(trace);
+    std::map<int, int64_t> count_exchanges;  // rank -> exchanges that moved (cp - 1) ranks' counts
+    const nlohmann::json events = nlohmann::json::parse(tf);
+    for (const auto& e : events["traceEvents"])
+      if (e["name"].get<std::string>().rfind("exchange ", 0) == 0 && e["args"]["step"].get<int64_t>() == 1 &&
+          e["args"]["bytes moved"].get<int64_t>() == (l.cp - 1) * counts)
+        ++count_exchanges[e["pid"].get<int>()];
+    const int passes = l.recompute == "full" ? 2 : 1;  // a full rebuild exchanges the counts again
+    for (int rank = 0; rank < l.ranks; ++rank)  // step 1: each MoE block's counts, once per micro-step and pass
+      EXPECT_EQ(count_exchanges[rank], desc.config.n_layer * 2 * passes) << s << " rank " << rank;
+
+    const MemSnapshot want_mem = p.max_memory();
+    const auto want = testing::read_metrics(dir_ / single / "metrics.jsonl");
+    const auto got = testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl");
+    int steps = 0;
+    for (size_t i = 0, j = 0; i < got.size(); ++i) {
+      const auto& row = got[i];
+      if (!row.contains("loss")) continue;
+      while (j < want.size() && !want[j].contains("loss")) ++j;
+      ASSERT_LT(j, want.size());
+      const auto& ref = want[j++];
+      ++steps;
+      const std::string at = s + " step " + row["step"].dump();
+      for (const char* key : {"loss", "aux_loss", "z_loss"})
+        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
+      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
+        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
+      const auto& held = row["mem_between_steps"];
+      EXPECT_EQ(held["params"].get<int64_t>(), p.static_memory.params) << at;
+      EXPECT_EQ(held["grads"].get<int64_t>(), p.static_memory.grads) << at;
+      EXPECT_EQ(held["optimizer"].get<int64_t>(), p.static_memory.optimizer) << at;
+      for (int c = 0; c < kNumMemCategories; ++c) {
+        const auto cat = static_cast<MemCategory>(c);
+        const double used = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want_mem.bytes[c]);
+        EXPECT_NEAR(used, planned, 0.01 * planned) << at << " " << to_string(cat);
+      }
+    }
+    EXPECT_EQ(steps, kSteps) << s;
+
+    ckpt::SafetensorsFile a(testing::exported_weights(dir_ / single / "ckpt" / ("step_" + std::to_string(kSteps))).string());
+    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / ("step_" + std::to_string(kSteps))).string());
+    int tensors = 0;
+    for (const auto& tensor : a.names()) {
+      const int64_t n = a.info(tensor).numel();
+      std::vector<float> x(n), y(n);
+      a.read_f32(tensor, x.data(), n);
+      b.read_f32(tensor, y.data(), n);
+      double diff = 0, norm = 0;
+      for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
+      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << s << " " << tensor;
+      ++tensors;
+    }
+    EXPECT_GT(tensors, 2 * 4 * 3) << s;
+  }
+  // Capacity 1.0 drops tokens in these runs (else the _cap layouts would prove nothing more).
+  double dropped = 0;
+  for (const auto& row : testing::read_metrics(dir_ / "moe_cp_single_dp1_cap" / "metrics.jsonl"))
+    if (row.contains("dropped_frac")) dropped += row["dropped_frac"].get<double>();
+  EXPECT_GT(dropped, 0.0);
+}
+
 // A mixture-of-experts checkpoint written at one rank count and expert-parallel degree resumes
 // at another (the sharded files load N -> M, experts included) and continues the uninterrupted
 // run: saved at 2 ranks (fsdp, ep 2), resumed at 1; saved at 4 ranks (fsdp, ep 4), resumed at 2

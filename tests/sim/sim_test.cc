@@ -684,6 +684,30 @@ TEST(Simulator, RingStepsAreOneMessageAndTokensCountSequencesOnce) {
   EXPECT_EQ(steps, 2 * desc.config.n_layer);  // one forward and one backward step a block at cp 2
 }
 
+// moe-small under cp (ring, all-to-all) with and without ep simulates, and prices every exchange
+// of its blocks, the routing counts over cp included: exchange time grows with what they move.
+TEST(Simulator, MixtureOfExpertsUnderContextParallelismPricesItsExchanges) {
+  const model::ModelDesc desc = model::describe(model::model_preset("moe-small", 256));
+  const HardwareProfile hw = preset("cpu-local");
+  for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all})
+    for (int ep : {1, 2}) {
+      PlanConfig c;
+      c.strategy = Strategy::fsdp, c.world = 4, c.cp = 2, c.ep = ep, c.cp_impl = impl, c.batch = 2, c.seq = 128;
+      const Plan p = build_plan(desc, c);
+      const SimResult r = simulate(desc, p, hw, 1);
+      const CostModel cost(desc, p, hw, 1);
+      int counts = 0;
+      for (const auto& t : p.tasks)
+        if (t.op == Op::exchange) {
+          EXPECT_GT(cost.seconds(t), 0.0) << t.name();
+          counts += t.carries != nullptr;
+        }
+      EXPECT_EQ(counts, desc.config.n_layer) << model::to_string(impl) << " ep " << ep;
+      EXPECT_GT(r.exchange_busy_ms, 0.0);
+      EXPECT_GT(r.step_ms, 0.0);
+    }
+}
+
 // More compute threads on a node than the profile's cores time-slice them: 4 ranks × 1 thread on
 // cpu-local's 2 cores compute each rank's (equal) micro-batch in twice the time of 2 ranks × 1;
 // a profile that does not give its cores (the GPU presets) sees no such slowdown.
@@ -927,6 +951,28 @@ TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
   EXPECT_TRUE(cps.count({4, model::ContextImpl::ring}));
   EXPECT_TRUE(cps.count({2, model::ContextImpl::all_to_all}));  // llama-tiny's 2 key/value heads: not 4
   EXPECT_FALSE(cps.count({4, model::ContextImpl::all_to_all}));
+}
+
+// A mixture of experts too: where nothing fits without cp, the search tries cp beside ep, and
+// what it offers builds to the memory it reports.
+TEST(Planner, SearchesContextParallelismForMixtureOfExperts) {
+  const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny", 2048));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanQuery q;
+  q.ranks = 4, q.seq = 2048, q.global_tokens = 4 * 2048, q.threads = 1;
+  const PlanSearch free = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(free.fitting.empty());
+  q.memory_budget = free.smallest.peak_bytes - 1;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  bool with_ep = false;
+  for (const Candidate& c : s.fitting) {
+    EXPECT_GT(c.config.cp, 1) << c.flags;
+    EXPECT_LE(c.peak_bytes, q.memory_budget);
+    EXPECT_EQ(plan::build_plan(desc, c.config).peak_memory().total, c.peak_bytes);
+    with_ep = with_ep || c.config.ep > 1;
+  }
+  EXPECT_TRUE(with_ep);
 }
 
 TEST(Planner, GlobalBatchMustSplitIntoSequencesPerRank) {
