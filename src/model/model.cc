@@ -350,14 +350,14 @@ void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int
 void ring_attention_over_context(UnitCosts& k, const Shape& s, int64_t kv, double qkv_flops) {
   using Route = Exchange::Route;
   const int64_t block = s.B * s.T * kv * s.elem;
-  auto step = [&](Route route, int64_t bytes, bool ahead, bool forwards) {
-    return Exchange{"cp", bytes, bytes, route, ahead, forwards};  // plan/mesh.h's kContext
+  auto step = [&](Route route, int64_t bytes, int after, int forwards) {
+    return Exchange{"cp", bytes, bytes, route, after, 0, forwards};  // plan/mesh.h's kContext
   };
-  k.exchanges = {step(Route::none, 0, false, false)};
+  k.exchanges = {step(Route::none, 0, 1, 0)};
   k.backward_exchanges = k.exchanges;
   for (int e = 0; e + 1 < s.cp; ++e) {
-    k.exchanges.push_back(step(Route::ring_next, block, true, e > 0));
-    k.backward_exchanges.push_back(step(Route::ring_prev, 2 * block, false, false));
+    k.exchanges.push_back(step(Route::ring_next, block, 2, e > 0 ? 1 : 0));
+    k.backward_exchanges.push_back(step(Route::ring_prev, 2 * block, 1, 0));
   }
   // Every attending stage has the same share: the load-balanced chunks give each (query,
   // key/value) pair of ranks the work of two full chunk-by-chunk products.

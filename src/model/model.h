@@ -195,12 +195,16 @@ struct Exchange {
   // once); the simulator's figure, at most bound_bytes.
   int64_t expected_bytes = 0;
   Route route = Route::all_to_all;
-  // A ring's prefetch (double buffering): the exchange needs only the stage before the previous
-  // one, which writes its send, so it runs beside the previous stage ...
-  bool ahead = false;
-  // ... or it sends on what the exchange before it received, once the stage before the previous
-  // one is done with its block.
-  bool forwards_received = false;
+  // Which stage starts it, counted back from the stage it feeds: 1 the stage just before (which
+  // writes its send), 2 the one before that (a prefetch: it runs beside the stage just before), ...
+  int after = 1;
+  // Where its send is first written, counted back the same way (0: at `after`): every stage from
+  // there to `after` writes it (a block one stage computes and the next adds to).
+  int written_from = 0;
+  // k > 0: it has no send of its own but sends on what the exchange k stages back received, once
+  // that exchange is done and the `after` stage too; that block then lives until this exchange's
+  // stage.
+  int forwards = 0;
   const char* carries = nullptr;  // what travels, in words for `explain` (null: routed rows or a ring block)
 };
 
@@ -231,12 +235,21 @@ struct UnitCosts {
   // on an expert side; empty: 1 everywhere). The plan's tasks carry balanced work; the simulator
   // scales by this, as the step waits for the busiest rank.
   std::vector<double> stage_load;
-  int stages() const { return static_cast<int>(exchanges.size()) + 1; }
+  int stages(bool backward = false) const { return static_cast<int>(exchanges_of(backward).size()) + 1; }
   const std::vector<Exchange>& exchanges_of(bool backward) const {
     return backward && !backward_exchanges.empty() ? backward_exchanges : exchanges;
   }
-  double share(int stage) const { return stage_share.empty() ? 1.0 : stage_share[stage]; }
-  double load(int stage) const { return stage_load.empty() ? 1.0 : stage_load[stage]; }
+  // The backward's stage shares where its stages differ from the forward's (empty: stage_share).
+  std::vector<double> backward_stage_share;
+  double share(int stage, bool backward = false) const {
+    const std::vector<double>& v = backward && !backward_stage_share.empty() ? backward_stage_share : stage_share;
+    return v.empty() ? 1.0 : v[stage];
+  }
+  std::vector<double> backward_stage_load;  // the backward's, where its stages differ (empty: stage_load)
+  double load(int stage, bool backward = false) const {
+    const std::vector<double>& v = backward && !backward_stage_load.empty() ? backward_stage_load : stage_load;
+    return v.empty() ? 1.0 : v[stage];
+  }
   // Activation bytes kept from the forward to the backward under `mode`.
   int64_t kept_bytes(Recompute mode) const;
   double recompute_flops(Recompute mode) const;

@@ -485,18 +485,18 @@ int Builder::routed(int u, int m, int exchange, bool reverse, const char* end, i
 
 // A staged unit's pass (model::UnitCosts::exchanges): `first`, built as the whole pass, becomes
 // its first stage (the last one in a backward, which runs the stages in reverse), and the other
-// stages follow, each after the exchange that feeds it: the stage before writes the exchange's
-// `send`, the exchange fills `recv`, which the stage after reads and frees. A ring's prefetch
-// differs: an exchange `ahead` follows the stage before the previous one (which wrote its send),
-// and one that `forwards_received` sends on the previous exchange's `recv`, which the stage after
-// the one reading it then frees. An exchange over axes of one rank is left out (the stage after
-// reads `send`); a `none` route has no exchange. Everything `first` freed, the last stage frees
-// instead, and it is the pass's consumer of gathered parameters. Returns it.
+// stages follow, each after the exchange that feeds it: the stage `after` stages back (the one just
+// before, or earlier for a prefetch) writes the exchange's `send` (from `written_from` stages back
+// on), the exchange fills `recv`, which the stage after reads and frees. An exchange that
+// `forwards` sends on an earlier exchange's `recv` instead, which then lives until its own stage.
+// An exchange over axes of one rank is left out (the stage after reads `send`); a `none` route has
+// no exchange. Everything `first` freed, the last stage frees instead, and it is the pass's
+// consumer of gathered parameters. Returns it.
 int Builder::add_stages(int first, bool reverse) {
   const int u = at(first).unit, m = at(first).micro;
   const model::UnitCosts& c = costs_[u];
   const std::vector<model::Exchange>& exchanges = c.exchanges_of(reverse);
-  const int S = c.stages();
+  const int S = c.stages(reverse);
   if (S == 1) return first;
   using Route = model::Exchange::Route;
   // Each exchange runs over its own axis (a MoE block under cp: the attention's and the routing
@@ -509,26 +509,35 @@ int Builder::add_stages(int first, bool reverse) {
   const Task whole = at(first);
   at(first).frees.clear();
   at(first).stage = reverse ? S - 1 : 0;
-  at(first).flops = whole.flops * c.share(at(first).stage);
+  at(first).flops = whole.flops * c.share(at(first).stage, reverse);
   auto exchange_into = [&](int i) -> const model::Exchange& { return exchanges[reverse ? S - 1 - i : i - 1]; };
-  int prev = first, before_prev = -1, prev_exchange = -1, prev_feed = -1, free_next = -1;
+  // Per position i in the pass: its stage's task, what its exchange received, the exchange, and
+  // the position whose stage frees that receive (its own, or a later one whose exchange sends it on).
+  std::vector<int> line{first}, recv(S, -1), xts(S, -1), freed_by(S);
+  for (int i = 0; i < S; ++i) freed_by[i] = i;
+  for (int i = 1; i < S; ++i) {
+    const model::Exchange& x = exchange_into(i);
+    if (x.route != Route::none && x.forwards > 0 && i - x.forwards >= 1 && spans_of(x)) freed_by[i - x.forwards] = i;
+  }
   for (int i = 1; i < S; ++i) {
     const int s = reverse ? S - 1 - i : i, e = reverse ? s : s - 1;
     const model::Exchange& x = exchange_into(i);
     const bool spans = spans_of(x);
-    int feed = -1, dep = prev;
+    int feed = -1, dep = line.back();
     if (x.route != Route::none) {
-      const int producer = x.ahead && before_prev >= 0 ? before_prev : prev;
-      const bool forward_on = x.forwards_received && spans && prev_exchange >= 0;
-      int send = prev_feed;
+      const int producer = std::max(0, i - x.after), source = i - x.forwards;
+      const bool forward_on = x.forwards > 0 && spans && source >= 1 && xts[source] >= 0;
+      int send = forward_on ? recv[source] : -1;
       if (!forward_on) {
         send = routed(u, m, e, reverse, "send", x.bound_bytes);
-        alloc(producer, send);
-        at(producer).io.send = send;
+        const int from = std::max(0, i - std::max(x.after, x.written_from));
+        alloc(line[from], send);
+        for (int w = from; w <= producer; ++w) at(line[w]).io.send = send;
       }
       feed = send;
       if (spans) {
-        const int xt = add(Op::exchange, u, m, forward_on ? std::vector<int>{prev_exchange, producer} : std::vector<int>{producer});
+        const int xt = add(Op::exchange, u, m,
+                           forward_on ? std::vector<int>{xts[source], line[producer]} : std::vector<int>{line[producer]});
         at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
         at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
         at(xt).bytes = x.expected_bytes;
@@ -537,27 +546,26 @@ int Builder::add_stages(int first, bool reverse) {
         at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
         alloc(xt, feed);
         if (!forward_on) free(xt, send);
-        dep = prev_exchange = xt;
+        dep = xts[i] = xt;
       }
     }
     const int t = add(whole.op, u, m, {dep});
     at(t).stage = s, at(t).axes = axes;
-    at(t).flops = whole.flops * c.share(s);
+    at(t).flops = whole.flops * c.share(s, reverse);
     at(t).io = whole.io;
     at(t).io.send = -1;
     at(t).io.recv = feed;
-    if (free_next >= 0) free(t, free_next);
-    free_next = -1;
-    // A block the next exchange sends on stays until the stage after this one.
-    if (feed >= 0 && i + 1 < S && exchange_into(i + 1).forwards_received && spans_of(exchange_into(i + 1))) free_next = feed;
-    else if (feed >= 0) free(t, feed);
-    before_prev = prev, prev = t, prev_feed = feed;
+    line.push_back(t);
+    recv[i] = feed;
+    for (int j = 1; j <= i; ++j)
+      if (freed_by[j] == i && recv[j] >= 0) free(t, recv[j]);
   }
-  for (int f : whole.frees) free(prev, f);
+  const int last = line.back();
+  for (int f : whole.frees) free(last, f);
   for (Gathered& g : chain_)
     for (int& consumer : g.consumers)
-      if (consumer == first) consumer = prev;
-  return prev;
+      if (consumer == first) consumer = last;
+  return last;
 }
 
 // A compute task frees the full gradients of reduce-scatters issued two backwards before it (or

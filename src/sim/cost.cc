@@ -188,8 +188,10 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);
     if (hw.attention_efficiency > 0 && hw.attention_rates.empty()) attention_.push_back(c.attention_flops);
-    stage_share_.push_back(c.stage_share);
-    stage_load_.push_back(c.stage_load);
+    for (bool backward : {false, true}) {
+      stage_share_[backward].push_back(backward && !c.backward_stage_share.empty() ? c.backward_stage_share : c.stage_share);
+      stage_load_[backward].push_back(backward && !c.backward_stage_load.empty() ? c.backward_stage_load : c.stage_load);
+    }
     exchange_bytes_.emplace_back();
     for (bool backward : {false, true})
       for (const model::Exchange& x : c.exchanges_of(backward)) exchange_bytes_.back()[backward].push_back(x.expected_bytes);
@@ -271,10 +273,11 @@ double CostModel::compute_seconds(const plan::Task& t) const {
   // One stage of a staged unit's pass does its share of the unit's work (t.flops is already its own),
   // and the busiest rank `load` times that (the plan's figures are balanced).
   double load = 1;
-  if (t.stage >= 0 && t.unit >= 0 && !stage_share_[t.unit].empty()) {
-    const double share = stage_share_[t.unit][t.stage];
+  const bool backward = t.op == Op::backward;
+  if (t.stage >= 0 && t.unit >= 0 && !stage_share_[backward][t.unit].empty()) {
+    const double share = stage_share_[backward][t.unit][t.stage];
     pointwise *= share, gemm_flops *= share, gemm_s *= share, attention_flops *= share;
-    if (!stage_load_[t.unit].empty()) load = stage_load_[t.unit][t.stage];
+    if (!stage_load_[backward][t.unit].empty()) load = stage_load_[backward][t.unit][t.stage];
   }
   // Gradient buffers start at zero: the task that allocates them writes each byte once.
   for (int b : t.allocs)

@@ -98,8 +98,9 @@ class CostModel {
   // attention_efficiency and no measured attention rates (else empty).
   std::vector<double> attention_;
   double attention_rate_ = 0;
-  std::vector<std::vector<double>> stage_share_;  // per unit: each stage's share of its work (model::UnitCosts)
-  std::vector<std::vector<double>> stage_load_;   // per unit: the busiest rank's work per stage over its share
+  // [backward][unit]: each stage's share of the unit's work in that direction (model::UnitCosts), and
+  // the busiest rank's work per stage over its share.
+  std::array<std::vector<std::vector<double>>, 2> stage_share_, stage_load_;
   // Per unit, forward [0] and backward [1]: each exchange's bytes at the busiest rank.
   std::vector<std::array<std::vector<int64_t>, 2>> exchange_bytes_;
   // Per unit, with measured rates (empty without): the forward FLOPs they price (weight GEMMs,
