@@ -20,6 +20,10 @@ void Backend::copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src
     copy(static_cast<char*>(dst) + i * dst_pitch, static_cast<const char*>(src) + i * src_pitch, row_bytes);
 }
 
+void Backend::add_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t width, int64_t rows) const {
+  for (int64_t i = 0; i < rows; ++i) residual_forward(dst + i * dst_ld, dst + i * dst_ld, src + i * src_ld, width);
+}
+
 void Backend::grouped_dense_forward(float* out, const float* inp, const float* const* weight, const int64_t* first,
                                     int64_t groups, int64_t C, int64_t OC) const {
   for (int64_t g = 0; g < groups; ++g)

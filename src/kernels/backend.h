@@ -52,6 +52,9 @@ class Backend {
   // apart), within the backend's memory, in order with the kernels. By default one copy per row.
   virtual void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                          int64_t rows) const;
+  // dst rows += src rows: `rows` rows of `width` floats, `dst_ld` / `src_ld` floats apart. By
+  // default one residual_forward per row.
+  virtual void add_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t width, int64_t rows) const;
   // Whether the host may read and write the backend's buffers directly (true on the CPU).
   virtual bool host_memory() const = 0;
   // The native stream every kernel and copy of this backend is issued on, in order, as an opaque

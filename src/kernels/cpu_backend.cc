@@ -31,6 +31,15 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < rows; ++i)
       std::memcpy(static_cast<char*>(dst) + i * dst_pitch, static_cast<const char*>(src) + i * src_pitch, row_bytes);
   }
+  void add_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t width, int64_t rows) const override {
+#pragma omp parallel for schedule(static) if (rows * width > (1 << 14))
+    for (int64_t i = 0; i < rows; ++i) {
+      float* d = dst + i * dst_ld;
+      const float* x = src + i * src_ld;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) d[j] += x[j];
+    }
+  }
   bool host_memory() const override { return !as_device_; }
 
   void init_compute(int threads) const override { kernels::init_compute(threads); }

@@ -173,28 +173,55 @@ void ring_forward(const kernels::Backend& be, float* out, float* lse, const floa
   if (stage == r.P) be.copy(kv_last, recv, 4 * BT * KV);
 }
 
-void ring_backward(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
-                   const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int stage,
-                   const Ring& r) {
+void ring_send_kept(const kernels::Backend& be, char* send, const float* kv_last, const Ring& r) {
+  be.copy(send, kv_last, sizeof(float) * r.B * r.T * r.kv());
+}
+
+void ring_backward_block(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
+                         const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int t,
+                         const Ring& r) {
   const int64_t BT = r.B * r.T, KV = r.kv(), W = r.qkv(), k_at = r.NH * r.HS, v_at = r.NKV * r.HS;
-  // Where this stage reads the block's k|v and adds to its d k|v: rows of k|v|dk|dv in `send` while
-  // it travels on; at stage 1 this rank's own k|v and dqkv's k|v columns, which first take the
-  // accumulator that came home.
+  if (t == r.P) be.zero(dqkv, sizeof(float) * BT * W);
+  // Block t's keys and values and where its d k|v goes, each with its row pitch.
   const float* k = qkv + k_at;
   float* dk = dqkv + k_at;
-  int64_t ld = W;
-  if (stage == r.P) {
-    be.zero(dqkv, 4 * BT * W);
-    be.zero(send, 4 * BT * 2 * KV);
-    be.copy_rows(send, 8 * KV, kv_last, 4 * KV, 4 * KV, BT);
-  } else if (stage > 1) {
-    be.copy(send, recv, 4 * BT * 2 * KV);
-  } else {
-    be.copy_rows(dk, 4 * W, recv + 4 * KV, 8 * KV, 4 * KV, BT);
+  int64_t ld_k = W, ld_dk = W;
+  if (t > 1) {
+    k = t == r.P ? kv_last : reinterpret_cast<const float*>(recv);
+    dk = reinterpret_cast<float*>(send);
+    ld_k = ld_dk = KV;
+    be.zero(dk, sizeof(float) * BT * KV);
   }
-  if (stage > 1) k = reinterpret_cast<const float*>(send), dk = reinterpret_cast<float*>(send) + KV, ld = 2 * KV;
-  be.attention_chunked_backward(dqkv, W, dk, dk + v_at, ld, dout, qkv, W, out, lse, r.chunks(r.me), k, k + v_at, ld,
-                                r.chunks(r.block(stage)), r.B, r.NH, r.NKV, r.HS, scratch);
+  be.attention_chunked_backward(dqkv, W, dk, dk + v_at, ld_dk, dout, qkv, W, out, lse, r.chunks(r.me), k, k + v_at, ld_k,
+                                r.chunks(r.block(t)), r.B, r.NH, r.NKV, r.HS, scratch);
+}
+
+void ring_backward_fold(const kernels::Backend& be, char* send, const char* recv, const Ring& r) {
+  float* acc = reinterpret_cast<float*>(send);
+  be.residual_forward(acc, acc, reinterpret_cast<const float*>(recv), r.B * r.T * r.kv());
+}
+
+void ring_backward_home(const kernels::Backend& be, float* dqkv, const char* recv, const Ring& r) {
+  be.add_rows(dqkv + r.NH * r.HS, r.qkv(), reinterpret_cast<const float*>(recv), r.kv(), r.kv(), r.B * r.T);
+}
+
+void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const float* qkv, const float* out,
+                         const float* lse, const float* kv_last, float* scratch, const std::function<void()>& mlp,
+                         const std::function<void()>& qkv_backward) {
+  using Role = model::RingBackwardStage::Role;
+  const kernels::Backend& be = *a.backend;
+  const Ring r = ring_of(a);
+  const model::RingBackwardStage st = model::ring_backward_stage(a.stage, r.P);
+  switch (st.role) {
+    case Role::send_kept: return ring_send_kept(be, a.send, kv_last, r);
+    case Role::fold: return ring_backward_fold(be, a.send, a.recv, r);
+    case Role::home:
+      ring_backward_home(be, dqkv, a.recv, r);
+      return qkv_backward();
+    case Role::compute:
+      if (st.block == r.P) mlp();
+      return ring_backward_block(be, dqkv, dout, qkv, out, lse, kv_last, a.recv, a.send, scratch, st.block, r);
+  }
 }
 
 }  // namespace shardlm::layers::context

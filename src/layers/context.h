@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -67,10 +68,10 @@ void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, c
 // forward runs as P + 1 stages: stage 0 is the norm and q|k|v, and stage s ≥ 1 attends this rank's
 // queries to the key/value block of rank me − (s − 1) (its own at s = 1), partial outputs merged by
 // their log-sum-exp, while the ring brings the next block (rank me + 1 gets what this rank had).
-// The backward runs the stages in reverse on the same blocks, each travelling to rank me − 1 with
-// its gradient accumulator: from the block the forward attended last (kept) down to the rank's own
-// at stage 1, whose accumulator has then come home; stage 0 is q|k|v's backward. Ring buffers
-// hold B·T rows: k|v (forward), k|v|dk|dv (backward).
+// The backward attends to the same blocks in reverse, from the one the forward attended last (kept)
+// down to the rank's own. Keys and values and the blocks' gradient accumulators travel to rank
+// me − 1 on two chains, each step beside a computing stage (model::ring_backward_stage). Ring
+// buffers hold B·T rows of k|v or of d k|v.
 struct Ring {
   int P = 1, me = 0;
   int64_t B = 0, T = 0;                      // sequences, rows of each this rank holds
@@ -91,12 +92,25 @@ void ring_forward(const kernels::Backend& be, float* out, float* lse, const floa
                   float* kv_last, int stage, const Ring& r);
 // Stage 0's part: this rank's own k|v rows into `send`, the ring's first block.
 void ring_send_own(const kernels::Backend& be, char* send, const float* qkv, const Ring& r);
-// Backward stage `stage` ≥ 1: d q (dqkv's q columns, (B, T, qkv), zeroed at the first stage P) +=
-// this block's share, and the block's accumulator in `send` carries its d k|v on; at stage 1
-// dqkv's k|v columns get this rank's own block's finished d k|v. dout (B, T, NH·HS); scratch the
-// backend's attention scratch.
-void ring_backward(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
-                   const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int stage,
-                   const Ring& r);
+// The backward, stage by stage (model::ring_backward_stage):
+// send_kept: the key/value block the forward kept (B, T, kv) into `send`, for rank me − 1.
+void ring_send_kept(const kernels::Backend& be, char* send, const float* kv_last, const Ring& r);
+// compute t: d q (dqkv's q columns, (B, T, qkv); zeroed first at t = P) += this rank's queries'
+// share over block t, and the block's d k|v: fresh rows (B, T, kv) in `send` for t ≥ 2, or, at
+// t = 1, into dqkv's k|v columns. Block t's keys and values: the kept block at t = P, `recv` for
+// 1 < t < P, this rank's own at t = 1. dout (B, T, NH·HS); scratch the backend's attention scratch.
+void ring_backward_block(const kernels::Backend& be, float* dqkv, const float* dout, const float* qkv, const float* out,
+                         const float* lse, const float* kv_last, const char* recv, char* send, float* scratch, int t,
+                         const Ring& r);
+// fold: `send` (this rank's d k|v of the block) += `recv` (the other ranks' so far).
+void ring_backward_fold(const kernels::Backend& be, char* send, const char* recv, const Ring& r);
+// home: dqkv's k|v columns += `recv`, the other ranks' d k|v of this rank's own block.
+void ring_backward_home(const kernels::Backend& be, float* dqkv, const char* recv, const Ring& r);
+// Backward stage a.stage of a block whose attention output is `out` (its gradient `dout`), the
+// pieces above in their order; `mlp` (the block's part after the attention, which writes dout)
+// runs first at compute P, `qkv` (q|k|v's backward, reading dqkv) after home.
+void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const float* qkv, const float* out,
+                         const float* lse, const float* kv_last, float* scratch, const std::function<void()>& mlp,
+                         const std::function<void()>& qkv_backward);
 
 }  // namespace shardlm::layers::context

@@ -286,13 +286,10 @@ void block_backward(const UnitArgs& a) {
     return qkv_backward(a, p, g, r, w, d);
   }
   if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
-  if (d.ring) {
-    if (a.stage == 0) return qkv_backward(a, p, g, r, w, d);
-    if (a.stage == d.P) mlp_backward(a, p, g, s, r, w, d);
-    context::ring_backward(be, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, a.recv, a.send, w.attention, a.stage,
-                           context::ring_of(a));
-    return;
-  }
+  if (d.ring)
+    return context::ring_backward_stage(
+        a, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
+        [&] { qkv_backward(a, p, g, r, w, d); });
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);

@@ -58,7 +58,11 @@ struct Dims {
   bool ring = false;
   int64_t chunks = 1, chunk_rows = 0;
   bool heads_split() const { return K > 1 && !ring; }
-  int A() const { return ring ? static_cast<int>(K) + 1 : 3; }  // stages of the attention half under cp
+  // Stages of the attention half under cp, in the forward and in the backward.
+  int A(bool backward = false) const {
+    if (!ring) return 3;
+    return backward ? model::ring_backward_stage_count(static_cast<int>(K)) : static_cast<int>(K) + 1;
+  }
 };
 Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int64_t K, model::ContextImpl impl) {
   const auto& c = desc.config;
@@ -555,8 +559,9 @@ void experts_backward(const kernels::Backend& be, const float* experts, float* g
                             2 * d.FE);
 }
 
-// Under cp, the attention half's backward stages (A − 1 .. 0) as a LLaMA block's: d attention
-// output (w.datty, from stage A) through the ring or the head split, then q|k|v's backward.
+// Under cp, the attention half's backward stages (its own count, A(true), below the MoE half's) as
+// a LLaMA block's: d attention output (w.datty, from the token side's stage) through the ring or
+// the head split, then q|k|v's backward.
 void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved& s,
                               const Recomputable& r, const BackwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
@@ -567,11 +572,9 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
     be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
     be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
   };
-  if (d.ring) {
-    if (a.stage == 0) return qkv_backward();
-    return context::ring_backward(be, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, a.recv, a.send, w.attention,
-                                  a.stage, context::ring_of(a));
-  }
+  if (d.ring)  // the token side's stage ran the projection's backward: nothing before the first block
+    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, w.attention, [] {},
+                                        qkv_backward);
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
   if (a.stage == 1)
@@ -588,7 +591,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   const Routed io{be, d.P};
   const Block g = block_view(*a.unit, a.grads);
-  const int m = d.K == 1 ? stage : stage - d.A();  // the MoE half's stage: 0 dispatch, 1 experts, 2 combine
+  const int m = d.K == 1 ? stage : stage - d.A(true);  // the MoE half's stage: 0 dispatch, 1 experts, 2 combine
   if (m < 0) return split_attention_backward(a, p, g, s, r, w, d);
   if (m == 2) {  // token side: d out -> d routing weights, and d expert outputs to their experts
     const std::vector<int32_t> off = expert_offsets(be, s, d);

@@ -31,6 +31,17 @@ Recompute parse_recompute(const std::string& name) {
   throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective or full)");
 }
 
+int ring_backward_stage_count(int cp) { return cp >= 3 ? 2 * cp : 2 * cp - 1; }
+
+RingBackwardStage ring_backward_stage(int stage, int cp) {
+  using Role = RingBackwardStage::Role;
+  if (cp >= 3 && stage == 2 * cp - 1) return {Role::send_kept, cp};
+  if (stage == 2 * cp - 2) return {Role::compute, cp};
+  if (stage == 0) return {Role::home, 1};
+  if (stage % 2 == 1) return {Role::compute, (stage + 1) / 2};
+  return {Role::fold, stage / 2 + 1};
+}
+
 const char* to_string(ContextImpl c) { return c == ContextImpl::ring ? "ring" : "all-to-all"; }
 
 ContextImpl parse_context_impl(const std::string& name) {
@@ -354,17 +365,40 @@ void ring_attention_over_context(UnitCosts& k, const Shape& s, int64_t kv, doubl
     return Exchange{"cp", bytes, bytes, route, after, 0, forwards};  // plan/mesh.h's kContext
   };
   k.exchanges = {step(Route::none, 0, 1, 0)};
-  k.backward_exchanges = k.exchanges;
-  for (int e = 0; e + 1 < s.cp; ++e) {
-    k.exchanges.push_back(step(Route::ring_next, block, 2, e > 0 ? 1 : 0));
-    k.backward_exchanges.push_back(step(Route::ring_prev, 2 * block, 1, 0));
-  }
+  for (int e = 0; e + 1 < s.cp; ++e) k.exchanges.push_back(step(Route::ring_next, block, 2, e > 0 ? 1 : 0));
   // Every attending stage has the same share: the load-balanced chunks give each (query,
   // key/value) pair of ranks the work of two full chunk-by-chunk products.
   const double attention = k.attention_flops / s.cp, rest = k.forward_flops - qkv_flops - k.attention_flops;
   k.stage_share.assign(s.cp + 1, attention / k.forward_flops);
   k.stage_share.front() = qkv_flops / k.forward_flops;
   k.stage_share.back() += rest / k.forward_flops;
+  // The backward (ring_backward_stage): two chains to rank me − 1, each a block a step. Each
+  // accumulator leaves after the fold (or compute P) two stages back, so it travels while this
+  // rank computes its next block; each key/value block after the first sends on what the chain
+  // received two stages back, once the stage three back is done (at most three blocks alive).
+  using Role = RingBackwardStage::Role;
+  const int P = static_cast<int>(s.cp), S = ring_backward_stage_count(P);
+  k.backward_exchanges.assign(S - 1, step(Route::none, 0, 1, 0));
+  k.backward_stage_share.assign(S, 0.0);
+  for (int b = 0; b < S; ++b) {
+    const RingBackwardStage st = ring_backward_stage(b, P);
+    if (st.role == Role::compute) k.backward_stage_share[b] = attention + (st.block == P ? rest : 0);
+    if (st.role == Role::home) k.backward_stage_share[b] = qkv_flops;
+    if (b + 1 == S) continue;  // the first stage: nothing comes in
+    if (st.role == Role::home || st.role == Role::fold) {  // block t's accumulator from rank me + 1
+      Exchange x = step(Route::ring_prev, block, 2, 0);
+      x.written_from = st.block + 1 == P ? 0 : 3;  // compute P's alone; else compute t + 1's, then its fold
+      x.carries = "a key/value block's gradient accumulator";
+      k.backward_exchanges[b] = x;
+    } else if (st.role == Role::compute && st.block > 1 && st.block < P) {  // block t's keys and values
+      Exchange x = st.block + 1 == P ? step(Route::ring_prev, block, 2, 0) : step(Route::ring_prev, block, 3, 2);
+      x.carries = "a key/value block";
+      k.backward_exchanges[b] = x;
+    }
+  }
+  double total = 0;
+  for (double v : k.backward_stage_share) total += v;
+  for (double& v : k.backward_stage_share) v /= total;
   k.saved_bytes += slice(block / s.elem, s.elem);  // the last key/value block, where the backward starts
 }
 

@@ -95,6 +95,24 @@ ContextImpl parse_context_impl(const std::string& name);  // throws std::invalid
 std::vector<int64_t> context_chunk_starts(int64_t seq, int cp, int index, ContextImpl impl);
 int64_t context_chunk_rows(int64_t seq, int cp, ContextImpl impl);
 
+// The ring's backward over cp = P ranks (layers/context.h), its stages in the order they run:
+//   send_kept  (P ≥ 3) the key/value block the forward kept, to rank me − 1, which attends to it next;
+//   compute t  for t = P … 1: this rank's part of block t's gradients: d q, and a fresh d k|v of the
+//              block (rank me − (t − 1)'s; at t = 1 its own, into d q|k|v) while the next key/value
+//              block travels;
+//   fold t     for t = P − 1 … 2: the block's d k|v accumulated by ranks me + 1 … arrives and is
+//              added to this rank's part, then sent on to rank me − 1 while the next block computes;
+//   home       the rank's own block's d k|v from all the others added to its part, then q|k|v's
+//              backward.
+// The pass's stage numbers run down: send_kept 2P − 1, compute P 2P − 2, then compute t = 2t − 1
+// and fold t = 2t − 2, home 0.
+struct RingBackwardStage {
+  enum class Role { send_kept, compute, fold, home } role;
+  int block = 0;  // t: the forward stage whose key/value block it works on
+};
+int ring_backward_stage_count(int cp);
+RingBackwardStage ring_backward_stage(int stage, int cp);
+
 // Every kind of unit, declared once: X(name, place) with place embedding | block | head | state.
 // A `state` unit has parameters but no tasks of its own: another unit borrows it (a MoE block
 // borrows its experts, so the experts' state can be placed apart from the block's).

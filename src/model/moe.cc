@@ -101,6 +101,21 @@ void moe_over_context(UnitCosts& u, const ModelDesc& desc, const Shape& s, const
   u.stage_share[A + 2] = combine / total;
   u.stage_load.assign(A + 3, 1.0);
   u.stage_load[A + 1] = load;
+  if (ring) {  // the ring's backward has stages of its own (ring_backward_stage); the MoE half's follow
+    using Role = RingBackwardStage::Role;
+    const int Ab = u.stages(true);
+    u.backward_stage_share.assign(Ab + 3, 0.0);
+    for (int b = 0; b < Ab; ++b) {
+      const RingBackwardStage st = ring_backward_stage(b, static_cast<int>(s.cp));
+      if (st.role == Role::compute) u.backward_stage_share[b] = attention / s.cp / total;
+      if (st.role == Role::home) u.backward_stage_share[b] = qkv_flops / total;
+    }
+    u.backward_stage_share[Ab] = rest / total;  // the token side: the router and the projection
+    u.backward_stage_share[Ab + 1] = experts / total;
+    u.backward_stage_share[Ab + 2] = combine / total;
+    u.backward_stage_load.assign(Ab + 3, 1.0);
+    u.backward_stage_load[Ab + 1] = load;
+  }
   const int64_t counts = moe_count_bytes(desc, s);
   u.forward_workspace += slice(counts / 4, 4);  // the group's slots before each of this rank's chunks, per expert
   if (u.backward_exchanges.empty()) u.backward_exchanges = u.exchanges;

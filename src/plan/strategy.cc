@@ -511,54 +511,72 @@ int Builder::add_stages(int first, bool reverse) {
   at(first).stage = reverse ? S - 1 : 0;
   at(first).flops = whole.flops * c.share(at(first).stage, reverse);
   auto exchange_into = [&](int i) -> const model::Exchange& { return exchanges[reverse ? S - 1 - i : i - 1]; };
-  // Per position i in the pass: its stage's task, what its exchange received, the exchange, and
-  // the position whose stage frees that receive (its own, or a later one whose exchange sends it on).
-  std::vector<int> line{first}, recv(S, -1), xts(S, -1), freed_by(S);
+  // Per position i in the pass: its stage's task, what its stage reads (the receive, or the send
+  // of an exchange left out), its exchange, and the position whose stage frees that receive (its
+  // own, or a later one whose exchange sends it on).
+  std::vector<int> line{first}, feed(S, -1), xts(S, -1), freed_by(S), source(S, -1), ready(S, 0), freed_at_consumer(S, -1);
   for (int i = 0; i < S; ++i) freed_by[i] = i;
+  // Each exchange is listed right after the last task it waits on (its `after` stage, and the
+  // exchange whose receive it sends on), so the plan's walk counts its receive from the earliest
+  // moment it can be allocated: the stages between may still hold what they free.
   for (int i = 1; i < S; ++i) {
     const model::Exchange& x = exchange_into(i);
-    if (x.route != Route::none && x.forwards > 0 && i - x.forwards >= 1 && spans_of(x)) freed_by[i - x.forwards] = i;
-  }
-  for (int i = 1; i < S; ++i) {
-    const int s = reverse ? S - 1 - i : i, e = reverse ? s : s - 1;
-    const model::Exchange& x = exchange_into(i);
-    const bool spans = spans_of(x);
-    int feed = -1, dep = line.back();
-    if (x.route != Route::none) {
-      const int producer = std::max(0, i - x.after), source = i - x.forwards;
-      const bool forward_on = x.forwards > 0 && spans && source >= 1 && xts[source] >= 0;
-      int send = forward_on ? recv[source] : -1;
-      if (!forward_on) {
-        send = routed(u, m, e, reverse, "send", x.bound_bytes);
-        const int from = std::max(0, i - std::max(x.after, x.written_from));
-        alloc(line[from], send);
-        for (int w = from; w <= producer; ++w) at(line[w]).io.send = send;
-      }
-      feed = send;
-      if (spans) {
-        const int xt = add(Op::exchange, u, m,
-                           forward_on ? std::vector<int>{xts[source], line[producer]} : std::vector<int>{line[producer]});
-        at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
-        at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
-        at(xt).bytes = x.expected_bytes;
-        at(xt).carries = x.carries;
-        at(xt).io.send = send;
-        at(xt).io.recv = feed = routed(u, m, e, reverse, "recv", x.bound_bytes);
-        alloc(xt, feed);
-        if (!forward_on) free(xt, send);
-        dep = xts[i] = xt;
-      }
+    if (x.route == Route::none) continue;
+    ready[i] = std::max(0, i - x.after);
+    if (x.forwards > 0 && i - x.forwards >= 1 && spans_of(x)) {
+      source[i] = i - x.forwards;
+      freed_by[source[i]] = i;
+      ready[i] = std::max(ready[i], ready[source[i]]);
     }
-    const int t = add(whole.op, u, m, {dep});
+  }
+  auto add_exchange = [&](int i) {
+    const int e = reverse ? S - 1 - i : i - 1;
+    const model::Exchange& x = exchange_into(i);
+    const int producer = std::max(0, i - x.after);
+    const bool forward_on = source[i] >= 0 && xts[source[i]] >= 0;
+    int send = forward_on ? feed[source[i]] : -1;
+    if (!forward_on) {
+      send = routed(u, m, e, reverse, "send", x.bound_bytes);
+      const int from = std::max(0, i - std::max(x.after, x.written_from));
+      alloc(line[from], send);
+      for (int w = from; w <= producer; ++w) at(line[w]).io.send = send;
+    }
+    feed[i] = send;
+    if (!spans_of(x)) return;
+    const int xt = add(Op::exchange, u, m,
+                       forward_on ? std::vector<int>{xts[source[i]], line[producer]} : std::vector<int>{line[producer]});
+    at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
+    at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
+    at(xt).bytes = x.expected_bytes;
+    at(xt).carries = x.carries;
+    at(xt).io.send = send;
+    at(xt).io.recv = feed[i] = routed(u, m, e, reverse, "recv", x.bound_bytes);
+    // An exchange started stages ahead of its consumer runs beside those stages: its buffers
+    // then live from its producer stage to its consumer stage, so they come and go with the
+    // compute stream, and the plan's walk holds them alive with what those stages allocate.
+    const bool beside = x.after >= 2;
+    alloc(beside ? line[producer] : xt, feed[i]);
+    if (!forward_on) beside ? void(freed_at_consumer[i] = send) : free(xt, send);
+    xts[i] = xt;
+  };
+  auto add_exchanges_ready_at = [&](int j) {
+    for (int i = j + 1; i < S; ++i)
+      if (exchange_into(i).route != Route::none && ready[i] == j) add_exchange(i);
+  };
+  add_exchanges_ready_at(0);
+  for (int i = 1; i < S; ++i) {
+    const int s = reverse ? S - 1 - i : i;
+    const int t = add(whole.op, u, m, {xts[i] >= 0 ? xts[i] : line.back()});
     at(t).stage = s, at(t).axes = axes;
     at(t).flops = whole.flops * c.share(s, reverse);
     at(t).io = whole.io;
     at(t).io.send = -1;
-    at(t).io.recv = feed;
+    at(t).io.recv = feed[i];
     line.push_back(t);
-    recv[i] = feed;
     for (int j = 1; j <= i; ++j)
-      if (freed_by[j] == i && recv[j] >= 0) free(t, recv[j]);
+      if (freed_by[j] == i && feed[j] >= 0) free(t, feed[j]);
+    if (freed_at_consumer[i] >= 0) free(t, freed_at_consumer[i]);
+    add_exchanges_ready_at(i);
   }
   const int last = line.back();
   for (int f : whole.frees) free(last, f);
