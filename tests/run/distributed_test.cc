@@ -72,6 +72,73 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
     pc.seq = 32;
     return pc;
   }
+  // The communicator's staging for one reduction under the MPI backend's defaults (what the
+  // executor allocates, and the plan's reduction_scratch).
+  static int64_t mpi_reduction_scratch(plan::Op op, int64_t count, int elem, int group) {
+    return comm::mpi_scratch_bytes(comm::MpiOptions{},
+                                   op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
+                                   count, elem == 2 ? DType::bf16 : DType::fp32, group);
+  }
+  // A mixture-of-experts run's steps (metrics.jsonl in `got`) against the one-process reference's
+  // (in `want`): losses within 1e-5, loads and dropped fractions equal (none dropped where
+  // `dropless`), and each rank's memory plan `p`'s: its state between steps exactly, each
+  // category's peak within 1%. Returns the steps compared.
+  static int expect_moe_steps_match(const fs::path& got_dir, const fs::path& want_dir, const plan::Plan& p,
+                                    const std::string& s, bool dropless) {
+    const MemSnapshot want_mem = p.max_memory();
+    const auto want = testing::read_metrics(want_dir / "metrics.jsonl");
+    const auto got = testing::read_metrics(got_dir / "metrics.jsonl");
+    int steps = 0;
+    for (size_t i = 0, j = 0; i < got.size(); ++i) {
+      const auto& row = got[i];
+      if (!row.contains("loss")) continue;
+      while (j < want.size() && !want[j].contains("loss")) ++j;
+      if (j >= want.size()) {
+        ADD_FAILURE() << s << ": more steps than the reference";
+        break;
+      }
+      const auto& ref = want[j++];
+      ++steps;
+      const std::string at = s + " step " + row["step"].dump();
+      for (const char* key : {"loss", "aux_loss", "z_loss"})
+        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
+      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
+        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
+      if (dropless) {
+        EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << at;
+      }
+      const auto& held = row["mem_between_steps"];
+      EXPECT_EQ(held["params"].get<int64_t>(), p.static_memory.params) << at;
+      EXPECT_EQ(held["grads"].get<int64_t>(), p.static_memory.grads) << at;
+      EXPECT_EQ(held["optimizer"].get<int64_t>(), p.static_memory.optimizer) << at;
+      for (int c = 0; c < kNumMemCategories; ++c) {
+        const auto cat = static_cast<MemCategory>(c);
+        const double used = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want_mem.bytes[c]);
+        EXPECT_NEAR(used, planned, 0.01 * planned) << at << " " << to_string(cat);
+      }
+    }
+    return steps;
+  }
+  // Every tensor of two runs' exported checkpoints of step `step` within 1e-5 (relative, in norm).
+  // Returns the tensors' names.
+  static std::vector<std::string> expect_same_weights(const fs::path& a_run, const fs::path& b_run, int step,
+                                                      const std::string& s) {
+    const fs::path at = fs::path("ckpt") / ("step_" + std::to_string(step));
+    ckpt::SafetensorsFile a(testing::exported_weights(a_run / at).string());
+    ckpt::SafetensorsFile b(testing::exported_weights(b_run / at).string());
+    std::vector<std::string> names;
+    for (const auto& tensor : a.names()) {
+      const int64_t n = a.info(tensor).numel();
+      std::vector<float> x(n), y(n);
+      a.read_f32(tensor, x.data(), n);
+      b.read_f32(tensor, y.data(), n);
+      double diff = 0, norm = 0;
+      for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
+      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << s << " " << tensor;
+      names.push_back(tensor);
+    }
+    return names;
+  }
   static inline testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
@@ -100,10 +167,7 @@ TEST_P(DistributedSlow, MatchesOneProcessWithTheSameGlobalBatch) {
   // gathered parameters, full gradients, activations, workspace and comm (bf16 casts and the
   // communicator's staging for each reduction) included — within 1%.
   plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
-  pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
-    return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
-                                   count, elem == 2 ? DType::bf16 : DType::fp32, group);
-  };
+  pc.reduction_scratch = mpi_reduction_scratch;
   pc.shard_group = l.shard_group;
   pc.param_bytes = l.dtypes.find("--param-dtype bf16") != std::string::npos ? 2 : 4;
   pc.reduce_bytes = l.dtypes.find("--reduce-dtype bf16") != std::string::npos ? 2 : 4;
@@ -506,10 +570,7 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     // the plan's, and the experts' part is 1/ep of what ep 1 holds where that held them whole.
     plan::PlanConfig pc = plan_config(l.strategy, l.ranks, 4 / l.ranks);
     pc.grad_accum = 2, pc.shard_group = l.shard_group;
-    pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
-      return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
-                                     count, elem == 2 ? DType::bf16 : DType::fp32, group);
-    };
+    pc.reduction_scratch = mpi_reduction_scratch;
     const plan::Plan one = plan::build_plan(desc, pc);
     pc.ep = l.ep;
     const plan::Plan p = plan::build_plan(desc, pc);
@@ -530,48 +591,10 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     EXPECT_EQ(exchanges > 0, l.ep > 1) << s;
     EXPECT_EQ(moved > 0, l.ep > 1) << s << ": routed rows travel to the other ranks' experts";
 
-    const MemSnapshot want_mem = p.max_memory();
-    const auto want = testing::read_metrics(dir_ / single / "metrics.jsonl");
-    const auto got = testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl");
-    int steps = 0;
-    for (size_t i = 0, j = 0; i < got.size(); ++i) {
-      const auto& row = got[i];
-      if (!row.contains("loss")) continue;
-      while (j < want.size() && !want[j].contains("loss")) ++j;
-      ASSERT_LT(j, want.size());
-      const auto& ref = want[j++];
-      ++steps;
-      const std::string at = s + " step " + row["step"].dump();
-      for (const char* key : {"loss", "aux_loss", "z_loss"})
-        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
-      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
-        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
-      if (l.capacity.empty()) EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << at;
-      const auto& held = row["mem_between_steps"];
-      EXPECT_EQ(held["params"].get<int64_t>(), p.static_memory.params) << at;
-      EXPECT_EQ(held["grads"].get<int64_t>(), p.static_memory.grads) << at;
-      EXPECT_EQ(held["optimizer"].get<int64_t>(), p.static_memory.optimizer) << at;
-      for (int c = 0; c < kNumMemCategories; ++c) {
-        const auto cat = static_cast<MemCategory>(c);
-        const double used = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want_mem.bytes[c]);
-        EXPECT_NEAR(used, planned, 0.01 * planned) << at << " " << to_string(cat);
-      }
-    }
-    EXPECT_EQ(steps, kSteps) << s;
-
-    ckpt::SafetensorsFile a(testing::exported_weights(dir_ / single / "ckpt" / ("step_" + std::to_string(kSteps))).string());
-    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / ("step_" + std::to_string(kSteps))).string());
+    EXPECT_EQ(expect_moe_steps_match(dir_ / ("moe_" + s), dir_ / single, p, s, l.capacity.empty()), kSteps) << s;
     int tensors = 0;
-    for (const auto& tensor : a.names()) {
-      const int64_t n = a.info(tensor).numel();
-      std::vector<float> x(n), y(n);
-      a.read_f32(tensor, x.data(), n);
-      b.read_f32(tensor, y.data(), n);
-      double diff = 0, norm = 0;
-      for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
-      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << s << " " << tensor;
+    for (const std::string& tensor : expect_same_weights(dir_ / single, dir_ / ("moe_" + s), kSteps, s))
       tensors += tensor.find(".experts.") != std::string::npos;
-    }
     EXPECT_EQ(tensors, 2 * 4 * 3) << "every expert weight of both blocks is checked";
   }
   // Capacity 1.0 drops tokens in these runs (else the _cap layouts would prove nothing more).
@@ -651,10 +674,7 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
     plan::PlanConfig pc = plan_config(l.strategy, l.ranks, B);
     pc.grad_accum = 2, pc.ep = l.ep, pc.cp = l.cp, pc.cp_impl = model::parse_context_impl(l.impl);
     pc.recompute = model::parse_recompute(l.recompute);
-    pc.reduction_scratch = [o = comm::MpiOptions{}](plan::Op op, int64_t count, int elem, int group) {
-      return comm::mpi_scratch_bytes(o, op == plan::Op::reduce_scatter ? comm::Reduction::reduce_scatter : comm::Reduction::all_reduce,
-                                     count, elem == 2 ? DType::bf16 : DType::fp32, group);
-    };
+    pc.reduction_scratch = mpi_reduction_scratch;
     const plan::Plan p = plan::build_plan(desc, pc);
 
     const fs::path trace = dir_ / ("moe_" + s + ".json");
@@ -674,48 +694,8 @@ TEST_F(DistributedSlow, MixtureOfExpertsUnderContextParallelismMatchesOneProcess
     for (int rank = 0; rank < l.ranks; ++rank)  // step 1: each MoE block's counts, once per micro-step and pass
       EXPECT_EQ(count_exchanges[rank], desc.config.n_layer * 2 * passes) << s << " rank " << rank;
 
-    const MemSnapshot want_mem = p.max_memory();
-    const auto want = testing::read_metrics(dir_ / single / "metrics.jsonl");
-    const auto got = testing::read_metrics(dir_ / ("moe_" + s) / "metrics.jsonl");
-    int steps = 0;
-    for (size_t i = 0, j = 0; i < got.size(); ++i) {
-      const auto& row = got[i];
-      if (!row.contains("loss")) continue;
-      while (j < want.size() && !want[j].contains("loss")) ++j;
-      ASSERT_LT(j, want.size());
-      const auto& ref = want[j++];
-      ++steps;
-      const std::string at = s + " step " + row["step"].dump();
-      for (const char* key : {"loss", "aux_loss", "z_loss"})
-        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
-      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
-        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
-      const auto& held = row["mem_between_steps"];
-      EXPECT_EQ(held["params"].get<int64_t>(), p.static_memory.params) << at;
-      EXPECT_EQ(held["grads"].get<int64_t>(), p.static_memory.grads) << at;
-      EXPECT_EQ(held["optimizer"].get<int64_t>(), p.static_memory.optimizer) << at;
-      for (int c = 0; c < kNumMemCategories; ++c) {
-        const auto cat = static_cast<MemCategory>(c);
-        const double used = row["mem_max"][to_string(cat)].get<double>(), planned = static_cast<double>(want_mem.bytes[c]);
-        EXPECT_NEAR(used, planned, 0.01 * planned) << at << " " << to_string(cat);
-      }
-    }
-    EXPECT_EQ(steps, kSteps) << s;
-
-    ckpt::SafetensorsFile a(testing::exported_weights(dir_ / single / "ckpt" / ("step_" + std::to_string(kSteps))).string());
-    ckpt::SafetensorsFile b(testing::exported_weights(dir_ / ("moe_" + s) / "ckpt" / ("step_" + std::to_string(kSteps))).string());
-    int tensors = 0;
-    for (const auto& tensor : a.names()) {
-      const int64_t n = a.info(tensor).numel();
-      std::vector<float> x(n), y(n);
-      a.read_f32(tensor, x.data(), n);
-      b.read_f32(tensor, y.data(), n);
-      double diff = 0, norm = 0;
-      for (int64_t i = 0; i < n; ++i) diff += (x[i] - y[i]) * double(x[i] - y[i]), norm += x[i] * double(x[i]);
-      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << s << " " << tensor;
-      ++tensors;
-    }
-    EXPECT_GT(tensors, 2 * 4 * 3) << s;
+    EXPECT_EQ(expect_moe_steps_match(dir_ / ("moe_" + s), dir_ / single, p, s, false), kSteps) << s;
+    EXPECT_GT(expect_same_weights(dir_ / single, dir_ / ("moe_" + s), kSteps, s).size(), size_t{2 * 4 * 3}) << s;
   }
   // Capacity 1.0 drops tokens in these runs (else the _cap layouts would prove nothing more).
   double dropped = 0;
