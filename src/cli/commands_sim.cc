@@ -130,9 +130,11 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          "needs {} ({})",
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
-  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations simulated, {} fit {} "
-             "(+{} refined by keeping units gathered), {} distinct predictions\n",
-             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.fit - s.refined,
+  fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations ({} pruned by memory "
+             "unbuilt, {} invalid, {} built, {} simulated), {} fit {} (+{} refined by keeping units gathered), {} distinct "
+             "predictions\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.invalid, s.built,
+             s.simulated, s.fit - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
              s.refined, s.fitting.size());
   if (desc.config.family == model::Family::moe)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -48,6 +49,22 @@ SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, con
 
 namespace {
 
+// Where a configuration sits among those that differ from it only in knobs whose every step up
+// can only add memory: a larger micro-batch, less recompute, deeper prefetch, more gathers in
+// flight, units kept gathered, larger all-gather buckets. (bf16 gathers and reductions are not
+// among them: they halve a buffer but add a cast copy.) If a
+// configuration does not fit, nothing above it in its family does (Planner.PruningByMemory...
+// holds the search to the exhaustive one), so the search never builds those.
+struct Lattice {
+  std::vector<int> family;  // the knobs outside the order
+  std::vector<int> steps;   // each ordered knob's index, in the order its memory grows
+  int level() const {
+    int l = 0;
+    for (int v : steps) l += v;
+    return l;
+  }
+};
+
 // Every configuration of one strategy the search tries, handed to `visit`. bf16 gathers and
 // reductions only where the profile computes in bf16 (a GPU): on an fp32 CPU profile their cost
 // is mostly CPU work (casts, a hand-written bf16 sum beside the compute threads) that the model
@@ -55,6 +72,9 @@ namespace {
 template <class F>
 void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, bool bf16_collectives,
                  const std::vector<int>& eps, F visit) {
+  auto index_of = [](const auto& values, auto v) {
+    return static_cast<int>(std::find(values.begin(), values.end(), v) - values.begin());
+  };
   PlanConfig c = base;
   c.strategy = s;
   const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
@@ -64,65 +84,131 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
     for (int g = 2; g < c.world; ++g)
       if (c.world % g == 0) groups.push_back(g);
   }
-  for (int ep : eps)
-  for (int g : groups)
-    for (int64_t B = 1; B <= sequences_per_rank; ++B) {
-      if (sequences_per_rank % B) continue;
-      for (auto r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
-        for (int pf : sharded ? std::vector<int>{1, 2} : std::vector<int>{1})
-          for (int inflight : sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2})
-            for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
-              for (int pb : sharded && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4})
-                for (int rb : c.world > 1 && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4})
-                  for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false})
-                    // All-gather buckets when no unit is kept (keeping all leaves one gather per unit
-                    // a step), at the first prefetch depth and gather limit only: a bucket counts as
-                    // one gather there, and the grid stays within the search's time.
-                    for (double gather_bucket : sharded && !keep && pf == 1 && inflight == 2 ? std::vector<double>{0, 25, 100}
-                                                                                        : std::vector<double>{0}) {
-                  c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
-                  c.gather_bucket_mb = gather_bucket;
-                  c.ep = ep;
-                  c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
-                  c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
-                  c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
-                  visit(c);
-                }
-    }
+  // Each knob's values in the order its memory grows (Lattice).
+  const std::vector<model::Recompute> recomputes{model::Recompute::full, model::Recompute::selective, model::Recompute::none};
+  const std::vector<int> prefetches = sharded ? std::vector<int>{1, 2} : std::vector<int>{1};
+  const std::vector<int> inflights = sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2};
+  const std::vector<int> param_bytes = sharded && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4};
+  const std::vector<int> reduce_bytes = c.world > 1 && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4};
+  const std::vector<double> gather_buckets{0, 25, 100};
+  int batch_index = 0;
+  for (int64_t B = 1; B <= sequences_per_rank; ++B) {
+    if (sequences_per_rank % B) continue;
+    for (int ep : eps)
+      for (int g : groups)
+        for (double bucket : sharded ? std::vector<double>{25} : std::vector<double>{25, 100})
+          for (auto r : recomputes)
+            for (int pf : prefetches)
+              for (int inflight : inflights)
+                for (int pb : param_bytes)
+                  for (int rb : reduce_bytes)
+                    for (bool keep : sharded ? std::vector<bool>{false, true} : std::vector<bool>{false})
+                      // All-gather buckets when no unit is kept (keeping all leaves one gather per
+                      // unit a step), at the first prefetch depth and gather limit only: a bucket
+                      // counts as one gather there, and the grid stays within the search's time.
+                      for (double gather_bucket : sharded && !keep && pf == 1 && inflight == 2 ? gather_buckets
+                                                                                          : std::vector<double>{0}) {
+                        c.keep_gathered = keep ? std::vector<std::string>{"all"} : std::vector<std::string>{};
+                        c.gather_bucket_mb = gather_bucket;
+                        c.ep = ep;
+                        c.shard_group = g, c.batch = B, c.grad_accum = sequences_per_rank / B, c.recompute = r;
+                        c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
+                        c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
+                        Lattice at;
+                        at.family = {static_cast<int>(s), c.cp, static_cast<int>(c.cp_impl), ep, g, static_cast<int>(bucket), pb, rb};
+                        at.steps = {batch_index, index_of(recomputes, r), index_of(prefetches, pf), index_of(inflights, inflight),
+                                    keep ? 1 : 0, index_of(gather_buckets, gather_bucket)};
+                        visit(c, at);
+                      }
+    ++batch_index;
+  }
 }
 
 }  // namespace
 
 namespace {
 
-// Each configuration simulated, on one worker thread per core (the simulations share nothing);
-// empty where the plan cannot be built. In the grid's order, whatever the threads.
-std::vector<std::optional<SimResult>> simulate_all(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
-                                                   const HardwareProfile& hw, int threads, double expert_load) {
-  std::vector<std::optional<SimResult>> results(grid.size());
+// Runs work(i) for i in [0, n) on one worker thread per core (the items share nothing); rethrows
+// the first exception.
+template <class F>
+void parallel_for(size_t n, F work) {
   std::atomic<size_t> next{0};
   std::mutex mu;
-  std::exception_ptr failure;  // anything but a refused plan: the first one, rethrown here
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < grid.size();) {
+  std::exception_ptr failure;
+  auto run = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) {
       try {
-        results[i] = simulate_config(desc, grid[i], hw, threads, expert_load);
-        results[i]->times.clear();
-      } catch (const std::invalid_argument&) {
+        work(i);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!failure) failure = std::current_exception();
-        next = grid.size();
+        next = n;
       }
     }
   };
   const unsigned workers = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), 16));
   std::vector<std::thread> pool;
-  for (unsigned w = 1; w < workers; ++w) pool.emplace_back(work);
-  work();
+  for (unsigned w = 1; w < std::min<size_t>(workers, n); ++w) pool.emplace_back(run);
+  run();
   for (std::thread& t : pool) t.join();
   if (failure) std::rethrow_exception(failure);
-  return results;
+}
+
+// What the search learnt of one configuration of its grid.
+struct Outcome {
+  enum class State { pending, refused, pruned, too_big, simulated } state = State::pending;
+  SimResult result;  // too_big: its memory only
+};
+
+// Each configuration built and, where its peak fits the budget, simulated; with `prune`, one above
+// a configuration that does not fit (Lattice) is pruned, never built. Levels of the lattice in
+// turn, each on one worker thread per core; in the grid's order, whatever the threads.
+std::vector<Outcome> evaluate(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
+                              const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q, bool prune) {
+  using State = Outcome::State;
+  std::vector<Outcome> out(grid.size());
+  std::map<std::pair<std::vector<int>, std::vector<int>>, size_t> index;
+  int levels = 0;
+  for (size_t i = 0; i < grid.size(); ++i) {
+    index[{at[i].family, at[i].steps}] = i;
+    levels = std::max(levels, at[i].level() + 1);
+  }
+  auto above_too_big = [&](size_t i) {
+    std::vector<int> below = at[i].steps;
+    for (int& v : below) {
+      if (v == 0) continue;
+      --v;
+      const auto it = index.find({at[i].family, below});
+      ++v;
+      if (it != index.end() && (out[it->second].state == State::too_big || out[it->second].state == State::pruned)) return true;
+    }
+    return false;
+  };
+  for (int level = 0; level < levels; ++level) {
+    std::vector<size_t> now;
+    for (size_t i = 0; i < grid.size(); ++i) {
+      if (at[i].level() != level) continue;
+      if (prune && q.memory_budget > 0 && above_too_big(i)) out[i].state = State::pruned;
+      else now.push_back(i);
+    }
+    parallel_for(now.size(), [&](size_t k) {
+      Outcome& o = out[now[k]];
+      try {
+        const plan::Plan p = plan::build_plan(desc, grid[now[k]]);
+        o.result.mem = p.peak_memory();
+        if (q.memory_budget > 0 && o.result.mem.total > q.memory_budget) {
+          o.state = State::too_big;
+          return;
+        }
+        o.result = simulate(desc, p, hw, q.threads, q.expert_load);
+        o.result.times.clear(), o.result.runs.clear();  // the planner keeps thousands of results
+        o.state = State::simulated;
+      } catch (const std::invalid_argument&) {
+        o.state = State::refused;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+      }
+    });
+  }
+  return out;
 }
 
 void rank(std::vector<Candidate>& v) {
@@ -217,21 +303,28 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       if (desc.config.n_experts % ep == 0 && q.ranks % ep == 0) eps.push_back(ep);
   auto search = [&](const std::vector<std::pair<int, model::ContextImpl>>& cps) {
     std::vector<PlanConfig> grid;
+    std::vector<Lattice> at;
     for (const auto& [cp, impl] : cps) {
       PlanConfig bc = b;
       bc.cp = cp, bc.cp_impl = impl;
       for (Strategy s : strategies)  // a cp group's K ranks share their sequences
         each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps,
-                    [&](const PlanConfig& c) { grid.push_back(c); });
+                    [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
     }
-    const std::vector<std::optional<SimResult>> results = simulate_all(desc, grid, hw, q.threads, q.expert_load);
+    const std::vector<Outcome> outcomes = evaluate(desc, grid, at, hw, q, !q.exhaustive);
+    out.considered += static_cast<int64_t>(grid.size());
     for (size_t i = 0; i < grid.size(); ++i) {
-      if (!results[i]) continue;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
-      ++out.considered;
-      const SimResult& r = *results[i];
+      using State = Outcome::State;
+      const Outcome& o = outcomes[i];
+      out.pruned += o.state == State::pruned;
+      out.invalid += o.state == State::refused;
+      out.built += o.state == State::too_big || o.state == State::simulated;
+      out.simulated += o.state == State::simulated;
+      if (o.state != State::too_big && o.state != State::simulated) continue;
+      const SimResult& r = o.result;
       Candidate k{grid[i], r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(grid[i])};
       if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
-      if (q.memory_budget == 0 || k.peak_bytes <= q.memory_budget) out.fitting.push_back(std::move(k));
+      if (o.state == State::simulated) out.fitting.push_back(std::move(k));
     }
   };
   search({{1, model::ContextImpl::ring}});

@@ -1,6 +1,8 @@
 // The planner: enumerates plan configurations for a model, a rank count and a global batch,
-// simulates each (one worker thread per core), keeps those whose per-rank peak memory fits the
-// budget and ranks them by predicted step time. bf16 gathers and reductions are tried on bf16
+// builds each plan (one worker thread per core), simulates those whose per-rank peak memory fits
+// the budget and ranks them by predicted step time. Configurations above one that does not fit
+// in memory (a larger micro-batch, less recompute, ... : Lattice in planner.cc) are pruned
+// unbuilt. bf16 gathers and reductions are tried on bf16
 // (GPU) profiles only. For a mixture-of-experts model the expert-parallel size (ep) is searched
 // too: each divisor of the experts that divides the ranks.
 // Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
@@ -25,6 +27,8 @@ struct PlanQuery {
   int64_t memory_budget = 0;  // bytes per rank; 0: no limit
   int threads = 1;
   double expert_load = 1;  // the busiest expert's routed rows over the mean (simulate)
+  // Build every configuration, pruning none by memory (tests: the pruned search finds the same).
+  bool exhaustive = false;
 };
 
 struct Candidate {
@@ -42,7 +46,10 @@ struct PlanSearch {
   // exactly alike are counted in the first's `alike`.
   std::vector<Candidate> fitting;
   int64_t fit = 0;                  // configurations that fit, alike ones included
-  int64_t considered = 0;           // configurations of the grid simulated
+  // The grid's configurations (every combination of the knobs searched), and of them: pruned
+  // (above one that does not fit, so never built), refused by the plan builder, built, and
+  // simulated (built and fitting).
+  int64_t considered = 0, pruned = 0, invalid = 0, built = 0, simulated = 0;
   int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
   Candidate smallest;               // the least memory of all (to say by how much nothing fits)
 };

@@ -801,6 +801,49 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
   EXPECT_EQ(s.fitting[0].config.batch * s.fitting[0].config.grad_accum, 2);
 }
 
+// Pruning by memory changes nothing but the work: under budgets that cut the grid at its lowest,
+// middle and upper memory, the pruned search finds exactly the exhaustive one's configurations with
+// the same predictions (so the order of memory it assumes, Lattice, holds for these models), while
+// building fewer plans.
+TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
+  struct Case {
+    const char* model;
+    int ranks;
+    int64_t seq, sequences;
+    const char* hardware;
+  };
+  for (const Case& k : {Case{"llama-tiny", 4, 256, 4, "h100-80gb"}, Case{"moe-tiny", 8, 256, 4, "h100-80gb"},
+                        Case{"tiny", 4, 128, 8, "cpu-local"}}) {
+    const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
+    PlanQuery q;
+    q.ranks = k.ranks, q.seq = k.seq, q.global_tokens = k.ranks * k.sequences * k.seq, q.threads = 1;
+    q.exhaustive = true;
+    const PlanSearch free = search_plans(desc, PlanConfig{}, preset(k.hardware), q);
+    std::vector<int64_t> peaks;
+    for (const Candidate& c : free.fitting) peaks.push_back(c.peak_bytes);
+    std::sort(peaks.begin(), peaks.end());
+    ASSERT_GT(peaks.size(), 10u) << k.model;
+    for (double at : {0.05, 0.5, 0.9}) {
+      q.memory_budget = peaks[static_cast<size_t>(at * static_cast<double>(peaks.size() - 1))];
+      q.exhaustive = true;
+      const PlanSearch all = search_plans(desc, PlanConfig{}, preset(k.hardware), q);
+      q.exhaustive = false;
+      const PlanSearch pruned = search_plans(desc, PlanConfig{}, preset(k.hardware), q);
+      EXPECT_EQ(pruned.considered, all.considered) << k.model << " " << at;
+      EXPECT_GT(pruned.pruned, 0) << k.model << " " << at;
+      EXPECT_LT(pruned.built, all.built) << k.model << " " << at;
+      EXPECT_EQ(pruned.fit, all.fit) << k.model << " " << at;
+      ASSERT_EQ(pruned.fitting.size(), all.fitting.size()) << k.model << " " << at;
+      for (size_t i = 0; i < all.fitting.size(); ++i) {
+        EXPECT_EQ(pruned.fitting[i].flags, all.fitting[i].flags) << k.model << " " << at;
+        EXPECT_EQ(pruned.fitting[i].step_ms, all.fitting[i].step_ms) << k.model << " " << at;
+        EXPECT_EQ(pruned.fitting[i].alike, all.fitting[i].alike) << k.model << " " << at;
+      }
+      EXPECT_EQ(pruned.smallest.peak_bytes, all.smallest.peak_bytes) << k.model << " " << at;
+    }
+  }
+}
+
 // The ranked list holds one configuration per prediction: knobs that change nothing (gathers in
 // flight where none wait) fold into the first configuration predicted alike, and are counted.
 TEST(Planner, RankedListIsOneConfigurationPerPrediction) {
