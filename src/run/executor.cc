@@ -347,9 +347,10 @@ uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-uint64_t quant_key(uint64_t seed, int64_t step, int64_t micro, int unit) {
+uint64_t quant_key(uint64_t seed, int rank, int64_t step, int64_t micro, int unit) {
   uint64_t k = mix64(seed ^ 0x61637471756e7421ull);  // "actqunt!": apart from the init's draws
-  for (uint64_t v : {static_cast<uint64_t>(step), static_cast<uint64_t>(micro), static_cast<uint64_t>(unit)})
+  for (uint64_t v : {static_cast<uint64_t>(rank), static_cast<uint64_t>(step), static_cast<uint64_t>(micro),
+                     static_cast<uint64_t>(unit)})
     k = mix64(k ^ v);
   return k;
 }
@@ -403,9 +404,10 @@ void Executor::unit_task(const Task& t, Run& r) {
   a.all_logits = r.in.all_logits;
   a.act_quant = r.plan.config.act_quant;
   a.recompute = r.plan.config.recompute;
-  // Stochastic rounding draws from (seed, step, micro-step, unit) and, in layers/, the tensor and
-  // element: reproducible on any thread count and on resume, no generator state to carry.
-  a.quant_key = quant_key(r.in.quant_seed, r.step, r.compute_micro, t.unit);
+  // Stochastic rounding draws from (seed, rank, step, micro-step, unit) and, in layers/, the tensor
+  // and element: reproducible on any thread count and on resume, no generator state to carry, and
+  // ranks holding other sequences draw apart.
+  a.quant_key = quant_key(r.in.quant_seed, rank_, r.step, r.compute_micro, t.unit);
   const layers::LayerKind& kind = layers::layer(u.kind);
   switch (t.op) {
     case Op::forward: kind.forward(a); break;
