@@ -164,6 +164,16 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
+  cmd->add_option("--act-quant", c.act_quant,
+                  "activation compression: none | int8 (the GEMM inputs kept for the backward as int8 with a "
+                  "fp32 scale per group; what recompute rebuilds is not stored)")
+      ->capture_default_str();
+  cmd->add_option("--act-quant-group", c.act_quant_group,
+                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim, the q|k|v row)")
+      ->capture_default_str();
+  cmd->add_option("--act-quant-rounding", c.act_quant_rounding,
+                  "--act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")
+      ->capture_default_str();
   cmd->add_flag("--async-save", c.async_save,
                 "checkpoints: copy each rank's shard into a staging buffer (memory category staging) and write it "
                 "in a background thread while training goes on");

@@ -53,6 +53,13 @@ void Backend::attention_chunked_backward(float*, int64_t, float*, float*, int64_
   missing(*this, "attention_chunked_backward", "context parallelism");
 }
 
+void Backend::quantize_int8(int8_t*, float*, const float*, int64_t, int64_t, bool, uint64_t) const {
+  missing(*this, "quantize_int8", "--act-quant");
+}
+void Backend::dequantize_int8(float*, const int8_t*, const float*, int64_t, int64_t) const {
+  missing(*this, "dequantize_int8", "--act-quant");
+}
+
 void Backend::moe_router_probs(float*, float*, const float*, int64_t, int64_t) const { missing(*this, "moe_router_probs"); }
 void Backend::moe_router_forward(float*, float*, int32_t*, float*, const float*, int64_t, int64_t, int64_t, bool) const {
   missing(*this, "moe_router_forward");

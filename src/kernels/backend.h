@@ -165,6 +165,13 @@ class Backend {
                                    int64_t E, int64_t k, int64_t G, bool norm_topk, float aux_scale,
                                    float z_scale) const;
 
+  // Activation compression (--act-quant; kernels/cpu.h's quantize_int8 / dequantize_int8: int8
+  // values, one fp32 scale per `group` consecutive values). Backends without them throw
+  // std::logic_error naming themselves (the CUDA backend has none yet).
+  virtual void quantize_int8(int8_t* q, float* scales, const float* x, int64_t n, int64_t group, bool stochastic,
+                             uint64_t key) const;
+  virtual void dequantize_int8(float* x, const int8_t* q, const float* scales, int64_t n, int64_t group) const;
+
   // Optimizer and utilities over flat ranges.
   virtual void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                             float beta2, float eps, float weight_decay, int64_t t) const = 0;

@@ -376,4 +376,19 @@ void scale(float* x, int64_t n, float s);
 void fp32_to_bf16(uint16_t* out, const float* in, int64_t n);
 void bf16_to_fp32(float* out, const uint16_t* in, int64_t n);
 
+// Activation compression (--act-quant int8). x holds n values in groups of `group` consecutive
+// ones (n a multiple of group; a group lies along the feature axis of a row-major activation);
+// each group gets one scale s = max|x| / 127 (0 for an all-zero group) and values
+// q = round(x / s) in [-127, 127]. Nearest rounding (half away from zero) keeps |x - q s| <= s / 2.
+// Stochastic rounding takes q = floor(x / s + u) with u uniform in [0, 1) drawn from (key, element
+// index) alone: unbiased (E[q s] = x), reproducible, and the
+// same on any thread count. Non-finite inputs give a non-finite scale, so they are not hidden.
+struct QuantRounding {
+  bool stochastic = false;
+  uint64_t key = 0;  // stochastic: the draw of element i is a hash of (key, i)
+};
+void quantize_int8(int8_t* q, float* scales, const float* x, int64_t n, int64_t group, QuantRounding rounding);
+// x = q · scale of its group.
+void dequantize_int8(float* x, const int8_t* q, const float* scales, int64_t n, int64_t group);
+
 }  // namespace shardlm::kernels

@@ -205,6 +205,13 @@ class CpuBackend final : public Backend {
   }
   double sum_squares(const float* x, int64_t n) const override { return kernels::sum_squares(x, n); }
   void scale(float* x, int64_t n, float s) const override { kernels::scale(x, n, s); }
+  void quantize_int8(int8_t* q, float* scales, const float* x, int64_t n, int64_t group, bool stochastic,
+                     uint64_t key) const override {
+    kernels::quantize_int8(q, scales, x, n, group, {stochastic, key});
+  }
+  void dequantize_int8(float* x, const int8_t* q, const float* scales, int64_t n, int64_t group) const override {
+    kernels::dequantize_int8(x, q, scales, n, group);
+  }
   void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const override {
     kernels::fp32_to_bf16(out, in, n);
   }

@@ -1,4 +1,5 @@
 // GPT-2's unit kinds: token + position embedding, pre-LN block, final layer norm + tied head.
+#include <algorithm>
 #include <cstring>
 
 #include <stdexcept>
@@ -41,23 +42,30 @@ struct Dims {
   int64_t B, T, BT, C, NH, HS, F;
   int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
   bool ring = false;  // split as a ring (else heads split by an all-to-all)
+  // --act-quant: the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
+  int64_t gs = 0, gr = 0;
   bool heads_split() const { return P > 1 && !ring; }
+  int64_t wide() const { return BT * std::max(3 * C, F); }  // q|k|v or GELU out
 };
 Dims dims(const UnitArgs& a) {
   const auto& c = a.desc->config;
   return {a.B, a.T, a.B * a.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, a.cp,
-          a.cp > 1 && a.cp_impl == model::ContextImpl::ring};
+          a.cp > 1 && a.cp_impl == model::ContextImpl::ring,
+          a.act_quant.saved_int8(a.recompute) ? a.act_quant.group : 0,
+          a.act_quant.recomputable_int8(a.recompute) ? a.act_quant.group : 0};
 }
 Dims dims(const model::ModelDesc& d, const model::Shape& s) {
   const auto& c = d.config;
   return {s.B, s.T, s.B * s.T, c.n_embd, c.n_head, c.head_size(), c.ffn_dim, s.cp,
-          s.cp > 1 && s.cp_impl == model::ContextImpl::ring};
+          s.cp > 1 && s.cp_impl == model::ContextImpl::ring,
+          s.act_quant.saved_int8(s.recompute) ? s.act_quant.group : 0,
+          s.act_quant.recomputable_int8(s.recompute) ? s.act_quant.group : 0};
 }
 
 // Kept for the backward: GEMM outputs and attention statistics.
 struct Saved {
-  float* qkv;   // (B, T, 3C)
-  float* atty;  // (B, T, C) attention output before the projection
+  Kept qkv;     // (B, T, 3C)
+  Kept atty;    // (B, T, C) attention output before the projection
   float* lse;   // (B, NH, T)
   float* res1;  // (B, T, C) residual after attention
   float* fch;   // (B, T, F) before GELU
@@ -66,8 +74,8 @@ struct Saved {
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
-  s.qkv = cv.take<float>(d.BT * 3 * d.C);
-  s.atty = cv.take<float>(d.BT * d.C);
+  s.qkv = take_kept(cv, d.BT * 3 * d.C, d.gs);
+  s.atty = take_kept(cv, d.BT * d.C, d.gs);
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.fch = cv.take<float>(d.BT * d.F);
@@ -77,24 +85,39 @@ Saved carve_saved(Carver& cv, const Dims& d) {
 }
 // Norms and pointwise activations: recomputed under selective recompute.
 struct Recomputable {
-  float *ln1, *ln1_mean, *ln1_rstd;  // (B, T, C), (B, T), (B, T)
-  float *ln2, *ln2_mean, *ln2_rstd;
-  float* fch_gelu;  // (B, T, F)
+  Kept ln1;                    // (B, T, C)
+  float *ln1_mean, *ln1_rstd;  // (B, T), (B, T)
+  Kept ln2;
+  float *ln2_mean, *ln2_rstd;
+  Kept fch_gelu;  // (B, T, F)
 };
 Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   Recomputable r;
-  r.ln1 = cv.take<float>(d.BT * d.C);
+  r.ln1 = take_kept(cv, d.BT * d.C, d.gr);
   r.ln1_mean = cv.take<float>(d.BT);
   r.ln1_rstd = cv.take<float>(d.BT);
-  r.ln2 = cv.take<float>(d.BT * d.C);
+  r.ln2 = take_kept(cv, d.BT * d.C, d.gr);
   r.ln2_mean = cv.take<float>(d.BT);
   r.ln2_rstd = cv.take<float>(d.BT);
-  r.fch_gelu = cv.take<float>(d.BT * d.F);
+  r.fch_gelu = take_kept(cv, d.BT * d.F, d.gr);
   return r;
+}
+// --act-quant: the forward's fp32 forms of the compressed values, in two scratch slices. A norm's
+// output, the attention output and the second norm's output take turns in the first (each is
+// stored before the next is written), q|k|v and the GELU output in the second.
+void carve_quant_forward(Carver& cv, const Dims& d, Saved& s, Recomputable& r) {
+  if (d.gs == 0) return;
+  float* narrow = cv.take<float>(d.BT * d.C);
+  float* wide = cv.take<float>(d.wide());
+  s.qkv.f = wide, s.atty.f = narrow;
+  if (d.gr > 0) r.ln1.f = narrow, r.ln2.f = narrow, r.fch_gelu.f = wide;
 }
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dfch, *dfch_gelu, *attention;
   float *dout_split = nullptr, *dqkv_split = nullptr;  // split over cp: the head split's gradients
+  // --act-quant: dequantized GEMM inputs, one at a time in `wide`, the attention output in
+  // `narrow` (attention's backward reads it with q|k|v).
+  float *wide = nullptr, *narrow = nullptr;
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -107,6 +130,10 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   if (d.heads_split()) {
     w.dout_split = cv.take<float>(d.BT * d.C);
     w.dqkv_split = cv.take<float>(d.BT * 3 * d.C);
+  }
+  if (d.gs > 0) {
+    w.wide = cv.take<float>(d.wide());
+    w.narrow = cv.take<float>(d.BT * d.C);
   }
   return w;
 }
@@ -151,29 +178,38 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 
 // From the attention output to the MLP's output projection's input: projection, residual, norm,
 // fc, GELU.
-void mlp_input_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                       const Recomputable& r, const Dims& d) {
-  be.linear_forward(s.res1, s.atty, p.proj_w, p.proj_b, d.BT, d.C, d.C);
+// Under --act-quant each compressed value is stored right after its last fp32 reader has run (the
+// forward computes in fp32, so its output and the loss are those of an uncompressed run).
+void mlp_input_forward(const UnitArgs& a, const Block& p, const float* in, const Saved& s, const Recomputable& r,
+                       const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.linear_forward(s.res1, s.atty.f, p.proj_w, p.proj_b, d.BT, d.C, d.C);
   be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
-  be.linear_forward(s.fch, r.ln2, p.fc_w, p.fc_b, d.BT, d.C, d.F);
-  be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
+  be.layernorm_forward(r.ln2.f, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
+  store(a, r.ln2, "ln_2");
+  be.linear_forward(s.fch, r.ln2.f, p.fc_w, p.fc_b, d.BT, d.C, d.F);
+  be.gelu_forward(r.fch_gelu.f, s.fch, d.BT * d.F);
+  store(a, r.fch_gelu, "gelu");
 }
 
 void mlp_out_forward(const kernels::Backend& be, const Block& p, const UnitArgs& a, const Saved& s,
                      const Recomputable& r, const Dims& d) {
-  be.linear_forward(a.out, r.fch_gelu, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
+  be.linear_forward(a.out, r.fch_gelu.f, p.fcproj_w, p.fcproj_b, d.BT, d.F, d.C);
   be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
 }
 
 // The block's forward up to (and without) the MLP's output projection: what a full recompute
 // reruns, with the same kernels on the same inputs, so the backward sees bitwise the same values.
-void block_forward_until_mlp_out(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
+void block_forward_until_mlp_out(const UnitArgs& a, const Block& p, const float* in, const Saved& s,
                                  const Recomputable& r, const Dims& d) {
-  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
-  be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NH, d.HS);
-  mlp_input_forward(be, p, in, s, r, d);
+  const kernels::Backend& be = *a.backend;
+  be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
+  store(a, r.ln1, "ln_1");
+  be.linear_forward(s.qkv.f, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NH, d.HS);
+  store(a, s.qkv, "qkv");
+  store(a, s.atty, "attn");
+  mlp_input_forward(a, p, in, s, r, d);
 }
 
 // One stage of a pass split over cp (context.h); `out`: through the MLP's output projection (a
@@ -190,27 +226,27 @@ void split_forward_stage(const UnitArgs& a, bool out) {
   if (d.ring) {
     const context::Ring ring = context::ring_of(a);
     if (a.stage == 0) {
-      be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-      be.linear_forward(s.qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-      return context::ring_send_own(be, a.send, s.qkv, ring);
+      be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+      be.linear_forward(s.qkv.f, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+      return context::ring_send_own(be, a.send, s.qkv.f, ring);
     }
-    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
     if (a.stage == d.P) {
-      mlp_input_forward(be, p, a.in, s, r, d);
+      mlp_input_forward(a, p, a.in, s, r, d);
       if (out) mlp_out_forward(be, p, a, s, r, d);
     }
     return;
   }
   const context::Split sp = context::split_of(a);
   if (a.stage == 0) {
-    be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-    be.linear_forward(qkv, r.ln1, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+    be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+    be.linear_forward(qkv, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
     context::send_qkv(be, a.send, qkv, sp);
   } else if (a.stage == 1) {
-    context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
+    context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
   } else {
-    context::take_outputs(be, s.atty, a.recv, sp);
-    mlp_input_forward(be, p, a.in, s, r, d);
+    context::take_outputs(be, s.atty.f, a.recv, sp);
+    mlp_input_forward(a, p, a.in, s, r, d);
     if (out) mlp_out_forward(be, p, a, s, r, d);
   }
 }
@@ -220,10 +256,11 @@ void block_forward(const UnitArgs& a) {
   const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
-  Carver cs(a.saved), cr(a.recomputable);
-  const Saved s = carve_saved(cs, d);
-  const Recomputable r = carve_recomputable(cr, d);
-  block_forward_until_mlp_out(be, p, a.in, s, r, d);
+  Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
+  Saved s = carve_saved(cs, d);
+  Recomputable r = carve_recomputable(cr, d);
+  carve_quant_forward(cw, d, s, r);
+  block_forward_until_mlp_out(a, p, a.in, s, r, d);
   mlp_out_forward(be, p, a, s, r, d);
 }
 
@@ -234,17 +271,21 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
   Carver cs(a.saved), cr(a.recomputable);
   const Saved s = carve_saved(cs, d);
   const Recomputable r = carve_recomputable(cr, d);
+  // What is rebuilt is fp32 (model::ActQuant: only kept values are compressed), so a full
+  // rebuild writes its buffers as an uncompressed forward does.
   if (mode == model::Recompute::full) {
     if (a.cp > 1) return split_forward_stage(a, false);
-    return block_forward_until_mlp_out(be, p, a.in, s, r, d);
+    return block_forward_until_mlp_out(a, p, a.in, s, r, d);
   }
-  be.layernorm_forward(r.ln1, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-  be.layernorm_forward(r.ln2, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
-  be.gelu_forward(r.fch_gelu, s.fch, d.BT * d.F);
+  be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
+  be.layernorm_forward(r.ln2.f, r.ln2_mean, r.ln2_rstd, s.res1, p.ln2_w, p.ln2_b, d.BT, d.C);
+  be.gelu_forward(r.fch_gelu.f, s.fch, d.BT * d.F);
 }
 
 // d out (in a.dx) back through the MLP, the second norm and the projection: a.dx then holds
 // d res1 and w.datty d attention output.
+// Under --act-quant the GEMM inputs are dequantized into w.wide one after another, the attention
+// output into w.narrow (left there for the attention's backward).
 void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved& s, const Recomputable& r,
                   const BackwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
@@ -253,12 +294,13 @@ void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved
   be.zero(w.dfch_gelu, sizeof(float) * BT * F);
   be.zero(w.dfch, sizeof(float) * BT * F);
   be.zero(w.dln, sizeof(float) * BT * C);
-  be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, r.fch_gelu, p.fcproj_w, BT, F, C);
+  be.linear_backward(w.dfch_gelu, mut(g.fcproj_w), mut(g.fcproj_b), dres, load(a, r.fch_gelu, w.wide), p.fcproj_w,
+                     BT, F, C);
   be.gelu_backward(w.dfch, w.dfch_gelu, s.fch, BT * F);
-  be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, r.ln2, p.fc_w, BT, C, F);
+  be.linear_backward(w.dln, mut(g.fc_w), mut(g.fc_b), w.dfch, load(a, r.ln2, w.wide), p.fc_w, BT, C, F);
   be.layernorm_backward(dres, mut(g.ln2_w), mut(g.ln2_b), w.dln, s.res1, p.ln2_w, r.ln2_mean, r.ln2_rstd, BT, C);
   be.zero(w.datty, sizeof(float) * BT * C);
-  be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, s.atty, p.proj_w, BT, C, C);
+  be.linear_backward(w.datty, mut(g.proj_w), mut(g.proj_b), dres, load(a, s.atty, w.narrow), p.proj_w, BT, C, C);
 }
 
 // d q|k|v (in w.dqkv) back through the GEMM and the first norm into a.dx.
@@ -266,7 +308,7 @@ void qkv_backward(const UnitArgs& a, const Block& p, const Block& g, const Recom
                   const Dims& d) {
   const kernels::Backend& be = *a.backend;
   be.zero(w.dln, sizeof(float) * d.BT * d.C);
-  be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, r.ln1, p.qkv_w, d.BT, d.C, 3 * d.C);
+  be.linear_backward(w.dln, mut(g.qkv_w), mut(g.qkv_b), w.dqkv, load(a, r.ln1, w.wide), p.qkv_w, d.BT, d.C, 3 * d.C);
   be.layernorm_backward(a.dx, mut(g.ln1_w), mut(g.ln1_b), w.dln, a.in, p.ln1_w, r.ln1_mean, r.ln1_rstd, d.BT, d.C);
 }
 
@@ -282,20 +324,23 @@ void block_backward(const UnitArgs& a) {
   if (a.cp == 1) {
     mlp_backward(a, p, g, s, r, w, d);
     be.zero(w.dqkv, sizeof(float) * d.BT * 3 * d.C);
-    be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS, w.attention);
+    // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
+    const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
+    be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS,
+                          w.attention);
     return qkv_backward(a, p, g, r, w, d);
   }
   if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
   if (d.ring)
     return context::ring_backward_stage(
-        a, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
+        a, w.dqkv, w.datty, s.qkv.f, s.atty.f, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
         [&] { qkv_backward(a, p, g, r, w, d); });
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);
     context::send_output_grads(be, a.send, w.datty, sp);
   } else if (a.stage == 1) {
-    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv.f, s.out_split, s.lse, a.recv, a.send,
                                 w.attention, sp);
   } else {
     context::take_qkv_grads(be, w.dqkv, a.recv, sp);
@@ -307,9 +352,10 @@ Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, co
                     const model::Shape& shape) {
   const Dims d = dims(desc, shape);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
-  carve_saved(cs, d);
-  carve_recomputable(cr, d);
+  Saved s = carve_saved(cs, d);
+  Recomputable r = carve_recomputable(cr, d);
   carve_forward_ws(cf, d);
+  carve_quant_forward(cf, d, s, r);
   carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), cf.used(), cw.used()};
 }

@@ -42,6 +42,30 @@ float normal_from(uint64_t r) {
 }
 }  // namespace
 
+Kept take_kept(Carver& cv, int64_t n, int64_t group) {
+  Kept k;
+  k.n = n, k.group = group;
+  if (group > 0) {
+    k.q = cv.take<int8_t>(n);
+    k.scales = cv.take<float>(n / group);
+  } else {
+    k.f = cv.take<float>(n);
+  }
+  return k;
+}
+
+void store(const UnitArgs& a, const Kept& k, const char* name) {
+  if (!k.quantized()) return;
+  a.backend->quantize_int8(k.q, k.scales, k.f, k.n, k.group, a.act_quant.stochastic,
+                           splitmix64(a.quant_key ^ hash_name(name)));
+}
+
+const float* load(const UnitArgs& a, const Kept& k, float* scratch) {
+  if (!k.quantized()) return k.f;
+  a.backend->dequantize_int8(scratch, k.q, k.scales, k.n, k.group);
+  return scratch;
+}
+
 void init_unit(const model::UnitDesc& u, uint64_t seed, float* dst, int64_t begin, int64_t end) {
   for (const auto& p : u.params) {
     const int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.numel);

@@ -66,6 +66,12 @@ struct UnitArgs {
   MoeStats* moe = nullptr;  // a forward of a MoE block adds its routing's figures (null: not kept)
   float* logits = nullptr;  // (V): logits of the last position of sequence 0 (Op::logits),
   bool all_logits = false;  // or with all_logits (B, T, V): every row's
+  // Activation compression (model::ActQuant) under the plan's recompute mode, which decides what
+  // is kept (so compressed). quant_key: stochastic rounding's key for this unit's pass, a hash of
+  // (seed, step, micro-step, unit) from the executor; each tensor mixes its name in.
+  model::ActQuant act_quant{};
+  model::Recompute recompute = model::Recompute::none;
+  uint64_t quant_key = 0;
 };
 
 enum class HeadMode { train, loss, logits };
@@ -113,6 +119,24 @@ class Carver {
   char* base_;
   int64_t used_ = 0;
 };
+
+// A GEMM input kept from the forward for the backward: fp32 in its buffer (f), or under
+// --act-quant int8 values and their scales in the buffer while its fp32 form lives in scratch
+// (f, pointed there by the kind) only as long as the pass that writes or reads it needs it.
+struct Kept {
+  float* f = nullptr;
+  int8_t* q = nullptr;
+  float* scales = nullptr;
+  int64_t n = 0, group = 0;  // group 0: fp32
+  bool quantized() const { return group > 0; }
+};
+// Carves n values, as model::detail::kept_input sizes them.
+Kept take_kept(Carver& cv, int64_t n, int64_t group);
+// The forward's fp32 values (k.f) into their int8 form; nothing when k is fp32. `name` keys the
+// stochastic draws apart from the unit's other tensors.
+void store(const UnitArgs& a, const Kept& k, const char* name);
+// The fp32 values for the backward: k.f itself, or dequantized into `scratch` (n floats).
+const float* load(const UnitArgs& a, const Kept& k, float* scratch);
 
 // The architecture files' tables.
 LayerKind gpt2_embedding_kind();

@@ -1,5 +1,6 @@
 // LLaMA's unit kinds: token embedding, pre-norm block (RMSNorm, rotary q/k, grouped-query
 // attention, SwiGLU; Linear weights (out, in), no biases), final RMSNorm + head (own or tied).
+#include <algorithm>
 #include <cstring>
 
 #include <stdexcept>
@@ -33,20 +34,25 @@ struct Dims {
   float eps, theta;
   int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
   bool ring = false;  // split as a ring (else heads split by an all-to-all)
+  // --act-quant: the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
+  int64_t gs = 0, gr = 0;
   bool heads_split() const { return P > 1 && !ring; }
+  int64_t wide() const { return BT * std::max(QKV, F); }  // q|k|v or the SwiGLU output
 };
-Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, model::ContextImpl impl) {
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, model::ContextImpl impl,
+             const model::ActQuant& q = {}, model::Recompute mode = model::Recompute::none) {
   const auto& c = desc.config;
   const int64_t HS = c.head_size();
   return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
           static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P,
-          P > 1 && impl == model::ContextImpl::ring};
+          P > 1 && impl == model::ContextImpl::ring, q.saved_int8(mode) ? q.group : 0,
+          q.recomputable_int8(mode) ? q.group : 0};
 }
-Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp, a.cp_impl); }
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp, a.cp_impl, a.act_quant, a.recompute); }
 
 struct Saved {
-  float* qkv;      // (B, T, QKV) after rotation; split over cp: this rank's heads, every position
-  float* atty;     // (B, T, C) attention output before o_proj
+  Kept qkv;        // (B, T, QKV) after rotation; split over cp: this rank's heads, every position
+  Kept atty;       // (B, T, C) attention output before o_proj
   float* lse;      // (B, NH, T); split over cp: (B, NH / P, T·P)
   float* res1;     // (B, T, C) residual after attention
   float* gate_up;  // (B, T, 2F)
@@ -55,8 +61,8 @@ struct Saved {
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
-  s.qkv = cv.take<float>(d.BT * d.QKV);
-  s.atty = cv.take<float>(d.BT * d.C);
+  s.qkv = take_kept(cv, d.BT * d.QKV, d.gs);
+  s.atty = take_kept(cv, d.BT * d.C, d.gs);
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.gate_up = cv.take<float>(d.BT * 2 * d.F);
@@ -65,18 +71,30 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   return s;
 }
 struct Recomputable {
-  float *ln1, *rstd1;  // (B, T, C), (B, T)
-  float *ln2, *rstd2;
-  float* act;  // (B, T, F) silu(gate) * up
+  Kept ln1;      // (B, T, C)
+  float* rstd1;  // (B, T)
+  Kept ln2;
+  float* rstd2;
+  Kept act;  // (B, T, F) silu(gate) * up
 };
 Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   Recomputable r;
-  r.ln1 = cv.take<float>(d.BT * d.C);
+  r.ln1 = take_kept(cv, d.BT * d.C, d.gr);
   r.rstd1 = cv.take<float>(d.BT);
-  r.ln2 = cv.take<float>(d.BT * d.C);
+  r.ln2 = take_kept(cv, d.BT * d.C, d.gr);
   r.rstd2 = cv.take<float>(d.BT);
-  r.act = cv.take<float>(d.BT * d.F);
+  r.act = take_kept(cv, d.BT * d.F, d.gr);
   return r;
+}
+// --act-quant: the forward's fp32 forms of the compressed values, in two scratch slices after the
+// forward's own (as GPT-2's block: norm out, attention out, norm out take turns in the first,
+// q|k|v and the SwiGLU output in the second, each stored before the next is written).
+void carve_quant_forward(Carver& cv, const Dims& d, Saved& s, Recomputable& r) {
+  if (d.gs == 0) return;
+  float* narrow = cv.take<float>(d.BT * d.C);
+  float* wide = cv.take<float>(d.wide());
+  s.qkv.f = wide, s.atty.f = narrow;
+  if (d.gr > 0) r.ln1.f = narrow, r.ln2.f = narrow, r.act.f = wide;
 }
 float* carve_rope(const kernels::Backend& be, Carver& cv, const Dims& d) {
   return cv.take<float>(be.rope_table_floats(d.T * d.P, d.HS));
@@ -94,6 +112,7 @@ ForwardWs carve_forward_ws(const kernels::Backend& be, Carver& cv, const Dims& d
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dact, *dgate_up, *attention, *rope;
   float *dout_split = nullptr, *dqkv_split = nullptr;  // split over cp: the head split's gradients
+  float *wide = nullptr, *narrow = nullptr;  // --act-quant: dequantized inputs (as GPT-2's block)
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -107,6 +126,10 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   if (d.heads_split()) {
     w.dout_split = cv.take<float>(d.BT * d.C);
     w.dqkv_split = cv.take<float>(d.BT * d.QKV);
+  }
+  if (d.gs > 0) {
+    w.wide = cv.take<float>(d.wide());
+    w.narrow = cv.take<float>(d.BT * d.C);
   }
   return w;
 }
@@ -140,25 +163,29 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 // Norm, q|k|v and their rotation: a pass's start (stage 0 of one split over cp).
 void qkv_forward(const kernels::Backend& be, const Block& p, const float* in, float* qkv, const Recomputable& r,
                  float* rope, const UnitArgs& a, const Dims& d) {
-  be.rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
-  be.dense_forward(qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  be.rmsnorm_forward(r.ln1.f, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
+  store(a, r.ln1, "input_layernorm");
+  be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
   be.rope_table(rope, d.T * d.P, d.HS, d.theta);
   rotate(be, qkv, a, d, rope, false);  // q and k, in place
 }
 
 // From the attention output to the MLP's input: projection, residual, norm, gate|up, SwiGLU.
-void mlp_input_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                       const Recomputable& r, const Dims& d) {
-  be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
+void mlp_input_forward(const UnitArgs& a, const Block& p, const float* in, const Saved& s, const Recomputable& r,
+                       const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.dense_forward(s.res1, s.atty.f, p.o, d.BT, d.C, d.C);
   be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  be.dense_forward(s.gate_up, r.ln2, p.gate_up, d.BT, d.C, 2 * d.F);
-  be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+  be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  store(a, r.ln2, "post_attention_layernorm");
+  be.dense_forward(s.gate_up, r.ln2.f, p.gate_up, d.BT, d.C, 2 * d.F);
+  be.swiglu_forward(r.act.f, s.gate_up, d.BT, d.F);
+  store(a, r.act, "swiglu");
 }
 
 void down_forward(const kernels::Backend& be, const Block& p, const UnitArgs& a, const Saved& s,
                   const Recomputable& r, const Dims& d) {
-  be.dense_forward(a.out, r.act, p.down, d.BT, d.F, d.C);
+  be.dense_forward(a.out, r.act.f, p.down, d.BT, d.F, d.C);
   be.residual_forward(a.out, a.out, s.res1, d.BT * d.C);
 }
 
@@ -175,12 +202,12 @@ void split_forward_stage(const UnitArgs& a, bool down) {
   if (d.ring) {
     const context::Ring ring = context::ring_of(a);
     if (a.stage == 0) {
-      qkv_forward(be, p, a.in, s.qkv, r, w.rope, a, d);
-      return context::ring_send_own(be, a.send, s.qkv, ring);
+      qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
+      return context::ring_send_own(be, a.send, s.qkv.f, ring);
     }
-    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
     if (a.stage == d.P) {
-      mlp_input_forward(be, p, a.in, s, r, d);
+      mlp_input_forward(a, p, a.in, s, r, d);
       if (down) down_forward(be, p, a, s, r, d);
     }
     return;
@@ -190,10 +217,10 @@ void split_forward_stage(const UnitArgs& a, bool down) {
     qkv_forward(be, p, a.in, w.qkv, r, w.rope, a, d);
     context::send_qkv(be, a.send, w.qkv, sp);
   } else if (a.stage == 1) {
-    context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
+    context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
   } else {
-    context::take_outputs(be, s.atty, a.recv, sp);
-    mlp_input_forward(be, p, a.in, s, r, d);
+    context::take_outputs(be, s.atty.f, a.recv, sp);
+    mlp_input_forward(a, p, a.in, s, r, d);
     if (down) down_forward(be, p, a, s, r, d);
   }
 }
@@ -206,9 +233,11 @@ void check_staged(const UnitArgs& a) {
 void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r,
                               const ForwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
-  qkv_forward(be, p, a.in, s.qkv, r, w.rope, a, d);
-  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
-  mlp_input_forward(be, p, a.in, s, r, d);
+  qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  store(a, s.qkv, "qkv");
+  store(a, s.atty, "attn");
+  mlp_input_forward(a, p, a.in, s, r, d);
 }
 
 void block_forward(const UnitArgs& a) {
@@ -219,9 +248,11 @@ void block_forward(const UnitArgs& a) {
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
-  const Saved s = carve_saved(cs, d);
-  const Recomputable r = carve_recomputable(cr, d);
-  block_forward_until_down(a, p, s, r, carve_forward_ws(*a.backend, cw, d), d);
+  Saved s = carve_saved(cs, d);
+  Recomputable r = carve_recomputable(cr, d);
+  const ForwardWs w = carve_forward_ws(*a.backend, cw, d);
+  carve_quant_forward(cw, d, s, r);
+  block_forward_until_down(a, p, s, r, w, d);
   down_forward(*a.backend, p, a, s, r, d);
 }
 
@@ -239,9 +270,10 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
     }
     return block_forward_until_down(a, p, s, r, carve_forward_ws(be, cw, d), d);
   }
-  be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
-  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  be.swiglu_forward(r.act, s.gate_up, d.BT, d.F);
+  // Rebuilt values are fp32 (model::ActQuant: only kept values are compressed).
+  be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  be.swiglu_forward(r.act.f, s.gate_up, d.BT, d.F);
 }
 
 // d out (in a.dx) back through the MLP, the second norm and the projection: a.dx then holds
@@ -254,12 +286,12 @@ void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved
   be.zero(w.dact, sizeof(float) * BT * F);
   be.zero(w.dgate_up, sizeof(float) * BT * 2 * F);
   be.zero(w.dln, sizeof(float) * BT * C);
-  be.dense_backward(w.dact, mut(g.down), dres, r.act, p.down, BT, F, C);
+  be.dense_backward(w.dact, mut(g.down), dres, load(a, r.act, w.wide), p.down, BT, F, C);
   be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, BT, F);
-  be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, r.ln2, p.gate_up, BT, C, 2 * F);
+  be.dense_backward(w.dln, mut(g.gate_up), w.dgate_up, load(a, r.ln2, w.wide), p.gate_up, BT, C, 2 * F);
   be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
   be.zero(w.datty, sizeof(float) * BT * C);
-  be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+  be.dense_backward(w.datty, mut(g.o), dres, load(a, s.atty, w.narrow), p.o, BT, C, C);
 }
 
 // d q|k|v (rotated, in w.dqkv) back through the rotation, the GEMM and the first norm into a.dx.
@@ -269,7 +301,7 @@ void qkv_backward(const UnitArgs& a, const Block& p, const Block& g, const Recom
   be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
   rotate(be, w.dqkv, a, d, w.rope, true);
   be.zero(w.dln, sizeof(float) * d.BT * d.C);
-  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, d.BT, d.C, d.QKV);
   be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
 }
 
@@ -285,20 +317,23 @@ void block_backward(const UnitArgs& a) {
   if (a.cp == 1) {
     mlp_backward(a, p, g, s, r, w, d);
     be.zero(w.dqkv, sizeof(float) * d.BT * d.QKV);
-    be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
+    // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
+    const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
+    be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
+                          w.attention);
     return qkv_backward(a, p, g, r, w, d);
   }
   check_staged(a);
   if (d.ring)
     return context::ring_backward_stage(
-        a, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
+        a, w.dqkv, w.datty, s.qkv.f, s.atty.f, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
         [&] { qkv_backward(a, p, g, r, w, d); });
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);
     context::send_output_grads(be, a.send, w.datty, sp);
   } else if (a.stage == 1) {
-    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv.f, s.out_split, s.lse, a.recv, a.send,
                                 w.attention, sp);
   } else {
     context::take_qkv_grads(be, w.dqkv, a.recv, sp);
@@ -308,11 +343,12 @@ void block_backward(const UnitArgs& a) {
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp, shape.cp_impl);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.cp, shape.cp_impl, shape.act_quant, shape.recompute);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
-  carve_saved(cs, d);
-  carve_recomputable(cr, d);
+  Saved s = carve_saved(cs, d);
+  Recomputable r = carve_recomputable(cr, d);
   carve_forward_ws(be, cf, d);
+  carve_quant_forward(cf, d, s, r);
   carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), cf.used(), cw.used()};
 }

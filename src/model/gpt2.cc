@@ -1,5 +1,6 @@
 // GPT-2: token + position embedding; pre-LN blocks (fused q|k|v projection, tanh-GELU MLP, Conv1D
 // weights (in, out) with biases); final layer norm; head tied to the token embedding.
+#include <algorithm>
 #include <cmath>
 
 #include "model/model.h"
@@ -85,14 +86,28 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       k.selective_recompute_flops = 2 * 8 * bt * C + 20 * bt * F;  // two layer norms, GELU
       k.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * BT * F) * e;  // norms, residuals, GELU
       k.output_bytes = slice(BT * C, e);
+      // Under --act-quant the GEMM inputs among them are int8 + scales where they are kept.
+      const int64_t gs = s.act_quant.saved_int8(s.recompute) ? s.act_quant.group : 0;
+      const int64_t gr = s.act_quant.recomputable_int8(s.recompute) ? s.act_quant.group : 0;
       // Kept: qkv, attention output, its log-sum-exp, residual 1, fc output before GELU.
-      k.saved_bytes = slice(BT * 3 * C, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * C, e) +
-                      slice(BT * F, e);
+      k.saved_bytes = detail::kept_input(BT * 3 * C, e, gs) + detail::kept_input(BT * C, e, gs) +
+                      slice(B * NH * T, 4) + slice(BT * C, e) + slice(BT * F, e);
       // Recomputable: ln_1 out + mean + rstd, ln_2 out + mean + rstd, GELU output.
-      k.recomputable_bytes = 2 * (slice(BT * C, e) + 2 * slice(BT, 4)) + slice(BT * F, e);
+      k.recomputable_bytes =
+          2 * (detail::kept_input(BT * C, e, gr) + 2 * slice(BT, 4)) + detail::kept_input(BT * F, e, gr);
       // Backward scratch: d ln, d attention out, d qkv, d fc, d GELU, attention tiles.
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * 3 * C, e) + 2 * slice(BT * F, e) +
                              slice(detail::attention_backward_scratch_floats(C / NH, s.threads), 4);
+      if (gs > 0) {
+        // The forward writes the compressed values in fp32 scratch first (norm out / attention
+        // out, then q|k|v / GELU out), the backward dequantizes into two scratch slices (the
+        // attention backward reads q|k|v and its output at once); quantizing reads e and writes
+        // one byte per value, dequantizing the reverse.
+        const int64_t wide = BT * std::max(3 * C, F);
+        k.forward_workspace += slice(BT * C, e) + slice(wide, e);
+        k.backward_workspace += slice(wide, e) + slice(BT * C, e);
+        k.pointwise_bytes += (BT * 4 * C + (gr > 0 ? BT * (2 * C + F) : 0)) * (e + 1);
+      }
       if (s.cp > 1 && s.cp_impl == ContextImpl::ring) detail::ring_attention_over_context(k, s, 2 * C, 2 * bt * C * 3 * C);
       if (s.cp > 1 && s.cp_impl == ContextImpl::all_to_all) detail::split_attention_over_context(k, s, 3 * C, C, 2 * bt * C * 3 * C);
       break;

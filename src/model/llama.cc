@@ -1,6 +1,8 @@
 // LLaMA: token embedding; pre-norm blocks (RMSNorm, rotary q/k in the rotate_half convention,
 // grouped-query attention, SwiGLU MLP, Linear weights (out, in), no biases); final RMSNorm; an
 // untied head (or tied: borrowing the embedding).
+#include <algorithm>
+
 #include "model/model.h"
 
 namespace shardlm::model {
@@ -99,17 +101,27 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       k.selective_recompute_flops = 2 * 4 * bt * C + 6 * bt * F;  // two RMSNorms, SwiGLU
       k.pointwise_bytes = (2 * 2 * BT * C + 2 * 2 * BT * C + 2 * (BT * (NH + c.n_kv_head) * HS) + 3 * BT * F) * e;
       k.output_bytes = slice(BT * C, e);
+      // Under --act-quant the GEMM inputs among them are int8 + scales where they are kept.
+      const int64_t gs = s.act_quant.saved_int8(s.recompute) ? s.act_quant.group : 0;
+      const int64_t gr = s.act_quant.recomputable_int8(s.recompute) ? s.act_quant.group : 0;
       // Kept: q|k|v after rotation, attention output, its log-sum-exp, residual 1, gate|up.
-      k.saved_bytes = slice(BT * QKV, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * C, e) +
-                      slice(BT * 2 * F, e);
+      k.saved_bytes = detail::kept_input(BT * QKV, e, gs) + detail::kept_input(BT * C, e, gs) +
+                      slice(B * NH * T, 4) + slice(BT * C, e) + slice(BT * 2 * F, e);
       // Recomputable: both norms' outputs and rstd, the SwiGLU output.
-      k.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(BT * F, e);
+      k.recomputable_bytes =
+          2 * (detail::kept_input(BT * C, e, gr) + slice(BT, 4)) + detail::kept_input(BT * F, e, gr);
       const int64_t rope_table = slice(T * s.cp * HS, 4);  // cos and sin, (T, HS/2) each, every position
       k.forward_workspace = rope_table;
       // Backward scratch: d norm out, d attention out, d qkv, d SwiGLU out, d gate|up, attention tiles.
       k.backward_workspace = slice(BT * C, e) + slice(BT * C, e) + slice(BT * QKV, e) + slice(BT * F, e) +
                              slice(BT * 2 * F, e) +
                              slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) + rope_table;
+      if (gs > 0) {  // as GPT-2's block: fp32 scratch for the compressed values in both passes
+        const int64_t wide = BT * std::max(QKV, F);
+        k.forward_workspace += slice(BT * C, e) + slice(wide, e);
+        k.backward_workspace += slice(wide, e) + slice(BT * C, e);
+        k.pointwise_bytes += (BT * (QKV + C) + (gr > 0 ? BT * (2 * C + F) : 0)) * (e + 1);
+      }
       if (s.cp > 1 && s.cp_impl == ContextImpl::ring)
         detail::ring_attention_over_context(k, s, 2 * c.n_kv_head * HS, 2 * bt * C * QKV);
       if (s.cp > 1 && s.cp_impl == ContextImpl::all_to_all) detail::split_attention_over_context(k, s, QKV, C, 2 * bt * C * QKV);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 #include <stdexcept>
+#include <utility>
 
 namespace shardlm::model {
 
@@ -60,6 +61,21 @@ std::vector<int64_t> context_chunk_starts(int64_t seq, int cp, int index, Contex
   const int64_t rows = context_chunk_rows(seq, cp, impl);
   if (impl == ContextImpl::all_to_all) return {index * rows};
   return {index * rows, (2 * cp - 1 - index) * rows};
+}
+
+const char* to_string_act_quant(const ActQuant& q) { return q.on() ? "int8" : "none"; }
+
+void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp) {
+  if (!q.on()) return;
+  auto fail = [](const std::string& m) { throw std::invalid_argument("act_quant (--act-quant): " + m); };
+  if (c.family == Family::moe) fail("int8 is not supported for moe models yet (their expert inputs are fp32)");
+  if (cp > 1) fail("int8 is not supported with a sequence split over cp ranks yet (--cp " + std::to_string(cp) + ")");
+  const int64_t qkv = (c.n_head + 2 * c.n_kv_head) * c.head_size();
+  const std::pair<const char*, int64_t> widths[] = {{"n_embd", c.n_embd}, {"ffn_dim", c.ffn_dim}, {"the q|k|v row", qkv}};
+  for (const auto& [name, w] : widths)
+    if (w % q.group != 0)
+      throw std::invalid_argument("act_quant_group (--act-quant-group): " + std::to_string(q.group) + " does not divide " +
+                                  name + " (" + std::to_string(w) + "); a group lies inside one row's features");
 }
 
 void ModelConfig::validate() const {

@@ -169,6 +169,25 @@ struct ParamSpec {
   int64_t exported_numel() const;
 };
 
+// Activation compression (--act-quant int8): the values a unit keeps from its forward for its
+// backward that are the inputs of a GEMM (a weight GEMM's input, or q|k|v and the attention
+// output, the operands of attention's two) are stored as int8, one fp32 scale per `group`
+// consecutive values along the feature axis, and dequantized in the backward. Only what is kept
+// is compressed: what a recompute mode rebuilds is rebuilt in fp32 and never stored, so under
+// selective recompute only the saved buffer's GEMM inputs are int8 and under full none are.
+struct ActQuant {
+  int64_t group = 0;        // values per scale; 0: off (everything fp32)
+  bool stochastic = false;  // rounding: stochastic (layers/ keys it by seed, step, tensor) or nearest
+  bool on() const { return group > 0; }
+  bool saved_int8(Recompute mode) const { return on() && mode != Recompute::full; }
+  bool recomputable_int8(Recompute mode) const { return on() && mode == Recompute::none; }
+};
+const char* to_string_act_quant(const ActQuant& q);  // "none" or "int8"
+// Throws std::invalid_argument naming the field (act_quant_group, --act-quant-group) when the group
+// does not divide a width it splits (n_embd, ffn_dim, the q|k|v row), or act_quant meets what it
+// does not support yet (a mixture of experts' block, a sequence split over cp ranks).
+void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp);
+
 // The size of one micro-batch as the costs see it: element size of activations (4 for fp32,
 // 2 for bf16) and the threads a kernel's per-thread scratch is sized for.
 struct Shape {
@@ -185,6 +204,10 @@ struct Shape {
   // holds, the sequence T·cp positions long.
   int cp = 1;
   ContextImpl cp_impl = ContextImpl::ring;
+  // Activation compression and the recompute mode it depends on (which buffers are kept, hence
+  // compressed); with act_quant off the figures do not depend on `recompute`.
+  ActQuant act_quant{};
+  Recompute recompute = Recompute::none;
 };
 
 // One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
@@ -362,6 +385,11 @@ void add_llama_attention(UnitDesc& block, const ModelConfig& config, const std::
 namespace detail {
 // Bytes of n elements of `elem` bytes, rounded up to 64 as layers/ carves them.
 inline int64_t slice(int64_t n, int elem) { return (n * elem + 63) / 64 * 64; }
+// A kept GEMM input of n values: fp32-or-`elem` slice, or under act-quant (`group` > 0) int8
+// values then one fp32 scale per group, as layers/ carves them.
+inline int64_t kept_input(int64_t n, int elem, int64_t group) {
+  return group > 0 ? slice(n, 1) + slice(n / group, 4) : slice(n, elem);
+}
 void add_param(UnitDesc& u, std::string name, std::vector<int64_t> shape, bool decay, ParamInit init,
                int64_t exported_rows = -1);
 // Floats of per-thread scratch the tiled attention backward needs (kernels/ owns the algorithm;

@@ -141,6 +141,8 @@ model::Shape Plan::unit_shape(int elem, double expert_load) const {
   model::Shape s{config.batch, local_seq(), elem, config.threads, config.ep, expert_load};
   s.cp = sequence_split();
   s.cp_impl = config.cp_impl;
+  s.act_quant = config.act_quant;
+  s.recompute = config.recompute;
   return s;
 }
 int Plan::cp_index(int rank) const { return mesh.index_in(rank, present(mesh, {kContext})); }
@@ -369,6 +371,9 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   o << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
     << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
+  if (c.act_quant.on())
+    o << ", act-quant int8 (group " << c.act_quant.group << ", " << (c.act_quant.stochastic ? "stochastic" : "nearest")
+      << " rounding)";
   if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
   o << "\n";
 

@@ -979,7 +979,10 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
   if (c.mode != PlanConfig::Mode::train) c.grad_accum = 1;
+  // A forward-only plan keeps nothing for a backward, so it has nothing to compress.
+  if (c.mode != PlanConfig::Mode::train) c.act_quant = {};
   validate(c);
+  model::validate_act_quant(desc.config, c.act_quant, c.cp);
   if (c.ep > 1 && desc.config.family != model::Family::moe)
     throw std::invalid_argument("ep (--ep): expert parallelism needs a mixture-of-experts model (--experts), not " +
                                 std::string(model::to_string(desc.config.family)));

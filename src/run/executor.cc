@@ -118,6 +118,7 @@ struct Executor::Run {
   std::vector<double> class_sums;  // this rank's squared-gradient sum per gradient class
   bool finiteness_known = false;  // norm_reduce has told every rank which ranks went non-finite
   std::vector<int64_t> moved;     // by task id: bytes an exchange sent to other ranks (-1: none)
+  int64_t compute_micro = 0;      // the micro-step of the compute stream's task (its thread alone writes it)
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -339,6 +340,22 @@ void Executor::zero_grads(const Task&, Run&) {
   if (grads_.data()) backend_.zero(grads_.data(), grads_.bytes());
 }
 
+namespace {
+uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t quant_key(uint64_t seed, int rank, int64_t step, int64_t micro, int unit) {
+  uint64_t k = mix64(seed ^ 0x61637471756e7421ull);  // "actqunt!": apart from the init's draws
+  for (uint64_t v : {static_cast<uint64_t>(rank), static_cast<uint64_t>(step), static_cast<uint64_t>(micro),
+                     static_cast<uint64_t>(unit)})
+    k = mix64(k ^ v);
+  return k;
+}
+}  // namespace
+
 // Resolves a unit task's operands and runs its layer.
 void Executor::unit_task(const Task& t, Run& r) {
   const model::UnitDesc& u = desc_.units[t.unit];
@@ -385,6 +402,12 @@ void Executor::unit_task(const Task& t, Run& r) {
   if (t.op == Op::forward) a.moe = &r.result.moe;
   a.logits = r.in.logits;
   a.all_logits = r.in.all_logits;
+  a.act_quant = r.plan.config.act_quant;
+  a.recompute = r.plan.config.recompute;
+  // Stochastic rounding draws from (seed, rank, step, micro-step, unit) and, in layers/, the tensor
+  // and element: reproducible on any thread count and on resume, no generator state to carry, and
+  // ranks holding other sequences draw apart.
+  a.quant_key = quant_key(r.in.quant_seed, rank_, r.step, r.compute_micro, t.unit);
   const layers::LayerKind& kind = layers::layer(u.kind);
   switch (t.op) {
     case Op::forward: kind.forward(a); break;
@@ -738,7 +761,7 @@ bool Executor::holds_state_of(const plan::Plan& plan) const {
 StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
   if (!holds_state_of(plan))
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
-  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}};
+  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}, 0};
   r.live.resize(plan.buffers.size());
   r.moved.assign(plan.tasks.size(), -1);
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
@@ -786,6 +809,7 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       }
       const int64_t micro = plan.step_micro(task, walk.run());
+      if (stream == plan::kCompute) r.compute_micro = micro;
       const double start = now_us();
       allocate(task, micro, task.allocs, r);
       (this->*kHandlers[static_cast<int>(task.op)])(task, r);

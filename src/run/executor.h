@@ -110,6 +110,7 @@ struct StepInputs {
   int64_t adam_t = 1;     // AdamW's 1-based step count
   float* logits = nullptr;  // Op::logits writes the vocabulary's logits here: (V) of the last
   bool all_logits = false;  // position of sequence 0, or with all_logits every row's (B, T, V)
+  uint64_t quant_seed = 0;  // --act-quant-rounding stochastic: the run's seed (draws keyed by it, the step, ...)
 };
 
 struct StepResult {

@@ -193,6 +193,16 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   model::parse_recompute(c.recompute);
+  if (c.act_quant != "none" && c.act_quant != "int8")
+    throw std::invalid_argument("act_quant (--act-quant): unknown '" + c.act_quant + "' (expected none or int8)");
+  if (c.act_quant_group <= 0 || c.act_quant_group > (int64_t{1} << 20))
+    throw std::invalid_argument("act_quant_group (--act-quant-group): must be in [1, 1048576], got " +
+                                std::to_string(c.act_quant_group));
+  if (c.act_quant_rounding != "nearest" && c.act_quant_rounding != "stochastic")
+    throw std::invalid_argument("act_quant_rounding (--act-quant-rounding): unknown '" + c.act_quant_rounding +
+                                "' (expected nearest or stochastic)");
+  if (c.device == "cuda" && c.act_quant != "none")
+    throw std::invalid_argument("--device cuda: --act-quant int8 is not supported yet (no CUDA quantize kernels)");
 }
 
 }  // namespace

@@ -37,6 +37,10 @@ struct TrainConfig {
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
   std::string recompute = "none";       // none | selective | full
+  // Activation compression (model::ActQuant): none | int8, values per scale, nearest | stochastic.
+  std::string act_quant = "none";
+  int64_t act_quant_group = 64;
+  std::string act_quant_rounding = "nearest";
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";

@@ -59,6 +59,9 @@ json settings(const TrainConfig& c, const RunInfo& info) {
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
           {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute},     {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
+          {"act_quant", c.act_quant == "none" ? c.act_quant
+                                              : fmt::format("{} (group {}, {})", c.act_quant, c.act_quant_group,
+                                                            c.act_quant_rounding)},
           {"tokens_per_step", info.tokens_per_step}, {"peak_gflops", info.peak_gflops}};
 }
 

@@ -134,6 +134,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
   pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
   pc.recompute = model::parse_recompute(cfg.recompute);
+  if (cfg.act_quant == "int8") pc.act_quant = {cfg.act_quant_group, cfg.act_quant_rounding == "stochastic"};
   if (cfg.keep_gathered != "none") {  // a comma list of unit names (or "all"); build_plan checks them
     std::string rest = cfg.keep_gathered;
     for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
@@ -510,6 +511,7 @@ run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
             cfg.weight_decay};
   in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
+  in.quant_seed = cfg.seed;
   return in;
 }
 

@@ -422,3 +422,23 @@ TEST(BadMoeInput, EachRefusedSettingIsOneLineNamingIt) {
 }
 
 }  // namespace
+
+namespace {
+// --act-quant's settings, from the command line and TOML: each bad value is one line naming its
+// field; a good TOML setting trains (with selective recompute, which it composes with).
+TEST_F(BadInput, ActQuantSettings) {
+  write("aq_group.toml", "act_quant = \"int8\"\nact_quant_group = 48\n");
+  expect_one_line_error(run(train_args("aq1", 1) + " --config " + path("aq_group.toml")),
+                        {"act_quant_group (--act-quant-group)", "48", "n_embd (64)"});
+  expect_one_line_error(run(train_args("aq2", 1) + " --act-quant int4"), {"act_quant (--act-quant)", "int4"});
+  expect_one_line_error(run(train_args("aq3", 1) + " --act-quant int8 --act-quant-rounding up"),
+                        {"act_quant_rounding (--act-quant-rounding)", "up"});
+  expect_one_line_error(run(train_args("aq4", 1) + " --act-quant int8 --act-quant-group 0"),
+                        {"act_quant_group (--act-quant-group)", "0"});
+  expect_one_line_error(run(train_args("aq5", 1) + " --model moe-tiny --act-quant int8 --act-quant-group 32"),
+                        {"act_quant (--act-quant)", "moe"});
+  write("aq_ok.toml", "act_quant = \"int8\"\nact_quant_group = 32\nact_quant_rounding = \"stochastic\"\n");
+  const Result r = run(train_args("aq6", 2) + " --config " + path("aq_ok.toml") + " --recompute selective");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+}  // namespace

@@ -23,7 +23,13 @@ struct Fixture {
   int unit;
   int64_t B = 2, T = 70;  // two attention tiles, a ragged second one
   int threads = 2;
-  model::Shape shape() const { return {B, T, 4, threads}; }
+  model::ActQuant act_quant{};
+  model::Recompute recompute = model::Recompute::none;
+  model::Shape shape() const {
+    model::Shape s{B, T, 4, threads};
+    s.act_quant = act_quant, s.recompute = recompute;
+    return s;
+  }
 };
 
 model::ModelConfig config(const char* preset, bool tied = false) {
@@ -151,6 +157,8 @@ struct Bench {
     a.forward_ws = fws.data(), a.backward_ws = bws.data();
     a.dx = dx.data();
     a.grad_scale = 1.0f;
+    a.act_quant = f.act_quant, a.recompute = f.recompute;
+    a.quant_key = 77;
     return a;
   }
   // The scalar whose gradient the backward computes: the head's loss, else sum(out · weights).
@@ -231,6 +239,93 @@ TEST(Layers, RecomputeRebuildsBitwiseWhatTheForwardKept) {
     EXPECT_EQ(b.saved, saved) << describe_case(f) << " full";
     EXPECT_EQ(b.recomputable, recomputable) << describe_case(f) << " full";
   }
+}
+
+// --act-quant int8: under each recompute mode the blocks carve what the model's costs say, and
+// what is kept for the backward shrinks by the int8 form of its GEMM inputs (none: saved and
+// recomputable; selective: saved only; full: nothing kept, so nothing compressed).
+TEST(Layers, ActQuantCarvesTheModelsFiguresAndKeepsLess) {
+  for (const char* preset : {"tiny", "llama-tiny"})
+    for (model::Recompute mode : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
+      Fixture plain{model::describe(config(preset)), 1};
+      plain.recompute = mode;
+      Fixture quant = plain;
+      quant.act_quant.group = 32;
+      const auto& u = quant.desc.units[1];
+      MemoryPool memory;
+      const Carved got = layer(u.kind).carved(*kernels::make_cpu_backend(memory), quant.desc, u, quant.shape());
+      const model::UnitCosts want = quant.desc.costs(1, quant.shape()), fp32 = plain.desc.costs(1, plain.shape());
+      const std::string at = std::string(preset) + " recompute " + model::to_string(mode);
+      EXPECT_EQ(got.saved, want.saved_bytes) << at;
+      EXPECT_EQ(got.recomputable, want.recomputable_bytes) << at;
+      EXPECT_EQ(got.forward_ws, want.forward_workspace) << at;
+      EXPECT_EQ(got.backward_ws, want.backward_workspace) << at;
+      if (mode == model::Recompute::full) {
+        EXPECT_EQ(want.kept_bytes(mode), fp32.kept_bytes(mode)) << at;
+        EXPECT_EQ(want.saved_bytes + want.recomputable_bytes, fp32.saved_bytes + fp32.recomputable_bytes) << at;
+        continue;
+      }
+      // The GEMM inputs a block keeps: q|k|v and the attention output (saved), both norms' outputs and
+      // the MLP activation (recomputable); int8 + a scale per 32 values instead of 4 bytes each.
+      const auto& c = quant.desc.config;
+      const int64_t BT = quant.B * quant.T, QKV = (c.n_head + 2 * c.n_kv_head) * c.head_size();
+      using model::detail::slice;
+      auto shrink = [](int64_t n) { return slice(n, 4) - slice(n, 1) - slice(n / 32, 4); };
+      int64_t less = shrink(BT * QKV) + shrink(BT * c.n_embd);
+      if (mode == model::Recompute::none) less += 2 * shrink(BT * c.n_embd) + shrink(BT * c.ffn_dim);
+      EXPECT_EQ(fp32.kept_bytes(mode) - want.kept_bytes(mode), less) << at;
+    }
+}
+
+// The compressed block computes its forward in fp32 (output bitwise the uncompressed one's) and
+// its backward from the dequantized inputs: every gradient within a few per cent of fp32's (the
+// int8 error is ~1/254 of a group's largest value), but not equal (the int8 form is what it read).
+// Under selective recompute the rebuilt values are fp32; under full nothing is compressed.
+TEST(Layers, ActQuantGradientsAreCloseToFp32s) {
+  kernels::init_compute(2);
+  for (const char* preset : {"tiny", "llama-tiny"})
+    for (model::Recompute mode : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
+      for (bool stochastic : {false, true}) {
+        const std::string at = std::string(preset) + " recompute " + model::to_string(mode) +
+                               (stochastic ? " stochastic" : " nearest");
+        auto run = [&](bool quantized, std::vector<float>& out) {
+          Fixture f{model::describe(config(preset)), 1};
+          f.recompute = mode;
+          if (quantized) f.act_quant = {32, stochastic};  // divides llama-tiny's ffn_dim (160)
+          Bench b(f);
+          const LayerKind& k = layer(b.u.kind);
+          k.forward(b.args());
+          out = b.out;
+          if (mode != model::Recompute::none) {
+            if (mode == model::Recompute::full) std::fill(b.saved.begin(), b.saved.end(), 0);
+            std::fill(b.recomputable.begin(), b.recomputable.end(), 0);
+            k.recompute(b.args(), mode);
+          }
+          b.dx = b.weights;
+          k.backward(b.args());
+          std::vector<float> g = b.grads;
+          g.insert(g.end(), b.dx.begin(), b.dx.end());  // the input's gradient last
+          return g;
+        };
+        std::vector<float> out_fp32, out_int8;
+        const std::vector<float> g32 = run(false, out_fp32), g8 = run(true, out_int8);
+        EXPECT_EQ(out_int8, out_fp32) << at << ": the forward's output";
+        Fixture f{model::describe(config(preset)), 1};
+        std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> tensors;
+        for (const auto& p : f.desc.units[1].params) tensors.push_back({p.name, {p.offset, p.numel}});
+        tensors.push_back({"input", {f.desc.units[1].numel, static_cast<int64_t>(g32.size()) - f.desc.units[1].numel}});
+        bool differs = false;
+        for (const auto& [name, range] : tensors) {
+          double num = 0, den = 0;
+          for (int64_t i = range.first; i < range.first + range.second; ++i) {
+            num += (static_cast<double>(g8[i]) - g32[i]) * (static_cast<double>(g8[i]) - g32[i]);
+            den += static_cast<double>(g32[i]) * g32[i];
+            differs = differs || g8[i] != g32[i];
+          }
+          EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 0.05) << at << " " << name << ": relative L2 error";
+        }
+        EXPECT_EQ(differs, mode != model::Recompute::full) << at;
+      }
 }
 
 }  // namespace

@@ -516,6 +516,36 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
 namespace shardlm {
 namespace {
 
+// --act-quant int8 under fsdp on 2 ranks, with selective recompute and without: each rank's
+// measured activation peak is the plan's (smaller than fp32's), step 0's loss is fp32's bits
+// (the forward is uncompressed) and the later losses stay within 2%.
+TEST_F(DistributedSlow, ActQuantPeakIsThePlansAndLossesStayClose) {
+  for (const std::string mode : {"none", "selective"}) {
+    std::vector<double> losses[2];
+    int64_t peak[2] = {0, 0};
+    for (int q = 0; q < 2; ++q) {
+      const std::string name = "act_quant_" + mode + (q ? "_int8" : "_fp32");
+      const auto r = mpirun(2, args(name, 2) + " --strategy fsdp --recompute " + mode +
+                                   (q ? " --act-quant int8 --act-quant-group 32 --act-quant-rounding stochastic" : ""));
+      ASSERT_EQ(r.code, 0) << r.out;
+      plan::PlanConfig pc = plan_config("fsdp", 2, 2);
+      pc.recompute = model::parse_recompute(mode);
+      if (q) pc.act_quant = {32, true};
+      peak[q] = plan::build_plan(tiny(), pc).max_memory()[MemCategory::activations];
+      for (const auto& row : testing::read_metrics(dir_ / name / "metrics.jsonl")) {
+        if (!row.contains("loss")) continue;
+        EXPECT_EQ(row["mem_max"]["activations"].get<int64_t>(), peak[q]) << name;
+        losses[q].push_back(row["loss"].get<double>());
+      }
+    }
+    EXPECT_LT(peak[1], peak[0]) << mode;
+    ASSERT_EQ(losses[0].size(), losses[1].size());
+    ASSERT_FALSE(losses[0].empty());
+    EXPECT_EQ(losses[1][0], losses[0][0]) << mode;
+    for (size_t i = 1; i < losses[0].size(); ++i) EXPECT_NEAR(losses[1][i], losses[0][i], 0.02 * losses[0][i]) << mode;
+  }
+}
+
 // A mixture-of-experts model (moe-tiny; each block borrows its experts unit) at 2 and 4 ranks
 // (--batch 4/ranks --grad-accum 2), under ddp, fsdp and hybrid, with and without expert
 // parallelism, against one process with --batch 4/ranks and --grad-accum 2 × ranks: the same

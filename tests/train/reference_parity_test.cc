@@ -156,6 +156,72 @@ TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
   fs::remove_all(dir);
 }
 
+// --act-quant int8 against the same PyTorch reference (fp32 throughout): the loss is the
+// reference's (the forward is uncompressed), and each gradient tracks PyTorch's within the int8
+// error (relative L2 <= 2% for nearest rounding, 4% for stochastic, where the fp32 engine is within
+// 1e-4 of the largest element above). The models are tiny (C = 64, 32 tokens): few values per
+// gradient element, so the relative errors are larger than `small`'s (BENCHMARKS.md).
+TEST_P(ReferenceParity, ActQuantGradientsTrackPyTorch) {
+  const Case c = GetParam();
+  kernels::init_compute(2);
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_parity_aq_" + std::to_string(::getpid()) + "_" + c.name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::mt19937 rng(7);
+  std::vector<int32_t> inputs(c.B * c.T), targets(c.B * c.T);
+  for (auto& t : inputs) t = static_cast<int32_t>(rng() % c.mc.vocab_size);
+  for (auto& t : targets) t = static_cast<int32_t>(rng() % c.mc.vocab_size);
+  for (bool stochastic : {false, true}) {
+    plan::PlanConfig pc = plan_config(c);
+    pc.act_quant = {32, stochastic};
+    Engine e(c.mc, pc);
+    e.ex.init_params(42);
+    if (!stochastic) {
+      save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(run::Executor::State::params), nullptr,
+                      nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "gpt2"; return st; }(), TrainConfig{});
+      ckpt::SafetensorsWriter batch;
+      batch.add("inputs", ckpt::StDType::I32, {c.B, c.T}, inputs.data(), inputs.size() * 4);
+      batch.add("targets", ckpt::StDType::I32, {c.B, c.T}, targets.data(), targets.size() * 4);
+      batch.write((dir / "batch.safetensors").string());
+      const char* script = c.mc.family == model::Family::gpt2 ? "gpt2_reference.py" : "llama_reference.py";
+      const std::string cmd = env_or_fail("SHARDLM_PYTHON") + " " + env_or_fail("SHARDLM_SOURCE_DIR") +
+                              "/tests/reference/" + script + " --model-dir " + (dir / "ckpt").string() + " --batch " +
+                              (dir / "batch.safetensors").string() + " --out " + (dir / "ref.safetensors").string();
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    }
+    ckpt::SafetensorsFile ref((dir / "ref.safetensors").string());
+    const float scale = 1.0f / static_cast<float>(c.B * c.T);
+    run::StepInputs in;
+    in.batch = [&](int, int32_t* i, int32_t* t) {
+      std::copy(inputs.begin(), inputs.end(), i);
+      std::copy(targets.begin(), targets.end(), t);
+    };
+    in.grad_scale = scale;
+    in.opt = {0.0f, 0.9f, 0.95f, 1e-8f, 0.0f};
+    in.quant_seed = 3;
+    const double loss = e.ex.step(0, in).loss_sum * scale;
+    float ref_loss;
+    ref.read_f32("loss", &ref_loss, 1);
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss));
+    const float* grads = e.ex.whole(run::Executor::State::grads);
+    for (size_t u = 0; u < e.desc.units.size(); ++u)
+      for (const auto& p : e.desc.units[u].params) {
+        std::vector<float> want(p.exported_numel());
+        ref.read_f32("grad." + p.name, want.data(), p.exported_shape());
+        const float* got = grads + e.plan.layout.units[u].offset + p.offset;
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < p.exported_numel(); ++i) {
+          num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+          den += static_cast<double>(want[i]) * want[i];
+        }
+        // Stochastic rounding trades bias for variance: its error per value is up to a step, not half.
+        EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), stochastic ? 0.04 : 0.02)
+            << p.name << (stochastic ? " stochastic" : " nearest") << ": relative L2 error against PyTorch";
+      }
+  }
+  fs::remove_all(dir);
+}
+
 model::ModelConfig gpt2_config(int64_t T_max) {
   model::ModelConfig m = model::model_preset("tiny", 300);  // padded to 384: padding rows stay out of the softmax
   m.max_seq = T_max;
