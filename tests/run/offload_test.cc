@@ -115,6 +115,27 @@ void bitwise_against_resident(int ranks) {
 TEST_F(OffloadSlow, AllStateOnDiskIsBitwiseTheResidentRunOnOneProcess) { bitwise_against_resident(1); }
 TEST_F(OffloadSlow, AllStateOnDiskIsBitwiseTheResidentRunUnderFsdpAtTwoRanks) { bitwise_against_resident(2); }
 
+// Any subset of the kinds, other families (untied LLaMA, a MoE block borrowing its experts) and
+// recompute modes: the same losses as resident, exactly (one process; 4 steps).
+TEST_F(OffloadSlow, EverySubsetFamilyAndRecomputeModeKeepsTheLossesExact) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"tiny", "params"}, {"tiny", "grads"}, {"tiny", "optimizer"}, {"tiny", "params,grads"},
+      {"llama-tiny --recompute full", "params,grads,optimizer"},
+      {"llama-tiny --recompute selective", "grads,optimizer"},
+      {"moe-tiny", "params,grads,optimizer"}};
+  int i = 0;
+  for (const auto& [model, kinds] : cases) {
+    const std::string name = "subset_" + std::to_string(i++);
+    const Result a = shardlm(runs_.args(name + "_res", 4, 2, model));
+    ASSERT_EQ(a.code, 0) << a.out;
+    const Result b = shardlm(runs_.args(name + "_off", 4, 2, model) + " --offload " + kinds);
+    ASSERT_EQ(b.code, 0) << b.out;
+    const auto want = step_losses(dir_ / (name + "_res") / "metrics.jsonl");
+    ASSERT_EQ(want.size(), 4u) << model;
+    EXPECT_EQ(step_losses(dir_ / (name + "_off") / "metrics.jsonl"), want) << model << " --offload " << kinds;
+  }
+}
+
 // tmpfs (which before Linux 6.6 refuses O_DIRECT; the files are then opened buffered): the log
 // says which I/O was used, and the losses stay exact.
 TEST_F(OffloadSlow, OnTmpfsTheLogSaysWhichIoWasUsed) {
