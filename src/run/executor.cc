@@ -159,9 +159,9 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
       throw std::invalid_argument(std::string("--offload: the disk tier runs on a host-memory backend only, not yet on ") +
                                   backend_.name());
     if (offload.dir.empty()) throw std::invalid_argument("--offload: the plan keeps state on disk but no --offload-dir was given");
-    disk_ = std::make_unique<DiskStore>(offload.dir, offload.io);
     char rank[16];
     std::snprintf(rank, sizeof rank, "rank-%05d.", rank_);
+    disk_ = std::make_unique<DiskStore>(offload.dir, offload.io, std::string(rank, 10));  // "rank-0000R" 
     for (int si = 0; si < plan::kNumStateBuffers; ++si) {
       const StateKind k = plan::kind_of(StateIndex(si));
       if (!plan.config.offload.kinds[static_cast<int>(k)] || plan.held_total(k) == 0) continue;

@@ -32,8 +32,11 @@ struct DiskStoreOptions {
 
 class DiskStore {
  public:
-  // Files go in `dir` (created if missing).
-  explicit DiskStore(std::string dir, DiskStoreOptions options = {});
+  // Files go in `dir` (created if missing). `owner` names the store's lock file (DIR/OWNER.lock,
+  // held with flock for the store's life and released by the kernel however the process ends):
+  // a second live run given the same directory and owner is refused instead of replacing the
+  // first one's files.
+  explicit DiskStore(std::string dir, DiskStoreOptions options = {}, const std::string& owner = "store");
   ~DiskStore();
   DiskStore(const DiskStore&) = delete;
   DiskStore& operator=(const DiskStore&) = delete;
@@ -56,6 +59,7 @@ class DiskStore {
     std::string path;
     int fd = -1;
     int64_t bytes = 0;
+    int64_t whole = 0;  // the size it must have: `bytes` once written out at creation
     bool direct = false;
   };
   void transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes);
@@ -65,6 +69,8 @@ class DiskStore {
 
   std::string dir_;
   DiskStoreOptions options_;
+  std::string lock_path_;
+  int lock_fd_ = -1;
   std::vector<File> files_;
   struct Ring;
   std::unique_ptr<Ring> ring_;  // null: io_uring refused, pread/pwrite

@@ -168,13 +168,14 @@ void damaged_mid_run(const std::string& name, const std::function<void(const fs:
   }
   const fs::path file = out / "offload" / "rank-00000.params";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  int status = 0;
   while (std::chrono::steady_clock::now() < deadline) {
     if (fs::exists(out / "ckpt" / "step_4") && testing::read_metrics(out / "metrics.jsonl").size() >= 5) break;
+    if (waitpid(pid, &status, WNOHANG) == pid) FAIL() << "the run ended before its files were damaged:\n" << OffloadSlow::slurp(log);
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_TRUE(fs::exists(file)) << file;
   damage(file);
-  int status = 0;
   bool ended = false;
   for (int i = 0; i < 6000 && !ended; ++i) {  // 60 s
     ended = waitpid(pid, &status, WNOHANG) == pid;

@@ -73,7 +73,7 @@ TEST(DiskStore, ATruncatedOrDeletedFileIsNamed) {
       FAIL() << "read past a truncated end";
     } catch (const std::runtime_error& e) {
       EXPECT_EQ(std::string(e.what()), "offload file " + store.path(f) +
-                                           ": is 4096 bytes, needs 16384 (truncated while the run was using it)");
+                                           ": is 4096 bytes, should be 16384 (truncated while the run was using it)");
     }
     const int g = store.create("b", 4 * kDiskAlign);
     fs::remove(store.path(g));
@@ -85,6 +85,22 @@ TEST(DiskStore, ATruncatedOrDeletedFileIsNamed) {
     }
   }
   fs::remove_all(dir);
+}
+
+// Two live runs given the same directory would replace each other's files: the second is refused.
+TEST(DiskStore, ASecondLiveStoreOfTheSameOwnerIsRefused) {
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_l_" + std::to_string(::getpid()));
+  {
+    DiskStore first(dir.string(), {}, "rank-00000");
+    try {
+      DiskStore second(dir.string(), {}, "rank-00000");
+      FAIL() << "two stores of one owner in one directory";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank-00000.lock is held by another live run"), std::string::npos) << e.what();
+    }
+    DiskStore other_rank(dir.string(), {}, "rank-00001");
+  }
+  DiskStore again(dir.string(), {}, "rank-00000");  // the first is gone: its lock with it
 }
 
 }  // namespace
