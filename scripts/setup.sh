@@ -11,14 +11,14 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 # Build and run: compiler, CMake, oneDNN (the GEMM), OpenMP (libgomp, with g++), Open MPI,
-# nlohmann-json, CLI11, fmt, xxHash (checkpoint checksums), GoogleTest, Google Benchmark. Test time only: Debian's PyTorch (the
+# nlohmann-json, CLI11, fmt, xxHash (checkpoint checksums), liburing (the disk tier's I/O), GoogleTest, Google Benchmark. Test time only: Debian's PyTorch (the
 # numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
 FOR="${SHARDLM_SETUP_FOR:-test}"
 [[ "$FOR" == run || "$FOR" == test ]] || { echo "setup: SHARDLM_SETUP_FOR must be run or test, got '$FOR'" >&2; exit 2; }
 # ocl-icd-opencl-dev: oneDNN's CMake package config requires OpenCL (only Recommended by
 # libdnnl-dev, so --no-install-recommends would skip it and find_package(dnnl) fails).
 PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
-          libfmt-dev libtomlplusplus-dev libxxhash-dev bible-kjv)
+          libfmt-dev libtomlplusplus-dev libxxhash-dev liburing-dev pkg-config bible-kjv)
 # libopenblas0-pthread: python3-torch links libblas.so.3, which on a bare Debian is the reference
 # BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
 # handicapped.

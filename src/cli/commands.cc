@@ -161,6 +161,12 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--gather-bucket-mb", c.gather_bucket_mb,
                   "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")
       ->capture_default_str();
+  cmd->add_option("--offload", c.offload,
+                  "state kept on disk instead of memory: none | any of params,grads,optimizer (comma-separated)")
+      ->capture_default_str();
+  cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)");
+  cmd->add_option("--offload-prefetch", c.offload_prefetch, "offloaded units read ahead of the task using them")
+      ->capture_default_str();
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();

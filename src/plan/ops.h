@@ -5,7 +5,8 @@
 //
 // X(name, stream, collective, work)
 //   stream      compute | comm | exchange (a stream, and communicators, of its own: an exchange
-//               never waits behind a prefetched gather)
+//               never waits behind a prefetched gather) | copy (the disk tier's reads and writes,
+//               --offload: no collective, no compute work)
 //   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce | all_to_all
 //   work        what a compute op's cost counts (sim::CostModel):
 //                 none        nothing beyond its FLOPs
@@ -33,7 +34,9 @@
   X(param_gather, comm, all_gather, none)      /* ZeRO-1/2: updated shards -> every rank's full copy */ \
   X(norm_reduce, comm, all_gather, none)       /* every rank's norm and loss sums to every rank */     \
   X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */                          \
-  X(exchange, exchange, all_to_all, none)      /* a staged unit's routed rows between its stages */
+  X(exchange, exchange, all_to_all, none)      /* a staged unit's routed rows between its stages */ \
+  X(reload, copy, none, none)                  /* a unit's offloaded state from disk into its window */ \
+  X(write_back, copy, none, none)              /* a window's state back to disk; frees the window */
 
 namespace shardlm::plan {
 
@@ -43,7 +46,7 @@ enum class Op {
 #undef SHARDLM_OP_ENUM
 };
 
-enum class OpStream { compute, comm, exchange };
+enum class OpStream { compute, comm, exchange, copy };
 enum class OpCollective { none, all_gather, reduce_scatter, all_reduce, all_to_all };
 enum class OpWork { none, unit_fwd, unit_bwd, unit_fwd_bwd, unit_rebuild, grads_pass, adamw };
 
@@ -65,8 +68,9 @@ inline constexpr int kNumOps = static_cast<int>(sizeof(kOps) / sizeof(kOps[0]));
 constexpr const OpInfo& info(Op op) { return kOps[static_cast<int>(op)]; }
 constexpr const char* to_string(Op op) { return info(op).name; }
 
-// A comm op names its collective and a compute op none.
+// A comm op names its collective and a compute op none; a copy op neither, nor compute work.
 constexpr bool well_formed(const OpInfo& o) {
+  if (o.stream == OpStream::copy) return o.collective == OpCollective::none && o.work == OpWork::none;
   return (o.stream != OpStream::compute) == (o.collective != OpCollective::none) &&
          (o.stream == OpStream::compute || o.work == OpWork::none);
 }
@@ -75,6 +79,6 @@ constexpr bool all_well_formed() {
     if (!well_formed(o)) return false;
   return true;
 }
-static_assert(all_well_formed(), "ops.h: a comm op needs a collective and no compute work; a compute op no collective");
+static_assert(all_well_formed(), "ops.h: a comm op needs a collective and no compute work; a compute op no collective; a copy op neither");
 
 }  // namespace shardlm::plan

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iomanip>
 #include <sstream>
 #include <stdexcept>
 
@@ -41,6 +42,7 @@ const char* to_string(Role r) {
     case Role::grad_stream: return "grad_stream";
     case Role::staging: return "staging";
     case Role::routed: return "routed";
+    case Role::window: return "window";
   }
   return "?";
 }
@@ -345,6 +347,23 @@ void placement_text(const Plan& plan, std::ostream& o) {
     }
     o << "\n";
   }
+  if (plan.windows.empty()) return;
+  // The disk tier: what a step moves and how much of it is in memory at once.
+  int64_t read = 0, written = 0, windows = 0;
+  for (const Task& t : plan.tasks) {
+    if (t.op == Op::reload) read += t.bytes;
+    if (t.op == Op::write_back) written += t.bytes;
+  }
+  for (const BufferDesc& b : plan.buffers)
+    if (b.role == Role::window) windows += b.bytes;
+  const MemSnapshot each = plan.max_memory();
+  o << "  offload: on disk, read into window buffers by the copy stream up to " << plan.config.offload.prefetch
+    << " using tasks ahead, written back behind; a step reads " << std::fixed << std::setprecision(1)
+    << read / 1048576.0 << " MiB and writes " << written / 1048576.0 << " MiB; windows of all units "
+    << windows / 1048576.0 << " MiB, at most params " << each[MemCategory::params] / 1048576.0 << " / grads "
+    << each[MemCategory::grads] / 1048576.0 << " / optimizer " << each[MemCategory::optimizer] / 1048576.0
+    << " MiB in memory\n";
+  o.unsetf(std::ios::floatfield);
 }
 
 }  // namespace

@@ -57,6 +57,7 @@ enum class Role {
   grad_stream,                         // gradient of the residual stream through a backward
   staging,                             // a bf16 collective's cast copy
   routed,                              // rows an exchange sends or receives between a unit's stages
+  window,                              // a unit's offloaded state while it is in memory (--offload)
 };
 const char* to_string(Role r);
 
@@ -91,6 +92,8 @@ struct Operands {
   // it delivered them) and writes (for the exchange after it); an exchange reads `send` and fills
   // `recv`. Where an exchange spans one rank it is left out and the next stage reads its `send`.
   int send = -1, recv = -1;
+  // A copy task (reload, write_back): the window it fills from disk or writes back.
+  int window = -1;
   // A bucketed all_gather (first_unit >= 0): each unit's gathered buffer, in gather order; its
   // staging (the concatenated shards and their gathered concatenation) is `staging`.
   std::vector<int> bucket;
@@ -132,6 +135,19 @@ struct Task {
   // "all_gather u3 [m0]", or with the model's unit names "all_gather h.2 [m0]"; `step_micro`
   // >= 0 names that micro-step of the step instead (a run of a repeated task, Plan::step_micro).
   std::string name(const model::ModelDesc* desc = nullptr, int64_t step_micro = -1) const;
+};
+
+// The kinds of run-long state a unit has; optimizer: both AdamW moments, which share a layout.
+enum class StateKind { params, grads, optimizer };
+inline constexpr int kNumStateKinds = 3;
+const char* to_string(StateKind k);
+
+// The disk tier (--offload): which kinds of state live in files instead of memory, and how many
+// units' state the copy stream reads ahead of the task using it.
+struct OffloadConfig {
+  std::array<bool, kNumStateKinds> kinds{};  // by StateKind
+  int prefetch = 2;
+  bool any() const { return kinds[0] || kinds[1] || kinds[2]; }
 };
 
 struct PlanConfig {
@@ -185,6 +201,8 @@ struct PlanConfig {
   // (per rank for reduce_scatter, in all for all_reduce) of `elem` bytes over `group` ranks
   // (Communicator::scratch_bytes); each such task gets a buffer of that size. Unset: none.
   std::function<int64_t(Op op, int64_t count, int elem, int group)> reduction_scratch;
+  // --offload: the offload pass (plan/offload.cc) places these kinds on disk and adds the copies.
+  OffloadConfig offload;
 };
 
 // A plan lists the tasks of at most this many micro-steps; more are runs of a repeated one.
@@ -204,10 +222,6 @@ struct Repeat {
   std::vector<int> counterpart;
 };
 
-// The kinds of run-long state a unit has; optimizer: both AdamW moments, which share a layout.
-enum class StateKind { params, grads, optimizer };
-inline constexpr int kNumStateKinds = 3;
-const char* to_string(StateKind k);
 
 // How one kind of one unit's state is held: the unit's padded flat buffer split into `parts`
 // equal element ranges over the ranks of mesh `axes` (parts = the product of their sizes; a rank
@@ -255,6 +269,13 @@ struct Plan {
   // not partly kept).
   std::vector<int64_t> kept_elems;
   Repeat repeat;
+  // --offload: per unit, the window buffer of each kind of state on disk, by StateIndex (params,
+  // grads, exp_avg, exp_avg_sq); -1: that state is in memory (or not held). A window holds the
+  // rank's part of the unit, padded to the disk's 4 KiB, from the task that loads it (a reload,
+  // or for a step's first gradients the first task writing them, zero-filled) to the task that
+  // frees it (its last user, or the write_back after it).
+  std::vector<std::array<int, 4>> windows;
+  int window(int state, int u) const { return windows.empty() ? -1 : windows[u][state]; }
 
   // Each unit's state placement (set_placement); a rank's buffer of one kind holds its range of
   // every unit that kind is held of, back to back in unit order.
@@ -340,6 +361,20 @@ class StreamWalk {
   size_t i_ = 0, first_ = 0, end_ = 0;  // [first_, end_): the repeated tasks
   int64_t run_ = 0, times_ = 1;
 };
+
+// The four run-long state buffers (the optimizer kind has two) and their kind.
+enum class StateIndex { params, grads, exp_avg, exp_avg_sq };
+inline constexpr int kNumStateBuffers = 4;
+StateKind kind_of(StateIndex s);
+const char* to_string(StateIndex s);
+
+// The offload pass (plan/offload.cc): with config.offload set, places those kinds of every unit on
+// disk (their resident bytes leave static_memory), gives each unit a window buffer per offloaded
+// state, splits grad_norm and optimizer into one task per unit, and adds the copy stream's reload
+// (before each use, up to `prefetch` using tasks ahead) and write_back (after a use that changed
+// the state) tasks. A use within prefetch + 1 using tasks of the last keeps the window in memory.
+// Throws std::invalid_argument naming --offload for a plan it cannot offload yet.
+void offload_pass(Plan& plan, const model::ModelDesc& desc);
 
 // Builds one rank's plan of a training step (or, with Mode::loss / logits, of a forward pass
 // with the same state layout). With one rank every strategy becomes DDP's plan without

@@ -990,7 +990,9 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
     throw std::invalid_argument("ep (--ep): " + std::to_string(c.ep) + " does not divide the number of experts " +
                                 std::to_string(desc.config.n_experts));
   if (c.cp > 1) check_context_split(desc, c);
-  return Builder(desc, c).build();
+  Plan plan = Builder(desc, c).build();
+  offload_pass(plan, desc);
+  return plan;
 }
 
 }  // namespace shardlm::plan

@@ -18,6 +18,7 @@ namespace shardlm::run {
 
 using plan::Op;
 using plan::Role;
+using plan::StateIndex;
 using plan::StateKind;
 using plan::Task;
 using Clock = std::chrono::steady_clock;
@@ -119,6 +120,7 @@ struct Executor::Run {
   bool finiteness_known = false;  // norm_reduce has told every rank which ranks went non-finite
   std::vector<int64_t> moved;     // by task id: bytes an exchange sent to other ranks (-1: none)
   int64_t compute_micro = 0;      // the micro-step of the compute stream's task (its thread alone writes it)
+  bool update_decided = false;    // the first optimizer task has checked the norm and finiteness
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -131,7 +133,8 @@ const Executor::Handler Executor::kHandlers[plan::kNumOps] = {
 };
 
 Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-                   std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults)
+                   std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults,
+                   const OffloadOptions& offload)
     : desc_(desc),
       plan_(plan),
       comms_(comms),
@@ -149,8 +152,26 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   if (!backend_.host_memory()) check_device_run(plan);
   auto state = [&](MemCategory c, StateKind k) {
     const int64_t n = plan.held_total(k);
-    return n == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
+    const bool disk = plan.config.offload.kinds[static_cast<int>(k)];
+    return n == 0 || disk ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
   };
+  if (plan.config.offload.any()) {
+    if (!backend_.host_memory())
+      throw std::invalid_argument(std::string("--offload: the disk tier runs on a host-memory backend only, not yet on ") +
+                                  backend_.name());
+    if (offload.dir.empty()) throw std::invalid_argument("--offload: the plan keeps state on disk but no --offload-dir was given");
+    char rank[16];
+    std::snprintf(rank, sizeof rank, "rank-%05d.", rank_);
+    disk_ = std::make_unique<DiskStore>(offload.dir, offload.io, std::string(rank, 10));  // "rank-0000R" 
+    for (int si = 0; si < plan::kNumStateBuffers; ++si) {
+      const StateKind k = plan::kind_of(StateIndex(si));
+      if (!plan.config.offload.kinds[static_cast<int>(k)] || plan.held_total(k) == 0) continue;
+      std::vector<int64_t>& at = file_at_[si];
+      at.assign(1, 0);
+      for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) at.push_back(at.back() + disk_aligned(4 * plan.held_elems(k, u)));
+      file_[si] = disk_->create(rank + std::string(plan::to_string(StateIndex(si))), at.back());
+    }
+  }
   params_ = state(MemCategory::params, StateKind::params);
   grads_ = state(MemCategory::grads, StateKind::grads);
   exp_avg_ = state(MemCategory::optimizer, StateKind::optimizer);
@@ -233,12 +254,62 @@ float* Executor::element(const Buffer& buf, StateKind k, int u, int64_t e) const
 }
 
 float* Executor::unit_params(int buffer, int u, Run& r) const {
-  return buffer >= 0 ? r.f32(buffer) : params_.f32() + plan_.held_offset(StateKind::params, u);
+  return buffer >= 0 ? r.f32(buffer) : held(StateIndex::params, u, &r);
 }
 
 float* Executor::unit_grads(int buffer, int u, Run& r) const {
-  return buffer >= 0 ? r.f32(buffer) : grads_.f32() + plan_.held_offset(StateKind::grads, u);
+  return buffer >= 0 ? r.f32(buffer) : held(StateIndex::grads, u, &r);
 }
+
+bool Executor::on_disk(StateIndex s) const { return file_[static_cast<int>(s)] >= 0; }
+
+float* Executor::held(StateIndex s, int u, const Run* r) const {
+  const StateKind k = plan::kind_of(s);
+  if (!on_disk(s)) return state(static_cast<State>(s)).f32() + plan_.held_offset(k, u);
+  const int w = r ? r->plan.window(static_cast<int>(s), u) : -1;
+  if (w < 0 || r->live[w].data() == nullptr)
+    throw std::logic_error("executor: unit " + desc_.units[u].name + "'s " + plan::to_string(s) +
+                           " are on disk and not loaded into their window here");
+  return r->live[w].f32();
+}
+
+void Executor::disk_read(StateIndex s, int u, void* dst) {
+  const auto& at = file_at_[static_cast<int>(s)];
+  disk_->read(file_[static_cast<int>(s)], at[u], dst, at[u + 1] - at[u]);
+}
+
+void Executor::disk_write(StateIndex s, int u, const void* src) {
+  const auto& at = file_at_[static_cast<int>(s)];
+  disk_->write(file_[static_cast<int>(s)], at[u], src, at[u + 1] - at[u]);
+}
+
+// Through one window-sized bounce buffer: the file pads each unit to 4 KiB, the packed buffer does not.
+void Executor::disk_read_all(StateIndex s, float* packed) {
+  const StateKind k = plan::kind_of(s);
+  const auto& at = file_at_[static_cast<int>(s)];
+  int64_t most = 0;
+  for (size_t u = 0; u + 1 < at.size(); ++u) most = std::max(most, at[u + 1] - at[u]);
+  Buffer bounce = backend_.alloc(MemCategory::staging, most, Buffer::Fill::none);
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    if (at[u + 1] == at[u]) continue;
+    disk_read(s, u, bounce.data());
+    std::memcpy(packed + plan_.held_offset(k, u), bounce.data(), 4 * plan_.held_elems(k, u));
+  }
+}
+
+void Executor::disk_write_all(StateIndex s, const float* packed) {
+  const StateKind k = plan::kind_of(s);
+  const auto& at = file_at_[static_cast<int>(s)];
+  int64_t most = 0;
+  for (size_t u = 0; u + 1 < at.size(); ++u) most = std::max(most, at[u + 1] - at[u]);
+  Buffer bounce = backend_.alloc(MemCategory::staging, most, Buffer::Fill::zero);
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    if (at[u + 1] == at[u]) continue;
+    std::memcpy(bounce.data(), packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
+    disk_write(s, u, bounce.data());
+  }
+}
+
 
 namespace {
 StateKind kind_of(Executor::State which) {
@@ -260,9 +331,41 @@ const Buffer& Executor::state(State which) const {
   return params_;
 }
 
-float* Executor::whole(State which) { return plan_.held_whole(kind_of(which)) ? state(which).f32() : nullptr; }
+float* Executor::local_state(State which) {
+  const int si = static_cast<int>(which);
+  if (!on_disk(StateIndex(si))) return state(which).bytes() ? state(which).f32() : nullptr;
+  if (!staged_[si].data()) {
+    staged_[si] = backend_.alloc(MemCategory::staging, 4 * plan_.held_total(kind_of(which)), Buffer::Fill::none);
+    disk_read_all(StateIndex(si), staged_[si].f32());
+  }
+  return staged_[si].f32();
+}
+
+void Executor::commit_local_state() {
+  for (int si = 0; si < plan::kNumStateBuffers; ++si)
+    if (staged_[si].data()) disk_write_all(StateIndex(si), staged_[si].f32());
+  release_local_state();
+}
+
+void Executor::release_local_state() {
+  for (Buffer& b : staged_) b = Buffer();
+}
+
+float* Executor::whole(State which) {
+  return plan_.held_whole(kind_of(which)) && !on_disk(StateIndex(static_cast<int>(which))) ? state(which).f32() : nullptr;
+}
 
 void Executor::init_params(uint64_t seed) {
+  if (on_disk(StateIndex::params)) {  // unit by unit through a window-sized buffer into the file
+    for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+      const Shard s = shard_of(StateKind::params, u);
+      const auto& at = file_at_[static_cast<int>(StateIndex::params)];
+      Buffer window = backend_.alloc(MemCategory::staging, at[u + 1] - at[u], Buffer::Fill::zero);
+      layers::init_unit(desc_.units[u], seed, window.f32(), s.begin, std::min(s.begin + s.len, desc_.units[u].numel));
+      disk_write(StateIndex::params, u, window.data());
+    }
+    return;
+  }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(StateKind::params, u);
     const int64_t begin = s.begin, end = s.begin + s.len;
@@ -285,7 +388,9 @@ void Executor::allocate(const Task&, int64_t micro, const std::vector<int>& ids,
     for (int a : ids) {
       const plan::BufferDesc& b = r.plan.buffers[a];
       // Gradients accumulate and start at zero; everything else is written before it is read.
-      const auto fill = b.role == Role::full_grads ? Buffer::Fill::zero : Buffer::Fill::none;
+      // An offloaded unit's gradients start as a zero-filled window.
+      const bool zero = b.role == Role::full_grads || (b.role == Role::window && b.category == MemCategory::grads);
+      const auto fill = zero ? Buffer::Fill::zero : Buffer::Fill::none;
       r.live[a] = backend_.alloc(b.category, b.bytes, fill);
     }
   }
@@ -371,10 +476,13 @@ void Executor::unit_task(const Task& t, Run& r) {
   a.cp_impl = r.plan.config.cp_impl;
   a.threads = threads_;
   a.params = unit_params(io.params, t.unit, r);
-  if (r.plan.placed(StateKind::grads, t.unit).parts > 0 || io.grads >= 0) a.grads = unit_grads(io.grads, t.unit, r);
+  // Only a backward (or the training head) writes gradients; offloaded ones are in memory only then.
+  const bool grads = !on_disk(StateIndex::grads) || t.op == Op::backward || t.op == Op::head;
+  if (grads && (r.plan.placed(StateKind::grads, t.unit).parts > 0 || io.grads >= 0)) a.grads = unit_grads(io.grads, t.unit, r);
   if (u.borrows >= 0) {
     a.borrowed_params = unit_params(io.borrowed_params, u.borrows, r);
-    if (r.plan.placed(StateKind::grads, u.borrows).parts > 0 || io.borrowed_grads >= 0) a.borrowed_grads = unit_grads(io.borrowed_grads, u.borrows, r);
+    if (grads && (r.plan.placed(StateKind::grads, u.borrows).parts > 0 || io.borrowed_grads >= 0))
+      a.borrowed_grads = unit_grads(io.borrowed_grads, u.borrows, r);
   }
   for (size_t i = 0; i < io.inputs.size(); ++i) {
     const int v = u.reads[i];
@@ -431,17 +539,15 @@ void Executor::logits(const Task& t, Run& r) { unit_task(t, r); }
 void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
-// shard axis (and identical across replicas): the sum of squares over what this rank holds.
-void Executor::grad_norm(const Task&, Run& r) {
-  r.class_sums.assign(grad_classes_.size(), 0.0);
-  if (grad_classes_.size() == 1) {  // every unit alike: the whole buffer at once
-    r.class_sums[0] = backend_.sum_squares(grads_.f32(), static_cast<int64_t>(grads_.bytes() / sizeof(float)));
-  } else {
-    for (size_t k = 0; k < grad_classes_.size(); ++k)
-      for (int u : grad_classes_[k].units)
-        r.class_sums[k] += backend_.sum_squares(grads_.f32() + plan_.held_offset(StateKind::grads, u),
-                                                plan_.held_elems(StateKind::grads, u));
-  }
+// shard axis (and identical across replicas): the sum of squares over what this rank holds, unit
+// by unit in unit order, whether one task covers every unit or (offloaded state) each unit has
+// its own, so the norm is bitwise the same either way.
+void Executor::grad_norm(const Task& t, Run& r) {
+  if (r.class_sums.size() != grad_classes_.size()) r.class_sums.assign(grad_classes_.size(), 0.0);
+  for (size_t k = 0; k < grad_classes_.size(); ++k)
+    for (int u : grad_classes_[k].units)
+      if (t.unit < 0 || t.unit == u)
+        r.class_sums[k] += backend_.sum_squares(held(StateIndex::grads, u, &r), plan_.held_elems(StateKind::grads, u));
   r.sum_squares = 0;
   for (double v : r.class_sums) r.sum_squares += v;
 }
@@ -452,33 +558,57 @@ void Executor::note_nonfinite(Run& r, int rank, double sum_squares, double loss_
   if (!std::isfinite(sum_squares)) r.result.nonfinite_grads.push_back(rank);
 }
 
-void Executor::optimizer(const Task&, Run& r) {
-  r.result.grad_norm = std::sqrt(r.sum_squares);
-  // One rank (no norm_reduce in the plan): its own values are the whole step's.
-  if (!r.finiteness_known) note_nonfinite(r, comms_.world().rank(), r.sum_squares, r.result.loss_sum);
-  if (r.result.nonfinite()) {  // nothing non-finite reaches the parameters or AdamW's moments
-    r.result.update_skipped = true;
-    return;
+// Clips by the global norm and updates this rank's range of one unit (t.unit) or of all. The
+// first optimizer task of a step decides whether the update happens at all.
+void Executor::optimizer(const Task& t, Run& r) {
+  if (!r.update_decided) {
+    r.update_decided = true;
+    r.result.grad_norm = std::sqrt(r.sum_squares);
+    // One rank (no norm_reduce in the plan): its own values are the whole step's.
+    if (!r.finiteness_known) note_nonfinite(r, comms_.world().rank(), r.sum_squares, r.result.loss_sum);
+    // Nothing non-finite reaches the parameters or AdamW's moments.
+    r.result.update_skipped = r.result.nonfinite();
   }
+  if (r.result.update_skipped) return;
+  if (t.unit >= 0) return unit_optimizer(t.unit, r);
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) unit_optimizer(u, r);
+}
+
+// Clipping scales the unit's gradients in place (elementwise, so unit by unit is the same as the
+// whole buffer at once), then AdamW runs on each parameter's part of the range.
+void Executor::unit_optimizer(int u, Run& r) {
+  const Shard o = shard_of(StateKind::optimizer, u);
+  if (o.parts == 0 || o.len == 0) return;
   const float clip = r.in.grad_clip;
-  const int64_t n = static_cast<int64_t>(grads_.bytes() / sizeof(float));
-  if (clip > 0 && r.result.grad_norm > clip) backend_.scale(grads_.f32(), n, static_cast<float>(clip / r.result.grad_norm));
+  float* grads = held(StateIndex::grads, u, &r);
+  if (clip > 0 && r.result.grad_norm > clip)
+    backend_.scale(grads, plan_.held_elems(StateKind::grads, u), static_cast<float>(clip / r.result.grad_norm));
   const AdamW& opt = r.in.opt;
-  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-    const Shard o = shard_of(StateKind::optimizer, u);
-    const int64_t lo = o.begin, hi = o.begin + o.len;
-    float* p = element(params_, StateKind::params, u, lo);
-    float* g = element(grads_, StateKind::grads, u, lo);
-    float* m = exp_avg_.f32() + o.at;
-    float* v = exp_avg_sq_.f32() + o.at;
-    for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
-      const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
-      if (a >= b) continue;
-      backend_.adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
-                            opt.beta2, opt.eps, spec.decay ? opt.weight_decay : 0.0f, r.in.adam_t);
-    }
+  const int64_t lo = o.begin, hi = o.begin + o.len;
+  float* p = held(StateIndex::params, u, &r) + (lo - shard_of(StateKind::params, u).begin);
+  float* g = grads + (lo - shard_of(StateKind::grads, u).begin);
+  float* m = held(StateIndex::exp_avg, u, &r);
+  float* v = held(StateIndex::exp_avg_sq, u, &r);
+  for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
+    const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
+    if (a >= b) continue;
+    backend_.adamw_update(p + (a - lo), g + (a - lo), m + (a - lo), v + (a - lo), b - a, opt.lr, opt.beta1,
+                          opt.beta2, opt.eps, spec.decay ? opt.weight_decay : 0.0f, r.in.adam_t);
   }
 }
+
+// ---- the disk tier's copies: a window is the plan's buffer, the file this rank's.
+
+namespace {
+StateIndex window_state(const plan::Plan& plan, const Task& t) {
+  for (int s = 0; s < plan::kNumStateBuffers; ++s)
+    if (plan.window(s, t.unit) == t.io.window) return StateIndex(s);
+  throw std::logic_error("executor: " + t.name() + " names no window of its unit");
+}
+}  // namespace
+
+void Executor::reload(const Task& t, Run& r) { disk_read(window_state(r.plan, t), t.unit, r.data(t.io.window)); }
+void Executor::write_back(const Task& t, Run& r) { disk_write(window_state(r.plan, t), t.unit, r.data(t.io.window)); }
 
 // ---- communication handlers
 
@@ -495,7 +625,7 @@ void Executor::all_gather(const Task& t, Run& r) {
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(StateKind::params, t.unit);
   float* full = r.f32(t.io.params);
-  float* mine = params_.f32() + s.at;
+  float* mine = held(StateIndex::params, t.unit, &r);
   if (t.io.staging < 0) {
     c.all_gather(mine, full, s.len, DType::fp32, lbl)->wait(timeout_);
   } else {  // bf16: [what the group gathers | one shard] staging, cast, gather, widen.
@@ -529,7 +659,7 @@ void Executor::gather_rest(const Task& t, Run& r) {
   comm::Communicator& c = comms_.get(t.axes);
   char* whole = r.data(t.io.staging);
   char* own = whole + c.rank() * rest * elem;
-  to_wire(own, params_.f32() + s.at + kept, rest, elem);
+  to_wire(own, held(StateIndex::params, t.unit, &r) + kept, rest, elem);
   c.all_gather(own, whole, rest, float_dtype(elem), label(t, r.step))->wait(timeout_);
   float* full = r.f32(t.io.params);
   const char* part = r.data(t.io.restore_from);
@@ -573,7 +703,7 @@ void Executor::gather_bucket(const Task& t, Run& r) {
   int64_t at = 0;
   for (int u : units) {
     const Shard s = shard_of(StateKind::params, u);
-    to_wire(own + at * elem, params_.f32() + s.at, s.len, elem);
+    to_wire(own + at * elem, held(StateIndex::params, u, &r), s.len, elem);
     at += s.len;
   }
   c.all_gather(own, whole, shards, float_dtype(elem), label(t, r.step))->wait(timeout_);
@@ -590,9 +720,9 @@ void Executor::gather_bucket(const Task& t, Run& r) {
 // In place on this rank's parameters of the unit: the group's optimizer ranges tile them.
 void Executor::param_gather(const Task& t, Run& r) {
   const Shard s = shard_of(StateKind::optimizer, t.unit);
-  float* held = params_.f32() + plan_.held_offset(StateKind::params, t.unit);
-  comms_.get(t.axes).all_gather(element(params_, StateKind::params, t.unit, s.begin), held, s.len, DType::fp32,
-                                label(t, r.step))->wait(timeout_);
+  float* whole = held(StateIndex::params, t.unit, &r);
+  comms_.get(t.axes).all_gather(whole + (s.begin - shard_of(StateKind::params, t.unit).begin), whole, s.len,
+                                DType::fp32, label(t, r.step))->wait(timeout_);
 }
 
 void Executor::reduce_scatter(const Task& t, Run& r) {
@@ -600,7 +730,7 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
   const std::string lbl = label(t, r.step);
   const Shard s = shard_of(StateKind::grads, t.unit);
   float* full = r.f32(t.io.grads);
-  float* mine = grads_.f32() + s.at;
+  float* mine = held(StateIndex::grads, t.unit, &r);
   const comm::Scratch scratch = comm_scratch(t, r);
   if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
@@ -621,7 +751,7 @@ void Executor::all_reduce(const Task& t, Run& r) {
     n = plan_.held_offset(StateKind::grads, t.last_unit) + plan_.held_elems(StateKind::grads, t.last_unit) - begin;
   } else {  // hybrid: this rank's gradient shard across the replicas
     const Shard s = shard_of(StateKind::grads, t.unit);
-    buf = grads_.f32() + s.at;
+    buf = held(StateIndex::grads, t.unit, &r);
     n = s.len;
   }
   const comm::Scratch scratch = comm_scratch(t, r);
@@ -842,8 +972,13 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
 }
 
 void Executor::gather_full(State which, float* full) {
-  const Buffer& buf = state(which);
   const StateKind k = kind_of(which);
+  Buffer from_disk;  // offloaded state is read back first, through the disk tier
+  if (on_disk(StateIndex(static_cast<int>(which)))) {
+    from_disk = backend_.alloc(MemCategory::staging, 4 * plan_.held_total(k), Buffer::Fill::none);
+    disk_read_all(StateIndex(static_cast<int>(which)), from_disk.f32());
+  }
+  const Buffer& buf = from_disk.data() ? from_disk : state(which);
   if (plan_.held_total(k) == 0) throw std::logic_error("executor: this plan holds no " + std::string(which == State::grads ? "gradients" : "optimizer state"));
   if (plan_.held_whole(k)) {
     backend_.download(full, buf.data(), buf.bytes());
@@ -880,6 +1015,14 @@ void Executor::load_full(State which, const float* full) {
   Buffer& buf = const_cast<Buffer&>(state(which));
   const StateKind k = kind_of(which);
   if (plan_.held_total(k) == 0) return;
+  if (on_disk(StateIndex(static_cast<int>(which)))) {  // this rank's ranges, packed, then to the file
+    Buffer packed = backend_.alloc(MemCategory::staging, 4 * plan_.held_total(k), Buffer::Fill::none);
+    for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+      const Shard s = shard_of(k, u);
+      std::copy_n(full + s.unit_offset + s.begin, s.len, packed.f32() + s.at);
+    }
+    return disk_write_all(StateIndex(static_cast<int>(which)), packed.f32());
+  }
   if (plan_.held_whole(k)) {
     if (buf.f32() != full) backend_.upload(buf.data(), full, buf.bytes());
     return;

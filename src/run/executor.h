@@ -11,6 +11,7 @@
 // as the plan places each unit's state (Plan::placement).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -25,6 +26,7 @@
 #include "layers/layers.h"
 #include "model/model.h"
 #include "plan/plan.h"
+#include "tensor/disk_store.h"
 #include "tensor/memory.h"
 #include "trace/trace.h"
 
@@ -144,12 +146,20 @@ struct ExecutorFaults {
   FaultPoint skip_collective, kill, nan_loss;
 };
 
+// The disk tier (--offload): where this rank's files go and how they are written. Needed when the
+// plan places state on disk.
+struct OffloadOptions {
+  std::string dir;
+  DiskStoreOptions io;
+};
+
 class Executor {
  public:
   // Every kernel the executor and its layers run goes through `backend` (which must outlive it);
   // its buffers are charged to, and the trace's memory counters read from, backend.memory().
   Executor(const model::ModelDesc& desc, const plan::Plan& plan, const CommGroups& comms, int threads,
-           std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults = {});
+           std::chrono::milliseconds timeout, const kernels::Backend& backend, const ExecutorFaults& faults = {},
+           const OffloadOptions& offload = {});
   ~Executor();
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)
@@ -175,7 +185,13 @@ class Executor {
   // This rank's buffer of `which` as the plan places it (each unit's part, back to back in unit
   // order; the whole padded flat buffer when every unit is whole); null when the plan holds none. For ckpt/,
   // which reads and writes each rank's element ranges in place.
-  float* local_state(State which) { return state(which).bytes() ? state(which).f32() : nullptr; }
+  // State the plan keeps on disk is read into a staging copy (memory category staging) first; after
+  // writing into it, commit_local_state() writes it back to disk; release_local_state() drops it.
+  float* local_state(State which);
+  void commit_local_state();
+  void release_local_state();
+  // The disk tier's files and I/O path ("io_uring, O_DIRECT", ...); null when nothing is offloaded.
+  const DiskStore* disk() const { return disk_.get(); }
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }
@@ -206,6 +222,18 @@ class Executor {
   // Element e of unit u (inside this rank's part of kind k) in this rank's buffer `buf` of that kind.
   float* element(const Buffer& buf, plan::StateKind k, int u, int64_t e) const;
   const Buffer& state(State which) const;
+  // This rank's part of unit u's state `s` (plan::StateIndex): in the resident buffer, or in its
+  // window when the plan keeps it on disk (the window must be loaded: the plan's reload, or for
+  // gradients the zero-filled window of their first use, comes before every use).
+  float* held(plan::StateIndex s, int u, const Run* r) const;
+  bool on_disk(plan::StateIndex s) const;
+  // Unit u's part of state s between its file and `dst` / `src` (window-sized, 4 KiB aligned).
+  void disk_read(plan::StateIndex s, int u, void* dst);
+  void disk_write(plan::StateIndex s, int u, const void* src);
+  // Every unit's part, packed as the resident buffer would be, through a bounce window.
+  void disk_read_all(plan::StateIndex s, float* packed);
+  void disk_write_all(plan::StateIndex s, const float* packed);
+  void unit_optimizer(int u, Run& r);
   float* unit_params(int buffer, int u, Run& r) const;
   float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
@@ -240,6 +268,8 @@ class Executor {
   void norm_reduce(const plan::Task& t, Run& r);
   void loss_reduce(const plan::Task& t, Run& r);
   void exchange(const plan::Task& t, Run& r);
+  void reload(const plan::Task& t, Run& r);
+  void write_back(const plan::Task& t, Run& r);
   void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
 
   const model::ModelDesc& desc_;
@@ -250,6 +280,12 @@ class Executor {
   const kernels::Backend& backend_;
   int rank_;  // in the world
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
+  // The disk tier: files by StateIndex (-1: in memory), each unit's byte offset in them, and the
+  // staged copies local_state() hands out.
+  std::unique_ptr<DiskStore> disk_;
+  std::array<int, plan::kNumStateBuffers> file_{-1, -1, -1, -1};
+  std::array<std::vector<int64_t>, plan::kNumStateBuffers> file_at_;
+  std::array<Buffer, plan::kNumStateBuffers> staged_;
   std::vector<plan::GradClass> grad_classes_;  // plan_.grad_classes()
   std::chrono::steady_clock::time_point t0_;
   // This rank's steps of the ExecutorFaults it was built with (-1: none).

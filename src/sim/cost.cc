@@ -295,6 +295,8 @@ double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool cros
 
 double CostModel::seconds(const plan::Task& t) const {
   if (t.stream == plan::kCompute) return compute_seconds(t);
+  // The disk tier's copies (--offload) are not priced yet: hardware profiles hold no disk figures.
+  if (plan::info(t.op).stream == plan::OpStream::copy) return 0;
   const Collective c = collective_of(t.op);
   const GroupSpan g = span(t);
   // An exchange moves what the busiest rank of its group does (the model's figure at the expert

@@ -110,7 +110,8 @@ class BlockCache {
   // of a freshly allocated gradient or gathered buffer.
   static void* fresh(size_t rounded) {
     const bool huge = rounded >= kHugeFrom;
-    const size_t alignment = huge ? kHugePage : 64;
+    // 4 KiB: what direct I/O asks of a buffer (the disk tier reads and writes plan buffers).
+    const size_t alignment = huge ? kHugePage : rounded >= 4096 ? 4096 : 64;
     void* p = std::aligned_alloc(alignment, (rounded + alignment - 1) / alignment * alignment);
     if (!p) throw std::bad_alloc();
     if (huge) madvise(p, rounded, MADV_HUGEPAGE);

@@ -83,7 +83,7 @@ class MemoryPool {
   std::unique_ptr<BlockCache> cache_;
 };
 
-// An owning, 64-byte aligned allocation charged to one category of a MemoryPool. Move-only.
+// An owning, 64-byte (from 4 KiB up, 4 KiB: direct I/O) aligned allocation charged to one category of a MemoryPool. Move-only.
 // Zero-filled unless asked not to be (buffers a collective overwrites whole).
 class Buffer {
  public:

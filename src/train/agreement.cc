@@ -140,6 +140,9 @@ Settings rank_settings(const TrainConfig& c) {
       {"bucket-mb", s(c.bucket_mb)},
       {"keep-gathered", c.keep_gathered},
       {"gather-bucket-mb", s(c.gather_bucket_mb)},
+      // Every rank's plan places the same state on disk (the directory may differ: a node's own disk).
+      {"offload", c.offload},
+      {"offload-prefetch", s(c.offload_prefetch)},
       {"param-dtype", c.param_dtype},
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},

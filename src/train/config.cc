@@ -187,6 +187,9 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cuda" && (c.ep > 1 || c.cp > 1))
     throw std::invalid_argument("--device cuda: --ep and --cp are not supported yet (no CUDA kernels for experts or sequence chunks)");
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
+  if (c.offload != "none" && c.snapshot_every > 0)
+    throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");
+  if (c.offload_prefetch < 0) throw std::invalid_argument("offload-prefetch: must be >= 0, got " + std::to_string(c.offload_prefetch));
   if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
     throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
                                 "(checkpoints read host memory)");

@@ -94,6 +94,11 @@ struct TrainConfig {
   double bucket_mb = 25;
   std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm,h.9:0.5)
   double gather_bucket_mb = 0;         // fsdp / hybrid all-gather buckets (0: off)
+  // The disk tier: kinds of state kept in files (none | any of params,grads,optimizer), where
+  // (empty: OUT/offload), and how many using tasks ahead the copy stream reads.
+  std::string offload = "none";
+  std::string offload_dir;
+  int offload_prefetch = 2;
   std::string param_dtype = "fp32", reduce_dtype = "fp32";
   // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.
   std::string compute_dtype = "auto";

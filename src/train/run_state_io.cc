@@ -131,6 +131,7 @@ void resume(Session& s) {
   if (ckpt::is_sharded(dir)) {
     const auto t0 = Clock::now();
     load_sharded(s, dir, rank_buffers(s), true);
+    s.ex.commit_local_state();  // offloaded state: what was read goes to its files
     if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
     return;
   }
@@ -150,6 +151,7 @@ void init_from(Session& s) {
   const auto t0 = Clock::now();
   if (ckpt::is_sharded(dir)) {
     load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
+    s.ex.commit_local_state();
   } else {
     every_rank_or_all_fail(s, [&] {
       Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total);
@@ -224,6 +226,7 @@ void save(Session& s) {
     const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.9 * s.cfg.save_every * s.last_step_ms));
     if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step), spread);
     else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
+    s.ex.release_local_state();  // offloaded state was read from its files for the save
   });
   s.pending->paused_ms = ms_since(t0);
   if (!s.writer) commit_save(s, mine);

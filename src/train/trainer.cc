@@ -21,6 +21,7 @@
 #include "kernels/cuda_backend.h"
 #endif
 #include "run/executor.h"
+#include "tensor/disk_store.h"
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
@@ -143,6 +144,21 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
     }
   }
   pc.gather_bucket_mb = cfg.gather_bucket_mb;
+  if (cfg.offload != "none") {  // params,grads,optimizer in any subset
+    std::string rest = cfg.offload;
+    for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
+      at = rest.find(',');
+      const std::string kind = rest.substr(0, at);
+      if (kind == "params") pc.offload.kinds[static_cast<int>(plan::StateKind::params)] = true;
+      else if (kind == "grads") pc.offload.kinds[static_cast<int>(plan::StateKind::grads)] = true;
+      else if (kind == "optimizer") pc.offload.kinds[static_cast<int>(plan::StateKind::optimizer)] = true;
+      else if (kind == "activations")
+        throw std::invalid_argument("--offload activations: not yet (params, grads and optimizer can be offloaded)");
+      else
+        throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer)");
+    }
+  }
+  pc.offload.prefetch = cfg.offload_prefetch;
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;
   pc.reduction_scratch = reduction_scratch([o = cfg.comm](comm::Reduction op, int64_t count,
@@ -209,7 +225,8 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
                                    c.ranks_on_machine)),
       backend(make_backend(c, memory, h.cpu_as_device)),
       comms(w, plan, backend.get(), c.comm_backend == "nccl" ? run::DeviceCollectives::nccl : run::DeviceCollectives::staged),
-      ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults),
+      ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults,
+         run::OffloadOptions{c.offload_dir.empty() ? c.out + "/offload" : c.offload_dir, {}}),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(memory, desc, sharded_layout(plan, N), rank)
                           : nullptr) {}
 
@@ -421,6 +438,9 @@ void print_run_header(const Session& s, double peak) {
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
              plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
              s.backend->name(), s.comms.describe());
+  if (const DiskStore* d = s.ex.disk())
+    fmt::print("offload: {} on disk under {} ({}), read ahead {} using task(s)\n", cfg.offload, d->dir(), d->describe(),
+               cfg.offload_prefetch);
   std::fflush(stdout);
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
@@ -161,6 +162,20 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
                   io.forward_ws, io.backward_ws, io.grad_stream, io.staging, io.keep_into, io.restore_from})
       if (b >= 0) used.push_back(b);
     used.insert(used.end(), io.bucket.begin(), io.bucket.end());
+    if (io.window >= 0) used.push_back(io.window);
+    // Offloaded state (--offload) is used through its unit's window, which must be loaded.
+    auto window = [&](StateIndex s, int u) {
+      if (u >= 0 && p.window(static_cast<int>(s), u) >= 0) used.push_back(p.window(static_cast<int>(s), u));
+    };
+    const bool unit_task = t.op == Op::forward || t.op == Op::recompute || t.op == Op::head || t.op == Op::loss ||
+                           t.op == Op::logits || t.op == Op::backward;
+    if (unit_task && io.params < 0) window(StateIndex::params, t.unit);
+    if ((t.op == Op::head || t.op == Op::backward) && io.grads < 0) window(StateIndex::grads, t.unit);
+    if (unit_task && d.units[t.unit].borrows >= 0 && io.borrowed_params < 0) window(StateIndex::params, d.units[t.unit].borrows);
+    if (t.op == Op::all_gather && t.first_unit < 0) window(StateIndex::params, t.unit);
+    if (t.op == Op::reduce_scatter || (t.op == Op::grad_norm && t.unit >= 0)) window(StateIndex::grads, t.unit);
+    if (t.op == Op::optimizer && t.unit >= 0)
+      for (StateIndex s : {StateIndex::params, StateIndex::grads, StateIndex::exp_avg, StateIndex::exp_avg_sq}) window(s, t.unit);
     for (int b : used) {
       ASSERT_TRUE(alloc_by.count(b)) << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " before any allocation";
       const int a = alloc_by[b];
@@ -229,6 +244,87 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
       expect_no_buffer_alive_twice(d, c, what + " logits");
     }
   });
+}
+
+// The offload pass: every use of offloaded state finds its window loaded (by a reload, or the
+// zero-filled first window of a step's gradients) in any schedule the deps allow, and no window is
+// alive twice, for every family, one process and fsdp, prefetch depths, recompute modes, gather
+// buckets and partly kept units, in training and forward-only plans.
+TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
+  each_training_config({1}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
+    if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
+    if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
+    for (int depth : {0, 1, 3}) {
+      SCOPED_TRACE(what + " offload prefetch " + std::to_string(depth));
+      c.offload.kinds = {true, true, true};
+      c.offload.prefetch = depth;
+      const std::string w = what + " offload prefetch " + std::to_string(depth);
+      expect_no_buffer_alive_twice(d, c, w);
+      const Plan p = build_plan(d, c);
+      EXPECT_EQ(p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer, 0) << w;
+      for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
+        EXPECT_EQ(p.placed(StateKind::params, u).where, Location::disk) << w;
+      if (c.recompute == model::Recompute::none) {
+        PlanConfig f = c;
+        f.mode = PlanConfig::Mode::loss;
+        expect_no_buffer_alive_twice(d, f, w + " loss");
+      }
+    }
+  });
+}
+
+// gpt2-124m: each offloaded kind's peak in memory falls by its resident state, less what its
+// windows hold at once (at most prefetch + 2 units' worth: the tied embedding, a third of the
+// model, is one unit and so one window), one process and fsdp at 2 ranks; a kind left resident is
+// untouched.
+TEST(Plan, OffloadDropsTheResidentFiguresOfTheOffloadedKinds) {
+  const model::ModelDesc d = model::describe(model::model_preset("gpt2-124m"));
+  for (int world : {1, 2}) {
+    PlanConfig c;
+    c.world = world;
+    c.batch = 2;
+    c.seq = 128;
+    const Plan resident = build_plan(d, c);
+    c.offload.kinds = {true, false, true};  // params and optimizer, gradients resident
+    const Plan p = build_plan(d, c);
+    const MemSnapshot off = p.max_memory(), res = resident.max_memory();
+    EXPECT_EQ(p.static_memory.params, 0);
+    EXPECT_EQ(p.static_memory.optimizer, 0);
+    EXPECT_EQ(p.static_memory.grads, resident.static_memory.grads);
+    EXPECT_EQ(off[MemCategory::grads], res[MemCategory::grads]);
+    std::map<MemCategory, int64_t> largest;
+    for (const BufferDesc& b : p.buffers)
+      if (b.role == Role::window) largest[b.category] = std::max(largest[b.category], b.bytes);
+    const int64_t bound = c.offload.prefetch + 2;
+    EXPECT_LT(off[MemCategory::params], res[MemCategory::params]) << world;
+    EXPECT_LE(off[MemCategory::params], res[MemCategory::params] - resident.static_memory.params + bound * largest[MemCategory::params]) << world;
+    EXPECT_LT(off[MemCategory::optimizer], res[MemCategory::optimizer]) << world;
+    EXPECT_LE(off[MemCategory::optimizer], 2 * bound * largest[MemCategory::optimizer]) << world;
+    const std::string text = p.to_text(d);
+    EXPECT_NE(text.find("params: u0-u"), std::string::npos);
+    EXPECT_NE(text.find(", disk"), std::string::npos);
+    EXPECT_NE(text.find("offload: on disk"), std::string::npos);
+    std::printf("gpt2-124m %d rank(s): params peak %.0f -> %.0f MiB, optimizer peak %.0f -> %.0f MiB\n", world,
+                res[MemCategory::params] / 1048576.0, off[MemCategory::params] / 1048576.0,
+                res[MemCategory::optimizer] / 1048576.0, off[MemCategory::optimizer] / 1048576.0);
+  }
+}
+
+TEST(Plan, OffloadRefusesWhatItCannotDoYetWithOneLine) {
+  PlanConfig c;
+  c.offload.kinds = {true, true, true};
+  c.world = 2;
+  c.strategy = Strategy::ddp;
+  try {
+    build_plan(small(), c);
+    FAIL() << "ddp at 2 ranks with --offload";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload: supported on one process or with --strategy fsdp"), std::string::npos) << e.what();
+  }
+  c.strategy = Strategy::fsdp;
+  c.grad_accum = 2;
+  EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
 }
 
 // One task run as the tests compare them: what it does, which micro-step of the step it is, and

@@ -1,0 +1,203 @@
+#include "tensor/disk_store.h"
+
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+namespace shardlm {
+
+namespace {
+// Each transfer is cut into chunks of this size, up to kDepth of them in flight at once: enough
+// to keep an NVMe queue busy without one huge request the kernel splits anyway.
+constexpr int64_t kChunk = int64_t{1} << 20;
+constexpr unsigned kDepth = 16;
+
+std::runtime_error fail(const std::string& path, const std::string& what) {
+  return std::runtime_error("offload file " + path + ": " + what);
+}
+std::string errno_text(int err) { return std::strerror(err); }
+}  // namespace
+
+struct DiskStore::Ring {
+  io_uring ring{};
+  ~Ring() { io_uring_queue_exit(&ring); }
+};
+
+DiskStore::DiskStore(std::string dir, DiskStoreOptions options, const std::string& owner)
+    : dir_(std::move(dir)), options_(options) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) throw std::runtime_error("offload dir " + dir_ + ": cannot create it: " + ec.message());
+  lock_path_ = (std::filesystem::path(dir_) / (owner + ".lock")).string();
+  lock_fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0) throw std::runtime_error("offload dir " + dir_ + ": cannot create " + lock_path_ + ": " + errno_text(errno));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(lock_fd_);
+    throw std::runtime_error("offload dir " + dir_ + ": " + lock_path_ + " is held by another live run; give each run its own --offload-dir");
+  }
+  if (!options_.try_uring) {
+    uring_refused_ = "not asked for";
+    return;
+  }
+  auto ring = std::make_unique<Ring>();
+  if (const int rc = io_uring_queue_init(kDepth, &ring->ring, 0); rc < 0) {
+    uring_refused_ = "the kernel refused io_uring: " + errno_text(-rc);
+    return;
+  }
+  ring_ = std::move(ring);
+}
+
+DiskStore::~DiskStore() {
+  for (File& f : files_) {
+    if (f.fd >= 0) ::close(f.fd);
+    ::unlink(f.path.c_str());
+  }
+  if (lock_fd_ >= 0) {
+    ::unlink(lock_path_.c_str());
+    ::close(lock_fd_);
+  }
+  ::rmdir(dir_.c_str());  // only if empty: the directory may hold other things
+}
+
+std::string DiskStore::describe() const {
+  std::string s = ring_ ? "io_uring" : "pread/pwrite (" + uring_refused_ + ")";
+  if (direct_refused_) return s + ", buffered (the filesystem refused O_DIRECT)";
+  return s + (options_.try_direct ? ", O_DIRECT" : ", buffered");
+}
+
+int DiskStore::create(const std::string& name, int64_t bytes) {
+  if (bytes % kDiskAlign != 0) throw std::logic_error("disk store: " + name + "'s size is not a multiple of 4 KiB");
+  File f;
+  f.path = (std::filesystem::path(dir_) / name).string();
+  ::unlink(f.path.c_str());  // never reuse what an earlier run left
+  const int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+  if (options_.try_direct && !direct_refused_) {
+    f.fd = ::open(f.path.c_str(), flags | O_DIRECT, 0600);
+    if (f.fd >= 0) f.direct = true;
+    else if (errno == EINVAL) direct_refused_ = true;
+    else throw fail(f.path, "cannot create: " + errno_text(errno));
+  }
+  if (f.fd < 0) {
+    f.fd = ::open(f.path.c_str(), flags, 0600);
+    if (f.fd < 0) throw fail(f.path, "cannot create: " + errno_text(errno));
+  }
+  f.bytes = bytes;
+  files_.push_back(f);
+  const int id = static_cast<int>(files_.size()) - 1;
+  // Written through, so a disk too small fails here, before the first step.
+  void* zeros = std::aligned_alloc(kDiskAlign, kChunk);
+  if (!zeros) throw std::bad_alloc();
+  std::memset(zeros, 0, kChunk);
+  try {
+    for (int64_t at = 0; at < bytes; at += kChunk) write(id, at, zeros, std::min(kChunk, bytes - at));
+  } catch (...) {
+    std::free(zeros);
+    throw;
+  }
+  std::free(zeros);
+  files_[id].whole = bytes;
+  return id;
+}
+
+void DiskStore::read(int file, int64_t offset, void* dst, int64_t bytes) { transfer(false, file, offset, dst, bytes); }
+
+void DiskStore::write(int file, int64_t offset, const void* src, int64_t bytes) {
+  transfer(true, file, offset, const_cast<void*>(src), bytes);
+}
+
+// A file removed or cut short under the run is named before its data is trusted: the open
+// descriptor would still read a deleted file's blocks, and a short read of a truncated one would
+// leave stale memory in a window.
+void DiskStore::check_file(bool is_write, const File& f, int64_t offset, int64_t bytes) const {
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) throw fail(f.path, "cannot stat: " + errno_text(errno));
+  if (st.st_nlink == 0) throw fail(f.path, "deleted while the run was using it");
+  // The file was written out whole at creation: any shorter is a truncation, and a write past a
+  // truncated end would silently leave a hole of zeros behind it.
+  (void)is_write, (void)offset, (void)bytes;
+  if (st.st_size < f.whole)
+    throw fail(f.path, "is " + std::to_string(st.st_size) + " bytes, should be " + std::to_string(f.whole) +
+                           " (truncated while the run was using it)");
+}
+
+void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  File& f = files_.at(file);
+  if (offset < 0 || bytes < 0 || offset + bytes > f.bytes)
+    throw std::logic_error("disk store: " + f.path + ": [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                           ") is outside the file");
+  if (f.direct && (offset % kDiskAlign || bytes % kDiskAlign || reinterpret_cast<uintptr_t>(buf) % kDiskAlign))
+    throw std::logic_error("disk store: " + f.path + ": a direct transfer that is not 4 KiB aligned");
+  if (bytes == 0) return;
+  check_file(is_write, f, offset, bytes);
+  if (ring_) transfer_uring(is_write, f, offset, static_cast<char*>(buf), bytes);
+  else transfer_plain(is_write, f, offset, static_cast<char*>(buf), bytes);
+  (is_write ? written_ : read_) += bytes;
+}
+
+void DiskStore::transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes) {
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = is_write ? ::pwrite(f.fd, buf + done, bytes - done, offset + done)
+                               : ::pread(f.fd, buf + done, bytes - done, offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw fail(f.path, std::string(is_write ? "write" : "read") + " failed: " + errno_text(errno));
+    if (n == 0)
+      throw fail(f.path, is_write ? "write made no progress (disk full?)"
+                                  : "read ended early at byte " + std::to_string(offset + done) + " (truncated?)");
+    done += n;
+  }
+}
+
+// Chunks of the transfer, up to kDepth in flight; a short completion (rare: a signal, a
+// filesystem boundary) is finished with plain calls.
+void DiskStore::transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes) {
+  io_uring* ring = &ring_->ring;
+  const int64_t chunks = (bytes + kChunk - 1) / kChunk;
+  int64_t next = 0, completed = 0;
+  std::string error;
+  std::vector<int64_t> shortfall;  // chunk index, resumed below
+  std::vector<int64_t> got(chunks, 0);
+  while (completed < chunks) {
+    unsigned queued = 0;
+    while (next < chunks && next - completed < kDepth) {
+      io_uring_sqe* sqe = io_uring_get_sqe(ring);
+      if (!sqe) break;
+      const int64_t at = next * kChunk, len = std::min(kChunk, bytes - at);
+      if (is_write) io_uring_prep_write(sqe, f.fd, buf + at, static_cast<unsigned>(len), offset + at);
+      else io_uring_prep_read(sqe, f.fd, buf + at, static_cast<unsigned>(len), offset + at);
+      io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(next));
+      ++next, ++queued;
+    }
+    if (queued) {
+      const int rc = io_uring_submit(ring);
+      if (rc < 0) throw fail(f.path, "io_uring submit failed: " + errno_text(-rc));
+    }
+    io_uring_cqe* cqe = nullptr;
+    int rc = io_uring_wait_cqe(ring, &cqe);
+    while (rc == -EINTR) rc = io_uring_wait_cqe(ring, &cqe);
+    if (rc < 0) throw fail(f.path, "io_uring wait failed: " + errno_text(-rc));
+    const int64_t c = static_cast<int64_t>(io_uring_cqe_get_data64(cqe));
+    const int res = cqe->res;
+    io_uring_cqe_seen(ring, cqe);
+    ++completed;
+    const int64_t len = std::min(kChunk, bytes - c * kChunk);
+    if (res < 0 && error.empty()) error = std::string(is_write ? "write" : "read") + " failed: " + errno_text(-res);
+    else if (res >= 0 && res < len) shortfall.push_back(c), got[c] = res;
+  }
+  if (!error.empty()) throw fail(f.path, error);
+  for (int64_t c : shortfall) {
+    const int64_t at = c * kChunk + got[c], len = std::min(kChunk, bytes - c * kChunk) - got[c];
+    transfer_plain(is_write, f, offset + at, buf + at, len);
+  }
+}
+
+}  // namespace shardlm

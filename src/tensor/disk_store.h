@@ -1,0 +1,83 @@
+// The disk tier: scratch files holding state that does not stay in memory (--offload). Each file
+// is created fresh (an old one of the same name is replaced: offload files are never trusted
+// across runs) and removed when the store goes, on error exits too (a process killed with -9
+// leaves them, and the next run replaces them).
+//
+// I/O is direct (O_DIRECT) so the page cache neither hides the disk's cost nor holds a second
+// copy of what was offloaded, issued through io_uring in chunks kept in flight together. Where
+// the kernel refuses io_uring (old kernels, seccomp in containers) plain pread/pwrite do the same
+// work; where the filesystem refuses O_DIRECT (tmpfs) the file is opened buffered. describe()
+// says which. Offsets, lengths and buffer addresses must be multiples of kDiskAlign (Buffers of
+// >= 4 KiB from a MemoryPool are).
+//
+// Every failure throws std::runtime_error with one line naming the file: a write refused (disk
+// full, file size limit), a read error, a file deleted or truncated under the run.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace shardlm {
+
+inline constexpr int64_t kDiskAlign = 4096;
+inline int64_t disk_aligned(int64_t bytes) { return (bytes + kDiskAlign - 1) / kDiskAlign * kDiskAlign; }
+
+struct DiskStoreOptions {
+  bool try_uring = true;   // false: pread/pwrite only
+  bool try_direct = true;  // false: buffered files only
+};
+
+class DiskStore {
+ public:
+  // Files go in `dir` (created if missing). `owner` names the store's lock file (DIR/OWNER.lock,
+  // held with flock for the store's life and released by the kernel however the process ends):
+  // a second live run given the same directory and owner is refused instead of replacing the
+  // first one's files.
+  explicit DiskStore(std::string dir, DiskStoreOptions options = {}, const std::string& owner = "store");
+  ~DiskStore();
+  DiskStore(const DiskStore&) = delete;
+  DiskStore& operator=(const DiskStore&) = delete;
+
+  // Creates file `name` in the directory, replacing any old one, and writes `bytes` (a multiple of
+  // kDiskAlign) of zeros to it, so running out of space shows at once; returns its handle.
+  int create(const std::string& name, int64_t bytes);
+  void read(int file, int64_t offset, void* dst, int64_t bytes);
+  void write(int file, int64_t offset, const void* src, int64_t bytes);
+  const std::string& path(int file) const { return files_.at(file).path; }
+  const std::string& dir() const { return dir_; }
+  // "io_uring, O_DIRECT", "pread/pwrite, buffered (the filesystem refused O_DIRECT)", ...
+  std::string describe() const;
+  // Bytes moved since the store was made.
+  int64_t bytes_read() const { return read_; }
+  int64_t bytes_written() const { return written_; }
+
+ private:
+  struct File {
+    std::string path;
+    int fd = -1;
+    int64_t bytes = 0;
+    int64_t whole = 0;  // the size it must have: `bytes` once written out at creation
+    bool direct = false;
+  };
+  void transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes);
+  void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
+  void transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
+  void check_file(bool is_write, const File& f, int64_t offset, int64_t bytes) const;
+
+  std::string dir_;
+  DiskStoreOptions options_;
+  std::string lock_path_;
+  int lock_fd_ = -1;
+  std::vector<File> files_;
+  struct Ring;
+  std::unique_ptr<Ring> ring_;  // null: io_uring refused, pread/pwrite
+  std::string uring_refused_;   // why, for describe()
+  bool direct_refused_ = false;
+  std::mutex mu_;  // one ring, used by the copy stream and, between steps, the caller's thread
+  int64_t read_ = 0, written_ = 0;
+};
+
+}  // namespace shardlm
