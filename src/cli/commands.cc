@@ -178,7 +178,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                   "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim, the q|k|v row)")
       ->capture_default_str();
   cmd->add_option("--act-quant-rounding", c.act_quant_rounding,
-                  "--act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")
+                  "with --act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")
       ->capture_default_str();
   cmd->add_flag("--async-save", c.async_save,
                 "checkpoints: copy each rank's shard into a staging buffer (memory category staging) and write it "
