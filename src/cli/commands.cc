@@ -162,11 +162,18 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                   "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")
       ->capture_default_str();
   cmd->add_option("--offload", c.offload,
-                  "state kept on disk instead of memory: none | any of params,grads,optimizer (comma-separated)")
+                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")
       ->capture_default_str();
+  cmd->add_option("--memory-budget", c.memory_budget,
+                  "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
+                  "grads, then params go to disk, largest first, until it does (activations stay in memory)");
   cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)");
   cmd->add_option("--offload-prefetch", c.offload_prefetch, "offloaded units read ahead of the task using them")
       ->capture_default_str();
+  cmd->add_flag("--pipeline-optimizer", c.pipeline_optimizer,
+               "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "
+               "bitwise the same (a copy of the unit's params and moments, 3x its optimizer shard, restores it when "
+               "the norm clips or the step is skipped)");
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
@@ -402,6 +409,8 @@ int run(int argc, char** argv) {
                       "and >= 4 x the smallest, none above 1048576")
       ->delimiter(',');
   cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
+  cal_cmd->add_option("--offload-dir", co.offload_dir,
+                      "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency");
   cal_cmd->add_option("--gemm-models", co.gemm_models, "models whose GEMM shapes are timed (comma list; none: skip)")
       ->delimiter(',')
       ->capture_default_str();

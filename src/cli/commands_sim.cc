@@ -98,6 +98,9 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
   q.expert_load = expert_load_of(a.moe_imbalance, desc);
+  // Branch and bound for the rows printed; ranked by goodput the bound on step time is not the
+  // order, so every configuration is simulated there.
+  q.top = a.goodput.mtbf_hours > 0 ? 0 : a.top;
   // The search builds and drops thousands of plans of a few MB: keep their pages in the heap
   // instead of mapping and unmapping them each time (a third of the search's time otherwise).
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
@@ -131,10 +134,10 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
   fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations ({} pruned by memory "
-             "unbuilt, {} invalid, {} built, {} simulated), {} fit {} (+{} refined by keeping units gathered), {} distinct "
-             "predictions\n",
-             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.invalid, s.built,
-             s.simulated, s.fit - s.refined,
+             "unbuilt, {} by a bound on step time unbuilt (of {} classes, each's first built for the bound), {} invalid, {} "
+             "built, {} simulated), {} fit {} (+{} refined by keeping units gathered), {} distinct predictions\n",
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.bounded, s.classes,
+             s.invalid, s.built, s.simulated, s.fit - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
              s.refined, s.fitting.size());
   if (desc.config.family == model::Family::moe)
@@ -288,6 +291,36 @@ void run_collective(const SimulateArgs& a) {
 
 // `simulate`: the plan `train` would run at --ranks, priced on a hardware profile. Nothing of
 // the model is allocated, so shapes far beyond this machine simulate in milliseconds.
+
+// Where the plan keeps each unit's state (--memory-budget or --offload): per kind, the units on
+// disk of those holding it, and each unit's line ("params/grads/optimizer": ram | disk | -).
+namespace {
+nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& desc) {
+  nlohmann::json j{{"memory_budget", plan.config.memory_budget}, {"peak", plan.peak_memory().total}};
+  const char* names[] = {"params", "grads", "optimizer"};
+  nlohmann::json units = nlohmann::json::object();
+  for (int k = 0; k < plan::kNumStateKinds; ++k) {
+    int disk = 0, held = 0;
+    for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
+      held += plan.placed(plan::StateKind(k), u).parts > 0;
+      disk += plan.on_disk(plan::StateKind(k), u);
+    }
+    j["disk"][names[k]] = disk;
+    j["held"][names[k]] = held;
+  }
+  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
+    std::string w;
+    for (int k = 0; k < plan::kNumStateKinds; ++k) {
+      const bool held = plan.placed(plan::StateKind(k), u).parts > 0;
+      w += std::string(k ? "/" : "") + (!held ? "-" : plan.on_disk(plan::StateKind(k), u) ? "disk" : "ram");
+    }
+    units[desc.units[u].name] = w;
+  }
+  j["units"] = units;
+  return j;
+}
+}  // namespace
+
 void run_simulate(SimulateArgs& a) {
   if (!a.collective.empty()) return run_collective(a);
   if (!a.bytes.empty() || a.algo != "best") throw std::invalid_argument("--bytes and --algo go with --collective");
@@ -315,6 +348,11 @@ void run_simulate(SimulateArgs& a) {
                      {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
                      {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
                      {"device_memory", hw.device_memory}, {"fits", fits}};
+    if (plan.config.offload.disk()) {
+      j["disk_busy_ms"] = r.disk_busy_ms;
+      j["disk_exposed_ms"] = r.disk_exposed_ms;
+    }
+    if (plan.config.pipeline_optimizer) j["optimizer_busy_ms"] = r.optimizer_busy_ms;
     if (plan.config.cp > 1) {
       j["cp"] = plan.config.cp;
       j["exchange_busy_ms"] = r.exchange_busy_ms;
@@ -326,6 +364,8 @@ void run_simulate(SimulateArgs& a) {
       j["exchange_busy_ms"] = r.exchange_busy_ms;
       j["exchange_exposed_ms"] = r.exchange_exposed_ms;
     }
+    if (plan.config.memory_budget > 0 || plan.config.offload.any())
+      j["placement"] = placement_json(plan, desc);
     if (gf.mtbf_hours > 0)
       j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", gf.mtbf_hours},
                       {"checkpoint_bytes", ckpt_bytes},     {"checkpoint", level_json(gp.checkpoint)},
@@ -341,6 +381,17 @@ void run_simulate(SimulateArgs& a) {
   fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
   const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
+  if (plan.config.offload.disk())  // the disk tier's reads and writes on their copy stream
+    fmt::print("disk (--offload {}): {:.3f} ms of reloads and write-backs ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% "
+               "of the step){}\n",
+               a.cfg.offload, r.disk_busy_ms, r.disk_busy_ms * pct, r.disk_exposed_ms, r.disk_exposed_ms * pct,
+               hw.disk_read_bw > 0 ? fmt::format("; disk read {:.3g} GB/s, write {:.3g} GB/s, latency {:.3g} ms ({})",
+                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e3, hw.name)
+                                   : std::string("; the profile has no disk figures: copies priced at nothing"));
+  if (plan.config.pipeline_optimizer)
+    fmt::print("pipelined optimizer: {:.3f} ms of updates on the optimizer stream ({:.1f}% of the step), sharing the "
+               "device with the backward\n",
+               r.optimizer_busy_ms, r.optimizer_busy_ms * pct);
   if (plan.config.cp > 1)  // the attention's exchanges, and a MoE block's routing counts and routed rows
     fmt::print("exchanges (cp {} {}{}): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
                "the step)\n",
@@ -374,6 +425,14 @@ void run_simulate(SimulateArgs& a) {
     else
       fmt::print("  in-memory snapshots: none ({})\n", q > 0 ? "they would cost more than the work they save"
                                                              : "--snapshot-survives 0");
+  }
+  if (plan.config.memory_budget > 0 || plan.config.offload.any()) {
+    fmt::print("state placement{}: on disk ", plan.config.memory_budget > 0 ? fmt::format(" (--memory-budget {} bytes)", plan.config.memory_budget) : "");
+    const nlohmann::json pj = placement_json(plan, desc);
+    for (const char* k : {"params", "grads", "optimizer"})
+      fmt::print("{} {}/{} unit(s){}", k, pj["disk"][k].get<int>(), pj["held"][k].get<int>(), k[0] == 'o' ? "" : ", ");
+    fmt::print("; accounted peak {} bytes ({:.1f} MiB); the disk copies are not priced yet\n", plan.peak_memory().total,
+               plan.peak_memory().total / 1048576.0);
   }
   fmt::print("memory per rank at peak (bytes):\n");
   for (int c = 0; c < kNumMemCategories; ++c)

@@ -92,6 +92,7 @@ train::TrainHooks test_faults() {
   h.executor_faults.skip_collective = fault_point("SHARDLM_FAULT_SKIP_COLLECTIVE");
   h.executor_faults.kill = fault_point("SHARDLM_FAULT_KILL");
   h.executor_faults.nan_loss = fault_point("SHARDLM_FAULT_NAN_LOSS");
+  h.executor_faults.disk_read = fault_point("SHARDLM_FAULT_DISK_READ");
   h.kill_mid_write = fault_point("SHARDLM_FAULT_KILL_MID_WRITE");
   h.fail_write = fault_point("SHARDLM_FAULT_FAIL_WRITE");
   h.kill_in_save = fault_point("SHARDLM_FAULT_KILL_IN_SAVE");

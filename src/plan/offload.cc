@@ -29,20 +29,12 @@ const char* to_string(StateIndex s) {
   return "?";
 }
 
-namespace {
-
-struct Touch {
-  int state, unit;
-  bool write;
-};
-
-// The run-long state a task reads or writes in place (not through a per-task buffer), by
-// state and unit. Grouped by what the executor's handler of each op touches.
-std::vector<Touch> touches(const Plan& p, const model::ModelDesc& desc, const Task& t) {
-  std::vector<Touch> out;
+// Grouped by what the executor's handler of each op touches.
+std::vector<StateTouch> state_touches(const Plan& p, const model::ModelDesc& desc, const Task& t) {
+  std::vector<StateTouch> out;
   const int U = static_cast<int>(desc.units.size());
   auto add = [&](StateIndex s, int u, bool write) {
-    if (u >= 0 && p.placed(kind_of(s), u).parts > 0) out.push_back({static_cast<int>(s), u, write});
+    if (u >= 0 && p.placed(kind_of(s), u).parts > 0) out.push_back({s, u, write});
   };
   auto range = [&](int first, int last, StateIndex s, bool write) {
     const int step = last >= first ? 1 : -1;
@@ -81,6 +73,7 @@ std::vector<Touch> touches(const Plan& p, const model::ModelDesc& desc, const Ta
       else range(0, U - 1, StateIndex::grads, false);
       break;
     case Op::optimizer:
+    case Op::optimizer_commit:  // a rollback or redo
       for (int u = t.unit >= 0 ? t.unit : 0; u <= (t.unit >= 0 ? t.unit : U - 1); ++u)
         for (StateIndex s : {StateIndex::params, StateIndex::grads, StateIndex::exp_avg, StateIndex::exp_avg_sq})
           add(s, u, true);  // gradients are clipped in place
@@ -89,6 +82,8 @@ std::vector<Touch> touches(const Plan& p, const model::ModelDesc& desc, const Ta
   }
   return out;
 }
+
+namespace {
 
 // Replaces the task `op` (unit -1) by one per unit holding `kind`, in unit order, on the same
 // stream; the first keeps its buffers and dependencies, and what waited for it waits for the last.
@@ -129,37 +124,145 @@ void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, StateKind kind
   p.tasks = std::move(out);
 }
 
-}  // namespace
 
-void offload_pass(Plan& p, const model::ModelDesc& desc) {
-  const OffloadConfig& o = p.config.offload;
-  if (!o.any()) return;
-  const bool train = p.config.mode == PlanConfig::Mode::train;
-  if (o.prefetch < 0) throw std::invalid_argument("offload prefetch (--offload-prefetch): must be >= 0, got " + std::to_string(o.prefetch));
-  if (train && p.config.grad_accum > 1)
-    throw std::invalid_argument("--offload: gradient accumulation (--grad-accum > 1) with offloaded state is not supported yet");
-  if (p.config.world > 1 && p.config.strategy != Strategy::fsdp)
-    throw std::invalid_argument(std::string("--offload: supported on one process or with --strategy fsdp, not yet with ") +
-                                to_string(p.config.strategy) + " at " + std::to_string(p.config.world) + " ranks");
-  const int U = static_cast<int>(desc.units.size());
-
-  // Placement: every unit's part of each offloaded kind lives on disk.
-  std::vector<UnitPlacement> placed = p.placement();
-  for (int k = 0; k < kNumStateKinds; ++k) {
-    if (!o.kinds[k]) continue;
-    for (UnitPlacement& up : placed) {
-      Placement& pl = k == 0 ? up.params : k == 1 ? up.grads : up.optimizer;
-      if (pl.parts > 0) pl.where = Location::disk;
+// Windows (and offloaded activations) come and go with the compute stream, as gathered
+// parameters and full gradients do (plan.h), so their bytes over time do not depend on how the
+// copy and comm streams interleave and the plan's walk is the allocator's measurement exactly. A window a copy or comm task would
+// allocate is handed off at the end of the last compute task listed before it, which that task
+// now waits for; one it would free is freed by a compute task listed after it that waits for it:
+// the first compute task already waiting for it if that is no later than the second compute task
+// after it, else the second one, made to wait (a write-back then runs behind one compute task,
+// as a reduce-scatter's full gradients are freed two backwards after it). Where no compute task
+// comes before (or after), a window_sync task opens (or closes) the step.
+void settle_windows(Plan& p) {
+  // What the copy stream moves: windows, and offloaded saved activations (their first allocation
+  // and last free are a forward's and a backward's, compute tasks, and stay where they are).
+  auto is_window = [&](int b) { return p.buffers[b].role == Role::window || p.buffers[b].disk_offset >= 0; };
+  auto moved = [&](const std::vector<int>& v) { return std::any_of(v.begin(), v.end(), is_window); };
+  auto compute = [&](const Task& t) { return t.stream == kCompute; };
+  bool open = false, close = false;
+  {
+    bool seen = false;
+    for (const Task& t : p.tasks) {
+      if (compute(t)) seen = true;
+      else if (!seen && moved(t.allocs)) open = true;
+    }
+    int after = 0;  // compute tasks listed after the current one
+    for (auto it = p.tasks.rbegin(); it != p.tasks.rend(); ++it) {
+      if (compute(*it)) ++after;
+      else if (after < 2 && moved(it->frees)) close = true;
     }
   }
+  if (open) {  // ids shift by one
+    for (Task& t : p.tasks) {
+      ++t.id;
+      for (int& d : t.deps) ++d;
+    }
+    Task s;
+    s.op = Op::window_sync;
+    s.stream = kCompute;
+    s.id = 0;
+    p.tasks.insert(p.tasks.begin(), std::move(s));
+  }
+  if (close) {
+    Task s;
+    s.op = Op::window_sync;
+    s.stream = kCompute;
+    s.id = static_cast<int>(p.tasks.size());
+    p.tasks.push_back(std::move(s));
+  }
+  const int n = static_cast<int>(p.tasks.size());
+  // first_waiting[t]: the first compute task (by id) that waits for t, directly or through others
+  // (the list order is one the streams run in, so a reverse walk sees every waiter first).
+  std::vector<int> first_waiting(n, n), prev_on_stream(n, -1), last(p.streams.size(), -1);
+  for (const Task& t : p.tasks) prev_on_stream[t.id] = last[t.stream], last[t.stream] = t.id;
+  for (int i = n - 1; i >= 0; --i) {
+    const int reach = compute(p.tasks[i]) ? i : first_waiting[i];
+    std::vector<int> preds = p.tasks[i].deps;
+    if (prev_on_stream[i] >= 0) preds.push_back(prev_on_stream[i]);
+    for (int d : preds) first_waiting[d] = std::min(first_waiting[d], reach);
+  }
+  std::vector<int> computes;
+  for (const Task& t : p.tasks)
+    if (compute(t)) computes.push_back(t.id);
+  auto wait = [](Task& t, int on) {
+    if (std::find(t.deps.begin(), t.deps.end(), on) == t.deps.end()) t.deps.push_back(on), std::sort(t.deps.begin(), t.deps.end());
+  };
+  // A window whose free the compute stream reaches only after its next residency's allocation
+  // (a buffer id is never alive twice) stays in memory between the two instead: both go. (The
+  // reload then refills a live window, after the write-back before it on the same stream.)
+  std::vector<int> freed_by(p.buffers.size(), -1);
+  auto allocated = [&](int b, int at, bool at_end) {  // false: the window is alive already
+    int& by = freed_by[b];
+    if (by < 0 || by < at || (at_end && by == at)) return true;  // a task's frees precede its hands_off
+    auto& fs = p.tasks[by].frees;
+    fs.erase(std::find(fs.begin(), fs.end(), b));
+    by = -1;
+    return false;
+  };
+  for (int i = 0; i < n; ++i) {
+    Task& t = p.tasks[i];
+    if (compute(t)) {
+      for (auto a = t.allocs.begin(); a != t.allocs.end();)
+        a = is_window(*a) && !allocated(*a, i, false) ? t.allocs.erase(a) : a + 1;
+      continue;
+    }
+    const auto next = std::upper_bound(computes.begin(), computes.end(), i);
+    for (auto a = t.allocs.begin(); a != t.allocs.end();) {
+      if (!is_window(*a)) {
+        ++a;
+        continue;
+      }
+      const int by = next == computes.begin() ? 0 : *(next - 1);  // the opening window_sync when none is listed before
+      if (allocated(*a, by, true)) {
+        p.tasks[by].hands_off.push_back(*a);
+        wait(t, by);
+      }
+      a = t.allocs.erase(a);
+    }
+    for (auto f = t.frees.begin(); f != t.frees.end();) {
+      if (!is_window(*f)) {
+        ++f;
+        continue;
+      }
+      const int second = next + 1 < computes.end() ? *(next + 1) : computes.back();  // else the closing window_sync
+      const int by = std::min(first_waiting[i], second);
+      p.tasks[by].frees.push_back(*f);
+      wait(p.tasks[by], i);
+      freed_by[*f] = by;
+      f = t.frees.erase(f);
+    }
+  }
+}
+
+// The run-long state kinds of config.offload: their placement, windows, and copies.
+void offload_state(Plan& p, const model::ModelDesc& desc) {
+  const OffloadConfig& o = p.config.offload;
+  const bool train = p.config.mode == PlanConfig::Mode::train;
+  const int U = static_cast<int>(desc.units.size());
+
+  // Placement: each (unit, kind) the config chooses lives on disk; its resident bytes leave the
+  // static memory (an optimizer unit's two moments).
+  std::vector<UnitPlacement> placed = p.placement();
+  std::array<int64_t, kNumStateKinds> left{};  // bytes per kind that stay resident
+  std::array<bool, kNumStateKinds> all{true, true, true};  // every held unit of the kind on disk
+  for (int k = 0; k < kNumStateKinds; ++k)
+    for (int u = 0; u < U; ++u) {
+      UnitPlacement& up = placed[u];
+      Placement& pl = k == 0 ? up.params : k == 1 ? up.grads : up.optimizer;
+      if (pl.parts == 0) continue;
+      if (o.on_disk(StateKind(k), u)) pl.where = Location::disk;
+      else all[k] = false, left[k] += 4 * p.held_elems(StateKind(k), u);
+    }
   p.set_placement(std::move(placed));
-  if (o.kinds[0]) p.static_memory.params = 0;
-  if (o.kinds[1]) p.static_memory.grads = 0;
-  if (o.kinds[2]) p.static_memory.optimizer = 0;
+  p.static_memory.params = left[0];
+  p.static_memory.grads = left[1];
+  p.static_memory.optimizer = 2 * left[2];
   for (BufferDesc& b : p.buffers) {
-    const bool disk = (b.role == Role::params && o.kinds[0]) || (b.role == Role::grads && o.kinds[1]) ||
-                      ((b.role == Role::exp_avg || b.role == Role::exp_avg_sq) && o.kinds[2]);
-    if (disk) b.where = Location::disk;
+    const int k = b.role == Role::params ? 0 : b.role == Role::grads ? 1 : b.role == Role::exp_avg || b.role == Role::exp_avg_sq ? 2 : -1;
+    if (k < 0 || !p.any_on_disk(StateKind(k))) continue;
+    if (all[k]) b.where = Location::disk;
+    else b.bytes = left[k];  // the resident units' part, packed (run::Executor lays it out so)
   }
 
   // One gradient-norm and one optimizer task per unit, so a unit's state is in memory only while
@@ -173,9 +276,8 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
   p.windows.assign(U, {-1, -1, -1, -1});
   for (int s = 0; s < kNumStateBuffers; ++s) {
     const StateKind k = kind_of(StateIndex(s));
-    if (!o.kinds[static_cast<int>(k)]) continue;
     for (int u = 0; u < U; ++u) {
-      if (p.placed(k, u).parts == 0) continue;
+      if (!p.on_disk(k, u)) continue;
       BufferDesc b;
       b.id = static_cast<int>(p.buffers.size());
       b.name = std::string("window ") + to_string(StateIndex(s)) + " " + desc.units[u].name;
@@ -190,15 +292,19 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
 
   // The tasks using offloaded state, in plan order, and each state's residencies: runs of uses
   // close enough (within prefetch + 1 using tasks) to keep the window in memory between them.
+  struct Touch {
+    int state, unit;
+    bool write;
+  };
   struct Use {
     int task;
     std::vector<Touch> touch;
   };
   std::vector<Use> uses;
   for (const Task& t : p.tasks) {
-    std::vector<Touch> all = touches(p, desc, t), kept;
-    for (const Touch& x : all)
-      if (p.window(x.state, x.unit) >= 0) kept.push_back(x);
+    std::vector<Touch> kept;
+    for (const StateTouch& x : state_touches(p, desc, t))
+      if (p.window(static_cast<int>(x.state), x.unit) >= 0) kept.push_back({static_cast<int>(x.state), x.unit, x.write});
     if (!kept.empty()) uses.push_back({t.id, kept});
   }
   struct Residency {
@@ -256,6 +362,11 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
       Task t = copy_task(Op::reload, r);
       t.allocs.push_back(w);
       if (r.first - d - 1 >= 0) t.deps.push_back(uses[r.first - d - 1].task);
+      // Slot 0 (the reads before the first use): after the task listed before that use, as the
+      // memory walk counts them; with nothing to wait for, the copy stream would read them at the
+      // step's start, their windows alive through everything before (a budget placing only a
+      // late-used kind, the optimizer's, on disk would see its windows beside the activations).
+      else if (uses[0].task > 0) t.deps.push_back(uses[0].task - 1);
       slot[std::max(0, r.first - d)].push_back({std::move(t), r.first});
     }
     // Gradients are dead after the step's last use (the next step starts them at zero).
@@ -308,6 +419,126 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
     std::sort(t.deps.begin(), t.deps.end());
   }
   p.tasks = std::move(out);
+}
+
+// --offload activations. A buffer a unit's forward allocates for its backward (saved, and
+// recomputable where no recompute rebuilds it) and that only forward tasks (a staged unit's
+// stages) use before the backward side (its recompute or backward) does is offloaded: a write_back
+// on the copy stream after its last forward use frees it, and a reload allocates the same id again
+// before its first backward-side use (its consumer). The consumers in list order (the backward's,
+// so the forward's reverse) are c0, c1, ...; the reload for c_j waits for c_(j-d-1), so at most
+// d + 1 consumers' activations are read ahead. The first d + 1 consumers' buffers stay in memory:
+// their reload would be issued at once, so writing them out would cost I/O and save no peak.
+// Each offloaded buffer gets a 4 KiB-aligned slot of the rank's activations file, in write order.
+void offload_activations(Plan& p) {
+  const int n = static_cast<int>(p.tasks.size()), B = static_cast<int>(p.buffers.size());
+  for (int i = 0; i < n; ++i)
+    if (p.tasks[i].id != i) throw std::logic_error("offload pass: task ids are not list positions");
+  auto activation = [&](int b) { return p.buffers[b].role == Role::saved || p.buffers[b].role == Role::recomputable; };
+  auto forward_side = [](const Task& t) { return t.op == Op::forward; };
+  auto backward_side = [](const Task& t) { return t.op == Op::recompute || t.op == Op::backward; };
+  std::vector<int> last_forward(B, -1), consumer(B, -1), allocs(B, 0), frees(B, 0);
+  std::vector<char> fits(B, 1);  // false: used in a way this pass does not move
+  for (const Task& t : p.tasks) {
+    for (int a : t.allocs)
+      if (activation(a) && (++allocs[a] > 1 || !forward_side(t))) fits[a] = 0;  // rebuilt: not stored
+    for (int b : {t.io.saved, t.io.recomputable}) {
+      if (b < 0) continue;
+      if (forward_side(t) && consumer[b] < 0) last_forward[b] = t.id;
+      else if (backward_side(t) && consumer[b] < 0) consumer[b] = t.id;
+      else if (!backward_side(t)) fits[b] = 0;
+    }
+    for (int f : t.frees)
+      if (activation(f) && (++frees[f] > 1 || !backward_side(t))) fits[f] = 0;  // freed by its forward: not kept
+  }
+  std::vector<int> consumers;
+  for (int b = 0; b < B; ++b) {
+    fits[b] = fits[b] && activation(b) && allocs[b] == 1 && frees[b] == 1 && last_forward[b] >= 0 && consumer[b] > last_forward[b];
+    if (fits[b]) consumers.push_back(consumer[b]);
+  }
+  std::sort(consumers.begin(), consumers.end());
+  consumers.erase(std::unique(consumers.begin(), consumers.end()), consumers.end());
+  const int d = p.config.offload.prefetch;
+  auto rank_of = [&](int b) { return static_cast<int>(std::lower_bound(consumers.begin(), consumers.end(), consumer[b]) - consumers.begin()); };
+  std::vector<int> moved;  // in write order
+  for (int b = 0; b < B; ++b)
+    if (fits[b] && rank_of(b) > d) moved.push_back(b);
+  if (moved.empty()) return;
+  std::stable_sort(moved.begin(), moved.end(), [&](int x, int y) { return last_forward[x] < last_forward[y]; });
+
+  int copy_stream = static_cast<int>(std::find(p.streams.begin(), p.streams.end(), "copy") - p.streams.begin());
+  if (copy_stream == static_cast<int>(p.streams.size())) p.streams.push_back("copy");
+  // A copy is listed after its anchor and the copy tasks already listed right after it (the state's
+  // copies, which are wanted sooner), waiting for the anchor.
+  std::vector<std::vector<Task>> after(n);
+  auto add = [&](Op op, int b, int anchor) {
+    Task t;
+    t.op = op;
+    t.stream = copy_stream;
+    t.unit = p.buffers[b].unit;
+    t.micro = p.tasks[last_forward[b]].micro;
+    t.io.window = b;
+    t.bytes = p.buffers[b].bytes;
+    t.deps = {anchor};
+    (op == Op::reload ? t.allocs : t.frees).push_back(b);
+    int at = anchor;
+    while (at + 1 < n && p.tasks[at + 1].stream == copy_stream) ++at;
+    after[at].push_back(std::move(t));
+  };
+  int64_t offset = 0;
+  for (int b : moved) {
+    BufferDesc& buf = p.buffers[b];
+    buf.bytes = disk_aligned(buf.bytes);  // O_DIRECT moves whole 4 KiB blocks
+    buf.disk_offset = offset;
+    offset += buf.bytes;
+    add(Op::write_back, b, last_forward[b]);
+    add(Op::reload, b, consumers[rank_of(b) - d - 1]);
+  }
+  p.activation_file_bytes = offset;
+
+  // The new list, ids renumbered to list order; a consumer waits for its reloads.
+  std::vector<int> new_id(n);
+  for (int i = 0, next = 0; i < n; ++i) new_id[i] = next++, next += static_cast<int>(after[i].size());
+  std::vector<Task> out;
+  out.reserve(n + 2 * moved.size());
+  std::vector<std::vector<int>> reloads(n);  // by old consumer id
+  for (int i = 0; i < n; ++i) {
+    Task& t = p.tasks[i];
+    t.id = new_id[i];
+    for (int& dep : t.deps) dep = new_id[dep];
+    out.push_back(std::move(t));
+    for (Task& c : after[i]) {
+      c.id = static_cast<int>(out.size());
+      for (int& dep : c.deps) dep = new_id[dep];
+      if (c.op == Op::reload) reloads[consumer[c.io.window]].push_back(c.id);
+      out.push_back(std::move(c));
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (reloads[i].empty()) continue;
+    Task& t = out[new_id[i]];
+    t.deps.insert(t.deps.end(), reloads[i].begin(), reloads[i].end());
+    std::sort(t.deps.begin(), t.deps.end());
+  }
+  p.tasks = std::move(out);
+}
+
+}  // namespace
+
+void offload_pass(Plan& p, const model::ModelDesc& desc) {
+  const OffloadConfig& o = p.config.offload;
+  if (!o.disk()) return;
+  const bool train = p.config.mode == PlanConfig::Mode::train;
+  if (o.prefetch < 0) throw std::invalid_argument("offload prefetch (--offload-prefetch): must be >= 0, got " + std::to_string(o.prefetch));
+  if (train && p.config.grad_accum > 1)
+    throw std::invalid_argument(o.any() ? "--offload: gradient accumulation (--grad-accum > 1) with offloaded state is not supported yet"
+                                        : "--offload activations: gradient accumulation (--grad-accum > 1) is not supported yet");
+  if (p.config.world > 1 && p.config.strategy != Strategy::fsdp)
+    throw std::invalid_argument(std::string("--offload: supported on one process or with --strategy fsdp, not yet with ") +
+                                to_string(p.config.strategy) + " at " + std::to_string(p.config.world) + " ranks");
+  if (o.any()) offload_state(p, desc);
+  if (o.activations && train) offload_activations(p);
+  settle_windows(p);
 }
 
 }  // namespace shardlm::plan

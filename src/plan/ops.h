@@ -28,6 +28,7 @@
   X(backward, compute, none, unit_bwd)         /* unit backward of one micro-step */                   \
   X(grad_norm, compute, none, grads_pass)      /* this rank's sum of squares of its gradients */       \
   X(optimizer, compute, none, adamw)           /* clip by the global norm, AdamW on this rank's part */ \
+  X(optimizer_commit, compute, none, none)     /* keep, redo clipped or undo the speculative updates */ \
   X(all_gather, comm, all_gather, none)        /* a unit's parameter shards -> gathered parameters */  \
   X(reduce_scatter, comm, reduce_scatter, none) /* a unit's full gradients -> summed shard */          \
   X(all_reduce, comm, all_reduce, none)        /* a gradient bucket, or a shard across replicas */     \
@@ -36,7 +37,9 @@
   X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */                          \
   X(exchange, exchange, all_to_all, none)      /* a staged unit's routed rows between its stages */ \
   X(reload, copy, none, none)                  /* a unit's offloaded state from disk into its window */ \
-  X(write_back, copy, none, none)              /* a window's state back to disk; frees the window */
+  X(write_back, copy, none, none)              /* a window's state back to disk */                    \
+  X(window_sync, compute, none, none)          /* the compute stream's point to bring into being, or  \
+                                                  let go, windows no other compute task can (--offload) */
 
 namespace shardlm::plan {
 

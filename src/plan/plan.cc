@@ -43,6 +43,7 @@ const char* to_string(Role r) {
     case Role::staging: return "staging";
     case Role::routed: return "routed";
     case Role::window: return "window";
+    case Role::rollback: return "rollback";
   }
   return "?";
 }
@@ -97,6 +98,12 @@ void Plan::set_placement(std::vector<UnitPlacement> placement) {
 int64_t Plan::held_elems(StateKind k, int u) const {
   const int parts = placed(k, u).parts;
   return parts == 0 ? 0 : layout.units[u].padded / parts;
+}
+
+bool Plan::any_on_disk(StateKind k) const {
+  for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
+    if (on_disk(k, u)) return true;
+  return false;
 }
 
 bool Plan::held_whole(StateKind k) const {
@@ -325,6 +332,29 @@ void mesh_text(const Mesh& mesh, std::ostream& o) {
   }
 }
 
+// With --memory-budget or --offload: where each unit's state lives, one line a unit, and the peak.
+void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
+  const PlanConfig& c = plan.config;
+  if (c.memory_budget <= 0 && !c.offload.any()) return;
+  o << "\nstate per unit (params / grads / optimizer: ram | disk | - not held)";
+  if (c.memory_budget > 0) o << ", memory budget " << c.memory_budget << " bytes per rank";
+  const int64_t peak = plan.peak_memory().total;
+  const std::streamsize precision = o.precision();
+  o << ", accounted peak " << peak << " (" << std::fixed << std::setprecision(1) << peak / 1048576.0 << " MiB):\n";
+  o.unsetf(std::ios::floatfield);
+  o.precision(precision);
+  size_t width = 0;
+  for (const model::UnitDesc& u : desc.units) width = std::max(width, u.name.size());
+  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
+    o << "  " << desc.units[u].name << std::string(width - desc.units[u].name.size(), ' ');
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      const Placement& p = plan.placed(StateKind(k), u);
+      o << (k ? " / " : " ") << (p.parts == 0 ? "-" : p.where == Location::disk ? "disk" : "ram");
+    }
+    o << "\n";
+  }
+}
+
 // Each kind of state, runs of consecutive units placed alike: "u0-u13 4 parts over dp_shard, host".
 void placement_text(const Plan& plan, std::ostream& o) {
   o << "\nstate placement (each unit's element ranges over mesh axes, and where they live):\n";
@@ -347,12 +377,24 @@ void placement_text(const Plan& plan, std::ostream& o) {
     }
     o << "\n";
   }
+  if (plan.activation_file_bytes > 0) {  // --offload activations
+    int moved = 0;
+    for (const BufferDesc& b : plan.buffers) moved += b.disk_offset >= 0;
+    const std::streamsize precision = o.precision();
+    o << "  offload: " << moved << " saved activation buffers (" << std::fixed << std::setprecision(1)
+      << plan.activation_file_bytes / 1048576.0 << " MiB) written to disk after their forward, read back up to "
+      << plan.config.offload.prefetch << " backward tasks ahead; activations at most "
+      << plan.max_memory()[MemCategory::activations] / 1048576.0 << " MiB in memory\n";
+    o.unsetf(std::ios::floatfield);
+    o.precision(precision);
+  }
   if (plan.windows.empty()) return;
   // The disk tier: what a step moves and how much of it is in memory at once.
+  const std::streamsize precision = o.precision();  // restored below: later figures print as before
   int64_t read = 0, written = 0, windows = 0;
   for (const Task& t : plan.tasks) {
-    if (t.op == Op::reload) read += t.bytes;
-    if (t.op == Op::write_back) written += t.bytes;
+    if (t.op == Op::reload && plan.buffers[t.io.window].disk_offset < 0) read += t.bytes;
+    if (t.op == Op::write_back && plan.buffers[t.io.window].disk_offset < 0) written += t.bytes;
   }
   for (const BufferDesc& b : plan.buffers)
     if (b.role == Role::window) windows += b.bytes;
@@ -364,6 +406,7 @@ void placement_text(const Plan& plan, std::ostream& o) {
     << each[MemCategory::grads] / 1048576.0 << " / optimizer " << each[MemCategory::optimizer] / 1048576.0
     << " MiB in memory\n";
   o.unsetf(std::ios::floatfield);
+  o.precision(precision);
 }
 
 }  // namespace
@@ -394,10 +437,12 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     o << ", act-quant int8 (group " << c.act_quant.group << ", " << (c.act_quant.stochastic ? "stochastic" : "nearest")
       << " rounding)";
   if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
+  if (c.pipeline_optimizer && c.mode == PlanConfig::Mode::train) o << ", pipelined optimizer";
   o << "\n";
 
   mesh_text(mesh, o);
   placement_text(*this, o);
+  unit_state_text(*this, desc, o);
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
@@ -436,7 +481,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       << " times, as micro-steps " << repeat.micro << ".." << repeat.micro + repeat.times - 1 << "; [m"
       << repeat.micro + 1 << "] is micro-step " << c.grad_accum - 1 << ")\n";
   double flops = 0;
-  int64_t comm_bytes = 0;
+  int64_t comm_bytes = 0, disk_bytes = 0;
   for (const Task& t : tasks) {
     o << "  " << t.id << "\t" << streams[t.stream] << "\t" << t.name(&desc);
     if (!t.axes.empty()) {
@@ -455,12 +500,15 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     for (int a : t.hands_off) o << " | +" << buffers[a].name << " " << buffers[a].bytes << " (at end)";
     o << "\n";
     flops += t.flops * static_cast<double>(runs(t));
-    if (t.stream != kCompute) comm_bytes += t.bytes * runs(t);
+    const bool copy = t.op == Op::reload || t.op == Op::write_back;  // the disk tier's, not collectives
+    if (t.stream != kCompute) (copy ? disk_bytes : comm_bytes) += t.bytes * runs(t);
   }
   int64_t task_runs = 0;
   for (const Task& t : tasks) task_runs += runs(t);
   o << "\ntotal: " << tasks.size() << " tasks (" << task_runs << " runs), " << flops / 1e9 << " GFLOP, " << mib(comm_bytes)
-    << " MiB of collectives\n";
+    << " MiB of collectives";
+  if (disk_bytes > 0) o << ", " << mib(disk_bytes) << " MiB of disk reads and writes";
+  o << "\n";
   return o.str();
 }
 

@@ -58,6 +58,7 @@ enum class Role {
   staging,                             // a bf16 collective's cast copy
   routed,                              // rows an exchange sends or receives between a unit's stages
   window,                              // a unit's offloaded state while it is in memory (--offload)
+  rollback,                            // a unit's params, exp_avg, exp_avg_sq before a speculative update
 };
 const char* to_string(Role r);
 
@@ -74,6 +75,10 @@ struct BufferDesc {
   int unit = -1;
   int value = -1;  // Role::value: index into ModelDesc::values
   Location where = Location::host;
+  // --offload activations: the byte offset of this buffer's slot in the rank's activations file
+  // (its saved activations, written back after the forward and reloaded before the backward);
+  // -1: never leaves memory. Such a buffer's bytes are padded to the disk's 4 KiB.
+  int64_t disk_offset = -1;
 };
 
 // The buffers a task reads and writes; -1: not used. Unit parameters and gradients that are not
@@ -92,8 +97,11 @@ struct Operands {
   // it delivered them) and writes (for the exchange after it); an exchange reads `send` and fills
   // `recv`. Where an exchange spans one rank it is left out and the next stage reads its `send`.
   int send = -1, recv = -1;
-  // A copy task (reload, write_back): the window it fills from disk or writes back.
+  // A copy task (reload, write_back): the window it fills from disk or writes back, or (where the
+  // buffer has a disk_offset) the saved activations.
   int window = -1;
+  // A speculative optimizer task (--pipeline-optimizer): where it keeps the unit's state first.
+  int rollback = -1;
   // A bucketed all_gather (first_unit >= 0): each unit's gathered buffer, in gather order; its
   // staging (the concatenated shards and their gathered concatenation) is `staging`.
   std::vector<int> bucket;
@@ -145,9 +153,26 @@ const char* to_string(StateKind k);
 // The disk tier (--offload): which kinds of state live in files instead of memory, and how many
 // units' state the copy stream reads ahead of the task using it.
 struct OffloadConfig {
-  std::array<bool, kNumStateKinds> kinds{};  // by StateKind
+  std::array<bool, kNumStateKinds> kinds{};  // by StateKind: every unit's state of that kind
+  // A choice per unit (by unit index, then StateKind), e.g. the budget's placement pass's; empty:
+  // `kinds` holds for every unit. When set, it is the whole choice (`kinds` is ignored).
+  std::vector<std::array<bool, kNumStateKinds>> units;
+  // --offload activations: the blocks' saved activations are written to disk after their forward
+  // and read back, `prefetch` backward tasks ahead, for their backward.
+  bool activations = false;
   int prefetch = 2;
-  bool any() const { return kinds[0] || kinds[1] || kinds[2]; }
+  bool on_disk(StateKind k, int u) const {
+    const int i = static_cast<int>(k);
+    return units.empty() ? kinds[i] : u < static_cast<int>(units.size()) && units[u][i];
+  }
+  bool disk() const { return any() || activations; }  // anything at all
+  // Any kind of run-long state, for some unit.
+  bool any() const {
+    if (units.empty()) return kinds[0] || kinds[1] || kinds[2];
+    for (const auto& u : units)
+      if (u[0] || u[1] || u[2]) return true;
+    return false;
+  }
 };
 
 struct PlanConfig {
@@ -203,6 +228,13 @@ struct PlanConfig {
   std::function<int64_t(Op op, int64_t count, int elem, int group)> reduction_scratch;
   // --offload: the offload pass (plan/offload.cc) places these kinds on disk and adds the copies.
   OffloadConfig offload;
+  // --pipeline-optimizer: the pipeline pass (plan/pipeline.cc) updates each unit as soon as its
+  // gradients are final, speculatively, and commits or rolls back once the global norm is known.
+  bool pipeline_optimizer = false;
+  // --memory-budget: per-rank bytes the plan's accounted peak (peak_memory().total) must stay
+  // within; the placement pass (plan/budget.cc) moves params, grads and optimizer state of units to
+  // disk until it does, and writes its choice into `offload.units`. 0: no budget.
+  int64_t memory_budget = 0;
 };
 
 // A plan lists the tasks of at most this many micro-steps; more are runs of a repeated one.
@@ -276,11 +308,17 @@ struct Plan {
   // frees it (its last user, or the write_back after it).
   std::vector<std::array<int, 4>> windows;
   int window(int state, int u) const { return windows.empty() ? -1 : windows[u][state]; }
+  // --offload activations: bytes of the rank's activations file, one 4 KiB-aligned slot per
+  // offloaded buffer (BufferDesc::disk_offset); 0: none offloaded.
+  int64_t activation_file_bytes = 0;
 
   // Each unit's state placement (set_placement); a rank's buffer of one kind holds its range of
   // every unit that kind is held of, back to back in unit order.
   const std::vector<UnitPlacement>& placement() const { return placement_; }
   const Placement& placed(StateKind k, int u) const { return placement_[u].of(k); }
+  // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
+  bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
+  bool any_on_disk(StateKind k) const;
   // Checks every placement against the mesh and the layout (throws std::logic_error) and lays out
   // each kind's buffer.
   void set_placement(std::vector<UnitPlacement> placement);
@@ -373,8 +411,40 @@ const char* to_string(StateIndex s);
 // state, splits grad_norm and optimizer into one task per unit, and adds the copy stream's reload
 // (before each use, up to `prefetch` using tasks ahead) and write_back (after a use that changed
 // the state) tasks. A use within prefetch + 1 using tasks of the last keeps the window in memory.
+// With config.offload.activations, each block's saved activations a forward keeps for the
+// backward (not what a recompute rebuilds) are written back by the copy stream after the forward
+// and freed, and reloaded (into the same buffer id) `prefetch` consumers ahead of the recompute or
+// backward reading them first; the last prefetch + 1 blocks' stay in memory (their reload would
+// come at once). Their allocations and frees, like windows', follow the compute stream.
 // Throws std::invalid_argument naming --offload for a plan it cannot offload yet.
 void offload_pass(Plan& plan, const model::ModelDesc& desc);
+
+// The pipeline pass (plan/pipeline.cc): with config.pipeline_optimizer set, replaces the step's
+// grad_norm and optimizer tasks by, per unit and as soon as the unit's gradients are final, its
+// sum of squares and a speculative AdamW update (no clipping) on an "optimizer" stream, which
+// first copies the unit's parameters and moments into a rollback buffer; an optimizer_commit task
+// where the optimizer task was then keeps the updates (the norm did not clip, everything finite),
+// redoes them from the copies with the clipped gradients, or restores the copies (a skipped step).
+// Either way the step's result is bitwise the unpipelined one. With config.offload set only the
+// sums of squares move (the updates stay after the norm, split per unit by the offload pass).
+void pipeline_pass(Plan& plan, const model::ModelDesc& desc);
+
+// The run-long state a task reads or writes in place (not through a per-task buffer).
+struct StateTouch {
+  StateIndex state;
+  int unit;
+  bool write;
+};
+std::vector<StateTouch> state_touches(const Plan& plan, const model::ModelDesc& desc, const Task& t);
+
+// --memory-budget BYTES: "8GB" (10^9), "512MiB" (2^20), "4096" (bytes); K/M/G/T with B or iB.
+// Throws std::invalid_argument naming --memory-budget for anything else or a value <= 0.
+int64_t parse_memory_budget(const std::string& text);
+
+// The placement pass (plan/budget.cc): build_plan's answer for a config with memory_budget set and
+// no per-unit choice yet. Throws std::invalid_argument naming --memory-budget when even every
+// unit's state on disk does not fit (with the smallest peak reachable).
+Plan place_for_budget(const model::ModelDesc& desc, PlanConfig config);
 
 // Builds one rank's plan of a training step (or, with Mode::loss / logits, of a forward pass
 // with the same state layout). With one rank every strategy becomes DDP's plan without

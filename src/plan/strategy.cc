@@ -990,7 +990,10 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
     throw std::invalid_argument("ep (--ep): " + std::to_string(c.ep) + " does not divide the number of experts " +
                                 std::to_string(desc.config.n_experts));
   if (c.cp > 1) check_context_split(desc, c);
+  if (c.memory_budget < 0) throw std::invalid_argument("memory budget (--memory-budget): must be > 0, got " + std::to_string(c.memory_budget));
+  if (c.memory_budget > 0 && c.offload.units.empty()) return place_for_budget(desc, c);
   Plan plan = Builder(desc, c).build();
+  pipeline_pass(plan, desc);
   offload_pass(plan, desc);
   return plan;
 }

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "model/model.h"
+#include "tensor/disk_store.h"
 #include "tensor/memory.h"
 
 namespace shardlm::run {
@@ -292,6 +293,50 @@ void undo_time_slicing(json& rows, int ranks) {
 }
 }  // namespace
 
+namespace {
+
+// The disk under `dir` as the disk tier uses it: one 64 MiB file through DiskStore (io_uring and
+// O_DIRECT where the kernel and filesystem allow), written and read in 4 MiB transfers (best of
+// three passes), and 256 single 4 KiB reads at scattered offsets for a request's latency.
+struct DiskFigures {
+  double read_bw = 0, write_bw = 0, latency_s = 0;
+  std::string how;
+};
+DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int rank) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t file_bytes = int64_t{64} << 20, chunk = int64_t{4} << 20;
+  DiskFigures d;
+  DiskStore store(dir, {}, "calibrate-" + std::to_string(rank));
+  d.how = store.describe();
+  const int f = store.create("calibrate-" + std::to_string(rank) + ".bin", file_bytes);
+  Buffer buf = k.alloc(MemCategory::staging, chunk, Buffer::Fill::zero);
+  auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  double best_w = 1e30, best_r = 1e30;
+  for (int pass = 0; pass < 3; ++pass) {
+    auto t0 = Clock::now();
+    for (int64_t at = 0; at < file_bytes; at += chunk) store.write(f, at, buf.data(), chunk);
+    best_w = std::min(best_w, secs(t0));
+    t0 = Clock::now();
+    for (int64_t at = 0; at < file_bytes; at += chunk) store.read(f, at, buf.data(), chunk);
+    best_r = std::min(best_r, secs(t0));
+  }
+  const int n = 256;
+  std::vector<double> one;
+  for (int i = 0; i < n; ++i) {
+    const int64_t at = (static_cast<int64_t>(i) * 7919 % (file_bytes / kDiskAlign)) * kDiskAlign;
+    const auto t0 = Clock::now();
+    store.read(f, at, buf.data(), kDiskAlign);
+    one.push_back(secs(t0));
+  }
+  std::sort(one.begin(), one.end());
+  d.write_bw = static_cast<double>(file_bytes) / best_w;
+  d.read_bw = static_cast<double>(file_bytes) / best_r;
+  d.latency_s = one[one.size() / 2];
+  return d;
+}
+
+}  // namespace
+
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
   check_calibrate_options(o);
   k.init_compute(o.threads);
@@ -405,6 +450,13 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     j["attention_rates"] = {{"value", attention},
                             {"source", here + ": the first block's causal attention of " + models +
                                            " at B=4, T=256, FLOP/s per rank (2·B·T·T·C forward, twice that backward)"}};
+  }
+  if (!o.offload_dir.empty()) {  // every rank its own file, as each rank's copies run
+    const DiskFigures d = measure_disk(o.offload_dir, k, world.rank());
+    const std::string src = here + ": one 64 MiB file under " + o.offload_dir + " (" + d.how + ")";
+    j["disk_read_bw"] = fig(d.read_bw, src + ", 4 MiB reads, best of 3 passes");
+    j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
+    j["disk_latency_s"] = fig(d.latency_s, src + ", the median of 256 single 4 KiB reads");
   }
   return j.dump(2);
 }

@@ -42,6 +42,9 @@ struct CalibrateOptions {
   // Models whose weight GEMMs (at B = 4, T = 256) are timed into gemm_rates, at 1 thread and at
   // `threads`; empty: none.
   std::vector<std::string> gemm_models{"small", "llama-small"};
+  // Where the disk tier's files would go (--offload-dir): its direct-I/O read and write bandwidth
+  // and a 4 KiB read's latency are timed there (through DiskStore, as the run does); empty: not.
+  std::string offload_dir;
 };
 
 // Throws std::invalid_argument, one line naming --sizes-kib or --iters, for options the

@@ -120,7 +120,8 @@ struct Executor::Run {
   bool finiteness_known = false;  // norm_reduce has told every rank which ranks went non-finite
   std::vector<int64_t> moved;     // by task id: bytes an exchange sent to other ranks (-1: none)
   int64_t compute_micro = 0;      // the micro-step of the compute stream's task (its thread alone writes it)
-  bool update_decided = false;    // the first optimizer task has checked the norm and finiteness
+  bool update_decided = false;    // decide_update has taken the norm and finiteness
+  std::vector<double> unit_squares;  // this rank's squared-gradient sum per unit
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -143,34 +144,48 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
       backend_(backend),
       fault_skip_step_(faults.skip_collective.step_of(comms.world().rank())),
       fault_kill_step_(faults.kill.step_of(comms.world().rank())),
-      fault_nan_loss_step_(faults.nan_loss.step_of(comms.world().rank())) {
+      fault_nan_loss_step_(faults.nan_loss.step_of(comms.world().rank())),
+      fault_disk_read_step_(faults.disk_read.step_of(comms.world().rank())) {
   if (plan.config.activation_bytes != 4)
     throw std::invalid_argument("executor: layers keep fp32 activations; the plan prices " +
                                 std::to_string(plan.config.activation_bytes) + "-byte ones (a simulator's plan)");
   rank_ = comms.world().rank();
   check_placement();
   if (!backend_.host_memory()) check_device_run(plan);
+  const int U = static_cast<int>(desc_.units.size());
+  for (int si = 0; si < plan::kNumStateBuffers; ++si) {
+    const StateKind k = plan::kind_of(StateIndex(si));
+    ram_at_[si].assign(1, 0);
+    for (int u = 0; u < U; ++u) ram_at_[si].push_back(ram_at_[si].back() + (plan.on_disk(k, u) ? 0 : plan.held_elems(k, u)));
+  }
   auto state = [&](MemCategory c, StateKind k) {
-    const int64_t n = plan.held_total(k);
-    const bool disk = plan.config.offload.kinds[static_cast<int>(k)];
-    return n == 0 || disk ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
+    const int64_t n = ram_at_[static_cast<int>(k == StateKind::optimizer ? StateIndex::exp_avg : StateIndex(static_cast<int>(k)))].back();
+    return n == 0 ? Buffer() : backend_.alloc(c, sizeof(float) * n, Buffer::Fill::zero);
   };
-  if (plan.config.offload.any()) {
+  if (plan.any_on_disk(StateKind::params) || plan.any_on_disk(StateKind::grads) || plan.any_on_disk(StateKind::optimizer) ||
+      plan.config.offload.activations) {
     if (!backend_.host_memory())
       throw std::invalid_argument(std::string("--offload: the disk tier runs on a host-memory backend only, not yet on ") +
                                   backend_.name());
     if (offload.dir.empty()) throw std::invalid_argument("--offload: the plan keeps state on disk but no --offload-dir was given");
     char rank[16];
     std::snprintf(rank, sizeof rank, "rank-%05d.", rank_);
-    disk_ = std::make_unique<DiskStore>(offload.dir, offload.io, std::string(rank, 10));  // "rank-0000R" 
+    DiskStoreOptions io = offload.io;
+    if (fault_disk_read_step_ >= 0 && !io.read_fault)  // the test fault: this rank's first read in that step
+      io.read_fault = [this](const std::string&, int64_t, int64_t) {
+        return running_step_.load() == fault_disk_read_step_ && !disk_read_failed_.exchange(true);
+      };
+    disk_ = std::make_unique<DiskStore>(offload.dir, io, std::string(rank, 10));  // "rank-0000R" 
     for (int si = 0; si < plan::kNumStateBuffers; ++si) {
       const StateKind k = plan::kind_of(StateIndex(si));
-      if (!plan.config.offload.kinds[static_cast<int>(k)] || plan.held_total(k) == 0) continue;
-      std::vector<int64_t>& at = file_at_[si];
+      if (!plan.any_on_disk(k)) continue;
+      std::vector<int64_t>& at = file_at_[si];  // a unit kept in memory takes no room in the file
       at.assign(1, 0);
-      for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) at.push_back(at.back() + disk_aligned(4 * plan.held_elems(k, u)));
+      for (int u = 0; u < U; ++u) at.push_back(at.back() + (plan.on_disk(k, u) ? disk_aligned(4 * plan.held_elems(k, u)) : 0));
       file_[si] = disk_->create(rank + std::string(plan::to_string(StateIndex(si))), at.back());
     }
+    // --offload activations: one slot per offloaded buffer of the step (scratch within a step).
+    if (plan.activation_file_bytes > 0) activation_file_ = disk_->create(rank + std::string("activations"), plan.activation_file_bytes);
   }
   params_ = state(MemCategory::params, StateKind::params);
   grads_ = state(MemCategory::grads, StateKind::grads);
@@ -262,10 +277,10 @@ float* Executor::unit_grads(int buffer, int u, Run& r) const {
 }
 
 bool Executor::on_disk(StateIndex s) const { return file_[static_cast<int>(s)] >= 0; }
+bool Executor::on_disk(StateIndex s, int u) const { return on_disk(s) && plan_.on_disk(plan::kind_of(s), u); }
 
 float* Executor::held(StateIndex s, int u, const Run* r) const {
-  const StateKind k = plan::kind_of(s);
-  if (!on_disk(s)) return state(static_cast<State>(s)).f32() + plan_.held_offset(k, u);
+  if (!on_disk(s, u)) return state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u];
   const int w = r ? r->plan.window(static_cast<int>(s), u) : -1;
   if (w < 0 || r->live[w].data() == nullptr)
     throw std::logic_error("executor: unit " + desc_.units[u].name + "'s " + plan::to_string(s) +
@@ -284,13 +299,24 @@ void Executor::disk_write(StateIndex s, int u, const void* src) {
 }
 
 // Through one window-sized bounce buffer: the file pads each unit to 4 KiB, the packed buffer does not.
-void Executor::disk_read_all(StateIndex s, float* packed) {
-  const StateKind k = plan::kind_of(s);
+// A window-sized buffer for the largest unit's part of state s (transfers are whole, aligned units).
+Buffer Executor::bounce_window(StateIndex s, Buffer::Fill fill) const {
   const auto& at = file_at_[static_cast<int>(s)];
   int64_t most = 0;
   for (size_t u = 0; u + 1 < at.size(); ++u) most = std::max(most, at[u + 1] - at[u]);
-  Buffer bounce = backend_.alloc(MemCategory::staging, most, Buffer::Fill::none);
+  return backend_.alloc(MemCategory::staging, most, fill);
+}
+
+void Executor::disk_read_all(StateIndex s, float* packed) {
+  const StateKind k = plan::kind_of(s);
+  const auto& at = file_at_[static_cast<int>(s)];
+  Buffer bounce = bounce_window(s, Buffer::Fill::none);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    if (!on_disk(s, u)) {  // kept in memory (a budget's placement may mix)
+      std::memcpy(packed + plan_.held_offset(k, u), state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u],
+                  4 * plan_.held_elems(k, u));
+      continue;
+    }
     if (at[u + 1] == at[u]) continue;
     disk_read(s, u, bounce.data());
     std::memcpy(packed + plan_.held_offset(k, u), bounce.data(), 4 * plan_.held_elems(k, u));
@@ -300,10 +326,13 @@ void Executor::disk_read_all(StateIndex s, float* packed) {
 void Executor::disk_write_all(StateIndex s, const float* packed) {
   const StateKind k = plan::kind_of(s);
   const auto& at = file_at_[static_cast<int>(s)];
-  int64_t most = 0;
-  for (size_t u = 0; u + 1 < at.size(); ++u) most = std::max(most, at[u + 1] - at[u]);
-  Buffer bounce = backend_.alloc(MemCategory::staging, most, Buffer::Fill::zero);
+  Buffer bounce = bounce_window(s, Buffer::Fill::zero);  // the padding past the unit's part is written too
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    if (!on_disk(s, u)) {
+      std::memcpy(const_cast<Buffer&>(state(static_cast<State>(s))).f32() + ram_at_[static_cast<int>(s)][u],
+                  packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
+      continue;
+    }
     if (at[u + 1] == at[u]) continue;
     std::memcpy(bounce.data(), packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
     disk_write(s, u, bounce.data());
@@ -359,6 +388,11 @@ void Executor::init_params(uint64_t seed) {
   if (on_disk(StateIndex::params)) {  // unit by unit through a window-sized buffer into the file
     for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
       const Shard s = shard_of(StateKind::params, u);
+      if (!on_disk(StateIndex::params, u)) {  // kept in memory (host memory: the disk tier's only backend)
+        layers::init_unit(desc_.units[u], seed, params_.f32() + ram_at_[static_cast<int>(StateIndex::params)][u], s.begin,
+                          std::min(s.begin + s.len, desc_.units[u].numel));
+        continue;
+      }
       const auto& at = file_at_[static_cast<int>(StateIndex::params)];
       Buffer window = backend_.alloc(MemCategory::staging, at[u + 1] - at[u], Buffer::Fill::zero);
       layers::init_unit(desc_.units[u], seed, window.f32(), s.begin, std::min(s.begin + s.len, desc_.units[u].numel));
@@ -539,17 +573,23 @@ void Executor::logits(const Task& t, Run& r) { unit_task(t, r); }
 void Executor::backward(const Task& t, Run& r) { unit_task(t, r); }
 
 // Gradients are either whole and identical on every rank (DDP, ZeRO-1) or sharded over the
-// shard axis (and identical across replicas): the sum of squares over what this rank holds, unit
-// by unit in unit order, whether one task covers every unit or (offloaded state) each unit has
-// its own, so the norm is bitwise the same either way.
+// shard axis (and identical across replicas): the sum of squares over what this rank holds. Each
+// unit's sum is kept apart and the class sums add them in unit order, whether one task covers
+// every unit or each unit has its own (offloaded state, the pipelined optimizer, in whatever order
+// the units' gradients become final), so the norm is bitwise the same every way.
 void Executor::grad_norm(const Task& t, Run& r) {
-  if (r.class_sums.size() != grad_classes_.size()) r.class_sums.assign(grad_classes_.size(), 0.0);
-  for (size_t k = 0; k < grad_classes_.size(); ++k)
-    for (int u : grad_classes_[k].units)
+  const int U = static_cast<int>(desc_.units.size());
+  if (r.unit_squares.empty()) r.unit_squares.assign(U, 0.0);
+  for (const auto& c : grad_classes_)
+    for (int u : c.units)
       if (t.unit < 0 || t.unit == u)
-        r.class_sums[k] += backend_.sum_squares(held(StateIndex::grads, u, &r), plan_.held_elems(StateKind::grads, u));
+        r.unit_squares[u] = backend_.sum_squares(held(StateIndex::grads, u, &r), plan_.held_elems(StateKind::grads, u));
+  r.class_sums.assign(grad_classes_.size(), 0.0);
   r.sum_squares = 0;
-  for (double v : r.class_sums) r.sum_squares += v;
+  for (size_t k = 0; k < grad_classes_.size(); ++k) {
+    for (int u : grad_classes_[k].units) r.class_sums[k] += r.unit_squares[u];
+    r.sum_squares += r.class_sums[k];
+  }
 }
 
 // Records a rank whose loss or squared-gradient sum is NaN or infinite.
@@ -558,35 +598,82 @@ void Executor::note_nonfinite(Run& r, int rank, double sum_squares, double loss_
   if (!std::isfinite(sum_squares)) r.result.nonfinite_grads.push_back(rank);
 }
 
-// Clips by the global norm and updates this rank's range of one unit (t.unit) or of all. The
-// first optimizer task of a step decides whether the update happens at all.
+// Once a step, before any update is kept: the global norm, and whether the update happens at all.
+void Executor::decide_update(Run& r) {
+  if (r.update_decided) return;
+  r.update_decided = true;
+  r.result.grad_norm = std::sqrt(r.sum_squares);
+  // One rank (no norm_reduce in the plan): its own values are the whole step's.
+  if (!r.finiteness_known) note_nonfinite(r, comms_.world().rank(), r.sum_squares, r.result.loss_sum);
+  // Nothing non-finite reaches the parameters or AdamW's moments.
+  r.result.update_skipped = r.result.nonfinite();
+}
+
+// Clips by the global norm and updates this rank's range of one unit (t.unit) or of all. A
+// speculative task (--pipeline-optimizer, t.io.rollback) runs before the norm is known: it keeps
+// the unit's state, then updates as if the norm did not clip; optimizer_commit settles it.
 void Executor::optimizer(const Task& t, Run& r) {
-  if (!r.update_decided) {
-    r.update_decided = true;
-    r.result.grad_norm = std::sqrt(r.sum_squares);
-    // One rank (no norm_reduce in the plan): its own values are the whole step's.
-    if (!r.finiteness_known) note_nonfinite(r, comms_.world().rank(), r.sum_squares, r.result.loss_sum);
-    // Nothing non-finite reaches the parameters or AdamW's moments.
-    r.result.update_skipped = r.result.nonfinite();
+  if (t.io.rollback >= 0) {
+    keep_state(t.unit, r.f32(t.io.rollback), r);
+    return adamw(t.unit, r);
   }
+  decide_update(r);
   if (r.result.update_skipped) return;
   if (t.unit >= 0) return unit_optimizer(t.unit, r);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) unit_optimizer(u, r);
 }
 
+// The speculative updates stand when the norm did not clip and the step is not skipped; else each
+// unit's kept state comes back, and (not skipped) the update runs again with clipped gradients.
+// Either way the state is what the unpipelined optimizer leaves, bit for bit.
+void Executor::optimizer_commit(const Task& t, Run& r) {
+  decide_update(r);
+  const float clip = r.in.grad_clip;
+  const bool clipped = clip > 0 && r.result.grad_norm > clip;
+  if (!r.result.update_skipped && !clipped) return;
+  for (int b : t.frees) {
+    const plan::BufferDesc& d = plan_.buffers[b];
+    if (d.role != plan::Role::rollback) continue;
+    restore_state(d.unit, r.f32(b), r);
+    if (!r.result.update_skipped) unit_optimizer(d.unit, r);
+  }
+}
+
+// A unit's kept state: its parameters' optimizer range, then both moments, each held_elems long.
+void Executor::keep_state(int u, float* copy, Run& r) {
+  const int64_t n = plan_.held_elems(StateKind::optimizer, u);
+  const Shard o = shard_of(StateKind::optimizer, u);
+  float* p = held(StateIndex::params, u, &r) + (o.begin - shard_of(StateKind::params, u).begin);
+  backend_.copy(copy, p, 4 * o.len);
+  backend_.copy(copy + n, held(StateIndex::exp_avg, u, &r), 4 * n);
+  backend_.copy(copy + 2 * n, held(StateIndex::exp_avg_sq, u, &r), 4 * n);
+}
+
+void Executor::restore_state(int u, const float* copy, Run& r) {
+  const int64_t n = plan_.held_elems(StateKind::optimizer, u);
+  const Shard o = shard_of(StateKind::optimizer, u);
+  float* p = held(StateIndex::params, u, &r) + (o.begin - shard_of(StateKind::params, u).begin);
+  backend_.copy(p, copy, 4 * o.len);
+  backend_.copy(held(StateIndex::exp_avg, u, &r), copy + n, 4 * n);
+  backend_.copy(held(StateIndex::exp_avg_sq, u, &r), copy + 2 * n, 4 * n);
+}
+
 // Clipping scales the unit's gradients in place (elementwise, so unit by unit is the same as the
 // whole buffer at once), then AdamW runs on each parameter's part of the range.
 void Executor::unit_optimizer(int u, Run& r) {
+  const float clip = r.in.grad_clip;
+  if (clip > 0 && r.result.grad_norm > clip)
+    backend_.scale(held(StateIndex::grads, u, &r), plan_.held_elems(StateKind::grads, u), static_cast<float>(clip / r.result.grad_norm));
+  adamw(u, r);
+}
+
+void Executor::adamw(int u, Run& r) {
   const Shard o = shard_of(StateKind::optimizer, u);
   if (o.parts == 0 || o.len == 0) return;
-  const float clip = r.in.grad_clip;
-  float* grads = held(StateIndex::grads, u, &r);
-  if (clip > 0 && r.result.grad_norm > clip)
-    backend_.scale(grads, plan_.held_elems(StateKind::grads, u), static_cast<float>(clip / r.result.grad_norm));
   const AdamW& opt = r.in.opt;
   const int64_t lo = o.begin, hi = o.begin + o.len;
   float* p = held(StateIndex::params, u, &r) + (lo - shard_of(StateKind::params, u).begin);
-  float* g = grads + (lo - shard_of(StateKind::grads, u).begin);
+  float* g = held(StateIndex::grads, u, &r) + (lo - shard_of(StateKind::grads, u).begin);
   float* m = held(StateIndex::exp_avg, u, &r);
   float* v = held(StateIndex::exp_avg_sq, u, &r);
   for (const auto& spec : desc_.units[u].params) {  // this shard's part of each parameter
@@ -607,8 +694,24 @@ StateIndex window_state(const plan::Plan& plan, const Task& t) {
 }
 }  // namespace
 
-void Executor::reload(const Task& t, Run& r) { disk_read(window_state(r.plan, t), t.unit, r.data(t.io.window)); }
-void Executor::write_back(const Task& t, Run& r) { disk_write(window_state(r.plan, t), t.unit, r.data(t.io.window)); }
+// Saved activations (a buffer with a disk_offset) go to their slot of the activations file.
+void Executor::reload(const Task& t, Run& r) {
+  const plan::BufferDesc& b = r.plan.buffers[t.io.window];
+  if (b.disk_offset >= 0) return disk_->read(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
+  disk_read(window_state(r.plan, t), t.unit, r.data(t.io.window));
+}
+void Executor::write_back(const Task& t, Run& r) {
+  const plan::BufferDesc& b = r.plan.buffers[t.io.window];
+  if (b.disk_offset >= 0) return disk_->write(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
+  disk_write(window_state(r.plan, t), t.unit, r.data(t.io.window));
+}
+int Executor::activation_file(const Run& r) const {
+  if (activation_file_ < 0 || r.plan.activation_file_bytes > plan_.activation_file_bytes)
+    throw std::logic_error("executor: a plan offloads activations past the activations file this executor made");
+  return activation_file_;
+}
+// Only its allocations and frees (the plan's): the compute stream's point where windows come and go.
+void Executor::window_sync(const Task&, Run&) {}
 
 // ---- communication handlers
 
@@ -895,6 +998,7 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
   r.live.resize(plan.buffers.size());
   r.moved.assign(plan.tasks.size(), -1);
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
+  running_step_ = step;
   const size_t n = plan.tasks.size();
   std::vector<int64_t> done(n, 0);  // runs finished, per task
   std::mutex mu;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -141,9 +142,10 @@ struct FaultPoint {
 
 // Test-only faults in a run's steps. skip_collective: that rank skips its first collective of
 // that step and stalls (the others must time out and name it); kill: it dies by SIGKILL at the
-// start of that step; nan_loss: its loss of that step is NaN (gradients stay finite).
+// start of that step; nan_loss: its loss of that step is NaN (gradients stay finite);
+// disk_read: its first read from its offload files in that step fails as an I/O error would.
 struct ExecutorFaults {
-  FaultPoint skip_collective, kill, nan_loss;
+  FaultPoint skip_collective, kill, nan_loss, disk_read;
 };
 
 // The disk tier (--offload): where this rank's files go and how they are written. Needed when the
@@ -226,14 +228,22 @@ class Executor {
   // window when the plan keeps it on disk (the window must be loaded: the plan's reload, or for
   // gradients the zero-filled window of their first use, comes before every use).
   float* held(plan::StateIndex s, int u, const Run* r) const;
+  // Whether any unit's state s is on disk (it has a file); whether unit u's is.
   bool on_disk(plan::StateIndex s) const;
+  bool on_disk(plan::StateIndex s, int u) const;
   // Unit u's part of state s between its file and `dst` / `src` (window-sized, 4 KiB aligned).
   void disk_read(plan::StateIndex s, int u, void* dst);
   void disk_write(plan::StateIndex s, int u, const void* src);
   // Every unit's part, packed as the resident buffer would be, through a bounce window.
+  Buffer bounce_window(plan::StateIndex s, Buffer::Fill fill) const;
   void disk_read_all(plan::StateIndex s, float* packed);
   void disk_write_all(plan::StateIndex s, const float* packed);
   void unit_optimizer(int u, Run& r);
+  void adamw(int u, Run& r);
+  // --pipeline-optimizer: unit u's parameters (its optimizer range) and moments to or from `copy`.
+  void keep_state(int u, float* copy, Run& r);
+  void restore_state(int u, const float* copy, Run& r);
+  void decide_update(Run& r);
   float* unit_params(int buffer, int u, Run& r) const;
   float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
@@ -255,6 +265,7 @@ class Executor {
   void backward(const plan::Task& t, Run& r);
   void grad_norm(const plan::Task& t, Run& r);
   void optimizer(const plan::Task& t, Run& r);
+  void optimizer_commit(const plan::Task& t, Run& r);
   void all_gather(const plan::Task& t, Run& r);
   void gather_bucket(const plan::Task& t, Run& r);
   void gather_rest(const plan::Task& t, Run& r);
@@ -270,6 +281,8 @@ class Executor {
   void exchange(const plan::Task& t, Run& r);
   void reload(const plan::Task& t, Run& r);
   void write_back(const plan::Task& t, Run& r);
+  int activation_file(const Run& r) const;  // the file of the saved activations' slots
+  void window_sync(const plan::Task& t, Run& r);
   void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
 
   const model::ModelDesc& desc_;
@@ -286,10 +299,18 @@ class Executor {
   std::array<int, plan::kNumStateBuffers> file_{-1, -1, -1, -1};
   std::array<std::vector<int64_t>, plan::kNumStateBuffers> file_at_;
   std::array<Buffer, plan::kNumStateBuffers> staged_;
+  // By StateIndex, per unit (U + 1 prefix sums): where its part starts in the resident buffer,
+  // which packs only the units kept in memory (the plan's held offsets when none is on disk).
+  std::array<std::vector<int64_t>, plan::kNumStateBuffers> ram_at_;
+  int activation_file_ = -1;  // --offload activations: the plan's slots (-1: none)
   std::vector<plan::GradClass> grad_classes_;  // plan_.grad_classes()
   std::chrono::steady_clock::time_point t0_;
   // This rank's steps of the ExecutorFaults it was built with (-1: none).
-  int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1;
+  int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1, fault_disk_read_step_ = -1;
+  // The step running now (read by the disk store's read_fault on the copy stream), and whether the
+  // disk_read fault has struck (once).
+  std::atomic<int64_t> running_step_{-1};
+  std::atomic<bool> disk_read_failed_{false};
   trace::RankTrace trace_;
   std::mutex trace_mu_;
 };

@@ -176,7 +176,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   rate_ = peak_ * hw.gemm_efficiency;
   attention_rate_ = peak_ * hw.attention_efficiency;
   for (const plan::Task& t : plan.tasks) {
-    if (t.stream == plan::kCompute) continue;
+    if (plan::info(t.op).stream == plan::OpStream::compute) continue;
     bool known = false;
     for (const auto& s : spans_) known = known || s.first == t.axes;
     if (!known) spans_.emplace_back(t.axes, span_of(plan.mesh, t.axes, hw.devices_per_node));
@@ -240,8 +240,16 @@ double CostModel::compute_seconds(const plan::Task& t) const {
     // The backward reads the forward's values and writes their gradients: about twice.
     case OpWork::unit_bwd: pointwise = t.unit >= 0 ? 2.0 * pointwise_[t.unit] : 0; break;
     // AdamW reads params, grads and both moments and writes params and moments.
-    case OpWork::adamw: bytes = 2.0 * (st.params + st.optimizer) + st.grads; break;
-    case OpWork::grads_pass: bytes = static_cast<double>(st.grads); break;
+    // One unit's task (the disk tier splits them per unit, and its state is in windows, not in
+    // the static figures): that unit's part of each.
+    case OpWork::adamw:
+      bytes = t.unit < 0 ? 2.0 * (st.params + st.optimizer) + st.grads
+                         : 4.0 * (2.0 * (plan_.held_elems(plan::StateKind::params, t.unit) + 2 * plan_.held_elems(plan::StateKind::optimizer, t.unit)) +
+                                  plan_.held_elems(plan::StateKind::grads, t.unit));
+      break;
+    case OpWork::grads_pass:
+      bytes = t.unit < 0 ? static_cast<double>(st.grads) : 4.0 * plan_.held_elems(plan::StateKind::grads, t.unit);
+      break;
     case OpWork::none: break;
   }
   // A unit's weight GEMMs and attention at their measured rates, when the profile has them.
@@ -279,6 +287,8 @@ double CostModel::compute_seconds(const plan::Task& t) const {
     pointwise *= share, gemm_flops *= share, gemm_s *= share, attention_flops *= share;
     if (!stage_load_[backward][t.unit].empty()) load = stage_load_[backward][t.unit][t.stage];
   }
+  // A speculative update's copy of the state it overwrites (--pipeline-optimizer): read and written once.
+  bytes += 2.0 * static_cast<double>(t.copy_bytes);
   // Gradient buffers start at zero: the task that allocates them writes each byte once.
   for (int b : t.allocs)
     if (plan_.buffers[b].role == plan::Role::full_grads) bytes += static_cast<double>(plan_.buffers[b].bytes);
@@ -294,9 +304,13 @@ double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool cros
 }
 
 double CostModel::seconds(const plan::Task& t) const {
-  if (t.stream == plan::kCompute) return compute_seconds(t);
-  // The disk tier's copies (--offload) are not priced yet: hardware profiles hold no disk figures.
-  if (plan::info(t.op).stream == plan::OpStream::copy) return 0;
+  if (plan::info(t.op).stream == plan::OpStream::compute) return compute_seconds(t);  // the optimizer stream's too
+  // The disk tier's copies (--offload): one request's latency and the bytes at the disk's rate on
+  // the copy stream (a profile without disk figures prices them at nothing).
+  if (plan::info(t.op).stream == plan::OpStream::copy) {
+    const double bw = t.op == Op::reload ? hw_.disk_read_bw : hw_.disk_write_bw;
+    return bw > 0 ? hw_.disk_latency_s + static_cast<double>(t.bytes) / bw : 0;
+  }
   const Collective c = collective_of(t.op);
   const GroupSpan g = span(t);
   // An exchange moves what the busiest rank of its group does (the model's figure at the expert

@@ -250,6 +250,13 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   if (j.contains("pointwise_bw")) h.pointwise_bw = figure(j, "pointwise_bw", "", origin);
   if (j.contains("storage_bw")) h.storage_bw = figure(j, "storage_bw", "", origin);
   if (j.contains("host_link_bw")) h.host_link_bw = figure(j, "host_link_bw", "", origin);
+  if (j.contains("disk_read_bw")) h.disk_read_bw = figure(j, "disk_read_bw", "", origin);
+  if (j.contains("disk_write_bw")) h.disk_write_bw = figure(j, "disk_write_bw", "", origin);
+  if (j.contains("disk_latency_s")) {
+    h.disk_latency_s = figure(j, "disk_latency_s", "", origin);
+    if (h.disk_latency_s > kMaxLatencySeconds)
+      throw bad(origin, "disk_latency_s.value", "must be at most " + std::to_string(kMaxLatencySeconds) + " s");
+  }
   const double dpn = figure(j, "devices_per_node", "", origin);
   if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");
   h.devices_per_node = static_cast<int>(dpn);

@@ -102,6 +102,13 @@ struct HardwareProfile {
   // an in-memory snapshot crosses (0: memory_bw, as on a CPU whose state is in host memory).
   double storage_bw = 0;
   double host_link_bw = 0;
+  // Optional, for the disk tier (--offload): one rank's direct-I/O reads and writes to its
+  // offload directory, bytes/s, and the fixed time of one reload or write-back (a request's
+  // latency). A copy task takes disk_latency_s + bytes / bandwidth on the copy stream. 0
+  // bandwidth: not given, copies cost nothing (as before the figures existed).
+  double disk_read_bw = 0;
+  double disk_write_bw = 0;
+  double disk_latency_s = 0;
   // CPU (per_thread) profiles, optional: cores the ranks of a node share. More compute threads
   // than cores (ranks on the node × --threads) time-slice them: each rank's compute slows by
   // that oversubscription. 0: not given, no slowdown.

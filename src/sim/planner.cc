@@ -1,14 +1,20 @@
 #include "sim/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <exception>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+
+#include "plan/mesh.h"
+#include "sim/cost.h"
 
 namespace shardlm::sim {
 
@@ -156,9 +162,30 @@ void parallel_for(size_t n, F work) {
 
 // What the search learnt of one configuration of its grid.
 struct Outcome {
-  enum class State { pending, refused, pruned, too_big, simulated } state = State::pending;
+  enum class State { pending, refused, pruned, bounded, too_big, simulated } state = State::pending;
   SimResult result;  // too_big: its memory only
 };
+
+void build_and_simulate(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, const PlanQuery& q,
+                        Outcome& o);
+
+// The grid's configurations by their place in the lattice (family, steps).
+using LatticeIndex = std::map<std::pair<std::vector<int>, std::vector<int>>, size_t>;
+
+// True when a configuration one step below i on some axis is known not to fit (too big, or pruned
+// for that): i needs at least as much memory, so it does not fit either.
+bool above_too_big(size_t i, const std::vector<Lattice>& at, const LatticeIndex& index, const std::vector<Outcome>& out) {
+  std::vector<int> below = at[i].steps;
+  for (int& v : below) {
+    if (v == 0) continue;
+    --v;
+    const auto it = index.find({at[i].family, below});
+    ++v;
+    if (it != index.end() && (out[it->second].state == Outcome::State::too_big || out[it->second].state == Outcome::State::pruned))
+      return true;
+  }
+  return false;
+}
 
 // Each configuration built and, where its peak fits the budget, simulated; with `prune`, one above
 // a configuration that does not fit (Lattice) is pruned, never built. Levels of the lattice in
@@ -167,46 +194,178 @@ std::vector<Outcome> evaluate(const model::ModelDesc& desc, const std::vector<Pl
                               const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q, bool prune) {
   using State = Outcome::State;
   std::vector<Outcome> out(grid.size());
-  std::map<std::pair<std::vector<int>, std::vector<int>>, size_t> index;
+  LatticeIndex index;
   int levels = 0;
   for (size_t i = 0; i < grid.size(); ++i) {
     index[{at[i].family, at[i].steps}] = i;
     levels = std::max(levels, at[i].level() + 1);
   }
-  auto above_too_big = [&](size_t i) {
-    std::vector<int> below = at[i].steps;
-    for (int& v : below) {
-      if (v == 0) continue;
-      --v;
-      const auto it = index.find({at[i].family, below});
-      ++v;
-      if (it != index.end() && (out[it->second].state == State::too_big || out[it->second].state == State::pruned)) return true;
-    }
-    return false;
-  };
+  std::vector<std::vector<size_t>> by_level(levels);  // one walk of the grid
+  for (size_t i = 0; i < grid.size(); ++i) by_level[at[i].level()].push_back(i);
   for (int level = 0; level < levels; ++level) {
     std::vector<size_t> now;
-    for (size_t i = 0; i < grid.size(); ++i) {
-      if (at[i].level() != level) continue;
-      if (prune && q.memory_budget > 0 && above_too_big(i)) out[i].state = State::pruned;
+    for (size_t i : by_level[level]) {
+      if (prune && q.memory_budget > 0 && above_too_big(i, at, index, out)) out[i].state = State::pruned;
       else now.push_back(i);
     }
-    parallel_for(now.size(), [&](size_t k) {
-      Outcome& o = out[now[k]];
+    parallel_for(now.size(), [&](size_t k) { build_and_simulate(desc, grid[now[k]], hw, q, out[now[k]]); });
+  }
+  return out;
+}
+
+// Builds and, where it fits, simulates grid[i] into out[i] (any thread).
+void build_and_simulate(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, const PlanQuery& q,
+                        Outcome& o) {
+  using State = Outcome::State;
+  try {
+    const plan::Plan p = plan::build_plan(desc, c);
+    o.result.mem = p.peak_memory();
+    if (q.memory_budget > 0 && o.result.mem.total > q.memory_budget) {
+      o.state = State::too_big;
+      return;
+    }
+    o.result = simulate(desc, p, hw, q.threads, q.expert_load);
+    o.result.times.clear(), o.result.runs.clear();  // the planner keeps thousands of results
+    o.state = State::simulated;
+  } catch (const std::invalid_argument&) {
+    o.state = State::refused;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+  }
+}
+
+}  // namespace
+
+std::vector<int> floor_class(const PlanConfig& c, const HardwareProfile& hw) {
+  // The strategy and shard group too: a unit's backward prices the gradient it accumulates into,
+  // which is the strategy's (whole, or a shard).
+  const int shard = c.strategy == Strategy::ddp ? 1 : c.strategy == Strategy::hybrid ? c.shard_group : c.world;
+  std::vector<int> key{static_cast<int>(c.strategy), shard, c.cp, static_cast<int>(c.cp_impl), c.ep,
+                       static_cast<int>(c.batch), static_cast<int>(c.grad_accum), static_cast<int>(c.recompute), c.world,
+                       c.activation_bytes};
+  // How the expert and context groups lie on the nodes (the exchanges' cost): the builder's mesh,
+  // replicas × ep × dp_shard × cp (ep and cp outside the replicas under DDP).
+  const bool ddp = c.strategy == Strategy::ddp;
+  std::vector<plan::MeshAxis> axes{{"r", c.world / shard / (ddp ? c.ep * c.cp : 1)}};
+  if (c.ep > 1) axes.push_back({"e", c.ep});
+  axes.push_back({"s", std::max(1, shard / (ddp ? 1 : c.ep * c.cp))});
+  if (c.cp > 1) axes.push_back({"c", c.cp});
+  try {
+    const plan::Mesh mesh(axes);
+    for (const char* a : {"e", "c"}) {
+      const int i = mesh.find(a);
+      const GroupSpan g = i < 0 ? GroupSpan{} : span_of(mesh, {i}, hw.devices_per_node);
+      key.insert(key.end(), {g.ranks, g.nodes, g.per_node});
+    }
+  } catch (const std::invalid_argument&) {
+    key.push_back(-1);  // a mesh the builder refuses too
+  }
+  return key;
+}
+
+namespace {
+
+// The pruned search with branch and bound (PlanQuery::top): configurations sharing their compute
+// and exchanges form a class whose step_floor_ms (one plan of it built) no member's step time is
+// below. Classes in order of their floor, each's lattice levels in turn as `evaluate` does; a
+// class whose floor is above both the top-th fastest distinct prediction simulated so far and the
+// third fastest sharded configuration without units kept (those keep_greedily refines) holds no
+// configuration that could enter either, so it and every class after it is bounded, unbuilt.
+std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
+                                      const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q,
+                                      int64_t* classes) {
+  using State = Outcome::State;
+  std::vector<Outcome> out(grid.size());
+  LatticeIndex index;
+  for (size_t i = 0; i < grid.size(); ++i) index[{at[i].family, at[i].steps}] = i;
+  auto too_big_below = [&](size_t i) { return q.memory_budget > 0 && above_too_big(i, at, index, out); };
+  // The classes, members in grid order.
+  std::map<std::vector<int>, size_t> class_of;
+  std::vector<std::vector<size_t>> members;
+  for (size_t i = 0; i < grid.size(); ++i) {
+    const auto [it, fresh] = class_of.emplace(floor_class(grid[i], hw), members.size());
+    if (fresh) members.emplace_back();
+    members[it->second].push_back(i);
+  }
+  *classes += static_cast<int64_t>(members.size());
+  // Each class's floor from its first member the builder takes (none: NaN, every member refused),
+  // whose plan, built, is also measured and, where it fits, simulated: it is done with.
+  std::vector<double> floor(members.size(), std::numeric_limits<double>::quiet_NaN());
+  parallel_for(members.size(), [&](size_t k) {
+    for (size_t i : members[k]) {
+      Outcome& o = out[i];
       try {
-        const plan::Plan p = plan::build_plan(desc, grid[now[k]]);
+        const plan::Plan p = plan::build_plan(desc, grid[i]);
+        floor[k] = step_floor_ms(desc, p, hw, q.threads, q.expert_load);
         o.result.mem = p.peak_memory();
         if (q.memory_budget > 0 && o.result.mem.total > q.memory_budget) {
           o.state = State::too_big;
           return;
         }
         o.result = simulate(desc, p, hw, q.threads, q.expert_load);
-        o.result.times.clear(), o.result.runs.clear();  // the planner keeps thousands of results
+        o.result.times.clear(), o.result.runs.clear();
         o.state = State::simulated;
+        return;
       } catch (const std::invalid_argument&) {
-        o.state = State::refused;  // a combination the builder refuses (e.g. prefetch beyond the gathers in flight)
+        o.state = State::refused;
       }
-    });
+    }
+  });
+  std::vector<size_t> order(members.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::vector<size_t> ordered;
+  for (size_t k : order) {
+    if (!std::isnan(floor[k])) {
+      ordered.push_back(k);
+      continue;
+    }
+    for (size_t i : members[k]) out[i].state = State::refused;  // each tried above
+  }
+  order = std::move(ordered);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return floor[a] < floor[b]; });
+  // The bars: the top-th fastest distinct (step, memory) prediction, and the third fastest sharded
+  // configuration without units kept (counting alike ones, as keep_greedily's pick does).
+  const auto inf = std::numeric_limits<double>::infinity();
+  std::set<std::pair<double, int64_t>> best;
+  std::multiset<double> sharded;
+  auto note = [&](size_t i) {
+    const SimResult& r = out[i].result;
+    best.insert({r.step_ms, r.mem.total});
+    if (best.size() > static_cast<size_t>(q.top)) best.erase(std::prev(best.end()));
+    const PlanConfig& c = grid[i];
+    if ((c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid) && c.keep_gathered.empty()) {
+      sharded.insert(r.step_ms);
+      if (sharded.size() > 3) sharded.erase(std::prev(sharded.end()));
+    }
+  };
+  auto bar = [&] {
+    const double top = best.size() < static_cast<size_t>(q.top) ? inf : std::prev(best.end())->first;
+    const double refine = sharded.size() < 3 ? inf : *std::prev(sharded.end());
+    return std::max(top, refine);
+  };
+  for (size_t i = 0; i < grid.size(); ++i)
+    if (out[i].state == State::simulated) note(i);
+  for (size_t k : order) {
+    if (floor[k] > bar()) {
+      for (size_t i : members[k])
+        if (out[i].state == State::pending) out[i].state = State::bounded;
+      continue;
+    }
+    int levels = 0;
+    for (size_t i : members[k]) levels = std::max(levels, at[i].level() + 1);
+    std::vector<std::vector<size_t>> by_level(levels);
+    for (size_t i : members[k]) by_level[at[i].level()].push_back(i);
+    for (const std::vector<size_t>& level : by_level) {
+      const bool bounded = floor[k] > bar();  // the bar falls as the class goes on
+      std::vector<size_t> now;
+      for (size_t i : level) {
+        if (out[i].state != State::pending) continue;  // the class's first, built for its floor
+        if (bounded) out[i].state = State::bounded;
+        else if (too_big_below(i)) out[i].state = State::pruned;
+        else now.push_back(i);
+      }
+      parallel_for(now.size(), [&](size_t j) { build_and_simulate(desc, grid[now[j]], hw, q, out[now[j]]); });
+      for (size_t i : now)
+        if (out[i].state == State::simulated) note(i);
+    }
   }
   return out;
 }
@@ -311,12 +470,14 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
         each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps,
                     [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
     }
-    const std::vector<Outcome> outcomes = evaluate(desc, grid, at, hw, q, !q.exhaustive);
+    const std::vector<Outcome> outcomes =
+        q.top > 0 && !q.exhaustive ? evaluate_bounded(desc, grid, at, hw, q, &out.classes) : evaluate(desc, grid, at, hw, q, !q.exhaustive);
     out.considered += static_cast<int64_t>(grid.size());
     for (size_t i = 0; i < grid.size(); ++i) {
       using State = Outcome::State;
       const Outcome& o = outcomes[i];
       out.pruned += o.state == State::pruned;
+      out.bounded += o.state == State::bounded;
       out.invalid += o.state == State::refused;
       out.built += o.state == State::too_big || o.state == State::simulated;
       out.simulated += o.state == State::simulated;
@@ -327,15 +488,20 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       if (o.state == State::simulated) out.fitting.push_back(std::move(k));
     }
   };
-  search({{1, model::ContextImpl::ring}});
-  // Context parallelism is for sequences too long for a rank's memory: where nothing fits, every
-  // cp (powers of two dividing the ranks) in both forms, as the builder accepts them.
-  if (out.fitting.empty() && q.memory_budget > 0) {
-    std::vector<std::pair<int, model::ContextImpl>> cps;
-    for (int cp = 2; cp <= q.ranks && cp <= kMaxContextSearch; cp *= 2)
-      if (q.ranks % cp == 0)
-        for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) cps.push_back({cp, impl});
+  // Context parallelism: every cp (powers of two dividing the ranks) in both forms, as the
+  // builder accepts them, beside cp 1. It shares a sequence's activations over cp ranks, so it
+  // buys memory (less recompute, larger micro-batches) for its exchanges.
+  // With PlanQuery::context_always they are searched beside cp 1; else only where nothing fits.
+  std::vector<std::pair<int, model::ContextImpl>> cps;
+  for (int cp = 2; cp <= q.ranks && cp <= kMaxContextSearch; cp *= 2)
+    if (q.ranks % cp == 0)
+      for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) cps.push_back({cp, impl});
+  if (q.context_always) {
+    cps.insert(cps.begin(), {1, model::ContextImpl::ring});
     search(cps);
+  } else {
+    search({{1, model::ContextImpl::ring}});
+    if (out.fitting.empty() && q.memory_budget > 0) search(cps);
   }
   rank(out.fitting);
   // Selective unsharding, unit by unit, on the fastest few sharded configurations.

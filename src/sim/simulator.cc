@@ -58,7 +58,10 @@ plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
 namespace {
 
 // The discrete-event simulation of one step whose repeated micro-step runs `times` times.
-SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareProfile& hw, int64_t times) {
+// `fixed` (step_floor_ms): each task's seconds instead of the cost model's, compute at full speed
+// beside collectives.
+SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareProfile& hw, int64_t times,
+                        const std::vector<double>* fixed = nullptr) {
   Plan shape_only;  // the walk reads the plan's streams, tasks and repeat only
   const Plan* p = &plan;
   if (times != plan.repeat.times) {
@@ -79,6 +82,9 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   std::vector<double> remaining(S, 0);  // seconds of work left at full speed
   std::vector<double> free_since(S, 0), started(S, 0);
   std::vector<double> busy(S, 0);
+  std::vector<char> side_stream(S, 0);  // a stream other than compute running compute ops
+  for (const Task& t : plan.tasks) side_stream[t.stream] = t.stream != plan::kCompute && plan::info(t.op).stream == plan::OpStream::compute;
+  auto computes = [&](int s) { return side_stream[s] != 0; };
   MemoryWalk mem(plan);
   double now = 0;
 
@@ -90,14 +96,14 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
     }
     return true;
   };
-  // Whether the dependency that finished last (the one a waiting task waited for) is an exchange.
-  auto last_dep_is_exchange = [&](const Task& t) {
+  // The dependency that finished last (the one a waiting task waited for), -1 if none.
+  auto last_dep = [&](const Task& t) {
     int last = -1;
     for (int d : t.deps) {
       const int w = p->wait_for(t, walk[plan::kCompute].run(), d).task;
       if (last < 0 || r.times[w].end_s > r.times[last].end_s) last = w;
     }
-    return last >= 0 && plan.tasks[last].op == plan::Op::exchange;
+    return last;
   };
   auto all_done = [&] {
     for (int s = 0; s < S; ++s)
@@ -111,17 +117,28 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
       const int t = walk[s].task();
       if (s == plan::kCompute && now > free_since[s]) {
         r.comm_exposed_ms += (now - free_since[s]) * 1e3;  // as the executor's wait_deps
-        if (last_dep_is_exchange(plan.tasks[t])) r.exchange_exposed_ms += (now - free_since[s]) * 1e3;
+        const int last = last_dep(plan.tasks[t]);
+        const plan::OpStream kind = last >= 0 ? plan::info(plan.tasks[last].op).stream : plan::OpStream::compute;
+        if (kind == plan::OpStream::exchange) r.exchange_exposed_ms += (now - free_since[s]) * 1e3;
+        if (kind == plan::OpStream::copy) r.disk_exposed_ms += (now - free_since[s]) * 1e3;
       }
       running[s] = t;
-      remaining[s] = cost.seconds(plan.tasks[t]);
+      remaining[s] = fixed ? (*fixed)[t] : cost.seconds(plan.tasks[t]);
       started[s] = now;
       mem.alloc(plan.tasks[t].allocs);
     }
-    bool comm_running = false;
-    for (int s = 0; s < S; ++s) comm_running |= s != plan::kCompute && running[s] >= 0;
-    // Compute shares the machine with a running collective (NCCL's SMs, a CPU core).
-    auto rate = [&](int s) { return s == plan::kCompute && comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0; };
+    bool comm_running = false, side_compute = false;
+    for (int s = 1; s < S; ++s)
+      if (running[s] >= 0) (computes(s) ? side_compute : comm_running) = true;
+    // Compute shares the machine with a running collective (NCCL's SMs, a CPU core), and halves it
+    // with compute work on another stream (the pipelined optimizer's updates). A floor (`fixed`)
+    // runs everything at full speed.
+    const bool main_running = running[plan::kCompute] >= 0;
+    auto rate = [&](int s) {
+      if (fixed) return 1.0;
+      if (s == plan::kCompute) return (comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0) * (side_compute ? 0.5 : 1.0);
+      return computes(s) && main_running ? 0.5 : 1.0;
+    };
     double dt = std::numeric_limits<double>::infinity();
     for (int s = 0; s < S; ++s)
       if (running[s] >= 0) dt = std::min(dt, remaining[s] / rate(s));
@@ -145,9 +162,10 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   }
   r.step_ms = now * 1e3;
   r.compute_busy_ms = busy[plan::kCompute] * 1e3;
-  for (int s = 1; s < S; ++s) r.comm_busy_ms += busy[s] * 1e3;
+  for (int s = 1; s < S; ++s) (computes(s) ? r.optimizer_busy_ms : r.comm_busy_ms) += busy[s] * 1e3;
   for (int s = 1; s < S; ++s)
     if (plan.streams[s] == "exchange") r.exchange_busy_ms += busy[s] * 1e3;
+    else if (plan.streams[s] == "copy") r.disk_busy_ms += busy[s] * 1e3;
   r.timeline_peak = mem.peak;
   return r;
 }
@@ -162,6 +180,9 @@ void extend_runs(SimResult& at, const SimResult& before, const Plan& plan, int64
   at.comm_busy_ms += static_cast<double>(more) * (at.comm_busy_ms - before.comm_busy_ms);
   at.exchange_busy_ms += static_cast<double>(more) * (at.exchange_busy_ms - before.exchange_busy_ms);
   at.exchange_exposed_ms += static_cast<double>(more) * (at.exchange_exposed_ms - before.exchange_exposed_ms);
+  at.disk_busy_ms += static_cast<double>(more) * (at.disk_busy_ms - before.disk_busy_ms);
+  at.disk_exposed_ms += static_cast<double>(more) * (at.disk_exposed_ms - before.disk_exposed_ms);
+  at.optimizer_busy_ms += static_cast<double>(more) * (at.optimizer_busy_ms - before.optimizer_busy_ms);
   auto shift = [&](int task, TaskTime& t) {
     if (plan.tasks[task].micro <= plan.repeat.micro) return;
     t.start_s += extra_ms / 1e3, t.end_s += extra_ms / 1e3;
@@ -190,6 +211,40 @@ SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const Hardwar
   r.mem = plan.peak_memory();
   r.mem_max = plan.max_memory();
   return r;
+}
+
+double step_floor_ms(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads,
+                     double expert_load) {
+  const CostModel cost(desc, plan, hw, threads, expert_load);
+  // Kept: the units' compute (forward, backward, rebuild) and the exchanges (all-to-all, ring
+  // steps); every other task (collectives of state, casts, the optimizer, copies) takes no time.
+  // The others also lose their waits, and the kept ones their waits on them: what is left, the
+  // kept tasks in stream order and their waits on one another, is the same in every plan of those
+  // units' compute and exchanges, whatever collectives of state surround them.
+  Plan kept;
+  kept.streams = plan.streams, kept.tasks = plan.tasks, kept.repeat = plan.repeat;
+  std::vector<double> fixed(plan.tasks.size(), 0);
+  std::vector<char> keep(plan.tasks.size(), 0);
+  double compute = 0;  // the kept compute of the whole step, every run of a repeated task counted
+  for (const plan::Task& t : plan.tasks) {
+    const plan::OpWork w = plan::info(t.op).work;
+    const bool unit_work = t.stream == plan::kCompute && (w == plan::OpWork::unit_fwd || w == plan::OpWork::unit_bwd ||
+                                                          w == plan::OpWork::unit_fwd_bwd || w == plan::OpWork::unit_rebuild);
+    keep[t.id] = unit_work || t.op == plan::Op::exchange;
+    if (keep[t.id]) fixed[t.id] = cost.seconds(t);
+    if (unit_work) compute += fixed[t.id] * static_cast<double>(plan.runs(t));
+  }
+  for (plan::Task& t : kept.tasks) {
+    t.allocs.clear(), t.frees.clear(), t.hands_off.clear();
+    if (!keep[t.id]) t.deps.clear();
+    std::erase_if(t.deps, [&](int d) { return !keep[d]; });
+  }
+  // Each stream runs its tasks in order, each when the tasks it waits on are done: with fewer
+  // waits and every task no longer than the simulator's (full speed; it slows compute beside
+  // collectives), no task starts or ends later than there, so the makespan of the runs simulated
+  // is no more than the step's (more runs only add time). The compute stream alone needs `compute`.
+  const SimResult r = simulate_runs(cost, kept, hw, std::min(plan.repeat.times, kSimulatedRuns), &fixed);
+  return std::max(r.step_ms, compute * 1e3);
 }
 
 trace::RankTrace to_trace(const model::ModelDesc& desc, const Plan& plan, const SimResult& r, int64_t step) {

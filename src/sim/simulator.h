@@ -37,6 +37,13 @@ struct SimResult {
   // and the part of comm_exposed_ms the compute stream waited with an exchange the last task it
   // waited for.
   double exchange_busy_ms = 0, exchange_exposed_ms = 0;
+  // The disk tier's copy stream (--offload): time it ran reloads and write-backs (part of
+  // comm_busy_ms), and the part of comm_exposed_ms the compute stream waited with a copy the last
+  // task it waited for.
+  double disk_busy_ms = 0, disk_exposed_ms = 0;
+  // --pipeline-optimizer: time the optimizer stream's updates ran (not part of comm_busy_ms); while
+  // they run beside the compute stream the two share the device, each at half its rate.
+  double optimizer_busy_ms = 0;
   MemSnapshot mem;      // the plan's snapshot at its highest total (Plan::peak_memory)
   MemSnapshot mem_max;  // each category's own highest (Plan::max_memory)
   MemSnapshot timeline_peak;  // the highest total over the simulated timeline's buffers
@@ -59,6 +66,14 @@ plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
 // busiest expert's routed rows over the mean (CostModel; 1: balanced routing).
 SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
                    double expert_load = 1);
+
+// A lower bound on simulate(desc, plan, hw, threads, expert_load).step_ms from the plan's unit
+// compute and its exchanges alone (the planner's branch and bound): the same walk with every
+// other task taking no time and compute at full speed, and no less than the compute stream's own
+// work. Configurations that share their compute and exchanges (model, sequences, micro-batch,
+// recompute, ep, cp and how their groups lie on nodes, strategy: floor_class) share it; Planner.StepFloor... holds both.
+double step_floor_ms(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
+                     double expert_load = 1);
 
 // The simulated rank as a trace: the same slices (task names, streams) and memory counters a
 // real run records, for step `step`.

@@ -139,6 +139,8 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
     throw std::logic_error("disk store: " + f.path + ": a direct transfer that is not 4 KiB aligned");
   if (bytes == 0) return;
   check_file(is_write, f, offset, bytes);
+  if (!is_write && options_.read_fault && options_.read_fault(f.path, offset, bytes))
+    throw fail(f.path, "read failed: " + errno_text(EIO));
   if (ring_) transfer_uring(is_write, f, offset, static_cast<char*>(buf), bytes);
   else transfer_plain(is_write, f, offset, static_cast<char*>(buf), bytes);
   (is_write ? written_ : read_) += bytes;

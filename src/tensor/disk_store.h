@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,6 +29,9 @@ inline int64_t disk_aligned(int64_t bytes) { return (bytes + kDiskAlign - 1) / k
 struct DiskStoreOptions {
   bool try_uring = true;   // false: pread/pwrite only
   bool try_direct = true;  // false: buffered files only
+  // Test seam (faults enter as data, never from the environment): asked before each read of
+  // `bytes` at `offset` of a file; true makes that read fail as a disk's I/O error (EIO) would.
+  std::function<bool(const std::string& path, int64_t offset, int64_t bytes)> read_fault;
 };
 
 class DiskStore {

@@ -142,7 +142,9 @@ Settings rank_settings(const TrainConfig& c) {
       {"gather-bucket-mb", s(c.gather_bucket_mb)},
       // Every rank's plan places the same state on disk (the directory may differ: a node's own disk).
       {"offload", c.offload},
+      {"memory-budget", c.memory_budget},
       {"offload-prefetch", s(c.offload_prefetch)},
+      {"pipeline-optimizer", c.pipeline_optimizer ? "on" : "off"},
       {"param-dtype", c.param_dtype},
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "ckpt/hf_config.h"
+#include "plan/plan.h"
 
 namespace shardlm::train {
 
@@ -187,8 +188,9 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cuda" && (c.ep > 1 || c.cp > 1))
     throw std::invalid_argument("--device cuda: --ep and --cp are not supported yet (no CUDA kernels for experts or sequence chunks)");
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
-  if (c.offload != "none" && c.snapshot_every > 0)
+  if (c.offload != "none" && c.offload != "activations" && c.snapshot_every > 0)
     throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");
+  if (!c.memory_budget.empty()) plan::parse_memory_budget(c.memory_budget);  // throws naming --memory-budget
   if (c.offload_prefetch < 0) throw std::invalid_argument("offload-prefetch: must be >= 0, got " + std::to_string(c.offload_prefetch));
   if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
     throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
@@ -204,6 +206,8 @@ void check_distribution(const TrainConfig& c) {
   if (c.act_quant_rounding != "nearest" && c.act_quant_rounding != "stochastic")
     throw std::invalid_argument("act_quant_rounding (--act-quant-rounding): unknown '" + c.act_quant_rounding +
                                 "' (expected nearest or stochastic)");
+  if (c.device == "cuda" && c.pipeline_optimizer)
+    throw std::invalid_argument("--device cuda: --pipeline-optimizer is not supported yet (the optimizer stream runs host kernels)");
   if (c.device == "cuda" && c.act_quant != "none")
     throw std::invalid_argument("--device cuda: --act-quant int8 is not supported yet (no CUDA quantize kernels)");
 }

@@ -99,6 +99,12 @@ struct TrainConfig {
   std::string offload = "none";
   std::string offload_dir;
   int offload_prefetch = 2;
+  // AdamW per unit as soon as its gradients are final, speculatively (plan/pipeline.cc).
+  bool pipeline_optimizer = false;
+  // --memory-budget: per-rank bytes ("8GB", "512MiB", "4096") the plan's accounted peak must stay
+  // within; the placement pass puts units' params, grads and optimizer state on disk until it
+  // does (activations stay in memory). Empty: no budget.
+  std::string memory_budget;
   std::string param_dtype = "fp32", reduce_dtype = "fp32";
   // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.
   std::string compute_dtype = "auto";

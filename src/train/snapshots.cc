@@ -1,5 +1,7 @@
 #include "train/snapshots.h"
 
+#include <stdexcept>
+
 #include <fmt/format.h>
 
 #include "ckpt/hf_config.h"
@@ -38,9 +40,19 @@ std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg,
 
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
   if (cfg.snapshot_every <= 0) return plan;
+  for (plan::StateKind k : {plan::StateKind::params, plan::StateKind::grads, plan::StateKind::optimizer})
+    if (plan.any_on_disk(k))  // only a budget gets here: config validation refuses --offload with snapshots
+      throw std::invalid_argument("--memory-budget " + cfg.memory_budget +
+                                  " with --snapshot-every: the budget puts state on disk, and in-memory snapshots of "
+                                  "offloaded state are not supported yet");
   const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity, cfg.ranks_on_machine};
   plan.static_memory.snapshot =
       ckpt::snapshot_bytes_most(scheme, plan.static_memory.params + plan.static_memory.optimizer);
+  // The placement pass measured the plan without snapshots (it leaves their memory to train/).
+  if (plan.config.memory_budget > 0 && plan.peak_memory().total > plan.config.memory_budget)
+    throw std::invalid_argument("--memory-budget " + cfg.memory_budget + " with --snapshot-every: the snapshots' " +
+                                std::to_string(plan.static_memory.snapshot) + " bytes take the peak to " +
+                                std::to_string(plan.peak_memory().total) + " bytes, over the budget");
   return plan;
 }
 

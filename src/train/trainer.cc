@@ -144,7 +144,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
     }
   }
   pc.gather_bucket_mb = cfg.gather_bucket_mb;
-  if (cfg.offload != "none") {  // params,grads,optimizer in any subset
+  if (cfg.offload != "none") {  // params,grads,optimizer,activations in any subset
     std::string rest = cfg.offload;
     for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
       at = rest.find(',');
@@ -152,13 +152,14 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
       if (kind == "params") pc.offload.kinds[static_cast<int>(plan::StateKind::params)] = true;
       else if (kind == "grads") pc.offload.kinds[static_cast<int>(plan::StateKind::grads)] = true;
       else if (kind == "optimizer") pc.offload.kinds[static_cast<int>(plan::StateKind::optimizer)] = true;
-      else if (kind == "activations")
-        throw std::invalid_argument("--offload activations: not yet (params, grads and optimizer can be offloaded)");
+      else if (kind == "activations") pc.offload.activations = true;
       else
-        throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer)");
+        throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer,activations)");
     }
   }
   pc.offload.prefetch = cfg.offload_prefetch;
+  pc.pipeline_optimizer = cfg.pipeline_optimizer;
+  if (!cfg.memory_budget.empty()) pc.memory_budget = plan::parse_memory_budget(cfg.memory_budget);
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;
   pc.reduction_scratch = reduction_scratch([o = cfg.comm](comm::Reduction op, int64_t count,
@@ -439,7 +440,8 @@ void print_run_header(const Session& s, double peak) {
              plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
              s.backend->name(), s.comms.describe());
   if (const DiskStore* d = s.ex.disk())
-    fmt::print("offload: {} on disk under {} ({}), read ahead {} using task(s)\n", cfg.offload, d->dir(), d->describe(),
+    fmt::print("offload: {} on disk under {} ({}), read ahead {} using task(s)\n",
+               cfg.offload != "none" ? cfg.offload : "the --memory-budget placement's units (explain lists them)", d->dir(), d->describe(),
                cfg.offload_prefetch);
   std::fflush(stdout);
 }

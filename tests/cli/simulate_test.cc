@@ -80,6 +80,29 @@ TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
   EXPECT_GT(b["step_ms"].get<double>(), 1e8 * f["step_ms"].get<double>());
 }
 
+// --offload: the copy stream's busy and exposed time, priced at the profile's disk figures
+// (cpu-local has them), in the text and in --json; a profile without them says copies cost nothing.
+TEST_F(Simulate, OffloadPrintsTheDiskStreamsBusyAndExposedTime) {
+  const std::string plan = "--model small --batch 2 --seq 64 --threads 1 --offload params,grads,optimizer ";
+  const Result r = shardlm("simulate --hardware cpu-local " + plan);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("disk (--offload params,grads,optimizer): "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" ms of reloads and write-backs ("), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; disk read "), std::string::npos) << r.out;
+  const Result j = shardlm("simulate --hardware cpu-local --json " + plan);
+  ASSERT_EQ(j.code, 0) << j.out;
+  const json o = json::parse(j.out);
+  EXPECT_GT(o.at("disk_busy_ms").get<double>(), 0);
+  EXPECT_GE(o.at("disk_exposed_ms").get<double>(), 0);
+  EXPECT_LE(o.at("disk_exposed_ms").get<double>(), o.at("comm_exposed_ms").get<double>() + 1e-9);
+  const Result gpu = shardlm("simulate --hardware h100-80gb " + plan);
+  ASSERT_EQ(gpu.code, 0) << gpu.out;
+  EXPECT_NE(gpu.out.find("the profile has no disk figures: copies priced at nothing"), std::string::npos) << gpu.out;
+  const Result resident = shardlm("simulate --hardware cpu-local --json --model small --batch 2 --seq 64 --threads 1");
+  ASSERT_EQ(resident.code, 0) << resident.out;
+  EXPECT_FALSE(json::parse(resident.out).contains("disk_busy_ms"));
+}
+
 // --json holds the figures metrics.jsonl has, and its memory is the plan's: what `explain` prints
 // on the CPU profile (what `train` runs here); a bf16 (GPU) profile prices activations in bf16.
 TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {

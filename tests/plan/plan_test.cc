@@ -163,6 +163,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
       if (b >= 0) used.push_back(b);
     used.insert(used.end(), io.bucket.begin(), io.bucket.end());
     if (io.window >= 0) used.push_back(io.window);
+    if (io.rollback >= 0) used.push_back(io.rollback);
     // Offloaded state (--offload) is used through its unit's window, which must be loaded.
     auto window = [&](StateIndex s, int u) {
       if (u >= 0 && p.window(static_cast<int>(s), u) >= 0) used.push_back(p.window(static_cast<int>(s), u));
@@ -185,6 +186,36 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     }
     for (int a : t.hands_off) alloc_by[a] = t.id;  // alive for later tasks only
   }
+  // Offloaded saved activations (--offload activations): written back after every forward use,
+  // then reloaded before every backward-side use, in any order the deps allow; and their slots of
+  // the activations file are 4 KiB-aligned and disjoint.
+  int64_t slots = 0;
+  for (const BufferDesc& b : p.buffers) {
+    if (b.disk_offset < 0) continue;
+    EXPECT_TRUE(b.role == Role::saved || b.role == Role::recomputable) << what << ": " << b.name;
+    EXPECT_EQ(b.disk_offset % 4096, 0) << what << ": " << b.name;
+    EXPECT_EQ(b.bytes % 4096, 0) << what << ": " << b.name;
+    EXPECT_LE(b.disk_offset + b.bytes, p.activation_file_bytes) << what << ": " << b.name;
+    slots += b.bytes;
+    int wb = -1, rl = -1;
+    for (const Task& t : p.tasks) {
+      if (t.io.window != b.id) continue;
+      EXPECT_EQ(t.op == Op::write_back ? wb : rl, -1) << what << ": " << b.name << " copied twice";
+      (t.op == Op::write_back ? wb : rl) = t.id;
+    }
+    ASSERT_TRUE(wb >= 0 && rl >= 0) << what << ": " << b.name << " has no write_back and reload";
+    EXPECT_TRUE(p.depends_on(rl, wb)) << what << ": " << b.name << " reloaded before it is written";
+    for (const Task& t : p.tasks) {
+      if (t.io.saved != b.id && t.io.recomputable != b.id) continue;
+      if (t.op == Op::forward) {
+        EXPECT_TRUE(p.depends_on(wb, t.id)) << what << ": " << b.name << " written before " << t.name(&d);
+      } else {
+        EXPECT_TRUE(t.op == Op::backward || t.op == Op::recompute) << what << ": " << t.name(&d);
+        EXPECT_TRUE(p.depends_on(t.id, rl)) << what << ": " << t.name(&d) << " reads " << b.name << " before its reload";
+      }
+    }
+  }
+  EXPECT_EQ(slots, p.activation_file_bytes) << what;
 }
 
 // Every family (tied and untied heads; MoE with and without expert parallelism), every strategy, `accums` micro-step counts, gather
@@ -261,8 +292,25 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
       c.offload.prefetch = depth;
       const std::string w = what + " offload prefetch " + std::to_string(depth);
       expect_no_buffer_alive_twice(d, c, w);
+      PlanConfig pipelined = c;  // the sums of squares in the backward, the updates after it
+      pipelined.pipeline_optimizer = true;
+      expect_no_buffer_alive_twice(d, pipelined, w + " pipelined");
       const Plan p = build_plan(d, c);
       EXPECT_EQ(p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer, 0) << w;
+      // Windows come and go only with the compute stream (so the walk is the allocator's figure),
+      // in training and forward-only plans (whose first reloads a window_sync opens).
+      auto only_compute = [&](const Plan& q, const std::string& what) {
+        for (const Task& t : q.tasks)
+          for (const std::vector<int>* v : {&t.allocs, &t.frees, &t.hands_off})
+            for (int b : *v)
+              if (q.buffers[b].role == Role::window) EXPECT_EQ(t.stream, kCompute) << what << ": " << t.name(&d) << " " << q.buffers[b].name;
+      };
+      only_compute(p, w);
+      only_compute(build_plan(d, pipelined), w + " pipelined");
+      PlanConfig logits = c;
+      logits.mode = PlanConfig::Mode::logits;
+      logits.recompute = model::Recompute::none;
+      only_compute(build_plan(d, logits), w + " logits");
       for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
         EXPECT_EQ(p.placed(StateKind::params, u).where, Location::disk) << w;
       if (c.recompute == model::Recompute::none) {
@@ -271,6 +319,18 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
         expect_no_buffer_alive_twice(d, f, w + " loss");
       }
     }
+    // A per-unit choice (the budget's): each kind on disk for every other unit, staggered.
+    c.offload.kinds = {};
+    c.offload.prefetch = 1;
+    c.offload.units.assign(d.units.size(), {});
+    for (size_t u = 0; u < d.units.size(); ++u)
+      for (int k = 0; k < kNumStateKinds; ++k) c.offload.units[u][k] = (u + k) % 2 == 0;
+    expect_no_buffer_alive_twice(d, c, what + " mixed placement");
+    const Plan p = build_plan(d, c);
+    for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
+      for (int k = 0; k < kNumStateKinds; ++k)
+        if (p.placed(StateKind(k), u).parts > 0)
+          EXPECT_EQ(p.on_disk(StateKind(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k;
   });
 }
 
@@ -278,6 +338,103 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
 // windows hold at once (at most prefetch + 2 units' worth: the tied embedding, a third of the
 // model, is one unit and so one window), one process and fsdp at 2 ranks; a kind left resident is
 // untouched.
+// --offload activations, alone and with every kind of state (and the pipelined optimizer): every
+// use of an offloaded activation finds it loaded (expect_no_buffer_alive_twice), its allocations
+// and frees are the compute stream's, what a recompute rebuilds is never offloaded, and beyond
+// the first prefetch + 1 consumers every block's saved activations are.
+TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
+  int offloaded = 0;
+  each_training_config({1}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
+    if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
+    if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
+    for (int depth : {0, 1, 3})
+      for (bool state : {false, true}) {
+        const std::string w = what + " offload activations" + (state ? ",state" : "") + " prefetch " + std::to_string(depth);
+        SCOPED_TRACE(w);
+        c.offload.activations = true;
+        c.offload.kinds = {state, state, state};
+        c.offload.prefetch = depth;
+        expect_no_buffer_alive_twice(d, c, w);
+        PlanConfig pipelined = c;
+        pipelined.pipeline_optimizer = true;
+        expect_no_buffer_alive_twice(d, pipelined, w + " pipelined");
+        const Plan p = build_plan(d, c);
+        std::set<int> moved_units;
+        for (const BufferDesc& b : p.buffers) {
+          if (b.disk_offset < 0) continue;
+          moved_units.insert(b.unit);
+          ++offloaded;
+        }
+        for (const Task& t : p.tasks) {
+          for (const std::vector<int>* v : {&t.allocs, &t.frees, &t.hands_off})
+            for (int b : *v)
+              if (p.buffers[b].disk_offset >= 0) EXPECT_EQ(t.stream, kCompute) << w << ": " << t.name(&d) << " " << p.buffers[b].name;
+          // A rebuilt buffer is never written out.
+          if (t.op == Op::recompute)
+            for (int a : t.allocs) EXPECT_LT(p.buffers[a].disk_offset, 0) << w << ": " << p.buffers[a].name;
+        }
+        // Blocks (units whose forward keeps something other than rebuilt activations) beyond
+        // the first prefetch + 1 the backward reaches are offloaded.
+        if (c.recompute != model::Recompute::full && d.config.n_layer > depth + 1) {
+          EXPECT_EQ(static_cast<int>(moved_units.size()) >= d.config.n_layer - depth - 1, true)
+              << w << ": " << moved_units.size() << " units offloaded";
+        } else if (c.recompute == model::Recompute::full) {
+          EXPECT_EQ(p.activation_file_bytes, 0) << w << ": full recompute keeps nothing to offload";
+        }
+        PlanConfig loss = c;  // forward-only plans keep no activations: nothing moves
+        loss.mode = PlanConfig::Mode::loss;
+        loss.recompute = model::Recompute::none;
+        EXPECT_EQ(build_plan(d, loss).activation_file_bytes, 0) << w;
+      }
+  });
+  EXPECT_GT(offloaded, 0);
+}
+
+// `small` B8 T256: the activations' peak with --offload activations falls to what prefetch + 2
+// blocks' saved activations (plus what is never offloaded) take, well under the resident one;
+// the other categories are untouched, and with every kind of state on disk too nothing else
+// changes; grad-accum > 1 is refused with one line.
+TEST(Plan, OffloadedActivationsPeakAtAboutPrefetchPlusTwoBlocks) {
+  const model::ModelDesc d = small();
+  PlanConfig c;
+  c.batch = 8;
+  c.seq = 256;
+  const Plan resident = build_plan(d, c);
+  c.offload.activations = true;
+  const Plan p = build_plan(d, c);
+  const MemSnapshot res = resident.max_memory(), off = p.max_memory();
+  int64_t block = 0, moved = 0;  // one block's offloaded bytes (the smallest, less its padding), all of them
+  std::map<int, int64_t> per_unit;
+  for (const BufferDesc& b : p.buffers)
+    if (b.disk_offset >= 0) per_unit[b.unit] += b.bytes, moved += b.bytes;
+  for (const auto& [u, bytes] : per_unit) block = block ? std::min(block, bytes - 2 * 4096) : bytes - 2 * 4096;
+  ASSERT_GT(block, 0);
+  const int L = static_cast<int>(d.config.n_layer), depth = c.offload.prefetch;
+  EXPECT_EQ(static_cast<int>(per_unit.size()), L - depth - 1);  // the last prefetch + 1 blocks stay
+  // The peak holds at most prefetch + 2 of the L blocks' activations: it is down by at least the others'.
+  EXPECT_LE(off[MemCategory::activations], res[MemCategory::activations] - (L - depth - 2) * block);
+  for (MemCategory k : {MemCategory::params, MemCategory::grads, MemCategory::optimizer, MemCategory::workspace})
+    EXPECT_EQ(off[k], res[k]) << to_string(k);
+  const std::string text = p.to_text(d);
+  EXPECT_NE(text.find("saved activation buffers"), std::string::npos) << text;
+  std::printf("small B8 T256: activations peak %.1f MiB resident -> %.1f MiB offloaded (%zu blocks, %.1f MiB each, "
+              "%.1f MiB to disk a step)\n",
+              res[MemCategory::activations] / 1048576.0, off[MemCategory::activations] / 1048576.0, per_unit.size(),
+              block / 1048576.0, moved / 1048576.0);
+  c.offload.kinds = {true, true, true};
+  const MemSnapshot all = build_plan(d, c).max_memory();
+  EXPECT_EQ(all[MemCategory::activations], off[MemCategory::activations]);
+  c.grad_accum = 2;
+  c.offload.kinds = {false, false, false};
+  try {
+    build_plan(d, c);
+    FAIL() << "grad-accum 2 with --offload activations";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload activations: gradient accumulation"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Plan, OffloadDropsTheResidentFiguresOfTheOffloadedKinds) {
   const model::ModelDesc d = model::describe(model::model_preset("gpt2-124m"));
   for (int world : {1, 2}) {
@@ -325,6 +482,92 @@ TEST(Plan, OffloadRefusesWhatItCannotDoYetWithOneLine) {
   c.strategy = Strategy::fsdp;
   c.grad_accum = 2;
   EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
+}
+
+// The pipeline pass: each unit's update waits for every task writing its gradients, and at least
+// one can run during the backward (it does not wait for the last one); the commit waits for every
+// update and for the norm, and whatever reads the updated state after the step (ZeRO's
+// param_gather) waits for the commit; no buffer is alive twice, in every family, strategy,
+// micro-step count (a repeated one too), recompute mode, gather bucket and partly kept unit.
+TEST(Plan, PipelinedUpdatesWaitForTheirGradientsAndTheCommitForThemAll) {
+  int pipelined = 0;
+  each_training_config({1, 3, 6}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to the pass; keeps it quick
+    c.pipeline_optimizer = true;
+    c.bucket_mb = 0.05;  // ddp / zero1: more than one gradient bucket, so some are reduced during the backward
+    SCOPED_TRACE(what);
+    expect_no_buffer_alive_twice(d, c, what + " pipelined");
+    const Plan p = build_plan(d, c);
+    const int U = static_cast<int>(d.units.size());
+    std::vector<int> update(U, -1), norm(U, -1);
+    int commit = -1, last_backward = -1;
+    for (const Task& t : p.tasks) {
+      if (t.op == Op::optimizer) update[t.unit] = t.id;
+      if (t.op == Op::grad_norm) norm[t.unit] = t.id;
+      if (t.op == Op::optimizer_commit) commit = t.id;
+      if (t.op == Op::backward) last_backward = t.id;
+      EXPECT_FALSE((t.op == Op::optimizer || t.op == Op::grad_norm) && t.unit < 0) << t.name(&d);
+    }
+    ASSERT_GE(commit, 0);
+    bool overlaps = false;
+    for (int u = 0; u < U; ++u) {
+      ASSERT_GE(update[u], 0) << d.units[u].name;
+      ASSERT_GE(p.tasks[update[u]].io.rollback, 0);
+      EXPECT_TRUE(p.depends_on(commit, update[u]) && p.depends_on(commit, norm[u])) << d.units[u].name;
+      EXPECT_TRUE(p.depends_on(update[u], norm[u]));
+      overlaps = overlaps || !p.depends_on(update[u], last_backward);
+    }
+    EXPECT_TRUE(overlaps) << "no update can run during the backward";
+    for (const Task& t : p.tasks) {
+      if (t.op == Op::param_gather || t.op == Op::loss_reduce) EXPECT_TRUE(p.depends_on(t.id, commit)) << t.name(&d);
+      if (t.op == Op::optimizer || t.op == Op::grad_norm || t.op == Op::optimizer_commit) continue;
+      for (const StateTouch& x : state_touches(p, d, t))
+        if (x.state == StateIndex::grads && x.write) {
+          EXPECT_TRUE(p.depends_on(update[x.unit], t.id)) << t.name(&d) << " writes gradients its unit's update may not see";
+          EXPECT_TRUE(p.depends_on(norm[x.unit], t.id)) << t.name(&d);
+        }
+    }
+    ++pipelined;
+  });
+  EXPECT_GT(pipelined, 100);
+}
+
+// With offloaded state the updates are deferred (a rollback copy would hold in memory what the
+// disk keeps out of it): only each unit's sum of squares moves into the backward, right after its
+// gradients' last writer while their window is still in memory, so the step reads the gradients
+// from disk once fewer; the per-unit updates wait for the norm.
+TEST(Plan, PipelinedOptimizerWithOffloadMovesOnlyTheNorms) {
+  for (int world : {1, 2}) {
+    PlanConfig c;
+    c.world = world;
+    c.offload.kinds = {true, true, true};
+    const Plan plain = build_plan(small(), c);
+    c.pipeline_optimizer = true;
+    const Plan p = build_plan(small(), c);
+    auto grad_reloads = [](const Plan& q) {
+      int n = 0;
+      for (const Task& t : q.tasks)
+        if (t.op == Op::reload && q.buffers[t.io.window].name.rfind("window grads", 0) == 0) ++n;
+      return n;
+    };
+    const int U = static_cast<int>(small().units.size());
+    // (unpipelined, the last unit's gradients may still be in memory for its norm)
+    EXPECT_LE(grad_reloads(p), grad_reloads(plain) - (U - 1)) << world << " rank(s)";
+    int last_norm = -1, first_update = -1;
+    for (const Task& t : p.tasks) {
+      EXPECT_NE(t.op, Op::optimizer_commit);
+      if (t.op == Op::grad_norm) last_norm = t.id;
+      if (t.op == Op::optimizer && first_update < 0) first_update = t.id;
+      if (t.op == Op::optimizer) EXPECT_LT(t.io.rollback, 0);
+    }
+    ASSERT_GE(first_update, 0);
+    EXPECT_TRUE(p.depends_on(first_update, last_norm));
+    for (const BufferDesc& b : p.buffers) EXPECT_NE(b.role, Role::rollback) << b.name;
+  }
+  PlanConfig f;
+  f.pipeline_optimizer = true;
+  f.mode = PlanConfig::Mode::loss;  // nothing to pipeline in a forward
+  for (const Task& t : build_plan(small(), f).tasks) EXPECT_NE(t.op, Op::grad_norm);
 }
 
 // One task run as the tests compare them: what it does, which micro-step of the step it is, and

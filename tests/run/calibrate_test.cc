@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -120,6 +123,33 @@ TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
       for (const char* f : {"latency_s", "bus_bw"})
         EXPECT_EQ(j[tier][op][f]["source"].get<std::string>().find("measured by"), std::string::npos) << j[tier][op][f];
   EXPECT_NE(j["comm_compute_slowdown"]["source"].get<std::string>().find("not measured"), std::string::npos);
+}
+
+// --offload-dir: the disk under it is timed through a DiskStore and written as the three disk
+// figures, each naming the directory; without it the profile has none. The store's files go.
+TEST(Calibrate, OffloadDirGivesTheDiskFiguresAndLeavesNothing) {
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
+  CalibrateOptions o;
+  o.sizes = {4 << 10, 1 << 20};
+  o.iters = 1;
+  o.gemm_models = {"none"};
+  const auto backend = kernels::make_cpu_backend(memory);
+  const nlohmann::json none = nlohmann::json::parse(calibrate(*backend, world, o));
+  EXPECT_FALSE(none.contains("disk_read_bw"));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("shardlm_calibrate_disk_" + std::to_string(::getpid()));
+  o.offload_dir = dir.string();
+  const nlohmann::json j = nlohmann::json::parse(calibrate(*backend, world, o));
+  for (const char* f : {"disk_read_bw", "disk_write_bw", "disk_latency_s"}) {
+    ASSERT_TRUE(j.contains(f)) << f;
+    const double v = j[f]["value"].get<double>();
+    EXPECT_TRUE(std::isfinite(v) && v > 0) << f << " " << v;
+    EXPECT_NE(j[f]["source"].get<std::string>().find(dir.string()), std::string::npos) << j[f];
+  }
+  EXPECT_LT(j["disk_latency_s"]["value"].get<double>(), 1.0);
+  EXPECT_TRUE(!std::filesystem::exists(dir) || std::filesystem::is_empty(dir)) << dir;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

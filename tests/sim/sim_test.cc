@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -114,6 +115,28 @@ TEST(Hardware, FiguresBeyondPhysicalBoundsAreRefused) {
     j[tier][op][field]["value"] = value;
     const std::string e = error_of([&] { parse_hardware(j.dump(), "free.json"); });
     EXPECT_NE(e.find("free.json: " + tier + "." + op + "." + field + ".value"), std::string::npos) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+  }
+}
+
+// The disk tier's figures: cpu-local has them (measured); they are optional (a profile without
+// them loads, with 0: copies priced at nothing); a bad one is refused naming file and field.
+TEST(Hardware, DiskFiguresAreOptionalAndCheckedWhenGiven) {
+  const HardwareProfile cpu = preset("cpu-local");
+  EXPECT_GT(cpu.disk_read_bw, 0);
+  EXPECT_GT(cpu.disk_write_bw, 0);
+  EXPECT_GT(cpu.disk_latency_s, 0);
+  auto j = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
+  for (const char* f : {"disk_read_bw", "disk_write_bw", "disk_latency_s"}) j.erase(f);
+  const HardwareProfile bare = parse_hardware(j.dump(), "bare.json");
+  EXPECT_EQ(bare.disk_read_bw, 0);
+  EXPECT_EQ(bare.disk_latency_s, 0);
+  for (const auto& [field, value, needle] : std::vector<std::tuple<std::string, double, std::string>>{
+           {"disk_read_bw", -1, "> 0"}, {"disk_write_bw", 0, "> 0"}, {"disk_latency_s", 5, "at most"}}) {
+    auto k = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
+    k[field]["value"] = value;
+    const std::string e = error_of([&] { parse_hardware(k.dump(), "free.json"); });
+    EXPECT_NE(e.find("free.json: " + field + ".value"), std::string::npos) << e;
     EXPECT_NE(e.find(needle), std::string::npos) << e;
   }
 }
@@ -337,6 +360,78 @@ TEST(Cost, CollectivesPayForTheirLocalCopies) {
     }
     EXPECT_GT(copying, 0) << "variant " << variant;
   }
+}
+
+// The disk tier's copies (--offload): a reload costs the profile's disk latency plus its bytes at
+// the read bandwidth, a write-back at the write bandwidth (hand-computed for small's first block:
+// its 1,774,464 parameters, 7,097,856 bytes padded to 4 KiB: 7,098,368); without disk figures they cost
+// nothing. The simulator counts their time on the copy stream as disk busy time, and compute
+// waiting on a copy as disk exposed time, within comm exposed.
+TEST(Cost, DiskCopiesPayLatencyAndBytesAtTheDisksRate) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("cpu-local");
+  hw.disk_read_bw = 1e9, hw.disk_write_bw = 5e8, hw.disk_latency_s = 1e-4;
+  PlanConfig c;
+  c.offload.kinds = {true, true, true};
+  const Plan p = plan::build_plan(desc, c);
+  const CostModel cost(desc, p, hw, 1);
+  HardwareProfile none = hw;
+  none.disk_read_bw = none.disk_write_bw = 0;
+  const CostModel free_copies(desc, p, none, 1);
+  int reloads = 0, writes = 0;
+  double copy_s = 0;
+  for (const auto& t : p.tasks) {
+    if (t.op != Op::reload && t.op != Op::write_back) continue;
+    copy_s += cost.seconds(t);
+    EXPECT_EQ(free_copies.seconds(t), 0) << t.name(&desc);
+    if (t.unit != 1) continue;  // h.0
+    ASSERT_EQ(t.bytes, 7098368) << t.name(&desc);
+    const double want = t.op == Op::reload ? 1e-4 + 7098368 / 1e9 : 1e-4 + 7098368 / 5e8;  // 7.198 ms / 14.297 ms
+    EXPECT_DOUBLE_EQ(cost.seconds(t), want) << t.name(&desc);
+    ++(t.op == Op::reload ? reloads : writes);
+  }
+  EXPECT_GT(reloads, 0);
+  EXPECT_GT(writes, 0);
+  const SimResult r = simulate(desc, p, hw, 1), r0 = simulate(desc, p, none, 1);
+  EXPECT_NEAR(r.disk_busy_ms, copy_s * 1e3, 1e-6 * copy_s * 1e3);
+  EXPECT_GT(r.disk_exposed_ms, 0);
+  EXPECT_LE(r.disk_exposed_ms, r.comm_exposed_ms + 1e-9);
+  EXPECT_EQ(r0.disk_busy_ms, 0);
+  EXPECT_GT(r.step_ms, r0.step_ms);
+}
+
+// --pipeline-optimizer: a speculative update costs AdamW's passes over its unit's state plus the
+// copy it keeps (read and written once), and it runs on its own stream, sharing the device with the
+// backward: its busy time is between its cost and twice it, the collectives' is unchanged.
+TEST(Cost, PipelinedUpdatesPayForTheirCopyAndShareTheDevice) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanConfig c;
+  c.world = 2;
+  const Plan whole = plan::build_plan(desc, c);
+  c.pipeline_optimizer = true;
+  const Plan p = plan::build_plan(desc, c);
+  const CostModel cost(desc, p, hw, 1);
+  double updates_s = 0;
+  int updates = 0;
+  for (const auto& t : p.tasks) {
+    if (t.op != Op::optimizer && t.op != Op::grad_norm) continue;
+    updates_s += cost.seconds(t);
+    if (t.op != Op::optimizer) continue;
+    ++updates;
+    const int64_t n = p.held_elems(plan::StateKind::optimizer, t.unit);
+    EXPECT_EQ(t.copy_bytes, 12 * n) << t.name(&desc);
+    plan::Task plain = t;
+    plain.copy_bytes = 0;
+    EXPECT_NEAR(cost.seconds(t) - cost.seconds(plain), 2.0 * 12 * static_cast<double>(n) / hw.memory_bw,
+                1e-9 * cost.seconds(t)) << t.name(&desc);
+  }
+  EXPECT_EQ(updates, static_cast<int>(desc.units.size()));
+  const SimResult r = simulate(desc, p, hw, 1), w = simulate(desc, whole, hw, 1);
+  EXPECT_GE(r.optimizer_busy_ms, updates_s * 1e3 * (1 - 1e-9));
+  EXPECT_LE(r.optimizer_busy_ms, 2 * updates_s * 1e3 * (1 + 1e-9));
+  EXPECT_NEAR(r.comm_busy_ms, w.comm_busy_ms, 1e-9 * w.comm_busy_ms);
+  EXPECT_EQ(w.optimizer_busy_ms, 0);
 }
 
 // A task that allocates a unit's whole gradients (zero2, fsdp) also writes them to zero: their
@@ -804,7 +899,7 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
 // Pruning by memory changes nothing but the work: under budgets that cut the grid at its lowest,
 // middle and upper memory, the pruned search finds exactly the exhaustive one's configurations with
 // the same predictions (so the order of memory it assumes, Lattice, holds for these models), while
-// building fewer plans.
+// building fewer plans; and the branch and bound (PlanQuery::top) its first rows.
 TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
   struct Case {
     const char* model;
@@ -812,6 +907,7 @@ TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
     int64_t seq, sequences;
     const char* hardware;
   };
+  int bounded_cases = 0;  // where the bound simulated fewer
   for (const Case& k : {Case{"llama-tiny", 4, 256, 4, "h100-80gb"}, Case{"moe-tiny", 8, 256, 4, "h100-80gb"},
                         Case{"tiny", 4, 128, 8, "cpu-local"}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
@@ -840,8 +936,84 @@ TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
         EXPECT_EQ(pruned.fitting[i].alike, all.fitting[i].alike) << k.model << " " << at;
       }
       EXPECT_EQ(pruned.smallest.peak_bytes, all.smallest.peak_bytes) << k.model << " " << at;
+      // Branch and bound on step time besides: the same first `top` rows (flags, predictions,
+      // alike counts) and the same configurations refined by keeping units gathered. (It may build
+      // more: a class taken by its floor before those below it in memory is not pruned by them.)
+      for (int top : {1, 3, 10}) {
+        q.top = top;
+        const PlanSearch bounded = search_plans(desc, PlanConfig{}, preset(k.hardware), q);
+        q.top = 0;
+        EXPECT_EQ(bounded.considered, all.considered) << k.model << " " << at << " top " << top;
+        EXPECT_EQ(bounded.refined, all.refined) << k.model << " " << at << " top " << top;
+        ASSERT_GE(bounded.fitting.size(), std::min<size_t>(top, all.fitting.size())) << k.model << " " << at;
+        for (size_t i = 0; i < std::min<size_t>(top, all.fitting.size()); ++i) {
+          EXPECT_EQ(bounded.fitting[i].flags, all.fitting[i].flags) << k.model << " " << at << " top " << top << " row " << i;
+          EXPECT_EQ(bounded.fitting[i].step_ms, all.fitting[i].step_ms) << k.model << " " << at << " top " << top;
+          EXPECT_EQ(bounded.fitting[i].alike, all.fitting[i].alike) << k.model << " " << at << " top " << top;
+        }
+        if (bounded.bounded > 0 && bounded.simulated < pruned.simulated) ++bounded_cases;
+      }
     }
   }
+  EXPECT_GE(bounded_cases, 6);  // moe-tiny's and tiny's upper budgets, each top
+}
+
+// The branch and bound's floor is exact: on every configuration of grids over strategies, shard
+// groups, ep, cp (both forms), micro-batch and accumulation (past the unrolled micro-steps),
+// recompute, dtypes, prefetch, gathers in flight, units kept and gather buckets, it is no more than
+// the simulated step, and configurations of one floor_class have the same floor (so one plan of a
+// class bounds them all). Two devices a node, so the expert and context groups of some strategies
+// cross nodes and of others do not.
+TEST(Planner, StepFloorIsBelowTheSimulatedStepAndOneAClass) {
+  struct Case {
+    const char* model;
+    int ranks;
+    int64_t seq, sequences;
+    std::vector<int> eps, cps;
+  };
+  HardwareProfile hw = preset("h100-80gb");
+  hw.devices_per_node = 2;
+  int checked = 0, shared = 0;
+  for (const Case& k : {Case{"llama-tiny", 4, 256, 8, {1}, {1, 2}}, Case{"moe-tiny", 8, 128, 2, {1, 2, 4}, {1, 2}}}) {
+    const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
+    std::map<std::vector<int>, double> floors;
+    for (Strategy s : {Strategy::ddp, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+      for (int g : s == Strategy::hybrid ? std::vector<int>{2, 4} : std::vector<int>{0})
+        for (int ep : k.eps)
+          for (int cp : k.cps)
+            for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all})
+              for (int64_t B : {int64_t{1}, k.sequences})
+                for (model::Recompute r : {model::Recompute::full, model::Recompute::none})
+                  for (int bytes : {4, 2})
+                    for (bool keep : {false, true})
+                      for (double bucket : {0.0, 1.0}) {
+                        if (cp == 1 && impl != model::ContextImpl::ring) continue;
+                        PlanConfig c = for_hardware(PlanConfig{}, hw);
+                        c.world = k.ranks, c.seq = k.seq, c.strategy = s, c.shard_group = g, c.ep = ep, c.cp = cp;
+                        c.cp_impl = impl, c.batch = B, c.grad_accum = k.sequences * cp / B, c.recompute = r;
+                        c.param_bytes = c.reduce_bytes = bytes, c.gather_bucket_mb = bucket;
+                        c.prefetch_forward = c.prefetch_backward = keep ? 2 : 1, c.max_gathers_in_flight = keep ? 3 : 2;
+                        if (keep) c.keep_gathered = {"all"};
+                        plan::Plan p;
+                        try {
+                          p = plan::build_plan(desc, c);
+                        } catch (const std::invalid_argument&) {
+                          continue;
+                        }
+                        const double floor = step_floor_ms(desc, p, hw, 1);
+                        const double step = simulate(desc, p, hw, 1).step_ms;
+                        EXPECT_GT(floor, 0) << flags_of(c);
+                        EXPECT_LE(floor, step * (1 + 1e-12)) << k.model << " " << flags_of(c);
+                        const auto [at, fresh] = floors.emplace(floor_class(c, hw), floor);
+                        if (!fresh) {
+                          EXPECT_NEAR(at->second, floor, 1e-9 * floor) << k.model << " " << flags_of(c);
+                          ++shared;
+                        }
+                        ++checked;
+                      }
+  }
+  EXPECT_GT(checked, 500);
+  EXPECT_GT(shared, 400);  // classes hold many configurations
 }
 
 // The ranked list holds one configuration per prediction: knobs that change nothing (gathers in
@@ -994,6 +1166,13 @@ TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
   EXPECT_TRUE(cps.count({4, model::ContextImpl::ring}));
   EXPECT_TRUE(cps.count({2, model::ContextImpl::all_to_all}));  // llama-tiny's 2 key/value heads: not 4
   EXPECT_FALSE(cps.count({4, model::ContextImpl::all_to_all}));
+  // context_always: cp beside cp 1 where cp 1 fits too, the grid one search over both.
+  q.memory_budget = 0, q.context_always = true;
+  const PlanSearch both = search_plans(desc, PlanConfig{}, hw, q);
+  std::set<int> both_cps;
+  for (const Candidate& c : both.fitting) both_cps.insert(c.config.cp);
+  EXPECT_EQ(both_cps, (std::set<int>{1, 2, 4}));
+  EXPECT_EQ(both.considered, s.considered);  // which went on to cp after cp 1
 }
 
 // A mixture of experts too: where nothing fits without cp, the search tries cp beside ep, and

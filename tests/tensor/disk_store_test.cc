@@ -87,6 +87,32 @@ TEST(DiskStore, ATruncatedOrDeletedFileIsNamed) {
   fs::remove_all(dir);
 }
 
+// The read_fault seam: the read it picks (here the second unit's, at 8 KiB) fails as an EIO would,
+// naming the file; the reads it does not pick, and every write, go through.
+TEST(DiskStore, AReadTheFaultPicksFailsNamingTheFile) {
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_r_" + std::to_string(::getpid()));
+  MemoryPool pool;
+  Buffer b(pool, MemCategory::params, 2 * kDiskAlign);
+  {
+    DiskStoreOptions o;
+    int asked = 0;
+    o.read_fault = [&](const std::string&, int64_t offset, int64_t) { return ++asked, offset == 2 * kDiskAlign; };
+    DiskStore store(dir.string(), o);
+    const int f = store.create("a", 4 * kDiskAlign);
+    store.write(f, 2 * kDiskAlign, b.data(), 2 * kDiskAlign);
+    store.read(f, 0, b.data(), 2 * kDiskAlign);
+    EXPECT_EQ(asked, 1);
+    try {
+      store.read(f, 2 * kDiskAlign, b.data(), 2 * kDiskAlign);
+      FAIL() << "the picked read went through";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), "offload file " + store.path(f) + ": read failed: Input/output error");
+    }
+    EXPECT_EQ(store.bytes_read(), 2 * kDiskAlign);
+  }
+  fs::remove_all(dir);
+}
+
 // Two live runs given the same directory would replace each other's files: the second is refused.
 TEST(DiskStore, ASecondLiveStoreOfTheSameOwnerIsRefused) {
   const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_l_" + std::to_string(::getpid()));

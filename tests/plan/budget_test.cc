@@ -1,0 +1,148 @@
+// --memory-budget's placement pass (plan/budget.cc): the peak stays within a budget between the
+// full-offload peak and the resident one, a larger budget keeps at least as much resident, a
+// budget the resident plan fits changes nothing (even where offload is refused), an impossible one
+// is refused with one line giving the smallest peak reachable; the flag's sizes parse.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "plan/plan.h"
+
+namespace shardlm::plan {
+namespace {
+
+model::ModelDesc small() { return model::describe(model::model_preset("small")); }
+
+PlanConfig one_process() {
+  PlanConfig c;
+  c.batch = 2;
+  c.seq = 64;
+  return c;
+}
+
+int64_t peak(const Plan& p) { return p.peak_memory().total; }
+
+int64_t resident_state(const Plan& p) { return p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer; }
+
+Plan full_offload(const model::ModelDesc& d, PlanConfig c) {
+  c.offload.kinds = {true, true, true};
+  return build_plan(d, c);
+}
+
+TEST(Budget, PeakStaysWithinABudgetBetweenFullOffloadAndResident) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  const Plan resident = build_plan(d, c), full = full_offload(d, c);
+  ASSERT_LT(peak(full), peak(resident));
+  for (double f : {0.2, 0.5, 0.8}) {
+    c.memory_budget = peak(full) + static_cast<int64_t>(f * static_cast<double>(peak(resident) - peak(full)));
+    const Plan p = build_plan(d, c);
+    EXPECT_LE(peak(p), c.memory_budget) << f;
+    // Something moved, not everything.
+    EXPECT_LT(resident_state(p), resident_state(resident)) << f;
+    EXPECT_GT(resident_state(p), 0) << f;
+    // The optimizer goes first: no parameters leave while some optimizer state stays.
+    bool opt_left = false, params_gone = false;
+    for (int u = 0; u < static_cast<int>(d.units.size()); ++u) {
+      opt_left = opt_left || (p.placed(StateKind::optimizer, u).parts > 0 && !p.on_disk(StateKind::optimizer, u));
+      params_gone = params_gone || p.on_disk(StateKind::params, u);
+    }
+    EXPECT_FALSE(opt_left && params_gone) << f;
+    // The choice is in the config, so a plan built from it (evaluation's) places alike.
+    ASSERT_EQ(p.config.offload.units.size(), d.units.size());
+    const Plan again = build_plan(d, p.config);
+    EXPECT_EQ(peak(again), peak(p));
+    std::printf("small B2 T64: resident peak %lld, full offload %lld, budget %lld -> peak %lld (resident state %lld)\n",
+                static_cast<long long>(peak(resident)), static_cast<long long>(peak(full)),
+                static_cast<long long>(c.memory_budget), static_cast<long long>(peak(p)),
+                static_cast<long long>(resident_state(p)));
+  }
+}
+
+TEST(Budget, ALargerBudgetKeepsAtLeastAsMuchResident) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  const int64_t lo = peak(full_offload(d, c)), hi = peak(build_plan(d, c));
+  int64_t last = -1;
+  for (int i = 0; i <= 8; ++i) {
+    c.memory_budget = lo + (hi - lo) * i / 8;
+    const Plan p = build_plan(d, c);
+    EXPECT_LE(peak(p), c.memory_budget) << i;
+    EXPECT_GE(resident_state(p), last) << "budget " << c.memory_budget;
+    last = resident_state(p);
+  }
+}
+
+TEST(Budget, ABudgetTheResidentPlanFitsChangesNothingEvenWhereOffloadIsRefused) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  const Plan resident = build_plan(d, c);
+  c.memory_budget = peak(resident);
+  const Plan p = build_plan(d, c);
+  EXPECT_EQ(peak(p), peak(resident));
+  EXPECT_EQ(p.tasks.size(), resident.tasks.size());
+  EXPECT_TRUE(p.windows.empty());
+  // ddp at 2 ranks and gradient accumulation: the disk tier refuses them, a fitting budget does not.
+  for (int variant = 0; variant < 2; ++variant) {
+    PlanConfig v = one_process();
+    if (variant == 0) v.world = 2, v.strategy = Strategy::ddp;
+    else v.grad_accum = 2;
+    const int64_t fits = peak(build_plan(d, v));
+    v.memory_budget = fits;
+    EXPECT_NO_THROW(build_plan(d, v)) << variant;
+    v.memory_budget = fits - 1;
+    try {
+      build_plan(d, v);
+      ADD_FAILURE() << "variant " << variant << ": a budget under the resident peak placed state on disk";
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind("--memory-budget ", 0), 0u) << what;
+      EXPECT_NE(what.find("--offload"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  }
+}
+
+TEST(Budget, AnImpossibleBudgetIsRefusedWithTheSmallestPeakReachable) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  const int64_t lo = peak(full_offload(d, c));
+  c.memory_budget = lo - 1;
+  try {
+    build_plan(d, c);
+    FAIL() << "a budget under the full-offload peak";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("--memory-budget " + std::to_string(lo - 1), 0), 0u) << what;
+    // The full offload's peak, or a lower one seen on the way (windows cost memory too).
+    const size_t at = what.find("smallest peak reachable is ");
+    ASSERT_NE(at, std::string::npos) << what;
+    const int64_t said = std::stoll(what.substr(at + 27));
+    EXPECT_LE(said, lo) << what;
+    EXPECT_GT(said, lo - 1) << what;  // over the budget it refused
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  c.memory_budget = lo;  // exactly the smallest peak fits
+  EXPECT_LE(peak(build_plan(d, c)), lo);
+}
+
+TEST(Budget, SizesParseAndBadOnesNameTheFlag) {
+  EXPECT_EQ(parse_memory_budget("4096"), 4096);
+  EXPECT_EQ(parse_memory_budget("8GB"), 8000000000LL);
+  EXPECT_EQ(parse_memory_budget("8gb"), 8000000000LL);
+  EXPECT_EQ(parse_memory_budget("512MiB"), 512LL << 20);
+  EXPECT_EQ(parse_memory_budget("1.5KiB"), 1536);
+  EXPECT_EQ(parse_memory_budget("2TB"), 2000000000000LL);
+  EXPECT_EQ(parse_memory_budget("100B"), 100);
+  for (const char* bad : {"", "abc", "8XB", "-5", "0", "8 GB", "1.2.3", "GB", "0.1", "8G", "99999999999TB"}) {
+    try {
+      parse_memory_budget(bad);
+      ADD_FAILURE() << "'" << bad << "' parsed";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("--memory-budget: '" + std::string(bad) + "'", 0), 0u) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardlm::plan
