@@ -293,7 +293,8 @@ void run_collective(const SimulateArgs& a) {
 // the model is allocated, so shapes far beyond this machine simulate in milliseconds.
 
 // Where the plan keeps each unit's state (--memory-budget or --offload): per kind, the units on
-// disk of those holding it, and each unit's line ("params/grads/optimizer": ram | disk | -).
+// disk of those holding it, and each unit's line ("params/grads/optimizer/activations": ram |
+// disk | -).
 namespace {
 nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& desc) {
   nlohmann::json j{{"memory_budget", plan.config.memory_budget}, {"peak", plan.peak_memory().total}};
@@ -314,8 +315,11 @@ nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& de
       const bool held = plan.placed(plan::StateKind(k), u).parts > 0;
       w += std::string(k ? "/" : "") + (!held ? "-" : plan.on_disk(plan::StateKind(k), u) ? "disk" : "ram");
     }
-    units[desc.units[u].name] = w;
+    units[desc.units[u].name] = w + "/" + plan.activations_where(u);
   }
+  int activations = 0;
+  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) activations += std::string(plan.activations_where(u)) == "disk";
+  j["disk"]["activations"] = activations;
   j["units"] = units;
   return j;
 }
@@ -364,7 +368,7 @@ void run_simulate(SimulateArgs& a) {
       j["exchange_busy_ms"] = r.exchange_busy_ms;
       j["exchange_exposed_ms"] = r.exchange_exposed_ms;
     }
-    if (plan.config.memory_budget > 0 || plan.config.offload.any())
+    if (plan.config.memory_budget > 0 || plan.config.offload.disk())
       j["placement"] = placement_json(plan, desc);
     if (gf.mtbf_hours > 0)
       j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", gf.mtbf_hours},
@@ -426,13 +430,16 @@ void run_simulate(SimulateArgs& a) {
       fmt::print("  in-memory snapshots: none ({})\n", q > 0 ? "they would cost more than the work they save"
                                                              : "--snapshot-survives 0");
   }
-  if (plan.config.memory_budget > 0 || plan.config.offload.any()) {
+  if (plan.config.memory_budget > 0 || plan.config.offload.disk()) {
     fmt::print("state placement{}: on disk ", plan.config.memory_budget > 0 ? fmt::format(" (--memory-budget {} bytes)", plan.config.memory_budget) : "");
     const nlohmann::json pj = placement_json(plan, desc);
     for (const char* k : {"params", "grads", "optimizer"})
-      fmt::print("{} {}/{} unit(s){}", k, pj["disk"][k].get<int>(), pj["held"][k].get<int>(), k[0] == 'o' ? "" : ", ");
-    fmt::print("; accounted peak {} bytes ({:.1f} MiB); the disk copies are not priced yet\n", plan.peak_memory().total,
-               plan.peak_memory().total / 1048576.0);
+      fmt::print("{} {}/{} unit(s), ", k, pj["disk"][k].get<int>(), pj["held"][k].get<int>());
+    fmt::print("saved activations of {} unit(s); accounted peak {} bytes ({:.1f} MiB); the disk copies {}\n",
+               pj["disk"]["activations"].get<int>(), plan.peak_memory().total, plan.peak_memory().total / 1048576.0,
+               hw.disk_read_bw > 0 ? fmt::format("priced at {:.2f} GB/s read, {:.2f} GB/s write, {:.0f} us a request",
+                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e6)
+                                   : std::string("not priced (the profile has no disk figures)"));
   }
   fmt::print("memory per rank at peak (bytes):\n");
   for (int c = 0; c < kNumMemCategories; ++c)

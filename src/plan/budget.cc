@@ -1,7 +1,7 @@
 // The placement pass of --memory-budget: chooses, per unit and kind of state, memory or disk so
 // that the plan's accounted peak (Plan::peak_memory().total, the figure `explain` prints and the
-// executor's allocator reaches) stays within the budget. Activations are not placed yet (only
-// params, grads and optimizer state move).
+// executor's allocator reaches) stays within the budget; and per unit, whether its saved
+// activations go to disk between its forward and its backward.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -54,22 +54,30 @@ std::string bytes_text(int64_t b) {
 }
 }  // namespace
 
-// Greedy: build the plan, measure its peak, and move to disk at least as many static bytes as the
-// peak is over the budget, taking candidates in a fixed order: optimizer state first (touched once a
-// step), then gradients (twice), then parameters (every forward and backward); within a kind the
-// largest units first (most bytes per window), ties by unit index. Then build and measure again,
-// since windows and copies add back some of what was freed. Each round moves at least one
+// Greedy: build the plan, measure its peak, and move to disk at least as many bytes as the peak is
+// over the budget, taking candidates in a fixed order: optimizer state first (touched once a step:
+// read and written by the update), then gradients (written by the backward, read by the update),
+// then saved activations (written by the forward, read by the backward), then parameters (read by
+// the forward and the backward, written by the update). Within a kind of state the largest units
+// first (most bytes per window), ties by unit index; activations in forward order (the first
+// forward's are read back last, so their reload has the most time to hide). Then build and measure
+// again, since windows and copies add back some of what was freed. Each round moves at least one
 // candidate, and typically one or two rounds after the resident plan suffice, so the number of
-// plan builds stays small (at most 3 × units + 1 in the worst case). An explicit --offload's kinds
+// plan builds stays small (at most 4 × units + 1 in the worst case). An explicit --offload's kinds
 // are a floor: those stay on disk for every unit.
 Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   const int U = static_cast<int>(desc.units.size());
   const int64_t budget = c.memory_budget;
+  const bool train = c.mode == PlanConfig::Mode::train;
   std::vector<std::array<bool, kNumStateKinds>> choice(U);
   for (auto& unit : choice) unit = c.offload.kinds;
   c.offload.kinds = {};
+  const bool all_activations = c.offload.activations;  // --offload activations: every unit's
+  std::vector<char> activations(U, all_activations ? 1 : 0);
   auto build = [&] {
     c.offload.units = choice;
+    c.offload.activations = std::find(activations.begin(), activations.end(), 1) != activations.end();
+    c.offload.activation_units = c.offload.activations && !all_activations ? activations : std::vector<char>{};
     return build_plan(desc, c);
   };
   Plan p = build();
@@ -77,17 +85,26 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   if (peak <= budget) return p;
 
   struct Candidate {
-    int kind, unit;
+    int kind, unit;  // kind: a StateKind, or kActivations
     int64_t bytes;
   };
+  constexpr int kActivations = kNumStateKinds;
+  std::vector<int64_t> saved_bytes(U, 0);  // what a unit's forward keeps for its backward
+  for (const BufferDesc& b : p.buffers)
+    if ((b.role == Role::saved || b.role == Role::recomputable) && b.unit >= 0) saved_bytes[b.unit] += b.bytes;
   std::vector<Candidate> order;
-  for (int k : {2, 1, 0}) {
+  for (int k : {2, 1, kActivations, 0}) {
     std::vector<Candidate> of_kind;
     for (int u = 0; u < U; ++u) {
+      if (k == kActivations) {
+        if (train && !activations[u] && saved_bytes[u] > 0) of_kind.push_back({k, u, saved_bytes[u]});
+        continue;
+      }
       const int64_t n = p.placed(StateKind(k), u).parts > 0 ? p.held_elems(StateKind(k), u) : 0;
       if (n > 0 && !choice[u][k]) of_kind.push_back({k, u, 4 * n * (k == 2 ? 2 : 1)});
     }
-    std::stable_sort(of_kind.begin(), of_kind.end(), [](const Candidate& a, const Candidate& b) { return a.bytes > b.bytes; });
+    if (k != kActivations)
+      std::stable_sort(of_kind.begin(), of_kind.end(), [](const Candidate& a, const Candidate& b) { return a.bytes > b.bytes; });
     order.insert(order.end(), of_kind.begin(), of_kind.end());
   }
   const std::string head = "--memory-budget " + bytes_text(budget) + ": ";
@@ -96,12 +113,15 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   int64_t smallest = peak;
   for (size_t next = 0; peak > budget;) {
     if (next == order.size())
-      throw std::invalid_argument(head + "does not fit even with every unit's params, grads and optimizer state on disk; "
-                                  "the smallest peak reachable is " + bytes_text(smallest));
+      throw std::invalid_argument(head + "does not fit even with every unit's params, grads, optimizer state" +
+                                  (train ? " and saved activations" : "") + " on disk; the smallest peak reachable is " +
+                                  bytes_text(smallest));
     int64_t freed = 0;
     for (; next < order.size() && freed < peak - budget; ++next) {
-      choice[order[next].unit][order[next].kind] = true;
-      freed += order[next].bytes;
+      const Candidate& m = order[next];
+      if (m.kind == kActivations) activations[m.unit] = 1;
+      else choice[m.unit][m.kind] = true;
+      freed += m.bytes;
     }
     try {
       p = build();

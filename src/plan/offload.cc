@@ -462,7 +462,7 @@ void offload_activations(Plan& p) {
   auto rank_of = [&](int b) { return static_cast<int>(std::lower_bound(consumers.begin(), consumers.end(), consumer[b]) - consumers.begin()); };
   std::vector<int> moved;  // in write order
   for (int b = 0; b < B; ++b)
-    if (fits[b] && rank_of(b) > d) moved.push_back(b);
+    if (fits[b] && rank_of(b) > d && p.config.offload.activations_on_disk(p.buffers[b].unit)) moved.push_back(b);
   if (moved.empty()) return;
   std::stable_sort(moved.begin(), moved.end(), [&](int x, int y) { return last_forward[x] < last_forward[y]; });
 

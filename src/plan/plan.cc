@@ -106,6 +106,16 @@ bool Plan::any_on_disk(StateKind k) const {
   return false;
 }
 
+const char* Plan::activations_where(int u) const {
+  bool kept = false;
+  for (const BufferDesc& b : buffers) {
+    if (b.unit != u || (b.role != Role::saved && b.role != Role::recomputable)) continue;
+    if (b.disk_offset >= 0) return "disk";
+    kept = true;
+  }
+  return kept ? "ram" : "-";
+}
+
 bool Plan::held_whole(StateKind k) const {
   for (const UnitPlacement& p : placement_)
     if (p.of(k).parts != 1) return false;
@@ -335,8 +345,8 @@ void mesh_text(const Mesh& mesh, std::ostream& o) {
 // With --memory-budget or --offload: where each unit's state lives, one line a unit, and the peak.
 void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
   const PlanConfig& c = plan.config;
-  if (c.memory_budget <= 0 && !c.offload.any()) return;
-  o << "\nstate per unit (params / grads / optimizer: ram | disk | - not held)";
+  if (c.memory_budget <= 0 && !c.offload.disk()) return;
+  o << "\nstate per unit (params / grads / optimizer / saved activations: ram | disk | - not held)";
   if (c.memory_budget > 0) o << ", memory budget " << c.memory_budget << " bytes per rank";
   const int64_t peak = plan.peak_memory().total;
   const std::streamsize precision = o.precision();
@@ -351,6 +361,7 @@ void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostrea
       const Placement& p = plan.placed(StateKind(k), u);
       o << (k ? " / " : " ") << (p.parts == 0 ? "-" : p.where == Location::disk ? "disk" : "ram");
     }
+    o << " / " << plan.activations_where(u);
     o << "\n";
   }
 }

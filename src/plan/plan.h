@@ -160,10 +160,15 @@ struct OffloadConfig {
   // --offload activations: the blocks' saved activations are written to disk after their forward
   // and read back, `prefetch` backward tasks ahead, for their backward.
   bool activations = false;
+  // With `activations`, a choice per unit (the budget's); empty: every unit's.
+  std::vector<char> activation_units;
   int prefetch = 2;
   bool on_disk(StateKind k, int u) const {
     const int i = static_cast<int>(k);
     return units.empty() ? kinds[i] : u < static_cast<int>(units.size()) && units[u][i];
+  }
+  bool activations_on_disk(int u) const {
+    return activations && (activation_units.empty() || (u < static_cast<int>(activation_units.size()) && activation_units[u]));
   }
   bool disk() const { return any() || activations; }  // anything at all
   // Any kind of run-long state, for some unit.
@@ -232,8 +237,9 @@ struct PlanConfig {
   // gradients are final, speculatively, and commits or rolls back once the global norm is known.
   bool pipeline_optimizer = false;
   // --memory-budget: per-rank bytes the plan's accounted peak (peak_memory().total) must stay
-  // within; the placement pass (plan/budget.cc) moves params, grads and optimizer state of units to
-  // disk until it does, and writes its choice into `offload.units`. 0: no budget.
+  // within; the placement pass (plan/budget.cc) moves params, grads and optimizer state and saved
+  // activations of units to disk until it does, and writes its choice into `offload.units` and
+  // `offload.activation_units`. 0: no budget.
   int64_t memory_budget = 0;
 };
 
@@ -319,6 +325,9 @@ struct Plan {
   // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
   bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
   bool any_on_disk(StateKind k) const;
+  // Where unit u's saved activations (what its forward keeps for its backward) are between the
+  // two: "disk" (some written to the activations file), "ram", or "-" (it keeps none).
+  const char* activations_where(int u) const;
   // Checks every placement against the mesh and the layout (throws std::logic_error) and lays out
   // each kind's buffer.
   void set_placement(std::vector<UnitPlacement> placement);
@@ -415,7 +424,9 @@ const char* to_string(StateIndex s);
 // backward (not what a recompute rebuilds) are written back by the copy stream after the forward
 // and freed, and reloaded (into the same buffer id) `prefetch` consumers ahead of the recompute or
 // backward reading them first; the last prefetch + 1 blocks' stay in memory (their reload would
-// come at once). Their allocations and frees, like windows', follow the compute stream.
+// come at once). offload.activation_units narrows this to the units chosen (the rank among
+// consumers, hence which stay, is counted over every unit's). Their allocations and frees, like
+// windows', follow the compute stream.
 // Throws std::invalid_argument naming --offload for a plan it cannot offload yet.
 void offload_pass(Plan& plan, const model::ModelDesc& desc);
 
@@ -443,7 +454,7 @@ int64_t parse_memory_budget(const std::string& text);
 
 // The placement pass (plan/budget.cc): build_plan's answer for a config with memory_budget set and
 // no per-unit choice yet. Throws std::invalid_argument naming --memory-budget when even every
-// unit's state on disk does not fit (with the smallest peak reachable).
+// unit's state and saved activations on disk do not fit (with the smallest peak reachable).
 Plan place_for_budget(const model::ModelDesc& desc, PlanConfig config);
 
 // Builds one rank's plan of a training step (or, with Mode::loss / logits, of a forward pass

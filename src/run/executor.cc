@@ -994,7 +994,7 @@ bool Executor::holds_state_of(const plan::Plan& plan) const {
 StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
   if (!holds_state_of(plan))
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
-  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}, 0};
+  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}, 0, false, {}};
   r.live.resize(plan.buffers.size());
   r.moved.assign(plan.tasks.size(), -1);
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);

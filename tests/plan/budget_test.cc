@@ -1,7 +1,8 @@
 // --memory-budget's placement pass (plan/budget.cc): the peak stays within a budget between the
 // full-offload peak and the resident one, a larger budget keeps at least as much resident, a
 // budget the resident plan fits changes nothing (even where offload is refused), an impossible one
-// is refused with one line giving the smallest peak reachable; the flag's sizes parse.
+// is refused with one line giving the smallest peak reachable; saved activations go after the
+// gradients and before the parameters, the first forward's first; the flag's sizes parse.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -24,8 +25,9 @@ int64_t peak(const Plan& p) { return p.peak_memory().total; }
 
 int64_t resident_state(const Plan& p) { return p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer; }
 
-Plan full_offload(const model::ModelDesc& d, PlanConfig c) {
+Plan full_offload(const model::ModelDesc& d, PlanConfig c, bool activations = true) {
   c.offload.kinds = {true, true, true};
+  c.offload.activations = activations;
   return build_plan(d, c);
 }
 
@@ -124,6 +126,54 @@ TEST(Budget, AnImpossibleBudgetIsRefusedWithTheSmallestPeakReachable) {
   }
   c.memory_budget = lo;  // exactly the smallest peak fits
   EXPECT_LE(peak(build_plan(d, c)), lo);
+}
+
+// Where the activations are a large part of the peak (B8 T256), a budget under what every unit's
+// state on disk reaches moves saved activations too: a prefix of the blocks in forward order (the
+// last ones stay: they are read back at once), and parameters only once every block's that can
+// move has moved.
+TEST(Budget, SavedActivationsGoAfterGradientsAndBeforeParametersFirstForwardFirst) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  c.batch = 8, c.seq = 256;
+  const int64_t state_only = peak(full_offload(d, c, false)), everything = peak(full_offload(d, c));
+  ASSERT_LT(everything, state_only);
+  const int U = static_cast<int>(d.units.size());
+  for (double f : {0.2, 0.6, 0.95, 1.5}) {
+    // f > 1: between the state-only full offload and the resident peak.
+    c.memory_budget = everything + static_cast<int64_t>(f * static_cast<double>(state_only - everything));
+    const Plan p = build_plan(d, c);
+    EXPECT_LE(peak(p), c.memory_budget) << f;
+    std::string where;
+    bool some_disk = false, ram_before_disk = false, params_gone = false, grads_left = false;
+    for (int u = 0; u < U; ++u) {
+      const std::string w = p.activations_where(u);
+      where += w + " ";
+      ram_before_disk = ram_before_disk || (w == "disk" && where.find("ram") != std::string::npos);
+      some_disk = some_disk || w == "disk";
+      params_gone = params_gone || p.on_disk(StateKind::params, u);
+      grads_left = grads_left || (p.placed(StateKind::grads, u).parts > 0 && !p.on_disk(StateKind::grads, u));
+    }
+    EXPECT_FALSE(ram_before_disk) << f << ": " << where;
+    if (f < 1) {
+      EXPECT_TRUE(some_disk) << f << ": " << where;
+      EXPECT_FALSE(grads_left) << f;
+    }
+    if (params_gone) {  // every block whose activations can move has moved
+      const Plan all = full_offload(d, c);
+      for (int u = 0; u < U; ++u) EXPECT_EQ(std::string(p.activations_where(u)), all.activations_where(u)) << f << " unit " << u;
+    }
+    const Plan again = build_plan(d, p.config);  // the choice is in the config
+    EXPECT_EQ(peak(again), peak(p)) << f;
+    EXPECT_EQ(again.activation_file_bytes, p.activation_file_bytes) << f;
+    std::printf("small B8 T256: budget %lld -> peak %lld, activations %s\n", static_cast<long long>(c.memory_budget),
+                static_cast<long long>(peak(p)), where.c_str());
+  }
+  // A forward-only plan keeps no activations for a backward: only state moves.
+  PlanConfig loss = c;
+  loss.mode = PlanConfig::Mode::loss;
+  loss.memory_budget = peak(full_offload(d, loss, false));
+  EXPECT_LE(peak(build_plan(d, loss)), loss.memory_budget);
 }
 
 TEST(Budget, SizesParseAndBadOnesNameTheFlag) {

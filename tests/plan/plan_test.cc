@@ -303,7 +303,7 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
         for (const Task& t : q.tasks)
           for (const std::vector<int>* v : {&t.allocs, &t.frees, &t.hands_off})
             for (int b : *v)
-              if (q.buffers[b].role == Role::window) EXPECT_EQ(t.stream, kCompute) << what << ": " << t.name(&d) << " " << q.buffers[b].name;
+              if (q.buffers[b].role == Role::window) { EXPECT_EQ(t.stream, kCompute) << what << ": " << t.name(&d) << " " << q.buffers[b].name; }
       };
       only_compute(p, w);
       only_compute(build_plan(d, pipelined), w + " pipelined");
@@ -329,8 +329,8 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
     const Plan p = build_plan(d, c);
     for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
       for (int k = 0; k < kNumStateKinds; ++k)
-        if (p.placed(StateKind(k), u).parts > 0)
-          EXPECT_EQ(p.on_disk(StateKind(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k;
+        if (p.placed(StateKind(k), u).parts > 0) {
+          EXPECT_EQ(p.on_disk(StateKind(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k; }
   });
 }
 
@@ -369,10 +369,10 @@ TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
         for (const Task& t : p.tasks) {
           for (const std::vector<int>* v : {&t.allocs, &t.frees, &t.hands_off})
             for (int b : *v)
-              if (p.buffers[b].disk_offset >= 0) EXPECT_EQ(t.stream, kCompute) << w << ": " << t.name(&d) << " " << p.buffers[b].name;
+              if (p.buffers[b].disk_offset >= 0) { EXPECT_EQ(t.stream, kCompute) << w << ": " << t.name(&d) << " " << p.buffers[b].name; }
           // A rebuilt buffer is never written out.
-          if (t.op == Op::recompute)
-            for (int a : t.allocs) EXPECT_LT(p.buffers[a].disk_offset, 0) << w << ": " << p.buffers[a].name;
+          if (t.op == Op::recompute) {
+            for (int a : t.allocs) EXPECT_LT(p.buffers[a].disk_offset, 0) << w << ": " << p.buffers[a].name; }
         }
         // Blocks (units whose forward keeps something other than rebuilt activations) beyond
         // the first prefetch + 1 the backward reaches are offloaded.
@@ -519,7 +519,7 @@ TEST(Plan, PipelinedUpdatesWaitForTheirGradientsAndTheCommitForThemAll) {
     }
     EXPECT_TRUE(overlaps) << "no update can run during the backward";
     for (const Task& t : p.tasks) {
-      if (t.op == Op::param_gather || t.op == Op::loss_reduce) EXPECT_TRUE(p.depends_on(t.id, commit)) << t.name(&d);
+      if (t.op == Op::param_gather || t.op == Op::loss_reduce) { EXPECT_TRUE(p.depends_on(t.id, commit)) << t.name(&d); }
       if (t.op == Op::optimizer || t.op == Op::grad_norm || t.op == Op::optimizer_commit) continue;
       for (const StateTouch& x : state_touches(p, d, t))
         if (x.state == StateIndex::grads && x.write) {
@@ -558,7 +558,7 @@ TEST(Plan, PipelinedOptimizerWithOffloadMovesOnlyTheNorms) {
       EXPECT_NE(t.op, Op::optimizer_commit);
       if (t.op == Op::grad_norm) last_norm = t.id;
       if (t.op == Op::optimizer && first_update < 0) first_update = t.id;
-      if (t.op == Op::optimizer) EXPECT_LT(t.io.rollback, 0);
+      if (t.op == Op::optimizer) { EXPECT_LT(t.io.rollback, 0); }
     }
     ASSERT_GE(first_update, 0);
     EXPECT_TRUE(p.depends_on(first_update, last_norm));
@@ -1017,11 +1017,11 @@ TEST(Plan, ExpertsAreHeldAsEachExpertRanksSlice) {
                           (t.first_unit >= 0 && t.last_unit <= u && u <= t.first_unit);
         if (!mine || t.stream == kCompute || t.op == Op::exchange) continue;
         EXPECT_EQ(std::count(t.axes.begin(), t.axes.end(), ep), 0) << to_string(s) << " " << t.name(&moe);
-        if (t.op == Op::all_reduce && t.first_unit >= 0) EXPECT_EQ(t.first_unit, t.last_unit) << to_string(s);
+        if (t.op == Op::all_reduce && t.first_unit >= 0) { EXPECT_EQ(t.first_unit, t.last_unit) << to_string(s); }
       }
       for (const BufferDesc& b : p.buffers)
-        if (b.unit == u && (b.role == Role::gathered || b.role == Role::full_grads))
-          EXPECT_EQ(b.bytes, 4 * p.layout.units[x].padded / K) << to_string(s) << " " << b.name;
+        if (b.unit == u && (b.role == Role::gathered || b.role == Role::full_grads)) {
+          EXPECT_EQ(b.bytes, 4 * p.layout.units[x].padded / K) << to_string(s) << " " << b.name; }
     }
   }
 }

@@ -69,6 +69,47 @@ TEST(BudgetSlow, ATrainRunUnderABudgetStaysWithinItAndKeepsTheLossesExact) {
   runs.remove();
 }
 
+// small B4 T256 (over the test corpus): its saved activations are most of the peak once the state
+// is on disk, so a budget between the peak with everything on disk and the one with only the state
+// there moves saved activations to the activations file; the run stays within the budget and its
+// losses are exactly the resident run's.
+TEST(BudgetSlow, ABudgetUnderTheStateOffloadPeakMovesSavedActivations) {
+  testing::TinyRuns runs;
+  runs.flags = "--lr 3e-3 --eps 1e-6 --seq 256";
+  ASSERT_EQ(runs.create("budget_activations").code, 0);
+  const std::string explain = "explain --model small --vocab 256 --batch 4 --seq 256 --threads 1";
+  auto peak_of = [&](const std::string& flags) {
+    const Result r = shardlm(explain + flags);
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(r.out, m, std::regex("total at peak: ([0-9]+)"))) << r.out;
+    return m.empty() ? int64_t{0} : std::stoll(m[1]);
+  };
+  const int64_t state = peak_of(" --offload params,grads,optimizer"),
+                everything = peak_of(" --offload params,grads,optimizer,activations");
+  ASSERT_LT(everything, state);
+  const int64_t budget = everything + (state - everything) / 2;
+  const Result shown = shardlm(explain + " --memory-budget " + std::to_string(budget));
+  ASSERT_EQ(shown.code, 0) << shown.out;
+  EXPECT_TRUE(std::regex_search(shown.out, std::regex("h\\.0 +(ram|disk) / disk / disk / disk"))) << shown.out;
+  std::smatch m;  // the activations' own peak the plan accounts, which the allocator must reach
+  ASSERT_TRUE(std::regex_search(shown.out, m, std::regex("activations: static 0, at peak [0-9]+ \\([^)]*\\), own peak ([0-9]+)"))) << shown.out;
+  const int64_t planned_activations = std::stoll(m[1]);
+
+  const Result a = shardlm(runs.args("resident", 3, 4, "small"));
+  ASSERT_EQ(a.code, 0) << a.out;
+  const Result b = shardlm(runs.args("budget", 3, 4, "small") + " --memory-budget " + std::to_string(budget));
+  ASSERT_EQ(b.code, 0) << b.out;
+  const auto want = step_losses(runs.out("resident") / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 3u);
+  EXPECT_EQ(step_losses(runs.out("budget") / "metrics.jsonl"), want);  // exact
+  for (const auto& row : testing::read_metrics(runs.out("budget") / "metrics.jsonl")) {
+    if (!row.contains("loss")) continue;
+    EXPECT_LE(row["mem"]["total"].get<int64_t>(), budget) << "step " << row["step"];
+    EXPECT_EQ(row["mem_max"]["activations"].get<int64_t>(), planned_activations) << "step " << row["step"];
+  }
+  runs.remove();
+}
+
 TEST(Budget, BadSizesAreRefusedWithOneLineNamingTheFlag) {
   for (const char* bad : {"lots", "8XB", "0", "-1"}) {
     const Result r = shardlm(std::string("explain --model tiny --batch 2 --seq 32 --memory-budget ") + bad);

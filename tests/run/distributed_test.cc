@@ -593,9 +593,10 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     pc.ep = l.ep;
     const plan::Plan p = plan::build_plan(desc, pc);
     for (size_t u = 0; u < desc.units.size(); ++u)
-      if (desc.units[u].kind == model::UnitKind::moe_experts && l.strategy == "ddp")
+      if (desc.units[u].kind == model::UnitKind::moe_experts && l.strategy == "ddp") {
         for (plan::StateKind k : {plan::StateKind::params, plan::StateKind::grads, plan::StateKind::optimizer})
           EXPECT_EQ(p.held_elems(k, static_cast<int>(u)) * l.ep, one.held_elems(k, static_cast<int>(u))) << s;
+      }
 
     const fs::path trace = dir_ / ("moe_" + s + ".json");
     const auto r = mpirun(l.ranks, runs_.args("moe_" + s, kSteps, 4 / l.ranks, "moe-tiny") + l.flags() + " --trace " +

@@ -339,12 +339,16 @@ TEST_F(OffloadSlow, OnTmpfsTheLogSaysWhichIoWasUsed) {
   EXPECT_EQ(step_losses(dir_ / "tmpfs" / "metrics.jsonl"), step_losses(dir_ / "tmpfs_resident" / "metrics.jsonl"));
 }
 
-// A run of many steps started in the background; `damage` strikes its params file once it has
-// saved a checkpoint and gone on. The run must stop with one line naming the file, and the
+// Saved activations alone on disk: with prefetch 0 every block's but the last's are written out.
+const std::string kActivations = " --offload activations --offload-prefetch 0";
+
+// A run of many steps started in the background; `damage` strikes its offload file `file` once it
+// has saved a checkpoint and gone on. The run must stop with one line naming the file, and the
 // checkpoint it saved must still load (a resume runs from it).
-void damaged_mid_run(const std::string& name, const std::function<void(const fs::path&)>& damage, const std::string& what) {
+void damaged_mid_run(const std::string& name, const std::function<void(const fs::path&)>& damage, const std::string& what,
+                     const std::string& file_name = "params", const std::string& offload = kAll) {
   const fs::path dir = OffloadSlow::runs_.dir, out = dir / name, log = dir / (name + ".log");
-  const std::string cmd = testing::shardlm_binary() + " " + OffloadSlow::runs_.args(name, 100000, 2) + kAll +
+  const std::string cmd = testing::shardlm_binary() + " " + OffloadSlow::runs_.args(name, 100000, 2) + offload +
                           " --save-every 2 > " + log.string() + " 2>&1";
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
@@ -352,7 +356,7 @@ void damaged_mid_run(const std::string& name, const std::function<void(const fs:
     execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
-  const fs::path file = out / "offload" / "rank-00000.params";
+  const fs::path file = out / "offload" / ("rank-00000." + file_name);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   int status = 0;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -376,7 +380,7 @@ void damaged_mid_run(const std::string& name, const std::function<void(const fs:
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << text;
   EXPECT_NE(text.find("offload file " + file.string() + ": " + what), std::string::npos) << text;
   // The latest checkpoint is intact: a fresh run resumes from it and trains on.
-  const Result r = shardlm(OffloadSlow::loud(OffloadSlow::runs_.args(name + "_resumed", 7, 2)) + kAll + " --resume " +
+  const Result r = shardlm(OffloadSlow::loud(OffloadSlow::runs_.args(name + "_resumed", 7, 2)) + offload + " --resume " +
                            out.string() + " --resume-override steps");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("resumed from " + out.string()), std::string::npos) << r.out;
@@ -390,29 +394,47 @@ TEST_F(OffloadSlow, AFileDeletedMidRunStopsTheRunNamingIt) {
   damaged_mid_run("deleted", [](const fs::path& f) { fs::remove(f); }, "deleted while the run was using it");
 }
 
+// The activations file likewise (a scratch file within each step, written and read every step).
+TEST_F(OffloadSlow, AnActivationsFileTruncatedMidRunStopsTheRunNamingIt) {
+  damaged_mid_run("act_truncated", [](const fs::path& f) { fs::resize_file(f, 4096); }, "is 4096 bytes", "activations",
+                  kActivations);
+}
+
+TEST_F(OffloadSlow, AnActivationsFileDeletedMidRunStopsTheRunNamingIt) {
+  damaged_mid_run("act_deleted", [](const fs::path& f) { fs::remove(f); }, "deleted while the run was using it",
+                  "activations", kActivations);
+}
+
 // A read the disk fails (SHARDLM_FAULT_DISK_READ=0:5: rank 0's first read of step 5, an EIO
 // through the disk store's read_fault seam): the run stops with one line naming the file, and
-// the step-4 checkpoint it saved before resumes.
-TEST_F(OffloadSlow, AReadErrorStopsTheRunNamingTheFile) {
-  runs_.flags = "--lr 3e-3 --eps 1e-6 --save-every 2";
-  const std::string a = args("readerr", 8) + kAll;
-  runs_.flags = "--lr 3e-3 --eps 1e-6 --save-every 5";
+// the step-4 checkpoint it saved before resumes. With the state on disk the first read is a
+// state window's; with saved activations alone, an activation slot's.
+void read_error(const std::string& name, const std::string& offload, const std::string& file_name) {
+  testing::TinyRuns& runs = OffloadSlow::runs_;
+  const fs::path dir = OffloadSlow::dir_;
+  runs.flags = "--lr 3e-3 --eps 1e-6 --save-every 2";
+  const std::string a = runs.args(name, 8, 2) + offload;
+  runs.flags = "--lr 3e-3 --eps 1e-6 --save-every 5";
   const Result r = testing::run_command("SHARDLM_FAULT_DISK_READ=0:5 " + testing::shardlm_binary() + " " + a);
   EXPECT_NE(r.code, 0) << r.out;
-  const fs::path files = dir_ / "readerr" / "offload";
-  EXPECT_NE(r.out.find("offload file " + files.string() + "/rank-00000."), std::string::npos) << r.out;
+  const fs::path files = dir / name / "offload";
+  EXPECT_NE(r.out.find("offload file " + files.string() + "/rank-00000." + file_name), std::string::npos) << r.out;
   const size_t at = r.out.find(": read failed: Input/output error");
   ASSERT_NE(at, std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("read failed", at + 13), std::string::npos) << "said more than once:\n" << r.out;
   const size_t begin = r.out.rfind('\n', at) + 1;  // npos + 1: the first line
   std::printf("the run's line: %s\n", r.out.substr(begin, r.out.find('\n', at) - begin).c_str());
-  EXPECT_TRUE(fs::exists(dir_ / "readerr" / "ckpt" / "step_4")) << r.out;
-  EXPECT_FALSE(fs::exists(dir_ / "readerr" / "ckpt" / "step_6")) << r.out;
-  const Result resumed = shardlm(loud(args("readerr_resumed", 6)) + kAll + " --resume " + (dir_ / "readerr").string() +
-                                 " --resume-override steps");
+  EXPECT_TRUE(fs::exists(dir / name / "ckpt" / "step_4")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / name / "ckpt" / "step_6")) << r.out;
+  const Result resumed = shardlm(OffloadSlow::loud(runs.args(name + "_resumed", 6, 2)) + offload + " --resume " +
+                                 (dir / name).string() + " --resume-override steps");
   EXPECT_EQ(resumed.code, 0) << resumed.out;
-  EXPECT_NE(resumed.out.find("resumed from " + (dir_ / "readerr").string()), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from " + (dir / name).string()), std::string::npos) << resumed.out;
 }
+
+TEST_F(OffloadSlow, AReadErrorStopsTheRunNamingTheFile) { read_error("readerr", kAll, ""); }
+
+TEST_F(OffloadSlow, AnActivationsReadErrorStopsTheRunNamingTheFile) { read_error("act_readerr", kActivations, "activations:"); }
 
 // The files are written out in full before the first step, so a disk too small (or a file size
 // limit) fails there, naming the file; nothing is left behind.
@@ -426,6 +448,15 @@ TEST_F(OffloadSlow, AWriteTheFilesystemRefusesStopsTheRunNamingTheFile) {
             std::string::npos)
       << r.out;
   EXPECT_FALSE(fs::exists(out / "offload" / "rank-00000.params"));
+  // The activations file is made whole before the first step too (0.2 MiB here).
+  const Result act = testing::run_command("sh -c \"trap '' XFSZ; ulimit -f 32; exec " + testing::shardlm_binary() + " " +
+                                          args("act_fsize", 3) + kActivations + "\"");
+  EXPECT_NE(act.code, 0) << act.out;
+  EXPECT_NE(act.out.find("offload file " + (dir_ / "act_fsize" / "offload").string() +
+                         "/rank-00000.activations: write failed: File too large"),
+            std::string::npos)
+      << act.out;
+  EXPECT_FALSE(fs::exists(dir_ / "act_fsize" / "offload" / "rank-00000.activations"));
   // A full disk: a 256 KiB tmpfs (needs root; skipped without it).
   const fs::path tiny = dir_ / "tinyfs";
   fs::create_directories(tiny);

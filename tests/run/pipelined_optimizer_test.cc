@@ -80,7 +80,7 @@ void expect_bitwise(int ranks, const std::string& layout, const std::string& cli
   const size_t own = plan.out.find("own peak ", at);
   const int64_t planned = std::stoll(plan.out.substr(own + 9));
   for (const auto& row : testing::read_metrics(y / "metrics.jsonl"))
-    if (row.contains("loss")) EXPECT_EQ(row["mem_max"]["optimizer"].get<int64_t>(), planned) << "step " << row["step"];
+    if (row.contains("loss")) { EXPECT_EQ(row["mem_max"]["optimizer"].get<int64_t>(), planned) << "step " << row["step"]; }
 }
 
 TEST_F(PipelinedOptimizerSlow, OneProcessIsBitwiseWhetherTheNormClipsOrNot) {
