@@ -426,6 +426,12 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
   plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
       ->check(bounded(0, true, 1e18));
+  plan_cmd->add_option("--disk-per-rank", pa.disk,
+                       "the disk tier: where nothing fits in memory, search placements of state and saved activations on "
+                       "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)");
+  plan_cmd->add_flag("--largest-model", pa.largest,
+                     "report the most layers of --model's shape (width, heads, vocabulary kept) that fit the budget, "
+                     "with its fastest configuration");
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
   plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
   add_goodput_options(plan_cmd, pa.goodput);

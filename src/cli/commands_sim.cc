@@ -88,6 +88,17 @@ nlohmann::json level_json(const sim::GoodputLevel& l) {
           {"kept", l.kept}};
 }
 
+// --disk-per-rank: the disk tier's bytes per rank; the profile must price the disk.
+int64_t disk_budget_of(const PlanArgs& a, const sim::HardwareProfile& hw) {
+  if (a.disk.empty()) return 0;
+  const int64_t bytes = plan::parse_bytes(a.disk, "--disk-per-rank");
+  if (hw.disk_read_bw <= 0)
+    throw std::invalid_argument("--disk-per-rank: the hardware profile '" + hw.name +
+                                "' has no disk figures (disk_read_bw, disk_write_bw, disk_latency_s; calibrate "
+                                "--offload-dir DIR measures them)");
+  return bytes;
+}
+
 sim::PlanSearch search_and_print(PlanArgs& a) {
   a.cfg.data = "-";
   a.cfg.validate();
@@ -98,6 +109,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
   q.expert_load = expert_load_of(a.moe_imbalance, desc);
+  q.disk_budget = disk_budget_of(a, hw);
   // Branch and bound for the rows printed; ranked by goodput the bound on step time is not the
   // order, so every configuration is simulated there.
   q.top = a.goodput.mtbf_hours > 0 ? 0 : a.top;
@@ -140,6 +152,10 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
              s.invalid, s.built, s.simulated, s.fit - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
              s.refined, s.fitting.size());
+  if (s.on_disk > 0)
+    fmt::print("disk tier: nothing fits in memory; {} configurations searched with state and saved activations placed on "
+               "disk (--memory-budget), files within {:.3f} GiB per rank, copies priced at the profile's disk figures\n",
+               s.on_disk, q.disk_budget / 1073741824.0);
   if (desc.config.family == model::Family::moe)
     fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
                desc.config.n_experts, a.ranks, expert_load_note(a.moe_imbalance));
@@ -148,12 +164,14 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                "prints the intervals)\n",
                a.goodput.mtbf_hours, a.goodput.restart_s);
   // alike: other fitting flag sets predicted exactly the same (knobs that change nothing here).
-  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}  {:>5}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB", "alike",
+  const bool disk = s.on_disk > 0;
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}{}  {:>5}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB",
+             disk ? fmt::format("  {:>10}", "disk GiB") : "", "alike",
              failures ? fmt::format("  {:>8}  {:>12}", "goodput", "good tok/s") : "", "flags");
   for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
     const sim::Candidate& c = s.fitting[i];
-    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}  {:>5}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
-               c.peak_bytes / 1073741824.0, c.alike,
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}{}  {:>5}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
+               c.peak_bytes / 1073741824.0, disk ? fmt::format("  {:>10.3f}", c.disk_bytes / 1073741824.0) : "", c.alike,
                failures ? fmt::format("  {:>7.2f}%  {:>12.0f}", 100 * kept[i], c.tokens_per_s * kept[i]) : "", c.flags);
   }
   return s;
@@ -171,6 +189,8 @@ train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c)
   tc.max_gathers_in_flight = c.max_gathers_in_flight;
   tc.bucket_mb = c.bucket_mb;
   tc.gather_bucket_mb = c.gather_bucket_mb;
+  tc.cp = c.cp, tc.cp_impl = model::to_string(c.cp_impl);
+  if (c.memory_budget > 0) tc.memory_budget = std::to_string(c.memory_budget);
   tc.param_dtype = c.param_bytes == 2 ? "bf16" : "fp32";
   tc.reduce_dtype = c.reduce_bytes == 2 ? "bf16" : "fp32";
   tc.data = a.data, tc.out = a.out, tc.overwrite = a.overwrite;
@@ -485,7 +505,43 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
 
 // `plan --run`: every rank searches (the search is deterministic), trains the best for a few
 // steps, and rank 0 prints predicted against measured (median step after 2 untimed).
+// plan --largest-model: the most layers of --model's shape that fit, and how to train it.
+void print_largest_model(PlanArgs& a) {
+  a.cfg.data = "-";
+  a.cfg.validate();
+  const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
+  sim::require_collectives(hw, a.ranks);
+  const model::ModelConfig m = a.cfg.model_config(50257);
+  sim::PlanQuery q;
+  q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
+  q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  q.expert_load = expert_load_of(a.moe_imbalance, model::describe(m));
+  q.disk_budget = disk_budget_of(a, hw);
+  q.top = 1;
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  const sim::LargestFit f = sim::largest_model(m, train::plan_config(a.cfg, a.ranks), hw, q);
+  const std::string within = fmt::format("{:.3f} GiB of memory per rank{}", q.memory_budget / 1073741824.0,
+                                         q.disk_budget ? fmt::format(" and {:.3f} GiB of disk", q.disk_budget / 1073741824.0) : "");
+  if (f.n_layer == 0)
+    throw std::runtime_error(fmt::format("plan --largest-model: not even one layer of {}'s shape fits {} on {} rank(s) at "
+                                         "{} tokens per step",
+                                         a.cfg.model, within, a.ranks, a.global_batch));
+  fmt::print("largest model of {}'s shape (n_embd {}, n_head {}, vocabulary {}) that fits {} on {} rank(s) x {} thread(s), "
+             "{} tokens per step, {}: n_layer {}{} ({:.3f} B parameters)\n",
+             a.cfg.model, m.n_embd, m.n_head, m.vocab_size, within, a.ranks, a.cfg.threads, a.global_batch, hw.name,
+             f.n_layer, f.capped ? " or more (the search stops there)" : "", f.params / 1e9);
+  fmt::print("fastest: step {:.3f} ms, {:.0f} tokens/s, MFU {:.1f}%, memory {:.3f} GiB{}: --n-layer {} {}\n", f.best.step_ms,
+             f.best.tokens_per_s, 100 * f.best.mfu, f.best.peak_bytes / 1073741824.0,
+             f.best.disk_bytes ? fmt::format(", disk {:.3f} GiB", f.best.disk_bytes / 1073741824.0) : "", f.n_layer, f.best.flags);
+}
+
 int run_plan(PlanArgs& a) {
+  if (a.largest) {
+    if (a.run) throw std::invalid_argument("plan --largest-model: not with --run (train the model it reports with its flags)");
+    print_largest_model(a);
+    return 0;
+  }
   if (!a.run) {
     search_and_print(a);
     return 0;

@@ -59,6 +59,8 @@ struct PlanArgs {
   int ranks = 1, top = 10;
   int64_t global_batch = 0;
   double memory = -1;  // bytes per rank; unset: the profile's device memory
+  std::string disk;    // --disk-per-rank: the disk tier's bytes per rank (sizes as --memory-budget's); empty: none
+  bool largest = false;  // --largest-model
   std::string hardware = "cpu-local";
   bool run = false, overwrite = false, talk = true;
   std::string data, out = "runs/plan";

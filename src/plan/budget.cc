@@ -13,9 +13,11 @@
 
 namespace shardlm::plan {
 
-int64_t parse_memory_budget(const std::string& text) {
+int64_t parse_memory_budget(const std::string& text) { return parse_bytes(text, "--memory-budget"); }
+
+int64_t parse_bytes(const std::string& text, const std::string& flag) {
   auto bad = [&](const std::string& why) {
-    return std::invalid_argument("--memory-budget: '" + text + "' " + why +
+    return std::invalid_argument(flag + ": '" + text + "' " + why +
                                  " (bytes per rank: 4096, 512MiB, 8GB; K/M/G/T with B = 10^3 steps or iB = 2^10)");
   };
   size_t i = 0;

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tensor/disk_store.h"
+
 namespace shardlm::plan {
 
 const char* to_string(Strategy s) {
@@ -104,6 +106,15 @@ bool Plan::any_on_disk(StateKind k) const {
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
     if (on_disk(k, u)) return true;
   return false;
+}
+
+int64_t Plan::disk_bytes() const {
+  int64_t bytes = activation_file_bytes;
+  for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
+    for (int k = 0; k < kNumStateKinds; ++k)
+      if (on_disk(StateKind(k), u))
+        bytes += disk_aligned(4 * held_elems(StateKind(k), u)) * (StateKind(k) == StateKind::optimizer ? 2 : 1);
+  return bytes;
 }
 
 const char* Plan::activations_where(int u) const {
@@ -350,7 +361,8 @@ void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostrea
   if (c.memory_budget > 0) o << ", memory budget " << c.memory_budget << " bytes per rank";
   const int64_t peak = plan.peak_memory().total;
   const std::streamsize precision = o.precision();
-  o << ", accounted peak " << peak << " (" << std::fixed << std::setprecision(1) << peak / 1048576.0 << " MiB):\n";
+  o << ", accounted peak " << peak << " (" << std::fixed << std::setprecision(1) << peak / 1048576.0 << " MiB), on disk "
+    << plan.disk_bytes() << " bytes:\n";
   o.unsetf(std::ios::floatfield);
   o.precision(precision);
   size_t width = 0;

@@ -325,6 +325,9 @@ struct Plan {
   // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
   bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
   bool any_on_disk(StateKind k) const;
+  // Bytes of this rank's offload files: each unit's part of each kind of state it keeps on disk,
+  // padded to the disk's 4 KiB (the optimizer's two moments apart), and the activations file.
+  int64_t disk_bytes() const;
   // Where unit u's saved activations (what its forward keeps for its backward) are between the
   // two: "disk" (some written to the activations file), "ram", or "-" (it keeps none).
   const char* activations_where(int u) const;
@@ -451,6 +454,8 @@ std::vector<StateTouch> state_touches(const Plan& plan, const model::ModelDesc& 
 // --memory-budget BYTES: "8GB" (10^9), "512MiB" (2^20), "4096" (bytes); K/M/G/T with B or iB.
 // Throws std::invalid_argument naming --memory-budget for anything else or a value <= 0.
 int64_t parse_memory_budget(const std::string& text);
+// The same sizes for another flag (plan's --disk-per-rank), named in the error.
+int64_t parse_bytes(const std::string& text, const std::string& flag);
 
 // The placement pass (plan/budget.cc): build_plan's answer for a config with memory_budget set and
 // no per-unit choice yet. Throws std::invalid_argument naming --memory-budget when even every

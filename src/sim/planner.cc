@@ -43,6 +43,7 @@ std::string flags_of(const PlanConfig& c) {
       << " --keep-gathered " << keep_list(c.keep_gathered) << " --gather-bucket-mb " << c.gather_bucket_mb;
   if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
   if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
+  if (c.memory_budget > 0) o << " --memory-budget " << c.memory_budget;
   return o.str();
 }
 
@@ -436,6 +437,42 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
   return best;
 }
 
+namespace {
+
+// The disk tier's configurations (PlanQuery::disk_budget): the strategy it runs (fsdp; ddp on one
+// rank), every sequence of the rank in one micro-batch, each recompute mode and prefetch depth,
+// each ep; q.memory_budget as their --memory-budget. A handful, each a few plan builds (the
+// placement pass's), so they are built and simulated one by one.
+void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const HardwareProfile& hw, const PlanQuery& q,
+                      const std::vector<int>& eps, PlanSearch& out) {
+  PlanConfig c = b;
+  c.strategy = q.ranks == 1 ? Strategy::ddp : Strategy::fsdp;
+  c.batch = q.global_tokens / (static_cast<int64_t>(q.ranks) * q.seq), c.grad_accum = 1;
+  c.memory_budget = q.memory_budget;
+  for (int ep : eps)
+    for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
+      for (int pf : c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1}) {
+        c.ep = ep, c.recompute = r, c.prefetch_forward = c.prefetch_backward = pf;
+        ++out.considered, ++out.on_disk;
+        plan::Plan p;
+        try {
+          p = plan::build_plan(desc, c);
+        } catch (const std::invalid_argument&) {  // refused, or nothing on disk fits the budget
+          ++out.invalid;
+          continue;
+        }
+        ++out.built;
+        const SimResult r = simulate(desc, p, hw, q.threads, q.expert_load);
+        Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c), p.disk_bytes()};
+        if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+        if (k.disk_bytes > q.disk_budget) continue;
+        ++out.simulated;
+        out.fitting.push_back(std::move(k));
+      }
+}
+
+}  // namespace
+
 PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, const HardwareProfile& hw,
                         const PlanQuery& q) {
   const int64_t per_step = static_cast<int64_t>(q.ranks) * q.seq;
@@ -503,12 +540,15 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
     search({{1, model::ContextImpl::ring}});
     if (out.fitting.empty() && q.memory_budget > 0) search(cps);
   }
+  if (out.fitting.empty() && q.memory_budget > 0 && q.disk_budget > 0) search_disk_tier(desc, b, hw, q, eps, out);
   rank(out.fitting);
-  // Selective unsharding, unit by unit, on the fastest few sharded configurations.
+  // Selective unsharding, unit by unit, on the fastest few sharded configurations in memory.
   std::vector<Candidate> refined;
   for (size_t i = 0, tried = 0; i < out.fitting.size() && tried < 3; ++i) {
     const Candidate& c = out.fitting[i];
-    if ((c.config.strategy != Strategy::fsdp && c.config.strategy != Strategy::hybrid) || !c.config.keep_gathered.empty()) continue;
+    if ((c.config.strategy != Strategy::fsdp && c.config.strategy != Strategy::hybrid) || !c.config.keep_gathered.empty() ||
+        c.config.memory_budget > 0)
+      continue;
     ++tried;
     Candidate k = keep_greedily(desc, hw, q, c);
     if (!k.config.keep_gathered.empty()) refined.push_back(std::move(k));
@@ -519,6 +559,46 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   out.fit = static_cast<int64_t>(out.fitting.size());
   collapse_alike(out.fitting);
   return out;
+}
+
+LargestFit largest_model(const model::ModelConfig& model, const PlanConfig& base, const HardwareProfile& hw,
+                         const PlanQuery& q) {
+  if (q.memory_budget <= 0)
+    throw std::invalid_argument("plan --largest-model: needs a memory budget (--memory-per-rank, or a profile's device memory)");
+  std::map<int64_t, LargestFit> seen;
+  auto fit = [&](int64_t layers) -> const LargestFit& {
+    auto it = seen.find(layers);
+    if (it != seen.end()) return it->second;
+    model::ModelConfig m = model;
+    m.n_layer = layers;
+    const model::ModelDesc desc = model::describe(m);
+    PlanSearch s = search_plans(desc, base, hw, q);
+    LargestFit f;
+    if (!s.fitting.empty()) f.n_layer = layers, f.params = desc.num_params(), f.best = std::move(s.fitting.front());
+    return seen[layers] = std::move(f);
+  };
+  // Every parameter's value and both AdamW moments (12 bytes) are somewhere in the ranks' memory or
+  // on their disks, so no depth past this fits (what keeps the searches off deep, slow plans).
+  model::ModelConfig one = model, two = model;
+  one.n_layer = 1, two.n_layer = 2;
+  const double per_layer = static_cast<double>(model::describe(two).num_params() - model::describe(one).num_params());
+  const double room = static_cast<double>(q.memory_budget + q.disk_budget) * q.ranks;
+  const int64_t most = std::clamp<int64_t>(static_cast<int64_t>(room / (12 * std::max(per_layer, 1.0))), 1, kMaxLargestLayers);
+  int64_t lo = 0, hi = std::min<int64_t>(std::max<int64_t>(model.n_layer, 1), most);  // lo fits, hi unknown
+  while (fit(hi).n_layer > 0) {  // double until one does not fit
+    lo = hi;
+    if (hi == most) {
+      LargestFit f = fit(hi);
+      f.capped = hi == kMaxLargestLayers;
+      return f;
+    }
+    hi = std::min(2 * hi, most);
+  }
+  while (hi - lo > 1) {  // lo fits (or is 0), hi does not
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fit(mid).n_layer > 0 ? lo : hi) = mid;
+  }
+  return lo > 0 ? fit(lo) : LargestFit{};
 }
 
 }  // namespace shardlm::sim

@@ -37,6 +37,12 @@ struct PlanQuery {
   int top = 0;
   // Context parallelism beside cp 1 (every cp, both forms); false: only where nothing fits at cp 1.
   bool context_always = false;
+  // Bytes per rank the disk tier may hold (its offload files, Plan::disk_bytes); 0: no disk tier.
+  // Where nothing fits memory_budget in memory, the configurations the disk tier runs (fsdp, or
+  // one process; no gradient accumulation) are searched with memory_budget as their
+  // --memory-budget: the placement pass moves state and saved activations to disk until they fit.
+  // The profile must price the disk (disk_read_bw).
+  int64_t disk_budget = 0;
 };
 
 struct Candidate {
@@ -44,6 +50,7 @@ struct Candidate {
   double step_ms = 0, tokens_per_s = 0, mfu = 0, comm_exposed_ms = 0;
   int64_t peak_bytes = 0;
   std::string flags;  // the train / simulate flags that reproduce it
+  int64_t disk_bytes = 0;  // its offload files (the disk tier; PlanQuery::disk_budget)
   // Other fitting configurations predicted exactly alike (step time and memory): knobs that change
   // nothing here (e.g. gathers in flight where none wait). This one is the first of them found.
   int64_t alike = 0;
@@ -61,6 +68,7 @@ struct PlanSearch {
   int64_t bounded = 0;              // of `considered`, in a class whose floor is above the top (PlanQuery::top)
   int64_t classes = 0;              // floor_class classes: the first plan of each is built (and counted) for its floor
   int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
+  int64_t on_disk = 0;              // of `considered`, those searched with the disk tier (PlanQuery::disk_budget)
   // The least memory of all built (to say by how much nothing fits: then nothing is bounded).
   Candidate smallest;
 };
@@ -78,6 +86,22 @@ PlanSearch search_plans(const model::ModelDesc& desc, const plan::PlanConfig& ba
                         const PlanQuery& q);
 
 std::string flags_of(const plan::PlanConfig& c);
+
+// The deepest model of `model`'s shape (its n_layer varied; width, heads, vocabulary kept) for
+// which search_plans finds a configuration fitting q's memory budget (and, with q.disk_budget, the
+// disk tier's), with that search's fastest configuration. Doubling from the model's own depth up
+// to the depth whose parameters and moments alone (12 bytes each) fill every rank's memory and
+// disk budgets, then bisection: O(log L) searches, assuming (as the memory does) that a deeper
+// model needs no less. n_layer 0: not even one layer fits. Throws std::invalid_argument without a
+// memory budget.
+struct LargestFit {
+  int64_t n_layer = 0, params = 0;
+  bool capped = false;  // kMaxLargestLayers fits: the true answer is at least that
+  Candidate best;
+};
+inline constexpr int64_t kMaxLargestLayers = 1 << 14;
+LargestFit largest_model(const model::ModelConfig& model, const plan::PlanConfig& base, const HardwareProfile& hw,
+                         const PlanQuery& q);
 
 // The branch and bound's class of a configuration: configurations with the same key have the same
 // unit compute and exchanges, so the same step_floor_ms (Planner.StepFloor... holds it): the

@@ -290,6 +290,40 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
                         {"no configuration", "1000"});
 }
 
+// With --disk-per-rank, under a budget nothing fits in memory (small over the corpus's 256 tokens:
+// 192 MB at least), plan offers disk-tier configurations; the first one's flags train within the
+// budget. --largest-model reports a depth and the flags to train it. A profile without disk
+// figures, and --largest-model with --run, are refused in one line.
+TEST_F(Simulate, PlannerOffersTheDiskTierAndTheLargestModel) {
+  const std::string plan = "plan --model small --vocab 256 --ranks 1 --threads 1 --seq 256 --global-batch 1024 --top 1 ";
+  const int64_t budget = 150000000;
+  const Result p = shardlm(plan + "--memory-per-rank " + std::to_string(budget) + " --disk-per-rank 1GiB");
+  ASSERT_EQ(p.code, 0) << p.out;
+  EXPECT_NE(p.out.find("disk tier: nothing fits in memory"), std::string::npos) << p.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
+  const std::string flags = m[1];
+  EXPECT_NE(flags.find("--memory-budget " + std::to_string(budget)), std::string::npos) << flags;
+  const Result run = shardlm("train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " +
+                             (dir_ / "planned_disk").string() + " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet");
+  ASSERT_EQ(run.code, 0) << run.out;
+  const auto rows = shardlm::testing::read_metrics(dir_ / "planned_disk" / "metrics.jsonl");
+  ASSERT_FALSE(rows.empty());
+  ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();
+  EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+
+  const Result l = shardlm(plan + "--memory-per-rank " + std::to_string(budget) + " --disk-per-rank 1GiB --largest-model");
+  ASSERT_EQ(l.code, 0) << l.out;
+  ASSERT_TRUE(std::regex_search(l.out, m, std::regex("n_layer ([0-9]+) \\(([0-9.]+) B parameters\\)"))) << l.out;
+  EXPECT_GT(std::stoi(m[1]), 6) << l.out;  // deeper than small itself, which fits only with the disk tier
+  EXPECT_NE(l.out.find("fastest: step "), std::string::npos) << l.out;
+  EXPECT_NE(l.out.find("--n-layer " + std::string(m[1]) + " --strategy ddp"), std::string::npos) << l.out;
+
+  expect_one_line_error(shardlm(plan + "--disk-per-rank 1GB --hardware h100-80gb"), {"--disk-per-rank", "no disk figures"});
+  expect_one_line_error(shardlm(plan + "--disk-per-rank lots"), {"--disk-per-rank", "lots"});
+  expect_one_line_error(shardlm(plan + "--memory-per-rank 150000000 --largest-model --run"), {"--largest-model", "--run"});
+}
+
 // plan --run trains the best configuration here and prints predicted against measured.
 TEST_F(Simulate, PlanRunTrainsTheBest) {
   const Result r = shardlm::testing::mpirun(

@@ -1175,6 +1175,73 @@ TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
   EXPECT_EQ(both.considered, s.considered);  // which went on to cp after cp 1
 }
 
+// The disk tier: under a budget nothing fits in memory (one process, every sequence of the step in
+// one micro-batch at most), the search offers configurations placed on disk by the budget's pass,
+// each within the memory and disk budgets and rebuilt from its flags to the same plan; with too
+// little disk, none; without a disk budget the search does not try.
+TEST(Planner, SearchesTheDiskTierWhenNothingFitsInMemory) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  const HardwareProfile hw = preset("cpu-local");
+  ASSERT_GT(hw.disk_read_bw, 0);
+  PlanQuery q;
+  q.ranks = 1, q.seq = 256, q.global_tokens = 4 * 256, q.threads = 1;
+  const PlanSearch free = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(free.fitting.empty());
+  q.memory_budget = free.smallest.peak_bytes * 7 / 10;  // the logits of B4 alone are 206 MB
+  const PlanSearch none = search_plans(desc, PlanConfig{}, hw, q);
+  EXPECT_TRUE(none.fitting.empty());
+  EXPECT_EQ(none.on_disk, 0);
+  q.disk_budget = int64_t{1} << 40;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  EXPECT_GT(s.on_disk, 0);
+  for (const Candidate& c : s.fitting) {
+    EXPECT_EQ(c.config.memory_budget, q.memory_budget);
+    EXPECT_EQ(c.config.grad_accum, 1);
+    EXPECT_LE(c.peak_bytes, q.memory_budget);
+    EXPECT_GT(c.disk_bytes, 0);
+    EXPECT_NE(c.flags.find("--memory-budget " + std::to_string(q.memory_budget)), std::string::npos) << c.flags;
+    const plan::Plan p = plan::build_plan(desc, c.config);
+    EXPECT_EQ(p.peak_memory().total, c.peak_bytes);
+    EXPECT_EQ(p.disk_bytes(), c.disk_bytes);
+    // The copies are priced: slower than the fastest configuration in memory.
+    EXPECT_GT(c.step_ms, free.fitting.front().step_ms);
+  }
+  q.disk_budget = s.fitting.front().disk_bytes - 1;
+  for (const Candidate& c : search_plans(desc, PlanConfig{}, hw, q).fitting) EXPECT_LE(c.disk_bytes, q.disk_budget);
+}
+
+// plan --largest-model: the depth it reports fits and one layer more does not (searched directly),
+// in memory alone and with the disk tier, which fits deeper.
+TEST(Planner, LargestModelFitsAndOneLayerMoreDoesNot) {
+  const HardwareProfile hw = preset("cpu-local");
+  model::ModelConfig m = model::model_preset("small");
+  PlanQuery q;
+  q.ranks = 1, q.seq = 128, q.global_tokens = 2 * 128, q.threads = 1, q.top = 1;
+  q.memory_budget = 600 << 20;
+  auto fits = [&](int64_t layers) {
+    model::ModelConfig d = m;
+    d.n_layer = layers;
+    return !search_plans(model::describe(d), PlanConfig{}, hw, q).fitting.empty();
+  };
+  const LargestFit ram = largest_model(m, PlanConfig{}, hw, q);
+  ASSERT_GT(ram.n_layer, 0);
+  EXPECT_FALSE(ram.capped);
+  EXPECT_TRUE(fits(ram.n_layer));
+  EXPECT_FALSE(fits(ram.n_layer + 1));
+  EXPECT_LE(ram.best.peak_bytes, q.memory_budget);
+  q.disk_budget = int64_t{2} << 30;
+  const LargestFit disk = largest_model(m, PlanConfig{}, hw, q);
+  EXPECT_GT(disk.n_layer, ram.n_layer);
+  EXPECT_TRUE(fits(disk.n_layer));
+  EXPECT_FALSE(fits(disk.n_layer + 1));
+  EXPECT_LE(disk.best.disk_bytes, q.disk_budget);
+  std::printf("small's shape, B2 T128, 600 MiB: %lld layers in memory, %lld with 2 GiB of disk (%lld parameters)\n",
+              static_cast<long long>(ram.n_layer), static_cast<long long>(disk.n_layer), static_cast<long long>(disk.params));
+  q.memory_budget = 0;
+  EXPECT_THROW(largest_model(m, PlanConfig{}, hw, q), std::invalid_argument);
+}
+
 // A mixture of experts too: where nothing fits without cp, the search tries cp beside ep, and
 // what it offers builds to the memory it reports.
 TEST(Planner, SearchesContextParallelismForMixtureOfExperts) {
