@@ -406,9 +406,10 @@ void run_simulate(SimulateArgs& a) {
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
   const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
   if (plan.config.offload.disk())  // the disk tier's reads and writes on their copy stream
-    fmt::print("disk (--offload {}): {:.3f} ms of reloads and write-backs ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% "
+    fmt::print("disk ({}): {:.3f} ms of reloads and write-backs ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% "
                "of the step){}\n",
-               a.cfg.offload, r.disk_busy_ms, r.disk_busy_ms * pct, r.disk_exposed_ms, r.disk_exposed_ms * pct,
+               plan.config.memory_budget > 0 ? "--memory-budget " + std::to_string(plan.config.memory_budget) : "--offload " + a.cfg.offload,
+               r.disk_busy_ms, r.disk_busy_ms * pct, r.disk_exposed_ms, r.disk_exposed_ms * pct,
                hw.disk_read_bw > 0 ? fmt::format("; disk read {:.3g} GB/s, write {:.3g} GB/s, latency {:.3g} ms ({})",
                                                  hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e3, hw.name)
                                    : std::string("; the profile has no disk figures: copies priced at nothing"));
