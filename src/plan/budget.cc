@@ -93,7 +93,7 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   constexpr int kActivations = kNumStateKinds;
   std::vector<int64_t> saved_bytes(U, 0);  // what a unit's forward keeps for its backward
   for (const BufferDesc& b : p.buffers)
-    if ((b.role == Role::saved || b.role == Role::recomputable) && b.unit >= 0) saved_bytes[b.unit] += b.bytes;
+    if (b.kept_for_backward() && b.unit >= 0) saved_bytes[b.unit] += b.bytes;
   std::vector<Candidate> order;
   for (int k : {2, 1, kActivations, 0}) {
     std::vector<Candidate> of_kind;

@@ -283,7 +283,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       b.name = std::string("window ") + to_string(StateIndex(s)) + " " + desc.units[u].name;
       b.role = Role::window;
       b.category = k == StateKind::params ? MemCategory::params : k == StateKind::grads ? MemCategory::grads : MemCategory::optimizer;
-      b.bytes = disk_aligned(4 * p.held_elems(k, u));
+      b.bytes = p.disk_slot_bytes(k, u);
       b.unit = u;
       p.buffers.push_back(b);
       p.windows[u][s] = b.id;
@@ -434,7 +434,7 @@ void offload_activations(Plan& p) {
   const int n = static_cast<int>(p.tasks.size()), B = static_cast<int>(p.buffers.size());
   for (int i = 0; i < n; ++i)
     if (p.tasks[i].id != i) throw std::logic_error("offload pass: task ids are not list positions");
-  auto activation = [&](int b) { return p.buffers[b].role == Role::saved || p.buffers[b].role == Role::recomputable; };
+  auto activation = [&](int b) { return p.buffers[b].kept_for_backward(); };
   auto forward_side = [](const Task& t) { return t.op == Op::forward; };
   auto backward_side = [](const Task& t) { return t.op == Op::recompute || t.op == Op::backward; };
   std::vector<int> last_forward(B, -1), consumer(B, -1), allocs(B, 0), frees(B, 0);

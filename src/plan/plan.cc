@@ -108,19 +108,20 @@ bool Plan::any_on_disk(StateKind k) const {
   return false;
 }
 
+int64_t Plan::disk_slot_bytes(StateKind k, int u) const { return on_disk(k, u) ? disk_aligned(4 * held_elems(k, u)) : 0; }
+
 int64_t Plan::disk_bytes() const {
   int64_t bytes = activation_file_bytes;
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
     for (int k = 0; k < kNumStateKinds; ++k)
-      if (on_disk(StateKind(k), u))
-        bytes += disk_aligned(4 * held_elems(StateKind(k), u)) * (StateKind(k) == StateKind::optimizer ? 2 : 1);
+      bytes += disk_slot_bytes(StateKind(k), u) * (StateKind(k) == StateKind::optimizer ? 2 : 1);
   return bytes;
 }
 
 const char* Plan::activations_where(int u) const {
   bool kept = false;
   for (const BufferDesc& b : buffers) {
-    if (b.unit != u || (b.role != Role::saved && b.role != Role::recomputable)) continue;
+    if (b.unit != u || !b.kept_for_backward()) continue;
     if (b.disk_offset >= 0) return "disk";
     kept = true;
   }

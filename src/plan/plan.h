@@ -79,6 +79,10 @@ struct BufferDesc {
   // (its saved activations, written back after the forward and reloaded before the backward);
   // -1: never leaves memory. Such a buffer's bytes are padded to the disk's 4 KiB.
   int64_t disk_offset = -1;
+
+  // What a unit's forward keeps for its backward: the buffers --offload activations and the
+  // budget may move to disk.
+  bool kept_for_backward() const { return role == Role::saved || role == Role::recomputable; }
 };
 
 // The buffers a task reads and writes; -1: not used. Unit parameters and gradients that are not
@@ -325,6 +329,9 @@ struct Plan {
   // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
   bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
   bool any_on_disk(StateKind k) const;
+  // Bytes unit u's kind-k state (one moment, for the optimizer) takes in its offload file and in
+  // its window: its held part padded to the disk's 4 KiB; 0 where it stays in memory.
+  int64_t disk_slot_bytes(StateKind k, int u) const;
   // Bytes of this rank's offload files: each unit's part of each kind of state it keeps on disk,
   // padded to the disk's 4 KiB (the optimizer's two moments apart), and the activations file.
   int64_t disk_bytes() const;

@@ -181,7 +181,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
       if (!plan.any_on_disk(k)) continue;
       std::vector<int64_t>& at = file_at_[si];  // a unit kept in memory takes no room in the file
       at.assign(1, 0);
-      for (int u = 0; u < U; ++u) at.push_back(at.back() + (plan.on_disk(k, u) ? disk_aligned(4 * plan.held_elems(k, u)) : 0));
+      for (int u = 0; u < U; ++u) at.push_back(at.back() + plan.disk_slot_bytes(k, u));
       file_[si] = disk_->create(rank + std::string(plan::to_string(StateIndex(si))), at.back());
     }
     // --offload activations: one slot per offloaded buffer of the step (scratch within a step).
