@@ -146,7 +146,7 @@ TEST_F(Simulate, MixtralPrintsItsAllToAllShare) {
                              "--param-dtype bf16 --reduce-dtype bf16 --hardware h100-80gb --ranks " + std::to_string(ranks);
     const Result human = shardlm("simulate " + plan);
     ASSERT_EQ(human.code, 0) << human.out;
-    for (const std::regex want : {std::regex("step [0-9.]+ ms"), std::regex("total: [0-9]+ \\([0-9.]+ GiB\\)"),
+    for (const std::regex& want : {std::regex("step [0-9.]+ ms"), std::regex("total: [0-9]+ \\([0-9.]+ GiB\\)"),
                                   std::regex("all-to-all \\(ep 8 exchanges\\): [0-9.]+ ms in exchange tasks \\([0-9.]+% of the "
                                              "step\\), [0-9.]+ ms exposed \\([0-9.]+% of the step\\); expert load max/mean 1 "
                                              "\\(default")})
@@ -367,7 +367,9 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
       EXPECT_NEAR(row["busbw_gbs"].get<double>(), row["algbw_gbs"].get<double>() * k.factor, 1e-9 * last / t);
     }
     const double big = rows.back()["busbw_gbs"].get<double>();
-    if (k.ranks == 8) EXPECT_NEAR(big, 230, 5) << k.op;
+    if (k.ranks == 8) {
+      EXPECT_NEAR(big, 230, 5) << k.op;
+    }
     if (k.ranks == 16 || k.ranks == 24) EXPECT_NEAR(big, 192, 5) << k.op;
     // All-to-all across 4 nodes: each GPU's own NIC, 24 GB/s × 4/3 (nccl-tests issue 130).
     if (k.ranks == 32) EXPECT_NEAR(big, 24.0 * 4 / 3 * 31 / 32, 1) << k.op;

@@ -472,7 +472,9 @@ void exchange_and_check(Communicator& comm, DType d, int64_t scale, int starved,
   for (int q = 0; q < n; ++q)
     for (int64_t i = 0; i < recv_counts[q]; ++i)
       for (int b = 0; b < es; ++b) want[(recv_displs[q] + i) * es + b] = v_byte(q, r, i, b);
-  if (r == starved) EXPECT_EQ(std::count(recv.begin(), recv.end(), kUntouched), int64_t(recv.size())) << what;
+  if (r == starved) {
+    EXPECT_EQ(std::count(recv.begin(), recv.end(), kUntouched), int64_t(recv.size())) << what;
+  }
   for (size_t k = 0; k < want.size(); ++k)
     ASSERT_EQ(recv[k], want[k]) << what << ": byte " << k << " on rank " << r << " of " << n;
 }
@@ -539,7 +541,9 @@ TEST_F(MpiBasics, AllToAllVAfterExchangingCounts) {
   for (int q = 0; q < n_; ++q) ASSERT_EQ(recv_counts[q], v_count(q, r_, 5, n_ > 1 ? 1 : -1)) << "from rank " << q;
   const auto send_displs = packed_displs(send_counts), recv_displs = packed_displs(recv_counts);
   EXPECT_EQ(send_displs[0], 0);
-  if (n_ > 1) EXPECT_EQ(send_displs[1], send_counts[0]);
+  if (n_ > 1) {
+    EXPECT_EQ(send_displs[1], send_counts[0]);
+  }
   std::vector<float> send(send_displs.back() + send_counts.back()), recv(recv_displs.back() + recv_counts.back(), -1);
   for (int j = 0; j < n_; ++j)
     for (int64_t i = 0; i < send_counts[j]; ++i) send[send_displs[j] + i] = small_int(r_, i, j);

@@ -165,7 +165,9 @@ TEST(Factory, PicksMpiUnderALauncher) {
   MemoryPool memory;
   auto c = make_communicator(memory, {}, false);
   EXPECT_EQ(c->backend(), "mpi");
-  if (std::getenv("OMPI_COMM_WORLD_SIZE")) EXPECT_TRUE(launched_by_mpi([](const char* name) { return std::getenv(name); }));
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    EXPECT_TRUE(launched_by_mpi([](const char* name) { return std::getenv(name); }));
+  }
   EXPECT_FALSE(launched_by_mpi([](const char*) -> const char* { return nullptr; }));
   EXPECT_TRUE(launched_by_mpi([](const char* name) -> const char* { return std::string(name) == "SLURM_NTASKS" ? "4" : nullptr; }));
 }

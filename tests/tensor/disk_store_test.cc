@@ -33,7 +33,7 @@ TEST_P(DiskStorePaths, RoundTripsAcrossChunksAndRemovesItsFiles) {
   const int64_t bytes = 5 * (int64_t{1} << 20) + 3 * kDiskAlign;  // several 1 MiB chunks and a tail
   std::string path;
   {
-    DiskStore store(dir.string(), {p.uring, p.direct});
+    DiskStore store(dir.string(), {p.uring, p.direct, {}});
     const std::string how = store.describe();
     EXPECT_NE(how.find(p.uring ? "io_uring" : "pread/pwrite"), std::string::npos) << how;
     EXPECT_NE(how.find(p.direct ? "O_DIRECT" : "buffered"), std::string::npos) << how;

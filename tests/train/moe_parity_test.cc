@@ -118,9 +118,14 @@ TEST_P(MoeParity, LossAuxLossesAndEveryGradient) {
   EXPECT_NEAR(r.loss_sum * in.grad_scale, want[0], 1e-5 * std::fabs(want[0]));
   EXPECT_NEAR(r.moe.aux_loss, want[1], 1e-5 * std::fabs(want[1]));
   EXPECT_NEAR(r.moe.z_loss, want[2], 1e-5 * std::fabs(want[2]) + 1e-9);
-  if (mc.capacity_factor > 0) EXPECT_GT(r.moe.dropped, 0) << "capacity mode should drop some tokens here";
-  else EXPECT_EQ(r.moe.dropped, 0);
-  if (c.idle_experts) EXPECT_EQ(r.moe.min_load, 0);
+  if (mc.capacity_factor > 0) {
+    EXPECT_GT(r.moe.dropped, 0) << "capacity mode should drop some tokens here";
+  } else {
+    EXPECT_EQ(r.moe.dropped, 0);
+  }
+  if (c.idle_experts) {
+    EXPECT_EQ(r.moe.min_load, 0);
+  }
 
   int checked = 0;
   const float* grads = e.ex.whole(run::Executor::State::grads);
@@ -134,8 +139,9 @@ TEST_P(MoeParity, LossAuxLossesAndEveryGradient) {
       const bool idle = c.idle_experts && p.name.find(".experts.") != std::string::npos &&
                         p.name.find(".experts.0.") == std::string::npos &&
                         (mc.top_k < 2 || p.name.find(".experts.1.") == std::string::npos);
-      if (idle)
+      if (idle) {
         for (int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(g[i], 0.0f) << p.name << " of an idle expert";
+      }
     }
   int ref_grads = 0;
   for (const auto& name : ref.names()) ref_grads += name.rfind("grad.", 0) == 0;
