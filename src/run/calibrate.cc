@@ -47,6 +47,49 @@ Buffer workspace(const kernels::Backend& k, int64_t bytes, Buffer::Fill fill = B
   return Buffer(k.memory(), MemCategory::workspace, static_cast<size_t>(bytes), fill);
 }
 
+// A block's GEMM (small's qkv at B=4, T=256: 1024 x 384 x 1152, about 1 GFLOP): the compute
+// timed beside collectives and beside disk copies, against alone.
+class BlockGemm {
+ public:
+  explicit BlockGemm(const kernels::Backend& k)
+      : k_(k), x_(workspace(k, 4 * kM * kK)), w_(workspace(k, 4 * kK * kN)), y_(workspace(k, 4 * kM * kN)) {}
+  void operator()() { k_.dense_forward(y_.f32(), x_.f32(), w_.f32(), kM, kK, kN); }
+  // Median of ten runs after one untimed.
+  double alone() {
+    (*this)();
+    std::vector<double> times;
+    for (int i = 0; i < 10; ++i) {
+      const auto t0 = Clock::now();
+      (*this)();
+      times.push_back(seconds_since(t0));
+    }
+    return median(times);
+  }
+  // Median time of the runs wholly inside `busy` (run on another thread; it ends by returning);
+  // 0 where none fell inside it.
+  template <class F>
+  double beside(F busy) {
+    std::atomic<bool> done{false};
+    std::thread other([&] {
+      busy();
+      done = true;
+    });
+    std::vector<double> times;
+    while (!done) {
+      const auto t0 = Clock::now();
+      (*this)();
+      if (!done) times.push_back(seconds_since(t0));
+    }
+    other.join();
+    return times.empty() ? 0 : median(times);
+  }
+
+ private:
+  static constexpr int64_t kM = 1024, kK = 384, kN = 1152;
+  const kernels::Backend& k_;
+  Buffer x_, w_, y_;
+};
+
 // Median time of `f` over at least 5 runs and ~0.3 s (the first untimed), each starting from
 // caches another 64 MiB has passed through: what a kernel meets inside a training step, where
 // the weights and activations of every other unit pass between its runs, on a machine whose
@@ -297,28 +340,37 @@ namespace {
 
 // The disk under `dir` as the disk tier uses it: one 64 MiB file through DiskStore (io_uring and
 // O_DIRECT where the kernel and filesystem allow), written and read in 4 MiB transfers (best of
-// three passes), and 256 single 4 KiB reads at scattered offsets for a request's latency.
+// three passes), and 256 single 4 KiB reads at scattered offsets for a request's latency. Then
+// as a training step meets it: the file written and read 16 times on one thread while block
+// GEMMs run on the compute threads, which gives how much slower each runs beside the other.
 struct DiskFigures {
   double read_bw = 0, write_bw = 0, latency_s = 0;
+  double compute_slowdown = 1;  // a GEMM's time beside the copies over alone
+  double disk_slowdown = 1;     // the copies' time beside GEMMs over alone (median passes)
   std::string how;
 };
 DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int rank) {
-  using Clock = std::chrono::steady_clock;
   const int64_t file_bytes = int64_t{64} << 20, chunk = int64_t{4} << 20;
   DiskFigures d;
   DiskStore store(dir, {}, "calibrate-" + std::to_string(rank));
   d.how = store.describe();
   const int f = store.create("calibrate-" + std::to_string(rank) + ".bin", file_bytes);
   Buffer buf = k.alloc(MemCategory::staging, chunk, Buffer::Fill::zero);
-  auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  double best_w = 1e30, best_r = 1e30;
+  auto write_pass = [&] {
+    for (int64_t at = 0; at < file_bytes; at += chunk) store.write(f, at, buf.data(), chunk);
+  };
+  auto read_pass = [&] {
+    for (int64_t at = 0; at < file_bytes; at += chunk) store.read(f, at, buf.data(), chunk);
+  };
+  std::vector<double> writes, reads, both;
   for (int pass = 0; pass < 3; ++pass) {
     auto t0 = Clock::now();
-    for (int64_t at = 0; at < file_bytes; at += chunk) store.write(f, at, buf.data(), chunk);
-    best_w = std::min(best_w, secs(t0));
+    write_pass();
+    writes.push_back(seconds_since(t0));
     t0 = Clock::now();
-    for (int64_t at = 0; at < file_bytes; at += chunk) store.read(f, at, buf.data(), chunk);
-    best_r = std::min(best_r, secs(t0));
+    read_pass();
+    reads.push_back(seconds_since(t0));
+    both.push_back(writes.back() + reads.back());
   }
   const int n = 256;
   std::vector<double> one;
@@ -326,12 +378,23 @@ DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int 
     const int64_t at = (static_cast<int64_t>(i) * 7919 % (file_bytes / kDiskAlign)) * kDiskAlign;
     const auto t0 = Clock::now();
     store.read(f, at, buf.data(), kDiskAlign);
-    one.push_back(secs(t0));
+    one.push_back(seconds_since(t0));
   }
-  std::sort(one.begin(), one.end());
-  d.write_bw = static_cast<double>(file_bytes) / best_w;
-  d.read_bw = static_cast<double>(file_bytes) / best_r;
-  d.latency_s = one[one.size() / 2];
+  d.write_bw = static_cast<double>(file_bytes) / *std::min_element(writes.begin(), writes.end());
+  d.read_bw = static_cast<double>(file_bytes) / *std::min_element(reads.begin(), reads.end());
+  d.latency_s = median(one);
+
+  constexpr int kPasses = 16;  // ~1 GiB: long enough for many GEMMs to fall inside
+  BlockGemm gemm(k);
+  const double gemm_alone = gemm.alone();
+  double copies_beside = 0;
+  const double gemm_beside = gemm.beside([&] {
+    const auto t0 = Clock::now();
+    for (int pass = 0; pass < kPasses; ++pass) write_pass(), read_pass();
+    copies_beside = seconds_since(t0);
+  });
+  if (gemm_beside > 0) d.compute_slowdown = std::max(1.0, gemm_beside / gemm_alone);
+  d.disk_slowdown = std::max(1.0, copies_beside / (kPasses * median(both)));
   return d;
 }
 
@@ -391,34 +454,18 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   // many GEMMs fall wholly inside them.
   double slowdown = 1;
   if (n > 1) {
-    const int64_t count = 16 << 20, M = 1024, K = 384, N = 1152;
+    const int64_t count = 16 << 20;
     constexpr int kAllReduces = 6;
     Buffer buf(k.memory(), MemCategory::comm, 4 * count);
-    Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * K * N), y = workspace(k, 4 * M * N);
-    auto gemm = [&] { k.dense_forward(y.f32(), x.f32(), w.f32(), M, K, N); };
+    BlockGemm gemm(k);
     world.barrier("calibrate")->wait();  // alone: every rank's GEMMs at once, nothing else
-    gemm();
-    std::vector<double> alone;
-    for (int i = 0; i < 10; ++i) {
-      const auto t0 = Clock::now();
-      gemm();
-      alone.push_back(seconds_since(t0));
-    }
+    const double alone = gemm.alone();
     world.barrier("calibrate")->wait();
     // As the executor runs them: a second thread issues the collectives and waits on them.
-    std::atomic<bool> done{false};
-    std::thread comm([&] {
+    const double beside = gemm.beside([&] {
       for (int i = 0; i < kAllReduces; ++i) world.all_reduce(buf.f32(), count, DType::fp32, "calibrate overlap")->wait();
-      done = true;
     });
-    std::vector<double> beside;
-    while (!done) {
-      const auto t0 = Clock::now();
-      gemm();
-      if (!done) beside.push_back(seconds_since(t0));
-    }
-    comm.join();
-    if (!beside.empty()) slowdown = std::max(1.0, median(beside) / median(alone));
+    if (beside > 0) slowdown = std::max(1.0, beside / alone);
   }
 
   json j{{"name", o.name},
@@ -457,6 +504,10 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     j["disk_read_bw"] = fig(d.read_bw, src + ", 4 MiB reads, best of 3 passes");
     j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
     j["disk_latency_s"] = fig(d.latency_s, src + ", the median of 256 single 4 KiB reads");
+    const std::string beside = src + ": written and read 16 times on one thread while a 1024x384x1152 GEMM runs on the " +
+                               std::to_string(o.threads) + " compute thread(s) back to back; ";
+    j["compute_slowdown_beside_disk"] = fig(d.compute_slowdown, beside + "the GEMM's median time over alone");
+    j["disk_slowdown_beside_compute"] = fig(d.disk_slowdown, beside + "the copies' time over alone (the median of 3 passes)");
   }
   return j.dump(2);
 }

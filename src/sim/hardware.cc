@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
 #include <stdexcept>
 
 namespace shardlm::sim {
@@ -256,6 +257,12 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
     h.disk_latency_s = figure(j, "disk_latency_s", "", origin);
     if (h.disk_latency_s > kMaxLatencySeconds)
       throw bad(origin, "disk_latency_s.value", "must be at most " + std::to_string(kMaxLatencySeconds) + " s");
+  }
+  for (auto [name, field] : {std::pair{"compute_slowdown_beside_disk", &h.compute_slowdown_beside_disk},
+                             std::pair{"disk_slowdown_beside_compute", &h.disk_slowdown_beside_compute}}) {
+    if (!j.contains(name)) continue;
+    *field = figure(j, name, "", origin);
+    if (*field < 1) throw bad(origin, std::string(name) + ".value", "must be >= 1 (a slowdown)");
   }
   const double dpn = figure(j, "devices_per_node", "", origin);
   if (dpn != std::floor(dpn) || dpn > 1e6) throw bad(origin, "devices_per_node.value", "must be a whole number");

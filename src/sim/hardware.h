@@ -109,6 +109,11 @@ struct HardwareProfile {
   double disk_read_bw = 0;
   double disk_write_bw = 0;
   double disk_latency_s = 0;
+  // Optional (calibrate writes them): on a machine whose copies and compute share cores and memory
+  // bandwidth, compute runs this many times slower while a disk copy runs, and a copy this many
+  // times slower while compute runs. 1: not given, no interference.
+  double compute_slowdown_beside_disk = 1;
+  double disk_slowdown_beside_compute = 1;
   // CPU (per_thread) profiles, optional: cores the ranks of a node share. More compute threads
   // than cores (ranks on the node × --threads) time-slice them: each rank's compute slows by
   // that oversubscription. 0: not given, no slowdown.

@@ -84,7 +84,10 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   std::vector<double> busy(S, 0);
   std::vector<char> side_stream(S, 0);  // a stream other than compute running compute ops
   for (const Task& t : plan.tasks) side_stream[t.stream] = t.stream != plan::kCompute && plan::info(t.op).stream == plan::OpStream::compute;
+  std::vector<char> copy_stream(S, 0);  // the disk tier's reloads and write-backs
+  for (int s = 0; s < S; ++s) copy_stream[s] = plan.streams[s] == "copy";
   auto computes = [&](int s) { return side_stream[s] != 0; };
+  auto copies = [&](int s) { return copy_stream[s] != 0; };
   MemoryWalk mem(plan);
   double now = 0;
 
@@ -127,16 +130,19 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
       started[s] = now;
       mem.alloc(plan.tasks[t].allocs);
     }
-    bool comm_running = false, side_compute = false;
+    bool comm_running = false, side_compute = false, copy_running = false;
     for (int s = 1; s < S; ++s)
-      if (running[s] >= 0) (computes(s) ? side_compute : comm_running) = true;
-    // Compute shares the machine with a running collective (NCCL's SMs, a CPU core), and halves it
-    // with compute work on another stream (the pipelined optimizer's updates). A floor (`fixed`)
-    // runs everything at full speed.
+      if (running[s] >= 0) (computes(s) ? side_compute : copies(s) ? copy_running : comm_running) = true;
+    // Compute shares the machine with a running collective (NCCL's SMs, a CPU core) and with a
+    // disk copy (each slows the other), and halves it with compute work on another stream (the
+    // pipelined optimizer's updates). A floor (`fixed`) runs everything at full speed.
     const bool main_running = running[plan::kCompute] >= 0;
     auto rate = [&](int s) {
       if (fixed) return 1.0;
-      if (s == plan::kCompute) return (comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0) * (side_compute ? 0.5 : 1.0);
+      if (s == plan::kCompute)
+        return (comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0) *
+               (copy_running ? 1.0 / hw.compute_slowdown_beside_disk : 1.0) * (side_compute ? 0.5 : 1.0);
+      if (copies(s)) return main_running ? 1.0 / hw.disk_slowdown_beside_compute : 1.0;
       return computes(s) && main_running ? 0.5 : 1.0;
     };
     double dt = std::numeric_limits<double>::infinity();

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "comm/single_rank.h"
 #include "kernels/backend.h"
@@ -74,14 +75,20 @@ TEST(Calibrate, FitOutsidePhysicalBoundsIsRefusedNamingTheFigure) {
   }
 }
 
+// The quickest calibration that still measures something: one iteration, no GEMM model fit.
+CalibrateOptions quick_options(std::vector<int64_t> sizes = {4 << 10, 1 << 20}) {
+  CalibrateOptions o;
+  o.sizes = std::move(sizes);
+  o.iters = 1;
+  o.gemm_models = {"none"};
+  return o;
+}
+
 // The message of what calibrate throws for `sizes` (bytes), before it measures anything.
 std::string sizes_refusal(const std::vector<int64_t>& sizes) {
   MemoryPool memory;
   comm::SingleRankCommunicator world(memory);
-  CalibrateOptions o;
-  o.sizes = sizes;
-  o.iters = 1;
-  o.gemm_models = {"none"};
+  const CalibrateOptions o = quick_options(sizes);
   try {
     calibrate(*kernels::make_cpu_backend(memory), world, o);
   } catch (const std::invalid_argument& e) {
@@ -111,10 +118,7 @@ TEST(Calibrate, SizesThatCannotFitABandwidthAreRefusedBeforeMeasuring) {
 TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
   MemoryPool memory;
   comm::SingleRankCommunicator world(memory);
-  CalibrateOptions o;
-  o.sizes = {4 << 10, 1 << 20};
-  o.iters = 1;
-  o.gemm_models = {"none"};
+  const CalibrateOptions o = quick_options();
   const nlohmann::json j = nlohmann::json::parse(calibrate(*kernels::make_cpu_backend(memory), world, o));
   ASSERT_TRUE(j.contains("collectives_measured")) << j.dump();
   EXPECT_EQ(j["collectives_measured"], false);
@@ -126,14 +130,12 @@ TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
 }
 
 // --offload-dir: the disk under it is timed through a DiskStore and written as the three disk
-// figures, each naming the directory; without it the profile has none. The store's files go.
+// figures and the two slowdowns of copies and compute side by side, each naming the directory;
+// without it the profile has none. The store's files go.
 TEST(Calibrate, OffloadDirGivesTheDiskFiguresAndLeavesNothing) {
   MemoryPool memory;
   comm::SingleRankCommunicator world(memory);
-  CalibrateOptions o;
-  o.sizes = {4 << 10, 1 << 20};
-  o.iters = 1;
-  o.gemm_models = {"none"};
+  CalibrateOptions o = quick_options();
   const auto backend = kernels::make_cpu_backend(memory);
   const nlohmann::json none = nlohmann::json::parse(calibrate(*backend, world, o));
   EXPECT_FALSE(none.contains("disk_read_bw"));
@@ -148,6 +150,12 @@ TEST(Calibrate, OffloadDirGivesTheDiskFiguresAndLeavesNothing) {
     EXPECT_NE(j[f]["source"].get<std::string>().find(dir.string()), std::string::npos) << j[f];
   }
   EXPECT_LT(j["disk_latency_s"]["value"].get<double>(), 1.0);
+  for (const char* f : {"compute_slowdown_beside_disk", "disk_slowdown_beside_compute"}) {
+    ASSERT_TRUE(j.contains(f)) << f;
+    const double v = j[f]["value"].get<double>();
+    EXPECT_TRUE(std::isfinite(v) && v >= 1) << f << " " << v;
+    EXPECT_NE(j[f]["source"].get<std::string>().find(dir.string()), std::string::npos) << j[f];
+  }
   EXPECT_TRUE(!std::filesystem::exists(dir) || std::filesystem::is_empty(dir)) << dir;
   std::filesystem::remove_all(dir);
 }

@@ -127,12 +127,19 @@ TEST(Hardware, DiskFiguresAreOptionalAndCheckedWhenGiven) {
   EXPECT_GT(cpu.disk_write_bw, 0);
   EXPECT_GT(cpu.disk_latency_s, 0);
   auto j = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
-  for (const char* f : {"disk_read_bw", "disk_write_bw", "disk_latency_s"}) j.erase(f);
+  for (const char* f : {"disk_read_bw", "disk_write_bw", "disk_latency_s", "compute_slowdown_beside_disk", "disk_slowdown_beside_compute"})
+    j.erase(f);
   const HardwareProfile bare = parse_hardware(j.dump(), "bare.json");
   EXPECT_EQ(bare.disk_read_bw, 0);
   EXPECT_EQ(bare.disk_latency_s, 0);
+  EXPECT_EQ(bare.compute_slowdown_beside_disk, 1);
+  EXPECT_EQ(bare.disk_slowdown_beside_compute, 1);
   for (const auto& [field, value, needle] : std::vector<std::tuple<std::string, double, std::string>>{
-           {"disk_read_bw", -1, "> 0"}, {"disk_write_bw", 0, "> 0"}, {"disk_latency_s", 5, "at most"}}) {
+           {"disk_read_bw", -1, "> 0"},
+           {"disk_write_bw", 0, "> 0"},
+           {"disk_latency_s", 5, "at most"},
+           {"compute_slowdown_beside_disk", 0.5, ">= 1"},
+           {"disk_slowdown_beside_compute", 0.9, ">= 1"}}) {
     auto k = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
     k[field]["value"] = value;
     const std::string e = error_of([&] { parse_hardware(k.dump(), "free.json"); });
@@ -294,7 +301,9 @@ TEST(Cost, ExpertLoadScalesTheBusiestRanksExpertSideAndExchanges) {
   const Plan pairs = plan::build_plan(desc, c);
   const CostModel pair_even(desc, pairs, hw, 1), pair_hot(desc, pairs, hw, 1, 3);
   for (const plan::Task& t : pairs.tasks)
-    if (t.stream == plan::kCompute && t.stage == 1) EXPECT_NEAR(pair_hot.seconds(t), 2 * pair_even.seconds(t), 1e-9);
+    if (t.stream == plan::kCompute && t.stage == 1) {
+      EXPECT_NEAR(pair_hot.seconds(t), 2 * pair_even.seconds(t), 1e-9);
+    }
   // One rank runs every expert: its load is the mean whatever the routing, and nothing is exchanged.
   c.ep = 1;
   const Plan whole = plan::build_plan(desc, c);
@@ -321,8 +330,9 @@ TEST(Hardware, ProfilesCarryAnAllToAllFigure) {
     const bool flat = !j.contains("network");
     for (const char* tier : {"intra_node", "inter_node"})
       for (const char* f : {"latency_s", "bus_bw"})
-        if (flat || std::string(tier) == "intra_node")
+        if (flat || std::string(tier) == "intra_node") {
           EXPECT_FALSE(j[tier]["all_to_all"][f]["source"].get<std::string>().empty()) << name << " " << tier << " " << f;
+        }
     const char* tier = flat ? "inter_node" : "intra_node";
     j[tier].erase("all_to_all");
     const std::string e = error_of([&] { parse_hardware(j.dump(), "old.json"); });
@@ -371,6 +381,7 @@ TEST(Cost, DiskCopiesPayLatencyAndBytesAtTheDisksRate) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   HardwareProfile hw = preset("cpu-local");
   hw.disk_read_bw = 1e9, hw.disk_write_bw = 5e8, hw.disk_latency_s = 1e-4;
+  hw.compute_slowdown_beside_disk = hw.disk_slowdown_beside_compute = 1;  // busy time = cost
   PlanConfig c;
   c.offload.kinds = {true, true, true};
   const Plan p = plan::build_plan(desc, c);
@@ -398,6 +409,30 @@ TEST(Cost, DiskCopiesPayLatencyAndBytesAtTheDisksRate) {
   EXPECT_LE(r.disk_exposed_ms, r.comm_exposed_ms + 1e-9);
   EXPECT_EQ(r0.disk_busy_ms, 0);
   EXPECT_GT(r.step_ms, r0.step_ms);
+}
+
+// Copies and compute sharing the machine: while both run, compute goes at 1/compute_slowdown_
+// beside_disk of its speed and a copy at 1/disk_slowdown_beside_compute of its own. So the copy
+// stream's busy time grows to between its cost and that many times it, compute's by at most that
+// factor, and a plan with no copies is untouched.
+TEST(Simulator, CopiesAndComputeSlowEachOtherByTheProfilesFigures) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile alone = preset("cpu-local");
+  alone.compute_slowdown_beside_disk = alone.disk_slowdown_beside_compute = 1;
+  HardwareProfile shared = alone;
+  shared.compute_slowdown_beside_disk = 1.25, shared.disk_slowdown_beside_compute = 2;
+  PlanConfig c;
+  c.offload.kinds = {true, true, true};
+  const Plan p = plan::build_plan(desc, c);
+  const SimResult a = simulate(desc, p, alone, 1), s = simulate(desc, p, shared, 1);
+  ASSERT_GT(a.disk_busy_ms, 0);
+  EXPECT_GT(s.disk_busy_ms, a.disk_busy_ms * 1.01);
+  EXPECT_LE(s.disk_busy_ms, a.disk_busy_ms * 2 + 1e-9);
+  EXPECT_GT(s.compute_busy_ms, a.compute_busy_ms * 1.001);
+  EXPECT_LE(s.compute_busy_ms, a.compute_busy_ms * 1.25 + 1e-9);
+  EXPECT_GT(s.step_ms, a.step_ms);
+  const Plan resident = plan::build_plan(desc, PlanConfig{});
+  EXPECT_EQ(simulate(desc, resident, shared, 1).step_ms, simulate(desc, resident, alone, 1).step_ms);
 }
 
 // --pipeline-optimizer: a speculative update costs AdamW's passes over its unit's state plus the
