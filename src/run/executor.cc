@@ -13,6 +13,7 @@
 #include "comm/nccl.h"
 #include "kernels/backend.h"
 #include "layers/layers.h"
+#include "plan/arena.h"
 
 namespace shardlm::run {
 
@@ -122,6 +123,7 @@ struct Executor::Run {
   int64_t compute_micro = 0;      // the micro-step of the compute stream's task (its thread alone writes it)
   bool update_decided = false;    // decide_update has taken the norm and finiteness
   std::vector<double> unit_squares;  // this rank's squared-gradient sum per unit
+  plan::ArenaLayout layout;          // where the buffers live in arena_ (empty: each allocated alone)
   char* data(int id) { return live.at(id).as<char>(); }
   float* f32(int id) { return id < 0 ? nullptr : live.at(id).f32(); }
 };
@@ -142,6 +144,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
       threads_(threads),
       timeout_(timeout),
       backend_(backend),
+      arena_(backend.memory()),
       fault_skip_step_(faults.skip_collective.step_of(comms.world().rank())),
       fault_kill_step_(faults.kill.step_of(comms.world().rank())),
       fault_nan_loss_step_(faults.nan_loss.step_of(comms.world().rank())),
@@ -425,7 +428,8 @@ void Executor::allocate(const Task&, int64_t micro, const std::vector<int>& ids,
       // An offloaded unit's gradients start as a zero-filled window.
       const bool zero = b.role == Role::full_grads || (b.role == Role::window && b.category == MemCategory::grads);
       const auto fill = zero ? Buffer::Fill::zero : Buffer::Fill::none;
-      r.live[a] = backend_.alloc(b.category, b.bytes, fill);
+      const int64_t at = r.layout.offset.empty() ? -1 : r.layout.offset[a];
+      r.live[a] = at >= 0 ? arena_.part(b.category, at, b.bytes, fill) : backend_.alloc(b.category, b.bytes, fill);
     }
   }
   for (int a : ids) {  // a task that brings the batch into being fills it
@@ -994,9 +998,13 @@ bool Executor::holds_state_of(const plan::Plan& plan) const {
 StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs& in) {
   if (!holds_state_of(plan))
     throw std::logic_error("executor: a plan whose state layout differs from the executor's");
-  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}, 0, false, {}};
+  Run r{plan, step, in, {}, {}, {}, 0, {}, false, {}, 0, false, {}, {}};
   r.live.resize(plan.buffers.size());
   r.moved.assign(plan.tasks.size(), -1);
+  if (backend_.host_memory()) {
+    r.layout = plan::lay_out_arena(plan);
+    arena_.reserve(r.layout.bytes);
+  }
   if (step >= 0 && step == fault_kill_step_) std::raise(SIGKILL);
   running_step_ = step;
   const size_t n = plan.tasks.size();

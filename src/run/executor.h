@@ -303,6 +303,9 @@ class Executor {
   // which packs only the units kept in memory (the plan's held offsets when none is on disk).
   std::array<std::vector<int64_t>, plan::kNumStateBuffers> ram_at_;
   int activation_file_ = -1;  // --offload activations: the plan's slots (-1: none)
+  // A host backend's step buffers live at the offsets the plan lays out (plan::lay_out_arena) in
+  // this block, kept between steps and grown to the largest plan run.
+  Arena arena_;
   std::vector<plan::GradClass> grad_classes_;  // plan_.grad_classes()
   std::chrono::steady_clock::time_point t0_;
   // This rank's steps of the ExecutorFaults it was built with (-1: none).

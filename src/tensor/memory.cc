@@ -1,11 +1,16 @@
 #include "tensor/memory.h"
 
 #include <sys/mman.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 #include <cstdlib>
 #include <map>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace shardlm {
@@ -208,6 +213,48 @@ void Buffer::release() {
   bytes_ = 0;
   pool_ = nullptr;
   owner_ = nullptr;
+}
+
+// Under AddressSanitizer the block's bytes outside live parts are poisoned, so a kernel that writes
+// past its buffer into a free stretch or a part's 4 KiB padding is caught as with separate blocks.
+namespace {
+#if defined(__SANITIZE_ADDRESS__)
+void poison(void* p, size_t n) { ASAN_POISON_MEMORY_REGION(p, n); }
+void unpoison(void* p, size_t n) { ASAN_UNPOISON_MEMORY_REGION(p, n); }
+#else
+void poison(void*, size_t) {}
+void unpoison(void*, size_t) {}
+#endif
+}  // namespace
+
+Arena::~Arena() { drop(); }
+
+void Arena::drop() {
+  if (!block_) return;
+  unpoison(block_, static_cast<size_t>(bytes_));
+  pool_.give(block_, static_cast<size_t>(bytes_));
+  block_ = nullptr;
+  bytes_ = 0;
+}
+
+void Arena::reserve(int64_t bytes) {
+  if (bytes <= bytes_) return;
+  drop();
+  block_ = static_cast<char*>(pool_.take(static_cast<size_t>(bytes)));
+  bytes_ = bytes;
+  poison(block_, static_cast<size_t>(bytes_));
+}
+
+void Arena::give_back(void* data, size_t bytes) { poison(data, bytes); }
+
+Buffer Arena::part(MemCategory category, int64_t offset, size_t bytes, Buffer::Fill fill) {
+  if (offset < 0 || offset + static_cast<int64_t>(bytes) > bytes_)
+    throw std::logic_error("arena: a part of " + std::to_string(bytes) + " bytes at " + std::to_string(offset) +
+                           " outside the block of " + std::to_string(bytes_));
+  if (bytes == 0) return Buffer();
+  unpoison(block_ + offset, bytes);
+  if (fill == Buffer::Fill::zero) std::memset(block_ + offset, 0, bytes);
+  return Buffer::adopt(pool_, category, block_ + offset, bytes, *this);
 }
 
 }  // namespace shardlm

@@ -76,6 +76,7 @@ class MemoryPool {
 
  private:
   friend class Buffer;
+  friend class Arena;
   void* take(size_t bytes);
   void give(void* data, size_t bytes);
 
@@ -122,6 +123,31 @@ class Buffer {
   MemCategory category_ = MemCategory::workspace;
   MemoryPool* pool_ = nullptr;
   Owner* owner_ = nullptr;  // null: a host block of pool_'s cache
+};
+
+// One host block whose parts are handed out as Buffers at offsets a plan laid out
+// (plan/arena.h): each part is charged to its category while it lives, the block itself to
+// nothing. Kept from step to step, so its pages stay mapped and are never faulted in again.
+// Not thread-safe: the caller serialises part() and reserve(); parts are released anywhere.
+class Arena final : public Buffer::Owner {
+ public:
+  explicit Arena(MemoryPool& pool) : pool_(pool) {}
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Makes the block at least `bytes` long, replacing a shorter one; no part may be alive then.
+  void reserve(int64_t bytes);
+  // `bytes` at `offset` of the block (offset + bytes within it), as a buffer of `category`.
+  Buffer part(MemCategory category, int64_t offset, size_t bytes, Buffer::Fill fill);
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void give_back(void* data, size_t bytes) override;  // the bytes stay in the block
+  void drop();
+  MemoryPool& pool_;
+  char* block_ = nullptr;
+  int64_t bytes_ = 0;
 };
 
 }  // namespace shardlm

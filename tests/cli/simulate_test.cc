@@ -370,9 +370,13 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
     if (k.ranks == 8) {
       EXPECT_NEAR(big, 230, 5) << k.op;
     }
-    if (k.ranks == 16 || k.ranks == 24) EXPECT_NEAR(big, 192, 5) << k.op;
+    if (k.ranks == 16 || k.ranks == 24) {
+      EXPECT_NEAR(big, 192, 5) << k.op;
+    }
     // All-to-all across 4 nodes: each GPU's own NIC, 24 GB/s × 4/3 (nccl-tests issue 130).
-    if (k.ranks == 32) EXPECT_NEAR(big, 24.0 * 4 / 3 * 31 / 32, 1) << k.op;
+    if (k.ranks == 32) {
+      EXPECT_NEAR(big, 24.0 * 4 / 3 * 31 / 32, 1) << k.op;
+    }
   }
   // The human table: a header naming the span, one row per size, 8 B to 8 GiB by default.
   const Result human = shardlm("simulate --hardware h100-80gb --collective all-reduce --ranks 8");

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <stdexcept>
+
 namespace shardlm {
 namespace {
 
@@ -75,6 +78,41 @@ TEST(Buffer, IsZeroedAlignedAndMovable) {
   EXPECT_EQ(a.data(), nullptr);
   EXPECT_EQ(b.bytes(), 100u);
   EXPECT_EQ(pool.tracker().live().total, live);  // a move charges nothing
+}
+
+// An arena's parts are charged to their categories while they live and the block to nothing;
+// a part sits at its offset of the block, zero-filled when asked; one outside the block is refused;
+// a longer reserve replaces the block, a shorter one keeps it.
+TEST(Arena, PartsAreChargedToTheirCategoriesAndTheBlockToNothing) {
+  MemoryPool pool;
+  Arena arena(pool);
+  arena.reserve(3 << 20);
+  EXPECT_EQ(arena.bytes(), 3 << 20);
+  EXPECT_EQ(pool.tracker().live().total, 0);
+  {
+    Buffer a = arena.part(MemCategory::activations, 0, 100, Buffer::Fill::none);
+    std::memset(a.data(), 7, 100);
+    Buffer b = arena.part(MemCategory::grads, 1 << 20, 4096, Buffer::Fill::zero);
+    EXPECT_EQ(static_cast<char*>(b.data()) - static_cast<char*>(a.data()), 1 << 20);
+    for (int i = 0; i < 4096; ++i) ASSERT_EQ(b.as<unsigned char>()[i], 0);
+    EXPECT_EQ(pool.tracker().live()[MemCategory::activations], 100);
+    EXPECT_EQ(pool.tracker().live()[MemCategory::grads], 4096);
+    EXPECT_EQ(pool.tracker().live().total, 4196);
+    Buffer again = arena.part(MemCategory::workspace, 0, 100, Buffer::Fill::zero);  // after a is gone, in a plan
+    EXPECT_EQ(again.data(), a.data());
+    EXPECT_EQ(again.as<unsigned char>()[99], 0);
+    a = Buffer();
+    again = Buffer();
+  }
+  EXPECT_EQ(pool.tracker().live().total, 0);
+  EXPECT_THROW(arena.part(MemCategory::params, (3 << 20) - 100, 101, Buffer::Fill::none), std::logic_error);
+  EXPECT_THROW(arena.part(MemCategory::params, -4096, 10, Buffer::Fill::none), std::logic_error);
+  arena.reserve(1 << 20);
+  EXPECT_EQ(arena.bytes(), 3 << 20);
+  arena.reserve(5 << 20);
+  EXPECT_EQ(arena.bytes(), 5 << 20);
+  Buffer last = arena.part(MemCategory::params, (5 << 20) - 64, 64, Buffer::Fill::zero);
+  EXPECT_EQ(pool.tracker().live()[MemCategory::params], 64);
 }
 
 }  // namespace
