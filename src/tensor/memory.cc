@@ -88,6 +88,13 @@ class BlockCache {
   ~BlockCache() {
     for (auto& [rounded, block] : free_) std::free(block.p);
   }
+  // Frees every cached block (their pages go back to the system).
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [rounded, block] : free_) std::free(block.p);
+    free_.clear();
+    cached_ = 0;
+  }
   void* take(size_t rounded) {
     if (kEnabled) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -241,6 +248,9 @@ void Arena::reserve(int64_t bytes) {
   if (bytes <= bytes_) return;
   drop();
   block_ = static_cast<char*>(pool_.take(static_cast<size_t>(bytes)));
+  // The blocks cached so far (start-up's, and the block just dropped) were cached for reuse by
+  // step buffers, which the arena now holds: keeping them would only add to the resident set.
+  pool_.cache_->clear();
   bytes_ = bytes;
   poison(block_, static_cast<size_t>(bytes_));
 }
