@@ -152,9 +152,11 @@ void DiskStore::transfer_plain(bool is_write, File& f, int64_t offset, char* buf
                                : ::pread(f.fd, buf + done, bytes - done, offset + done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw fail(f.path, std::string(is_write ? "write" : "read") + " failed: " + errno_text(errno));
-    if (n == 0)
+    if (n == 0) {
+      if (!is_write) check_file(false, f, offset, bytes);  // cut short since the check before it: say so
       throw fail(f.path, is_write ? "write made no progress (disk full?)"
                                   : "read ended early at byte " + std::to_string(offset + done) + " (truncated?)");
+    }
     done += n;
   }
 }

@@ -87,6 +87,32 @@ TEST(DiskStore, ATruncatedOrDeletedFileIsNamed) {
   fs::remove_all(dir);
 }
 
+// A file cut short after the store checked it and before its read (a run's file truncated
+// mid-transfer; the read_fault seam runs between the two) is named the same way, on both I/O paths:
+// it had come out as "read ended early at byte ... (truncated?)" when the truncation won the race.
+TEST(DiskStore, AFileTruncatedDuringAReadIsNamedAsTruncated) {
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_t_" + std::to_string(::getpid()));
+  MemoryPool pool;
+  Buffer b(pool, MemCategory::params, 2 * kDiskAlign);
+  for (bool uring : {true, false}) {
+    std::string path;
+    DiskStoreOptions o;
+    o.try_uring = uring;
+    o.read_fault = [&](const std::string& p, int64_t, int64_t) { return fs::resize_file(p, kDiskAlign), false; };
+    DiskStore store(dir.string(), o);
+    const int f = store.create("a", 4 * kDiskAlign);
+    path = store.path(f);
+    try {
+      store.read(f, 2 * kDiskAlign, b.data(), 2 * kDiskAlign);
+      FAIL() << "read past a truncated end";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), "offload file " + path + ": is 4096 bytes, should be 16384 (truncated while the run was using it)")
+          << (uring ? "io_uring" : "pread");
+    }
+  }
+  fs::remove_all(dir);
+}
+
 // The read_fault seam: the read it picks (here the second unit's, at 8 KiB) fails as an EIO would,
 // naming the file; the reads it does not pick, and every write, go through.
 TEST(DiskStore, AReadTheFaultPicksFailsNamingTheFile) {
