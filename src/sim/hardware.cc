@@ -9,8 +9,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
 namespace shardlm::sim {
 

@@ -171,7 +171,7 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   for (int s = 1; s < S; ++s) (computes(s) ? r.optimizer_busy_ms : r.comm_busy_ms) += busy[s] * 1e3;
   for (int s = 1; s < S; ++s)
     if (plan.streams[s] == "exchange") r.exchange_busy_ms += busy[s] * 1e3;
-    else if (plan.streams[s] == "copy") r.disk_busy_ms += busy[s] * 1e3;
+    else if (copies(s)) r.disk_busy_ms += busy[s] * 1e3;
   r.timeline_peak = mem.peak;
   return r;
 }

@@ -117,13 +117,12 @@ void DiskStore::write(int file, int64_t offset, const void* src, int64_t bytes) 
 // A file removed or cut short under the run is named before its data is trusted: the open
 // descriptor would still read a deleted file's blocks, and a short read of a truncated one would
 // leave stale memory in a window.
-void DiskStore::check_file(bool is_write, const File& f, int64_t offset, int64_t bytes) const {
+void DiskStore::check_file(const File& f) const {
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) throw fail(f.path, "cannot stat: " + errno_text(errno));
   if (st.st_nlink == 0) throw fail(f.path, "deleted while the run was using it");
   // The file was written out whole at creation: any shorter is a truncation, and a write past a
   // truncated end would silently leave a hole of zeros behind it.
-  (void)is_write, (void)offset, (void)bytes;
   if (st.st_size < f.whole)
     throw fail(f.path, "is " + std::to_string(st.st_size) + " bytes, should be " + std::to_string(f.whole) +
                            " (truncated while the run was using it)");
@@ -138,7 +137,7 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
   if (f.direct && (offset % kDiskAlign || bytes % kDiskAlign || reinterpret_cast<uintptr_t>(buf) % kDiskAlign))
     throw std::logic_error("disk store: " + f.path + ": a direct transfer that is not 4 KiB aligned");
   if (bytes == 0) return;
-  check_file(is_write, f, offset, bytes);
+  check_file(f);
   if (!is_write && options_.read_fault && options_.read_fault(f.path, offset, bytes))
     throw fail(f.path, "read failed: " + errno_text(EIO));
   if (ring_) transfer_uring(is_write, f, offset, static_cast<char*>(buf), bytes);
@@ -153,7 +152,7 @@ void DiskStore::transfer_plain(bool is_write, File& f, int64_t offset, char* buf
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw fail(f.path, std::string(is_write ? "write" : "read") + " failed: " + errno_text(errno));
     if (n == 0) {
-      if (!is_write) check_file(false, f, offset, bytes);  // cut short since the check before it: say so
+      if (!is_write) check_file(f);  // cut short since the check before it: say so
       throw fail(f.path, is_write ? "write made no progress (disk full?)"
                                   : "read ended early at byte " + std::to_string(offset + done) + " (truncated?)");
     }

@@ -69,7 +69,7 @@ class DiskStore {
   void transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes);
   void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
   void transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
-  void check_file(bool is_write, const File& f, int64_t offset, int64_t bytes) const;
+  void check_file(const File& f) const;
 
   std::string dir_;
   DiskStoreOptions options_;
