@@ -211,15 +211,15 @@ std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   return s;
 }
 
-Plan::Wait Plan::wait_for(const Task& t, int64_t run, int dep) const {
+Plan::Wait Plan::wait_for(const Task& t, int64_t run, int dep, int64_t times) const {
   const int R = repeat.micro, dep_micro = tasks[dep].micro;
   if (R < 0 || dep_micro < R - 1) return {dep, 1};
-  if (dep_micro == R) return {dep, t.micro == R ? run + 1 : repeat.times};
+  if (dep_micro == R) return {dep, t.micro == R ? run + 1 : times};
   if (dep_micro == R - 1 && t.micro == R && run > 0) return {repeat.counterpart[dep], run};
   return {dep, 1};
 }
 
-StreamWalk::StreamWalk(const Plan& plan, int stream) : times_(plan.repeat.times) {
+StreamWalk::StreamWalk(const Plan& plan, int stream, int64_t times) : times_(times < 0 ? plan.repeat.times : times) {
   for (const Task& t : plan.tasks) {
     if (t.stream != stream) continue;
     if (t.micro == plan.repeat.micro && first_ == end_) first_ = end_ = order_.size();

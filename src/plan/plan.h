@@ -365,7 +365,9 @@ struct Plan {
     int task;
     int64_t runs;
   };
-  Wait wait_for(const Task& t, int64_t run, int dep) const;
+  // `times`: the repeated micro-step's run count, where a walk takes it as other than repeat.times.
+  Wait wait_for(const Task& t, int64_t run, int dep) const { return wait_for(t, run, dep, repeat.times); }
+  Wait wait_for(const Task& t, int64_t run, int dep, int64_t times) const;
 
   // Highest bytes per category of the buffers when tasks run in plan order (compute and comm
   // interleaved as their dependencies allow the earliest), plus the static memory.
@@ -404,10 +406,10 @@ struct Plan {
 };
 
 // One stream's task runs in order: each task once, the repeated ones (Plan::repeat) `times`
-// times over.
+// times over (-1: repeat.times).
 class StreamWalk {
  public:
-  StreamWalk(const Plan& plan, int stream);
+  StreamWalk(const Plan& plan, int stream, int64_t times = -1);
   bool done() const { return i_ >= order_.size(); }
   int task() const { return order_[i_]; }
   int64_t run() const { return run_; }
@@ -475,5 +477,9 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig config);
 // step under sharded strategies, as FSDP keeps its root unit. Throws std::invalid_argument naming
 // the field of a bad configuration.
 Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config);
+// The same configuration's mesh, flat layout, state placement and static memory, no tasks or
+// buffers (the planner's bounds read them; cheaper than a plan by the tasks' count). Throws as
+// build_plan does for a configuration it refuses before laying out tasks.
+Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config);
 
 }  // namespace shardlm::plan

@@ -21,8 +21,14 @@ class Builder {
  public:
   Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : desc_(desc), cfg_(cfg) {}
   Plan build();
+  // The plan's mesh, layout, state placement and static memory: everything but tasks and buffers.
+  Plan frame_only() {
+    frame();
+    return std::move(plan_);
+  }
 
  private:
+  void frame();
   int add(Op op, int unit, int micro, std::vector<int> deps = {}) {
     Task t;
     t.id = static_cast<int>(tasks_.size());
@@ -774,7 +780,7 @@ void Builder::slice_state(int u, UnitPlacement& p) const {
   }
 }
 
-Plan Builder::build() {
+void Builder::frame() {
   const Strategy s = cfg_.strategy;
   train_ = cfg_.mode == PlanConfig::Mode::train;
   plan_.config = cfg_;
@@ -800,6 +806,11 @@ Plan Builder::build() {
   plan_.static_memory = {held(StateKind::params), held(StateKind::grads), 2 * held(StateKind::optimizer), 0};
   if (cfg_.stage_checkpoint && train_)
     plan_.static_memory.staging = plan_.static_memory.params + plan_.static_memory.optimizer + kCheckpointIoBytes;
+}
+
+Plan Builder::build() {
+  frame();
+  auto held = [&](StateKind k) { return 4 * plan_.held_total(k); };
   buffer("params", Role::params, MemCategory::params, held(StateKind::params), -1);
   buffer("grads", Role::grads, MemCategory::grads, held(StateKind::grads), -1);
   buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(StateKind::optimizer), -1);
@@ -970,9 +981,9 @@ void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
                                 " key/value heads (--cp-impl all-to-all gives each rank whole heads)");
 }
 
-}  // namespace
 
-Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
+// The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
+PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
   // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
   // (a sharded plan would only copy parameters into gathered buffers and back).
@@ -991,6 +1002,17 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
                                 std::to_string(desc.config.n_experts));
   if (c.cp > 1) check_context_split(desc, c);
   if (c.memory_budget < 0) throw std::invalid_argument("memory budget (--memory-budget): must be > 0, got " + std::to_string(c.memory_budget));
+  return c;
+}
+
+}  // namespace
+
+Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config) {
+  return Builder(desc, normalized(desc, config)).frame_only();
+}
+
+Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
+  const PlanConfig c = normalized(desc, config);
   if (c.memory_budget > 0 && c.offload.units.empty()) return place_for_budget(desc, c);
   Plan plan = Builder(desc, c).build();
   pipeline_pass(plan, desc);
