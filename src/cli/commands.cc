@@ -432,6 +432,9 @@ int run(int argc, char** argv) {
   plan_cmd->add_flag("--largest-model", pa.largest,
                      "report the most layers of --model's shape (width, heads, vocabulary kept) that fit the budget, "
                      "with its fastest configuration");
+  plan_cmd->add_flag("--search-cp", pa.search_cp,
+                     "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
+                     "fits without it");
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
   plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
   add_goodput_options(plan_cmd, pa.goodput);

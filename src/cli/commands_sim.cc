@@ -110,6 +110,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
   q.expert_load = expert_load_of(a.moe_imbalance, desc);
   q.disk_budget = disk_budget_of(a, hw);
+  q.context_always = a.search_cp;
   // Branch and bound for the rows printed; ranked by goodput the bound on step time is not the
   // order, so every configuration is simulated there.
   q.top = a.goodput.mtbf_hours > 0 ? 0 : a.top;
@@ -146,9 +147,9 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
   fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations ({} pruned by memory "
-             "unbuilt, {} by a bound on step time unbuilt (of {} classes, each's first built for the bound), {} invalid, {} "
+             "or its bound unbuilt, {} by a bound on step time unbuilt, {} invalid, {} "
              "built, {} simulated), {} fit {} (+{} refined by keeping units gathered), {} distinct predictions\n",
-             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.bounded, s.classes,
+             a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.bounded,
              s.invalid, s.built, s.simulated, s.fit - s.refined,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
              s.refined, s.fitting.size());

@@ -61,6 +61,7 @@ struct PlanArgs {
   double memory = -1;  // bytes per rank; unset: the profile's device memory
   std::string disk;    // --disk-per-rank: the disk tier's bytes per rank (sizes as --memory-budget's); empty: none
   bool largest = false;  // --largest-model
+  bool search_cp = false;  // --search-cp: context parallelism beside cp 1 (PlanQuery::context_always)
   std::string hardware = "cpu-local";
   bool run = false, overwrite = false, talk = true;
   std::string data, out = "runs/plan";

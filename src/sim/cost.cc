@@ -166,8 +166,8 @@ Collective collective_of(Op op) {
 }
 
 CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
-                     double expert_load)
-    : desc_(desc), plan_(plan), hw_(hw) {
+                     double expert_load, Spans spans)
+    : desc_(desc), plan_(plan), hw_(hw), spans_(std::move(spans)) {
   peak_ = hw.peak_flops * (hw.per_thread ? threads : 1);
   if (hw.per_thread && hw.cores_per_node > 0) {
     const int64_t busy = static_cast<int64_t>(std::min(plan.config.world, hw.devices_per_node)) * threads;

@@ -70,8 +70,10 @@ class CostModel {
   // `expert_load`: the busiest expert's routed rows over the mean (model::Shape::expert_load): the
   // busiest rank's expert side and the exchanges are priced at that rank's load (the model's
   // figures), which the step waits for.
+  // `spans`: groups whose span the caller already knows (the planner's bounds, per frame).
+  using Spans = std::vector<std::pair<std::vector<int>, GroupSpan>>;
   CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
-            double expert_load = 1);
+            double expert_load = 1, Spans spans = {});
   // Seconds task `t` takes at full speed (compute slowed by communication is the simulator's).
   double seconds(const plan::Task& t) const;
   // Ranks of the group a collective spans, how it lies on nodes, and whether it crosses a node boundary.
@@ -110,7 +112,7 @@ class CostModel {
   };
   std::vector<Measured> measured_;
   // The span of each axis set the plan's collectives name (a handful), computed once.
-  std::vector<std::pair<std::vector<int>, GroupSpan>> spans_;
+  Spans spans_;
 };
 
 }  // namespace shardlm::sim

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "plan/mesh.h"
+#include "sim/bounds.h"
 #include "sim/cost.h"
 
 namespace shardlm::sim {
@@ -235,139 +236,114 @@ void build_and_simulate(const model::ModelDesc& desc, const PlanConfig& c, const
 
 }  // namespace
 
-std::vector<int> floor_class(const PlanConfig& c, const HardwareProfile& hw) {
-  // The strategy and shard group too: a unit's backward prices the gradient it accumulates into,
-  // which is the strategy's (whole, or a shard).
-  const int shard = c.strategy == Strategy::ddp ? 1 : c.strategy == Strategy::hybrid ? c.shard_group : c.world;
-  std::vector<int> key{static_cast<int>(c.strategy), shard, c.cp, static_cast<int>(c.cp_impl), c.ep,
-                       static_cast<int>(c.batch), static_cast<int>(c.grad_accum), static_cast<int>(c.recompute), c.world,
-                       c.activation_bytes};
-  // How the expert and context groups lie on the nodes (the exchanges' cost): the builder's mesh,
-  // replicas × ep × dp_shard × cp (ep and cp outside the replicas under DDP).
-  const bool ddp = c.strategy == Strategy::ddp;
-  std::vector<plan::MeshAxis> axes{{"r", c.world / shard / (ddp ? c.ep * c.cp : 1)}};
-  if (c.ep > 1) axes.push_back({"e", c.ep});
-  axes.push_back({"s", std::max(1, shard / (ddp ? 1 : c.ep * c.cp))});
-  if (c.cp > 1) axes.push_back({"c", c.cp});
-  try {
-    const plan::Mesh mesh(axes);
-    for (const char* a : {"e", "c"}) {
-      const int i = mesh.find(a);
-      const GroupSpan g = i < 0 ? GroupSpan{} : span_of(mesh, {i}, hw.devices_per_node);
-      key.insert(key.end(), {g.ranks, g.nodes, g.per_node});
-    }
-  } catch (const std::invalid_argument&) {
-    key.push_back(-1);  // a mesh the builder refuses too
-  }
-  return key;
-}
-
 namespace {
 
-// The pruned search with branch and bound (PlanQuery::top): configurations sharing their compute
-// and exchanges form a class whose step_floor_ms (one plan of it built) no member's step time is
-// below. Classes in order of their floor, each's lattice levels in turn as `evaluate` does; a
-// class whose floor is above both the top-th fastest distinct prediction simulated so far and the
-// third fastest sharded configuration without units kept (those keep_greedily refines) holds no
-// configuration that could enter either, so it and every class after it is bounded, unbuilt.
+// The pruned search with branch and bound (PlanQuery::top), no plan built for a bound: each
+// configuration's StepBounds from its frame (one frame per mesh and strategy, one bound per set of
+// knobs it reads). One whose peak bound is above the budget is pruned; the rest, by their step
+// bound (then lattice level), are built and simulated in small parallel batches while the bound is
+// at most the bar: the top-th fastest distinct prediction so far and the third fastest sharded
+// configuration without units kept (those keep_greedily refines). The first above it ends the
+// search: it and everything after could enter neither.
 std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
-                                      const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q,
-                                      int64_t* classes) {
+                                      const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q) {
   using State = Outcome::State;
   std::vector<Outcome> out(grid.size());
-  LatticeIndex index;
-  for (size_t i = 0; i < grid.size(); ++i) index[{at[i].family, at[i].steps}] = i;
-  auto too_big_below = [&](size_t i) { return q.memory_budget > 0 && above_too_big(i, at, index, out); };
-  // The classes, members in grid order.
-  std::map<std::vector<int>, size_t> class_of;
-  std::vector<std::vector<size_t>> members;
+  // Frames by what lays them out; bounds by what they read (not prefetch, gathers in flight, buckets).
+  std::map<std::vector<int>, std::optional<BoundsFrame>> frames;
+  // Each configuration's ComputeBounds (by frame, micro-batch, accumulation, recompute), then its
+  // StepBounds (by those, dtypes and units kept).
+  std::map<std::vector<int64_t>, size_t> compute_of, bound_of_key;
+  std::vector<std::pair<size_t, const BoundsFrame*>> computed_for, bounded_for;  // a configuration of each, and its frame
+  std::vector<size_t> compute_index(grid.size(), 0), bound_index(grid.size(), 0);
   for (size_t i = 0; i < grid.size(); ++i) {
-    const auto [it, fresh] = class_of.emplace(floor_class(grid[i], hw), members.size());
-    if (fresh) members.emplace_back();
-    members[it->second].push_back(i);
-  }
-  *classes += static_cast<int64_t>(members.size());
-  // Each class's floor from its first member the builder takes (none: NaN, every member refused),
-  // whose plan, built, is also measured and, where it fits, simulated: it is done with.
-  std::vector<double> floor(members.size(), std::numeric_limits<double>::quiet_NaN());
-  parallel_for(members.size(), [&](size_t k) {
-    for (size_t i : members[k]) {
-      Outcome& o = out[i];
+    const PlanConfig& c = grid[i];
+    const std::vector<int> frame_key{static_cast<int>(c.strategy), c.shard_group, c.ep, c.cp, static_cast<int>(c.cp_impl), c.world};
+    auto f = frames.find(frame_key);
+    if (f == frames.end()) {
+      std::optional<BoundsFrame> frame;
       try {
-        const plan::Plan p = plan::build_plan(desc, grid[i]);
-        floor[k] = step_floor_ms(desc, p, hw, q.threads, q.expert_load);
-        o.result.mem = p.peak_memory();
-        if (q.memory_budget > 0 && o.result.mem.total > q.memory_budget) {
-          o.state = State::too_big;
-          return;
-        }
-        o.result = simulate(desc, p, hw, q.threads, q.expert_load);
-        o.result.times.clear(), o.result.runs.clear();
-        o.state = State::simulated;
-        return;
+        frame = bounds_frame(desc, plan::plan_frame(desc, c), hw);
       } catch (const std::invalid_argument&) {
-        o.state = State::refused;
       }
+      f = frames.emplace(frame_key, std::move(frame)).first;
     }
-  });
-  std::vector<size_t> order(members.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::vector<size_t> ordered;
-  for (size_t k : order) {
-    if (!std::isnan(floor[k])) {
-      ordered.push_back(k);
+    if (!f->second) {
+      out[i].state = State::refused;
       continue;
     }
-    for (size_t i : members[k]) out[i].state = State::refused;  // each tried above
+    std::vector<int64_t> key(frame_key.begin(), frame_key.end());
+    key.insert(key.end(), {c.batch, c.grad_accum, static_cast<int>(c.recompute)});
+    const auto [k, fresh] = compute_of.emplace(key, computed_for.size());
+    if (fresh) computed_for.emplace_back(i, &*f->second);
+    compute_index[i] = k->second;
+    const int kept = c.keep_gathered.empty() ? 0 : c.keep_gathered == std::vector<std::string>{"all"} ? 1 : 2;
+    key.insert(key.end(), {c.param_bytes, c.reduce_bytes, kept});
+    const auto [b, new_bound] = bound_of_key.emplace(std::move(key), bounded_for.size());
+    if (new_bound) bounded_for.emplace_back(i, &*f->second);
+    bound_index[i] = b->second;
   }
-  order = std::move(ordered);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return floor[a] < floor[b]; });
+  std::vector<ComputeBounds> computed(computed_for.size());
+  parallel_for(computed.size(), [&](size_t k) {
+    computed[k] = compute_bounds(desc, *computed_for[k].second, grid[computed_for[k].first], hw, q.threads, q.expert_load);
+  });
+  std::vector<StepBounds> bounds(bounded_for.size());
+  for (size_t k = 0; k < bounds.size(); ++k) {
+    const size_t i = bounded_for[k].first;
+    bounds[k] = step_bounds(desc, *bounded_for[k].second, grid[i], computed[compute_index[i]], hw);
+  }
+  std::vector<StepBounds> bound(grid.size());
+  std::vector<size_t> order;
+  LatticeIndex index;  // of those the frame takes (one it refuses says nothing of those above it)
+  for (size_t i = 0; i < grid.size(); ++i) {
+    if (out[i].state == State::refused) continue;
+    index[{at[i].family, at[i].steps}] = i;
+    bound[i] = bounds[bound_index[i]];
+    if (q.memory_budget > 0 && bound[i].peak_bytes > q.memory_budget) out[i].state = State::pruned;
+    else order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return bound[a].step_ms() < bound[b].step_ms() || (bound[a].step_ms() == bound[b].step_ms() && at[a].level() < at[b].level());
+  });
   // The bars: the top-th fastest distinct (step, memory) prediction, and the third fastest sharded
   // configuration without units kept (counting alike ones, as keep_greedily's pick does).
   const auto inf = std::numeric_limits<double>::infinity();
   std::set<std::pair<double, int64_t>> best;
   std::multiset<double> sharded;
+  auto refinable = [&](const PlanConfig& c) {
+    return (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid) && c.keep_gathered.empty();
+  };
   auto note = [&](size_t i) {
     const SimResult& r = out[i].result;
     best.insert({r.step_ms, r.mem.total});
     if (best.size() > static_cast<size_t>(q.top)) best.erase(std::prev(best.end()));
-    const PlanConfig& c = grid[i];
-    if ((c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid) && c.keep_gathered.empty()) {
+    if (refinable(grid[i])) {
       sharded.insert(r.step_ms);
       if (sharded.size() > 3) sharded.erase(std::prev(sharded.end()));
     }
   };
-  auto bar = [&] {
-    const double top = best.size() < static_cast<size_t>(q.top) ? inf : std::prev(best.end())->first;
-    const double refine = sharded.size() < 3 ? inf : *std::prev(sharded.end());
-    return std::max(top, refine);
-  };
-  for (size_t i = 0; i < grid.size(); ++i)
-    if (out[i].state == State::simulated) note(i);
-  for (size_t k : order) {
-    if (floor[k] > bar()) {
-      for (size_t i : members[k])
-        if (out[i].state == State::pending) out[i].state = State::bounded;
-      continue;
+  // A configuration is wanted while its bound is at most the top bar, or, sharded without units
+  // kept, the refine bar; the search ends at the first above both.
+  auto top_bar = [&] { return best.size() < static_cast<size_t>(q.top) ? inf : std::prev(best.end())->first; };
+  auto refine_bar = [&] { return sharded.size() < 3 ? inf : *std::prev(sharded.end()); };
+  const size_t batch = 4 * std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
+  size_t next = 0;
+  while (next < order.size()) {
+    std::vector<size_t> now;
+    for (; next < order.size() && now.size() < batch; ++next) {
+      const size_t i = order[next];
+      const double b = bound[i].step_ms();
+      if (b > std::max(top_bar(), refine_bar())) break;
+      if (b > top_bar() && !refinable(grid[i])) out[i].state = State::bounded;
+      else if (q.memory_budget > 0 && above_too_big(i, at, index, out)) out[i].state = State::pruned;
+      else now.push_back(i);
     }
-    int levels = 0;
-    for (size_t i : members[k]) levels = std::max(levels, at[i].level() + 1);
-    std::vector<std::vector<size_t>> by_level(levels);
-    for (size_t i : members[k]) by_level[at[i].level()].push_back(i);
-    for (const std::vector<size_t>& level : by_level) {
-      const bool bounded = floor[k] > bar();  // the bar falls as the class goes on
-      std::vector<size_t> now;
-      for (size_t i : level) {
-        if (out[i].state != State::pending) continue;  // the class's first, built for its floor
-        if (bounded) out[i].state = State::bounded;
-        else if (too_big_below(i)) out[i].state = State::pruned;
-        else now.push_back(i);
-      }
-      parallel_for(now.size(), [&](size_t j) { build_and_simulate(desc, grid[now[j]], hw, q, out[now[j]]); });
-      for (size_t i : now)
-        if (out[i].state == State::simulated) note(i);
-    }
+    if (now.empty()) break;
+    parallel_for(now.size(), [&](size_t j) { build_and_simulate(desc, grid[now[j]], hw, q, out[now[j]]); });
+    for (size_t i : now)
+      if (out[i].state == State::simulated) note(i);
   }
+  for (; next < order.size(); ++next) out[order[next]].state = State::bounded;
   return out;
 }
 
@@ -406,9 +382,12 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
     int unit;
     double ms_per_byte;
   };
+  const int U = static_cast<int>(desc.units.size());
+  std::vector<Candidate> alone(U);
+  parallel_for(U, [&](size_t u) { alone[u] = with(best, desc.units[u].name); });
   std::vector<Option> options;
-  for (int u = static_cast<int>(desc.units.size()) - 1; u >= 0; --u) {
-    const Candidate k = with(best, desc.units[u].name);
+  for (int u = U - 1; u >= 0; --u) {
+    const Candidate& k = alone[u];
     if (k.step_ms < best.step_ms)
       options.push_back({u, (best.step_ms - k.step_ms) / static_cast<double>(std::max<int64_t>(1, k.peak_bytes - best.peak_bytes))});
   }
@@ -507,8 +486,13 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
         each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps,
                     [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
     }
-    const std::vector<Outcome> outcomes =
-        q.top > 0 && !q.exhaustive ? evaluate_bounded(desc, grid, at, hw, q, &out.classes) : evaluate(desc, grid, at, hw, q, !q.exhaustive);
+    std::vector<Outcome> outcomes =
+        q.top > 0 && !q.exhaustive ? evaluate_bounded(desc, grid, at, hw, q) : evaluate(desc, grid, at, hw, q, !q.exhaustive);
+    // Nothing fits: the bounds built none of what does not, so the smallest (which the answer
+    // names) is found by building as the search without bounds does.
+    if (q.top > 0 && !q.exhaustive &&
+        std::none_of(outcomes.begin(), outcomes.end(), [](const Outcome& o) { return o.state == Outcome::State::simulated; }))
+      outcomes = evaluate(desc, grid, at, hw, q, true);
     out.considered += static_cast<int64_t>(grid.size());
     for (size_t i = 0; i < grid.size(); ++i) {
       using State = Outcome::State;

@@ -6,8 +6,9 @@
 // (GPU) profiles only. For a mixture-of-experts model the expert-parallel size (ep) is searched
 // too: each divisor of the experts that divides the ranks.
 // Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
-// refined by selective unsharding (keep_greedily). With PlanQuery::top, branch and bound on step
-// time: classes of configurations whose floor (step_floor_ms) is above the top are never built.
+// refined by selective unsharding (keep_greedily). Every configuration is first bounded from its
+// frame alone (sim/bounds.h): one whose memory bound does not fit is never built, and with
+// PlanQuery::top (branch and bound on step time) neither is one whose step bound is above the top.
 #pragma once
 
 #include <cstdint>
@@ -31,9 +32,9 @@ struct PlanQuery {
   // Build every configuration, pruning none by memory or bound (tests: the pruned search finds the same).
   bool exhaustive = false;
   // > 0: only the `top` fastest distinct predictions (and the configurations keep_greedily
-  // refines) need be found: classes of configurations whose step_floor_ms is above them are
-  // bounded, never built. PlanSearch::fitting then holds every configuration at least as fast as
-  // the top-th, with their `alike` counts, and perhaps some slower. 0: every one that fits.
+  // refines) need be found: configurations whose step bound (StepBounds::step_ms) is above them
+  // are bounded, never built. PlanSearch::fitting then holds every configuration at least as fast
+  // as the top-th, with their `alike` counts, and perhaps some slower. 0: every one that fits.
   int top = 0;
   // Context parallelism beside cp 1 (every cp, both forms); false: only where nothing fits at cp 1.
   bool context_always = false;
@@ -62,14 +63,14 @@ struct PlanSearch {
   std::vector<Candidate> fitting;
   int64_t fit = 0;                  // configurations that fit, alike ones included
   // The grid's configurations (every combination of the knobs searched), and of them: pruned
-  // (above one that does not fit, so never built), refused by the plan builder, built, and
-  // simulated (built and fitting).
+  // (its memory bound above the budget, or above one that does not fit: never built), refused by
+  // the plan builder (or its frame), built, and simulated (built and fitting).
   int64_t considered = 0, pruned = 0, invalid = 0, built = 0, simulated = 0;
-  int64_t bounded = 0;              // of `considered`, in a class whose floor is above the top (PlanQuery::top)
-  int64_t classes = 0;              // floor_class classes: the first plan of each is built (and counted) for its floor
+  int64_t bounded = 0;              // of `considered`, those whose step bound is above the top (PlanQuery::top)
   int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
   int64_t on_disk = 0;              // of `considered`, those searched with the disk tier (PlanQuery::disk_budget)
-  // The least memory of all built (to say by how much nothing fits: then nothing is bounded).
+  // The least memory of all built (to say by how much nothing fits: then every configuration not
+  // above one that does not fit is built, bounds or not).
   Candidate smallest;
 };
 
@@ -102,13 +103,6 @@ struct LargestFit {
 inline constexpr int64_t kMaxLargestLayers = 1 << 14;
 LargestFit largest_model(const model::ModelConfig& model, const plan::PlanConfig& base, const HardwareProfile& hw,
                          const PlanQuery& q);
-
-// The branch and bound's class of a configuration: configurations with the same key have the same
-// unit compute and exchanges, so the same step_floor_ms (Planner.StepFloor... holds it): the
-// strategy and shard group, the micro-batch and accumulation, recompute, ep, cp and its form, and
-// how the expert and context groups lie on nodes. Dtypes, prefetch, gathers in flight, units kept
-// and buckets change only the collectives of state.
-std::vector<int> floor_class(const plan::PlanConfig& c, const HardwareProfile& hw);
 
 // Selective unsharding of `start` (fsdp / hybrid): each unit's saving of step time per byte of
 // peak memory is measured alone; then, best first, a unit stays gathered when that still makes

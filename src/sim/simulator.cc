@@ -58,22 +58,10 @@ plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
 namespace {
 
 // The discrete-event simulation of one step whose repeated micro-step runs `times` times.
-// `fixed` (step_floor_ms): each task's seconds instead of the cost model's, compute at full speed
-// beside collectives.
-SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareProfile& hw, int64_t times,
-                        const std::vector<double>* fixed = nullptr) {
-  Plan shape_only;  // the walk reads the plan's streams, tasks and repeat only
-  const Plan* p = &plan;
-  if (times != plan.repeat.times) {
-    shape_only.streams = plan.streams;
-    shape_only.tasks = plan.tasks;
-    shape_only.repeat = plan.repeat;
-    shape_only.repeat.times = times;
-    p = &shape_only;
-  }
+SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareProfile& hw, int64_t times) {
   const int S = static_cast<int>(plan.streams.size());
   std::vector<plan::StreamWalk> walk;
-  for (int s = 0; s < S; ++s) walk.emplace_back(*p, s);
+  for (int s = 0; s < S; ++s) walk.emplace_back(plan, s, times);
 
   SimResult r;
   r.times.assign(plan.tasks.size(), {});
@@ -94,7 +82,7 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   auto ready = [&](int s) {
     const Task& t = plan.tasks[walk[s].task()];
     for (int d : t.deps) {
-      const Plan::Wait w = p->wait_for(t, walk[s].run(), d);
+      const Plan::Wait w = plan.wait_for(t, walk[s].run(), d, times);
       if (done[w.task] < w.runs) return false;
     }
     return true;
@@ -103,7 +91,7 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
   auto last_dep = [&](const Task& t) {
     int last = -1;
     for (int d : t.deps) {
-      const int w = p->wait_for(t, walk[plan::kCompute].run(), d).task;
+      const int w = plan.wait_for(t, walk[plan::kCompute].run(), d, times).task;
       if (last < 0 || r.times[w].end_s > r.times[last].end_s) last = w;
     }
     return last;
@@ -126,7 +114,7 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
         if (kind == plan::OpStream::copy) r.disk_exposed_ms += (now - free_since[s]) * 1e3;
       }
       running[s] = t;
-      remaining[s] = fixed ? (*fixed)[t] : cost.seconds(plan.tasks[t]);
+      remaining[s] = cost.seconds(plan.tasks[t]);
       started[s] = now;
       mem.alloc(plan.tasks[t].allocs);
     }
@@ -135,10 +123,9 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
       if (running[s] >= 0) (computes(s) ? side_compute : copies(s) ? copy_running : comm_running) = true;
     // Compute shares the machine with a running collective (NCCL's SMs, a CPU core) and with a
     // disk copy (each slows the other), and halves it with compute work on another stream (the
-    // pipelined optimizer's updates). A floor (`fixed`) runs everything at full speed.
+    // pipelined optimizer's updates).
     const bool main_running = running[plan::kCompute] >= 0;
     auto rate = [&](int s) {
-      if (fixed) return 1.0;
       if (s == plan::kCompute)
         return (comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0) *
                (copy_running ? 1.0 / hw.compute_slowdown_beside_disk : 1.0) * (side_compute ? 0.5 : 1.0);
@@ -217,40 +204,6 @@ SimResult simulate(const model::ModelDesc& desc, const Plan& plan, const Hardwar
   r.mem = plan.peak_memory();
   r.mem_max = plan.max_memory();
   return r;
-}
-
-double step_floor_ms(const model::ModelDesc& desc, const Plan& plan, const HardwareProfile& hw, int threads,
-                     double expert_load) {
-  const CostModel cost(desc, plan, hw, threads, expert_load);
-  // Kept: the units' compute (forward, backward, rebuild) and the exchanges (all-to-all, ring
-  // steps); every other task (collectives of state, casts, the optimizer, copies) takes no time.
-  // The others also lose their waits, and the kept ones their waits on them: what is left, the
-  // kept tasks in stream order and their waits on one another, is the same in every plan of those
-  // units' compute and exchanges, whatever collectives of state surround them.
-  Plan kept;
-  kept.streams = plan.streams, kept.tasks = plan.tasks, kept.repeat = plan.repeat;
-  std::vector<double> fixed(plan.tasks.size(), 0);
-  std::vector<char> keep(plan.tasks.size(), 0);
-  double compute = 0;  // the kept compute of the whole step, every run of a repeated task counted
-  for (const plan::Task& t : plan.tasks) {
-    const plan::OpWork w = plan::info(t.op).work;
-    const bool unit_work = t.stream == plan::kCompute && (w == plan::OpWork::unit_fwd || w == plan::OpWork::unit_bwd ||
-                                                          w == plan::OpWork::unit_fwd_bwd || w == plan::OpWork::unit_rebuild);
-    keep[t.id] = unit_work || t.op == plan::Op::exchange;
-    if (keep[t.id]) fixed[t.id] = cost.seconds(t);
-    if (unit_work) compute += fixed[t.id] * static_cast<double>(plan.runs(t));
-  }
-  for (plan::Task& t : kept.tasks) {
-    t.allocs.clear(), t.frees.clear(), t.hands_off.clear();
-    if (!keep[t.id]) t.deps.clear();
-    std::erase_if(t.deps, [&](int d) { return !keep[d]; });
-  }
-  // Each stream runs its tasks in order, each when the tasks it waits on are done: with fewer
-  // waits and every task no longer than the simulator's (full speed; it slows compute beside
-  // collectives), no task starts or ends later than there, so the makespan of the runs simulated
-  // is no more than the step's (more runs only add time). The compute stream alone needs `compute`.
-  const SimResult r = simulate_runs(cost, kept, hw, std::min(plan.repeat.times, kSimulatedRuns), &fixed);
-  return std::max(r.step_ms, compute * 1e3);
 }
 
 trace::RankTrace to_trace(const model::ModelDesc& desc, const Plan& plan, const SimResult& r, int64_t step) {

@@ -67,14 +67,6 @@ plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
 SimResult simulate(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
                    double expert_load = 1);
 
-// A lower bound on simulate(desc, plan, hw, threads, expert_load).step_ms from the plan's unit
-// compute and its exchanges alone (the planner's branch and bound): the same walk with every
-// other task taking no time and compute at full speed, and no less than the compute stream's own
-// work. Configurations that share their compute and exchanges (model, sequences, micro-batch,
-// recompute, ep, cp and how their groups lie on nodes, strategy: floor_class) share it; Planner.StepFloor... holds both.
-double step_floor_ms(const model::ModelDesc& desc, const plan::Plan& plan, const HardwareProfile& hw, int threads,
-                     double expert_load = 1);
-
 // The simulated rank as a trace: the same slices (task names, streams) and memory counters a
 // real run records, for step `step`.
 trace::RankTrace to_trace(const model::ModelDesc& desc, const plan::Plan& plan, const SimResult& r, int64_t step = 0);
