@@ -290,6 +290,31 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
                         {"no configuration", "1000"});
 }
 
+// --search-cp searches cp beside cp 1 (without it only where nothing fits): more configurations,
+// every one accounted for on the first line (pruned, bounded, invalid or built).
+TEST_F(Simulate, PlanSearchesContextParallelismWhenAsked) {
+  const std::string plan = "plan --model llama-tiny --ranks 4 --threads 1 --seq 256 --global-batch 4096 --hardware h100-80gb --top 3";
+  auto counts = [](const std::string& out) {
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(out, m,
+                                  std::regex("(\\d+) configurations \\((\\d+) pruned by memory or its bound unbuilt, (\\d+) by a "
+                                             "bound on step time unbuilt, (\\d+) invalid, (\\d+) built")))
+        << out;
+    std::vector<int64_t> v;
+    for (size_t i = 1; i < m.size(); ++i) v.push_back(std::stoll(m[i]));
+    return v;
+  };
+  const Result without = shardlm(plan), with = shardlm(plan + " --search-cp");
+  ASSERT_EQ(without.code, 0) << without.out;
+  ASSERT_EQ(with.code, 0) << with.out;
+  const std::vector<int64_t> a = counts(without.out), b = counts(with.out);
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), 5u);
+  EXPECT_GT(b[0], 2 * a[0]);
+  EXPECT_EQ(b[1] + b[2] + b[3] + b[4], b[0]) << with.out;
+  EXPECT_EQ(without.out.find("--cp "), std::string::npos) << without.out;
+}
+
 // With --disk-per-rank, under a budget nothing fits in memory (small over the corpus's 256 tokens:
 // 192 MB at least), plan offers disk-tier configurations; the first one's flags train within the
 // budget. --largest-model reports a depth and the flags to train it. A profile without disk
