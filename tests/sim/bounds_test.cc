@@ -82,7 +82,7 @@ TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
   };
   Checked n;
   for (const Case& k : {Case{"llama-tiny", 4, 256, 8, {1}, {1, 2}}, Case{"moe-tiny", 8, 128, 2, {1, 2, 4}, {1, 2}},
-                        Case{"tiny", 2, 128, 6, {1}, {1}}}) {
+                        Case{"tiny", 2, 128, 6, {1}, {1}}, Case{"moe-tiny", 4, 128, 24, {2}, {1}}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
       for (int g : s == Strategy::hybrid ? std::vector<int>{2, 4} : std::vector<int>{0})
