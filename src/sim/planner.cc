@@ -238,67 +238,69 @@ void build_and_simulate(const model::ModelDesc& desc, const PlanConfig& c, const
 
 namespace {
 
-// The pruned search with branch and bound (PlanQuery::top), no plan built for a bound: each
-// configuration's StepBounds from its frame (one frame per mesh and strategy, one bound per set of
-// knobs it reads). One whose peak bound is above the budget is pruned; the rest, by their step
-// bound (then lattice level), are built and simulated in small parallel batches while the bound is
-// at most the bar: the top-th fastest distinct prediction so far and the third fastest sharded
-// configuration without units kept (those keep_greedily refines). The first above it ends the
-// search: it and everything after could enter neither.
-std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
-                                      const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q) {
-  using State = Outcome::State;
-  std::vector<Outcome> out(grid.size());
-  // Frames by what lays them out; bounds by what they read (not prefetch, gathers in flight, buckets).
+// Each configuration's StepBounds, from one frame per mesh and strategy and one ComputeBounds per
+// frame, micro-batch, accumulation and recompute (what is costly); nullopt where its frame is
+// refused (so is its plan).
+std::vector<std::optional<StepBounds>> bound_each(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
+                                                  const HardwareProfile& hw, const PlanQuery& q) {
   std::map<std::vector<int>, std::optional<BoundsFrame>> frames;
-  // Each configuration's ComputeBounds (by frame, micro-batch, accumulation, recompute), then its
-  // StepBounds (by those, dtypes and units kept).
-  std::map<std::vector<int64_t>, size_t> compute_of, bound_of_key;
-  std::vector<std::pair<size_t, const BoundsFrame*>> computed_for, bounded_for;  // a configuration of each, and its frame
-  std::vector<size_t> compute_index(grid.size(), 0), bound_index(grid.size(), 0);
+  std::map<std::vector<int64_t>, size_t> compute_of;
+  std::vector<std::pair<size_t, const BoundsFrame*>> computed_for;  // a configuration of each, and its frame
+  std::vector<const BoundsFrame*> frame_of(grid.size(), nullptr);
+  std::vector<size_t> compute_index(grid.size(), 0);
   for (size_t i = 0; i < grid.size(); ++i) {
     const PlanConfig& c = grid[i];
     const std::vector<int> frame_key{static_cast<int>(c.strategy), c.shard_group, c.ep, c.cp, static_cast<int>(c.cp_impl), c.world};
     auto f = frames.find(frame_key);
     if (f == frames.end()) {
+      PlanConfig laid = c;  // dtypes lay out nothing (the builder refuses a bad one, not the frame)
+      laid.param_bytes = laid.reduce_bytes = 4;
       std::optional<BoundsFrame> frame;
       try {
-        frame = bounds_frame(desc, plan::plan_frame(desc, c), hw);
+        frame = bounds_frame(desc, plan::plan_frame(desc, laid), hw);
       } catch (const std::invalid_argument&) {
       }
       f = frames.emplace(frame_key, std::move(frame)).first;
     }
-    if (!f->second) {
-      out[i].state = State::refused;
-      continue;
-    }
+    if (!f->second) continue;
+    frame_of[i] = &*f->second;
     std::vector<int64_t> key(frame_key.begin(), frame_key.end());
     key.insert(key.end(), {c.batch, c.grad_accum, static_cast<int>(c.recompute)});
-    const auto [k, fresh] = compute_of.emplace(key, computed_for.size());
-    if (fresh) computed_for.emplace_back(i, &*f->second);
+    const auto [k, fresh] = compute_of.emplace(std::move(key), computed_for.size());
+    if (fresh) computed_for.emplace_back(i, frame_of[i]);
     compute_index[i] = k->second;
-    const int kept = c.keep_gathered.empty() ? 0 : c.keep_gathered == std::vector<std::string>{"all"} ? 1 : 2;
-    key.insert(key.end(), {c.param_bytes, c.reduce_bytes, kept});
-    const auto [b, new_bound] = bound_of_key.emplace(std::move(key), bounded_for.size());
-    if (new_bound) bounded_for.emplace_back(i, &*f->second);
-    bound_index[i] = b->second;
   }
   std::vector<ComputeBounds> computed(computed_for.size());
   parallel_for(computed.size(), [&](size_t k) {
     computed[k] = compute_bounds(desc, *computed_for[k].second, grid[computed_for[k].first], hw, q.threads, q.expert_load);
   });
-  std::vector<StepBounds> bounds(bounded_for.size());
-  for (size_t k = 0; k < bounds.size(); ++k) {
-    const size_t i = bounded_for[k].first;
-    bounds[k] = step_bounds(desc, *bounded_for[k].second, grid[i], computed[compute_index[i]], hw);
-  }
+  std::vector<std::optional<StepBounds>> out(grid.size());
+  for (size_t i = 0; i < grid.size(); ++i)
+    if (frame_of[i]) out[i] = step_bounds(desc, *frame_of[i], grid[i], computed[compute_index[i]], hw);
+  return out;
+}
+
+// The pruned search with branch and bound (PlanQuery::top), no plan built for a bound
+// (bound_each). One whose peak bound is above the budget is pruned; the rest, by their step bound
+// (then lattice level), are built and simulated in small parallel batches while the bound is at
+// most the bar: the top-th fastest distinct prediction so far, or for a sharded configuration
+// without units kept (those keep_greedily refines) the third fastest of those if that is higher.
+// The first above both ends the search: it and everything after could enter neither.
+std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::vector<PlanConfig>& grid,
+                                      const std::vector<Lattice>& at, const HardwareProfile& hw, const PlanQuery& q) {
+  using State = Outcome::State;
+  std::vector<Outcome> out(grid.size());
+  const std::vector<std::optional<StepBounds>> bounds = bound_each(desc, grid, hw, q);
   std::vector<StepBounds> bound(grid.size());
   std::vector<size_t> order;
   LatticeIndex index;  // of those the frame takes (one it refuses says nothing of those above it)
   for (size_t i = 0; i < grid.size(); ++i) {
-    if (out[i].state == State::refused) continue;
+    if (!bounds[i]) {
+      out[i].state = State::refused;
+      continue;
+    }
     index[{at[i].family, at[i].steps}] = i;
-    bound[i] = bounds[bound_index[i]];
+    bound[i] = *bounds[i];
     if (q.memory_budget > 0 && bound[i].peak_bytes > q.memory_budget) out[i].state = State::pruned;
     else order.push_back(i);
   }
