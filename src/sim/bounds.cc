@@ -181,6 +181,32 @@ void peak_parts(const model::ModelDesc& desc, const Plan& frame, const std::vect
   }
 }
 
+// Seconds the compute stream waits at the step's two ends, where no compute can hide a
+// collective: the first forward waits for unit 0's gather, which waits for zero_grads; after the
+// last backward (unit 0's), grad_norm waits for unit 0's reduction (and under hybrid its
+// all-reduce over the replicas), the optimizer for norm_reduce, and under ZeRO-1/2 the step ends
+// with every unit's parameter gather after the optimizer.
+double fill_and_drain_seconds(const model::ModelDesc& desc, const BoundsFrame& f, const PlanConfig& c,
+                              const HardwareProfile& hw) {
+  if (c.world == 1) return 0;
+  const Plan& frame = f.plan;
+  const Strategy s = c.strategy;
+  const bool sharded_params = s == Strategy::fsdp || s == Strategy::hybrid;
+  auto cost = [&](Collective op, double bytes, int group) { return collective_cost(hw, op, bytes, f.groups[group]).seconds; };
+  const double first = static_cast<double>(f.elems[0]);
+  double seconds = cost(Collective::all_gather, static_cast<double>(f.norm_reduce_bytes), f.grad_all_group);
+  if (sharded_params) seconds += cost(Collective::all_gather, first * c.param_bytes, f.shard_group[0]);
+  if (sharded_params || s == Strategy::zero2) seconds += cost(Collective::reduce_scatter, first * c.reduce_bytes, f.shard_group[0]);
+  else seconds += cost(Collective::all_reduce, first * c.reduce_bytes, f.grad_group[0]);
+  if (s == Strategy::hybrid && c.world > frame.shard_size)
+    seconds += cost(Collective::all_reduce, static_cast<double>(frame.layout.units[0].padded / frame.shard_size) * c.reduce_bytes,
+                    f.replicate_group);
+  if (s == Strategy::zero1 || s == Strategy::zero2)
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      seconds += cost(Collective::all_gather, static_cast<double>(f.elems[u]) * c.param_bytes, f.shard_group[u]);
+  return seconds;
+}
+
 }  // namespace
 
 BoundsFrame bounds_frame(const model::ModelDesc& desc, plan::Plan frame, const HardwareProfile& hw) {
@@ -197,6 +223,9 @@ BoundsFrame bounds_frame(const model::ModelDesc& desc, plan::Plan frame, const H
   };
   for (int a = 0; a < static_cast<int>(p.mesh.axes().size()); ++a) group({a});  // an exchange's
   f.replicate_group = group(p.replicate_axes());
+  f.grad_all_group = group(p.grad_axes());
+  // norm_reduce: each rank's squared-gradient sum per gradient class and its loss sum, 8 bytes each.
+  f.norm_reduce_bytes = 8 * static_cast<int64_t>(p.grad_classes().size() + 1) * p.mesh.group_size(p.grad_axes());
   for (const model::UnitDesc& u : desc.units) {
     const int slice = p.mesh.find(u.sliced_over);
     std::vector<int> shard = p.shard_axes(), grad = p.grad_axes();
@@ -241,6 +270,7 @@ StepBounds step_bounds(const model::ModelDesc& desc, const BoundsFrame& f, const
     b.peak_bytes += computed.gathered + (c.keep_gathered == std::vector<std::string>{"all"} ? computed.kept_gathered : 0);
   if (sharded_grads) b.peak_bytes += c.grad_accum > 1 ? computed.grads_all : computed.grads_at_head;
   b.comm_ms = 1e3 * comm_seconds(desc, f, c, hw);
+  b.ends_ms = 1e3 * fill_and_drain_seconds(desc, f, c, hw);
   return b;
 }
 

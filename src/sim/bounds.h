@@ -18,7 +18,11 @@
 //  - waited_ms: of those, the exchanges the compute stream waits for idle: one started by a
 //    stage (`after` 1: all-to-alls of routed rows and of Ulysses' heads) feeds the stage right
 //    after it on the compute stream, which cannot start before it ends.
-//  - step_ms(): the compute stream's work and its waits, or another stream's work, whichever is
+//  - ends_ms: what the compute stream waits for at the step's two ends, where nothing can hide
+//    it: unit 0's gather before the first forward (it waits for zero_grads); unit 0's reduction
+//    (and hybrid's all-reduce of it over the replicas) between the last backward and grad_norm;
+//    norm_reduce before the optimizer; ZeRO-1/2's parameter gathers after it.
+//  - step_ms(): the compute stream's work with its waits, or another stream's work, whichever is
 //    more; a stream runs its tasks one at a time, so no step is shorter.
 //  - peak_bytes: what is alive when the last micro-step's head runs: the static memory, every
 //    unit's activations kept for its backward, the head's scratch; under sharded parameters the
@@ -39,9 +43,9 @@
 namespace shardlm::sim {
 
 struct StepBounds {
-  double compute_ms = 0, comm_ms = 0, exchange_ms = 0, waited_ms = 0;
+  double compute_ms = 0, comm_ms = 0, exchange_ms = 0, waited_ms = 0, ends_ms = 0;
   int64_t peak_bytes = 0;
-  double step_ms() const { return std::max({compute_ms + waited_ms, comm_ms, exchange_ms}); }
+  double step_ms() const { return std::max({compute_ms + waited_ms + ends_ms, comm_ms, exchange_ms}); }
 };
 
 // A frame (plan::plan_frame) and the spans of every group its configurations' bounds price (each
@@ -53,7 +57,8 @@ struct BoundsFrame {
   std::vector<int64_t> elems;                // per unit: the slice of it a rank computes with
   std::vector<GroupSpan> groups;             // the groups the comm bound prices
   std::vector<int> shard_group, grad_group;  // per unit: its shard and gradient axes' group, less its slicing axis
-  int replicate_group = -1;
+  int replicate_group = -1, grad_all_group = -1;  // the replicate axes', the gradient axes'
+  int64_t norm_reduce_bytes = 0;
 };
 BoundsFrame bounds_frame(const model::ModelDesc& desc, plan::Plan frame, const HardwareProfile& hw);
 

@@ -33,7 +33,7 @@ double busy_ms(const model::ModelDesc& desc, const plan::Plan& p, const Hardware
 }
 
 struct Checked {
-  int plans = 0, sharded = 0, exchanges = 0, waits = 0;
+  int plans = 0, sharded = 0, exchanges = 0, waits = 0, ends = 0;
 };
 
 // Every bound against the plan built: compute and exchanges equal to their streams' work, comm at
@@ -57,6 +57,7 @@ void check(const std::string& name, const model::ModelDesc& desc, const PlanConf
   EXPECT_NEAR(b.exchange_ms, exchange, 1e-9 * exchange) << name << " " << flags_of(c);
   n.exchanges += exchange > 0;
   n.waits += b.waited_ms > 0;
+  n.ends += b.ends_ms > 0;
   EXPECT_NEAR(b.compute_ms, compute, 1e-9 * compute) << name << " " << flags_of(c);
   EXPECT_LE(b.comm_ms, comm * (1 + 1e-12)) << name << " " << flags_of(c);
   EXPECT_LE(b.step_ms(), simulate(desc, p, hw, threads).step_ms * (1 + 1e-12)) << name << " " << flags_of(c);
@@ -107,6 +108,7 @@ TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
   EXPECT_GT(n.sharded, 500);
   EXPECT_GT(n.exchanges, 300);
   EXPECT_GT(n.waits, 200);
+  EXPECT_GT(n.ends, 1000);
 }
 
 // With measured GEMM and attention rates (a calibrated CPU profile) the compute bound prices the
