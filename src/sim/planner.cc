@@ -60,7 +60,9 @@ namespace {
 // Where a configuration sits among those that differ from it only in knobs whose every step up
 // can only add memory: a larger micro-batch, less recompute, deeper prefetch, more gathers in
 // flight, units kept gathered, larger all-gather buckets. (bf16 gathers and reductions are not
-// among them: they halve a buffer but add a cast copy.) If a
+// among them: they halve a buffer but add a cast copy. Nor is the step from accumulating to one
+// micro-batch: a sharded-gradient strategy keeps every unit's full gradients between micro-steps,
+// which one micro-batch does not, so whether it accumulates is part of the family.) If a
 // configuration does not fit, nothing above it in its family does (Planner.PruningByMemory...
 // holds the search to the exhaustive one), so the search never builds those.
 struct Lattice {
@@ -123,7 +125,8 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
                         c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
                         c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
                         Lattice at;
-                        at.family = {static_cast<int>(s), c.cp, static_cast<int>(c.cp_impl), ep, g, static_cast<int>(bucket), pb, rb};
+                        at.family = {static_cast<int>(s), c.cp, static_cast<int>(c.cp_impl), ep, g, static_cast<int>(bucket), pb, rb,
+                                     c.grad_accum > 1 ? 1 : 0};
                         at.steps = {batch_index, index_of(recomputes, r), index_of(prefetches, pf), index_of(inflights, inflight),
                                     keep ? 1 : 0, index_of(gather_buckets, gather_bucket)};
                         visit(c, at);

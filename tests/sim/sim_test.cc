@@ -993,6 +993,33 @@ TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
   EXPECT_GE(bounded_cases, 6);  // moe-tiny's and tiny's upper budgets, each top
 }
 
+// Accumulating is not a smaller step of the micro-batch: under a sharded-gradient strategy every
+// unit's full gradients stay between micro-steps, so one micro-batch may fit where two half-size
+// ones do not. The pruned searches (by memory, and bounded) still find what the exhaustive one does.
+TEST(Planner, OneMicroBatchFitsWhereAccumulatingDoesNot) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-small", 512));
+  const HardwareProfile hw = preset("h100-80gb");
+  PlanConfig c = for_hardware(PlanConfig{}, hw);
+  c.world = 4, c.seq = 32, c.strategy = Strategy::fsdp, c.recompute = model::Recompute::full;
+  c.batch = 2, c.grad_accum = 1;
+  const int64_t one = plan::build_plan(desc, c).peak_memory().total;
+  c.batch = 1, c.grad_accum = 2;
+  ASSERT_GT(plan::build_plan(desc, c).peak_memory().total, one);  // the case this test is about
+  PlanQuery q;
+  q.ranks = 4, q.seq = 32, q.global_tokens = 4 * 2 * 32, q.threads = 1, q.memory_budget = one;
+  q.exhaustive = true;
+  const PlanSearch all = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(all.fitting.empty());
+  q.exhaustive = false;
+  for (int top : {0, 3}) {
+    q.top = top;
+    const PlanSearch pruned = search_plans(desc, PlanConfig{}, hw, q);
+    ASSERT_FALSE(pruned.fitting.empty()) << top;
+    EXPECT_EQ(pruned.fitting.front().flags, all.fitting.front().flags) << top;
+    EXPECT_EQ(pruned.fitting.front().step_ms, all.fitting.front().step_ms) << top;
+  }
+}
+
 // Where nothing fits, the bounded search names the same smallest configuration as the exhaustive
 // one (its bounds built nothing that does not fit, so it builds as the search without them).
 TEST(Planner, NothingFitsNamesTheSmallestTheExhaustiveSearchFinds) {
