@@ -333,17 +333,16 @@ std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::v
   auto refine_bar = [&] { return sharded.size() < 3 ? inf : *std::prev(sharded.end()); };
   const size_t batch = 4 * std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
   size_t next = 0;
-  while (next < order.size()) {
+  for (bool past_both = false; !past_both && next < order.size();) {
     std::vector<size_t> now;
     for (; next < order.size() && now.size() < batch; ++next) {
       const size_t i = order[next];
       const double b = bound[i].step_ms();
-      if (b > std::max(top_bar(), refine_bar())) break;
+      if ((past_both = b > std::max(top_bar(), refine_bar()))) break;
       if (b > top_bar() && !refinable(grid[i])) out[i].state = State::bounded;
       else if (q.memory_budget > 0 && above_too_big(i, at, index, out)) out[i].state = State::pruned;
       else now.push_back(i);
     }
-    if (now.empty()) break;
     parallel_for(now.size(), [&](size_t j) { build_and_simulate(desc, grid[now[j]], hw, q, out[now[j]]); });
     for (size_t i : now)
       if (out[i].state == State::simulated) note(i);
