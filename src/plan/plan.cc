@@ -176,6 +176,10 @@ model::Shape Plan::unit_shape(int elem, double expert_load) const {
   s.recompute = config.recompute;
   return s;
 }
+int Plan::slices(const model::ModelDesc& desc, int u) const {
+  const int a = mesh.find(desc.units[u].sliced_over);
+  return a >= 0 ? mesh[a].size : 1;
+}
 int Plan::cp_index(int rank) const { return mesh.index_in(rank, present(mesh, {kContext})); }
 
 std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {

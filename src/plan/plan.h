@@ -399,6 +399,10 @@ struct Plan {
   // The micro-batch as the model's costs see it on one rank of this plan (its units' buffers are
   // sized by it), with activations of `elem` bytes and the busiest expert at `expert_load`.
   model::Shape unit_shape(int elem, double expert_load = 1) const;
+  // Ranks unit u's compute is sliced over (its `sliced_over` axis: a MoE layer's experts over ep;
+  // 1 where it has none), and the elements of the unit one rank computes with.
+  int slices(const model::ModelDesc& desc, int u) const;
+  int64_t compute_elems(const model::ModelDesc& desc, int u) const { return layout.units[u].padded / slices(desc, u); }
 
  private:
   std::vector<UnitPlacement> placement_;

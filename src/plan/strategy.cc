@@ -66,17 +66,14 @@ class Builder {
   // A unit sliced over a mesh axis (model::UnitDesc::sliced_over: a MoE block's experts over ep)
   // is used in that many slices, a rank computing with its own: it is gathered and reduced only
   // among the ranks holding the same slice (`within_slice` drops the axis from a collective's).
-  int slices(int u) const {
-    const int a = plan_.mesh.find(desc_.units[u].sliced_over);
-    return a >= 0 ? plan_.mesh[a].size : 1;
-  }
+  int slices(int u) const { return plan_.slices(desc_, u); }
   std::vector<int> within_slice(std::vector<int> axes, int u) const {
     const int a = plan_.mesh.find(desc_.units[u].sliced_over);
     axes.erase(std::remove(axes.begin(), axes.end(), a), axes.end());
     return axes;
   }
   // Elements of unit u a rank computes with (its slice), and their bytes at `elem` bytes each.
-  int64_t compute_elems(int u) const { return plan_.layout.units[u].padded / slices(u); }
+  int64_t compute_elems(int u) const { return plan_.compute_elems(desc_, u); }
   int64_t unit_bytes(int u, int elem) const { return compute_elems(u) * elem; }
   int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
 

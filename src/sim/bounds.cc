@@ -23,10 +23,7 @@ bool in_memory(const PlanConfig& c) {
 // Of each unit, the slice a rank computes with.
 std::vector<int64_t> compute_elems_of(const model::ModelDesc& desc, const Plan& frame) {
   std::vector<int64_t> elems;
-  for (size_t u = 0; u < desc.units.size(); ++u) {
-    const int a = frame.mesh.find(desc.units[u].sliced_over);
-    elems.push_back(frame.layout.units[u].padded / (a >= 0 ? frame.mesh[a].size : 1));
-  }
+  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) elems.push_back(frame.compute_elems(desc, u));
   return elems;
 }
 
