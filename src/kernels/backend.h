@@ -115,7 +115,7 @@ class Backend {
 
   // Attention over sequence chunks (kernels/cpu.h's attention_chunked_*: context parallelism's
   // ring steps and head-split form). Backends without them throw std::logic_error naming
-  // themselves (the CUDA backend has none yet).
+  // themselves.
   virtual void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
                                          const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
                                          int64_t NH, int64_t NKV, int64_t HS, bool accumulate) const;

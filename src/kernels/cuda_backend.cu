@@ -344,6 +344,26 @@ class CudaBackend final : public Backend {
     cuda::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, rows.f32());
   }
 
+  // Context parallelism's attention over chunks: the fp32 flash kernels at the chunks' positions,
+  // in every compute mode. The backward's one float per query row is a workspace buffer, as above.
+  void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc, const float* k,
+                                 const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
+                                 int64_t HS, bool accumulate) const override {
+    cuda::attention_chunked_forward(out, lse, q, ldq, qc, k, v, ldkv, kc, B, NH, NKV, HS, accumulate);
+  }
+  int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const override {
+    return kernels::attention_chunked_backward_scratch(HS, threads);
+  }
+  void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, const float* dout,
+                                  const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
+                                  const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
+                                  int64_t NKV, int64_t HS, float*) const override {
+    Buffer rows = alloc(MemCategory::workspace, sizeof(float) * std::max<int64_t>(1, B * NH * qc.total()),
+                        Buffer::Fill::none);
+    cuda::attention_chunked_backward(dq, lddq, dk, dv, lddkv, dout, q, ldq, out, lse, qc, k, v, ldkv, kc, B, NH, NKV,
+                                     HS, rows.f32());
+  }
+
   // Scratch (the CPU's size): chunk x Vp logits, then the chunk's row losses in double.
   int64_t head_scratch(int64_t chunk, int64_t Vp) const override { return kernels::head_scratch(chunk, Vp); }
   double lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte, const int32_t* targets,

@@ -83,6 +83,15 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 // scratch: B*NH*T floats (the rows' dout . out).
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float* scratch);
+// The same over sequence chunks (kernels/cpu.h's attention_chunked_*); at most 8 chunks a side.
+void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc, const float* k,
+                               const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
+                               int64_t HS, bool accumulate);
+// scratch: B*NH*qc.total() floats (the rows' dout . out).
+void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, const float* dout,
+                                const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
+                                const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
+                                int64_t NKV, int64_t HS, float* scratch);
 
 // ---- cuda_attention_gemm.cu: the same through cuBLAS, scores in device scratch
 bool attention_gemm_fits(int64_t T, int64_t NH, int64_t NKV);

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -290,6 +291,68 @@ TEST_F(CudaBackendTest, Attention) {
 TEST_F(CudaBackendTest, AttentionLong) {
   const int64_t cases[3][5] = {{1, 4096, 2, 1, 64}, {1, 2048, 2, 2, 128}, {2, 1024, 4, 2, 32}};
   for (const auto& c : cases) attention_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], 2e-2, "mma-bf16");
+}
+
+// Context parallelism's ring as one rank runs it: K ranks, each sequence cut into 2K chunks of
+// `rows` positions, rank r holding chunks r and 2K-1-r; every rank's key/value block merged into
+// (out, lse) in ring order (accumulating after the first), then the backward block by block. The
+// GPU's chunk kernels against the CPU's at the same positions and pitches (q inside packed
+// q|k|v rows, a block's keys and values in k|v rows, as the ring lays them out).
+void ring_case(const Backend& cpu, const Backend& gpu, int64_t K, int64_t rows, int64_t B, int64_t NH, int64_t NKV,
+               int64_t HS, int me) {
+  using shardlm::kernels::SeqChunks;
+  const std::string tag = " K" + std::to_string(K) + " rank" + std::to_string(me) + " rows" + std::to_string(rows) +
+                          " B" + std::to_string(B) + " NH" + std::to_string(NH) + " NKV" + std::to_string(NKV) +
+                          " HS" + std::to_string(HS);
+  const int64_t W = (NH + 2 * NKV) * HS, KV = 2 * NKV * HS, T = 2 * rows, v_at = NKV * HS;
+  std::vector<std::vector<int64_t>> pos(K);
+  for (int64_t r = 0; r < K; ++r) pos[r] = {r * rows, (2 * K - 1 - r) * rows};
+  const fvec qkv = randv(B * T * W, 31, -2, 2), dout = randv(B * T * NH * HS, 32);
+  std::vector<fvec> kv;
+  std::vector<Dev> dkv;
+  for (int64_t r = 0; r < K; ++r) kv.push_back(randv(B * T * KV, 40 + uint32_t(r), -2, 2)), dkv.emplace_back(gpu, kv[r]);
+  const SeqChunks qc{2, rows, pos[me].data()};
+  fvec out(B * T * NH * HS), lse(B * NH * T);
+  Dev dqkv(gpu, qkv), ddout(gpu, dout), dout_o(gpu, fvec(out.size(), kNaN)), dlse(gpu, fvec(lse.size(), kNaN));
+  for (int64_t s = 0; s < K; ++s) {
+    const int64_t r = (me - s + K) % K;
+    const SeqChunks kc{2, rows, pos[r].data()};
+    cpu.attention_chunked_forward(out.data(), lse.data(), qkv.data(), W, qc, kv[r].data(), kv[r].data() + v_at, KV, kc,
+                                  B, NH, NKV, HS, s > 0);
+    gpu.attention_chunked_forward(dout_o.p(), dlse.p(), dqkv.p(), W, qc, dkv[r].p(), dkv[r].p() + v_at, KV, kc, B, NH,
+                                  NKV, HS, s > 0);
+  }
+  compare(("chunked_forward out" + tag).c_str(), dout_o.get(gpu), out, 1e-5);
+  compare(("chunked_forward lse" + tag).c_str(), dlse.get(gpu), lse, 1e-6);
+  EXPECT_EQ(gpu.attention_chunked_backward_scratch(HS, 2), cpu.attention_chunked_backward_scratch(HS, 2));
+  fvec dq(qkv.size(), 0.25f), scratch(cpu.attention_chunked_backward_scratch(HS, 2));
+  Dev ddq(gpu, dq), dscr(gpu, fvec(gpu.attention_chunked_backward_scratch(HS, 1), kNaN));
+  for (int64_t s = 0; s < K; ++s) {
+    const int64_t r = (me - s + K) % K;
+    const SeqChunks kc{2, rows, pos[r].data()};
+    fvec dk(B * T * KV, 0.25f);
+    Dev ddk(gpu, dk);
+    cpu.attention_chunked_backward(dq.data(), W, dk.data(), dk.data() + v_at, KV, dout.data(), qkv.data(), W,
+                                   out.data(), lse.data(), qc, kv[r].data(), kv[r].data() + v_at, KV, kc, B, NH, NKV,
+                                   HS, scratch.data());
+    gpu.attention_chunked_backward(ddq.p(), W, ddk.p(), ddk.p() + v_at, KV, ddout.p(), dqkv.p(), W, dout_o.p(),
+                                   dlse.p(), qc, dkv[r].p(), dkv[r].p() + v_at, KV, kc, B, NH, NKV, HS, dscr.p());
+    compare(("chunked_backward dk|dv block " + std::to_string(r) + tag).c_str(), ddk.get(gpu), dk, 1e-5);
+  }
+  compare(("chunked_backward dq" + tag).c_str(), ddq.get(gpu), dq, 1e-5);
+}
+
+// The chunk kernels are fp32 in every compute mode: both backends, fp32 tolerances.
+TEST_F(CudaBackendTest, AttentionChunks) {
+  const int64_t cases[6][7] = {
+      // K, rows, B, NH, NKV, HS, rank
+      {2, 40, 2, 4, 2, 64, 0}, {2, 33, 1, 4, 4, 32, 1}, {3, 50, 1, 6, 2, 48, 1},
+      {4, 64, 1, 2, 1, 128, 3}, {4, 20, 2, 4, 4, 64, 0}, {3, 96, 1, 3, 3, 64, 2},
+  };
+  for (const auto& c : cases) {
+    ring_case(*cpu, *gpu, c[0], c[1], c[2], c[3], c[4], c[5], int(c[6]));
+    ring_case(*cpu, *gpu32, c[0], c[1], c[2], c[3], c[4], c[5], int(c[6]));
+  }
 }
 
 TEST_F(CudaBackendTest, Head) {
