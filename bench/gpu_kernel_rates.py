@@ -457,6 +457,47 @@ def reference(device, dtype, timer, smoke, log):
     return ref
 
 
+def sustained_gemm(device, dtype, seconds, smoke, timer, log):
+    """A block-sized GEMM back to back for `seconds` (the GPU at training's steady power and clocks,
+    not a short burst's): its rate in each quarter of the span, and timed the way every other figure
+    here is (the median of a short burst) just before."""
+    M, K, N = (256, 256, 256) if smoke else (8192, 4096, 14336)
+    x, w = torch.randn(M, K, device=device, dtype=dtype), torch.randn(N, K, device=device, dtype=dtype)
+    burst, _ = timer.median(lambda _: F.linear(x, w))
+    cuda = device.type == "cuda"
+    batch = 20
+    windows, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        c0 = time.perf_counter()
+        for _ in range(batch):
+            F.linear(x, w)
+        if cuda:
+            b.record()
+            b.synchronize()
+            windows.append((time.perf_counter() - t0, a.elapsed_time(b) / 1e3))
+        else:
+            windows.append((time.perf_counter() - t0, time.perf_counter() - c0))
+    flops = 2.0 * M * K * N * batch
+    q = max(1, len(windows) // 4)
+    quarters = [flops * len(windows[i:i + q]) / sum(w[1] for w in windows[i:i + q]) for i in range(0, len(windows), q)][:4]
+    log(f"sustained {M}x{K}x{N} GEMM over {windows[-1][0]:.1f} s: " + ", ".join(f"{r / 1e12:.0f}" for r in quarters) +
+        f" TFLOP/s (burst median {2.0 * M * K * N / burst / 1e12:.0f})")
+    return dict(m=M, k=K, n=N, seconds=windows[-1][0], quarters_flops_per_s=quarters,
+                first_window_flops_per_s=flops / windows[0][1], burst_flops_per_s=2.0 * M * K * N / burst)
+
+
+def nvidia_smi():
+    try:
+        q = "name,clocks.max.sm,clocks.sm,clocks.max.mem,power.limit,power.max_limit,power.draw,temperature.gpu,memory.total,mig.mode.current,driver_version"
+        return subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv"], capture_output=True, text=True,
+                              timeout=15).stdout.strip()
+    except Exception as e:  # the figures stand without it
+        return f"unavailable: {e}"
+
+
 def device_info(device):
     info = dict(type=device.type, torch=torch.__version__, python=platform.python_version())
     if device.type == "cuda":
@@ -464,12 +505,7 @@ def device_info(device):
         info.update(name=p.name, sm_count=p.multi_processor_count, total_memory=p.total_memory,
                     capability=list(torch.cuda.get_device_capability(device)), cuda=torch.version.cuda,
                     cudnn=torch.backends.cudnn.version())
-        try:
-            q = "name,clocks.max.sm,clocks.sm,clocks.max.mem,power.limit,power.max_limit,memory.total,mig.mode.current,driver_version"
-            info["nvidia_smi"] = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv"], capture_output=True,
-                                                text=True, timeout=15).stdout.strip()
-        except Exception as e:  # the figures stand without it
-            info["nvidia_smi"] = f"unavailable: {e}"
+        info["nvidia_smi"] = nvidia_smi()
     else:
         info.update(name=f"CPU ({platform.processor() or platform.machine()})", threads=torch.get_num_threads())
     return info
@@ -534,6 +570,7 @@ def main():
     ap.add_argument("--fake-h100", action="store_true", help="write invented times at the real shapes (no measurement)")
     ap.add_argument("--budget-s", type=float, default=100, help="wall-clock budget: past 60%% of it, fewer repetitions")
     ap.add_argument("--target-s", type=float, default=0.12, help="time spent per timed callable (sets its repetitions)")
+    ap.add_argument("--sustained-s", type=float, default=6, help="seconds of back-to-back GEMMs at the end (steady clocks)")
     ap.add_argument("--models", help="comma list of model names to measure (default: every H100 shape)")
     a = ap.parse_args()
     t0 = time.time()
@@ -564,6 +601,8 @@ def main():
                settings=dict(target_s=timer.target_s, min_reps=timer.min_reps, max_reps=timer.max_reps, warmup=2,
                              statistic="median"), models=[], errors=[])
     log(f"device: {doc['device'].get('name')}; torch {torch.__version__}; {len(shapes)} model shapes")
+    if "nvidia_smi" in doc["device"]:
+        log("nvidia-smi: " + doc["device"]["nvidia_smi"].replace("\n", " | "))
     write(a.out, doc)
     try:
         doc["reference"] = reference(device, dtype, timer, a.cpu_smoke, log)
@@ -590,6 +629,14 @@ def main():
             doc["device"]["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         doc["wall_s"] = time.time() - t0
         write(a.out, doc)
+    if time.time() - t0 < a.budget_s - a.sustained_s - 5:
+        try:
+            doc["reference"]["sustained_gemm"] = sustained_gemm(device, dtype, a.sustained_s, a.cpu_smoke, timer, log)
+        except Exception as e:
+            doc["errors"].append(f"sustained: {type(e).__name__}: {e}")
+    if device.type == "cuda":
+        doc["device"]["nvidia_smi_after"] = nvidia_smi()
+        log("nvidia-smi after: " + doc["device"]["nvidia_smi_after"].replace("\n", " | "))
     doc["wall_s"] = time.time() - t0
     write(a.out, doc)
     log(f"wrote {a.out}" + (f" ({len(doc['errors'])} error(s))" if doc["errors"] else ""))

@@ -210,10 +210,10 @@ def main():
         sys.exit(f"{a.rates}: no model measured ({'; '.join(doc.get('errors', []))})")
     dev = doc["device"]
     scale, how = transfer(dev, a.force or doc.get("mode") == "cpu-smoke")
-    fake = " FAKE (invented times, a pipeline test)," if doc.get("fake") else (" CPU SMOKE RUN," if doc.get("mode") != "cuda" else "")
+    fake = "FAKE (invented times, a pipeline test)" if doc.get("fake") else ("CPU SMOKE RUN" if doc.get("mode") != "cuda" else "")
     date = doc.get("date", "")[:10]
     sw = f"torch {dev.get('torch', '?')}, CUDA {dev.get('cuda', '?')}"
-    where = f"{fake} {how}; {sw}; {date}; bench/gpu_kernel_rates.py, eager bf16".strip()
+    head = (f"{fake}: " if fake else "") + f"{how}; {sw}; {date}"  # every measured figure's source starts so
     models = analyse(doc)
     for r in models:
         for n in r["notes"]:
@@ -246,25 +246,25 @@ def main():
     prof = json.load(open(a.base))
     out = copy.deepcopy(prof)
     out["name"] = a.name
-    out["description"] = (prof.get("description", "") + "; compute figures (gemm_rates, attention_rates, pointwise_bw) "
-                          f"measured: {where}")
+    out["description"] = (prof.get("description", "") + "; gemm_rates, attention_rates and pointwise_bw from "
+                          f"bench/gpu_kernel_rates.py (eager bf16): {head}")
     frameworks = ", ".join(f"{r['name']} ({r['framework']}, B={r['B']} T={r['T']})" for r in models)
     out["gemm_rates"] = {"value": gemm_rates, "source": (
-        f"measured,{fake} {how}; {sw}; {date}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
+        f"{head}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
         "eager bf16 (F.linear forward; autograd backward, input and weight gradients; torchtitan's split q|k|v and "
-        "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)").strip()}
+        "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)")}
     out["attention_rates"] = {"value": attention_rates, "source": (
-        f"measured,{fake} {how}; {sw}; {date}: F.scaled_dot_product_attention, causal, {'; '.join(backends)}, bf16, at the "
-        f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged").strip()}
+        f"{head}: F.scaled_dot_product_attention, causal, {'; '.join(backends)}, bf16, at the "
+        f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged")}
     out["pointwise_bw"] = {"value": round(pw), "source": (
-        f"measured,{fake} {how}; {sw}; {date}: eager bf16 blocks and heads as torchtitan / fms-fsdp / llm-foundry write them "
+        f"{head}: eager bf16 blocks and heads as torchtitan / fms-fsdp / llm-foundry write them "
         f"(RMSNorm via fp32, complex rotary, repeat_kv, SwiGLU or GELU, residual adds, fp32 cross-entropy); {pw_how}; "
-        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for an H100's HBM" if scale != 1 else "")).strip()}
+        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for an H100's HBM" if scale != 1 else ""))}
     ref = doc.get("reference", {})
     if "copy" in ref:
         copy_bw = 2 * ref["copy"]["bytes_each_way"] / ref["copy"]["seconds"] * scale
         if a.memory_bw == "measured":
-            out["memory_bw"] = {"value": round(copy_bw), "source": f"measured,{fake} {how}; {date}: a 1 GiB device-to-device "
+            out["memory_bw"] = {"value": round(copy_bw), "source": f"{head}: a 1 GiB device-to-device "
                                 "copy, read + write bytes per second" + (f", x {scale:.3f}" if scale != 1 else "")}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
@@ -272,18 +272,24 @@ def main():
         f.write("\n")
 
     # What the measurement says, model by model (stdout, markdown).
-    print(f"{dev.get('name')} ({dev.get('sm_count')} SMs), {sw}, {doc.get('date')}, {doc.get('wall_s', 0):.0f} s{fake}")
+    print(f"{dev.get('name')} ({dev.get('sm_count')} SMs), {sw}, {doc.get('date')}, {doc.get('wall_s', 0):.0f} s {fake}")
     if ref:
         g = ref.get("gemm", {})
         line = []
         if g:
-            line.append(f"8192^3 GEMM {2 * g['m'] * g['k'] * g['n'] / g['seconds'] / 1e12:.0f} TFLOP/s "
+            line.append(f"{g['m']}^3 GEMM {2 * g['m'] * g['k'] * g['n'] / g['seconds'] / 1e12:.0f} TFLOP/s "
                         f"({2 * g['m'] * g['k'] * g['n'] / g['seconds'] / prof['peak_flops']['value']:.3f} of peak)")
         if "gemm_nt" in ref:
             g = ref["gemm_nt"]
             line.append(f"x @ w.T {2 * g['m'] * g['k'] * g['n'] / g['seconds'] / 1e12:.0f}")
         if "copy" in ref:
             line.append(f"copy {2 * ref['copy']['bytes_each_way'] / ref['copy']['seconds'] / 1e9:.0f} GB/s")
+        if "sustained_gemm" in ref:
+            x = ref["sustained_gemm"]
+            line.append(f"{x['m']}x{x['k']}x{x['n']} GEMM sustained {x['seconds']:.0f} s: "
+                        + "/".join(f"{q / 1e12:.0f}" for q in x["quarters_flops_per_s"])
+                        + f" TFLOP/s by quarter, burst {x['burst_flops_per_s'] / 1e12:.0f} (last quarter / burst "
+                        f"{x['quarters_flops_per_s'][-1] / x['burst_flops_per_s']:.3f})")
         if "adamw" in ref:
             x = ref["adamw"]
             line.append(f"fused AdamW {28 * x['params'] / x['seconds'] / 1e9:.0f} GB/s at 28 B/param")
