@@ -106,12 +106,29 @@ def smoke_shapes(shapes):
     return out
 
 
+class CpuEvent:
+    """torch.cuda.Event's interface on the host clock: the CPU dry run takes the GPU's code path."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3  # milliseconds, as CUDA's
+
+
 class Timer:
-    """Median seconds of a callable: CUDA events on a GPU, perf_counter on the CPU. `setup` runs
-    before each timed call, outside the timed span (its result is the call's argument)."""
+    """Median seconds of a callable between two events (CUDA's on a GPU). `setup` runs before each
+    timed call, outside the timed span (its result is the call's argument)."""
 
     def __init__(self, device, target_s, min_reps, max_reps):
         self.cuda = device.type == "cuda"
+        self.Event = torch.cuda.Event if self.cuda else CpuEvent
         self.target_s, self.min_reps, self.max_reps = target_s, min_reps, max_reps
         self.scale = 1.0  # the budget shrinks the reps
 
@@ -122,16 +139,12 @@ class Timer:
     def _once(self, fn, setup):
         arg = setup() if setup else None
         self.sync()
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(arg)
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        t0 = time.perf_counter()
+        a, b = self.Event(enable_timing=True), self.Event(enable_timing=True)
+        a.record()
         fn(arg)
-        return time.perf_counter() - t0
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
     def median(self, fn, setup=None, warmup=2):
         for _ in range(warmup):
@@ -139,18 +152,16 @@ class Timer:
         first = self._once(fn, setup)
         reps = int(min(self.max_reps, max(self.min_reps, self.target_s / max(first, 1e-6))) * self.scale)
         reps = max(3, reps)
-        if not self.cuda:
-            return statistics.median([first] + [self._once(fn, setup) for _ in range(reps - 1)]), reps
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        starts = [self.Event(enable_timing=True) for _ in range(reps)]
+        ends = [self.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
             arg = setup() if setup else None
             starts[i].record()
             fn(arg)
             ends[i].record()
             del arg
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(starts, ends)), reps
+        self.sync()
+        return statistics.median([a.elapsed_time(b) / 1e3 for a, b in zip(starts, ends)]), reps
 
 
 # ---- the pointwise pieces, as the frameworks write them -------------------------------------

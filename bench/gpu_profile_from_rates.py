@@ -153,10 +153,11 @@ def check(shardlm, profile, models, doc):
     ar = {(r["t"], r["hs"]): r for r in prof["attention_rates"]["value"]}
     worst = 0.0
     for r, m in zip(models, doc["models"]):
+        shape = ["--n-embd", str(m["C"]), "--n-head", str(m["NH"]), "--vocab", str(m["V"])]  # as measured
         if m["family"] == "llama":
-            shape = ["--model", m["name"]]
+            shape += ["--model", m["name"], "--n-kv-head", str(m["NKV"]), "--ffn-dim", str(m["F"])]
         else:
-            shape = ["--model", "gpt2-124m", "--n-embd", str(m["C"]), "--n-head", str(m["NH"]), "--vocab", str(m["V"])]
+            shape += ["--model", "gpt2-124m"]
         with tempfile.TemporaryDirectory() as d:
             trace = os.path.join(d, "t.json")
             cmd = [shardlm, "simulate", "--hardware", profile, "--ranks", "1", "--threads", "1", "--n-layer", "1",
