@@ -2,7 +2,10 @@
 """Published FSDP-style training runs as `shardlm simulate` configurations: predicted against
 published throughput (tokens/s per GPU), one markdown row each (issue 22, docs/CLUSTER.md).
 
-  /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm]
+  /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm] [--hardware-h100 PROFILE.json]
+
+--hardware-h100 runs the H100 rows on another profile (a measured one: bench/gpu_kernel_rates.py on
+a GPU, then bench/gpu_profile_from_rates.py); the A100 rows stay on the a100-80gb preset.
 
 Each configuration is what the source states (model shape, GPUs, local batch, sequence length,
 sharding, activation checkpointing; bf16 parameters and reductions, as these runs' mixed
@@ -76,10 +79,18 @@ RUNS = [
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shardlm", default="build/shardlm")
+    ap.add_argument("--hardware-h100", help="a profile for the H100 rows in place of the h100-80gb preset")
     a = ap.parse_args()
+    if a.hardware_h100:
+        print(f"H100 rows on {a.hardware_h100}; A100 rows on the a100-80gb preset\n")
     print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for label, published, source, notes, flags in RUNS:
+        if a.hardware_h100 and "h100-80gb" in flags:
+            flags = [a.hardware_h100 if f == "h100-80gb" else f for f in flags]
+            # A GPU's measured rates are per device: one compute thread, so that a simulator that
+            # scales measured rates by --threads (2 by default) on any profile leaves them as measured.
+            flags += ["--threads", "1"]
         cmd = [a.shardlm, "simulate", "--json"] + flags + BF16
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:

@@ -570,6 +570,30 @@ TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
     }
 }
 
+// A GPU profile's measured rates are the device's: --threads (2 by default) does not scale them as
+// it scales a per-thread CPU profile's.
+TEST(Cost, MeasuredRatesOfADeviceIgnoreThreads) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("h100-80gb");
+  hw.gemm_rates = {{1024, 384, 1152, 1, 1e11, 5e10}};
+  hw.attention_rates = {{256, 64, 1, 5e10, 2.5e10}};
+  PlanConfig c;
+  c.batch = 4, c.seq = 256;
+  const Plan p = plan::build_plan(desc, c);
+  const model::UnitCosts k = desc.costs(1, {4, 256, 4, 1});
+  double all_gemms = 0;
+  for (const auto& g : k.gemms) all_gemms += g.flops();
+  const CostModel one(desc, p, hw, 1), two(desc, p, hw, 2);
+  int checked = 0;
+  for (const auto& t : p.tasks)
+    if (t.unit == 1 && t.op == Op::forward) {
+      EXPECT_NEAR(two.seconds(t), one.seconds(t), 1e-15);
+      EXPECT_NEAR(one.seconds(t), all_gemms / 1e11 + k.attention_flops / 5e10 + k.pointwise_bytes / hw.memory_bw, 1e-12);
+      ++checked;
+    }
+  EXPECT_EQ(checked, 1);
+}
+
 // A plan's collectives are priced by how their group lies on 8-GPU nodes: inside a node on
 // NVLink, across nodes on the NICs of the group's devices; hybrid's shard group inside, its
 // replicas across with one device (so one NIC's share) a node.
