@@ -5,14 +5,16 @@
 # (--batch 4 each, the same global batch) under ddp, zero2 and fsdp, collectives staged through
 # host memory and the carried Open MPI. Prints each run's losses and the largest |difference| to
 # the one-process run; logs and metrics under $OUT. Settings: TESTS=0 skips cuda_tests;
-# COMPUTE=fp32|bf16 (the GEMMs); RUNS="NAME:RANKS:FLAGS;..." the multi-rank runs (default the three
-# above); TAG names this invocation's outputs (default COMPUTE), so one call can run it twice.
+# COMPUTE=fp32|bf16 (the GEMMs); MODEL (default small); RUNS="NAME:RANKS:FLAGS;..." the multi-rank
+# runs (default the three above; RANKS may be N/DP, N ranks of which DP read different batches, as
+# under --cp); TAG names this invocation's outputs (default COMPUTE), so one call can run it twice.
 set -o pipefail
 D=$(cd "${DIR:-bench/out/devranks}" && pwd)
 R=/tmp/ranks_run-${TAG:-${COMPUTE:-fp32}}; rm -rf "$R"; mkdir -p "$R"  # $OUT takes 8 files: summaries and tarballs
 CUB=$(dirname "$(find / -xdev -name 'libcublas.so.13*' 2>/dev/null | head -1)")
 CRT=$(dirname "$(find / -xdev -name 'libcudart.so.13*' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=$D/lib:$CUB:$CRT:$LD_LIBRARY_PATH
+NCCL=$(dirname "$(find / -xdev -name 'libnccl.so.2*' -not -path '/tmp/*' 2>/dev/null | head -1)")  # NCCL builds link it
+export LD_LIBRARY_PATH=$D/lib:$CUB:$CRT:$NCCL:$LD_LIBRARY_PATH
 export PATH=$D/bin:$PATH OPAL_PREFIX=$D/ompi PMIX_PREFIX=$D/pmix PMIX_PKGDATADIR=$D/pmix/share/pmix PMIX_PKGLIBDIR=$D/pmix/lib/pmix
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # One machine, no ssh: the isolated launcher; shared memory without CMA (containers refuse ptrace).
@@ -28,16 +30,18 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 compute=${COMPUTE:-fp32}; tag=${TAG:-$compute}
-common="--model small --data $D/data/kjv --steps ${STEPS:-10} --seq 256 --lr 1e-3 --min-lr 1e-4 --warmup 10
+common="--model ${MODEL:-small} --data $D/data/kjv --steps ${STEPS:-10} --seq 256 --lr 1e-3 --min-lr 1e-4 --warmup 10
         --eval-every 0 --eval-windows 4 --sample-tokens 0 --seed 1337 --threads 2 --device cuda --compute-dtype $compute"
 timeout 90 shardlm train $common --batch 8 --strategy ddp --out "$R/one-ddp" > "$R/one-ddp.log" 2>&1
 echo "one process ddp ($compute) rc=$?"; tail -2 "$R/one-ddp.log"
-# RUNS: NAME:RANKS:FLAGS entries separated by ';', each at --batch 8/RANKS (the same global batch).
+# RUNS: NAME:RANKS[/DP]:FLAGS entries separated by ';', each at --batch 8/DP (the same global batch;
+# DP defaults to RANKS).
 IFS=';' read -ra runs <<< "${RUNS:-two-ddp:2:--strategy ddp;two-zero2:2:--strategy zero2;two-fsdp:2:--strategy fsdp}"
 names=()
 for spec in "${runs[@]}"; do
   name=${spec%%:*}; rest=${spec#*:}; np=${rest%%:*}; flags=${rest#*:}; names+=("$name")
-  timeout 80 mpirun -np $np shardlm train $common --batch $((8 / np)) $flags --out "$R/$name" > "$R/$name.log" 2>&1
+  dp=${np#*/}; np=${np%/*}
+  timeout 80 mpirun -np $np shardlm train $common --batch $((8 / dp)) $flags --out "$R/$name" > "$R/$name.log" 2>&1
   echo "$np ranks $name ($flags) rc=$?"; tail -2 "$R/$name.log"
 done
 python3 - "$R" "${names[@]}" <<'PY' | tee "$R/compare.txt"

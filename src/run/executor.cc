@@ -14,6 +14,7 @@
 #include "kernels/backend.h"
 #include "layers/layers.h"
 #include "plan/arena.h"
+#include "run/host_store.h"
 
 namespace shardlm::run {
 
@@ -76,6 +77,8 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
   staged_world_ = std::make_unique<comm::StagedCommunicator>(world, *copier_, backend->memory());
   for (auto& [set, group] : groups_)
     staged_groups_[set] = std::make_unique<comm::StagedCommunicator>(*group, *copier_, backend->memory());
+  for (auto& [set, group] : exchange_groups_)
+    staged_exchange_groups_[set] = std::make_unique<comm::StagedCommunicator>(*group, *copier_, backend->memory());
 }
 
 CommGroups::~CommGroups() = default;
@@ -104,6 +107,13 @@ comm::Communicator& CommGroups::host(const std::vector<int>& axes) const {
 }
 
 comm::Communicator& CommGroups::exchange(const std::vector<int>& axes) const {
+  if (!copier_) return exchange_host(axes);
+  const auto it = staged_exchange_groups_.find(key(axes));
+  if (it == staged_exchange_groups_.end()) throw std::logic_error("comm groups: no exchange communicator over these axes");
+  return *it->second;
+}
+
+comm::Communicator& CommGroups::exchange_host(const std::vector<int>& axes) const {
   const auto it = exchange_groups_.find(key(axes));
   if (it == exchange_groups_.end()) throw std::logic_error("comm groups: no exchange communicator over these axes");
   return *it->second;
@@ -167,28 +177,29 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   };
   if (plan.any_on_disk(StateKind::params) || plan.any_on_disk(StateKind::grads) || plan.any_on_disk(StateKind::optimizer) ||
       plan.config.offload.activations) {
-    if (!backend_.host_memory())
-      throw std::invalid_argument(std::string("--offload: the disk tier runs on a host-memory backend only, not yet on ") +
-                                  backend_.name());
-    if (offload.dir.empty()) throw std::invalid_argument("--offload: the plan keeps state on disk but no --offload-dir was given");
     char rank[16];
     std::snprintf(rank, sizeof rank, "rank-%05d.", rank_);
-    DiskStoreOptions io = offload.io;
-    if (fault_disk_read_step_ >= 0 && !io.read_fault)  // the test fault: this rank's first read in that step
-      io.read_fault = [this](const std::string&, int64_t, int64_t) {
-        return running_step_.load() == fault_disk_read_step_ && !disk_read_failed_.exchange(true);
-      };
-    disk_ = std::make_unique<DiskStore>(offload.dir, io, std::string(rank, 10));  // "rank-0000R" 
+    if (!backend_.host_memory()) {
+      store_ = std::make_unique<HostStore>(backend_);
+    } else {
+      if (offload.dir.empty()) throw std::invalid_argument("--offload: the plan keeps state on disk but no --offload-dir was given");
+      DiskStoreOptions io = offload.io;
+      if (fault_disk_read_step_ >= 0 && !io.read_fault)  // the test fault: this rank's first read in that step
+        io.read_fault = [this](const std::string&, int64_t, int64_t) {
+          return running_step_.load() == fault_disk_read_step_ && !disk_read_failed_.exchange(true);
+        };
+      store_ = std::make_unique<DiskStore>(offload.dir, io, std::string(rank, 10));  // "rank-0000R"
+    }
     for (int si = 0; si < plan::kNumStateBuffers; ++si) {
       const StateKind k = plan::kind_of(StateIndex(si));
       if (!plan.any_on_disk(k)) continue;
       std::vector<int64_t>& at = file_at_[si];  // a unit kept in memory takes no room in the file
       at.assign(1, 0);
       for (int u = 0; u < U; ++u) at.push_back(at.back() + plan.disk_slot_bytes(k, u));
-      file_[si] = disk_->create(rank + std::string(plan::to_string(StateIndex(si))), at.back());
+      file_[si] = store_->create(rank + std::string(plan::to_string(StateIndex(si))), at.back());
     }
     // --offload activations: one slot per offloaded buffer of the step (scratch within a step).
-    if (plan.activation_file_bytes > 0) activation_file_ = disk_->create(rank + std::string("activations"), plan.activation_file_bytes);
+    if (plan.activation_file_bytes > 0) activation_file_ = store_->create(rank + std::string("activations"), plan.activation_file_bytes);
   }
   params_ = state(MemCategory::params, StateKind::params);
   grads_ = state(MemCategory::grads, StateKind::grads);
@@ -208,15 +219,16 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
 Executor::~Executor() = default;
 
 // What a device backend (memory the host cannot address) cannot run yet, refused before any step:
-// collectives straight on device pointers, and exchanges (their headers are read on the host).
+// collectives straight on device pointers, and exchanges over NCCL (a ring step's send and receive
+// would need one NCCL group call).
 void Executor::check_device_run(const plan::Plan& plan) const {
   if (!comms_.staged() && !comms_.nccl())
     throw std::logic_error(std::string("executor: backend ") + backend_.name() +
                            " keeps state in device memory, but the comm groups were made without it (no staging)");
   for (const Task& t : plan.tasks)
-    if (t.op == Op::exchange)
+    if (t.op == Op::exchange && comms_.nccl())
       throw std::invalid_argument(std::string("executor: backend ") + backend_.name() +
-                                  " cannot run exchange tasks (expert or context parallelism) yet");
+                                  " cannot run exchange tasks (expert or context parallelism) over NCCL yet");
 }
 
 // The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
@@ -293,12 +305,12 @@ float* Executor::held(StateIndex s, int u, const Run* r) const {
 
 void Executor::disk_read(StateIndex s, int u, void* dst) {
   const auto& at = file_at_[static_cast<int>(s)];
-  disk_->read(file_[static_cast<int>(s)], at[u], dst, at[u + 1] - at[u]);
+  store_->read(file_[static_cast<int>(s)], at[u], dst, at[u + 1] - at[u]);
 }
 
 void Executor::disk_write(StateIndex s, int u, const void* src) {
   const auto& at = file_at_[static_cast<int>(s)];
-  disk_->write(file_[static_cast<int>(s)], at[u], src, at[u + 1] - at[u]);
+  store_->write(file_[static_cast<int>(s)], at[u], src, at[u + 1] - at[u]);
 }
 
 // Through one window-sized bounce buffer: the file pads each unit to 4 KiB, the packed buffer does not.
@@ -316,13 +328,13 @@ void Executor::disk_read_all(StateIndex s, float* packed) {
   Buffer bounce = bounce_window(s, Buffer::Fill::none);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     if (!on_disk(s, u)) {  // kept in memory (a budget's placement may mix)
-      std::memcpy(packed + plan_.held_offset(k, u), state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u],
-                  4 * plan_.held_elems(k, u));
+      backend_.copy(packed + plan_.held_offset(k, u), state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u],
+                    4 * plan_.held_elems(k, u));
       continue;
     }
     if (at[u + 1] == at[u]) continue;
     disk_read(s, u, bounce.data());
-    std::memcpy(packed + plan_.held_offset(k, u), bounce.data(), 4 * plan_.held_elems(k, u));
+    backend_.copy(packed + plan_.held_offset(k, u), bounce.data(), 4 * plan_.held_elems(k, u));
   }
 }
 
@@ -332,12 +344,12 @@ void Executor::disk_write_all(StateIndex s, const float* packed) {
   Buffer bounce = bounce_window(s, Buffer::Fill::zero);  // the padding past the unit's part is written too
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     if (!on_disk(s, u)) {
-      std::memcpy(const_cast<Buffer&>(state(static_cast<State>(s))).f32() + ram_at_[static_cast<int>(s)][u],
-                  packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
+      backend_.copy(const_cast<Buffer&>(state(static_cast<State>(s))).f32() + ram_at_[static_cast<int>(s)][u],
+                    packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
       continue;
     }
     if (at[u + 1] == at[u]) continue;
-    std::memcpy(bounce.data(), packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
+    backend_.copy(bounce.data(), packed + plan_.held_offset(k, u), 4 * plan_.held_elems(k, u));
     disk_write(s, u, bounce.data());
   }
 }
@@ -701,12 +713,12 @@ StateIndex window_state(const plan::Plan& plan, const Task& t) {
 // Saved activations (a buffer with a disk_offset) go to their slot of the activations file.
 void Executor::reload(const Task& t, Run& r) {
   const plan::BufferDesc& b = r.plan.buffers[t.io.window];
-  if (b.disk_offset >= 0) return disk_->read(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
+  if (b.disk_offset >= 0) return store_->read(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
   disk_read(window_state(r.plan, t), t.unit, r.data(t.io.window));
 }
 void Executor::write_back(const Task& t, Run& r) {
   const plan::BufferDesc& b = r.plan.buffers[t.io.window];
-  if (b.disk_offset >= 0) return disk_->write(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
+  if (b.disk_offset >= 0) return store_->write(activation_file(r), b.disk_offset, r.data(b.id), b.bytes);
   disk_write(window_state(r.plan, t), t.unit, r.data(t.io.window));
 }
 int Executor::activation_file(const Run& r) const {
@@ -949,8 +961,9 @@ void Executor::exchange(const Task& t, Run& r) {
   const char* send = r.data(t.io.send);
   char* recv = r.data(t.io.recv);
   std::vector<int64_t> out(P), in(P);
-  std::memcpy(out.data(), send, sizeof(int64_t) * P);
-  c.all_to_all(out.data(), in.data(), sizeof(int64_t), DType::int8, lbl + " (sizes)")->wait(timeout_);
+  backend_.download(out.data(), send, sizeof(int64_t) * P);
+  comms_.exchange_host(t.axes).all_to_all(out.data(), in.data(), sizeof(int64_t), DType::int8, lbl + " (sizes)")
+      ->wait(timeout_);
   const int64_t header = model::exchange_header_bytes(P);
   std::vector<int64_t> out_at(P), in_at(P);
   int64_t sent = header, received = header, moved = 0;
@@ -961,7 +974,7 @@ void Executor::exchange(const Task& t, Run& r) {
   }
   if (sent > r.plan.buffers[t.io.send].bytes || received > r.plan.buffers[t.io.recv].bytes)
     throw std::logic_error("executor: " + lbl + " moves more than its buffers' planned bound");
-  std::memcpy(recv, in.data(), sizeof(int64_t) * P);
+  backend_.upload(recv, in.data(), sizeof(int64_t) * P);
   c.all_to_all_v(send, out, out_at, recv, in, in_at, DType::int8, lbl)->wait(timeout_);
   r.moved[t.id] = moved;
 }
@@ -1131,7 +1144,7 @@ void Executor::load_full(State which, const float* full) {
     Buffer packed = backend_.alloc(MemCategory::staging, 4 * plan_.held_total(k), Buffer::Fill::none);
     for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
       const Shard s = shard_of(k, u);
-      std::copy_n(full + s.unit_offset + s.begin, s.len, packed.f32() + s.at);
+      backend_.upload(packed.f32() + s.at, full + s.unit_offset + s.begin, sizeof(float) * s.len);
     }
     return disk_write_all(StateIndex(static_cast<int>(which)), packed.f32());
   }

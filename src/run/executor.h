@@ -70,8 +70,11 @@ class CommGroups {
   comm::Communicator& get(const std::vector<int>& axes) const;
   // The same group, for buffers in host memory.
   comm::Communicator& host(const std::vector<int>& axes) const;
-  // The exchange stream's group (host memory: exchanges are refused on a device backend).
+  // The exchange stream's group over `axes`, for buffers in the backend's memory (staged through
+  // host memory on a device backend; exchanges over NCCL are refused), and the same group for
+  // host buffers (an exchange's sizes).
   comm::Communicator& exchange(const std::vector<int>& axes) const;
+  comm::Communicator& exchange_host(const std::vector<int>& axes) const;
   // Whether get() stages through host memory (made with a device-memory backend).
   bool staged() const { return copier_ != nullptr; }
   // Whether get() is NCCL's (made with a device-memory backend and DeviceCollectives::nccl).
@@ -90,7 +93,7 @@ class CommGroups {
   // Declared after what they wrap, so they go first.
   std::unique_ptr<comm::DeviceCopier> copier_;
   std::unique_ptr<comm::Communicator> staged_world_;
-  std::map<unsigned, std::unique_ptr<comm::Communicator>> staged_groups_;
+  std::map<unsigned, std::unique_ptr<comm::Communicator>> staged_groups_, staged_exchange_groups_;
   std::unique_ptr<comm::Communicator> nccl_world_;
   std::map<unsigned, std::unique_ptr<comm::Communicator>> nccl_groups_;
 };
@@ -149,7 +152,8 @@ struct ExecutorFaults {
 };
 
 // The disk tier (--offload): where this rank's files go and how they are written. Needed when the
-// plan places state on disk.
+// plan places state on disk and the backend computes in host memory (a device's tier is host
+// memory: run/host_store.h).
 struct OffloadOptions {
   std::string dir;
   DiskStoreOptions io;
@@ -192,8 +196,9 @@ class Executor {
   float* local_state(State which);
   void commit_local_state();
   void release_local_state();
-  // The disk tier's files and I/O path ("io_uring, O_DIRECT", ...); null when nothing is offloaded.
-  const DiskStore* disk() const { return disk_.get(); }
+  // The offload tier (disk, or host memory under a device backend) and how it moves bytes; null
+  // when nothing is offloaded.
+  const OffloadStore* offload_store() const { return store_.get(); }
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }
@@ -234,7 +239,8 @@ class Executor {
   // Unit u's part of state s between its file and `dst` / `src` (window-sized, 4 KiB aligned).
   void disk_read(plan::StateIndex s, int u, void* dst);
   void disk_write(plan::StateIndex s, int u, const void* src);
-  // Every unit's part, packed as the resident buffer would be, through a bounce window.
+  // Every unit's part, packed as the resident buffer would be (`packed` in the backend's memory),
+  // through a bounce window.
   Buffer bounce_window(plan::StateIndex s, Buffer::Fill fill) const;
   void disk_read_all(plan::StateIndex s, float* packed);
   void disk_write_all(plan::StateIndex s, const float* packed);
@@ -293,9 +299,9 @@ class Executor {
   const kernels::Backend& backend_;
   int rank_;  // in the world
   Buffer params_, grads_, exp_avg_, exp_avg_sq_;
-  // The disk tier: files by StateIndex (-1: in memory), each unit's byte offset in them, and the
+  // The offload tier: files by StateIndex (-1: in memory), each unit's byte offset in them, and the
   // staged copies local_state() hands out.
-  std::unique_ptr<DiskStore> disk_;
+  std::unique_ptr<OffloadStore> store_;
   std::array<int, plan::kNumStateBuffers> file_{-1, -1, -1, -1};
   std::array<std::vector<int64_t>, plan::kNumStateBuffers> file_at_;
   std::array<Buffer, plan::kNumStateBuffers> staged_;

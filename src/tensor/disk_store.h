@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "tensor/offload_store.h"
+
 namespace shardlm {
 
 inline constexpr int64_t kDiskAlign = 4096;
@@ -34,29 +36,29 @@ struct DiskStoreOptions {
   std::function<bool(const std::string& path, int64_t offset, int64_t bytes)> read_fault;
 };
 
-class DiskStore {
+class DiskStore final : public OffloadStore {
  public:
   // Files go in `dir` (created if missing). `owner` names the store's lock file (DIR/OWNER.lock,
   // held with flock for the store's life and released by the kernel however the process ends):
   // a second live run given the same directory and owner is refused instead of replacing the
   // first one's files.
   explicit DiskStore(std::string dir, DiskStoreOptions options = {}, const std::string& owner = "store");
-  ~DiskStore();
+  ~DiskStore() override;
   DiskStore(const DiskStore&) = delete;
   DiskStore& operator=(const DiskStore&) = delete;
 
   // Creates file `name` in the directory, replacing any old one, and writes `bytes` (a multiple of
   // kDiskAlign) of zeros to it, so running out of space shows at once; returns its handle.
-  int create(const std::string& name, int64_t bytes);
-  void read(int file, int64_t offset, void* dst, int64_t bytes);
-  void write(int file, int64_t offset, const void* src, int64_t bytes);
+  int create(const std::string& name, int64_t bytes) override;
+  void read(int file, int64_t offset, void* dst, int64_t bytes) override;
+  void write(int file, int64_t offset, const void* src, int64_t bytes) override;
   const std::string& path(int file) const { return files_.at(file).path; }
   const std::string& dir() const { return dir_; }
   // "io_uring, O_DIRECT", "pread/pwrite, buffered (the filesystem refused O_DIRECT)", ...
   std::string describe() const;
-  // Bytes moved since the store was made.
-  int64_t bytes_read() const { return read_; }
-  int64_t bytes_written() const { return written_; }
+  std::string where() const override { return "on disk under " + dir_ + " (" + describe() + ")"; }
+  int64_t bytes_read() const override { return read_; }
+  int64_t bytes_written() const override { return written_; }
 
  private:
   struct File {

@@ -183,10 +183,13 @@ void check_distribution(const TrainConfig& c) {
     throw std::invalid_argument(fmt::format("--comm: must be auto, mpi or nccl, got '{}'", c.comm_backend));
   if (c.comm_backend == "nccl" && c.device != "cuda")
     throw std::invalid_argument("--comm nccl: needs --device cuda (NCCL moves GPU memory; the CPU's collectives are MPI's)");
-  // Ranks on CUDA stage their collectives through host memory (MPI); the CUDA backend has no
-  // MoE or chunked-attention kernels, and exchanges read their headers on the host.
-  if (c.device == "cuda" && (c.ep > 1 || c.cp > 1))
-    throw std::invalid_argument("--device cuda: --ep and --cp are not supported yet (no CUDA kernels for experts or sequence chunks)");
+  // Ranks on CUDA stage their collectives through host memory (MPI) or run them on NCCL; the CUDA
+  // backend has no MoE kernels, and context parallelism's exchanges are staged only.
+  if (c.device == "cuda" && c.ep > 1)
+    throw std::invalid_argument("--device cuda: --ep is not supported yet (no CUDA kernels for experts)");
+  if (c.device == "cuda" && c.cp > 1 && c.comm_backend == "nccl")
+    throw std::invalid_argument("--cp with --comm nccl: not supported yet (context parallelism's exchanges run staged "
+                                "through host memory: --comm auto)");
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
   if (c.offload != "none" && c.offload != "activations" && c.snapshot_every > 0)
     throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");

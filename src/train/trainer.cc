@@ -442,9 +442,9 @@ void print_run_header(const Session& s, double peak) {
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
              plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
              s.backend->name(), s.comms.describe());
-  if (const DiskStore* d = s.ex.disk())
-    fmt::print("offload: {} on disk under {} ({}), read ahead {} using task(s)\n",
-               cfg.offload != "none" ? cfg.offload : "the --memory-budget placement's units (explain lists them)", d->dir(), d->describe(),
+  if (const OffloadStore* d = s.ex.offload_store())
+    fmt::print("offload: {} {}, read ahead {} using task(s)\n",
+               cfg.offload != "none" ? cfg.offload : "the --memory-budget placement's units (explain lists them)", d->where(),
                cfg.offload_prefetch);
   std::fflush(stdout);
 }

@@ -2,7 +2,9 @@
 // answer that its memory is not the host's, so the executor uploads and downloads state and every
 // collective on state is staged (device -> host -> MPI -> device, comm/staged.h), as on a GPU shared
 // by two ranks. Copies change no value: each strategy's losses equal the host-memory run's bit for
-// bit, fp32 and bf16 collectives, buckets included.
+// bit, fp32 and bf16 collectives, buckets included; so do context parallelism's exchanges (the
+// ring's sends and receives, the head split's all-to-all with its sizes header), staged alike, and
+// the offload tier, which for a device is host memory (run/host_store.h) instead of the disk.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,10 +24,11 @@ class StagedRanksSlow : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  std::vector<double> train(const std::string& flags, const std::string& name, bool staged) {
+  std::vector<double> train(const std::string& flags, const std::string& name, bool staged,
+                            const std::string& model = "tiny") {
     const fs::path out = dir_ / name;
     const Result r = mpirun(2,
-                            "train --model tiny --batch 2 --seq 32 --threads 1 --steps 3 --eval-windows 1 "
+                            "train --model " + model + " --batch 2 --seq 32 --threads 1 --steps 3 --eval-windows 1 "
                             "--sample-tokens 0 --peak-gflops 100 --data " +
                                 (dir_ / "tok").string() + " --out " + out.string() + " " + flags,
                             staged ? "-x SHARDLM_TEST_CPU_AS_DEVICE=1" : "");
@@ -34,9 +37,11 @@ class StagedRanksSlow : public ::testing::Test {
     const std::string said = staged ? "kernels cpu-as-device, collectives mpi staged through host memory"
                                     : "kernels cpu, collectives mpi\n";
     EXPECT_NE(r.out.find(said), std::string::npos) << name << ": " << r.out;
+    last_out_ = r.out;
     return step_losses(out / "metrics.jsonl");
   }
   fs::path dir_;
+  std::string last_out_;  // the last run's output
 };
 
 TEST_F(StagedRanksSlow, EveryStrategyGivesTheHostRunsLossesBitForBit) {
@@ -50,6 +55,36 @@ TEST_F(StagedRanksSlow, EveryStrategyGivesTheHostRunsLossesBitForBit) {
   for (const auto& [name, flags] : cases) {
     const std::vector<double> host = train(flags, name + "_host", false);
     const std::vector<double> staged = train(flags, name + "_staged", true);
+    ASSERT_EQ(host.size(), 3u) << name;
+    EXPECT_EQ(staged, host) << name;
+  }
+}
+
+TEST_F(StagedRanksSlow, ContextParallelExchangesGiveTheHostRunsLossesBitForBit) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"cp_ring", "--cp 2 --cp-impl ring --strategy fsdp"},
+      {"cp_a2a", "--cp 2 --cp-impl all-to-all --strategy ddp"},
+      {"cp_ring_zero2", "--cp 2 --cp-impl ring --strategy zero2"},
+  };
+  for (const std::string model : {"tiny", "llama-tiny"})
+    for (const auto& [name, flags] : cases) {
+      const std::vector<double> host = train(flags, model + "_" + name + "_host", false, model);
+      const std::vector<double> staged = train(flags, model + "_" + name + "_staged", true, model);
+      ASSERT_EQ(host.size(), 3u) << model << " " << name;
+      EXPECT_EQ(staged, host) << model << " " << name;
+    }
+}
+
+TEST_F(StagedRanksSlow, TheDevicesOffloadTierIsHostMemoryAndChangesNoLoss) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"offload_act", "--strategy fsdp --offload activations"},
+      {"offload_state", "--strategy fsdp --offload params,grads,optimizer"},
+  };
+  for (const auto& [name, flags] : cases) {
+    const std::vector<double> host = train(flags, name + "_host", false);
+    EXPECT_NE(last_out_.find(" on disk under "), std::string::npos) << name << ": " << last_out_;
+    const std::vector<double> staged = train(flags, name + "_staged", true);
+    EXPECT_NE(last_out_.find(" in host memory ("), std::string::npos) << name << ": " << last_out_;
     ASSERT_EQ(host.size(), 3u) << name;
     EXPECT_EQ(staged, host) << name;
   }

@@ -45,14 +45,20 @@ TEST(TrainConfigValidate, NamesTheFlagAndTheValue) {
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.reduce_dtype = "fp8"; }), "--reduce-dtype: must be fp32 or bf16, got 'fp8'");
 }
 
-// Every strategy runs on CUDA (ranks stage their collectives through host memory); what the CUDA
-// backend cannot run yet is refused with one line naming the flags.
-TEST(TrainConfigValidate, CudaRunsEveryStrategyAndRefusesExpertAndContextParallelism) {
+// Every strategy runs on CUDA (ranks stage their collectives through host memory), and context
+// parallelism with staged exchanges; what the CUDA backend cannot run yet is refused with one line
+// naming the flags.
+TEST(TrainConfigValidate, CudaRunsEveryStrategyAndContextParallelismButNotExperts) {
   for (const char* strategy : {"ddp", "zero1", "zero2", "fsdp", "hybrid"})
     EXPECT_EQ(validate_error([&](TrainConfig& c) { c.device = "cuda", c.strategy = strategy; }), "") << strategy;
-  const std::string refused = "--device cuda: --ep and --cp are not supported yet (no CUDA kernels for experts or sequence chunks)";
-  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.model = "moe-tiny", c.ep = 2; }), refused);
-  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.cp = 2; }), refused);
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.model = "moe-tiny", c.ep = 2; }),
+            "--device cuda: --ep is not supported yet (no CUDA kernels for experts)");
+  for (const char* impl : {"ring", "all-to-all"})
+    EXPECT_EQ(validate_error([&](TrainConfig& c) { c.device = "cuda", c.cp = 2, c.cp_impl = impl, c.strategy = "fsdp"; }), "")
+        << impl;
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.cp = 2, c.comm_backend = "nccl"; }),
+            "--cp with --comm nccl: not supported yet (context parallelism's exchanges run staged through host "
+            "memory: --comm auto)");
 }
 
 // --comm picks the collectives over GPU memory: NCCL needs the CUDA device; the CPU path is

@@ -1,0 +1,49 @@
+#include "run/host_store.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace shardlm::run {
+
+HostStore::~HostStore() {
+  files_.clear();  // before the pool they are charged to
+}
+
+int HostStore::create(const std::string& name, int64_t bytes) {
+  if (bytes < 0) throw std::invalid_argument("host offload store: " + name + ": negative size");
+  std::lock_guard<std::mutex> lock(mu_);
+  files_.emplace_back(pool_, MemCategory::staging, static_cast<size_t>(bytes), Buffer::Fill::zero);
+  names_.push_back(name);
+  return static_cast<int>(files_.size()) - 1;
+}
+
+char* HostStore::at(int file, int64_t offset, int64_t bytes, const char* what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (file < 0 || file >= static_cast<int>(files_.size()))
+    throw std::logic_error(std::string("host offload store: ") + what + " of file " + std::to_string(file) +
+                           ", which was never made");
+  const Buffer& f = files_[file];
+  if (offset < 0 || bytes < 0 || offset + bytes > static_cast<int64_t>(f.bytes()))
+    throw std::logic_error(std::string("host offload store: ") + what + " of " + std::to_string(bytes) + " bytes at " +
+                           std::to_string(offset) + " past the end of " + names_[file] + " (" +
+                           std::to_string(f.bytes()) + " bytes)");
+  return f.as<char>() + offset;
+}
+
+void HostStore::read(int file, int64_t offset, void* dst, int64_t bytes) {
+  backend_.upload(dst, at(file, offset, bytes, "read"), static_cast<size_t>(bytes));
+  read_ += bytes;
+}
+
+void HostStore::write(int file, int64_t offset, const void* src, int64_t bytes) {
+  backend_.download(at(file, offset, bytes, "write"), src, static_cast<size_t>(bytes));
+  written_ += bytes;
+}
+
+std::string HostStore::where() const {
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.1f", host_bytes() / 1048576.0);
+  return std::string("in host memory (") + mib + " MiB, copied by the " + backend_.name() + " backend)";
+}
+
+}  // namespace shardlm::run
