@@ -16,16 +16,18 @@ double log_distance(int64_t a, int64_t b) {
 }
 
 // The measured row nearest by `distance` among those at the nearest thread count, and the factor
-// that scales its rates linearly to `threads`.
+// that scales its rates linearly to `threads`. A profile whose figures are per device (a GPU's,
+// per_thread false) is measured once, whatever --threads: its rows are taken as they are.
 template <class Row, class Distance>
-std::pair<const Row*, double> nearest(const std::vector<Row>& rows, int threads, Distance distance) {
+std::pair<const Row*, double> nearest(const std::vector<Row>& rows, int threads, bool per_thread, Distance distance) {
+  if (!per_thread) threads = 1;
   int at = rows.front().threads;
   for (const Row& r : rows)
     if (std::abs(r.threads - threads) < std::abs(at - threads)) at = r.threads;
   const Row* best = nullptr;
   for (const Row& r : rows)
     if (r.threads == at && (!best || distance(r) < distance(*best))) best = &r;
-  return {best, static_cast<double>(threads) / at};
+  return {best, per_thread ? static_cast<double>(threads) / at : 1.0};
 }
 
 }  // namespace
@@ -199,7 +201,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     double flops = 0, forward = 0, backward = 0;
     if (!hw.gemm_rates.empty())
       for (const model::GemmShape& g : c.gemms) {
-        const auto [r, scale] = nearest(hw.gemm_rates, threads, [&](const GemmRate& m) {
+        const auto [r, scale] = nearest(hw.gemm_rates, threads, hw.per_thread, [&](const GemmRate& m) {
           return log_distance(g.M, m.M) + log_distance(g.K, m.K) + log_distance(g.N, m.N);
         });
         flops += g.flops();
@@ -208,7 +210,7 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
       }
     if (!hw.attention_rates.empty() && c.attention_flops > 0) {
       const int64_t T = plan.config.seq, HS = desc.config.head_size();
-      const auto [r, scale] = nearest(hw.attention_rates, threads, [&](const AttentionRate& m) {
+      const auto [r, scale] = nearest(hw.attention_rates, threads, hw.per_thread, [&](const AttentionRate& m) {
         return log_distance(T, m.T) + log_distance(HS, m.HS);
       });
       flops += c.attention_flops;

@@ -570,6 +570,31 @@ TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
     }
 }
 
+// A per-device profile (calibrate --device cuda: per_thread false, one row per shape) prices its
+// measured rates as they are whatever --threads says (the default is 2: the rates were doubled,
+// and a GPU run predicted at half its time).
+TEST(Cost, PerDeviceRatesIgnoreTheThreadCount) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  HardwareProfile hw = preset("h100-80gb");
+  ASSERT_FALSE(hw.per_thread);
+  hw.gemm_rates = {{2048, 384, 1152, 1, 1e14, 5e13}, {2048, 384, 1536, 1, 2e14, 1e14}, {2048, 1536, 384, 1, 4e14, 2e14},
+                   {2048, 384, 50257, 1, 3e14, 3e14}};
+  hw.attention_rates = {{256, 64, 1, 5e13, 2.5e13}};
+  PlanConfig c;
+  c.batch = 8, c.seq = 256;
+  const Plan p = plan::build_plan(desc, for_hardware(c, hw));
+  const CostModel one(desc, p, hw, 1), two(desc, p, hw, 2), eight(desc, p, hw, 8);
+  int checked = 0;
+  for (const auto& t : p.tasks)
+    if (t.unit >= 0 && (t.op == Op::forward || t.op == Op::backward)) {
+      EXPECT_GT(one.seconds(t), 0);
+      EXPECT_DOUBLE_EQ(two.seconds(t), one.seconds(t)) << plan::to_string(t.op) << " " << t.unit;
+      EXPECT_DOUBLE_EQ(eight.seconds(t), one.seconds(t)) << plan::to_string(t.op) << " " << t.unit;
+      ++checked;
+    }
+  EXPECT_GT(checked, 4);
+}
+
 // A plan's collectives are priced by how their group lies on 8-GPU nodes: inside a node on
 // NVLink, across nodes on the NICs of the group's devices; hybrid's shard group inside, its
 // replicas across with one device (so one NIC's share) a node.
