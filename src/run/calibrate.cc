@@ -603,6 +603,8 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                                       "; compute figures per device"
                                 : "this machine, fitted by shardlm calibrate; compute figures per compute thread"},
          {"compute_dtype", info.gemm_dtype},
+         // What the plan's activations take: every backend here stores fp32, bf16 GEMMs or not.
+         {"activation_dtype", "fp32"},
          {"per_thread", !device},
          {"memory_bw", fig(bw, here + ": residual add over 64 MiB arrays")},
          {"comm_compute_slowdown",

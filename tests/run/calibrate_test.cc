@@ -202,6 +202,7 @@ TEST(Calibrate, ADeviceIsTimedThroughItsOwnMemory) {
   EXPECT_EQ(j["name"], "cpu-as-device");
   EXPECT_EQ(j["per_thread"], false);
   EXPECT_EQ(j["compute_dtype"], "fp32");
+  EXPECT_EQ(j["activation_dtype"], "fp32");
   EXPECT_FALSE(j.contains("cores_per_node"));
   EXPECT_EQ(j["collectives_measured"], false);
   ASSERT_TRUE(j.contains("host_link_bw"));

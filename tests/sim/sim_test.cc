@@ -595,6 +595,27 @@ TEST(Cost, PerDeviceRatesIgnoreTheThreadCount) {
   EXPECT_GT(checked, 4);
 }
 
+// activation_dtype: absent, activations take compute_dtype (a GPU preset: bf16); calibrate's
+// profiles say fp32 (the CUDA backend stores fp32 beside bf16 GEMMs), and the plan follows it.
+TEST(Hardware, ActivationDtypeSetsThePlansActivations) {
+  HardwareProfile hw = preset("h100-80gb");
+  EXPECT_EQ(hw.activation_dtype, "bf16");
+  EXPECT_EQ(for_hardware(PlanConfig{}, hw).activation_bytes, 2);
+  std::ifstream in(preset_dir() + "/h100-80gb.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["activation_dtype"] = "fp32";
+  hw = parse_hardware(j.dump(), "fp32act.json");
+  EXPECT_EQ(hw.compute_dtype, "bf16");
+  EXPECT_EQ(for_hardware(PlanConfig{}, hw).activation_bytes, 4);
+  j["activation_dtype"] = "fp16";
+  try {
+    parse_hardware(j.dump(), "bad.json");
+    ADD_FAILURE() << "activation_dtype fp16 accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.json: activation_dtype"), std::string::npos) << e.what();
+  }
+}
+
 // A plan's collectives are priced by how their group lies on 8-GPU nodes: inside a node on
 // NVLink, across nodes on the NICs of the group's devices; hybrid's shard group inside, its
 // replicas across with one device (so one NIC's share) a node.
