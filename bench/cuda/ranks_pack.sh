@@ -3,7 +3,7 @@
 # then DIR as one gzipped tarball into CARRY/devranks.tgz (default bench/out/devranks_carry, an
 # ignored path the device tool can carry: oneDNN alone is 38 MB, so the tree is over the carry
 # limit uncompressed). On the device: tar xzf CARRY/devranks.tgz -C /tmp; DIR=/tmp/devranks bash
-# /tmp/devranks/run.sh. Contents: shardlm and cuda_tests from
+# /tmp/devranks/run.sh (or nccl_run.sh, calibrate_run.sh). Contents: shardlm and cuda_tests from
 # BUILD (default build-cuda), Open MPI 4.1 (orterun as mpirun, its MCA plugins laid out under
 # DIR/ompi as OPAL_PREFIX expects: lib/x86_64-linux-gnu/openmpi/lib/openmpi3, share/openmpi),
 # every shared library `ldd` names except glibc's and CUDA's own (the device machine has CUDA 13),
@@ -40,6 +40,7 @@ done
 cp "$DATA"_train.bin "$DATA"_val.bin "$DATA"_meta.json "$DIR/data/"
 cp bench/cuda/ranks_run.sh "$DIR/run.sh"
 cp bench/cuda/nccl_run.sh "$DIR/nccl_run.sh"
+cp bench/cuda/calibrate_run.sh "$DIR/calibrate_run.sh"
 [ "$(basename "$DIR")" = devranks ] || { echo "DIR must end in /devranks (run.sh's instructions say so)"; exit 1; }
 mkdir -p "$CARRY"
 tar czf "$CARRY/devranks.tgz" -C "$(dirname "$DIR")" devranks

@@ -408,10 +408,18 @@ int run(int argc, char** argv) {
                       "collective sizes in KiB (comma list; default 4 .. 262144 by x4): at least two, the largest >= 1024 "
                       "and >= 4 x the smallest, none above 1048576")
       ->delimiter(',');
-  cal_cmd->add_option("--name", co.name, "the profile's name")->capture_default_str();
+  std::string cal_dtype = "auto";
+  cal_cmd->add_option("--device", co.device,
+                      "cpu | cuda (a -DSHARDLM_CUDA=ON build; one rank, the GPU's kernels timed on its own memory)")
+      ->capture_default_str();
+  cal_cmd->add_option("--compute-dtype", cal_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+      ->capture_default_str();
+  cal_cmd->add_option("--name", co.name, "the profile's name (default cpu-local; on a device, the device's name)");
   cal_cmd->add_option("--offload-dir", co.offload_dir,
                       "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency");
-  cal_cmd->add_option("--gemm-models", co.gemm_models, "models whose GEMM shapes are timed (comma list; none: skip)")
+  cal_cmd->add_option("--gemm-models", co.gemm_models,
+                      "models whose GEMM shapes and attention are timed, each NAME or NAME:BxT (batch x sequence; default "
+                      "4x256), comma list; none: skip. The first one's block also shapes gemm_efficiency and pointwise_bw")
       ->delimiter(',')
       ->capture_default_str();
 
@@ -480,7 +488,7 @@ int run(int argc, char** argv) {
       run_explain(ec, explain_ranks);
     } else if (*cal_cmd) {
       co.sizes = sizes_in_bytes(cal_sizes_kib);
-      return run_calibrate(co, cal_out);
+      return run_calibrate(co, cal_dtype, cal_out);
     } else if (*plan_cmd) {
       return run_plan(pa);
     } else if (*sim_cmd) {

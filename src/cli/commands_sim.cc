@@ -477,10 +477,23 @@ void run_simulate(SimulateArgs& a) {
 // `calibrate`: every rank measures (collectives span the world); rank 0 writes the profile.
 // The profile is read back as simulate reads it before it is written (a figure simulate would
 // refuse is an error here, not a file), and written to a temporary name renamed into place.
-int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
+int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dtype, const std::string& out) {
   run::check_calibrate_options(co);  // before MPI: a bad flag is one line, not an aborted job
+  if (co.device != "cpu" && co.device != "cuda")
+    throw std::invalid_argument("--device: must be cpu or cuda, got '" + co.device + "'");
+  if (compute_dtype != "auto" && compute_dtype != "fp32" && compute_dtype != "bf16")
+    throw std::invalid_argument("--compute-dtype: must be auto, fp32 or bf16, got '" + compute_dtype + "'");
+  if (co.device == "cpu" && compute_dtype == "bf16")
+    throw std::invalid_argument("--compute-dtype bf16: needs --device cuda (the CPU's GEMMs are fp32)");
+  // The backend as `train` makes it, so the figures are of the kernels a run on this device uses
+  // (SHARDLM_CUDA_* and SHARDLM_TEST_CPU_AS_DEVICE read as train reads them).
+  train::TrainConfig kernels_of;
+  kernels_of.device = co.device;
+  kernels_of.compute_dtype = compute_dtype;
+  kernels_of.cuda = cuda_options();
+  const bool cpu_as_device = test_faults().cpu_as_device;
   return on_world([&](comm::Communicator& world, MemoryPool& memory) {
-    const std::string text = run::calibrate(*kernels::make_cpu_backend(memory), world, co);
+    const std::string text = run::calibrate(*train::make_backend(kernels_of, memory, cpu_as_device), world, co);
     if (world.rank() == 0) {
       try {
         sim::parse_hardware(text, out);
@@ -497,9 +510,14 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& out) {
         std::filesystem::remove(tmp, ec);
         throw std::runtime_error("calibrate: cannot write " + out);
       }
-      fmt::print("calibrate: wrote {} ({} rank(s) x {} thread(s)){}\n", out, world.size(), co.threads,
-                 world.size() > 1 ? "" : "; one rank has no collectives to time: the profile simulates one rank "
-                                         "(mpirun -np N calibrate for more)");
+      const bool device = co.device != "cpu" || cpu_as_device;
+      fmt::print("calibrate: wrote {} ({}){}\n", out,
+                 device ? fmt::format("--device {}{}", co.device, cpu_as_device ? ", the CPU as a device" : "")
+                        : fmt::format("{} rank(s) x {} thread(s)", world.size(), co.threads),
+                 world.size() > 1 ? ""
+                 : device         ? "; the profile simulates one rank (no collectives measured)"
+                                  : "; one rank has no collectives to time: the profile simulates one rank "
+                                    "(mpirun -np N calibrate for more)");
     }
     return 0;
   });

@@ -53,7 +53,8 @@ struct SimulateArgs {
   GoodputFlags goodput;
 };
 void run_simulate(SimulateArgs& a);
-int run_calibrate(const run::CalibrateOptions& co, const std::string& out);
+// `calibrate`: co.device's kernels (cpu, or cuda with GEMMs in compute_dtype) into a profile at `out`.
+int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dtype, const std::string& out);
 struct PlanArgs {
   train::TrainConfig cfg;
   int ranks = 1, top = 10;

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "kernels/seq_chunks.h"
 #include "tensor/memory.h"
@@ -61,6 +62,19 @@ class Backend {
   // handle (a cudaStream_t on CUDA): what a communicator over device memory orders its collectives
   // after (comm/nccl.h). Null where there is none (the CPU).
   virtual void* stream_handle() const { return nullptr; }
+  // Returns once every kernel and copy issued so far has completed: a host clock read after
+  // work on a device times nothing unless the device's queue is drained first (calibrate). The
+  // CPU's kernels have completed when they return: nothing to wait for.
+  virtual void synchronize() const {}
+  // What the kernels run on, for a hardware profile's name and memory limit: a device's name
+  // (cudaGetDeviceProperties) and bytes (0: host memory, no limit of the device's own), and the
+  // dtype its GEMMs compute in ("fp32", or "bf16" for a CUDA backend's default tensor-core GEMMs).
+  struct DeviceInfo {
+    std::string name;
+    int64_t memory_bytes = 0;
+    std::string gemm_dtype = "fp32";
+  };
+  virtual DeviceInfo device_info() const { return {name(), 0, "fp32"}; }
 
   // Sets up the calling thread (and its pool) for compute with `threads` threads.
   virtual void init_compute(int threads) const = 0;

@@ -230,6 +230,12 @@ class CudaBackend final : public Backend {
   }
   bool host_memory() const override { return false; }
   void* stream_handle() const override { return cuda::stream(); }
+  void synchronize() const override { SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
+  DeviceInfo device_info() const override {
+    cudaDeviceProp p{};
+    SHARDLM_CUDA_CHECK(cudaGetDeviceProperties(&p, Context::get().device));
+    return {p.name, static_cast<int64_t>(p.totalGlobalMem), bf16_ ? "bf16" : "fp32"};
+  }
   void init_compute(int) const override { SHARDLM_CUDA_CHECK(cudaSetDevice(Context::get().device)); }
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,

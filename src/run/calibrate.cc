@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -28,23 +29,58 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Best time of `f` over at least 3 runs and ~0.2 s (the first untimed: pools and clocks ramp up).
+// Seconds of `reps` back-to-back calls of `f`, the backend's queue drained before and after: a
+// device's kernels return before they run, and the clock must see them done.
 template <class F>
-double best_seconds(F f) {
+double timed(const kernels::Backend& k, F& f, int reps) {
+  k.synchronize();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < reps; ++i) f();
+  k.synchronize();
+  return seconds_since(t0);
+}
+
+// Calls of `f` per timed sample: one on the host (each call's own time); on a device enough for
+// about a millisecond, since a kernel of a few microseconds timed alone would read mostly its
+// launch and the synchronisation, while a training step queues its kernels back to back.
+template <class F>
+int reps_for(const kernels::Backend& k, F& f) {
+  if (k.host_memory()) return 1;
+  const double one = timed(k, f, 1);
+  return static_cast<int>(std::clamp(1e-3 / std::max(one, 1e-7), 1.0, 1000.0));
+}
+
+// Best time of one call of `f` over at least 3 samples and ~0.2 s (the first call untimed: pools
+// and clocks ramp up).
+template <class F>
+double best_seconds(const kernels::Backend& k, F f) {
   f();
+  const int reps = reps_for(k, f);
   double best = 1e30, spent = 0;
   for (int rep = 0; rep < 3 || (spent < 0.2 && rep < 50); ++rep) {
-    const auto t0 = Clock::now();
-    f();
-    const double s = seconds_since(t0);
-    best = std::min(best, s), spent += s;
+    const double s = timed(k, f, reps);
+    best = std::min(best, s / reps), spent += s;
   }
   return best;
 }
 
 // A buffer of the backend's memory for the kernels timed here.
 Buffer workspace(const kernels::Backend& k, int64_t bytes, Buffer::Fill fill = Buffer::Fill::zero) {
-  return Buffer(k.memory(), MemCategory::workspace, static_cast<size_t>(bytes), fill);
+  return k.alloc(MemCategory::workspace, static_cast<size_t>(bytes), fill);
+}
+
+// `values` in a buffer of the backend's memory: uploaded, as a device's memory is not the host's
+// to write (the CPU backend's upload is a copy).
+template <class T>
+Buffer uploaded(const kernels::Backend& k, const std::vector<T>& values) {
+  Buffer b = workspace(k, static_cast<int64_t>(sizeof(T) * values.size()), Buffer::Fill::none);
+  k.upload(b.data(), values.data(), b.bytes());
+  return b;
+}
+
+// n floats, each `v`, in the backend's memory.
+Buffer floats(const kernels::Backend& k, int64_t n, float v) {
+  return uploaded(k, std::vector<float>(static_cast<size_t>(n), v));
 }
 
 // A block's GEMM (small's qkv at B=4, T=256: 1024 x 384 x 1152, about 1 GFLOP): the compute
@@ -53,7 +89,10 @@ class BlockGemm {
  public:
   explicit BlockGemm(const kernels::Backend& k)
       : k_(k), x_(workspace(k, 4 * kM * kK)), w_(workspace(k, 4 * kK * kN)), y_(workspace(k, 4 * kM * kN)) {}
-  void operator()() { k_.dense_forward(y_.f32(), x_.f32(), w_.f32(), kM, kK, kN); }
+  void operator()() {
+    k_.dense_forward(y_.f32(), x_.f32(), w_.f32(), kM, kK, kN);
+    k_.synchronize();
+  }
   // Median of ten runs after one untimed.
   double alone() {
     (*this)();
@@ -90,33 +129,31 @@ class BlockGemm {
   Buffer x_, w_, y_;
 };
 
-// Median time of `f` over at least 5 runs and ~0.3 s (the first untimed), each starting from
-// caches another 64 MiB has passed through: what a kernel meets inside a training step, where
-// the weights and activations of every other unit pass between its runs, on a machine whose
-// speed varies (the best warm run would be optimistic).
+// Median time of one call of `f` over at least 5 samples and ~0.3 s (the first call untimed),
+// each sample starting from caches another 64 MiB has passed through: what a kernel meets inside
+// a training step, where the weights and activations of every other unit pass between its runs,
+// on a machine whose speed varies (the best warm run would be optimistic).
 template <class F>
 double typical_seconds(const kernels::Backend& k, F f) {
   // From the pool's cache after the first call: allocating it costs no page faults then.
   Buffer other = workspace(k, 64 << 20, Buffer::Fill::none);
   f();
+  const int reps = reps_for(k, f);
   std::vector<double> times;
   double spent = 0;
   while (times.size() < 5 || (spent < 0.3 && times.size() < 50)) {
-    std::memset(other.data(), static_cast<int>(times.size()), other.bytes());
-    const auto t0 = Clock::now();
-    f();
-    times.push_back(seconds_since(t0));
-    spent += times.back();
+    k.zero(other.data(), other.bytes());
+    const double s = timed(k, f, reps);
+    times.push_back(s / reps);
+    spent += s;
   }
   return median(times);
 }
 
 // FLOP/s of one (N, C) × (C, OC) GEMM.
 double gemm_flops(const kernels::Backend& k, int64_t N, int64_t C, int64_t OC) {
-  Buffer a = workspace(k, 4 * N * C), w = workspace(k, 4 * OC * C), out = workspace(k, 4 * N * OC);
-  std::fill(a.f32(), a.f32() + N * C, 0.5f);
-  std::fill(w.f32(), w.f32() + OC * C, 0.25f);
-  return 2.0 * N * C * OC / best_seconds([&] { k.dense_forward(out.f32(), a.f32(), w.f32(), N, C, OC); });
+  Buffer a = floats(k, N * C, 0.5f), w = floats(k, OC * C, 0.25f), out = workspace(k, 4 * N * OC);
+  return 2.0 * N * C * OC / best_seconds(k, [&] { k.dense_forward(out.f32(), a.f32(), w.f32(), N, C, OC); });
 }
 
 json fig(double v, const std::string& source) { return {{"value", v}, {"source", source}}; }
@@ -129,27 +166,20 @@ std::pair<double, double> unit_gemm_flops(const kernels::Backend& k, model::Unit
   const int64_t M = g.M, K = g.K, N = g.N;
   if (model::is_head(kind)) {
     const int64_t chunk = model::detail::head_chunk_rows(M);
-    Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * padded_vocab * K),
-        dx = workspace(k, 4 * M * K), dw = workspace(k, 4 * padded_vocab * K),
-        scratch = workspace(k, 4 * k.head_scratch(chunk, padded_vocab));
-    std::fill(x.f32(), x.f32() + M * K, 0.5f);
-    std::fill(w.f32(), w.f32() + padded_vocab * K, 0.01f);
-    std::vector<int32_t> targets(M);
-    for (int64_t i = 0; i < M; ++i) targets[i] = static_cast<int32_t>(i % N);
+    Buffer x = floats(k, M * K, 0.5f), w = floats(k, padded_vocab * K, 0.01f), dx = workspace(k, 4 * M * K),
+           dw = workspace(k, 4 * padded_vocab * K), scratch = workspace(k, 4 * k.head_scratch(chunk, padded_vocab));
+    std::vector<int32_t> host_targets(M);
+    for (int64_t i = 0; i < M; ++i) host_targets[i] = static_cast<int32_t>(i % N);
+    const Buffer targets = uploaded(k, host_targets);
     const double rate = g.flops() * 3 / typical_seconds(k, [&] {
-      k.lm_head_cross_entropy(dx.f32(), dw.f32(), x.f32(), w.f32(), targets.data(), M, K, N, padded_vocab, 1.0f / M, chunk,
-                              scratch.f32(), nullptr);
+      k.lm_head_cross_entropy(dx.f32(), dw.f32(), x.f32(), w.f32(), targets.as<int32_t>(), M, K, N, padded_vocab,
+                              1.0f / M, chunk, scratch.f32(), nullptr);
     });
     return {rate, rate};
   }
   const bool conv1d = kind == model::UnitKind::gpt2_block;
-  Buffer x = workspace(k, 4 * M * K), w = workspace(k, 4 * K * N), b = workspace(k, 4 * N),
-      y = workspace(k, 4 * M * N), dx = workspace(k, 4 * M * K), dw = workspace(k, 4 * K * N),
-      db = workspace(k, 4 * N);
-  std::fill(x.f32(), x.f32() + M * K, 0.5f);
-  std::fill(w.f32(), w.f32() + K * N, 0.25f);
-  std::fill(b.f32(), b.f32() + N, 0.0f);
-  std::fill(y.f32(), y.f32() + M * N, 0.125f);
+  Buffer x = floats(k, M * K, 0.5f), w = floats(k, K * N, 0.25f), b = workspace(k, 4 * N), y = floats(k, M * N, 0.125f),
+         dx = workspace(k, 4 * M * K), dw = workspace(k, 4 * K * N), db = workspace(k, 4 * N);
   const double forward = g.flops() / typical_seconds(k, [&] {
     if (conv1d) k.linear_forward(y.f32(), x.f32(), w.f32(), b.f32(), M, K, N);
     else k.dense_forward(y.f32(), x.f32(), w.f32(), M, K, N);
@@ -163,17 +193,15 @@ std::pair<double, double> unit_gemm_flops(const kernels::Backend& k, model::Unit
 
 // Bytes per second of the blocks' pointwise kernels as the cost model counts them (each array
 // read or written once): layer norm, RMSNorm, GELU, SwiGLU and the residual add, forward and
-// backward, over `small`'s block activations (N = 1024 rows, C = 384, F = 1536): mostly cache
-// resident, as in training, and the transcendental ones compute-bound, as in training.
-double pointwise_bandwidth(const kernels::Backend& k) {
-  const int64_t N = 1024, C = 384, F = 1536, NC = N * C, NF = N * F;
-  auto buf = [&k](int64_t n, float v) {
-    Buffer b = workspace(k, 4 * n);
-    std::fill(b.f32(), b.f32() + n, v);
-    return b;
-  };
-  Buffer x = buf(NF * 2, 0.5f), y = buf(NF * 2, 0.25f), z = buf(NF * 2, 0.125f), w = buf(F, 1.0f), bias = buf(F, 0.0f),
-         dw = buf(F, 0.0f), db = buf(F, 0.0f), mean = buf(N, 0.0f), rstd = buf(N, 1.0f);
+// backward, over a block's activations (N rows, width C, MLP width F; by default small's at B=4,
+// T=256: 1024 x 384 x 1536): on a CPU mostly cache resident, as in training, and the
+// transcendental ones compute-bound, as in training; on a GPU at the run's own size, since a
+// kernel over small arrays there reads mostly its launch.
+double pointwise_bandwidth(const kernels::Backend& k, int64_t N, int64_t C, int64_t F) {
+  const int64_t NC = N * C, NF = N * F;
+  Buffer x = floats(k, NF * 2, 0.5f), y = floats(k, NF * 2, 0.25f), z = floats(k, NF * 2, 0.125f), w = floats(k, F, 1.0f),
+         bias = floats(k, F, 0.0f), dw = floats(k, F, 0.0f), db = floats(k, F, 0.0f), mean = floats(k, N, 0.0f),
+         rstd = floats(k, N, 1.0f);
   double bytes = 0, seconds = 0;
   auto time = [&](double moved, auto f) { bytes += 4 * moved, seconds += typical_seconds(k, f); };
   time(2.0 * NC, [&] { k.layernorm_forward(y.f32(), mean.f32(), rstd.f32(), x.f32(), w.f32(), bias.f32(), N, C); });
@@ -193,12 +221,11 @@ std::pair<double, double> attention_flops(const kernels::Backend& k, const model
                                           double flops, int threads) {
   const int64_t B = s.B, T = s.T, NH = c.n_head, NKV = c.n_kv_head, HS = c.head_size();
   const int64_t qkv_elems = B * T * (NH + 2 * NKV) * HS, out_elems = B * T * NH * HS;
-  Buffer qkv = workspace(k, 4 * qkv_elems), dqkv = workspace(k, 4 * qkv_elems),
-      out = workspace(k, 4 * out_elems), dout = workspace(k, 4 * out_elems),
-      lse = workspace(k, 4 * B * NH * T),
-      scratch = workspace(k, 4 * k.attention_backward_scratch(B, T, NH, NKV, HS, threads));
-  for (int64_t i = 0; i < qkv_elems; ++i) qkv.f32()[i] = 0.01f * static_cast<float>(i % 97);
-  std::fill(dout.f32(), dout.f32() + out_elems, 0.001f);
+  std::vector<float> host_qkv(qkv_elems);
+  for (int64_t i = 0; i < qkv_elems; ++i) host_qkv[i] = 0.01f * static_cast<float>(i % 97);
+  Buffer qkv = uploaded(k, host_qkv), dqkv = workspace(k, 4 * qkv_elems), out = workspace(k, 4 * out_elems),
+         dout = floats(k, out_elems, 0.001f), lse = workspace(k, 4 * B * NH * T),
+         scratch = workspace(k, 4 * k.attention_backward_scratch(B, T, NH, NKV, HS, threads));
   const double forward =
       flops / typical_seconds(k, [&] { k.attention_forward(out.f32(), lse.f32(), qkv.f32(), B, T, NH, NKV, HS); });
   const double backward = 2 * flops / typical_seconds(k, [&] {
@@ -208,18 +235,18 @@ std::pair<double, double> attention_flops(const kernels::Backend& k, const model
 }
 
 // gemm_rates and attention_rates: each distinct weight GEMM of the models' first block and head,
-// and the first block's attention, at 1 thread and at `threads`.
-std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<std::string>& models, int threads) {
+// and the first block's attention, each model at its own batch and sequence, at each thread
+// count of `counts`.
+std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<GemmModel>& models,
+                                   const std::vector<int>& counts) {
   json rates = json::array(), attention = json::array();
-  std::vector<int> counts{1};
-  if (threads > 1) counts.push_back(threads);
   for (int t : counts) {
     k.init_compute(t);
     std::vector<std::tuple<int64_t, int64_t, int64_t>> seen;
     std::vector<std::pair<int64_t, int64_t>> seen_attention;
-    for (const std::string& name : models) {
-      const model::ModelDesc desc = model::describe(model::model_preset(name));
-      const model::Shape shape{4, 256, 4, t};
+    for (const GemmModel& m : models) {
+      const model::ModelDesc desc = model::describe(model::model_preset(m.name));
+      const model::Shape shape{m.batch, m.seq, 4, t};
       for (size_t u = 0; u < desc.units.size(); ++u) {
         const model::UnitKind kind = desc.units[u].kind;
         if (!(model::is_head(kind) || desc.units[u].layer == 0)) continue;
@@ -240,7 +267,7 @@ std::pair<json, json> kernel_rates(const kernels::Backend& k, const std::vector<
       }
     }
   }
-  k.init_compute(threads);
+  k.init_compute(counts.back());
   return {rates, attention};
 }
 
@@ -267,6 +294,8 @@ json collective_entry(const std::vector<double>& xs, const std::vector<double>& 
 void check_calibrate_options(const CalibrateOptions& o) {
   if (o.iters < 1 || o.iters > kMaxIters)
     throw std::invalid_argument("--iters: must be in [1, " + std::to_string(kMaxIters) + "], got " + std::to_string(o.iters));
+  if (o.gemm_models != std::vector<std::string>{"none"})
+    for (const std::string& m : o.gemm_models) (void)parse_gemm_model(m);
   if (o.sizes.empty()) return;  // the default sizes
   std::string list;
   for (int64_t s : o.sizes) {
@@ -400,28 +429,126 @@ DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int 
 
 }  // namespace
 
+namespace {
+
+// The models of --gemm-models ("none": no rates).
+std::vector<GemmModel> gemm_models_of(const CalibrateOptions& o) {
+  std::vector<GemmModel> out;
+  if (o.gemm_models == std::vector<std::string>{"none"}) return out;
+  for (const std::string& m : o.gemm_models) out.push_back(parse_gemm_model(m));
+  return out;
+}
+
+// "gpt2-124m at B=16, T=1024, small at B=4, T=256".
+std::string models_text(const std::vector<GemmModel>& models) {
+  std::string out;
+  for (const GemmModel& m : models)
+    out += (out.empty() ? "" : ", ") + m.name + " at B=" + std::to_string(m.batch) + ", T=" + std::to_string(m.seq);
+  return out;
+}
+
+// A profile name from a device's: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3".
+std::string slug(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (std::isalnum(static_cast<unsigned char>(c))) out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    else if (!out.empty() && out.back() != '-') out += '-';
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return out.empty() ? "device" : out;
+}
+
+// Bytes per second as GB/s, 3 significant digits.
+std::string gb(double bytes_per_s) {
+  std::ostringstream o;
+  o.precision(3);
+  o << bytes_per_s / 1e9;
+  return o.str();
+}
+
+// Bytes per second of upload (host to device) and download (device to host) of 256 MiB from and to
+// pageable host memory, as the run's copies use it (the best of a few).
+std::pair<double, double> host_link(const kernels::Backend& k) {
+  const int64_t bytes = int64_t{256} << 20;
+  std::vector<char> host(static_cast<size_t>(bytes), 1);
+  Buffer dev = workspace(k, bytes, Buffer::Fill::none);
+  const double up = bytes / best_seconds(k, [&] { k.upload(dev.data(), host.data(), bytes); });
+  const double down = bytes / best_seconds(k, [&] { k.download(host.data(), dev.data(), bytes); });
+  return {up, down};
+}
+
+}  // namespace
+
+GemmModel parse_gemm_model(const std::string& text) {
+  const auto bad = [&](const std::string& why) {
+    return std::invalid_argument("--gemm-models: '" + text + "': " + why + " (NAME or NAME:BxT, e.g. gpt2-124m:16x1024)");
+  };
+  GemmModel m;
+  const size_t colon = text.find(':');
+  m.name = text.substr(0, colon);
+  if (m.name.empty()) throw bad("no model name");
+  try {
+    (void)model::model_preset(m.name);
+  } catch (const std::exception& e) {
+    throw bad(e.what());
+  }
+  if (colon == std::string::npos) return m;
+  const std::string shape = text.substr(colon + 1);
+  const size_t x = shape.find('x');
+  const auto whole = [&](const std::string& s, int64_t& out) {
+    if (s.empty() || s.size() > 9 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return false;
+    out = std::stoll(s);
+    return out > 0;
+  };
+  if (x == std::string::npos || !whole(shape.substr(0, x), m.batch) || !whole(shape.substr(x + 1), m.seq))
+    throw bad("the shape is not BxT with B and T positive whole numbers");
+  if (m.batch * m.seq > kMaxGemmRows) throw bad("B x T above " + std::to_string(kMaxGemmRows) + " rows");
+  return m;
+}
+
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
   check_calibrate_options(o);
-  k.init_compute(o.threads);
+  const std::vector<GemmModel> models = gemm_models_of(o);
   const int n = world.size();
-  const std::string here = "measured by shardlm calibrate (" + std::to_string(n) + " rank(s) x " +
-                           std::to_string(o.threads) + " thread(s))";
+  // A device's buffers are not the host's: its collectives would be staged through host memory
+  // or NCCL's, neither of which these host collectives time, and the disk tier's copies go
+  // through host memory too.
+  const bool device = !k.host_memory();
+  if (device && n > 1)
+    throw std::invalid_argument("calibrate --device " + o.device + ": one rank only (its collectives are not measured; got " +
+                                std::to_string(n) + " ranks)");
+  if (device && !o.offload_dir.empty())
+    throw std::invalid_argument("calibrate --device " + o.device + ": not with --offload-dir (the disk tier is the host's)");
+  const kernels::Backend::DeviceInfo info = k.device_info();
+  // Threads are the CPU's: a device's figures are the device's whatever --threads says.
+  const int threads = device ? 1 : o.threads;
+  k.init_compute(threads);
+  // "NVIDIA H100 80GB HBM3, kernels cuda" (the CPU standing in for a device names itself once).
+  const std::string what = info.name == k.name() ? info.name : info.name + ", kernels " + k.name();
+  const std::string here =
+      device ? "measured by shardlm calibrate --device " + o.device + " (" + what + ", " + info.gemm_dtype + " GEMMs)"
+             : "measured by shardlm calibrate (" + std::to_string(n) + " rank(s) x " + std::to_string(threads) + " thread(s))";
 
   const double peak = gemm_flops(k, 2048, 2048, 2048);
-  // The block GEMMs of `small` at B=4, T=256 (N = 1024 rows): qkv, MLP up and down.
-  const double shapes = (gemm_flops(k, 1024, 384, 1152) + gemm_flops(k, 1024, 384, 1536) + gemm_flops(k, 1024, 1536, 384)) / 3;
+  // The first model's block GEMMs (by default small's at B=4, T=256: N = 1024 rows): qkv, MLP up
+  // and down.
+  const GemmModel first = models.empty() ? GemmModel{"small"} : models.front();
+  const int64_t rows = first.batch * first.seq, C = model::model_preset(first.name).n_embd;
+  const double shapes = (gemm_flops(k, rows, C, 3 * C) + gemm_flops(k, rows, C, 4 * C) + gemm_flops(k, rows, 4 * C, C)) / 3;
   const int64_t elems = 16 << 20;
   Buffer a = workspace(k, 4 * elems), b = workspace(k, 4 * elems), c = workspace(k, 4 * elems);
-  const double bw = 12.0 * elems / best_seconds([&] { k.residual_forward(c.f32(), a.f32(), b.f32(), elems); });
-  const double pointwise = pointwise_bandwidth(k);
+  const double bw = 12.0 * elems / best_seconds(k, [&] { k.residual_forward(c.f32(), a.f32(), b.f32(), elems); });
+  const double pointwise = pointwise_bandwidth(k, rows, C, 4 * C);
   json rates, attention;
-  if (!o.gemm_models.empty() && o.gemm_models != std::vector<std::string>{"none"}) {
+  if (!models.empty()) {
     world.barrier("calibrate")->wait();  // every rank's kernels at once, as in training
-    std::tie(rates, attention) = kernel_rates(k, o.gemm_models, o.threads);
+    std::vector<int> counts{1};
+    if (threads > 1) counts.push_back(threads);
+    std::tie(rates, attention) = kernel_rates(k, models, counts);
     undo_time_slicing(rates, n);
     undo_time_slicing(attention, n);
   }
-  const double sliced = time_slicing(n, o.threads);
+  const double sliced = time_slicing(n, threads);
 
   std::vector<int64_t> sizes = o.sizes;
   if (sizes.empty())
@@ -430,7 +557,8 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
   const char* names[] = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"};
   for (int op = 0; op < 4; ++op) {
     std::vector<double> xs, ts;
-    for (int64_t S : sizes) {
+    // One rank has no collectives: nothing to time (collective_entry says so).
+    for (int64_t S : n > 1 ? sizes : std::vector<int64_t>{}) {
       const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank (all_to_all: per peer)
       Buffer send(k.memory(), MemCategory::comm, 4 * count * n), recv(k.memory(), MemCategory::comm, 4 * count * n);
       std::vector<double> times;
@@ -468,35 +596,61 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     if (beside > 0) slowdown = std::max(1.0, beside / alone);
   }
 
-  json j{{"name", o.name},
-         {"description", "this machine, fitted by shardlm calibrate; compute figures per compute thread"},
-         {"compute_dtype", "fp32"},
-         {"per_thread", true},
-         {"peak_flops", fig(peak * sliced / o.threads, here + ": best 2048^3 GEMM, per thread, as if alone on a core")},
-         {"fp32_peak_flops", fig(peak * sliced / o.threads, here + ": the same as peak_flops")},
-         {"gemm_efficiency", fig(std::min(1.0, shapes / peak), here + ": small's block GEMMs (1024 rows) against the 2048^3 peak")},
+  const std::string block = first.name + "'s block GEMMs (" + std::to_string(rows) + " rows)";
+  json j{{"name", !o.name.empty() ? o.name : device ? slug(info.name) : "cpu-local"},
+         {"description", device ? "one " + what + " (" + info.gemm_dtype +
+                                      " GEMMs, fp32 storage), fitted by shardlm calibrate --device " + o.device +
+                                      "; compute figures per device"
+                                : "this machine, fitted by shardlm calibrate; compute figures per compute thread"},
+         {"compute_dtype", info.gemm_dtype},
+         // What the plan's activations take: every backend here stores fp32, bf16 GEMMs or not.
+         {"activation_dtype", "fp32"},
+         {"per_thread", !device},
          {"memory_bw", fig(bw, here + ": residual add over 64 MiB arrays")},
-         {"pointwise_bw", fig(pointwise * sliced / o.threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward and backward) over small's block activations, bytes read and written per second, per thread")},
-         {"devices_per_node", fig(std::max(n, 1), "one machine: every rank is on it")},
-         {"cores_per_node", fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency")},
-         {"device_memory", fig(0, "host memory: no per-device limit")},
          {"comm_compute_slowdown",
           fig(slowdown, n > 1 ? here + ": a 1024x384x1152 GEMM beside 64 MiB all_reduces, the median against alone"
                               : "not measured: one rank has no collectives to overlap")},
          {"collectives_measured", n > 1},
          {"intra_node", tier},
          {"inter_node", tier}};
+  if (device) {
+    const auto [up, down] = host_link(k);
+    j["peak_flops"] = fig(peak, here + ": best 2048^3 GEMM (dense_forward), back to back");
+    j["fp32_peak_flops"] =
+        info.gemm_dtype == "fp32"
+            ? fig(peak, here + ": the same as peak_flops")
+            : fig(peak, "not measured: the " + info.gemm_dtype + " peak stands in (calibrate --compute-dtype fp32 measures fp32 GEMMs)");
+    j["gemm_efficiency"] = fig(std::min(1.0, shapes / peak), here + ": " + block + " against the 2048^3 peak");
+    j["pointwise_bw"] = fig(pointwise, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward "
+                                              "and backward) over " + first.name + "'s block activations at B=" +
+                                              std::to_string(first.batch) + ", T=" + std::to_string(first.seq) +
+                                              ", bytes read and written per second");
+    j["host_link_bw"] = fig(std::min(up, down), here + ": the slower of upload " + gb(up) + " and download " + gb(down) +
+                                                    " GB/s, 256 MiB to and from pageable host memory, best of a few");
+    j["devices_per_node"] = fig(1, "one device measured");
+    j["device_memory"] = info.memory_bytes > 0 ? fig(static_cast<double>(info.memory_bytes), here + ": the device's memory")
+                                               : fig(0, "host memory: no per-device limit");
+  } else {
+    j["peak_flops"] = fig(peak * sliced / threads, here + ": best 2048^3 GEMM, per thread, as if alone on a core");
+    j["fp32_peak_flops"] = fig(peak * sliced / threads, here + ": the same as peak_flops");
+    j["gemm_efficiency"] = fig(std::min(1.0, shapes / peak), here + ": " + block + " against the 2048^3 peak");
+    j["pointwise_bw"] = fig(pointwise * sliced / threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual "
+                                                                 "add; forward and backward) over " + first.name +
+                                                                 "'s block activations, bytes read and written per second, per thread");
+    j["devices_per_node"] = fig(std::max(n, 1), "one machine: every rank is on it");
+    j["cores_per_node"] = fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency");
+    j["device_memory"] = fig(0, "host memory: no per-device limit");
+  }
   for (const char* c : names)
     for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][c][f]["source"] = "no network here: the intra_node figure";
   if (!rates.is_null()) {
-    std::string models;
-    for (const auto& m : o.gemm_models) models += (models.empty() ? "" : ", ") + m;
+    const std::string per = device ? "FLOP/s per device" : "FLOP/s per rank";
     j["gemm_rates"] = {{"value", rates},
-                       {"source", here + ": the weight GEMMs of " + models +
-                                      " at B=4, T=256 with the kernels their layers run, FLOP/s per rank forward and backward"}};
+                       {"source", here + ": the weight GEMMs of " + models_text(models) +
+                                      " with the kernels their layers run, " + per + " forward and backward"}};
     j["attention_rates"] = {{"value", attention},
-                            {"source", here + ": the first block's causal attention of " + models +
-                                           " at B=4, T=256, FLOP/s per rank (2·B·T·T·C forward, twice that backward)"}};
+                            {"source", here + ": the first block's causal attention of " + models_text(models) + ", " + per +
+                                           " (2·B·T·T·C forward, twice that backward)"}};
   }
   if (!o.offload_dir.empty()) {  // every rank its own file, as each rank's copies run
     const DiskFigures d = measure_disk(o.offload_dir, k, world.rank());
@@ -505,7 +659,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
     j["disk_latency_s"] = fig(d.latency_s, src + ", the median of 256 single 4 KiB reads");
     const std::string beside = src + ": written and read 16 times on one thread while a 1024x384x1152 GEMM runs on the " +
-                               std::to_string(o.threads) + " compute thread(s) back to back; ";
+                               std::to_string(threads) + " compute thread(s) back to back; ";
     j["compute_slowdown_beside_disk"] = fig(d.compute_slowdown, beside + "the GEMM's median time over alone");
     j["disk_slowdown_beside_compute"] = fig(d.disk_slowdown, beside + "the copies' time over alone (the median of 3 passes)");
   }

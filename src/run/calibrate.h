@@ -12,6 +12,8 @@
 //    (collectives_measured false) and simulate prices one rank only with it;
 //  - the slowdown of a GEMM while a large all-reduce runs beside it.
 // Every rank takes part (collectives span the world); rank 0's figures are the result.
+// On a device (`calibrate --device cuda`) every kernel is timed in back-to-back batches of about a
+// millisecond between synchronisations, as a step queues them; collectives and the disk are not.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +36,28 @@ inline constexpr int kMaxIters = 1000;
 // The longest latency a fit may give (the bound sim/'s profile reader holds too).
 inline constexpr double kMaxLatencySeconds = 1.0;
 
+// A model whose GEMMs and attention calibrate times, at `batch` sequences of `seq` tokens (the
+// rows of its GEMMs are batch x seq): --gemm-models NAME or NAME:BxT.
+struct GemmModel {
+  std::string name;
+  int64_t batch = 4, seq = 256;
+};
+// Throws std::invalid_argument, one line naming --gemm-models, unless `text` is NAME or NAME:BxT
+// with B and T positive whole numbers (B x T at most kMaxGemmRows) and NAME a model preset.
+inline constexpr int64_t kMaxGemmRows = int64_t{1} << 20;
+GemmModel parse_gemm_model(const std::string& text);
+
 struct CalibrateOptions {
   int threads = 1;
   std::vector<int64_t> sizes;  // collective buffer sizes S in bytes, whole KiB; empty: 4 KiB .. 256 MiB by ×4
   int iters = 5;               // timed repetitions per size (after one untimed)
-  std::string name = "cpu-local";
-  // Models whose weight GEMMs (at B = 4, T = 256) are timed into gemm_rates, at 1 thread and at
-  // `threads`; empty: none.
+  // The profile's name; empty: cpu-local on the host, the device's name on a device.
+  std::string name;
+  // Which --device the backend is (named in the figures' sources).
+  std::string device = "cpu";
+  // Models whose weight GEMMs (at B = 4, T = 256 unless NAME:BxT says otherwise) are timed into
+  // gemm_rates, at 1 thread and at `threads` (on a device: once); none: no rates. The first one's
+  // block also sets the shapes of gemm_efficiency and pointwise_bw.
   std::vector<std::string> gemm_models{"small", "llama-small"};
   // Where the disk tier's files would go (--offload-dir): its direct-I/O read and write bandwidth
   // and a 4 KiB read's latency are timed there (through DiskStore, as the run does); empty: not.
@@ -62,6 +79,10 @@ LineFit fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& 
 void check_fit(const LineFit& f, double memory_bw, const std::string& what);
 
 // Runs the measurements (collective: every rank calls it) and returns the profile as JSON text.
+// A backend whose memory is not the host's (a GPU) is timed through its own buffers, uploads and
+// synchronize(), on one rank and without --offload-dir (std::invalid_argument otherwise): its
+// profile is per device (per_thread false), its peak in the backend's GEMM dtype, with the
+// device's memory and its host link's bandwidth (host_link_bw).
 std::string calibrate(const kernels::Backend& backend, comm::Communicator& world, const CalibrateOptions& o);
 
 }  // namespace shardlm::run

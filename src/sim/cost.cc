@@ -16,10 +16,11 @@ double log_distance(int64_t a, int64_t b) {
 }
 
 // The measured row nearest by `distance` among those at the nearest thread count, and the factor
-// that scales its rates linearly to `threads` on a per-thread (CPU) profile. A device's rates (a
-// GPU profile) are the device's whatever --threads says: factor 1.
+// that scales its rates linearly to `threads`. A profile whose figures are per device (a GPU's,
+// per_thread false) is measured once, whatever --threads: its rows are taken as they are.
 template <class Row, class Distance>
 std::pair<const Row*, double> nearest(const std::vector<Row>& rows, int threads, bool per_thread, Distance distance) {
+  if (!per_thread) threads = 1;
   int at = rows.front().threads;
   for (const Row& r : rows)
     if (std::abs(r.threads - threads) < std::abs(at - threads)) at = r.threads;

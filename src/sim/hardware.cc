@@ -237,6 +237,13 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   h.compute_dtype = j.at("compute_dtype").get<std::string>();
   if (h.compute_dtype != "bf16" && h.compute_dtype != "fp32")
     throw bad(origin, "compute_dtype", "must be bf16 or fp32, got " + h.compute_dtype);
+  h.activation_dtype = h.compute_dtype;
+  if (j.contains("activation_dtype")) {
+    if (!j.at("activation_dtype").is_string()) throw bad(origin, "activation_dtype", "must be bf16 or fp32");
+    h.activation_dtype = j.at("activation_dtype").get<std::string>();
+    if (h.activation_dtype != "bf16" && h.activation_dtype != "fp32")
+      throw bad(origin, "activation_dtype", "must be bf16 or fp32, got " + h.activation_dtype);
+  }
   if (j.contains("per_thread") && !j.at("per_thread").is_boolean()) throw bad(origin, "per_thread", "must be true or false");
   h.per_thread = j.value("per_thread", false);
   h.peak_flops = figure(j, "peak_flops", "", origin);

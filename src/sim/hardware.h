@@ -84,6 +84,10 @@ struct HardwareProfile {
   std::string origin;              // the file it came from
   bool per_thread = false;         // CPU: compute figures are per compute thread (× --threads)
   std::string compute_dtype;       // dtype the peak applies to: "bf16" (GPU) or "fp32" (CPU)
+  // Optional: the dtype activations are stored in, which the plan's memory figures use; absent:
+  // compute_dtype (a GPU preset stands for engines that keep bf16 activations). shardlm's own
+  // CUDA backend stores fp32 beside bf16 GEMMs, so a profile calibrate measures says "fp32".
+  std::string activation_dtype;
   double peak_flops = 0;           // dense peak in compute_dtype, FLOP/s (the MFU denominator)
   double fp32_peak_flops = 0;      // FP32 peak (non-tensor-core on GPUs), FLOP/s
   double gemm_efficiency = 1;      // achieved GEMM FLOP/s ÷ peak_flops

@@ -51,7 +51,7 @@ struct MemoryWalk {
 }  // namespace
 
 plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
-  c.activation_bytes = hw.compute_dtype == "bf16" ? 2 : 4;
+  c.activation_bytes = hw.activation_dtype == "bf16" ? 2 : 4;
   return c;
 }
 

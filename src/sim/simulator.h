@@ -58,8 +58,9 @@ struct SimResult {
 
 inline constexpr int64_t kSimulatedRuns = 3;
 
-// The plan options a profile implies: on a bf16 profile (a GPU) activations are bf16, as the
-// engines that profile stands for keep them; on an fp32 (CPU) profile, what `train` runs here.
+// The plan options a profile implies: activations in its activation_dtype (on a bf16 preset, a
+// GPU, bf16, as the engines that preset stands for keep them; on an fp32 (CPU) profile, or one
+// calibrate measured on shardlm's CUDA backend, fp32, what `train` runs).
 plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
 
 // `threads`: compute threads per rank (per-thread CPU profiles scale with it). `expert_load`: the

@@ -191,7 +191,8 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& w
   return pc;
 }
 
-// The kernels a run uses, over the run's memory: the CPU's, or with --device cuda the CUDA backend's.
+}  // namespace
+
 std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool& memory, bool cpu_as_device) {
   if (c.device == "cpu") return kernels::make_cpu_backend(memory, cpu_as_device);
 #ifdef SHARDLM_CUDA
@@ -203,8 +204,6 @@ std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool&
   throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with -DSHARDLM_CUDA=ON)");
 #endif
 }
-
-}  // namespace
 
 Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
                  const DataMeta& m, const TrainHooks& h)

@@ -5,10 +5,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "kernels/backend.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -68,6 +70,12 @@ void write_data_meta(const std::string& prefix, const DataMeta& meta);
 
 // GFLOP/s of an fp32 GEMM on this machine's current thread count: the MFU denominator.
 double measure_gemm_gflops(MemoryPool& memory);
+
+// The kernels a run uses, over the run's memory: the CPU's (answering that its memory is not the
+// host's with `cpu_as_device`, a test seam), or with --device cuda the CUDA backend's, its GEMMs in
+// c.compute_dtype (auto: bf16) and c.cuda's options. Throws one line where this build or this
+// machine has no CUDA device.
+std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool& memory, bool cpu_as_device);
 
 // Directory names under a run: DIR/ckpt/step_N.
 std::string checkpoint_dir(const std::string& out, int64_t step);

@@ -194,6 +194,21 @@ TEST_F(BadInput, CalibrateSizesAreBoundedAndEnoughForABandwidth) {
   EXPECT_FALSE(fs::exists(path("cal.json")));
 }
 
+// calibrate's device and GEMM flags: one line each, nothing written. --device cuda is refused by a
+// build without CUDA (or a machine without a GPU) naming the flag.
+TEST_F(BadInput, CalibrateDeviceAndGemmModelsAreChecked) {
+  const std::string cal = "calibrate --out " + path("cal.json") + " --iters 1 ";
+  expect_one_line_error(run(cal + "--device gpu --gemm-models none"), {"--device", "gpu"});
+  expect_one_line_error(run(cal + "--compute-dtype bf16 --gemm-models none"), {"--compute-dtype bf16", "--device cuda"});
+  expect_one_line_error(run(cal + "--compute-dtype fp16 --gemm-models none"), {"--compute-dtype", "fp16"});
+  expect_one_line_error(run(cal + "--gemm-models small:0x256"), {"--gemm-models", "small:0x256"});
+  expect_one_line_error(run(cal + "--gemm-models nosuchmodel"), {"--gemm-models", "nosuchmodel"});
+#ifndef SHARDLM_CUDA
+  expect_one_line_error(run(cal + "--device cuda --gemm-models none"), {"--device cuda", "no CUDA backend"});
+#endif
+  EXPECT_FALSE(fs::exists(path("cal.json")));
+}
+
 // A Hugging Face config.json given as --model: every key range-checked, integers as integers.
 TEST_F(BadInput, HuggingFaceConfigKeysAreRangeChecked) {
   const std::string gpt2 = R"("model_type": "gpt2", "n_head": 4, "n_embd": 64, "vocab_size": 256, "n_positions": 256)";

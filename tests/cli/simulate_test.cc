@@ -263,6 +263,36 @@ TEST_F(SimulateSlow, CalibrateWritesAProfileSimulateReads) {
   EXPECT_GT(j["pointwise_bw"]["value"].get<double>(), 0);
 }
 
+// calibrate on a device (here the CPU answering that its memory is not the host's, the seam that
+// stands in for a GPU) writes a per-device profile that simulate reads for one rank, the same at
+// any --threads; several ranks are refused, by calibrate and by simulate, in one line.
+TEST_F(SimulateSlow, CalibrateOnADeviceWritesAProfileSimulateReads) {
+  const std::string seam = "SHARDLM_TEST_CPU_AS_DEVICE=1 " + shardlm::testing::shardlm_binary() + " ";
+  const std::string file = (dir_ / "dev.json").string(), quick = " --iters 1 --gemm-models tiny:2x32";
+  const Result cal = shardlm::testing::run_command(seam + "calibrate --out " + file + quick);
+  ASSERT_EQ(cal.code, 0) << cal.out;
+  EXPECT_NE(cal.out.find("the CPU as a device"), std::string::npos) << cal.out;
+  const json j = json::parse(std::ifstream(file));
+  EXPECT_EQ(j["per_thread"], false);
+  EXPECT_GT(j["host_link_bw"]["value"].get<double>(), 0);
+  EXPECT_EQ(j["gemm_rates"]["value"].size(), 5u);
+  std::vector<double> steps;
+  for (int threads : {1, 2}) {
+    const Result r = shardlm("simulate --model tiny --batch 2 --seq 32 --json --threads " + std::to_string(threads) +
+                             " --hardware " + file);
+    ASSERT_EQ(r.code, 0) << r.out;
+    steps.push_back(json::parse(r.out)["step_ms"].get<double>());
+  }
+  EXPECT_GT(steps[0], 0);
+  EXPECT_DOUBLE_EQ(steps[1], steps[0]);
+  expect_one_line_error(shardlm(kSmall + "--ranks 2 --hardware " + file), {"dev.json", "collectives_measured"});
+  const Result two = shardlm::testing::mpirun(2, "calibrate --out " + (dir_ / "dev2.json").string() + quick,
+                                              "-x SHARDLM_TEST_CPU_AS_DEVICE=1");
+  EXPECT_NE(two.code, 0) << two.out;
+  EXPECT_NE(two.out.find("one rank only"), std::string::npos) << two.out;
+  EXPECT_FALSE(fs::exists(dir_ / "dev2.json"));
+}
+
 // The planner under a budget that rules out DDP (below DDP's least memory: batch 1, full
 // recompute, 25 MB buckets): its best configuration is another strategy and fits when run.
 TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {

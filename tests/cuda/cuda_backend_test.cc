@@ -14,6 +14,8 @@
 //  - embedding, AdamW, scale, sum_squares: 1e-6; casts: exact.
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -430,6 +432,25 @@ TEST_F(CudaBackendTest, AllocatorAccounting) {
   const int64_t reserved = shardlm::kernels::cuda_reserved_bytes(*gpu);
   Buffer b = gpu->alloc(MemCategory::activations, 1000, Buffer::Fill::none);  // from the cache
   EXPECT_EQ(shardlm::kernels::cuda_reserved_bytes(*gpu), reserved);
+}
+
+// What calibrate --device cuda reads of the backend: the device's name and memory, the GEMMs'
+// dtype, and synchronize(), which returns once the work queued on the stream is done (the clock is
+// read after it).
+TEST_F(CudaBackendTest, DeviceInfoAndSynchronize) {
+  const Backend::DeviceInfo info = gpu->device_info();
+  std::printf("DEVICE %s, %.1f GiB\n", info.name.c_str(), info.memory_bytes / 1073741824.0);
+  EXPECT_FALSE(info.name.empty());
+  EXPECT_GT(info.memory_bytes, int64_t{1} << 30);
+  EXPECT_EQ(info.gemm_dtype, "bf16");
+  EXPECT_EQ(gpu32->device_info().gemm_dtype, "fp32");
+  EXPECT_EQ(cpu->device_info().gemm_dtype, "fp32");
+  EXPECT_EQ(cpu->device_info().memory_bytes, 0);
+  const size_t bytes = size_t{256} << 20;
+  Buffer a = gpu->alloc(MemCategory::workspace, bytes, Buffer::Fill::none);
+  for (int i = 0; i < 16; ++i) gpu->zero(a.data(), bytes);  // a few ms of work queued
+  gpu->synchronize();
+  EXPECT_EQ(cudaStreamQuery(static_cast<cudaStream_t>(gpu->stream_handle())), cudaSuccess);
 }
 
 }  // namespace

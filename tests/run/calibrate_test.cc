@@ -160,5 +160,81 @@ TEST(Calibrate, OffloadDirGivesTheDiskFiguresAndLeavesNothing) {
   std::filesystem::remove_all(dir);
 }
 
+// --gemm-models NAME or NAME:BxT; anything else one line naming the flag and the entry.
+TEST(Calibrate, GemmModelsTakeAnOptionalShape) {
+  const GemmModel plain = parse_gemm_model("small");
+  EXPECT_EQ(plain.name, "small");
+  EXPECT_EQ(plain.batch, 4);
+  EXPECT_EQ(plain.seq, 256);
+  const GemmModel shaped = parse_gemm_model("gpt2-124m:16x1024");
+  EXPECT_EQ(shaped.name, "gpt2-124m");
+  EXPECT_EQ(shaped.batch, 16);
+  EXPECT_EQ(shaped.seq, 1024);
+  for (const std::string bad : {"nosuchmodel", "small:16", "small:0x256", "small:4x", "small:x256", "small:4x256x2",
+                                "small:-4x256", ":4x256", "small:4096x4096"}) {
+    try {
+      (void)parse_gemm_model(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("--gemm-models: '" + bad + "'"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  }
+  CalibrateOptions o = quick_options();
+  o.gemm_models = {"small", "tiny:2"};
+  EXPECT_THROW(check_calibrate_options(o), std::invalid_argument);
+}
+
+// A backend whose memory is not the host's (the CPU answering as a device, the seam that stands in
+// for a GPU here) takes the device path: every buffer the backend's, filled by uploads, timed
+// between synchronisations; the profile is per device (no thread scaling, one row per shape at
+// the models' own B x T), with the host link's bandwidth, and refuses what a device cannot time.
+TEST(Calibrate, ADeviceIsTimedThroughItsOwnMemory) {
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
+  CalibrateOptions o = quick_options();
+  o.threads = 2;  // the CPU's: a device's figures ignore it
+  o.device = "cuda";
+  o.gemm_models = {"tiny:2x32", "tiny:1x64"};
+  const auto backend = kernels::make_cpu_backend(memory, true);
+  const nlohmann::json j = nlohmann::json::parse(calibrate(*backend, world, o));
+  EXPECT_EQ(j["name"], "cpu-as-device");
+  EXPECT_EQ(j["per_thread"], false);
+  EXPECT_EQ(j["compute_dtype"], "fp32");
+  EXPECT_EQ(j["activation_dtype"], "fp32");
+  EXPECT_FALSE(j.contains("cores_per_node"));
+  EXPECT_EQ(j["collectives_measured"], false);
+  ASSERT_TRUE(j.contains("host_link_bw"));
+  EXPECT_GT(j["host_link_bw"]["value"].get<double>(), 0);
+  EXPECT_NE(j["host_link_bw"]["source"].get<std::string>().find("upload"), std::string::npos);
+  for (const char* f : {"peak_flops", "memory_bw", "pointwise_bw", "gemm_efficiency", "host_link_bw"}) {
+    EXPECT_NE(j[f]["source"].get<std::string>().find("measured by shardlm calibrate --device cuda (cpu-as-device"),
+              std::string::npos)
+        << f << ": " << j[f];
+    EXPECT_GT(j[f]["value"].get<double>(), 0) << f;
+  }
+  EXPECT_NE(j["pointwise_bw"]["source"].get<std::string>().find("tiny's block activations at B=2, T=32"), std::string::npos);
+  // tiny's block (4 shapes) and head at 64 rows: both entries have 64 rows, so one set; the two
+  // sequence lengths are two attention rows.
+  ASSERT_EQ(j["gemm_rates"]["value"].size(), 5u) << j["gemm_rates"];
+  for (const auto& r : j["gemm_rates"]["value"]) {
+    EXPECT_EQ(r["threads"], 1) << r;
+    EXPECT_EQ(r["m"], 64) << r;
+  }
+  ASSERT_EQ(j["attention_rates"]["value"].size(), 2u) << j["attention_rates"];
+  EXPECT_EQ(j["attention_rates"]["value"][0]["t"], 32);
+  EXPECT_EQ(j["attention_rates"]["value"][1]["t"], 64);
+  EXPECT_NE(j["gemm_rates"]["source"].get<std::string>().find("tiny at B=2, T=32, tiny at B=1, T=64"), std::string::npos);
+  // What a device cannot time here: the disk tier, collectives.
+  o.offload_dir = "/tmp";
+  try {
+    calibrate(*backend, world, o);
+    ADD_FAILURE() << "--offload-dir on a device was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload-dir"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace shardlm::run
