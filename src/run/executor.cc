@@ -399,34 +399,29 @@ float* Executor::whole(State which) {
   return plan_.held_whole(kind_of(which)) && !on_disk(StateIndex(static_cast<int>(which))) ? state(which).f32() : nullptr;
 }
 
+// Unit u's initial values of its elements [begin, end) into dst, in the backend's memory (a
+// device's are made on the host and uploaded; the padding past the unit stays as it was).
+void Executor::init_range(int u, uint64_t seed, float* dst, int64_t begin, int64_t end) const {
+  end = std::min(end, desc_.units[u].numel);
+  if (backend_.host_memory()) return layers::init_unit(desc_.units[u], seed, dst, begin, end);
+  std::vector<float> host(std::max<int64_t>(0, end - begin));
+  layers::init_unit(desc_.units[u], seed, host.data(), begin, end);
+  backend_.upload(dst, host.data(), sizeof(float) * host.size());
+}
+
 void Executor::init_params(uint64_t seed) {
-  if (on_disk(StateIndex::params)) {  // unit by unit through a window-sized buffer into the file
-    for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
-      const Shard s = shard_of(StateKind::params, u);
-      if (!on_disk(StateIndex::params, u)) {  // kept in memory (host memory: the disk tier's only backend)
-        layers::init_unit(desc_.units[u], seed, params_.f32() + ram_at_[static_cast<int>(StateIndex::params)][u], s.begin,
-                          std::min(s.begin + s.len, desc_.units[u].numel));
-        continue;
-      }
-      const auto& at = file_at_[static_cast<int>(StateIndex::params)];
-      Buffer window = backend_.alloc(MemCategory::staging, at[u + 1] - at[u], Buffer::Fill::zero);
-      layers::init_unit(desc_.units[u], seed, window.f32(), s.begin, std::min(s.begin + s.len, desc_.units[u].numel));
-      disk_write(StateIndex::params, u, window.data());
-    }
-    return;
-  }
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
     const Shard s = shard_of(StateKind::params, u);
-    const int64_t begin = s.begin, end = s.begin + s.len;
-    float* dst = params_.f32() + s.at;
-    if (backend_.host_memory()) {
-      layers::init_unit(desc_.units[u], seed, dst, begin, std::min(end, desc_.units[u].numel));
+    if (!on_disk(StateIndex::params, u)) {
+      const int64_t at = on_disk(StateIndex::params) ? ram_at_[static_cast<int>(StateIndex::params)][u] : s.at;
+      init_range(u, seed, params_.f32() + at, s.begin, s.begin + s.len);
       continue;
     }
-    // Device memory: initialise on the host, then copy (the padding stays as alloc zeroed it).
-    std::vector<float> host(std::max<int64_t>(0, std::min(end, desc_.units[u].numel) - begin));
-    layers::init_unit(desc_.units[u], seed, host.data(), begin, std::min(end, desc_.units[u].numel));
-    backend_.upload(dst, host.data(), sizeof(float) * host.size());
+    // Offloaded: through a window-sized buffer into the file.
+    const auto& at = file_at_[static_cast<int>(StateIndex::params)];
+    Buffer window = backend_.alloc(MemCategory::staging, at[u + 1] - at[u], Buffer::Fill::zero);
+    init_range(u, seed, window.f32(), s.begin, s.begin + s.len);
+    disk_write(StateIndex::params, u, window.data());
   }
 }
 

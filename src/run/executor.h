@@ -244,6 +244,7 @@ class Executor {
   Buffer bounce_window(plan::StateIndex s, Buffer::Fill fill) const;
   void disk_read_all(plan::StateIndex s, float* packed);
   void disk_write_all(plan::StateIndex s, const float* packed);
+  void init_range(int u, uint64_t seed, float* dst, int64_t begin, int64_t end) const;
   void unit_optimizer(int u, Run& r);
   void adamw(int u, Run& r);
   // --pipeline-optimizer: unit u's parameters (its optimizer range) and moments to or from `copy`.
