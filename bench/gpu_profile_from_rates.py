@@ -196,6 +196,10 @@ def main():
     ap.add_argument("--pointwise", default="step", help="step | blocks | isolated | model:NAME (see above)")
     ap.add_argument("--memory-bw", choices=["preset", "measured"], default="preset",
                     help="memory_bw (optimizer, gradient passes, copies): the preset's, or the measured copy")
+    ap.add_argument("--clocks", choices=["sustained", "burst"], default="sustained",
+                    help="sustained (default): the GEMM and attention rates scaled by the GPU's sustained over burst "
+                         "rate (the sustained GEMM's last quarter over its burst median), as hours of training run; "
+                         "burst: as timed")
     ap.add_argument("--force", action="store_true", help="take a GPU other than an H100 SXM or H200 as it is")
     ap.add_argument("--allow-fake", action="store_true", help="accept invented times (pipeline tests only)")
     ap.add_argument("--check", metavar="SHARDLM", help="a shardlm binary: compare its pricing of each measured block "
@@ -240,6 +244,18 @@ def main():
         acc[2] += x["bwd_s"]
     attention_rates = [dict(t=k[0], hs=k[1], threads=1, forward=round(f / fs), backward=round(2 * f / bs))
                        for k, (f, fs, bs) in sorted(att.items())]
+    # Compute-bound kernels slow to the GPU's sustained clocks under a training run's steady power;
+    # each figure above is a short burst's median. The memory-bound pointwise figure is left as is.
+    clock, clock_how = 1.0, ""
+    sus = doc.get("reference", {}).get("sustained_gemm")
+    if a.clocks == "sustained":
+        if not sus:
+            sys.exit(f"{a.rates}: no sustained GEMM measured (--clocks burst to take the burst rates)")
+        clock = sus["quarters_flops_per_s"][-1] / sus["burst_flops_per_s"]
+        clock_how = (f"; x {clock:.3f}, the sustained rate: a {sus['m']}x{sus['k']}x{sus['n']} GEMM back to back for "
+                     f"{sus['seconds']:.0f} s, its last quarter over its burst median")
+        for row in gemm_rates + attention_rates:
+            row["forward"], row["backward"] = round(row["forward"] * clock), round(row["backward"] * clock)
     backends = sorted({r["attention"]["backend"] for r in models})
     pw, pw_how = pointwise_figure(models, a.pointwise)
     pw *= scale
@@ -253,10 +269,12 @@ def main():
     out["gemm_rates"] = {"value": gemm_rates, "source": (
         f"{head}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
         "eager bf16 (F.linear forward; autograd backward, input and weight gradients; torchtitan's split q|k|v and "
-        "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)")}
+        "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)"
+        + clock_how)}
     out["attention_rates"] = {"value": attention_rates, "source": (
         f"{head}: F.scaled_dot_product_attention, causal, {'; '.join(backends)}, bf16, at the "
-        f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged")}
+        f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged"
+        + clock_how)}
     out["pointwise_bw"] = {"value": round(pw), "source": (
         f"{head}: eager bf16 blocks and heads as torchtitan / fms-fsdp / llm-foundry write them "
         f"(RMSNorm via fp32, complex rotary, repeat_kv, SwiGLU or GELU, residual adds, fp32 cross-entropy); {pw_how}; "
