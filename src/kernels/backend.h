@@ -66,6 +66,12 @@ class Backend {
   // work on a device times nothing unless the device's queue is drained first (calibrate). The
   // CPU's kernels have completed when they return: nothing to wait for.
   virtual void synchronize() const {}
+  // Page-locks a host buffer (whole pages) so copies between it and the backend's memory run at
+  // the link's speed and asynchronously, where the backend has such a thing; returns whether it
+  // did. An upload from a pinned buffer may complete after it returns: its source must not change
+  // before a later download or synchronize(). unpin_host (after synchronize()) undoes it.
+  virtual bool pin_host(void*, size_t) const { return false; }
+  virtual void unpin_host(void*) const {}
   // What the kernels run on, for a hardware profile's name and memory limit: a device's name
   // (cudaGetDeviceProperties) and bytes (0: host memory, no limit of the device's own), and the
   // dtype its GEMMs compute in ("fp32", or "bf16" for a CUDA backend's default tensor-core GEMMs).

@@ -231,6 +231,16 @@ class CudaBackend final : public Backend {
   bool host_memory() const override { return false; }
   void* stream_handle() const override { return cuda::stream(); }
   void synchronize() const override { SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
+  // A refusal (a memlock limit, an unaligned buffer) leaves the buffer pageable: slower, still right.
+  bool pin_host(void* p, size_t bytes) const override {
+    if (p == nullptr || bytes == 0) return false;
+    if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+    cudaGetLastError();  // clear the refusal, so the next launch check does not report it
+    return false;
+  }
+  void unpin_host(void* p) const override {
+    if (p) SHARDLM_CUDA_CHECK(cudaHostUnregister(p));
+  }
   DeviceInfo device_info() const override {
     cudaDeviceProp p{};
     SHARDLM_CUDA_CHECK(cudaGetDeviceProperties(&p, Context::get().device));

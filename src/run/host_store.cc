@@ -6,6 +6,9 @@
 namespace shardlm::run {
 
 HostStore::~HostStore() {
+  backend_.synchronize();  // no copy from or to a file is still in flight
+  for (size_t f = 0; f < files_.size(); ++f)
+    if (pinned_[f]) backend_.unpin_host(files_[f].data());
   files_.clear();  // before the pool they are charged to
 }
 
@@ -14,6 +17,7 @@ int HostStore::create(const std::string& name, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   files_.emplace_back(pool_, MemCategory::staging, static_cast<size_t>(bytes), Buffer::Fill::zero);
   names_.push_back(name);
+  pinned_.push_back(backend_.pin_host(files_.back().data(), static_cast<size_t>(bytes)));
   return static_cast<int>(files_.size()) - 1;
 }
 
@@ -43,7 +47,10 @@ void HostStore::write(int file, int64_t offset, const void* src, int64_t bytes) 
 std::string HostStore::where() const {
   char mib[32];
   std::snprintf(mib, sizeof mib, "%.1f", host_bytes() / 1048576.0);
-  return std::string("in host memory (") + mib + " MiB, copied by the " + backend_.name() + " backend)";
+  bool all_pinned = true;
+  for (bool p : pinned_) all_pinned = all_pinned && p;
+  return std::string("in host memory (") + mib + " MiB, " + (all_pinned ? "pinned" : "pageable") + ", copied by the " +
+         backend_.name() + " backend)";
 }
 
 }  // namespace shardlm::run

@@ -1,5 +1,7 @@
-// A device backend's offload tier: each file is a host buffer and its reads and writes are the
-// backend's uploads and downloads (ordered on its stream like the kernels around them). The
+// A device backend's offload tier: each file is a host buffer, pinned where the backend can (so
+// the copies run at the link's speed), and its reads and writes are the backend's uploads and
+// downloads (ordered on its stream like the kernels around them; a file changes only by a
+// download, which comes after every upload from it was issued). The
 // buffers are charged to a pool of the store's own (category staging), so the run's tracker keeps
 // counting what the device holds, as the plan's figures do; host_bytes() says what the tier holds.
 #pragma once
@@ -33,6 +35,7 @@ class HostStore final : public OffloadStore {
   MemoryPool pool_;  // declared before the files: they go first
   std::vector<Buffer> files_;
   std::vector<std::string> names_;
+  std::vector<bool> pinned_;
   std::mutex mu_;  // create() against the copy stream's lookups
   std::atomic<int64_t> read_{0}, written_{0};
 };

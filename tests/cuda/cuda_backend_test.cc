@@ -453,4 +453,23 @@ TEST_F(CudaBackendTest, DeviceInfoAndSynchronize) {
   EXPECT_EQ(cudaStreamQuery(static_cast<cudaStream_t>(gpu->stream_handle())), cudaSuccess);
 }
 
+// A pinned host buffer (the offload tier's, run/host_store.h) round-trips through device memory:
+// the upload from it may run after it returns, the download lands in it; the CPU pins nothing.
+TEST_F(CudaBackendTest, PinnedHostBufferRoundTrips) {
+  const size_t n = size_t{8} << 20;
+  Buffer host(memory, MemCategory::staging, sizeof(float) * n, Buffer::Fill::none);
+  for (size_t i = 0; i < n; ++i) host.f32()[i] = float(i % 9973) * 0.5f;
+  EXPECT_FALSE(cpu->pin_host(host.data(), host.bytes()));
+  ASSERT_TRUE(gpu->pin_host(host.data(), host.bytes()));
+  Buffer dev = gpu->alloc(MemCategory::workspace, host.bytes(), Buffer::Fill::none);
+  gpu->upload(dev.data(), host.data(), host.bytes());
+  gpu->scale(dev.f32(), int64_t(n), 2.0f);
+  gpu->download(host.data(), dev.data(), host.bytes());
+  gpu->synchronize();
+  gpu->unpin_host(host.data());
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += host.f32()[i] != float(i % 9973);
+  EXPECT_EQ(wrong, 0u);
+}
+
 }  // namespace
