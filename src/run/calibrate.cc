@@ -291,11 +291,21 @@ json collective_entry(const std::vector<double>& xs, const std::vector<double>& 
 
 }  // namespace
 
+namespace {
+// The models of --gemm-models ("none": no rates).
+std::vector<GemmModel> gemm_models_of(const CalibrateOptions& o) {
+  std::vector<GemmModel> out;
+  if (o.gemm_models == std::vector<std::string>{"none"}) return out;
+  for (const std::string& m : o.gemm_models) out.push_back(parse_gemm_model(m));
+  return out;
+}
+
+}  // namespace
+
 void check_calibrate_options(const CalibrateOptions& o) {
   if (o.iters < 1 || o.iters > kMaxIters)
     throw std::invalid_argument("--iters: must be in [1, " + std::to_string(kMaxIters) + "], got " + std::to_string(o.iters));
-  if (o.gemm_models != std::vector<std::string>{"none"})
-    for (const std::string& m : o.gemm_models) (void)parse_gemm_model(m);
+  (void)gemm_models_of(o);  // each named model and shape checked
   if (o.sizes.empty()) return;  // the default sizes
   std::string list;
   for (int64_t s : o.sizes) {
@@ -430,14 +440,6 @@ DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int 
 }  // namespace
 
 namespace {
-
-// The models of --gemm-models ("none": no rates).
-std::vector<GemmModel> gemm_models_of(const CalibrateOptions& o) {
-  std::vector<GemmModel> out;
-  if (o.gemm_models == std::vector<std::string>{"none"}) return out;
-  for (const std::string& m : o.gemm_models) out.push_back(parse_gemm_model(m));
-  return out;
-}
 
 // "gpt2-124m at B=16, T=1024, small at B=4, T=256".
 std::string models_text(const std::vector<GemmModel>& models) {
@@ -613,30 +615,30 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"collectives_measured", n > 1},
          {"intra_node", tier},
          {"inter_node", tier}};
+  // A device's figures are the device's; a CPU's per compute thread, as if each had its core
+  // (sliced / threads is 1 on a device: one rank, one thread).
+  const double per = sliced / threads;
+  j["peak_flops"] = fig(peak * per, here + (device ? ": best 2048^3 GEMM (dense_forward), back to back"
+                                                   : ": best 2048^3 GEMM, per thread, as if alone on a core"));
+  j["fp32_peak_flops"] =
+      info.gemm_dtype == "fp32"
+          ? fig(peak * per, here + ": the same as peak_flops")
+          : fig(peak * per, "not measured: the " + info.gemm_dtype + " peak stands in (calibrate --compute-dtype fp32 measures fp32 GEMMs)");
+  j["gemm_efficiency"] = fig(std::min(1.0, shapes / peak), here + ": " + block + " against the 2048^3 peak");
+  j["pointwise_bw"] = fig(pointwise * per, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward "
+                                                  "and backward) over " + first.name + "'s block activations" +
+                                                  (device ? " at B=" + std::to_string(first.batch) + ", T=" +
+                                                                std::to_string(first.seq)
+                                                          : "") +
+                                                  ", bytes read and written per second" + (device ? "" : ", per thread"));
   if (device) {
     const auto [up, down] = host_link(k);
-    j["peak_flops"] = fig(peak, here + ": best 2048^3 GEMM (dense_forward), back to back");
-    j["fp32_peak_flops"] =
-        info.gemm_dtype == "fp32"
-            ? fig(peak, here + ": the same as peak_flops")
-            : fig(peak, "not measured: the " + info.gemm_dtype + " peak stands in (calibrate --compute-dtype fp32 measures fp32 GEMMs)");
-    j["gemm_efficiency"] = fig(std::min(1.0, shapes / peak), here + ": " + block + " against the 2048^3 peak");
-    j["pointwise_bw"] = fig(pointwise, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual add; forward "
-                                              "and backward) over " + first.name + "'s block activations at B=" +
-                                              std::to_string(first.batch) + ", T=" + std::to_string(first.seq) +
-                                              ", bytes read and written per second");
     j["host_link_bw"] = fig(std::min(up, down), here + ": the slower of upload " + gb(up) + " and download " + gb(down) +
                                                     " GB/s, 256 MiB to and from pageable host memory, best of a few");
     j["devices_per_node"] = fig(1, "one device measured");
     j["device_memory"] = info.memory_bytes > 0 ? fig(static_cast<double>(info.memory_bytes), here + ": the device's memory")
                                                : fig(0, "host memory: no per-device limit");
   } else {
-    j["peak_flops"] = fig(peak * sliced / threads, here + ": best 2048^3 GEMM, per thread, as if alone on a core");
-    j["fp32_peak_flops"] = fig(peak * sliced / threads, here + ": the same as peak_flops");
-    j["gemm_efficiency"] = fig(std::min(1.0, shapes / peak), here + ": " + block + " against the 2048^3 peak");
-    j["pointwise_bw"] = fig(pointwise * sliced / threads, here + ": the blocks' pointwise kernels (norms, GELU, SwiGLU, residual "
-                                                                 "add; forward and backward) over " + first.name +
-                                                                 "'s block activations, bytes read and written per second, per thread");
     j["devices_per_node"] = fig(std::max(n, 1), "one machine: every rank is on it");
     j["cores_per_node"] = fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency");
     j["device_memory"] = fig(0, "host memory: no per-device limit");
