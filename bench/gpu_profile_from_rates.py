@@ -30,6 +30,15 @@ How each measurement becomes the figure the simulator reads (src/sim/cost.cc, sr
 A GPU other than an H100 SXM: an H200 (the same GH100 compute at the same clocks) keeps GEMM and
 attention rates as measured and scales the memory-bound figures (pointwise_bw) by the datasheet
 HBM bandwidth ratio, 3.35 / 4.8 TB/s; any other GPU is refused (--force takes it as is).
+
+--target a100 writes an A100 profile from the same measurement instead (default --base
+configs/hardware/a100-80gb.json, --name a100-80gb-derived): only pointwise_bw carries over,
+scaled by the datasheet HBM ratio (A100 SXM 80 GB: 2.039 TB/s over the measuring GPU's). What it
+carries is how many passes over its bytes the frameworks' eager kernels make (unfused norms,
+rotary, casts, residual adds), each a memory-bound kernel at about the same fraction of its HBM
+bandwidth on Ampere as on Hopper. GEMM and attention rates do not carry (another generation's
+tensor cores): the preset's gemm_efficiency and attention_efficiency, with their published
+sources, stay.
 """
 import argparse
 import copy
@@ -44,6 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = "shardlm-gpu-kernel-rates/1"
 H100_SXM_HBM = 3.35e12  # NVIDIA H100 datasheet, SXM5: HBM3 3.35 TB/s
 H200_HBM = 4.8e12       # NVIDIA H200 datasheet: HBM3e 4.8 TB/s
+A100_SXM_HBM = 2.039e12  # NVIDIA A100 datasheet, 80 GB SXM: HBM2e 2,039 GB/s
 ELEM = 4                # src/sim/cost.cc: plan.unit_shape(4, ...) counts pointwise bytes at 4 per element
 
 
@@ -67,6 +77,17 @@ def block_pointwise_bytes(m):
 def head_pointwise_bytes(m):
     BT = m["B"] * m["T"]
     return (2 * BT * m["C"] + BT * m["V"]) * ELEM
+
+
+def to_a100(dev):
+    """(memory-bound scale, words) for --target a100: the measuring GPU's HBM over the A100's."""
+    name, sms = dev.get("name", ""), dev.get("sm_count")
+    hbm = H200_HBM if "H200" in name else H100_SXM_HBM if ("H100" in name and "HBM3" in name and sms == 132) else None
+    if hbm is None:
+        sys.exit(f"{name} ({sms} SMs): --target a100 takes an H100 SXM's or an H200's measurement")
+    return A100_SXM_HBM / hbm, (f"measured on an {name} ({sms} SMs), carried to an A100 SXM 80 GB: pointwise_bw x "
+                                f"{A100_SXM_HBM / 1e12:.3f}/{hbm / 1e12:.2f} (datasheet HBM2e vs the measuring GPU's), "
+                                "GEMM and attention left at the preset's published efficiencies")
 
 
 def transfer(dev, force):
@@ -190,9 +211,11 @@ def check(shardlm, profile, models, doc):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rates", help="bench/gpu_kernel_rates.py's JSON")
-    ap.add_argument("--base", default=os.path.join(ROOT, "configs", "hardware", "h100-80gb.json"), help="the preset to copy")
+    ap.add_argument("--target", choices=["h100", "a100"], default="h100",
+                    help="the GPU the profile describes (a100: pointwise_bw only, see above)")
+    ap.add_argument("--base", help="the preset to copy (default: the target's, configs/hardware/TARGET-80gb.json)")
     ap.add_argument("--out", required=True, help="the profile to write")
-    ap.add_argument("--name", default="h100-80gb-measured")
+    ap.add_argument("--name", help="default h100-80gb-measured, a100-80gb-derived")
     ap.add_argument("--pointwise", default="step", help="step | blocks | isolated | model:NAME (see above)")
     ap.add_argument("--memory-bw", choices=["preset", "measured"], default="preset",
                     help="memory_bw (optimizer, gradient passes, copies): the preset's, or the measured copy")
@@ -205,6 +228,10 @@ def main():
     ap.add_argument("--check", metavar="SHARDLM", help="a shardlm binary: compare its pricing of each measured block "
                     "and head on the written profile with this script's")
     a = ap.parse_args()
+    a.base = a.base or os.path.join(ROOT, "configs", "hardware", f"{a.target}-80gb.json")
+    a.name = a.name or {"h100": "h100-80gb-measured", "a100": "a100-80gb-derived"}[a.target]
+    if a.target == "a100" and a.check:
+        sys.exit("--check compares measured blocks with the profile's pricing: an H100 profile's (--target h100)")
 
     doc = json.load(open(a.rates))
     if doc.get("schema") != SCHEMA:
@@ -214,7 +241,7 @@ def main():
     if not doc["models"]:
         sys.exit(f"{a.rates}: no model measured ({'; '.join(doc.get('errors', []))})")
     dev = doc["device"]
-    scale, how = transfer(dev, a.force or doc.get("mode") == "cpu-smoke")
+    scale, how = (to_a100(dev) if a.target == "a100" else transfer(dev, a.force or doc.get("mode") == "cpu-smoke"))
     fake = "FAKE (invented times, a pipeline test)" if doc.get("fake") else ("CPU SMOKE RUN" if doc.get("mode") != "cuda" else "")
     date = doc.get("date", "")[:10]
     sw = f"torch {dev.get('torch', '?')}, CUDA {dev.get('cuda', '?')}"
@@ -263,22 +290,23 @@ def main():
     prof = json.load(open(a.base))
     out = copy.deepcopy(prof)
     out["name"] = a.name
-    out["description"] = (prof.get("description", "") + "; gemm_rates, attention_rates and pointwise_bw from "
-                          f"bench/gpu_kernel_rates.py (eager bf16): {head}")
+    measured = "pointwise_bw" if a.target == "a100" else "gemm_rates, attention_rates and pointwise_bw"
+    out["description"] = (prof.get("description", "") + f"; {measured} from bench/gpu_kernel_rates.py (eager bf16): {head}")
     frameworks = ", ".join(f"{r['name']} ({r['framework']}, B={r['B']} T={r['T']})" for r in models)
-    out["gemm_rates"] = {"value": gemm_rates, "source": (
-        f"{head}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
-        "eager bf16 (F.linear forward; autograd backward, input and weight gradients; torchtitan's split q|k|v and "
-        "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)"
-        + clock_how)}
-    out["attention_rates"] = {"value": attention_rates, "source": (
-        f"{head}: F.scaled_dot_product_attention, causal, {'; '.join(backends)}, bf16, at the "
-        f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged"
-        + clock_how)}
+    if a.target == "h100":
+        out["gemm_rates"] = {"value": gemm_rates, "source": (
+            f"{head}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
+            "eager bf16 (F.linear forward; autograd backward, input and weight gradients; torchtitan's split q|k|v and "
+            "gate|up GEMMs timed as its pieces together), CUDA-event medians; FLOP/s forward and backward (2x the forward's FLOPs)"
+            + clock_how)}
+        out["attention_rates"] = {"value": attention_rates, "source": (
+            f"{head}: F.scaled_dot_product_attention, causal, {'; '.join(backends)}, bf16, at the "
+            f"runs' (B, NH, T, HS); FLOP/s of 2·B·T·T·C forward and twice that backward; rows of equal (T, HS) merged"
+            + clock_how)}
     out["pointwise_bw"] = {"value": round(pw), "source": (
         f"{head}: eager bf16 blocks and heads as torchtitan / fms-fsdp / llm-foundry write them "
         f"(RMSNorm via fp32, complex rotary, repeat_kv, SwiGLU or GELU, residual adds, fp32 cross-entropy); {pw_how}; "
-        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for an H100's HBM" if scale != 1 else ""))}
+        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for the {a.target.upper()}'s HBM" if scale != 1 else ""))}
     ref = doc.get("reference", {})
     if "copy" in ref:
         copy_bw = 2 * ref["copy"]["bytes_each_way"] / ref["copy"]["seconds"] * scale
@@ -312,7 +340,7 @@ def main():
         if "adamw" in ref:
             x = ref["adamw"]
             line.append(f"fused AdamW {28 * x['params'] / x['seconds'] / 1e9:.0f} GB/s at 28 B/param")
-        print("reference: " + ", ".join(line) + (f" (as measured; memory-bound x {scale:.3f} for an H100)" if scale != 1 else ""))
+        print("reference: " + ", ".join(line) + (f" (as measured; memory-bound x {scale:.3f} for the {a.target.upper()})" if scale != 1 else ""))
     if doc.get("errors"):
         print("errors: " + "; ".join(doc["errors"]))
     print()

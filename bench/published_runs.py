@@ -80,14 +80,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shardlm", default="build/shardlm")
     ap.add_argument("--hardware-h100", help="a profile for the H100 rows in place of the h100-80gb preset")
+    ap.add_argument("--hardware-a100", help="a profile for the A100 rows in place of the a100-80gb preset")
     a = ap.parse_args()
-    if a.hardware_h100:
-        print(f"H100 rows on {a.hardware_h100}; A100 rows on the a100-80gb preset\n")
+    swap = {"h100-80gb": a.hardware_h100, "a100-80gb": a.hardware_a100}
+    if a.hardware_h100 or a.hardware_a100:
+        print(f"H100 rows on {a.hardware_h100 or 'the h100-80gb preset'}; A100 rows on {a.hardware_a100 or 'the a100-80gb preset'}\n")
     print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for label, published, source, notes, flags in RUNS:
-        if a.hardware_h100 and "h100-80gb" in flags:
-            flags = [a.hardware_h100 if f == "h100-80gb" else f for f in flags]
+        if any(swap.get(f) for f in flags):
+            flags = [swap.get(f) or f for f in flags]
             # A GPU's measured rates are per device: one compute thread, so that a simulator that
             # scales measured rates by --threads (2 by default) on any profile leaves them as measured.
             flags += ["--threads", "1"]
