@@ -31,6 +31,12 @@ A GPU other than an H100 SXM: an H200 (the same GH100 compute at the same clocks
 attention rates as measured and scales the memory-bound figures (pointwise_bw) by the datasheet
 HBM bandwidth ratio, 3.35 / 4.8 TB/s; any other GPU is refused (--force takes it as is).
 
+--target h100-hbm2e writes the H100 that torchtitan's paper ran on (96 GB HBM2e, 2.4 TB/s, capped
+at 500 W; default --name h100-96gb-hbm2e-measured): the H100 profile with every memory-bound figure
+(pointwise_bw, memory_bw) scaled by 2.4 TB/s over the measuring GPU's (memory_bw: over the SXM
+preset's 3.35) and 96 GB of memory; GEMM and attention as the 700 W SXM's, an upper bound for a
+500 W part (no published figure gives its clocks).
+
 --target a100 writes an A100 profile from the same measurement instead (default --base
 configs/hardware/a100-80gb.json, --name a100-80gb-derived): only pointwise_bw carries over,
 scaled by the datasheet HBM ratio (A100 SXM 80 GB: 2.039 TB/s over the measuring GPU's). What it
@@ -54,6 +60,7 @@ SCHEMA = "shardlm-gpu-kernel-rates/1"
 H100_SXM_HBM = 3.35e12  # NVIDIA H100 datasheet, SXM5: HBM3 3.35 TB/s
 H200_HBM = 4.8e12       # NVIDIA H200 datasheet: HBM3e 4.8 TB/s
 A100_SXM_HBM = 2.039e12  # NVIDIA A100 datasheet, 80 GB SXM: HBM2e 2,039 GB/s
+H100_HBM2E = 2.4e12      # torchtitan paper (arXiv 2410.06511), its H100s: 96 GB HBM2e, 2.4 TB/s, 500 W
 ELEM = 4                # src/sim/cost.cc: plan.unit_shape(4, ...) counts pointwise bytes at 4 per element
 
 
@@ -211,11 +218,11 @@ def check(shardlm, profile, models, doc):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rates", help="bench/gpu_kernel_rates.py's JSON")
-    ap.add_argument("--target", choices=["h100", "a100"], default="h100",
-                    help="the GPU the profile describes (a100: pointwise_bw only, see above)")
-    ap.add_argument("--base", help="the preset to copy (default: the target's, configs/hardware/TARGET-80gb.json)")
+    ap.add_argument("--target", choices=["h100", "h100-hbm2e", "a100"], default="h100",
+                    help="the GPU the profile describes (see above)")
+    ap.add_argument("--base", help="the preset to copy (default: the target's, configs/hardware/{h100,a100}-80gb.json)")
     ap.add_argument("--out", required=True, help="the profile to write")
-    ap.add_argument("--name", help="default h100-80gb-measured, a100-80gb-derived")
+    ap.add_argument("--name", help="default h100-80gb-measured, h100-96gb-hbm2e-measured, a100-80gb-derived")
     ap.add_argument("--pointwise", default="step", help="step | blocks | isolated | model:NAME (see above)")
     ap.add_argument("--memory-bw", choices=["preset", "measured"], default="preset",
                     help="memory_bw (optimizer, gradient passes, copies): the preset's, or the measured copy")
@@ -228,10 +235,11 @@ def main():
     ap.add_argument("--check", metavar="SHARDLM", help="a shardlm binary: compare its pricing of each measured block "
                     "and head on the written profile with this script's")
     a = ap.parse_args()
-    a.base = a.base or os.path.join(ROOT, "configs", "hardware", f"{a.target}-80gb.json")
-    a.name = a.name or {"h100": "h100-80gb-measured", "a100": "a100-80gb-derived"}[a.target]
-    if a.target == "a100" and a.check:
-        sys.exit("--check compares measured blocks with the profile's pricing: an H100 profile's (--target h100)")
+    a.base = a.base or os.path.join(ROOT, "configs", "hardware", f"{a.target[:4]}-80gb.json")
+    a.name = a.name or {"h100": "h100-80gb-measured", "h100-hbm2e": "h100-96gb-hbm2e-measured",
+                        "a100": "a100-80gb-derived"}[a.target]
+    if a.target != "h100" and a.check:
+        sys.exit("--check compares measured blocks with the profile's pricing: an H100 SXM profile's (--target h100)")
 
     doc = json.load(open(a.rates))
     if doc.get("schema") != SCHEMA:
@@ -242,6 +250,9 @@ def main():
         sys.exit(f"{a.rates}: no model measured ({'; '.join(doc.get('errors', []))})")
     dev = doc["device"]
     scale, how = (to_a100(dev) if a.target == "a100" else transfer(dev, a.force or doc.get("mode") == "cpu-smoke"))
+    if a.target == "h100-hbm2e":  # the same GH100 compute; memory-bound figures at 2.4 TB/s instead of 3.35
+        scale *= H100_HBM2E / H100_SXM_HBM
+        how += "; carried to torchtitan's 96 GB HBM2e H100s: memory-bound figures x 2.4/3.35, compute as the 700 W SXM's"
     fake = "FAKE (invented times, a pipeline test)" if doc.get("fake") else ("CPU SMOKE RUN" if doc.get("mode") != "cuda" else "")
     date = doc.get("date", "")[:10]
     sw = f"torch {dev.get('torch', '?')}, CUDA {dev.get('cuda', '?')}"
@@ -293,7 +304,7 @@ def main():
     measured = "pointwise_bw" if a.target == "a100" else "gemm_rates, attention_rates and pointwise_bw"
     out["description"] = (prof.get("description", "") + f"; {measured} from bench/gpu_kernel_rates.py (eager bf16): {head}")
     frameworks = ", ".join(f"{r['name']} ({r['framework']}, B={r['B']} T={r['T']})" for r in models)
-    if a.target == "h100":
+    if a.target != "a100":
         out["gemm_rates"] = {"value": gemm_rates, "source": (
             f"{head}: the weight GEMMs of {frameworks} as bench/gpu_kernel_rates.py runs them in "
             "eager bf16 (F.linear forward; autograd backward, input and weight gradients; torchtitan's split q|k|v and "
@@ -306,7 +317,13 @@ def main():
     out["pointwise_bw"] = {"value": round(pw), "source": (
         f"{head}: eager bf16 blocks and heads as torchtitan / fms-fsdp / llm-foundry write them "
         f"(RMSNorm via fp32, complex rotary, repeat_kv, SwiGLU or GELU, residual adds, fp32 cross-entropy); {pw_how}; "
-        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for the {a.target.upper()}'s HBM" if scale != 1 else ""))}
+        f"bytes as src/model counts them at 4 per element" + (f"; x {scale:.3f} for the target's HBM ({a.target})" if scale != 1 else ""))}
+    if a.target == "h100-hbm2e":
+        out["memory_bw"] = {"value": round(prof["memory_bw"]["value"] * H100_HBM2E / H100_SXM_HBM), "source": (
+            "the h100-80gb preset's x 2.4/3.35: torchtitan paper (arXiv 2410.06511), its H100s have 2.4 TB/s HBM2e "
+            "against the SXM's 3.35 (datasheet)")}
+        out["device_memory"] = {"value": 96 * 1024 ** 3, "source": "torchtitan paper (arXiv 2410.06511): 96 GB HBM2e "
+                                "(taken as 96 GiB)"}
     ref = doc.get("reference", {})
     if "copy" in ref:
         copy_bw = 2 * ref["copy"]["bytes_each_way"] / ref["copy"]["seconds"] * scale
@@ -340,7 +357,7 @@ def main():
         if "adamw" in ref:
             x = ref["adamw"]
             line.append(f"fused AdamW {28 * x['params'] / x['seconds'] / 1e9:.0f} GB/s at 28 B/param")
-        print("reference: " + ", ".join(line) + (f" (as measured; memory-bound x {scale:.3f} for the {a.target.upper()})" if scale != 1 else ""))
+        print("reference: " + ", ".join(line) + (f" (as measured; memory-bound x {scale:.3f} for the target, {a.target})" if scale != 1 else ""))
     if doc.get("errors"):
         print("errors: " + "; ".join(doc["errors"]))
     print()

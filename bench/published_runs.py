@@ -3,9 +3,14 @@
 published throughput (tokens/s per GPU), one markdown row each (issue 22, docs/CLUSTER.md).
 
   /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm] [--hardware-h100 PROFILE.json]
+      [--hardware-a100 PROFILE.json] [--hardware-h100-hbm2e PROFILE.json]
 
 --hardware-h100 runs the H100 rows on another profile (a measured one: bench/gpu_kernel_rates.py on
-a GPU, then bench/gpu_profile_from_rates.py); the A100 rows stay on the a100-80gb preset.
+a GPU, then bench/gpu_profile_from_rates.py); --hardware-a100 the A100 rows (the measurement's
+pointwise figure carried to an A100: gpu_profile_from_rates.py --target a100);
+--hardware-h100-hbm2e the rows torchtitan ran on its 96 GB HBM2e H100s (--target h100-hbm2e; by
+default they take --hardware-h100's profile, else the h100-80gb preset). Unset, a row runs on its
+preset.
 
 Each configuration is what the source states (model shape, GPUs, local batch, sequence length,
 sharding, activation checkpointing; bf16 parameters and reductions, as these runs' mixed
@@ -28,6 +33,7 @@ MPT13 = ["--model", "gpt2-124m", "--n-layer", "40", "--n-embd", "5120", "--n-hea
 IBM = "IBM fms-fsdp README, training throughput table"
 TITAN_A = "torchtitan docs/performance.md (64 A100-80GB)"
 TITAN_H = "torchtitan paper arXiv 2410.06511 / docs/performance.md"
+HBM2E = "h100-96gb-hbm2e"  # torchtitan's H100s: a profile of their own where one is given (--hardware-h100-hbm2e)
 MOSAIC = "llm-foundry scripts/train/benchmarking/README.md"
 
 RUNS = [
@@ -59,11 +65,11 @@ RUNS = [
      ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096",
       "--recompute", "full"]),
     ("torchtitan Llama3.1-8B, 8 H100, FSDP2, selective AC, bs 2, eager", 5762, TITAN_H,
-     "their H100s: 96 GB HBM2e, 2.4 TB/s, 500 W cap (the preset: SXM 80 GB HBM3, 700 W)",
-     ["--model", "llama3-8b", "--hardware", "h100-80gb", "--ranks", "8", "--batch", "2", "--seq", "8192",
+     "their H100s: 96 GB HBM2e, 2.4 TB/s, 500 W cap (the h100-80gb preset: SXM 80 GB HBM3, 700 W)",
+     ["--model", "llama3-8b", "--hardware", HBM2E, "--ranks", "8", "--batch", "2", "--seq", "8192",
       "--recompute", "selective"]),
     ("torchtitan Llama3.1-8B, 128 H100, FSDP2, selective AC, bs 2, eager", 5605, TITAN_H, "as above",
-     ["--model", "llama3-8b", "--hardware", "h100-80gb", "--ranks", "128", "--batch", "2", "--seq", "8192",
+     ["--model", "llama3-8b", "--hardware", HBM2E, "--ranks", "128", "--batch", "2", "--seq", "8192",
       "--recompute", "selective"]),
     ("MPT-7B, 8 H100, FULL_SHARD, mb 6", 10643, MOSAIC, "MPT shape as GPT-2 family", MPT7 +
      ["--hardware", "h100-80gb", "--ranks", "8", "--batch", "6"]),
@@ -81,15 +87,19 @@ def main():
     ap.add_argument("--shardlm", default="build/shardlm")
     ap.add_argument("--hardware-h100", help="a profile for the H100 rows in place of the h100-80gb preset")
     ap.add_argument("--hardware-a100", help="a profile for the A100 rows in place of the a100-80gb preset")
+    ap.add_argument("--hardware-h100-hbm2e", help="a profile for the rows on torchtitan's 96 GB HBM2e H100s "
+                    "(default: --hardware-h100's, else the h100-80gb preset)")
     a = ap.parse_args()
-    swap = {"h100-80gb": a.hardware_h100, "a100-80gb": a.hardware_a100}
-    if a.hardware_h100 or a.hardware_a100:
-        print(f"H100 rows on {a.hardware_h100 or 'the h100-80gb preset'}; A100 rows on {a.hardware_a100 or 'the a100-80gb preset'}\n")
+    swap = {"h100-80gb": a.hardware_h100, "a100-80gb": a.hardware_a100,
+            HBM2E: a.hardware_h100_hbm2e or a.hardware_h100 or "h100-80gb"}
+    if a.hardware_h100 or a.hardware_a100 or a.hardware_h100_hbm2e:
+        print(f"H100 rows on {a.hardware_h100 or 'the h100-80gb preset'}; torchtitan's HBM2e H100 rows on {swap[HBM2E]}; "
+              f"A100 rows on {a.hardware_a100 or 'the a100-80gb preset'}\n")
     print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for label, published, source, notes, flags in RUNS:
-        if any(swap.get(f) for f in flags):
-            flags = [swap.get(f) or f for f in flags]
+        flags = [swap.get(f) or f for f in flags]
+        if any(f.endswith(".json") for f in flags):
             # A GPU's measured rates are per device: one compute thread, so that a simulator that
             # scales measured rates by --threads (2 by default) on any profile leaves them as measured.
             flags += ["--threads", "1"]
