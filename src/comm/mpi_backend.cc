@@ -606,38 +606,32 @@ class DirectReduceScatter final : public Machine {
   int64_t lo_ = 0, hi_ = 0;  // chunks [lo_, hi_) are in flight
 };
 
-// Ring reduce-scatter, each of the K chunks pipelined through the size−1 steps on its own: at
-// step s a rank sends the partial sum of block (rank−s−1) to its right neighbour and receives
-// the partial of block (rank−s−2) from its left one, adds its own contribution, and forwards it
-// at step s+1; the last step's sum is its own block's result. The partials travel as `dtype`
-// (bf16 partials are rounded at every step). Each window slot has its own tag, so a chunk's
-// messages match in step order whatever the interleaving of chunks.
-class RingReduceScatter final : public Machine {
+// A ring's schedule, shared by reduce-scatter and all-gather: the K chunks of every block each go
+// through the size−1 steps on their own, at most W in flight (window slots); a slot posts a step's
+// receive from the left neighbour and send to the right one, and the next step once both are done.
+// Each window slot has its own tag, so a chunk's messages match in step order whatever the
+// interleaving of chunks. The collective says what a step sends and receives (post_step) and what
+// it does with a received chunk (received).
+class PipelinedRing : public Machine {
  public:
-  RingReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
+  PipelinedRing(const Ctx& c, const void* send, void* out, Blocks blocks)
       : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
-    const Chunking k = chunking(b_.max_len, c_.chunk_elems, c_.window);
-    K_ = k.K, W_ = k.W, chunk_max_ = k.chunk_max;
-    staging_ = take_staging(c_, ring_staging_elems(k) * c_.esize, owned_);
-    slots_.resize(W_);
     left_ = (c_.rank - 1 + c_.size) % c_.size;
     right_ = (c_.rank + 1) % c_.size;
   }
-  ~RingReduceScatter() override { c_.pool->give(std::move(owned_)); }
   void waiting_for(std::set<int>& ranks) override {  // a ring only talks to its two neighbours
     for (int64_t j = lo_; j < hi_; ++j) {
       add_if_pending(c_, slots_[j % W_].recv, left_, ranks);
       add_if_pending(c_, slots_[j % W_].send, right_, ranks);
     }
   }
-
   bool advance() override {
     for (;;) {
       bool moved = false;
       while (hi_ < K_ && hi_ - lo_ < W_) {
         Slot& s = slots_[hi_ % W_];
         s = Slot{};
-        post_step(hi_, s);
+        post(hi_, s);
         ++hi_;
         moved = true;
       }
@@ -646,7 +640,7 @@ class RingReduceScatter final : public Machine {
         if (s.finished) continue;
         if (!s.recv_done && test_req(s.recv)) {
           s.recv_done = true;
-          reduce(j, s);
+          received(j, s.step);
           moved = true;
         }
         if (!s.send_done && test_req(s.send)) s.send_done = true;
@@ -655,7 +649,7 @@ class RingReduceScatter final : public Machine {
             s.finished = true;
           } else {
             ++s.step;
-            post_step(j, s);
+            post(j, s);
           }
           moved = true;
         }
@@ -669,123 +663,17 @@ class RingReduceScatter final : public Machine {
     }
   }
 
- private:
-  struct Slot {
-    int step = 0;
-    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
-    bool send_done = false, recv_done = false, finished = false;
-  };
-  int block_sent(int s) const { return ((c_.rank - s - 1) % c_.size + c_.size) % c_.size; }
-  int block_recv(int s) const { return ((c_.rank - s - 2) % c_.size + c_.size) % c_.size; }
-  char* stage(int parity, int slot) const {
-    return staging_ + ((static_cast<int64_t>(parity) * W_ + slot) * chunk_max_) * c_.esize;
-  }
-  void post_step(int64_t j, Slot& s) {
-    const int slot = static_cast<int>(j % W_);
-    const int tag = c_.tag + slot;
-    s.send_done = s.recv_done = false;
-    const int br = block_recv(s.step), bs = block_sent(s.step);
-    irecv(c_, stage(s.step % 2, slot), chunk_of(b_.len[br], K_, j).n, left_, tag, &s.recv);
-    const Range rs = chunk_of(b_.len[bs], K_, j);
-    const char* src = s.step == 0 ? send_ + (b_.off[bs] + rs.start) * c_.esize
-                                  : stage((s.step - 1) % 2, slot);
-    isend(c_, src, rs.n, right_, tag, &s.send);
-  }
-  void reduce(int64_t j, const Slot& s) {
-    const int slot = static_cast<int>(j % W_);
-    const int br = block_recv(s.step);
-    const Range r = chunk_of(b_.len[br], K_, j);
-    char* partial = stage(s.step % 2, slot);
-    const void* ins[2] = {partial, send_ + (b_.off[br] + r.start) * c_.esize};
-    char* dst = s.step == c_.size - 2 ? out_ + r.start * c_.esize : partial;
-    sum_n(c_.dtype, dst, ins, 2, r.n);
-  }
-
-  Ctx c_;
-  const char* send_;
-  char* out_;
-  Blocks b_;
-  int64_t K_ = 1, chunk_max_ = 0;
-  int W_ = 1;
-  char* staging_ = nullptr;
-  Buffer owned_;  // staging from the pool when the caller gave no scratch
-  std::vector<Slot> slots_;
-  int left_ = 0, right_ = 0;
-  int64_t lo_ = 0, hi_ = 0;
-};
-
-// Ring all-gather, chunks pipelined like RingReduceScatter: at step s a rank forwards block
-// (rank−s) to the right and receives block (rank−s−1) from the left, straight into `out`.
-class RingAllGather final : public Machine {
- public:
-  RingAllGather(const Ctx& c, const void* send, void* out, Blocks blocks)
-      : c_(c), send_(static_cast<const char*>(send)), out_(static_cast<char*>(out)), b_(std::move(blocks)) {
-    K_ = num_chunks(b_.max_len, c_.chunk_elems);
-    W_ = static_cast<int>(std::min<int64_t>(c_.window, K_));
+ protected:
+  // K chunks per block, W of them in flight.
+  void set_chunks(int64_t K, int W) {
+    K_ = K, W_ = W;
     slots_.resize(W_);
-    left_ = (c_.rank - 1 + c_.size) % c_.size;
-    right_ = (c_.rank + 1) % c_.size;
   }
-  void waiting_for(std::set<int>& ranks) override {  // a ring only talks to its two neighbours
-    for (int64_t j = lo_; j < hi_; ++j) {
-      add_if_pending(c_, slots_[j % W_].recv, left_, ranks);
-      add_if_pending(c_, slots_[j % W_].send, right_, ranks);
-    }
-  }
-  bool advance() override {
-    if (!copied_) {
-      char* own = out_ + b_.off[c_.rank] * c_.esize;
-      if (own != send_ && b_.len[c_.rank] > 0) std::memcpy(own, send_, b_.len[c_.rank] * c_.esize);
-      copied_ = true;
-    }
-    for (;;) {
-      bool moved = false;
-      while (hi_ < K_ && hi_ - lo_ < W_) {
-        Slot& s = slots_[hi_ % W_];
-        s = Slot{};
-        post_step(hi_, s);
-        ++hi_;
-        moved = true;
-      }
-      for (int64_t j = lo_; j < hi_; ++j) {
-        Slot& s = slots_[j % W_];
-        if (s.finished) continue;
-        if (!s.recv_done && test_req(s.recv)) s.recv_done = true;
-        if (!s.send_done && test_req(s.send)) s.send_done = true;
-        if (s.recv_done && s.send_done) {
-          if (s.step == c_.size - 2) {
-            s.finished = true;
-          } else {
-            ++s.step;
-            post_step(j, s);
-          }
-          moved = true;
-        }
-      }
-      while (lo_ < hi_ && slots_[lo_ % W_].finished) {
-        ++lo_;
-        moved = true;
-      }
-      if (lo_ == K_) return true;
-      if (!moved) return false;
-    }
-  }
-
- private:
-  struct Slot {
-    int step = 0;
-    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
-    bool send_done = false, recv_done = false, finished = false;
-  };
   int mod(int x) const { return ((x % c_.size) + c_.size) % c_.size; }
-  void post_step(int64_t j, Slot& s) {
-    const int tag = c_.tag + static_cast<int>(j % W_);
-    s.send_done = s.recv_done = false;
-    const int br = mod(c_.rank - s.step - 1), bs = mod(c_.rank - s.step);
-    const Range rr = chunk_of(b_.len[br], K_, j), rs = chunk_of(b_.len[bs], K_, j);
-    irecv(c_, out_ + (b_.off[br] + rr.start) * c_.esize, rr.n, left_, tag, &s.recv);
-    isend(c_, out_ + (b_.off[bs] + rs.start) * c_.esize, rs.n, right_, tag, &s.send);
-  }
+  // Posts chunk j's step `step` on `tag`: its receive from the left neighbour and its send to the
+  // right one.
+  virtual void post_step(int64_t j, int step, MPI_Request* recv, MPI_Request* send, int tag) = 0;
+  virtual void received(int64_t /*j*/, int /*step*/) {}
 
   Ctx c_;
   const char* send_;
@@ -793,9 +681,89 @@ class RingAllGather final : public Machine {
   Blocks b_;
   int64_t K_ = 1;
   int W_ = 1;
-  std::vector<Slot> slots_;
   int left_ = 0, right_ = 0;
-  int64_t lo_ = 0, hi_ = 0;
+
+ private:
+  struct Slot {
+    int step = 0;
+    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
+    bool send_done = false, recv_done = false, finished = false;
+  };
+  void post(int64_t j, Slot& s) {
+    s.send_done = s.recv_done = false;
+    post_step(j, s.step, &s.recv, &s.send, c_.tag + static_cast<int>(j % W_));
+  }
+  std::vector<Slot> slots_;
+  int64_t lo_ = 0, hi_ = 0;  // chunks [lo_, hi_) are in flight
+};
+
+// Ring reduce-scatter: at step s a rank sends the partial sum of block (rank−s−1) to its right
+// neighbour and receives the partial of block (rank−s−2) from its left one, adds its own
+// contribution, and forwards it at step s+1; the last step's sum is its own block's result. The
+// partials travel as `dtype` (bf16 partials are rounded at every step).
+class RingReduceScatter final : public PipelinedRing {
+ public:
+  RingReduceScatter(const Ctx& c, const void* send, void* out, Blocks blocks)
+      : PipelinedRing(c, send, out, std::move(blocks)) {
+    const Chunking k = chunking(b_.max_len, c_.chunk_elems, c_.window);
+    set_chunks(k.K, k.W);
+    chunk_max_ = k.chunk_max;
+    staging_ = take_staging(c_, ring_staging_elems(k) * c_.esize, owned_);
+  }
+  ~RingReduceScatter() override { c_.pool->give(std::move(owned_)); }
+
+ private:
+  char* stage(int parity, int slot) const {
+    return staging_ + ((static_cast<int64_t>(parity) * W_ + slot) * chunk_max_) * c_.esize;
+  }
+  void post_step(int64_t j, int step, MPI_Request* recv, MPI_Request* send, int tag) override {
+    const int slot = static_cast<int>(j % W_);
+    const int br = mod(c_.rank - step - 2), bs = mod(c_.rank - step - 1);
+    irecv(c_, stage(step % 2, slot), chunk_of(b_.len[br], K_, j).n, left_, tag, recv);
+    const Range rs = chunk_of(b_.len[bs], K_, j);
+    const char* src = step == 0 ? send_ + (b_.off[bs] + rs.start) * c_.esize : stage((step - 1) % 2, slot);
+    isend(c_, src, rs.n, right_, tag, send);
+  }
+  void received(int64_t j, int step) override {
+    const int br = mod(c_.rank - step - 2);
+    const Range r = chunk_of(b_.len[br], K_, j);
+    char* partial = stage(step % 2, static_cast<int>(j % W_));
+    const void* ins[2] = {partial, send_ + (b_.off[br] + r.start) * c_.esize};
+    char* dst = step == c_.size - 2 ? out_ + r.start * c_.esize : partial;
+    sum_n(c_.dtype, dst, ins, 2, r.n);
+  }
+
+  int64_t chunk_max_ = 0;
+  char* staging_ = nullptr;
+  Buffer owned_;  // staging from the pool when the caller gave no scratch
+};
+
+// Ring all-gather: at step s a rank forwards block (rank−s) to the right and receives block
+// (rank−s−1) from the left, straight into `out`.
+class RingAllGather final : public PipelinedRing {
+ public:
+  RingAllGather(const Ctx& c, const void* send, void* out, Blocks blocks)
+      : PipelinedRing(c, send, out, std::move(blocks)) {
+    const int64_t K = num_chunks(b_.max_len, c_.chunk_elems);
+    set_chunks(K, static_cast<int>(std::min<int64_t>(c_.window, K)));
+  }
+  bool advance() override {
+    if (!copied_) {
+      char* own = out_ + b_.off[c_.rank] * c_.esize;
+      if (own != send_ && b_.len[c_.rank] > 0) std::memcpy(own, send_, b_.len[c_.rank] * c_.esize);
+      copied_ = true;
+    }
+    return PipelinedRing::advance();
+  }
+
+ private:
+  void post_step(int64_t j, int step, MPI_Request* recv, MPI_Request* send, int tag) override {
+    const int br = mod(c_.rank - step - 1), bs = mod(c_.rank - step);
+    const Range rr = chunk_of(b_.len[br], K_, j), rs = chunk_of(b_.len[bs], K_, j);
+    irecv(c_, out_ + (b_.off[br] + rr.start) * c_.esize, rr.n, left_, tag, recv);
+    isend(c_, out_ + (b_.off[bs] + rs.start) * c_.esize, rs.n, right_, tag, send);
+  }
+
   bool copied_ = false;
 };
 
