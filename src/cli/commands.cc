@@ -77,9 +77,10 @@ CLI::Validator positive() { return bounded(0, true, std::numeric_limits<double>:
 CLI::Validator in_range(double lo, double hi) { return bounded(lo, false, hi); }
 
 constexpr const char* kMoeImbalanceHelp =
-    "mixture of experts: max/mean expert load (a run's expert_load_max over the mean B*T*k/E rows); the busiest "
-    "expert-parallel rank (the hottest expert, its E/ep - 1 neighbours at the mean) prices its expert compute and "
-    "all-to-all bytes; default 1: balanced routing";
+    "mixture of experts: max/mean expert load, a number >= 1 or a run (its directory or metrics.jsonl: the median of its "
+    "steps' expert_load_imbalance, the busiest expert's rows over the mean per routing group and block, measured at that "
+    "run's group size); the busiest expert-parallel rank (the hottest expert, its E/ep - 1 neighbours at the mean) "
+    "prices its expert compute and all-to-all bytes; default 1: balanced routing";
 
 // A fraction strictly between 0 and 1.
 CLI::Validator open_unit_interval() {
@@ -381,7 +382,7 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
   sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
-  sim_cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
+  sim_cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp);
   sim_cmd->add_option("--collective", sa.collective,
                       "instead of a step: time, algbw and busbw of one collective per message size, as nccl-tests prints "
                       "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware");
@@ -444,7 +445,7 @@ int run(int argc, char** argv) {
                      "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
                      "fits without it");
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
-  plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->check(at_least(1));
+  plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp);
   add_goodput_options(plan_cmd, pa.goodput);
   plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
   plan_cmd->add_option("--data", pa.data, "--run: token file prefix");

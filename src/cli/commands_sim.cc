@@ -1,5 +1,6 @@
 // `shardlm simulate | calibrate | plan`.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -24,19 +25,54 @@ namespace shardlm::cli {
 
 namespace {
 
-// --moe-imbalance as the cost model takes it: 1 (balanced routing) unless given, and only for a
-// mixture-of-experts model. simulate and plan read no run, so the figure is the user's (a run's
-// metrics.jsonl has expert_load_max per step: over the mean B·T·k/E it is this figure).
-double expert_load_of(double moe_imbalance, const model::ModelDesc& desc) {
-  if (moe_imbalance == 0) return 1;
-  if (desc.config.family != model::Family::moe)
-    throw std::invalid_argument("--moe-imbalance: the model has no experts (a mixture-of-experts model only)");
-  return moe_imbalance;
+// --moe-imbalance as the cost model takes it, and the words saying where it came from: 1 (balanced
+// routing) unless given; a number as given; a run (its directory or metrics.jsonl) the median over
+// its steps of expert_load_imbalance, the mean over the step's routings of the busiest expert's
+// rows over the mean. Only for a mixture-of-experts model.
+struct ExpertLoad {
+  double value = 1;
+  std::string note = "1 (default: balanced routing; --moe-imbalance F or RUN_DIR sets a run's max/mean expert load)";
+};
+
+double median_imbalance_of_run(const std::string& flag) {
+  namespace fs = std::filesystem;
+  const fs::path file = fs::is_directory(flag) ? fs::path(flag) / "metrics.jsonl" : fs::path(flag);
+  std::ifstream in(file);
+  if (!in) throw std::invalid_argument("--moe-imbalance: " + file.string() + ": cannot be read (a number >= 1, or a run's directory or metrics.jsonl)");
+  std::vector<double> steps;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.empty()) continue;
+    const auto row = nlohmann::json::parse(line, nullptr, false);
+    if (row.is_discarded()) throw std::invalid_argument("--moe-imbalance: " + file.string() + ":" + std::to_string(n) + ": not JSON");
+    if (row.contains("expert_load_imbalance") && row["expert_load_imbalance"].is_number())
+      steps.push_back(row["expert_load_imbalance"].get<double>());
+  }
+  if (steps.empty())
+    throw std::invalid_argument("--moe-imbalance: " + file.string() +
+                                ": no step records expert_load_imbalance (the metrics of a mixture-of-experts run)");
+  std::sort(steps.begin(), steps.end());
+  const size_t n = steps.size();
+  return n % 2 ? steps[n / 2] : (steps[n / 2 - 1] + steps[n / 2]) / 2;
 }
 
-std::string expert_load_note(double moe_imbalance) {
-  return moe_imbalance == 0 ? "1 (default: balanced routing; --moe-imbalance F sets a run's max/mean expert load)"
-                            : fmt::format("{:.3g} (--moe-imbalance)", moe_imbalance);
+ExpertLoad expert_load_of(const std::string& flag, const model::ModelDesc& desc) {
+  if (flag.empty()) return {};
+  if (desc.config.family != model::Family::moe)
+    throw std::invalid_argument("--moe-imbalance: the model has no experts (a mixture-of-experts model only)");
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(flag, &used);
+  } catch (const std::logic_error&) {
+    used = 0;
+  }
+  if (used == flag.size()) {
+    if (!(x >= 1) || !std::isfinite(x)) throw std::invalid_argument("--moe-imbalance: " + flag + " is not a max/mean expert load (>= 1)");
+    return {x, fmt::format("{:.3g} (--moe-imbalance)", x)};
+  }
+  const double m = median_imbalance_of_run(flag);
+  return {m, fmt::format("{:.3g} (--moe-imbalance {}: the median of its steps' expert_load_imbalance)", m, flag)};
 }
 
 nlohmann::json mem_json(const MemSnapshot& s) {
@@ -108,7 +144,8 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
-  q.expert_load = expert_load_of(a.moe_imbalance, desc);
+  const ExpertLoad load = expert_load_of(a.moe_imbalance, desc);
+  q.expert_load = load.value;
   q.disk_budget = disk_budget_of(a, hw);
   q.context_always = a.search_cp;
   // Branch and bound for the rows printed; ranked by goodput the bound on step time is not the
@@ -159,7 +196,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                s.on_disk, q.disk_budget / 1073741824.0);
   if (desc.config.family == model::Family::moe)
     fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
-               desc.config.n_experts, a.ranks, expert_load_note(a.moe_imbalance));
+               desc.config.n_experts, a.ranks, load.note);
   if (failures)
     fmt::print("ranked by tokens/s x goodput under failures (MTBF {:.4g} h a node, restart {:.4g} s; simulate --mtbf-hours "
                "prints the intervals)\n",
@@ -355,8 +392,8 @@ void run_simulate(SimulateArgs& a) {
   sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
   const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
-  const double expert_load = expert_load_of(a.moe_imbalance, desc);
-  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads, expert_load);
+  const ExpertLoad load = expert_load_of(a.moe_imbalance, desc);
+  const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads, load.value);
   const bool moe = desc.config.family == model::Family::moe;
   if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
   const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
@@ -385,7 +422,7 @@ void run_simulate(SimulateArgs& a) {
     }
     if (moe) {
       j["ep"] = plan.config.ep;
-      j["moe_imbalance"] = expert_load;
+      j["moe_imbalance"] = load.value;
       j["exchange_busy_ms"] = r.exchange_busy_ms;
       j["exchange_exposed_ms"] = r.exchange_exposed_ms;
     }
@@ -429,7 +466,7 @@ void run_simulate(SimulateArgs& a) {
       fmt::print("all-to-all (ep {} exchanges): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
                  "the step); expert load max/mean {}\n",
                  plan.config.ep, r.exchange_busy_ms, r.exchange_busy_ms * pct, r.exchange_exposed_ms,
-                 r.exchange_exposed_ms * pct, expert_load_note(a.moe_imbalance));
+                 r.exchange_exposed_ms * pct, load.note);
     else
       fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
   }
@@ -535,7 +572,7 @@ void print_largest_model(PlanArgs& a) {
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
   q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
-  q.expert_load = expert_load_of(a.moe_imbalance, model::describe(m));
+  q.expert_load = expert_load_of(a.moe_imbalance, model::describe(m)).value;
   q.disk_budget = disk_budget_of(a, hw);
   q.top = 1;
   mallopt(M_MMAP_THRESHOLD, 256 << 20);

@@ -47,7 +47,7 @@ struct SimulateArgs {
   int ranks = 1;
   std::string hardware = "cpu-local", trace;
   bool json = false;
-  double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
+  std::string moe_imbalance;  // --moe-imbalance: max/mean expert load, or a run to take it from (empty: balanced)
   // --collective: price one collective per message size the way nccl-tests reports it, instead of a step.
   std::string collective, bytes, algo = "best";
   GoodputFlags goodput;
@@ -67,7 +67,7 @@ struct PlanArgs {
   bool run = false, overwrite = false, talk = true;
   std::string data, out = "runs/plan";
   int64_t run_steps = 6;
-  double moe_imbalance = 0;  // --moe-imbalance: max/mean expert load (0: unset, balanced)
+  std::string moe_imbalance;  // --moe-imbalance: max/mean expert load, or a run to take it from (empty: balanced)
   GoodputFlags goodput;      // --mtbf-hours: rank by tokens/s × goodput
 };
 int run_plan(PlanArgs& a);

@@ -20,6 +20,7 @@ void MoeStats::add(const MoeStats& o) {
   aux_loss += o.aux_loss, z_loss += o.z_loss, routed += o.routed, dropped += o.dropped;
   if (o.min_load >= 0) min_load = min_load < 0 ? o.min_load : std::min(min_load, o.min_load);
   max_load = std::max(max_load, o.max_load);
+  imbalance_sum += o.imbalance_sum, routings += o.routings;
 }
 
 namespace {

@@ -22,6 +22,10 @@ struct MoeStats {
   int64_t routed = 0;   // (token, slot) assignments
   int64_t dropped = 0;  // of them, over an expert's capacity
   int64_t min_load = -1, max_load = -1;  // tokens one expert took in one group (-1: no MoE layer ran)
+  // Per routing (one MoE block's forward over one group): its busiest expert's tokens over the
+  // mean, Σ over routings, and how many (the figure --moe-imbalance takes from a run is their mean).
+  double imbalance_sum = 0;
+  int64_t routings = 0;
   void add(const MoeStats& o);
 };
 

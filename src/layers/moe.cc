@@ -443,10 +443,16 @@ void record(const UnitArgs& a, const Saved& s, const ForwardWs& w, const std::ve
   m.z_loss = a.group_weight * z;
   m.routed = d.BT * d.k;
   m.dropped = m.routed - off[d.E];
+  int64_t taken = 0;
   for (int64_t j = 0; j < d.E; ++j) {
     const int64_t n = d.K > 1 ? std::min<int64_t>(group[j], d.capacity) : off[j + 1] - off[j];
     m.min_load = m.min_load < 0 ? n : std::min(m.min_load, n);
     m.max_load = std::max(m.max_load, n);
+    taken += n;
+  }
+  if (taken > 0) {  // the cp ranks of a group each count it: the mean over routings is unchanged
+    m.imbalance_sum = static_cast<double>(m.max_load) * static_cast<double>(d.E) / static_cast<double>(taken);
+    m.routings = 1;
   }
   a.moe->add(m);
 }

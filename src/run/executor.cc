@@ -926,10 +926,10 @@ void Executor::loss_reduce(const Task& t, Run& r) {
   }
   // With the loss, every rank's routing figures (summed in rank order, so the loss is as above).
   layers::MoeStats& m = r.result.moe;
-  constexpr int kFields = 7;
+  constexpr int kFields = 9;
   const double mine[kFields] = {r.result.loss_sum, m.aux_loss, m.z_loss, static_cast<double>(m.routed),
                                 static_cast<double>(m.dropped), static_cast<double>(m.min_load),
-                                static_cast<double>(m.max_load)};
+                                static_cast<double>(m.max_load), m.imbalance_sum, static_cast<double>(m.routings)};
   std::vector<double> all(kFields * c.size());
   c.all_gather(mine, all.data(), 2 * kFields, DType::fp32, lbl)->wait(timeout_);
   double loss = 0;
@@ -938,7 +938,7 @@ void Executor::loss_reduce(const Task& t, Run& r) {
     const double* v = all.data() + kFields * i;
     loss += v[0];
     sum.add({v[1], v[2], static_cast<int64_t>(v[3]), static_cast<int64_t>(v[4]), static_cast<int64_t>(v[5]),
-             static_cast<int64_t>(v[6])});
+             static_cast<int64_t>(v[6]), v[7], static_cast<int64_t>(v[8])});
   }
   r.result.loss_sum = loss;
   m = sum;

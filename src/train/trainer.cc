@@ -484,6 +484,7 @@ double record_step(Session& s, int64_t step, const run::StepInputs& in, const ru
       row["z_loss"] = r.moe.z_loss;
       row["expert_load_min"] = r.moe.min_load;
       row["expert_load_max"] = r.moe.max_load;
+      if (r.moe.routings > 0) row["expert_load_imbalance"] = r.moe.imbalance_sum / static_cast<double>(r.moe.routings);
       row["dropped_frac"] = static_cast<double>(r.moe.dropped) / static_cast<double>(r.moe.routed);
     }
 #ifdef SHARDLM_CUDA

@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,46 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   ASSERT_EQ(human.code, 0) << human.out;
   for (const char* s : {"step ", "tokens/s", "MFU", "comm exposed", "params:", "total:"})
     EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
+}
+
+// --moe-imbalance RUN takes the run's measured figure: the median over its steps of the trainer's
+// expert_load_imbalance (the busiest expert's rows over the mean, per routing), priced as that number.
+TEST_F(Simulate, MoeImbalanceFromARunIsItsMeasuredLoad) {
+  const fs::path run = dir_ / "moe_run";
+  const Result trained = shardlm("train --model moe-tiny --batch 2 --seq 32 --steps 3 --threads 1 --eval-every 0 "
+                                 "--save-every 0 --data " + (dir_ / "tok").string() + " --out " + run.string());
+  ASSERT_EQ(trained.code, 0) << trained.out;
+  std::vector<double> measured;
+  std::ifstream metrics(run / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const json row = json::parse(line);
+    if (!row.contains("loss")) continue;
+    const double x = row.at("expert_load_imbalance").get<double>();
+    // Each routing's busiest expert holds at least the mean rows (B·T·k/E = 2·32·2/4 = 32,
+    // dropless) and at most the step's expert_load_max.
+    EXPECT_GE(x, 1.0);
+    EXPECT_LE(x, row.at("expert_load_max").get<double>() / 32 + 1e-12);
+    measured.push_back(x);
+  }
+  ASSERT_EQ(measured.size(), 3u);
+  std::sort(measured.begin(), measured.end());
+  const std::string plan = "simulate --json --model moe-tiny --batch 2 --seq 32 --threads 1 --ranks 2 --ep 2 "
+                           "--strategy fsdp --moe-imbalance ";
+  const Result from_run = shardlm(plan + run.string());
+  ASSERT_EQ(from_run.code, 0) << from_run.out;
+  const json r = json::parse(from_run.out);
+  EXPECT_DOUBLE_EQ(r["moe_imbalance"].get<double>(), measured[1]);
+  std::ostringstream number;
+  number.precision(17);
+  number << measured[1];
+  const Result as_number = shardlm(plan + number.str());
+  ASSERT_EQ(as_number.code, 0) << as_number.out;
+  EXPECT_NEAR(json::parse(as_number.out)["step_ms"].get<double>(), r["step_ms"].get<double>(), 1e-9 * r["step_ms"].get<double>());
+  EXPECT_GT(r["exchange_busy_ms"].get<double>(), 0);
+  expect_one_line_error(shardlm(plan + (dir_ / "no_run").string()), {"--moe-imbalance", "no_run", "cannot be read"});
+  fs::create_directories(dir_ / "dense_run");
+  std::ofstream(dir_ / "dense_run" / "metrics.jsonl") << "{\"step\": 0, \"loss\": 10.9}\n";
+  expect_one_line_error(shardlm(plan + (dir_ / "dense_run").string()), {"dense_run", "no step records expert_load_imbalance"});
 }
 
 // Mixtral 8x7B at 64 and 256 ranks of h100-80gb with its experts over ep 8: simulate answers with

@@ -104,6 +104,8 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
         EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
       for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
         EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
+      // The same routings' figures, summed in another order.
+      EXPECT_NEAR(row["expert_load_imbalance"].get<double>(), ref["expert_load_imbalance"].get<double>(), 1e-12) << at;
       if (dropless) {
         EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << at;
       }
