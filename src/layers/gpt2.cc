@@ -377,32 +377,16 @@ HeadWs carve_head_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int6
 double head(const UnitArgs& a, HeadMode mode) {
   const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
-  const auto& c = a.desc->config;
-  const int64_t V = c.vocab_size, Vp = c.padded_vocab(), chunk = model::detail::head_chunk_rows(d.BT);
   const float* lnf_w = a.params + a.unit->param("ln_f.weight").offset;
   const float* lnf_b = a.params + a.unit->param("ln_f.bias").offset;
   const float* wte = embedding_view(a.desc->units[a.unit->borrows], a.borrowed_params).wte;
   Carver cv(a.forward_ws);
-  const HeadWs w = carve_head_ws(be, cv, d, chunk, Vp);
+  const HeadWs w = carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), a.desc->config.padded_vocab());
   be.layernorm_forward(w.lnf, w.mean, w.rstd, a.in, lnf_w, lnf_b, d.BT, d.C);
-  if (mode == HeadMode::logits && a.all_logits) {
-    be.lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
-    return 0;
-  }
-  if (mode == HeadMode::logits) {
-    const int32_t ignore = -1;
-    be.lm_head_cross_entropy(nullptr, nullptr, w.lnf + (d.T - 1) * d.C, wte, &ignore, 1, d.C, V, Vp, 0.0f, 1,
-                             w.logits, a.logits);
-    return 0;
-  }
-  if (mode == HeadMode::loss)
-    return be.lm_head_cross_entropy(nullptr, nullptr, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits,
-                                    nullptr);
+  if (mode != HeadMode::train) return vocabulary_pass(a, mode, w.lnf, wte, nullptr, nullptr, w.logits);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* dwte = mut(embedding_view(a.desc->units[a.unit->borrows], a.borrowed_grads).wte);
-  be.zero(dln, sizeof(float) * d.BT * d.C);
-  const double loss = be.lm_head_cross_entropy(dln, dwte, w.lnf, wte, a.targets, d.BT, d.C, V, Vp, a.grad_scale,
-                                               chunk, w.logits, nullptr);
+  const double loss = vocabulary_pass(a, mode, w.lnf, wte, dwte, dln, w.logits);
   be.zero(a.dx, sizeof(float) * d.BT * d.C);
   be.layernorm_backward(a.dx, a.grads + a.unit->param("ln_f.weight").offset,
                         a.grads + a.unit->param("ln_f.bias").offset, dln, a.in, lnf_w, w.mean, w.rstd, d.BT, d.C);

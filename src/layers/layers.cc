@@ -16,6 +16,28 @@ const LayerKind& layer(model::UnitKind kind) {
   return table[static_cast<int>(kind)];
 }
 
+double vocabulary_pass(const UnitArgs& a, HeadMode mode, const float* normed, const float* weight, float* dweight,
+                       float* dnormed, float* logits_ws) {
+  const kernels::Backend& be = *a.backend;
+  const auto& c = a.desc->config;
+  const int64_t BT = a.B * a.T, C = c.n_embd, V = c.vocab_size, Vp = c.padded_vocab();
+  const int64_t chunk = model::detail::head_chunk_rows(BT);
+  if (mode == HeadMode::logits && !a.all_logits) {  // generation: the last position's logits
+    const int32_t ignore = -1;
+    be.lm_head_cross_entropy(nullptr, nullptr, normed + (a.T - 1) * C, weight, &ignore, 1, C, V, Vp, 0.0f, 1, logits_ws,
+                             a.logits);
+    return 0;
+  }
+  if (mode != HeadMode::train) {
+    const double loss = be.lm_head_cross_entropy(nullptr, nullptr, normed, weight, a.targets, BT, C, V, Vp, 0.0f, chunk,
+                                                 logits_ws, mode == HeadMode::logits ? a.logits : nullptr);
+    return mode == HeadMode::logits ? 0 : loss;
+  }
+  be.zero(dnormed, sizeof(float) * BT * C);
+  return be.lm_head_cross_entropy(dnormed, dweight, normed, weight, a.targets, BT, C, V, Vp, a.grad_scale, chunk,
+                                  logits_ws, nullptr);
+}
+
 void MoeStats::add(const MoeStats& o) {
   aux_loss += o.aux_loss, z_loss += o.z_loss, routed += o.routed, dropped += o.dropped;
   if (o.min_load >= 0) min_load = min_load < 0 ? o.min_load : std::min(min_load, o.min_load);

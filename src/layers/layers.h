@@ -80,6 +80,13 @@ struct UnitArgs {
 
 enum class HeadMode { train, loss, logits };
 
+// A head's vocabulary half, after its final norm wrote `normed` (B·T, C): by `mode`, the logits
+// (into args.logits: every row with args.all_logits, else the last), the summed loss, or in training
+// the loss with d normed into `dnormed` (zeroed here) and weight's gradient into `dweight`. The
+// weight is (Vp, C), `logits_ws` the backend's head_scratch(model::detail::head_chunk_rows(B·T)).
+double vocabulary_pass(const UnitArgs& a, HeadMode mode, const float* normed, const float* weight, float* dweight,
+                       float* dnormed, float* logits_ws);
+
 // Bytes a kind carves from each of its buffers for one micro-batch; must equal model's costs.
 struct Carved {
   int64_t saved = 0, recomputable = 0, forward_ws = 0, backward_ws = 0;

@@ -369,8 +369,6 @@ HeadWs carve_head_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int6
 double head(const UnitArgs& a, HeadMode mode) {
   const kernels::Backend& be = *a.backend;
   const Dims d = dims(a);
-  const auto& c = a.desc->config;
-  const int64_t V = c.vocab_size, Vp = c.padded_vocab(), chunk = model::detail::head_chunk_rows(d.BT);
   const model::UnitDesc& u = *a.unit;
   const float* norm_w = a.params + u.param("model.norm.weight").offset;
   const bool tied = u.borrows >= 0;
@@ -378,26 +376,12 @@ double head(const UnitArgs& a, HeadMode mode) {
   const char* weight_name = tied ? "model.embed_tokens.weight" : "lm_head.weight";
   const float* w_head = (tied ? a.borrowed_params : a.params) + owner.param(weight_name).offset;
   Carver cv(a.forward_ws);
-  const HeadWs w = carve_head_ws(be, cv, d, chunk, Vp);
+  const HeadWs w = carve_head_ws(be, cv, d, model::detail::head_chunk_rows(d.BT), a.desc->config.padded_vocab());
   be.rmsnorm_forward(w.ln, w.rstd, a.in, norm_w, d.BT, d.C, d.eps);
-  if (mode == HeadMode::logits && a.all_logits) {
-    be.lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk, w.logits, a.logits);
-    return 0;
-  }
-  if (mode == HeadMode::logits) {
-    const int32_t ignore = -1;
-    be.lm_head_cross_entropy(nullptr, nullptr, w.ln + (d.T - 1) * d.C, w_head, &ignore, 1, d.C, V, Vp, 0.0f, 1,
-                             w.logits, a.logits);
-    return 0;
-  }
-  if (mode == HeadMode::loss)
-    return be.lm_head_cross_entropy(nullptr, nullptr, w.ln, w_head, a.targets, d.BT, d.C, V, Vp, 0.0f, chunk,
-                                    w.logits, nullptr);
+  if (mode != HeadMode::train) return vocabulary_pass(a, mode, w.ln, w_head, nullptr, nullptr, w.logits);
   float* dln = reinterpret_cast<float*>(a.backward_ws);
   float* g_head = (tied ? a.borrowed_grads : a.grads) + owner.param(weight_name).offset;
-  be.zero(dln, sizeof(float) * d.BT * d.C);
-  const double loss = be.lm_head_cross_entropy(dln, g_head, w.ln, w_head, a.targets, d.BT, d.C, V, Vp,
-                                               a.grad_scale, chunk, w.logits, nullptr);
+  const double loss = vocabulary_pass(a, mode, w.ln, w_head, g_head, dln, w.logits);
   be.zero(a.dx, sizeof(float) * d.BT * d.C);
   be.rmsnorm_backward(a.dx, a.grads + u.param("model.norm.weight").offset, dln, a.in, norm_w, w.rstd, d.BT, d.C);
   return loss;
