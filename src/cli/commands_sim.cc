@@ -12,6 +12,7 @@
 #include "cli/subcommands.h"
 #include "kernels/backend.h"
 #include "kernels/cpu.h"
+#include "report/run_data.h"
 #include "run/calibrate.h"
 #include "sim/cost.h"
 #include "sim/goodput.h"
@@ -34,22 +35,23 @@ struct ExpertLoad {
   std::string note = "1 (default: balanced routing; --moe-imbalance F or RUN_DIR sets a run's max/mean expert load)";
 };
 
+// The run's steps as the report reads them (report::load_run: a damaged line is left out).
 double median_imbalance_of_run(const std::string& flag) {
   namespace fs = std::filesystem;
-  const fs::path file = fs::is_directory(flag) ? fs::path(flag) / "metrics.jsonl" : fs::path(flag);
-  std::ifstream in(file);
-  if (!in) throw std::invalid_argument("--moe-imbalance: " + file.string() + ": cannot be read (a number >= 1, or a run's directory or metrics.jsonl)");
-  std::vector<double> steps;
-  std::string line;
-  for (int n = 1; std::getline(in, line); ++n) {
-    if (line.empty()) continue;
-    const auto row = nlohmann::json::parse(line, nullptr, false);
-    if (row.is_discarded()) throw std::invalid_argument("--moe-imbalance: " + file.string() + ":" + std::to_string(n) + ": not JSON");
-    if (row.contains("expert_load_imbalance") && row["expert_load_imbalance"].is_number())
-      steps.push_back(row["expert_load_imbalance"].get<double>());
+  const fs::path path(flag);
+  const std::string dir = path.filename() == "metrics.jsonl" ? path.parent_path().string() : flag;
+  report::RunData run;
+  try {
+    run = report::load_run(dir.empty() ? "." : dir);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument("--moe-imbalance: " + flag + ": cannot be read as a run (a number >= 1, or a run's " +
+                                "directory or metrics.jsonl): " + e.what());
   }
+  std::vector<double> steps;
+  for (const nlohmann::json& row : run.steps)
+    if (const double x = report::number(row, "expert_load_imbalance"); std::isfinite(x)) steps.push_back(x);
   if (steps.empty())
-    throw std::invalid_argument("--moe-imbalance: " + file.string() +
+    throw std::invalid_argument("--moe-imbalance: " + (fs::path(dir) / "metrics.jsonl").string() +
                                 ": no step records expert_load_imbalance (the metrics of a mixture-of-experts run)");
   std::sort(steps.begin(), steps.end());
   const size_t n = steps.size();
