@@ -86,29 +86,30 @@ def head_pointwise_bytes(m):
     return (2 * BT * m["C"] + BT * m["V"]) * ELEM
 
 
-def to_a100(dev):
-    """(memory-bound scale, words) for --target a100: the measuring GPU's HBM over the A100's."""
+TARGET_HBM = {"h100": H100_SXM_HBM, "h100-hbm2e": H100_HBM2E, "a100": A100_SXM_HBM}
+
+
+def transfer(dev, target, force):
+    """(memory-bound scale, words saying how the figures transfer to `target`): the memory-bound
+    figures by the target's datasheet HBM bandwidth over the measuring GPU's (an H100 SXM or an
+    H200); GEMM and attention rates carry to the H100s (the same GH100 compute), not to an A100."""
     name, sms = dev.get("name", ""), dev.get("sm_count")
+    measured = f"measured on an {name} ({sms} SMs)"
     hbm = H200_HBM if "H200" in name else H100_SXM_HBM if ("H100" in name and "HBM3" in name and sms == 132) else None
+    if hbm is None and force and target == "h100":
+        return 1.0, measured + ", taken as an H100 SXM unchanged (--force)"
     if hbm is None:
-        sys.exit(f"{name} ({sms} SMs): --target a100 takes an H100 SXM's or an H200's measurement")
-    return A100_SXM_HBM / hbm, (f"measured on an {name} ({sms} SMs), carried to an A100 SXM 80 GB: pointwise_bw x "
-                                f"{A100_SXM_HBM / 1e12:.3f}/{hbm / 1e12:.2f} (datasheet HBM2e vs the measuring GPU's), "
-                                "GEMM and attention left at the preset's published efficiencies")
-
-
-def transfer(dev, force):
-    """(memory-bound scale, words saying how the figures transfer to an H100 SXM)."""
-    name, sms = dev.get("name", ""), dev.get("sm_count")
-    if "H200" in name:
-        return H100_SXM_HBM / H200_HBM, (f"measured on an {name} ({sms} SMs): GEMM and attention rates as measured (the same "
-                                         f"GH100 compute), memory-bound figures x 3.35/4.8 (datasheet HBM3 vs HBM3e)")
-    if "H100" in name and "HBM3" in name and sms == 132:
-        return 1.0, f"measured on an {name} ({sms} SMs)"
-    if force:
-        return 1.0, f"measured on an {name} ({sms} SMs), taken as an H100 SXM unchanged (--force)"
-    sys.exit(f"{name} ({sms} SMs) is neither an H100 SXM (132 SMs, HBM3) nor an H200: its figures do not transfer "
-             "(--force takes them as they are)")
+        sys.exit(f"{name} ({sms} SMs) is neither an H100 SXM (132 SMs, HBM3) nor an H200: its figures do not transfer "
+                 "(--force takes them as they are, for --target h100)")
+    scale = TARGET_HBM[target] / hbm
+    if scale == 1:
+        return 1.0, measured
+    compute = {"h100": "GEMM and attention rates as measured (the same GH100 compute)",
+               "h100-hbm2e": "GEMM and attention rates as measured (the same GH100 compute, at the 700 W SXM's clocks: "
+                             "torchtitan's 96 GB HBM2e parts are capped at 500 W)",
+               "a100": "GEMM and attention left at the A100 preset's published efficiencies"}[target]
+    return scale, (f"{measured}: {compute}, memory-bound figures x {TARGET_HBM[target] / 1e12:.4g}/{hbm / 1e12:.4g} "
+                   f"(datasheet HBM of the {target} over the measuring GPU's)")
 
 
 def analyse(doc):
@@ -249,10 +250,7 @@ def main():
     if not doc["models"]:
         sys.exit(f"{a.rates}: no model measured ({'; '.join(doc.get('errors', []))})")
     dev = doc["device"]
-    scale, how = (to_a100(dev) if a.target == "a100" else transfer(dev, a.force or doc.get("mode") == "cpu-smoke"))
-    if a.target == "h100-hbm2e":  # the same GH100 compute; memory-bound figures at 2.4 TB/s instead of 3.35
-        scale *= H100_HBM2E / H100_SXM_HBM
-        how += "; carried to torchtitan's 96 GB HBM2e H100s: memory-bound figures x 2.4/3.35, compute as the 700 W SXM's"
+    scale, how = transfer(dev, a.target, a.force or doc.get("mode") == "cpu-smoke")
     fake = "FAKE (invented times, a pipeline test)" if doc.get("fake") else ("CPU SMOKE RUN" if doc.get("mode") != "cuda" else "")
     date = doc.get("date", "")[:10]
     sw = f"torch {dev.get('torch', '?')}, CUDA {dev.get('cuda', '?')}"
