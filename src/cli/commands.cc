@@ -167,7 +167,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
       ->capture_default_str();
   cmd->add_option("--memory-budget", c.memory_budget,
                   "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
-                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does");
+                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part");
   cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)");
   cmd->add_option("--offload-prefetch", c.offload_prefetch, "offloaded units read ahead of the task using them")
       ->capture_default_str();

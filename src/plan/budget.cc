@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -49,6 +50,59 @@ int64_t parse_bytes(const std::string& text, const std::string& flag) {
 }
 
 namespace {
+
+constexpr int kActivations = kNumStateKinds;  // a Candidate's kind: a unit's saved activations
+
+struct Candidate {
+  int kind, unit;  // kind: a StateKind, or kActivations
+  int64_t bytes;
+};
+
+// What whole units leave of the budget goes back to what was moved last (the most touched), in
+// reverse order, each candidate whole while it fits; what moved is still a prefix of the order.
+// Then the state moved before keeps heads of its parts in memory, in whole pages
+// (Placement::resident), in the same order while room is left, so a step reads and writes that
+// much less. A head adds its bytes to the peak exactly (the windows do not change); a candidate
+// brought back whole need not (saved activations move the peak's place), so the plan is built
+// again and kept only within the budget, else the heads alone are tried on the last plan.
+Plan keep_what_fits(Plan p, int64_t budget, const std::vector<Candidate>& moved, std::vector<char>& activations,
+                    std::vector<std::array<bool, kNumStateKinds>>& choice,
+                    std::vector<std::array<int64_t, kNumStateKinds>>& resident, const std::function<Plan()>& build) {
+  auto give_heads = [&](size_t whole, int64_t room) {  // to the state candidates past the whole ones
+    bool any = false;
+    for (auto m = moved.rbegin() + static_cast<std::ptrdiff_t>(whole); m != moved.rend(); ++m) {
+      if (m->kind == kActivations) continue;  // saved activations move whole buffers
+      const int64_t per_elem = m->kind == static_cast<int>(StateKind::optimizer) ? 8 : 4;
+      const int64_t n = p.held_elems(StateKind(m->kind), m->unit);
+      const int64_t head = std::min((n - 1) / kResidentGrain, room / per_elem / kResidentGrain) * kResidentGrain;
+      resident[m->unit][m->kind] = head;
+      room -= per_elem * head;
+      any = any || head > 0;
+    }
+    return any;
+  };
+  int64_t room = budget - p.peak_memory().total;
+  size_t whole = 0;
+  for (auto m = moved.rbegin(); m != moved.rend() && m->bytes <= room; ++m, ++whole) {
+    if (m->kind == kActivations) activations[m->unit] = 0;
+    else choice[m->unit][m->kind] = false;
+    room -= m->bytes;
+  }
+  if (give_heads(whole, room) || whole > 0) {
+    Plan kept = build();
+    if (kept.peak_memory().total <= budget) return kept;
+  }
+  if (whole == 0) return p;
+  for (auto m = moved.rbegin(); m != moved.rbegin() + static_cast<std::ptrdiff_t>(whole); ++m) {  // undo the whole ones
+    if (m->kind == kActivations) activations[m->unit] = 1;
+    else choice[m->unit][m->kind] = true;
+  }
+  std::fill(resident.begin(), resident.end(), std::array<int64_t, kNumStateKinds>{});
+  if (!give_heads(0, budget - p.peak_memory().total)) return p;
+  Plan kept = build();
+  return kept.peak_memory().total <= budget ? kept : p;
+}
+
 std::string bytes_text(int64_t b) {
   char mib[32];
   std::snprintf(mib, sizeof mib, "%.1f", static_cast<double>(b) / 1048576.0);
@@ -65,8 +119,9 @@ std::string bytes_text(int64_t b) {
 // forward's are read back last, so their reload has the most time to hide). Then build and measure
 // again, since windows and copies add back some of what was freed. Each round moves at least one
 // candidate, and typically one or two rounds after the resident plan suffice, so the number of
-// plan builds stays small (at most 4 × units + 1 in the worst case). An explicit --offload's kinds
-// are a floor: those stay on disk for every unit.
+// plan builds stays small (at most 4 × units + 2 in the worst case). An explicit --offload's kinds
+// are a floor: those stay on disk for every unit. Last, what the whole units leave of the budget
+// keeps the most touched of the moved state in memory (keep_what_fits).
 Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   const int U = static_cast<int>(desc.units.size());
   const int64_t budget = c.memory_budget;
@@ -76,8 +131,10 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   c.offload.kinds = {};
   const bool all_activations = c.offload.activations;  // --offload activations: every unit's
   std::vector<char> activations(U, all_activations ? 1 : 0);
+  std::vector<std::array<int64_t, kNumStateKinds>> resident(U, std::array<int64_t, kNumStateKinds>{});
   auto build = [&] {
     c.offload.units = choice;
+    c.offload.resident = resident;
     c.offload.activations = std::find(activations.begin(), activations.end(), 1) != activations.end();
     c.offload.activation_units = c.offload.activations && !all_activations ? activations : std::vector<char>{};
     return build_plan(desc, c);
@@ -86,11 +143,6 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   int64_t peak = p.peak_memory().total;
   if (peak <= budget) return p;
 
-  struct Candidate {
-    int kind, unit;  // kind: a StateKind, or kActivations
-    int64_t bytes;
-  };
-  constexpr int kActivations = kNumStateKinds;
   std::vector<int64_t> saved_bytes(U, 0);  // what a unit's forward keeps for its backward
   for (const BufferDesc& b : p.buffers)
     if (b.kept_for_backward() && b.unit >= 0) saved_bytes[b.unit] += b.bytes;
@@ -113,7 +165,8 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   // Windows and copies cost memory too, so the peak need not fall with every unit moved: the
   // smallest peak seen (the full offload's, or one on the way) is what the refusal reports.
   int64_t smallest = peak;
-  for (size_t next = 0; peak > budget;) {
+  size_t next = 0;
+  while (peak > budget) {
     if (next == order.size())
       throw std::invalid_argument(head + "does not fit even with every unit's params, grads, optimizer state" +
                                   (train ? " and saved activations" : "") + " on disk; the smallest peak reachable is " +
@@ -134,7 +187,8 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
     peak = p.peak_memory().total;
     smallest = std::min(smallest, peak);
   }
-  return p;
+  order.resize(next);  // what was moved
+  return keep_what_fits(std::move(p), budget, order, activations, choice, resident, build);
 }
 
 }  // namespace shardlm::plan

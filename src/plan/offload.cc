@@ -241,8 +241,8 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
   const bool train = p.config.mode == PlanConfig::Mode::train;
   const int U = static_cast<int>(desc.units.size());
 
-  // Placement: each (unit, kind) the config chooses lives on disk; its resident bytes leave the
-  // static memory (an optimizer unit's two moments).
+  // Placement: each (unit, kind) the config chooses lives on disk, but for a resident head; what
+  // stays in memory is the static memory (an optimizer unit's two moments).
   std::vector<UnitPlacement> placed = p.placement();
   std::array<int64_t, kNumStateKinds> left{};  // bytes per kind that stay resident
   std::array<bool, kNumStateKinds> all{true, true, true};  // every held unit of the kind on disk
@@ -251,8 +251,10 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       UnitPlacement& up = placed[u];
       Placement& pl = k == 0 ? up.params : k == 1 ? up.grads : up.optimizer;
       if (pl.parts == 0) continue;
-      if (o.on_disk(StateKind(k), u)) pl.where = Location::disk;
-      else all[k] = false, left[k] += 4 * p.held_elems(StateKind(k), u);
+      if (o.on_disk(StateKind(k), u)) pl.where = Location::disk, pl.resident = o.resident_elems(StateKind(k), u);
+      const int64_t in_memory = pl.where == Location::disk ? pl.resident : p.held_elems(StateKind(k), u);
+      left[k] += 4 * in_memory;
+      if (in_memory > 0) all[k] = false;
     }
   p.set_placement(std::move(placed));
   p.static_memory.params = left[0];
@@ -262,7 +264,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     const int k = b.role == Role::params ? 0 : b.role == Role::grads ? 1 : b.role == Role::exp_avg || b.role == Role::exp_avg_sq ? 2 : -1;
     if (k < 0 || !p.any_on_disk(StateKind(k))) continue;
     if (all[k]) b.where = Location::disk;
-    else b.bytes = left[k];  // the resident units' part, packed (run::Executor lays it out so)
+    else b.bytes = left[k];  // the resident units' and heads' part, packed (run::Executor lays it out so)
   }
 
   // One gradient-norm and one optimizer task per unit, so a unit's state is in memory only while
@@ -283,7 +285,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       b.name = std::string("window ") + to_string(StateIndex(s)) + " " + desc.units[u].name;
       b.role = Role::window;
       b.category = k == StateKind::params ? MemCategory::params : k == StateKind::grads ? MemCategory::grads : MemCategory::optimizer;
-      b.bytes = p.disk_slot_bytes(k, u);
+      b.bytes = p.window_bytes(k, u);
       b.unit = u;
       p.buffers.push_back(b);
       p.windows[u][s] = b.id;
@@ -350,7 +352,9 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     t.unit = r.unit;
     t.micro = p.tasks[uses[r.first].task].micro;
     t.io.window = p.windows[r.unit][r.state];
-    t.bytes = p.buffers[t.io.window].bytes;
+    const StateKind k = kind_of(StateIndex(r.state));
+    t.bytes = p.disk_slot_bytes(k, r.unit);           // to or from the file
+    t.copy_bytes = 4 * p.placed(k, r.unit).resident;  // the resident head, within memory
     return t;
   };
   for (size_t ri = 0; ri < res.size(); ++ri) {

@@ -92,7 +92,12 @@ void Plan::set_placement(std::vector<UnitPlacement> placement) {
           (held && layout.units[u].padded % (16 * p.parts) != 0))
         throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + to_string(StateKind(k)) + " in " +
                                std::to_string(p.parts) + " parts does not fit its axes or its padding");
-      at.push_back(at.back() + held_elems(StateKind(k), static_cast<int>(u)));
+      const int64_t n = held_elems(StateKind(k), static_cast<int>(u));
+      if (p.resident != 0 && (p.where != Location::disk || p.resident < 0 || p.resident >= n || p.resident % kResidentGrain != 0))
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + to_string(StateKind(k)) + " keeps " +
+                               std::to_string(p.resident) + " of its " + std::to_string(n) +
+                               " elements resident (on disk, fewer than all, whole 4 KiB pages only)");
+      at.push_back(at.back() + n);
     }
   }
 }
@@ -108,7 +113,11 @@ bool Plan::any_on_disk(StateKind k) const {
   return false;
 }
 
-int64_t Plan::disk_slot_bytes(StateKind k, int u) const { return on_disk(k, u) ? disk_aligned(4 * held_elems(k, u)) : 0; }
+int64_t Plan::disk_slot_bytes(StateKind k, int u) const {
+  return on_disk(k, u) ? disk_aligned(4 * (held_elems(k, u) - placed(k, u).resident)) : 0;
+}
+
+int64_t Plan::window_bytes(StateKind k, int u) const { return on_disk(k, u) ? disk_aligned(4 * held_elems(k, u)) : 0; }
 
 int64_t Plan::disk_bytes() const {
   int64_t bytes = activation_file_bytes;
@@ -362,7 +371,8 @@ void mesh_text(const Mesh& mesh, std::ostream& o) {
 void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
   const PlanConfig& c = plan.config;
   if (c.memory_budget <= 0 && !c.offload.disk()) return;
-  o << "\nstate per unit (params / grads / optimizer / saved activations: ram | disk | - not held)";
+  o << "\nstate per unit (params / grads / optimizer / saved activations: ram | disk (with the share of each rank's part "
+       "kept in memory, if any) | - not held)";
   if (c.memory_budget > 0) o << ", memory budget " << c.memory_budget << " bytes per rank";
   const int64_t peak = plan.peak_memory().total;
   const std::streamsize precision = o.precision();
@@ -377,6 +387,8 @@ void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostrea
     for (int k = 0; k < kNumStateKinds; ++k) {
       const Placement& p = plan.placed(StateKind(k), u);
       o << (k ? " / " : " ") << (p.parts == 0 ? "-" : p.where == Location::disk ? "disk" : "ram");
+      if (p.resident > 0)  // a resident head: the share of the part kept in memory
+        o << " (" << 100 * p.resident / plan.held_elems(StateKind(k), u) << "% ram)";
     }
     o << " / " << plan.activations_where(u);
     o << "\n";
@@ -391,7 +403,9 @@ void placement_text(const Plan& plan, std::ostream& o) {
     o << "  " << to_string(StateKind(k)) << ":";
     for (size_t first = 0, u = 0; first < units.size(); first = u) {
       const Placement& p = units[first].of(StateKind(k));
-      auto same = [&](const Placement& q) { return q.axes == p.axes && q.parts == p.parts && q.where == p.where; };
+      auto same = [&](const Placement& q) {
+        return q.axes == p.axes && q.parts == p.parts && q.where == p.where && q.resident == p.resident;
+      };
       while (u < units.size() && same(units[u].of(StateKind(k)))) ++u;
       o << (first ? ";" : "") << " u" << first;
       if (u - 1 > first) o << "-u" << u - 1;
@@ -402,6 +416,7 @@ void placement_text(const Plan& plan, std::ostream& o) {
       o << " " << (p.parts == 1 ? std::string("whole") : std::to_string(p.parts) + " parts over");
       for (size_t a = 0; a < p.axes.size() && p.parts > 1; ++a) o << (a ? "×" : " ") << plan.mesh[p.axes[a]].name;
       o << ", " << to_string(p.where);
+      if (p.resident > 0) o << " but the first " << p.resident << " elements of each part, in memory";
     }
     o << "\n";
   }

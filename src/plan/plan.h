@@ -166,6 +166,13 @@ struct OffloadConfig {
   bool activations = false;
   // With `activations`, a choice per unit (the budget's); empty: every unit's.
   std::vector<char> activation_units;
+  // Per unit (then StateKind), elements at the head of each rank's part of an offloaded kind that
+  // stay in memory (Placement::resident; the budget's use of what whole units leave of it); empty
+  // or 0: the whole part is on disk.
+  std::vector<std::array<int64_t, kNumStateKinds>> resident;
+  int64_t resident_elems(StateKind k, int u) const {
+    return u < static_cast<int>(resident.size()) ? resident[u][static_cast<int>(k)] : 0;
+  }
   int prefetch = 2;
   bool on_disk(StateKind k, int u) const {
     const int i = static_cast<int>(k);
@@ -269,11 +276,17 @@ struct Repeat {
 // equal element ranges over the ranks of mesh `axes` (parts = the product of their sizes; a rank
 // holds range mesh.index_in(rank, axes)); no axes and parts 1: whole on every rank; parts 0: not
 // held at all (a forward-only plan has no gradients). `where` is where the held range lives.
+// With `where` disk, the first `resident` elements of the held range stay in memory (a multiple
+// of kResidentGrain, less than the range): a reload copies them into the window beside the rest,
+// read from disk, so a unit too large to keep whole still keeps what the memory has room for.
 struct Placement {
   std::vector<int> axes;
   int parts = 1;
   Location where = Location::host;
+  int64_t resident = 0;
 };
+// Elements: the disk's 4 KiB alignment, so the on-disk rest of a window starts aligned.
+inline constexpr int64_t kResidentGrain = 1024;
 
 // Each kind of a unit's state has a placement of its own, so units may shard over different axes
 // (experts over the ranks that hold the same experts, dense weights over dp_shard) and live in
@@ -329,9 +342,14 @@ struct Plan {
   // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
   bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
   bool any_on_disk(StateKind k) const;
-  // Bytes unit u's kind-k state (one moment, for the optimizer) takes in its offload file and in
-  // its window: its held part padded to the disk's 4 KiB; 0 where it stays in memory.
+  // Bytes unit u's kind-k state (one moment, for the optimizer) takes in its offload file (its
+  // held part past the resident head) and in its window (all of its held part), each padded to the
+  // disk's 4 KiB; 0 where it stays in memory.
   int64_t disk_slot_bytes(StateKind k, int u) const;
+  int64_t window_bytes(StateKind k, int u) const;
+  // Elements of unit u's kind-k part that live in memory: all of it, the resident head of a part
+  // on disk, or none.
+  int64_t ram_elems(StateKind k, int u) const { return on_disk(k, u) ? placed(k, u).resident : held_elems(k, u); }
   // Bytes of this rank's offload files: each unit's part of each kind of state it keeps on disk,
   // padded to the disk's 4 KiB (the optimizer's two moments apart), and the activations file.
   int64_t disk_bytes() const;

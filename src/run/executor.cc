@@ -169,7 +169,7 @@ Executor::Executor(const model::ModelDesc& desc, const plan::Plan& plan, const C
   for (int si = 0; si < plan::kNumStateBuffers; ++si) {
     const StateKind k = plan::kind_of(StateIndex(si));
     ram_at_[si].assign(1, 0);
-    for (int u = 0; u < U; ++u) ram_at_[si].push_back(ram_at_[si].back() + (plan.on_disk(k, u) ? 0 : plan.held_elems(k, u)));
+    for (int u = 0; u < U; ++u) ram_at_[si].push_back(ram_at_[si].back() + plan.ram_elems(k, u));
   }
   auto state = [&](MemCategory c, StateKind k) {
     const int64_t n = ram_at_[static_cast<int>(k == StateKind::optimizer ? StateIndex::exp_avg : StateIndex(static_cast<int>(k)))].back();
@@ -303,22 +303,27 @@ float* Executor::held(StateIndex s, int u, const Run* r) const {
   return r->live[w].f32();
 }
 
+// A window holds the unit's whole part: its resident head (plan::Placement::resident) from memory,
+// then the rest from the file.
 void Executor::disk_read(StateIndex s, int u, void* dst) {
+  const int64_t head = 4 * plan_.placed(plan::kind_of(s), u).resident;
   const auto& at = file_at_[static_cast<int>(s)];
-  store_->read(file_[static_cast<int>(s)], at[u], dst, at[u + 1] - at[u]);
+  if (head > 0) backend_.copy(dst, state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u], head);
+  store_->read(file_[static_cast<int>(s)], at[u], static_cast<char*>(dst) + head, at[u + 1] - at[u]);
 }
 
 void Executor::disk_write(StateIndex s, int u, const void* src) {
+  const int64_t head = 4 * plan_.placed(plan::kind_of(s), u).resident;
   const auto& at = file_at_[static_cast<int>(s)];
-  store_->write(file_[static_cast<int>(s)], at[u], src, at[u + 1] - at[u]);
+  if (head > 0) backend_.copy(state(static_cast<State>(s)).f32() + ram_at_[static_cast<int>(s)][u], src, head);
+  store_->write(file_[static_cast<int>(s)], at[u], static_cast<const char*>(src) + head, at[u + 1] - at[u]);
 }
 
 // Through one window-sized bounce buffer: the file pads each unit to 4 KiB, the packed buffer does not.
 // A window-sized buffer for the largest unit's part of state s (transfers are whole, aligned units).
 Buffer Executor::bounce_window(StateIndex s, Buffer::Fill fill) const {
-  const auto& at = file_at_[static_cast<int>(s)];
   int64_t most = 0;
-  for (size_t u = 0; u + 1 < at.size(); ++u) most = std::max(most, at[u + 1] - at[u]);
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) most = std::max(most, plan_.window_bytes(plan::kind_of(s), u));
   return backend_.alloc(MemCategory::staging, most, fill);
 }
 
@@ -417,9 +422,8 @@ void Executor::init_params(uint64_t seed) {
       init_range(u, seed, params_.f32() + at, s.begin, s.begin + s.len);
       continue;
     }
-    // Offloaded: through a window-sized buffer into the file.
-    const auto& at = file_at_[static_cast<int>(StateIndex::params)];
-    Buffer window = backend_.alloc(MemCategory::staging, at[u + 1] - at[u], Buffer::Fill::zero);
+    // Offloaded: through a window-sized buffer into the file (and the resident head).
+    Buffer window = backend_.alloc(MemCategory::staging, plan_.window_bytes(StateKind::params, u), Buffer::Fill::zero);
     init_range(u, seed, window.f32(), s.begin, s.begin + s.len);
     disk_write(StateIndex::params, u, window.data());
   }

@@ -308,10 +308,12 @@ double CostModel::all_to_all_seconds(double bytes_per_rank, int group, bool cros
 double CostModel::seconds(const plan::Task& t) const {
   if (plan::info(t.op).stream == plan::OpStream::compute) return compute_seconds(t);  // the optimizer stream's too
   // The disk tier's copies (--offload): one request's latency and the bytes at the disk's rate on
-  // the copy stream (a profile without disk figures prices them at nothing).
+  // the copy stream (a profile without disk figures prices them at nothing), and a resident head
+  // copied within memory.
   if (plan::info(t.op).stream == plan::OpStream::copy) {
     const double bw = t.op == Op::reload ? hw_.disk_read_bw : hw_.disk_write_bw;
-    return bw > 0 ? hw_.disk_latency_s + static_cast<double>(t.bytes) / bw : 0;
+    const double head = 2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
+    return bw > 0 ? hw_.disk_latency_s + static_cast<double>(t.bytes) / bw + head : 0;
   }
   const Collective c = collective_of(t.op);
   const GroupSpan g = span(t);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "plan/arena.h"
+#include "tensor/disk_store.h"
 
 namespace shardlm::plan {
 namespace {
@@ -551,6 +552,64 @@ TEST(Plan, OffloadDropsTheResidentFiguresOfTheOffloadedKinds) {
     std::printf("gpt2-124m %d rank(s): params peak %.0f -> %.0f MiB, optimizer peak %.0f -> %.0f MiB\n", world,
                 res[MemCategory::params] / 1048576.0, off[MemCategory::params] / 1048576.0,
                 res[MemCategory::optimizer] / 1048576.0, off[MemCategory::optimizer] / 1048576.0);
+  }
+}
+
+// A resident head (Placement::resident, the budget's use of what whole units leave): each unit's
+// part on disk but its first half (whole 4 KiB pages) in memory. The static memory is the heads,
+// the windows are the whole parts as before, each copy moves the rest to or from the file and the
+// head within memory, the files shrink by the heads, and the peak rises by exactly the heads'
+// bytes (the windows' schedule is unchanged), one process and fsdp at 2 ranks. A head that is not
+// whole pages, or all of the part, is refused.
+TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
+  const model::ModelDesc d = model::describe(model::model_preset("gpt2-124m"));
+  for (int world : {1, 2}) {
+    PlanConfig c;
+    c.world = world;
+    c.batch = 2;
+    c.seq = 128;
+    c.offload.kinds = {true, true, true};
+    const Plan full = build_plan(d, c);
+    const int U = static_cast<int>(d.units.size());
+    c.offload.resident.assign(U, {});
+    std::array<int64_t, kNumStateKinds> heads{};
+    for (int u = 0; u < U; ++u)
+      for (int k = 0; k < kNumStateKinds; ++k) {
+        const int64_t half = full.held_elems(StateKind(k), u) / 2 / kResidentGrain * kResidentGrain;
+        c.offload.resident[u][k] = half;
+        heads[k] += half;
+      }
+    ASSERT_GT(heads[0], 0);
+    const Plan p = build_plan(d, c);
+    expect_no_buffer_alive_twice(d, c, "gpt2-124m resident heads " + std::to_string(world));
+    EXPECT_EQ(p.static_memory.params, 4 * heads[0]) << world;
+    EXPECT_EQ(p.static_memory.grads, 4 * heads[1]) << world;
+    EXPECT_EQ(p.static_memory.optimizer, 8 * heads[2]) << world;
+    const int64_t head_bytes = 4 * (heads[0] + heads[1] + 2 * heads[2]);
+    EXPECT_EQ(full.disk_bytes() - p.disk_bytes(), head_bytes) << world;
+    EXPECT_EQ(p.peak_memory().total, full.peak_memory().total + head_bytes) << world;
+    int copies = 0;
+    for (const Task& t : p.tasks) {
+      if (t.op != Op::reload && t.op != Op::write_back) continue;
+      ++copies;
+      const BufferDesc& w = p.buffers[t.io.window];
+      const StateKind k = w.category == MemCategory::params ? StateKind::params
+                          : w.category == MemCategory::grads ? StateKind::grads : StateKind::optimizer;
+      const int64_t n = p.held_elems(k, t.unit), head = p.placed(k, t.unit).resident;
+      EXPECT_EQ(head, c.offload.resident[t.unit][static_cast<int>(k)]);
+      EXPECT_EQ(w.bytes, full.window_bytes(k, t.unit)) << t.name(&d);
+      EXPECT_EQ(t.bytes, disk_aligned(4 * (n - head))) << t.name(&d);
+      EXPECT_EQ(t.copy_bytes, 4 * head) << t.name(&d);
+    }
+    EXPECT_GT(copies, 0);
+    const std::string text = p.to_text(d);
+    EXPECT_NE(text.find("elements of each part, in memory"), std::string::npos) << text;
+
+    PlanConfig bad = c;
+    bad.offload.resident[1][0] = kResidentGrain / 2;
+    EXPECT_THROW(build_plan(d, bad), std::logic_error);
+    bad.offload.resident[1][0] = full.held_elems(StateKind::params, 1);
+    EXPECT_THROW(build_plan(d, bad), std::logic_error);
   }
 }
 

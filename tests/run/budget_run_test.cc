@@ -69,6 +69,39 @@ TEST(BudgetSlow, ATrainRunUnderABudgetStaysWithinItAndKeepsTheLossesExact) {
   runs.remove();
 }
 
+// A budget whole units do not meet exactly (30% of the way from the full offload's peak to the
+// resident one) keeps the head of an offloaded part in memory with what they leave: `explain`
+// shows the share, and the runs (one process, and fsdp at 2 ranks) stay within the budget with the
+// resident runs' losses exactly.
+TEST(BudgetSlow, WhatWholeUnitsLeaveOfABudgetKeepsAHeadOfAPartAndTheLossesExact) {
+  testing::TinyRuns runs;
+  runs.flags = "--lr 3e-3 --eps 1e-6";
+  ASSERT_EQ(runs.create("budget_heads").code, 0);
+  for (int ranks : {1, 2}) {
+    const std::string world = ranks > 1 ? " --ranks 2 --strategy fsdp" : "";
+    const int64_t resident = explained_peak(world), full = explained_peak(world + " --offload params,grads,optimizer");
+    const int64_t budget = full + (resident - full) * 3 / 10;
+    const Result shown = shardlm(kExplain + world + " --memory-budget " + std::to_string(budget));
+    ASSERT_EQ(shown.code, 0) << shown.out;
+    EXPECT_TRUE(std::regex_search(shown.out, std::regex("disk \\([0-9]+% ram\\)"))) << shown.out;
+    auto run = [&](const std::string& name, const std::string& flags) {
+      const std::string a = runs.args(name, 4, 2) + (ranks > 1 ? " --strategy fsdp" : "") + flags;
+      return ranks > 1 ? testing::mpirun(ranks, a) : shardlm(a);
+    };
+    const std::string res = "resident_" + std::to_string(ranks), heads = "heads_" + std::to_string(ranks);
+    const Result a = run(res, "");
+    ASSERT_EQ(a.code, 0) << a.out;
+    const Result b = run(heads, " --memory-budget " + std::to_string(budget));
+    ASSERT_EQ(b.code, 0) << b.out;
+    const auto want = step_losses(runs.out(res) / "metrics.jsonl");
+    ASSERT_EQ(want.size(), 4u);
+    EXPECT_EQ(step_losses(runs.out(heads) / "metrics.jsonl"), want) << ranks;  // exact
+    for (const auto& row : testing::read_metrics(runs.out(heads) / "metrics.jsonl"))
+      if (row.contains("loss")) { EXPECT_LE(row["mem"]["total"].get<int64_t>(), budget) << ranks << " step " << row["step"]; }
+  }
+  runs.remove();
+}
+
 // small B4 T256 (over the test corpus): its saved activations are most of the peak once the state
 // is on disk, so a budget between the peak with everything on disk and the one with only the state
 // there moves saved activations to the activations file; the run stays within the budget and its

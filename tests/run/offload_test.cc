@@ -272,6 +272,85 @@ TEST(OffloadActivations, TheBackwardReadsWhatTheDiskHolds) {
       << "the backward did not use what was on disk";
 }
 
+// Three steps on the executor, tiny B2 T32: every kind of state resident, or on disk with each
+// unit's part split as `head` says (per unit and kind: the fraction of the part, in whole 4 KiB
+// pages, kept in memory). Losses, and the parameters and first moments after the last step.
+struct StateSteps {
+  std::vector<double> losses;
+  std::vector<float> params, exp_avg;
+  int64_t heads = 0, static_state = 0;  // resident head elements, the plan's static state bytes
+};
+
+StateSteps state_steps(bool offload, double head, const fs::path& dir) {
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 64));
+  plan::PlanConfig pc;
+  pc.strategy = plan::Strategy::ddp;
+  pc.batch = 2, pc.seq = 32;
+  StateSteps out;
+  if (offload) {
+    pc.offload.kinds = {true, true, true};
+    const plan::Plan whole = plan::build_plan(desc, pc);
+    pc.offload.resident.assign(desc.units.size(), {});
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      for (int k = 0; k < plan::kNumStateKinds; ++k) {
+        const int64_t n = whole.held_elems(plan::StateKind(k), static_cast<int>(u));
+        const int64_t most = (n - 1) / plan::kResidentGrain * plan::kResidentGrain;  // fewer than all
+        const int64_t kept = static_cast<int64_t>(head * static_cast<double>(n)) / plan::kResidentGrain * plan::kResidentGrain;
+        pc.offload.resident[u][k] = std::min(kept, most);
+        out.heads += pc.offload.resident[u][k];
+      }
+  }
+  const plan::Plan plan = plan::build_plan(desc, pc);
+  out.static_state = plan.static_memory.params + plan.static_memory.grads + plan.static_memory.optimizer;
+  MemoryPool memory;
+  comm::SingleRankCommunicator world(memory);
+  run::CommGroups comms(world, plan);
+  const auto backend = kernels::make_cpu_backend(memory);
+  run::OffloadOptions o;
+  o.dir = dir.string();
+  run::Executor ex(desc, plan, comms, 1, std::chrono::seconds(60), *backend, {}, o);
+  ex.init_params(7);
+  run::StepInputs in;
+  in.batch = [&](int64_t micro, int32_t* inputs, int32_t* targets) {
+    for (int64_t i = 0; i < pc.batch * pc.seq; ++i) {
+      inputs[i] = static_cast<int32_t>((micro * 31 + i * 7) % desc.config.vocab_size);
+      targets[i] = static_cast<int32_t>((micro * 17 + i * 5 + 3) % desc.config.vocab_size);
+    }
+  };
+  in.grad_scale = 1.0f / static_cast<float>(pc.batch * pc.seq);
+  in.opt.lr = 1e-2f;
+  in.grad_clip = 0.5f;  // clipping reads the gradients back (the norm) before the update
+  for (int64_t step = 0; step < 3; ++step) {
+    in.adam_t = step + 1;
+    out.losses.push_back(ex.step(step, in).loss_sum);
+  }
+  out.params.resize(plan.layout.total);
+  out.exp_avg.resize(plan.layout.total);
+  ex.gather_full(run::Executor::State::params, out.params.data());
+  ex.gather_full(run::Executor::State::exp_avg, out.exp_avg.data());
+  return out;
+}
+
+// A part of each unit's state kept in memory (a resident head) and the rest on disk gives the
+// resident run's steps bit for bit, at a quarter, half and all but the last page of every part: the
+// heads are really in memory (the plan's static state is their bytes) and really used (a window
+// missing its head would compute with whatever the window held).
+TEST(OffloadHeads, APartKeptInMemoryAndTheRestOnDiskIsBitwiseTheResidentRun) {
+  kernels::init_compute(1);
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_heads_" + std::to_string(::getpid()));
+  const StateSteps resident = state_steps(false, 0, dir);
+  for (double head : {0.25, 0.5, 1.0}) {
+    const StateSteps off = state_steps(true, head, dir);
+    ASSERT_GT(off.heads, 0) << head;
+    EXPECT_GT(off.static_state, 0) << head;
+    EXPECT_EQ(off.losses, resident.losses) << head;
+    ASSERT_EQ(off.params.size(), resident.params.size());
+    EXPECT_EQ(std::memcmp(off.params.data(), resident.params.data(), 4 * off.params.size()), 0) << head;
+    EXPECT_EQ(std::memcmp(off.exp_avg.data(), resident.exp_avg.data(), 4 * off.exp_avg.size()), 0) << head;
+  }
+  fs::remove_all(dir);
+}
+
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunOnOneProcess) { activations_against_resident(1); }
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) { activations_against_resident(2); }
 
