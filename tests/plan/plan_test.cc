@@ -522,13 +522,19 @@ TEST(Plan, OffloadedActivationsPeakAtAboutPrefetchPlusTwoBlocks) {
   }
 }
 
+// The offload tests' gpt2-124m configuration: B2 T128 over `world` ranks (fsdp).
+PlanConfig b2_t128(int world) {
+  PlanConfig c;
+  c.world = world;
+  c.batch = 2;
+  c.seq = 128;
+  return c;
+}
+
 TEST(Plan, OffloadDropsTheResidentFiguresOfTheOffloadedKinds) {
   const model::ModelDesc d = model::describe(model::model_preset("gpt2-124m"));
   for (int world : {1, 2}) {
-    PlanConfig c;
-    c.world = world;
-    c.batch = 2;
-    c.seq = 128;
+    PlanConfig c = b2_t128(world);
     const Plan resident = build_plan(d, c);
     c.offload.kinds = {true, false, true};  // params and optimizer, gradients resident
     const Plan p = build_plan(d, c);
@@ -564,10 +570,7 @@ TEST(Plan, OffloadDropsTheResidentFiguresOfTheOffloadedKinds) {
 TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
   const model::ModelDesc d = model::describe(model::model_preset("gpt2-124m"));
   for (int world : {1, 2}) {
-    PlanConfig c;
-    c.world = world;
-    c.batch = 2;
-    c.seq = 128;
+    PlanConfig c = b2_t128(world);
     c.offload.kinds = {true, true, true};
     const Plan full = build_plan(d, c);
     const int U = static_cast<int>(d.units.size());

@@ -187,6 +187,29 @@ void activations_against_resident(int ranks) {
   }
 }
 
+// What an executor of one process runs on, for the tests below.
+struct OneProcess {
+  explicit OneProcess(const plan::Plan& plan) : world(memory), comms(world, plan), backend(kernels::make_cpu_backend(memory)) {}
+  MemoryPool memory;
+  comm::SingleRankCommunicator world;
+  run::CommGroups comms;
+  std::unique_ptr<kernels::Backend> backend;
+};
+
+// The executor tests' step: a synthetic batch over the model's vocabulary, AdamW at lr 1e-2.
+run::StepInputs synthetic_inputs(const model::ModelDesc& desc, const plan::PlanConfig& pc) {
+  run::StepInputs in;
+  in.batch = [n = pc.batch * pc.seq, V = desc.config.vocab_size](int64_t micro, int32_t* inputs, int32_t* targets) {
+    for (int64_t i = 0; i < n; ++i) {
+      inputs[i] = static_cast<int32_t>((micro * 31 + i * 7) % V);
+      targets[i] = static_cast<int32_t>((micro * 17 + i * 5 + 3) % V);
+    }
+  };
+  in.grad_scale = 1.0f / static_cast<float>(pc.batch * pc.seq);
+  in.opt.lr = 1e-2f;
+  return in;
+}
+
 // One step on the executor, tiny B2 T32, with --offload activations read ahead 0 (or resident),
 // recording each read of the activations file; `scribble`: each such read finds its slot
 // overwritten first (through a plain descriptor; the direct read sees it).
@@ -210,10 +233,7 @@ ActivationStep activation_step(bool offload, bool scribble, const fs::path& dir)
   out.file_bytes = plan.activation_file_bytes;
   for (const plan::BufferDesc& b : plan.buffers)
     if (b.disk_offset >= 0) out.slots.push_back({b.disk_offset, b.bytes});
-  MemoryPool memory;
-  comm::SingleRankCommunicator world(memory);
-  run::CommGroups comms(world, plan);
-  const auto backend = kernels::make_cpu_backend(memory);
+  OneProcess one(plan);
   run::OffloadOptions o;
   o.dir = dir.string();
   std::mutex mu;  // reads come on the copy stream's thread
@@ -230,17 +250,9 @@ ActivationStep activation_step(bool offload, bool scribble, const fs::path& dir)
     }
     return false;
   };
-  run::Executor ex(desc, plan, comms, 1, std::chrono::seconds(60), *backend, {}, o);
+  run::Executor ex(desc, plan, one.comms, 1, std::chrono::seconds(60), *one.backend, {}, o);
   ex.init_params(7);
-  run::StepInputs in;
-  in.batch = [&](int64_t micro, int32_t* inputs, int32_t* targets) {
-    for (int64_t i = 0; i < pc.batch * pc.seq; ++i) {
-      inputs[i] = static_cast<int32_t>((micro * 31 + i * 7) % desc.config.vocab_size);
-      targets[i] = static_cast<int32_t>((micro * 17 + i * 5 + 3) % desc.config.vocab_size);
-    }
-  };
-  in.grad_scale = 1.0f / static_cast<float>(pc.batch * pc.seq);
-  in.opt.lr = 1e-2f;
+  run::StepInputs in = synthetic_inputs(desc, pc);
   out.loss = ex.step(0, in).loss_sum;
   const float* p = ex.whole(run::Executor::State::params);
   out.params.assign(p, p + plan.layout.total);
@@ -302,23 +314,12 @@ StateSteps state_steps(bool offload, double head, const fs::path& dir) {
   }
   const plan::Plan plan = plan::build_plan(desc, pc);
   out.static_state = plan.static_memory.params + plan.static_memory.grads + plan.static_memory.optimizer;
-  MemoryPool memory;
-  comm::SingleRankCommunicator world(memory);
-  run::CommGroups comms(world, plan);
-  const auto backend = kernels::make_cpu_backend(memory);
+  OneProcess one(plan);
   run::OffloadOptions o;
   o.dir = dir.string();
-  run::Executor ex(desc, plan, comms, 1, std::chrono::seconds(60), *backend, {}, o);
+  run::Executor ex(desc, plan, one.comms, 1, std::chrono::seconds(60), *one.backend, {}, o);
   ex.init_params(7);
-  run::StepInputs in;
-  in.batch = [&](int64_t micro, int32_t* inputs, int32_t* targets) {
-    for (int64_t i = 0; i < pc.batch * pc.seq; ++i) {
-      inputs[i] = static_cast<int32_t>((micro * 31 + i * 7) % desc.config.vocab_size);
-      targets[i] = static_cast<int32_t>((micro * 17 + i * 5 + 3) % desc.config.vocab_size);
-    }
-  };
-  in.grad_scale = 1.0f / static_cast<float>(pc.batch * pc.seq);
-  in.opt.lr = 1e-2f;
+  run::StepInputs in = synthetic_inputs(desc, pc);
   in.grad_clip = 0.5f;  // clipping reads the gradients back (the norm) before the update
   for (int64_t step = 0; step < 3; ++step) {
     in.adam_t = step + 1;
