@@ -169,7 +169,10 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                   "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
                   "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part");
   cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)");
-  cmd->add_option("--offload-prefetch", c.offload_prefetch, "offloaded units read ahead of the task using them")
+  cmd->add_option("--offload-prefetch", c.offload_prefetch,
+                  "offloaded units read ahead of the task using them, or auto: the depth (0-4) the simulator predicts "
+                  "fastest on --hardware (train, simulate)")
+      ->transform([](const std::string& v) { return v == "auto" ? std::to_string(train::kOffloadPrefetchAuto) : v; })
       ->capture_default_str();
   cmd->add_flag("--pipeline-optimizer", c.pipeline_optimizer,
                "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "
@@ -339,6 +342,10 @@ int run(int argc, char** argv) {
   train_cmd->add_option("--config", config_path, "TOML file of train options (keys are flag names; command-line flags win)");
   add_train_options(train_cmd, tc);
   train_cmd->add_option("--data-dir", data_dir, "tokenizer files (for the final sample)")->capture_default_str();
+  std::string train_hardware;
+  train_cmd->add_option("--hardware", train_hardware,
+                        "hardware profile --offload-prefetch auto simulates the plan on: a JSON file (calibrate --offload-dir "
+                        "DIR measures this machine's disk and compute) or a preset");
 
   // eval
   auto* eval_cmd = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file");
@@ -484,7 +491,7 @@ int run(int argc, char** argv) {
                  tok_out, stats.val_tokens, tok_out);
     } else if (*train_cmd) {
       tc.command_line = command_line(argc, argv);
-      return run_train(tc, data_dir);
+      return run_train(tc, data_dir, train_hardware);
     } else if (*explain_cmd) {
       run_explain(ec, explain_ranks);
     } else if (*cal_cmd) {

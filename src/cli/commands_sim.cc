@@ -385,6 +385,25 @@ nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& de
 }
 }  // namespace
 
+train::TrainConfig with_offload_prefetch(train::TrainConfig cfg, int ranks, int64_t vocab, const sim::HardwareProfile& hw,
+                                         double expert_load, std::string* line) {
+  if (line) line->clear();
+  if (cfg.offload_prefetch != train::kOffloadPrefetchAuto) return cfg;
+  cfg.offload_prefetch = 2;  // the default, for a plan with nothing on disk; the choice replaces it
+  if (cfg.offload == "none" && cfg.memory_budget.empty()) return cfg;
+  const model::ModelDesc desc = model::describe(cfg.model_config(vocab));
+  const sim::PrefetchChoice c =
+      sim::choose_offload_prefetch(desc, sim::for_hardware(train::plan_config(cfg, ranks), hw), hw, cfg.threads, expert_load);
+  cfg.offload_prefetch = c.depth;
+  if (line) {
+    *line = fmt::format("offload read-ahead: {} (auto: predicted on {}", c.depth, hw.name);
+    for (size_t d = 0; d < c.step_ms.size(); ++d)
+      *line += c.step_ms[d] < 0 ? fmt::format("; {}: does not fit", d) : fmt::format("; {}: {:.1f} ms", d, c.step_ms[d]);
+    *line += ")";
+  }
+  return cfg;
+}
+
 void run_simulate(SimulateArgs& a) {
   if (!a.collective.empty()) return run_collective(a);
   if (!a.bytes.empty() || a.algo != "best") throw std::invalid_argument("--bytes and --algo go with --collective");
@@ -393,8 +412,10 @@ void run_simulate(SimulateArgs& a) {
   const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
   sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
-  const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
   const ExpertLoad load = expert_load_of(a.moe_imbalance, desc);
+  std::string read_ahead;
+  a.cfg = with_offload_prefetch(a.cfg, a.ranks, 50257, hw, load.value, &read_ahead);
+  const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
   const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads, load.value);
   const bool moe = desc.config.family == model::Family::moe;
   if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
@@ -415,6 +436,7 @@ void run_simulate(SimulateArgs& a) {
     if (plan.config.offload.disk()) {
       j["disk_busy_ms"] = r.disk_busy_ms;
       j["disk_exposed_ms"] = r.disk_exposed_ms;
+      j["offload_prefetch"] = plan.config.offload.prefetch;
     }
     if (plan.config.pipeline_optimizer) j["optimizer_busy_ms"] = r.optimizer_busy_ms;
     if (plan.config.cp > 1) {
@@ -453,6 +475,7 @@ void run_simulate(SimulateArgs& a) {
                hw.disk_read_bw > 0 ? fmt::format("; disk read {:.3g} GB/s, write {:.3g} GB/s, latency {:.3g} ms ({})",
                                                  hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e3, hw.name)
                                    : std::string("; the profile has no disk figures: copies priced at nothing"));
+  if (!read_ahead.empty()) fmt::print("{}\n", read_ahead);
   if (plan.config.pipeline_optimizer)
     fmt::print("pipelined optimizer: {:.3f} ms of updates on the optimizer stream ({:.1f}% of the step), sharing the "
                "device with the backward\n",

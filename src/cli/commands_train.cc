@@ -65,15 +65,31 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   return m;
 }
 
+// --offload-prefetch auto, resolved on `hardware` for this world (every rank chooses alike); rank 0
+// says what it chose.
+train::TrainConfig with_read_ahead(const train::TrainConfig& cfg, const comm::Communicator& world, const std::string& hardware) {
+  if (cfg.offload_prefetch != train::kOffloadPrefetchAuto) return cfg;
+  if (hardware.empty())
+    throw std::invalid_argument("--offload-prefetch auto: needs --hardware PROFILE to simulate the depths on (`shardlm "
+                                "calibrate --offload-dir DIR --out FILE` measures this machine)");
+  const sim::HardwareProfile hw = sim::load_hardware(hardware, hardware_dir());
+  std::string line;
+  const train::TrainConfig out =
+      with_offload_prefetch(cfg, world.size(), train::read_data_meta(cfg.data).vocab_size, hw, 1, &line);
+  if (world.rank() == 0 && !cfg.quiet && !line.empty()) fmt::print("{}\n", line);
+  return out;
+}
+
 }  // namespace
 
 // Training may span ranks: errors name the rank, and a failing rank ends the whole job
 // (on_world). A failure every rank knows of (AgreedFailure) is one line from rank 0, and every
 // rank finalizes instead of aborting.
-int run_train(const train::TrainConfig& tc, const std::string& data_dir) {
+int run_train(const train::TrainConfig& given, const std::string& data_dir, const std::string& hardware) {
   const train::TrainHooks hooks = test_faults();
   return on_world([&](comm::Communicator& world, MemoryPool& memory) {
     try {
+      const train::TrainConfig tc = with_read_ahead(given, world, hardware);
       auto summary = train::run_training(tc, world, memory, hooks);
       if (summary.exit_code != 0) {  // every rank stopped at the same step for the same reason
         if (world.rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";

@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "report/report.h"
 #include "run/calibrate.h"
+#include "sim/hardware.h"
 #include "train/config.h"
 #include "train/evaluate.h"
 
@@ -25,7 +26,8 @@ namespace shardlm::cli {
 int on_world(const std::function<int(comm::Communicator& world, MemoryPool& memory)>& body);
 
 // commands_train.cc
-int run_train(const train::TrainConfig& tc, const std::string& data_dir);
+// `train`; `hardware`: the profile --offload-prefetch auto is simulated on (empty: none given).
+int run_train(const train::TrainConfig& tc, const std::string& data_dir, const std::string& hardware);
 // `eval`: the checkpoint's mean loss over a token file, printed.
 void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch, int64_t seq, int threads);
 // `generate`: the prompt and its continuation, printed.
@@ -53,6 +55,11 @@ struct SimulateArgs {
   GoodputFlags goodput;
 };
 void run_simulate(SimulateArgs& a);
+// --offload-prefetch auto: cfg with the disk tier's read-ahead depth the simulator predicts fastest
+// on `hw` for the plan of `ranks` ranks (a model of `vocab` tokens), and the choice with each
+// depth's prediction as one line (empty where nothing was chosen: a number given, or nothing on disk).
+train::TrainConfig with_offload_prefetch(train::TrainConfig cfg, int ranks, int64_t vocab, const sim::HardwareProfile& hw,
+                                         double expert_load, std::string* line);
 // `calibrate`: co.device's kernels (cpu, or cuda with GEMMs in compute_dtype) into a profile at `out`.
 int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dtype, const std::string& out);
 struct PlanArgs {

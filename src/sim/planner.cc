@@ -44,7 +44,7 @@ std::string flags_of(const PlanConfig& c) {
       << " --keep-gathered " << keep_list(c.keep_gathered) << " --gather-bucket-mb " << c.gather_bucket_mb;
   if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
   if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
-  if (c.memory_budget > 0) o << " --memory-budget " << c.memory_budget;
+  if (c.memory_budget > 0) o << " --memory-budget " << c.memory_budget << " --offload-prefetch " << c.offload.prefetch;
   return o.str();
 }
 
@@ -53,6 +53,25 @@ SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, con
   SimResult r = simulate(desc, plan::build_plan(desc, c), hw, threads, expert_load);
   r.times.clear(), r.runs.clear();  // the planner keeps thousands of results
   return r;
+}
+
+PrefetchChoice choose_offload_prefetch(const model::ModelDesc& desc, PlanConfig config, const HardwareProfile& hw,
+                                       int threads, double expert_load) {
+  PrefetchChoice out;
+  std::exception_ptr shallowest;
+  for (int d = 0; d <= kMaxOffloadPrefetch; ++d) {
+    config.offload.prefetch = d;
+    double ms = -1;
+    try {
+      ms = simulate_config(desc, config, hw, threads, expert_load).step_ms;
+    } catch (const std::invalid_argument&) {
+      if (!shallowest) shallowest = std::current_exception();
+    }
+    out.step_ms.push_back(ms);
+    if (ms >= 0 && (out.step_ms[out.depth] < 0 || ms < out.step_ms[out.depth])) out.depth = d;
+  }
+  if (out.step_ms[out.depth] < 0) std::rethrow_exception(shallowest);
+  return out;
 }
 
 namespace {
@@ -423,9 +442,9 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
 namespace {
 
 // The disk tier's configurations (PlanQuery::disk_budget): the strategy it runs (fsdp; ddp on one
-// rank), every sequence of the rank in one micro-batch, each recompute mode and prefetch depth,
-// each ep; q.memory_budget as their --memory-budget. A handful, each a few plan builds (the
-// placement pass's), so they are built and simulated one by one.
+// rank), every sequence of the rank in one micro-batch, each recompute mode, gather prefetch depth
+// and disk read-ahead depth, each ep; q.memory_budget as their --memory-budget. A few dozen, each
+// a few plan builds (the placement pass's), so they are built and simulated one by one.
 void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const HardwareProfile& hw, const PlanQuery& q,
                       const std::vector<int>& eps, PlanSearch& out) {
   PlanConfig c = b;
@@ -434,24 +453,25 @@ void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const H
   c.memory_budget = q.memory_budget;
   for (int ep : eps)
     for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
-      for (int pf : c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1}) {
-        c.ep = ep, c.recompute = r, c.prefetch_forward = c.prefetch_backward = pf;
-        ++out.considered, ++out.on_disk;
-        plan::Plan p;
-        try {
-          p = plan::build_plan(desc, c);
-        } catch (const std::invalid_argument&) {  // refused, or nothing on disk fits the budget
-          ++out.invalid;
-          continue;
+      for (int pf : c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1})
+        for (int depth = 0; depth <= kMaxOffloadPrefetch; ++depth) {
+          c.ep = ep, c.recompute = r, c.prefetch_forward = c.prefetch_backward = pf, c.offload.prefetch = depth;
+          ++out.considered, ++out.on_disk;
+          plan::Plan p;
+          try {
+            p = plan::build_plan(desc, c);
+          } catch (const std::invalid_argument&) {  // refused, or nothing on disk fits the budget
+            ++out.invalid;
+            continue;
+          }
+          ++out.built;
+          const SimResult r = simulate(desc, p, hw, q.threads, q.expert_load);
+          Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c), p.disk_bytes()};
+          if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+          if (k.disk_bytes > q.disk_budget) continue;
+          ++out.simulated;
+          out.fitting.push_back(std::move(k));
         }
-        ++out.built;
-        const SimResult r = simulate(desc, p, hw, q.threads, q.expert_load);
-        Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c), p.disk_bytes()};
-        if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
-        if (k.disk_bytes > q.disk_budget) continue;
-        ++out.simulated;
-        out.fitting.push_back(std::move(k));
-      }
 }
 
 }  // namespace

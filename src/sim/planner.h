@@ -117,4 +117,18 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
 SimResult simulate_config(const model::ModelDesc& desc, const plan::PlanConfig& c, const HardwareProfile& hw,
                           int threads, double expert_load = 1);
 
+// --offload-prefetch auto: of the disk tier's read-ahead depths 0 .. kMaxOffloadPrefetch, the one
+// the simulator predicts fastest on hw for `config` (each depth placed anew under its
+// --memory-budget: a deeper read-ahead keeps more windows in memory, so a budget moves more to
+// disk); the shallowest of equal ones. step_ms[d]: the prediction at depth d, or -1 where the plan
+// is refused (the budget does not fit at that depth). Throws the shallowest depth's refusal when
+// every depth is refused.
+inline constexpr int kMaxOffloadPrefetch = 4;
+struct PrefetchChoice {
+  int depth = 0;
+  std::vector<double> step_ms;
+};
+PrefetchChoice choose_offload_prefetch(const model::ModelDesc& desc, plan::PlanConfig config, const HardwareProfile& hw,
+                                       int threads, double expert_load = 1);
+
 }  // namespace shardlm::sim

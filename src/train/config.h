@@ -19,6 +19,8 @@ inline constexpr int64_t kMaxSteps = 1'000'000'000'000;  // steps and step count
 inline constexpr int64_t kMaxStepTokens = int64_t{1} << 40;  // batch x seq x grad-accum per rank
 inline constexpr int64_t kMaxSampleTokens = 1'000'000;  // tokens generate and --sample-tokens draw
 
+inline constexpr int kOffloadPrefetchAuto = -1;  // --offload-prefetch auto
+
 struct TrainConfig {
   // Model: a preset or a Hugging Face config.json, with any explicit dimension (> 0) overriding it.
   std::string model = "small";
@@ -95,7 +97,9 @@ struct TrainConfig {
   std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm,h.9:0.5)
   double gather_bucket_mb = 0;         // fsdp / hybrid all-gather buckets (0: off)
   // The disk tier: kinds of state kept in files (none | any of params,grads,optimizer), where
-  // (empty: OUT/offload), and how many using tasks ahead the copy stream reads.
+  // (empty: OUT/offload), and how many using tasks ahead the copy stream reads
+  // (kOffloadPrefetchAuto: the depth a simulation on a hardware profile predicts fastest, which the
+  // cli resolves before the plan is built).
   std::string offload = "none";
   std::string offload_dir;
   int offload_prefetch = 2;

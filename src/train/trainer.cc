@@ -160,6 +160,9 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
         throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer,activations)");
     }
   }
+  if (cfg.offload_prefetch == kOffloadPrefetchAuto)
+    throw std::invalid_argument("--offload-prefetch auto: the depth is chosen by simulating the plan on a hardware profile "
+                                "(--hardware); here give a number");
   pc.offload.prefetch = cfg.offload_prefetch;
   pc.pipeline_optimizer = cfg.pipeline_optimizer;
   if (!cfg.memory_budget.empty()) pc.memory_budget = plan::parse_memory_budget(cfg.memory_budget);

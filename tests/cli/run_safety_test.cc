@@ -405,9 +405,10 @@ TEST(RankSettings, CoverEveryTrainFlag) {
   std::set<std::string> compared;
   for (const auto& [name, value] : train::rank_settings(train::TrainConfig{})) compared.insert(name.substr(0, name.find(' ')));
   // no-report: only rank 0, which owns the run directory, writes the report. offload-dir: a node's
-  // own disk may be mounted elsewhere.
-  const std::set<std::string> own = {"config",      "data-dir", "help-all",        "no-report", "offload-dir", "out",
-                                     "overwrite",   "peak-gflops", "quiet", "resume-override", "threads",  "timeout"};
+  // own disk may be mounted elsewhere. hardware: a path; what it decides (--offload-prefetch auto's
+  // depth) is compared.
+  const std::set<std::string> own = {"config",   "data-dir",    "hardware", "help-all",        "no-report", "offload-dir",
+                                     "out",      "overwrite",   "peak-gflops", "quiet", "resume-override", "threads", "timeout"};
   for (const std::string& f : flags)
     EXPECT_TRUE(compared.count(f) || own.count(f))
         << "--" << f << " is neither compared across ranks (rank_settings, src/train/agreement.cc) nor the process's own";

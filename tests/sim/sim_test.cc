@@ -1268,15 +1268,65 @@ TEST(Planner, SearchesTheDiskTierWhenNothingFitsInMemory) {
     EXPECT_EQ(c.config.grad_accum, 1);
     EXPECT_LE(c.peak_bytes, q.memory_budget);
     EXPECT_GT(c.disk_bytes, 0);
-    EXPECT_NE(c.flags.find("--memory-budget " + std::to_string(q.memory_budget)), std::string::npos) << c.flags;
+    EXPECT_NE(c.flags.find("--memory-budget " + std::to_string(q.memory_budget) + " --offload-prefetch " +
+                           std::to_string(c.config.offload.prefetch)),
+              std::string::npos) << c.flags;
     const plan::Plan p = plan::build_plan(desc, c.config);
     EXPECT_EQ(p.peak_memory().total, c.peak_bytes);
     EXPECT_EQ(p.disk_bytes(), c.disk_bytes);
     // The copies are priced: slower than the fastest configuration in memory.
     EXPECT_GT(c.step_ms, free.fitting.front().step_ms);
   }
+  // Read-ahead depths from 0 up are among them (a deep one's windows may not fit the budget); the
+  // best is no slower than the best at the default's.
+  std::set<int> depths;
+  double best_at_2 = -1;
+  for (const Candidate& c : s.fitting) {
+    depths.insert(c.config.offload.prefetch);
+    if (c.config.offload.prefetch == 2 && (best_at_2 < 0 || c.step_ms < best_at_2)) best_at_2 = c.step_ms;
+  }
+  EXPECT_EQ(*depths.begin(), 0);
+  EXPECT_GE(*depths.rbegin(), 2);
+  ASSERT_GT(best_at_2, 0);
+  EXPECT_LE(s.fitting.front().step_ms, best_at_2);
   q.disk_budget = s.fitting.front().disk_bytes - 1;
   for (const Candidate& c : search_plans(desc, PlanConfig{}, hw, q).fitting) EXPECT_LE(c.disk_bytes, q.disk_budget);
+}
+
+// --offload-prefetch auto (choose_offload_prefetch): each depth's prediction is the simulation of
+// that depth's plan, placed anew under the budget (-1 where it does not fit), and the choice is the
+// fastest, the shallowest of equal ones: with nothing on disk every depth is the same plan, so 0.
+// A budget no depth fits is refused as the shallowest depth is.
+TEST(Planner, OffloadPrefetchAutoIsTheFastestDepth) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small"));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanConfig c;
+  c.batch = 2, c.seq = 64;
+  const PrefetchChoice resident = choose_offload_prefetch(desc, c, hw, 1);
+  EXPECT_EQ(resident.depth, 0);
+  ASSERT_EQ(resident.step_ms.size(), static_cast<size_t>(kMaxOffloadPrefetch + 1));
+  for (double ms : resident.step_ms) EXPECT_EQ(ms, resident.step_ms[0]);
+  PlanConfig full = c;
+  full.offload.kinds = {true, true, true};
+  const int64_t lowest = plan::build_plan(desc, full).peak_memory().total, highest = plan::build_plan(desc, c).peak_memory().total;
+  c.memory_budget = lowest + (highest - lowest) / 3;
+  const PrefetchChoice chosen = choose_offload_prefetch(desc, c, hw, 1);
+  for (int d = 0; d <= kMaxOffloadPrefetch; ++d) {
+    PlanConfig at = c;
+    at.offload.prefetch = d;
+    double ms = -1;
+    try {
+      ms = simulate_config(desc, at, hw, 1).step_ms;
+    } catch (const std::invalid_argument&) {
+    }
+    EXPECT_EQ(chosen.step_ms[d], ms) << d;
+    if (ms >= 0) EXPECT_LE(chosen.step_ms[chosen.depth], ms) << d;
+  }
+  std::printf("small B2 T64 under %lld bytes: read-ahead %d chosen; predicted", static_cast<long long>(c.memory_budget), chosen.depth);
+  for (double ms : chosen.step_ms) std::printf(" %.1f", ms);
+  std::printf(" ms\n");
+  c.memory_budget = lowest / 2;
+  EXPECT_THROW(choose_offload_prefetch(desc, c, hw, 1), std::invalid_argument);
 }
 
 // plan --largest-model: the depth it reports fits and one layer more does not (searched directly),
