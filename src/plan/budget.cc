@@ -119,9 +119,10 @@ std::string bytes_text(int64_t b) {
 // forward's are read back last, so their reload has the most time to hide). Then build and measure
 // again, since windows and copies add back some of what was freed. Each round moves at least one
 // candidate, and typically one or two rounds after the resident plan suffice, so the number of
-// plan builds stays small (at most 4 × units + 2 in the worst case). An explicit --offload's kinds
-// are a floor: those stay on disk for every unit. Last, what the whole units leave of the budget
-// keeps the most touched of the moved state in memory (keep_what_fits).
+// plan builds stays small (at most 4 × units + 3 in the worst case, keep_what_fits's two
+// included). An explicit --offload's kinds are a floor: those stay on disk for every unit. Last,
+// what the whole units leave of the budget keeps the most touched of the moved state in memory
+// (keep_what_fits).
 Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
   const int U = static_cast<int>(desc.units.size());
   const int64_t budget = c.memory_budget;
