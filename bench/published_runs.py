@@ -44,7 +44,7 @@ RUNS = [
     ("fms-fsdp Llama2-7B, 96 H100, HSDP, bs 2", 7500, IBM, "as above",
      ["--model", "llama2-7b", "--hardware", "h100-80gb", "--ranks", "96", "--strategy", "hybrid", "--shard-group", "8",
       "--batch", "2", "--seq", "4096"]),
-    ("fms-fsdp Llama2-13B, 128 A100, FSDP, selective AC", 1800, IBM, "selective AC: shardlm's selective recompute",
+    ("fms-fsdp Llama2-13B, 128 A100, FSDP, selective AC", 1800, IBM, "their selective AC checkpoints a fraction of the blocks whole; run as shardlm's selective recompute, which reruns less",
      ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "2", "--seq", "4096",
       "--recompute", "selective"]),
     ("fms-fsdp Llama2-13B, 96 H100, FSDP, selective AC", 3800, IBM, "as above",
