@@ -181,6 +181,9 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
+  cmd->add_option("--recompute-blocks", c.recompute_blocks,
+                  "apply --recompute to only N of the n_layer blocks, spread evenly (n_layer / k: every k-th "
+                  "block); the others keep all they save. Default: every block");
   cmd->add_option("--act-quant", c.act_quant,
                   "activation compression: none | int8 (the GEMM inputs kept for the backward as int8 with a "
                   "fp32 scale per group; what recompute rebuilds is not stored)")

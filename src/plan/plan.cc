@@ -185,6 +185,19 @@ model::Shape Plan::unit_shape(int elem, double expert_load) const {
   s.recompute = config.recompute;
   return s;
 }
+model::Recompute PlanConfig::recompute_of(int layer, int n_layer) const {
+  if (layer < 0 || recompute_blocks < 0 || recompute_blocks >= n_layer) return recompute;
+  const int64_t N = recompute_blocks, l = layer;
+  return (l + 1) * N / n_layer > l * N / n_layer ? recompute : model::Recompute::none;
+}
+model::Recompute Plan::recompute_of(const model::ModelDesc& desc, int u) const {
+  return config.recompute_of(desc.units[u].layer, desc.config.n_layer);
+}
+model::Shape Plan::unit_shape(const model::ModelDesc& desc, int u, int elem, double expert_load) const {
+  model::Shape s = unit_shape(elem, expert_load);
+  s.recompute = recompute_of(desc, u);
+  return s;
+}
 int Plan::slices(const model::ModelDesc& desc, int u) const {
   const int a = mesh.find(desc.units[u].sliced_over);
   return a >= 0 ? mesh[a].size : 1;
@@ -475,7 +488,9 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       << (c.split_sequence ? "" : ", not split here") << ")";
   o << " grad_accum=" << c.grad_accum << ", prefetch fwd " << c.prefetch_forward
     << " bwd " << c.prefetch_backward << ", gathers in flight <= " << c.max_gathers_in_flight << ", recompute "
-    << model::to_string(c.recompute) << ", " << c.threads << " thread(s)";
+    << model::to_string(c.recompute);
+  if (c.recompute_blocks >= 0) o << " on " << c.recompute_blocks << " of " << desc.config.n_layer << " blocks";
+  o << ", " << c.threads << " thread(s)";
   if (c.act_quant.on())
     o << ", act-quant int8 (group " << c.act_quant.group << ", " << (c.act_quant.stochastic ? "stochastic" : "nearest")
       << " rounding)";
@@ -489,14 +504,14 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
 
   o << "\nunits (per micro-step; GFLOP; activation MiB kept for the backward under this recompute mode / "
        "transient; workspace MiB forward / backward):\n";
-  const model::Shape shape = unit_shape(4);
   auto mib = [](int64_t b) { return b / 1048576.0; };
   for (size_t u = 0; u < desc.units.size(); ++u) {
+    const model::Shape shape = unit_shape(desc, static_cast<int>(u), 4);
     const model::UnitCosts k = desc.costs(static_cast<int>(u), shape);
-    const int64_t kept = k.kept_bytes(c.recompute), all = k.saved_bytes + k.recomputable_bytes;
+    const int64_t kept = k.kept_bytes(shape.recompute), all = k.saved_bytes + k.recomputable_bytes;
     o << "  u" << u << " " << desc.units[u].name << " (" << model::to_string(desc.units[u].kind) << ", "
       << layout.units[u].numel << " params, padded " << layout.units[u].padded << "): fwd " << k.forward_flops / 1e9
-      << " bwd " << k.backward_flops / 1e9 << " recompute " << k.recompute_flops(c.recompute) / 1e9 << " | out "
+      << " bwd " << k.backward_flops / 1e9 << " recompute " << k.recompute_flops(shape.recompute) / 1e9 << " | out "
       << mib(k.output_bytes) << " kept " << mib(kept) << " transient " << mib(all - kept) << " | ws "
       << mib(k.forward_workspace) << " / " << mib(k.backward_workspace) << "\n";
   }

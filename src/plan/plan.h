@@ -214,6 +214,15 @@ struct PlanConfig {
   int param_bytes = 4;   // gathered parameter / communication element size (fp32 4, bf16 2)
   int reduce_bytes = 4;  // gradient communication element size
   model::Recompute recompute = model::Recompute::none;
+  // --recompute-blocks: how many of the model's n_layer blocks `recompute` applies to, spread
+  // evenly (recompute_of); the others keep all they save. N = n_layer / k is every k-th block, as
+  // torchtitan's per-layer selective AC and fms-fsdp's fraction of blocks checkpointed; any N lets
+  // a plan recompute only what memory needs. -1: every block.
+  int recompute_blocks = -1;
+  // The recompute mode of the block at `layer` of n_layer: block l is one of the N when
+  // floor((l + 1)·N / L) > floor(l·N / L). Units outside the blocks (layer -1: nothing to rebuild)
+  // keep `recompute`.
+  model::Recompute recompute_of(int layer, int n_layer) const;
   // --act-quant: the GEMM inputs kept for the backward as int8 with per-group scales (model::ActQuant;
   // the costs, so the saved buffers, follow it and `recompute`). Forward-only plans drop it.
   model::ActQuant act_quant{};
@@ -417,6 +426,10 @@ struct Plan {
   // The micro-batch as the model's costs see it on one rank of this plan (its units' buffers are
   // sized by it), with activations of `elem` bytes and the busiest expert at `expert_load`.
   model::Shape unit_shape(int elem, double expert_load = 1) const;
+  // Unit u's own recompute mode (PlanConfig::recompute_of), and its shape carrying it (the costs
+  // of an --act-quant unit depend on what it keeps).
+  model::Recompute recompute_of(const model::ModelDesc& desc, int u) const;
+  model::Shape unit_shape(const model::ModelDesc& desc, int u, int elem, double expert_load = 1) const;
   // Ranks unit u's compute is sliced over (its `sliced_over` axis: a MoE layer's experts over ep;
   // 1 where it has none), and the elements of the unit one rank computes with.
   int slices(const model::ModelDesc& desc, int u) const;

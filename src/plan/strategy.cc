@@ -176,6 +176,7 @@ class Builder {
   std::unordered_map<std::string, int> by_name_;
   model::Shape shape_;
   std::vector<model::UnitCosts> costs_;
+  std::vector<model::Recompute> recompute_;  // each unit's mode (PlanConfig::recompute_of)
   std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
   std::vector<double> part_;      // --keep-gathered NAME:FRACTION, per unit (0: none)
   std::vector<int> kept_gather_;  // its gather task
@@ -263,7 +264,7 @@ bool Builder::chain_gathered(int u, int direction) const {
   if (u < 0 || u >= static_cast<int>(desc_.units.size()) || kept_[u]) return false;
   if (direction > 0) return true;
   const model::UnitCosts& c = costs_[u];
-  const bool rebuild = c.kept_bytes(cfg_.recompute) < c.saved_bytes + c.recomputable_bytes;
+  const bool rebuild = c.kept_bytes(recompute_[u]) < c.saved_bytes + c.recomputable_bytes;
   return !model::is_head(desc_.units[u].kind) && (desc_.units[u].backward_reads_params || rebuild);
 }
 
@@ -392,12 +393,12 @@ void Builder::forward(int u, int m) {
   if (c.saved_bytes > 0) {
     io.saved = saved(u, m);
     alloc(t, io.saved);
-    if (!train_ || cfg_.recompute == Recompute::full) free(t, io.saved);
+    if (!train_ || recompute_[u] == Recompute::full) free(t, io.saved);
   }
   if (c.recomputable_bytes > 0) {
     io.recomputable = recomputable(u, m);
     alloc(t, io.recomputable);
-    if (!train_ || cfg_.recompute != Recompute::none) free(t, io.recomputable);
+    if (!train_ || recompute_[u] != Recompute::none) free(t, io.recomputable);
   }
   if (c.forward_workspace > 0) scratch(t, io.forward_ws = forward_ws(u));
   if (!head) {
@@ -423,7 +424,8 @@ void Builder::forward(int u, int m) {
 void Builder::backward(int u, int m) {
   const model::UnitDesc& ud = desc_.units[u];
   const model::UnitCosts& c = costs_[u];
-  const bool rebuild = c.kept_bytes(cfg_.recompute) < c.saved_bytes + c.recomputable_bytes;
+  const Recompute mode = recompute_[u];
+  const bool rebuild = c.kept_bytes(mode) < c.saved_bytes + c.recomputable_bytes;
   int ag = -1;
   if (sharded_params_ && chain_gathered(u, -1)) ag = gather(u, m, cfg_.prefetch_backward, -1);
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
@@ -436,16 +438,16 @@ void Builder::backward(int u, int m) {
     io.params = params;
     if (borrowed_state(u) >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
     read_values(r, u, m);
-    at(r).flops = c.recompute_flops(cfg_.recompute);
+    at(r).flops = c.recompute_flops(mode);
     if (c.saved_bytes > 0) {
       io.saved = saved(u, m);
-      if (cfg_.recompute == Recompute::full) alloc(r, io.saved);
+      if (mode == Recompute::full) alloc(r, io.saved);
     }
     if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
     if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
     // Only a full rebuild reruns the stages (and their exchanges); a selective one rebuilds what
     // each stage dropped on this rank, in one task.
-    if (cfg_.recompute == Recompute::full) add_stages(r, false);
+    if (mode == Recompute::full) add_stages(r, false);
     ag = -1;  // the backward follows on the same stream
   }
   const int b = add(Op::backward, u, m, {ag});
@@ -819,7 +821,8 @@ Plan Builder::build() {
   part_.assign(U, 0);
   kept_gather_.assign(U, -1);
   for (int u = 0; u < U; ++u) {
-    costs_.push_back(desc_.costs(u, shape_));
+    recompute_.push_back(plan_.recompute_of(desc_, u));
+    costs_.push_back(desc_.costs(u, plan_.unit_shape(desc_, u, cfg_.activation_bytes)));
     if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
   }
   keep_units(cfg_.keep_gathered);
@@ -980,6 +983,20 @@ void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
 
 
 // The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
+// --recompute-blocks within [0, n_layer] and with a mode to apply; all blocks read as -1 and
+// none as no recompute, so that a plan has one spelling of each.
+void check_recompute_blocks(const model::ModelDesc& desc, PlanConfig& c) {
+  const int L = desc.config.n_layer;
+  if (c.recompute_blocks < -1 || c.recompute_blocks > L)
+    throw std::invalid_argument("recompute_blocks (--recompute-blocks): must be in [0, n_layer = " + std::to_string(L) +
+                                "], got " + std::to_string(c.recompute_blocks));
+  if (c.recompute_blocks > 0 && c.recompute == Recompute::none)
+    throw std::invalid_argument("recompute_blocks (--recompute-blocks): says how many blocks --recompute applies to, "
+                                "but --recompute is none");
+  if (c.recompute_blocks == L) c.recompute_blocks = -1;
+  if (c.recompute_blocks == 0) c.recompute = Recompute::none, c.recompute_blocks = -1;
+}
+
 PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
   // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
@@ -987,8 +1004,8 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
   if (c.mode != PlanConfig::Mode::train) c.grad_accum = 1;
-  // A forward-only plan keeps nothing for a backward, so it has nothing to compress.
-  if (c.mode != PlanConfig::Mode::train) c.act_quant = {};
+  // A forward-only plan keeps nothing for a backward, so it has nothing to compress or rebuild.
+  if (c.mode != PlanConfig::Mode::train) c.act_quant = {}, c.recompute = Recompute::none, c.recompute_blocks = -1;
   validate(c);
   model::validate_act_quant(desc.config, c.act_quant, c.cp);
   if (c.ep > 1 && desc.config.family != model::Family::moe)
@@ -998,6 +1015,7 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
     throw std::invalid_argument("ep (--ep): " + std::to_string(c.ep) + " does not divide the number of experts " +
                                 std::to_string(desc.config.n_experts));
   if (c.cp > 1) check_context_split(desc, c);
+  check_recompute_blocks(desc, c);
   if (c.memory_budget < 0) throw std::invalid_argument("memory budget (--memory-budget): must be > 0, got " + std::to_string(c.memory_budget));
   return c;
 }

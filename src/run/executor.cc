@@ -234,8 +234,8 @@ void Executor::check_device_run(const plan::Plan& plan) const {
 // The plan sizes each unit's buffers by the model's costs (the CPU kernels' scratch); a backend
 // whose kernels would carve more would write past them. Checked once, before any step.
 void Executor::check_carved_fits() const {
-  const model::Shape shape = plan_.unit_shape(4);
   for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u) {
+    const model::Shape shape = plan_.unit_shape(desc_, u, 4);
     const model::UnitDesc& unit = desc_.units[u];
     const auto carved = layers::layer(unit.kind).carved;
     if (!carved) continue;
@@ -560,7 +560,7 @@ void Executor::unit_task(const Task& t, Run& r) {
   a.logits = r.in.logits;
   a.all_logits = r.in.all_logits;
   a.act_quant = r.plan.config.act_quant;
-  a.recompute = r.plan.config.recompute;
+  a.recompute = r.plan.recompute_of(desc_, t.unit);
   // Stochastic rounding draws from (seed, rank, step, micro-step, unit) and, in layers/, the tensor
   // and element: reproducible on any thread count and on resume, no generator state to carry, and
   // ranks holding other sequences draw apart.
@@ -568,7 +568,7 @@ void Executor::unit_task(const Task& t, Run& r) {
   const layers::LayerKind& kind = layers::layer(u.kind);
   switch (t.op) {
     case Op::forward: kind.forward(a); break;
-    case Op::recompute: kind.recompute(a, r.plan.config.recompute); break;
+    case Op::recompute: kind.recompute(a, a.recompute); break;
     case Op::backward: kind.backward(a); break;
     case Op::head: r.result.loss_sum += kind.head(a, layers::HeadMode::train); break;
     case Op::loss: r.result.loss_sum += kind.head(a, layers::HeadMode::loss); break;

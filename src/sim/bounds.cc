@@ -74,8 +74,9 @@ StreamSeconds stream_seconds(const model::ModelDesc& desc, const Plan& frame, co
       continue;
     }
     pass(Op::forward, u, k, k.forward_flops, true, false);
-    if (k.kept_bytes(c.recompute) < k.saved_bytes + k.recomputable_bytes)  // only a full rebuild reruns the stages
-      pass(Op::recompute, u, k, k.recompute_flops(c.recompute), c.recompute == model::Recompute::full, false);
+    const model::Recompute mode = frame.recompute_of(desc, u);
+    if (k.kept_bytes(mode) < k.saved_bytes + k.recomputable_bytes)  // only a full rebuild reruns the stages
+      pass(Op::recompute, u, k, k.recompute_flops(mode), mode == model::Recompute::full, false);
     pass(Op::backward, u, k, k.backward_flops, true, true);
   }
   double once = 0;  // the step's own tasks
@@ -152,7 +153,6 @@ double comm_seconds(const model::ModelDesc& desc, const BoundsFrame& f, const Pl
 // each unit's gathered or full-gradient bytes by when they are alive then.
 void peak_parts(const model::ModelDesc& desc, const Plan& frame, const std::vector<model::UnitCosts>& costs,
                 const std::vector<int64_t>& elems, ComputeBounds& b) {
-  const PlanConfig& c = frame.config;
   const plan::StaticMemory& st = frame.static_memory;
   b.peak_bytes = st.params + st.grads + st.optimizer + st.snapshot + st.staging;
   const int U = static_cast<int>(desc.units.size());
@@ -166,8 +166,9 @@ void peak_parts(const model::ModelDesc& desc, const Plan& frame, const std::vect
     if (borrowed[u]) b.gathered += bytes;  // stays gathered for the step
     if (model::is_state_only(ud.kind)) continue;
     const model::UnitCosts& k = costs[u];
-    b.peak_bytes += k.kept_bytes(c.recompute);
-    const bool rebuild = k.kept_bytes(c.recompute) < k.saved_bytes + k.recomputable_bytes;
+    const model::Recompute mode = frame.recompute_of(desc, u);
+    b.peak_bytes += k.kept_bytes(mode);
+    const bool rebuild = k.kept_bytes(mode) < k.saved_bytes + k.recomputable_bytes;
     if (model::is_head(ud.kind)) {
       b.peak_bytes += k.forward_workspace + k.backward_workspace;
       b.gathered += bytes, b.grads_at_head += bytes;
@@ -241,9 +242,9 @@ ComputeBounds compute_bounds(const model::ModelDesc& desc, const BoundsFrame& f,
   Plan frame = f.plan;
   frame.config = c;
   const std::vector<int64_t>& elems = f.elems;
-  const model::Shape shape = frame.unit_shape(c.activation_bytes);  // the builder's
-  std::vector<model::UnitCosts> costs;
-  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) costs.push_back(desc.costs(u, shape));
+  std::vector<model::UnitCosts> costs;  // the builder's
+  for (int u = 0; u < static_cast<int>(desc.units.size()); ++u)
+    costs.push_back(desc.costs(u, frame.unit_shape(desc, u, c.activation_bytes)));
   peak_parts(desc, frame, costs, elems, b);
   const Task fill = zero_fill(desc, frame, elems);
   const CostModel cost(desc, frame, hw, threads, expert_load, f.spans);

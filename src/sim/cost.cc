@@ -185,10 +185,11 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
   }
   pointwise_bw_ = hw.pointwise_bw > 0 ? hw.pointwise_bw * (hw.per_thread ? threads : 1) : hw.memory_bw;
   // The same micro-batch shape the plan's memory figures use (Plan::to_text).
-  const model::Shape shape = plan.unit_shape(4, expert_load);
   for (size_t u = 0; u < desc.units.size(); ++u) {
+    const model::Shape shape = plan.unit_shape(desc, static_cast<int>(u), 4, expert_load);
     const model::UnitCosts c = desc.costs(static_cast<int>(u), shape);
     pointwise_.push_back(c.pointwise_bytes);
+    full_rebuild_.push_back(shape.recompute == model::Recompute::full);
     if (hw.attention_efficiency > 0 && hw.attention_rates.empty()) attention_.push_back(c.attention_flops);
     for (bool backward : {false, true}) {
       stage_share_[backward].push_back(backward && !c.backward_stage_share.empty() ? c.backward_stage_share : c.stage_share);
@@ -263,7 +264,7 @@ double CostModel::compute_seconds(const plan::Task& t) const {
       case OpWork::unit_fwd_bwd: gemm_flops = 3 * f, gemm_s = fwd + bwd; break;
       case OpWork::unit_bwd: gemm_flops = 2 * f, gemm_s = bwd; break;
       case OpWork::unit_rebuild:
-        if (plan_.config.recompute == model::Recompute::full) gemm_flops = f, gemm_s = fwd;
+        if (full_rebuild_[t.unit]) gemm_flops = f, gemm_s = fwd;
         break;
       default: break;
     }
@@ -276,7 +277,7 @@ double CostModel::compute_seconds(const plan::Task& t) const {
       case OpWork::unit_fwd: attention_flops = a; break;
       case OpWork::unit_fwd_bwd: attention_flops = 3 * a; break;
       case OpWork::unit_bwd: attention_flops = 2 * a; break;
-      case OpWork::unit_rebuild: attention_flops = plan_.config.recompute == model::Recompute::full ? a : 0; break;
+      case OpWork::unit_rebuild: attention_flops = full_rebuild_[t.unit] ? a : 0; break;
       default: break;
     }
   }

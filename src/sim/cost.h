@@ -96,6 +96,7 @@ class CostModel {
   double peak_ = 0, rate_ = 0, pointwise_bw_ = 0;
   double oversubscription_ = 1;  // compute threads on the node per core, at least 1
   std::vector<int64_t> pointwise_;  // per unit: bytes the forward's non-GEMM kernels move
+  std::vector<char> full_rebuild_;  // per unit: its recompute reruns the whole forward (GEMMs, attention)
   // Per unit: the forward's attention FLOPs, priced at attention_rate_ where the profile gives an
   // attention_efficiency and no measured attention rates (else empty).
   std::vector<double> attention_;

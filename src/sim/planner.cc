@@ -38,6 +38,7 @@ std::string flags_of(const PlanConfig& c) {
   if (c.cp > 1) o << " --cp " << c.cp << " --cp-impl " << model::to_string(c.cp_impl);
   o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
     << model::to_string(c.recompute);
+  if (c.recompute_blocks >= 0 && c.recompute != model::Recompute::none) o << " --recompute-blocks " << c.recompute_blocks;
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
       << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")

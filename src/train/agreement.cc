@@ -98,6 +98,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"aux-loss-coef", s(c.aux_loss_coef)},
       {"z-loss-coef", s(c.z_loss_coef)},
       {"recompute", c.recompute},
+      {"recompute-blocks", s(c.recompute_blocks)},
       {"act-quant", c.act_quant},
       {"act-quant-group", s(c.act_quant_group)},
       {"act-quant-rounding", c.act_quant_rounding},

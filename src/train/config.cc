@@ -202,6 +202,8 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   model::parse_recompute(c.recompute);
+  if (c.recompute_blocks < -1)
+    throw std::invalid_argument("recompute_blocks (--recompute-blocks): must be >= 0, got " + std::to_string(c.recompute_blocks));
   if (c.act_quant != "none" && c.act_quant != "int8")
     throw std::invalid_argument("act_quant (--act-quant): unknown '" + c.act_quant + "' (expected none or int8)");
   if (c.act_quant_group <= 0 || c.act_quant_group > (int64_t{1} << 20))
@@ -217,6 +219,11 @@ void check_distribution(const TrainConfig& c) {
 }
 
 }  // namespace
+
+std::string TrainConfig::recompute_text() const {
+  if (recompute_blocks < 0 || recompute == "none") return recompute;
+  return recompute + " on " + std::to_string(recompute_blocks) + (recompute_blocks == 1 ? " block" : " blocks");
+}
 
 void TrainConfig::validate() const {
   check_model_overrides(*this);

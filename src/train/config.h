@@ -39,6 +39,7 @@ struct TrainConfig {
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
   std::string recompute = "none";       // none | selective | full
+  int recompute_blocks = -1;            // how many blocks `recompute` applies to, spread evenly; -1: all
   // Activation compression (model::ActQuant): none | int8, values per scale, nearest | stochastic.
   std::string act_quant = "none";
   int64_t act_quant_group = 64;
@@ -126,6 +127,8 @@ struct TrainConfig {
   model::ModelConfig model_config(int64_t data_vocab) const;
   // Throws std::invalid_argument naming the field for values out of range.
   void validate() const;
+  // The recompute mode as the run header and report show it ("full on 16 blocks").
+  std::string recompute_text() const;
 
   // From the process's environment; the command line fills these (nothing below cli/ reads it).
   comm::MpiOptions comm;     // the MPI backend's algorithms and chunking (SHARDLM_COMM_*)

@@ -57,7 +57,7 @@ double shown(float v) { return std::stod(fmt::format("{}", v)); }
 json settings(const TrainConfig& c, const RunInfo& info) {
   return {{"model", c.model},         {"strategy", c.strategy}, {"ranks", info.ranks},          {"threads", c.threads},
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
-          {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute},     {"param_dtype", c.param_dtype},
+          {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute_text()},     {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
           {"act_quant", c.act_quant == "none" ? c.act_quant
                                               : fmt::format("{} (group {}, {})", c.act_quant, c.act_quant_group,

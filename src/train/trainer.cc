@@ -138,6 +138,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
   pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
   pc.recompute = model::parse_recompute(cfg.recompute);
+  pc.recompute_blocks = cfg.recompute_blocks;
   if (cfg.act_quant == "int8") pc.act_quant = {cfg.act_quant_group, cfg.act_quant_rounding == "stochastic"};
   if (cfg.keep_gathered != "none") {  // a comma list of unit names (or "all"); build_plan checks them
     std::string rest = cfg.keep_gathered;
@@ -442,7 +443,7 @@ void print_run_header(const Session& s, double peak) {
              "kernels {}, collectives {}\n",
              cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
-             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute, peak,
+             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute_text(), peak,
              s.backend->name(), s.comms.describe());
   if (const OffloadStore* d = s.ex.offload_store())
     fmt::print("offload: {} {}, read ahead {} using task(s)\n",

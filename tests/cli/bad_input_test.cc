@@ -456,4 +456,23 @@ TEST_F(BadInput, ActQuantSettings) {
   const Result r = run(train_args("aq6", 2) + " --config " + path("aq_ok.toml") + " --recompute selective");
   EXPECT_EQ(r.code, 0) << r.out;
 }
+
+// --recompute-blocks, from the command line and TOML: out of [0, n_layer], or with no mode to
+// apply, is one line naming the field; a good TOML setting trains on that many blocks.
+TEST_F(BadInput, RecomputeBlocks) {
+  expect_one_line_error(run(train_args("rb1", 1) + " --recompute full --recompute-blocks -2"),
+                        {"recompute_blocks (--recompute-blocks)", "-2"});
+  expect_one_line_error(run("explain --model tiny --recompute full --recompute-blocks 3"),
+                        {"recompute_blocks (--recompute-blocks)", "n_layer = 2", "3"});
+  expect_one_line_error(run("simulate --model tiny --recompute-blocks 1"),
+                        {"recompute_blocks (--recompute-blocks)", "--recompute is none"});
+  write("rb_bad.toml", "recompute = \"selective\"\nrecompute_blocks = 7\n");
+  expect_one_line_error(run(train_args("rb2", 1) + " --config " + path("rb_bad.toml")),
+                        {"recompute_blocks (--recompute-blocks)", "7"});
+  write("rb_ok.toml", "recompute = \"full\"\nrecompute_blocks = 1\n");
+  const Result r = run(train_args("rb3", 1) + " --config " + path("rb_ok.toml"));
+  EXPECT_EQ(r.code, 0) << r.out;
+  std::ifstream info(dir_ / "rb3" / "run_info.json");
+  EXPECT_EQ(nlohmann::json::parse(info)["config"]["recompute"], "full on 1 block");
+}
 }  // namespace

@@ -355,6 +355,11 @@ TEST(Plan, ArenaKeepsBuffersAliveTogetherApartInAnyScheduleTheDepsAllow) {
 TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
   each_training_config({1, 2, 3, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
     expect_no_buffer_alive_twice(d, c, what);
+    if (c.recompute != model::Recompute::none && c.grad_accum <= 2) {  // one block of the two rebuilt
+      PlanConfig one = c;
+      one.recompute_blocks = 1;
+      expect_no_buffer_alive_twice(d, one, what + " on 1 block");
+    }
     if (c.grad_accum == 1 && c.recompute == model::Recompute::none) {
       c.mode = PlanConfig::Mode::loss;
       expect_no_buffer_alive_twice(d, c, what + " loss");
@@ -890,6 +895,66 @@ TEST(Plan, RecomputeAddsATaskBeforeEachBlockBackwardAndLowersTheActivationPeak) 
     }
     EXPECT_LT(peak[model::Recompute::selective], peak[model::Recompute::none]) << preset;
     EXPECT_LT(peak[model::Recompute::full], peak[model::Recompute::selective]) << preset;
+  }
+}
+
+// build_plan refuses `c` with std::invalid_argument whose line contains `says`.
+void expect_refused(const model::ModelDesc& d, const PlanConfig& c, const std::string& says) {
+  try {
+    build_plan(d, c);
+    ADD_FAILURE() << "not refused: " << says;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
+// --recompute-blocks N rebuilds N blocks spread evenly (N = L / k: every k-th, the k-th first),
+// each with the mode's task and FLOPs, the others keeping all they save: the activation peak falls
+// with every block added, from no recompute's at N = 0 to the mode's at N = L. Out of range, or
+// with nothing to apply, it is refused naming the flag.
+TEST(Plan, RecomputeBlocksRebuildsThatManyBlocksSpreadEvenly) {
+  for (const char* preset : {"small", "llama-small"}) {
+    const model::ModelDesc d = model::describe(model::model_preset(preset));
+    const int L = d.config.n_layer;
+    for (model::Recompute r : {model::Recompute::selective, model::Recompute::full}) {
+      PlanConfig c;
+      c.world = 2;
+      c.recompute = r;
+      int64_t previous = 0;
+      for (int N = 0; N <= L; ++N) {
+        c.recompute_blocks = N;
+        const Plan p = build_plan(d, c);
+        const std::string at = std::string(preset) + " " + model::to_string(r) + " on " + std::to_string(N);
+        std::vector<int> rebuilt;
+        for (const Task& t : p.tasks) {
+          if (t.op != Op::recompute) continue;
+          rebuilt.push_back(d.units[t.unit].layer);
+          EXPECT_NEAR(t.flops, d.costs(t.unit, {c.batch, c.seq, 4, 1}).recompute_flops(r), 1.0) << at;
+        }
+        std::vector<int> want;
+        for (int l = L - 1; l >= 0; --l)  // in backward order
+          if ((l + 1) * N / L > l * N / L) want.push_back(l);
+        EXPECT_EQ(rebuilt, want) << at;
+        if (2 * N == L) {
+          for (int l : want) EXPECT_EQ(l % 2, 1) << at << ": every second block";
+        }
+        const int64_t peak = p.max_memory()[MemCategory::activations];
+        if (N > 0) EXPECT_LT(peak, previous) << at;
+        previous = peak;
+        PlanConfig whole = c;
+        whole.recompute_blocks = -1;
+        whole.recompute = N == 0 ? model::Recompute::none : N == L ? r : whole.recompute;
+        if (N == 0 || N == L) EXPECT_EQ(peak, build_plan(d, whole).max_memory()[MemCategory::activations]) << at;
+      }
+    }
+    PlanConfig bad;
+    bad.recompute = model::Recompute::full;
+    for (int N : {-2, L + 1}) {
+      bad.recompute_blocks = N;
+      expect_refused(d, bad, "recompute_blocks (--recompute-blocks)");
+    }
+    bad.recompute = model::Recompute::none, bad.recompute_blocks = 2;
+    expect_refused(d, bad, "but --recompute is none");
   }
 }
 

@@ -458,20 +458,30 @@ TEST_F(FailureSlow, AKilledRankEndsTheJob) {
 namespace shardlm {
 namespace {
 
-// Recompute changes memory, never numbers: under fsdp on 2 ranks, selective and full give
-// bitwise the losses, gradient norms and final parameters of none, and each mode's measured
-// activation peak is exactly the plan's.
+// A recompute case, "MODE" or "MODE:N" (on N blocks): sets `pc` and returns its train flags.
+std::string recompute_case(const std::string& spec, plan::PlanConfig& pc) {
+  const size_t colon = spec.find(':');
+  const std::string mode = spec.substr(0, colon);
+  pc.recompute = model::parse_recompute(mode);
+  if (colon == std::string::npos) return " --recompute " + mode;
+  pc.recompute_blocks = std::stoi(spec.substr(colon + 1));
+  return " --recompute " + mode + " --recompute-blocks " + spec.substr(colon + 1);
+}
+
+// Recompute changes memory, never numbers: under fsdp on 2 ranks, selective and full, on every
+// block or on one of the two, give bitwise the losses, gradient norms and final parameters of
+// none, and each mode's measured activation peak is exactly the plan's.
 TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
   for (const std::string model : {"tiny", "llama-tiny"}) {
     std::map<std::string, int64_t> peak;
     std::vector<nlohmann::json> base;
     std::string base_weights;
-    for (const std::string mode : {"none", "selective", "full"}) {
-      const std::string name = "recompute_" + model + "_" + mode;
-      const auto r = mpirun(2, args(name, 2, model) + " --strategy fsdp --recompute " + mode);
-      ASSERT_EQ(r.code, 0) << r.out;
+    for (const std::string mode : {"none", "selective", "full", "full:1"}) {
+      const std::string name = "recompute_" + model + "_" + mode.substr(0, mode.find(':')) +
+                               (mode.find(':') == std::string::npos ? "" : "_1");
       plan::PlanConfig pc = plan_config("fsdp", 2, 2);
-      pc.recompute = model::parse_recompute(mode);
+      const auto r = mpirun(2, args(name, 2, model) + " --strategy fsdp" + recompute_case(mode, pc));
+      ASSERT_EQ(r.code, 0) << r.out;
       const plan::Plan p = plan::build_plan(tiny(model), pc);
       std::vector<nlohmann::json> rows;
       for (const auto& row : testing::read_metrics(dir_ / name / "metrics.jsonl")) {
@@ -497,6 +507,8 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
     }
     EXPECT_LT(peak["selective"], peak["none"]) << model;
     EXPECT_LT(peak["full"], peak["selective"]) << model;
+    EXPECT_LT(peak["full:1"], peak["none"]) << model;
+    EXPECT_GT(peak["full:1"], peak["full"]) << model;
   }
 }
 
@@ -506,20 +518,21 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
 namespace shardlm {
 namespace {
 
-// --act-quant int8 under fsdp on 2 ranks, with selective recompute and without: each rank's
-// measured activation peak is the plan's (smaller than fp32's), step 0's loss is fp32's bits
-// (the forward is uncompressed) and the later losses stay within 2%.
+// --act-quant int8 under fsdp on 2 ranks, with selective recompute (on every block, or on one,
+// where the blocks keep different buffers) and without: each rank's measured activation peak is
+// the plan's (smaller than fp32's), step 0's loss is fp32's bits (the forward is uncompressed)
+// and the later losses stay within 2%.
 TEST_F(DistributedSlow, ActQuantPeakIsThePlansAndLossesStayClose) {
-  for (const std::string mode : {"none", "selective"}) {
+  for (const std::string mode : {"none", "selective", "selective:1"}) {
     std::vector<double> losses[2];
     int64_t peak[2] = {0, 0};
     for (int q = 0; q < 2; ++q) {
-      const std::string name = "act_quant_" + mode + (q ? "_int8" : "_fp32");
-      const auto r = mpirun(2, args(name, 2) + " --strategy fsdp --recompute " + mode +
+      const std::string name = "act_quant_" + mode.substr(0, mode.find(':')) +
+                               (mode.find(':') == std::string::npos ? "" : "_1") + (q ? "_int8" : "_fp32");
+      plan::PlanConfig pc = plan_config("fsdp", 2, 2);
+      const auto r = mpirun(2, args(name, 2) + " --strategy fsdp" + recompute_case(mode, pc) +
                                    (q ? " --act-quant int8 --act-quant-group 32 --act-quant-rounding stochastic" : ""));
       ASSERT_EQ(r.code, 0) << r.out;
-      plan::PlanConfig pc = plan_config("fsdp", 2, 2);
-      pc.recompute = model::parse_recompute(mode);
       if (q) pc.act_quant = {32, true};
       peak[q] = plan::build_plan(tiny(), pc).max_memory()[MemCategory::activations];
       for (const auto& row : testing::read_metrics(dir_ / name / "metrics.jsonl")) {

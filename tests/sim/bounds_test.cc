@@ -120,13 +120,16 @@ TEST(Bounds, ComputeIsTheComputeStreamsWorkAtMeasuredRates) {
   Checked n;
   for (const char* name : {"llama-tiny", "moe-tiny", "tiny"})
     for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
-      for (Strategy s : {Strategy::ddp, Strategy::fsdp}) {
-        const model::ModelDesc desc = model::describe(model::model_preset(name, 128));
-        PlanConfig c = for_hardware(PlanConfig{}, hw);
-        c.world = 2, c.strategy = s, c.seq = 128, c.batch = 2, c.grad_accum = 6, c.recompute = r;
-        check(name, desc, c, hw, 2, n);
-      }
-  EXPECT_EQ(n.plans, 18);
+      for (int blocks : {-1, 1})  // every block, or one of the two
+        for (Strategy s : {Strategy::ddp, Strategy::fsdp}) {
+          if (r == model::Recompute::none && blocks >= 0) continue;
+          const model::ModelDesc desc = model::describe(model::model_preset(name, 128));
+          PlanConfig c = for_hardware(PlanConfig{}, hw);
+          c.world = 2, c.strategy = s, c.seq = 128, c.batch = 2, c.grad_accum = 6, c.recompute = r;
+          c.recompute_blocks = blocks;
+          check(name, desc, c, hw, 2, n);
+        }
+  EXPECT_EQ(n.plans, 30);
 }
 
 // Off memory (the disk tier, a budget, the pipelined optimizer) the bounds claim nothing.
