@@ -423,12 +423,15 @@ TEST_F(OffloadSlow, OnTmpfsTheLogSaysWhichIoWasUsed) {
 const std::string kActivations = " --offload activations --offload-prefetch 0";
 
 // A run of many steps started in the background; `damage` strikes its offload file `file` once it
-// has saved a checkpoint and gone on. The run must stop with one line naming the file, and the
-// checkpoint it saved must still load (a resume runs from it).
+// has saved a checkpoint and gone on, and again every 100 ms while the file is there and the run
+// goes on: a truncation that lands while a write to the file's end is in flight is undone by that
+// write (the next checks see the whole size again), so one strike may race. The run must stop
+// with one line naming the file, and the checkpoint it saved must still load (a resume runs from it).
 void damaged_mid_run(const std::string& name, const std::function<void(const fs::path&)>& damage, const std::string& what,
                      const std::string& file_name = "params", const std::string& offload = kAll) {
   const fs::path dir = OffloadSlow::runs_.dir, out = dir / name, log = dir / (name + ".log");
-  const std::string cmd = testing::shardlm_binary() + " " + OffloadSlow::runs_.args(name, 100000, 2) + offload +
+  // exec: the pid is the run's own, so that a kill ends it and not only the shell.
+  const std::string cmd = "exec " + testing::shardlm_binary() + " " + OffloadSlow::runs_.args(name, 100000, 2) + offload +
                           " --save-every 2 > " + log.string() + " 2>&1";
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
@@ -447,9 +450,10 @@ void damaged_mid_run(const std::string& name, const std::function<void(const fs:
   ASSERT_TRUE(fs::exists(file)) << file;
   damage(file);
   bool ended = false;
-  for (int i = 0; i < 6000 && !ended; ++i) {  // 60 s
+  for (int i = 1; i <= 6000 && !ended; ++i) {  // 60 s
     ended = waitpid(pid, &status, WNOHANG) == pid;
     if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!ended && i % 10 == 0 && fs::exists(file)) damage(file);
   }
   if (!ended) {
     kill(pid, SIGKILL);
