@@ -187,11 +187,12 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          s.smallest.flags));
   fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations ({} pruned by memory "
              "or its bound unbuilt, {} by a bound on step time unbuilt, {} invalid, {} "
-             "built, {} simulated), {} fit {} (+{} refined by keeping units gathered), {} distinct predictions\n",
+             "built, {} simulated), {} fit {} (+{} refined by rebuilding fewer blocks, +{} by keeping units gathered), "
+             "{} distinct predictions\n",
              a.cfg.model, a.ranks, a.cfg.threads, a.global_batch, hw.name, s.considered, s.pruned, s.bounded,
-             s.invalid, s.built, s.simulated, s.fit - s.refined,
+             s.invalid, s.built, s.simulated, s.fit - s.refined - s.fewer_rebuilt,
              q.memory_budget ? fmt::format("{:.3f} GiB per rank", q.memory_budget / 1073741824.0) : "(no memory limit)",
-             s.refined, s.fitting.size());
+             s.fewer_rebuilt, s.refined, s.fitting.size());
   if (s.on_disk > 0)
     fmt::print("disk tier: nothing fits in memory; {} configurations searched with state and saved activations placed on "
                "disk (--memory-budget), files within {:.3f} GiB per rank, copies priced at the profile's disk figures\n",

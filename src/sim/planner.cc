@@ -338,10 +338,12 @@ std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::v
   auto refinable = [&](const PlanConfig& c) {
     return (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid) && c.keep_gathered.empty();
   };
+  // The top rows: at least kFewerRebuiltRows of them, which recompute_fewer refines.
+  const size_t top = std::max<size_t>(q.top, kFewerRebuiltRows);
   auto note = [&](size_t i) {
     const SimResult& r = out[i].result;
     best.insert({r.step_ms, r.mem.total});
-    if (best.size() > static_cast<size_t>(q.top)) best.erase(std::prev(best.end()));
+    if (best.size() > top) best.erase(std::prev(best.end()));
     if (refinable(grid[i])) {
       sharded.insert(r.step_ms);
       if (sharded.size() > 3) sharded.erase(std::prev(sharded.end()));
@@ -349,7 +351,7 @@ std::vector<Outcome> evaluate_bounded(const model::ModelDesc& desc, const std::v
   };
   // A configuration is wanted while its bound is at most the top bar, or, sharded without units
   // kept, the refine bar; the search ends at the first above both.
-  auto top_bar = [&] { return best.size() < static_cast<size_t>(q.top) ? inf : std::prev(best.end())->first; };
+  auto top_bar = [&] { return best.size() < top ? inf : std::prev(best.end())->first; };
   auto refine_bar = [&] { return sharded.size() < 3 ? inf : *std::prev(sharded.end()); };
   const size_t batch = 4 * std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
   size_t next = 0;
@@ -392,6 +394,29 @@ void collapse_alike(std::vector<Candidate>& v) {
 }
 
 }  // namespace
+
+Candidate recompute_fewer(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start) {
+  const int L = desc.config.n_layer;
+  const int rebuilt = start.config.recompute_blocks < 0 ? L : start.config.recompute_blocks;
+  if (start.config.recompute == model::Recompute::none || q.memory_budget == 0 || rebuilt <= 1) return start;
+  auto on = [&](int blocks) {
+    PlanConfig c = start.config;
+    c.recompute_blocks = blocks;
+    const SimResult r = simulate_config(desc, c, hw, q.threads, q.expert_load);
+    return Candidate{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c)};
+  };
+  // `fits` rebuilds `rebuilt` blocks and fits; fewer than lo + 1 were not tried (none is its own
+  // configuration in the grid).
+  Candidate fits = start;
+  int lo = 0, hi = rebuilt;
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    Candidate k = on(mid);
+    if (k.peak_bytes <= q.memory_budget) hi = mid, fits = std::move(k);
+    else lo = mid;
+  }
+  return fits.step_ms < start.step_ms ? fits : start;
+}
 
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate best) {
   auto with = [&](const Candidate& from, const std::string& entry) {
@@ -550,6 +575,20 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
     if (out.fitting.empty() && q.memory_budget > 0) search(cps);
   }
   if (out.fitting.empty() && q.memory_budget > 0 && q.disk_budget > 0) search_disk_tier(desc, b, hw, q, eps, out);
+  rank(out.fitting);
+  // Fewer blocks rebuilt, on those that recompute among the first kFewerRebuiltRows distinct
+  // predictions (which a bounded search finds exactly, so it refines what the exhaustive one does).
+  std::vector<Candidate> fewer;
+  std::set<std::pair<double, int64_t>> rows;
+  for (const Candidate& c : out.fitting) {
+    rows.insert({c.step_ms, c.peak_bytes});
+    if (rows.size() > static_cast<size_t>(kFewerRebuiltRows)) break;
+    if (c.config.recompute == model::Recompute::none || c.config.memory_budget > 0) continue;
+    Candidate k = recompute_fewer(desc, hw, q, c);
+    if (k.step_ms < c.step_ms) fewer.push_back(std::move(k));
+  }
+  out.fewer_rebuilt = static_cast<int64_t>(fewer.size());
+  for (auto& k : fewer) out.fitting.push_back(std::move(k));
   rank(out.fitting);
   // Selective unsharding, unit by unit, on the fastest few sharded configurations in memory.
   std::vector<Candidate> refined;

@@ -5,8 +5,9 @@
 // unbuilt. bf16 gathers and reductions are tried on bf16
 // (GPU) profiles only. For a mixture-of-experts model the expert-parallel size (ep) is searched
 // too: each divisor of the experts that divides the ranks.
-// Configurations whose plan cannot be built are skipped. The fastest few sharded ones are then
-// refined by selective unsharding (keep_greedily). Every configuration is first bounded from its
+// Configurations whose plan cannot be built are skipped. The fastest few that recompute are then
+// refined by rebuilding fewer blocks (recompute_fewer), and the fastest few sharded ones by
+// selective unsharding (keep_greedily). Every configuration is first bounded from its
 // frame alone (sim/bounds.h): one whose memory bound does not fit is never built, and with
 // PlanQuery::top (branch and bound on step time) neither is one whose step bound is above the top.
 #pragma once
@@ -68,6 +69,7 @@ struct PlanSearch {
   int64_t considered = 0, pruned = 0, invalid = 0, built = 0, simulated = 0;
   int64_t bounded = 0;              // of `considered`, those whose step bound is above the top (PlanQuery::top)
   int64_t refined = 0;              // of `fitting`, those the unit-by-unit keep-gathered pass added
+  int64_t fewer_rebuilt = 0;        // of `fitting`, those recompute_fewer added
   int64_t on_disk = 0;              // of `considered`, those searched with the disk tier (PlanQuery::disk_budget)
   // The least memory of all built (to say by how much nothing fits: then every configuration not
   // above one that does not fit is built, bounds or not).
@@ -77,6 +79,9 @@ struct PlanSearch {
 // The most sequences per rank a global batch may hold: the search tries every micro-batch that
 // divides them, so its time grows with them.
 inline constexpr int64_t kMaxSequencesPerRank = 1 << 20;
+// The planner tries recompute_fewer on those that recompute among this many fastest distinct
+// predictions (a bounded search finds at least these exactly).
+inline constexpr int kFewerRebuiltRows = 3;
 // The largest cp the search tries (where nothing fits without it).
 inline constexpr int kMaxContextSearch = 64;
 
@@ -110,6 +115,11 @@ LargestFit largest_model(const model::ModelConfig& model, const plan::PlanConfig
 // does not fit is split finer: the largest part of it, in eighths, that fits is kept (NAME:0.375)
 // instead. The result is no slower than `start` and fits.
 Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start);
+
+// Fewer blocks rebuilt: for a `start` that recomputes (on all its blocks, or on N), the fewest
+// blocks (--recompute-blocks) with which the plan still fits q.memory_budget, found by bisection
+// (the activation peak falls with every block rebuilt). Returned where it is faster, else `start`.
+Candidate recompute_fewer(const model::ModelDesc& desc, const HardwareProfile& hw, const PlanQuery& q, Candidate start);
 
 // One configuration's simulation as the search sees it: the plan's simulation (whose cost does
 // not grow with the accumulation: Plan::repeat), without its per-task times. Throws

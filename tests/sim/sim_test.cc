@@ -1147,6 +1147,44 @@ TEST(Planner, KeepsGatheredWhatSavesMostPerByteWithinTheBudget) {
   }
 }
 
+// Under a budget between full recompute's peak and none's, the planner rebuilds only the blocks
+// memory needs: recompute_fewer finds the fewest that fit (one fewer does not), faster than all of
+// them; and the search's fastest row is such a configuration, which its flags reproduce.
+TEST(Planner, RebuildsOnlyTheBlocksTheBudgetNeeds) {
+  KeepSetup setup;
+  auto& [desc, hw, q, c] = setup;
+  c.strategy = plan::Strategy::fsdp, c.batch = 8, c.recompute = model::Recompute::full;
+  q.global_tokens = 16 * 8 * 1024;
+  const Candidate full = setup.candidate(c);
+  PlanConfig kept_all = c;
+  kept_all.recompute = model::Recompute::none;
+  const Candidate none = setup.candidate(kept_all);
+  ASSERT_LT(none.step_ms, full.step_ms) << "recompute must cost time here for the test to mean anything";
+  const int L = desc.config.n_layer;
+  q.memory_budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) * 4 / 10;
+  const Candidate k = recompute_fewer(desc, hw, q, full);
+  ASSERT_GT(k.config.recompute_blocks, 0);
+  ASSERT_LT(k.config.recompute_blocks, L);
+  EXPECT_LE(k.peak_bytes, q.memory_budget);
+  EXPECT_LT(k.step_ms, full.step_ms);
+  PlanConfig fewer = k.config;
+  fewer.recompute_blocks -= 1;
+  EXPECT_GT(setup.candidate(fewer).peak_bytes, q.memory_budget) << "one block fewer would have fitted";
+  EXPECT_NE(k.flags.find("--recompute full --recompute-blocks " + std::to_string(k.config.recompute_blocks)), std::string::npos)
+      << k.flags;
+  EXPECT_EQ(plan::build_plan(desc, k.config).peak_memory().total, k.peak_bytes);
+
+  q.top = 3;
+  const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(s.fitting.empty());
+  EXPECT_GT(s.fewer_rebuilt, 0);
+  const Candidate& best = s.fitting.front();
+  EXPECT_LE(best.peak_bytes, q.memory_budget);
+  EXPECT_NE(best.config.recompute, model::Recompute::none) << best.flags;
+  EXPECT_GT(best.config.recompute_blocks, 0) << best.flags;
+  EXPECT_NE(best.flags.find("--recompute-blocks"), std::string::npos) << best.flags;
+}
+
 // When no whole unit that would save time fits the budget, the planner splits the choice finer:
 // it keeps a part of one (NAME:FRACTION), which fits and is faster than keeping nothing.
 TEST(Planner, KeepsPartOfAUnitWhenNoWholeUnitFits) {
