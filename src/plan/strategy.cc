@@ -982,7 +982,6 @@ void check_context_split(const model::ModelDesc& desc, const PlanConfig& c) {
 }
 
 
-// The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
 // --recompute-blocks within [0, n_layer] and with a mode to apply; all blocks read as -1 and
 // none as no recompute, so that a plan has one spelling of each.
 void check_recompute_blocks(const model::ModelDesc& desc, PlanConfig& c) {
@@ -997,6 +996,7 @@ void check_recompute_blocks(const model::ModelDesc& desc, PlanConfig& c) {
   if (c.recompute_blocks == 0) c.recompute = Recompute::none, c.recompute_blocks = -1;
 }
 
+// The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
 PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
   // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
