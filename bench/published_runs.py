@@ -38,7 +38,7 @@ MOSAIC = "llm-foundry scripts/train/benchmarking/README.md"
 
 RUNS = [
     # (label, published tok/s/GPU, source, notes, flags)
-    ("fms-fsdp Llama2-7B, 128 A100, HSDP, bs 2", 3650, IBM, "HSDP group taken as a node (8); seq 4096 (Llama 2)",
+    ("fms-fsdp Llama2-7B, 128 A100, HSDP, bs 2", 3650, IBM, "HSDP shards within a node of 8 (fms-fsdp docs/configurations.md); seq 4096 (Llama 2)",
      ["--model", "llama2-7b", "--hardware", "a100-80gb", "--ranks", "128", "--strategy", "hybrid", "--shard-group", "8",
       "--batch", "2", "--seq", "4096"]),
     ("fms-fsdp Llama2-7B, 96 H100, HSDP, bs 2", 7500, IBM, "as above",
