@@ -391,7 +391,7 @@ train::TrainConfig with_offload_prefetch(train::TrainConfig cfg, int ranks, int6
                                          double expert_load, std::string* line) {
   if (line) line->clear();
   if (cfg.offload_prefetch != train::kOffloadPrefetchAuto) return cfg;
-  cfg.offload_prefetch = 2;  // the default, for a plan with nothing on disk; the choice replaces it
+  cfg.offload_prefetch = train::TrainConfig{}.offload_prefetch;  // for a plan with nothing on disk; the choice replaces it
   if (cfg.offload == "none" && cfg.memory_budget.empty()) return cfg;
   const model::ModelDesc desc = model::describe(cfg.model_config(vocab));
   const sim::PrefetchChoice c =
