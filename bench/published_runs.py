@@ -31,6 +31,12 @@ MPT7 = ["--model", "gpt2-124m", "--n-layer", "32", "--n-embd", "4096", "--n-head
 MPT13 = ["--model", "gpt2-124m", "--n-layer", "40", "--n-embd", "5120", "--n-head", "40", "--max-seq", "2048",
          "--vocab", "50368", "--seq", "2048"]
 IBM = "IBM fms-fsdp README, training throughput table"
+# An earlier version of the same table (every row on 128 A100s), the one this workplace holds a
+# copy of: foundation-model-stack/fms-fsdp README.md at commit 0d319983c4b3b7f7b3b5e2c5e7f746746b6f73a9.
+IBM_0D3 = "IBM fms-fsdp README at commit 0d31998 (128 A100)"
+# fms-fsdp's llama2_34b (get_model_config): CodeLlama-34B's shape.
+LLAMA34 = ["--model", "llama2-70b", "--n-layer", "48", "--n-embd", "8192", "--n-head", "64", "--n-kv-head", "8",
+           "--ffn-dim", "22016", "--rope-theta", "1000000"]
 TITAN_A = "torchtitan docs/performance.md (64 A100-80GB)"
 TITAN_H = "torchtitan paper arXiv 2410.06511 / docs/performance.md"
 HBM2E = "h100-96gb-hbm2e"  # torchtitan's H100s: a profile of their own where one is given (--hardware-h100-hbm2e)
@@ -52,6 +58,19 @@ RUNS = [
       "--recompute", "selective"]),
     ("fms-fsdp Llama2-70B, 128 A100, FSDP, full AC", 370, IBM, "",
      ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "2", "--seq", "4096",
+      "--recompute", "full"]),
+    ("fms-fsdp Llama2-7B, 128 A100, HSDP, no AC, bs 2 (earlier table)", 3760, IBM_0D3,
+     "the row above, as this version states it",
+     ["--model", "llama2-7b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "2", "--seq", "4096",
+      "--strategy", "hybrid", "--shard-group", "8"]),
+    ("fms-fsdp Llama2-13B, 128 A100, HSDP, no AC, bs 1 (earlier table)", 1700, IBM_0D3, "HSDP: a node of 8",
+     ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "1", "--seq", "4096",
+      "--strategy", "hybrid", "--shard-group", "8"]),
+    ("fms-fsdp 34B (CodeLlama shape), 128 A100, FSDP, full AC, bs 8 (earlier table)", 772, IBM_0D3,
+     "AC with selective_checkpointing 1: every block", LLAMA34 +
+     ["--hardware", "a100-80gb", "--ranks", "128", "--batch", "8", "--seq", "4096", "--recompute", "full"]),
+    ("fms-fsdp Llama2-70B, 128 A100, FSDP, full AC, bs 6 (earlier table)", 380, IBM_0D3, "",
+     ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "128", "--batch", "6", "--seq", "4096",
       "--recompute", "full"]),
     ("fms-fsdp Llama2-70B, 96 H100, FSDP, full AC", 800, IBM, "",
      ["--model", "llama2-70b", "--hardware", "h100-80gb", "--ranks", "96", "--batch", "2", "--seq", "4096",
