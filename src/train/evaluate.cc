@@ -19,7 +19,6 @@ plan::Plan forward_plan(const model::ModelDesc& desc, plan::PlanConfig c, plan::
   c.batch = B;
   c.seq = T;
   c.grad_accum = 1;
-  c.recompute = model::Recompute::none;
   c.split_sequence = false;  // any length; the ranks of a cp group compute the same windows
   return plan::build_plan(desc, c);
 }
