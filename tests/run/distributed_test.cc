@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -467,6 +468,11 @@ std::string recompute_case(const std::string& spec, plan::PlanConfig& pc) {
   pc.recompute_blocks = std::stoi(spec.substr(colon + 1));
   return " --recompute " + mode + " --recompute-blocks " + spec.substr(colon + 1);
 }
+// A recompute case as part of a run directory's name: "full:1" is "full_1".
+std::string recompute_case_name(std::string spec) {
+  std::replace(spec.begin(), spec.end(), ':', '_');
+  return spec;
+}
 
 // Recompute changes memory, never numbers: under fsdp on 2 ranks, selective and full, on every
 // block or on one of the two, give bitwise the losses, gradient norms and final parameters of
@@ -477,8 +483,7 @@ TEST_F(DistributedSlow, RecomputeIsBitwiseAndItsActivationPeakIsThePlans) {
     std::vector<nlohmann::json> base;
     std::string base_weights;
     for (const std::string mode : {"none", "selective", "full", "full:1"}) {
-      const std::string name = "recompute_" + model + "_" + mode.substr(0, mode.find(':')) +
-                               (mode.find(':') == std::string::npos ? "" : "_1");
+      const std::string name = "recompute_" + model + "_" + recompute_case_name(mode);
       plan::PlanConfig pc = plan_config("fsdp", 2, 2);
       const auto r = mpirun(2, args(name, 2, model) + " --strategy fsdp" + recompute_case(mode, pc));
       ASSERT_EQ(r.code, 0) << r.out;
@@ -527,8 +532,7 @@ TEST_F(DistributedSlow, ActQuantPeakIsThePlansAndLossesStayClose) {
     std::vector<double> losses[2];
     int64_t peak[2] = {0, 0};
     for (int q = 0; q < 2; ++q) {
-      const std::string name = "act_quant_" + mode.substr(0, mode.find(':')) +
-                               (mode.find(':') == std::string::npos ? "" : "_1") + (q ? "_int8" : "_fp32");
+      const std::string name = "act_quant_" + recompute_case_name(mode) + (q ? "_int8" : "_fp32");
       plan::PlanConfig pc = plan_config("fsdp", 2, 2);
       const auto r = mpirun(2, args(name, 2) + " --strategy fsdp" + recompute_case(mode, pc) +
                                    (q ? " --act-quant int8 --act-quant-group 32 --act-quant-rounding stochastic" : ""));
