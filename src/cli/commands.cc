@@ -180,7 +180,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                "the norm clips or the step is skipped)");
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
-  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full")->capture_default_str();
+  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full | selective-op (torchtitan's op policy: LLaMA blocks keep attention and every other GEMM's output)")->capture_default_str();
   cmd->add_option("--recompute-blocks", c.recompute_blocks,
                   "apply --recompute to only N of the n_layer blocks, spread evenly (n_layer / k: every k-th "
                   "block); the others keep all they save. Default: every block");

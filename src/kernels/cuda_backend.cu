@@ -225,6 +225,14 @@ class CudaBackend final : public Backend {
       cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream()), "copy", dst, src,
                         bytes);
   }
+  // One strided copy for all rows (the base class's would issue one per row).
+  void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                 int64_t rows) const override {
+    if (row_bytes && rows > 0)
+      cuda::check_memop(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, static_cast<size_t>(rows),
+                                          cudaMemcpyDeviceToDevice, cuda::stream()),
+                        "copy_rows", dst, src, row_bytes * static_cast<size_t>(rows));
+  }
   void zero(void* dst, size_t bytes) const override {
     if (bytes) cuda::check_memop(cudaMemsetAsync(dst, 0, bytes, cuda::stream()), "zero", dst, nullptr, bytes);
   }

@@ -36,7 +36,9 @@ struct Dims {
   bool ring = false;  // split as a ring (else heads split by an all-to-all)
   // --act-quant: the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
   int64_t gs = 0, gr = 0;
+  bool op = false;  // selective_op: q and v, and the gate, kept apart; the rest rebuilt
   bool heads_split() const { return P > 1 && !ring; }
+  int64_t QV() const { return (NH + NKV) * HS; }  // a row of q and v
   int64_t wide() const { return BT * std::max(QKV, F); }  // q|k|v or the SwiGLU output
 };
 Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, model::ContextImpl impl,
@@ -46,7 +48,7 @@ Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, mode
   return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
           static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P,
           P > 1 && impl == model::ContextImpl::ring, q.saved_int8(mode) ? q.group : 0,
-          q.recomputable_int8(mode) ? q.group : 0};
+          q.recomputable_int8(mode) ? q.group : 0, mode == model::Recompute::selective_op};
 }
 Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.cp, a.cp_impl, a.act_quant, a.recompute); }
 
@@ -58,6 +60,8 @@ struct Saved {
   float* gate_up;  // (B, T, 2F)
   float* out_split = nullptr;  // heads split over cp: this rank's heads' attention output (B, T·P, C / P)
   float* kv_last = nullptr;    // a ring: the last key/value block the forward attended to (B, T, 2·NKV·HS)
+  float* qv = nullptr;    // selective_op: (B, T, (NH + NKV) HS) rotated q, then v; kept
+  float* gate = nullptr;  // selective_op: (B, T, F) gate_proj's output; kept
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
@@ -85,6 +89,37 @@ Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   r.rstd2 = cv.take<float>(d.BT);
   r.act = take_kept(cv, d.BT * d.F, d.gr);
   return r;
+}
+// The forward's values in the buffer kept for the backward (`saved`) and the one a recompute may
+// rebuild (`recomputable`). Under selective_op q|k|v, residual 1 and gate|up live in the rebuilt
+// one, as the forward and backward read them, and the kept one holds what rebuilds them.
+struct Activations {
+  Saved s;
+  Recomputable r;
+};
+Activations carve_activations(Carver& saved, Carver& recomputable, const Dims& d) {
+  if (!d.op) return {carve_saved(saved, d), carve_recomputable(recomputable, d)};
+  Activations a;
+  a.s.qv = saved.take<float>(d.BT * d.QV());
+  a.s.atty = take_kept(saved, d.BT * d.C, 0);
+  a.s.lse = saved.take<float>(d.B * d.NH * d.T);
+  a.s.gate = saved.take<float>(d.BT * d.F);
+  a.r = carve_recomputable(recomputable, d);
+  a.s.qkv = take_kept(recomputable, d.BT * d.QKV, 0);
+  a.s.res1 = recomputable.take<float>(d.BT * d.C);
+  a.s.gate_up = recomputable.take<float>(d.BT * 2 * d.F);
+  return a;
+}
+// selective_op's kept columns: q|v out of (or back into) q|k|v, the gate out of (or into) gate|up.
+void keep_q_v(const kernels::Backend& be, float* qv, const float* qkv, const Dims& d) {
+  const size_t f = sizeof(float), q = d.NH * d.HS, kv = d.NKV * d.HS;
+  be.copy_rows(qv, d.QV() * f, qkv, d.QKV * f, q * f, d.BT);
+  be.copy_rows(qv + q, d.QV() * f, qkv + q + kv, d.QKV * f, kv * f, d.BT);
+}
+void restore_q_v(const kernels::Backend& be, float* qkv, const float* qv, const Dims& d) {
+  const size_t f = sizeof(float), q = d.NH * d.HS, kv = d.NKV * d.HS;
+  be.copy_rows(qkv, d.QKV * f, qv, d.QV() * f, q * f, d.BT);
+  be.copy_rows(qkv + q + kv, d.QKV * f, qv + q, d.QV() * f, kv * f, d.BT);
 }
 // --act-quant: the forward's fp32 forms of the compressed values, in two scratch slices after the
 // forward's own (as GPT-2's block: norm out, attention out, norm out take turns in the first,
@@ -196,8 +231,9 @@ void split_forward_stage(const UnitArgs& a, bool down) {
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
-  const Saved s = carve_saved(cs, d);
-  const Recomputable r = carve_recomputable(cr, d);
+  const Activations kept = carve_activations(cs, cr, d);
+  const Saved& s = kept.s;
+  const Recomputable& r = kept.r;
   const ForwardWs w = carve_forward_ws(be, cw, d);
   if (d.ring) {
     const context::Ring ring = context::ring_of(a);
@@ -234,10 +270,38 @@ void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s,
                               const ForwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
   qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
+  if (d.op) keep_q_v(be, s.qv, s.qkv.f, d);
   be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, a.in, s, r, d);
+  if (d.op) be.copy_rows(s.gate, d.F * sizeof(float), s.gate_up, 2 * d.F * sizeof(float), d.F * sizeof(float), d.BT);
+}
+
+// selective_op's rebuild: the first norm, k (k_proj's rows of the q|k|v weight) and its rotation,
+// the attention projection and residual, the second norm, up (up_proj's rows of gate|up) and the
+// SwiGLU; q, v and the gate go back beside them. Each GEMM is the forward's on a row slice of its
+// weight, so each output is the forward's dot product.
+void op_rebuild(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r, const ForwardWs& w,
+                const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  const size_t f = sizeof(float);
+  const int64_t q = d.NH * d.HS, kv = d.NKV * d.HS;
+  be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  float* k = r.ln2.f;  // free until the second norm; (B, T, NKV HS) fits in (B, T, C)
+  be.dense_forward(k, r.ln1.f, p.qkv + q * d.C, d.BT, d.C, kv);
+  be.copy_rows(s.qkv.f + q, d.QKV * f, k, kv * f, kv * f, d.BT);
+  be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
+  context::rotate(be, s.qkv.f + q, a, d.QKV, d.NKV, d.HS, w.rope, false);
+  restore_q_v(be, s.qkv.f, s.qv, d);
+  be.dense_forward(s.res1, s.atty.f, p.o, d.BT, d.C, d.C);
+  be.residual_forward(s.res1, s.res1, a.in, d.BT * d.C);
+  be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  float* up = r.act.f;  // free until the SwiGLU
+  be.dense_forward(up, r.ln2.f, p.gate_up + d.F * d.C, d.BT, d.C, d.F);
+  be.copy_rows(s.gate_up + d.F, 2 * d.F * f, up, d.F * f, d.F * f, d.BT);
+  be.copy_rows(s.gate_up, 2 * d.F * f, s.gate, d.F * f, d.F * f, d.BT);
+  be.swiglu_forward(r.act.f, s.gate_up, d.BT, d.F);
 }
 
 void block_forward(const UnitArgs& a) {
@@ -248,8 +312,9 @@ void block_forward(const UnitArgs& a) {
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
-  Saved s = carve_saved(cs, d);
-  Recomputable r = carve_recomputable(cr, d);
+  Activations kept = carve_activations(cs, cr, d);
+  Saved& s = kept.s;
+  Recomputable& r = kept.r;
   const ForwardWs w = carve_forward_ws(*a.backend, cw, d);
   carve_quant_forward(cw, d, s, r);
   block_forward_until_down(a, p, s, r, w, d);
@@ -261,8 +326,9 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
-  const Saved s = carve_saved(cs, d);
-  const Recomputable r = carve_recomputable(cr, d);
+  const Activations kept = carve_activations(cs, cr, d);
+  const Saved& s = kept.s;
+  const Recomputable& r = kept.r;
   if (mode == model::Recompute::full) {
     if (a.cp > 1) {
       check_staged(a);
@@ -270,6 +336,7 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
     }
     return block_forward_until_down(a, p, s, r, carve_forward_ws(be, cw, d), d);
   }
+  if (mode == model::Recompute::selective_op) return op_rebuild(a, p, s, r, carve_forward_ws(be, cw, d), d);
   // Rebuilt values are fp32 (model::ActQuant: only kept values are compressed).
   be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
   be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
@@ -311,8 +378,9 @@ void block_backward(const UnitArgs& a) {
   const Block p = block_view(*a.unit, a.params);
   const Block g = block_view(*a.unit, a.grads);
   Carver cs(a.saved), cr(a.recomputable), cw(a.backward_ws);
-  const Saved s = carve_saved(cs, d);
-  const Recomputable r = carve_recomputable(cr, d);
+  const Activations kept = carve_activations(cs, cr, d);
+  const Saved& s = kept.s;
+  const Recomputable& r = kept.r;
   const BackwardWs w = carve_backward_ws(be, cw, d, a.threads);
   if (a.cp == 1) {
     mlp_backward(a, p, g, s, r, w, d);
@@ -345,8 +413,9 @@ Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, co
                     const model::Shape& shape) {
   const Dims d = dims_of(desc, shape.B, shape.T, shape.cp, shape.cp_impl, shape.act_quant, shape.recompute);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
-  Saved s = carve_saved(cs, d);
-  Recomputable r = carve_recomputable(cr, d);
+  Activations kept = carve_activations(cs, cr, d);
+  Saved& s = kept.s;
+  Recomputable& r = kept.r;
   carve_forward_ws(be, cf, d);
   carve_quant_forward(cf, d, s, r);
   carve_backward_ws(be, cw, d, shape.threads);

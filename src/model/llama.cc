@@ -110,6 +110,15 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       // Recomputable: both norms' outputs and rstd, the SwiGLU output.
       k.recomputable_bytes =
           2 * (detail::kept_input(BT * C, e, gr) + slice(BT, 4)) + detail::kept_input(BT * F, e, gr);
+      const int64_t KV = c.n_kv_head * HS;
+      k.op_rebuilt_gemms = {{BT, C, KV}, {BT, C, C}, {BT, C, F}};  // wk, wo, w3 (up)
+      k.op_recompute_flops = k.selective_recompute_flops + 2 * bt * C * (KV + C + F);
+      if (s.recompute == Recompute::selective_op) {
+        // Kept: q (rotated) and v, attention output and log-sum-exp, gate; the rest is rebuilt,
+        // q|k|v, residual 1 and gate|up whole as the backward reads them.
+        k.saved_bytes = slice(BT * (NH + c.n_kv_head) * HS, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * F, e);
+        k.recomputable_bytes += slice(BT * QKV, e) + slice(BT * C, e) + slice(BT * 2 * F, e);
+      }
       const int64_t rope_table = slice(T * s.cp * HS, 4);  // cos and sin, (T, HS/2) each, every position
       k.forward_workspace = rope_table;
       // Backward scratch: d norm out, d attention out, d qkv, d SwiGLU out, d gate|up, attention tiles.

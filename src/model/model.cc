@@ -22,14 +22,15 @@ const char* to_string(Recompute r) {
     case Recompute::none: return "none";
     case Recompute::selective: return "selective";
     case Recompute::full: return "full";
+    case Recompute::selective_op: return "selective-op";
   }
   return "?";
 }
 
 Recompute parse_recompute(const std::string& name) {
-  for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full})
+  for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full, Recompute::selective_op})
     if (name == to_string(r)) return r;
-  throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective or full)");
+  throw std::invalid_argument("recompute: unknown '" + name + "' (expected none, selective, full or selective-op)");
 }
 
 int ring_backward_stage_count(int cp) { return cp >= 3 ? 2 * cp : 2 * cp - 1; }
@@ -247,7 +248,8 @@ int64_t ParamSpec::exported_numel() const {
 int64_t UnitCosts::kept_bytes(Recompute mode) const {
   switch (mode) {
     case Recompute::none: return saved_bytes + recomputable_bytes;
-    case Recompute::selective: return saved_bytes;
+    case Recompute::selective:
+    case Recompute::selective_op: return saved_bytes;
     case Recompute::full: return 0;
   }
   return 0;
@@ -258,6 +260,7 @@ double UnitCosts::recompute_flops(Recompute mode) const {
     case Recompute::none: return 0;
     case Recompute::selective: return selective_recompute_flops;
     case Recompute::full: return forward_flops;
+    case Recompute::selective_op: return op_recompute_flops;
   }
   return 0;
 }

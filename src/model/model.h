@@ -76,7 +76,11 @@ bool preset_has_own_vocab(const std::string& name);
 //  selective: GEMM outputs and attention statistics; norms and pointwise activations are
 //             recomputed inside the backward.
 //  full:      only the block's input (the previous unit's output); the whole forward reruns.
-enum class Recompute { none, selective, full };
+//  selective_op: torchtitan's op-level policy ("selective op"): attention's output and every
+//             other weight GEMM's output, counting the GEMMs as a framework runs them apart (a
+//             LLaMA block: wq, wk, wv, wo, w1, w3, w2); the others (wk, wo, w3) rerun with the
+//             norms and activations. LLaMA blocks only, on one cp rank, without --act-quant.
+enum class Recompute { none, selective, full, selective_op };
 const char* to_string(Recompute r);
 Recompute parse_recompute(const std::string& name);  // throws std::invalid_argument
 
@@ -257,6 +261,7 @@ struct UnitCosts {
   double forward_flops = 0;
   double backward_flops = 0;
   double selective_recompute_flops = 0;  // norms and pointwise activations
+  double op_recompute_flops = 0;         // selective_op: its weight GEMMs (op_rebuilt_gemms) and the above
   int64_t pointwise_bytes = 0;           // bytes the forward's non-GEMM kernels read and write
   int64_t output_bytes = 0;              // the residual-stream value it writes
   int64_t saved_bytes = 0;               // kept for the backward unless recompute is full
@@ -266,6 +271,7 @@ struct UnitCosts {
   // The forward's weight GEMMs (their FLOPs are part of forward_flops; the head's is its vocabulary
   // projection), for a cost model that prices GEMMs by shape.
   std::vector<GemmShape> gemms;
+  std::vector<GemmShape> op_rebuilt_gemms;  // the weight GEMMs selective_op reruns (of `gemms`' FLOPs, sliced)
   double attention_flops = 0;  // causal attention's forward FLOPs (part of forward_flops; backward 2×)
   // A pass of exchanges.size() + 1 compute stages with an exchange between each two (empty: one
   // stage). stage_share[s]: the fraction of the unit's work (FLOPs, pointwise bytes) stage s does.

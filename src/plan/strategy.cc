@@ -996,6 +996,19 @@ void check_recompute_blocks(const model::ModelDesc& desc, PlanConfig& c) {
   if (c.recompute_blocks == 0) c.recompute = Recompute::none, c.recompute_blocks = -1;
 }
 
+// selective_op names a LLaMA block's GEMMs one by one (model::Recompute): it has no meaning yet for
+// the other families' blocks, a sequence split over cp ranks or compressed activations.
+void check_selective_op(const model::ModelDesc& desc, const PlanConfig& c) {
+  if (c.recompute != Recompute::selective_op) return;
+  const auto refuse = [](const std::string& why) {
+    throw std::invalid_argument("recompute (--recompute): selective-op " + why);
+  };
+  if (desc.config.family != model::Family::llama)
+    refuse("keeps a LLaMA block's GEMM outputs one by one; this model is " + std::string(model::to_string(desc.config.family)));
+  if (c.cp > 1) refuse("runs on one cp rank (--cp 1)");
+  if (c.act_quant.on()) refuse("keeps its values in fp32: not with --act-quant");
+}
+
 // The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
 PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
@@ -1016,6 +1029,7 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
                                 std::to_string(desc.config.n_experts));
   if (c.cp > 1) check_context_split(desc, c);
   check_recompute_blocks(desc, c);
+  check_selective_op(desc, c);
   if (c.memory_budget < 0) throw std::invalid_argument("memory budget (--memory-budget): must be > 0, got " + std::to_string(c.memory_budget));
   return c;
 }

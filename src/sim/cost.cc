@@ -199,16 +199,27 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
     for (bool backward : {false, true})
       for (const model::Exchange& x : c.exchanges_of(backward)) exchange_bytes_.back()[backward].push_back(x.expected_bytes);
     if (hw.gemm_rates.empty() && hw.attention_rates.empty()) continue;
+    Measured m;
+    auto rate_of = [&](const model::GemmShape& g) {
+      const auto [r, scale] = nearest(hw.gemm_rates, threads, hw.per_thread, [&](const GemmRate& x) {
+        return log_distance(g.M, x.M) + log_distance(g.K, x.K) + log_distance(g.N, x.N);
+      });
+      return std::pair{r->forward * scale, r->backward * scale};
+    };
     double flops = 0, forward = 0, backward = 0;
-    if (!hw.gemm_rates.empty())
+    if (!hw.gemm_rates.empty()) {
       for (const model::GemmShape& g : c.gemms) {
-        const auto [r, scale] = nearest(hw.gemm_rates, threads, hw.per_thread, [&](const GemmRate& m) {
-          return log_distance(g.M, m.M) + log_distance(g.K, m.K) + log_distance(g.N, m.N);
-        });
+        const auto [fwd, bwd] = rate_of(g);
         flops += g.flops();
-        forward += g.flops() / (r->forward * scale);
-        backward += 2 * g.flops() / (r->backward * scale);
+        forward += g.flops() / fwd;
+        backward += 2 * g.flops() / bwd;
       }
+      if (shape.recompute == model::Recompute::selective_op)
+        for (const model::GemmShape& g : c.op_rebuilt_gemms) {
+          m.op_rebuild_flops += g.flops();
+          m.op_rebuild_s += g.flops() / rate_of(g).first;
+        }
+    }
     if (!hw.attention_rates.empty() && c.attention_flops > 0) {
       const int64_t T = plan.config.seq, HS = desc.config.head_size();
       const auto [r, scale] = nearest(hw.attention_rates, threads, hw.per_thread, [&](const AttentionRate& m) {
@@ -218,7 +229,8 @@ CostModel::CostModel(const model::ModelDesc& desc, const plan::Plan& plan, const
       forward += c.attention_flops / (r->forward * scale);
       backward += 2 * c.attention_flops / (r->backward * scale);
     }
-    measured_.push_back({flops, forward, backward});
+    m.flops = flops, m.forward_s = forward, m.backward_s = backward;
+    measured_.push_back(m);
   }
 }
 
@@ -258,13 +270,14 @@ double CostModel::compute_seconds(const plan::Task& t) const {
   // A unit's weight GEMMs and attention at their measured rates, when the profile has them.
   double gemm_flops = 0, gemm_s = 0;
   if (!measured_.empty() && t.unit >= 0) {
-    const auto [f, fwd, bwd] = measured_[t.unit];
+    const Measured& m = measured_[t.unit];
     switch (work) {
-      case OpWork::unit_fwd: gemm_flops = f, gemm_s = fwd; break;
-      case OpWork::unit_fwd_bwd: gemm_flops = 3 * f, gemm_s = fwd + bwd; break;
-      case OpWork::unit_bwd: gemm_flops = 2 * f, gemm_s = bwd; break;
+      case OpWork::unit_fwd: gemm_flops = m.flops, gemm_s = m.forward_s; break;
+      case OpWork::unit_fwd_bwd: gemm_flops = 3 * m.flops, gemm_s = m.forward_s + m.backward_s; break;
+      case OpWork::unit_bwd: gemm_flops = 2 * m.flops, gemm_s = m.backward_s; break;
       case OpWork::unit_rebuild:
-        if (full_rebuild_[t.unit]) gemm_flops = f, gemm_s = fwd;
+        if (full_rebuild_[t.unit]) gemm_flops = m.flops, gemm_s = m.forward_s;
+        else gemm_flops = m.op_rebuild_flops, gemm_s = m.op_rebuild_s;
         break;
       default: break;
     }

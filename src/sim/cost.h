@@ -110,6 +110,7 @@ class CostModel {
   // attention) and their seconds forward and backward.
   struct Measured {
     double flops = 0, forward_s = 0, backward_s = 0;
+    double op_rebuild_flops = 0, op_rebuild_s = 0;  // the GEMMs selective_op reruns, where the unit's mode is it
   };
   std::vector<Measured> measured_;
   // The span of each axis set the plan's collectives name (a handful), computed once.

@@ -101,7 +101,7 @@ struct Lattice {
 // does not price, so a search there would take them for free.
 template <class F>
 void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank, bool bf16_collectives,
-                 const std::vector<int>& eps, F visit) {
+                 const std::vector<int>& eps, const std::vector<model::Recompute>& recomputes, F visit) {
   auto index_of = [](const auto& values, auto v) {
     return static_cast<int>(std::find(values.begin(), values.end(), v) - values.begin());
   };
@@ -114,8 +114,7 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
     for (int g = 2; g < c.world; ++g)
       if (c.world % g == 0) groups.push_back(g);
   }
-  // Each knob's values in the order its memory grows (Lattice).
-  const std::vector<model::Recompute> recomputes{model::Recompute::full, model::Recompute::selective, model::Recompute::none};
+  // Each knob's values in the order its memory grows (Lattice; `recomputes` too).
   const std::vector<int> prefetches = sharded ? std::vector<int>{1, 2} : std::vector<int>{1};
   const std::vector<int> inflights = sharded ? std::vector<int>{2, 3, 4} : std::vector<int>{2};
   const std::vector<int> param_bytes = sharded && bf16_collectives ? std::vector<int>{4, 2} : std::vector<int>{4};
@@ -526,6 +525,14 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
   if (desc.config.family == model::Family::moe)
     for (int ep = 2; ep <= q.ranks && ep <= desc.config.n_experts; ++ep)
       if (desc.config.n_experts % ep == 0 && q.ranks % ep == 0) eps.push_back(ep);
+  // The recompute modes in the order their memory grows: selective_op keeps less than selective
+  // (q and v, not q|k|v; the gate, not gate|up; no residual), on the blocks that have it.
+  const auto recomputes_at = [&](int cp) {
+    if (desc.config.family == model::Family::llama && cp == 1)
+      return std::vector<model::Recompute>{model::Recompute::full, model::Recompute::selective_op, model::Recompute::selective,
+                                           model::Recompute::none};
+    return std::vector<model::Recompute>{model::Recompute::full, model::Recompute::selective, model::Recompute::none};
+  };
   auto search = [&](const std::vector<std::pair<int, model::ContextImpl>>& cps) {
     std::vector<PlanConfig> grid;
     std::vector<Lattice> at;
@@ -533,7 +540,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
       PlanConfig bc = b;
       bc.cp = cp, bc.cp_impl = impl;
       for (Strategy s : strategies)  // a cp group's K ranks share their sequences
-        each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps,
+        each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps, recomputes_at(cp),
                     [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
     }
     std::vector<Outcome> outcomes =

@@ -475,4 +475,18 @@ TEST_F(BadInput, RecomputeBlocks) {
   std::ifstream info(dir_ / "rb3" / "run_info.json");
   EXPECT_EQ(nlohmann::json::parse(info)["config"]["recompute"], "full on 1 block");
 }
+
+// --recompute selective-op names a LLaMA block's GEMMs: on another family, over cp ranks or with
+// --act-quant it is one line naming the field; an unknown mode lists the four.
+TEST_F(BadInput, SelectiveOpRecompute) {
+  expect_one_line_error(run(train_args("so1", 1) + " --recompute selective-op"),
+                        {"recompute (--recompute): selective-op", "gpt2"});
+  expect_one_line_error(run("simulate --model moe-tiny --recompute selective-op"),
+                        {"recompute (--recompute): selective-op", "moe"});
+  expect_one_line_error(run("explain --model llama-tiny --ranks 2 --cp 2 --seq 64 --recompute selective-op"),
+                        {"recompute (--recompute): selective-op", "--cp 1"});
+  expect_one_line_error(run("explain --model llama-tiny --recompute selective-op --act-quant int8 --act-quant-group 32"),
+                        {"recompute (--recompute): selective-op", "--act-quant"});
+  expect_one_line_error(run("explain --model llama-tiny --recompute op"), {"recompute", "selective-op"});
+}
 }  // namespace

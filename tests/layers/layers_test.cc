@@ -51,6 +51,18 @@ std::vector<Fixture> fixtures() {
   return out;
 }
 
+// A LLaMA block under selective_op, which carves its values apart (layers/llama.cc): both blocks of
+// llama-tiny (q and v of grouped-query attention).
+std::vector<Fixture> selective_op_fixtures() {
+  std::vector<Fixture> out;
+  for (int u : {1, 2}) {
+    Fixture f{model::describe(config("llama-tiny")), u};
+    f.recompute = model::Recompute::selective_op;
+    out.push_back(f);
+  }
+  return out;
+}
+
 std::string describe_case(const Fixture& f) {
   return std::string(model::to_string(f.desc.units[f.unit].kind)) + (f.desc.units[f.unit].borrows >= 0 ? " (tied)" : "");
 }
@@ -58,6 +70,7 @@ std::string describe_case(const Fixture& f) {
 TEST(Layers, CarvedBytesAreTheModelsFigures) {
   std::vector<Fixture> all = fixtures();
   all.push_back({model::describe(config("moe-tiny")), 2});  // the experts: state only, nothing carved
+  for (const Fixture& f : selective_op_fixtures()) all.push_back(f);
   for (const Fixture& f : all) {
     const auto& u = f.desc.units[f.unit];
     MemoryPool memory;
@@ -177,6 +190,10 @@ struct Bench {
       return;
     }
     k.forward(args());
+    if (f.recompute == model::Recompute::selective_op) {  // the backward reads what the rebuild wrote
+      std::fill(recomputable.begin(), recomputable.end(), 0);
+      k.recompute(args(), f.recompute);
+    }
     dx = weights;
     k.backward(args());
   }
@@ -186,7 +203,9 @@ struct Bench {
 // and of the input: |analytic - numeric| <= 2% of the largest analytic gradient of the tensor + 1e-4.
 TEST(Layers, BackwardMatchesFiniteDifferences) {
   kernels::init_compute(2);
-  for (const Fixture& f : fixtures()) {
+  std::vector<Fixture> all = fixtures();
+  for (const Fixture& f : selective_op_fixtures()) all.push_back(f);
+  for (const Fixture& f : all) {
     Bench b(f);
     b.backward();
     const std::vector<float> g = b.grads, g_borrowed = b.borrowed_grads, d_in = b.dx;
@@ -238,6 +257,18 @@ TEST(Layers, RecomputeRebuildsBitwiseWhatTheForwardKept) {
     layer(b.u.kind).recompute(b.args(), model::Recompute::full);
     EXPECT_EQ(b.saved, saved) << describe_case(f) << " full";
     EXPECT_EQ(b.recomputable, recomputable) << describe_case(f) << " full";
+  }
+  // selective_op rebuilds k, the attention projection and up from what it kept: every value the
+  // backward reads, bitwise the forward's.
+  for (const Fixture& f : selective_op_fixtures()) {
+    Bench b(f);
+    layer(b.u.kind).forward(b.args());
+    const std::vector<char> saved = b.saved, recomputable = b.recomputable;
+    std::fill(b.recomputable.begin(), b.recomputable.end(), 0);
+    std::fill(b.fws.begin(), b.fws.end(), 0);
+    layer(b.u.kind).recompute(b.args(), model::Recompute::selective_op);
+    EXPECT_EQ(b.recomputable, recomputable) << describe_case(f) << " selective-op";
+    EXPECT_EQ(b.saved, saved) << describe_case(f) << " selective-op leaves the kept part alone";
   }
 }
 

@@ -240,7 +240,8 @@ void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
       for (int64_t accum : accums)
         for (int limit : {1, 2, 3, 4})
           for (int prefetch : {0, 1, 2, 3})
-            for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
+            for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full,
+                                       model::Recompute::selective_op})
               // All-gather buckets (only sharded parameters have gathers): off, two or three of
               // the tiny units' bf16 gathers (~0.1 MiB each) a bucket, a whole pass a bucket.
               for (double bucket : s == Strategy::fsdp || s == Strategy::hybrid ? std::vector<double>{0, 0.25, 100}
@@ -248,6 +249,7 @@ void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
               // Half of every unit kept from its forward to its backward (which then gathers the rest).
               for (const std::string& keep : s == Strategy::fsdp || s == Strategy::hybrid ? std::vector<std::string>{"", "all:0.5"}
                                                                                           : std::vector<std::string>{""}) {
+              if (r == model::Recompute::selective_op && d.config.family != model::Family::llama) continue;  // LLaMA only
               PlanConfig c;
               c.gather_bucket_mb = bucket;
               if (!keep.empty()) c.keep_gathered = {keep};
@@ -906,6 +908,62 @@ void expect_refused(const model::ModelDesc& d, const PlanConfig& c, const std::s
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
   }
+}
+
+// --recompute selective-op (torchtitan's op policy) on LLaMA: each block's rebuild reruns k_proj,
+// o_proj and up_proj (their FLOPs on top of selective's norms and SwiGLU), keeps less than
+// selective (q and v, not q|k|v; the gate, not gate|up; no residual) and more than full, on every
+// block or on some. Other families, a sequence split over cp ranks and --act-quant are refused
+// naming the flag.
+TEST(Plan, SelectiveOpRerunsEveryOtherGemmAndKeepsLessThanSelective) {
+  for (const char* preset : {"llama-small", "llama3-8b"}) {
+    const model::ModelDesc d = model::describe(model::model_preset(preset));
+    const auto& m = d.config;
+    std::map<model::Recompute, int64_t> peak;
+    for (model::Recompute r : {model::Recompute::selective, model::Recompute::selective_op, model::Recompute::full}) {
+      PlanConfig c;
+      c.world = 2, c.batch = 4, c.seq = 256;
+      c.recompute = r;
+      const Plan p = build_plan(d, c);
+      peak[r] = p.max_memory()[MemCategory::activations];
+      if (r != model::Recompute::selective_op) continue;
+      const model::Shape shape{c.batch, c.seq, 4, 1};
+      const double BT = static_cast<double>(c.batch * c.seq), C = m.n_embd, KV = m.n_kv_head * m.head_size();
+      int rebuilt = 0;
+      for (const Task& t : p.tasks) {
+        if (t.op != Op::recompute) continue;
+        ++rebuilt;
+        const model::UnitCosts k = d.costs(t.unit, shape);
+        EXPECT_NEAR(t.flops, k.selective_recompute_flops + 2 * BT * C * (KV + C + m.ffn_dim), 1.0) << preset;
+        model::Shape selective = shape;
+        selective.recompute = model::Recompute::selective;
+        model::Shape op = shape;
+        op.recompute = model::Recompute::selective_op;
+        const model::UnitCosts ks = d.costs(t.unit, selective), ko = d.costs(t.unit, op);
+        EXPECT_LT(ko.kept_bytes(op.recompute), ks.kept_bytes(selective.recompute)) << preset;
+        // What it keeps and what it rebuilds are together what none keeps, and q|v and the gate again.
+        const auto slice = [](double n) { return (static_cast<int64_t>(n) * 4 + 63) / 64 * 64; };
+        const double QV = (m.n_head + m.n_kv_head) * m.head_size();
+        EXPECT_EQ(ko.saved_bytes + ko.recomputable_bytes,
+                  ks.saved_bytes + ks.recomputable_bytes + slice(BT * QV) + slice(BT * m.ffn_dim))
+            << preset;
+      }
+      EXPECT_EQ(rebuilt, m.n_layer) << preset;
+    }
+    EXPECT_LT(peak[model::Recompute::selective_op], peak[model::Recompute::selective]) << preset;
+    EXPECT_GT(peak[model::Recompute::selective_op], peak[model::Recompute::full]) << preset;
+  }
+  PlanConfig op;
+  op.world = 2, op.recompute = model::Recompute::selective_op;
+  expect_refused(model::describe(model::model_preset("small")), op, "recompute (--recompute): selective-op");
+  expect_refused(model::describe(model::model_preset("moe-tiny")), op, "recompute (--recompute): selective-op");
+  const model::ModelDesc llama = model::describe(model::model_preset("llama-tiny"));
+  PlanConfig cp = op;
+  cp.cp = 2;
+  expect_refused(llama, cp, "selective-op runs on one cp rank");
+  PlanConfig quant = op;
+  quant.act_quant = {32, false};
+  expect_refused(llama, quant, "not with --act-quant");
 }
 
 // --recompute-blocks N rebuilds N blocks spread evenly (N = L / k: every k-th, the k-th first),

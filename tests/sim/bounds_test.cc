@@ -91,10 +91,12 @@ TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
           for (int cp : k.cps)
             for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all})
               for (int64_t B : {int64_t{1}, k.sequences})
-                for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
+                for (model::Recompute r : {model::Recompute::full, model::Recompute::selective_op, model::Recompute::selective,
+                                           model::Recompute::none})
                   for (int bytes : {4, 2})
                     for (int keep = 0; keep < 3; ++keep) {
                       if (cp == 1 && impl != model::ContextImpl::ring) continue;
+                      if (r == model::Recompute::selective_op && (desc.config.family != model::Family::llama || cp > 1)) continue;
                       PlanConfig c = for_hardware(PlanConfig{}, hw);
                       c.world = k.ranks, c.seq = k.seq, c.strategy = s, c.shard_group = g, c.ep = ep, c.cp = cp;
                       c.cp_impl = impl, c.batch = B, c.grad_accum = k.sequences * cp / B, c.recompute = r;
@@ -119,17 +121,19 @@ TEST(Bounds, ComputeIsTheComputeStreamsWorkAtMeasuredRates) {
   hw.attention_rates = {{128, 16, 2, 2e10, 1.5e10}};
   Checked n;
   for (const char* name : {"llama-tiny", "moe-tiny", "tiny"})
-    for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
+    for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full,
+                               model::Recompute::selective_op})
       for (int blocks : {-1, 1})  // every block, or one of the two
         for (Strategy s : {Strategy::ddp, Strategy::fsdp}) {
           if (r == model::Recompute::none && blocks >= 0) continue;
+          if (r == model::Recompute::selective_op && std::string(name) != "llama-tiny") continue;
           const model::ModelDesc desc = model::describe(model::model_preset(name, 128));
           PlanConfig c = for_hardware(PlanConfig{}, hw);
           c.world = 2, c.strategy = s, c.seq = 128, c.batch = 2, c.grad_accum = 6, c.recompute = r;
           c.recompute_blocks = blocks;
           check(name, desc, c, hw, 2, n);
         }
-  EXPECT_EQ(n.plans, 30);
+  EXPECT_EQ(n.plans, 34);
 }
 
 // Off memory (the disk tier, a budget, the pipelined optimizer) the bounds claim nothing.

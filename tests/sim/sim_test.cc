@@ -1174,6 +1174,13 @@ TEST(Planner, RebuildsOnlyTheBlocksTheBudgetNeeds) {
       << k.flags;
   EXPECT_EQ(plan::build_plan(desc, k.config).peak_memory().total, k.peak_bytes);
 
+  // The search has every mode: a budget under selective-op's on every block, which keeps less than
+  // selective and fits the one above, leaves it a block count to find too.
+  PlanConfig op_all = c;
+  op_all.recompute = model::Recompute::selective_op;
+  const Candidate op = setup.candidate(op_all);
+  ASSERT_GT(op.peak_bytes, full.peak_bytes);
+  q.memory_budget = std::min(q.memory_budget, (full.peak_bytes + op.peak_bytes) / 2);
   q.top = 3;
   const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
   ASSERT_FALSE(s.fitting.empty());
