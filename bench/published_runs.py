@@ -14,13 +14,16 @@ preset.
 
 Each configuration is what the source states (model shape, GPUs, local batch, sequence length,
 sharding, activation checkpointing; bf16 parameters and reductions, as these runs' mixed
-precision does). Nothing is adjusted per row: every row uses the unchanged preset. What the
+precision does; IBM's network, 2 NICs a node, on its fms-fsdp rows). Nothing is adjusted per row: every row uses the unchanged preset. What the
 sources leave open is taken as written in the NOTES column.
 """
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 BF16 = ["--param-dtype", "bf16", "--reduce-dtype", "bf16"]
 # MosaicML MPT shapes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP x4, vocab
@@ -34,6 +37,10 @@ IBM = "IBM fms-fsdp README, training throughput table"
 # An earlier version of the same table (every row on 128 A100s), the one this workplace holds a
 # copy of: foundation-model-stack/fms-fsdp README.md at commit 0d319983c4b3b7f7b3b5e2c5e7f746746b6f73a9.
 IBM_0D3 = "IBM fms-fsdp README at commit 0d31998 (128 A100)"
+# IBM's clusters as the README version of the IBM rows states them: "400 Gbps" of network a node of
+# 8 A100s and "800 Gbps" a node of 8 H100s, two NICs at the line rate of the profile's (HDR 200,
+# NDR 400 Gb/s; the presets have 8). Every fms-fsdp row runs on its profile with that many.
+IBM_NICS_PER_NODE = 2
 # fms-fsdp's llama2_34b (get_model_config): CodeLlama-34B's shape.
 LLAMA34 = ["--model", "llama2-70b", "--n-layer", "48", "--n-embd", "8192", "--n-head", "64", "--n-kv-head", "8",
            "--ffn-dim", "22016", "--rope-theta", "1000000"]
@@ -87,16 +94,27 @@ RUNS = [
     ("torchtitan Llama2-13B, 64 A100, FSDP2, selective layer AC, bs 2", 1914, TITAN_A, "every second block checkpointed whole",
      ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096",
       "--recompute", "full", "--recompute-blocks", "20"]),
+    ("torchtitan Llama3-8B, 64 A100, FSDP2, selective op AC, bs 1", 2973, TITAN_A,
+     "seq 8192; selective op: torchtitan's op policy (attention and every other matmul's output kept), --recompute selective-op",
+     ["--model", "llama3-8b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "1", "--seq", "8192",
+      "--recompute", "selective-op"]),
+    ("torchtitan Llama2-13B, 64 A100, FSDP2, selective op AC, bs 2", 1904, TITAN_A, "as above",
+     ["--model", "llama2-13b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096",
+      "--recompute", "selective-op"]),
+    ("torchtitan Llama2-70B, 64 A100, FSDP2, selective op AC, bs 1", 355, TITAN_A, "as above; batch 1 (2 ran out of memory, their footnote)",
+     ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "1", "--seq", "4096",
+      "--recompute", "selective-op"]),
     ("torchtitan Llama2-70B, 64 A100, FSDP2, full AC, bs 2", 353, TITAN_A, "",
      ["--model", "llama2-70b", "--hardware", "a100-80gb", "--ranks", "64", "--batch", "2", "--seq", "4096",
       "--recompute", "full"]),
     ("torchtitan Llama3.1-8B, 8 H100, FSDP2, selective AC, bs 2, eager", 5762, TITAN_H,
-     "their H100s: 96 GB HBM2e, 2.4 TB/s, 500 W cap (the h100-80gb preset: SXM 80 GB HBM3, 700 W)",
+     "their H100s: 96 GB HBM2e, 2.4 TB/s, 500 W cap (the h100-80gb preset: SXM 80 GB HBM3, 700 W); selective: "
+     "llama3_8b.toml of the time sets selective_ac_option 'op', --recompute selective-op",
      ["--model", "llama3-8b", "--hardware", HBM2E, "--ranks", "8", "--batch", "2", "--seq", "8192",
-      "--recompute", "selective"]),
+      "--recompute", "selective-op"]),
     ("torchtitan Llama3.1-8B, 128 H100, FSDP2, selective AC, bs 2, eager", 5605, TITAN_H, "as above",
      ["--model", "llama3-8b", "--hardware", HBM2E, "--ranks", "128", "--batch", "2", "--seq", "8192",
-      "--recompute", "selective"]),
+      "--recompute", "selective-op"]),
     ("MPT-7B, 8 H100, FULL_SHARD, mb 6", 10643, MOSAIC, "MPT shape as GPT-2 family", MPT7 +
      ["--hardware", "h100-80gb", "--ranks", "8", "--batch", "6"]),
     ("MPT-13B, 8 H100, FULL_SHARD, mb 2", 4792, MOSAIC, "", MPT13 + ["--hardware", "h100-80gb", "--ranks", "8", "--batch", "2"]),
@@ -106,6 +124,20 @@ RUNS = [
     ("MPT-13B, 8 A100, FULL_SHARD, mb 2, grad-acc 3", 2262, MOSAIC, "shardlm's memory model: 101 GiB, does not fit 80",
      MPT13 + ["--hardware", "a100-80gb", "--ranks", "8", "--batch", "2", "--grad-accum", "3"]),
 ]
+
+
+def with_nics(profile, nics, tmp):
+    """A copy of `profile` (a preset name or a JSON file) whose nodes have `nics` NICs, in `tmp`."""
+    path = profile if profile.endswith(".json") else os.path.join("configs", "hardware", profile + ".json")
+    j = json.load(open(path))
+    j["network"]["nics_per_node"] = {
+        "value": nics,
+        "source": "IBM fms-fsdp README: 400 Gbps a node of 8 A100s, 800 Gbps a node of 8 H100s; "
+                  "NICs at the line rate of " + os.path.basename(path)}
+    out = os.path.join(tmp, "ibm-" + os.path.basename(path))
+    with open(out, "w") as f:
+        json.dump(j, f, indent=1)
+    return out
 
 
 def main():
@@ -123,8 +155,12 @@ def main():
               f"A100 rows on {a.hardware_a100 or 'the a100-80gb preset'}\n")
     print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
+    tmp = tempfile.mkdtemp(prefix="published_runs_")
     for label, published, source, notes, flags in RUNS:
         flags = [swap.get(f) or f for f in flags]
+        if source in (IBM, IBM_0D3):
+            at = flags.index("--hardware") + 1
+            flags[at] = with_nics(flags[at], IBM_NICS_PER_NODE, tmp)
         if any(f.endswith(".json") for f in flags):
             # A GPU's measured rates are per device: one compute thread, so that a simulator that
             # scales measured rates by --threads (2 by default) on any profile leaves them as measured.
@@ -139,6 +175,7 @@ def main():
         exposed = 100 * j["comm_exposed_ms"] / j["step_ms"]
         print(f"| {label} | {published} | {per_gpu:.0f} | {err:+.1f}% | {100 * j['mfu']:.1f}% | {exposed:.1f}% of the step "
               f"| {source} | {notes} |")
+    shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":
