@@ -196,11 +196,29 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 // ---- block
 
 // Norm, q|k|v and their rotation: a pass's start (stage 0 of one split over cp).
+// Output columns [first, first + width) of a fused GEMM (weight rows of the same range) through
+// `tmp` (B, T, width). selective_op's forward runs every GEMM its rebuild reruns so, as the rebuild
+// does: a GEMM's kernel (so the order it sums in) may depend on the output width, and the rebuilt
+// values must be the forward's bits.
+void dense_part(const kernels::Backend& be, float* out, int64_t out_width, float* tmp, const float* in,
+                const float* weight, int64_t first, int64_t width, const Dims& d) {
+  const size_t f = sizeof(float);
+  be.dense_forward(tmp, in, weight + first * d.C, d.BT, d.C, width);
+  be.copy_rows(out + first, out_width * f, tmp, width * f, width * f, d.BT);
+}
+
 void qkv_forward(const kernels::Backend& be, const Block& p, const float* in, float* qkv, const Recomputable& r,
                  float* rope, const UnitArgs& a, const Dims& d) {
   be.rmsnorm_forward(r.ln1.f, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
   store(a, r.ln1, "input_layernorm");
-  be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
+  if (d.op) {  // q, k and v apart (r.ln2 is free until the second norm)
+    const int64_t q = d.NH * d.HS, kv = d.NKV * d.HS;
+    dense_part(be, qkv, d.QKV, r.ln2.f, r.ln1.f, p.qkv, 0, q, d);
+    dense_part(be, qkv, d.QKV, r.ln2.f, r.ln1.f, p.qkv, q, kv, d);
+    dense_part(be, qkv, d.QKV, r.ln2.f, r.ln1.f, p.qkv, q + kv, kv, d);
+  } else {
+    be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
+  }
   be.rope_table(rope, d.T * d.P, d.HS, d.theta);
   rotate(be, qkv, a, d, rope, false);  // q and k, in place
 }
@@ -213,7 +231,12 @@ void mlp_input_forward(const UnitArgs& a, const Block& p, const float* in, const
   be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
   be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
   store(a, r.ln2, "post_attention_layernorm");
-  be.dense_forward(s.gate_up, r.ln2.f, p.gate_up, d.BT, d.C, 2 * d.F);
+  if (d.op) {  // the gate into its kept buffer, up apart (r.act is free until the SwiGLU)
+    dense_part(be, s.gate_up, 2 * d.F, s.gate, r.ln2.f, p.gate_up, 0, d.F, d);
+    dense_part(be, s.gate_up, 2 * d.F, r.act.f, r.ln2.f, p.gate_up, d.F, d.F, d);
+  } else {
+    be.dense_forward(s.gate_up, r.ln2.f, p.gate_up, d.BT, d.C, 2 * d.F);
+  }
   be.swiglu_forward(r.act.f, s.gate_up, d.BT, d.F);
   store(a, r.act, "swiglu");
 }
@@ -275,31 +298,26 @@ void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s,
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, a.in, s, r, d);
-  if (d.op) be.copy_rows(s.gate, d.F * sizeof(float), s.gate_up, 2 * d.F * sizeof(float), d.F * sizeof(float), d.BT);
 }
 
 // selective_op's rebuild: the first norm, k (k_proj's rows of the q|k|v weight) and its rotation,
 // the attention projection and residual, the second norm, up (up_proj's rows of gate|up) and the
-// SwiGLU; q, v and the gate go back beside them. Each GEMM is the forward's on a row slice of its
-// weight, so each output is the forward's dot product.
+// SwiGLU; q, v and the gate go back beside them. Each GEMM is the forward's own call (dense_part),
+// so each value is the forward's bits.
 void op_rebuild(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r, const ForwardWs& w,
                 const Dims& d) {
   const kernels::Backend& be = *a.backend;
   const size_t f = sizeof(float);
   const int64_t q = d.NH * d.HS, kv = d.NKV * d.HS;
   be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
-  float* k = r.ln2.f;  // free until the second norm; (B, T, NKV HS) fits in (B, T, C)
-  be.dense_forward(k, r.ln1.f, p.qkv + q * d.C, d.BT, d.C, kv);
-  be.copy_rows(s.qkv.f + q, d.QKV * f, k, kv * f, kv * f, d.BT);
+  dense_part(be, s.qkv.f, d.QKV, r.ln2.f, r.ln1.f, p.qkv, q, kv, d);
   be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
   context::rotate(be, s.qkv.f + q, a, d.QKV, d.NKV, d.HS, w.rope, false);
   restore_q_v(be, s.qkv.f, s.qv, d);
   be.dense_forward(s.res1, s.atty.f, p.o, d.BT, d.C, d.C);
   be.residual_forward(s.res1, s.res1, a.in, d.BT * d.C);
   be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  float* up = r.act.f;  // free until the SwiGLU
-  be.dense_forward(up, r.ln2.f, p.gate_up + d.F * d.C, d.BT, d.C, d.F);
-  be.copy_rows(s.gate_up + d.F, 2 * d.F * f, up, d.F * f, d.F * f, d.BT);
+  dense_part(be, s.gate_up, 2 * d.F, r.act.f, r.ln2.f, p.gate_up, d.F, d.F, d);
   be.copy_rows(s.gate_up, 2 * d.F * f, s.gate, d.F * f, d.F * f, d.BT);
   be.swiglu_forward(r.act.f, s.gate_up, d.BT, d.F);
 }
