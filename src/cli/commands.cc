@@ -178,6 +178,10 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "
                "bitwise the same (a copy of the unit's params and moments, 3x its optimizer shard, restores it when "
                "the norm clips or the step is skipped)");
+  cmd->add_flag("--reduce-each-micro-step", c.reduce_each_micro_step,
+                "zero2 / fsdp / hybrid with --grad-accum > 1: reduce-scatter every micro-step's gradients and add "
+                "the shard to the held one (PyTorch FSDP's and DeepSpeed ZeRO's default), so whole gradients live "
+                "one micro-step; default: accumulate them whole and reduce once a step");
   cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full | selective-op (torchtitan's op policy: LLaMA blocks keep attention and every other GEMM's output)")->capture_default_str();

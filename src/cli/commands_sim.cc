@@ -227,6 +227,7 @@ train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c)
   tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
   tc.recompute = model::to_string(c.recompute);
   tc.recompute_blocks = c.recompute_blocks;
+  tc.reduce_each_micro_step = c.reduce_each_micro_step;
   tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
   tc.max_gathers_in_flight = c.max_gathers_in_flight;
   tc.bucket_mb = c.bucket_mb;

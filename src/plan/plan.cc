@@ -496,6 +496,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       << " rounding)";
   if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
   if (c.pipeline_optimizer && c.mode == PlanConfig::Mode::train) o << ", pipelined optimizer";
+  if (c.reduce_each_micro_step) o << ", gradients reduce-scattered each micro-step";
   o << "\n";
 
   mesh_text(mesh, o);

@@ -256,6 +256,13 @@ struct PlanConfig {
   // --pipeline-optimizer: the pipeline pass (plan/pipeline.cc) updates each unit as soon as its
   // gradients are final, speculatively, and commits or rolls back once the global norm is known.
   bool pipeline_optimizer = false;
+  // --reduce-each-micro-step (zero2, fsdp, hybrid with grad_accum > 1): every micro-step's
+  // backward reduce-scatters its unit's gradients and adds the shard to the held one, as PyTorch
+  // FSDP and DeepSpeed ZeRO-2/3 do by default, so a unit's full gradients live only from its
+  // backward to its reduce-scatter; the price is grad_accum reduce-scatters a step instead of one.
+  // Unset, micro-steps accumulate whole gradients and the last one reduces them (FSDP's no_sync).
+  // Hybrid's all-reduce over the replicas still runs once, on the summed shard.
+  bool reduce_each_micro_step = false;
   // --memory-budget: per-rank bytes the plan's accounted peak (peak_memory().total) must stay
   // within; the placement pass (plan/budget.cc) moves params, grads and optimizer state and saved
   // activations of units to disk until it does, and writes its choice into `offload.units` and

@@ -78,7 +78,21 @@ class Builder {
   int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
 
   int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
-  int full_grads(int u) { return buffer("grads " + uname(u), Role::full_grads, MemCategory::grads, unit_bytes(u, 4), u); }
+  // A unit's full gradients: one buffer for the step, or one per micro-step where each reduces.
+  int full_grads(int u, int m) {
+    return buffer("grads " + uname(u) + (cfg_.reduce_each_micro_step ? tag(m) : ""), Role::full_grads, MemCategory::grads,
+                  unit_bytes(u, 4), u);
+  }
+  bool reduces_at(int m) const { return m == last_micro_ || cfg_.reduce_each_micro_step; }
+  // Allocates u's full gradients at their first writer of the step, or of the micro-step where
+  // each reduces; that writer then waits for the previous micro-step's reduce-scatter of u, which
+  // frees its buffer (in a repeated micro-step, the same buffer of the run before).
+  void alloc_grads(int t, int u, int m) {
+    const int key = cfg_.reduce_each_micro_step ? m : 0;
+    if (m != key || !grads_allocated_.insert({m, u}).second) return;
+    alloc(t, full_grads(u, m));
+    if (const auto before = reduce_scatter_of_.find(u); before != reduce_scatter_of_.end()) at(t).deps.push_back(before->second);
+  }
   bool partly_kept(int u) const { return plan_.kept_elems[u] > 0; }
   int kept_part(int u) {
     return buffer("kept " + uname(u), Role::kept_part, MemCategory::params,
@@ -157,7 +171,8 @@ class Builder {
     return axes;
   }
   int add_stages(int first, bool reverse);
-  void reduce_grad(int u, int producer);
+  void reduce_grad(int u, int producer, int m);
+  void release_pending_grads();
   void close_bucket(int producer);
   void read_values(int t, int u, int m);
   void free_at_last_use();
@@ -193,8 +208,9 @@ class Builder {
     }
   };
   std::vector<Gathered> chain_;  // every other all_gather, in issue order
-  std::vector<int> reductions_;  // every gradient collective
-  std::set<int> grads_allocated_;
+  std::vector<int> reductions_;  // every gradient collective of the last micro-step
+  std::set<std::pair<int, int>> grads_allocated_;  // (micro-step, unit) of full gradients allocated
+  std::map<int, int> reduce_scatter_of_;            // by unit: its latest reduce-scatter
   // Full gradients whose reduce-scatter is issued: freed by the `countdown`-th backward after it.
   struct PendingFree {
     int reduce_scatter, buffer, countdown;
@@ -413,12 +429,12 @@ void Builder::forward(int u, int m) {
   io.grad_stream = grad_stream(m);
   alloc(t, io.grad_stream);
   if (sharded_grads_) {
-    io.grads = full_grads(u);
-    if (ud.borrows >= 0) io.borrowed_grads = full_grads(ud.borrows);
+    io.grads = full_grads(u, m);
+    if (ud.borrows >= 0) io.borrowed_grads = full_grads(ud.borrows, m);
     for (int g : {u, ud.borrows})
-      if (g >= 0 && m == 0 && grads_allocated_.insert(g).second) alloc(t, full_grads(g));
+      if (g >= 0) alloc_grads(t, g, m);
   }
-  if (m == last_micro_) reduce_grad(u, t);
+  if (reduces_at(m)) reduce_grad(u, t, m);
 }
 
 void Builder::backward(int u, int m) {
@@ -464,8 +480,8 @@ void Builder::backward(int u, int m) {
   io.grad_stream = grad_stream(m);
   if (u == 0) free(b, io.grad_stream);
   if (sharded_grads_) {
-    io.grads = full_grads(u);
-    if (m == 0 && grads_allocated_.insert(u).second) alloc(b, io.grads);
+    io.grads = full_grads(u, m);
+    alloc_grads(b, u, m);
   }
   // The borrowed state-only unit's gradients come from this backward alone: reduced with it (just
   // before it, keeping DDP's buckets runs of consecutive units in backward order).
@@ -473,13 +489,13 @@ void Builder::backward(int u, int m) {
   if (lent >= 0) {
     if (sharded_params_) io.borrowed_params = gathered(lent);
     if (sharded_grads_) {
-      io.borrowed_grads = full_grads(lent);
-      if (m == 0 && grads_allocated_.insert(lent).second) alloc(b, io.borrowed_grads);
+      io.borrowed_grads = full_grads(lent, m);
+      alloc_grads(b, lent, m);
     }
   }
   const int last = add_stages(b, true);
-  if (lent >= 0 && m == last_micro_) reduce_grad(lent, last);
-  if (m == last_micro_) reduce_grad(u, last);
+  if (lent >= 0 && reduces_at(m)) reduce_grad(lent, last, m);
+  if (reduces_at(m)) reduce_grad(u, last, m);
 }
 
 // The buffer of a staged unit's routed rows on one end (send, recv) of one of its exchanges.
@@ -607,18 +623,31 @@ void Builder::settle_grads(int compute_task, bool all) {
   pending_grads_ = keep;
 }
 
-void Builder::reduce_grad(int u, int producer) {
+// Where each micro-step reduces, the reduce-scatters still pending at its end free their own full
+// gradients: a buffer of micro-step m is then alive within m alone, as a repeated one must be.
+void Builder::release_pending_grads() {
+  for (const PendingFree& p : pending_grads_) free(p.reduce_scatter, p.buffer);
+  pending_grads_.clear();
+}
+
+void Builder::reduce_grad(int u, int producer, int m) {
   if (cfg_.world == 1) return;
   if (sharded_grads_) {
-    const int rs = add(Op::reduce_scatter, u, last_micro_, {producer});
+    const int rs = add(Op::reduce_scatter, u, m, {producer});
     at(rs).axes = within_slice(plan_.shard_axes(), u);
     at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
-    at(rs).io.grads = full_grads(u);
-    pending_grads_.push_back({rs, full_grads(u), 2});
+    at(rs).io.grads = full_grads(u, m);
+    reduce_scatter_of_[u] = rs;
+    pending_grads_.push_back({rs, full_grads(u, m), 2});
     stage(rs, compute_elems(u), shard_elems(u), cfg_.reduce_bytes);
     reduction_scratch(rs, shard_elems(u));
-    reductions_.push_back(rs);
-    if (cfg_.world > plan_.shard_size) {  // hybrid: the shard across the replicas
+    // Each micro-step's scatter adds the held shard in (reads two shards and writes one: about one
+    // and a half copies).
+    if (cfg_.reduce_each_micro_step) at(rs).copy_bytes += shard_elems(u) * 4 * 3 / 2;
+    // The norm waits for the last micro-step's reductions; the earlier ones precede them on the
+    // comm stream.
+    if (m == last_micro_) reductions_.push_back(rs);
+    if (m == last_micro_ && cfg_.world > plan_.shard_size) {  // hybrid: the summed shard across the replicas
       const int ar = add(Op::all_reduce, u, last_micro_, {rs});
       at(ar).axes = plan_.replicate_axes();
       at(ar).bytes = shard_elems(u) * cfg_.reduce_bytes;
@@ -838,6 +867,7 @@ Plan Builder::build() {
     if (!train_) continue;
     for (int u = U - 1; u >= 0; --u)
       if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
+    if (cfg_.reduce_each_micro_step && m < last_micro_) release_pending_grads();
   }
   finish();
   free_at_last_use();
@@ -900,7 +930,14 @@ std::vector<Task> Builder::schedule() {
   std::vector<int> comm_order;
   for (const Task& t : tasks_)
     if (t.stream != kCompute) comm_order.push_back(t.id);
-  std::stable_sort(comm_order.begin(), comm_order.end(), [&](int a, int b) { return ready[a] < ready[b]; });
+  // Reductions in every micro-step end it on the comm stream after the next one's first gathers
+  // are ready: such a plan keeps each micro-step's comm tasks together (as Repeat needs), the
+  // next micro-step's gathers waiting behind the last reduce-scatters.
+  const bool by_micro = cfg_.reduce_each_micro_step;
+  std::stable_sort(comm_order.begin(), comm_order.end(), [&](int a, int b) {
+    if (by_micro && tasks_[a].micro != tasks_[b].micro) return tasks_[a].micro < tasks_[b].micro;
+    return ready[a] < ready[b];
+  });
 
   std::vector<int> order;
   size_t ci = 0;
@@ -1009,6 +1046,17 @@ void check_selective_op(const model::ModelDesc& desc, const PlanConfig& c) {
   if (c.act_quant.on()) refuse("keeps its values in fp32: not with --act-quant");
 }
 
+// --reduce-each-micro-step means something where gradients shard and micro-steps accumulate;
+// elsewhere it is off, so that a plan has one spelling.
+void check_reduce_each_micro_step(PlanConfig& c) {
+  if (!c.reduce_each_micro_step) return;
+  if (c.world > 1 && (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1))
+    throw std::invalid_argument("reduce_each_micro_step (--reduce-each-micro-step): " + std::string(to_string(c.strategy)) +
+                                " keeps whole gradients on every rank, reduced once a step; zero2, fsdp and hybrid "
+                                "shard them");
+  if (c.world == 1 || c.grad_accum == 1) c.reduce_each_micro_step = false;
+}
+
 // The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
 PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   PlanConfig c = config;
@@ -1030,6 +1078,7 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   if (c.cp > 1) check_context_split(desc, c);
   check_recompute_blocks(desc, c);
   check_selective_op(desc, c);
+  check_reduce_each_micro_step(c);
   if (c.memory_budget < 0) throw std::invalid_argument("memory budget (--memory-budget): must be > 0, got " + std::to_string(c.memory_budget));
   return c;
 }

@@ -849,13 +849,24 @@ void Executor::reduce_scatter(const Task& t, Run& r) {
   const Shard s = shard_of(StateKind::grads, t.unit);
   float* full = r.f32(t.io.grads);
   float* mine = held(StateIndex::grads, t.unit, &r);
+  // Reduced each micro-step, the shard adds to the sum of the earlier ones (zero at the start):
+  // in fp32 the held sum joins this rank's part of the scatter, in bf16 (which would round it) the
+  // fp32 result is added after, in the full gradients' bytes (dead once cast to the wire).
+  const bool accumulate = r.plan.config.reduce_each_micro_step;
   const comm::Scratch scratch = comm_scratch(t, r);
-  if (t.io.staging < 0) return c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
+  if (t.io.staging < 0) {
+    float* own_part = full + c.rank() * s.len;
+    if (accumulate) backend_.residual_forward(own_part, own_part, mine, s.len);
+    c.reduce_scatter(full, mine, s.len, DType::fp32, lbl, scratch)->wait(timeout_);
+    return;
+  }
   uint16_t* whole = r.live[t.io.staging].as<uint16_t>();
   uint16_t* own = whole + s.len * c.size();
   backend_.fp32_to_bf16(whole, full, s.len * c.size());
   c.reduce_scatter(whole, own, s.len, DType::bf16, lbl, scratch)->wait(timeout_);
-  backend_.bf16_to_fp32(mine, own, s.len);
+  if (!accumulate) return backend_.bf16_to_fp32(mine, own, s.len);
+  backend_.bf16_to_fp32(full, own, s.len);
+  backend_.residual_forward(mine, mine, full, s.len);
 }
 
 void Executor::all_reduce(const Task& t, Run& r) {

@@ -93,7 +93,8 @@ StreamSeconds stream_seconds(const model::ModelDesc& desc, const Plan& frame, co
 }
 
 // What the sharded-gradient strategies' backwards also pay: each unit's full gradients, written
-// once from zero (CostModel prices a task allocating them so). Adds them to `frame` as buffers and
+// from zero once a step, or once a micro-step under reduce_each_micro_step (CostModel prices a task
+// allocating them so). Adds them to `frame` as buffers and
 // returns a task allocating them all, which costs their sum; none elsewhere.
 Task zero_fill(const model::ModelDesc& desc, Plan& frame, const std::vector<int64_t>& compute_elems) {
   Task t;
@@ -134,7 +135,7 @@ double comm_seconds(const model::ModelDesc& desc, const BoundsFrame& f, const Pl
     const double elems = static_cast<double>(f.elems[u]);
     if (sharded_params) shard[0] += elems * c.param_bytes * (once[u] ? 1 : A);
     if (sharded_params && !once[u] && (reused < 0 || f.elems[u] > f.elems[reused])) reused = u;
-    if (sharded_grads) shard[1] += elems * c.reduce_bytes;
+    if (sharded_grads) shard[1] += elems * c.reduce_bytes * (c.reduce_each_micro_step ? A : 1);
     if (s == Strategy::hybrid && c.world > frame.shard_size)
       bytes[f.replicate_group][2] += static_cast<double>(frame.layout.units[u].padded / frame.shard_size) * c.reduce_bytes;
     if (s == Strategy::ddp || s == Strategy::zero1) bytes[f.grad_group[u]][2] += elems * c.reduce_bytes;
@@ -249,7 +250,8 @@ ComputeBounds compute_bounds(const model::ModelDesc& desc, const BoundsFrame& f,
   const Task fill = zero_fill(desc, frame, elems);
   const CostModel cost(desc, frame, hw, threads, expert_load, f.spans);
   const StreamSeconds streams = stream_seconds(desc, frame, costs, cost);
-  b.compute_ms = 1e3 * (streams.compute + cost.seconds(fill));
+  const double fills = c.reduce_each_micro_step ? static_cast<double>(c.grad_accum) : 1;  // full gradients each micro-step
+  b.compute_ms = 1e3 * (streams.compute + fills * cost.seconds(fill));
   b.exchange_ms = 1e3 * streams.exchanges;
   b.waited_ms = 1e3 * streams.waited;
   return b;
@@ -266,7 +268,8 @@ StepBounds step_bounds(const model::ModelDesc& desc, const BoundsFrame& f, const
   b.peak_bytes = computed.peak_bytes;
   if (sharded_params)
     b.peak_bytes += computed.gathered + (c.keep_gathered == std::vector<std::string>{"all"} ? computed.kept_gathered : 0);
-  if (sharded_grads) b.peak_bytes += c.grad_accum > 1 ? computed.grads_all : computed.grads_at_head;
+  const bool accumulate_whole = c.grad_accum > 1 && !c.reduce_each_micro_step;
+  if (sharded_grads) b.peak_bytes += accumulate_whole ? computed.grads_all : computed.grads_at_head;
   b.comm_ms = 1e3 * comm_seconds(desc, f, c, hw);
   b.ends_ms = 1e3 * fill_and_drain_seconds(desc, f, c, hw);
   return b;

@@ -39,6 +39,7 @@ std::string flags_of(const PlanConfig& c) {
   o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
     << model::to_string(c.recompute);
   if (c.recompute_blocks >= 0 && c.recompute != model::Recompute::none) o << " --recompute-blocks " << c.recompute_blocks;
+  if (c.reduce_each_micro_step) o << " --reduce-each-micro-step";
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
       << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
@@ -108,6 +109,9 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
   PlanConfig c = base;
   c.strategy = s;
   const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
+  // --reduce-each-micro-step, where given, applies to the strategies that shard gradients (the
+  // search does not choose it: see README).
+  c.reduce_each_micro_step = base.reduce_each_micro_step && (sharded || s == Strategy::zero2);
   std::vector<int> groups{0};
   if (s == Strategy::hybrid) {
     groups.clear();
@@ -287,7 +291,7 @@ std::vector<std::optional<StepBounds>> bound_each(const model::ModelDesc& desc, 
     if (!f->second) continue;
     frame_of[i] = &*f->second;
     std::vector<int64_t> key(frame_key.begin(), frame_key.end());
-    key.insert(key.end(), {c.batch, c.grad_accum, static_cast<int>(c.recompute)});
+    key.insert(key.end(), {c.batch, c.grad_accum, static_cast<int>(c.recompute), c.reduce_each_micro_step ? 1 : 0});
     const auto [k, fresh] = compute_of.emplace(std::move(key), computed_for.size());
     if (fresh) computed_for.emplace_back(i, frame_of[i]);
     compute_index[i] = k->second;

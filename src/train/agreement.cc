@@ -146,6 +146,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"memory-budget", c.memory_budget},
       {"offload-prefetch", s(c.offload_prefetch)},
       {"pipeline-optimizer", c.pipeline_optimizer ? "on" : "off"},
+      {"reduce-each-micro-step", c.reduce_each_micro_step ? "on" : "off"},
       {"param-dtype", c.param_dtype},
       {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},

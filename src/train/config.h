@@ -106,6 +106,7 @@ struct TrainConfig {
   int offload_prefetch = 2;
   // AdamW per unit as soon as its gradients are final, speculatively (plan/pipeline.cc).
   bool pipeline_optimizer = false;
+  bool reduce_each_micro_step = false;  // plan::PlanConfig::reduce_each_micro_step
   // --memory-budget: per-rank bytes ("8GB", "512MiB", "4096") the plan's accounted peak must stay
   // within; the placement pass puts units' params, grads and optimizer state on disk until it
   // does (activations stay in memory). Empty: no budget.

@@ -166,6 +166,7 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
                                 "(--hardware); here give a number");
   pc.offload.prefetch = cfg.offload_prefetch;
   pc.pipeline_optimizer = cfg.pipeline_optimizer;
+  pc.reduce_each_micro_step = cfg.reduce_each_micro_step;
   if (!cfg.memory_budget.empty()) pc.memory_budget = plan::parse_memory_budget(cfg.memory_budget);
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;

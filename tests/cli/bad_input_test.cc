@@ -489,4 +489,10 @@ TEST_F(BadInput, SelectiveOpRecompute) {
                         {"recompute (--recompute): selective-op", "--act-quant"});
   expect_one_line_error(run("explain --model llama-tiny --recompute op"), {"recompute", "selective-op"});
 }
+
+TEST_F(BadInput, ReduceEachMicroStepWithWholeGradients) {
+  for (const char* s : {"ddp", "zero1"})
+    expect_one_line_error(run(std::string("explain --model tiny --ranks 2 --grad-accum 2 --reduce-each-micro-step --strategy ") + s),
+                          {"reduce_each_micro_step (--reduce-each-micro-step)", s, "zero2, fsdp and hybrid"});
+}
 }  // namespace

@@ -271,6 +271,15 @@ void each_training_config(const std::vector<int64_t>& accums, Visit visit) {
             }
 }
 
+// A configuration whose micro-steps accumulate sharded gradients, and its twin reducing them
+// each micro-step (or false: none).
+bool reduces_each_micro_step(PlanConfig& c) {
+  const bool sharded_grads = c.strategy == Strategy::zero2 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid;
+  if (!sharded_grads || c.grad_accum == 1) return false;
+  c.reduce_each_micro_step = true;
+  return true;
+}
+
 // The step arena (plan/arena.h): two buffers whose bytes overlap are never alive together in any
 // schedule the deps and stream order allow: every life of one ends before every life of the other
 // begins (a hand-off at the end of the freeing task counts). Lives in a repeated micro-step that
@@ -344,6 +353,8 @@ TEST(Plan, ArenaKeepsBuffersAliveTogetherApartInAnyScheduleTheDepsAllow) {
   each_training_config({1, 2, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
     if (c.max_gathers_in_flight % 2 == 0 || c.prefetch_forward % 2 == 1) return;  // limits 1, 3; prefetch 0, 2
     expect_arena_keeps_live_buffers_apart(d, build_plan(d, c), what);
+    if (PlanConfig e = c; reduces_each_micro_step(e))
+      expect_arena_keeps_live_buffers_apart(d, build_plan(d, e), what + " reduce each micro-step");
     if (c.strategy == Strategy::fsdp && c.grad_accum == 1) {  // the disk tier's windows and activation slots
       c.offload.kinds = {true, true, true};
       c.offload.activations = true;
@@ -357,6 +368,8 @@ TEST(Plan, ArenaKeepsBuffersAliveTogetherApartInAnyScheduleTheDepsAllow) {
 TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
   each_training_config({1, 2, 3, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
     expect_no_buffer_alive_twice(d, c, what);
+    if (PlanConfig e = c; c.max_gathers_in_flight == 2 && reduces_each_micro_step(e))
+      expect_no_buffer_alive_twice(d, e, what + " reduce each micro-step");
     if (c.recompute != model::Recompute::none && c.grad_accum <= 2) {  // one block of the two rebuilt
       PlanConfig one = c;
       one.recompute_blocks = 1;
@@ -778,6 +791,7 @@ Unrolled unroll(const Plan& p) {
 TEST(Plan, ARepeatedMicroStepRunsAsTheUnrolledPlan) {
   int compared = 0;
   each_training_config({5, 7}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+    if (PlanConfig e = c; c.max_gathers_in_flight == 2 && reduces_each_micro_step(e)) c = e;  // its repeats too
     const Plan repeated = build_plan(d, c);
     ASSERT_EQ(repeated.repeat.micro, 2) << what;
     ASSERT_EQ(repeated.repeat.times, c.grad_accum - 3) << what;
@@ -843,6 +857,70 @@ TEST(Plan, NoCommunicationBeforeTheLastMicroStep) {
       }
     }
   }
+}
+
+// --reduce-each-micro-step: every micro-step reduce-scatters each unit once (hybrid's all-reduce
+// over the replicas stays one a step, on the summed shard), a micro-step's full gradients are
+// allocated and freed within it, and the gradient peak is one micro-step's: the plan without
+// accumulation's, below accumulating whole gradients. Off where it means nothing; refused by the
+// strategies that keep whole gradients.
+TEST(Plan, ReducingEachMicroStepKeepsFullGradientsWithinTheMicroStep) {
+  int checked = 0;
+  for (const char* name : {"tiny", "llama-tiny", "moe-tiny"}) {
+    const model::ModelDesc d = model::describe(model::model_preset(name, 128));
+    for (Strategy s : {Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+      for (int64_t accum : {2, 3, 6}) {
+        PlanConfig c;
+        c.strategy = s, c.world = 4, c.shard_group = 2, c.seq = 128, c.grad_accum = accum;
+        const std::string what = std::string(name) + " " + to_string(s) + " accum " + std::to_string(accum);
+        const Plan whole = build_plan(d, c);
+        PlanConfig one = c;
+        one.grad_accum = 1;
+        const Plan single = build_plan(d, one);
+        c.reduce_each_micro_step = true;
+        const Plan each = build_plan(d, c);
+        ASSERT_TRUE(each.config.reduce_each_micro_step) << what;
+        auto count = [](const Plan& p, Op op, int micro) {
+          int n = 0;
+          for (const Task& t : p.tasks) n += t.op == op && t.micro == micro;
+          return n;
+        };
+        const int units = count(whole, Op::reduce_scatter, whole.tasks.back().micro);
+        ASSERT_GT(units, 0) << what;
+        const int last = static_cast<int>(std::min<int64_t>(accum, kUnrolledMicroSteps)) - 1;
+        for (int m = 0; m <= last; ++m) {
+          EXPECT_EQ(count(each, Op::reduce_scatter, m), units) << what << " micro " << m;
+          EXPECT_EQ(count(each, Op::all_reduce, m), m == last ? count(whole, Op::all_reduce, m) : 0) << what << " micro " << m;
+        }
+        std::map<int, int> alloc_micro;
+        for (const Task& t : each.tasks) {
+          for (int b : t.allocs)
+            if (each.buffers[b].role == Role::full_grads) alloc_micro[b] = t.micro;
+          for (int b : t.frees)
+            if (each.buffers[b].role == Role::full_grads) { EXPECT_EQ(t.micro, alloc_micro.at(b)) << what << " " << each.buffers[b].name; }
+        }
+        const int g = static_cast<int>(MemCategory::grads);
+        EXPECT_EQ(each.peak_memory().bytes[g], single.peak_memory().bytes[g]) << what;
+        EXPECT_LT(each.peak_memory().bytes[g], whole.peak_memory().bytes[g]) << what;
+        ++checked;
+      }
+    PlanConfig c;
+    c.world = 4, c.seq = 128, c.grad_accum = 2, c.reduce_each_micro_step = true;
+    for (Strategy s : {Strategy::ddp, Strategy::zero1}) {
+      c.strategy = s;
+      try {
+        build_plan(d, c);
+        ADD_FAILURE() << to_string(s) << " reduced each micro-step";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("reduce_each_micro_step (--reduce-each-micro-step)"), std::string::npos) << e.what();
+      }
+    }
+    c.strategy = Strategy::fsdp, c.grad_accum = 1;
+    EXPECT_FALSE(build_plan(d, c).config.reduce_each_micro_step);
+    c.world = 1, c.grad_accum = 2;
+    EXPECT_FALSE(build_plan(d, c).config.reduce_each_micro_step);
+  }
+  EXPECT_EQ(checked, 27);
 }
 
 TEST(Plan, DdpBucketsCoverEveryUnitOnce) {

@@ -82,6 +82,7 @@ TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
     std::vector<int> eps, cps;
   };
   Checked n;
+  int each = 0;  // plans reducing each micro-step
   for (const Case& k : {Case{"llama-tiny", 4, 256, 8, {1}, {1, 2}}, Case{"moe-tiny", 8, 128, 2, {1, 2, 4}, {1, 2}},
                         Case{"tiny", 2, 128, 6, {1}, {1}}, Case{"moe-tiny", 4, 128, 24, {2}, {1}}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
@@ -104,8 +105,15 @@ TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
                       c.gather_bucket_mb = keep == 1 ? 1.0 : 0.0;
                       if (keep == 2) c.keep_gathered = {"all"};
                       check(k.model, desc, c, hw, 1, n);
+                      const bool sharded_grads = s == Strategy::zero2 || s == Strategy::fsdp || s == Strategy::hybrid;
+                      if (sharded_grads && c.grad_accum > 1 && keep == 0) {
+                        c.reduce_each_micro_step = true;
+                        check(k.model, desc, c, hw, 1, n);
+                        ++each;
+                      }
                     }
   }
+  EXPECT_GT(each, 100);
   EXPECT_GT(n.plans, 800);
   EXPECT_GT(n.sharded, 500);
   EXPECT_GT(n.exchanges, 300);
@@ -124,16 +132,18 @@ TEST(Bounds, ComputeIsTheComputeStreamsWorkAtMeasuredRates) {
     for (model::Recompute r : {model::Recompute::none, model::Recompute::selective, model::Recompute::full,
                                model::Recompute::selective_op})
       for (int blocks : {-1, 1})  // every block, or one of the two
-        for (Strategy s : {Strategy::ddp, Strategy::fsdp}) {
+        for (Strategy s : {Strategy::ddp, Strategy::fsdp})
+          for (bool each : s == Strategy::fsdp ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
           if (r == model::Recompute::none && blocks >= 0) continue;
           if (r == model::Recompute::selective_op && std::string(name) != "llama-tiny") continue;
           const model::ModelDesc desc = model::describe(model::model_preset(name, 128));
           PlanConfig c = for_hardware(PlanConfig{}, hw);
           c.world = 2, c.strategy = s, c.seq = 128, c.batch = 2, c.grad_accum = 6, c.recompute = r;
           c.recompute_blocks = blocks;
+          c.reduce_each_micro_step = each;
           check(name, desc, c, hw, 2, n);
         }
-  EXPECT_EQ(n.plans, 34);
+  EXPECT_EQ(n.plans, 51);
 }
 
 // Off memory (the disk tier, a budget, the pipelined optimizer) the bounds claim nothing.
