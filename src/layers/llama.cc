@@ -195,7 +195,6 @@ Carved embedding_carved(const kernels::Backend&, const model::ModelDesc&, const 
 
 // ---- block
 
-// Norm, q|k|v and their rotation: a pass's start (stage 0 of one split over cp).
 // Output columns [first, first + width) of a fused GEMM (weight rows of the same range) through
 // `tmp` (B, T, width). selective_op's forward runs every GEMM its rebuild reruns so, as the rebuild
 // does: a GEMM's kernel (so the order it sums in) may depend on the output width, and the rebuilt
@@ -207,6 +206,7 @@ void dense_part(const kernels::Backend& be, float* out, int64_t out_width, float
   be.copy_rows(out + first, out_width * f, tmp, width * f, width * f, d.BT);
 }
 
+// Norm, q|k|v and their rotation: a pass's start (stage 0 of one split over cp).
 void qkv_forward(const kernels::Backend& be, const Block& p, const float* in, float* qkv, const Recomputable& r,
                  float* rope, const UnitArgs& a, const Dims& d) {
   be.rmsnorm_forward(r.ln1.f, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);

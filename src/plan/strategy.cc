@@ -88,8 +88,8 @@ class Builder {
   // each reduces; that writer then waits for the previous micro-step's reduce-scatter of u, which
   // frees its buffer (in a repeated micro-step, the same buffer of the run before).
   void alloc_grads(int t, int u, int m) {
-    const int key = cfg_.reduce_each_micro_step ? m : 0;
-    if (m != key || !grads_allocated_.insert({m, u}).second) return;
+    if (m > 0 && !cfg_.reduce_each_micro_step) return;
+    if (!grads_allocated_.insert({m, u}).second) return;
     alloc(t, full_grads(u, m));
     if (const auto before = reduce_scatter_of_.find(u); before != reduce_scatter_of_.end()) at(t).deps.push_back(before->second);
   }

@@ -94,8 +94,8 @@ StreamSeconds stream_seconds(const model::ModelDesc& desc, const Plan& frame, co
 
 // What the sharded-gradient strategies' backwards also pay: each unit's full gradients, written
 // from zero once a step, or once a micro-step under reduce_each_micro_step (CostModel prices a task
-// allocating them so). Adds them to `frame` as buffers and
-// returns a task allocating them all, which costs their sum; none elsewhere.
+// allocating them so). Adds them to `frame` as buffers and returns a task allocating them all,
+// which costs their sum; none elsewhere.
 Task zero_fill(const model::ModelDesc& desc, Plan& frame, const std::vector<int64_t>& compute_elems) {
   Task t;
   t.op = Op::backward;  // a unit's work without its unit: only the allocations' bytes
