@@ -10,15 +10,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 JOBS="$(nproc)"
 
 echo "=== release build: all tests ==="
-ctest --test-dir build --output-on-failure -j"$JOBS"
+ctest --test-dir build --output-on-failure -j"$JOBS" --timeout 900
 
 echo "=== address,undefined sanitizer build: unit tests ==="
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSHARDLM_SANITIZE=address,undefined \
-  -DCMAKE_CXX_FLAGS="-O1" >/dev/null
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" >/dev/null
 cmake --build build-asan -j"$JOBS"
 # OpenMP's runtime (uninstrumented) keeps thread-local allocations alive at exit.
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j"$JOBS" -E 'Slow'
+  ctest --test-dir build-asan --output-on-failure -j"$JOBS" --timeout 900 -E 'Slow'
 
 if command -v nvcc >/dev/null 2>&1; then
   # The CUDA backend compiles where nvcc is; its tests skip without a GPU (and say so).

@@ -13,7 +13,7 @@ JOBS="${JOBS:-$(nproc)}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DSHARDLM_SANITIZE=thread \
-  -DCMAKE_CXX_FLAGS="-O1" >/dev/null
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" >/dev/null
 cmake --build build-tsan -j"$JOBS" --target comm_tests
 
 # mpirun passes its environment to the ranks it starts on this machine. exitcode=66 with

@@ -1075,12 +1075,16 @@ TEST(Plan, RecomputeBlocksRebuildsThatManyBlocksSpreadEvenly) {
           for (int l : want) EXPECT_EQ(l % 2, 1) << at << ": every second block";
         }
         const int64_t peak = p.max_memory()[MemCategory::activations];
-        if (N > 0) EXPECT_LT(peak, previous) << at;
+        if (N > 0) {
+          EXPECT_LT(peak, previous) << at;
+        }
         previous = peak;
         PlanConfig whole = c;
         whole.recompute_blocks = -1;
         whole.recompute = N == 0 ? model::Recompute::none : N == L ? r : whole.recompute;
-        if (N == 0 || N == L) EXPECT_EQ(peak, build_plan(d, whole).max_memory()[MemCategory::activations]) << at;
+        if (N == 0 || N == L) {
+          EXPECT_EQ(peak, build_plan(d, whole).max_memory()[MemCategory::activations]) << at;
+        }
       }
     }
     PlanConfig bad;
