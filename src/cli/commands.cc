@@ -28,7 +28,8 @@ namespace shardlm::cli {
 namespace {
 
 // Where the tokenizer files live: $SHARDLM_DATA_DIR, else data/ beside the build directory
-// that holds this executable, else ./data.
+// that holds this executable, else the source tree's data/ (a build directory elsewhere), else
+// ./data.
 std::string default_data_dir() {
   if (const char* env = std::getenv("SHARDLM_DATA_DIR")) return env;
   std::error_code ec;
@@ -37,6 +38,9 @@ std::string default_data_dir() {
     auto candidate = exe.parent_path().parent_path() / "data";
     if (std::filesystem::exists(candidate / "gpt2")) return candidate.string();
   }
+#ifdef SHARDLM_DATA_DIR_DEFAULT
+  if (std::filesystem::exists(std::filesystem::path(SHARDLM_DATA_DIR_DEFAULT) / "gpt2")) return SHARDLM_DATA_DIR_DEFAULT;
+#endif
   return "data";
 }
 
