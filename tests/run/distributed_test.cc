@@ -595,8 +595,8 @@ TEST_F(DistributedSlow, ActQuantPeakIsThePlansAndLossesStayClose) {
 }
 
 // A mixture-of-experts model (moe-tiny; each block borrows its experts unit) at 2 and 4 ranks
-// (--batch 4/ranks --grad-accum 2), under ddp, fsdp and hybrid, with and without expert
-// parallelism, against one process with --batch 4/ranks and --grad-accum 2 × ranks: the same
+// (--batch 4/ranks --grad-accum 2), under ddp, zero1, zero2, fsdp and hybrid, with and without
+// expert parallelism, against one process with --batch 4/ranks and --grad-accum 2 × ranks: the same
 // sequences in the same routing groups (a rank's micro-batch is one of the process's micro-steps,
 // data/sampler.h), so the load-balancing loss, the z-loss and, with --capacity-factor, the
 // dropped tokens are the same. Losses over 10 steps and the final parameters within 1e-5.
@@ -623,6 +623,8 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
       {"ddp", 2, "ddp"},
       {"fsdp", 2, "fsdp"},
       {"ddp_ep2", 2, "ddp", 2},
+      {"zero1_ep2", 2, "zero1", 2},
+      {"zero2_ep2", 2, "zero2", 2},
       {"fsdp_ep2", 2, "fsdp", 2},
       {"fsdp_ep2_np4", 4, "fsdp", 2},
       {"ddp_ep4_np4", 4, "ddp", 4},
