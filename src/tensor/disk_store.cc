@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -143,6 +144,37 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
   if (ring_) transfer_uring(is_write, f, offset, static_cast<char*>(buf), bytes);
   else transfer_plain(is_write, f, offset, static_cast<char*>(buf), bytes);
   (is_write ? written_ : read_) += bytes;
+  if (f.whole == 0) return;  // creation's zeros
+  if (is_write) record_write(f, offset, buf, bytes);
+  else verify_read(f, offset, buf, bytes);
+}
+
+void DiskStore::record_write(File& f, int64_t offset, const void* src, int64_t bytes) {
+  auto it = f.written.upper_bound(offset);
+  if (it != f.written.begin() && std::prev(it)->first + std::prev(it)->second.bytes > offset) --it;
+  while (it != f.written.end() && it->first < offset + bytes) it = f.written.erase(it);
+  f.written.emplace(offset, Written{bytes, XXH3_64bits(src, static_cast<size_t>(bytes))});
+}
+
+void DiskStore::verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes) const {
+  auto changed = [&] {
+    return fail(f.path, "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                            ") read back are not what was written there (checksum): changed while the run was using it");
+  };
+  auto it = f.written.upper_bound(offset);
+  if (it != f.written.begin() && std::prev(it)->first + std::prev(it)->second.bytes > offset) --it;
+  const bool overlaps = it != f.written.end() && it->first < offset + bytes;
+  if (overlaps && (it->first != offset || it->second.bytes != bytes))
+    throw std::logic_error("disk store: " + f.path + ": a read of [" + std::to_string(offset) + ", +" +
+                           std::to_string(bytes) + ") that is not one earlier write");
+  if (overlaps) {
+    if (XXH3_64bits(dst, static_cast<size_t>(bytes)) != it->second.checksum) throw changed();
+    return;
+  }
+  static const char zeros[kDiskAlign] = {};
+  const char* p = static_cast<const char*>(dst);
+  for (int64_t at = 0; at < bytes; at += kDiskAlign)
+    if (std::memcmp(p + at, zeros, static_cast<size_t>(std::min(kDiskAlign, bytes - at))) != 0) throw changed();
 }
 
 void DiskStore::transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes) {

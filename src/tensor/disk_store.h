@@ -11,11 +11,18 @@
 // >= 4 KiB from a MemoryPool are).
 //
 // Every failure throws std::runtime_error with one line naming the file: a write refused (disk
-// full, file size limit), a read error, a file deleted or truncated under the run.
+// full, file size limit), a read error, a file deleted or truncated under the run, or bytes read
+// back that are not what was written there (each write's XXH3 checksum is kept and a read of the
+// same range compares against it; a range never written must read as the zeros of creation). The
+// size check alone misses a truncation that lands between it and a write past the cut: that
+// write extends the file again and leaves zeros behind it, which a later read would take for data.
+// Reads are of ranges written whole before (or never written): a read that covers part of an
+// earlier write is a caller's error (std::logic_error).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -61,17 +68,24 @@ class DiskStore final : public OffloadStore {
   int64_t bytes_written() const override { return written_; }
 
  private:
+  struct Written {
+    int64_t bytes;
+    uint64_t checksum;  // XXH3 64
+  };
   struct File {
     std::string path;
     int fd = -1;
     int64_t bytes = 0;
     int64_t whole = 0;  // the size it must have: `bytes` once written out at creation
     bool direct = false;
+    std::map<int64_t, Written> written;  // by offset: each write since creation, none overlapping
   };
   void transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes);
   void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
   void transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
   void check_file(const File& f) const;
+  void record_write(File& f, int64_t offset, const void* src, int64_t bytes);
+  void verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes) const;
 
   std::string dir_;
   DiskStoreOptions options_;

@@ -261,14 +261,20 @@ ActivationStep activation_step(bool offload, bool scribble, const fs::path& dir)
 
 // The backward reads its offloaded activations from the file, each slot once, as the plan lays
 // them out, and uses what the disk holds: the step is the resident one bit for bit, and a step
-// whose slots are overwritten just before their reads is not (so the equality is not the memory
-// pool handing back the freed bytes untouched).
+// whose slot is overwritten just before its read stops naming the file and the slot (the read
+// came from the disk, and its checksum is not the write's), so the equality is not the memory
+// pool handing back the freed bytes untouched.
 TEST(OffloadActivations, TheBackwardReadsWhatTheDiskHolds) {
   kernels::init_compute(1);
   const fs::path dir = fs::temp_directory_path() / ("shardlm_act_step_" + std::to_string(::getpid()));
   const ActivationStep resident = activation_step(false, false, dir);
   const ActivationStep off = activation_step(true, false, dir);
-  const ActivationStep scribbled = activation_step(true, true, dir);
+  std::string scribbled;
+  try {
+    activation_step(true, true, dir);
+  } catch (const std::runtime_error& e) {
+    scribbled = e.what();
+  }
   fs::remove_all(dir);
   ASSERT_GT(off.file_bytes, 0);
   std::vector<std::pair<int64_t, int64_t>> reads = off.reads, slots = off.slots;
@@ -278,10 +284,8 @@ TEST(OffloadActivations, TheBackwardReadsWhatTheDiskHolds) {
   EXPECT_EQ(off.loss, resident.loss);
   ASSERT_EQ(off.params.size(), resident.params.size());
   EXPECT_EQ(std::memcmp(off.params.data(), resident.params.data(), 4 * off.params.size()), 0);
-  EXPECT_EQ(scribbled.reads.size(), off.reads.size());
-  EXPECT_EQ(scribbled.loss, resident.loss);  // the forward is untouched
-  EXPECT_NE(std::memcmp(scribbled.params.data(), resident.params.data(), 4 * off.params.size()), 0)
-      << "the backward did not use what was on disk";
+  EXPECT_NE(scribbled.find("rank-00000.activations: bytes ["), std::string::npos) << scribbled;
+  EXPECT_NE(scribbled.find(") read back are not what was written there (checksum)"), std::string::npos) << scribbled;
 }
 
 // Three steps on the executor, tiny B2 T32: every kind of state resident, or on disk with each
@@ -424,9 +428,10 @@ const std::string kActivations = " --offload activations --offload-prefetch 0";
 
 // A run of many steps started in the background; `damage` strikes its offload file `file` once it
 // has saved a checkpoint and gone on, and again every 100 ms while the file is there and the run
-// goes on: a truncation that lands while a write to the file's end is in flight is undone by that
-// write (the next checks see the whole size again), so one strike may race. The run must stop
-// with one line naming the file, and the checkpoint it saved must still load (a resume runs from it).
+// goes on. The run must stop with one line naming the file (`what`, or, where a truncation landed
+// just before a write past it, which made the file whole again with zeros in between, the
+// checksum line of the range that lost bytes), and the checkpoint it saved must still load (a
+// resume runs from it).
 void damaged_mid_run(const std::string& name, const std::function<void(const fs::path&)>& damage, const std::string& what,
                      const std::string& file_name = "params", const std::string& offload = kAll) {
   const fs::path dir = OffloadSlow::runs_.dir, out = dir / name, log = dir / (name + ".log");
@@ -462,7 +467,10 @@ void damaged_mid_run(const std::string& name, const std::function<void(const fs:
   }
   const std::string text = OffloadSlow::slurp(log);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << text;
-  EXPECT_NE(text.find("offload file " + file.string() + ": " + what), std::string::npos) << text;
+  const std::string named = "offload file " + file.string() + ": ";
+  EXPECT_TRUE(text.find(named + what) != std::string::npos ||
+              (text.find(named + "bytes [") != std::string::npos && text.find("(checksum)") != std::string::npos))
+      << text;
   // The latest checkpoint is intact: a fresh run resumes from it and trains on. On a loaded
   // machine the run may have gone past step 4 before a strike stuck, so it trains 3 steps past
   // whichever checkpoint is the latest (ckpt/latest: "step_N").
