@@ -26,6 +26,19 @@ std::runtime_error fail(const std::string& path, const std::string& what) {
   return std::runtime_error("offload file " + path + ": " + what);
 }
 std::string errno_text(int err) { return std::strerror(err); }
+
+int64_t chunks_of(int64_t bytes) { return (bytes + kChunk - 1) / kChunk; }
+// A chunk's checksum: XXH3 of the chunk-th kChunk piece of a transfer's buffer. The io_uring path
+// takes each while other chunks are in flight, so the disk's wait hides it.
+uint64_t chunk_checksum(const char* buf, int64_t bytes, int64_t chunk) {
+  const int64_t at = chunk * kChunk;
+  return XXH3_64bits(buf + at, static_cast<size_t>(std::min(kChunk, bytes - at)));
+}
+// A transfer's: XXH3 of its chunks' in order, so a write and a read of the same range agree
+// whichever path each took.
+uint64_t transfer_checksum(const std::vector<uint64_t>& chunks) {
+  return XXH3_64bits(chunks.data(), chunks.size() * sizeof(uint64_t));
+}
 }  // namespace
 
 struct DiskStore::Ring {
@@ -141,22 +154,30 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
   check_file(f);
   if (!is_write && options_.read_fault && options_.read_fault(f.path, offset, bytes))
     throw fail(f.path, "read failed: " + errno_text(EIO));
-  if (ring_) transfer_uring(is_write, f, offset, static_cast<char*>(buf), bytes);
-  else transfer_plain(is_write, f, offset, static_cast<char*>(buf), bytes);
+  char* data = static_cast<char*>(buf);
+  // Creation's zeros are not checksummed: a range never written since is checked as zeros.
+  std::vector<uint64_t> sums(f.whole > 0 ? chunks_of(bytes) : 0);
+  if (ring_) {
+    transfer_uring(is_write, f, offset, data, bytes, sums);
+  } else {
+    for (size_t c = 0; is_write && c < sums.size(); ++c) sums[c] = chunk_checksum(data, bytes, static_cast<int64_t>(c));
+    transfer_plain(is_write, f, offset, data, bytes);
+    for (size_t c = 0; !is_write && c < sums.size(); ++c) sums[c] = chunk_checksum(data, bytes, static_cast<int64_t>(c));
+  }
   (is_write ? written_ : read_) += bytes;
-  if (f.whole == 0) return;  // creation's zeros
-  if (is_write) record_write(f, offset, buf, bytes);
-  else verify_read(f, offset, buf, bytes);
+  if (sums.empty()) return;
+  if (is_write) record_write(f, offset, bytes, transfer_checksum(sums));
+  else verify_read(f, offset, data, bytes, transfer_checksum(sums));
 }
 
-void DiskStore::record_write(File& f, int64_t offset, const void* src, int64_t bytes) {
+void DiskStore::record_write(File& f, int64_t offset, int64_t bytes, uint64_t checksum) {
   auto it = f.written.upper_bound(offset);
   if (it != f.written.begin() && std::prev(it)->first + std::prev(it)->second.bytes > offset) --it;
   while (it != f.written.end() && it->first < offset + bytes) it = f.written.erase(it);
-  f.written.emplace(offset, Written{bytes, XXH3_64bits(src, static_cast<size_t>(bytes))});
+  f.written.emplace(offset, Written{bytes, checksum});
 }
 
-void DiskStore::verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes) const {
+void DiskStore::verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes, uint64_t checksum) const {
   auto changed = [&] {
     return fail(f.path, "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
                             ") read back are not what was written there (checksum): changed while the run was using it");
@@ -168,7 +189,7 @@ void DiskStore::verify_read(const File& f, int64_t offset, const void* dst, int6
     throw std::logic_error("disk store: " + f.path + ": a read of [" + std::to_string(offset) + ", +" +
                            std::to_string(bytes) + ") that is not one earlier write");
   if (overlaps) {
-    if (XXH3_64bits(dst, static_cast<size_t>(bytes)) != it->second.checksum) throw changed();
+    if (checksum != it->second.checksum) throw changed();
     return;
   }
   static const char zeros[kDiskAlign] = {};
@@ -194,9 +215,11 @@ void DiskStore::transfer_plain(bool is_write, File& f, int64_t offset, char* buf
 
 // Chunks of the transfer, up to kDepth in flight; a short completion (rare: a signal, a
 // filesystem boundary) is finished with plain calls.
-void DiskStore::transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes) {
+void DiskStore::transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes,
+                               std::vector<uint64_t>& sums) {
   io_uring* ring = &ring_->ring;
-  const int64_t chunks = (bytes + kChunk - 1) / kChunk;
+  const int64_t chunks = chunks_of(bytes);
+  const bool summing = !sums.empty();
   int64_t next = 0, completed = 0;
   std::string error;
   std::vector<int64_t> shortfall;  // chunk index, resumed below
@@ -207,6 +230,7 @@ void DiskStore::transfer_uring(bool is_write, File& f, int64_t offset, char* buf
       io_uring_sqe* sqe = io_uring_get_sqe(ring);
       if (!sqe) break;
       const int64_t at = next * kChunk, len = std::min(kChunk, bytes - at);
+      if (is_write && summing) sums[next] = chunk_checksum(buf, bytes, next);  // while earlier chunks fly
       if (is_write) io_uring_prep_write(sqe, f.fd, buf + at, static_cast<unsigned>(len), offset + at);
       else io_uring_prep_read(sqe, f.fd, buf + at, static_cast<unsigned>(len), offset + at);
       io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(next));
@@ -227,11 +251,13 @@ void DiskStore::transfer_uring(bool is_write, File& f, int64_t offset, char* buf
     const int64_t len = std::min(kChunk, bytes - c * kChunk);
     if (res < 0 && error.empty()) error = std::string(is_write ? "write" : "read") + " failed: " + errno_text(-res);
     else if (res >= 0 && res < len) shortfall.push_back(c), got[c] = res;
+    else if (res == len && !is_write && summing) sums[c] = chunk_checksum(buf, bytes, c);  // while later ones fly
   }
   if (!error.empty()) throw fail(f.path, error);
   for (int64_t c : shortfall) {
     const int64_t at = c * kChunk + got[c], len = std::min(kChunk, bytes - c * kChunk) - got[c];
     transfer_plain(is_write, f, offset + at, buf + at, len);
+    if (!is_write && summing) sums[c] = chunk_checksum(buf, bytes, c);
   }
 }
 

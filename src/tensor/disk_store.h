@@ -70,7 +70,7 @@ class DiskStore final : public OffloadStore {
  private:
   struct Written {
     int64_t bytes;
-    uint64_t checksum;  // XXH3 64
+    uint64_t checksum;  // of the transfer (disk_store.cc: transfer_checksum)
   };
   struct File {
     std::string path;
@@ -81,11 +81,12 @@ class DiskStore final : public OffloadStore {
     std::map<int64_t, Written> written;  // by offset: each write since creation, none overlapping
   };
   void transfer(bool is_write, int file, int64_t offset, void* buf, int64_t bytes);
-  void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
+  // `sums`: each chunk's checksum, filled where it is not empty (chunk_checksum).
+  void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes, std::vector<uint64_t>& sums);
   void transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
   void check_file(const File& f) const;
-  void record_write(File& f, int64_t offset, const void* src, int64_t bytes);
-  void verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes) const;
+  void record_write(File& f, int64_t offset, int64_t bytes, uint64_t checksum);
+  void verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes, uint64_t checksum) const;
 
   std::string dir_;
   DiskStoreOptions options_;
