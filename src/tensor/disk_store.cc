@@ -160,9 +160,12 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
   if (ring_) {
     transfer_uring(is_write, f, offset, data, bytes, sums);
   } else {
-    for (size_t c = 0; is_write && c < sums.size(); ++c) sums[c] = chunk_checksum(data, bytes, static_cast<int64_t>(c));
+    auto sum_chunks = [&] {
+      for (size_t c = 0; c < sums.size(); ++c) sums[c] = chunk_checksum(data, bytes, static_cast<int64_t>(c));
+    };
+    if (is_write) sum_chunks();  // what goes out
     transfer_plain(is_write, f, offset, data, bytes);
-    for (size_t c = 0; !is_write && c < sums.size(); ++c) sums[c] = chunk_checksum(data, bytes, static_cast<int64_t>(c));
+    if (!is_write) sum_chunks();  // what came in
   }
   (is_write ? written_ : read_) += bytes;
   if (sums.empty()) return;
@@ -170,9 +173,15 @@ void DiskStore::transfer(bool is_write, int file, int64_t offset, void* buf, int
   else verify_read(f, offset, data, bytes, transfer_checksum(sums));
 }
 
-void DiskStore::record_write(File& f, int64_t offset, int64_t bytes, uint64_t checksum) {
+// The first write recorded in `f` that ends past `offset` (the writes do not overlap).
+std::map<int64_t, DiskStore::Written>::const_iterator DiskStore::first_ending_past(const File& f, int64_t offset) {
   auto it = f.written.upper_bound(offset);
   if (it != f.written.begin() && std::prev(it)->first + std::prev(it)->second.bytes > offset) --it;
+  return it;
+}
+
+void DiskStore::record_write(File& f, int64_t offset, int64_t bytes, uint64_t checksum) {
+  auto it = first_ending_past(f, offset);
   while (it != f.written.end() && it->first < offset + bytes) it = f.written.erase(it);
   f.written.emplace(offset, Written{bytes, checksum});
 }
@@ -182,8 +191,7 @@ void DiskStore::verify_read(const File& f, int64_t offset, const void* dst, int6
     return fail(f.path, "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
                             ") read back are not what was written there (checksum): changed while the run was using it");
   };
-  auto it = f.written.upper_bound(offset);
-  if (it != f.written.begin() && std::prev(it)->first + std::prev(it)->second.bytes > offset) --it;
+  const auto it = first_ending_past(f, offset);
   const bool overlaps = it != f.written.end() && it->first < offset + bytes;
   if (overlaps && (it->first != offset || it->second.bytes != bytes))
     throw std::logic_error("disk store: " + f.path + ": a read of [" + std::to_string(offset) + ", +" +

@@ -85,6 +85,7 @@ class DiskStore final : public OffloadStore {
   void transfer_uring(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes, std::vector<uint64_t>& sums);
   void transfer_plain(bool is_write, File& f, int64_t offset, char* buf, int64_t bytes);
   void check_file(const File& f) const;
+  static std::map<int64_t, Written>::const_iterator first_ending_past(const File& f, int64_t offset);
   void record_write(File& f, int64_t offset, int64_t bytes, uint64_t checksum);
   void verify_read(const File& f, int64_t offset, const void* dst, int64_t bytes, uint64_t checksum) const;
 
