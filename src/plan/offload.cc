@@ -125,10 +125,10 @@ void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, StateKind kind
 }
 
 
-// Windows (and offloaded activations) come and go with the compute stream, as gathered
-// parameters and full gradients do (plan.h), so their bytes over time do not depend on how the
-// copy and comm streams interleave and the plan's walk is the allocator's measurement exactly. A window a copy or comm task would
-// allocate is handed off at the end of the last compute task listed before it, which that task
+// Windows (offloaded activations, comm tasks' own scratch) come and go with the compute stream,
+// as gathered parameters and full gradients do (plan.h), so their bytes over time do not depend on
+// how the copy and comm streams interleave and the plan's walk is the allocator's measurement
+// exactly. A window a copy or comm task would allocate is handed off at the end of the last compute task listed before it, which that task
 // now waits for; one it would free is freed by a compute task listed after it that waits for it:
 // the first compute task already waiting for it if that is no later than the second compute task
 // after it, else the second one, made to wait (a write-back then runs behind one compute task,
@@ -136,8 +136,16 @@ void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, StateKind kind
 // comes before (or after), a window_sync task opens (or closes) the step.
 void settle_windows(Plan& p) {
   // What the copy stream moves: windows, and offloaded saved activations (their first allocation
-  // and last free are a forward's and a backward's, compute tasks, and stay where they are).
-  auto is_window = [&](int b) { return p.buffers[b].role == Role::window || p.buffers[b].disk_offset >= 0; };
+  // and last free are a forward's and a backward's, compute tasks, and stay where they are). And
+  // the scratch a comm task allocates and frees itself (staging, the communicator's working
+  // memory): a comm task that waits for a copy, or for a comm task that does, runs when the disk
+  // lets it, so its scratch would otherwise land beside whichever compute task it then overlaps
+  // (a reduce-scatter adding into a gradient window reloaded for it, beside a later backward).
+  std::vector<char> comm_scratch(p.buffers.size(), 0);
+  for (const Task& t : p.tasks)
+    if (t.stream != kCompute)
+      for (int a : t.allocs) comm_scratch[a] = std::find(t.frees.begin(), t.frees.end(), a) != t.frees.end();
+  auto is_window = [&](int b) { return p.buffers[b].role == Role::window || p.buffers[b].disk_offset >= 0 || comm_scratch[b]; };
   auto moved = [&](const std::vector<int>& v) { return std::any_of(v.begin(), v.end(), is_window); };
   auto compute = [&](const Task& t) { return t.stream == kCompute; };
   bool open = false, close = false;
@@ -429,11 +437,13 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
 // recomputable where no recompute rebuilds it) and that only forward tasks (a staged unit's
 // stages) use before the backward side (its recompute or backward) does is offloaded: a write_back
 // on the copy stream after its last forward use frees it, and a reload allocates the same id again
-// before its first backward-side use (its consumer). The consumers in list order (the backward's,
-// so the forward's reverse) are c0, c1, ...; the reload for c_j waits for c_(j-d-1), so at most
-// d + 1 consumers' activations are read ahead. The first d + 1 consumers' buffers stay in memory:
-// their reload would be issued at once, so writing them out would cost I/O and save no peak.
-// Each offloaded buffer gets a 4 KiB-aligned slot of the rank's activations file, in write order.
+// before its first backward-side use (its consumer). A micro-step's consumers in list order (its
+// backward's, so its forward's reverse) are c0, c1, ...; the reload for c_j waits for c_(j-d-1),
+// so at most d + 1 consumers' activations are read ahead. The first d + 1 consumers' buffers stay
+// in memory: their reload would be issued at once, so writing them out would cost I/O and save no
+// peak. Each offloaded buffer gets a 4 KiB-aligned slot of the rank's activations file, in write
+// order within its micro-step; micro-steps share the slots, since one's last reload finishes
+// before its last backward, which the next one's forward, hence its first write, follows.
 void offload_activations(Plan& p) {
   const int n = static_cast<int>(p.tasks.size()), B = static_cast<int>(p.buffers.size());
   for (int i = 0; i < n; ++i)
@@ -455,15 +465,23 @@ void offload_activations(Plan& p) {
     for (int f : t.frees)
       if (activation(f) && (++frees[f] > 1 || !backward_side(t))) fits[f] = 0;  // freed by its forward: not kept
   }
-  std::vector<int> consumers;
+  auto micro_of = [&](int b) { return p.tasks[consumer[b]].micro; };
+  std::vector<std::vector<int>> consumers;  // by micro-step
   for (int b = 0; b < B; ++b) {
     fits[b] = fits[b] && activation(b) && allocs[b] == 1 && frees[b] == 1 && last_forward[b] >= 0 && consumer[b] > last_forward[b];
-    if (fits[b]) consumers.push_back(consumer[b]);
+    if (!fits[b]) continue;
+    if (micro_of(b) >= static_cast<int>(consumers.size())) consumers.resize(micro_of(b) + 1);
+    consumers[micro_of(b)].push_back(consumer[b]);
   }
-  std::sort(consumers.begin(), consumers.end());
-  consumers.erase(std::unique(consumers.begin(), consumers.end()), consumers.end());
+  for (auto& c : consumers) {
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+  }
   const int d = p.config.offload.prefetch;
-  auto rank_of = [&](int b) { return static_cast<int>(std::lower_bound(consumers.begin(), consumers.end(), consumer[b]) - consumers.begin()); };
+  auto rank_of = [&](int b) {
+    const std::vector<int>& c = consumers[micro_of(b)];
+    return static_cast<int>(std::lower_bound(c.begin(), c.end(), consumer[b]) - c.begin());
+  };
   std::vector<int> moved;  // in write order
   for (int b = 0; b < B; ++b)
     if (fits[b] && rank_of(b) > d && p.config.offload.activations_on_disk(p.buffers[b].unit)) moved.push_back(b);
@@ -489,16 +507,16 @@ void offload_activations(Plan& p) {
     while (at + 1 < n && p.tasks[at + 1].stream == copy_stream) ++at;
     after[at].push_back(std::move(t));
   };
-  int64_t offset = 0;
+  std::vector<int64_t> offset(consumers.size(), 0);  // by micro-step
   for (int b : moved) {
     BufferDesc& buf = p.buffers[b];
     buf.bytes = disk_aligned(buf.bytes);  // O_DIRECT moves whole 4 KiB blocks
-    buf.disk_offset = offset;
-    offset += buf.bytes;
+    buf.disk_offset = offset[micro_of(b)];
+    offset[micro_of(b)] += buf.bytes;
     add(Op::write_back, b, last_forward[b]);
-    add(Op::reload, b, consumers[rank_of(b) - d - 1]);
+    add(Op::reload, b, consumers[micro_of(b)][rank_of(b) - d - 1]);
   }
-  p.activation_file_bytes = offset;
+  p.activation_file_bytes = *std::max_element(offset.begin(), offset.end());
 
   // The new list, ids renumbered to list order; a consumer waits for its reloads.
   std::vector<int> new_id(n);
@@ -534,9 +552,6 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
   if (!o.disk()) return;
   const bool train = p.config.mode == PlanConfig::Mode::train;
   if (o.prefetch < 0) throw std::invalid_argument("offload prefetch (--offload-prefetch): must be >= 0, got " + std::to_string(o.prefetch));
-  if (train && p.config.grad_accum > 1)
-    throw std::invalid_argument(o.any() ? "--offload: gradient accumulation (--grad-accum > 1) with offloaded state is not supported yet"
-                                        : "--offload activations: gradient accumulation (--grad-accum > 1) is not supported yet");
   if (p.config.world > 1 && p.config.strategy != Strategy::fsdp)
     throw std::invalid_argument(std::string("--offload: supported on one process or with --strategy fsdp, not yet with ") +
                                 to_string(p.config.strategy) + " at " + std::to_string(p.config.world) + " ranks");

@@ -435,12 +435,17 @@ void placement_text(const Plan& plan, std::ostream& o) {
   }
   if (plan.activation_file_bytes > 0) {  // --offload activations
     int moved = 0;
-    for (const BufferDesc& b : plan.buffers) moved += b.disk_offset >= 0;
+    int64_t moved_bytes = 0;
+    for (const BufferDesc& b : plan.buffers)
+      if (b.disk_offset >= 0) ++moved, moved_bytes += b.bytes;
     const std::streamsize precision = o.precision();
     o << "  offload: " << moved << " saved activation buffers (" << std::fixed << std::setprecision(1)
-      << plan.activation_file_bytes / 1048576.0 << " MiB) written to disk after their forward, read back up to "
+      << moved_bytes / 1048576.0 << " MiB) written to disk after their forward, read back up to "
       << plan.config.offload.prefetch << " backward tasks ahead; activations at most "
-      << plan.max_memory()[MemCategory::activations] / 1048576.0 << " MiB in memory\n";
+      << plan.max_memory()[MemCategory::activations] / 1048576.0 << " MiB in memory";
+    if (moved_bytes > plan.activation_file_bytes)
+      o << "; the micro-steps take turns in a file of " << plan.activation_file_bytes / 1048576.0 << " MiB";
+    o << "\n";
     o.unsetf(std::ios::floatfield);
     o.precision(precision);
   }

@@ -281,6 +281,8 @@ inline constexpr int64_t kUnrolledMicroSteps = 4;
 // on run k of their counterparts where it waits on micro-step 1 (`counterpart`, per task id: the
 // repeated task in the same place of its stream, for a task of micro-step 1; else -1). The
 // repeated tasks are consecutive on each stream, and no task waits on one two micro-steps back.
+// A plan with the disk tier (OffloadConfig::disk) lists every micro-step: its reloads run ahead
+// across micro-step boundaries, so its micro-steps are not alike on the copy stream.
 struct Repeat {
   int micro = -1;  // -1: nothing repeats
   int64_t times = 1;

@@ -856,7 +856,7 @@ Plan Builder::build() {
   }
   keep_units(cfg_.keep_gathered);
   keep_parts();
-  const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps;
+  const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps && !cfg_.offload.disk();
   last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.

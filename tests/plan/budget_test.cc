@@ -1,8 +1,9 @@
 // --memory-budget's placement pass (plan/budget.cc): the peak stays within a budget between the
-// full-offload peak and the resident one, a larger budget keeps at least as much resident, a
-// budget the resident plan fits changes nothing (even where offload is refused), an impossible one
-// is refused with one line giving the smallest peak reachable; saved activations go after the
-// gradients and before the parameters, the first forward's first; the flag's sizes parse.
+// full-offload peak and the resident one (with gradient accumulation too), a larger budget keeps at
+// least as much resident, a budget the resident plan fits changes nothing (even where offload is
+// refused), an impossible one is refused with one line giving the smallest peak reachable; saved
+// activations go after the gradients and before the parameters, the first forward's first; the
+// flag's sizes parse.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -31,9 +32,13 @@ Plan full_offload(const model::ModelDesc& d, PlanConfig c, bool activations = tr
   return build_plan(d, c);
 }
 
+// With gradients accumulated over 1, 3 or 6 micro-steps (the last past kUnrolledMicroSteps).
 TEST(Budget, PeakStaysWithinABudgetBetweenFullOffloadAndResident) {
   const model::ModelDesc d = small();
+  for (int64_t accum : {1, 3, 6}) {
+  SCOPED_TRACE("grad-accum " + std::to_string(accum));
   PlanConfig c = one_process();
+  c.grad_accum = accum;
   const Plan resident = build_plan(d, c), full = full_offload(d, c);
   ASSERT_LT(peak(full), peak(resident));
   for (double f : {0.2, 0.5, 0.8}) {
@@ -54,10 +59,11 @@ TEST(Budget, PeakStaysWithinABudgetBetweenFullOffloadAndResident) {
     ASSERT_EQ(p.config.offload.units.size(), d.units.size());
     const Plan again = build_plan(d, p.config);
     EXPECT_EQ(peak(again), peak(p));
-    std::printf("small B2 T64: resident peak %lld, full offload %lld, budget %lld -> peak %lld (resident state %lld)\n",
-                static_cast<long long>(peak(resident)), static_cast<long long>(peak(full)),
+    std::printf("small B2 T64 grad-accum %lld: resident peak %lld, full offload %lld, budget %lld -> peak %lld (resident state %lld)\n",
+                static_cast<long long>(accum), static_cast<long long>(peak(resident)), static_cast<long long>(peak(full)),
                 static_cast<long long>(c.memory_budget), static_cast<long long>(peak(p)),
                 static_cast<long long>(resident_state(p)));
+  }
   }
 }
 
@@ -84,24 +90,21 @@ TEST(Budget, ABudgetTheResidentPlanFitsChangesNothingEvenWhereOffloadIsRefused) 
   EXPECT_EQ(peak(p), peak(resident));
   EXPECT_EQ(p.tasks.size(), resident.tasks.size());
   EXPECT_TRUE(p.windows.empty());
-  // ddp at 2 ranks and gradient accumulation: the disk tier refuses them, a fitting budget does not.
-  for (int variant = 0; variant < 2; ++variant) {
-    PlanConfig v = one_process();
-    if (variant == 0) v.world = 2, v.strategy = Strategy::ddp;
-    else v.grad_accum = 2;
-    const int64_t fits = peak(build_plan(d, v));
-    v.memory_budget = fits;
-    EXPECT_NO_THROW(build_plan(d, v)) << variant;
-    v.memory_budget = fits - 1;
-    try {
-      build_plan(d, v);
-      ADD_FAILURE() << "variant " << variant << ": a budget under the resident peak placed state on disk";
-    } catch (const std::invalid_argument& e) {
-      const std::string what = e.what();
-      EXPECT_EQ(what.rfind("--memory-budget ", 0), 0u) << what;
-      EXPECT_NE(what.find("--offload"), std::string::npos) << what;
-      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
-    }
+  // ddp at 2 ranks: the disk tier refuses it, a fitting budget does not.
+  PlanConfig v = one_process();
+  v.world = 2, v.strategy = Strategy::ddp;
+  const int64_t fits = peak(build_plan(d, v));
+  v.memory_budget = fits;
+  EXPECT_NO_THROW(build_plan(d, v));
+  v.memory_budget = fits - 1;
+  try {
+    build_plan(d, v);
+    ADD_FAILURE() << "a budget under the resident peak placed ddp's state on disk";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("--memory-budget ", 0), 0u) << what;
+    EXPECT_NE(what.find("--offload"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
   }
 }
 

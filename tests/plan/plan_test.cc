@@ -192,15 +192,21 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
   }
   // Offloaded saved activations (--offload activations): written back after every forward use,
   // then reloaded before every backward-side use, in any order the deps allow; and their slots of
-  // the activations file are 4 KiB-aligned and disjoint.
-  int64_t slots = 0;
+  // the activations file are 4 KiB-aligned, and two that share bytes (micro-steps take turns) are
+  // never on disk together: one's reload precedes the other's write in any such order.
+  int64_t file_end = 0;
+  struct Slot {
+    const BufferDesc* b;
+    int write_back, reload;
+  };
+  std::vector<Slot> on_disk;
   for (const BufferDesc& b : p.buffers) {
     if (b.disk_offset < 0) continue;
     EXPECT_TRUE(b.role == Role::saved || b.role == Role::recomputable) << what << ": " << b.name;
     EXPECT_EQ(b.disk_offset % 4096, 0) << what << ": " << b.name;
     EXPECT_EQ(b.bytes % 4096, 0) << what << ": " << b.name;
     EXPECT_LE(b.disk_offset + b.bytes, p.activation_file_bytes) << what << ": " << b.name;
-    slots += b.bytes;
+    file_end = std::max(file_end, b.disk_offset + b.bytes);
     int wb = -1, rl = -1;
     for (const Task& t : p.tasks) {
       if (t.io.window != b.id) continue;
@@ -209,6 +215,7 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     }
     ASSERT_TRUE(wb >= 0 && rl >= 0) << what << ": " << b.name << " has no write_back and reload";
     EXPECT_TRUE(p.depends_on(rl, wb)) << what << ": " << b.name << " reloaded before it is written";
+    on_disk.push_back({&b, wb, rl});
     for (const Task& t : p.tasks) {
       if (t.io.saved != b.id && t.io.recomputable != b.id) continue;
       if (t.op == Op::forward) {
@@ -219,7 +226,14 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
       }
     }
   }
-  EXPECT_EQ(slots, p.activation_file_bytes) << what;
+  EXPECT_EQ(file_end, p.activation_file_bytes) << what;
+  for (size_t i = 0; i < on_disk.size(); ++i)
+    for (size_t j = i + 1; j < on_disk.size(); ++j) {
+      const Slot &x = on_disk[i], &y = on_disk[j];
+      if (x.b->disk_offset >= y.b->disk_offset + y.b->bytes || y.b->disk_offset >= x.b->disk_offset + x.b->bytes) continue;
+      EXPECT_TRUE(p.depends_on(y.write_back, x.reload) || p.depends_on(x.write_back, y.reload))
+          << what << ": " << x.b->name << " and " << y.b->name << " share bytes of the activations file and may be there together";
+    }
 }
 
 // Every family (tied and untied heads; MoE with and without expert parallelism), every strategy, `accums` micro-step counts, gather
@@ -355,7 +369,7 @@ TEST(Plan, ArenaKeepsBuffersAliveTogetherApartInAnyScheduleTheDepsAllow) {
     expect_arena_keeps_live_buffers_apart(d, build_plan(d, c), what);
     if (PlanConfig e = c; reduces_each_micro_step(e))
       expect_arena_keeps_live_buffers_apart(d, build_plan(d, e), what + " reduce each micro-step");
-    if (c.strategy == Strategy::fsdp && c.grad_accum == 1) {  // the disk tier's windows and activation slots
+    if (c.strategy == Strategy::fsdp) {  // the disk tier's windows and activation slots, micro-steps unrolled
       c.offload.kinds = {true, true, true};
       c.offload.activations = true;
       expect_arena_keeps_live_buffers_apart(d, build_plan(d, c), what + " offload");
@@ -387,9 +401,10 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
 // The offload pass: every use of offloaded state finds its window loaded (by a reload, or the
 // zero-filled first window of a step's gradients) in any schedule the deps allow, and no window is
 // alive twice, for every family, one process and fsdp, prefetch depths, recompute modes, gather
-// buckets and partly kept units, in training and forward-only plans.
+// buckets and partly kept units, micro-step counts (gradients accumulated whole or reduced each
+// micro-step; past kUnrolledMicroSteps, every micro-step listed), in training and forward-only plans.
 TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
-  each_training_config({1}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+  each_training_config({1, 2, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
     if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
     if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
     if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
@@ -402,8 +417,10 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
       PlanConfig pipelined = c;  // the sums of squares in the backward, the updates after it
       pipelined.pipeline_optimizer = true;
       expect_no_buffer_alive_twice(d, pipelined, w + " pipelined");
+      if (PlanConfig e = c; reduces_each_micro_step(e)) expect_no_buffer_alive_twice(d, e, w + " reduce each micro-step");
       const Plan p = build_plan(d, c);
       EXPECT_EQ(p.static_memory.params + p.static_memory.grads + p.static_memory.optimizer, 0) << w;
+      EXPECT_EQ(p.repeat.micro, -1) << w << ": the offload pass sees every micro-step";
       // Windows come and go only with the compute stream (so the walk is the allocator's figure),
       // in training and forward-only plans (whose first reloads a window_sync opens).
       auto only_compute = [&](const Plan& q, const std::string& what) {
@@ -451,7 +468,7 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
 // the first prefetch + 1 consumers every block's saved activations are.
 TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
   int offloaded = 0;
-  each_training_config({1}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
+  each_training_config({1, 2, 6}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
     if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
     if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
     if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
@@ -489,6 +506,13 @@ TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
         } else if (c.recompute == model::Recompute::full) {
           EXPECT_EQ(p.activation_file_bytes, 0) << w << ": full recompute keeps nothing to offload";
         }
+        // Every micro-step writes out the same bytes, into the same slots: the file is one
+        // micro-step's.
+        std::vector<int64_t> written(c.grad_accum, 0);
+        for (const Task& t : p.tasks)
+          if (t.op == Op::write_back && p.buffers[t.io.window].disk_offset >= 0) written[t.micro] += p.buffers[t.io.window].bytes;
+        for (int64_t m = 0; m < c.grad_accum; ++m) EXPECT_EQ(written[m], p.activation_file_bytes) << w << " micro-step " << m;
+        if (PlanConfig e = c; reduces_each_micro_step(e)) expect_no_buffer_alive_twice(d, e, w + " reduce each micro-step");
         PlanConfig loss = c;  // forward-only plans keep no activations: nothing moves
         loss.mode = PlanConfig::Mode::loss;
         loss.recompute = model::Recompute::none;
@@ -501,7 +525,8 @@ TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
 // `small` B8 T256: the activations' peak with --offload activations falls to what prefetch + 2
 // blocks' saved activations (plus what is never offloaded) take, well under the resident one;
 // the other categories are untouched, and with every kind of state on disk too nothing else
-// changes; grad-accum > 1 is refused with one line.
+// changes; with gradients accumulated over micro-steps the peak and the file stay one
+// micro-step's.
 TEST(Plan, OffloadedActivationsPeakAtAboutPrefetchPlusTwoBlocks) {
   const model::ModelDesc d = small();
   PlanConfig c;
@@ -532,13 +557,13 @@ TEST(Plan, OffloadedActivationsPeakAtAboutPrefetchPlusTwoBlocks) {
   c.offload.kinds = {true, true, true};
   const MemSnapshot all = build_plan(d, c).max_memory();
   EXPECT_EQ(all[MemCategory::activations], off[MemCategory::activations]);
-  c.grad_accum = 2;
   c.offload.kinds = {false, false, false};
-  try {
-    build_plan(d, c);
-    FAIL() << "grad-accum 2 with --offload activations";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--offload activations: gradient accumulation"), std::string::npos) << e.what();
+  for (int64_t accum : {2, 6}) {
+    c.grad_accum = accum;
+    const Plan a = build_plan(d, c);
+    EXPECT_EQ(a.max_memory()[MemCategory::activations], off[MemCategory::activations]) << accum;
+    EXPECT_EQ(a.activation_file_bytes, p.activation_file_bytes) << accum;
+    EXPECT_NE(a.to_text(d).find("the micro-steps take turns in a file of"), std::string::npos) << accum;
   }
 }
 
@@ -647,9 +672,6 @@ TEST(Plan, OffloadRefusesWhatItCannotDoYetWithOneLine) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("--offload: supported on one process or with --strategy fsdp"), std::string::npos) << e.what();
   }
-  c.strategy = Strategy::fsdp;
-  c.grad_accum = 2;
-  EXPECT_THROW(build_plan(small(), c), std::invalid_argument);
 }
 
 // The pipeline pass: each unit's update waits for every task writing its gradients, and at least

@@ -71,6 +71,17 @@ plan::PlanConfig runs_plan_config(int ranks) {
   return pc;
 }
 
+// The step-5 checkpoint files of runs `a` and `b` (of the suite's directory) are equal byte for byte.
+void expect_same_checkpoints(const std::string& a, const std::string& b, int ranks, const std::string& what) {
+  for (int r = 0; r < ranks; ++r) {
+    char name[64];
+    std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, ranks);
+    const fs::path x = OffloadSlow::runs_.dir / a / "ckpt" / "step_5" / name, y = OffloadSlow::runs_.dir / b / "ckpt" / "step_5" / name;
+    ASSERT_TRUE(fs::exists(y)) << y;
+    EXPECT_TRUE(OffloadSlow::slurp(x) == OffloadSlow::slurp(y)) << what << ": " << name << " differs";
+  }
+}
+
 // Resident and offloaded runs, 5 steps of tiny: equal losses (exactly), equal checkpoint files
 // (byte for byte), the offloaded kinds absent from memory between steps and exactly the plan's
 // peak during a step, and the offload directory empty afterwards.
@@ -87,13 +98,7 @@ void bitwise_against_resident(int ranks) {
   const auto want = step_losses(dir / res / "metrics.jsonl"), got = step_losses(dir / off / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
   EXPECT_EQ(got, want);  // exact
-  for (int r = 0; r < ranks; ++r) {
-    char name[64];
-    std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, ranks);
-    const fs::path x = dir / res / "ckpt" / "step_5" / name, y = dir / off / "ckpt" / "step_5" / name;
-    ASSERT_TRUE(fs::exists(y)) << y;
-    EXPECT_TRUE(OffloadSlow::slurp(x) == OffloadSlow::slurp(y)) << name << " differs";
-  }
+  expect_same_checkpoints(res, off, ranks, "--offload params,grads,optimizer");
 
   // Memory: the plan's figures, with the offloaded kinds' static bytes gone.
   plan::PlanConfig pc = runs_plan_config(ranks);
@@ -154,13 +159,7 @@ void activations_against_resident(int ranks) {
     const Result b = run(off, " --offload " + kinds + " --offload-prefetch 0");
     ASSERT_EQ(b.code, 0) << b.out;
     EXPECT_EQ(step_losses(dir / off / "metrics.jsonl"), want) << kinds;  // exact
-    for (int r = 0; r < ranks; ++r) {
-      char name[64];
-      std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, ranks);
-      const fs::path x = dir / res / "ckpt" / "step_5" / name, y = dir / off / "ckpt" / "step_5" / name;
-      ASSERT_TRUE(fs::exists(y)) << y;
-      EXPECT_TRUE(OffloadSlow::slurp(x) == OffloadSlow::slurp(y)) << kinds << ": " << name << " differs";
-    }
+    expect_same_checkpoints(res, off, ranks, kinds);
     plan::PlanConfig pc = runs_plan_config(ranks);
     const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
     const MemSnapshot resident = plan::build_plan(desc, pc).max_memory();
@@ -358,6 +357,85 @@ TEST(OffloadHeads, APartKeptInMemoryAndTheRestOnDiskIsBitwiseTheResidentRun) {
 
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunOnOneProcess) { activations_against_resident(1); }
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) { activations_against_resident(2); }
+
+// Gradients accumulated over micro-steps with everything on disk (state, and saved activations read
+// ahead 0): bitwise the resident run with the same accumulation (losses and checkpoints), and the
+// allocator's peak, in all and of every category, the plan's exactly, every step. One process over 5
+// micro-steps (past kUnrolledMicroSteps: the offload pass lists them all); fsdp at 2 ranks over 3,
+// gradients accumulated whole and once a step reduced, and reduced every micro-step into the
+// held shard on disk with the pipelined optimizer. The offload files are gone afterwards.
+void accumulation_against_resident(int ranks, int64_t accum, const std::string& extra) {
+  const std::string flags = (ranks > 1 ? " --strategy fsdp" : "") + std::string(" --grad-accum ") + std::to_string(accum) + extra;
+  auto run = [&](const std::string& name, const std::string& more) {
+    const std::string a = OffloadSlow::runs_.args(name, 5, 2) + flags + more;
+    return ranks == 1 ? shardlm(a) : mpirun(ranks, a);
+  };
+  const std::string tag = std::to_string(ranks) + "_" + std::to_string(accum) + (extra.empty() ? "" : "_x");
+  const std::string res = "accum_resident_" + tag, off = "accum_offloaded_" + tag;
+  const Result a = run(res, "");
+  ASSERT_EQ(a.code, 0) << a.out;
+  const Result b = run(off, " --offload params,grads,optimizer,activations --offload-prefetch 0");
+  ASSERT_EQ(b.code, 0) << b.out;
+  const fs::path dir = OffloadSlow::runs_.dir;
+  const auto want = step_losses(dir / res / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 5u);
+  EXPECT_EQ(step_losses(dir / off / "metrics.jsonl"), want) << flags;  // exact
+  expect_same_checkpoints(res, off, ranks, flags);
+  plan::PlanConfig pc = runs_plan_config(ranks);
+  pc.grad_accum = accum;
+  pc.reduce_each_micro_step = extra.find("--reduce-each-micro-step") != std::string::npos;
+  pc.pipeline_optimizer = extra.find("--pipeline-optimizer") != std::string::npos;
+  pc.offload.kinds = {true, true, true};
+  pc.offload.activations = true;
+  pc.offload.prefetch = 0;
+  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
+  const plan::Plan p = plan::build_plan(desc, pc);
+  ASSERT_GT(p.activation_file_bytes, 0) << "no saved activations offloaded";
+  const MemSnapshot planned = p.max_memory();
+  const int64_t peak = p.peak_memory().total;
+  int steps = 0;
+  for (const auto& row : testing::read_metrics(dir / off / "metrics.jsonl")) {
+    if (!row.contains("loss")) continue;
+    ++steps;
+    for (MemCategory k : {MemCategory::params, MemCategory::grads, MemCategory::optimizer, MemCategory::activations})
+      EXPECT_EQ(row["mem_max"][to_string(k)].get<int64_t>(), planned[k]) << flags << " " << to_string(k) << " step " << row["step"];
+    // Whenever the comm tasks run (a reduce-scatter into a gradient window waits for its reload).
+    EXPECT_EQ(row["mem"]["total"].get<int64_t>(), peak) << flags << " step " << row["step"];
+  }
+  EXPECT_EQ(steps, 5);
+  const fs::path files = dir / off / "offload";
+  EXPECT_TRUE(!fs::exists(files) || fs::is_empty(files)) << "offload files left in " << files;
+}
+
+TEST_F(OffloadSlow, AccumulatedMicroStepsWithEverythingOnDiskAreBitwiseTheResidentRunOnOneProcess) {
+  accumulation_against_resident(1, 5, "");
+}
+TEST_F(OffloadSlow, AccumulatedMicroStepsWithEverythingOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) {
+  accumulation_against_resident(2, 3, "");
+  accumulation_against_resident(2, 3, " --reduce-each-micro-step --pipeline-optimizer");
+}
+
+// A reduce-scatter that adds into a gradient window waits for that window's reload, so it runs when
+// the disk lets it; its scratch (the communicator's working memory) still counts where the plan
+// says, and the allocator's peak is the plan's: `small` (whose reduce-scatters take MPI scratch;
+// tiny's are too small to) at 2 ranks over 3 micro-steps, gradients on disk.
+TEST_F(OffloadSlow, AReduceScatterWaitingForItsGradientWindowKeepsThePlansPeak) {
+  const std::string flags = " --strategy fsdp --grad-accum 3 --reduce-each-micro-step --offload grads";
+  const Result r = mpirun(2, runs_.args("late_scatter", 2, 2, "small") + flags);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const Result shown = shardlm("explain --ranks 2 --model small --vocab 256 --batch 2 --seq 32 --threads 1" + flags);
+  ASSERT_EQ(shown.code, 0) << shown.out;
+  const size_t at = shown.out.find("total at peak: ");
+  ASSERT_NE(at, std::string::npos) << shown.out;
+  const int64_t planned = std::stoll(shown.out.substr(at + 15));
+  int steps = 0;
+  for (const auto& row : testing::read_metrics(dir_ / "late_scatter" / "metrics.jsonl")) {
+    if (!row.contains("loss")) continue;
+    ++steps;
+    EXPECT_EQ(row["mem"]["total"].get<int64_t>(), planned) << "step " << row["step"];
+  }
+  EXPECT_EQ(steps, 2);
+}
 
 // Any subset of the kinds, other families (untied LLaMA, a MoE block borrowing its experts) and
 // recompute modes: the same losses as resident, exactly (one process; 4 steps).

@@ -1365,7 +1365,9 @@ TEST(Planner, OffloadPrefetchAutoIsTheFastestDepth) {
     } catch (const std::invalid_argument&) {
     }
     EXPECT_EQ(chosen.step_ms[d], ms) << d;
-    if (ms >= 0) EXPECT_LE(chosen.step_ms[chosen.depth], ms) << d;
+    if (ms >= 0) {
+      EXPECT_LE(chosen.step_ms[chosen.depth], ms) << d;
+    }
   }
   std::printf("small B2 T64 under %lld bytes: read-ahead %d chosen; predicted", static_cast<long long>(c.memory_budget), chosen.depth);
   for (double ms : chosen.step_ms) std::printf(" %.1f", ms);
