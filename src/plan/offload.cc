@@ -552,9 +552,6 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
   if (!o.disk()) return;
   const bool train = p.config.mode == PlanConfig::Mode::train;
   if (o.prefetch < 0) throw std::invalid_argument("offload prefetch (--offload-prefetch): must be >= 0, got " + std::to_string(o.prefetch));
-  if (p.config.world > 1 && p.config.strategy != Strategy::fsdp)
-    throw std::invalid_argument(std::string("--offload: supported on one process or with --strategy fsdp, not yet with ") +
-                                to_string(p.config.strategy) + " at " + std::to_string(p.config.world) + " ranks");
   if (o.any()) offload_state(p, desc);
   if (o.activations && train) offload_activations(p);
   settle_windows(p);

@@ -659,12 +659,14 @@ void Builder::reduce_grad(int u, int producer, int m) {
   }
   // DDP and ZeRO-1: units join a bucket in the order their gradients become final; a bucket of
   // consecutive units is one contiguous range of the flat gradient buffer, reduced over one group:
-  // a sliced unit is a bucket of its own.
-  if (slices(u) > 1 && bucket_last_ >= 0) close_bucket(producer);
+  // a sliced unit is a bucket of its own, and so is a unit whose gradients live on disk (--offload:
+  // they are in its window, not in the flat buffer).
+  const bool alone = slices(u) > 1 || cfg_.offload.on_disk(StateKind::grads, u);
+  if (alone && bucket_last_ >= 0) close_bucket(producer);
   bucket_first_ = u;
   if (bucket_last_ < 0) bucket_last_ = u;
   bucket_bytes_ += unit_bytes(u, cfg_.reduce_bytes);
-  if (bucket_bytes_ >= cfg_.bucket_mb * 1048576.0 || u == 0 || slices(u) > 1) close_bucket(producer);
+  if (bucket_bytes_ >= cfg_.bucket_mb * 1048576.0 || u == 0 || alone) close_bucket(producer);
 }
 
 void Builder::close_bucket(int producer) {

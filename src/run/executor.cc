@@ -874,9 +874,9 @@ void Executor::all_reduce(const Task& t, Run& r) {
   const std::string lbl = label(t, r.step);
   float* buf;
   int64_t n;
-  if (t.first_unit >= 0) {  // a bucket: consecutive units, one contiguous range
+  if (t.first_unit >= 0) {  // a bucket: consecutive units in memory, one contiguous range; or one unit's window
     const int64_t begin = plan_.held_offset(StateKind::grads, t.first_unit);
-    buf = grads_.f32() + begin;
+    buf = held(StateIndex::grads, t.first_unit, &r);
     n = plan_.held_offset(StateKind::grads, t.last_unit) + plan_.held_elems(StateKind::grads, t.last_unit) - begin;
   } else {  // hybrid: this rank's gradient shard across the replicas
     const Shard s = shard_of(StateKind::grads, t.unit);

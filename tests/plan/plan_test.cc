@@ -369,7 +369,7 @@ TEST(Plan, ArenaKeepsBuffersAliveTogetherApartInAnyScheduleTheDepsAllow) {
     expect_arena_keeps_live_buffers_apart(d, build_plan(d, c), what);
     if (PlanConfig e = c; reduces_each_micro_step(e))
       expect_arena_keeps_live_buffers_apart(d, build_plan(d, e), what + " reduce each micro-step");
-    if (c.strategy == Strategy::fsdp) {  // the disk tier's windows and activation slots, micro-steps unrolled
+    if (c.max_gathers_in_flight == 1) {  // the disk tier's windows and activation slots, micro-steps unrolled
       c.offload.kinds = {true, true, true};
       c.offload.activations = true;
       expect_arena_keeps_live_buffers_apart(d, build_plan(d, c), what + " offload");
@@ -400,14 +400,14 @@ TEST(Plan, ABufferIsNeverAliveTwiceInAnyScheduleTheDepsAllow) {
 
 // The offload pass: every use of offloaded state finds its window loaded (by a reload, or the
 // zero-filled first window of a step's gradients) in any schedule the deps allow, and no window is
-// alive twice, for every family, one process and fsdp, prefetch depths, recompute modes, gather
-// buckets and partly kept units, micro-step counts (gradients accumulated whole or reduced each
-// micro-step; past kUnrolledMicroSteps, every micro-step listed), in training and forward-only plans.
+// alive twice, for every family, strategy (and one process), prefetch depths, recompute modes,
+// gather buckets and partly kept units, micro-step counts (gradients accumulated whole or reduced
+// each micro-step; past kUnrolledMicroSteps, every micro-step listed), in training and forward-only
+// plans. DDP and ZeRO-1 reduce a unit whose gradients are on disk as a bucket of its own.
 TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
   each_training_config({1, 2, 6}, [](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
-    if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
     if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
-    if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
+    if (c.strategy == Strategy::zero1 && c.grad_accum == 1) c.world = 1, c.ep = 1;  // one process (runs as ddp)
     for (int depth : {0, 1, 3}) {
       SCOPED_TRACE(what + " offload prefetch " + std::to_string(depth));
       c.offload.kinds = {true, true, true};
@@ -455,6 +455,11 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
       for (int k = 0; k < kNumStateKinds; ++k)
         if (p.placed(StateKind(k), u).parts > 0) {
           EXPECT_EQ(p.on_disk(StateKind(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k; }
+    // A gradient bucket is a range of the flat buffer in memory, or one unit's window.
+    for (const Task& t : p.tasks)
+      if (t.op == Op::all_reduce && t.first_unit >= 0)
+        for (int u = t.first_unit; u <= t.last_unit; ++u)
+          if (p.on_disk(StateKind::grads, u)) { EXPECT_EQ(t.first_unit, t.last_unit) << what << ": " << t.name(&d); }
   });
 }
 
@@ -469,9 +474,8 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
 TEST(Plan, OffloadedActivationsAreLoadedForEveryUse) {
   int offloaded = 0;
   each_training_config({1, 2, 6}, [&](const model::ModelDesc& d, PlanConfig c, const std::string& what) {
-    if (c.strategy != Strategy::fsdp && c.strategy != Strategy::ddp) return;
     if (c.max_gathers_in_flight != 2 || c.prefetch_forward != 1) return;  // orthogonal to offload; keeps it quick
-    if (c.strategy == Strategy::ddp) c.world = 1, c.ep = 1;
+    if (c.strategy == Strategy::zero1 && c.grad_accum == 1) c.world = 1, c.ep = 1;  // one process (runs as ddp)
     for (int depth : {0, 1, 3})
       for (bool state : {false, true}) {
         const std::string w = what + " offload activations" + (state ? ",state" : "") + " prefetch " + std::to_string(depth);
@@ -661,16 +665,15 @@ TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
   }
 }
 
-TEST(Plan, OffloadRefusesWhatItCannotDoYetWithOneLine) {
+TEST(Plan, OffloadRefusesANegativeReadAheadWithOneLine) {
   PlanConfig c;
   c.offload.kinds = {true, true, true};
-  c.world = 2;
-  c.strategy = Strategy::ddp;
+  c.offload.prefetch = -1;
   try {
     build_plan(small(), c);
-    FAIL() << "ddp at 2 ranks with --offload";
+    FAIL() << "--offload-prefetch -1";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--offload: supported on one process or with --strategy fsdp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--offload-prefetch"), std::string::npos) << e.what();
   }
 }
 

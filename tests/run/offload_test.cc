@@ -1,5 +1,6 @@
 // The disk tier (--offload) with real runs: parameters, gradients and AdamW moments all in files
-// give bitwise the resident run's losses and checkpoints (one process, and fsdp at 2 ranks), hold
+// give bitwise the resident run's losses and checkpoints (one process, and every strategy at 2-4
+// ranks, with gradient accumulation too), hold
 // none of that state in memory between steps and exactly the plan's during one, and leave no
 // files behind. A file truncated or deleted under the run, a write the filesystem refuses, or a
 // read that fails stops the run with one line naming the file, the last checkpoint intact; a run
@@ -16,7 +17,9 @@
 #include <fstream>
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "comm/options.h"
@@ -358,61 +361,80 @@ TEST(OffloadHeads, APartKeptInMemoryAndTheRestOnDiskIsBitwiseTheResidentRun) {
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunOnOneProcess) { activations_against_resident(1); }
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) { activations_against_resident(2); }
 
-// Gradients accumulated over micro-steps with everything on disk (state, and saved activations read
-// ahead 0): bitwise the resident run with the same accumulation (losses and checkpoints), and the
-// allocator's peak, in all and of every category, the plan's exactly, every step. One process over 5
-// micro-steps (past kUnrolledMicroSteps: the offload pass lists them all); fsdp at 2 ranks over 3,
-// gradients accumulated whole and once a step reduced, and reduced every micro-step into the
-// held shard on disk with the pipelined optimizer. The offload files are gone afterwards.
-void accumulation_against_resident(int ranks, int64_t accum, const std::string& extra) {
-  const std::string flags = (ranks > 1 ? " --strategy fsdp" : "") + std::string(" --grad-accum ") + std::to_string(accum) + extra;
+// What `explain` says of the memory of a plan (the suite's model, batch and vocabulary; `flags`
+// name the rest): each category's own peak, and the total at the peak.
+struct Explained {
+  std::map<std::string, int64_t> own_peak;
+  int64_t total = -1;
+};
+
+Explained explained_memory(int ranks, const std::string& model, const std::string& flags) {
+  const Result r = shardlm("explain --ranks " + std::to_string(ranks) + " --model " + model +
+                           " --vocab 256 --batch 2 --seq 32 --threads 1" + flags);
+  EXPECT_EQ(r.code, 0) << r.out;
+  Explained e;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (const size_t at = line.find("total at peak: "); at != std::string::npos) e.total = std::stoll(line.substr(at + 15));
+    const size_t colon = line.find(": static "), own = line.find("own peak ");
+    if (colon != std::string::npos && own != std::string::npos)
+      e.own_peak[line.substr(line.find_first_not_of(' '), colon - line.find_first_not_of(' '))] = std::stoll(line.substr(own + 9));
+  }
+  EXPECT_GT(e.total, 0) << r.out;
+  return e;
+}
+
+// Everything on disk (state, and saved activations read ahead 0) under `flags` (a strategy,
+// gradient accumulation): bitwise the resident run (losses and checkpoints), the allocator's peak,
+// in all and of every category, the plan's exactly, every step, and the offload files gone.
+void everything_on_disk_against_resident(int ranks, const std::string& flags, const std::string& tag) {
   auto run = [&](const std::string& name, const std::string& more) {
     const std::string a = OffloadSlow::runs_.args(name, 5, 2) + flags + more;
     return ranks == 1 ? shardlm(a) : mpirun(ranks, a);
   };
-  const std::string tag = std::to_string(ranks) + "_" + std::to_string(accum) + (extra.empty() ? "" : "_x");
-  const std::string res = "accum_resident_" + tag, off = "accum_offloaded_" + tag;
+  const std::string all = " --offload params,grads,optimizer,activations --offload-prefetch 0";
+  const std::string res = "all_resident_" + tag, off = "all_offloaded_" + tag;
   const Result a = run(res, "");
   ASSERT_EQ(a.code, 0) << a.out;
-  const Result b = run(off, " --offload params,grads,optimizer,activations --offload-prefetch 0");
+  const Result b = run(off, all);
   ASSERT_EQ(b.code, 0) << b.out;
   const fs::path dir = OffloadSlow::runs_.dir;
   const auto want = step_losses(dir / res / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
   EXPECT_EQ(step_losses(dir / off / "metrics.jsonl"), want) << flags;  // exact
   expect_same_checkpoints(res, off, ranks, flags);
-  plan::PlanConfig pc = runs_plan_config(ranks);
-  pc.grad_accum = accum;
-  pc.reduce_each_micro_step = extra.find("--reduce-each-micro-step") != std::string::npos;
-  pc.pipeline_optimizer = extra.find("--pipeline-optimizer") != std::string::npos;
-  pc.offload.kinds = {true, true, true};
-  pc.offload.activations = true;
-  pc.offload.prefetch = 0;
-  const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
-  const plan::Plan p = plan::build_plan(desc, pc);
-  ASSERT_GT(p.activation_file_bytes, 0) << "no saved activations offloaded";
-  const MemSnapshot planned = p.max_memory();
-  const int64_t peak = p.peak_memory().total;
+  const Explained planned = explained_memory(ranks, "tiny", flags + all);
   int steps = 0;
   for (const auto& row : testing::read_metrics(dir / off / "metrics.jsonl")) {
     if (!row.contains("loss")) continue;
     ++steps;
-    for (MemCategory k : {MemCategory::params, MemCategory::grads, MemCategory::optimizer, MemCategory::activations})
-      EXPECT_EQ(row["mem_max"][to_string(k)].get<int64_t>(), planned[k]) << flags << " " << to_string(k) << " step " << row["step"];
-    // Whenever the comm tasks run (a reduce-scatter into a gradient window waits for its reload).
-    EXPECT_EQ(row["mem"]["total"].get<int64_t>(), peak) << flags << " step " << row["step"];
+    for (const char* k : {"params", "grads", "optimizer", "activations", "comm"})
+      EXPECT_EQ(row["mem_max"][k].get<int64_t>(), planned.own_peak.at(k)) << flags << " " << k << " step " << row["step"];
+    EXPECT_EQ(row["mem"]["total"].get<int64_t>(), planned.total) << flags << " step " << row["step"];
   }
   EXPECT_EQ(steps, 5);
   const fs::path files = dir / off / "offload";
   EXPECT_TRUE(!fs::exists(files) || fs::is_empty(files)) << "offload files left in " << files;
 }
 
-TEST_F(OffloadSlow, AccumulatedMicroStepsWithEverythingOnDiskAreBitwiseTheResidentRunOnOneProcess) {
-  accumulation_against_resident(1, 5, "");
+// Gradients accumulated over micro-steps: over 5 on one process (past kUnrolledMicroSteps: the
+// offload pass lists them all); over 3 under fsdp at 2 ranks, gradients accumulated whole and
+// reduced once a step, and reduced every micro-step into the held shard on disk with the pipelined
+// optimizer.
+TEST_F(OffloadSlow, AccumulatedMicroStepsWithEverythingOnDiskAreBitwiseTheResidentRun) {
+  everything_on_disk_against_resident(1, " --grad-accum 5", "accum_1");
+  everything_on_disk_against_resident(2, " --strategy fsdp --grad-accum 3", "accum_fsdp");
+  everything_on_disk_against_resident(2, " --strategy fsdp --grad-accum 3 --reduce-each-micro-step --pipeline-optimizer",
+                                      "accum_fsdp_each");
 }
-TEST_F(OffloadSlow, AccumulatedMicroStepsWithEverythingOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) {
-  accumulation_against_resident(2, 3, "");
-  accumulation_against_resident(2, 3, " --reduce-each-micro-step --pipeline-optimizer");
+
+// The other strategies: ddp and zero1 (a unit whose gradients are on disk is a bucket of its own),
+// zero2 over 2 micro-steps reduced each, at 3 ranks; hybrid at 4 ranks in shard groups of 2.
+TEST_F(OffloadSlow, EveryStrategyWithEverythingOnDiskIsBitwiseTheResidentRun) {
+  everything_on_disk_against_resident(3, " --strategy ddp --bucket-mb 0.05", "ddp");
+  everything_on_disk_against_resident(3, " --strategy zero1", "zero1");
+  everything_on_disk_against_resident(3, " --strategy zero2 --grad-accum 2 --reduce-each-micro-step", "zero2");
+  everything_on_disk_against_resident(4, " --strategy hybrid --shard-group 2", "hybrid");
 }
 
 // A reduce-scatter that adds into a gradient window waits for that window's reload, so it runs when
@@ -423,11 +445,7 @@ TEST_F(OffloadSlow, AReduceScatterWaitingForItsGradientWindowKeepsThePlansPeak) 
   const std::string flags = " --strategy fsdp --grad-accum 3 --reduce-each-micro-step --offload grads";
   const Result r = mpirun(2, runs_.args("late_scatter", 2, 2, "small") + flags);
   ASSERT_EQ(r.code, 0) << r.out;
-  const Result shown = shardlm("explain --ranks 2 --model small --vocab 256 --batch 2 --seq 32 --threads 1" + flags);
-  ASSERT_EQ(shown.code, 0) << shown.out;
-  const size_t at = shown.out.find("total at peak: ");
-  ASSERT_NE(at, std::string::npos) << shown.out;
-  const int64_t planned = std::stoll(shown.out.substr(at + 15));
+  const int64_t planned = explained_memory(2, "small", flags).total;
   int steps = 0;
   for (const auto& row : testing::read_metrics(dir_ / "late_scatter" / "metrics.jsonl")) {
     if (!row.contains("loss")) continue;
