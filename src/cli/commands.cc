@@ -451,8 +451,8 @@ int run(int argc, char** argv) {
   plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
   plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank")->capture_default_str();
   plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
-  plan_cmd->add_option("--memory-per-rank", pa.memory, "budget in bytes per rank (default: the profile's device memory)")
-      ->check(bounded(0, true, 1e18));
+  plan_cmd->add_option("--memory-per-rank", pa.memory,
+                       "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)");
   plan_cmd->add_option("--disk-per-rank", pa.disk,
                        "the disk tier: where nothing fits in memory, search placements of state and saved activations on "
                        "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)");

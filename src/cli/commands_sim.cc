@@ -126,6 +126,14 @@ nlohmann::json level_json(const sim::GoodputLevel& l) {
           {"kept", l.kept}};
 }
 
+// --memory-per-rank: bytes per rank, at most 10^18; unset, the profile's device memory.
+int64_t memory_budget_of(const PlanArgs& a, const sim::HardwareProfile& hw) {
+  if (a.memory.empty()) return hw.device_memory;
+  const int64_t bytes = plan::parse_bytes(a.memory, "--memory-per-rank");
+  if (bytes > static_cast<int64_t>(1e18)) throw std::invalid_argument("--memory-per-rank: '" + a.memory + "' is over 10^18 bytes");
+  return bytes;
+}
+
 // --disk-per-rank: the disk tier's bytes per rank; the profile must price the disk.
 int64_t disk_budget_of(const PlanArgs& a, const sim::HardwareProfile& hw) {
   if (a.disk.empty()) return 0;
@@ -145,7 +153,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
-  q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  q.memory_budget = memory_budget_of(a, hw);
   const ExpertLoad load = expert_load_of(a.moe_imbalance, desc);
   q.expert_load = load.value;
   q.disk_budget = disk_budget_of(a, hw);
@@ -599,7 +607,7 @@ void print_largest_model(PlanArgs& a) {
   const model::ModelConfig m = a.cfg.model_config(50257);
   sim::PlanQuery q;
   q.ranks = a.ranks, q.global_tokens = a.global_batch, q.seq = a.cfg.seq, q.threads = a.cfg.threads;
-  q.memory_budget = a.memory >= 0 ? static_cast<int64_t>(a.memory) : hw.device_memory;
+  q.memory_budget = memory_budget_of(a, hw);
   q.expert_load = expert_load_of(a.moe_imbalance, model::describe(m)).value;
   q.disk_budget = disk_budget_of(a, hw);
   q.top = 1;

@@ -66,7 +66,7 @@ struct PlanArgs {
   train::TrainConfig cfg;
   int ranks = 1, top = 10;
   int64_t global_batch = 0;
-  double memory = -1;  // bytes per rank; unset: the profile's device memory
+  std::string memory;  // --memory-per-rank (sizes as --memory-budget's); empty: the profile's device memory
   std::string disk;    // --disk-per-rank: the disk tier's bytes per rank (sizes as --memory-budget's); empty: none
   bool largest = false;  // --largest-model
   bool search_cp = false;  // --search-cp: context parallelism beside cp 1 (PlanQuery::context_always)
