@@ -399,6 +399,16 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
   expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 0"), {"--memory-per-rank", "0"});
   expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 1000"),
                         {"no configuration", "1000"});
+  expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 2TB2"),
+                        {"--memory-per-rank", "2TB2"});
+  // A size with a unit, as --memory-budget takes: 1 GiB is what the byte count says.
+  const Result gib = shardlm("plan --model small --ranks 2 --threads 1 --global-batch 256 --seq 64 --top 1 --memory-per-rank 1GiB");
+  const Result bytes = shardlm("plan --model small --ranks 2 --threads 1 --global-batch 256 --seq 64 --top 1 --memory-per-rank 1073741824");
+  ASSERT_EQ(gib.code, 0) << gib.out;
+  auto budget_and_top = [](const std::string& out) {  // the search's counts may vary with its threads
+    return out.substr(out.find(" fit "), out.find(" per rank") - out.find(" fit ")) + out.substr(out.find("\n   1 "));
+  };
+  EXPECT_EQ(budget_and_top(gib.out), budget_and_top(bytes.out));
 }
 
 // --search-cp searches cp beside cp 1 (without it only where nothing fits): more configurations,
