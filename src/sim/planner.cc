@@ -471,15 +471,23 @@ Candidate keep_greedily(const model::ModelDesc& desc, const HardwareProfile& hw,
 namespace {
 
 // The disk tier's configurations (PlanQuery::disk_budget): the strategy it runs (fsdp; ddp on one
-// rank), every sequence of the rank in one micro-batch, each recompute mode, gather prefetch depth
-// and disk read-ahead depth, each ep; q.memory_budget as their --memory-budget. A few dozen, each
-// a few plan builds (the placement pass's), so they are built and simulated one by one.
+// rank), each micro-batch dividing the rank's sequences over at most kMaxDiskMicroSteps micro-steps
+// (such a plan lists every one; fsdp reduces each, so whole gradients live one micro-step and the
+// budget can move the rest), each recompute mode, gather prefetch depth and disk read-ahead depth,
+// each ep; q.memory_budget as their --memory-budget. A few hundred at most, each a few plan builds
+// (the placement pass's), so they are built and simulated one by one.
+constexpr int64_t kMaxDiskMicroSteps = 8;
+
 void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const HardwareProfile& hw, const PlanQuery& q,
                       const std::vector<int>& eps, PlanSearch& out) {
   PlanConfig c = b;
   c.strategy = q.ranks == 1 ? Strategy::ddp : Strategy::fsdp;
-  c.batch = q.global_tokens / (static_cast<int64_t>(q.ranks) * q.seq), c.grad_accum = 1;
   c.memory_budget = q.memory_budget;
+  const int64_t sequences = q.global_tokens / (static_cast<int64_t>(q.ranks) * q.seq);
+  for (int64_t accum = 1; accum <= std::min(sequences, kMaxDiskMicroSteps); ++accum) {
+  if (sequences % accum != 0) continue;
+  c.batch = sequences / accum, c.grad_accum = accum;
+  c.reduce_each_micro_step = accum > 1 && c.strategy == Strategy::fsdp;
   for (int ep : eps)
     for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
       for (int pf : c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1})
@@ -501,6 +509,7 @@ void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const H
           ++out.simulated;
           out.fitting.push_back(std::move(k));
         }
+  }
 }
 
 }  // namespace

@@ -1290,8 +1290,8 @@ TEST(Planner, SearchesContextParallelismWhenNothingElseFits) {
 
 // The disk tier: under a budget nothing fits in memory (one process, every sequence of the step in
 // one micro-batch at most), the search offers configurations placed on disk by the budget's pass,
-// each within the memory and disk budgets and rebuilt from its flags to the same plan; with too
-// little disk, none; without a disk budget the search does not try.
+// over 1, 2 and 4 micro-steps, each within the memory and disk budgets and rebuilt from its flags
+// to the same plan; with too little disk, none; without a disk budget the search does not try.
 TEST(Planner, SearchesTheDiskTierWhenNothingFitsInMemory) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   const HardwareProfile hw = preset("cpu-local");
@@ -1308,9 +1308,11 @@ TEST(Planner, SearchesTheDiskTierWhenNothingFitsInMemory) {
   const PlanSearch s = search_plans(desc, PlanConfig{}, hw, q);
   ASSERT_FALSE(s.fitting.empty());
   EXPECT_GT(s.on_disk, 0);
+  std::set<int64_t> accums;
   for (const Candidate& c : s.fitting) {
     EXPECT_EQ(c.config.memory_budget, q.memory_budget);
-    EXPECT_EQ(c.config.grad_accum, 1);
+    EXPECT_EQ(c.config.batch * c.config.grad_accum, 4) << c.flags;
+    accums.insert(c.config.grad_accum);
     EXPECT_LE(c.peak_bytes, q.memory_budget);
     EXPECT_GT(c.disk_bytes, 0);
     EXPECT_NE(c.flags.find("--memory-budget " + std::to_string(q.memory_budget) + " --offload-prefetch " +
@@ -1322,6 +1324,7 @@ TEST(Planner, SearchesTheDiskTierWhenNothingFitsInMemory) {
     // The copies are priced: slower than the fastest configuration in memory.
     EXPECT_GT(c.step_ms, free.fitting.front().step_ms);
   }
+  EXPECT_EQ(accums, (std::set<int64_t>{1, 2, 4}));
   // Read-ahead depths from 0 up are among them (a deep one's windows may not fit the budget); the
   // best is no slower than the best at the default's.
   std::set<int> depths;
