@@ -128,12 +128,13 @@ void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, StateKind kind
 // Windows (offloaded activations, comm tasks' own scratch) come and go with the compute stream,
 // as gathered parameters and full gradients do (plan.h), so their bytes over time do not depend on
 // how the copy and comm streams interleave and the plan's walk is the allocator's measurement
-// exactly. A window a copy or comm task would allocate is handed off at the end of the last compute task listed before it, which that task
-// now waits for; one it would free is freed by a compute task listed after it that waits for it:
-// the first compute task already waiting for it if that is no later than the second compute task
-// after it, else the second one, made to wait (a write-back then runs behind one compute task,
-// as a reduce-scatter's full gradients are freed two backwards after it). Where no compute task
-// comes before (or after), a window_sync task opens (or closes) the step.
+// exactly. A window a copy or comm task would allocate is handed off at the end of the last
+// compute task listed before it, which that task now waits for; one it would free is freed by a
+// compute task listed after it that waits for it: the first compute task already waiting for it
+// if that is no later than the second compute task after it, else the second one, made to wait (a
+// write-back then runs behind one compute task, as a reduce-scatter's full gradients are freed
+// two backwards after it). Where no compute task comes before (or after), a window_sync task opens
+// (or closes) the step.
 void settle_windows(Plan& p) {
   // What the copy stream moves: windows, and offloaded saved activations (their first allocation
   // and last free are a forward's and a backward's, compute tasks, and stay where they are). And
