@@ -20,17 +20,7 @@ using testing::step_losses;
 const std::string kExplain = "explain --model tiny --vocab 256 --batch 2 --seq 32 --threads 1";
 
 // "total at peak: N" of `explain` with these flags.
-int64_t explained_peak(const std::string& flags) {
-  const Result r = shardlm(kExplain + flags);
-  EXPECT_EQ(r.code, 0) << r.out;
-  std::smatch m;
-  const std::regex re("total at peak: ([0-9]+)");
-  if (!std::regex_search(r.out, m, re)) {
-    ADD_FAILURE() << r.out;
-    return 0;
-  }
-  return std::stoll(m[1]);
-}
+int64_t explained_peak(const std::string& flags) { return testing::explained_memory(kExplain + flags).total; }
 
 TEST(BudgetSlow, ATrainRunUnderABudgetStaysWithinItAndKeepsTheLossesExact) {
   testing::TinyRuns runs;
@@ -111,12 +101,7 @@ TEST(BudgetSlow, ABudgetUnderTheStateOffloadPeakMovesSavedActivations) {
   runs.flags = "--lr 3e-3 --eps 1e-6 --seq 256";
   ASSERT_EQ(runs.create("budget_activations").code, 0);
   const std::string explain = "explain --model small --vocab 256 --batch 4 --seq 256 --threads 1";
-  auto peak_of = [&](const std::string& flags) {
-    const Result r = shardlm(explain + flags);
-    std::smatch m;
-    EXPECT_TRUE(std::regex_search(r.out, m, std::regex("total at peak: ([0-9]+)"))) << r.out;
-    return m.empty() ? int64_t{0} : std::stoll(m[1]);
-  };
+  auto peak_of = [&](const std::string& flags) { return testing::explained_memory(explain + flags).total; };
   const int64_t state = peak_of(" --offload params,grads,optimizer"),
                 everything = peak_of(" --offload params,grads,optimizer,activations");
   ASSERT_LT(everything, state);

@@ -1,10 +1,9 @@
 // The disk tier (--offload) with real runs: parameters, gradients and AdamW moments all in files
 // give bitwise the resident run's losses and checkpoints (one process, and every strategy at 2-4
-// ranks, with gradient accumulation too), hold
-// none of that state in memory between steps and exactly the plan's during one, and leave no
-// files behind. A file truncated or deleted under the run, a write the filesystem refuses, or a
-// read that fails stops the run with one line naming the file, the last checkpoint intact; a run
-// killed with -9 resumes from its checkpoint.
+// ranks, with gradient accumulation too), hold none of that state in memory between steps and
+// exactly the plan's during one, and leave no files behind. A file truncated or deleted under the
+// run, a write the filesystem refuses, or a read that fails stops the run with one line naming the
+// file, the last checkpoint intact; a run killed with -9 resumes from its checkpoint.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -361,27 +360,10 @@ TEST(OffloadHeads, APartKeptInMemoryAndTheRestOnDiskIsBitwiseTheResidentRun) {
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunOnOneProcess) { activations_against_resident(1); }
 TEST_F(OffloadSlow, ActivationsOnDiskAreBitwiseTheResidentRunUnderFsdpAtTwoRanks) { activations_against_resident(2); }
 
-// What `explain` says of the memory of a plan (the suite's model, batch and vocabulary; `flags`
-// name the rest): each category's own peak, and the total at the peak.
-struct Explained {
-  std::map<std::string, int64_t> own_peak;
-  int64_t total = -1;
-};
-
-Explained explained_memory(int ranks, const std::string& model, const std::string& flags) {
-  const Result r = shardlm("explain --ranks " + std::to_string(ranks) + " --model " + model +
-                           " --vocab 256 --batch 2 --seq 32 --threads 1" + flags);
-  EXPECT_EQ(r.code, 0) << r.out;
-  Explained e;
-  std::istringstream lines(r.out);
-  for (std::string line; std::getline(lines, line);) {
-    if (const size_t at = line.find("total at peak: "); at != std::string::npos) e.total = std::stoll(line.substr(at + 15));
-    const size_t colon = line.find(": static "), own = line.find("own peak ");
-    if (colon != std::string::npos && own != std::string::npos)
-      e.own_peak[line.substr(line.find_first_not_of(' '), colon - line.find_first_not_of(' '))] = std::stoll(line.substr(own + 9));
-  }
-  EXPECT_GT(e.total, 0) << r.out;
-  return e;
+// What `explain` says of the memory of a plan of the suite's batch and vocabulary.
+testing::Explained explained_memory(int ranks, const std::string& model, const std::string& flags) {
+  return testing::explained_memory("explain --ranks " + std::to_string(ranks) + " --model " + model +
+                                   " --vocab 256 --batch 2 --seq 32 --threads 1" + flags);
 }
 
 // Everything on disk (state, and saved activations read ahead 0) under `flags` (a strategy,
@@ -403,7 +385,7 @@ void everything_on_disk_against_resident(int ranks, const std::string& flags, co
   ASSERT_EQ(want.size(), 5u);
   EXPECT_EQ(step_losses(dir / off / "metrics.jsonl"), want) << flags;  // exact
   expect_same_checkpoints(res, off, ranks, flags);
-  const Explained planned = explained_memory(ranks, "tiny", flags + all);
+  const testing::Explained planned = explained_memory(ranks, "tiny", flags + all);
   int steps = 0;
   for (const auto& row : testing::read_metrics(dir / off / "metrics.jsonl")) {
     if (!row.contains("loss")) continue;

@@ -72,13 +72,11 @@ void expect_bitwise(int ranks, const std::string& layout, const std::string& cli
     std::snprintf(file, sizeof file, "rank-%05d-of-%05d.safetensors", r, ranks);
     EXPECT_TRUE(slurp(x / "ckpt" / "step_5" / file) == slurp(y / "ckpt" / "step_5" / file)) << file << " differs";
   }
-  const Result plan = shardlm("explain --model tiny --vocab 256 --batch 2 --seq 32 --threads 1 --ranks " +
-                              std::to_string(ranks) + " " + layout + " --pipeline-optimizer");
-  ASSERT_EQ(plan.code, 0) << plan.out;
-  const size_t at = plan.out.find("  optimizer: static ");
-  ASSERT_NE(at, std::string::npos) << plan.out;
-  const size_t own = plan.out.find("own peak ", at);
-  const int64_t planned = std::stoll(plan.out.substr(own + 9));
+  const testing::Explained plan = testing::explained_memory(
+      "explain --model tiny --vocab 256 --batch 2 --seq 32 --threads 1 --ranks " + std::to_string(ranks) + " " +
+      layout + " --pipeline-optimizer");
+  ASSERT_TRUE(plan.own_peak.count("optimizer"));
+  const int64_t planned = plan.own_peak.at("optimizer");
   for (const auto& row : testing::read_metrics(y / "metrics.jsonl"))
     if (row.contains("loss")) { EXPECT_EQ(row["mem_max"]["optimizer"].get<int64_t>(), planned) << "step " << row["step"]; }
 }

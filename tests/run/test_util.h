@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <sys/wait.h>
@@ -131,6 +133,29 @@ inline void expect_one_line_error(const Result& r, std::initializer_list<std::st
   EXPECT_NE(r.out.find("shardlm: error"), std::string::npos) << r.out;
   for (const auto& needle : needles)
     EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
+}
+
+// What `shardlm EXPLAIN_COMMAND` ("explain --model ...") says of a plan's memory: each category's
+// own peak, and the total at the peak.
+struct Explained {
+  std::map<std::string, int64_t> own_peak;
+  int64_t total = -1;
+};
+
+inline Explained explained_memory(const std::string& explain_command) {
+  const Result r = shardlm(explain_command);
+  EXPECT_EQ(r.code, 0) << r.out;
+  Explained e;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (const size_t at = line.find("total at peak: "); at != std::string::npos) e.total = std::stoll(line.substr(at + 15));
+    const size_t colon = line.find(": static "), own = line.find("own peak ");
+    if (colon == std::string::npos || own == std::string::npos) continue;
+    const size_t name = line.find_first_not_of(' ');
+    e.own_peak[line.substr(name, colon - name)] = std::stoll(line.substr(own + 9));
+  }
+  EXPECT_GT(e.total, 0) << r.out;
+  return e;
 }
 
 }  // namespace shardlm::testing
