@@ -478,37 +478,45 @@ namespace {
 // (the placement pass's), so they are built and simulated one by one.
 constexpr int64_t kMaxDiskMicroSteps = 8;
 
+// Builds and simulates one disk-tier configuration into `out` (counted; kept when its files fit
+// q.disk_budget).
+void try_disk_tier(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, const PlanQuery& q,
+                   PlanSearch& out) {
+  ++out.considered, ++out.on_disk;
+  plan::Plan p;
+  try {
+    p = plan::build_plan(desc, c);
+  } catch (const std::invalid_argument&) {  // refused, or nothing on disk fits the budget
+    ++out.invalid;
+    return;
+  }
+  ++out.built;
+  const SimResult r = simulate(desc, p, hw, q.threads, q.expert_load);
+  Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c), p.disk_bytes()};
+  if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
+  if (k.disk_bytes > q.disk_budget) return;
+  ++out.simulated;
+  out.fitting.push_back(std::move(k));
+}
+
 void search_disk_tier(const model::ModelDesc& desc, const PlanConfig& b, const HardwareProfile& hw, const PlanQuery& q,
                       const std::vector<int>& eps, PlanSearch& out) {
   PlanConfig c = b;
   c.strategy = q.ranks == 1 ? Strategy::ddp : Strategy::fsdp;
   c.memory_budget = q.memory_budget;
+  const std::vector<int> gather_depths = c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1};
   const int64_t sequences = q.global_tokens / (static_cast<int64_t>(q.ranks) * q.seq);
   for (int64_t accum = 1; accum <= std::min(sequences, kMaxDiskMicroSteps); ++accum) {
-  if (sequences % accum != 0) continue;
-  c.batch = sequences / accum, c.grad_accum = accum;
-  c.reduce_each_micro_step = accum > 1 && c.strategy == Strategy::fsdp;
-  for (int ep : eps)
-    for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
-      for (int pf : c.strategy == Strategy::fsdp ? std::vector<int>{1, 2} : std::vector<int>{1})
-        for (int depth = 0; depth <= kMaxOffloadPrefetch; ++depth) {
-          c.ep = ep, c.recompute = r, c.prefetch_forward = c.prefetch_backward = pf, c.offload.prefetch = depth;
-          ++out.considered, ++out.on_disk;
-          plan::Plan p;
-          try {
-            p = plan::build_plan(desc, c);
-          } catch (const std::invalid_argument&) {  // refused, or nothing on disk fits the budget
-            ++out.invalid;
-            continue;
+    if (sequences % accum != 0) continue;
+    c.batch = sequences / accum, c.grad_accum = accum;
+    c.reduce_each_micro_step = accum > 1 && c.strategy == Strategy::fsdp;
+    for (int ep : eps)
+      for (model::Recompute r : {model::Recompute::full, model::Recompute::selective, model::Recompute::none})
+        for (int pf : gather_depths)
+          for (int depth = 0; depth <= kMaxOffloadPrefetch; ++depth) {
+            c.ep = ep, c.recompute = r, c.prefetch_forward = c.prefetch_backward = pf, c.offload.prefetch = depth;
+            try_disk_tier(desc, c, hw, q, out);
           }
-          ++out.built;
-          const SimResult r = simulate(desc, p, hw, q.threads, q.expert_load);
-          Candidate k{c, r.step_ms, r.tokens_per_s, r.mfu, r.comm_exposed_ms, r.mem.total, flags_of(c), p.disk_bytes()};
-          if (out.smallest.peak_bytes < 0 || k.peak_bytes < out.smallest.peak_bytes) out.smallest = k;
-          if (k.disk_bytes > q.disk_budget) continue;
-          ++out.simulated;
-          out.fitting.push_back(std::move(k));
-        }
   }
 }
 
