@@ -57,14 +57,19 @@ struct Dims {
   int64_t K = 1, G = 0;
   bool ring = false;
   int64_t chunks = 1, chunk_rows = 0;
+  // --act-quant (one cp rank): the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
+  int64_t gs = 0, gr = 0;
   bool heads_split() const { return K > 1 && !ring; }
+  // The fp32 scratch a compressed q|k|v or expert-side row block passes through.
+  int64_t wide() const { return std::max(BT * QKV, RL * std::max(C, FE)); }
   // Stages of the attention half under cp, in the forward and in the backward.
   int A(bool backward = false) const {
     if (!ring) return 3;
     return backward ? model::ring_backward_stage_count(static_cast<int>(K)) : static_cast<int>(K) + 1;
   }
 };
-Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int64_t K, model::ContextImpl impl) {
+Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int64_t K, model::ContextImpl impl,
+             const model::ActQuant& q, model::Recompute mode) {
   const auto& c = desc.config;
   const int64_t HS = c.head_size(), BT = B * T, G = BT * K;
   const int64_t L = c.n_experts / P;
@@ -72,9 +77,10 @@ Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int6
   return {B,           T,       BT, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS,
           c.n_experts, c.top_k, c.moe_ffn_dim, c.routed_rows_bound(BT, G), c.expert_capacity(G),
           static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), c.norm_topk,
-          P, L, c.expert_rows_bound(BT, P, G), K, G, ring, ring ? 2 : 1, ring ? T / 2 : T};
+          P, L, c.expert_rows_bound(BT, P, G), K, G, ring, ring ? 2 : 1, ring ? T / 2 : T,
+          q.saved_int8(mode) ? q.group : 0, q.recomputable_int8(mode) ? q.group : 0};
 }
-Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.peers, a.cp, a.cp_impl); }
+Dims dims(const UnitArgs& a) { return dims_of(*a.desc, a.B, a.T, a.peers, a.cp, a.cp_impl, a.act_quant, a.recompute); }
 
 // Expert j's w1|w3 (2 FE, C) and w2 (C, FE) inside the experts unit's flat buffer.
 const float* expert_gate_up(const Dims& d, const float* experts, int64_t j) { return experts + j * 3 * d.FE * d.C; }
@@ -82,8 +88,8 @@ const float* expert_down(const Dims& d, const float* experts, int64_t j) { retur
 
 // Token side: this rank's micro-batch. Expert side: the rows its L experts received.
 struct Saved {
-  float* qkv;   // (B, T, QKV) after rotation
-  float* atty;  // (B, T, C)
+  Kept qkv;     // (B, T, QKV) after rotation
+  Kept atty;    // (B, T, C)
   float* lse;   // (B, NH, T)
   float* res1;  // (B, T, C) residual after attention
   float* logits;  // (BT, E) router logits
@@ -95,15 +101,15 @@ struct Saved {
   int32_t* assigned;   // (E)
   float* ys;           // (R, C) expert outputs, in dispatch order
   int32_t* from;       // (P, L) expert side: rows from rank q for local expert j
-  float* xs;           // (RL, C) expert side: received rows, expert-major
+  Kept xs;             // (RL, C) expert side: received rows, expert-major
   float* gate_up;      // (RL, 2 FE)
   float* out_split = nullptr;  // heads split over cp: this rank's heads' attention output (B, T·K, C / K)
   float* kv_last = nullptr;    // a ring: the last key/value block the forward attended to (B, T, 2·NKV·HS)
 };
 Saved carve_saved(Carver& cv, const Dims& d) {
   Saved s;
-  s.qkv = cv.take<float>(d.BT * d.QKV);
-  s.atty = cv.take<float>(d.BT * d.C);
+  s.qkv = take_kept(cv, d.BT * d.QKV, d.gs);
+  s.atty = take_kept(cv, d.BT * d.C, d.gs);
   s.lse = cv.take<float>(d.B * d.NH * d.T);
   s.res1 = cv.take<float>(d.BT * d.C);
   s.logits = cv.take<float>(d.BT * d.E);
@@ -115,23 +121,26 @@ Saved carve_saved(Carver& cv, const Dims& d) {
   s.assigned = cv.take<int32_t>(d.E);
   s.ys = cv.take<float>(d.R * d.C);
   s.from = cv.take<int32_t>(d.P * d.L);
-  s.xs = cv.take<float>(d.RL * d.C);
+  s.xs = take_kept(cv, d.RL * d.C, d.gs);
   s.gate_up = cv.take<float>(d.RL * 2 * d.FE);
   if (d.heads_split()) s.out_split = cv.take<float>(d.BT * d.C);
   if (d.ring) s.kv_last = cv.take<float>(d.BT * 2 * d.NKV * d.HS);
   return s;
 }
 struct Recomputable {
-  float *ln1, *rstd1, *ln2, *rstd2;
-  float* act;  // (RL, FE) expert side
+  Kept ln1;      // (B, T, C)
+  float* rstd1;  // (B, T)
+  Kept ln2;      // the router's input and the rows dispatched
+  float* rstd2;
+  Kept act;  // (RL, FE) expert side
 };
 Recomputable carve_recomputable(Carver& cv, const Dims& d) {
   Recomputable r;
-  r.ln1 = cv.take<float>(d.BT * d.C);
+  r.ln1 = take_kept(cv, d.BT * d.C, d.gr);
   r.rstd1 = cv.take<float>(d.BT);
-  r.ln2 = cv.take<float>(d.BT * d.C);
+  r.ln2 = take_kept(cv, d.BT * d.C, d.gr);
   r.rstd2 = cv.take<float>(d.BT);
-  r.act = cv.take<float>(d.RL * d.FE);
+  r.act = take_kept(cv, d.RL * d.FE, d.gr);
   return r;
 }
 struct ForwardWs {
@@ -149,9 +158,21 @@ ForwardWs carve_forward_ws(const kernels::Backend& be, Carver& cv, const Dims& d
   if (d.K > 1) w.taken = cv.take<int32_t>(d.B * d.chunks * d.E);
   return w;
 }
+// --act-quant: the forward's fp32 forms of the compressed values, in two scratch slices after the
+// forward's own. On the token side norm 1's output, the attention output and norm 2's take turns
+// in the narrow one, q|k|v has the wide one; on the expert side the received rows, then the
+// SwiGLU output, take turns in the wide one. Each is stored before the next is written.
+void carve_quant_forward(Carver& cv, const Dims& d, Saved& s, Recomputable& r) {
+  if (d.gs == 0) return;
+  float* narrow = cv.take<float>(d.BT * d.C);
+  float* wide = cv.take<float>(d.wide());
+  s.qkv.f = wide, s.atty.f = narrow, s.xs.f = wide;
+  if (d.gr > 0) r.ln1.f = narrow, r.ln2.f = narrow, r.act.f = wide;
+}
 struct BackwardWs {
   float *dln, *datty, *dqkv, *dys, *dact, *dgate_up, *dxs, *dweight, *probs, *router_lse, *dlogits, *attention, *rope;
   float *dout_split = nullptr, *dqkv_split = nullptr;  // heads split over cp: the head split's gradients
+  float *wide = nullptr, *narrow = nullptr;  // --act-quant: dequantized inputs (the attention output in narrow)
 };
 BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims& d, int threads) {
   BackwardWs w;
@@ -171,6 +192,10 @@ BackwardWs carve_backward_ws(const kernels::Backend& be, Carver& cv, const Dims&
   if (d.heads_split()) {
     w.dout_split = cv.take<float>(d.BT * d.C);
     w.dqkv_split = cv.take<float>(d.BT * d.QKV);
+  }
+  if (d.gs > 0) {
+    w.wide = cv.take<float>(d.wide());
+    w.narrow = cv.take<float>(d.BT * d.C);
   }
   return w;
 }
@@ -279,28 +304,32 @@ std::vector<int64_t> rows_per_rank(const std::vector<int32_t>& off, int64_t widt
 // ---- the forward, stage by stage
 
 // From the attention output to the router's input: projection, residual, norm.
-void post_attention_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                            const Recomputable& r, const Dims& d) {
-  be.dense_forward(s.res1, s.atty, p.o, d.BT, d.C, d.C);
-  be.residual_forward(s.res1, s.res1, in, d.BT * d.C);
-  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+void post_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.dense_forward(s.res1, s.atty.f, p.o, d.BT, d.C, d.C);
+  store(a, s.atty, "attn");
+  be.residual_forward(s.res1, s.res1, a.in, d.BT * d.C);
+  be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
 }
 
 // Stage 0 (token side): the attention half, the router, and the routed rows of ln2 to the
 // ranks of their experts.
-void attention_forward(const kernels::Backend& be, const Block& p, const float* in, const Saved& s,
-                       const Recomputable& r, float* rope, const Dims& d) {
-  be.rmsnorm_forward(r.ln1, r.rstd1, in, p.in_norm, d.BT, d.C, d.eps);
-  be.dense_forward(s.qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+void attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r, float* rope,
+                       const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  be.dense_forward(s.qkv.f, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
+  store(a, r.ln1, "input_layernorm");
   be.rope_table(rope, d.T, d.HS, d.theta);
-  be.rope_forward(s.qkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
-  be.attention_forward(s.atty, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS);
-  post_attention_forward(be, p, in, s, r, d);
+  be.rope_forward(s.qkv.f, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  store(a, s.qkv, "qkv");
+  post_attention_forward(a, p, s, r, d);
 }
 
 void route(const kernels::Backend& be, const Block& p, const Saved& s, const Recomputable& r, const ForwardWs& w,
            const Dims& d) {
-  be.dense_forward(s.logits, r.ln2, p.gate, d.BT, d.C, d.E);
+  be.dense_forward(s.logits, r.ln2.f, p.gate, d.BT, d.C, d.E);
   be.moe_router_forward(w.probs, w.router_lse, s.expert, s.weight, s.logits, d.BT, d.E, d.k, d.norm_topk);
 }
 
@@ -320,7 +349,7 @@ std::vector<int32_t> dispatch(const kernels::Backend& be, const Saved& s, const 
     for (int64_t j = 0; j < d.L; ++j) counts[j] = off[p * d.L + j + 1] - off[p * d.L + j];
     be.upload(send + start[p], counts.data(), 8 * d.L);
     const int64_t first = off[p * d.L], n = off[(p + 1) * d.L] - first;
-    be.moe_gather_rows(reinterpret_cast<float*>(send + start[p] + 8 * d.L), r.ln2, s.row_token + first, n, d.C);
+    be.moe_gather_rows(reinterpret_cast<float*>(send + start[p] + 8 * d.L), r.ln2.f, s.row_token + first, n, d.C);
   }
   return off;
 }
@@ -338,18 +367,22 @@ ExpertRows receive_rows(const kernels::Backend& be, const char* recv, const Save
   }
   be.upload(s.from, from.data(), sizeof(int32_t) * from.size());
   const ExpertRows x = expert_rows(from, d);
-  take_rows(be, s.xs, recv, 8 * d.L, d.C, x, d);
+  take_rows(be, s.xs.f, recv, 8 * d.L, d.C, x, d);
   return x;
 }
 
-// `experts`: this rank's slice of the experts unit, its L experts.
-void experts_forward(const kernels::Backend& be, const float* experts, const Saved& s, const Recomputable& r,
-                     float* ys, const ExpertRows& x, const Dims& d) {
+// a.borrowed_params: this rank's slice of the experts unit, its L experts.
+void experts_forward(const UnitArgs& a, const Saved& s, const Recomputable& r, float* ys, const ExpertRows& x,
+                     const Dims& d) {
+  const kernels::Backend& be = *a.backend;
   std::vector<const float*> gate_up(d.L), down(d.L);
-  for (int64_t j = 0; j < d.L; ++j) gate_up[j] = expert_gate_up(d, experts, j), down[j] = expert_down(d, experts, j);
-  be.grouped_dense_forward(s.gate_up, s.xs, gate_up.data(), x.first.data(), d.L, d.C, 2 * d.FE);
-  be.swiglu_forward(r.act, s.gate_up, x.first[d.L], d.FE);
-  be.grouped_dense_forward(ys, r.act, down.data(), x.first.data(), d.L, d.FE, d.C);
+  for (int64_t j = 0; j < d.L; ++j)
+    gate_up[j] = expert_gate_up(d, a.borrowed_params, j), down[j] = expert_down(d, a.borrowed_params, j);
+  be.grouped_dense_forward(s.gate_up, s.xs.f, gate_up.data(), x.first.data(), d.L, d.C, 2 * d.FE);
+  store(a, s.xs, "expert_rows");
+  be.swiglu_forward(r.act.f, s.gate_up, x.first[d.L], d.FE);
+  be.grouped_dense_forward(ys, r.act.f, down.data(), x.first.data(), d.L, d.FE, d.C);
+  store(a, r.act, "expert_swiglu");
 }
 
 // ---- the routing group over cp (model::moe_count_bytes): this rank's slots per (sequence, chunk,
@@ -404,18 +437,18 @@ void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, 
                              const ForwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
   auto qkv_forward = [&](float* qkv) {
-    be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
-    be.dense_forward(qkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+    be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+    be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
     be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
     context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, false);
   };
   if (d.ring) {
     const context::Ring ring = context::ring_of(a);
     if (a.stage == 0) {
-      qkv_forward(s.qkv);
-      return context::ring_send_own(be, a.send, s.qkv, ring);
+      qkv_forward(s.qkv.f);
+      return context::ring_send_own(be, a.send, s.qkv.f, ring);
     }
-    context::ring_forward(be, s.atty, s.lse, s.qkv, a.recv, s.kv_last, a.stage, ring);
+    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
     if (a.stage < d.K) return;
   } else {
     const context::Split sp = context::split_of(a);
@@ -423,10 +456,10 @@ void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, 
       qkv_forward(w.qkv);
       return context::send_qkv(be, a.send, w.qkv, sp);
     }
-    if (a.stage == 1) return context::attention_forward(be, s.qkv, s.out_split, s.lse, a.recv, a.send, sp);
-    context::take_outputs(be, s.atty, a.recv, sp);
+    if (a.stage == 1) return context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+    context::take_outputs(be, s.atty.f, a.recv, sp);
   }
-  post_attention_forward(be, p, a.in, s, r, d);
+  post_attention_forward(a, p, s, r, d);
   route(be, p, s, r, w, d);
   send_counts(be, a.send, s, d);
 }
@@ -475,16 +508,18 @@ Views views(const UnitArgs& a) {
 // rebuild does not).
 void forward_stage(const UnitArgs& a, int stage, bool stats) {
   const kernels::Backend& be = *a.backend;
-  const auto [d, p, s, r] = views(a);
+  auto [d, p, s, r] = views(a);
   Carver cw(a.forward_ws);
   const ForwardWs w = carve_forward_ws(be, cw, d);
+  carve_quant_forward(cw, d, s, r);
   const int m = d.K == 1 ? stage : stage - d.A();  // the MoE half's stage: 0 dispatch, 1 experts, 2 combine
   if (m < 0) {
     split_attention_forward(a, p, s, r, w, d);
   } else if (m == 0 && d.K == 1) {
-    attention_forward(be, p, a.in, s, r, w.rope, d);
+    attention_forward(a, p, s, r, w.rope, d);
     route(be, p, s, r, w, d);
     const std::vector<int32_t> off = dispatch(be, s, r, nullptr, a.send, d);
+    store(a, r.ln2, "post_attention_layernorm");
     if (stats) record(a, s, w, off, {}, d);
   } else if (m == 0) {
     // The group's counts: capacity after the group's earlier slots; the losses' f_e from the
@@ -495,7 +530,7 @@ void forward_stage(const UnitArgs& a, int stage, bool stats) {
     if (stats) record(a, s, w, off, group, d);
   } else if (m == 1) {
     const ExpertRows x = receive_rows(be, a.recv, s, d);
-    experts_forward(be, a.borrowed_params, s, r, w.ys, x, d);
+    experts_forward(a, s, r, w.ys, x, d);
     send_back(be, a.send, w.ys, d.C, x, d);
   } else {  // stage 2 (token side): the experts' outputs, in dispatch order, weighted into the residual
     const std::vector<int32_t> off = expert_offsets(be, s, d);
@@ -538,16 +573,20 @@ void block_recompute(const UnitArgs& a, model::Recompute mode) {
   const kernels::Backend& be = *a.backend;
   const auto [d, p, s, r] = views(a);
   const ExpertRows x = expert_rows(download_from(be, s, d), d);
-  be.rmsnorm_forward(r.ln1, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
-  be.rmsnorm_forward(r.ln2, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
-  be.swiglu_forward(r.act, s.gate_up, x.first[d.L], d.FE);
+  be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
+  be.rmsnorm_forward(r.ln2.f, r.rstd2, s.res1, p.post_norm, d.BT, d.C, d.eps);
+  be.swiglu_forward(r.act.f, s.gate_up, x.first[d.L], d.FE);
 }
 
 // ---- the backward, stage by stage (2, 1, 0)
 
-// Stage 1 backward (expert side): d expert outputs -> d received rows, into the experts' grads.
-void experts_backward(const kernels::Backend& be, const float* experts, float* g_experts, const Saved& s,
-                      const Recomputable& r, const BackwardWs& w, const ExpertRows& x, const Dims& d) {
+// Stage 1 backward (expert side): d expert outputs -> d received rows, into the experts' grads
+// (a.borrowed_params, a.borrowed_grads: this rank's slices).
+void experts_backward(const UnitArgs& a, const Saved& s, const Recomputable& r, const BackwardWs& w,
+                      const ExpertRows& x, const Dims& d) {
+  const kernels::Backend& be = *a.backend;
+  const float* experts = a.borrowed_params;
+  float* g_experts = a.borrowed_grads;
   const int64_t rows = x.first[d.L];
   be.zero(w.dact, sizeof(float) * rows * d.FE);
   be.zero(w.dgate_up, sizeof(float) * rows * 2 * d.FE);
@@ -559,10 +598,11 @@ void experts_backward(const kernels::Backend& be, const float* experts, float* g
     gate_up[j] = expert_gate_up(d, experts, j), down[j] = expert_down(d, experts, j);
     g_gate_up[j] = mut(expert_gate_up(d, g_experts, j)), g_down[j] = mut(expert_down(d, g_experts, j));
   }
-  be.grouped_dense_backward(w.dact, g_down.data(), w.dys, r.act, down.data(), x.first.data(), d.L, d.FE, d.C);
+  be.grouped_dense_backward(w.dact, g_down.data(), w.dys, load(a, r.act, w.wide), down.data(), x.first.data(), d.L,
+                            d.FE, d.C);
   be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, rows, d.FE);
-  be.grouped_dense_backward(w.dxs, g_gate_up.data(), w.dgate_up, s.xs, gate_up.data(), x.first.data(), d.L, d.C,
-                            2 * d.FE);
+  be.grouped_dense_backward(w.dxs, g_gate_up.data(), w.dgate_up, load(a, s.xs, w.wide), gate_up.data(),
+                            x.first.data(), d.L, d.C, 2 * d.FE);
 }
 
 // Under cp, the attention half's backward stages (its own count, A(true), below the MoE half's) as
@@ -575,16 +615,16 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
     be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
     context::rotate(be, w.dqkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, true);
     be.zero(w.dln, sizeof(float) * d.BT * d.C);
-    be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, d.BT, d.C, d.QKV);
+    be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
     be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
   };
   if (d.ring)  // the token side's stage ran the projection's backward: nothing before the first block
-    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, s.lse, s.kv_last, w.attention, [] {},
+    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv.f, s.atty.f, s.lse, s.kv_last, w.attention, [] {},
                                         qkv_backward);
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
   if (a.stage == 1)
-    return context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv, s.out_split, s.lse, a.recv, a.send,
+    return context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv.f, s.out_split, s.lse, a.recv, a.send,
                                        w.attention, sp);
   context::take_qkv_grads(be, w.dqkv, a.recv, sp);
   qkv_backward();
@@ -612,7 +652,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   if (m == 1) {
     const ExpertRows x = expert_rows(download_from(be, s, d), d);
     take_rows(be, w.dys, a.recv, 0, d.C, x, d);
-    experts_backward(be, a.borrowed_params, a.borrowed_grads, s, r, w, x, d);
+    experts_backward(a, s, r, w, x, d);
     send_back(be, a.send, w.dxs, d.C, x, d);
     return;
   }
@@ -630,18 +670,20 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.moe_router_backward(w.dlogits, w.dweight, w.probs, w.router_lse, s.expert, s.weight, s.assigned, BT, d.E, d.k,
                          d.G, d.norm_topk, static_cast<float>(c.aux_loss_coef * a.group_weight),
                          static_cast<float>(c.z_loss_coef * a.group_weight));
-  be.dense_backward(w.dln, mut(g.gate), w.dlogits, r.ln2, p.gate, BT, C, d.E);
+  be.dense_backward(w.dln, mut(g.gate), w.dlogits, load(a, r.ln2, w.wide), p.gate, BT, C, d.E);
   be.rmsnorm_backward(dres, mut(g.post_norm), w.dln, s.res1, p.post_norm, r.rstd2, BT, C);
   // dres now holds d res1: the attention half, as llama's.
   be.zero(w.datty, sizeof(float) * BT * C);
   be.zero(w.dqkv, sizeof(float) * BT * d.QKV);
   be.zero(w.dln, sizeof(float) * BT * C);
-  be.dense_backward(w.datty, mut(g.o), dres, s.atty, p.o, BT, C, C);
+  const float* atty = load(a, s.atty, w.narrow);  // kept for the attention's backward
+  be.dense_backward(w.datty, mut(g.o), dres, atty, p.o, BT, C, C);
   if (d.K > 1) return;
-  be.attention_backward(w.dqkv, w.datty, s.qkv, s.atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, w.attention);
+  be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
+                        w.attention);
   be.rope_table(w.rope, d.T, d.HS, d.theta);
   be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
-  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1, p.qkv, BT, C, d.QKV);
+  be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, BT, C, d.QKV);
   be.rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);
 }
 
@@ -652,11 +694,12 @@ void block_backward(const UnitArgs& a) {
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,
                     const model::Shape& shape) {
-  const Dims d = dims_of(desc, shape.B, shape.T, shape.ep, shape.cp, shape.cp_impl);
+  const Dims d = dims_of(desc, shape.B, shape.T, shape.ep, shape.cp, shape.cp_impl, shape.act_quant, shape.recompute);
   Carver cs(nullptr), cr(nullptr), cf(nullptr), cw(nullptr);
-  carve_saved(cs, d);
-  carve_recomputable(cr, d);
+  Saved s = carve_saved(cs, d);
+  Recomputable r = carve_recomputable(cr, d);
   carve_forward_ws(be, cf, d);
+  carve_quant_forward(cf, d, s, r);
   carve_backward_ws(be, cw, d, shape.threads);
   return {cs.used(), cr.used(), cf.used(), cw.used()};
 }

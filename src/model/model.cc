@@ -5,6 +5,7 @@
 #include <map>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 namespace shardlm::model {
 
@@ -69,10 +70,11 @@ const char* to_string_act_quant(const ActQuant& q) { return q.on() ? "int8" : "n
 void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp) {
   if (!q.on()) return;
   auto fail = [](const std::string& m) { throw std::invalid_argument("act_quant (--act-quant): " + m); };
-  if (c.family == Family::moe) fail("int8 is not supported for moe models yet (their expert inputs are fp32)");
   if (cp > 1) fail("int8 is not supported with a sequence split over cp ranks yet (--cp " + std::to_string(cp) + ")");
   const int64_t qkv = (c.n_head + 2 * c.n_kv_head) * c.head_size();
-  const std::pair<const char*, int64_t> widths[] = {{"n_embd", c.n_embd}, {"ffn_dim", c.ffn_dim}, {"the q|k|v row", qkv}};
+  std::vector<std::pair<const char*, int64_t>> widths = {{"n_embd", c.n_embd}, {"the q|k|v row", qkv}};
+  if (c.family != Family::moe || c.moe_every > 1) widths.push_back({"ffn_dim", c.ffn_dim});  // a dense MLP
+  if (c.family == Family::moe) widths.push_back({"moe_ffn_dim", c.moe_ffn_dim});
   for (const auto& [name, w] : widths)
     if (w % q.group != 0)
       throw std::invalid_argument("act_quant_group (--act-quant-group): " + std::to_string(q.group) + " does not divide " +

@@ -188,8 +188,8 @@ struct ActQuant {
 };
 const char* to_string_act_quant(const ActQuant& q);  // "none" or "int8"
 // Throws std::invalid_argument naming the field (act_quant_group, --act-quant-group) when the group
-// does not divide a width it splits (n_embd, ffn_dim, the q|k|v row), or act_quant meets what it
-// does not support yet (a mixture of experts' block, a sequence split over cp ranks).
+// does not divide a width it splits (n_embd, the q|k|v row, ffn_dim of a dense MLP, moe_ffn_dim of
+// an expert), or act_quant meets what it does not support yet (a sequence split over cp ranks).
 void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp);
 
 // The size of one micro-batch as the costs see it: element size of activations (4 for fp32,

@@ -180,16 +180,20 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
                        2 * R * C + R * C + 2 * BT * C) * e +
                       3 * BT * E * 4;
   u.output_bytes = slice(BT * C, e);
+  // Under --act-quant the GEMM inputs among them are int8 + scales where they are kept.
+  const int64_t gs = s.act_quant.saved_int8(s.recompute) ? s.act_quant.group : 0;
+  const int64_t gr = s.act_quant.recomputable_int8(s.recompute) ? s.act_quant.group : 0;
   // Kept: q|k|v after rotation, attention output, its log-sum-exp, residual 1; router logits, the
   // routing (expert, weight and dispatch row of each token's k slots; each row's token; offsets
   // and assigned counts per expert); each routed row's expert output; on the expert side, the rows
   // from each rank for each local expert, the rows received and their gate|up.
-  u.saved_bytes = slice(BT * QKV, e) + slice(BT * C, e) + slice(B * NH * T, 4) + slice(BT * C, e) + slice(BT * E, 4) +
-                  3 * slice(BT * k, 4) + slice(R, 4) + slice(E + 1, 4) + slice(E, 4) + slice(R * C, e) +
-                  slice(P * L, 4) + slice(RL * C, e) + slice(RL * 2 * FE, e);
+  u.saved_bytes = detail::kept_input(BT * QKV, e, gs) + detail::kept_input(BT * C, e, gs) + slice(B * NH * T, 4) +
+                  slice(BT * C, e) + slice(BT * E, 4) + 3 * slice(BT * k, 4) + slice(R, 4) + slice(E + 1, 4) +
+                  slice(E, 4) + slice(R * C, e) + slice(P * L, 4) + detail::kept_input(RL * C, e, gs) +
+                  slice(RL * 2 * FE, e);
   // Recomputable: both norms' outputs and rstd, the experts' SwiGLU output. Forward scratch: the
   // rope table, the router's probabilities and log-sum-exp, the expert side's outputs.
-  u.recomputable_bytes = 2 * (slice(BT * C, e) + slice(BT, 4)) + slice(RL * FE, e);
+  u.recomputable_bytes = 2 * (detail::kept_input(BT * C, e, gr) + slice(BT, 4)) + detail::kept_input(RL * FE, e, gr);
   const int64_t rope_table = slice(T * s.cp * HS, 4);  // every position of the sequence
   const int64_t router = slice(BT * E, 4) + slice(BT, 4);  // probabilities and log-sum-exp
   u.forward_workspace = rope_table + router + slice(RL * C, e);
@@ -200,6 +204,12 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
                          slice(RL * FE, e) + slice(RL * 2 * FE, e) + slice(RL * C, e) + slice(BT * k, 4) + router +
                          slice(BT * E, 4) + slice(detail::attention_backward_scratch_floats(HS, s.threads), 4) +
                          rope_table;
+  if (gs > 0) {  // as LLaMA's block: fp32 scratch for the compressed values in both passes
+    const int64_t wide = std::max(BT * QKV, RL * std::max(C, FE));
+    u.forward_workspace += slice(BT * C, e) + slice(wide, e);
+    u.backward_workspace += slice(wide, e) + slice(BT * C, e);
+    u.pointwise_bytes += (BT * (QKV + C) + R * C + (gr > 0 ? 2 * BT * C + R * FE : 0)) * (e + 1);
+  }
   if (s.cp > 1) moe_over_context(u, desc, s, x, load, experts, combine);
   return u;
 }

@@ -450,8 +450,8 @@ TEST_F(BadInput, ActQuantSettings) {
                         {"act_quant_rounding (--act-quant-rounding)", "up"});
   expect_one_line_error(run(train_args("aq4", 1) + " --act-quant int8 --act-quant-group 0"),
                         {"act_quant_group (--act-quant-group)", "0"});
-  expect_one_line_error(run(train_args("aq5", 1) + " --model moe-tiny --act-quant int8 --act-quant-group 32"),
-                        {"act_quant (--act-quant)", "moe"});
+  expect_one_line_error(run(train_args("aq5", 1) + " --model moe-tiny --act-quant int8 --act-quant-group 128"),
+                        {"act_quant_group (--act-quant-group)", "128", "n_embd (64)"});
   write("aq_ok.toml", "act_quant = \"int8\"\nact_quant_group = 32\nact_quant_rounding = \"stochastic\"\n");
   const Result r = run(train_args("aq6", 2) + " --config " + path("aq_ok.toml") + " --recompute selective");
   EXPECT_EQ(r.code, 0) << r.out;

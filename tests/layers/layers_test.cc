@@ -276,7 +276,7 @@ TEST(Layers, RecomputeRebuildsBitwiseWhatTheForwardKept) {
 // what is kept for the backward shrinks by the int8 form of its GEMM inputs (none: saved and
 // recomputable; selective: saved only; full: nothing kept, so nothing compressed).
 TEST(Layers, ActQuantCarvesTheModelsFiguresAndKeepsLess) {
-  for (const char* preset : {"tiny", "llama-tiny"})
+  for (const char* preset : {"tiny", "llama-tiny", "moe-tiny"})
     for (model::Recompute mode : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
       Fixture plain{model::describe(config(preset)), 1};
       plain.recompute = mode;
@@ -297,13 +297,17 @@ TEST(Layers, ActQuantCarvesTheModelsFiguresAndKeepsLess) {
         continue;
       }
       // The GEMM inputs a block keeps: q|k|v and the attention output (saved), both norms' outputs and
-      // the MLP activation (recomputable); int8 + a scale per 32 values instead of 4 bytes each.
+      // the MLP activation (recomputable); a MoE block's MLP is its experts', on the rows they
+      // received (saved) and their SwiGLU output (recomputable). int8 + a scale per 32 values
+      // instead of 4 bytes each.
       const auto& c = quant.desc.config;
       const int64_t BT = quant.B * quant.T, QKV = (c.n_head + 2 * c.n_kv_head) * c.head_size();
+      const bool moe = c.family == model::Family::moe;
+      const int64_t rows = moe ? c.expert_rows_bound(BT, 1, BT) : BT, width = moe ? c.moe_ffn_dim : c.ffn_dim;
       using model::detail::slice;
       auto shrink = [](int64_t n) { return slice(n, 4) - slice(n, 1) - slice(n / 32, 4); };
-      int64_t less = shrink(BT * QKV) + shrink(BT * c.n_embd);
-      if (mode == model::Recompute::none) less += 2 * shrink(BT * c.n_embd) + shrink(BT * c.ffn_dim);
+      int64_t less = shrink(BT * QKV) + shrink(BT * c.n_embd) + (moe ? shrink(rows * c.n_embd) : 0);
+      if (mode == model::Recompute::none) less += 2 * shrink(BT * c.n_embd) + shrink(rows * width);
       EXPECT_EQ(fp32.kept_bytes(mode) - want.kept_bytes(mode), less) << at;
     }
 }
@@ -314,7 +318,7 @@ TEST(Layers, ActQuantCarvesTheModelsFiguresAndKeepsLess) {
 // Under selective recompute the rebuilt values are fp32; under full nothing is compressed.
 TEST(Layers, ActQuantGradientsAreCloseToFp32s) {
   kernels::init_compute(2);
-  for (const char* preset : {"tiny", "llama-tiny"})
+  for (const char* preset : {"tiny", "llama-tiny", "moe-tiny"})
     for (model::Recompute mode : {model::Recompute::none, model::Recompute::selective, model::Recompute::full})
       for (bool stochastic : {false, true}) {
         const std::string at = std::string(preset) + " recompute " + model::to_string(mode) +
@@ -335,6 +339,7 @@ TEST(Layers, ActQuantGradientsAreCloseToFp32s) {
           b.dx = b.weights;
           k.backward(b.args());
           std::vector<float> g = b.grads;
+          g.insert(g.end(), b.borrowed_grads.begin(), b.borrowed_grads.end());  // a MoE block's experts
           g.insert(g.end(), b.dx.begin(), b.dx.end());  // the input's gradient last
           return g;
         };
@@ -343,8 +348,11 @@ TEST(Layers, ActQuantGradientsAreCloseToFp32s) {
         EXPECT_EQ(out_int8, out_fp32) << at << ": the forward's output";
         Fixture f{model::describe(config(preset)), 1};
         std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> tensors;
-        for (const auto& p : f.desc.units[1].params) tensors.push_back({p.name, {p.offset, p.numel}});
-        tensors.push_back({"input", {f.desc.units[1].numel, static_cast<int64_t>(g32.size()) - f.desc.units[1].numel}});
+        const model::UnitDesc& u = f.desc.units[1];
+        for (const auto& p : u.params) tensors.push_back({p.name, {p.offset, p.numel}});
+        const int64_t experts = u.borrows >= 0 ? f.desc.units[u.borrows].numel : 0;
+        if (experts > 0) tensors.push_back({"experts", {u.numel, experts}});
+        tensors.push_back({"input", {u.numel + experts, static_cast<int64_t>(g32.size()) - u.numel - experts}});
         bool differs = false;
         for (const auto& [name, range] : tensors) {
           double num = 0, den = 0;

@@ -78,12 +78,12 @@ double relative_l2(const float* a, const float* b, int64_t n) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-// Under none, selective and full recompute, GPT-2 and LLaMA: the measured peaks are the plan's,
+// Under none, selective and full recompute, GPT-2, LLaMA and a mixture of experts: the measured peaks are the plan's,
 // compression keeps fewer activation bytes (none, selective) or the same (full: nothing kept),
 // step 0's loss is bitwise fp32's, later losses within 1%, and the gradients of step 0 within 5%.
 TEST(ActQuant, PeaksAreThePlansAndTrainingStaysClose) {
   kernels::init_compute(2);
-  for (const char* preset : {"tiny", "llama-tiny"}) {
+  for (const char* preset : {"tiny", "llama-tiny", "moe-tiny"}) {
     const model::ModelDesc desc = model::describe(model::model_preset(preset, 96));
     for (model::Recompute mode : {model::Recompute::none, model::Recompute::selective, model::Recompute::full}) {
       const std::string at = std::string(preset) + " recompute " + model::to_string(mode);
@@ -120,18 +120,28 @@ TEST(ActQuant, StochasticRoundingIsReproducible) {
   EXPECT_LT(relative_l2(a.grads.data(), fp32.grads.data(), static_cast<int64_t>(a.grads.size())), 0.05);
 }
 
-// Bad settings are refused naming the field.
-TEST(ActQuant, RefusesGroupsThatSplitARowAndUnsupportedModels) {
-  plan::PlanConfig pc = config(model::Recompute::none, 48);
+// build_plan refuses `pc` for `config` with a message holding `needle`.
+void expect_refused(const model::ModelConfig& config, const plan::PlanConfig& pc, const std::string& needle) {
   try {
-    plan::build_plan(model::describe(model::model_preset("tiny", 96)), pc);
-    ADD_FAILURE() << "group 48 accepted for n_embd 64";
+    plan::build_plan(model::describe(config), pc);
+    ADD_FAILURE() << "accepted; expected: " << needle;
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("act_quant_group (--act-quant-group): 48 does not divide n_embd (64)"),
-              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
-  pc.act_quant.group = 32;
-  EXPECT_THROW(plan::build_plan(model::describe(model::model_preset("moe-tiny", 96)), pc), std::invalid_argument);
+}
+
+// Bad settings are refused naming the field.
+TEST(ActQuant, RefusesGroupsThatSplitARowAndASplitSequence) {
+  plan::PlanConfig pc = config(model::Recompute::none, 48);
+  expect_refused(model::model_preset("tiny", 96), pc, "act_quant_group (--act-quant-group): 48 does not divide n_embd (64)");
+  // An expert's width is checked, a MoE model's unused dense ffn_dim (160) is not.
+  model::ModelConfig moe = model::model_preset("moe-tiny", 96);
+  moe.moe_ffn_dim = 96;
+  pc.act_quant.group = 64;
+  expect_refused(moe, pc, "act_quant_group (--act-quant-group): 64 does not divide moe_ffn_dim (96)");
+  pc.act_quant.group = 32, pc.world = 2, pc.cp = 2;
+  expect_refused(model::model_preset("moe-tiny", 96), pc,
+                 "act_quant (--act-quant): int8 is not supported with a sequence split over cp");
 }
 
 // The figures BENCHMARKS.md quotes: each parameter tensor's gradient after one step of `small`

@@ -469,6 +469,7 @@ TEST_F(OffloadSlow, ActivationsWithOtherFamiliesRecomputeAndActQuantKeepTheLosse
       {"llama-tiny --recompute selective", "activations,grads"},
       {"moe-tiny", "activations"},
       {"tiny --act-quant int8", "activations"},
+      {"moe-tiny --act-quant int8 --act-quant-group 32", "activations"},
       {"tiny --pipeline-optimizer", "activations"},
       {"tiny --pipeline-optimizer", "params,grads,optimizer,activations"}};
   int i = 0;
