@@ -197,7 +197,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                   "fp32 scale per group; what recompute rebuilds is not stored)")
       ->capture_default_str();
   cmd->add_option("--act-quant-group", c.act_quant_group,
-                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim, the q|k|v row)")
+                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim or moe_ffn_dim, the q|k|v row)")
       ->capture_default_str();
   cmd->add_option("--act-quant-rounding", c.act_quant_rounding,
                   "with --act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")

@@ -224,4 +224,15 @@ void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, cons
   }
 }
 
+void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const Kept& qkv, const Kept& out,
+                         float* qkv_scratch, const float* out_scratch, const float* lse, const float* kv_last,
+                         float* scratch, const std::function<void()>& mlp, const std::function<void()>& qkv_backward) {
+  const auto mlp_then_qkv = [&] {
+    mlp();
+    load(a, qkv, qkv_scratch);
+  };
+  ring_backward_stage(a, dqkv, dout, qkv.quantized() ? qkv_scratch : qkv.f, out.quantized() ? out_scratch : out.f, lse,
+                      kv_last, scratch, mlp_then_qkv, qkv_backward);
+}
+
 }  // namespace shardlm::layers::context

@@ -112,5 +112,12 @@ void ring_backward_home(const kernels::Backend& be, float* dqkv, const char* rec
 void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const float* qkv, const float* out,
                          const float* lse, const float* kv_last, float* scratch, const std::function<void()>& mlp,
                          const std::function<void()>& qkv_backward);
+// The same for a block that keeps q|k|v and its attention output as `Kept` (--act-quant): compressed,
+// `mlp` leaves the attention output dequantized in `out_scratch` (as the block's o backward reads
+// it) and q|k|v is dequantized into `qkv_scratch` after it, both read there by every later block
+// (the backward scratch lives until the pass's last stage).
+void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const Kept& qkv, const Kept& out,
+                         float* qkv_scratch, const float* out_scratch, const float* lse, const float* kv_last,
+                         float* scratch, const std::function<void()>& mlp, const std::function<void()>& qkv_backward);
 
 }  // namespace shardlm::layers::context

@@ -254,10 +254,13 @@ void split_forward_stage(const UnitArgs& a, bool down) {
   const Dims d = dims(a);
   const Block p = block_view(*a.unit, a.params);
   Carver cs(a.saved), cr(a.recomputable), cw(a.forward_ws);
-  const Activations kept = carve_activations(cs, cr, d);
-  const Saved& s = kept.s;
-  const Recomputable& r = kept.r;
+  Activations kept = carve_activations(cs, cr, d);
+  Saved& s = kept.s;
+  Recomputable& r = kept.r;
   const ForwardWs w = carve_forward_ws(be, cw, d);
+  // --act-quant: the forward scratch lives from the first stage to the last (plan/'s add_stages),
+  // so q|k|v and the attention output stay fp32 there until their last reader has run.
+  carve_quant_forward(cw, d, s, r);
   if (d.ring) {
     const context::Ring ring = context::ring_of(a);
     if (a.stage == 0) {
@@ -266,6 +269,8 @@ void split_forward_stage(const UnitArgs& a, bool down) {
     }
     context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
     if (a.stage == d.P) {
+      store(a, s.qkv, "qkv");
+      store(a, s.atty, "attn");
       mlp_input_forward(a, p, a.in, s, r, d);
       if (down) down_forward(be, p, a, s, r, d);
     }
@@ -277,8 +282,10 @@ void split_forward_stage(const UnitArgs& a, bool down) {
     context::send_qkv(be, a.send, w.qkv, sp);
   } else if (a.stage == 1) {
     context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+    store(a, s.qkv, "qkv");  // this rank's heads, every position
   } else {
     context::take_outputs(be, s.atty.f, a.recv, sp);
+    store(a, s.atty, "attn");
     mlp_input_forward(a, p, a.in, s, r, d);
     if (down) down_forward(be, p, a, s, r, d);
   }
@@ -410,17 +417,17 @@ void block_backward(const UnitArgs& a) {
     return qkv_backward(a, p, g, r, w, d);
   }
   check_staged(a);
-  if (d.ring)
+  if (d.ring)  // under --act-quant the MLP's backward leaves the attention output in w.narrow
     return context::ring_backward_stage(
-        a, w.dqkv, w.datty, s.qkv.f, s.atty.f, s.lse, s.kv_last, w.attention, [&] { mlp_backward(a, p, g, s, r, w, d); },
-        [&] { qkv_backward(a, p, g, r, w, d); });
+        a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last, w.attention,
+        [&] { mlp_backward(a, p, g, s, r, w, d); }, [&] { qkv_backward(a, p, g, r, w, d); });
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) {
     mlp_backward(a, p, g, s, r, w, d);
     context::send_output_grads(be, a.send, w.datty, sp);
   } else if (a.stage == 1) {
-    context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv.f, s.out_split, s.lse, a.recv, a.send,
-                                w.attention, sp);
+    context::attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse, a.recv,
+                                a.send, w.attention, sp);
   } else {
     context::take_qkv_grads(be, w.dqkv, a.recv, sp);
     qkv_backward(a, p, g, r, w, d);

@@ -57,7 +57,7 @@ struct Dims {
   int64_t K = 1, G = 0;
   bool ring = false;
   int64_t chunks = 1, chunk_rows = 0;
-  // --act-quant (one cp rank): the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
+  // --act-quant: the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
   int64_t gs = 0, gr = 0;
   bool heads_split() const { return K > 1 && !ring; }
   // The fp32 scratch a compressed q|k|v or expert-side row block passes through.
@@ -439,6 +439,7 @@ void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, 
   auto qkv_forward = [&](float* qkv) {
     be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
     be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
+    store(a, r.ln1, "input_layernorm");
     be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
     context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, false);
   };
@@ -450,13 +451,17 @@ void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, 
     }
     context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
     if (a.stage < d.K) return;
+    store(a, s.qkv, "qkv");
   } else {
     const context::Split sp = context::split_of(a);
     if (a.stage == 0) {
       qkv_forward(w.qkv);
       return context::send_qkv(be, a.send, w.qkv, sp);
     }
-    if (a.stage == 1) return context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+    if (a.stage == 1) {
+      context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+      return store(a, s.qkv, "qkv");  // this rank's heads, every position
+    }
     context::take_outputs(be, s.atty.f, a.recv, sp);
   }
   post_attention_forward(a, p, s, r, d);
@@ -526,6 +531,7 @@ void forward_stage(const UnitArgs& a, int stage, bool stats) {
     // group's slots (kept in `assigned` for the backward, in place of this rank's).
     const std::vector<int32_t> group = group_counts(be, a, a.recv, w.taken, d);
     const std::vector<int32_t> off = dispatch(be, s, r, w.taken, a.send, d);
+    store(a, r.ln2, "post_attention_layernorm");  // kept in the forward scratch since the stage before
     be.upload(s.assigned, group.data(), sizeof(int32_t) * d.E);
     if (stats) record(a, s, w, off, group, d);
   } else if (m == 1) {
@@ -615,17 +621,20 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
     be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
     context::rotate(be, w.dqkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, true);
     be.zero(w.dln, sizeof(float) * d.BT * d.C);
-    be.dense_backward(w.dln, mut(g.qkv), w.dqkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
+    be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, d.BT, d.C, d.QKV);
     be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
   };
+  // --act-quant: the token side's stage left the attention output (and, for a ring, q|k|v) in
+  // the backward scratch, which lives until the last stage.
+  const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
   if (d.ring)  // the token side's stage ran the projection's backward: nothing before the first block
-    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv.f, s.atty.f, s.lse, s.kv_last, w.attention, [] {},
-                                        qkv_backward);
+    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv.quantized() ? w.wide : s.qkv.f, atty, s.lse,
+                                        s.kv_last, w.attention, [] {}, qkv_backward);
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
   if (a.stage == 1)
-    return context::attention_backward(be, w.dqkv_split, w.dout_split, s.qkv.f, s.out_split, s.lse, a.recv, a.send,
-                                       w.attention, sp);
+    return context::attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse,
+                                       a.recv, a.send, w.attention, sp);
   context::take_qkv_grads(be, w.dqkv, a.recv, sp);
   qkv_backward();
 }
@@ -678,6 +687,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.zero(w.dln, sizeof(float) * BT * C);
   const float* atty = load(a, s.atty, w.narrow);  // kept for the attention's backward
   be.dense_backward(w.datty, mut(g.o), dres, atty, p.o, BT, C, C);
+  if (d.ring) load(a, s.qkv, w.wide);  // for every block of the ring's stages
   if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
                         w.attention);

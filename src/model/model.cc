@@ -67,12 +67,12 @@ std::vector<int64_t> context_chunk_starts(int64_t seq, int cp, int index, Contex
 
 const char* to_string_act_quant(const ActQuant& q) { return q.on() ? "int8" : "none"; }
 
-void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp) {
+void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp, ContextImpl impl) {
   if (!q.on()) return;
-  auto fail = [](const std::string& m) { throw std::invalid_argument("act_quant (--act-quant): " + m); };
-  if (cp > 1) fail("int8 is not supported with a sequence split over cp ranks yet (--cp " + std::to_string(cp) + ")");
   const int64_t qkv = (c.n_head + 2 * c.n_kv_head) * c.head_size();
   std::vector<std::pair<const char*, int64_t>> widths = {{"n_embd", c.n_embd}, {"the q|k|v row", qkv}};
+  // Split by heads over cp ranks, a rank keeps q|k|v rows of its heads only.
+  if (cp > 1 && impl == ContextImpl::all_to_all) widths.push_back({"a cp rank's q|k|v row (--cp-impl all-to-all)", qkv / cp});
   if (c.family != Family::moe || c.moe_every > 1) widths.push_back({"ffn_dim", c.ffn_dim});  // a dense MLP
   if (c.family == Family::moe) widths.push_back({"moe_ffn_dim", c.moe_ffn_dim});
   for (const auto& [name, w] : widths)

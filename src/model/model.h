@@ -189,8 +189,8 @@ struct ActQuant {
 const char* to_string_act_quant(const ActQuant& q);  // "none" or "int8"
 // Throws std::invalid_argument naming the field (act_quant_group, --act-quant-group) when the group
 // does not divide a width it splits (n_embd, the q|k|v row, ffn_dim of a dense MLP, moe_ffn_dim of
-// an expert), or act_quant meets what it does not support yet (a sequence split over cp ranks).
-void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp);
+// an expert; split over cp ranks by heads, a rank's part of the q|k|v row).
+void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp, ContextImpl impl);
 
 // The size of one micro-batch as the costs see it: element size of activations (4 for fp32,
 // 2 for bf16) and the threads a kernel's per-thread scratch is sized for.

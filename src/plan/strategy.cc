@@ -1070,7 +1070,7 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
   // A forward-only plan keeps nothing for a backward, so it has nothing to compress or rebuild.
   if (c.mode != PlanConfig::Mode::train) c.act_quant = {}, c.recompute = Recompute::none, c.recompute_blocks = -1;
   validate(c);
-  model::validate_act_quant(desc.config, c.act_quant, c.cp);
+  model::validate_act_quant(desc.config, c.act_quant, c.cp, c.cp_impl);
   if (c.ep > 1 && desc.config.family != model::Family::moe)
     throw std::invalid_argument("ep (--ep): expert parallelism needs a mixture-of-experts model (--experts), not " +
                                 std::string(model::to_string(desc.config.family)));

@@ -84,25 +84,28 @@ TEST(Layers, CarvedBytesAreTheModelsFigures) {
 }
 
 // The same under context parallelism (each rank holding T of a sequence's T·cp positions), ring
-// and all-to-all: a LLaMA block, and a MoE block dropless and capped, alone and beside ep.
+// and all-to-all: a LLaMA block, and a MoE block dropless and capped, alone and beside ep, with
+// and without --act-quant int8 (group 16 divides a rank's q|k|v row at cp 4).
 TEST(Layers, CarvedBytesAreTheModelsFiguresUnderContextParallelism) {
   for (const char* preset : {"llama-tiny", "moe-tiny"})
     for (double capacity : {0.0, 0.5})
       for (int ep : {1, 2})
         for (int cp : {2, 4})
-          for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) {
+          for (model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all})
+            for (int64_t group : {0, 16}) {
             model::ModelConfig c = config(preset);
             if (c.family != model::Family::moe && (capacity > 0 || ep > 1)) continue;
             c.capacity_factor = capacity;
             c.n_kv_head = 4;  // the all-to-all form gives each of 4 ranks whole key/value heads
             const model::ModelDesc desc = model::describe(c);
             model::Shape shape{2, 16, 4, 2};
-            shape.ep = ep, shape.cp = cp, shape.cp_impl = impl;
+            shape.ep = ep, shape.cp = cp, shape.cp_impl = impl, shape.act_quant.group = group;
             MemoryPool memory;
             const Carved got = layer(desc.units[1].kind).carved(*kernels::make_cpu_backend(memory), desc, desc.units[1], shape);
             const model::UnitCosts want = desc.costs(1, shape);
             const std::string at = std::string(preset) + " capacity " + std::to_string(capacity) + " ep " +
-                                   std::to_string(ep) + " cp " + std::to_string(cp) + " " + model::to_string(impl);
+                                   std::to_string(ep) + " cp " + std::to_string(cp) + " " + model::to_string(impl) +
+                                   " group " + std::to_string(group);
             EXPECT_EQ(got.saved, want.saved_bytes) << at;
             EXPECT_EQ(got.recomputable, want.recomputable_bytes) << at;
             EXPECT_EQ(got.forward_ws, want.forward_workspace) << at;

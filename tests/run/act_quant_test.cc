@@ -131,7 +131,7 @@ void expect_refused(const model::ModelConfig& config, const plan::PlanConfig& pc
 }
 
 // Bad settings are refused naming the field.
-TEST(ActQuant, RefusesGroupsThatSplitARowAndASplitSequence) {
+TEST(ActQuant, RefusesGroupsThatSplitARow) {
   plan::PlanConfig pc = config(model::Recompute::none, 48);
   expect_refused(model::model_preset("tiny", 96), pc, "act_quant_group (--act-quant-group): 48 does not divide n_embd (64)");
   // An expert's width is checked, a MoE model's unused dense ffn_dim (160) is not.
@@ -139,9 +139,12 @@ TEST(ActQuant, RefusesGroupsThatSplitARowAndASplitSequence) {
   moe.moe_ffn_dim = 96;
   pc.act_quant.group = 64;
   expect_refused(moe, pc, "act_quant_group (--act-quant-group): 64 does not divide moe_ffn_dim (96)");
-  pc.act_quant.group = 32, pc.world = 2, pc.cp = 2;
-  expect_refused(model::model_preset("moe-tiny", 96), pc,
-                 "act_quant (--act-quant): int8 is not supported with a sequence split over cp");
+  // Heads split over 4 cp ranks: a rank's q|k|v rows are 192 / 4 = 48 wide.
+  pc.act_quant.group = 32, pc.world = 4, pc.cp = 4, pc.cp_impl = model::ContextImpl::all_to_all;
+  expect_refused(model::model_preset("tiny", 96), pc,
+                 "act_quant_group (--act-quant-group): 32 does not divide a cp rank's q|k|v row (--cp-impl all-to-all) (48)");
+  pc.cp_impl = model::ContextImpl::ring;  // a ring keeps whole rows
+  EXPECT_NO_THROW(plan::build_plan(model::describe(model::model_preset("tiny", 96)), pc));
 }
 
 // The figures BENCHMARKS.md quotes: each parameter tensor's gradient after one step of `small`
