@@ -60,8 +60,6 @@ void expect_one_error(const Result& r, const std::vector<std::string>& needles) 
     EXPECT_EQ(r.out.find(crash), std::string::npos) << r.out;
 }
 
-const char* kMpiEnv = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-
 class RunSafety : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -79,8 +77,8 @@ class RunSafety : public ::testing::Test {
   // `mpirun -np 1 shardlm A : -np 1 shardlm B`: two ranks started with different command lines.
   static Result mpmd(const std::string& a, const std::string& b) {
     const std::string bin = testing::shardlm_binary();
-    return run_command(std::string(kMpiEnv) + "mpirun --oversubscribe -np 1 " + bin + " " + a + " : -np 1 " + bin +
-                       " " + b);
+    const testing::MpiSession session;
+    return run_command(session.env() + "mpirun --oversubscribe -np 1 " + bin + " " + a + " : -np 1 " + bin + " " + b);
   }
   static inline testing::TinyRuns runs_;
   static inline fs::path dir_;

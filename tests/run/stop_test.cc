@@ -24,7 +24,6 @@ using testing::Result;
 using testing::run_command;
 using testing::shardlm;
 
-const char* kMpiEnv = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
 
 class StopTest : public ::testing::Test {
  protected:
@@ -264,7 +263,8 @@ TEST_F(StopSlow, ASecondSignalEndsAtOnce) {
 // it and exit.
 TEST_F(StopSlow, SigtermUnderMpirunCheckpointsTheAgreedStep) {
   const std::string out = "signal_mpirun";
-  const std::string cmd = std::string(kMpiEnv) + "mpirun --oversubscribe -np 2 --mca odls_base_sigkill_timeout 10 " +
+  const testing::MpiSession session;
+  const std::string cmd = session.env() + "mpirun --oversubscribe -np 2 --mca odls_base_sigkill_timeout 10 " +
                           testing::shardlm_binary() + " " + args(out, 1000000) +
                           " --save-every 100000 --timeout 60 --strategy fsdp";
   const Result r = signal_after(cmd, dir_ / out / "metrics.jsonl", 3, "kill -TERM $pid");

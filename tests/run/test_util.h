@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -42,10 +43,39 @@ inline std::string shardlm_binary() {
   return b ? b : "shardlm";
 }
 
+// The environment an mpirun of the tests starts in: allowed as root, and with a session directory
+// of its own. Open MPI's default, /tmp/ompi.HOST.UID, is shared by every mpirun of the user: one
+// starting while another ends races on creating and removing it ("A call to mkdir was unable to
+// create the desired directory ... File exists", orte_init failed), which ctest -j2 hit. The
+// directory goes with the object.
+class MpiSession {
+ public:
+  MpiSession() {
+    static std::atomic<int> count{0};
+    dir_ = std::filesystem::temp_directory_path() /
+           ("shardlm_ompi_" + std::to_string(::getpid()) + "_" + std::to_string(count++));
+    std::filesystem::create_directories(dir_);
+  }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  ~MpiSession() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  // "VAR=VALUE ... " to put before `mpirun` in a shell command.
+  std::string env() const {
+    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_orte_tmpdir_base=" + dir_.string() + " ";
+  }
+
+ private:
+  std::filesystem::path dir_;
+};
+
 // `mpirun --oversubscribe -np N [MPI_OPTIONS] shardlm ARGS` (as root too).
 inline Result mpirun(int n, const std::string& args, const std::string& mpi_options = "") {
-  return run_command("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np " +
-                     std::to_string(n) + " " + mpi_options + " " + shardlm_binary() + " " + args);
+  const MpiSession session;
+  return run_command(session.env() + "mpirun --oversubscribe -np " + std::to_string(n) + " " + mpi_options + " " +
+                     shardlm_binary() + " " + args);
 }
 
 inline Result shardlm(const std::string& args) { return run_command(shardlm_binary() + " " + args); }
