@@ -147,44 +147,49 @@ TEST(ActQuant, RefusesGroupsThatSplitARow) {
   EXPECT_NO_THROW(plan::build_plan(model::describe(model::model_preset("tiny", 96)), pc));
 }
 
-// The figures BENCHMARKS.md quotes: each parameter tensor's gradient after one step of `small`
-// (B8 T128, the quick start's shape; synthetic tokens) under int8 (nearest, stochastic) against
-// fp32: relative L2 error and the largest element error over the tensor's largest gradient.
-TEST(ActQuant, PerTensorGradientErrorOfSmall) {
+// The figures BENCHMARKS.md quotes: each parameter tensor's gradient after one step of `small`,
+// `llama-small` and `moe-small` (B8 T128, the quick start's shape; synthetic tokens) under int8
+// (nearest, stochastic) against fp32: relative L2 error and the largest element error over the
+// tensor's largest gradient. A LLaMA block's q and k projections see the most (up to 3% nearest,
+// 5.3% stochastic: their gradients come through the attention's softmax from the compressed
+// rotated q and k), GPT-2's at most 0.3%. Release-only (three models' steps).
+TEST(ActQuantSlow, PerTensorGradientError) {
   kernels::init_compute(2);
-  const model::ModelDesc desc = model::describe(model::model_preset("small", 50257));
-  plan::PlanConfig pc = config(model::Recompute::none, 0);
-  pc.batch = 8, pc.seq = 128;
-  const Outcome fp32 = train(desc, pc, 1);
-  pc.act_quant = {64, false};
-  const Outcome nearest = train(desc, pc, 1);
-  pc.act_quant = {64, true};
-  const Outcome stochastic = train(desc, pc, 1);
-  const model::FlatLayout layout = model::flat_layout(desc);
-  std::printf("| tensor | rel. L2 error, nearest | max err / max abs, nearest | rel. L2 error, stochastic | max err / max abs, stochastic |\n|---|---|---|---|---|\n");
-  for (size_t u = 0; u < desc.units.size(); ++u)
-    for (const auto& p : desc.units[u].params) {
-      const int64_t at = layout.units[u].offset + p.offset, n = p.exported_numel();
-      double amax = 0, e_n = 0, e_s = 0;
-      for (int64_t i = at; i < at + n; ++i) {
-        amax = std::max(amax, static_cast<double>(std::fabs(fp32.grads[i])));
-        e_n = std::max(e_n, static_cast<double>(std::fabs(nearest.grads[i] - fp32.grads[i])));
-        e_s = std::max(e_s, static_cast<double>(std::fabs(stochastic.grads[i] - fp32.grads[i])));
+  for (const char* preset : {"small", "llama-small", "moe-small"}) {
+    const model::ModelDesc desc = model::describe(model::model_preset(preset, 50257));
+    plan::PlanConfig pc = config(model::Recompute::none, 0);
+    pc.batch = 8, pc.seq = 128;
+    const Outcome fp32 = train(desc, pc, 1);
+    pc.act_quant = {64, false};
+    const Outcome nearest = train(desc, pc, 1);
+    pc.act_quant = {64, true};
+    const Outcome stochastic = train(desc, pc, 1);
+    const model::FlatLayout layout = model::flat_layout(desc);
+    std::printf("%s\n| tensor | rel. L2 error, nearest | max err / max abs, nearest | rel. L2 error, stochastic | max err / max abs, stochastic |\n|---|---|---|---|---|\n", preset);
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      for (const auto& p : desc.units[u].params) {
+        const int64_t at = layout.units[u].offset + p.offset, n = p.exported_numel();
+        double amax = 0, e_n = 0, e_s = 0;
+        for (int64_t i = at; i < at + n; ++i) {
+          amax = std::max(amax, static_cast<double>(std::fabs(fp32.grads[i])));
+          e_n = std::max(e_n, static_cast<double>(std::fabs(nearest.grads[i] - fp32.grads[i])));
+          e_s = std::max(e_s, static_cast<double>(std::fabs(stochastic.grads[i] - fp32.grads[i])));
+        }
+        const double rn = relative_l2(nearest.grads.data() + at, fp32.grads.data() + at, n);
+        const double rs = relative_l2(stochastic.grads.data() + at, fp32.grads.data() + at, n);
+        std::printf("| %s | %.2e | %.2e | %.2e | %.2e |\n", p.name.c_str(), rn, amax > 0 ? e_n / amax : 0.0, rs,
+                    amax > 0 ? e_s / amax : 0.0);
+        EXPECT_LT(rn, 0.05) << p.name;
+        EXPECT_LT(rs, 0.08) << p.name;  // stochastic: up to a step per value, not half
       }
-      const double rn = relative_l2(nearest.grads.data() + at, fp32.grads.data() + at, n);
-      const double rs = relative_l2(stochastic.grads.data() + at, fp32.grads.data() + at, n);
-      std::printf("| %s | %.2e | %.2e | %.2e | %.2e |\n", p.name.c_str(), rn, amax > 0 ? e_n / amax : 0.0, rs,
-                  amax > 0 ? e_s / amax : 0.0);
-      EXPECT_LT(rn, 0.05) << p.name;
-      EXPECT_LT(rs, 0.05) << p.name;
-    }
-  const double all_n = relative_l2(nearest.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));
-  const double all_s = relative_l2(stochastic.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));
-  std::printf("| all parameters | %.2e | | %.2e | |\n", all_n, all_s);
-  std::printf("activations peak: fp32 %lld, int8 %lld bytes\n",
-              static_cast<long long>(fp32.measured[MemCategory::activations]),
-              static_cast<long long>(nearest.measured[MemCategory::activations]));
-  EXPECT_EQ(nearest.losses[0], fp32.losses[0]);
+    const double all_n = relative_l2(nearest.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));
+    const double all_s = relative_l2(stochastic.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));
+    std::printf("| all parameters | %.2e | | %.2e | |\n", all_n, all_s);
+    std::printf("activations peak: fp32 %lld, int8 %lld bytes\n",
+                static_cast<long long>(fp32.measured[MemCategory::activations]),
+                static_cast<long long>(nearest.measured[MemCategory::activations]));
+    EXPECT_EQ(nearest.losses[0], fp32.losses[0]);
+  }
 }
 
 }  // namespace
