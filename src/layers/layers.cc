@@ -77,6 +77,15 @@ Kept take_kept(Carver& cv, int64_t n, int64_t group) {
   return k;
 }
 
+Kept first_values(const Kept& k, int64_t n) {
+  if (n > k.n || (k.quantized() && n % k.group != 0))
+    throw std::logic_error("first_values: " + std::to_string(n) + " of " + std::to_string(k.n) + " values in groups of " +
+                           std::to_string(k.group));
+  Kept first = k;
+  first.n = n;
+  return first;
+}
+
 void store(const UnitArgs& a, const Kept& k, const char* name) {
   if (!k.quantized()) return;
   a.backend->quantize_int8(k.q, k.scales, k.f, k.n, k.group, a.act_quant.stochastic,

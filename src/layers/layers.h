@@ -143,6 +143,9 @@ struct Kept {
 };
 // Carves n values, as model::detail::kept_input sizes them.
 Kept take_kept(Carver& cv, int64_t n, int64_t group);
+// The first n values of k (whole groups: n a multiple of its group), as a Kept of their own: a
+// buffer sized for a bound whose rows in use vary (a MoE expert side's received rows).
+Kept first_values(const Kept& k, int64_t n);
 // The forward's fp32 values (k.f) into their int8 form; nothing when k is fp32. `name` keys the
 // stochastic draws apart from the unit's other tensors.
 void store(const UnitArgs& a, const Kept& k, const char* name);

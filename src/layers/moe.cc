@@ -378,11 +378,12 @@ void experts_forward(const UnitArgs& a, const Saved& s, const Recomputable& r, f
   std::vector<const float*> gate_up(d.L), down(d.L);
   for (int64_t j = 0; j < d.L; ++j)
     gate_up[j] = expert_gate_up(d, a.borrowed_params, j), down[j] = expert_down(d, a.borrowed_params, j);
+  const int64_t rows = x.first[d.L];  // received; the buffers are sized for the bound RL
   be.grouped_dense_forward(s.gate_up, s.xs.f, gate_up.data(), x.first.data(), d.L, d.C, 2 * d.FE);
-  store(a, s.xs, "expert_rows");
-  be.swiglu_forward(r.act.f, s.gate_up, x.first[d.L], d.FE);
+  store(a, first_values(s.xs, rows * d.C), "expert_rows");
+  be.swiglu_forward(r.act.f, s.gate_up, rows, d.FE);
   be.grouped_dense_forward(ys, r.act.f, down.data(), x.first.data(), d.L, d.FE, d.C);
-  store(a, r.act, "expert_swiglu");
+  store(a, first_values(r.act, rows * d.FE), "expert_swiglu");
 }
 
 // ---- the routing group over cp (model::moe_count_bytes): this rank's slots per (sequence, chunk,
@@ -604,11 +605,11 @@ void experts_backward(const UnitArgs& a, const Saved& s, const Recomputable& r, 
     gate_up[j] = expert_gate_up(d, experts, j), down[j] = expert_down(d, experts, j);
     g_gate_up[j] = mut(expert_gate_up(d, g_experts, j)), g_down[j] = mut(expert_down(d, g_experts, j));
   }
-  be.grouped_dense_backward(w.dact, g_down.data(), w.dys, load(a, r.act, w.wide), down.data(), x.first.data(), d.L,
-                            d.FE, d.C);
+  be.grouped_dense_backward(w.dact, g_down.data(), w.dys, load(a, first_values(r.act, rows * d.FE), w.wide),
+                            down.data(), x.first.data(), d.L, d.FE, d.C);
   be.swiglu_backward(w.dgate_up, w.dact, s.gate_up, rows, d.FE);
-  be.grouped_dense_backward(w.dxs, g_gate_up.data(), w.dgate_up, load(a, s.xs, w.wide), gate_up.data(),
-                            x.first.data(), d.L, d.C, 2 * d.FE);
+  be.grouped_dense_backward(w.dxs, g_gate_up.data(), w.dgate_up, load(a, first_values(s.xs, rows * d.C), w.wide),
+                            gate_up.data(), x.first.data(), d.L, d.C, 2 * d.FE);
 }
 
 // Under cp, the attention half's backward stages (its own count, A(true), below the MoE half's) as
