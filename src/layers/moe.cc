@@ -625,12 +625,11 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
     be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, d.BT, d.C, d.QKV);
     be.rmsnorm_backward(a.dx, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, d.BT, d.C);  // a.dx: d in
   };
-  // --act-quant: the token side's stage left the attention output (and, for a ring, q|k|v) in
-  // the backward scratch, which lives until the last stage.
-  const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
-  if (d.ring)  // the token side's stage ran the projection's backward: nothing before the first block
-    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv.quantized() ? w.wide : s.qkv.f, atty, s.lse,
-                                        s.kv_last, w.attention, [] {}, qkv_backward);
+  // The token side's stage ran the projection's backward (nothing before the first block), which
+  // under --act-quant leaves the attention output in w.narrow.
+  if (d.ring)
+    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last,
+                                        w.attention, [] {}, qkv_backward);
   const context::Split sp = context::split_of(a);
   if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
   if (a.stage == 1)
@@ -688,7 +687,6 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.zero(w.dln, sizeof(float) * BT * C);
   const float* atty = load(a, s.atty, w.narrow);  // kept for the attention's backward
   be.dense_backward(w.datty, mut(g.o), dres, atty, p.o, BT, C, C);
-  if (d.ring) load(a, s.qkv, w.wide);  // for every block of the ring's stages
   if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
                         w.attention);
