@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -12,6 +13,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu.h"
+#include "relative_error.h"
 
 namespace shardlm::layers {
 namespace {
@@ -358,13 +360,10 @@ TEST(Layers, ActQuantGradientsAreCloseToFp32s) {
         tensors.push_back({"input", {u.numel + experts, static_cast<int64_t>(g32.size()) - u.numel - experts}});
         bool differs = false;
         for (const auto& [name, range] : tensors) {
-          double num = 0, den = 0;
-          for (int64_t i = range.first; i < range.first + range.second; ++i) {
-            num += (static_cast<double>(g8[i]) - g32[i]) * (static_cast<double>(g8[i]) - g32[i]);
-            den += static_cast<double>(g32[i]) * g32[i];
-            differs = differs || g8[i] != g32[i];
-          }
-          EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 0.05) << at << " " << name << ": relative L2 error";
+          EXPECT_LT(testing::relative_l2(g8.data() + range.first, g32.data() + range.first, range.second), 0.05)
+              << at << " " << name << ": relative L2 error";
+          differs = differs || !std::equal(g8.begin() + range.first, g8.begin() + range.first + range.second,
+                                           g32.begin() + range.first);
         }
         EXPECT_EQ(differs, mode != model::Recompute::full) << at;
       }

@@ -11,6 +11,7 @@
 
 #include "comm/single_rank.h"
 #include "kernels/cpu.h"
+#include "relative_error.h"
 #include "run/executor.h"
 
 namespace shardlm::run {
@@ -69,14 +70,7 @@ plan::PlanConfig config(model::Recompute mode, int64_t group, bool stochastic = 
   return pc;
 }
 
-double relative_l2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
+using testing::relative_l2;
 
 // Under none, selective and full recompute, GPT-2, LLaMA and a mixture of experts: the measured peaks are the plan's,
 // compression keeps fewer activation bytes (none, selective) or the same (full: nothing kept),
@@ -147,12 +141,27 @@ TEST(ActQuant, RefusesGroupsThatSplitARow) {
   EXPECT_NO_THROW(plan::build_plan(model::describe(model::model_preset("tiny", 96)), pc));
 }
 
+// GPT-2's c_attn holds q, k and v side by side along its last axis. v's gradient is 20-80x the
+// norm of q's or k's, so the fused tensor's error is v's: each part's is printed, and bounded as
+// a LLaMA block's separate q_proj, k_proj and v_proj are. (Not the bias: k's part of its gradient
+// is zero in exact arithmetic, as a key bias moves every score of a query alike.)
+void print_qkv_parts(const model::ParamSpec& p, const float* nearest, const float* stochastic, const float* fp32) {
+  const int64_t cols = p.shape.back(), rows = p.numel / cols, width = cols / 3;
+  for (int part = 0; part < 3; ++part) {
+    const double rn = relative_l2(nearest, fp32, rows, cols, part * width, width);
+    const double rs = relative_l2(stochastic, fp32, rows, cols, part * width, width);
+    std::printf("| %s [%c] | %.2e | | %.2e | |\n", p.name.c_str(), "qkv"[part], rn, rs);
+    EXPECT_LT(rn, 0.05) << p.name << " part " << part;
+    EXPECT_LT(rs, 0.08) << p.name << " part " << part;
+  }
+}
+
 // The figures BENCHMARKS.md quotes: each parameter tensor's gradient after one step of `small`,
 // `llama-small` and `moe-small` (B8 T128, the quick start's shape; synthetic tokens) under int8
 // (nearest, stochastic) against fp32: relative L2 error and the largest element error over the
 // tensor's largest gradient. A LLaMA block's q and k projections see the most (up to 3% nearest,
 // 5.3% stochastic: their gradients come through the attention's softmax from the compressed
-// rotated q and k), GPT-2's at most 0.3%. Release-only (three models' steps).
+// rotated q and k), GPT-2's q and k parts of c_attn up to 1.8%. Release-only (three models' steps).
 TEST(ActQuantSlow, PerTensorGradientError) {
   kernels::init_compute(2);
   for (const char* preset : {"small", "llama-small", "moe-small"}) {
@@ -181,6 +190,7 @@ TEST(ActQuantSlow, PerTensorGradientError) {
                     amax > 0 ? e_s / amax : 0.0);
         EXPECT_LT(rn, 0.05) << p.name;
         EXPECT_LT(rs, 0.08) << p.name;  // stochastic: up to a step per value, not half
+        if (p.name.find("c_attn.weight") != std::string::npos) print_qkv_parts(p, nearest.grads.data() + at, stochastic.grads.data() + at, fp32.grads.data() + at);
       }
     const double all_n = relative_l2(nearest.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));
     const double all_s = relative_l2(stochastic.grads.data(), fp32.grads.data(), static_cast<int64_t>(fp32.grads.size()));

@@ -16,6 +16,7 @@
 #include "ckpt/safetensors.h"
 #include "comm/single_rank.h"
 #include "kernels/cpu.h"
+#include "relative_error.h"
 #include "run/executor.h"
 
 namespace shardlm::train {
@@ -55,13 +56,7 @@ constexpr int64_t B = 2, T = 16;
 
 // The int8 error of --act-quant: relative L2 within 2% (reference_parity_test's bound).
 void check_relative_l2(const std::string& what, const float* got, const float* want, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << what << "[" << i << "]";
-    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 0.02) << what << ": relative L2 error against PyTorch under int8";
+  EXPECT_LE(testing::relative_l2(got, want, n), 0.02) << what << ": relative L2 error against PyTorch under int8";
 }
 
 void check_close(const std::string& what, const float* got, const float* want, int64_t n, double rel = 1e-5) {

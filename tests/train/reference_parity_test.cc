@@ -13,6 +13,7 @@
 #include "ckpt/safetensors.h"
 #include "comm/single_rank.h"
 #include "kernels/cpu.h"
+#include "relative_error.h"
 #include "run/executor.h"
 #include "train/checkpoint.h"
 
@@ -209,13 +210,8 @@ TEST_P(ReferenceParity, ActQuantGradientsTrackPyTorch) {
         std::vector<float> want(p.exported_numel());
         ref.read_f32("grad." + p.name, want.data(), p.exported_shape());
         const float* got = grads + e.plan.layout.units[u].offset + p.offset;
-        double num = 0, den = 0;
-        for (int64_t i = 0; i < p.exported_numel(); ++i) {
-          num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-          den += static_cast<double>(want[i]) * want[i];
-        }
         // Stochastic rounding trades bias for variance: its error per value is up to a step, not half.
-        EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), stochastic ? 0.04 : 0.02)
+        EXPECT_LE(testing::relative_l2(got, want.data(), p.exported_numel()), stochastic ? 0.04 : 0.02)
             << p.name << (stochastic ? " stochastic" : " nearest") << ": relative L2 error against PyTorch";
       }
   }
