@@ -462,6 +462,13 @@ int run(int argc, char** argv) {
   plan_cmd->add_flag("--search-cp", pa.search_cp,
                      "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
                      "fits without it");
+  plan_cmd->add_flag("--search-act-quant", pa.search_act_quant,
+                     "search int8 activation compression (--act-quant int8) beside fp32 activations: it changes the "
+                     "gradients a little, so only where asked");
+  plan_cmd->add_option("--act-quant-group", pa.cfg.act_quant_group, "--search-act-quant: values per scale")
+      ->capture_default_str();
+  plan_cmd->add_option("--act-quant-rounding", pa.cfg.act_quant_rounding, "--search-act-quant: nearest | stochastic")
+      ->capture_default_str();
   plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
   plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp);
   add_goodput_options(plan_cmd, pa.goodput);

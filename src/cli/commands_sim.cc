@@ -158,6 +158,10 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   q.expert_load = load.value;
   q.disk_budget = disk_budget_of(a, hw);
   q.context_always = a.search_cp;
+  if (a.search_act_quant) {
+    q.act_quant = {a.cfg.act_quant_group, a.cfg.act_quant_rounding == "stochastic"};
+    model::validate_act_quant(desc.config, q.act_quant, 1, model::ContextImpl::ring);
+  }
   // Branch and bound for the rows printed; ranked by goodput the bound on step time is not the
   // order, so every configuration is simulated there.
   q.top = a.goodput.mtbf_hours > 0 ? 0 : a.top;
@@ -208,6 +212,9 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   if (desc.config.family == model::Family::moe)
     fmt::print("mixture of experts: ep searched over the divisors of {} experts dividing {} rank(s); expert load max/mean {}\n",
                desc.config.n_experts, a.ranks, load.note);
+  if (q.act_quant.on())
+    fmt::print("activations: each configuration searched in fp32 and as int8 (group {}, {} rounding)\n", q.act_quant.group,
+               q.act_quant.stochastic ? "stochastic" : "nearest");
   if (failures)
     fmt::print("ranked by tokens/s x goodput under failures (MTBF {:.4g} h a node, restart {:.4g} s; simulate --mtbf-hours "
                "prints the intervals)\n",
@@ -235,6 +242,9 @@ train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c)
   tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
   tc.recompute = model::to_string(c.recompute);
   tc.recompute_blocks = c.recompute_blocks;
+  tc.act_quant = model::to_string_act_quant(c.act_quant);
+  tc.act_quant_group = c.act_quant.on() ? c.act_quant.group : tc.act_quant_group;
+  tc.act_quant_rounding = c.act_quant.stochastic ? "stochastic" : "nearest";
   tc.reduce_each_micro_step = c.reduce_each_micro_step;
   tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
   tc.max_gathers_in_flight = c.max_gathers_in_flight;

@@ -70,6 +70,7 @@ struct PlanArgs {
   std::string disk;    // --disk-per-rank: the disk tier's bytes per rank (sizes as --memory-budget's); empty: none
   bool largest = false;  // --largest-model
   bool search_cp = false;  // --search-cp: context parallelism beside cp 1 (PlanQuery::context_always)
+  bool search_act_quant = false;  // --search-act-quant: int8 activations beside fp32 (PlanQuery::act_quant)
   std::string hardware = "cpu-local";
   bool run = false, overwrite = false, talk = true;
   std::string data, out = "runs/plan";

@@ -39,6 +39,9 @@ std::string flags_of(const PlanConfig& c) {
   o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
     << model::to_string(c.recompute);
   if (c.recompute_blocks >= 0 && c.recompute != model::Recompute::none) o << " --recompute-blocks " << c.recompute_blocks;
+  if (c.act_quant.on())
+    o << " --act-quant int8 --act-quant-group " << c.act_quant.group << " --act-quant-rounding "
+      << (c.act_quant.stochastic ? "stochastic" : "nearest");
   if (c.reduce_each_micro_step) o << " --reduce-each-micro-step";
   if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
     o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
@@ -148,10 +151,16 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
                         c.prefetch_forward = c.prefetch_backward = pf, c.max_gathers_in_flight = inflight;
                         c.bucket_mb = bucket, c.param_bytes = pb, c.reduce_bytes = rb;
                         Lattice at;
+                        // Compression is a family of its own (it keeps less but adds scratch), in
+                        // which recompute is no order of memory either: what a mode rebuilds is
+                        // rebuilt in fp32, what it keeps is int8, so with few blocks keeping all
+                        // (none) can take less than rebuilding part (selective).
+                        const int recompute_step = index_of(recomputes, r);
+                        const bool compressed = c.act_quant.on();
                         at.family = {static_cast<int>(s), c.cp, static_cast<int>(c.cp_impl), ep, g, static_cast<int>(bucket), pb, rb,
-                                     c.grad_accum > 1 ? 1 : 0};
-                        at.steps = {batch_index, index_of(recomputes, r), index_of(prefetches, pf), index_of(inflights, inflight),
-                                    keep ? 1 : 0, index_of(gather_buckets, gather_bucket)};
+                                     c.grad_accum > 1 ? 1 : 0, compressed ? 1 + recompute_step : 0};
+                        at.steps = {batch_index, compressed ? 0 : recompute_step, index_of(prefetches, pf),
+                                    index_of(inflights, inflight), keep ? 1 : 0, index_of(gather_buckets, gather_bucket)};
                         visit(c, at);
                       }
     ++batch_index;
@@ -534,7 +543,7 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
                                 " tokens on each of " + std::to_string(q.ranks) + " ranks; at most " +
                                 std::to_string(kMaxSequencesPerRank) + " (the search tries each micro-batch dividing them)");
   PlanConfig b = for_hardware(base, hw);
-  b.world = q.ranks, b.seq = q.seq, b.threads = q.threads;
+  b.world = q.ranks, b.seq = q.seq, b.threads = q.threads, b.act_quant = {};
   PlanSearch out;
   out.smallest.peak_bytes = -1;
   const std::vector<Strategy> strategies =
@@ -547,23 +556,26 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
     for (int ep = 2; ep <= q.ranks && ep <= desc.config.n_experts; ++ep)
       if (desc.config.n_experts % ep == 0 && q.ranks % ep == 0) eps.push_back(ep);
   // The recompute modes in the order their memory grows: selective_op keeps less than selective
-  // (q and v, not q|k|v; the gate, not gate|up; no residual), on the blocks that have it.
-  const auto recomputes_at = [&](int cp) {
-    if (desc.config.family == model::Family::llama && cp == 1)
+  // (q and v, not q|k|v; the gate, not gate|up; no residual), on the blocks that have it, in fp32.
+  const auto recomputes_at = [&](int cp, const model::ActQuant& aq) {
+    if (desc.config.family == model::Family::llama && cp == 1 && !aq.on())
       return std::vector<model::Recompute>{model::Recompute::full, model::Recompute::selective_op, model::Recompute::selective,
                                            model::Recompute::none};
     return std::vector<model::Recompute>{model::Recompute::full, model::Recompute::selective, model::Recompute::none};
   };
+  std::vector<model::ActQuant> activations{model::ActQuant{}};
+  if (q.act_quant.on()) activations.push_back(q.act_quant);
   auto search = [&](const std::vector<std::pair<int, model::ContextImpl>>& cps) {
     std::vector<PlanConfig> grid;
     std::vector<Lattice> at;
-    for (const auto& [cp, impl] : cps) {
-      PlanConfig bc = b;
-      bc.cp = cp, bc.cp_impl = impl;
-      for (Strategy s : strategies)  // a cp group's K ranks share their sequences
-        each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps, recomputes_at(cp),
-                    [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
-    }
+    for (const auto& [cp, impl] : cps)
+      for (const model::ActQuant& aq : activations) {
+        PlanConfig bc = b;
+        bc.cp = cp, bc.cp_impl = impl, bc.act_quant = aq;
+        for (Strategy s : strategies)  // a cp group's K ranks share their sequences
+          each_config(bc, s, q.global_tokens / per_step * cp, hw.compute_dtype == "bf16", eps, recomputes_at(cp, aq),
+                      [&](const PlanConfig& c, const Lattice& l) { grid.push_back(c), at.push_back(l); });
+      }
     std::vector<Outcome> outcomes =
         q.top > 0 && !q.exhaustive ? evaluate_bounded(desc, grid, at, hw, q) : evaluate(desc, grid, at, hw, q, !q.exhaustive);
     // Nothing fits: the bounds built none of what does not, so the smallest (which the answer
@@ -602,7 +614,12 @@ PlanSearch search_plans(const model::ModelDesc& desc, const PlanConfig& base, co
     search({{1, model::ContextImpl::ring}});
     if (out.fitting.empty() && q.memory_budget > 0) search(cps);
   }
-  if (out.fitting.empty() && q.memory_budget > 0 && q.disk_budget > 0) search_disk_tier(desc, b, hw, q, eps, out);
+  if (out.fitting.empty() && q.memory_budget > 0 && q.disk_budget > 0)
+    for (const model::ActQuant& aq : activations) {
+      PlanConfig bc = b;
+      bc.act_quant = aq;
+      search_disk_tier(desc, bc, hw, q, eps, out);
+    }
   rank(out.fitting);
   // Fewer blocks rebuilt, on those that recompute among the first kFewerRebuiltRows distinct
   // predictions (which a bounded search finds exactly, so it refines what the exhaustive one does).

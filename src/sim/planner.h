@@ -4,7 +4,8 @@
 // in memory (a larger micro-batch, less recompute, ... : Lattice in planner.cc) are pruned
 // unbuilt. bf16 gathers and reductions are tried on bf16
 // (GPU) profiles only. For a mixture-of-experts model the expert-parallel size (ep) is searched
-// too: each divisor of the experts that divides the ranks.
+// too: each divisor of the experts that divides the ranks. Activation compression where
+// PlanQuery::act_quant asks for it.
 // Configurations whose plan cannot be built are skipped. The fastest few that recompute are then
 // refined by rebuilding fewer blocks (recompute_fewer), and the fastest few sharded ones by
 // selective unsharding (keep_greedily). Every configuration is first bounded from its
@@ -39,6 +40,11 @@ struct PlanQuery {
   int top = 0;
   // Context parallelism beside cp 1 (every cp, both forms); false: only where nothing fits at cp 1.
   bool context_always = false;
+  // On: every configuration is searched twice, with fp32 activations and with these compressed
+  // (--act-quant int8). Compression changes the gradients a little (BENCHMARKS.md), so the search
+  // tries it only where asked; it buys memory (less recompute, larger micro-batches) for the
+  // quantize and dequantize passes. Off: fp32 only (PlanConfig::act_quant of `base` is not read).
+  model::ActQuant act_quant{};
   // Bytes per rank the disk tier may hold (its offload files, Plan::disk_bytes); 0: no disk tier.
   // Where nothing fits memory_budget in memory, the configurations the disk tier runs (fsdp, or
   // one process; no gradient accumulation) are searched with memory_budget as their

@@ -32,6 +32,18 @@ class Simulate : public ::testing::Test {
     shardlm::testing::make_corpus(dir_);
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
+  // One step of `small` trained with a plan's flags on `ranks` ranks into DIR/name: the allocator's
+  // peak (the step's metrics row; the last is the evaluation's) is within `budget`.
+  static void expect_trains_within(int ranks, const std::string& flags, const std::string& name, int64_t budget) {
+    const std::string train = "train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " +
+                              (dir_ / name).string() + " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet";
+    const Result run = ranks > 1 ? shardlm::testing::mpirun(ranks, train) : shardlm(train);
+    ASSERT_EQ(run.code, 0) << run.out;
+    const auto rows = shardlm::testing::read_metrics(dir_ / name / "metrics.jsonl");
+    ASSERT_FALSE(rows.empty());
+    ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();
+    EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+  }
   static fs::path dir_;
 };
 fs::path Simulate::dir_;
@@ -387,14 +399,7 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
   ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
   const std::string flags = m[1];
   EXPECT_EQ(flags.find("--strategy ddp"), std::string::npos) << flags;
-  const Result run = shardlm::testing::mpirun(
-      2, "train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " + (dir_ / "planned").string() +
-             " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet");
-  ASSERT_EQ(run.code, 0) << run.out;
-  const auto rows = shardlm::testing::read_metrics(dir_ / "planned" / "metrics.jsonl");
-  ASSERT_FALSE(rows.empty());
-  ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();  // the step's row (the last is the evaluation's)
-  EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+  expect_trains_within(2, flags, "planned", budget);
   // Bad budgets and a model that fits nowhere: one line each.
   expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 0"), {"--memory-per-rank", "0"});
   expect_one_line_error(shardlm("plan --model small --ranks 2 --global-batch 256 --seq 64 --memory-per-rank 1000"),
@@ -436,6 +441,33 @@ TEST_F(Simulate, PlanSearchesContextParallelismWhenAsked) {
   EXPECT_EQ(without.out.find("--cp "), std::string::npos) << without.out;
 }
 
+// --search-act-quant searches int8 activations beside fp32: under a budget that fp32 activations
+// fit only by rebuilding blocks whole (one sequence, the budget int8's peak keeping everything),
+// the first row compresses and is predicted faster than without the flag; its flags train within
+// the budget. Without the flag no row compresses; a group that splits a row is one line.
+TEST_F(Simulate, PlanSearchesActivationCompressionWhenAsked) {
+  const Result int8 = shardlm("simulate --model small --vocab 256 --ranks 1 --threads 1 --batch 1 --seq 256 --act-quant int8 --json");
+  ASSERT_EQ(int8.code, 0) << int8.out;
+  const int64_t budget = json::parse(int8.out)["mem"]["total"].get<int64_t>();
+  const std::string plan = "plan --model small --vocab 256 --ranks 1 --threads 1 --seq 256 --global-batch 256 --top 1 "
+                           "--memory-per-rank " + std::to_string(budget);
+  const Result without = shardlm(plan), with = shardlm(plan + " --search-act-quant");
+  ASSERT_EQ(without.code, 0) << without.out;
+  ASSERT_EQ(with.code, 0) << with.out;
+  EXPECT_EQ(without.out.find("--act-quant"), std::string::npos) << without.out;
+  EXPECT_NE(with.out.find("activations: each configuration searched in fp32 and as int8 (group 64, nearest rounding)"),
+            std::string::npos) << with.out;
+  const std::regex first("\n +1 +([0-9.]+) .*?(--strategy [^\n]*)");
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(without.out, a, first)) << without.out;
+  ASSERT_TRUE(std::regex_search(with.out, b, first)) << with.out;
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1])) << with.out;
+  const std::string flags = b[2];
+  EXPECT_NE(flags.find("--act-quant int8 --act-quant-group 64 --act-quant-rounding nearest"), std::string::npos) << flags;
+  expect_trains_within(1, flags, "planned_int8", budget);
+  expect_one_line_error(shardlm(plan + " --search-act-quant --act-quant-group 100"), {"act_quant_group", "100", "n_embd"});
+}
+
 // With --disk-per-rank, under a budget nothing fits in memory (small over the corpus's 256 tokens:
 // 192 MB at least), plan offers disk-tier configurations; the first one's flags train within the
 // budget. --largest-model reports a depth and the flags to train it. A profile without disk
@@ -450,13 +482,7 @@ TEST_F(Simulate, PlannerOffersTheDiskTierAndTheLargestModel) {
   ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
   const std::string flags = m[1];
   EXPECT_NE(flags.find("--memory-budget " + std::to_string(budget)), std::string::npos) << flags;
-  const Result run = shardlm("train --model small --threads 1 " + flags + " --data " + (dir_ / "tok").string() + " --out " +
-                             (dir_ / "planned_disk").string() + " --steps 1 --eval-windows 1 --sample-tokens 0 --peak-gflops 100 --quiet");
-  ASSERT_EQ(run.code, 0) << run.out;
-  const auto rows = shardlm::testing::read_metrics(dir_ / "planned_disk" / "metrics.jsonl");
-  ASSERT_FALSE(rows.empty());
-  ASSERT_TRUE(rows.front().contains("mem")) << rows.front().dump();
-  EXPECT_LE(rows.front()["mem"]["total"].get<int64_t>(), budget) << flags;
+  expect_trains_within(1, flags, "planned_disk", budget);
 
   const Result l = shardlm(plan + "--memory-per-rank " + std::to_string(budget) + " --disk-per-rank 1GiB --largest-model");
   ASSERT_EQ(l.code, 0) << l.out;

@@ -979,21 +979,25 @@ TEST(Planner, BudgetBelowDdpPicksAShardedPlanThatFits) {
 
 // Pruning by memory changes nothing but the work: under budgets that cut the grid at its lowest,
 // middle and upper memory, the pruned search finds exactly the exhaustive one's configurations with
-// the same predictions (so the order of memory it assumes, Lattice, holds for these models), while
-// building fewer plans; and the branch and bound (PlanQuery::top) its first rows.
+// the same predictions (so the order of memory it assumes, Lattice, holds for these models, int8
+// activations searched or not), while building fewer plans; and the branch and bound
+// (PlanQuery::top) its first rows.
 TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
   struct Case {
     const char* model;
     int ranks;
     int64_t seq, sequences;
     const char* hardware;
+    bool act_quant = false;  // int8 activations searched too
   };
   int bounded_cases = 0;  // where the bound simulated fewer
   for (const Case& k : {Case{"llama-tiny", 4, 256, 4, "h100-80gb"}, Case{"moe-tiny", 8, 256, 4, "h100-80gb"},
-                        Case{"tiny", 4, 128, 8, "cpu-local"}}) {
+                        Case{"tiny", 4, 128, 8, "cpu-local"}, Case{"llama-tiny", 2, 256, 4, "cpu-local", true},
+                        Case{"tiny", 2, 256, 4, "h100-80gb", true}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
     PlanQuery q;
     q.ranks = k.ranks, q.seq = k.seq, q.global_tokens = k.ranks * k.sequences * k.seq, q.threads = 1;
+    if (k.act_quant) q.act_quant = {32, false};
     q.exhaustive = true;
     const PlanSearch free = search_plans(desc, PlanConfig{}, preset(k.hardware), q);
     std::vector<int64_t> peaks;
@@ -1037,6 +1041,40 @@ TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
     }
   }
   EXPECT_GE(bounded_cases, 6);  // moe-tiny's and tiny's upper budgets, each top
+}
+
+// Activation compression where asked (PlanQuery::act_quant): the grid is searched in fp32 and in
+// int8. Under a budget fp32 activations fit only by rebuilding blocks whole, the best is compressed
+// and faster, within the budget, and its flags rebuild the same plan and prediction. Not asked, no
+// configuration compresses.
+TEST(Planner, SearchesActivationCompressionWhereAsked) {
+  const model::ModelDesc desc = model::describe(model::model_preset("small", 50257));
+  const HardwareProfile hw = preset("cpu-local");
+  PlanConfig c = for_hardware(PlanConfig{}, hw);
+  c.batch = 1, c.grad_accum = 1, c.seq = 1024, c.threads = 1, c.act_quant = {64, false};
+  const int64_t int8_kept = plan::build_plan(desc, c).peak_memory().total;  // recompute none
+  c.recompute = model::Recompute::selective, c.act_quant = {};
+  ASSERT_LT(int8_kept, plan::build_plan(desc, c).peak_memory().total);  // the case this test is about
+  PlanQuery q;
+  q.ranks = 1, q.seq = 1024, q.global_tokens = 1024, q.threads = 1, q.memory_budget = int8_kept;
+  const PlanSearch fp32 = search_plans(desc, PlanConfig{}, hw, q);
+  ASSERT_FALSE(fp32.fitting.empty());
+  for (const Candidate& k : fp32.fitting) {
+    EXPECT_FALSE(k.config.act_quant.on()) << k.flags;
+    EXPECT_EQ(k.flags.find("--act-quant"), std::string::npos) << k.flags;
+  }
+  q.act_quant = {64, false};
+  const PlanSearch both = search_plans(desc, PlanConfig{}, hw, q);
+  EXPECT_EQ(both.considered, 2 * fp32.considered);
+  ASSERT_FALSE(both.fitting.empty());
+  const Candidate& best = both.fitting.front();
+  EXPECT_TRUE(best.config.act_quant.on()) << best.flags;
+  EXPECT_LT(best.step_ms, fp32.fitting.front().step_ms);
+  EXPECT_LE(best.peak_bytes, q.memory_budget);
+  EXPECT_NE(best.flags.find("--act-quant int8 --act-quant-group 64 --act-quant-rounding nearest"), std::string::npos)
+      << best.flags;
+  EXPECT_EQ(plan::build_plan(desc, best.config).peak_memory().total, best.peak_bytes);
+  EXPECT_EQ(simulate_config(desc, best.config, hw, 1).step_ms, best.step_ms);
 }
 
 // Accumulating is not a smaller step of the micro-batch: under a sharded-gradient strategy every
