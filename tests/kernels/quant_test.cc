@@ -43,6 +43,24 @@ TEST(QuantTest, ScalesAreGroupAbsmaxAndNearestRoundTripWithinHalfAStep) {
   }
 }
 
+// A value exactly half-way between two steps goes away from zero, as std::round takes it (the
+// vectorized rounding keeps the scalar loop's bits): with a group's largest magnitude 127 a step
+// is 1, and k + 0.5 becomes k + 1 above zero and k below it.
+TEST(QuantTest, NearestRoundsTiesAwayFromZero) {
+  const int64_t group = 64, n = 4 * group;
+  std::vector<float> x(n);
+  for (int64_t g = 0; g < n / group; ++g) {
+    x[g * group] = 127.0f;
+    for (int64_t i = 1; i < group; ++i) x[g * group + i] = static_cast<float>((g * 63 + i) % 253 - 126) + 0.5f;
+  }
+  std::vector<int8_t> q(n);
+  std::vector<float> s(n / group);
+  quantize_int8(q.data(), s.data(), x.data(), n, group, {});
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(q[i], static_cast<int8_t>(std::round(x[i]))) << x[i];
+  EXPECT_EQ(q[1], static_cast<int8_t>(-125));  // -124.5: away from zero (ties to even: -124)
+  EXPECT_EQ(q[2], static_cast<int8_t>(-124));  // -123.5
+}
+
 TEST(QuantTest, ZeroGroupAndNonFiniteInput) {
   std::vector<float> x(128, 0.0f);
   x[64 + 3] = std::nanf("");
