@@ -54,8 +54,15 @@ json mem_json(const MemSnapshot& s) {
 // A float setting as typed (0.001, not the double nearest the float, 0.0010000000474974513).
 double shown(float v) { return std::stod(fmt::format("{}", v)); }
 
-json settings(const TrainConfig& c, const RunInfo& info) {
-  return {{"model", c.model},         {"strategy", c.strategy}, {"ranks", info.ranks},          {"threads", c.threads},
+// The strategy is the plan's, which can differ from the one asked (fsdp on one rank runs as ddp).
+std::string strategy_run(const TrainConfig& c, const plan::Plan& plan) {
+  const std::string ran = plan::to_string(plan.config.strategy);
+  return ran == c.strategy ? ran : fmt::format("{} (asked {})", ran, c.strategy);
+}
+
+json settings(const TrainConfig& c, const plan::Plan& plan, const RunInfo& info) {
+  return {{"model", c.model},         {"strategy", strategy_run(c, plan)},
+          {"ranks", info.ranks},      {"threads", c.threads},
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
           {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute_text()},     {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
@@ -95,7 +102,7 @@ void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, con
   const json j{{"starts", starts},
                {"git_commit", SHARDLM_GIT_COMMIT},
                {"machine", machine()},
-               {"config", settings(cfg, info)},
+               {"config", settings(cfg, plan, info)},
                {"plan_mem", mem_json(plan.peak_memory())},
                {"plan_mem_max", mem_json(plan.max_memory())},
                {"trace", cfg.trace.empty() ? "" : fs::absolute(cfg.trace, ec).string()}};

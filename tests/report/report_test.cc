@@ -90,6 +90,8 @@ TEST_F(Report, TrainingWritesTheReportAndItsRunInfo) {
   EXPECT_NE(info["starts"][0]["command_line"].get<std::string>().find("--eval-every 3"), std::string::npos);
   EXPECT_GT(info["plan_mem"]["params"].get<int64_t>(), 0);
   EXPECT_FALSE(info["git_commit"].get<std::string>().empty());
+  // What ran: fsdp (the default) on one rank is ddp's plan.
+  EXPECT_EQ(info["config"]["strategy"], "ddp (asked fsdp)");
 }
 
 TEST_F(Report, RenderedPageHasEveryChartTheFinalLossAndNoConsoleMessage) {
@@ -194,6 +196,7 @@ TEST_F(Report, TwoRanksEachHaveATraceRow) {
   const Result r = shardlm::testing::mpirun(
       2, runs_.args("ranks", 3) + " --threads 1 --trace " + (runs_.out("ranks") / "trace.json").string());
   ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(slurp(runs_.out("ranks") / "run_info.json"))["config"]["strategy"], "fsdp");
   std::string console;
   const std::string dom = rendered_dom(runs_.out("ranks") / "report.html", console);
   EXPECT_EQ(charts_of(dom).at("loss-step").at("loss"), 3);
