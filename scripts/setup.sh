@@ -11,14 +11,15 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 # Build and run: compiler, CMake, oneDNN (the GEMM), OpenMP (libgomp, with g++), Open MPI,
-# nlohmann-json, CLI11, fmt, xxHash (checkpoint checksums), liburing (the disk tier's I/O), GoogleTest, Google Benchmark. Test time only: Debian's PyTorch (the
-# numerical reference) and Node.js (the reference GPT-2 tokenizer). Data: bible-kjv.
+# nlohmann-json, CLI11, fmt, xxHash (checkpoint checksums), liburing (the disk tier's I/O). Test
+# time only: GoogleTest, Google Benchmark, Debian's PyTorch (the numerical reference) and Node.js
+# (runs the reference GPT-2 tokenizer). Data: bible-kjv, and curl for the BPE files.
 FOR="${SHARDLM_SETUP_FOR:-test}"
 [[ "$FOR" == run || "$FOR" == test ]] || { echo "setup: SHARDLM_SETUP_FOR must be run or test, got '$FOR'" >&2; exit 2; }
 # ocl-icd-opencl-dev: oneDNN's CMake package config requires OpenCL (only Recommended by
 # libdnnl-dev, so --no-install-recommends would skip it and find_package(dnnl) fails).
 PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
-          libfmt-dev libtomlplusplus-dev libxxhash-dev liburing-dev pkg-config bible-kjv)
+          libfmt-dev libtomlplusplus-dev libxxhash-dev liburing-dev pkg-config bible-kjv curl ca-certificates)
 # libopenblas0-pthread: python3-torch links libblas.so.3, which on a bare Debian is the reference
 # BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
 # handicapped.
@@ -30,10 +31,9 @@ missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-# Node.js may come from elsewhere than Debian (e.g. NodeSource's nodejs, which bundles npm and
-# conflicts with Debian's npm package): install Debian's only when the commands are missing.
-command -v node >/dev/null || missing+=(nodejs)
-command -v npm >/dev/null || missing+=(npm)
+# Node.js may come from elsewhere than Debian (e.g. NodeSource's): install Debian's only when the
+# command is missing.
+[[ "$FOR" == run ]] || command -v node >/dev/null || missing+=(nodejs)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=""

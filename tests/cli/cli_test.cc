@@ -428,9 +428,9 @@ TEST_F(Cli, MemorySlowResidentMemoryIsTheAccountedPeak) {
   std::cout << "resident " << rss / 1e6 << " MB, accounted " << accounted / 1e6 << " MB\n";
 }
 
-// The quick start's run (configs/quickstart.toml: `small` on the GPT-2-tokenized KJV, 400 steps)
+// The quick start's run (configs/quickstart.toml: `small` on the GPT-2-tokenized KJV, 300 steps)
 // must learn: its final validation loss clearly below the unigram entropy of the validation
-// tokens, i.e. the model uses context. Measured 5.21 against 5.95 nats/token; a 0.4 margin is
+// tokens, i.e. the model uses context. Measured 5.31 against 5.95 nats/token; a 0.4 margin is
 // far outside any run-to-run difference (same seed and threads are bitwise reproducible).
 TEST(DemoSlow, QuickstartRunLearnsBeyondUnigramStatistics) {
   const fs::path src = std::getenv("SHARDLM_SOURCE_DIR");
@@ -458,7 +458,7 @@ TEST(DemoSlow, QuickstartRunLearnsBeyondUnigramStatistics) {
   EXPECT_GT(unigram, 5.0) << r.out.substr(at, 200);
   EXPECT_LT(val, unigram - 0.4) << r.out.substr(at, 200);
   EXPECT_NE(r.out.find("--- sample ---"), std::string::npos);
-  EXPECT_EQ(losses(out / "run" / "metrics.jsonl").size(), 400u);
+  EXPECT_EQ(losses(out / "run" / "metrics.jsonl").size(), 300u);
   fs::remove_all(out);
 }
 

