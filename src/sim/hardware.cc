@@ -40,6 +40,10 @@ std::runtime_error bad(const std::string& origin, const std::string& field, cons
   return std::runtime_error("hardware profile " + origin + ": " + field + ": " + why);
 }
 
+// The least a positive figure may be, in its own unit. Smaller is a slip of the unit, and it made
+// times overflow: nic_bw 1e-300 printed "step inf ms | 0 tokens/s". A latency may still be 0.
+constexpr double kMinFigure = 1e-6;
+
 // A figure: {"value": positive number, "source": non-empty string}. `path` names it in errors.
 double figure(const json& parent, const std::string& key, const std::string& path, const std::string& origin,
               bool allow_zero = false) {
@@ -53,6 +57,9 @@ double figure(const json& parent, const std::string& key, const std::string& pat
   const double v = f.at("value").get<double>();
   if (!std::isfinite(v) || v < 0 || (v == 0 && !allow_zero))
     throw bad(origin, field + ".value", "must be " + std::string(allow_zero ? ">= 0" : "> 0") + ", got " + f.at("value").dump());
+  if (!allow_zero && v < kMinFigure)
+    throw bad(origin, field + ".value", "must be at least " + str(kMinFigure) + " (smaller is a slip of the unit), got " +
+                                            f.at("value").dump());
   return v;
 }
 
@@ -147,8 +154,10 @@ std::vector<std::vector<double>> table(const json& j, const std::string& key, co
       const std::string& name = fields[c];
       if (!e.is_object() || !e.contains(name) || !e.at(name).is_number()) throw bad(origin, path + "." + name, "must be a number");
       const double v = e.at(name).get<double>();
-      if (!std::isfinite(v) || v <= 0 || (c < whole && (v != std::floor(v) || v > 1e12)))
-        throw bad(origin, path + "." + name, std::string("must be a positive ") + (c < whole ? "whole " : "") + "number, got " + e.at(name).dump());
+      if (!std::isfinite(v) || v < kMinFigure || (c < whole && (v != std::floor(v) || v > 1e12)))
+        throw bad(origin, path + "." + name,
+                  (c < whole ? "must be a positive whole number" : "must be at least " + str(kMinFigure)) + ", got " +
+                      e.at(name).dump());
       row.push_back(v);
     }
     rows.push_back(row);

@@ -119,6 +119,32 @@ TEST(Hardware, FiguresBeyondPhysicalBoundsAreRefused) {
   }
 }
 
+// A positive figure so small that times overflow (nic_bw 1e-300 printed "step inf ms | 0
+// tokens/s") is refused naming it; a latency of 0 still loads.
+TEST(Hardware, FiguresTooSmallToPriceAnythingAreRefused) {
+  for (const auto& [preset_name, path] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"a100-80gb", {"network", "nic_bw"}},
+           {"a100-80gb", {"intra_node", "all_reduce", "bus_bw"}},
+           {"h100-80gb", {"fabric", "link_bw"}},
+           {"cpu-local", {"peak_flops"}},
+           {"cpu-local", {"gemm_efficiency"}}}) {
+    auto j = nlohmann::json::parse(read(preset_dir() + "/" + preset_name + ".json"));
+    nlohmann::json* f = &j;
+    std::string field;
+    for (const std::string& k : path) f = &(*f)[k], field += (field.empty() ? "" : ".") + k;
+    (*f)["value"] = 1e-300;
+    const std::string e = error_of([&] { parse_hardware(j.dump(), "tiny.json"); });
+    EXPECT_NE(e.find("tiny.json: " + field + ".value: must be at least"), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  auto j = nlohmann::json::parse(read(preset_dir() + "/a100-80gb.json"));
+  j["network"]["message_latency_s"]["value"] = 0;
+  EXPECT_NO_THROW(parse_hardware(j.dump(), "zero_latency.json"));
+  j["gemm_rates"] = {{"source", "test"}, {"value", {{{"m", 8}, {"k", 8}, {"n", 8}, {"threads", 1}, {"forward", 1e-9}, {"backward", 1e9}}}}};
+  const std::string e = error_of([&] { parse_hardware(j.dump(), "rows.json"); });
+  EXPECT_NE(e.find("rows.json: gemm_rates.value[0].forward: must be at least"), std::string::npos) << e;
+}
+
 // The disk tier's figures: cpu-local has them (measured); they are optional (a profile without
 // them loads, with 0: copies priced at nothing); a bad one is refused naming file and field.
 TEST(Hardware, DiskFiguresAreOptionalAndCheckedWhenGiven) {
