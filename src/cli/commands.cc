@@ -325,7 +325,7 @@ static std::string command_line(int argc, char** argv) {
 }
 
 int run(int argc, char** argv) {
-  CLI::App app{"shardlm: train GPT-2-shaped language models"};
+  CLI::App app{"shardlm: train GPT-2, LLaMA and mixture-of-experts language models, and predict their training"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all");
   std::string data_dir = default_data_dir();
