@@ -68,7 +68,12 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
 // --offload-prefetch auto, resolved on `hardware` for this world (every rank chooses alike); rank 0
 // says what it chose.
 train::TrainConfig with_read_ahead(const train::TrainConfig& cfg, const comm::Communicator& world, const std::string& hardware) {
-  if (cfg.offload_prefetch != train::kOffloadPrefetchAuto) return cfg;
+  if (cfg.offload_prefetch != train::kOffloadPrefetchAuto) {
+    if (!hardware.empty())  // a profile given and silently unused would look like it shaped the run
+      throw std::invalid_argument("--hardware: train uses a profile only to choose --offload-prefetch auto; drop it, "
+                                  "or give --offload-prefetch auto");
+    return cfg;
+  }
   if (hardware.empty())
     throw std::invalid_argument("--offload-prefetch auto: needs --hardware PROFILE to simulate the depths on (`shardlm "
                                 "calibrate --offload-dir DIR --out FILE` measures this machine)");

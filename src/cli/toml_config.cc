@@ -49,6 +49,9 @@ void apply_toml_config(const std::string& path, CLI::App* cmd) {
     const auto text = scalar_text(node);
     if (!text)
       throw CLI::ConfigError(fmt::format("config {}: key '{}' must be a string, number or boolean", path, key.str()));
+    // A flag takes no value on the command line; CLI11 would read any number as a count (9 = set).
+    if (opt->get_expected_max() == 0 && !node.is_boolean())
+      throw CLI::ConfigError(fmt::format("config {}: key '{}' is a switch: it must be true or false", path, key.str()));
     if (opt->count() > 0) continue;  // given on the command line
     try {
       opt->add_result(*text);

@@ -83,6 +83,11 @@ TEST_F(BadInput, ConfigFileThatIsNotAFile) {
   expect_one_line_error(run("train --config " + path("syntax.toml")), {path("syntax.toml"), "line 2"});
   write("array.toml", "steps = [1, 2]\n");
   expect_one_line_error(run("train --config " + path("array.toml")), {path("array.toml"), "steps"});
+  write("switch_number.toml", "overwrite = 9223372036854775807\n");
+  expect_one_line_error(run("train --config " + path("switch_number.toml")),
+                        {path("switch_number.toml"), "overwrite", "true or false"});
+  write("switch_word.toml", "overwrite = \"yes\"\n");
+  expect_one_line_error(run("train --config " + path("switch_word.toml")), {"overwrite", "true or false"});
   write("word.toml", "steps = \"many\"\n");
   expect_one_line_error(run("train --config " + path("word.toml")), {path("word.toml"), "steps", "many"});
 }

@@ -119,7 +119,8 @@ TEST_F(Simulate, OffloadPrintsTheDiskStreamsBusyAndExposedTime) {
 // --offload-prefetch auto: simulate tries each read-ahead depth under the budget and keeps the
 // fastest, which is the fastest of the depths given one by one (the same figure to the
 // microsecond); train takes it from --hardware, and without one, or in explain, says in one line
-// what is missing. (gpt2-124m at 40% of its resident peak: a depth of 4 does not fit there.)
+// what is missing; train refuses a --hardware it would not use. (gpt2-124m at 40% of its resident
+// peak: a depth of 4 does not fit there.)
 TEST_F(Simulate, OffloadPrefetchAutoKeepsTheFastestDepthUnderTheBudget) {
   const std::string plan = "simulate --hardware cpu-local --model gpt2-124m --vocab 50257 --batch 4 --seq 256 --threads 2 "
                            "--memory-budget 1064197324 --json";
@@ -152,6 +153,10 @@ TEST_F(Simulate, OffloadPrefetchAutoKeepsTheFastestDepthUnderTheBudget) {
   expect_one_line_error(shardlm(train), {"--offload-prefetch auto: needs --hardware PROFILE"});
   const Result trained = shardlm(train + " --hardware cpu-local");
   EXPECT_EQ(trained.code, 0) << trained.out;
+  expect_one_line_error(shardlm(train + " --hardware no-such-preset"), {"no-such-preset"});
+  const std::string fixed_depth = train.substr(0, train.find(" --offload-prefetch auto")) + " --offload-prefetch 1" +
+                                  train.substr(train.find(" --offload-prefetch auto") + 24);
+  expect_one_line_error(shardlm(fixed_depth + " --hardware cpu-local"), {"--hardware", "only to choose"});
   expect_one_line_error(shardlm("explain --model tiny --offload params --offload-prefetch auto"),
                         {"--offload-prefetch auto: the depth is chosen by simulating"});
 }
