@@ -9,10 +9,7 @@
 #include <unistd.h>
 
 #include "report/report.h"
-
-#ifndef SHARDLM_GIT_COMMIT
-#define SHARDLM_GIT_COMMIT "unknown"
-#endif
+#include "shardlm_git_commit.h"  // written by the build (cmake/git_commit.cmake)
 
 namespace shardlm::train {
 

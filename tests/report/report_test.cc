@@ -89,7 +89,17 @@ TEST_F(Report, TrainingWritesTheReportAndItsRunInfo) {
   const auto info = nlohmann::json::parse(slurp(runs_.out("run") / "run_info.json"));
   EXPECT_NE(info["starts"][0]["command_line"].get<std::string>().find("--eval-every 3"), std::string::npos);
   EXPECT_GT(info["plan_mem"]["params"].get<int64_t>(), 0);
-  EXPECT_FALSE(info["git_commit"].get<std::string>().empty());
+  // The commit the binary was built from (looked up at build time, not configure time), with
+  // "-dirty" where tracked files differ from it; "unknown" outside a git checkout.
+  const std::string commit = info["git_commit"].get<std::string>();
+  const std::string src = std::getenv("SHARDLM_SOURCE_DIR");
+  const Result head = shardlm::testing::run_command("git -C " + src + " rev-parse --short=12 HEAD");
+  if (head.code == 0) {
+    EXPECT_EQ(commit.substr(0, 12), head.out.substr(0, 12)) << "rebuild after a commit";
+    EXPECT_TRUE(commit.size() == 12 || commit.substr(12) == "-dirty") << commit;
+  } else {
+    EXPECT_EQ(commit, "unknown");
+  }
   // What ran: fsdp (the default) on one rank is ddp's plan.
   EXPECT_EQ(info["config"]["strategy"], "ddp (asked fsdp)");
 }
