@@ -576,6 +576,7 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dt
   kernels_of.cuda = cuda_options();
   const bool cpu_as_device = test_faults().cpu_as_device;
   return on_world([&](comm::Communicator& world, MemoryPool& memory) {
+    kernels_of.cuda.local_rank = train::find_machines(world, std::chrono::minutes(5)).local_rank;  // its GPU
     const std::string text = run::calibrate(*train::make_backend(kernels_of, memory, cpu_as_device), world, co);
     if (world.rank() == 0) {
       try {

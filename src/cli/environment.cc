@@ -20,13 +20,10 @@ bool launched_by_mpi() { return comm::launched_by_mpi(environment); }
 
 std::string hardware_dir() { return sim::hardware_dir(environment("SHARDLM_HARDWARE_DIR")); }
 
-int ranks_on_this_machine() {
-  // The test seam stands in for a job spread over machines: each ranks' block of it is taken for
-  // a machine of its own (snapshot partners), though all of them share this one.
+int test_ranks_per_machine() {
   const char* test = environment("SHARDLM_TEST_RANKS_ON_MACHINE");
-  const char* local = test ? test : environment("OMPI_COMM_WORLD_LOCAL_SIZE");
-  const int n = local ? std::atoi(local) : 1;
-  return n > 0 ? n : 1;
+  const int n = test ? std::atoi(test) : 0;
+  return n > 0 ? n : 0;
 }
 
 kernels::CudaOptions cuda_options() {
@@ -41,13 +38,12 @@ kernels::CudaOptions cuda_options() {
   o.sync_each_launch = is("SHARDLM_CUDA_DEBUG", "1");
   if (const char* rows = environment("SHARDLM_CUDA_HEAD_ROWS"); rows && std::atoll(rows) > 0)
     o.head_rows = std::atoll(rows);
-  if (const char* local = environment("OMPI_COMM_WORLD_LOCAL_RANK")) o.local_rank = std::max(0, std::atoi(local));
   return o;
 }
 
 train::TrainConfig with_environment(train::TrainConfig c) {
   c.comm = comm_options();
-  c.ranks_on_machine = ranks_on_this_machine();
+  c.test_ranks_per_machine = test_ranks_per_machine();
   c.cuda = cuda_options();
   return c;
 }

@@ -18,11 +18,11 @@ comm::MpiOptions comm_options();
 bool launched_by_mpi();
 // Where the hardware presets are: $SHARDLM_HARDWARE_DIR, else beside the executable.
 std::string hardware_dir();
-// Ranks of this job sharing this machine's memory: Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, else 1
-// (the test seam SHARDLM_TEST_RANKS_ON_MACHINE overrides it).
-int ranks_on_this_machine();
-// SHARDLM_CUDA_ATTENTION, SHARDLM_CUDA_GEMM_OPERANDS, SHARDLM_CUDA_DEBUG, SHARDLM_CUDA_HEAD_ROWS and
-// the local rank, for the CUDA backend.
+// The test seam SHARDLM_TEST_RANKS_ON_MACHINE=K: consecutive blocks of K ranks are taken for
+// machines of their own (TrainConfig::test_ranks_per_machine); 0 where unset.
+int test_ranks_per_machine();
+// SHARDLM_CUDA_ATTENTION, SHARDLM_CUDA_GEMM_OPERANDS, SHARDLM_CUDA_DEBUG and SHARDLM_CUDA_HEAD_ROWS,
+// for the CUDA backend (the local rank, which picks the GPU, is found from the ranks' host names).
 kernels::CudaOptions cuda_options();
 // `c` with the fields that come from the environment filled in.
 train::TrainConfig with_environment(train::TrainConfig c);

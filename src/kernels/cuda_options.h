@@ -26,7 +26,8 @@ struct CudaOptions {
   bool sync_each_launch = false;
   // SHARDLM_CUDA_HEAD_ROWS: logits rows per head slab (2048 x 50304 floats = 412 MB).
   int64_t head_rows = 2048;
-  // OMPI_COMM_WORLD_LOCAL_RANK: this process's GPU is the local rank's (modulo the device count).
+  // This rank's place among the ranks on its machine (train/machines.h): its GPU is that one,
+  // modulo the device count.
   int local_rank = 0;
 };
 

@@ -30,18 +30,6 @@ std::vector<T> gather(comm::Communicator& world, const std::vector<T>& mine, std
   return all;
 }
 
-// Every rank's string: lengths first, then the strings padded to the longest.
-std::vector<std::string> gather_strings(comm::Communicator& world, const std::string& mine,
-                                        std::chrono::milliseconds timeout) {
-  const auto lens = gather<int64_t>(world, {static_cast<int64_t>(mine.size())}, timeout, "settings: value lengths");
-  const int64_t most = *std::max_element(lens.begin(), lens.end());
-  std::vector<char> padded(mine.begin(), mine.end());
-  padded.resize(most, ' ');
-  const auto all = gather<char>(world, padded, timeout, "settings: values");
-  std::vector<std::string> out;
-  for (int r = 0; r < world.size(); ++r) out.emplace_back(all.data() + r * most, lens[r]);
-  return out;
-}
 
 // "0 on rank 0, 3 on ranks 1, 2": the ranks grouped by value, in rank order of first holder.
 std::string describe_values(const std::vector<std::string>& values) {
@@ -184,7 +172,8 @@ void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::c
     for (int r = 1; r < world.size(); ++r) equal = equal && every[r * mine.size() + i] == every[i];
     if (equal) continue;
     // Every rank walks the same fields in the same order, so these gathers match up.
-    differ.push_back(fmt::format("{} ({})", mine[i].first, describe_values(gather_strings(world, mine[i].second, timeout))));
+    const auto values = all_texts(world, timeout, mine[i].second, "settings: values");
+    differ.push_back(fmt::format("{} ({})", mine[i].first, describe_values(values)));
   }
   throw AgreedFailure(fmt::format("ranks disagree on settings: {}; every rank must be started with the same model, "
                                   "plan, data and optimizer settings",
@@ -207,6 +196,19 @@ void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds ti
   if (!failed) return;
   if (world.rank() == 0) throw AgreedFailure(failure, true);
   throw AgreedFailure("rank 0 failed at start-up", false);
+}
+
+// Lengths first, then the texts padded to the longest.
+std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milliseconds timeout,
+                                   const std::string& text, const std::string& label) {
+  const auto lens = gather<int64_t>(world, {static_cast<int64_t>(text.size())}, timeout, label + ": lengths");
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  std::vector<char> padded(text.begin(), text.end());
+  padded.resize(most, ' ');
+  const auto all = gather<char>(world, padded, timeout, label);
+  std::vector<std::string> out;
+  for (int r = 0; r < world.size(); ++r) out.emplace_back(all.data() + r * most, lens[r]);
+  return out;
 }
 
 std::string lead_text(comm::Communicator& world, std::chrono::milliseconds timeout, std::string text) {

@@ -47,6 +47,10 @@ void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::c
 // rank-0-only failure (a locked run directory) ends every rank instead of leaving them waiting.
 void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds timeout, const std::function<void()>& fn);
 
+// Collective: every rank's `text`, in rank order (`label` names the exchange in a timeout).
+std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milliseconds timeout,
+                                   const std::string& text, const std::string& label);
+
 // Collective: rank 0's `text` on every rank (what the other ranks pass is ignored).
 std::string lead_text(comm::Communicator& world, std::chrono::milliseconds timeout, std::string text);
 

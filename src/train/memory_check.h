@@ -21,7 +21,7 @@ MachineMemory machine_memory();
 // moments, 16 bytes, over the ranks that shard them; evaluation: 4 bytes, 1 shard). Describes
 // only a 1- and a 2-layer copy of the model, so a config asking for a million layers is refused
 // at once instead of being described for minutes. `ranks_here`: ranks of this job sharing this
-// machine's memory (TrainConfig::ranks_on_machine). Returns `c`; throws std::runtime_error.
+// machine's memory (Machines::ranks_here). Returns `c`; throws std::runtime_error.
 const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
                                                    int ranks_here);
 

@@ -59,7 +59,7 @@ std::string strategy_run(const TrainConfig& c, const plan::Plan& plan) {
 
 json settings(const TrainConfig& c, const plan::Plan& plan, const RunInfo& info) {
   return {{"model", c.model},         {"strategy", strategy_run(c, plan)},
-          {"ranks", info.ranks},      {"threads", c.threads},
+          {"ranks", info.ranks},      {"machines", describe(c.machines)}, {"threads", c.threads},
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
           {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute_text()},     {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},

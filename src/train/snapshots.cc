@@ -34,7 +34,7 @@ std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg,
   model::ModelDesc desc;
   const plan::Plan plan = run_plan(cfg, world.size(), desc);
   return std::make_unique<ckpt::SnapshotStore>(cfg.out, world, memory,
-                                               ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity, cfg.ranks_on_machine},
+                                               ckpt::SnapshotScheme{world.size(), cfg.snapshot_parity, cfg.machines.block},
                                                snapshot_mesh(plan), timeout);
 }
 
@@ -45,7 +45,7 @@ plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
       throw std::invalid_argument("--memory-budget " + cfg.memory_budget +
                                   " with --snapshot-every: the budget puts state on disk, and in-memory snapshots of "
                                   "offloaded state are not supported yet");
-  const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity, cfg.ranks_on_machine};
+  const ckpt::SnapshotScheme scheme{plan.config.world, cfg.snapshot_parity, cfg.machines.block};
   plan.static_memory.snapshot =
       ckpt::snapshot_bytes_most(scheme, plan.static_memory.params + plan.static_memory.optimizer);
   // The placement pass measured the plan without snapshots (it leaves their memory to train/).

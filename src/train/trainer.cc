@@ -224,13 +224,13 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
       meta(m),
       train_data(c.data + "_train.bin"),
       val_data(c.data + "_val.bin"),
-      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.ranks_on_machine))),
+      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.machines.ranks_here))),
       // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
       // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
       plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
                                    (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
-                                   c.ranks_on_machine)),
+                                   c.machines.ranks_here)),
       backend(make_backend(c, memory, h.cpu_as_device)),
       comms(w, plan, backend.get(), c.comm_backend == "nccl" ? run::DeviceCollectives::nccl : run::DeviceCollectives::staged),
       ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults,
@@ -279,7 +279,8 @@ struct StartUp {
   ckpt::SnapshotChoice snapshot;                   // --resume auto's, when it took one (else step -1)
 };
 
-// Before any collective of the step: the ranks agree on their settings; rank 0 takes the run
+// Before any collective of the step: the ranks agree on their settings and find which of them
+// share a machine (train/machines.h: memory checks, snapshot partners, the GPU); rank 0 takes the run
 // directory (whose run it holds says which snapshots are this run's), then checks that a resume
 // continues the saved run and admits the run into the directory. A failure there ends every
 // rank. --resume names a run or step directory; afterwards cfg.resume is the step directory on
@@ -287,6 +288,8 @@ struct StartUp {
 StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory) {
   const std::chrono::milliseconds timeout(static_cast<int64_t>(cfg.timeout_s * 1000));
   check_ranks_agree(cfg, world, timeout);
+  cfg.machines = find_machines(world, timeout, cfg.test_ranks_per_machine);
+  cfg.cuda.local_rank = cfg.machines.local_rank;
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
   on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });
@@ -439,11 +442,11 @@ struct StepScale {
 void print_run_header(const Session& s, double peak) {
   const TrainConfig& cfg = s.cfg;
   const auto& mc = s.desc.config;
-  fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) x {} thread(s), "
+  fmt::print("model {} ({}): {:.2f}M parameters (L={} C={} NH={} NKV={} F={} V={}), {} rank(s) on {} x {} thread(s), "
              "strategy {}, B={} per rank T={} accum={}, recompute {}, GEMM peak {:.0f} GFLOP/s per rank, "
              "kernels {}, collectives {}\n",
              cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
-             mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, cfg.threads,
+             mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, describe(cfg.machines), cfg.threads,
              plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute_text(), peak,
              s.backend->name(), s.comms.describe());
   if (const OffloadStore* d = s.ex.offload_store())

@@ -1,0 +1,59 @@
+#include "train/machines.h"
+
+#include <algorithm>
+#include <climits>
+#include <fmt/format.h>
+#include <set>
+#include <unistd.h>
+
+#include "comm/communicator.h"
+#include "train/agreement.h"
+
+namespace shardlm::train {
+
+namespace {
+
+std::string host_name() {
+  char host[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "?";
+  return host;
+}
+
+// k when ranks [0, k), [k, 2k), … each share one machine and no two blocks do; 1 otherwise.
+int block_of(const std::vector<std::string>& hosts, int machines) {
+  const int n = static_cast<int>(hosts.size());
+  if (n % machines != 0) return 1;
+  const int k = n / machines;
+  for (int r = 0; r < n; ++r)
+    if (hosts[r] != hosts[r - r % k]) return 1;
+  return k;  // k consecutive ranks on each of `machines` distinct names
+}
+
+}  // namespace
+
+Machines machines_of(const std::vector<std::string>& hosts, int rank) {
+  Machines m;
+  const std::string& mine = hosts.at(rank);
+  m.count = static_cast<int>(std::set<std::string>(hosts.begin(), hosts.end()).size());
+  m.ranks_here = static_cast<int>(std::count(hosts.begin(), hosts.end(), mine));
+  m.local_rank = static_cast<int>(std::count(hosts.begin(), hosts.begin() + rank, mine));
+  m.block = block_of(hosts, m.count);
+  return m;
+}
+
+Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block) {
+  if (test_block > 0) {
+    std::vector<std::string> hosts;
+    for (int r = 0; r < world.size(); ++r) hosts.push_back("machine " + std::to_string(r / test_block));
+    return machines_of(hosts, world.rank());
+  }
+  return machines_of(all_texts(world, timeout, host_name(), "host names"), world.rank());
+}
+
+std::string describe(const Machines& m) {
+  if (m.count == 1) return "1 machine";
+  if (m.block > 1) return fmt::format("{} machines of {}", m.count, m.block);
+  return fmt::format("{} machines", m.count);
+}
+
+}  // namespace shardlm::train

@@ -1,0 +1,39 @@
+// Which ranks of a job share a machine, found from the ranks' host names (one all-gather at
+// start) rather than from a launcher's environment: mpirun, srun and mpiexec each name the local
+// ranks in variables of their own, and srun's direct launch sets none of Open MPI's, so a job
+// that read OMPI_COMM_WORLD_LOCAL_* alone took every rank for a machine of its own there: each
+// rank's memory check counted the whole machine as its, every rank took the first GPU, and an
+// in-memory snapshot's partner copy could sit on its own machine.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace shardlm::comm {
+class Communicator;
+}
+
+namespace shardlm::train {
+
+struct Machines {
+  int count = 1;       // machines the job spans
+  int ranks_here = 1;  // ranks on this rank's machine, it included: what share its memory
+  int local_rank = 0;  // this rank's place among them, in rank order (the GPU it takes)
+  // k where every machine holds k consecutive ranks (Open MPI's and Slurm's default block
+  // placement): what a snapshot's partner scheme spreads copies by (ckpt::SnapshotScheme). 1
+  // otherwise; a placement of any other shape keeps rank r − 1 as partner.
+  int block = 1;
+};
+
+// The layout of ranks whose machines are `hosts` (one name per rank), as rank `rank` sees it.
+Machines machines_of(const std::vector<std::string>& hosts, int rank);
+
+// Collective: every rank's host name, all-gathered, then machines_of. A test may instead take
+// consecutive blocks of `test_block` ranks for machines (all on this one): test_block > 0.
+Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block = 0);
+
+// "1 machine", "2 machines of 4 ranks", "3 machines" (no block placement): for the run header.
+std::string describe(const Machines& m);
+
+}  // namespace shardlm::train

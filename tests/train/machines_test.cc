@@ -1,0 +1,79 @@
+// Which ranks share a machine: from the ranks' host names, whatever the launcher's environment
+// says (srun's direct launch sets none of Open MPI's OMPI_COMM_WORLD_LOCAL_* variables).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "run/test_util.h"
+#include "train/machines.h"
+
+namespace shardlm::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(Machines, OneMachine) {
+  const std::vector<std::string> hosts(4, "a");
+  for (int r = 0; r < 4; ++r) {
+    const Machines m = machines_of(hosts, r);
+    EXPECT_EQ(m.count, 1);
+    EXPECT_EQ(m.ranks_here, 4);
+    EXPECT_EQ(m.local_rank, r);
+  }
+  EXPECT_EQ(describe(machines_of(hosts, 0)), "1 machine");
+}
+
+// Block placement (mpirun's and srun's default): a snapshot's partner copy goes one machine back.
+TEST(Machines, BlocksOfConsecutiveRanks) {
+  const std::vector<std::string> hosts{"a", "a", "a", "b", "b", "b"};
+  const Machines m = machines_of(hosts, 4);
+  EXPECT_EQ(m.count, 2);
+  EXPECT_EQ(m.ranks_here, 3);
+  EXPECT_EQ(m.local_rank, 1);
+  EXPECT_EQ(m.block, 3);
+  EXPECT_EQ(describe(m), "2 machines of 3");
+}
+
+// Round-robin placement (srun --distribution=cyclic) and uneven counts are no blocks: the
+// partner stays rank r - 1 (in round-robin, on another machine), and each rank still counts the
+// ranks its machine's memory is shared by.
+TEST(Machines, PlacementsThatAreNotBlocks) {
+  const std::vector<std::string> cyclic{"a", "b", "a", "b"};
+  const Machines c = machines_of(cyclic, 2);
+  EXPECT_EQ(c.count, 2);
+  EXPECT_EQ(c.ranks_here, 2);
+  EXPECT_EQ(c.local_rank, 1);
+  EXPECT_EQ(c.block, 1);
+  EXPECT_EQ(describe(c), "2 machines");
+
+  const std::vector<std::string> uneven{"a", "a", "a", "b"};
+  EXPECT_EQ(machines_of(uneven, 3).ranks_here, 1);
+  EXPECT_EQ(machines_of(uneven, 0).ranks_here, 3);
+  EXPECT_EQ(machines_of(uneven, 0).block, 1);
+
+  const std::vector<std::string> back{"a", "a", "b", "b", "a", "a"};  // a name seen again later
+  EXPECT_EQ(machines_of(back, 4).block, 1);
+  EXPECT_EQ(machines_of(back, 4).local_rank, 2);
+}
+
+// Two ranks under mpirun with Open MPI's local-rank variables taken away, as srun's direct
+// launch leaves them: the run still finds both on one machine (run_info.json says so); the test
+// seam's blocks stand in for two machines.
+TEST(Machines, FoundWithoutTheLaunchersLocalVariables) {
+  testing::TinyRuns runs;
+  ASSERT_EQ(runs.create("machines").code, 0);
+  const std::string bare = "env -u OMPI_COMM_WORLD_LOCAL_SIZE -u OMPI_COMM_WORLD_LOCAL_RANK";
+  const auto machines_of_run = [&](const std::string& run) {
+    return nlohmann::json::parse(std::ifstream(runs.out(run) / "run_info.json"))["config"]["machines"];
+  };
+  const testing::Result r = testing::mpirun(2, runs.args("bare", 1), bare);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(machines_of_run("bare"), "1 machine");
+  const testing::Result seam = testing::mpirun(2, runs.args("seam", 1), "-x SHARDLM_TEST_RANKS_ON_MACHINE=1 " + bare);
+  ASSERT_EQ(seam.code, 0) << seam.out;
+  EXPECT_EQ(machines_of_run("seam"), "2 machines");
+  runs.remove();
+}
+
+}  // namespace
+}  // namespace shardlm::train
