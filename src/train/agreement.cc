@@ -5,6 +5,9 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <fstream>
+#include <sstream>
+#include <thread>
 
 namespace shardlm::train {
 
@@ -209,6 +212,35 @@ std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milli
   std::vector<std::string> out;
   for (int r = 0; r < world.size(); ++r) out.emplace_back(all.data() + r * most, lens[r]);
   return out;
+}
+
+void check_out_shared(comm::Communicator& world, std::chrono::milliseconds timeout, const std::string& out) {
+  if (world.size() == 1) return;
+  const auto lock_text = [&] {
+    std::ifstream f(out + "/.lock");
+    std::stringstream text;
+    text << f.rdbuf();
+    return text.str();
+  };
+  const std::string held = lead_text(world, timeout, lock_text());
+  bool sees = lock_text() == held;
+  for (int tries = 0; !sees && tries < 20; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    sees = lock_text() == held;
+  }
+  const auto all = gather<uint8_t>(world, {static_cast<uint8_t>(sees)}, timeout, "run directory: seen");
+  std::vector<int> blind;
+  for (int r = 0; r < world.size(); ++r)
+    if (!all[r]) blind.push_back(r);
+  if (blind.empty()) return;
+  std::string mine = held;
+  if (!mine.empty() && mine.back() == '\n') mine.pop_back();
+  throw AgreedFailure(fmt::format("--out: rank{} {} do{} not see the run directory rank 0 holds ({}/.lock: {}); every "
+                                  "rank writes its checkpoint files there, so every rank's --out must be that "
+                                  "directory, on a filesystem all the machines share",
+                                  blind.size() > 1 ? "s" : "", fmt::join(blind, ", "), blind.size() > 1 ? "" : "es",
+                                  out, mine),
+                      world.rank() == 0);
 }
 
 std::string lead_text(comm::Communicator& world, std::chrono::milliseconds timeout, std::string text) {

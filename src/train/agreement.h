@@ -47,6 +47,14 @@ void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::c
 // rank-0-only failure (a locked run directory) ends every rank instead of leaving them waiting.
 void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds timeout, const std::function<void()>& fn);
 
+// Collective, after rank 0 has taken the run directory (RunDirectory::open): every rank must
+// find, at its own `out`, the DIR/.lock rank 0 holds, since every rank writes its checkpoint
+// files there and rank 0 commits them. Otherwise (an --out on each machine's own disk) every
+// checkpoint would be committed without the other machines' files; throws AgreedFailure naming
+// the ranks that do not see it. A rank that does not see it yet retries for a few seconds (a
+// network filesystem's caches).
+void check_out_shared(comm::Communicator& world, std::chrono::milliseconds timeout, const std::string& out);
+
 // Collective: every rank's `text`, in rank order (`label` names the exchange in a timeout).
 std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milliseconds timeout,
                                    const std::string& text, const std::string& label);

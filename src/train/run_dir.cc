@@ -75,6 +75,8 @@ int lock_dir(const std::string& dir) {
   try {
     if (::ftruncate(fd, 0) != 0) throw std::runtime_error(path + ": cannot write: " + errno_text());
     write_all(fd, me.data(), me.size(), path);
+    // Durable now, not at close: ranks on other machines read it at start (check_out_shared).
+    if (::fdatasync(fd) != 0) throw std::runtime_error(path + ": cannot write: " + errno_text());
   } catch (...) {
     ::close(fd);
     throw;

@@ -13,7 +13,8 @@
 //  - temporary checkpoint directories a dead run left (ckpt/step_N.tmp-PID, .old-PID) are removed;
 //  - metrics.jsonl is written through CheckedLog: a failed write (disk full) stops the run with a
 //    line naming the file and the reason instead of leaving a log cut mid-line behind exit 0.
-// Rank 0 owns the directory; the other ranks never touch it.
+// Rank 0 owns the directory; the other ranks only check at start that they see it (its .lock:
+// agreement.h's check_out_shared) and write their checkpoint files into ckpt/step_N.tmp-PID.
 #pragma once
 
 #include <cstdint>

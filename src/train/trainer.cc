@@ -293,6 +293,7 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
   on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });
+  check_out_shared(world, timeout, cfg.out);
   const std::string held_run = lead_text(world, timeout, up.dir ? up.dir->held_run_id() : "");
   if (cfg.snapshot_every > 0 || cfg.resume == "auto") up.snapshots = make_snapshot_store(cfg, world, memory, timeout);
   if (cfg.resume == "auto") up.snapshot = resume_auto(cfg, world, *up.snapshots, held_run);

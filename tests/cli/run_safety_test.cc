@@ -328,11 +328,24 @@ TEST_F(RunSafety, RanksWithDifferentSettingsEndWithOneLineNamingFieldAndRanks) {
   }
 }
 
-// What is a process's own (threads, console, output paths) may differ.
-TEST_F(RunSafety, RanksMayDifferInThreadsQuietAndOutput) {
+// What is a process's own (threads, console, the path it reaches the run directory by) may
+// differ: rank 1's --out is a link to rank 0's (as a shared filesystem mounted elsewhere).
+TEST_F(RunSafety, RanksMayDifferInThreadsQuietAndOutputPath) {
   const std::string a = args("own", 2);
-  const Result r = mpmd(a, a + " --threads 2 --out " + (dir_ / "elsewhere").string() + " --timeout 200");
+  fs::create_directory_symlink(dir_ / "own", dir_ / "own-link");
+  const Result r = mpmd(a, a + " --threads 2 --out " + (dir_ / "own-link").string() + " --timeout 200");
   EXPECT_EQ(r.code, 0) << r.out;
+}
+
+// A rank whose --out is another directory (each machine's own disk) used to train and save
+// with exit 0: rank 0 committed every checkpoint naming rank 1's file, which was never there, so
+// no checkpoint could be resumed. Now the run ends at start, naming the rank; no directory is left.
+TEST_F(RunSafety, ARankThatDoesNotSeeTheRunDirectoryEndsTheRun) {
+  const std::string a = args("shared", 2) + " --save-every 2";
+  expect_one_error(mpmd(a, a + " --out " + (dir_ / "not-shared").string()),
+                   {"--out: rank 1 does not see the run directory rank 0 holds", (dir_ / "shared" / ".lock").string()});
+  EXPECT_FALSE(fs::exists(dir_ / "shared"));
+  EXPECT_FALSE(fs::exists(dir_ / "not-shared" / "ckpt"));
 }
 
 // Rank 0 owns the run directory: when it cannot lock it, every rank ends, with one line.
