@@ -244,14 +244,12 @@ void settle_windows(Plan& p) {
   }
 }
 
-// The run-long state kinds of config.offload: their placement, windows, and copies.
-void offload_state(Plan& p, const model::ModelDesc& desc) {
+// Placement: each (unit, kind) the config chooses lives on disk, but for a resident head; what
+// stays in memory is the static memory (an optimizer unit's two moments), and the state buffers
+// shrink to it (or go to disk whole where no unit of the kind stays).
+void place_state_on_disk(Plan& p, const model::ModelDesc& desc) {
   const OffloadConfig& o = p.config.offload;
-  const bool train = p.config.mode == PlanConfig::Mode::train;
   const int U = static_cast<int>(desc.units.size());
-
-  // Placement: each (unit, kind) the config chooses lives on disk, but for a resident head; what
-  // stays in memory is the static memory (an optimizer unit's two moments).
   std::vector<UnitPlacement> placed = p.placement();
   std::array<int64_t, kNumStateKinds> left{};  // bytes per kind that stay resident
   std::array<bool, kNumStateKinds> all{true, true, true};  // every held unit of the kind on disk
@@ -275,15 +273,11 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     if (all[k]) b.where = Location::disk;
     else b.bytes = left[k];  // the resident units' and heads' part, packed (run::Executor lays it out so)
   }
+}
 
-  // One gradient-norm and one optimizer task per unit, so a unit's state is in memory only while
-  // its own task runs.
-  if (train) {
-    split_per_unit(p, desc, Op::grad_norm, StateKind::grads);
-    split_per_unit(p, desc, Op::optimizer, StateKind::optimizer);
-  }
-
-  // Windows.
+// A window buffer for each offloaded (unit, state buffer): p.windows[unit][state].
+void add_windows(Plan& p, const model::ModelDesc& desc) {
+  const int U = static_cast<int>(desc.units.size());
   p.windows.assign(U, {-1, -1, -1, -1});
   for (int s = 0; s < kNumStateBuffers; ++s) {
     const StateKind k = kind_of(StateIndex(s));
@@ -300,17 +294,20 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       p.windows[u][s] = b.id;
     }
   }
+}
 
-  // The tasks using offloaded state, in plan order, and each state's residencies: runs of uses
-  // close enough (within prefetch + 1 using tasks) to keep the window in memory between them.
-  struct Touch {
-    int state, unit;
-    bool write;
-  };
-  struct Use {
-    int task;
-    std::vector<Touch> touch;
-  };
+// A task that uses offloaded state, and what of it.
+struct Touch {
+  int state, unit;
+  bool write;
+};
+struct Use {
+  int task;
+  std::vector<Touch> touch;
+};
+
+// The tasks using offloaded state, in plan order.
+std::vector<Use> offloaded_uses(const Plan& p, const model::ModelDesc& desc) {
   std::vector<Use> uses;
   for (const Task& t : p.tasks) {
     std::vector<Touch> kept;
@@ -318,13 +315,22 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       if (p.window(static_cast<int>(x.state), x.unit) >= 0) kept.push_back({static_cast<int>(x.state), x.unit, x.write});
     if (!kept.empty()) uses.push_back({t.id, kept});
   }
-  struct Residency {
-    int state, unit, first, last;
-    bool written, fresh;
-  };
+  return uses;
+}
+
+// A state's window kept in memory from use `first` to use `last` (indices into the uses).
+struct Residency {
+  int state, unit, first, last;
+  bool written;
+  bool fresh;        // a step's first window of its gradients: they start at zero, nothing to read
+  bool last_of_step;  // the state's last residency in the step
+};
+
+// Each state's residencies: runs of uses close enough (within prefetch + 1 using tasks) to keep
+// the window in memory between them.
+std::vector<Residency> residencies(const std::vector<Use>& uses, int U, int prefetch, bool train) {
   std::vector<Residency> res;
   std::vector<std::array<int, 4>> open(U, {-1, -1, -1, -1});  // the state's latest residency
-  const int d = o.prefetch;
   for (int i = 0; i < static_cast<int>(uses.size()); ++i)
     for (const Touch& x : uses[i].touch) {
       int& r = open[x.unit][x.state];
@@ -332,29 +338,34 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
         res[r].written = res[r].written || x.write;
         continue;
       }
-      if (r >= 0 && res[r].last >= i - d - 1) {
+      if (r >= 0 && res[r].last >= i - prefetch - 1) {
         res[r].last = i;
         res[r].written = res[r].written || x.write;
         continue;
       }
-      // A step's gradients start at zero (zero_grads): their first window needs no read.
       const bool fresh = train && x.state == static_cast<int>(StateIndex::grads) && r < 0;
-      res.push_back({x.state, x.unit, i, i, x.write, fresh});
+      res.push_back({x.state, x.unit, i, i, x.write, fresh, false});
       r = static_cast<int>(res.size()) - 1;
     }
-  std::vector<char> last_of_state(res.size(), 0);
   for (int u = 0; u < U; ++u)
     for (int s = 0; s < kNumStateBuffers; ++s)
-      if (open[u][s] >= 0) last_of_state[open[u][s]] = 1;
+      if (open[u][s] >= 0) res[open[u][s]].last_of_step = true;
+  return res;
+}
 
-  // The copy tasks, in copy-stream order. Slot i is listed right after use i - 1 (slot 0 before
-  // use 0): the write_backs of use i - 1, then the reloads of use i + d, which wait for use i - 1
-  // (so at most d + 1 uses' windows are read ahead).
-  struct Pending {
-    Task task;
-    int for_use;  // a reload: the use that waits for it
-  };
-  std::vector<std::vector<Pending>> slot(uses.size() + 1);
+// A copy task not yet in the list; a reload names the use that waits for it.
+struct PendingCopy {
+  Task task;
+  int for_use;  // -1: a write_back
+};
+
+// The copy tasks, in copy-stream order. Slot i is listed right after use i - 1 (slot 0 before
+// use 0): the write_backs of use i - 1, then the reloads of use i + d, which wait for use i - 1
+// (so at most d + 1 uses' windows are read ahead). A residency with nothing to copy has its
+// using tasks allocate and free the window.
+std::vector<std::vector<PendingCopy>> copy_slots(Plan& p, const std::vector<Use>& uses,
+                                                 const std::vector<Residency>& res, int d, bool train) {
+  std::vector<std::vector<PendingCopy>> slot(uses.size() + 1);
   auto copy_task = [&](Op op, const Residency& r) {
     Task t;
     t.op = op;
@@ -366,8 +377,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     t.copy_bytes = 4 * p.placed(k, r.unit).resident;  // the resident head, within memory
     return t;
   };
-  for (size_t ri = 0; ri < res.size(); ++ri) {
-    const Residency& r = res[ri];
+  for (const Residency& r : res) {
     const int w = p.windows[r.unit][r.state];
     if (r.fresh) {
       p.tasks[uses[r.first].task].allocs.push_back(w);
@@ -383,7 +393,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
       slot[std::max(0, r.first - d)].push_back({std::move(t), r.first});
     }
     // Gradients are dead after the step's last use (the next step starts them at zero).
-    const bool write_back = r.written && !(train && last_of_state[ri] && r.state == static_cast<int>(StateIndex::grads));
+    const bool write_back = r.written && !(train && r.last_of_step && r.state == static_cast<int>(StateIndex::grads));
     if (write_back) {
       Task t = copy_task(Op::write_back, r);
       t.frees.push_back(w);
@@ -394,9 +404,14 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     }
   }
   for (auto& s : slot)
-    std::stable_partition(s.begin(), s.end(), [](const Pending& x) { return x.task.op == Op::write_back; });
+    std::stable_partition(s.begin(), s.end(), [](const PendingCopy& x) { return x.task.op == Op::write_back; });
+  return slot;
+}
 
-  // The new list, ids renumbered to list order; a using task waits for its reloads.
+// The new task list, the copies on a stream of their own between the using tasks, ids
+// renumbered to list order; a using task waits for its reloads.
+void list_with_copies(Plan& p, const model::ModelDesc& desc, const std::vector<Use>& uses,
+                      std::vector<std::vector<PendingCopy>> slot) {
   const int copy_stream = static_cast<int>(p.streams.size());
   p.streams.push_back("copy");
   std::vector<int> use_at(p.tasks.size(), -1);
@@ -405,7 +420,7 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
   std::vector<int> new_id(p.tasks.size(), -1);
   std::vector<std::vector<int>> reloads(uses.size());  // by use: new ids of its reloads
   auto emit = [&](int i) {
-    for (Pending& x : slot[i]) {
+    for (PendingCopy& x : slot[i]) {
       Task& t = x.task;
       t.stream = copy_stream;
       for (int& dep : t.deps) dep = new_id[dep];  // using tasks already listed
@@ -432,6 +447,23 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
     std::sort(t.deps.begin(), t.deps.end());
   }
   p.tasks = std::move(out);
+}
+
+// The run-long state kinds of config.offload: their placement, windows, and copies.
+void offload_state(Plan& p, const model::ModelDesc& desc) {
+  const bool train = p.config.mode == PlanConfig::Mode::train;
+  place_state_on_disk(p, desc);
+  // One gradient-norm and one optimizer task per unit, so a unit's state is in memory only while
+  // its own task runs.
+  if (train) {
+    split_per_unit(p, desc, Op::grad_norm, StateKind::grads);
+    split_per_unit(p, desc, Op::optimizer, StateKind::optimizer);
+  }
+  add_windows(p, desc);
+  const std::vector<Use> uses = offloaded_uses(p, desc);
+  const int d = p.config.offload.prefetch;
+  const std::vector<Residency> res = residencies(uses, static_cast<int>(desc.units.size()), d, train);
+  list_with_copies(p, desc, uses, copy_slots(p, uses, res, d, train));
 }
 
 // --offload activations. A buffer a unit's forward allocates for its backward (saved, and
