@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -155,6 +156,22 @@ Buffer map_segment(MemoryPool& memory, const std::string& name, int64_t bytes, b
   else if (st.st_size != bytes && ::ftruncate(fd, bytes) != 0) {
     ::close(fd);
     throw std::runtime_error("snapshot " + name + ": cannot size to " + std::to_string(bytes) + " bytes: " + errno_text());
+  }
+  // ftruncate leaves the segment sparse: a write into the mapping past what the tmpfs can hold
+  // (a container's /dev/shm is 64 MiB unless given more) is a SIGBUS, not an error. Reserve it.
+  if (create && bytes > 0) {
+    if (const int err = ::posix_fallocate(fd, 0, bytes); err != 0) {
+      ::close(fd);
+      if (st.st_size == 0) ::shm_unlink(path.c_str());  // made here: no older slot in it to keep
+      struct statvfs fs {};
+      const std::string room = ::statvfs(kShmDir, &fs) == 0
+                                   ? " (" + std::to_string(fs.f_bavail * fs.f_frsize) + " bytes free of its " +
+                                         std::to_string(fs.f_blocks * fs.f_frsize) + ")"
+                                   : "";
+      throw std::runtime_error("snapshot " + name + ": " + kShmDir + " has no room for " + std::to_string(bytes) +
+                               " bytes" + room + ": " + std::strerror(err) +
+                               "; give it more (a container: --shm-size) or take no --snapshot-every");
+    }
   }
   void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : nullptr;
   ::close(fd);
