@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "tensor/file_lock.h"
+
 namespace shardlm {
 
 namespace {
@@ -54,9 +56,20 @@ DiskStore::DiskStore(std::string dir, DiskStoreOptions options, const std::strin
   lock_path_ = (std::filesystem::path(dir_) / (owner + ".lock")).string();
   lock_fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw std::runtime_error("offload dir " + dir_ + ": cannot create " + lock_path_ + ": " + errno_text(errno));
-  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    ::close(lock_fd_);
-    throw std::runtime_error("offload dir " + dir_ + ": " + lock_path_ + " is held by another live run; give each run its own --offload-dir");
+  int err = 0;
+  switch (lock_exclusive(lock_fd_, err)) {
+    case FileLock::held:
+      break;
+    case FileLock::unsupported:
+      unlocked_ = true;
+      break;
+    case FileLock::busy:
+      ::close(lock_fd_);
+      throw std::runtime_error("offload dir " + dir_ + ": " + lock_path_ +
+                               " is held by another live run; give each run its own --offload-dir");
+    case FileLock::failed:
+      ::close(lock_fd_);
+      throw std::runtime_error("offload dir " + dir_ + ": cannot lock " + lock_path_ + ": " + errno_text(err));
   }
   if (!options_.try_uring) {
     uring_refused_ = "not asked for";
@@ -84,8 +97,8 @@ DiskStore::~DiskStore() {
 
 std::string DiskStore::describe() const {
   std::string s = ring_ ? "io_uring" : "pread/pwrite (" + uring_refused_ + ")";
-  if (direct_refused_) return s + ", buffered (the filesystem refused O_DIRECT)";
-  return s + (options_.try_direct ? ", O_DIRECT" : ", buffered");
+  s += direct_refused_ ? ", buffered (the filesystem refused O_DIRECT)" : options_.try_direct ? ", O_DIRECT" : ", buffered";
+  return unlocked_ ? s + ", unlocked (the filesystem keeps no file locks)" : s;
 }
 
 int DiskStore::create(const std::string& name, int64_t bytes) {

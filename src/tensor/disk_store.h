@@ -98,6 +98,7 @@ class DiskStore final : public OffloadStore {
   std::unique_ptr<Ring> ring_;  // null: io_uring refused, pread/pwrite
   std::string uring_refused_;   // why, for describe()
   bool direct_refused_ = false;
+  bool unlocked_ = false;  // the filesystem keeps no locks: a second run on the dir is not refused
   std::mutex mu_;  // one ring, used by the copy stream and, between steps, the caller's thread
   int64_t read_ = 0, written_ = 0;
 };

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "train/resume_check.h"
+#include "tensor/file_lock.h"
 
 namespace shardlm::train {
 
@@ -60,14 +62,24 @@ int lock_dir(const std::string& dir) {
   const std::string path = dir + "/.lock";
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error("run directory " + dir + ": cannot open " + path + ": " + errno_text());
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    const std::string holder = err == EWOULDBLOCK ? lock_holder(fd) : "";
-    ::close(fd);
-    if (err != EWOULDBLOCK) throw std::runtime_error("run directory " + dir + ": cannot lock " + path + ": " + std::strerror(err));
-    throw std::runtime_error(fmt::format("run directory {} is in use by another run ({}, holding {}); wait for it to end "
-                                         "or choose another --out",
-                                         dir, holder, path));
+  int err = 0;
+  switch (lock_exclusive(fd, err)) {
+    case FileLock::held:
+      break;
+    case FileLock::unsupported:
+      std::cerr << "shardlm: warning: run directory " << dir << ": its filesystem keeps no file locks ("
+                << std::strerror(err) << "), so a second run on it would not be refused; give each run its own --out\n";
+      break;
+    case FileLock::busy: {
+      const std::string holder = lock_holder(fd);
+      ::close(fd);
+      throw std::runtime_error(fmt::format("run directory {} is in use by another run ({}, holding {}); wait for it to "
+                                           "end or choose another --out",
+                                           dir, holder, path));
+    }
+    case FileLock::failed:
+      ::close(fd);
+      throw std::runtime_error("run directory " + dir + ": cannot lock " + path + ": " + std::strerror(err));
   }
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);

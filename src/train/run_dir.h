@@ -1,7 +1,7 @@
 // The run directory (--out) belongs to one run at a time, and what it holds is that run's:
 //  - DIR/.lock is held with flock() while a run lives (the kernel releases it when the process
 //    dies, however it dies) and holds the holder's pid, so a second run on DIR fails at once
-//    naming it;
+//    naming it (where the filesystem keeps no locks, the run goes on unlocked and warns);
 //  - DIR/run.json says whose DIR is: the id of the run that started it (kept by every resume of
 //    it, new for a run that replaces it) and that run's settings (resume_check.h's run_identity);
 //  - a directory that already holds a run (a non-empty metrics.jsonl or a ckpt/) is refused unless
