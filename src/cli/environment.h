@@ -22,7 +22,7 @@ std::string hardware_dir();
 // machines of their own (TrainConfig::test_ranks_per_machine); 0 where unset.
 int test_ranks_per_machine();
 // SHARDLM_CUDA_ATTENTION, SHARDLM_CUDA_GEMM_OPERANDS, SHARDLM_CUDA_DEBUG and SHARDLM_CUDA_HEAD_ROWS,
-// for the CUDA backend (the local rank, which picks the GPU, is found from the ranks' host names).
+// for the CUDA backend (the local rank, which picks the GPU, is found at start: train/machines.h).
 kernels::CudaOptions cuda_options();
 // `c` with the fields that come from the environment filled in.
 train::TrainConfig with_environment(train::TrainConfig c);

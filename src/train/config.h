@@ -135,7 +135,7 @@ struct TrainConfig {
   // From the process's environment; the command line fills these (nothing below cli/ reads it).
   comm::MpiOptions comm;     // the MPI backend's algorithms and chunking (SHARDLM_COMM_*)
   // > 0: consecutive blocks of this many ranks are taken for machines, all on this one (the test
-  // seam SHARDLM_TEST_RANKS_ON_MACHINE); 0: the machines are found from the ranks' host names.
+  // seam SHARDLM_TEST_RANKS_ON_MACHINE); 0: the machines are found at start (train/machines.h).
   int test_ranks_per_machine = 0;
   Machines machines;  // where the ranks run: found at start (run_training), not a setting
   kernels::CudaOptions cuda;  // --device cuda: SHARDLM_CUDA_* and the local rank (bf16_gemm is compute_dtype's)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <fmt/format.h>
+#include <fstream>
 #include <set>
 #include <unistd.h>
 
@@ -13,10 +14,16 @@ namespace shardlm::train {
 
 namespace {
 
-std::string host_name() {
+// The kernel's boot id (a random id each boot): host names can repeat across machines (a
+// container image's "localhost") and differ on one (containers on one host share its kernel and
+// its memory). The host name where there is no boot id.
+std::string machine_id() {
   char host[HOST_NAME_MAX + 1] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) return "?";
-  return host;
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '?';
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(boot, id);
+  return id.empty() ? std::string(host) : id;
 }
 
 // k when ranks [0, k), [k, 2k), … each share one machine and no two blocks do; 1 otherwise.
@@ -47,7 +54,7 @@ Machines find_machines(comm::Communicator& world, std::chrono::milliseconds time
     for (int r = 0; r < world.size(); ++r) hosts.push_back("machine " + std::to_string(r / test_block));
     return machines_of(hosts, world.rank());
   }
-  return machines_of(all_texts(world, timeout, host_name(), "host names"), world.rank());
+  return machines_of(all_texts(world, timeout, machine_id(), "machine ids"), world.rank());
 }
 
 std::string describe(const Machines& m) {

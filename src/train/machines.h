@@ -1,5 +1,5 @@
-// Which ranks of a job share a machine, found from the ranks' host names (one all-gather at
-// start) rather than from a launcher's environment: mpirun, srun and mpiexec each name the local
+// Which ranks of a job share a machine, found from the kernel each runs on (its boot id, one
+// all-gather at start) rather than from a launcher's environment: mpirun, srun and mpiexec each name the local
 // ranks in variables of their own, and srun's direct launch sets none of Open MPI's, so a job
 // that read OMPI_COMM_WORLD_LOCAL_* alone took every rank for a machine of its own there: each
 // rank's memory check counted the whole machine as its, every rank took the first GPU, and an
@@ -26,10 +26,11 @@ struct Machines {
   int block = 1;
 };
 
-// The layout of ranks whose machines are `hosts` (one name per rank), as rank `rank` sees it.
+// The layout of ranks whose machines are `hosts` (one id per rank), as rank `rank` sees it.
 Machines machines_of(const std::vector<std::string>& hosts, int rank);
 
-// Collective: every rank's host name, all-gathered, then machines_of. A test may instead take
+// Collective: every rank's machine id (its kernel's boot id; the host name where there is none),
+// all-gathered, then machines_of. A test may instead take
 // consecutive blocks of `test_block` ranks for machines (all on this one): test_block > 0.
 Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block = 0);
 

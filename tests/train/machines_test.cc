@@ -1,4 +1,4 @@
-// Which ranks share a machine: from the ranks' host names, whatever the launcher's environment
+// Which ranks share a machine: from the kernel each runs on, whatever the launcher's environment
 // says (srun's direct launch sets none of Open MPI's OMPI_COMM_WORLD_LOCAL_* variables).
 #include <gtest/gtest.h>
 
