@@ -33,7 +33,6 @@ std::vector<T> gather(comm::Communicator& world, const std::vector<T>& mine, std
   return all;
 }
 
-
 // "0 on rank 0, 3 on ranks 1, 2": the ranks grouped by value, in rank order of first holder.
 std::string describe_values(const std::vector<std::string>& values) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;

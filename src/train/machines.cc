@@ -18,12 +18,12 @@ namespace {
 // container image's "localhost") and differ on one (containers on one host share its kernel and
 // its memory). The host name where there is no boot id.
 std::string machine_id() {
-  char host[HOST_NAME_MAX + 1] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '?';
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string id;
-  std::getline(boot, id);
-  return id.empty() ? std::string(host) : id;
+  if (std::getline(boot, id) && !id.empty()) return id;
+  char host[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "?";
+  return host;
 }
 
 // k when ranks [0, k), [k, 2k), … each share one machine and no two blocks do; 1 otherwise.

@@ -17,8 +17,8 @@
 #include <thread>
 #include <unistd.h>
 
-#include "train/resume_check.h"
 #include "tensor/file_lock.h"
+#include "train/resume_check.h"
 
 namespace shardlm::train {
 

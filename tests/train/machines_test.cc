@@ -10,28 +10,25 @@
 namespace shardlm::train {
 namespace {
 
-namespace fs = std::filesystem;
+// Every field of `got` against `want` {count, ranks_here, local_rank, block}.
+void expect_layout(const Machines& got, const Machines& want) {
+  EXPECT_EQ(got.count, want.count);
+  EXPECT_EQ(got.ranks_here, want.ranks_here);
+  EXPECT_EQ(got.local_rank, want.local_rank);
+  EXPECT_EQ(got.block, want.block);
+}
 
 TEST(Machines, OneMachine) {
   const std::vector<std::string> hosts(4, "a");
-  for (int r = 0; r < 4; ++r) {
-    const Machines m = machines_of(hosts, r);
-    EXPECT_EQ(m.count, 1);
-    EXPECT_EQ(m.ranks_here, 4);
-    EXPECT_EQ(m.local_rank, r);
-  }
+  for (int r = 0; r < 4; ++r) expect_layout(machines_of(hosts, r), {1, 4, r, 4});
   EXPECT_EQ(describe(machines_of(hosts, 0)), "1 machine");
 }
 
 // Block placement (mpirun's and srun's default): a snapshot's partner copy goes one machine back.
 TEST(Machines, BlocksOfConsecutiveRanks) {
   const std::vector<std::string> hosts{"a", "a", "a", "b", "b", "b"};
-  const Machines m = machines_of(hosts, 4);
-  EXPECT_EQ(m.count, 2);
-  EXPECT_EQ(m.ranks_here, 3);
-  EXPECT_EQ(m.local_rank, 1);
-  EXPECT_EQ(m.block, 3);
-  EXPECT_EQ(describe(m), "2 machines of 3");
+  expect_layout(machines_of(hosts, 4), {2, 3, 1, 3});
+  EXPECT_EQ(describe(machines_of(hosts, 4)), "2 machines of 3");
 }
 
 // Round-robin placement (srun --distribution=cyclic) and uneven counts are no blocks: the
@@ -39,12 +36,8 @@ TEST(Machines, BlocksOfConsecutiveRanks) {
 // ranks its machine's memory is shared by.
 TEST(Machines, PlacementsThatAreNotBlocks) {
   const std::vector<std::string> cyclic{"a", "b", "a", "b"};
-  const Machines c = machines_of(cyclic, 2);
-  EXPECT_EQ(c.count, 2);
-  EXPECT_EQ(c.ranks_here, 2);
-  EXPECT_EQ(c.local_rank, 1);
-  EXPECT_EQ(c.block, 1);
-  EXPECT_EQ(describe(c), "2 machines");
+  expect_layout(machines_of(cyclic, 2), {2, 2, 1, 1});
+  EXPECT_EQ(describe(machines_of(cyclic, 2)), "2 machines");
 
   const std::vector<std::string> uneven{"a", "a", "a", "b"};
   EXPECT_EQ(machines_of(uneven, 3).ranks_here, 1);
