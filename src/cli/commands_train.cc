@@ -46,7 +46,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
                                         int64_t B, int64_t T) {
   auto m = std::make_unique<LoadedModel>();
   const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
-  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1, 1));
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1, train::Machines{}));
   m->state = train::read_model_state(ckpt_dir);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
@@ -55,7 +55,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   pc.batch = B;
   pc.seq = T;
   pc.threads = threads;
-  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false, 1);
+  m->plan = train::refuse_unless_plan_fits(plan::build_plan(m->desc, pc), false, train::Machines{});
   m->world = std::make_unique<comm::SingleRankCommunicator>(m->memory);
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->backend = kernels::make_cpu_backend(m->memory);

@@ -9,6 +9,7 @@
 
 #include "comm/communicator.h"
 #include "train/agreement.h"
+#include "train/memory_cgroup.h"
 
 namespace shardlm::train {
 
@@ -38,23 +39,31 @@ int block_of(const std::vector<std::string>& hosts, int machines) {
 
 }  // namespace
 
-Machines machines_of(const std::vector<std::string>& hosts, int rank) {
+Machines machines_of(const std::vector<std::string>& hosts, int rank, const std::vector<std::string>& memory_limits) {
   Machines m;
   const std::string& mine = hosts.at(rank);
   m.count = static_cast<int>(std::set<std::string>(hosts.begin(), hosts.end()).size());
   m.ranks_here = static_cast<int>(std::count(hosts.begin(), hosts.end(), mine));
   m.local_rank = static_cast<int>(std::count(hosts.begin(), hosts.begin() + rank, mine));
   m.block = block_of(hosts, m.count);
+  m.ranks_under_memory_limit = m.ranks_here;
+  if (!memory_limits.empty() && !memory_limits.at(rank).empty()) {
+    m.ranks_under_memory_limit = 0;
+    for (size_t r = 0; r < hosts.size(); ++r)
+      m.ranks_under_memory_limit += hosts[r] == mine && memory_limits.at(r) == memory_limits.at(rank);
+  }
   return m;
 }
 
 Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block) {
+  const auto cgroup = memory_cgroup();
+  const auto limits = all_texts(world, timeout, cgroup ? cgroup->key : "", "memory cgroups");
   if (test_block > 0) {
     std::vector<std::string> hosts;
     for (int r = 0; r < world.size(); ++r) hosts.push_back("machine " + std::to_string(r / test_block));
-    return machines_of(hosts, world.rank());
+    return machines_of(hosts, world.rank(), limits);
   }
-  return machines_of(all_texts(world, timeout, machine_id(), "machine ids"), world.rank());
+  return machines_of(all_texts(world, timeout, machine_id(), "machine ids"), world.rank(), limits);
 }
 
 std::string describe(const Machines& m) {

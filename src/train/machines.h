@@ -24,13 +24,19 @@ struct Machines {
   // placement): what a snapshot's partner scheme spreads copies by (ckpt::SnapshotScheme). 1
   // otherwise; a placement of any other shape keeps rank r − 1 as partner.
   int block = 1;
+  // Ranks whose memory counts against the limit of this rank's memory cgroup, it included
+  // (train/memory_cgroup.h: Slurm's job, a container): the ranks under the same limiting cgroup
+  // on the same machine. ranks_here where no cgroup limits this rank.
+  int ranks_under_memory_limit = 1;
 };
 
-// The layout of ranks whose machines are `hosts` (one id per rank), as rank `rank` sees it.
-Machines machines_of(const std::vector<std::string>& hosts, int rank);
+// The layout of ranks whose machines are `hosts` (one id per rank), as rank `rank` sees it;
+// `memory_limits` (one per rank, "" for none, or empty for no rank limited) name each rank's
+// limiting memory cgroup.
+Machines machines_of(const std::vector<std::string>& hosts, int rank, const std::vector<std::string>& memory_limits = {});
 
-// Collective: every rank's machine id (its kernel's boot id; the host name where there is none),
-// all-gathered, then machines_of. A test may instead take
+// Collective: every rank's machine id (its kernel's boot id; the host name where there is none)
+// and limiting memory cgroup, all-gathered, then machines_of. A test may instead take
 // consecutive blocks of `test_block` ranks for machines (all on this one): test_block > 0.
 Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block = 0);
 

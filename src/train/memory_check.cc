@@ -5,9 +5,12 @@
 #include <cstdlib>
 #include <fmt/format.h>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "train/memory_cgroup.h"
 
 namespace shardlm::train {
 
@@ -25,6 +28,26 @@ std::string machine_text(const MachineMemory& m, int ranks) {
   return fmt::format("{}this machine has {:.2f} GiB available (MemAvailable; {:.2f} GiB physical)",
                      ranks > 1 ? fmt::format("{} ranks share this machine; ", ranks) : "", gib(m.available),
                      gib(m.physical));
+}
+
+std::string cgroup_text(const MemoryCgroup& c, int ranks) {
+  return fmt::format("{}the memory cgroup {} has {:.2f} GiB available (its limit {:.2f} GiB, {:.2f} GiB in use)",
+                     ranks > 1 ? fmt::format("{} ranks share its limit; ", ranks) : "", c.dir, gib(c.available),
+                     gib(c.limit), gib(c.in_use));
+}
+
+// What `per_rank` bytes on each of the ranks sharing them overrun, as the end of the error line:
+// the machine's available memory, or the limit of the memory cgroup this rank runs under (the
+// kernel kills past it, whatever /proc/meminfo says). nullopt where both hold them.
+std::optional<std::string> overrun(double per_rank, const Machines& machines) {
+  const MachineMemory m = machine_memory();
+  const int here = std::max(1, machines.ranks_here);
+  if (m.physical > 0 && per_rank * here > static_cast<double>(m.available)) return machine_text(m, here);
+  if (const auto cgroup = memory_cgroup()) {
+    const int under = std::max(1, machines.ranks_under_memory_limit);
+    if (per_rank * under > static_cast<double>(cgroup->available)) return cgroup_text(*cgroup, under);
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -65,28 +88,23 @@ double count_params(const model::ModelConfig& c) {
 }  // namespace
 
 const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
-                                                   int ranks_here) {
-  const MachineMemory m = machine_memory();
-  if (m.physical == 0) return c;  // no /proc/meminfo: nothing to compare with
+                                                   const Machines& machines) {
   const double params = count_params(c);
-  const int ranks = std::max(1, ranks_here);
   const double per_rank = bytes_per_param * params / shards;
-  if (per_rank * ranks > static_cast<double>(m.available))
+  if (const auto over = overrun(per_rank, machines))
     throw std::runtime_error(fmt::format(
         "model does not fit in memory: {:.3g} parameters (n_layer {}, n_embd {}) need at least {} per rank "
         "({} bytes each over {} rank(s)), but {}",
-        params, c.n_layer, c.n_embd, human(per_rank), bytes_per_param, shards, machine_text(m, ranks)));
+        params, c.n_layer, c.n_embd, human(per_rank), bytes_per_param, shards, *over));
   return c;
 }
 
-plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, int ranks_here) {
-  const MachineMemory m = machine_memory();
-  if (m.physical == 0) return plan;
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, const Machines& machines) {
   const MemSnapshot peak = plan.peak_memory();
   const int64_t staging = stages_whole_state ? 3 * static_cast<int64_t>(sizeof(float)) * plan.layout.total : 0;
-  const int ranks = std::max(1, ranks_here);
   const double per_rank = static_cast<double>(peak.total + staging);
-  if (per_rank * ranks <= static_cast<double>(m.available)) return plan;
+  const auto over = overrun(per_rank, machines);
+  if (!over) return plan;
   std::string parts;
   for (int i = 0; i < kNumMemCategories; ++i)
     if (peak.bytes[i] > 0)
@@ -94,7 +112,7 @@ plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, int
                            human(static_cast<double>(peak.bytes[i])));
   if (staging > 0) parts += ", checkpoint staging " + human(static_cast<double>(staging));
   throw std::runtime_error(fmt::format("model does not fit in memory: the plan needs {} per rank at its peak ({}), but {}",
-                                       human(per_rank), parts, machine_text(m, ranks)));
+                                       human(per_rank), parts, *over));
 }
 
 }  // namespace shardlm::train

@@ -7,6 +7,7 @@
 
 #include "model/model.h"
 #include "plan/plan.h"
+#include "train/machines.h"
 
 namespace shardlm::train {
 
@@ -20,15 +21,17 @@ MachineMemory machine_memory();
 // bytes_per_param × parameters / shards (training: fp32 parameters, gradients and AdamW's two
 // moments, 16 bytes, over the ranks that shard them; evaluation: 4 bytes, 1 shard). Describes
 // only a 1- and a 2-layer copy of the model, so a config asking for a million layers is refused
-// at once instead of being described for minutes. `ranks_here`: ranks of this job sharing this
-// machine's memory (Machines::ranks_here). Returns `c`; throws std::runtime_error.
+// at once instead of being described for minutes. `machines`: how many ranks of the job share
+// this machine's memory, and its memory cgroup's limit (Machines::ranks_here,
+// ranks_under_memory_limit). Returns `c`; throws std::runtime_error.
 const model::ModelConfig& refuse_unless_state_fits(const model::ModelConfig& c, double bytes_per_param, int shards,
-                                                   int ranks_here);
+                                                   const Machines& machines);
 
 // The plan's peak per rank (every category, as `explain` prints it), plus three whole fp32
 // copies of the state when `stages_whole_state` (resuming an older whole checkpoint reads
-// parameters and both moments whole on every rank), times `ranks_here`, against this machine's
-// available memory. Returns `plan`; throws std::runtime_error naming the figures.
-plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, int ranks_here);
+// parameters and both moments whole on every rank), times the ranks sharing each, against this
+// machine's available memory and this rank's memory cgroup's. Returns `plan`; throws
+// std::runtime_error naming the figures.
+plan::Plan refuse_unless_plan_fits(plan::Plan plan, bool stages_whole_state, const Machines& machines);
 
 }  // namespace shardlm::train

@@ -224,13 +224,13 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
       meta(m),
       train_data(c.data + "_train.bin"),
       val_data(c.data + "_val.bin"),
-      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.machines.ranks_here))),
+      desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.machines))),
       // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
       // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
       plan(refuse_unless_plan_fits(with_snapshot_memory(plan::build_plan(desc, plan_config(c, w)), c),
                                    (!c.resume.empty() && !ckpt::is_sharded(c.resume)) ||
                                        (!c.init_from.empty() && !ckpt::is_sharded(c.init_from)),
-                                   c.machines.ranks_here)),
+                                   c.machines)),
       backend(make_backend(c, memory, h.cpu_as_device)),
       comms(w, plan, backend.get(), c.comm_backend == "nccl" ? run::DeviceCollectives::nccl : run::DeviceCollectives::staged),
       ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults,

@@ -117,10 +117,10 @@ TEST(MemoryCheck, RefusesWhatCannotFitWithTheFigures) {
   EXPECT_GT(m.available, 0);
   EXPECT_LE(m.available, m.physical);
   model::ModelConfig c = model::model_preset("tiny", 256);
-  EXPECT_NO_THROW(refuse_unless_state_fits(c, 16, 1, 1));
+  EXPECT_NO_THROW(refuse_unless_state_fits(c, 16, 1, Machines{}));
   c.n_layer = 1000000;  // 5e10 parameters: 800 GB of training state
   try {
-    refuse_unless_state_fits(c, 16, 1, 1);
+    refuse_unless_state_fits(c, 16, 1, Machines{});
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     const std::string msg = e.what();
@@ -128,17 +128,17 @@ TEST(MemoryCheck, RefusesWhatCannotFitWithTheFigures) {
     EXPECT_NE(msg.find("MemAvailable"), std::string::npos) << msg;
   }
   // Sharded over enough ranks the same state is no longer refused by the first check.
-  EXPECT_NO_THROW(refuse_unless_state_fits(c, 16, 1 << 20, 1));
+  EXPECT_NO_THROW(refuse_unless_state_fits(c, 16, 1 << 20, Machines{}));
 
   const model::ModelDesc desc = model::describe(model::model_preset("tiny", 256));
   TrainConfig tc;
   tc.batch = 2;
   tc.seq = 32;
-  EXPECT_NO_THROW(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(tc, 1)), true, 1));
+  EXPECT_NO_THROW(refuse_unless_plan_fits(plan::build_plan(desc, plan_config(tc, 1)), true, Machines{}));
   tc.batch = 8388607;  // 2^31 tokens: terabytes of activations
   tc.seq = 256;
   try {
-    refuse_unless_plan_fits(plan::build_plan(desc, plan_config(tc, 1)), false, 1);
+    refuse_unless_plan_fits(plan::build_plan(desc, plan_config(tc, 1)), false, Machines{});
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     const std::string msg = e.what();

@@ -49,6 +49,18 @@ TEST(Machines, PlacementsThatAreNotBlocks) {
   EXPECT_EQ(machines_of(back, 4).local_rank, 2);
 }
 
+// The ranks a memory cgroup's limit is shared by: those on the same machine under the same
+// limiting cgroup (Slurm's job on each node; a container each, on one host). Without a limit
+// the machine's ranks share its memory.
+TEST(Machines, RanksUnderOneMemoryLimit) {
+  const std::vector<std::string> hosts{"a", "a", "a", "b"}, limits{"job", "job", "pod", "job"};
+  EXPECT_EQ(machines_of(hosts, 0, limits).ranks_under_memory_limit, 2);
+  EXPECT_EQ(machines_of(hosts, 2, limits).ranks_under_memory_limit, 1);
+  EXPECT_EQ(machines_of(hosts, 3, limits).ranks_under_memory_limit, 1);  // another machine's "job"
+  EXPECT_EQ(machines_of(hosts, 0, {"", "", "", ""}).ranks_under_memory_limit, 3);
+  EXPECT_EQ(machines_of(hosts, 0).ranks_under_memory_limit, 3);
+}
+
 // Two ranks under mpirun with Open MPI's local-rank variables taken away, as srun's direct
 // launch leaves them: the run still finds both on one machine (run_info.json says so); the test
 // seam's blocks stand in for two machines.

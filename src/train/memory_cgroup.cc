@@ -1,0 +1,165 @@
+#include "train/memory_cgroup.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+#include <vector>
+
+namespace shardlm::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  std::string part;
+  std::istringstream in(s);
+  while (std::getline(in, part, sep)) parts.push_back(part);
+  return parts;
+}
+
+// mountinfo writes a space, tab, newline or backslash in a path as \ooo (octal).
+std::string unescape(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 3 < s.size()) {
+      const std::string oct = s.substr(i + 1, 3);
+      if (oct.find_first_not_of("01234567") == std::string::npos) {
+        out += static_cast<char>(std::stoi(oct, nullptr, 8));
+        i += 3;
+        continue;
+      }
+    }
+    out += s[i];
+  }
+  return out;
+}
+
+struct Place {
+  bool v2 = false;
+  std::string path;  // the cgroup's path in its hierarchy, from /proc/self/cgroup
+};
+
+// The memory controller's line of /proc/self/cgroup: a v1 hierarchy naming "memory" among its
+// controllers, else the v2 line ("0::PATH"), where every controller the kernel enables lives.
+std::optional<Place> memory_place(const std::string& root) {
+  std::ifstream f(root + "/proc/self/cgroup");
+  std::string line;
+  std::optional<Place> v2;
+  while (std::getline(f, line)) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (controllers.empty() && line.substr(0, a) == "0") v2 = Place{true, path};
+    for (const std::string& c : split(controllers, ','))
+      if (c == "memory") return Place{false, path};
+  }
+  return v2;
+}
+
+// Where `place`'s hierarchy is mounted (mount point, and the hierarchy's path at that mount point:
+// "/" but for a container that sees only its own subtree).
+std::optional<std::pair<std::string, std::string>> mount_of(const std::string& root, const Place& place) {
+  std::ifstream f(root + "/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    const size_t dash = line.find(" - ");
+    if (dash == std::string::npos) continue;
+    const std::vector<std::string> before = split(line.substr(0, dash), ' '), after = split(line.substr(dash + 3), ' ');
+    if (before.size() < 5 || after.size() < 3) continue;
+    const bool is_memory = place.v2 ? after[0] == "cgroup2" : after[0] == "cgroup" && [&] {
+      for (const std::string& o : split(after[2], ','))
+        if (o == "memory") return true;
+      return false;
+    }();
+    if (is_memory) return std::pair{unescape(before[4]), unescape(before[3])};
+  }
+  return std::nullopt;
+}
+
+std::optional<int64_t> read_number(const fs::path& file) {
+  std::ifstream f(file);
+  std::string word;
+  if (!(f >> word) || word.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;  // "max", absent
+  try {
+    return static_cast<int64_t>(std::stoull(word));
+  } catch (const std::out_of_range&) {
+    return std::nullopt;
+  }
+}
+
+int64_t stat_field(const fs::path& file, const std::string& key) {
+  std::ifstream f(file);
+  std::string name;
+  int64_t value = 0;
+  while (f >> name >> value)
+    if (name == key) return value;
+  return 0;
+}
+
+// One level's limit and use; nullopt where it sets no limit. v1 writes "no limit" as the page
+// counter's largest value (2^63 less a page).
+std::optional<MemoryCgroup> level(const fs::path& dir, bool v2) {
+  const auto limit = read_number(dir / (v2 ? "memory.max" : "memory.limit_in_bytes"));
+  if (!limit || *limit >= (int64_t{1} << 62)) return std::nullopt;
+  const int64_t usage = read_number(dir / (v2 ? "memory.current" : "memory.usage_in_bytes")).value_or(0);
+  // Inactive page cache is reclaimed before the kernel kills anything: the working set of
+  // Kubernetes' eviction and cAdvisor.
+  const int64_t inactive_file = stat_field(dir / "memory.stat", v2 ? "inactive_file" : "total_inactive_file");
+  MemoryCgroup m;
+  m.dir = dir.string();
+  struct stat st {};
+  m.key = ::stat(m.dir.c_str(), &st) == 0 ? std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) : m.dir;
+  m.limit = *limit;
+  m.in_use = std::max<int64_t>(0, usage - inactive_file);
+  m.available = std::max<int64_t>(0, m.limit - m.in_use);
+  return m;
+}
+
+struct Walk {
+  fs::path leaf;  // this process's cgroup
+  fs::path top;   // the mount point, above which the walk does not go
+  bool v2 = false;
+};
+
+std::optional<Walk> walk_of(const std::string& root) {
+  const auto place = memory_place(root);
+  if (!place) return std::nullopt;
+  const auto mount = mount_of(root, *place);
+  if (!mount) return std::nullopt;
+  const auto& [point, mounted_path] = *mount;
+  std::string rel;  // the cgroup's path below the mount point
+  if (mounted_path == "/")
+    rel = place->path;
+  else if (place->path.compare(0, mounted_path.size(), mounted_path) == 0)
+    rel = place->path.substr(mounted_path.size());
+  // else the cgroup is outside what is mounted here: the mount point is the nearest level seen
+  const fs::path top = fs::path(root + point).lexically_normal();
+  fs::path leaf = (top / fs::path(rel).relative_path()).lexically_normal();
+  if (!leaf.has_filename()) leaf = leaf.parent_path();  // "top/" when rel is "/"
+  return Walk{leaf, top, place->v2};
+}
+
+}  // namespace
+
+std::optional<MemoryCgroup> memory_cgroup(const std::string& root) {
+  const auto walk = walk_of(root);
+  if (!walk) return std::nullopt;
+  std::optional<MemoryCgroup> tightest;
+  for (fs::path dir = walk->leaf;; dir = dir.parent_path()) {
+    const auto here = level(dir, walk->v2);
+    if (here && (!tightest || here->available < tightest->available)) tightest = here;
+    if (dir == walk->top || dir == dir.parent_path()) break;
+  }
+  return tightest;
+}
+
+std::string own_memory_cgroup_dir(const std::string& root) {
+  const auto walk = walk_of(root);
+  return walk ? walk->leaf.string() : "";
+}
+
+}  // namespace shardlm::train
