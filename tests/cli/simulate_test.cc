@@ -471,6 +471,10 @@ TEST_F(Simulate, PlanSearchesActivationCompressionWhenAsked) {
   EXPECT_NE(flags.find("--act-quant int8 --act-quant-group 64 --act-quant-rounding nearest"), std::string::npos) << flags;
   expect_trains_within(1, flags, "planned_int8", budget);
   expect_one_line_error(shardlm(plan + " --search-act-quant --act-quant-group 100"), {"act_quant_group", "100", "n_embd"});
+  // Its rows are to be trained with --device cuda on a GPU's profile, which refuses --act-quant.
+  expect_one_line_error(shardlm("plan --model small --ranks 8 --seq 1024 --global-batch 65536 --hardware h100-80gb "
+                                "--search-act-quant"),
+                        {"--search-act-quant", "'h100-80gb' is a GPU's", "--device cuda"});
 }
 
 // With --disk-per-rank, under a budget nothing fits in memory (small over the corpus's 256 tokens:
