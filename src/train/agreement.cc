@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <xxhash.h>
 
 namespace shardlm::train {
 
@@ -50,17 +51,32 @@ std::string describe_values(const std::vector<std::string>& values) {
   return out;
 }
 
-// "123456/7890": the byte sizes of the token files this rank reads, so that ranks on machines
-// holding different files under one name are told apart ("absent" where a file is missing).
-std::string data_file_sizes(const std::string& prefix) {
-  std::string out;
-  for (const char* part : {"_train.bin", "_val.bin"}) {
-    std::error_code ec;
-    const auto bytes = std::filesystem::file_size(prefix + part, ec);
-    if (!out.empty()) out += '/';
-    out += ec ? std::string("absent") : std::to_string(bytes);
+// A token file's size and an XXH3 of 16 blocks of 4 KiB spread over it, the first and the last
+// among them ("absent" where it is missing): ranks on machines holding different files under one
+// name are told apart, a copy still being written (its tail not there yet, or preallocated as
+// zeros) or one of the same size made from another text too, without reading a corpus of many
+// GB on every start.
+std::string data_file_digest(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(path, ec);
+  if (!f || ec) return "absent";
+  constexpr uint64_t kBlock = 4096, kBlocks = 16;
+  const uint64_t span = bytes > kBlock ? bytes - kBlock : 0;
+  std::string sampled;
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    std::string block(kBlock, '\0');
+    f.seekg(static_cast<std::streamoff>(span * i / (kBlocks - 1)));
+    f.read(block.data(), kBlock);
+    sampled.append(block.data(), static_cast<size_t>(f.gcount()));
+    f.clear();
   }
-  return out;
+  const uint64_t digest = XXH3_64bits(sampled.data(), sampled.size());
+  return fmt::format("{} bytes, {:016x}", bytes, digest);
+}
+
+std::string data_file_digests(const std::string& prefix) {
+  return data_file_digest(prefix + "_train.bin") + " / " + data_file_digest(prefix + "_val.bin");
 }
 
 }  // namespace
@@ -93,7 +109,7 @@ Settings rank_settings(const TrainConfig& c) {
       {"act-quant-group", s(c.act_quant_group)},
       {"act-quant-rounding", c.act_quant_rounding},
       {"data", c.data},
-      {"data file bytes (train/val)", data_file_sizes(c.data)},
+      {"data files (train / val: size, sampled XXH3)", data_file_digests(c.data)},
       {"resume", c.resume},
       {"init-from", c.init_from},
       {"steps", s(c.steps)},

@@ -79,18 +79,30 @@ TEST(RankSettings, LeaveOutWhatIsTheProcesssOwn) {
   EXPECT_NE(rank_settings(a), rank_settings(b));
 }
 
-// Ranks on machines that hold different token files under one name are told apart by size.
+// Ranks on machines that hold different token files under one name are told apart: by size, and
+// at one size by the content of blocks spread over the file (a copy whose tail is still zeros).
 TEST(RankSettings, TellDifferentTokenFilesUnderOneNameApart) {
   const fs::path prefix = fs::temp_directory_path() / ("shardlm_settings_" + std::to_string(::getpid()));
   TrainConfig c;
   c.data = prefix.string();
-  const auto absent = rank_settings(c);
-  std::ofstream(prefix.string() + "_train.bin") << "0123456789";
+  const auto data_files = [&] {
+    for (const auto& [field, value] : rank_settings(c))
+      if (field.rfind("data files", 0) == 0) return value;
+    return std::string("(no field)");
+  };
+  EXPECT_EQ(data_files(), "absent / absent");
+  std::string corpus(1 << 20, '\0');
+  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<char>(i * 7919 % 251);
+  std::ofstream(prefix.string() + "_train.bin", std::ios::binary) << corpus;
   std::ofstream(prefix.string() + "_val.bin") << "01234";
-  const auto present = rank_settings(c);
-  EXPECT_NE(absent, present);
-  EXPECT_NE(std::find(present.begin(), present.end(), std::pair<std::string, std::string>{"data file bytes (train/val)", "10/5"}),
-            present.end());
+  const std::string whole = data_files();
+  EXPECT_NE(whole.find("1048576 bytes, "), std::string::npos) << whole;
+  EXPECT_NE(whole.find(" / 5 bytes, "), std::string::npos) << whole;
+  std::fill(corpus.begin() + corpus.size() / 2, corpus.end(), '\0');  // half copied, the rest preallocated
+  std::ofstream(prefix.string() + "_train.bin", std::ios::binary) << corpus;
+  const std::string half = data_files();
+  EXPECT_NE(half.find("1048576 bytes, "), std::string::npos) << half;
+  EXPECT_NE(half, whole);
   fs::remove(prefix.string() + "_train.bin");
   fs::remove(prefix.string() + "_val.bin");
 }
