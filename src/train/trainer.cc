@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -290,6 +291,8 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   check_ranks_agree(cfg, world, timeout);
   cfg.machines = find_machines(world, timeout, cfg.test_ranks_per_machine);
   cfg.cuda.local_rank = cfg.machines.local_rank;
+  if (const std::string slow = threads_warning(world, timeout, cfg.threads); !slow.empty() && world.rank() == 0)
+    std::cerr << "shardlm: warning: " << slow << "\n";
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
   on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });

@@ -80,5 +80,25 @@ TEST(Machines, FoundWithoutTheLaunchersLocalVariables) {
   runs.remove();
 }
 
+// More compute threads than CPUs a rank may run on (mpirun binds each rank to one core when it
+// starts two or fewer; taskset here) is said in one warning from rank 0, naming the ranks; threads
+// that fit their CPUs say nothing.
+TEST(Machines, ThreadsBeyondTheAllowedCpusAreWarnedOf) {
+  testing::TinyRuns runs;
+  runs.threads = 2;
+  ASSERT_EQ(runs.create("threads").code, 0);
+  const testing::Result pinned =
+      testing::run_command("taskset -c 0 " + testing::shardlm_binary() + " " + runs.args("pinned", 1));
+  ASSERT_EQ(pinned.code, 0) << pinned.out;
+  EXPECT_NE(pinned.out.find("shardlm: warning: 2 compute threads a rank, but rank 0 on 1 CPU(s) (CPU affinity)"),
+            std::string::npos) << pinned.out;
+  EXPECT_EQ(testing::count_lines(pinned.out), 1) << pinned.out;
+  runs.threads = 1;
+  const testing::Result fits = testing::mpirun(2, runs.args("fits", 1));
+  ASSERT_EQ(fits.code, 0) << fits.out;
+  EXPECT_EQ(fits.out.find("warning"), std::string::npos) << fits.out;
+  runs.remove();
+}
+
 }  // namespace
 }  // namespace shardlm::train
