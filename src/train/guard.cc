@@ -4,6 +4,7 @@
 #include <csignal>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <iterator>
 #include <pthread.h>
 #include <thread>
 #include <unistd.h>
@@ -42,7 +43,10 @@ std::string NonFiniteGuard::after_step(int64_t step, const run::StepResult& r) {
 namespace {
 
 std::atomic<int> g_signal{0};
-struct sigaction g_old_int, g_old_term;
+// SIGUSR1: the signal Slurm's --signal=USR1@SECONDS sends ahead of a job's time limit (its default),
+// which mpirun forwards to the ranks; its default action ends the process with nothing saved.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1};
+struct sigaction g_old[std::size(kStopSignals)];
 
 // Async-signal-safe: an atomic store, or for a second signal the default action re-raised.
 void on_signal(int sig) {
@@ -74,8 +78,7 @@ void act_on(int sig, siginfo_t& info) {
 void route_stop_signals() {
   sigset_t stop;
   sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
+  for (const int sig : kStopSignals) sigaddset(&stop, sig);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // inherited by every thread made from here on
   std::thread([stop] {
     for (;;) {
@@ -91,13 +94,11 @@ StopSignals::StopSignals() {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;  // blocking calls (file writes, MPI progress) carry on after the flag is set
-  sigaction(SIGINT, &sa, &g_old_int);
-  sigaction(SIGTERM, &sa, &g_old_term);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &sa, &g_old[i]);
 }
 
 StopSignals::~StopSignals() {
-  sigaction(SIGINT, &g_old_int, nullptr);
-  sigaction(SIGTERM, &g_old_term, nullptr);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &g_old[i], nullptr);
 }
 
 int StopSignals::pending() { return g_signal.load(); }

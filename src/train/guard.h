@@ -1,6 +1,6 @@
 // Ways a run ends early, decided identically on every rank so that all ranks stop at the same
 // step: a step whose loss or gradient norm went non-finite (the executor has already left the
-// parameters untouched), and a stop signal (SIGINT / SIGTERM) received by any rank.
+// parameters untouched), and a stop signal (SIGINT / SIGTERM / SIGUSR1) received by any rank.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +31,7 @@ class NonFiniteGuard {
 // "step 3: non-finite loss on rank 1, non-finite gradient norm on ranks 0, 1"
 std::string describe_nonfinite(int64_t step, const run::StepResult& r);
 
-// Call first in main, before any thread exists: SIGINT and SIGTERM are then blocked in every
+// Call first in main, before any thread exists: SIGINT, SIGTERM and SIGUSR1 are then blocked in every
 // thread the process makes, and one thread that runs no kernels takes them and does what their
 // disposition says (runs the handler, ends the process by the signal, or drops an ignored one).
 // Why: oneDNN's JIT GEMM kernels move the stack pointer into their heap workspace while they run,
@@ -40,7 +40,7 @@ std::string describe_nonfinite(int64_t step, const run::StepResult& r);
 // a signal routed here too.
 void route_stop_signals();
 
-// While alive, SIGINT and SIGTERM only set a flag (the step in progress finishes); a second
+// While alive, SIGINT, SIGTERM and SIGUSR1 only set a flag (the step in progress finishes); a second
 // signal ends the process at once. The previous handlers come back on destruction.
 class StopSignals {
  public:

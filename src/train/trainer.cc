@@ -372,7 +372,7 @@ int agreed_stop_signal(Session& s) { return static_cast<int>(max_over_ranks(s, S
 std::string stop_on_signal(Session& s, int sig) {
   if (s.cfg.save_every > 0 && s.state.step % s.cfg.save_every != 0) save(s);
   return fmt::format("stopped by signal {} ({}) after step {}{}", sig,
-                     sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal", s.state.step - 1,
+                     sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "signal", s.state.step - 1,
                      s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
                                           : "; no checkpoint (--save-every 0)");
 }

@@ -1,7 +1,7 @@
 // Runs that never lie (issue 9), run as real processes: a non-finite loss or gradient norm stops
 // the run before the optimizer applies it (or skips the update, up to K in a row) on one process
 // and on 2 ranks; a checkpoint holding NaN is refused by eval and generate naming the tensor;
-// SIGTERM / SIGINT finish the step in progress, checkpoint it and exit non-zero, alone and under
+// SIGTERM / SIGINT / SIGUSR1 finish the step in progress, checkpoint it and exit non-zero, alone and under
 // mpirun. Each case reproduces a failure of the engine before these checks (run the binary of an
 // older build through SHARDLM_BINARY to see it).
 #include <gtest/gtest.h>
@@ -234,8 +234,10 @@ void expect_stopped_by_signal(const Result& r, const std::vector<nlohmann::json>
   EXPECT_EQ(nlohmann::json::parse(f)["step"].get<int64_t>(), done);
 }
 
-TEST_F(StopSlow, SigtermAndSigintFinishTheStepCheckpointAndExitNonZero) {
-  for (const auto& [sig, code] : {std::pair<const char*, int>{"TERM", 143}, {"INT", 130}}) {
+// SIGUSR1 too: Slurm's --signal=USR1@SECONDS sends it ahead of a job's time limit; its default
+// action ended the run with nothing saved.
+TEST_F(StopSlow, SigtermSigintAndSigusr1FinishTheStepCheckpointAndExitNonZero) {
+  for (const auto& [sig, code] : {std::pair<const char*, int>{"TERM", 143}, {"INT", 130}, {"USR1", 138}}) {
     const std::string out = std::string("signal_") + sig;
     // Finite, so that a binary ignoring the signal (a background job ignores SIGINT) ends anyway.
     const Result r = signal_after(testing::shardlm_binary() + " " + args(out, 20000) + " --save-every 100000",
@@ -261,17 +263,20 @@ TEST_F(StopSlow, ASecondSignalEndsAtOnce) {
 // mpirun, on SIGTERM, waits odls_base_sigkill_timeout seconds (1 by default), sends SIGTERM to
 // the ranks, waits as long again and sends SIGKILL; raised, the ranks agree on a step, checkpoint
 // it and exit.
-TEST_F(StopSlow, SigtermUnderMpirunCheckpointsTheAgreedStep) {
-  const std::string out = "signal_mpirun";
-  const testing::MpiSession session;
-  const std::string cmd = session.env() + "mpirun --oversubscribe -np 2 --mca odls_base_sigkill_timeout 10 " +
-                          testing::shardlm_binary() + " " + args(out, 1000000) +
-                          " --save-every 100000 --timeout 60 --strategy fsdp";
-  const Result r = signal_after(cmd, dir_ / out / "metrics.jsonl", 3, "kill -TERM $pid");
-  bool leftovers = true;
-  const auto ckpts = checkpoints(out, &leftovers);
-  EXPECT_NE(r.code, 0) << r.out;
-  expect_stopped_by_signal(r, steps_of(out), ckpts, leftovers, r.code, dir_ / out);
+// mpirun forwards SIGUSR1 to the ranks as it is.
+TEST_F(StopSlow, SigtermAndSigusr1UnderMpirunCheckpointTheAgreedStep) {
+  for (const std::string sig : {"TERM", "USR1"}) {
+    const std::string out = "signal_mpirun_" + sig;
+    const testing::MpiSession session;
+    const std::string cmd = session.env() + "mpirun --oversubscribe -np 2 --mca odls_base_sigkill_timeout 10 " +
+                            testing::shardlm_binary() + " " + args(out, 1000000) +
+                            " --save-every 100000 --timeout 60 --strategy fsdp";
+    const Result r = signal_after(cmd, dir_ / out / "metrics.jsonl", 3, "kill -" + sig + " $pid");
+    bool leftovers = true;
+    const auto ckpts = checkpoints(out, &leftovers);
+    EXPECT_NE(r.code, 0) << r.out;
+    expect_stopped_by_signal(r, steps_of(out), ckpts, leftovers, r.code, dir_ / out);
+  }
 }
 
 // A rank that fails ends the job by MPI_Abort; the survivors, signalled by mpirun, cannot agree
