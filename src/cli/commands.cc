@@ -245,7 +245,7 @@ void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
 void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   add_model_options(cmd, c);
   add_plan_options(cmd, c);
-  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin, PREFIX_val.bin");
+  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin and PREFIX_val.bin, or numbered shards PREFIX_train_000001.bin ...");
   cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
   cmd->add_option("--resume", c.resume,
                   "checkpoint to continue from: a run directory (its ckpt/latest), a step directory, or auto (--out's newest "

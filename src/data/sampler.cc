@@ -15,7 +15,7 @@ inline uint64_t mix(uint64_t x) {
   return z ^ (z >> 31);
 }
 
-void check_shard(const TokenShard& shard, int64_t T) {
+void check_shard(const TokenCorpus& shard, int64_t T) {
   if (T < 1) throw std::invalid_argument("sequence length T must be >= 1, got " + std::to_string(T));
   if (shard.size() < T + 1)
     throw std::runtime_error("token shard " + shard.path() + ": has " + std::to_string(shard.size()) +
@@ -42,7 +42,7 @@ uint64_t sample_offset(uint64_t seed, int64_t step, int64_t j, int64_t ntokens, 
   return h % static_cast<uint64_t>(ntokens - T);
 }
 
-void sample_batch(const TokenShard& shard, uint64_t seed, int64_t step, int64_t first_seq, int64_t num_seq, int64_t T,
+void sample_batch(const TokenCorpus& shard, uint64_t seed, int64_t step, int64_t first_seq, int64_t num_seq, int64_t T,
                   int32_t* inputs, int32_t* targets) {
   check_shard(shard, T);
   if (num_seq < 0 || first_seq < 0)
@@ -61,7 +61,7 @@ int64_t num_eval_windows(int64_t ntokens, int64_t T) {
   return ntokens < 1 ? 0 : (ntokens - 1) / T;
 }
 
-void eval_batch(const TokenShard& shard, int64_t first, int64_t count, int64_t T, int32_t* inputs,
+void eval_batch(const TokenCorpus& shard, int64_t first, int64_t count, int64_t T, int32_t* inputs,
                 int32_t* targets) {
   check_shard(shard, T);
   const int64_t n = num_eval_windows(shard.size(), T);
@@ -75,7 +75,7 @@ void eval_batch(const TokenShard& shard, int64_t first, int64_t count, int64_t T
   for (int64_t i = 0; i < count; ++i) split_window(tok.data() + i * T, T, inputs + i * T, targets + i * T);
 }
 
-void eval_window(const TokenShard& shard, int64_t i, int64_t T, int32_t* inputs, int32_t* targets) {
+void eval_window(const TokenCorpus& shard, int64_t i, int64_t T, int32_t* inputs, int32_t* targets) {
   eval_batch(shard, i, 1, T, inputs, targets);
 }
 

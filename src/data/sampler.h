@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "data/shard.h"
+#include "data/corpus.h"
 
 namespace shardlm::data {
 
@@ -30,7 +30,7 @@ inline int64_t first_sequence(int64_t micro, int64_t dp, int64_t dp_size, int64_
 // Fills inputs and targets, each num_seq * T int32 (row-major, row i = sequence first_seq+i).
 // Throws std::runtime_error naming the shard if it has fewer than T + 1 tokens, and
 // std::invalid_argument for T < 1, num_seq < 0 or first_seq < 0.
-void sample_batch(const TokenShard& shard, uint64_t seed, int64_t step, int64_t first_seq, int64_t num_seq, int64_t T,
+void sample_batch(const TokenCorpus& shard, uint64_t seed, int64_t step, int64_t first_seq, int64_t num_seq, int64_t T,
                   int32_t* inputs, int32_t* targets);
 
 // Evaluation walks the shard in consecutive, non-overlapping windows: window i has inputs
@@ -40,10 +40,10 @@ int64_t num_eval_windows(int64_t ntokens, int64_t T);
 
 // Fills one window (T int32 each). Throws std::out_of_range if i is not a window of the
 // shard, std::runtime_error naming the shard if it has fewer than T + 1 tokens.
-void eval_window(const TokenShard& shard, int64_t i, int64_t T, int32_t* inputs, int32_t* targets);
+void eval_window(const TokenCorpus& shard, int64_t i, int64_t T, int32_t* inputs, int32_t* targets);
 
 // Fills windows first..first+count-1 as rows of a (count, T) batch.
-void eval_batch(const TokenShard& shard, int64_t first, int64_t count, int64_t T, int32_t* inputs,
+void eval_batch(const TokenCorpus& shard, int64_t first, int64_t count, int64_t T, int32_t* inputs,
                 int32_t* targets);
 
 }  // namespace shardlm::data

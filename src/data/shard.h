@@ -86,9 +86,10 @@ class TokenShard {
   int64_t ntokens_ = 0;
 };
 
-// Calls fn(first, tokens, n) over the whole shard in consecutive chunks of at most `chunk` tokens.
-template <class Fn>
-void for_each_chunk(const TokenShard& shard, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
+// Calls fn(first, tokens, n) over the whole shard (or TokenCorpus) in consecutive chunks of at
+// most `chunk` tokens.
+template <class Tokens, class Fn>
+void for_each_chunk(const Tokens& shard, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
   std::vector<uint16_t> buf(static_cast<size_t>(std::min(chunk, shard.size())));
   for (int64_t first = 0; first < shard.size(); first += chunk) {
     const int64_t n = std::min(chunk, shard.size() - first);

@@ -10,6 +10,8 @@
 #include <thread>
 #include <xxhash.h>
 
+#include "data/corpus.h"
+
 namespace shardlm::train {
 
 namespace {
@@ -75,8 +77,18 @@ std::string data_file_digest(const std::string& path) {
   return fmt::format("{} bytes, {:016x}", bytes, digest);
 }
 
+// A split's files (data/corpus.h): one file's digest, or of numbered shards the count and an
+// XXH3 of every one's.
+std::string split_digest(const std::string& prefix, const std::string& split) {
+  const std::vector<std::string> files = data::split_files(prefix, split);
+  if (files.size() == 1) return data_file_digest(files[0]);
+  std::string each;
+  for (const std::string& f : files) each += f.substr(f.find_last_of('/') + 1) + " " + data_file_digest(f) + "\n";
+  return fmt::format("{} files, {:016x}", files.size(), XXH3_64bits(each.data(), each.size()));
+}
+
 std::string data_file_digests(const std::string& prefix) {
-  return data_file_digest(prefix + "_train.bin") + " / " + data_file_digest(prefix + "_val.bin");
+  return split_digest(prefix, "train") + " / " + split_digest(prefix, "val");
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ plan::Plan forward_plan(const model::ModelDesc& desc, plan::PlanConfig c, plan::
 }  // namespace
 
 double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
-                const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows, int rank) {
+                const data::TokenCorpus& shard, int64_t B, int64_t T, int64_t max_windows, int rank) {
   if (B <= 0) throw std::invalid_argument("evaluation batch must be positive, got " + std::to_string(B));
   const int64_t n = data::num_eval_windows(shard.size(), T);
   if (n <= 0) throw std::runtime_error(shard.path() + ": too few tokens for one window of " + std::to_string(T));
@@ -53,7 +53,7 @@ double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::Pla
   return total / static_cast<double>(count * T);
 }
 
-double unigram_entropy(const data::TokenShard& shard) {
+double unigram_entropy(const data::TokenCorpus& shard) {
   std::vector<int64_t> counts(65536, 0);
   data::for_each_chunk(shard, [&](int64_t, const uint16_t* t, int64_t n) {
     for (int64_t i = 0; i < n; ++i) ++counts[t[i]];

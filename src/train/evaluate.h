@@ -7,7 +7,7 @@
 #include <functional>
 #include <vector>
 
-#include "data/shard.h"
+#include "data/corpus.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -19,10 +19,10 @@ namespace shardlm::train {
 // data-parallel coordinates, world rank `rank` the B of its coordinate. Collective: every rank of
 // `training`'s plan calls it alike.
 double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
-                const data::TokenShard& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
+                const data::TokenCorpus& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
 
 // Entropy (nats) of the token distribution of a shard: the loss of the best unigram model.
-double unigram_entropy(const data::TokenShard& shard);
+double unigram_entropy(const data::TokenCorpus& shard);
 
 struct SampleConfig {
   int64_t tokens = 64;

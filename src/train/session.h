@@ -12,7 +12,7 @@
 #include "ckpt/async_writer.h"
 #include "ckpt/snapshot.h"
 #include "comm/communicator.h"
-#include "data/shard.h"
+#include "data/corpus.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -49,7 +49,7 @@ struct Session {
   bool lead, talk;
   std::chrono::milliseconds timeout;
   DataMeta meta;
-  data::TokenShard train_data, val_data;
+  data::TokenCorpus train_data, val_data;
   model::ModelDesc desc;
   RunState state;
   plan::Plan plan;

@@ -223,8 +223,8 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
       talk(lead && !c.quiet),
       timeout(static_cast<int64_t>(c.timeout_s * 1000)),
       meta(m),
-      train_data(c.data + "_train.bin"),
-      val_data(c.data + "_val.bin"),
+      train_data(data::split_files(c.data, "train")),
+      val_data(data::split_files(c.data, "val")),
       desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.machines))),
       // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
       // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.

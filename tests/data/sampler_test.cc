@@ -13,11 +13,11 @@ namespace {
 using testing::TempDir;
 
 // A shard whose token i is i % 50000 (so a window shows where it starts).
-TokenShard make_shard(const TempDir& dir, int64_t n, const std::string& name = "s.bin") {
+TokenCorpus make_shard(const TempDir& dir, int64_t n, const std::string& name = "s.bin") {
   std::vector<int32_t> t(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>(i % 50000);
   write_token_shard(dir.file(name), t);
-  return TokenShard(dir.file(name));
+  return TokenCorpus(dir.file(name));
 }
 
 struct Batch {
@@ -25,7 +25,7 @@ struct Batch {
   bool operator==(const Batch&) const = default;
 };
 
-Batch sample(const TokenShard& s, uint64_t seed, int64_t step, int64_t first, int64_t num, int64_t T) {
+Batch sample(const TokenCorpus& s, uint64_t seed, int64_t step, int64_t first, int64_t num, int64_t T) {
   Batch b{std::vector<int32_t>(static_cast<size_t>(num * T)), std::vector<int32_t>(static_cast<size_t>(num * T))};
   sample_batch(s, seed, step, first, num, T, b.in.data(), b.tg.data());
   return b;
@@ -33,7 +33,7 @@ Batch sample(const TokenShard& s, uint64_t seed, int64_t step, int64_t first, in
 
 TEST(Sampler, DeterministicAndWindowed) {
   TempDir dir;
-  const TokenShard s = make_shard(dir, 10000);
+  const TokenCorpus s = make_shard(dir, 10000);
   const int64_t B = 8, T = 64;
   const Batch a = sample(s, 1234, 5, 0, B, T);
   EXPECT_EQ(a, sample(s, 1234, 5, 0, B, T));
@@ -43,9 +43,10 @@ TEST(Sampler, DeterministicAndWindowed) {
   for (int64_t i = 0; i < B; ++i) {
     const auto off = static_cast<int64_t>(sample_offset(1234, 5, i, s.size(), T));
     ASSERT_LT(off, s.size() - T);
+    const std::vector<uint16_t> window = s.read(off, T + 1);
     for (int64_t t = 0; t < T; ++t) {
-      ASSERT_EQ(a.in[i * T + t], s[off + t]);
-      ASSERT_EQ(a.tg[i * T + t], s[off + t + 1]);
+      ASSERT_EQ(a.in[i * T + t], window[t]);
+      ASSERT_EQ(a.tg[i * T + t], window[t + 1]);
     }
   }
 }
@@ -55,7 +56,7 @@ TEST(Sampler, DeterministicAndWindowed) {
 // micro-steps (its routing groups are the ranks').
 TEST(Sampler, RanksSplitTheGlobalBatch) {
   TempDir dir;
-  const TokenShard s = make_shard(dir, 5000);
+  const TokenCorpus s = make_shard(dir, 5000);
   const int64_t N = 4, B = 3, T = 16, A = 2;
   for (int64_t step = 0; step < 3; ++step) {
     for (int64_t micro = 0; micro < A; ++micro) {
@@ -75,7 +76,7 @@ TEST(Sampler, RanksSplitTheGlobalBatch) {
 TEST(Sampler, OffsetsCoverTheRangeEvenly) {
   TempDir dir;
   // With T + 1 tokens the only window is at 0; with T + 2 there are two.
-  const TokenShard tight = make_shard(dir, 17, "tight.bin");
+  const TokenCorpus tight = make_shard(dir, 17, "tight.bin");
   for (int j = 0; j < 20; ++j) EXPECT_EQ(sample_offset(9, 0, j, tight.size(), 16), 0u);
   std::set<uint64_t> seen;
   for (int j = 0; j < 50; ++j) seen.insert(sample_offset(9, 0, j, 18, 16));
@@ -91,7 +92,7 @@ TEST(Sampler, OffsetsCoverTheRangeEvenly) {
 
 TEST(Sampler, ErrorsOnAShardTooShort) {
   TempDir dir;
-  const TokenShard s = make_shard(dir, 16);
+  const TokenCorpus s = make_shard(dir, 16);
   std::vector<int32_t> in(16), tg(16);
   try {
     sample_batch(s, 0, 0, 0, 1, 16, in.data(), tg.data());
@@ -112,7 +113,7 @@ TEST(Sampler, EvalWindows) {
   EXPECT_EQ(num_eval_windows(100, 100), 0);
   EXPECT_EQ(num_eval_windows(0, 100), 0);
   TempDir dir;
-  const TokenShard s = make_shard(dir, 1001);
+  const TokenCorpus s = make_shard(dir, 1001);
   const int64_t T = 100;
   std::vector<int32_t> in(T), tg(T);
   for (int64_t i = 0; i < num_eval_windows(s.size(), T); ++i) {

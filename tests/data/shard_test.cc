@@ -211,7 +211,7 @@ TEST(TokenShard, TruncatedWhileOpenIsAClearError) {
   std::vector<int32_t> tokens(5000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i % 1000);
   write_token_shard(path, tokens);
-  TokenShard s(path);
+  const TokenCorpus s(path);  // as training reads it
   std::vector<int32_t> in(4 * 64), tg(4 * 64);
   ASSERT_NO_THROW(sample_batch(s, 1, 0, 0, 4, 64, in.data(), tg.data()));
   std::filesystem::resize_file(path, 1024 + 2 * 10);  // 10 tokens left of 5000
