@@ -84,7 +84,9 @@ std::string threads_warning(comm::Communicator& world, std::chrono::milliseconds
   return fmt::format("{} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one core when "
                      "it starts two or fewer; give it --bind-to none, or --map-by slot:PE={}",
                      threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-                     shown < short_ranks.size() ? fmt::format(" and {} more ranks on as few", short_ranks.size() - shown) : "",
+                     shown < short_ranks.size()
+                         ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
+                         : "",
                      threads);
 }
 
