@@ -581,9 +581,7 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dt
   return on_world([&](comm::Communicator& world, MemoryPool& memory) {
     kernels_of.cuda.local_rank = train::find_machines(world, std::chrono::minutes(5)).local_rank;  // its GPU
     // Rates measured with the threads squeezed onto fewer cores would be that squeeze's.
-    if (const std::string slow = train::threads_warning(world, std::chrono::minutes(5), co.threads);
-        !slow.empty() && world.rank() == 0)
-      std::cerr << "shardlm: warning: " << slow << "\n";
+    train::warn_of_threads_beyond_cpus(world, std::chrono::minutes(5), co.threads);
     const std::string text = run::calibrate(*train::make_backend(kernels_of, memory, cpu_as_device), world, co);
     if (world.rank() == 0) {
       try {

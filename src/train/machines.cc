@@ -74,20 +74,21 @@ int allowed_cpus() {
   return ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
 }
 
-std::string threads_warning(comm::Communicator& world, std::chrono::milliseconds timeout, int threads) {
+void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads) {
   const std::vector<std::string> cpus = all_texts(world, timeout, std::to_string(allowed_cpus()), "allowed CPUs");
   std::vector<std::string> short_ranks;  // "rank 3 on 1"
   for (int r = 0; r < static_cast<int>(cpus.size()); ++r)
     if (const int n = std::stoi(cpus[r]); n > 0 && n < threads) short_ranks.push_back(fmt::format("rank {} on {}", r, n));
-  if (short_ranks.empty()) return "";
+  if (short_ranks.empty() || world.rank() != 0) return;
   const size_t shown = std::min<size_t>(short_ranks.size(), 4);
-  return fmt::format("{} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one core when "
-                     "it starts two or fewer; give it --bind-to none, or --map-by slot:PE={}",
-                     threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-                     shown < short_ranks.size()
-                         ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
-                         : "",
-                     threads);
+  fmt::print(stderr,
+             "shardlm: warning: {} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one "
+             "core when it starts two or fewer; give it --bind-to none, or --map-by slot:PE={}\n",
+             threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+             shown < short_ranks.size()
+                 ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
+                 : "",
+             threads);
 }
 
 std::string describe(const Machines& m) {

@@ -46,10 +46,10 @@ std::string describe(const Machines& m);
 // The CPUs this process may run on (its affinity mask); 0 where that is not known.
 int allowed_cpus();
 
-// Collective: a warning ("" for none) naming the ranks whose `threads` compute threads share
-// fewer CPUs than that. mpirun binds each rank to one core when it starts two ranks or fewer, so
-// `mpirun -np 2 shardlm train --threads 8` ran each rank's eight threads on one core, at an
-// eighth of the speed, without a word (its MFU is against a peak measured on that one core).
-std::string threads_warning(comm::Communicator& world, std::chrono::milliseconds timeout, int threads);
+// Collective: rank 0 warns on stderr, once, naming the ranks whose `threads` compute threads
+// share fewer CPUs than that. mpirun binds each rank to one core when it starts two ranks or
+// fewer, so `mpirun -np 2 shardlm train --threads 8` ran each rank's eight threads on one core, at
+// an eighth of the speed, without a word (its MFU is against a peak measured on that one core).
+void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads);
 
 }  // namespace shardlm::train

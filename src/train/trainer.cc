@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
-#include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -291,8 +290,7 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   check_ranks_agree(cfg, world, timeout);
   cfg.machines = find_machines(world, timeout, cfg.test_ranks_per_machine);
   cfg.cuda.local_rank = cfg.machines.local_rank;
-  if (const std::string slow = threads_warning(world, timeout, cfg.threads); !slow.empty() && world.rank() == 0)
-    std::cerr << "shardlm: warning: " << slow << "\n";
+  warn_of_threads_beyond_cpus(world, timeout, cfg.threads);
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
   on_lead_or_all_fail(world, timeout, [&] { up.dir = RunDirectory::open(cfg.out); });
@@ -367,12 +365,18 @@ double run_eval(Session& s) {
 // same step, and a job missing a rank never gets past it to a checkpoint).
 int agreed_stop_signal(Session& s) { return static_cast<int>(max_over_ranks(s, StopSignals::pending())); }
 
+// "SIGTERM": glibc's abbreviation of the signal, so every stop signal guard.cc routes is named.
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal";
+}
+
 // A signal asked the run to stop after the step just finished: a checkpoint of that step when
 // the run saves any (unless it has just saved it). Returns the reason.
 std::string stop_on_signal(Session& s, int sig) {
   if (s.cfg.save_every > 0 && s.state.step % s.cfg.save_every != 0) save(s);
   return fmt::format("stopped by signal {} ({}) after step {}{}", sig,
-                     sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "signal", s.state.step - 1,
+                     signal_name(sig), s.state.step - 1,
                      s.cfg.save_every > 0 ? "; checkpoint " + checkpoint_dir(s.cfg.out, s.state.step)
                                           : "; no checkpoint (--save-every 0)");
 }

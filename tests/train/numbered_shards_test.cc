@@ -42,13 +42,14 @@ TEST(NumberedShards, TrainLikeTheSameTokensInOneFile) {
     const auto losses = testing::step_losses(runs.out(whole) / "metrics.jsonl");
     ASSERT_EQ(losses.size(), 4u);
     EXPECT_EQ(testing::step_losses(runs.out(cut_run) / "metrics.jsonl"), losses) << ranks << " rank(s)";
-    std::vector<double> val_a, val_b;
-    for (const auto& row : testing::read_metrics(runs.out(whole) / "metrics.jsonl"))
-      if (row.contains("val_loss")) val_a.push_back(row["val_loss"].get<double>());
-    for (const auto& row : testing::read_metrics(runs.out(cut_run) / "metrics.jsonl"))
-      if (row.contains("val_loss")) val_b.push_back(row["val_loss"].get<double>());
-    EXPECT_FALSE(val_a.empty());
-    EXPECT_EQ(val_a, val_b);
+    const auto val_losses = [&](const std::string& run) {
+      std::vector<double> val;
+      for (const auto& row : testing::read_metrics(runs.out(run) / "metrics.jsonl"))
+        if (row.contains("val_loss")) val.push_back(row["val_loss"].get<double>());
+      return val;
+    };
+    EXPECT_FALSE(val_losses(whole).empty());
+    EXPECT_EQ(val_losses(cut_run), val_losses(whole));
   }
   runs.remove();
 }
