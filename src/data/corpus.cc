@@ -29,6 +29,11 @@ std::vector<std::string> split_files(const std::string& prefix, const std::strin
   return numbered;
 }
 
+TokenRange share_of(int64_t total, int rank, int ranks) {
+  const auto start = [&](int64_t r) { return total / ranks * r + total % ranks * r / ranks; };  // total * r / ranks
+  return {start(rank), start(rank + 1)};
+}
+
 TokenCorpus::TokenCorpus(const std::vector<std::string>& paths) {
   if (paths.empty()) throw std::invalid_argument("TokenCorpus: no files");
   starts_.push_back(0);
@@ -64,8 +69,12 @@ std::vector<uint16_t> TokenCorpus::read(int64_t first, int64_t count) const {
   return out;
 }
 
-void TokenCorpus::validate_tokens(int32_t vocab_size) const {
-  for (const TokenShard& shard : shards_) shard.validate_tokens(vocab_size);
+void TokenCorpus::validate_tokens(int32_t vocab_size, int64_t first, int64_t count) const {
+  const int64_t end = first + count;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const int64_t from = std::max(first, starts_[i]), to = std::min(end, starts_[i + 1]);
+    if (from < to) shards_[i].validate_tokens(vocab_size, from - starts_[i], to - from);
+  }
 }
 
 }  // namespace shardlm::data

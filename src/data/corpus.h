@@ -18,6 +18,13 @@ namespace shardlm::data {
 // numbered ones in name order, else PREFIX_SPLIT.bin alone (opening it then names what is missing).
 std::vector<std::string> split_files(const std::string& prefix, const std::string& split);
 
+// Tokens [first, end) of `total` that rank `rank` of `ranks` takes where each takes one
+// contiguous share, in rank order; the shares' sizes differ by at most one.
+struct TokenRange {
+  int64_t first = 0, end = 0;
+};
+TokenRange share_of(int64_t total, int rank, int ranks);
+
 // Read as TokenShard reads (pread; errors name the file).
 class TokenCorpus {
  public:
@@ -34,8 +41,10 @@ class TokenCorpus {
   void read(int64_t first, int64_t count, uint16_t* out) const;
   std::vector<uint16_t> read(int64_t first, int64_t count) const;
 
-  // Throws std::runtime_error naming the file, the first token id >= vocab_size and its position.
-  void validate_tokens(int32_t vocab_size) const;
+  // Throws std::runtime_error naming the file, the first token id >= vocab_size and its position
+  // in that file. A scan of every token, or of tokens [first, first + count).
+  void validate_tokens(int32_t vocab_size) const { validate_tokens(vocab_size, 0, size()); }
+  void validate_tokens(int32_t vocab_size, int64_t first, int64_t count) const;
 
  private:
   std::vector<TokenShard> shards_;

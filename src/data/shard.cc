@@ -238,11 +238,11 @@ uint16_t TokenShard::operator[](int64_t i) const {
   return t;
 }
 
-void TokenShard::validate_tokens(int32_t vocab_size) const {
-  for_each_chunk(*this, [&](int64_t first, const uint16_t* t, int64_t n) {
+void TokenShard::validate_tokens(int32_t vocab_size, int64_t first, int64_t count) const {
+  for_each_chunk(*this, first, first + count, [&](int64_t at, const uint16_t* t, int64_t n) {
     for (int64_t i = 0; i < n; ++i)
       if (static_cast<int32_t>(t[i]) >= vocab_size)
-        fail(path_, "token id " + std::to_string(t[i]) + " at position " + std::to_string(first + i) +
+        fail(path_, "token id " + std::to_string(t[i]) + " at position " + std::to_string(at + i) +
                         " is >= the vocabulary size " + std::to_string(vocab_size));
   });
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlm::data {
@@ -76,8 +77,9 @@ class TokenShard {
   uint16_t operator[](int64_t i) const;  // one token; for tests and spot checks
 
   // Throws std::runtime_error naming the file, the first token id >= vocab_size and its
-  // position. A scan of the whole shard.
-  void validate_tokens(int32_t vocab_size) const;
+  // position. A scan of the whole shard, or of tokens [first, first + count).
+  void validate_tokens(int32_t vocab_size) const { validate_tokens(vocab_size, 0, ntokens_); }
+  void validate_tokens(int32_t vocab_size, int64_t first, int64_t count) const;
 
  private:
   void release();
@@ -86,16 +88,21 @@ class TokenShard {
   int64_t ntokens_ = 0;
 };
 
-// Calls fn(first, tokens, n) over the whole shard (or TokenCorpus) in consecutive chunks of at
-// most `chunk` tokens.
+// Calls fn(at, tokens, n) over tokens [first, end) of a shard (or TokenCorpus) in consecutive
+// chunks of at most `chunk` tokens, `at` the chunk's first token.
+template <class Tokens, class Fn>
+void for_each_chunk(const Tokens& shard, int64_t first, int64_t end, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
+  std::vector<uint16_t> buf(static_cast<size_t>(std::max<int64_t>(std::min(chunk, end - first), 0)));
+  for (int64_t at = first; at < end; at += chunk) {
+    const int64_t n = std::min(chunk, end - at);
+    shard.read(at, n, buf.data());
+    fn(at, static_cast<const uint16_t*>(buf.data()), n);
+  }
+}
+
 template <class Tokens, class Fn>
 void for_each_chunk(const Tokens& shard, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
-  std::vector<uint16_t> buf(static_cast<size_t>(std::min(chunk, shard.size())));
-  for (int64_t first = 0; first < shard.size(); first += chunk) {
-    const int64_t n = std::min(chunk, shard.size() - first);
-    shard.read(first, n, buf.data());
-    fn(first, static_cast<const uint16_t*>(buf.data()), n);
-  }
+  for_each_chunk(shard, 0, shard.size(), std::forward<Fn>(fn), chunk);
 }
 
 }  // namespace shardlm::data

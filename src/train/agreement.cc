@@ -228,6 +228,27 @@ void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds ti
   throw AgreedFailure("rank 0 failed at start-up", false);
 }
 
+void check_token_ids(comm::Communicator& world, std::chrono::milliseconds timeout,
+                     const std::vector<const data::TokenCorpus*>& corpora, int32_t vocab_size) {
+  int64_t total = 0;
+  for (const data::TokenCorpus* c : corpora) total += c->size();
+  const auto [first, end] = data::share_of(total, world.rank(), world.size());
+  std::string error;
+  try {
+    int64_t start = 0;  // of the corpus in the sequence of all of them
+    for (const data::TokenCorpus* c : corpora) {
+      const int64_t from = std::max(first, start), to = std::min(end, start + c->size());
+      if (from < to) c->validate_tokens(vocab_size, from - start, to - from);
+      start += c->size();
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::vector<std::string> errors = all_texts(world, timeout, error, "token ids checked");
+  for (const std::string& e : errors)
+    if (!e.empty()) throw AgreedFailure(e, world.rank() == 0);
+}
+
 // Lengths first, then the texts padded to the longest.
 std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milliseconds timeout,
                                    const std::string& text, const std::string& label) {

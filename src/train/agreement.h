@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "data/corpus.h"
 #include "train/config.h"
 
 namespace shardlm::train {
@@ -54,6 +55,14 @@ void on_lead_or_all_fail(comm::Communicator& world, std::chrono::milliseconds ti
 // the ranks that do not see it. A rank that does not see it yet retries for a few seconds (a
 // network filesystem's caches).
 void check_out_shared(comm::Communicator& world, std::chrono::milliseconds timeout, const std::string& out);
+
+// Collective: throws unless every token of `corpora` is below vocab_size. Each rank scans its
+// 1/N share of their tokens (taken in order, as one sequence), so a job reads its corpus once, not
+// once a rank: a FineWeb-sized corpus is 20 GB, read from a shared filesystem at every start.
+// On a bad token every rank throws AgreedFailure with the line of the first found (the lowest
+// rank's), which rank 0 reports: "token shard F: token id 50300 at position P is >= ...".
+void check_token_ids(comm::Communicator& world, std::chrono::milliseconds timeout,
+                     const std::vector<const data::TokenCorpus*>& corpora, int32_t vocab_size);
 
 // Collective: every rank's `text`, in rank order (`label` names the exchange in a timeout).
 std::vector<std::string> all_texts(comm::Communicator& world, std::chrono::milliseconds timeout,

@@ -598,8 +598,8 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   Session s(cfg, world, memory, resolve_model(cfg, meta), meta, hooks);
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
-  s.train_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
-  s.val_data.validate_tokens(static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
+  check_token_ids(world, s.timeout, {&s.train_data, &s.val_data},
+                  static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(up.snapshots);
   s.run_id = up.run_id;
   load_start_state(s, up.snapshot);

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "data/shard.h"
 #include "run/test_util.h"
 #include "train/agreement.h"
 
@@ -359,6 +360,22 @@ TEST_F(RunSafety, LockedRunDirectoryEndsEveryRank) {
   const Result r = testing::mpirun(2, args("locked", 2));
   ::close(fd);
   expect_one_error(r, {"in use by another run", "pid " + std::to_string(::getpid())});
+}
+
+// Each rank checks its share of the corpus (train, then val) for ids past the vocabulary, so a
+// job reads it once, not once a rank. A bad id only rank 1 reads (the val file's last token) ends
+// every rank with one line naming the file and the position, from rank 0.
+TEST_F(RunSafety, ABadTokenIdInOneRanksShareEndsEveryRankWithOneLine) {
+  const std::string bad = (dir_ / "badid").string();
+  fs::copy_file(runs_.data() + "_train.bin", bad + "_train.bin");
+  fs::copy_file(runs_.data() + "_meta.json", bad + "_meta.json");
+  const data::TokenShard val(runs_.data() + "_val.bin");
+  std::vector<uint16_t> tokens = val.read(0, val.size());
+  tokens.back() = 65000;
+  data::write_token_shard(bad + "_val.bin", tokens);
+  expect_one_error(testing::mpirun(2, args("badid", 2) + " --data " + bad),
+                   {bad + "_val.bin: token id 65000 at position " + std::to_string(tokens.size() - 1) + " is >="});
+  EXPECT_FALSE(fs::exists(dir_ / "badid" / "ckpt"));
 }
 
 // ---- resume is the saved run ----

@@ -3,6 +3,7 @@
 // tokens in one file.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -58,6 +59,49 @@ TEST(TokenCorpus, ReadsAcrossFileBoundaries) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(dir.file("c_train_000003.bin")), std::string::npos) << e.what();
   }
+}
+
+// A range's scan finds the bad ids inside it, across file boundaries, and none outside it:
+// ranks each scan one share of a corpus (train's check_token_ids).
+TEST(TokenCorpus, ValidatesARangeOfTokens) {
+  const TempDir dir;
+  write_token_shard(dir.file("c_train_000001.bin"), std::vector<int32_t>{0, 1, 9, 2});
+  write_token_shard(dir.file("c_train_000002.bin"), std::vector<int32_t>{3, 4, 9});
+  const TokenCorpus c(split_files(dir.file("c"), "train"));
+  EXPECT_NO_THROW(c.validate_tokens(9, 0, 2));
+  EXPECT_NO_THROW(c.validate_tokens(9, 3, 3));  // across the boundary, between the two 9s
+  EXPECT_NO_THROW(c.validate_tokens(9, 7, 0));
+  const auto error_of = [&](int64_t first, int64_t count) {
+    try {
+      c.validate_tokens(9, first, count);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(1, 2).find(dir.file("c_train_000001.bin") + ": token id 9 at position 2 "), std::string::npos)
+      << error_of(1, 2);
+  EXPECT_NE(error_of(3, 4).find(dir.file("c_train_000002.bin") + ": token id 9 at position 2 "), std::string::npos)
+      << error_of(3, 4);
+}
+
+// Shares tile the whole in rank order, sizes differing by at most one, whatever the counts
+// (fewer tokens than ranks, one rank, counts whose product with a rank overflows int64).
+TEST(TokenCorpus, SharesTileTheTokensEvenly) {
+  for (const int64_t total : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000003}, int64_t{1} << 60})
+    for (const int ranks : {1, 2, 3, 4, 7, 1024}) {
+      int64_t next = 0, least = total, most = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const TokenRange s = share_of(total, r, ranks);
+        ASSERT_EQ(s.first, next) << total << " over " << ranks << ", rank " << r;
+        ASSERT_LE(s.first, s.end);
+        least = std::min(least, s.end - s.first);
+        most = std::max(most, s.end - s.first);
+        next = s.end;
+      }
+      EXPECT_EQ(next, total) << total << " over " << ranks;
+      EXPECT_LE(most - least, 1) << total << " over " << ranks;
+    }
 }
 
 // Training batches and evaluation windows over shards are those over the same tokens in one
