@@ -5,13 +5,15 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <fstream>
+#include <map>
 #include <sched.h>
 #include <set>
+#include <sstream>
 #include <unistd.h>
 
 #include "comm/communicator.h"
 #include "train/agreement.h"
-#include "train/memory_cgroup.h"
+#include "train/cgroups.h"
 
 namespace shardlm::train {
 
@@ -74,21 +76,83 @@ int allowed_cpus() {
   return ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
 }
 
-void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads) {
-  const std::vector<std::string> cpus = all_texts(world, timeout, std::to_string(allowed_cpus()), "allowed CPUs");
+namespace {
+
+// "rank 3", "ranks 0, 1, 2, 3 and 4 more"
+std::string ranks_text(const std::vector<int>& ranks) {
+  const size_t shown = std::min<size_t>(ranks.size(), 4);
+  return fmt::format("rank{} {}{}", ranks.size() > 1 ? "s" : "",
+                     fmt::join(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+                     shown < ranks.size() ? fmt::format(" and {} more", ranks.size() - shown) : "");
+}
+
+std::string affinity_warning(const std::vector<RankCpus>& ranks, int threads) {
   std::vector<std::string> short_ranks;  // "rank 3 on 1"
-  for (int r = 0; r < static_cast<int>(cpus.size()); ++r)
-    if (const int n = std::stoi(cpus[r]); n > 0 && n < threads) short_ranks.push_back(fmt::format("rank {} on {}", r, n));
-  if (short_ranks.empty() || world.rank() != 0) return;
+  for (size_t r = 0; r < ranks.size(); ++r)
+    if (const int n = ranks[r].allowed; n > 0 && n < threads) short_ranks.push_back(fmt::format("rank {} on {}", r, n));
+  if (short_ranks.empty()) return "";
   const size_t shown = std::min<size_t>(short_ranks.size(), 4);
-  fmt::print(stderr,
-             "shardlm: warning: {} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one "
-             "core when it starts two or fewer; give it --bind-to none, or --map-by slot:PE={}\n",
-             threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-             shown < short_ranks.size()
-                 ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
-                 : "",
-             threads);
+  return fmt::format(
+      "{} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one core when it starts "
+      "two or fewer; give it --bind-to none, or --map-by slot:PE={}",
+      threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+      shown < short_ranks.size() ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
+                                 : "",
+      threads);
+}
+
+std::string quota_warning(const std::vector<RankCpus>& ranks, int threads) {
+  std::map<std::string, std::vector<int>> groups;  // quota group -> its ranks
+  for (size_t r = 0; r < ranks.size(); ++r)
+    if (!ranks[r].quota_group.empty()) groups[ranks[r].quota_group].push_back(static_cast<int>(r));
+  std::vector<std::string> over;  // "ranks 0, 1 under 1.5 CPU(s) of cgroup DIR"
+  double least_a_rank = threads;  // CPUs a rank of the tightest quota
+  for (const auto& [group, members] : groups) {
+    const RankCpus& q = ranks[members[0]];
+    const double n = static_cast<double>(members.size());
+    if (n * threads <= q.quota_cpus * (1 + 1e-9)) continue;
+    over.push_back(fmt::format("{} under {:g} CPU(s) of cgroup {}", ranks_text(members), q.quota_cpus, q.quota_dir));
+    least_a_rank = std::min(least_a_rank, q.quota_cpus / n);
+  }
+  if (over.empty()) return "";
+  const size_t shown = std::min<size_t>(over.size(), 3);
+  return fmt::format(
+      "{} compute threads a rank, but {}{} (CPU quota: docker --cpus, a pod's CPU limit): the kernel throttles threads "
+      "past a quota every period, and a throttled thread holds up the others at each barrier; {}",
+      threads, fmt::join(over.begin(), over.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
+      shown < over.size() ? fmt::format("; and {} more quotas", over.size() - shown) : "",
+      least_a_rank >= 1 ? fmt::format("give --threads {}", static_cast<int>(least_a_rank))
+                        : "start fewer ranks under it, or give it more CPUs");
+}
+
+}  // namespace
+
+std::vector<std::string> threads_beyond_cpus(const std::vector<RankCpus>& ranks, int threads) {
+  std::vector<std::string> lines;
+  for (std::string line : {affinity_warning(ranks, threads), quota_warning(ranks, threads)})
+    if (!line.empty()) lines.push_back(std::move(line));
+  return lines;
+}
+
+void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads) {
+  const auto quota = cpu_quota();
+  const std::string mine = fmt::format("{}\t{}\t{}\t{}", allowed_cpus(), quota ? machine_id() + " " + quota->key : "",
+                                       quota ? quota->cpus : 0.0, quota ? quota->dir : "");
+  std::vector<RankCpus> ranks;
+  for (const std::string& text : all_texts(world, timeout, mine, "allowed CPUs")) {
+    std::istringstream in(text);
+    RankCpus r;
+    std::string allowed, cpus;
+    std::getline(in, allowed, '\t');
+    std::getline(in, r.quota_group, '\t');
+    std::getline(in, cpus, '\t');
+    std::getline(in, r.quota_dir);
+    r.allowed = std::stoi(allowed);
+    r.quota_cpus = std::stod(cpus);
+    ranks.push_back(std::move(r));
+  }
+  if (world.rank() != 0) return;
+  for (const std::string& line : threads_beyond_cpus(ranks, threads)) fmt::print(stderr, "shardlm: warning: {}\n", line);
 }
 
 std::string describe(const Machines& m) {

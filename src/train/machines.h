@@ -25,7 +25,7 @@ struct Machines {
   // otherwise; a placement of any other shape keeps rank r − 1 as partner.
   int block = 1;
   // Ranks whose memory counts against the limit of this rank's memory cgroup, it included
-  // (train/memory_cgroup.h: Slurm's job, a container): the ranks under the same limiting cgroup
+  // (train/cgroups.h: Slurm's job, a container): the ranks under the same limiting cgroup
   // on the same machine. ranks_here where no cgroup limits this rank.
   int ranks_under_memory_limit = 1;
 };
@@ -46,10 +46,24 @@ std::string describe(const Machines& m);
 // The CPUs this process may run on (its affinity mask); 0 where that is not known.
 int allowed_cpus();
 
-// Collective: rank 0 warns on stderr, once, naming the ranks whose `threads` compute threads
-// share fewer CPUs than that. mpirun binds each rank to one core when it starts two ranks or
-// fewer, so `mpirun -np 2 shardlm train --threads 8` ran each rank's eight threads on one core, at
-// an eighth of the speed, without a word (its MFU is against a peak measured on that one core).
+// What a rank may run its compute threads on.
+struct RankCpus {
+  int allowed = 0;          // CPUs of its affinity mask; 0 where not known
+  std::string quota_group;  // its machine and CPU quota cgroup (train/cgroups.h), "" for none
+  std::string quota_dir;    // that cgroup's directory
+  double quota_cpus = 0;    // and its CPUs' worth of time, shared by every rank of the group
+};
+
+// The warnings, a line each, for ranks whose `threads` compute threads a rank do not fit what they
+// may run on: more threads than a rank's CPU affinity (mpirun binds each rank to one core when it
+// starts two or fewer, so `mpirun -np 2 shardlm train --threads 8` ran each rank's eight threads
+// on one core, without a word: its MFU is against a peak measured on that core), or more threads
+// in a CPU quota's ranks together than its CPUs (docker --cpus, a pod's CPU limit: the threads
+// past it are throttled every period, and hold up the others at every barrier).
+std::vector<std::string> threads_beyond_cpus(const std::vector<RankCpus>& ranks, int threads);
+
+// Collective: every rank's RankCpus, and rank 0 prints threads_beyond_cpus' lines as warnings on
+// stderr (train and calibrate, whose rates would be those of the squeeze).
 void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads);
 
 }  // namespace shardlm::train

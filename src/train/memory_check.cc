@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "train/memory_cgroup.h"
+#include "train/cgroups.h"
 
 namespace shardlm::train {
 

@@ -100,5 +100,27 @@ TEST(Machines, ThreadsBeyondTheAllowedCpusAreWarnedOf) {
   runs.remove();
 }
 
+// Ranks under one CPU quota (one machine, one cgroup) share it: two ranks of two threads under 2
+// CPUs are warned of, with the threads a rank that fit; the same cgroup key on another machine
+// is another quota, and a rank without a quota has nothing to fit.
+TEST(Machines, ThreadsPastACpuQuotaTheirRanksShareAreWarnedOf) {
+  const RankCpus pod{8, "m1 0:5", "/sys/fs/cgroup/pod", 2.0}, other_machine{8, "m2 0:5", "/sys/fs/cgroup/pod", 2.0},
+      free{8, "", "", 0.0};
+  const auto lines = threads_beyond_cpus({pod, pod, other_machine, free}, 2);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0],
+            "2 compute threads a rank, but ranks 0, 1 under 2 CPU(s) of cgroup /sys/fs/cgroup/pod (CPU quota: docker "
+            "--cpus, a pod's CPU limit): the kernel throttles threads past a quota every period, and a throttled thread "
+            "holds up the others at each barrier; give --threads 1");
+  EXPECT_TRUE(threads_beyond_cpus({pod, pod, other_machine, free}, 1).empty());
+  const auto crowded = threads_beyond_cpus({pod, pod, pod}, 1);  // fewer threads would not do
+  ASSERT_EQ(crowded.size(), 1u);
+  EXPECT_NE(crowded[0].find("ranks 0, 1, 2 under 2 CPU(s)"), std::string::npos) << crowded[0];
+  EXPECT_NE(crowded[0].find("; start fewer ranks under it, or give it more CPUs"), std::string::npos) << crowded[0];
+
+  const RankCpus pinned{1, "", "", 0.0};  // and bound to one core: both are said
+  EXPECT_EQ(threads_beyond_cpus({pinned, pod, pod}, 2).size(), 2u);
+}
+
 }  // namespace
 }  // namespace shardlm::train

@@ -1,14 +1,15 @@
-// The memory cgroup limit a rank runs under (Slurm's job, a container), which the kernel enforces
-// by killing while /proc/meminfo shows the whole machine: read from a file tree laid out as each
-// cgroup version and container lays it out, and, where this machine lets a test make a cgroup, a
-// run under a limit too small for it refused with one line instead of killed.
+// The memory and CPU limits a rank runs under (Slurm's job, a container), which the kernel enforces
+// by killing or throttling while /proc/meminfo and the CPU affinity show the whole machine: read
+// from a file tree laid out as each cgroup version and container lays it out, and, where this
+// machine lets a test make a cgroup, a run under a memory limit too small for it refused with one
+// line instead of killed.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 
 #include "run/test_util.h"
-#include "train/memory_cgroup.h"
+#include "train/cgroups.h"
 
 namespace shardlm::train {
 namespace {
@@ -62,7 +63,7 @@ TEST(MemoryCgroup, TheTightestLevelAboveTheProcessCountsOnV1) {
   EXPECT_EQ(c->in_use, kGiB * 3 / 4);
   EXPECT_EQ(c->available, kGiB * 5 / 4);
   EXPECT_FALSE(c->key.empty());
-  EXPECT_EQ(own_memory_cgroup_dir(f.root()), f.at(job + "/step_0/task_1"));
+  EXPECT_EQ(own_cgroup_dir("memory", f.root()), f.at(job + "/step_0/task_1"));
 }
 
 // A container on cgroup v2 sees its own cgroup mounted as the root of the hierarchy: the walk
@@ -90,13 +91,50 @@ TEST(MemoryCgroup, NoLimitIsNone) {
   f.write("/sys/fs/cgroup/user.slice/memory.max", "max\n");
   f.write("/sys/fs/cgroup/user.slice/session-1.scope/memory.max", "max\n");
   EXPECT_FALSE(memory_cgroup(f.root()).has_value());
-  EXPECT_EQ(own_memory_cgroup_dir(f.root()), f.at("/sys/fs/cgroup/user.slice/session-1.scope"));
+  EXPECT_EQ(own_cgroup_dir("memory", f.root()), f.at("/sys/fs/cgroup/user.slice/session-1.scope"));
 
   f.write("/proc/self/cgroup", "3:cpu:/\n");  // v1 without a memory hierarchy
   EXPECT_FALSE(memory_cgroup(f.root()).has_value());
-  EXPECT_EQ(own_memory_cgroup_dir(f.root()), "");
+  EXPECT_EQ(own_cgroup_dir("memory", f.root()), "");
   const FakeRoot empty;
   EXPECT_FALSE(memory_cgroup(empty.root()).has_value());
+}
+
+// A CPU quota on v1 (docker's --cpus on a cgroup v1 host: cpu.cfs_quota_us over cpu.cfs_period_us)
+// in the hierarchy of cpu and cpuacct together: the job's 1.5 CPUs bind below a step's looser 4.
+TEST(CpuQuota, TheTightestLevelAboveTheProcessOnV1) {
+  const FakeRoot f;
+  f.write("/proc/self/cgroup", "5:cpu,cpuacct:/slurm/job_7/step_0\n4:memory:/slurm/job_7/step_0\n");
+  f.write("/proc/self/mountinfo", mount_line("/", "/sys/fs/cgroup/cpu,cpuacct", "cgroup", "rw,cpu,cpuacct") +
+                                      mount_line("/", "/sys/fs/cgroup/memory", "cgroup", "rw,memory"));
+  const std::string job = "/sys/fs/cgroup/cpu,cpuacct/slurm/job_7";
+  f.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
+  f.write(job + "/cpu.cfs_quota_us", "150000\n");
+  f.write(job + "/cpu.cfs_period_us", "100000\n");
+  f.write(job + "/step_0/cpu.cfs_quota_us", "40000\n");
+  f.write(job + "/step_0/cpu.cfs_period_us", "10000\n");
+  const auto q = cpu_quota(f.root());
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->dir, f.at(job));
+  EXPECT_DOUBLE_EQ(q->cpus, 1.5);
+  EXPECT_FALSE(q->key.empty());
+  EXPECT_EQ(own_cgroup_dir("cpu", f.root()), f.at(job + "/step_0"));
+  EXPECT_FALSE(memory_cgroup(f.root()).has_value());  // the memory hierarchy sets no limit
+}
+
+// A pod's CPU limit on v2 (cpu.max "QUOTA PERIOD"); "max PERIOD" is none.
+TEST(CpuQuota, APodsLimitOnV2AndMaxIsNone) {
+  const FakeRoot f;
+  f.write("/proc/self/cgroup", "0::/kubepods/pod1/ctr\n");
+  f.write("/proc/self/mountinfo", mount_line("/", "/sys/fs/cgroup", "cgroup2", "rw"));
+  f.write("/sys/fs/cgroup/kubepods/pod1/cpu.max", "250000 100000\n");
+  f.write("/sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "max 100000\n");
+  const auto q = cpu_quota(f.root());
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->dir, f.at("/sys/fs/cgroup/kubepods/pod1"));
+  EXPECT_DOUBLE_EQ(q->cpus, 2.5);
+  f.write("/sys/fs/cgroup/kubepods/pod1/cpu.max", "max 100000\n");
+  EXPECT_FALSE(cpu_quota(f.root()).has_value());
 }
 
 // This machine's own, whatever it has: a limit found is consistent.
@@ -108,21 +146,22 @@ TEST(MemoryCgroup, ThisMachine) {
   }
 }
 
-// A memory cgroup of `bytes` below this process's own, or "" where this machine does not let
-// the test make one (no cgroupfs, not root, the v2 memory controller not delegated).
+// A cgroup of `controller` below this process's own, limited by the first of `settings` (a file
+// and what to write to it) that the cgroup has and keeps; its dir() is "" where this machine does
+// not let the test make one (no cgroupfs, not root, the v2 controller not delegated).
 class LimitedCgroup {
  public:
-  explicit LimitedCgroup(int64_t bytes) {
-    const std::string own = own_memory_cgroup_dir();
+  LimitedCgroup(const std::string& controller, const std::vector<std::pair<std::string, std::string>>& settings) {
+    const std::string own = own_cgroup_dir(controller);
     if (own.empty()) return;
     std::error_code ec;
     const fs::path dir = fs::path(own) / ("shardlm_test_" + std::to_string(::getpid()));
     if (!fs::create_directory(dir, ec)) return;
     dir_ = dir.string();
-    for (const char* file : {"memory.limit_in_bytes", "memory.max"}) {
+    for (const auto& [file, value] : settings) {
       if (!fs::exists(dir / file)) continue;
-      std::ofstream(dir / file) << bytes;
-      if (read_back(dir / file) == bytes) return;
+      std::ofstream(dir / file) << value;
+      if (read_back(dir / file) == value) return;
     }
     fs::remove(dir_, ec);
     dir_.clear();
@@ -138,20 +177,24 @@ class LimitedCgroup {
   }
 
  private:
-  static int64_t read_back(const fs::path& file) {
+  static std::string read_back(const fs::path& file) {
     std::ifstream f(file);
-    int64_t v = -1;
-    f >> v;
-    return v;
+    std::string line;
+    std::getline(f, line);
+    return line;
   }
   std::string dir_;
 };
+
+LimitedCgroup memory_limited(int64_t bytes) {
+  return LimitedCgroup("memory", {{"memory.limit_in_bytes", std::to_string(bytes)}, {"memory.max", std::to_string(bytes)}});
+}
 
 // `small` at width 768 needs 0.68 GB of training state; in a cgroup of 256 MiB the run was killed
 // by the kernel (SIGKILL, no word) however much memory the machine has. Now it is refused before
 // allocating, with one line naming the cgroup and its limit.
 TEST(MemoryCgroupSlow, ARunPastItsCgroupLimitIsOneLineNotAKill) {
-  const LimitedCgroup cgroup(256 << 20);
+  const LimitedCgroup cgroup = memory_limited(256 << 20);
   if (cgroup.dir().empty()) GTEST_SKIP() << "this machine does not let a test make a memory cgroup";
   testing::TinyRuns runs;
   ASSERT_EQ(runs.create("cgroup_one").code, 0);
@@ -164,7 +207,7 @@ TEST(MemoryCgroupSlow, ARunPastItsCgroupLimitIsOneLineNotAKill) {
 // Two ranks under one limit each count the other: a model whose state fits the cgroup once but
 // not twice is refused, naming both, where a machine with room for both passed it.
 TEST(MemoryCgroupSlow, RanksUnderOneLimitShareIt) {
-  const LimitedCgroup cgroup(768 << 20);
+  const LimitedCgroup cgroup = memory_limited(768 << 20);
   if (cgroup.dir().empty()) GTEST_SKIP() << "this machine does not let a test make a memory cgroup";
   testing::TinyRuns runs;
   ASSERT_EQ(runs.create("cgroup_two").code, 0);
@@ -176,6 +219,24 @@ TEST(MemoryCgroupSlow, RanksUnderOneLimitShareIt) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("2 ranks share its limit; the memory cgroup " + cgroup.dir()), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("Killed"), std::string::npos) << r.out;
+  runs.remove();
+}
+
+// A run whose threads outnumber its CPU quota trains, throttled, and says so once, naming the
+// cgroup and the threads that fit (docker --cpus 1 with --threads 2 here).
+TEST(CpuQuotaSlow, ThreadsPastTheQuotaAreWarnedOf) {
+  const LimitedCgroup cgroup("cpu", {{"cpu.cfs_quota_us", "100000"}, {"cpu.max", "100000 100000"}});
+  if (cgroup.dir().empty()) GTEST_SKIP() << "this machine does not let a test make a CPU cgroup";
+  testing::TinyRuns runs;
+  runs.threads = 2;
+  ASSERT_EQ(runs.create("cpu_quota").code, 0);
+  const testing::Result r = testing::run_command(cgroup.in_it(testing::shardlm_binary() + " " + runs.args("quota", 1)));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("shardlm: warning: 2 compute threads a rank, but rank 0 under 1 CPU(s) of cgroup " +
+                       cgroup.dir() + " (CPU quota"),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("give --threads 1"), std::string::npos) << r.out;
+  EXPECT_EQ(testing::count_lines(r.out), 1) << r.out;
   runs.remove();
 }
 

@@ -1,4 +1,4 @@
-#include "train/memory_cgroup.h"
+#include "train/cgroups.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -43,9 +43,9 @@ struct Place {
   std::string path;  // the cgroup's path in its hierarchy, from /proc/self/cgroup
 };
 
-// The memory controller's line of /proc/self/cgroup: a v1 hierarchy naming "memory" among its
-// controllers, else the v2 line ("0::PATH"), where every controller the kernel enables lives.
-std::optional<Place> memory_place(const std::string& root) {
+// The controller's line of /proc/self/cgroup: a v1 hierarchy naming it among its controllers
+// ("cpu,cpuacct"), else the v2 line ("0::PATH"), where every controller the kernel enables lives.
+std::optional<Place> place_of(const std::string& root, const std::string& controller) {
   std::ifstream f(root + "/proc/self/cgroup");
   std::string line;
   std::optional<Place> v2;
@@ -55,14 +55,15 @@ std::optional<Place> memory_place(const std::string& root) {
     const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
     if (controllers.empty() && line.substr(0, a) == "0") v2 = Place{true, path};
     for (const std::string& c : split(controllers, ','))
-      if (c == "memory") return Place{false, path};
+      if (c == controller) return Place{false, path};
   }
   return v2;
 }
 
 // Where `place`'s hierarchy is mounted (mount point, and the hierarchy's path at that mount point:
 // "/" but for a container that sees only its own subtree).
-std::optional<std::pair<std::string, std::string>> mount_of(const std::string& root, const Place& place) {
+std::optional<std::pair<std::string, std::string>> mount_of(const std::string& root, const Place& place,
+                                                            const std::string& controller) {
   std::ifstream f(root + "/proc/self/mountinfo");
   std::string line;
   while (std::getline(f, line)) {
@@ -70,12 +71,12 @@ std::optional<std::pair<std::string, std::string>> mount_of(const std::string& r
     if (dash == std::string::npos) continue;
     const std::vector<std::string> before = split(line.substr(0, dash), ' '), after = split(line.substr(dash + 3), ' ');
     if (before.size() < 5 || after.size() < 3) continue;
-    const bool is_memory = place.v2 ? after[0] == "cgroup2" : after[0] == "cgroup" && [&] {
+    const bool is_it = place.v2 ? after[0] == "cgroup2" : after[0] == "cgroup" && [&] {
       for (const std::string& o : split(after[2], ','))
-        if (o == "memory") return true;
+        if (o == controller) return true;
       return false;
     }();
-    if (is_memory) return std::pair{unescape(before[4]), unescape(before[3])};
+    if (is_it) return std::pair{unescape(before[4]), unescape(before[3])};
   }
   return std::nullopt;
 }
@@ -100,9 +101,14 @@ int64_t stat_field(const fs::path& file, const std::string& key) {
   return 0;
 }
 
+std::string key_of(const std::string& dir) {
+  struct stat st {};
+  return ::stat(dir.c_str(), &st) == 0 ? std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) : dir;
+}
+
 // One level's limit and use; nullopt where it sets no limit. v1 writes "no limit" as the page
 // counter's largest value (2^63 less a page).
-std::optional<MemoryCgroup> level(const fs::path& dir, bool v2) {
+std::optional<MemoryCgroup> memory_level(const fs::path& dir, bool v2) {
   const auto limit = read_number(dir / (v2 ? "memory.max" : "memory.limit_in_bytes"));
   if (!limit || *limit >= (int64_t{1} << 62)) return std::nullopt;
   const int64_t usage = read_number(dir / (v2 ? "memory.current" : "memory.usage_in_bytes")).value_or(0);
@@ -111,12 +117,29 @@ std::optional<MemoryCgroup> level(const fs::path& dir, bool v2) {
   const int64_t inactive_file = stat_field(dir / "memory.stat", v2 ? "inactive_file" : "total_inactive_file");
   MemoryCgroup m;
   m.dir = dir.string();
-  struct stat st {};
-  m.key = ::stat(m.dir.c_str(), &st) == 0 ? std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) : m.dir;
+  m.key = key_of(m.dir);
   m.limit = *limit;
   m.in_use = std::max<int64_t>(0, usage - inactive_file);
   m.available = std::max<int64_t>(0, m.limit - m.in_use);
   return m;
+}
+
+// One level's quota; nullopt where it sets none. v2: cpu.max "QUOTA PERIOD" ("max PERIOD" for
+// none); v1: cpu.cfs_quota_us (-1 for none) over cpu.cfs_period_us, in microseconds.
+std::optional<CpuQuota> cpu_level(const fs::path& dir, bool v2) {
+  std::optional<int64_t> quota, period;
+  if (v2) {
+    std::ifstream f(dir / "cpu.max");
+    std::string q, p;
+    if (f >> q >> p && q.find_first_not_of("0123456789") == std::string::npos &&
+        p.find_first_not_of("0123456789") == std::string::npos && q.size() < 18 && p.size() < 18)
+      quota = std::stoll(q), period = std::stoll(p);
+  } else {
+    quota = read_number(dir / "cpu.cfs_quota_us");
+    period = read_number(dir / "cpu.cfs_period_us");
+  }
+  if (!quota || !period || *quota <= 0 || *period <= 0) return std::nullopt;
+  return CpuQuota{dir.string(), key_of(dir.string()), static_cast<double>(*quota) / static_cast<double>(*period)};
 }
 
 struct Walk {
@@ -125,10 +148,10 @@ struct Walk {
   bool v2 = false;
 };
 
-std::optional<Walk> walk_of(const std::string& root) {
-  const auto place = memory_place(root);
+std::optional<Walk> walk_of(const std::string& root, const std::string& controller) {
+  const auto place = place_of(root, controller);
   if (!place) return std::nullopt;
-  const auto mount = mount_of(root, *place);
+  const auto mount = mount_of(root, *place, controller);
   if (!mount) return std::nullopt;
   const auto& [point, mounted_path] = *mount;
   std::string rel;  // the cgroup's path below the mount point
@@ -143,22 +166,34 @@ std::optional<Walk> walk_of(const std::string& root) {
   return Walk{leaf, top, place->v2};
 }
 
+// The level of the walk from the leaf up to the mount point with the least `figure`.
+template <class Level, class Figure>
+auto tightest(const Walk& walk, Level level, Figure figure) -> decltype(level(walk.leaf, walk.v2)) {
+  decltype(level(walk.leaf, walk.v2)) least;
+  for (fs::path dir = walk.leaf;; dir = dir.parent_path()) {
+    const auto here = level(dir, walk.v2);
+    if (here && (!least || figure(*here) < figure(*least))) least = here;
+    if (dir == walk.top || dir == dir.parent_path()) break;
+  }
+  return least;
+}
+
 }  // namespace
 
 std::optional<MemoryCgroup> memory_cgroup(const std::string& root) {
-  const auto walk = walk_of(root);
+  const auto walk = walk_of(root, "memory");
   if (!walk) return std::nullopt;
-  std::optional<MemoryCgroup> tightest;
-  for (fs::path dir = walk->leaf;; dir = dir.parent_path()) {
-    const auto here = level(dir, walk->v2);
-    if (here && (!tightest || here->available < tightest->available)) tightest = here;
-    if (dir == walk->top || dir == dir.parent_path()) break;
-  }
-  return tightest;
+  return tightest(*walk, memory_level, [](const MemoryCgroup& m) { return m.available; });
 }
 
-std::string own_memory_cgroup_dir(const std::string& root) {
-  const auto walk = walk_of(root);
+std::optional<CpuQuota> cpu_quota(const std::string& root) {
+  const auto walk = walk_of(root, "cpu");
+  if (!walk) return std::nullopt;
+  return tightest(*walk, cpu_level, [](const CpuQuota& q) { return q.cpus; });
+}
+
+std::string own_cgroup_dir(const std::string& controller, const std::string& root) {
+  const auto walk = walk_of(root, controller);
   return walk ? walk->leaf.string() : "";
 }
 
