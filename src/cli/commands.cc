@@ -343,6 +343,12 @@ int run(int argc, char** argv) {
   tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation (train evaluates on them)")
       ->check(open_unit_interval())
       ->capture_default_str();
+  int64_t shard_tokens = 0;
+  tok_cmd->add_option("--shard-tokens", shard_tokens,
+                      "tokens per output file: numbered files PREFIX_train_000000.bin ... as llm.c writes them (its "
+                      "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
+      ->check(in_range(0, data::kShardMaxTokens))
+      ->capture_default_str();
   tok_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
 
   // train
@@ -503,10 +509,13 @@ int run(int argc, char** argv) {
     for (train::TrainConfig* c : {&tc, &ec, &sa.cfg, &pa.cfg}) *c = with_environment(*c);
     if (*tok_cmd) {
       auto tok = data::make_tokenizer(tok_name, data_dir);
-      auto stats = data::tokenize_files(tok_in, tok_out, *tok, val_fraction);
+      const auto stats = data::tokenize_files(tok_in, tok_out, *tok, val_fraction, shard_tokens);
       train::write_data_meta(tok_out, {tok->name(), tok->vocab_size()});
-      fmt::print("{}: {} train tokens -> {}_train.bin, {} val tokens -> {}_val.bin\n", tok->name(), stats.train_tokens,
-                 tok_out, stats.val_tokens, tok_out);
+      const auto files = [](const std::vector<std::string>& paths) {
+        return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());
+      };
+      fmt::print("{}: {} train tokens -> {}, {} val tokens -> {}\n", tok->name(), stats.train_tokens,
+                 files(stats.train_files), stats.val_tokens, files(stats.val_files));
     } else if (*train_cmd) {
       tc.command_line = command_line(argc, argv);
       return run_train(tc, data_dir, train_hardware);

@@ -8,9 +8,7 @@ namespace shardlm::data {
 
 namespace fs = std::filesystem;
 
-std::vector<std::string> split_files(const std::string& prefix, const std::string& split) {
-  const std::string whole = prefix + "_" + split + ".bin";
-  if (fs::exists(whole)) return {whole};
+std::vector<std::string> numbered_split_files(const std::string& prefix, const std::string& split) {
   const fs::path p(prefix);
   const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
   const std::string lead = p.filename().string() + "_" + split + "_";
@@ -24,8 +22,15 @@ std::vector<std::string> split_files(const std::string& prefix, const std::strin
     const std::string digits = name.substr(lead.size(), name.size() - lead.size() - 4);
     if (digits.find_first_not_of("0123456789") == std::string::npos) numbered.push_back((dir / name).string());
   }
-  if (numbered.empty()) return {whole};
   std::sort(numbered.begin(), numbered.end());
+  return numbered;
+}
+
+std::vector<std::string> split_files(const std::string& prefix, const std::string& split) {
+  const std::string whole = prefix + "_" + split + ".bin";
+  if (fs::exists(whole)) return {whole};
+  std::vector<std::string> numbered = numbered_split_files(prefix, split);
+  if (numbered.empty()) return {whole};
   return numbered;
 }
 

@@ -18,6 +18,9 @@ namespace shardlm::data {
 // numbered ones in name order, else PREFIX_SPLIT.bin alone (opening it then names what is missing).
 std::vector<std::string> split_files(const std::string& prefix, const std::string& split);
 
+// Every PREFIX_SPLIT_<digits>.bin, in name order.
+std::vector<std::string> numbered_split_files(const std::string& prefix, const std::string& split);
+
 // Tokens [first, end) of `total` that rank `rank` of `ranks` takes where each takes one
 // contiguous share, in rank order; the shares' sizes differ by at most one.
 struct TokenRange {

@@ -56,13 +56,35 @@ TokenShardWriter::TokenShardWriter(std::string path) : path_(std::move(path)), t
 TokenShardWriter::~TokenShardWriter() { discard(); }
 
 void TokenShardWriter::discard() {
-  if (fd_ < 0) return;
-  ::close(fd_);
+  if (fd_ < 0 && !parked_) return;
+  if (fd_ >= 0) ::close(fd_);
   ::unlink(tmp_.c_str());
   fd_ = -1;
+  parked_ = false;
+}
+
+void TokenShardWriter::park() {
+  if (fd_ < 0) return;
+  if (::close(std::exchange(fd_, -1)) != 0) {
+    ::unlink(tmp_.c_str());
+    fail(tmp_, "close failed: " + errno_text());
+  }
+  parked_ = true;
+}
+
+void TokenShardWriter::unpark() {
+  if (!parked_) return;
+  parked_ = false;
+  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd_ < 0 || ::lseek(fd_, 0, SEEK_END) < 0) {
+    const std::string err = errno_text();
+    discard();
+    fail(tmp_, "cannot reopen: " + err);
+  }
 }
 
 void TokenShardWriter::append(std::span<const uint16_t> tokens) {
+  unpark();
   if (fd_ < 0) fail(path_, "written after commit");
   if (static_cast<int64_t>(tokens.size()) > kShardMaxTokens - count_)
     fail(path_, std::to_string(count_ + static_cast<int64_t>(tokens.size())) + " tokens do not fit the header's int32 count");
@@ -82,6 +104,11 @@ void TokenShardWriter::append(std::span<const int32_t> tokens) {
 }
 
 void TokenShardWriter::move_tail(int64_t n, TokenShardWriter& to) {
+  move_tail(n, [&](std::span<const uint16_t> tokens) { to.append(tokens); });
+}
+
+void TokenShardWriter::move_tail(int64_t n, const std::function<void(std::span<const uint16_t>)>& to) {
+  unpark();
   if (n < 0 || n > count_) fail(path_, "cannot move " + std::to_string(n) + " of its " + std::to_string(count_) + " tokens");
   const int64_t keep = count_ - n;
   std::vector<uint16_t> buf(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)));
@@ -90,7 +117,7 @@ void TokenShardWriter::move_tail(int64_t n, TokenShardWriter& to) {
     const off_t at = kShardHeaderBytes + first * static_cast<off_t>(sizeof(uint16_t));
     if (::pread(fd_, buf.data(), len * sizeof(uint16_t), at) != static_cast<ssize_t>(len * sizeof(uint16_t)))
       fail(tmp_, "cannot read back: " + errno_text());
-    to.append(std::span<const uint16_t>(buf.data(), len));
+    to(std::span<const uint16_t>(buf.data(), len));
   }
   if (::ftruncate(fd_, kShardHeaderBytes + keep * static_cast<off_t>(sizeof(uint16_t))) != 0 || ::lseek(fd_, 0, SEEK_END) < 0)
     fail(tmp_, "cannot truncate: " + errno_text());
@@ -98,6 +125,7 @@ void TokenShardWriter::move_tail(int64_t n, TokenShardWriter& to) {
 }
 
 void TokenShardWriter::commit() {
+  unpark();
   if (fd_ < 0) fail(path_, "committed twice");
   const int32_t count = static_cast<int32_t>(count_);
   try {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -38,14 +39,21 @@ class TokenShardWriter {
   // Each id must fit uint16, and the shard at most kShardMaxTokens.
   void append(std::span<const int32_t> tokens);
   void append(std::span<const uint16_t> tokens);
-  // Moves the last n tokens (n <= size()) to the end of `to`.
+  // Moves the last n tokens (n <= size()) to the end of `to`: hands them, in order and a piece at
+  // a time, to `to`, then cuts them off.
   void move_tail(int64_t n, TokenShardWriter& to);
+  void move_tail(int64_t n, const std::function<void(std::span<const uint16_t>)>& to);
   void commit();
+  // Closes the file until it is next used (append, move_tail and commit reopen it): a corpus
+  // written as many numbered files keeps one descriptor open, not one a file.
+  void park();
 
  private:
   void discard();
+  void unpark();
   std::string path_, tmp_;
   int fd_ = -1;
+  bool parked_ = false;
   int64_t count_ = 0;
 };
 

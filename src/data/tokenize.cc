@@ -1,32 +1,121 @@
 #include "data/tokenize.h"
 
+#include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
+
+#include "data/corpus.h"
 
 namespace shardlm::data {
 namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("tokenize: " + msg); }
 
-// Appends the tokens of the inputs to one shard, refusing to go past the token limit.
+// The files of one split: PREFIX_SPLIT.bin, or with shard_tokens > 0 numbered ones of at most
+// shard_tokens tokens each, a new one begun when the last is full. Uncommitted files are removed
+// when the writer goes (TokenShardWriter).
+class SplitWriter {
+ public:
+  SplitWriter(std::string prefix, std::string split, int64_t shard_tokens)
+      : prefix_(std::move(prefix)), split_(std::move(split)), shard_tokens_(shard_tokens) {
+    begin_file();
+  }
+
+  int64_t size() const { return full_files_tokens() + files_.back()->size(); }
+  int64_t capacity() const { return shard_tokens_ > 0 ? shard_tokens_ * kMaxFiles : kShardMaxTokens; }
+
+  template <class Id>
+  void append(std::span<const Id> tokens) {
+    while (!tokens.empty()) {
+      if (files_.back()->size() == file_tokens()) {
+        files_.back()->park();
+        begin_file();
+      }
+      const size_t n = static_cast<size_t>(std::min<int64_t>(file_tokens() - files_.back()->size(), tokens.size()));
+      files_.back()->append(tokens.first(n));
+      tokens = tokens.subspan(n);
+    }
+  }
+
+  // Moves the last n tokens (n <= size()) to the end of `to`, in order; files left empty go.
+  void move_tail(int64_t n, SplitWriter& to) {
+    size_t first = files_.size() - 1;  // the first file holding some of the tail
+    for (int64_t below = files_.back()->size(); below < n; below += files_[first]->size()) --first;
+    int64_t from_first = n;
+    for (size_t k = first + 1; k < files_.size(); ++k) from_first -= files_[k]->size();
+    const auto into = [&](std::span<const uint16_t> tokens) { to.append(tokens); };
+    for (size_t k = first; k < files_.size(); ++k) {
+      files_[k]->move_tail(k == first ? from_first : files_[k]->size(), into);
+      files_[k]->park();
+    }
+    files_.resize(std::max<size_t>(files_[first]->size() > 0 ? first + 1 : first, 1));
+  }
+
+  // Commits every file (one at least, empty or not); returns their paths.
+  std::vector<std::string> commit() {
+    std::vector<std::string> paths;
+    for (size_t k = 0; k < files_.size(); ++k) {
+      files_[k]->commit();  // one descriptor at a time
+      paths.push_back(name(k));
+    }
+    return paths;
+  }
+
+ private:
+  static constexpr int64_t kMaxFiles = 1000000;  // six digits
+
+  int64_t file_tokens() const { return shard_tokens_ > 0 ? shard_tokens_ : kShardMaxTokens; }
+  int64_t full_files_tokens() const { return static_cast<int64_t>(files_.size() - 1) * file_tokens(); }
+  std::string name(size_t k) const {
+    if (shard_tokens_ == 0) return prefix_ + "_" + split_ + ".bin";
+    char number[16];
+    std::snprintf(number, sizeof number, "%06zu", k);
+    return prefix_ + "_" + split_ + "_" + number + ".bin";
+  }
+  void begin_file() { files_.push_back(std::make_unique<TokenShardWriter>(name(files_.size()))); }
+
+  std::string prefix_, split_;
+  int64_t shard_tokens_;
+  std::vector<std::unique_ptr<TokenShardWriter>> files_;
+};
+
+// Appends the tokens of the inputs to the train split, refusing to go past the token limit.
 class TokenSink {
  public:
-  TokenSink(TokenShardWriter& out, int64_t max_tokens) : out_(out), max_tokens_(max_tokens) {}
+  TokenSink(SplitWriter& out, int64_t max_tokens) : out_(out), max_tokens_(max_tokens) {}
 
   void append(const std::vector<int32_t>& ids, const std::string& file, int64_t byte) {
     if (static_cast<int64_t>(ids.size()) > max_tokens_ - out_.size())
-      fail(file + ": the inputs make more than " + std::to_string(max_tokens_) +
-           " tokens (by byte " + std::to_string(byte) + " of this file), the most a token file holds");
+      fail(file + ": the inputs make more than " + std::to_string(max_tokens_) + " tokens (by byte " +
+           std::to_string(byte) + " of this file), the most " +
+           (max_tokens_ == kShardMaxTokens ? "a token file holds; --shard-tokens N writes numbered files of N each"
+                                           : "tokenize writes"));
     out_.append(std::span<const int32_t>(ids));
   }
 
  private:
-  TokenShardWriter& out_;
+  SplitWriter& out_;
   const int64_t max_tokens_;
 };
+
+// Removes the files of PREFIX's split that train would read besides `kept` (the whole file, and
+// numbered ones), so what it reads is what was just written.
+void remove_others(const std::string& prefix, const std::string& split, const std::vector<std::string>& kept) {
+  std::vector<std::string> found = numbered_split_files(prefix, split);
+  found.push_back(prefix + "_" + split + ".bin");
+  for (const std::string& f : found)
+    if (std::find(kept.begin(), kept.end(), f) == kept.end()) {
+      std::error_code ec;
+      std::filesystem::remove(f, ec);
+      if (ec) fail("cannot remove " + f + " (an older file of this prefix, which train would read): " + ec.message());
+    }
+}
 
 // Encodes one file a chunk at a time: each chunk's text up to the tokenizer's stable prefix is
 // encoded now, the rest waits for more. Returns the file's size in bytes.
@@ -58,29 +147,28 @@ int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const
 }  // namespace
 
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
-                             const Tokenizer& tokenizer, double val_fraction, const TokenizeLimits& limits) {
+                             const Tokenizer& tokenizer, double val_fraction, int64_t shard_tokens,
+                             const TokenizeLimits& limits) {
   if (!(val_fraction >= 0.0 && val_fraction < 1.0))
     fail("val_fraction " + std::to_string(val_fraction) + " is not in [0, 1)");
   if (tokenizer.vocab_size() > 65536)
     fail("tokenizer " + tokenizer.name() + " has " + std::to_string(tokenizer.vocab_size()) +
          " ids; shards hold uint16 ids");
   if (inputs.empty()) fail("no input files");
-  if (limits.max_tokens < 1 || limits.max_tokens > kShardMaxTokens || limits.max_unbroken_bytes < 1 ||
-      limits.read_bytes < 1)
-    fail("limits out of range");
+  if (shard_tokens < 0 || shard_tokens > kShardMaxTokens)
+    fail("shard_tokens " + std::to_string(shard_tokens) + " is not in [1, 2^31 - 1] (0: one file a split)");
+  if (limits.max_tokens < 0 || limits.max_unbroken_bytes < 1 || limits.read_bytes < 1) fail("limits out of range");
   const auto t0 = std::chrono::steady_clock::now();
-  TokenizeStats st;
-  st.train_path = out_prefix + "_train.bin";
-  st.val_path = out_prefix + "_val.bin";
-  const std::filesystem::path parent = std::filesystem::path(st.train_path).parent_path();
+  const std::filesystem::path parent = std::filesystem::path(out_prefix).parent_path();
   if (!parent.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(parent, ec);
     if (ec) fail("cannot create folder " + parent.string() + ": " + ec.message());
   }
-  // Every token goes to the train shard; the validation tail moves to its own at the end.
-  TokenShardWriter train(st.train_path), val(st.val_path);
-  TokenSink sink(train, limits.max_tokens);
+  // Every token goes to the train split; the validation tail moves to its own at the end.
+  SplitWriter train(out_prefix, "train", shard_tokens), val(out_prefix, "val", shard_tokens);
+  TokenSink sink(train, std::min(limits.max_tokens > 0 ? limits.max_tokens : INT64_MAX, train.capacity()));
+  TokenizeStats st;
   for (size_t f = 0; f < inputs.size(); ++f) {
     if (f > 0 && tokenizer.eot() >= 0) sink.append({tokenizer.eot()}, inputs[f], 0);
     st.bytes += tokenize_file(inputs[f], tokenizer, limits, sink);
@@ -91,8 +179,10 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   st.val_tokens = static_cast<int64_t>(std::floor(static_cast<double>(st.tokens) * val_fraction));
   st.train_tokens = st.tokens - st.val_tokens;
   train.move_tail(st.val_tokens, val);
-  train.commit();
-  val.commit();
+  st.train_files = train.commit();
+  st.val_files = val.commit();
+  remove_others(out_prefix, "train", st.train_files);
+  remove_others(out_prefix, "val", st.val_files);
   return st;
 }
 

@@ -1,4 +1,5 @@
-// The tokenize driver: text files -> PREFIX_train.bin and PREFIX_val.bin token shards.
+// The tokenize driver: text files -> PREFIX_train.bin and PREFIX_val.bin token files, or llm.c's
+// numbered shards (PREFIX_train_000000.bin ...) for corpora past one file's 2^31 tokens.
 #pragma once
 
 #include <cstdint>
@@ -16,15 +17,17 @@ struct TokenizeStats {
   int64_t tokens = 0;        // all tokens, separators included
   int64_t train_tokens = 0;  // the first tokens - val_tokens
   int64_t val_tokens = 0;    // the last floor(tokens * val_fraction)
-  std::string train_path;    // PREFIX_train.bin
-  std::string val_path;      // PREFIX_val.bin
+  std::vector<std::string> train_files;  // PREFIX_train.bin, or PREFIX_train_000000.bin ...
+  std::vector<std::string> val_files;    // likewise
   double seconds = 0;        // wall time of reading + encoding
 };
 
 // What keeps tokenize's time, memory and output finite whatever the input (/dev/zero included).
 // Tests make them small so that reaching them takes kilobytes, not gigabytes.
 struct TokenizeLimits {
-  int64_t max_tokens = kShardMaxTokens;      // all tokens, separators included: the format's count
+  // All tokens, separators included. 0: what the output holds, one file's count (2^31 - 1), or
+  // with shard_tokens a million files of it (the six digits of their numbers).
+  int64_t max_tokens = 0;
   int64_t max_unbroken_bytes = int64_t{16} << 20;  // text the tokenizer may hold waiting for a break
   int64_t read_bytes = int64_t{1} << 20;     // read (and encoded) at a time
 };
@@ -32,15 +35,19 @@ struct TokenizeLimits {
 // Encodes each input file as a whole, in the order given, and joins them with the tokenizer's
 // eot() between consecutive files (gpt2: 50256). A tokenizer without one (bytes: eot() == -1)
 // joins the files with nothing. The last floor(tokens * val_fraction) tokens go to
-// PREFIX_val.bin, the rest to PREFIX_train.bin (both written atomically; the parent folder
-// is created). Inputs are read and encoded a piece at a time (Tokenizer::stable_prefix), so
-// memory stays bounded and the tokens are those of encoding each file at once.
+// PREFIX_val.bin, the rest to PREFIX_train.bin; with shard_tokens > 0, to numbered files of at
+// most that many tokens each instead, PREFIX_val_000000.bin ... and PREFIX_train_000000.bin ...
+// (train's --data PREFIX reads either). Every file is written atomically, the parent folder
+// created; then any other file of the prefix's splits (what train would read with them: an old
+// run's shards, or the whole file that would hide the new shards) is removed. Inputs are read and
+// encoded a piece at a time (Tokenizer::stable_prefix), so memory stays bounded and the tokens
+// are those of encoding each file at once.
 // Throws std::runtime_error (one line naming the file) on a read error, if val_fraction is not
-// in [0, 1), if the vocabulary does not fit uint16, if the inputs make more than
-// limits.max_tokens tokens, or if a file holds more than limits.max_unbroken_bytes without a
-// place the tokenizer can break (not text). Nothing is written then.
+// in [0, 1), if the vocabulary does not fit uint16, if the inputs make more than the limit's
+// tokens, or if a file holds more than limits.max_unbroken_bytes without a place the tokenizer
+// can break (not text). Nothing is written then.
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
-                             const Tokenizer& tokenizer, double val_fraction = 0.1,
+                             const Tokenizer& tokenizer, double val_fraction = 0.1, int64_t shard_tokens = 0,
                              const TokenizeLimits& limits = {});
 
 }  // namespace shardlm::data

@@ -1,10 +1,12 @@
 // The tokenize driver: files -> train/val shards.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <filesystem>
 #include <random>
 #include <vector>
 
+#include "data/corpus.h"
 #include "data/shard.h"
 #include "data/tokenize.h"
 #include "data_test_util.h"
@@ -34,10 +36,10 @@ TEST(Tokenize, BytesJoinsFilesWithNothing) {
   EXPECT_EQ(st.tokens, 5);
   EXPECT_EQ(st.val_tokens, 2);
   EXPECT_EQ(st.train_tokens, 3);
-  EXPECT_EQ(st.train_path, dir.file("out/t_train.bin"));
-  EXPECT_EQ(st.val_path, dir.file("out/t_val.bin"));
-  EXPECT_EQ(read_tokens(st.train_path), (std::vector<int32_t>{'a', 'b', 'c'}));
-  EXPECT_EQ(read_tokens(st.val_path), (std::vector<int32_t>{'d', 'e'}));
+  EXPECT_EQ(st.train_files, std::vector<std::string>{dir.file("out/t_train.bin")});
+  EXPECT_EQ(st.val_files, std::vector<std::string>{dir.file("out/t_val.bin")});
+  EXPECT_EQ(read_tokens(st.train_files[0]), (std::vector<int32_t>{'a', 'b', 'c'}));
+  EXPECT_EQ(read_tokens(st.val_files[0]), (std::vector<int32_t>{'d', 'e'}));
 }
 
 TEST(Tokenize, Gpt2SeparatesFilesWithEot) {
@@ -55,8 +57,8 @@ TEST(Tokenize, Gpt2SeparatesFilesWithEot) {
   want.insert(want.end(), eb.begin(), eb.end());
   ASSERT_EQ(st.tokens, static_cast<int64_t>(want.size()));  // 12 + 1 + 2 = 15
   EXPECT_EQ(st.val_tokens, 1);                               // floor(15 * 0.1)
-  std::vector<int32_t> got = read_tokens(st.train_path);
-  const std::vector<int32_t> val = read_tokens(st.val_path);
+  std::vector<int32_t> got = read_tokens(st.train_files[0]);
+  const std::vector<int32_t> val = read_tokens(st.val_files[0]);
   got.insert(got.end(), val.begin(), val.end());
   EXPECT_EQ(got, want);
   EXPECT_EQ(val, std::vector<int32_t>{995});
@@ -86,9 +88,9 @@ void expect_no_output(const TempDir& dir) {
 
 // What tokenize_files throws, or "" if it returns.
 std::string tokenize_error(const std::vector<std::string>& inputs, const std::string& prefix, const Tokenizer& tok,
-                           const TokenizeLimits& limits) {
+                           const TokenizeLimits& limits, int64_t shard_tokens = 0) {
   try {
-    tokenize_files(inputs, prefix, tok, 0.1, limits);
+    tokenize_files(inputs, prefix, tok, 0.1, shard_tokens, limits);
   } catch (const std::runtime_error& e) {
     return e.what();
   }
@@ -112,11 +114,11 @@ TEST(Tokenize, StopsAtTheTokenLimitWithOneLine) {
     expect_no_output(dir);
   }
   // Exactly the limit is written whole.
-  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.5,
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.5, 0,
                                           {.max_tokens = 600, .max_unbroken_bytes = 1 << 20, .read_bytes = 7});
   EXPECT_EQ(st.tokens, 600);
-  EXPECT_EQ(read_tokens(st.train_path), std::vector<int32_t>(300, 'a'));
-  EXPECT_EQ(read_tokens(st.val_path), std::vector<int32_t>(300, 'a'));
+  EXPECT_EQ(read_tokens(st.train_files[0]), std::vector<int32_t>(300, 'a'));
+  EXPECT_EQ(read_tokens(st.val_files[0]), std::vector<int32_t>(300, 'a'));
 }
 
 // GPT-2 text is read and encoded in small chunks, and the shards hold the tokens of encoding
@@ -133,12 +135,12 @@ TEST(Tokenize, Gpt2ReadInChunksGivesTheTokensOfTheWholeFile) {
   std::vector<int32_t> want = tok->encode(text);
   const int64_t val = static_cast<int64_t>(want.size()) / 10;
   for (const int64_t read_bytes : {int64_t{1}, int64_t{13}, int64_t{4096}}) {
-    const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1,
+    const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 0,
                                             {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 1 << 20, .read_bytes = read_bytes});
     EXPECT_EQ(st.bytes, static_cast<int64_t>(text.size()));
     EXPECT_EQ(st.val_tokens, val);
-    std::vector<int32_t> got = read_tokens(st.train_path);
-    const std::vector<int32_t> tail = read_tokens(st.val_path);
+    std::vector<int32_t> got = read_tokens(st.train_files[0]);
+    const std::vector<int32_t> tail = read_tokens(st.val_files[0]);
     EXPECT_EQ(static_cast<int64_t>(tail.size()), val);
     got.insert(got.end(), tail.begin(), tail.end());
     EXPECT_EQ(got, want) << "read " << read_bytes << " bytes at a time";
@@ -161,9 +163,104 @@ TEST(Tokenize, TextWithoutBreaksIsRefusedAtItsLimit) {
     expect_no_output(dir);
   }
   // Under the limit the same file is one token run, as when read whole.
-  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1,
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 0,
                                           {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 6000, .read_bytes = 100});
   EXPECT_EQ(st.tokens, static_cast<int64_t>(tok->encode(testing::read_file(dir.file("a.txt"))).size()));
+}
+
+// The tokens of numbered files, in name order, as one sequence.
+std::vector<int32_t> read_all(const std::vector<std::string>& paths) {
+  std::vector<int32_t> all;
+  for (const std::string& p : paths) {
+    const std::vector<int32_t> t = read_tokens(p);
+    all.insert(all.end(), t.begin(), t.end());
+  }
+  return all;
+}
+
+// With shard_tokens, each split is numbered files of at most that many tokens (llm.c's layout,
+// which train reads as one sequence), holding the tokens of the whole files in the same order:
+// 1000 tokens, the last 250 for validation, files of 128: the cut falls inside train's sixth
+// file and the validation tail spans three.
+TEST(Tokenize, NumberedShardsHoldTheTokensOfTheWholeFiles) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += static_cast<char>('a' + i * 7 % 26);
+  write_file(dir.file("a.txt"), text);
+  auto tok = make_tokenizer("bytes", "");
+  const TokenizeStats whole = tokenize_files({dir.file("a.txt")}, dir.file("w"), *tok, 0.25);
+  const TokenizeStats cut = tokenize_files({dir.file("a.txt")}, dir.file("c"), *tok, 0.25, 128);
+  EXPECT_EQ(cut.train_tokens, 750);
+  EXPECT_EQ(cut.val_tokens, 250);
+  ASSERT_EQ(cut.train_files.size(), 6u);
+  ASSERT_EQ(cut.val_files.size(), 2u);
+  EXPECT_EQ(cut.train_files[5], dir.file("c_train_000005.bin"));
+  EXPECT_EQ(cut.val_files[0], dir.file("c_val_000000.bin"));
+  for (size_t k = 0; k < 5; ++k) EXPECT_EQ(TokenShard(cut.train_files[k]).size(), 128) << k;
+  EXPECT_EQ(TokenShard(cut.train_files[5]).size(), 110);
+  EXPECT_EQ(TokenShard(cut.val_files[0]).size(), 128);
+  EXPECT_EQ(read_all(cut.train_files), read_tokens(whole.train_files[0]));
+  EXPECT_EQ(read_all(cut.val_files), read_tokens(whole.val_files[0]));
+  EXPECT_EQ(split_files(dir.file("c"), "train"), cut.train_files);
+}
+
+// What train would read under a prefix is what tokenize last wrote there: a whole file that
+// would hide new shards goes, shards past the new count go, and shards go for a whole file.
+TEST(Tokenize, RewritingAPrefixLeavesNoOlderFileForTrainToRead) {
+  TempDir dir;
+  write_file(dir.file("a.txt"), std::string(1000, 'x'));
+  auto tok = make_tokenizer("bytes", "");
+  const std::string prefix = dir.file("t");
+  tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1);
+  const TokenizeStats many = tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1, 100);
+  EXPECT_FALSE(std::filesystem::exists(prefix + "_train.bin"));
+  EXPECT_EQ(split_files(prefix, "train"), many.train_files);
+  ASSERT_EQ(many.train_files.size(), 9u);
+  const TokenizeStats few = tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1, 500);
+  EXPECT_EQ(numbered_split_files(prefix, "train"), few.train_files);
+  EXPECT_EQ(numbered_split_files(prefix, "val"), few.val_files);
+  ASSERT_EQ(few.train_files.size(), 2u);
+  tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1);
+  EXPECT_TRUE(numbered_split_files(prefix, "train").empty());
+  EXPECT_TRUE(numbered_split_files(prefix, "val").empty());
+  EXPECT_TRUE(std::filesystem::exists(prefix + "_val.bin"));
+}
+
+// The token limit holds over all the numbered files, and a refused run leaves none of them.
+TEST(Tokenize, NumberedShardsStopAtTheTokenLimitLeavingNoFile) {
+  TempDir dir;
+  write_file(dir.file("a.txt"), std::string(1000, 'x'));
+  auto tok = make_tokenizer("bytes", "");
+  const std::string err =
+      tokenize_error({dir.file("a.txt")}, dir.file("t"), *tok, {.max_tokens = 900, .read_bytes = 64}, 100);
+  EXPECT_NE(err.find("more than 900 tokens"), std::string::npos) << err;
+  expect_no_output(dir);
+}
+
+// A split of more files than the process may hold open is written: each full file is closed
+// until the end (a 100 B-token corpus in llm.c's 100 M-token shards is 1000 files, and the usual
+// limit is 1024 descriptors).
+TEST(Tokenize, NumberedShardsPastTheOpenFileLimit) {
+  TempDir dir;
+  write_file(dir.file("a.txt"), std::string(3000, 'x'));
+  auto tok = make_tokenizer("bytes", "");
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit few = before;
+  few.rlim_cur = 64;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &few), 0);
+  std::string error;
+  TokenizeStats st;
+  try {
+    st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 10);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_EQ(error, "");
+  EXPECT_EQ(st.train_files.size(), 270u);
+  EXPECT_EQ(st.val_files.size(), 30u);
+  EXPECT_EQ(read_all(st.train_files), std::vector<int32_t>(2700, 'x'));
 }
 
 }  // namespace
