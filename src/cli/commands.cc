@@ -21,6 +21,7 @@
 #include "data/tokenizer.h"
 #include "run/calibrate.h"
 #include "train/config.h"
+#include "train/machines.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -344,6 +345,10 @@ int run(int argc, char** argv) {
       ->check(open_unit_interval())
       ->capture_default_str();
   int64_t shard_tokens = 0;
+  int tok_threads = std::max(1, train::allowed_cpus());
+  tok_cmd->add_option("--threads", tok_threads, "pieces of text (a MiB each) encoded at once (default: the CPUs it may run on)")
+      ->check(in_range(1, train::kMaxThreads))
+      ->capture_default_str();
   tok_cmd->add_option("--shard-tokens", shard_tokens,
                       "tokens per output file: numbered files PREFIX_train_000000.bin ... as llm.c writes them (its "
                       "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
@@ -509,7 +514,8 @@ int run(int argc, char** argv) {
     for (train::TrainConfig* c : {&tc, &ec, &sa.cfg, &pa.cfg}) *c = with_environment(*c);
     if (*tok_cmd) {
       auto tok = data::make_tokenizer(tok_name, data_dir);
-      const auto stats = data::tokenize_files(tok_in, tok_out, *tok, val_fraction, shard_tokens);
+      const auto stats = data::tokenize_files(
+          tok_in, tok_out, *tok, {.val_fraction = val_fraction, .shard_tokens = shard_tokens, .threads = tok_threads});
       train::write_data_meta(tok_out, {tok->name(), tok->vocab_size()});
       const auto files = [](const std::vector<std::string>& paths) {
         return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());

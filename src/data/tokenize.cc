@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <stdexcept>
+#include <thread>
 
 #include "data/corpus.h"
 
@@ -117,10 +118,53 @@ void remove_others(const std::string& prefix, const std::string& split, const st
     }
 }
 
-// Encodes one file a chunk at a time: each chunk's text up to the tokenizer's stable prefix is
+// Encodes text pieces `threads` at a time, each on a thread of its own, and hands their tokens
+// to the sink in the order the pieces came (tokens already known, eot, wait their turn).
+class OrderedEncoder {
+ public:
+  OrderedEncoder(const Tokenizer& tokenizer, TokenSink& sink, int threads)
+      : tokenizer_(tokenizer), sink_(sink), threads_(threads) {}
+
+  // `byte`: where in `file` the piece ends, for the sink's messages.
+  void add_text(std::string text, const std::string& file, int64_t byte) {
+    waiting_.push_back({std::move(text), {}, file, byte});
+    if (static_cast<int>(waiting_.size()) >= threads_) flush();
+  }
+  void add_tokens(std::vector<int32_t> ids, const std::string& file, int64_t byte) {
+    waiting_.push_back({{}, std::move(ids), file, byte});
+  }
+
+  void flush() {
+    std::vector<std::thread> helpers;
+    for (size_t i = 1; i < waiting_.size(); ++i)
+      if (!waiting_[i].text.empty()) helpers.emplace_back([this, i] { encode(waiting_[i]); });
+    if (!waiting_.empty()) encode(waiting_[0]);
+    for (std::thread& t : helpers) t.join();
+    for (const Piece& p : waiting_) sink_.append(p.ids, p.file, p.byte);
+    waiting_.clear();
+  }
+
+ private:
+  struct Piece {
+    std::string text;
+    std::vector<int32_t> ids;
+    std::string file;
+    int64_t byte = 0;
+  };
+  void encode(Piece& p) const {
+    if (!p.text.empty()) p.ids = tokenizer_.encode(p.text);
+  }
+
+  const Tokenizer& tokenizer_;
+  TokenSink& sink_;
+  const int threads_;
+  std::vector<Piece> waiting_;
+};
+
+// Reads one file a chunk at a time: each chunk's text up to the tokenizer's stable prefix is
 // encoded now, the rest waits for more. Returns the file's size in bytes.
 int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const TokenizeLimits& limits,
-                      TokenSink& sink) {
+                      OrderedEncoder& encoder) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open input file " + path);
   std::string pending;  // read, not yet encoded
@@ -133,22 +177,24 @@ int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const
     pending.append(chunk.data(), got);
     read += static_cast<int64_t>(got);
     const size_t ready = tokenizer.stable_prefix(pending);
-    sink.append(tokenizer.encode(std::string_view(pending).substr(0, ready)), path, read);
+    encoder.add_text(pending.substr(0, ready), path, read);
     pending.erase(0, ready);
     if (static_cast<int64_t>(pending.size()) > limits.max_unbroken_bytes)
       fail(path + ": bytes " + std::to_string(read - static_cast<int64_t>(pending.size())) + " to " +
            std::to_string(read) + " (more than " + std::to_string(limits.max_unbroken_bytes) +
            ") hold no place where the " + tokenizer.name() + " tokenizer can break them; is it text?");
   }
-  sink.append(tokenizer.encode(pending), path, read);
+  encoder.add_text(std::move(pending), path, read);
   return read;
 }
 
 }  // namespace
 
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
-                             const Tokenizer& tokenizer, double val_fraction, int64_t shard_tokens,
-                             const TokenizeLimits& limits) {
+                             const Tokenizer& tokenizer, const TokenizeOptions& options) {
+  const double val_fraction = options.val_fraction;
+  const int64_t shard_tokens = options.shard_tokens;
+  const TokenizeLimits& limits = options.limits;
   if (!(val_fraction >= 0.0 && val_fraction < 1.0))
     fail("val_fraction " + std::to_string(val_fraction) + " is not in [0, 1)");
   if (tokenizer.vocab_size() > 65536)
@@ -157,6 +203,7 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   if (inputs.empty()) fail("no input files");
   if (shard_tokens < 0 || shard_tokens > kShardMaxTokens)
     fail("shard_tokens " + std::to_string(shard_tokens) + " is not in [1, 2^31 - 1] (0: one file a split)");
+  if (options.threads < 1) fail("threads " + std::to_string(options.threads) + " is not at least 1");
   if (limits.max_tokens < 0 || limits.max_unbroken_bytes < 1 || limits.read_bytes < 1) fail("limits out of range");
   const auto t0 = std::chrono::steady_clock::now();
   const std::filesystem::path parent = std::filesystem::path(out_prefix).parent_path();
@@ -168,12 +215,14 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   // Every token goes to the train split; the validation tail moves to its own at the end.
   SplitWriter train(out_prefix, "train", shard_tokens), val(out_prefix, "val", shard_tokens);
   TokenSink sink(train, std::min(limits.max_tokens > 0 ? limits.max_tokens : INT64_MAX, train.capacity()));
+  OrderedEncoder encoder(tokenizer, sink, options.threads);
   TokenizeStats st;
   for (size_t f = 0; f < inputs.size(); ++f) {
-    if (f > 0 && tokenizer.eot() >= 0) sink.append({tokenizer.eot()}, inputs[f], 0);
-    st.bytes += tokenize_file(inputs[f], tokenizer, limits, sink);
+    if (f > 0 && tokenizer.eot() >= 0) encoder.add_tokens({tokenizer.eot()}, inputs[f], 0);
+    st.bytes += tokenize_file(inputs[f], tokenizer, limits, encoder);
     ++st.files;
   }
+  encoder.flush();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.tokens = train.size();
   st.val_tokens = static_cast<int64_t>(std::floor(static_cast<double>(st.tokens) * val_fraction));

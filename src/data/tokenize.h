@@ -32,6 +32,13 @@ struct TokenizeLimits {
   int64_t read_bytes = int64_t{1} << 20;     // read (and encoded) at a time
 };
 
+struct TokenizeOptions {
+  double val_fraction = 0.1;  // the last floor(tokens * val_fraction) tokens are validation
+  int64_t shard_tokens = 0;   // > 0: numbered files of at most this many tokens, not one a split
+  int threads = 1;            // encoding that many pieces of read_bytes at once
+  TokenizeLimits limits = {};
+};
+
 // Encodes each input file as a whole, in the order given, and joins them with the tokenizer's
 // eot() between consecutive files (gpt2: 50256). A tokenizer without one (bytes: eot() == -1)
 // joins the files with nothing. The last floor(tokens * val_fraction) tokens go to
@@ -39,15 +46,15 @@ struct TokenizeLimits {
 // most that many tokens each instead, PREFIX_val_000000.bin ... and PREFIX_train_000000.bin ...
 // (train's --data PREFIX reads either). Every file is written atomically, the parent folder
 // created; then any other file of the prefix's splits (what train would read with them: an old
-// run's shards, or the whole file that would hide the new shards) is removed. Inputs are read and
-// encoded a piece at a time (Tokenizer::stable_prefix), so memory stays bounded and the tokens
-// are those of encoding each file at once.
+// run's shards, or the whole file that would hide the new shards) is removed. Inputs are read a
+// piece at a time and each piece is encoded up to the tokenizer's stable prefix
+// (Tokenizer::stable_prefix), on `threads` threads at once, so memory stays bounded and the tokens
+// are those of encoding each file at once, whatever the threads.
 // Throws std::runtime_error (one line naming the file) on a read error, if val_fraction is not
 // in [0, 1), if the vocabulary does not fit uint16, if the inputs make more than the limit's
 // tokens, or if a file holds more than limits.max_unbroken_bytes without a place the tokenizer
 // can break (not text). Nothing is written then.
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
-                             const Tokenizer& tokenizer, double val_fraction = 0.1, int64_t shard_tokens = 0,
-                             const TokenizeLimits& limits = {});
+                             const Tokenizer& tokenizer, const TokenizeOptions& options = {});
 
 }  // namespace shardlm::data

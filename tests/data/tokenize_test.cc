@@ -30,7 +30,8 @@ TEST(Tokenize, BytesJoinsFilesWithNothing) {
   write_file(dir.file("a.txt"), "abc");
   write_file(dir.file("b.txt"), "de");
   auto tok = make_tokenizer("bytes", "");
-  const TokenizeStats st = tokenize_files({dir.file("a.txt"), dir.file("b.txt")}, dir.file("out/t"), *tok, 0.4);
+  const TokenizeStats st =
+      tokenize_files({dir.file("a.txt"), dir.file("b.txt")}, dir.file("out/t"), *tok, {.val_fraction = 0.4});
   EXPECT_EQ(st.files, 2);
   EXPECT_EQ(st.bytes, 5);
   EXPECT_EQ(st.tokens, 5);
@@ -69,14 +70,14 @@ TEST(Tokenize, Errors) {
   auto tok = make_tokenizer("bytes", "");
   write_file(dir.file("a.txt"), "abc");
   try {
-    tokenize_files({dir.file("a.txt"), dir.file("nope.txt")}, dir.file("t"), *tok, 0.1);
+    tokenize_files({dir.file("a.txt"), dir.file("nope.txt")}, dir.file("t"), *tok, {.val_fraction = 0.1});
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(dir.file("nope.txt")), std::string::npos) << e.what();
   }
-  EXPECT_THROW(tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 1.0), std::runtime_error);
-  EXPECT_THROW(tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, -0.1), std::runtime_error);
-  EXPECT_THROW(tokenize_files({}, dir.file("t"), *tok, 0.1), std::runtime_error);
+  EXPECT_THROW(tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, {.val_fraction = 1.0}), std::runtime_error);
+  EXPECT_THROW(tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, {.val_fraction = -0.1}), std::runtime_error);
+  EXPECT_THROW(tokenize_files({}, dir.file("t"), *tok, {.val_fraction = 0.1}), std::runtime_error);
   EXPECT_FALSE(std::filesystem::exists(dir.file("t_train.bin")));
 }
 
@@ -90,7 +91,7 @@ void expect_no_output(const TempDir& dir) {
 std::string tokenize_error(const std::vector<std::string>& inputs, const std::string& prefix, const Tokenizer& tok,
                            const TokenizeLimits& limits, int64_t shard_tokens = 0) {
   try {
-    tokenize_files(inputs, prefix, tok, 0.1, shard_tokens, limits);
+    tokenize_files(inputs, prefix, tok, {.shard_tokens = shard_tokens, .limits = limits});
   } catch (const std::runtime_error& e) {
     return e.what();
   }
@@ -114,8 +115,8 @@ TEST(Tokenize, StopsAtTheTokenLimitWithOneLine) {
     expect_no_output(dir);
   }
   // Exactly the limit is written whole.
-  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.5, 0,
-                                          {.max_tokens = 600, .max_unbroken_bytes = 1 << 20, .read_bytes = 7});
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok,
+                                          {.val_fraction = 0.5, .limits = {.max_tokens = 600, .read_bytes = 7}});
   EXPECT_EQ(st.tokens, 600);
   EXPECT_EQ(read_tokens(st.train_files[0]), std::vector<int32_t>(300, 'a'));
   EXPECT_EQ(read_tokens(st.val_files[0]), std::vector<int32_t>(300, 'a'));
@@ -134,16 +135,16 @@ TEST(Tokenize, Gpt2ReadInChunksGivesTheTokensOfTheWholeFile) {
   write_file(dir.file("a.txt"), text);
   std::vector<int32_t> want = tok->encode(text);
   const int64_t val = static_cast<int64_t>(want.size()) / 10;
-  for (const int64_t read_bytes : {int64_t{1}, int64_t{13}, int64_t{4096}}) {
-    const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 0,
-                                            {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 1 << 20, .read_bytes = read_bytes});
+  for (const auto& [read_bytes, threads] : {std::pair{1, 1}, {13, 1}, {4096, 1}, {13, 3}, {4096, 4}}) {
+    const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok,
+                                            {.threads = threads, .limits = {.read_bytes = read_bytes}});
     EXPECT_EQ(st.bytes, static_cast<int64_t>(text.size()));
     EXPECT_EQ(st.val_tokens, val);
     std::vector<int32_t> got = read_tokens(st.train_files[0]);
     const std::vector<int32_t> tail = read_tokens(st.val_files[0]);
     EXPECT_EQ(static_cast<int64_t>(tail.size()), val);
     got.insert(got.end(), tail.begin(), tail.end());
-    EXPECT_EQ(got, want) << "read " << read_bytes << " bytes at a time";
+    EXPECT_EQ(got, want) << "read " << read_bytes << " bytes at a time, " << threads << " thread(s)";
   }
 }
 
@@ -163,8 +164,8 @@ TEST(Tokenize, TextWithoutBreaksIsRefusedAtItsLimit) {
     expect_no_output(dir);
   }
   // Under the limit the same file is one token run, as when read whole.
-  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 0,
-                                          {.max_tokens = kShardMaxTokens, .max_unbroken_bytes = 6000, .read_bytes = 100});
+  const TokenizeStats st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok,
+                                          {.limits = {.max_unbroken_bytes = 6000, .read_bytes = 100}});
   EXPECT_EQ(st.tokens, static_cast<int64_t>(tok->encode(testing::read_file(dir.file("a.txt"))).size()));
 }
 
@@ -188,8 +189,9 @@ TEST(Tokenize, NumberedShardsHoldTheTokensOfTheWholeFiles) {
   for (int i = 0; i < 1000; ++i) text += static_cast<char>('a' + i * 7 % 26);
   write_file(dir.file("a.txt"), text);
   auto tok = make_tokenizer("bytes", "");
-  const TokenizeStats whole = tokenize_files({dir.file("a.txt")}, dir.file("w"), *tok, 0.25);
-  const TokenizeStats cut = tokenize_files({dir.file("a.txt")}, dir.file("c"), *tok, 0.25, 128);
+  const TokenizeStats whole = tokenize_files({dir.file("a.txt")}, dir.file("w"), *tok, {.val_fraction = 0.25});
+  const TokenizeStats cut =
+      tokenize_files({dir.file("a.txt")}, dir.file("c"), *tok, {.val_fraction = 0.25, .shard_tokens = 128});
   EXPECT_EQ(cut.train_tokens, 750);
   EXPECT_EQ(cut.val_tokens, 250);
   ASSERT_EQ(cut.train_files.size(), 6u);
@@ -211,16 +213,16 @@ TEST(Tokenize, RewritingAPrefixLeavesNoOlderFileForTrainToRead) {
   write_file(dir.file("a.txt"), std::string(1000, 'x'));
   auto tok = make_tokenizer("bytes", "");
   const std::string prefix = dir.file("t");
-  tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1);
-  const TokenizeStats many = tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1, 100);
+  tokenize_files({dir.file("a.txt")}, prefix, *tok, {.val_fraction = 0.1});
+  const TokenizeStats many = tokenize_files({dir.file("a.txt")}, prefix, *tok, {.val_fraction = 0.1, .shard_tokens = 100});
   EXPECT_FALSE(std::filesystem::exists(prefix + "_train.bin"));
   EXPECT_EQ(split_files(prefix, "train"), many.train_files);
   ASSERT_EQ(many.train_files.size(), 9u);
-  const TokenizeStats few = tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1, 500);
+  const TokenizeStats few = tokenize_files({dir.file("a.txt")}, prefix, *tok, {.val_fraction = 0.1, .shard_tokens = 500});
   EXPECT_EQ(numbered_split_files(prefix, "train"), few.train_files);
   EXPECT_EQ(numbered_split_files(prefix, "val"), few.val_files);
   ASSERT_EQ(few.train_files.size(), 2u);
-  tokenize_files({dir.file("a.txt")}, prefix, *tok, 0.1);
+  tokenize_files({dir.file("a.txt")}, prefix, *tok, {.val_fraction = 0.1});
   EXPECT_TRUE(numbered_split_files(prefix, "train").empty());
   EXPECT_TRUE(numbered_split_files(prefix, "val").empty());
   EXPECT_TRUE(std::filesystem::exists(prefix + "_val.bin"));
@@ -252,7 +254,7 @@ TEST(Tokenize, NumberedShardsPastTheOpenFileLimit) {
   std::string error;
   TokenizeStats st;
   try {
-    st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, 0.1, 10);
+    st = tokenize_files({dir.file("a.txt")}, dir.file("t"), *tok, {.val_fraction = 0.1, .shard_tokens = 10});
   } catch (const std::exception& e) {
     error = e.what();
   }
