@@ -78,12 +78,18 @@ int allowed_cpus() {
 
 namespace {
 
-// "rank 3", "ranks 0, 1, 2, 3 and 4 more"
+// The first `most` items joined by `sep`, then "<sep>and N more <what>" for those left out.
+std::string listed(const std::vector<std::string>& items, size_t most, const std::string& sep, const std::string& what) {
+  const size_t shown = std::min(items.size(), most);
+  return fmt::format("{}{}", fmt::join(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(shown), sep),
+                     shown < items.size() ? fmt::format("{}and {} more {}", sep, items.size() - shown, what) : "");
+}
+
+// "rank 3", "ranks 0, 1, 2, 3, and 4 more ranks"
 std::string ranks_text(const std::vector<int>& ranks) {
-  const size_t shown = std::min<size_t>(ranks.size(), 4);
-  return fmt::format("rank{} {}{}", ranks.size() > 1 ? "s" : "",
-                     fmt::join(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-                     shown < ranks.size() ? fmt::format(" and {} more", ranks.size() - shown) : "");
+  std::vector<std::string> names;
+  for (const int r : ranks) names.push_back(std::to_string(r));
+  return fmt::format("rank{} {}", ranks.size() > 1 ? "s" : "", listed(names, 4, ", ", "ranks"));
 }
 
 std::string affinity_warning(const std::vector<RankCpus>& ranks, int threads) {
@@ -91,14 +97,10 @@ std::string affinity_warning(const std::vector<RankCpus>& ranks, int threads) {
   for (size_t r = 0; r < ranks.size(); ++r)
     if (const int n = ranks[r].allowed; n > 0 && n < threads) short_ranks.push_back(fmt::format("rank {} on {}", r, n));
   if (short_ranks.empty()) return "";
-  const size_t shown = std::min<size_t>(short_ranks.size(), 4);
   return fmt::format(
-      "{} compute threads a rank, but {}{} CPU(s) (CPU affinity): mpirun binds each rank to one core when it starts "
-      "two or fewer; give it --bind-to none, or --map-by slot:PE={}",
-      threads, fmt::join(short_ranks.begin(), short_ranks.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-      shown < short_ranks.size() ? fmt::format(", and {} more ranks on fewer than {}", short_ranks.size() - shown, threads)
-                                 : "",
-      threads);
+      "{} compute threads a rank, but {} CPU(s) (CPU affinity): mpirun binds each rank to one core when it starts two or "
+      "fewer; give it --bind-to none, or --map-by slot:PE={}",
+      threads, listed(short_ranks, 4, ", ", fmt::format("ranks on fewer than {}", threads)), threads);
 }
 
 std::string quota_warning(const std::vector<RankCpus>& ranks, int threads) {
@@ -115,12 +117,10 @@ std::string quota_warning(const std::vector<RankCpus>& ranks, int threads) {
     least_a_rank = std::min(least_a_rank, q.quota_cpus / n);
   }
   if (over.empty()) return "";
-  const size_t shown = std::min<size_t>(over.size(), 3);
   return fmt::format(
-      "{} compute threads a rank, but {}{} (CPU quota: docker --cpus, a pod's CPU limit): the kernel throttles threads "
+      "{} compute threads a rank, but {} (CPU quota: docker --cpus, a pod's CPU limit): the kernel throttles threads "
       "past a quota every period, and a throttled thread holds up the others at each barrier; {}",
-      threads, fmt::join(over.begin(), over.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
-      shown < over.size() ? fmt::format("; and {} more quotas", over.size() - shown) : "",
+      threads, listed(over, 3, "; ", "quotas"),
       least_a_rank >= 1 ? fmt::format("give --threads {}", static_cast<int>(least_a_rank))
                         : "start fewer ranks under it, or give it more CPUs");
 }

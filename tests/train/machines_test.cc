@@ -120,6 +120,10 @@ TEST(Machines, ThreadsPastACpuQuotaTheirRanksShareAreWarnedOf) {
 
   const RankCpus pinned{1, "", "", 0.0};  // and bound to one core: both are said
   EXPECT_EQ(threads_beyond_cpus({pinned, pod, pod}, 2).size(), 2u);
+  const auto six = threads_beyond_cpus(std::vector<RankCpus>(6, pinned), 2);  // the first four named
+  ASSERT_EQ(six.size(), 1u);
+  EXPECT_NE(six[0].find("but rank 0 on 1, rank 1 on 1, rank 2 on 1, rank 3 on 1, and 2 more ranks on fewer than 2 CPU(s)"),
+            std::string::npos) << six[0];
 }
 
 }  // namespace
