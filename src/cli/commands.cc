@@ -370,11 +370,11 @@ int run(int argc, char** argv) {
                         "DIR measures this machine's disk and compute) or a preset");
 
   // eval
-  auto* eval_cmd = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file");
+  auto* eval_cmd = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file or a prefix's validation split");
   std::string ckpt, eval_data;
   int64_t eval_seq = 256, eval_batch = 4;
   eval_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
-  eval_cmd->add_option("--data", eval_data, "token file (.bin)")->required();
+  eval_cmd->add_option("--data", eval_data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")->required();
   eval_cmd->add_option("--seq", eval_seq, "window length T")->check(at_least(1))->capture_default_str();
   eval_cmd->add_option("--batch", eval_batch, "windows per forward")->check(at_least(1))->capture_default_str();
   eval_cmd->add_option("--threads", threads, "compute threads")->check(in_range(1, train::kMaxThreads))->capture_default_str();

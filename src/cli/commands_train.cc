@@ -119,12 +119,12 @@ void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch,
     throw std::invalid_argument(fmt::format("eval: --batch {} x --seq {}: tokens per forward exceed 2^31", batch, seq));
   kernels::init_compute(threads);
   auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::loss, batch, seq);
-  const data::TokenCorpus shard(tokens);
+  const data::TokenCorpus shard(data::file_or_split(tokens, "val"));
   shard.validate_tokens(static_cast<int32_t>(std::min<int64_t>(m->desc.config.vocab_size, 1 << 30)));
   const double loss = train::evaluate(*m->ex, m->desc, m->plan.config, shard, batch, seq, 0, 0);
   // Finite weights can still overflow (a run that diverged): a NaN is no measurement.
   if (!std::isfinite(loss))
-    throw std::runtime_error(fmt::format("eval: {}: the mean loss over {} is not finite ({})", ckpt, tokens, loss));
+    throw std::runtime_error(fmt::format("eval: {}: the mean loss over {} is not finite ({})", ckpt, shard.path(), loss));
   fmt::print("{:.6f}\n", loss);
 }
 

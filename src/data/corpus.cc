@@ -34,6 +34,12 @@ std::vector<std::string> split_files(const std::string& prefix, const std::strin
   return numbered;
 }
 
+std::vector<std::string> file_or_split(const std::string& path, const std::string& split) {
+  if (fs::is_regular_file(path)) return {path};
+  std::vector<std::string> files = split_files(path, split);
+  return fs::exists(files.front()) ? files : std::vector<std::string>{path};
+}
+
 TokenRange share_of(int64_t total, int rank, int ranks) {
   const auto start = [&](int64_t r) { return total / ranks * r + total % ranks * r / ranks; };  // total * r / ranks
   return {start(rank), start(rank + 1)};

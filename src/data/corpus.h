@@ -18,6 +18,10 @@ namespace shardlm::data {
 // numbered ones in name order, else PREFIX_SPLIT.bin alone (opening it then names what is missing).
 std::vector<std::string> split_files(const std::string& prefix, const std::string& split);
 
+// `path` where it is a file; else, where PREFIX = `path` has a `split` (split_files), its files;
+// else `path` (opening it then names it as missing). `eval --data` takes a file or a prefix.
+std::vector<std::string> file_or_split(const std::string& path, const std::string& split);
+
 // Every PREFIX_SPLIT_<digits>.bin, in name order.
 std::vector<std::string> numbered_split_files(const std::string& prefix, const std::string& split);
 

@@ -161,6 +161,8 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   const double loss = std::stod(e.out);
   EXPECT_GT(loss, 0.5);
   EXPECT_LT(loss, 6.0);  // ln(256) = 5.55 at random init; two steps cannot make it much worse
+  const Result on_prefix = run("eval --ckpt " + ck + " --data " + (dir_ / "tok").string() + " --seq 32");
+  EXPECT_EQ(on_prefix.out, e.out) << "a prefix is its validation split";
   const Result g = run("generate --ckpt " + ck + " --prompt 'In the' --tokens 5 --seed 3");
   ASSERT_EQ(g.code, 0) << g.out;
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
