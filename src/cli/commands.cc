@@ -150,7 +150,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--batch", c.batch, "sequences per micro-step")->capture_default_str();
   cmd->add_option("--seq", c.seq, "sequence length T")->capture_default_str();
   cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->capture_default_str();
-  cmd->add_option("--threads", c.threads, "compute threads")->capture_default_str();
+  cmd->add_option("--threads", c.threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->capture_default_str();
   cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
   cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
   cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->capture_default_str();
@@ -330,7 +330,15 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all");
   std::string data_dir = default_data_dir();
-  int threads = 2;
+  int omp_threads = 0;  // --threads' default where set
+  try {
+    omp_threads = omp_num_threads();
+  } catch (const std::exception& e) {
+    std::cerr << "shardlm: error: " << e.what() << "\n";
+    return 2;
+  }
+  const auto or_omp = [&](int fallback) { return omp_threads > 0 ? omp_threads : fallback; };
+  int threads = or_omp(2);
 
   // tokenize
   auto* tok_cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
@@ -345,8 +353,10 @@ int run(int argc, char** argv) {
       ->check(open_unit_interval())
       ->capture_default_str();
   int64_t shard_tokens = 0;
-  int tok_threads = std::max(1, train::allowed_cpus());
-  tok_cmd->add_option("--threads", tok_threads, "pieces of text (a MiB each) encoded at once (default: the CPUs it may run on)")
+  int tok_threads = or_omp(std::max(1, train::allowed_cpus()));
+  tok_cmd->add_option("--threads", tok_threads,
+                      "pieces of text (a MiB each) encoded at once (default: OMP_NUM_THREADS where set, else the CPUs it "
+                      "may run on)")
       ->check(in_range(1, train::kMaxThreads))
       ->capture_default_str();
   tok_cmd->add_option("--shard-tokens", shard_tokens,
@@ -359,6 +369,7 @@ int run(int argc, char** argv) {
   // train
   auto* train_cmd = app.add_subcommand("train", "train a model");
   train::TrainConfig tc;
+  tc.threads = threads;
   train_cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string config_path;
   train_cmd->add_option("--config", config_path, "TOML file of train options (keys are flag names; command-line flags win)");
@@ -377,7 +388,7 @@ int run(int argc, char** argv) {
   eval_cmd->add_option("--data", eval_data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")->required();
   eval_cmd->add_option("--seq", eval_seq, "window length T")->check(at_least(1))->capture_default_str();
   eval_cmd->add_option("--batch", eval_batch, "windows per forward")->check(at_least(1))->capture_default_str();
-  eval_cmd->add_option("--threads", threads, "compute threads")->check(in_range(1, train::kMaxThreads))->capture_default_str();
+  eval_cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
 
   // generate
   auto* gen_cmd = app.add_subcommand("generate", "continue a prompt from a checkpoint");
@@ -391,12 +402,13 @@ int run(int argc, char** argv) {
   gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
   gen_cmd->add_option("--seed", sc.seed, "sampling seed")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--threads", threads, "compute threads")->check(in_range(1, train::kMaxThreads))->capture_default_str();
+  gen_cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
   gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
 
   // explain
   auto* explain_cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
   train::TrainConfig ec;
+  ec.threads = threads;
   int explain_ranks = 1;
   explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   add_model_options(explain_cmd, ec);
@@ -406,6 +418,7 @@ int run(int argc, char** argv) {
   // simulate
   auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
   SimulateArgs sa;
+  sa.cfg.threads = threads;
   sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   sim_cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
       ->capture_default_str();
@@ -428,9 +441,10 @@ int run(int argc, char** argv) {
   auto* cal_cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
   std::string cal_out;
   run::CalibrateOptions co;
+  co.threads = or_omp(co.threads);
   std::vector<std::string> cal_sizes_kib;
   cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
-  cal_cmd->add_option("--threads", co.threads, "compute threads per rank")->check(in_range(1, train::kMaxThreads))->capture_default_str();
+  cal_cmd->add_option("--threads", co.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 1)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
   cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")
       ->check(in_range(1, run::kMaxIters))
       ->capture_default_str();
@@ -456,11 +470,12 @@ int run(int argc, char** argv) {
   // plan
   auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
   PlanArgs pa;
+  pa.cfg.threads = threads;
   add_model_options(plan_cmd, pa.cfg);
   plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   plan_cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
   plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
-  plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank")->capture_default_str();
+  plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 2)")->capture_default_str();
   plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
   plan_cmd->add_option("--memory-per-rank", pa.memory,
                        "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <fmt/format.h>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -19,6 +20,19 @@ comm::MpiOptions comm_options() { return comm::mpi_options_from(environment); }
 bool launched_by_mpi() { return comm::launched_by_mpi(environment); }
 
 std::string hardware_dir() { return sim::hardware_dir(environment("SHARDLM_HARDWARE_DIR")); }
+
+int omp_num_threads() {
+  const char* given = environment("OMP_NUM_THREADS");
+  if (!given || !*given) return 0;
+  const std::string first = std::string(given).substr(0, std::string(given).find(','));
+  const bool digits = !first.empty() && first.size() <= 9 && first.find_first_not_of("0123456789") == std::string::npos;
+  const int n = digits ? std::stoi(first) : 0;
+  if (n < 1 || n > train::kMaxThreads)
+    throw std::invalid_argument(fmt::format("OMP_NUM_THREADS={}: the compute threads where no --threads is given must "
+                                            "be a whole number from 1 to {}",
+                                            given, train::kMaxThreads));
+  return n;
+}
 
 int test_ranks_per_machine() {
   const char* test = environment("SHARDLM_TEST_RANKS_ON_MACHINE");

@@ -14,6 +14,11 @@ namespace shardlm::cli {
 const char* environment(const char* name);
 // SHARDLM_COMM_ALGOS, SHARDLM_COMM_CHUNK_KB, SHARDLM_COMM_WINDOW applied to the defaults.
 comm::MpiOptions comm_options();
+// OMP_NUM_THREADS (its first number, as OpenMP reads a list), 0 where unset: every --threads'
+// default where set, as llm.c and HPC job scripts give threads (`export
+// OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK`). A value that is not a whole number in [1, kMaxThreads]
+// throws std::invalid_argument naming the variable.
+int omp_num_threads();
 // Whether an MPI launcher (mpirun, srun) started this process.
 bool launched_by_mpi();
 // Where the hardware presets are: $SHARDLM_HARDWARE_DIR, else beside the executable.

@@ -387,6 +387,28 @@ TEST(CliExplain, PrintsThePlanWithoutRunning) {
   EXPECT_EQ(ddp.out.find("all_gather"), std::string::npos) << ddp.out;
 }
 
+// OMP_NUM_THREADS, as llm.c users and Slurm job scripts give threads, is every --threads' default
+// (its first number where it is a list); the flag wins; a value that is no thread count is an
+// error naming the variable.
+TEST(CliThreads, OmpNumThreadsIsTheDefault) {
+  const std::string explain = shardlm::testing::shardlm_binary() + " explain --model tiny --batch 1 --seq 32";
+  const auto says = [&](const std::string& env, const std::string& flags, const std::string& threads) {
+    const Result r = shardlm::testing::run_command(env + " " + explain + flags);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(", " + threads + " thread(s)"), std::string::npos) << env << flags << ":\n" << r.out;
+  };
+  says("env -u OMP_NUM_THREADS", "", "2");
+  says("OMP_NUM_THREADS=3", "", "3");
+  says("OMP_NUM_THREADS=4,2", "", "4");
+  says("OMP_NUM_THREADS=3", " --threads 1", "1");
+  // libgomp says a line of its own first, as it loads
+  const Result bad = shardlm::testing::run_command("OMP_NUM_THREADS=abc " + explain);
+  EXPECT_NE(bad.code, 0) << bad.out;
+  EXPECT_NE(bad.out.find("shardlm: error: OMP_NUM_THREADS=abc: the compute threads where no --threads is given must be a "
+                         "whole number from 1 to 1024\n"),
+            std::string::npos) << bad.out;
+}
+
 // Real shapes far beyond this machine are described, not allocated: per unit FLOPs and saved and
 // transient activation bytes, every category's peak, recompute tasks in the plan.
 TEST(CliExplain, RealShapesWithRecomputeWithoutAllocating) {
