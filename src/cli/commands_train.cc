@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -101,8 +102,12 @@ int run_train(const train::TrainConfig& given, const std::string& data_dir, cons
         return summary.exit_code;
       }
       if (!summary.sample.empty()) {
-        auto tok = data::make_tokenizer(train::read_data_meta(tc.data).tokenizer, data_dir);
-        fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(summary.sample));
+        const std::string tokenizer = train::read_data_meta(tc.data).tokenizer;
+        if (data::has_tokenizer(tokenizer))
+          fmt::print("--- sample ---\n{}\n--------------\n", data::make_tokenizer(tokenizer, data_dir)->decode(summary.sample));
+        else  // llm.c's LLaMA 3 files
+          fmt::print("--- sample, token ids (shardlm has no {} tokenizer) ---\n{}\n--------------\n", tokenizer,
+                     fmt::join(summary.sample, " "));
       }
       return 0;
     } catch (const train::AgreedFailure& e) {

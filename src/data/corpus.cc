@@ -61,7 +61,7 @@ TokenCorpus::TokenCorpus(const std::vector<std::string>& paths) {
   }
 }
 
-void TokenCorpus::read(int64_t first, int64_t count, uint16_t* out) const {
+void TokenCorpus::read(int64_t first, int64_t count, int32_t* out) const {
   if (first < 0 || count < 0 || first > size() - count)
     throw std::out_of_range("token shard " + name_ + ": tokens [" + std::to_string(first) + ", " +
                             std::to_string(first + count) + ") are not within its " + std::to_string(size()));
@@ -74,8 +74,8 @@ void TokenCorpus::read(int64_t first, int64_t count, uint16_t* out) const {
   }
 }
 
-std::vector<uint16_t> TokenCorpus::read(int64_t first, int64_t count) const {
-  std::vector<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
+std::vector<int32_t> TokenCorpus::read(int64_t first, int64_t count) const {
+  std::vector<int32_t> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
   read(first, count, out.data());
   return out;
 }

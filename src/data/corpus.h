@@ -45,8 +45,8 @@ class TokenCorpus {
 
   // Tokens [first, first + count), across files where the range spans them. Errors as
   // TokenShard::read's: std::out_of_range naming the corpus outside [0, size()).
-  void read(int64_t first, int64_t count, uint16_t* out) const;
-  std::vector<uint16_t> read(int64_t first, int64_t count) const;
+  void read(int64_t first, int64_t count, int32_t* out) const;
+  std::vector<int32_t> read(int64_t first, int64_t count) const;
 
   // Throws std::runtime_error naming the file, the first token id >= vocab_size and its position
   // in that file. A scan of every token, or of tokens [first, first + count).

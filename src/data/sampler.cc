@@ -23,7 +23,7 @@ void check_shard(const TokenCorpus& shard, int64_t T) {
 }
 
 // Splits T + 1 consecutive tokens into inputs and the targets one position later.
-inline void split_window(const uint16_t* tok, int64_t T, int32_t* in, int32_t* tg) {
+inline void split_window(const int32_t* tok, int64_t T, int32_t* in, int32_t* tg) {
   for (int64_t t = 0; t < T; ++t) {
     in[t] = tok[t];
     tg[t] = tok[t + 1];
@@ -48,7 +48,7 @@ void sample_batch(const TokenCorpus& shard, uint64_t seed, int64_t step, int64_t
   if (num_seq < 0 || first_seq < 0)
     throw std::invalid_argument("sample_batch: first_seq and num_seq must be >= 0 (got " +
                                 std::to_string(first_seq) + ", " + std::to_string(num_seq) + ")");
-  std::vector<uint16_t> window(static_cast<size_t>(T + 1));
+  std::vector<int32_t> window(static_cast<size_t>(T + 1));
   for (int64_t i = 0; i < num_seq; ++i) {
     const auto off = static_cast<int64_t>(sample_offset(seed, step, first_seq + i, shard.size(), T));
     shard.read(off, T + 1, window.data());
@@ -71,7 +71,7 @@ void eval_batch(const TokenCorpus& shard, int64_t first, int64_t count, int64_t 
                             " windows of T = " + std::to_string(T));
   // Consecutive windows share their boundary tokens: one read of count * T + 1 tokens.
   if (count == 0) return;
-  const std::vector<uint16_t> tok = shard.read(first * T, count * T + 1);
+  const std::vector<int32_t> tok = shard.read(first * T, count * T + 1);
   for (int64_t i = 0; i < count; ++i) split_window(tok.data() + i * T, T, inputs + i * T, targets + i * T);
 }
 

@@ -162,28 +162,41 @@ void write_token_shard(const std::string& path, std::span<const int32_t> tokens)
 
 namespace {
 
-// The header's token count, after checking magic, version and that the file holds exactly
-// that many tokens.
-int64_t read_header(int fd, int64_t bytes, const std::string& path) {
+struct Header {
+  int64_t tokens = 0;
+  int token_bytes = 2;
+};
+
+// The header's token count and width, after checking magic, version and that the file holds
+// exactly that many tokens.
+Header read_header(int fd, int64_t bytes, const std::string& path) {
   int32_t header[kShardHeaderInts];
   if (::pread(fd, header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header)))
     fail(path, "cannot read the header: " + errno_text());
-  if (header[0] != kShardMagic)
-    fail(path, "bad magic " + std::to_string(header[0]) + " (expected " + std::to_string(kShardMagic) +
-                   "; not an llm.c token shard)");
-  if (header[1] != kShardVersion)
-    fail(path, "unsupported version " + std::to_string(header[1]) + " (expected " + std::to_string(kShardVersion) +
-                   ": uint16 tokens)");
-  const int64_t n = header[2];
-  if (n < 0) fail(path, "negative token count " + std::to_string(n));
-  const int64_t expect = kShardHeaderBytes + 2 * n;
+  Header h;
+  if (header[0] == kShardMagicU32) {
+    h.token_bytes = 4;
+    if (header[1] != kShardVersionU32)
+      fail(path, "unsupported version " + std::to_string(header[1]) + " (expected " +
+                     std::to_string(kShardVersionU32) + ": uint32 tokens, llm.c's llama-3 files)");
+  } else if (header[0] == kShardMagic) {
+    if (header[1] != kShardVersion)
+      fail(path, "unsupported version " + std::to_string(header[1]) + " (expected " + std::to_string(kShardVersion) +
+                     ": uint16 tokens)");
+  } else {
+    fail(path, "bad magic " + std::to_string(header[0]) + " (expected " + std::to_string(kShardMagic) + " or " +
+                   std::to_string(kShardMagicU32) + "; not an llm.c token shard)");
+  }
+  h.tokens = header[2];
+  if (h.tokens < 0) fail(path, "negative token count " + std::to_string(h.tokens));
+  const int64_t expect = kShardHeaderBytes + h.token_bytes * h.tokens;
   if (bytes < expect)
-    fail(path, "truncated: header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
+    fail(path, "truncated: header says " + std::to_string(h.tokens) + " tokens (" + std::to_string(expect) +
                    " bytes) but the file has " + std::to_string(bytes) + " bytes");
   if (bytes > expect)
-    fail(path, "header says " + std::to_string(n) + " tokens (" + std::to_string(expect) +
+    fail(path, "header says " + std::to_string(h.tokens) + " tokens (" + std::to_string(expect) +
                    " bytes) but the file has " + std::to_string(bytes) + " bytes (trailing data)");
-  return n;
+  return h;
 }
 
 }  // namespace
@@ -198,7 +211,9 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
     if (st.st_size < kShardHeaderBytes)
       fail(path, "file is " + std::to_string(st.st_size) + " bytes, shorter than the " +
                      std::to_string(kShardHeaderBytes) + "-byte header");
-    ntokens_ = read_header(fd_, st.st_size, path);
+    const Header h = read_header(fd_, st.st_size, path);
+    ntokens_ = h.tokens;
+    token_bytes_ = h.token_bytes;
   } catch (...) {
     release();
     throw;
@@ -213,7 +228,8 @@ void TokenShard::release() {
   ntokens_ = 0;
 }
 
-TokenShard::TokenShard(TokenShard&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_), ntokens_(o.ntokens_) {
+TokenShard::TokenShard(TokenShard&& o) noexcept
+    : path_(std::move(o.path_)), fd_(o.fd_), ntokens_(o.ntokens_), token_bytes_(o.token_bytes_) {
   o.fd_ = -1;
   o.ntokens_ = 0;
 }
@@ -224,19 +240,31 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
     path_ = std::move(o.path_);
     fd_ = o.fd_;
     ntokens_ = o.ntokens_;
+    token_bytes_ = o.token_bytes_;
     o.fd_ = -1;
     o.ntokens_ = 0;
   }
   return *this;
 }
 
-void TokenShard::read(int64_t first, int64_t count, uint16_t* out) const {
+namespace {
+
+// Widens n little-endian uint16 ids, read into the front of `ids`' bytes, to int32 in place
+// (from the last, so no id is overwritten before it is read).
+void widen_in_place(int32_t* ids, int64_t n) {
+  const auto* narrow = reinterpret_cast<const uint16_t*>(ids);
+  for (int64_t i = n - 1; i >= 0; --i) ids[i] = narrow[i];
+}
+
+}  // namespace
+
+void TokenShard::read(int64_t first, int64_t count, int32_t* out) const {
   if (first < 0 || count < 0 || first > ntokens_ - count)
     throw std::out_of_range("token shard " + path_ + ": tokens [" + std::to_string(first) + ", " +
                             std::to_string(first + count) + ") are not within its " + std::to_string(ntokens_));
   char* dst = reinterpret_cast<char*>(out);
-  size_t left = static_cast<size_t>(count) * sizeof(uint16_t);
-  off_t at = kShardHeaderBytes + first * static_cast<off_t>(sizeof(uint16_t));
+  size_t left = static_cast<size_t>(count) * static_cast<size_t>(token_bytes_);
+  off_t at = kShardHeaderBytes + first * static_cast<off_t>(token_bytes_);
   while (left > 0) {
     const ssize_t got = ::pread(fd_, dst, left, at);
     if (got < 0 && errno == EINTR) continue;
@@ -245,32 +273,33 @@ void TokenShard::read(int64_t first, int64_t count, uint16_t* out) const {
       struct stat st;
       const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "shorter";
       fail(path_, "the file is now " + now + " but its header says " + std::to_string(ntokens_) + " tokens (" +
-                      std::to_string(kShardHeaderBytes + 2 * ntokens_) +
+                      std::to_string(kShardHeaderBytes + token_bytes_ * ntokens_) +
                       " bytes): it was truncated while in use");
     }
     dst += got;
     at += got;
     left -= static_cast<size_t>(got);
   }
+  if (token_bytes_ == 2) widen_in_place(out, count);
 }
 
-std::vector<uint16_t> TokenShard::read(int64_t first, int64_t count) const {
-  std::vector<uint16_t> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
+std::vector<int32_t> TokenShard::read(int64_t first, int64_t count) const {
+  std::vector<int32_t> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
   read(first, count, out.data());
   return out;
 }
 
-uint16_t TokenShard::operator[](int64_t i) const {
-  uint16_t t = 0;
+int32_t TokenShard::operator[](int64_t i) const {
+  int32_t t = 0;
   read(i, 1, &t);
   return t;
 }
 
 void TokenShard::validate_tokens(int32_t vocab_size, int64_t first, int64_t count) const {
-  for_each_chunk(*this, first, first + count, [&](int64_t at, const uint16_t* t, int64_t n) {
+  for_each_chunk(*this, first, first + count, [&](int64_t at, const int32_t* t, int64_t n) {
     for (int64_t i = 0; i < n; ++i)
-      if (static_cast<int32_t>(t[i]) >= vocab_size)
-        fail(path_, "token id " + std::to_string(t[i]) + " at position " + std::to_string(at + i) +
+      if (static_cast<uint32_t>(t[i]) >= static_cast<uint32_t>(vocab_size))
+        fail(path_, "token id " + std::to_string(static_cast<uint32_t>(t[i])) + " at position " + std::to_string(at + i) +
                         " is >= the vocabulary size " + std::to_string(vocab_size));
   });
 }

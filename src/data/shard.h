@@ -1,5 +1,7 @@
-// Token shards in llm.c's .bin layout: a header of 256 little-endian int32 (magic 20240520,
-// version 1, token count, the rest 0), then the tokens as little-endian uint16.
+// Token shards in llm.c's .bin layout: a header of 256 little-endian int32 (magic, version, token
+// count, the rest 0), then the tokens, little-endian: GPT-2's (magic 20240520, version 1) as
+// uint16, LLaMA 3's (magic 20240801, version 7: a vocabulary of 128256) as uint32. Both are read;
+// tokenize writes the first.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +16,8 @@ namespace shardlm::data {
 
 constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
+constexpr int32_t kShardMagicU32 = 20240801;  // llm.c's llama-3 files
+constexpr int32_t kShardVersionU32 = 7;
 constexpr int kShardHeaderInts = 256;
 constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
 constexpr int64_t kShardMaxTokens = 2147483647;  // the header's int32 count
@@ -76,13 +80,15 @@ class TokenShard {
 
   const std::string& path() const { return path_; }
   int64_t size() const { return ntokens_; }
+  int token_bytes() const { return token_bytes_; }  // 2 (GPT-2's layout) or 4 (LLaMA 3's)
 
   // Copies tokens [first, first + count) to out. Throws std::out_of_range naming the file for a
   // range outside [0, size()), std::runtime_error naming the file when the file has become
-  // shorter than its header says (truncated after it was opened) or the read fails.
-  void read(int64_t first, int64_t count, uint16_t* out) const;
-  std::vector<uint16_t> read(int64_t first, int64_t count) const;
-  uint16_t operator[](int64_t i) const;  // one token; for tests and spot checks
+  // shorter than its header says (truncated after it was opened) or the read fails. A uint32
+  // id past INT32_MAX reads as a negative one, which validate_tokens refuses.
+  void read(int64_t first, int64_t count, int32_t* out) const;
+  std::vector<int32_t> read(int64_t first, int64_t count) const;
+  int32_t operator[](int64_t i) const;  // one token; for tests and spot checks
 
   // Throws std::runtime_error naming the file, the first token id >= vocab_size and its
   // position. A scan of the whole shard, or of tokens [first, first + count).
@@ -94,17 +100,18 @@ class TokenShard {
   std::string path_;
   int fd_ = -1;
   int64_t ntokens_ = 0;
+  int token_bytes_ = 2;
 };
 
 // Calls fn(at, tokens, n) over tokens [first, end) of a shard (or TokenCorpus) in consecutive
 // chunks of at most `chunk` tokens, `at` the chunk's first token.
 template <class Tokens, class Fn>
 void for_each_chunk(const Tokens& shard, int64_t first, int64_t end, Fn&& fn, int64_t chunk = int64_t{1} << 20) {
-  std::vector<uint16_t> buf(static_cast<size_t>(std::max<int64_t>(std::min(chunk, end - first), 0)));
+  std::vector<int32_t> buf(static_cast<size_t>(std::max<int64_t>(std::min(chunk, end - first), 0)));
   for (int64_t at = first; at < end; at += chunk) {
     const int64_t n = std::min(chunk, end - at);
     shard.read(at, n, buf.data());
-    fn(at, static_cast<const uint16_t*>(buf.data()), n);
+    fn(at, static_cast<const int32_t*>(buf.data()), n);
   }
 }
 

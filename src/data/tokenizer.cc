@@ -47,6 +47,8 @@ Gpt2Files gpt2_files(const std::string& data_dir) {
   return {dir + "encoder.json", dir + "vocab.bpe"};
 }
 
+bool has_tokenizer(const std::string& name) { return name == "gpt2" || name == "bytes"; }
+
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir) {
   if (name == "bytes") return std::make_unique<ByteTokenizer>();
   if (name == "gpt2") {

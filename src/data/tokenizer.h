@@ -38,6 +38,9 @@ class Tokenizer {
 // scripts/fetch_data.sh). "bytes": one token per byte, ids 0..255; data_dir is unused.
 // Errors are std::runtime_error with one line naming the file (or the unknown name).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
+// Whether make_tokenizer knows `name`: "gpt2" and "bytes" (not "llama3", what llm.c's LLaMA 3
+// files are read as).
+bool has_tokenizer(const std::string& name);
 
 // Where make_tokenizer("gpt2", data_dir) reads its files: {encoder.json, vocab.bpe} under
 // data_dir/gpt2/ (ckpt export copies them as Hugging Face's vocab.json and merges.txt).

@@ -54,9 +54,13 @@ double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::Pla
 }
 
 double unigram_entropy(const data::TokenCorpus& shard) {
-  std::vector<int64_t> counts(65536, 0);
-  data::for_each_chunk(shard, [&](int64_t, const uint16_t* t, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) ++counts[t[i]];
+  std::vector<int64_t> counts(65536, 0);  // grown for LLaMA 3's ids (checked against the vocabulary first)
+  data::for_each_chunk(shard, [&](int64_t, const int32_t* t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const auto id = static_cast<uint32_t>(t[i]);
+      if (id >= counts.size()) counts.resize(id + size_t{1}, 0);
+      ++counts[id];
+    }
   });
   double h = 0;
   const double n = static_cast<double>(shard.size());

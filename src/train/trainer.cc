@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "ckpt/sharded.h"
+#include "data/corpus.h"
 #include "data/sampler.h"
 #include "data/shard.h"
 #include "kernels/cpu.h"
@@ -66,7 +67,13 @@ DataMeta read_data_meta(const std::string& prefix) {
   DataMeta m;
   const std::string path = prefix + "_meta.json";
   std::ifstream f(path);
-  if (!f) return m;
+  if (!f) {
+    try {  // a file that cannot be read is refused, naming it, where the run opens it
+      if (data::TokenShard(data::split_files(prefix, "train").front()).token_bytes() == 4) m = {"llama3", 128256};
+    } catch (const std::exception&) {
+    }
+    return m;
+  }
   try {
     const json j = json::parse(f);
     m.tokenizer = j.at("tokenizer").get<std::string>();
@@ -75,6 +82,12 @@ DataMeta read_data_meta(const std::string& prefix) {
     throw std::runtime_error(path + ": expected {\"tokenizer\": name, \"vocab_size\": n}");
   }
   return m;
+}
+
+int32_t document_start_token(const std::string& tokenizer) {
+  if (tokenizer == "gpt2") return 50256;
+  if (tokenizer == "llama3") return 128000;
+  return '\n';
 }
 
 void write_data_meta(const std::string& prefix, const DataMeta& meta) {
@@ -573,7 +586,7 @@ TrainSummary finish(Session& s, TrainSummary summary) {
     sc.tokens = cfg.sample_tokens;
     sc.seed = cfg.seed;
     sc.vocab_limit = s.meta.vocab_size;
-    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, s.meta.tokenizer == "gpt2" ? 50256 : '\n', sc);
+    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, document_start_token(s.meta.tokenizer), sc);
     if (s.lead) summary.sample = ids;
   }
   if (!cfg.trace.empty()) write_trace(s);

@@ -60,11 +60,15 @@ TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world, Mem
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
 
 // The tokenizer a token file was made with, from PREFIX_meta.json beside it (written by
-// `shardlm tokenize`); files without one are taken to be GPT-2 BPE, as llm.c's are.
+// `shardlm tokenize`). Files without one are llm.c's: GPT-2 BPE where their ids are uint16, and
+// LLaMA 3's ("llama3", 128256 ids; shardlm has no such tokenizer) where they are uint32.
 struct DataMeta {
   std::string tokenizer = "gpt2";
   int64_t vocab_size = 50257;
 };
+// The token a sample starts from where it has no prompt: what begins a document in such data
+// (gpt2: its <|endoftext|> separator, llama3: <|begin_of_text|>, bytes: a newline).
+int32_t document_start_token(const std::string& tokenizer);
 DataMeta read_data_meta(const std::string& prefix);
 void write_data_meta(const std::string& prefix, const DataMeta& meta);
 

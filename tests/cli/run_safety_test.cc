@@ -370,7 +370,7 @@ TEST_F(RunSafety, ABadTokenIdInOneRanksShareEndsEveryRankWithOneLine) {
   fs::copy_file(runs_.data() + "_train.bin", bad + "_train.bin");
   fs::copy_file(runs_.data() + "_meta.json", bad + "_meta.json");
   const data::TokenShard val(runs_.data() + "_val.bin");
-  std::vector<uint16_t> tokens = val.read(0, val.size());
+  std::vector<int32_t> tokens = val.read(0, val.size());
   tokens.back() = 65000;
   data::write_token_shard(bad + "_val.bin", tokens);
   expect_one_error(testing::mpirun(2, args("badid", 2) + " --data " + bad),

@@ -48,7 +48,7 @@ TEST(TokenCorpus, ReadsAcrossFileBoundaries) {
   EXPECT_EQ(c.path(), dir.file("c_train_*.bin (3 files)"));
   for (int64_t first = 0; first <= 12; ++first)
     for (int64_t count = 0; first + count <= 12; ++count) {
-      const std::vector<uint16_t> got = c.read(first, count);
+      const std::vector<int32_t> got = c.read(first, count);
       for (int64_t i = 0; i < count; ++i) ASSERT_EQ(got[i], first + i) << first << " +" << count;
     }
   EXPECT_THROW(c.read(10, 3), std::out_of_range);

@@ -43,7 +43,7 @@ TEST(Sampler, DeterministicAndWindowed) {
   for (int64_t i = 0; i < B; ++i) {
     const auto off = static_cast<int64_t>(sample_offset(1234, 5, i, s.size(), T));
     ASSERT_LT(off, s.size() - T);
-    const std::vector<uint16_t> window = s.read(off, T + 1);
+    const std::vector<int32_t> window = s.read(off, T + 1);
     for (int64_t t = 0; t < T; ++t) {
       ASSERT_EQ(a.in[i * T + t], window[t]);
       ASSERT_EQ(a.tg[i * T + t], window[t + 1]);

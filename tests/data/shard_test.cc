@@ -121,6 +121,37 @@ TEST(TokenShard, ErrorsNameTheFileAndTheProblem) {
     EXPECT_EQ(open_error(p).find('\n'), std::string::npos) << "one line for " << p;
 }
 
+// llm.c's LLaMA 3 files (magic 20240801, version 7) hold uint32 ids, past uint16's range: read as
+// written, their size checked at 4 bytes a token, another version named.
+TEST(TokenShard, ReadsLlama3sUint32Files) {
+  TempDir dir;
+  const std::vector<uint32_t> ids{0, 128000, 70000, 5, 128255, 65536};
+  std::string body(ids.size() * 4, '\0');
+  std::memcpy(body.data(), ids.data(), body.size());
+  const std::string path = dir.file("l3.bin");
+  write_file(path, header_bytes(20240801, 7, 6) + body);
+  const TokenShard s(path);
+  EXPECT_EQ(s.size(), 6);
+  EXPECT_EQ(s.token_bytes(), 4);
+  EXPECT_EQ(s.read(0, 6), (std::vector<int32_t>{0, 128000, 70000, 5, 128255, 65536}));
+  EXPECT_EQ(s.read(2, 3), (std::vector<int32_t>{70000, 5, 128255}));
+  EXPECT_NO_THROW(s.validate_tokens(128256));
+  try {
+    s.validate_tokens(100000);
+    FAIL() << "128000 passed a vocabulary of 100000";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 128000 at position 1 is >= the vocabulary size 100000"),
+              std::string::npos) << e.what();
+  }
+  const std::string as_uint16 = dir.file("short.bin");  // six tokens' worth of uint16s
+  write_file(as_uint16, header_bytes(20240801, 7, 6) + body.substr(0, 12));
+  EXPECT_NE(open_error(as_uint16).find("truncated: header says 6 tokens (1048 bytes)"), std::string::npos)
+      << open_error(as_uint16);
+  const std::string version = dir.file("v1.bin");
+  write_file(version, header_bytes(20240801, 1, 0));
+  EXPECT_NE(open_error(version).find("unsupported version 1 (expected 7"), std::string::npos) << open_error(version);
+}
+
 TEST(TokenShard, ValidateTokensReportsFirstBadIdAndPosition) {
   TempDir dir;
   std::vector<int32_t> tokens(100, 5);
@@ -193,8 +224,8 @@ TEST(TokenShardWriter, AppendsMovesTheTailAndCommits) {
     wa.commit();
     wb.commit();
   }
-  EXPECT_EQ(TokenShard(a).read(0, 4), (std::vector<uint16_t>{1, 2, 3, 6}));
-  EXPECT_EQ(TokenShard(b).read(0, 2), (std::vector<uint16_t>{4, 5}));
+  EXPECT_EQ(TokenShard(a).read(0, 4), (std::vector<int32_t>{1, 2, 3, 6}));
+  EXPECT_EQ(TokenShard(b).read(0, 2), (std::vector<int32_t>{4, 5}));
   {
     TokenShardWriter dropped(a);
     dropped.append(std::vector<int32_t>{9, 9});
@@ -238,7 +269,7 @@ TEST(TokenShard, ReadsOutsideTheShardAreRefused) {
   TempDir dir;
   write_token_shard(dir.file("r.bin"), std::vector<int32_t>{1, 2, 3});
   TokenShard s(dir.file("r.bin"));
-  EXPECT_EQ(s.read(1, 2), (std::vector<uint16_t>{2, 3}));
+  EXPECT_EQ(s.read(1, 2), (std::vector<int32_t>{2, 3}));
   EXPECT_THROW(s.read(2, 2), std::out_of_range);
   EXPECT_THROW(s.read(-1, 1), std::out_of_range);
   EXPECT_THROW(s.read(0, -1), std::out_of_range);

@@ -21,8 +21,7 @@ using testing::write_file;
 
 std::vector<int32_t> read_tokens(const std::string& path) {
   TokenShard s(path);
-  const std::vector<uint16_t> t = s.read(0, s.size());
-  return std::vector<int32_t>(t.begin(), t.end());
+  return s.read(0, s.size());
 }
 
 TEST(Tokenize, BytesJoinsFilesWithNothing) {

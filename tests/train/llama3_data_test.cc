@@ -1,0 +1,67 @@
+// llm.c's LLaMA 3 token files (uint32 ids, magic 20240801): a run trains on them as on the same ids
+// in GPT-2's uint16 layout, loss for loss; without a meta file their ids are LLaMA 3's (128256 of
+// them), and the final sample, which shardlm has no tokenizer to decode, is printed as ids.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "data/shard.h"
+#include "run/test_util.h"
+
+namespace shardlm::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// `ids` at PATH in llm.c's llama-3 layout: 256 int32 (magic 20240801, version 7, count), uint32 ids.
+void write_uint32_file(const std::string& path, const std::vector<int32_t>& ids) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = data::kShardMagicU32;
+  header[1] = data::kShardVersionU32;
+  header[2] = static_cast<int32_t>(ids.size());
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(header.data()), 1024);
+  f.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 4));
+}
+
+// The suite's corpus at PREFIX as uint32 files, each id mapped by `map`.
+void as_uint32(const std::string& from, const std::string& to, int32_t (*map)(int32_t)) {
+  for (const char* split : {"_train.bin", "_val.bin"}) {
+    const data::TokenShard shard(from + split);
+    std::vector<int32_t> ids = shard.read(0, shard.size());
+    for (int32_t& id : ids) id = map(id);
+    write_uint32_file(to + split, ids);
+  }
+}
+
+TEST(Llama3Data, Uint32IdsTrainAsTheSameUint16Ones) {
+  testing::TinyRuns runs;
+  ASSERT_EQ(runs.create("llama3_data").code, 0);
+  const std::string wide = (runs.dir / "wide").string();
+  as_uint32(runs.data(), wide, [](int32_t id) { return id; });
+  fs::copy_file(runs.data() + "_meta.json", wide + "_meta.json");
+  const testing::Result a = testing::shardlm(runs.args("narrow", 4));
+  const testing::Result b = testing::shardlm(runs.args("wide", 4) + " --data " + wide);
+  ASSERT_EQ(a.code, 0) << a.out;
+  ASSERT_EQ(b.code, 0) << b.out;
+  const auto losses = testing::step_losses(runs.out("narrow") / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), 4u);
+  EXPECT_EQ(testing::step_losses(runs.out("wide") / "metrics.jsonl"), losses);
+
+  // No meta file: LLaMA 3's vocabulary, ids past 65535 trained on, the sample as ids.
+  const std::string l3 = (runs.dir / "l3").string();
+  as_uint32(runs.data(), l3, [](int32_t id) { return id * 500; });  // up to 127500
+  runs.sample_tokens = 4;
+  const testing::Result c = testing::shardlm(runs.args("l3", 1) + " --data " + l3 + " --no-report");
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_NE(c.out.find("--- sample, token ids (shardlm has no llama3 tokenizer) ---"), std::string::npos) << c.out;
+  const auto first = testing::step_losses(runs.out("l3") / "metrics.jsonl");
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_GT(first[0], 11.0);  // about ln 128256 = 11.76 at initialisation, where ln 256 is 5.55
+  runs.remove();
+}
+
+}  // namespace
+}  // namespace shardlm::train
