@@ -15,7 +15,8 @@ namespace shardlm::ckpt {
 struct HfModel {
   model::ModelConfig config;
   // config.json's shardlm_tokenizer; else "gpt2" where vocab.json and merges.txt are there or
-  // the vocabulary is GPT-2's (50257), "bytes" for a vocabulary of 256, else "gpt2".
+  // the vocabulary is GPT-2's (50257, or 50304 padded), "bytes" for a vocabulary of 256,
+  // "llama3" for 128256, else "unknown" (generate refuses the last two, naming them).
   std::string tokenizer;
 };
 

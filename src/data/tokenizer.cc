@@ -55,7 +55,8 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::st
     const Gpt2Files f = gpt2_files(data_dir);
     return load_gpt2_tokenizer(f.encoder_json, f.vocab_bpe);
   }
-  throw std::runtime_error("unknown tokenizer '" + name + "' (expected 'gpt2' or 'bytes')");
+  throw std::runtime_error("tokenizer '" + name + "': shardlm has only 'gpt2' and 'bytes' (the data or checkpoint " +
+                           "names it; its token ids can still be trained on and evaluated)");
 }
 
 }  // namespace shardlm::data

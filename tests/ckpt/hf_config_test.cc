@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/hf_import.h"
+
 namespace shardlm::ckpt {
 namespace {
 
@@ -182,6 +184,33 @@ TEST(HfConfig, ReadRefusesADuplicatedKey) {
     EXPECT_EQ(std::string(e.what()), p.string() + ": key 'n_layer' appears twice");
   }
   std::filesystem::remove(p);
+}
+
+// The tokenizer of a model directory without shardlm's field: GPT-2's where its files are there
+// or the vocabulary is GPT-2's, bytes for 256 ids, LLaMA 3's for 128256, else unknown (a LLaMA 2
+// model's 32000 SentencePiece ids were taken for GPT-2's, and generate printed them as its text).
+TEST(HfConfig, TheTokenizerIsWhatTheDirectorySays) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("shardlm_hf_tok_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto tokenizer_with = [&](json config) {
+    std::ofstream(dir / "config.json") << config.dump();
+    return read_hf_model(dir.string()).tokenizer;
+  };
+  json llama = hub_llama();
+  EXPECT_EQ(tokenizer_with(llama), "llama3");
+  llama["vocab_size"] = 32000;
+  EXPECT_EQ(tokenizer_with(llama), "unknown");
+  llama["vocab_size"] = 256;
+  EXPECT_EQ(tokenizer_with(llama), "bytes");
+  EXPECT_EQ(tokenizer_with(hub_gpt2()), "gpt2");
+  llama["vocab_size"] = 32000;
+  std::ofstream(dir / "vocab.json") << "{}";
+  std::ofstream(dir / "merges.txt") << "";
+  EXPECT_EQ(tokenizer_with(llama), "gpt2");  // GPT-2's BPE files are there
+  llama["shardlm_tokenizer"] = "bytes";
+  EXPECT_EQ(tokenizer_with(llama), "bytes");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
