@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -135,11 +136,21 @@ class OrderedEncoder {
   }
 
   void flush() {
+    std::vector<std::exception_ptr> errors(waiting_.size());  // rethrown once every thread is joined
+    const auto encode_at = [&](size_t i) {
+      try {
+        encode(waiting_[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    };
     std::vector<std::thread> helpers;
     for (size_t i = 1; i < waiting_.size(); ++i)
-      if (!waiting_[i].text.empty()) helpers.emplace_back([this, i] { encode(waiting_[i]); });
-    if (!waiting_.empty()) encode(waiting_[0]);
+      if (!waiting_[i].text.empty()) helpers.emplace_back(encode_at, i);
+    if (!waiting_.empty()) encode_at(0);
     for (std::thread& t : helpers) t.join();
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
     for (const Piece& p : waiting_) sink_.append(p.ids, p.file, p.byte);
     waiting_.clear();
   }
