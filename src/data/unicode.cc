@@ -39,9 +39,20 @@ CharClass char_class(uint32_t cp) {
 
 const char* unicode_table_version() { return unicode_detail::kUnicodeVersion; }
 
-CodePoint decode_utf8(const unsigned char* s, size_t n, size_t i) {
+namespace unicode_detail {
+
+namespace {
+std::array<CharClass, 128> ascii_classes() {
+  std::array<CharClass, 128> a{};
+  for (uint32_t c = 0; c < 128; ++c) a[c] = char_class(c);
+  return a;
+}
+}  // namespace
+
+const std::array<CharClass, 128> kAsciiClasses = ascii_classes();
+
+CodePoint decode_utf8_multibyte(const unsigned char* s, size_t n, size_t i) {
   const unsigned char b0 = s[i];
-  if (b0 < 0x80) return {b0, 1, bmp().cls[b0]};
   const CodePoint bad{kInvalidCodePoint, 1, CharClass::kOther};
   uint32_t len, cp, min;
   if (b0 >= 0xC2 && b0 <= 0xDF) {
@@ -62,5 +73,7 @@ CodePoint decode_utf8(const unsigned char* s, size_t n, size_t i) {
   if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return bad;
   return {cp, len, char_class(cp)};
 }
+
+}  // namespace unicode_detail
 
 }  // namespace shardlm::data

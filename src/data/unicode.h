@@ -1,6 +1,7 @@
 // Code point classes and UTF-8 decoding for the GPT-2 pre-tokenizer (internal to data/).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -25,9 +26,19 @@ struct CodePoint {
 };
 constexpr uint32_t kInvalidCodePoint = 0xFFFFFFFFu;
 
+namespace unicode_detail {
+extern const std::array<CharClass, 128> kAsciiClasses;  // char_class of U+0000 .. U+007F
+CodePoint decode_utf8_multibyte(const unsigned char* s, size_t n, size_t i);
+}  // namespace unicode_detail
+
 // Decodes the code point starting at s[i] (requires i < n). Rejects overlong forms,
-// surrogates and values above U+10FFFF, as strict UTF-8 does.
-CodePoint decode_utf8(const unsigned char* s, size_t n, size_t i);
+// surrogates and values above U+10FFFF, as strict UTF-8 does. Inline for ASCII, the bulk of
+// most text (the pre-tokenizer decodes every byte at least once).
+inline CodePoint decode_utf8(const unsigned char* s, size_t n, size_t i) {
+  const unsigned char b0 = s[i];
+  if (b0 < 0x80) return {b0, 1, unicode_detail::kAsciiClasses[b0]};
+  return unicode_detail::decode_utf8_multibyte(s, n, i);
+}
 
 namespace unicode_detail {
 struct ClassRange {
