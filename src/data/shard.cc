@@ -250,10 +250,15 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
 namespace {
 
 // Widens n little-endian uint16 ids, read into the front of `ids`' bytes, to int32 in place
-// (from the last, so no id is overwritten before it is read).
+// (from the last, so no id is overwritten before it is read; through memcpy, the bytes being
+// int32 objects).
 void widen_in_place(int32_t* ids, int64_t n) {
-  const auto* narrow = reinterpret_cast<const uint16_t*>(ids);
-  for (int64_t i = n - 1; i >= 0; --i) ids[i] = narrow[i];
+  const auto* bytes = reinterpret_cast<const unsigned char*>(ids);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    uint16_t id;
+    std::memcpy(&id, bytes + 2 * i, sizeof id);
+    ids[i] = id;
+  }
 }
 
 }  // namespace
