@@ -152,7 +152,7 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->capture_default_str();
   cmd->add_option("--threads", c.threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->capture_default_str();
   cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
-  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (0: all)")->capture_default_str();
+  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (default: train, a machine's ranks; simulate, a node's devices; explain, all)")->capture_default_str();
   cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->capture_default_str();
   cmd->add_option("--cp", c.cp, "context parallel: ranks each sequence is split over (divides the ranks)")->capture_default_str();
   cmd->add_option("--cp-impl", c.cp_impl, "context parallel attention: ring | all-to-all (heads split over cp)")->capture_default_str();

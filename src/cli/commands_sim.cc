@@ -486,7 +486,7 @@ void run_simulate(SimulateArgs& a) {
   }
   const double peak = hw.peak_flops * (hw.per_thread ? a.cfg.threads : 1);
   fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
-             a.cfg.model, plan::to_string(plan.config.strategy), a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
+             a.cfg.model, plan::strategy_text(plan.config), a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
              hw.gemm_efficiency);
   fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);

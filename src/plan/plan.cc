@@ -21,6 +21,11 @@ const char* to_string(Strategy s) {
   return "?";
 }
 
+std::string strategy_text(const PlanConfig& c) {
+  const std::string name = to_string(c.strategy);
+  return c.strategy == Strategy::hybrid ? name + " (shard group " + std::to_string(c.shard_group) + ")" : name;
+}
+
 Strategy parse_strategy(const std::string& name) {
   for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
     if (name == to_string(s)) return s;

@@ -226,6 +226,7 @@ struct PlanConfig {
   // --act-quant: the GEMM inputs kept for the backward as int8 with per-group scales (model::ActQuant;
   // the costs, so the saved buffers, follow it and `recompute`). Forward-only plans drop it.
   model::ActQuant act_quant{};
+
   // Selective unsharding (FSDP / hybrid): units that stay gathered from the step's start to their
   // last backward instead of being regathered, by name ("h.10", "final_norm") or {"all"}; a
   // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
@@ -269,6 +270,9 @@ struct PlanConfig {
   // `offload.activation_units`. 0: no budget.
   int64_t memory_budget = 0;
 };
+
+// The strategy as a run header and run_info.json name it: "fsdp", "hybrid (shard group 4)".
+std::string strategy_text(const PlanConfig& c);
 
 // A plan lists the tasks of at most this many micro-steps; more are runs of a repeated one.
 inline constexpr int64_t kUnrolledMicroSteps = 4;

@@ -52,6 +52,14 @@ struct MemoryWalk {
 
 plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw) {
   c.activation_bytes = hw.activation_dtype == "bf16" ? 2 : 4;
+  const int node = std::max(1, hw.devices_per_node);
+  if (c.strategy == plan::Strategy::hybrid && c.shard_group == 0 && c.world > node) {
+    if (c.world % node != 0)
+      throw std::invalid_argument("--strategy hybrid: " + std::to_string(c.world) + " ranks do not fill nodes of " +
+                                  std::to_string(node) + " (" + hw.name +
+                                  "'s devices_per_node), so no node's ranks can be the shard group; give --shard-group G");
+    c.shard_group = node;
+  }
   return c;
 }
 

@@ -60,7 +60,9 @@ inline constexpr int64_t kSimulatedRuns = 3;
 
 // The plan options a profile implies: activations in its activation_dtype (on a bf16 preset, a
 // GPU, bf16, as the engines that preset stands for keep them; on an fp32 (CPU) profile, or one
-// calibrate measured on shardlm's CUDA backend, fp32, what `train` runs).
+// calibrate measured on shardlm's CUDA backend, fp32, what `train` runs); and hybrid shard without
+// a shard group shards inside a node (devices_per_node ranks), as train does on a machine's ranks.
+// Throws std::invalid_argument where the ranks do not fill whole nodes.
 plan::PlanConfig for_hardware(plan::PlanConfig c, const HardwareProfile& hw);
 
 // `threads`: compute threads per rank (per-thread CPU profiles scale with it). `expert_load`: the

@@ -89,7 +89,7 @@ struct TrainConfig {
 
   // Distribution (ranks come from mpirun / srun; one process is a world of 1).
   std::string strategy = "fsdp";  // ddp | zero1 | zero2 | fsdp | hybrid
-  int shard_group = 0;            // hybrid: ranks per shard group (0: all)
+  int shard_group = 0;            // hybrid: ranks per shard group (0: a machine's, once start-up has found the machines)
   int ep = 1;                     // expert parallel: ranks an expert group spans (E / ep experts each)
   int cp = 1;                     // context parallel: ranks each sequence is split over
   std::string cp_impl = "ring";   // ring | all-to-all

@@ -155,6 +155,11 @@ void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::millise
   for (const std::string& line : threads_beyond_cpus(ranks, threads)) fmt::print(stderr, "shardlm: warning: {}\n", line);
 }
 
+int machine_shard_group(const Machines& m, int world) {
+  if (m.count == 1) return world;
+  return m.block > 1 || m.count == world ? m.block : 0;
+}
+
 std::string describe(const Machines& m) {
   if (m.count == 1) return "1 machine";
   if (m.block > 1) return fmt::format("{} machines of {}", m.count, m.block);

@@ -40,6 +40,11 @@ Machines machines_of(const std::vector<std::string>& hosts, int rank, const std:
 // consecutive blocks of `test_block` ranks for machines (all on this one): test_block > 0.
 Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block = 0);
 
+// Hybrid shard's group where --shard-group is not given: the ranks of one machine, as PyTorch's
+// HYBRID_SHARD shards inside a node and replicates across nodes (every rank on one machine: all of
+// them). 0 where no run of consecutive ranks is a machine (round-robin or uneven placement).
+int machine_shard_group(const Machines& m, int world);
+
 // "1 machine", "2 machines of 4 ranks", "3 machines" (no block placement): for the run header.
 std::string describe(const Machines& m);
 

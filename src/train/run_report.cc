@@ -51,10 +51,11 @@ json mem_json(const MemSnapshot& s) {
 // A float setting as typed (0.001, not the double nearest the float, 0.0010000000474974513).
 double shown(float v) { return std::stod(fmt::format("{}", v)); }
 
-// The strategy is the plan's, which can differ from the one asked (fsdp on one rank runs as ddp).
+// The strategy is the plan's, which can differ from the one asked (fsdp on one rank runs as ddp);
+// hybrid's with its shard group.
 std::string strategy_run(const TrainConfig& c, const plan::Plan& plan) {
-  const std::string ran = plan::to_string(plan.config.strategy);
-  return ran == c.strategy ? ran : fmt::format("{} (asked {})", ran, c.strategy);
+  const std::string ran = plan::strategy_text(plan.config);
+  return plan.config.strategy == plan::parse_strategy(c.strategy) ? ran : fmt::format("{} (asked {})", ran, c.strategy);
 }
 
 json settings(const TrainConfig& c, const plan::Plan& plan, const RunInfo& info) {

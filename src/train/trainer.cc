@@ -303,6 +303,15 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   check_ranks_agree(cfg, world, timeout);
   cfg.machines = find_machines(world, timeout, cfg.test_ranks_per_machine);
   cfg.cuda.local_rank = cfg.machines.local_rank;
+  if (cfg.strategy == "hybrid" && cfg.shard_group == 0) {
+    cfg.shard_group = machine_shard_group(cfg.machines, world.size());
+    if (cfg.shard_group == 0)
+      throw AgreedFailure(fmt::format("--strategy hybrid: the ranks are not placed a machine's worth at a time ({}), so no "
+                                      "machine's ranks can be the shard group; give --shard-group G (G consecutive "
+                                      "ranks shard, the groups replicate)",
+                                      describe(cfg.machines)),
+                          world.rank() == 0);
+  }
   warn_of_threads_beyond_cpus(world, timeout, cfg.threads);
   const std::string asked_resume = cfg.resume;  // before --resume auto replaces it
   StartUp up;
@@ -468,7 +477,7 @@ void print_run_header(const Session& s, double peak) {
              "kernels {}, collectives {}\n",
              cfg.model, model::to_string(mc.family), s.desc.num_params_exported() / 1e6, mc.n_layer, mc.n_embd,
              mc.n_head, mc.n_kv_head, mc.ffn_dim, mc.vocab_size, s.N, describe(cfg.machines), cfg.threads,
-             plan::to_string(s.plan.config.strategy), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute_text(), peak,
+             plan::strategy_text(s.plan.config), cfg.batch, cfg.seq, cfg.grad_accum, cfg.recompute_text(), peak,
              s.backend->name(), s.comms.describe());
   if (const OffloadStore* d = s.ex.offload_store())
     fmt::print("offload: {} {}, read ahead {} using task(s)\n",

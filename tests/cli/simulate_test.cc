@@ -93,6 +93,23 @@ TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
   EXPECT_GT(b["step_ms"].get<double>(), 1e8 * f["step_ms"].get<double>());
 }
 
+// Hybrid shard without --shard-group shards inside a node, as train does inside a machine: on
+// 8-GPU nodes, 8 ranks (the same step as --shard-group 8); ranks that do not fill whole nodes are
+// refused in one line.
+TEST_F(Simulate, HybridWithoutAShardGroupShardsInsideANode) {
+  const std::string hybrid = "simulate --model tiny --batch 2 --seq 32 --hardware h100-80gb --strategy hybrid --ranks ";
+  const Result node = shardlm(hybrid + "16");
+  ASSERT_EQ(node.code, 0) << node.out;
+  EXPECT_NE(node.out.find("strategy hybrid (shard group 8), 16 rank(s)"), std::string::npos) << node.out;
+  const Result given = shardlm(hybrid + "16 --shard-group 8 --json"), defaulted = shardlm(hybrid + "16 --json");
+  ASSERT_EQ(given.code, 0) << given.out;
+  EXPECT_EQ(json::parse(defaulted.out)["mem"], json::parse(given.out)["mem"]);
+  EXPECT_EQ(json::parse(defaulted.out)["step_ms"], json::parse(given.out)["step_ms"]);
+  expect_one_line_error(shardlm(hybrid + "12"), {"12 ranks do not fill nodes of 8", "devices_per_node", "--shard-group"});
+  const Result inside = shardlm(hybrid + "4");  // one node: every rank
+  EXPECT_NE(inside.out.find("strategy hybrid (shard group 4)"), std::string::npos) << inside.out;
+}
+
 // --offload: the copy stream's busy and exposed time, priced at the profile's disk figures
 // (cpu-local has them), in the text and in --json; a profile without them says copies cost nothing.
 TEST_F(Simulate, OffloadPrintsTheDiskStreamsBusyAndExposedTime) {

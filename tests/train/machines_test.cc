@@ -61,6 +61,44 @@ TEST(Machines, RanksUnderOneMemoryLimit) {
   EXPECT_EQ(machines_of(hosts, 0).ranks_under_memory_limit, 3);
 }
 
+// Hybrid shard without --shard-group shards inside a machine (PyTorch's HYBRID_SHARD): every
+// rank where there is one machine, a block's ranks where machines hold blocks, and no group where
+// no run of consecutive ranks is a machine.
+TEST(Machines, HybridsShardGroupIsAMachinesRanks) {
+  const std::vector<std::string> one(4, "a"), blocks{"a", "a", "a", "b", "b", "b"}, single{"a", "b", "c"},
+      cyclic{"a", "b", "a", "b"}, uneven{"a", "a", "a", "b"};
+  EXPECT_EQ(machine_shard_group(machines_of(one, 2), 4), 4);
+  EXPECT_EQ(machine_shard_group(machines_of(blocks, 4), 6), 3);
+  EXPECT_EQ(machine_shard_group(machines_of(single, 1), 3), 1);
+  EXPECT_EQ(machine_shard_group(machines_of(cyclic, 1), 4), 0);
+  EXPECT_EQ(machine_shard_group(machines_of(uneven, 3), 4), 0);
+}
+
+// Two ranks as two machines (the test seam): hybrid without --shard-group runs with a shard group
+// of one, each rank holding whole parameters as --shard-group 1 does, and says so.
+TEST(Machines, HybridWithoutAShardGroupShardsInsideEachMachine) {
+  testing::TinyRuns runs;
+  ASSERT_EQ(runs.create("hybrid_machines").code, 0);
+  runs.flags = "--strategy hybrid";
+  const testing::Result two = testing::mpirun(2, runs.args("two", 2), "-x SHARDLM_TEST_RANKS_ON_MACHINE=1");
+  ASSERT_EQ(two.code, 0) << two.out;
+  const testing::Result given = testing::mpirun(2, runs.args("given", 2) + " --shard-group 1");
+  ASSERT_EQ(given.code, 0) << given.out;
+  const testing::Result one = testing::mpirun(2, runs.args("one", 2));
+  ASSERT_EQ(one.code, 0) << one.out;
+  const auto info = [&](const std::string& run) {
+    return nlohmann::json::parse(std::ifstream(runs.out(run) / "run_info.json"))["config"];
+  };
+  const auto params_held = [&](const std::string& run) {
+    return testing::read_metrics(runs.out(run) / "metrics.jsonl").front()["mem_between_steps"]["params"].get<int64_t>();
+  };
+  EXPECT_EQ(info("two")["strategy"], "hybrid (shard group 1)");
+  EXPECT_EQ(info("one")["strategy"], "hybrid (shard group 2)");
+  EXPECT_EQ(params_held("two"), params_held("given"));
+  EXPECT_LT(params_held("one"), params_held("two"));
+  runs.remove();
+}
+
 // Two ranks under mpirun with Open MPI's local-rank variables taken away, as srun's direct
 // launch leaves them: the run still finds both on one machine (run_info.json says so); the test
 // seam's blocks stand in for two machines.
