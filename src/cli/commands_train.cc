@@ -86,6 +86,22 @@ train::TrainConfig with_read_ahead(const train::TrainConfig& cfg, const comm::Co
   return out;
 }
 
+// The final sample as text, or as ids where the data's tokenizer cannot be loaded (llm.c's LLaMA 3
+// files where no LLaMA 3 tokenizer.json is at hand): the run itself succeeded.
+void print_sample(const std::vector<int32_t>& ids, const std::string& tokenizer, const std::string& data_dir) {
+  std::unique_ptr<data::Tokenizer> tok;
+  std::string why;
+  try {
+    tok = data::make_tokenizer(tokenizer, data_dir);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  if (tok)
+    fmt::print("--- sample ---\n{}\n--------------\n", tok->decode(ids));
+  else
+    fmt::print("--- sample, token ids ({}) ---\n{}\n--------------\n", why, fmt::join(ids, " "));
+}
+
 }  // namespace
 
 // Training may span ranks: errors name the rank, and a failing rank ends the whole job
@@ -101,14 +117,7 @@ int run_train(const train::TrainConfig& given, const std::string& data_dir, cons
         if (world.rank() == 0) std::cerr << "shardlm: error: " << summary.stop_reason << "\n";
         return summary.exit_code;
       }
-      if (!summary.sample.empty()) {
-        const std::string tokenizer = train::read_data_meta(tc.data).tokenizer;
-        if (data::has_tokenizer(tokenizer))
-          fmt::print("--- sample ---\n{}\n--------------\n", data::make_tokenizer(tokenizer, data_dir)->decode(summary.sample));
-        else  // llm.c's LLaMA 3 files
-          fmt::print("--- sample, token ids (shardlm has no {} tokenizer) ---\n{}\n--------------\n", tokenizer,
-                     fmt::join(summary.sample, " "));
-      }
+      if (!summary.sample.empty()) print_sample(summary.sample, train::read_data_meta(tc.data).tokenizer, data_dir);
       return 0;
     } catch (const train::AgreedFailure& e) {
       if (e.report()) std::cerr << "shardlm: error: " << e.what() << "\n";

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -41,10 +42,13 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 
 }  // namespace
 
-TokenShardWriter::TokenShardWriter(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+TokenShardWriter::TokenShardWriter(std::string path, int token_bytes)
+    : path_(std::move(path)), tmp_(path_ + ".tmp"), token_bytes_(token_bytes) {
+  if (token_bytes != 2 && token_bytes != 4) fail(path_, "token_bytes " + std::to_string(token_bytes) + " is not 2 or 4");
   fd_ = ::open(tmp_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) fail(tmp_, "cannot create: " + errno_text());
-  const int32_t header[kShardHeaderInts] = {kShardMagic, kShardVersion, 0};
+  const int32_t header[kShardHeaderInts] = {token_bytes == 2 ? kShardMagic : kShardMagicU32,
+                                            token_bytes == 2 ? kShardVersion : kShardVersionU32, 0};
   try {
     write_all(fd_, header, sizeof(header), tmp_);
   } catch (...) {
@@ -83,43 +87,58 @@ void TokenShardWriter::unpark() {
   }
 }
 
-void TokenShardWriter::append(std::span<const uint16_t> tokens) {
+// `count` ids already in the file's layout (token_bytes_ each).
+void TokenShardWriter::write_ids(const void* ids, int64_t count) {
   unpark();
   if (fd_ < 0) fail(path_, "written after commit");
-  if (static_cast<int64_t>(tokens.size()) > kShardMaxTokens - count_)
-    fail(path_, std::to_string(count_ + static_cast<int64_t>(tokens.size())) + " tokens do not fit the header's int32 count");
-  write_all(fd_, tokens.data(), tokens.size() * sizeof(uint16_t), tmp_);
-  count_ += static_cast<int64_t>(tokens.size());
+  if (count > kShardMaxTokens - count_)
+    fail(path_, std::to_string(count_ + count) + " tokens do not fit the header's int32 count");
+  write_all(fd_, ids, static_cast<size_t>(count) * static_cast<size_t>(token_bytes_), tmp_);
+  count_ += count;
+}
+
+void TokenShardWriter::append(std::span<const uint16_t> tokens) {
+  if (token_bytes_ == 2) return write_ids(tokens.data(), static_cast<int64_t>(tokens.size()));
+  const std::vector<int32_t> wide(tokens.begin(), tokens.end());
+  write_ids(wide.data(), static_cast<int64_t>(wide.size()));
 }
 
 void TokenShardWriter::append(std::span<const int32_t> tokens) {
-  std::vector<uint16_t> t(tokens.size());
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] > 0xFFFF)
+  const int32_t most = token_bytes_ == 2 ? 0xFFFF : INT32_MAX;
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] > most)
       fail(path_, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(count_ + static_cast<int64_t>(i)) +
-                      " does not fit uint16");
-    t[i] = static_cast<uint16_t>(tokens[i]);
-  }
-  append(std::span<const uint16_t>(t));
+                      " does not fit " + (token_bytes_ == 2 ? "uint16" : "an id"));
+  if (token_bytes_ == 4) return write_ids(tokens.data(), static_cast<int64_t>(tokens.size()));
+  const std::vector<uint16_t> narrow(tokens.begin(), tokens.end());
+  write_ids(narrow.data(), static_cast<int64_t>(narrow.size()));
 }
 
 void TokenShardWriter::move_tail(int64_t n, TokenShardWriter& to) {
-  move_tail(n, [&](std::span<const uint16_t> tokens) { to.append(tokens); });
+  move_tail(n, [&](std::span<const int32_t> tokens) { to.append(tokens); });
 }
 
-void TokenShardWriter::move_tail(int64_t n, const std::function<void(std::span<const uint16_t>)>& to) {
+void TokenShardWriter::move_tail(int64_t n, const std::function<void(std::span<const int32_t>)>& to) {
   unpark();
   if (n < 0 || n > count_) fail(path_, "cannot move " + std::to_string(n) + " of its " + std::to_string(count_) + " tokens");
   const int64_t keep = count_ - n;
-  std::vector<uint16_t> buf(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)));
-  for (int64_t first = keep; first < count_; first += static_cast<int64_t>(buf.size())) {
-    const size_t len = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(buf.size()), count_ - first));
-    const off_t at = kShardHeaderBytes + first * static_cast<off_t>(sizeof(uint16_t));
-    if (::pread(fd_, buf.data(), len * sizeof(uint16_t), at) != static_cast<ssize_t>(len * sizeof(uint16_t)))
+  std::vector<uint8_t> bytes(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)) * static_cast<size_t>(token_bytes_));
+  std::vector<int32_t> ids(bytes.size() / static_cast<size_t>(token_bytes_));
+  for (int64_t first = keep; first < count_; first += static_cast<int64_t>(ids.size())) {
+    const size_t len = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(ids.size()), count_ - first));
+    const size_t len_bytes = len * static_cast<size_t>(token_bytes_);
+    if (::pread(fd_, bytes.data(), len_bytes, kShardHeaderBytes + first * static_cast<off_t>(token_bytes_)) !=
+        static_cast<ssize_t>(len_bytes))
       fail(tmp_, "cannot read back: " + errno_text());
-    to(std::span<const uint16_t>(buf.data(), len));
+    for (size_t i = 0; i < len; ++i) {
+      uint16_t narrow = 0;
+      if (token_bytes_ == 2) std::memcpy(&narrow, bytes.data() + 2 * i, 2);
+      if (token_bytes_ == 4) std::memcpy(&ids[i], bytes.data() + 4 * i, 4);
+      if (token_bytes_ == 2) ids[i] = narrow;
+    }
+    to(std::span<const int32_t>(ids.data(), len));
   }
-  if (::ftruncate(fd_, kShardHeaderBytes + keep * static_cast<off_t>(sizeof(uint16_t))) != 0 || ::lseek(fd_, 0, SEEK_END) < 0)
+  if (::ftruncate(fd_, kShardHeaderBytes + keep * static_cast<off_t>(token_bytes_)) != 0 || ::lseek(fd_, 0, SEEK_END) < 0)
     fail(tmp_, "cannot truncate: " + errno_text());
   count_ = keep;
 }
@@ -154,8 +173,8 @@ void write_token_shard(const std::string& path, std::span<const uint16_t> tokens
   w.commit();
 }
 
-void write_token_shard(const std::string& path, std::span<const int32_t> tokens) {
-  TokenShardWriter w(path);
+void write_token_shard(const std::string& path, std::span<const int32_t> tokens, int token_bytes) {
+  TokenShardWriter w(path, token_bytes);
   w.append(tokens);
   w.commit();
 }

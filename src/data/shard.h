@@ -1,7 +1,7 @@
 // Token shards in llm.c's .bin layout: a header of 256 little-endian int32 (magic, version, token
 // count, the rest 0), then the tokens, little-endian: GPT-2's (magic 20240520, version 1) as
-// uint16, LLaMA 3's (magic 20240801, version 7: a vocabulary of 128256) as uint32. Both are read;
-// tokenize writes the first.
+// uint16, LLaMA 3's (magic 20240801, version 7: a vocabulary of 128256) as uint32. Both are read
+// and written (tokenize writes the first where the vocabulary fits uint16).
 #pragma once
 
 #include <algorithm>
@@ -23,9 +23,10 @@ constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
 constexpr int64_t kShardMaxTokens = 2147483647;  // the header's int32 count
 
 // Writes PATH.tmp, then renames it to PATH, so PATH is either absent, the old file, or the
-// whole new file. Throws std::runtime_error (naming the file) on an I/O error, a token that
-// does not fit uint16, or more tokens than an int32 count can hold.
-void write_token_shard(const std::string& path, std::span<const int32_t> tokens);
+// whole new file; `token_bytes` 2 is GPT-2's layout, 4 LLaMA 3's. Throws std::runtime_error
+// (naming the file) on an I/O error, a token that does not fit the layout, or more tokens than an
+// int32 count can hold.
+void write_token_shard(const std::string& path, std::span<const int32_t> tokens, int token_bytes = 2);
 void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
 
 // A shard written as its tokens come, for inputs too large to hold (tokenize streams them):
@@ -34,19 +35,20 @@ void write_token_shard(const std::string& path, std::span<const uint16_t> tokens
 // are std::runtime_error naming the file.
 class TokenShardWriter {
  public:
-  explicit TokenShardWriter(std::string path);
+  // token_bytes: 2 (GPT-2's layout, uint16 ids) or 4 (LLaMA 3's, uint32 ids).
+  explicit TokenShardWriter(std::string path, int token_bytes = 2);
   ~TokenShardWriter();
   TokenShardWriter(const TokenShardWriter&) = delete;
   TokenShardWriter& operator=(const TokenShardWriter&) = delete;
 
   int64_t size() const { return count_; }
-  // Each id must fit uint16, and the shard at most kShardMaxTokens.
+  // Each id must fit the layout, and the shard at most kShardMaxTokens.
   void append(std::span<const int32_t> tokens);
   void append(std::span<const uint16_t> tokens);
   // Moves the last n tokens (n <= size()) to the end of `to`: hands them, in order and a piece at
   // a time, to `to`, then cuts them off.
   void move_tail(int64_t n, TokenShardWriter& to);
-  void move_tail(int64_t n, const std::function<void(std::span<const uint16_t>)>& to);
+  void move_tail(int64_t n, const std::function<void(std::span<const int32_t>)>& to);
   void commit();
   // Closes the file until it is next used (append, move_tail and commit reopen it): a corpus
   // written as many numbered files keeps one descriptor open, not one a file.
@@ -55,7 +57,9 @@ class TokenShardWriter {
  private:
   void discard();
   void unpark();
+  void write_ids(const void* ids, int64_t count);
   std::string path_, tmp_;
+  int token_bytes_;
   int fd_ = -1;
   bool parked_ = false;
   int64_t count_ = 0;

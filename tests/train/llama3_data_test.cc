@@ -1,6 +1,6 @@
 // llm.c's LLaMA 3 token files (uint32 ids, magic 20240801): a run trains on them as on the same ids
 // in GPT-2's uint16 layout, loss for loss; without a meta file their ids are LLaMA 3's (128256 of
-// them), and the final sample, which shardlm has no tokenizer to decode, is printed as ids.
+// them), and the final sample is printed as ids where no LLaMA 3 tokenizer.json is at hand.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -54,12 +54,40 @@ TEST(Llama3Data, Uint32IdsTrainAsTheSameUint16Ones) {
   const std::string l3 = (runs.dir / "l3").string();
   as_uint32(runs.data(), l3, [](int32_t id) { return id * 500; });  // up to 127500
   runs.sample_tokens = 4;
-  const testing::Result c = testing::shardlm(runs.args("l3", 1) + " --data " + l3 + " --no-report");
+  const testing::Result c = testing::shardlm(runs.args("l3", 1) + " --data " + l3 + " --no-report --data-dir " +
+                                             (runs.dir / "no_tokenizers").string());
   ASSERT_EQ(c.code, 0) << c.out;
-  EXPECT_NE(c.out.find("--- sample, token ids (shardlm has no llama3 tokenizer) ---"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("--- sample, token ids (tokenizer 'llama3': no "), std::string::npos) << c.out;
   const auto first = testing::step_losses(runs.out("l3") / "metrics.jsonl");
   ASSERT_EQ(first.size(), 1u);
   EXPECT_GT(first[0], 11.0);  // about ln 128256 = 11.76 at initialisation, where ln 256 is 5.55
+  runs.remove();
+}
+
+// Text tokenized with LLaMA 3's tokenizer (data/llama3/tokenizer.json) is written in the uint32
+// layout with its meta, trains a LLaMA model of its 128256 ids, and the final sample and
+// `generate` from the checkpoint print text.
+TEST(Llama3Data, TokenizedTextTrainsAndPrintsText) {
+  testing::TinyRuns runs;
+  ASSERT_EQ(runs.create("llama3_text").code, 0);
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += testing::kGenesisLine + std::string(i % 7 == 0 ? "\n" : "");
+  std::ofstream(runs.dir / "text.txt") << text;
+  const std::string prefix = (runs.dir / "l3tok").string();
+  const testing::Result tok = testing::shardlm("tokenize --tokenizer llama3 --in " + (runs.dir / "text.txt").string() +
+                                               " --out " + prefix);
+  ASSERT_EQ(tok.code, 0) << tok.out;
+  EXPECT_EQ(data::TokenShard(prefix + "_train.bin").token_bytes(), 4);
+  runs.sample_tokens = 6;
+  const testing::Result run = testing::shardlm(runs.args("l3text", 2, 2, "llama-tiny") + " --data " + prefix +
+                                               " --save-every 2 --no-report");
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_GT(testing::step_losses(runs.out("l3text") / "metrics.jsonl").at(0), 11.0);  // ln 128256 = 11.76
+  EXPECT_NE(run.out.find("--- sample ---"), std::string::npos) << run.out;
+  const testing::Result gen = testing::shardlm("generate --ckpt " + (runs.out("l3text") / "ckpt" / "step_2").string() +
+                                               " --prompt 'In the beginning' --tokens 4 --threads 1");
+  ASSERT_EQ(gen.code, 0) << gen.out;
+  EXPECT_EQ(gen.out.rfind("In the beginning", 0), 0u) << gen.out;
   runs.remove();
 }
 
