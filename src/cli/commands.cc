@@ -325,194 +325,299 @@ static std::string command_line(int argc, char** argv) {
   return out;
 }
 
+namespace {
+
+// Every subcommand's flags as CLI11 fills them, and the App of each, which is true once parsed.
+struct Commands {
+  std::string data_dir = default_data_dir();
+  int omp_threads = 0;  // OMP_NUM_THREADS: every --threads' default where set (0: unset)
+  int threads = 2;      // --threads' default: OMP_NUM_THREADS, else 2
+  int or_omp(int fallback) const { return omp_threads > 0 ? omp_threads : fallback; }
+
+  struct {
+    CLI::App* cmd = nullptr;
+    std::vector<std::string> in;
+    std::string out, tokenizer = "gpt2";
+    double val_fraction = 0.1;
+    int64_t shard_tokens = 0;
+    int threads = 1;
+  } tokenize;
+  struct {
+    CLI::App* cmd = nullptr;
+    train::TrainConfig cfg;
+    std::string config_path, hardware;
+  } train;
+  struct {  // eval and generate
+    CLI::App *eval = nullptr, *generate = nullptr;
+    std::string ckpt, data, prompt;
+    int64_t seq = 256, batch = 4;
+    train::SampleConfig sample;
+  } from_ckpt;
+  struct {
+    CLI::App* cmd = nullptr;
+    train::TrainConfig cfg;
+    int ranks = 1;
+  } explain;
+  CLI::App* simulate_cmd = nullptr;
+  SimulateArgs simulate;
+  struct {
+    CLI::App* cmd = nullptr;
+    run::CalibrateOptions options;
+    std::vector<std::string> sizes_kib;
+    std::string out, compute_dtype = "auto";
+  } calibrate;
+  CLI::App* plan_cmd = nullptr;
+  PlanArgs plan;
+  CkptCommands ckpt;
+  ReportArgs report;
+};
+
+CLI::Option* add_threads_option(CLI::App* cmd, int& threads) {
+  return cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")
+      ->check(in_range(1, train::kMaxThreads))
+      ->capture_default_str();
+}
+
+void add_tokenize_command(CLI::App& app, Commands& c) {
+  auto& t = c.tokenize;
+  t.cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
+  t.threads = c.or_omp(std::max(1, train::allowed_cpus()));
+  t.cmd->add_option("--in", t.in, "input text files")->required()->check(CLI::ExistingFile);
+  t.cmd->add_option("--out", t.out, "output prefix")->required();
+  t.cmd->add_option("--tokenizer", t.tokenizer, "gpt2 | llama3 (DATA_DIR/llama3/tokenizer.json) | bytes")
+      ->check(CLI::IsMember({"gpt2", "llama3", "bytes"}))
+      ->capture_default_str();
+  // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
+  t.cmd->add_option("--val-fraction", t.val_fraction, "last fraction of tokens for validation (train evaluates on them)")
+      ->check(open_unit_interval())
+      ->capture_default_str();
+  t.cmd->add_option("--threads", t.threads,
+                    "pieces of text (a MiB each) encoded at once (default: OMP_NUM_THREADS where set, else the CPUs it "
+                    "may run on)")
+      ->check(in_range(1, train::kMaxThreads))
+      ->capture_default_str();
+  t.cmd->add_option("--shard-tokens", t.shard_tokens,
+                    "tokens per output file: numbered files PREFIX_train_000000.bin ... as llm.c writes them (its "
+                    "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
+      ->check(in_range(0, data::kShardMaxTokens))
+      ->capture_default_str();
+  t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and llama3/tokenizer.json are")
+      ->capture_default_str();
+}
+
+void add_train_command(CLI::App& app, Commands& c) {
+  auto& t = c.train;
+  t.cmd = app.add_subcommand("train", "train a model");
+  t.cfg.threads = c.threads;
+  t.cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  t.cmd->add_option("--config", t.config_path, "TOML file of train options (keys are flag names; command-line flags win)");
+  add_train_options(t.cmd, t.cfg);
+  t.cmd->add_option("--data-dir", c.data_dir, "tokenizer files (for the final sample)")->capture_default_str();
+  t.cmd->add_option("--hardware", t.hardware,
+                    "hardware profile --offload-prefetch auto simulates the plan on: a JSON file (calibrate --offload-dir "
+                    "DIR measures this machine's disk and compute) or a preset");
+}
+
+void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
+  auto& f = c.from_ckpt;
+  f.eval = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file or a prefix's validation split");
+  f.eval->add_option("--ckpt", f.ckpt, "checkpoint directory")->required();
+  f.eval->add_option("--data", f.data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")
+      ->required();
+  f.eval->add_option("--seq", f.seq, "window length T")->check(at_least(1))->capture_default_str();
+  f.eval->add_option("--batch", f.batch, "windows per forward")->check(at_least(1))->capture_default_str();
+  add_threads_option(f.eval, c.threads);
+
+  f.generate = app.add_subcommand("generate", "continue a prompt from a checkpoint");
+  f.generate->add_option("--ckpt", f.ckpt, "checkpoint directory")->required();
+  f.generate->add_option("--prompt", f.prompt, "text to continue (empty: start of a document)");
+  f.generate->add_option("--tokens", f.sample.tokens, "tokens to generate (printed as they are drawn)")
+      ->check(in_range(0, train::kMaxSampleTokens))
+      ->capture_default_str();
+  f.generate->add_option("--temperature", f.sample.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--top-k", f.sample.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--seed", f.sample.seed, "sampling seed")->check(at_least(0))->capture_default_str();
+  add_threads_option(f.generate, c.threads);
+  f.generate->add_option("--data-dir", c.data_dir, "tokenizer files")->capture_default_str();
+}
+
+void add_explain_command(CLI::App& app, Commands& c) {
+  auto& e = c.explain;
+  e.cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
+  e.cfg.threads = c.threads;
+  e.cmd->add_option("--ranks", e.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  add_model_options(e.cmd, e.cfg);
+  add_plan_options(e.cmd, e.cfg);
+  add_snapshot_options(e.cmd, e.cfg);
+}
+
+void add_simulate_command(CLI::App& app, Commands& c) {
+  SimulateArgs& sa = c.simulate;
+  auto* cmd = c.simulate_cmd =
+      app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
+  sa.cfg.threads = c.threads;
+  cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
+      ->capture_default_str();
+  cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
+  cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
+  cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp);
+  cmd->add_option("--collective", sa.collective,
+                  "instead of a step: time, algbw and busbw of one collective per message size, as nccl-tests prints "
+                  "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware");
+  cmd->add_option("--bytes", sa.bytes,
+                  "with --collective: a size (8, 64K, 1G: K/M/G are 1024-based) or a range MIN:MAX doubling "
+                  "(default 8:8G)");
+  add_goodput_options(cmd, sa.goodput);
+  cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")
+      ->capture_default_str();
+  add_model_options(cmd, sa.cfg);
+  add_plan_options(cmd, sa.cfg);
+}
+
+void add_calibrate_command(CLI::App& app, Commands& c) {
+  auto& k = c.calibrate;
+  k.cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
+  run::CalibrateOptions& co = k.options;
+  co.threads = c.or_omp(co.threads);
+  k.cmd->add_option("--out", k.out, "profile JSON file to write")->required();
+  k.cmd->add_option("--threads", co.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 1)")
+      ->check(in_range(1, train::kMaxThreads))
+      ->capture_default_str();
+  k.cmd->add_option("--iters", co.iters, "timed repetitions per collective size")
+      ->check(in_range(1, run::kMaxIters))
+      ->capture_default_str();
+  k.cmd->add_option("--sizes-kib", k.sizes_kib,
+                    "collective sizes in KiB (comma list; default 4 .. 262144 by x4): at least two, the largest >= 1024 "
+                    "and >= 4 x the smallest, none above 1048576")
+      ->delimiter(',');
+  k.cmd->add_option("--device", co.device,
+                    "cpu | cuda (a -DSHARDLM_CUDA=ON build; one rank, the GPU's kernels timed on its own memory)")
+      ->capture_default_str();
+  k.cmd->add_option("--compute-dtype", k.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+      ->capture_default_str();
+  k.cmd->add_option("--name", co.name, "the profile's name (default cpu-local; on a device, the device's name)");
+  k.cmd->add_option("--offload-dir", co.offload_dir,
+                    "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency");
+  k.cmd->add_option("--gemm-models", co.gemm_models,
+                    "models whose GEMM shapes and attention are timed, each NAME or NAME:BxT (batch x sequence; default "
+                    "4x256), comma list; none: skip. The first one's block also shapes gemm_efficiency and pointwise_bw")
+      ->delimiter(',')
+      ->capture_default_str();
+}
+
+void add_plan_command(CLI::App& app, Commands& c) {
+  PlanArgs& pa = c.plan;
+  auto* cmd = c.plan_cmd =
+      app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
+  pa.cfg.threads = c.threads;
+  add_model_options(cmd, pa.cfg);
+  cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
+  cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
+  cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 2)")
+      ->capture_default_str();
+  cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
+  cmd->add_option("--memory-per-rank", pa.memory,
+                  "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)");
+  cmd->add_option("--disk-per-rank", pa.disk,
+                  "the disk tier: where nothing fits in memory, search placements of state and saved activations on "
+                  "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)");
+  cmd->add_flag("--largest-model", pa.largest,
+                "report the most layers of --model's shape (width, heads, vocabulary kept) that fit the budget, "
+                "with its fastest configuration");
+  cmd->add_flag("--search-cp", pa.search_cp,
+                "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
+                "fits without it");
+  cmd->add_flag("--search-act-quant", pa.search_act_quant,
+                "search int8 activation compression (--act-quant int8) beside fp32 activations: it changes the "
+                "gradients a little, so only where asked");
+  cmd->add_option("--act-quant-group", pa.cfg.act_quant_group, "--search-act-quant: values per scale")->capture_default_str();
+  cmd->add_option("--act-quant-rounding", pa.cfg.act_quant_rounding, "--search-act-quant: nearest | stochastic")
+      ->capture_default_str();
+  cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
+  cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp);
+  add_goodput_options(cmd, pa.goodput);
+  cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
+  cmd->add_option("--data", pa.data, "--run: token file prefix");
+  cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
+  cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
+  cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
+}
+
+// `tokenize`: the files, their tokens, and the data's meta beside them.
+void run_tokenize(const Commands& c) {
+  const auto& t = c.tokenize;
+  auto tok = data::make_tokenizer(t.tokenizer, c.data_dir);
+  const auto stats = data::tokenize_files(t.in, t.out, *tok,
+                                          {.val_fraction = t.val_fraction, .shard_tokens = t.shard_tokens, .threads = t.threads});
+  train::write_data_meta(t.out, {tok->name(), tok->vocab_size()});
+  const auto files = [](const std::vector<std::string>& paths) {
+    return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());
+  };
+  fmt::print("{}: {} train tokens -> {}, {} val tokens -> {}\n", tok->name(), stats.train_tokens, files(stats.train_files),
+             stats.val_tokens, files(stats.val_files));
+}
+
+// The parsed subcommand, run; its exit code. Throws what it throws.
+int dispatch(Commands& c, const std::string& typed) {
+  for (train::TrainConfig* cfg : {&c.train.cfg, &c.explain.cfg, &c.simulate.cfg, &c.plan.cfg}) *cfg = with_environment(*cfg);
+  const auto& f = c.from_ckpt;
+  if (*c.tokenize.cmd) {
+    run_tokenize(c);
+  } else if (*c.train.cmd) {
+    c.train.cfg.command_line = typed;
+    return run_train(c.train.cfg, c.data_dir, c.train.hardware);
+  } else if (*c.explain.cmd) {
+    run_explain(c.explain.cfg, c.explain.ranks);
+  } else if (*c.calibrate.cmd) {
+    c.calibrate.options.sizes = sizes_in_bytes(c.calibrate.sizes_kib);
+    return run_calibrate(c.calibrate.options, c.calibrate.compute_dtype, c.calibrate.out);
+  } else if (*c.plan_cmd) {
+    return run_plan(c.plan);
+  } else if (*c.simulate_cmd) {
+    run_simulate(c.simulate);
+  } else if (*c.report.cmd) {
+    return run_report(c.report);
+  } else if (*c.ckpt.ckpt) {
+    return run_ckpt(c.ckpt, c.data_dir);
+  } else if (*f.eval) {
+    run_eval(f.ckpt, f.data, f.batch, f.seq, c.threads);
+  } else if (*f.generate) {
+    run_generate(f.ckpt, f.prompt, f.sample, c.threads, c.data_dir);
+  }
+  return 0;
+}
+
+}  // namespace
+
 int run(int argc, char** argv) {
   CLI::App app{"shardlm: train GPT-2, LLaMA and mixture-of-experts language models, and predict their training"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all");
-  std::string data_dir = default_data_dir();
-  int omp_threads = 0;  // --threads' default where set
+  Commands c;
   try {
-    omp_threads = omp_num_threads();
+    c.omp_threads = omp_num_threads();
   } catch (const std::exception& e) {
     std::cerr << "shardlm: error: " << e.what() << "\n";
     return 2;
   }
-  const auto or_omp = [&](int fallback) { return omp_threads > 0 ? omp_threads : fallback; };
-  int threads = or_omp(2);
-
-  // tokenize
-  auto* tok_cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
-  std::vector<std::string> tok_in;
-  std::string tok_out, tok_name = "gpt2";
-  double val_fraction = 0.1;
-  tok_cmd->add_option("--in", tok_in, "input text files")->required()->check(CLI::ExistingFile);
-  tok_cmd->add_option("--out", tok_out, "output prefix")->required();
-  tok_cmd->add_option("--tokenizer", tok_name, "gpt2 | llama3 (DATA_DIR/llama3/tokenizer.json) | bytes")->check(CLI::IsMember({"gpt2", "llama3", "bytes"}))->capture_default_str();
-  // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
-  tok_cmd->add_option("--val-fraction", val_fraction, "last fraction of tokens for validation (train evaluates on them)")
-      ->check(open_unit_interval())
-      ->capture_default_str();
-  int64_t shard_tokens = 0;
-  int tok_threads = or_omp(std::max(1, train::allowed_cpus()));
-  tok_cmd->add_option("--threads", tok_threads,
-                      "pieces of text (a MiB each) encoded at once (default: OMP_NUM_THREADS where set, else the CPUs it "
-                      "may run on)")
-      ->check(in_range(1, train::kMaxThreads))
-      ->capture_default_str();
-  tok_cmd->add_option("--shard-tokens", shard_tokens,
-                      "tokens per output file: numbered files PREFIX_train_000000.bin ... as llm.c writes them (its "
-                      "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
-      ->check(in_range(0, data::kShardMaxTokens))
-      ->capture_default_str();
-  tok_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
-
-  // train
-  auto* train_cmd = app.add_subcommand("train", "train a model");
-  train::TrainConfig tc;
-  tc.threads = threads;
-  train_cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  std::string config_path;
-  train_cmd->add_option("--config", config_path, "TOML file of train options (keys are flag names; command-line flags win)");
-  add_train_options(train_cmd, tc);
-  train_cmd->add_option("--data-dir", data_dir, "tokenizer files (for the final sample)")->capture_default_str();
-  std::string train_hardware;
-  train_cmd->add_option("--hardware", train_hardware,
-                        "hardware profile --offload-prefetch auto simulates the plan on: a JSON file (calibrate --offload-dir "
-                        "DIR measures this machine's disk and compute) or a preset");
-
-  // eval
-  auto* eval_cmd = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file or a prefix's validation split");
-  std::string ckpt, eval_data;
-  int64_t eval_seq = 256, eval_batch = 4;
-  eval_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
-  eval_cmd->add_option("--data", eval_data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")->required();
-  eval_cmd->add_option("--seq", eval_seq, "window length T")->check(at_least(1))->capture_default_str();
-  eval_cmd->add_option("--batch", eval_batch, "windows per forward")->check(at_least(1))->capture_default_str();
-  eval_cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
-
-  // generate
-  auto* gen_cmd = app.add_subcommand("generate", "continue a prompt from a checkpoint");
-  std::string prompt;
-  train::SampleConfig sc;
-  gen_cmd->add_option("--ckpt", ckpt, "checkpoint directory")->required();
-  gen_cmd->add_option("--prompt", prompt, "text to continue (empty: start of a document)");
-  gen_cmd->add_option("--tokens", sc.tokens, "tokens to generate (printed as they are drawn)")
-      ->check(in_range(0, train::kMaxSampleTokens))
-      ->capture_default_str();
-  gen_cmd->add_option("--temperature", sc.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--top-k", sc.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--seed", sc.seed, "sampling seed")->check(at_least(0))->capture_default_str();
-  gen_cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
-  gen_cmd->add_option("--data-dir", data_dir, "tokenizer files")->capture_default_str();
-
-  // explain
-  auto* explain_cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
-  train::TrainConfig ec;
-  ec.threads = threads;
-  int explain_ranks = 1;
-  explain_cmd->add_option("--ranks", explain_ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  add_model_options(explain_cmd, ec);
-  add_plan_options(explain_cmd, ec);
-  add_snapshot_options(explain_cmd, ec);
-
-  // simulate
-  auto* sim_cmd = app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
-  SimulateArgs sa;
-  sa.cfg.threads = threads;
-  sim_cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  sim_cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
-      ->capture_default_str();
-  sim_cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
-  sim_cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
-  sim_cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp);
-  sim_cmd->add_option("--collective", sa.collective,
-                      "instead of a step: time, algbw and busbw of one collective per message size, as nccl-tests prints "
-                      "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware");
-  sim_cmd->add_option("--bytes", sa.bytes,
-                      "with --collective: a size (8, 64K, 1G: K/M/G are 1024-based) or a range MIN:MAX doubling "
-                      "(default 8:8G)");
-  add_goodput_options(sim_cmd, sa.goodput);
-  sim_cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")
-      ->capture_default_str();
-  add_model_options(sim_cmd, sa.cfg);
-  add_plan_options(sim_cmd, sa.cfg);
-
-  // calibrate
-  auto* cal_cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
-  std::string cal_out;
-  run::CalibrateOptions co;
-  co.threads = or_omp(co.threads);
-  std::vector<std::string> cal_sizes_kib;
-  cal_cmd->add_option("--out", cal_out, "profile JSON file to write")->required();
-  cal_cmd->add_option("--threads", co.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 1)")->check(in_range(1, train::kMaxThreads))->capture_default_str();
-  cal_cmd->add_option("--iters", co.iters, "timed repetitions per collective size")
-      ->check(in_range(1, run::kMaxIters))
-      ->capture_default_str();
-  cal_cmd->add_option("--sizes-kib", cal_sizes_kib,
-                      "collective sizes in KiB (comma list; default 4 .. 262144 by x4): at least two, the largest >= 1024 "
-                      "and >= 4 x the smallest, none above 1048576")
-      ->delimiter(',');
-  std::string cal_dtype = "auto";
-  cal_cmd->add_option("--device", co.device,
-                      "cpu | cuda (a -DSHARDLM_CUDA=ON build; one rank, the GPU's kernels timed on its own memory)")
-      ->capture_default_str();
-  cal_cmd->add_option("--compute-dtype", cal_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
-      ->capture_default_str();
-  cal_cmd->add_option("--name", co.name, "the profile's name (default cpu-local; on a device, the device's name)");
-  cal_cmd->add_option("--offload-dir", co.offload_dir,
-                      "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency");
-  cal_cmd->add_option("--gemm-models", co.gemm_models,
-                      "models whose GEMM shapes and attention are timed, each NAME or NAME:BxT (batch x sequence; default "
-                      "4x256), comma list; none: skip. The first one's block also shapes gemm_efficiency and pointwise_bw")
-      ->delimiter(',')
-      ->capture_default_str();
-
-  // plan
-  auto* plan_cmd = app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
-  PlanArgs pa;
-  pa.cfg.threads = threads;
-  add_model_options(plan_cmd, pa.cfg);
-  plan_cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  plan_cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
-  plan_cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
-  plan_cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 2)")->capture_default_str();
-  plan_cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
-  plan_cmd->add_option("--memory-per-rank", pa.memory,
-                       "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)");
-  plan_cmd->add_option("--disk-per-rank", pa.disk,
-                       "the disk tier: where nothing fits in memory, search placements of state and saved activations on "
-                       "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)");
-  plan_cmd->add_flag("--largest-model", pa.largest,
-                     "report the most layers of --model's shape (width, heads, vocabulary kept) that fit the budget, "
-                     "with its fastest configuration");
-  plan_cmd->add_flag("--search-cp", pa.search_cp,
-                     "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
-                     "fits without it");
-  plan_cmd->add_flag("--search-act-quant", pa.search_act_quant,
-                     "search int8 activation compression (--act-quant int8) beside fp32 activations: it changes the "
-                     "gradients a little, so only where asked");
-  plan_cmd->add_option("--act-quant-group", pa.cfg.act_quant_group, "--search-act-quant: values per scale")
-      ->capture_default_str();
-  plan_cmd->add_option("--act-quant-rounding", pa.cfg.act_quant_rounding, "--search-act-quant: nearest | stochastic")
-      ->capture_default_str();
-  plan_cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
-  plan_cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp);
-  add_goodput_options(plan_cmd, pa.goodput);
-  plan_cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
-  plan_cmd->add_option("--data", pa.data, "--run: token file prefix");
-  plan_cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
-  plan_cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
-  plan_cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
-  CkptCommands ckpt_cmds;
-  add_ckpt_commands(app, ckpt_cmds, data_dir);
-  ReportArgs report_args;
-  add_report_command(app, report_args);
+  c.threads = c.or_omp(2);
+  add_tokenize_command(app, c);
+  add_train_command(app, c);
+  add_eval_and_generate_commands(app, c);
+  add_explain_command(app, c);
+  add_simulate_command(app, c);
+  add_calibrate_command(app, c);
+  add_plan_command(app, c);
+  add_ckpt_commands(app, c.ckpt, c.data_dir);
+  add_report_command(app, c.report);
 
   try {
     std::vector<std::string> args = split_empty_values(std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
     app.parse(args);
-    if (!config_path.empty()) apply_toml_config(config_path, train_cmd);
+    if (!c.train.config_path.empty()) apply_toml_config(c.train.config_path, c.train.cmd);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
@@ -526,43 +631,11 @@ int run(int argc, char** argv) {
   }
 
   try {
-    for (train::TrainConfig* c : {&tc, &ec, &sa.cfg, &pa.cfg}) *c = with_environment(*c);
-    if (*tok_cmd) {
-      auto tok = data::make_tokenizer(tok_name, data_dir);
-      const auto stats = data::tokenize_files(
-          tok_in, tok_out, *tok, {.val_fraction = val_fraction, .shard_tokens = shard_tokens, .threads = tok_threads});
-      train::write_data_meta(tok_out, {tok->name(), tok->vocab_size()});
-      const auto files = [](const std::vector<std::string>& paths) {
-        return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());
-      };
-      fmt::print("{}: {} train tokens -> {}, {} val tokens -> {}\n", tok->name(), stats.train_tokens,
-                 files(stats.train_files), stats.val_tokens, files(stats.val_files));
-    } else if (*train_cmd) {
-      tc.command_line = command_line(argc, argv);
-      return run_train(tc, data_dir, train_hardware);
-    } else if (*explain_cmd) {
-      run_explain(ec, explain_ranks);
-    } else if (*cal_cmd) {
-      co.sizes = sizes_in_bytes(cal_sizes_kib);
-      return run_calibrate(co, cal_dtype, cal_out);
-    } else if (*plan_cmd) {
-      return run_plan(pa);
-    } else if (*sim_cmd) {
-      run_simulate(sa);
-    } else if (*report_args.cmd) {
-      return run_report(report_args);
-    } else if (*ckpt_cmds.ckpt) {
-      return run_ckpt(ckpt_cmds, data_dir);
-    } else if (*eval_cmd) {
-      run_eval(ckpt, eval_data, eval_batch, eval_seq, threads);
-    } else if (*gen_cmd) {
-      run_generate(ckpt, prompt, sc, threads, data_dir);
-    }
+    return dispatch(c, command_line(argc, argv));
   } catch (const std::exception& e) {
     std::cerr << "shardlm: error: " << e.what() << "\n";
     return 1;
   }
-  return 0;
 }
 
 }  // namespace shardlm::cli

@@ -428,6 +428,151 @@ train::TrainConfig with_offload_prefetch(train::TrainConfig cfg, int ranks, int6
   return cfg;
 }
 
+// What run_simulate found, for its JSON line or its text.
+struct Simulation {
+  const SimulateArgs& a;
+  const model::ModelDesc& desc;
+  const plan::Plan& plan;
+  const sim::HardwareProfile& hw;
+  const sim::SimResult& r;
+  const ExpertLoad& load;
+  const std::string& read_ahead;  // --offload-prefetch auto's choice, "" for none
+  bool moe = false;
+  bool fits = true;  // the peak within the profile's device memory
+  sim::Goodput gp;   // with --mtbf-hours
+  int64_t ckpt_bytes = 0;
+  int writers = 0;
+};
+
+nlohmann::json simulation_json(const Simulation& s) {
+  const sim::SimResult& r = s.r;
+  nlohmann::json j{{"model", s.a.cfg.model},
+                   {"strategy", plan::to_string(s.plan.config.strategy)},
+                   {"ranks", s.a.ranks},
+                   {"hardware", s.hw.name},
+                   {"step_ms", r.step_ms},
+                   {"tokens_per_s", r.tokens_per_s},
+                   {"mfu", r.mfu},
+                   {"comm_exposed_ms", r.comm_exposed_ms},
+                   {"compute_busy_ms", r.compute_busy_ms},
+                   {"comm_busy_ms", r.comm_busy_ms},
+                   {"mem", mem_json(r.mem)},
+                   {"mem_max", mem_json(r.mem_max)},
+                   {"device_memory", s.hw.device_memory},
+                   {"fits", s.fits}};
+  if (s.plan.config.offload.disk()) {
+    j["disk_busy_ms"] = r.disk_busy_ms;
+    j["disk_exposed_ms"] = r.disk_exposed_ms;
+    j["offload_prefetch"] = s.plan.config.offload.prefetch;
+  }
+  if (s.plan.config.pipeline_optimizer) j["optimizer_busy_ms"] = r.optimizer_busy_ms;
+  if (s.plan.config.cp > 1) {
+    j["cp"] = s.plan.config.cp;
+    j["exchange_busy_ms"] = r.exchange_busy_ms;
+    j["exchange_exposed_ms"] = r.exchange_exposed_ms;
+  }
+  if (s.moe) {
+    j["ep"] = s.plan.config.ep;
+    j["moe_imbalance"] = s.load.value;
+    j["exchange_busy_ms"] = r.exchange_busy_ms;
+    j["exchange_exposed_ms"] = r.exchange_exposed_ms;
+  }
+  if (s.plan.config.memory_budget > 0 || s.plan.config.offload.disk())
+    j["placement"] = placement_json(s.plan, s.desc);
+  if (s.a.goodput.mtbf_hours > 0)
+    j["goodput"] = {{"fraction", s.gp.fraction},
+                    {"mtbf_hours", s.a.goodput.mtbf_hours},
+                    {"checkpoint_bytes", s.ckpt_bytes},
+                    {"checkpoint", level_json(s.gp.checkpoint)},
+                    {"snapshot", level_json(s.gp.snapshot)},
+                    {"tokens_per_s", r.tokens_per_s * s.gp.fraction},
+                    {"snapshot_survives", snapshot_share(s.a.goodput, s.a.ranks, std::max(1, s.hw.devices_per_node))}};
+  return j;
+}
+
+void print_goodput(const Simulation& s) {
+  const GoodputFlags& gf = s.a.goodput;
+  const int node = std::max(1, s.hw.devices_per_node), nodes = (s.a.ranks + node - 1) / node;
+  fmt::print("goodput under failures: {:.2f}% of wall time on counted steps, {:.0f} tokens/s ({} node(s) at MTBF {:.4g} h "
+             "each: a failure every {:.3g} h; restart {:.4g} s)\n",
+             100 * s.gp.fraction, s.r.tokens_per_s * s.gp.fraction, nodes, gf.mtbf_hours, gf.mtbf_hours / nodes, gf.restart_s);
+  const double q = snapshot_share(gf, s.a.ranks, node);
+  const sim::GoodputLevel& c = s.gp.checkpoint;
+  fmt::print("  disk checkpoint: {:.3g} s each ({:.4g} GB over {} writing node(s)), every {} steps ({:.4g} s; Young "
+             "sqrt(2C/rate) {:.4g} s), {:.4g} failures/h fall back to it, keeps {:.2f}%\n",
+             c.save_s, s.ckpt_bytes / 1e9, s.writers, c.every_steps, c.interval_s, c.young_s, c.rate * 3600, 100 * c.kept);
+  const sim::GoodputLevel& snap = s.gp.snapshot;
+  if (snap.every_steps > 0)
+    fmt::print("  in-memory snapshot: {:.3g} s each, every {} steps ({:.4g} s; Young {:.4g} s), recovers {:.4g} "
+               "failures/h ({:.0f}%), keeps {:.2f}%\n",
+               snap.save_s, snap.every_steps, snap.interval_s, snap.young_s, snap.rate * 3600, 100 * q, 100 * snap.kept);
+  else
+    fmt::print("  in-memory snapshots: none ({})\n", q > 0 ? "they would cost more than the work they save"
+                                                           : "--snapshot-survives 0");
+}
+
+void print_simulation(const Simulation& s) {
+  const plan::PlanConfig& pc = s.plan.config;
+  const sim::SimResult& r = s.r;
+  const sim::HardwareProfile& hw = s.hw;
+  const double peak = hw.peak_flops * (hw.per_thread ? s.a.cfg.threads : 1);
+  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
+             s.a.cfg.model, plan::strategy_text(s.plan.config), s.a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
+             hw.gemm_efficiency);
+  fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
+             r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
+  const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
+  if (pc.offload.disk())  // the disk tier's reads and writes on their copy stream
+    fmt::print("disk ({}): {:.3f} ms of reloads and write-backs ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% "
+               "of the step){}\n",
+               pc.memory_budget > 0 ? "--memory-budget " + std::to_string(pc.memory_budget) : "--offload " + s.a.cfg.offload,
+               r.disk_busy_ms, r.disk_busy_ms * pct, r.disk_exposed_ms, r.disk_exposed_ms * pct,
+               hw.disk_read_bw > 0 ? fmt::format("; disk read {:.3g} GB/s, write {:.3g} GB/s, latency {:.3g} ms ({})",
+                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e3, hw.name)
+                                   : std::string("; the profile has no disk figures: copies priced at nothing"));
+  if (!s.read_ahead.empty()) fmt::print("{}\n", s.read_ahead);
+  if (pc.pipeline_optimizer)
+    fmt::print("pipelined optimizer: {:.3f} ms of updates on the optimizer stream ({:.1f}% of the step), sharing the "
+               "device with the backward\n",
+               r.optimizer_busy_ms, r.optimizer_busy_ms * pct);
+  if (pc.cp > 1)  // the attention's exchanges, and a MoE block's routing counts and routed rows
+    fmt::print("exchanges (cp {} {}{}): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
+               "the step)\n",
+               pc.cp, model::to_string(pc.cp_impl),
+               pc.ep > 1 ? fmt::format(", ep {}", pc.ep) : std::string(), r.exchange_busy_ms,
+               r.exchange_busy_ms * pct, r.exchange_exposed_ms, r.exchange_exposed_ms * pct);
+  if (s.moe && pc.cp == 1) {
+    if (pc.ep > 1)
+      fmt::print("all-to-all (ep {} exchanges): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
+                 "the step); expert load max/mean {}\n",
+                 pc.ep, r.exchange_busy_ms, r.exchange_busy_ms * pct, r.exchange_exposed_ms,
+                 r.exchange_exposed_ms * pct, s.load.note);
+    else
+      fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
+  }
+  if (s.a.goodput.mtbf_hours > 0) print_goodput(s);
+  if (pc.memory_budget > 0 || pc.offload.disk()) {
+    fmt::print("state placement{}: on disk ", pc.memory_budget > 0 ? fmt::format(" (--memory-budget {} bytes)", pc.memory_budget) : "");
+    const nlohmann::json pj = placement_json(s.plan, s.desc);
+    for (const char* k : {"params", "grads", "optimizer"})
+      fmt::print("{} {}/{} unit(s), ", k, pj["disk"][k].get<int>(), pj["held"][k].get<int>());
+    fmt::print("saved activations of {} unit(s); accounted peak {} bytes ({:.1f} MiB); the disk copies {}\n",
+               pj["disk"]["activations"].get<int>(), s.plan.peak_memory().total, s.plan.peak_memory().total / 1048576.0,
+               hw.disk_read_bw > 0 ? fmt::format("priced at {:.2f} GB/s read, {:.2f} GB/s write, {:.0f} us a request",
+                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e6)
+                                   : std::string("not priced (the profile has no disk figures)"));
+  }
+  fmt::print("memory per rank at peak (bytes):\n");
+  for (int c = 0; c < kNumMemCategories; ++c)
+    if (r.mem.bytes[c] > 0 || r.mem_max.bytes[c] > 0)
+      fmt::print("  {}: {} ({:.1f} MiB), own peak {}\n", to_string(static_cast<MemCategory>(c)), r.mem.bytes[c],
+                 r.mem.bytes[c] / 1048576.0, r.mem_max.bytes[c]);
+  fmt::print("  total: {} ({:.2f} GiB){}\n", r.mem.total, r.mem.total / 1073741824.0,
+             hw.device_memory == 0 ? std::string()
+                                   : fmt::format(", device memory {:.0f} GiB: {}", hw.device_memory / 1073741824.0,
+                                                 s.fits ? "fits" : "does NOT fit"));
+}
+
 void run_simulate(SimulateArgs& a) {
   if (!a.collective.empty()) return run_collective(a);
   if (!a.bytes.empty() || a.algo != "best") throw std::invalid_argument("--bytes and --algo go with --collective");
@@ -441,123 +586,14 @@ void run_simulate(SimulateArgs& a) {
   a.cfg = with_offload_prefetch(a.cfg, a.ranks, 50257, hw, load.value, &read_ahead);
   const plan::Plan plan = plan::build_plan(desc, sim::for_hardware(train::plan_config(a.cfg, a.ranks), hw));
   const sim::SimResult r = sim::simulate(desc, plan, hw, a.cfg.threads, load.value);
-  const bool moe = desc.config.family == model::Family::moe;
   if (!a.trace.empty()) trace::write_trace(a.trace, {sim::to_trace(desc, plan, r).events_json()});
-  const bool fits = hw.device_memory == 0 || r.mem.total <= hw.device_memory;
-  sim::Goodput gp;
-  int64_t ckpt_bytes = 0;
-  int writers = 0;
-  const GoodputFlags& gf = a.goodput;
-  if (gf.mtbf_hours > 0) gp = goodput_of(gf, a.ranks, plan, hw, r.step_ms, &ckpt_bytes, &writers);
-  if (a.json) {
-    nlohmann::json j{{"model", a.cfg.model},       {"strategy", plan::to_string(plan.config.strategy)},
-                     {"ranks", a.ranks},           {"hardware", hw.name},
-                     {"step_ms", r.step_ms},       {"tokens_per_s", r.tokens_per_s},
-                     {"mfu", r.mfu},               {"comm_exposed_ms", r.comm_exposed_ms},
-                     {"compute_busy_ms", r.compute_busy_ms}, {"comm_busy_ms", r.comm_busy_ms},
-                     {"mem", mem_json(r.mem)},     {"mem_max", mem_json(r.mem_max)},
-                     {"device_memory", hw.device_memory}, {"fits", fits}};
-    if (plan.config.offload.disk()) {
-      j["disk_busy_ms"] = r.disk_busy_ms;
-      j["disk_exposed_ms"] = r.disk_exposed_ms;
-      j["offload_prefetch"] = plan.config.offload.prefetch;
-    }
-    if (plan.config.pipeline_optimizer) j["optimizer_busy_ms"] = r.optimizer_busy_ms;
-    if (plan.config.cp > 1) {
-      j["cp"] = plan.config.cp;
-      j["exchange_busy_ms"] = r.exchange_busy_ms;
-      j["exchange_exposed_ms"] = r.exchange_exposed_ms;
-    }
-    if (moe) {
-      j["ep"] = plan.config.ep;
-      j["moe_imbalance"] = load.value;
-      j["exchange_busy_ms"] = r.exchange_busy_ms;
-      j["exchange_exposed_ms"] = r.exchange_exposed_ms;
-    }
-    if (plan.config.memory_budget > 0 || plan.config.offload.disk())
-      j["placement"] = placement_json(plan, desc);
-    if (gf.mtbf_hours > 0)
-      j["goodput"] = {{"fraction", gp.fraction},          {"mtbf_hours", gf.mtbf_hours},
-                      {"checkpoint_bytes", ckpt_bytes},     {"checkpoint", level_json(gp.checkpoint)},
-                      {"snapshot", level_json(gp.snapshot)}, {"tokens_per_s", r.tokens_per_s * gp.fraction},
-                      {"snapshot_survives", snapshot_share(gf, a.ranks, std::max(1, hw.devices_per_node))}};
-    std::cout << j.dump() << "\n";
-    return;
-  }
-  const double peak = hw.peak_flops * (hw.per_thread ? a.cfg.threads : 1);
-  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
-             a.cfg.model, plan::strategy_text(plan.config), a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
-             hw.gemm_efficiency);
-  fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
-             r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
-  const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
-  if (plan.config.offload.disk())  // the disk tier's reads and writes on their copy stream
-    fmt::print("disk ({}): {:.3f} ms of reloads and write-backs ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% "
-               "of the step){}\n",
-               plan.config.memory_budget > 0 ? "--memory-budget " + std::to_string(plan.config.memory_budget) : "--offload " + a.cfg.offload,
-               r.disk_busy_ms, r.disk_busy_ms * pct, r.disk_exposed_ms, r.disk_exposed_ms * pct,
-               hw.disk_read_bw > 0 ? fmt::format("; disk read {:.3g} GB/s, write {:.3g} GB/s, latency {:.3g} ms ({})",
-                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e3, hw.name)
-                                   : std::string("; the profile has no disk figures: copies priced at nothing"));
-  if (!read_ahead.empty()) fmt::print("{}\n", read_ahead);
-  if (plan.config.pipeline_optimizer)
-    fmt::print("pipelined optimizer: {:.3f} ms of updates on the optimizer stream ({:.1f}% of the step), sharing the "
-               "device with the backward\n",
-               r.optimizer_busy_ms, r.optimizer_busy_ms * pct);
-  if (plan.config.cp > 1)  // the attention's exchanges, and a MoE block's routing counts and routed rows
-    fmt::print("exchanges (cp {} {}{}): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
-               "the step)\n",
-               plan.config.cp, model::to_string(plan.config.cp_impl),
-               plan.config.ep > 1 ? fmt::format(", ep {}", plan.config.ep) : std::string(), r.exchange_busy_ms,
-               r.exchange_busy_ms * pct, r.exchange_exposed_ms, r.exchange_exposed_ms * pct);
-  if (moe && plan.config.cp == 1) {
-    if (plan.config.ep > 1)
-      fmt::print("all-to-all (ep {} exchanges): {:.3f} ms in exchange tasks ({:.1f}% of the step), {:.3f} ms exposed ({:.1f}% of "
-                 "the step); expert load max/mean {}\n",
-                 plan.config.ep, r.exchange_busy_ms, r.exchange_busy_ms * pct, r.exchange_exposed_ms,
-                 r.exchange_exposed_ms * pct, load.note);
-    else
-      fmt::print("all-to-all: none (ep 1: every rank runs every expert; --ep K splits them)\n");
-  }
-  if (gf.mtbf_hours > 0) {
-    const int nodes = (a.ranks + std::max(1, hw.devices_per_node) - 1) / std::max(1, hw.devices_per_node);
-    fmt::print("goodput under failures: {:.2f}% of wall time on counted steps, {:.0f} tokens/s ({} node(s) at MTBF {:.4g} h "
-               "each: a failure every {:.3g} h; restart {:.4g} s)\n",
-               100 * gp.fraction, r.tokens_per_s * gp.fraction, nodes, gf.mtbf_hours, gf.mtbf_hours / nodes, gf.restart_s);
-    const double q = snapshot_share(gf, a.ranks, std::max(1, hw.devices_per_node));
-    const sim::GoodputLevel& c = gp.checkpoint;
-    fmt::print("  disk checkpoint: {:.3g} s each ({:.4g} GB over {} writing node(s)), every {} steps ({:.4g} s; Young "
-               "sqrt(2C/rate) {:.4g} s), {:.4g} failures/h fall back to it, keeps {:.2f}%\n",
-               c.save_s, ckpt_bytes / 1e9, writers, c.every_steps, c.interval_s, c.young_s, c.rate * 3600, 100 * c.kept);
-    const sim::GoodputLevel& s = gp.snapshot;
-    if (s.every_steps > 0)
-      fmt::print("  in-memory snapshot: {:.3g} s each, every {} steps ({:.4g} s; Young {:.4g} s), recovers {:.4g} "
-                 "failures/h ({:.0f}%), keeps {:.2f}%\n",
-                 s.save_s, s.every_steps, s.interval_s, s.young_s, s.rate * 3600, 100 * q, 100 * s.kept);
-    else
-      fmt::print("  in-memory snapshots: none ({})\n", q > 0 ? "they would cost more than the work they save"
-                                                             : "--snapshot-survives 0");
-  }
-  if (plan.config.memory_budget > 0 || plan.config.offload.disk()) {
-    fmt::print("state placement{}: on disk ", plan.config.memory_budget > 0 ? fmt::format(" (--memory-budget {} bytes)", plan.config.memory_budget) : "");
-    const nlohmann::json pj = placement_json(plan, desc);
-    for (const char* k : {"params", "grads", "optimizer"})
-      fmt::print("{} {}/{} unit(s), ", k, pj["disk"][k].get<int>(), pj["held"][k].get<int>());
-    fmt::print("saved activations of {} unit(s); accounted peak {} bytes ({:.1f} MiB); the disk copies {}\n",
-               pj["disk"]["activations"].get<int>(), plan.peak_memory().total, plan.peak_memory().total / 1048576.0,
-               hw.disk_read_bw > 0 ? fmt::format("priced at {:.2f} GB/s read, {:.2f} GB/s write, {:.0f} us a request",
-                                                 hw.disk_read_bw / 1e9, hw.disk_write_bw / 1e9, hw.disk_latency_s * 1e6)
-                                   : std::string("not priced (the profile has no disk figures)"));
-  }
-  fmt::print("memory per rank at peak (bytes):\n");
-  for (int c = 0; c < kNumMemCategories; ++c)
-    if (r.mem.bytes[c] > 0 || r.mem_max.bytes[c] > 0)
-      fmt::print("  {}: {} ({:.1f} MiB), own peak {}\n", to_string(static_cast<MemCategory>(c)), r.mem.bytes[c],
-                 r.mem.bytes[c] / 1048576.0, r.mem_max.bytes[c]);
-  fmt::print("  total: {} ({:.2f} GiB){}\n", r.mem.total, r.mem.total / 1073741824.0,
-             hw.device_memory == 0 ? std::string()
-                                   : fmt::format(", device memory {:.0f} GiB: {}", hw.device_memory / 1073741824.0,
-                                                 fits ? "fits" : "does NOT fit"));
+  Simulation s{a, desc, plan, hw, r, load, read_ahead, desc.config.family == model::Family::moe,
+               hw.device_memory == 0 || r.mem.total <= hw.device_memory, {}, 0, 0};
+  if (a.goodput.mtbf_hours > 0) s.gp = goodput_of(a.goodput, a.ranks, plan, hw, r.step_ms, &s.ckpt_bytes, &s.writers);
+  if (a.json)
+    std::cout << simulation_json(s).dump() << "\n";
+  else
+    print_simulation(s);
 }
 
 // `calibrate`: every rank measures (collectives span the world); rank 0 writes the profile.
