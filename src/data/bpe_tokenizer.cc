@@ -377,25 +377,8 @@ std::vector<std::pair<std::string, std::string>> merges_of(const nlohmann::json&
   return pairs;
 }
 
-}  // namespace
-
-std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
-                                               const std::string& vocab_bpe_path) {
-  Vocabulary v;
-  v.name = "gpt2";
-  v.read_tokens(parse_json(read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path),
-                encoder_json_path, {"<|endoftext|>"});
-  for (size_t id = 0; id < v.tokens.size(); ++id)
-    if (v.tokens[id] == "<|endoftext|>") v.eot = static_cast<int32_t>(id);
-  std::vector<int> linenos;
-  const auto pairs = read_merge_lines(vocab_bpe_path, linenos);
-  v.read_merges(
-      pairs, [&](size_t r) { return vocab_bpe_path + (r < linenos.size() ? ":" + std::to_string(linenos[r]) : "") + ": "; },
-      true);
-  return std::make_unique<ByteLevelBpe>(std::move(v));
-}
-
-std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std::string& name) {
+// load_hf_tokenizer, but a field of another type throws nlohmann::json's own exception.
+std::unique_ptr<Tokenizer> read_hf_tokenizer(const std::string& path, const std::string& name) {
   const nlohmann::json j = parse_json(read_file(path, "tokenizer file", ""), path);
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     throw std::runtime_error(path + ": no model object (a Hugging Face tokenizer.json has one)");
@@ -430,6 +413,32 @@ std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std:
   v.read_merges(merges_of(model.contains("merges") ? model["merges"] : nlohmann::json(), path),
                 [&](size_t r) { return path + ": model.merges[" + std::to_string(r) + "]: "; }, false);
   return std::make_unique<ByteLevelBpe>(std::move(v));
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
+                                               const std::string& vocab_bpe_path) {
+  Vocabulary v;
+  v.name = "gpt2";
+  v.read_tokens(parse_json(read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path),
+                encoder_json_path, {"<|endoftext|>"});
+  for (size_t id = 0; id < v.tokens.size(); ++id)
+    if (v.tokens[id] == "<|endoftext|>") v.eot = static_cast<int32_t>(id);
+  std::vector<int> linenos;
+  const auto pairs = read_merge_lines(vocab_bpe_path, linenos);
+  v.read_merges(
+      pairs, [&](size_t r) { return vocab_bpe_path + (r < linenos.size() ? ":" + std::to_string(linenos[r]) : "") + ": "; },
+      true);
+  return std::make_unique<ByteLevelBpe>(std::move(v));
+}
+
+std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std::string& name) {
+  try {
+    return read_hf_tokenizer(path, name);
+  } catch (const nlohmann::json::exception& e) {  // a field of another type than the format's
+    throw std::runtime_error(path + ": not a tokenizer.json shardlm can read: " + e.what());
+  }
 }
 
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text) { return pretokenize(Pretokenizer::gpt2, text); }

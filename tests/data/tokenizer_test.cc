@@ -355,6 +355,9 @@ TEST(HfTokenizer, LoadErrorsNameTheFileAndTheField) {
   refused([](nlohmann::json& j) { j["model"]["merges"][5] = "a"; }, "model.merges[5]");
   refused([](nlohmann::json& j) { j["model"]["merges"][7] = "Ġ zzzzzzzz"; }, "model.merges[7]");
   refused([](nlohmann::json& j) { j["added_tokens"][0].erase("id"); }, "added_tokens");
+  refused([](nlohmann::json& j) { j["model"]["ignore_merges"] = "yes"; }, "not a tokenizer.json shardlm can read");
+  refused([](nlohmann::json& j) { j["model"]["type"] = 7; }, "not a tokenizer.json shardlm can read");
+  refused([](nlohmann::json& j) { j["model"]["vocab"]["!"] = "zero"; }, "id of token !");
   write_file(path, real.substr(0, 1000));
   EXPECT_THROW(load_hf_tokenizer(path, "llama3"), std::runtime_error);
   try {
