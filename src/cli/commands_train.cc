@@ -156,7 +156,7 @@ void run_generate(const std::string& ckpt, const std::string& prompt, train::Sam
       throw std::runtime_error(fmt::format("generate: cannot write to standard output: {}", std::strerror(errno)));
   };
   show(prompt);
-  train::generate(*m->ex, m->desc, m->plan.config, tok->encode(prompt), tok->eot() >= 0 ? tok->eot() : '\n', sc,
+  train::generate(*m->ex, m->desc, m->plan.config, data::encode_prompt(*tok, prompt), tok->eot() >= 0 ? tok->eot() : '\n', sc,
                   [&](int32_t id) { show(tok->decode_token(id)); });
   show("\n");
 }

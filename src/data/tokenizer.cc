@@ -48,6 +48,12 @@ Gpt2Files gpt2_files(const std::string& data_dir) {
   return {dir + "encoder.json", dir + "vocab.bpe"};
 }
 
+std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view prompt) {
+  std::vector<int32_t> ids = tokenizer.encode(prompt);
+  if (tokenizer.name() == "llama3" && !ids.empty()) ids.insert(ids.begin(), tokenizer.eot());
+  return ids;
+}
+
 std::string llama3_tokenizer_file(const std::string& data_dir) {
   return (data_dir.empty() ? std::string(".") : data_dir) + "/llama3/tokenizer.json";
 }

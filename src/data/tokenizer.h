@@ -35,6 +35,12 @@ class Tokenizer {
   virtual size_t stable_prefix(std::string_view text) const = 0;
 };
 
+// A prompt as a model of this tokenizer is given it to continue: LLaMA 3's begins with
+// <|begin_of_text|>, as Meta's and Hugging Face's encoders begin it and as llm.c's LLaMA 3 data
+// begins each document (LLaMA 3 models degrade without it); GPT-2's is its text alone, as Hugging
+// Face's GPT-2 encoder gives it. An empty prompt is empty.
+std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view prompt);
+
 // "gpt2": loads data_dir/gpt2/encoder.json and data_dir/gpt2/vocab.bpe (made by
 // scripts/fetch_data.sh). "llama3": data_dir/llama3/tokenizer.json (Hugging Face's file of a
 // LLaMA 3 model; scripts/fetch_data.sh --llama3 fetches one). "bytes": one token per byte, ids

@@ -325,6 +325,12 @@ TEST(Llama3Tokenizer, KnownIds) {
   EXPECT_EQ(tok->decode({128000, 9906, 128001}), "<|begin_of_text|>Hello<|end_of_text|>");
   for (const int32_t id : tok->encode("<|end_of_text|>")) EXPECT_LT(id, 128000);  // text, not the special token
   EXPECT_THROW(tok->decode({128256}), std::out_of_range);
+  // A prompt begins with <|begin_of_text|>, as LLaMA 3 models are given one; GPT-2's does not.
+  EXPECT_EQ(encode_prompt(*tok, "Hello"), (std::vector<int32_t>{128000, 9906}));
+  EXPECT_TRUE(encode_prompt(*tok, "").empty());
+  const Tokenizer* gpt2 = testing::gpt2();
+  ASSERT_NE(gpt2, nullptr);
+  EXPECT_EQ(encode_prompt(*gpt2, "Hello"), gpt2->encode("Hello"));
 }
 
 // A tokenizer.json shardlm cannot encode as its authors do is refused in one line naming the file
