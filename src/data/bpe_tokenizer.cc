@@ -23,6 +23,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
@@ -109,39 +110,45 @@ struct Vocabulary {
     return true;
   }
 
-  // The id of the token the files spell `text`; `where` prefixes an error.
-  int32_t id_of(const std::string& text, const std::string& where) const {
-    std::string bytes;
+  // The id of the token the files spell `text`, whose bytes go to `bytes`; `where` prefixes an error.
+  int32_t id_of(const std::string& text, const std::string& where, std::string& bytes) const {
     if (!unmap(text, bytes)) throw std::runtime_error(where + "'" + text + "' is not in the byte-to-unicode alphabet");
     const auto it = ids.find(bytes);
     if (it == ids.end()) throw std::runtime_error(where + "token '" + text + "' is not in the vocabulary");
     return it->second;
   }
 
-  // `vocab`, a JSON object of token -> id whose ids are 0 .. size - 1 each once (`specials`: tokens
-  // kept as their text, which BPE never produces).
-  void read_tokens(const nlohmann::json& vocab, const std::string& path, const std::vector<std::string>& specials) {
+  // `vocab` (a JSON object of token -> id) and `specials` (text -> id: tokens kept as their text,
+  // which BPE never produces; each a key of vocab or a token of its own) number the tokens
+  // 0 .. size - 1, each id once.
+  void read_tokens(const nlohmann::json& vocab, const std::string& path, const std::map<std::string, int64_t>& specials) {
     if (!vocab.is_object() || vocab.empty()) throw std::runtime_error(path + ": expected a JSON object of token -> id");
-    tokens.assign(vocab.size(), std::string());
-    std::vector<bool> seen(vocab.size(), false);
+    size_t size = vocab.size();
+    for (const auto& [text, id] : specials) size += !vocab.contains(text);
+    tokens.assign(size, std::string());
+    std::vector<bool> seen(size, false);
+    const auto place = [&](int64_t id, const std::string& token) {
+      if (id < 0 || id >= static_cast<int64_t>(size) || seen[id])
+        throw std::runtime_error(path + ": ids are not 0.." + std::to_string(size - 1) + " each once (token " + token +
+                                 " has id " + std::to_string(id) + ")");
+      seen[id] = true;
+    };
     std::string bytes;
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
       if (!it.value().is_number_integer())
         throw std::runtime_error(path + ": id of token " + it.key() + " is not an integer");
+      if (specials.count(it.key())) continue;  // placed below, at the id the specials give it
       const int64_t id = it.value().get<int64_t>();
-      if (id < 0 || id >= static_cast<int64_t>(vocab.size()) || seen[id])
-        throw std::runtime_error(path + ": ids are not 0.." + std::to_string(vocab.size() - 1) + " each once (token " +
-                                 it.key() + " has id " + std::to_string(id) + ")");
-      seen[id] = true;
-      if (std::find(specials.begin(), specials.end(), it.key()) != specials.end()) {
-        tokens[id] = it.key();
-        continue;
-      }
+      place(id, it.key());
       if (!unmap(it.key(), bytes))
         throw std::runtime_error(path + ": token " + it.key() + " is not in the byte-to-unicode alphabet");
       tokens[id] = bytes;
       if (!ids.emplace(bytes, static_cast<int32_t>(id)).second)
         throw std::runtime_error(path + ": two tokens have the bytes of " + it.key());
+    }
+    for (const auto& [text, id] : specials) {
+      place(id, text);
+      tokens[id] = text;
     }
     for (int b = 0; b < 256; ++b) {
       const auto it = ids.find(std::string(1, static_cast<char>(b)));
@@ -160,8 +167,7 @@ struct Vocabulary {
     std::vector<Parsed> parsed;
     std::string raw_a, raw_b;
     for (size_t r = 0; r < pairs.size(); ++r) {
-      const int32_t a = id_of(pairs[r].first, where(r)), b = id_of(pairs[r].second, where(r));
-      unmap(pairs[r].first, raw_a), unmap(pairs[r].second, raw_b);
+      const int32_t a = id_of(pairs[r].first, where(r), raw_a), b = id_of(pairs[r].second, where(r), raw_b);
       const auto it = ids.find(raw_a + raw_b);
       if (it == ids.end())
         throw std::runtime_error(where(r) + "merged token '" + pairs[r].first + pairs[r].second + "' is not in the vocabulary");
@@ -395,21 +401,17 @@ std::unique_ptr<Tokenizer> read_hf_tokenizer(const std::string& path, const std:
   v.name = name;
   v.pretokenizer = pretokenizer_of(j, path);
   v.ignore_merges = model.value("ignore_merges", false);
-  // Added tokens (<|begin_of_text|>, ...) follow the BPE vocabulary or replace an entry of it.
-  nlohmann::json vocab = model.contains("vocab") ? model["vocab"] : nlohmann::json();
-  std::vector<std::string> specials;
-  std::unordered_map<std::string, int32_t> special_ids;
+  // Added tokens (<|begin_of_text|>, ...) follow the BPE vocabulary or take an entry of it.
+  std::map<std::string, int64_t> specials;
   for (const nlohmann::json& t : j.value("added_tokens", nlohmann::json::array())) {
     if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || !t.contains("content") ||
         !t["content"].is_string())
       throw std::runtime_error(path + ": added_tokens: an entry without an integer id and a content string");
-    specials.push_back(t["content"].get<std::string>());
-    special_ids[specials.back()] = t["id"].get<int32_t>();
-    if (vocab.is_object()) vocab[specials.back()] = t["id"];
+    specials[t["content"].get<std::string>()] = t["id"].get<int64_t>();
   }
-  v.read_tokens(vocab, path, specials);
+  v.read_tokens(model.contains("vocab") ? model["vocab"] : nlohmann::json(), path, specials);
   for (const char* separator : {"<|endoftext|>", "<|begin_of_text|>"})  // what ends or starts a document
-    if (v.eot < 0 && special_ids.count(separator)) v.eot = special_ids[separator];
+    if (v.eot < 0 && specials.count(separator)) v.eot = static_cast<int32_t>(specials.at(separator));
   v.read_merges(merges_of(model.contains("merges") ? model["merges"] : nlohmann::json(), path),
                 [&](size_t r) { return path + ": model.merges[" + std::to_string(r) + "]: "; }, false);
   return std::make_unique<ByteLevelBpe>(std::move(v));
@@ -421,10 +423,15 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_p
                                                const std::string& vocab_bpe_path) {
   Vocabulary v;
   v.name = "gpt2";
-  v.read_tokens(parse_json(read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path),
-                encoder_json_path, {"<|endoftext|>"});
-  for (size_t id = 0; id < v.tokens.size(); ++id)
-    if (v.tokens[id] == "<|endoftext|>") v.eot = static_cast<int32_t>(id);
+  const nlohmann::json encoder =
+      parse_json(read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path);
+  std::map<std::string, int64_t> specials;
+  const std::string eot = "<|endoftext|>";
+  if (encoder.is_object() && encoder.contains(eot) && encoder[eot].is_number_integer()) {
+    specials[eot] = encoder[eot].get<int64_t>();
+    v.eot = static_cast<int32_t>(specials[eot]);
+  }
+  v.read_tokens(encoder, encoder_json_path, specials);
   std::vector<int> linenos;
   const auto pairs = read_merge_lines(vocab_bpe_path, linenos);
   v.read_merges(

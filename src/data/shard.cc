@@ -26,6 +26,18 @@ namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// Widens n little-endian uint16 ids, read into the front of `ids`' bytes, to int32 in place
+// (from the last, so no id is overwritten before it is read; through memcpy, the bytes being
+// int32 objects).
+void widen_in_place(int32_t* ids, int64_t n) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(ids);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    uint16_t id;
+    std::memcpy(&id, bytes + 2 * i, sizeof id);
+    ids[i] = id;
+  }
+}
+
 // Writes all bytes or throws.
 void write_all(int fd, const void* data, size_t n, const std::string& path) {
   const char* p = static_cast<const char*>(data);
@@ -122,21 +134,15 @@ void TokenShardWriter::move_tail(int64_t n, const std::function<void(std::span<c
   unpark();
   if (n < 0 || n > count_) fail(path_, "cannot move " + std::to_string(n) + " of its " + std::to_string(count_) + " tokens");
   const int64_t keep = count_ - n;
-  std::vector<uint8_t> bytes(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)) * static_cast<size_t>(token_bytes_));
-  std::vector<int32_t> ids(bytes.size() / static_cast<size_t>(token_bytes_));
+  std::vector<int32_t> ids(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)));
   for (int64_t first = keep; first < count_; first += static_cast<int64_t>(ids.size())) {
-    const size_t len = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(ids.size()), count_ - first));
-    const size_t len_bytes = len * static_cast<size_t>(token_bytes_);
-    if (::pread(fd_, bytes.data(), len_bytes, kShardHeaderBytes + first * static_cast<off_t>(token_bytes_)) !=
+    const int64_t len = std::min<int64_t>(static_cast<int64_t>(ids.size()), count_ - first);
+    const size_t len_bytes = static_cast<size_t>(len) * static_cast<size_t>(token_bytes_);
+    if (::pread(fd_, ids.data(), len_bytes, kShardHeaderBytes + first * static_cast<off_t>(token_bytes_)) !=
         static_cast<ssize_t>(len_bytes))
       fail(tmp_, "cannot read back: " + errno_text());
-    for (size_t i = 0; i < len; ++i) {
-      uint16_t narrow = 0;
-      if (token_bytes_ == 2) std::memcpy(&narrow, bytes.data() + 2 * i, 2);
-      if (token_bytes_ == 4) std::memcpy(&ids[i], bytes.data() + 4 * i, 4);
-      if (token_bytes_ == 2) ids[i] = narrow;
-    }
-    to(std::span<const int32_t>(ids.data(), len));
+    if (token_bytes_ == 2) widen_in_place(ids.data(), len);
+    to(std::span<const int32_t>(ids.data(), static_cast<size_t>(len)));
   }
   if (::ftruncate(fd_, kShardHeaderBytes + keep * static_cast<off_t>(token_bytes_)) != 0 || ::lseek(fd_, 0, SEEK_END) < 0)
     fail(tmp_, "cannot truncate: " + errno_text());
@@ -265,22 +271,6 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
   }
   return *this;
 }
-
-namespace {
-
-// Widens n little-endian uint16 ids, read into the front of `ids`' bytes, to int32 in place
-// (from the last, so no id is overwritten before it is read; through memcpy, the bytes being
-// int32 objects).
-void widen_in_place(int32_t* ids, int64_t n) {
-  const auto* bytes = reinterpret_cast<const unsigned char*>(ids);
-  for (int64_t i = n - 1; i >= 0; --i) {
-    uint16_t id;
-    std::memcpy(&id, bytes + 2 * i, sizeof id);
-    ids[i] = id;
-  }
-}
-
-}  // namespace
 
 void TokenShard::read(int64_t first, int64_t count, int32_t* out) const {
   if (first < 0 || count < 0 || first > ntokens_ - count)

@@ -226,7 +226,6 @@ struct PlanConfig {
   // --act-quant: the GEMM inputs kept for the backward as int8 with per-group scales (model::ActQuant;
   // the costs, so the saved buffers, follow it and `recompute`). Forward-only plans drop it.
   model::ActQuant act_quant{};
-
   // Selective unsharding (FSDP / hybrid): units that stay gathered from the step's start to their
   // last backward instead of being regathered, by name ("h.10", "final_norm") or {"all"}; a
   // memory price for fewer all-gathers. Empty: none (the borrowed embedding is kept regardless).
