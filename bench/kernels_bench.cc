@@ -233,7 +233,7 @@ void BM_Rope(benchmark::State& st) {
   const bool bwd = st.range(5) != 0;
   auto x = randv(B * T * W, 23);
   std::vector<float> tab(k::rope_table_floats(T, HS));
-  k::rope_table(tab.data(), T, HS, 10000.0f);
+  k::rope_table(tab.data(), T, HS, {10000.0});
   for (auto _ : st) {
     if (bwd)
       k::rope_backward(x.data(), B, T, nh, HS, W, tab.data());
@@ -254,7 +254,7 @@ void BM_RopeTable(benchmark::State& st) {
   const int64_t T = st.range(0), HS = st.range(1);
   std::vector<float> tab(k::rope_table_floats(T, HS));
   for (auto _ : st) {
-    k::rope_table(tab.data(), T, HS, 10000.0f);
+    k::rope_table(tab.data(), T, HS, {10000.0});
     benchmark::ClobberMemory();
   }
 }

@@ -40,10 +40,11 @@ const std::set<std::string> kNoEffect = {
 // is known not to matter (kNoEffect), or is refused.
 class Fields {
  public:
-  Fields(const json& j, std::string path, HfConfigUse use) : j_(j), path_(std::move(path)), use_(use) {}
+  Fields(const json& j, std::string path, HfConfigUse use, std::string prefix = "")
+      : j_(j), path_(std::move(path)), use_(use), prefix_(std::move(prefix)) {}
 
   [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw std::runtime_error(path_ + ": field '" + key + "' " + what);
+    throw std::runtime_error(path_ + ": field '" + prefix_ + key + "' " + what);
   }
   bool has(const char* key) {
     seen_.insert(key);
@@ -52,7 +53,7 @@ class Fields {
 
   template <class T>
   T get(const char* key) {
-    if (!has(key)) throw std::runtime_error(path_ + ": no field '" + key + "'");
+    if (!has(key)) throw std::runtime_error(path_ + ": no field '" + prefix_ + key + "'");
     const json& v = j_[key];
     // nlohmann would truncate 2.5 (or 1e8 written as a float) to an integer without a word.
     if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
@@ -80,6 +81,11 @@ class Fields {
   template <class T>
   void must_be(const char* key, T implemented, const std::string& why) {
     if (has(key) && get<T>(key) != implemented) fail(key, "is " + j_[key].dump() + "; " + why);
+  }
+  // The fields of an object-valued key (present and not null), named KEY.FIELD in errors.
+  Fields object(const char* key) {
+    if (!has(key) || !j_[key].is_object()) fail(key, "must be an object or null, got " + j_[key].dump());
+    return Fields(j_[key], path_, use_, prefix_ + key + ".");
   }
   // An alias transformers maps onto another key (GPT2Config's hidden_size is n_embd): it must
   // say the same.
@@ -120,7 +126,7 @@ class Fields {
   void finish(const std::string& model_type) const {
     for (const auto& [key, value] : j_.items())
       if (!seen_.count(key) && !kNoEffect.count(key))
-        throw std::runtime_error(path_ + ": field '" + key + "' (" + value.dump() +
+        throw std::runtime_error(path_ + ": field '" + prefix_ + key + "' (" + value.dump() +
                                  ") is not a setting shardlm implements for model_type " + model_type +
                                  " (nor one known not to change the model)");
   }
@@ -129,6 +135,7 @@ class Fields {
   const json& j_;
   std::string path_;
   HfConfigUse use_;
+  std::string prefix_;  // "KEY." inside an object-valued key
   std::set<std::string> seen_;
 };
 
@@ -159,6 +166,41 @@ void read_gpt2(Fields& f, model::ModelConfig& c) {
   for (const char* p : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) f.dropout(p);
 }
 
+// The rotary embedding as transformers 4 writes it (rope_theta, and rope_scaling for Llama 3.1's
+// rescaling) or transformers 5 (rope_parameters, holding rope_theta too).
+void read_rope(Fields& f, model::ModelConfig& c) {
+  c.rope_theta = f.positive("rope_theta", 10000.0);
+  const bool top_theta = f.has("rope_theta");
+  bool scaling_read = false;
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!f.has(key)) continue;
+    Fields r = f.object(key);
+    if (r.has("rope_theta")) {
+      const double theta = r.positive("rope_theta", c.rope_theta);
+      if (top_theta && theta != c.rope_theta)
+        r.fail("rope_theta", "is " + std::to_string(theta) + " but 'rope_theta' is " + std::to_string(c.rope_theta));
+      c.rope_theta = theta;
+    }
+    const std::string type = r.get_or<std::string>("rope_type", r.get_or<std::string>("type", "default"));
+    if (r.has("type") && r.get<std::string>("type") != type)
+      r.fail("type", "is '" + r.get<std::string>("type") + "' but 'rope_type' is '" + type + "'");
+    model::ModelConfig::RopeScaling s;
+    if (type == "llama3") {
+      s.factor = r.get<double>("factor");
+      s.low_freq_factor = r.get<double>("low_freq_factor");
+      s.high_freq_factor = r.get<double>("high_freq_factor");
+      s.original_max_seq = r.get<int64_t>("original_max_position_embeddings");
+    } else if (type != "default") {
+      r.fail(r.has("rope_type") ? "rope_type" : "type",
+             "is '" + type + "'; shardlm implements unscaled rotary embeddings (\"default\") and Llama 3.1's (\"llama3\")");
+    }
+    if (scaling_read && !(s == c.rope_scaling))
+      f.fail(key, "describes another rope scaling than 'rope_scaling'");
+    c.rope_scaling = s, scaling_read = true;
+    r.finish("llama");
+  }
+}
+
 void read_llama(Fields& f, model::ModelConfig& c) {
   c.family = model::Family::llama;
   c.n_layer = f.get<int64_t>("num_hidden_layers");
@@ -169,9 +211,8 @@ void read_llama(Fields& f, model::ModelConfig& c) {
   c.vocab_size = f.get<int64_t>("vocab_size");
   c.max_seq = f.get<int64_t>("max_position_embeddings");
   c.norm_eps = f.positive("rms_norm_eps", 1e-6);
-  c.rope_theta = f.positive("rope_theta", 10000.0);
+  read_rope(f, c);
   c.tie_embeddings = f.get_or<bool>("tie_word_embeddings", false);
-  if (f.has("rope_scaling")) f.fail("rope_scaling", "is set; shardlm implements unscaled rotary embeddings");
   if (f.has("head_dim") && f.get<int64_t>("head_dim") * c.n_head != c.n_embd)
     f.fail("head_dim", "is " + std::to_string(f.get<int64_t>("head_dim")) +
                            "; shardlm's heads are hidden_size / num_attention_heads = " +
@@ -207,6 +248,15 @@ void read_mixtral(Fields& f, model::ModelConfig& c) {
   if (f.has("sliding_window"))
     f.fail("sliding_window", "is set; shardlm's attention is full causal attention");
   f.must_be("router_jitter_noise", 0.0, "shardlm's router adds no noise");
+}
+
+json rope_scaling_json(const model::ModelConfig::RopeScaling& s) {
+  if (s == model::ModelConfig::RopeScaling{}) return nullptr;
+  return {{"rope_type", "llama3"},
+          {"factor", s.factor},
+          {"low_freq_factor", s.low_freq_factor},
+          {"high_freq_factor", s.high_freq_factor},
+          {"original_max_position_embeddings", s.original_max_seq}};
 }
 
 }  // namespace
@@ -267,7 +317,7 @@ json to_hf_config(const model::ModelConfig& c) {
           {"head_dim", c.head_size()},
           {"rms_norm_eps", c.norm_eps},
           {"rope_theta", c.rope_theta},
-          {"rope_scaling", nullptr},
+          {"rope_scaling", rope_scaling_json(c.rope_scaling)},
           {"max_position_embeddings", c.max_seq},
           {"tie_word_embeddings", c.tie_embeddings},
           {"hidden_act", "silu"},

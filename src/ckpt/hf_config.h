@@ -25,9 +25,9 @@ enum class HfConfigUse {
 
 // Reads the whole file: every key maps to the model, holds the value shardlm implements, or is
 // one known not to change the model (architectures, torch_dtype, token ids, generation
-// defaults, …); anything else — an unknown key, rope_scaling, biases, another activation or
-// epsilon, scale_attn_by_inverse_layer_idx — throws std::runtime_error "PATH: field 'KEY' …",
-// one line naming the value.
+// defaults, …); anything else — an unknown key, a rope scaling other than Llama 3.1's, biases,
+// another activation or epsilon, scale_attn_by_inverse_layer_idx — throws std::runtime_error
+// "PATH: field 'KEY' …", one line naming the value.
 model::ModelConfig from_hf_config(const nlohmann::json& j, const std::string& path,
                                   HfConfigUse use = HfConfigUse::weights);
 // A config.json given as `train --model`: read whole (a duplicated key refused), for training.

@@ -120,7 +120,8 @@ std::vector<int64_t> sizes_in_bytes(const std::vector<std::string>& kib) {
 void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--model", c.model,
                   "preset (tiny, small, gpt2-124m, llama-tiny, llama-small, llama2-7b, llama2-13b, llama2-70b, "
-                  "llama3-8b, llama3-70b, gpt3-175b, moe-tiny, moe-small, mixtral-8x7b, mixtral-8x22b) or a Hugging Face config.json")
+                  "llama3-8b, llama3-70b, llama3.1-8b, llama3.2-1b, gpt3-175b, moe-tiny, moe-small, mixtral-8x7b, "
+                  "mixtral-8x22b) or a Hugging Face config.json")
       ->capture_default_str();
   cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)")->check(at_least(1));
   cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)")->check(at_least(1));

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/rope.h"
 #include "kernels/seq_chunks.h"
 #include "tensor/memory.h"
 
@@ -118,7 +119,7 @@ class Backend {
 
   // Rotary position embedding: table (T, HS), rotation in place of n_heads heads per row.
   virtual int64_t rope_table_floats(int64_t T, int64_t HS) const = 0;
-  virtual void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const = 0;
+  virtual void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope) const = 0;
   virtual void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                             const float* cos_sin) const = 0;
   virtual void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,

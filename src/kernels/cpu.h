@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "kernels/rope.h"
 #include "kernels/seq_chunks.h"
 
 namespace shardlm::kernels {
@@ -244,7 +245,8 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
                       const float* weight, const float* rstd, int64_t N, int64_t C);
 
 // Rotary position embedding, Hugging Face `rotate_half` convention. For a head vector x of
-// even size HS and i in [0, HS/2), with angle = pos * theta^(-2i/HS):
+// even size HS and i in [0, HS/2), with angle = pos * inv_freq_i (kernels/rope.h: theta^(-2i/HS),
+// rescaled as Llama 3.1's where the Rope says so):
 //   y[i] = x[i] cos - x[i+HS/2] sin,   y[i+HS/2] = x[i+HS/2] cos + x[i] sin.
 //
 // Table layout: cos_sin (T, HS) holds, for position t, the row
@@ -253,8 +255,8 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 // stride HS. A position offset p0 (e.g. a sequence shard starting at p0) is therefore just
 // cos_sin + p0 * HS, with the table built for at least p0 + T positions.
 //
-// Angles are computed in fp32 exactly as HF's fp32 LlamaRotaryEmbedding (default rope type)
-// does: inv_freq_i = 1.0f / float(theta^e_i) with e_i = float(2i) / float(HS) in fp32, and
+// Angles are computed in fp32 exactly as HF's fp32 LlamaRotaryEmbedding does: inv_freq_i =
+// 1.0f / float(theta^e_i) with e_i = float(2i) / float(HS) in fp32 (then rescaled, rope.h), and
 // angle = float(t) * inv_freq_i rounded to fp32, so the rotation of each position is the one
 // HF models were trained with (the fp32 rounding of the angle grows with t: ~1e-4 rad at
 // t ~ 2000, and matching it matters more than removing it). theta^e_i and cos / sin of the
@@ -263,7 +265,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 int64_t rope_table_floats(int64_t T, int64_t HS);
 // Fills cos_sin (rope_table_floats(T, HS) floats) for positions 0..T-1. HS must be even
 // (std::invalid_argument otherwise).
-void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta);
+void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope);
 // Rotates in place the first n_heads*HS columns (n_heads heads of HS) of every (b,t) row of
 // x; rows are at stride row_stride (>= n_heads*HS) and row (b,t) is at position t (table row
 // t). Other columns are not touched: with the packed GQA qkv (row_stride = (NH+2*NKV)*HS),

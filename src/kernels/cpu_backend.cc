@@ -102,8 +102,8 @@ class CpuBackend final : public Backend {
   }
 
   int64_t rope_table_floats(int64_t T, int64_t HS) const override { return kernels::rope_table_floats(T, HS); }
-  void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const override {
-    kernels::rope_table(cos_sin, T, HS, theta);
+  void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope) const override {
+    kernels::rope_table(cos_sin, T, HS, rope);
   }
   void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                     const float* cos_sin) const override {

@@ -79,18 +79,14 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 int64_t rope_table_floats(int64_t T, int64_t HS) { return T * HS; }
 
-void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) {
+void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope) {
   if (HS <= 0 || HS % 2 != 0) throw std::invalid_argument("rope_table: HS must be even");
   if (T <= 0) return;
   const int64_t H2 = HS / 2;
-  // inv_freq_i = 1 / float(theta^(float(2i) / float(HS))), as HF in fp32. Kept in row 0's cos
-  // slots while rows 1..T-1 are filled (no heap allocation); row 0 (angle 0) is written last.
+  // The frequencies are kept in row 0's cos slots while rows 1..T-1 are filled (no heap
+  // allocation); row 0 (angle 0) is written last.
   float* inv = cos_sin;
-  for (int64_t i = 0; i < H2; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(HS);
-    const float p = static_cast<float>(std::pow(static_cast<double>(theta), static_cast<double>(e)));
-    inv[i] = 1.0f / p;
-  }
+  for (int64_t i = 0; i < H2; ++i) inv[i] = rope_inv_freq(i, HS, rope);
 #pragma omp parallel for schedule(static) if (T * H2 > 8192)
   for (int64_t t = 1; t < T; ++t) {
     float* c = cos_sin + t * HS;

@@ -327,9 +327,9 @@ class CudaBackend final : public Backend {
   }
 
   int64_t rope_table_floats(int64_t T, int64_t HS) const override { return T * HS; }
-  void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) const override {
+  void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope) const override {
     if (HS <= 0 || HS % 2 != 0) throw std::invalid_argument("rope_table: HS must be even");
-    cuda::rope_table(cos_sin, T, HS, theta);
+    cuda::rope_table(cos_sin, T, HS, rope);
   }
   void rope_forward(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                     const float* cos_sin) const override {

@@ -66,7 +66,7 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
                        int64_t T, int64_t C);
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                         int64_t C);
-void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta);
+void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope);
 void rope_apply(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                 const float* cos_sin, bool inverse);
 void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, float decay, float w1, bool lerp_low,

@@ -198,13 +198,12 @@ __global__ void embedding_wpe_bwd_kernel(float* dwpe, const float* dout, int64_t
   }
 }
 
-// As kernels/cpu.h: inv_freq in fp32 from a double pow, the fp32 angle, cos/sin in double.
-__global__ void rope_table_kernel(float* cs, int64_t T, int64_t HS, float theta) {
+// As kernels/cpu.h: inv_freq from rope.h, the fp32 angle, cos/sin in double.
+__global__ void rope_table_kernel(float* cs, int64_t T, int64_t HS, Rope rope) {
   const int64_t H2 = HS / 2;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * H2; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H2, k = i % H2;
-    const float e = static_cast<float>(2 * k) / static_cast<float>(HS);
-    const float inv = 1.0f / static_cast<float>(pow(static_cast<double>(theta), static_cast<double>(e)));
+    const float inv = rope_inv_freq(k, HS, rope);
     const float ang = static_cast<float>(t) * inv;
     cs[t * HS + k] = static_cast<float>(cos(static_cast<double>(ang)));
     cs[t * HS + H2 + k] = static_cast<float>(sin(static_cast<double>(ang)));
@@ -386,8 +385,8 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
   if (dwte) LAUNCH(embedding_wte_bwd_kernel, B * T * C, dwte, dout, tokens, B * T, C);
   if (dwpe) LAUNCH(embedding_wpe_bwd_kernel, T * C, dwpe, dout, B, T, C);
 }
-void rope_table(float* cos_sin, int64_t T, int64_t HS, float theta) {
-  LAUNCH(rope_table_kernel, T * (HS / 2), cos_sin, T, HS, theta);
+void rope_table(float* cos_sin, int64_t T, int64_t HS, const Rope& rope) {
+  LAUNCH(rope_table_kernel, T * (HS / 2), cos_sin, T, HS, rope);
 }
 void rope_apply(float* x, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                 const float* cos_sin, bool inverse) {

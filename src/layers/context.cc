@@ -85,6 +85,13 @@ Positions positions(const UnitArgs& a) {
           model::context_chunk_rows(seq, a.cp, a.cp_impl)};
 }
 
+kernels::Rope rope_of(const model::ModelConfig& c) {
+  const auto& r = c.rope_scaling;
+  // theta rounded to fp32 first, as torch takes a Python float beside an fp32 tensor.
+  return {static_cast<float>(c.rope_theta), r.factor, r.low_freq_factor, r.high_freq_factor,
+          static_cast<double>(r.original_max_seq)};
+}
+
 void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, int64_t width, int64_t heads, int64_t HS,
             const float* table, bool back) {
   const Positions pos = positions(a);

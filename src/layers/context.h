@@ -26,6 +26,9 @@ struct Positions {
 };
 Positions positions(const UnitArgs& a);
 
+// The model's rotary frequencies as the kernels take them.
+kernels::Rope rope_of(const model::ModelConfig& c);
+
 // Rotates (back: rotates back) q and k of this rank's rows of qkv (B, T, width, the q and k heads
 // first, `heads` of them) at their positions in the sequence; `table` holds every position.
 void rotate(const kernels::Backend& be, float* qkv, const UnitArgs& a, int64_t width, int64_t heads, int64_t HS,

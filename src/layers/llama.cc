@@ -31,7 +31,8 @@ Block block_view(const model::UnitDesc& u, const float* flat) {
 
 struct Dims {
   int64_t B, T, BT, C, NH, NKV, HS, QKV, F;
-  float eps, theta;
+  float eps;
+  kernels::Rope rope;
   int64_t P = 1;  // ranks each sequence is split over (T of its T·P positions here)
   bool ring = false;  // split as a ring (else heads split by an all-to-all)
   // --act-quant: the group of the saved / recomputable buffers' GEMM inputs (0: fp32).
@@ -46,7 +47,7 @@ Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, mode
   const auto& c = desc.config;
   const int64_t HS = c.head_size();
   return {B, T, B * T, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS, c.ffn_dim,
-          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), P,
+          static_cast<float>(c.norm_eps), context::rope_of(c), P,
           P > 1 && impl == model::ContextImpl::ring, q.saved_int8(mode) ? q.group : 0,
           q.recomputable_int8(mode) ? q.group : 0, mode == model::Recompute::selective_op};
 }
@@ -219,7 +220,7 @@ void qkv_forward(const kernels::Backend& be, const Block& p, const float* in, fl
   } else {
     be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
   }
-  be.rope_table(rope, d.T * d.P, d.HS, d.theta);
+  be.rope_table(rope, d.T * d.P, d.HS, d.rope);
   rotate(be, qkv, a, d, rope, false);  // q and k, in place
 }
 
@@ -318,7 +319,7 @@ void op_rebuild(const UnitArgs& a, const Block& p, const Saved& s, const Recompu
   const int64_t q = d.NH * d.HS, kv = d.NKV * d.HS;
   be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
   dense_part(be, s.qkv.f, d.QKV, r.ln2.f, r.ln1.f, p.qkv, q, kv, d);
-  be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
+  be.rope_table(w.rope, d.T * d.P, d.HS, d.rope);
   context::rotate(be, s.qkv.f + q, a, d.QKV, d.NKV, d.HS, w.rope, false);
   restore_q_v(be, s.qkv.f, s.qv, d);
   be.dense_forward(s.res1, s.atty.f, p.o, d.BT, d.C, d.C);
@@ -390,7 +391,7 @@ void mlp_backward(const UnitArgs& a, const Block& p, const Block& g, const Saved
 void qkv_backward(const UnitArgs& a, const Block& p, const Block& g, const Recomputable& r, const BackwardWs& w,
                   const Dims& d) {
   const kernels::Backend& be = *a.backend;
-  be.rope_table(w.rope, d.T * d.P, d.HS, d.theta);
+  be.rope_table(w.rope, d.T * d.P, d.HS, d.rope);
   rotate(be, w.dqkv, a, d, w.rope, true);
   be.zero(w.dln, sizeof(float) * d.BT * d.C);
   be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, d.BT, d.C, d.QKV);

@@ -46,7 +46,8 @@ Block block_view(const model::UnitDesc& u, const float* flat) {
 struct Dims {
   int64_t B, T, BT, C, NH, NKV, HS, QKV;
   int64_t E, k, FE, R, capacity;
-  float eps, theta;
+  float eps;
+  kernels::Rope rope;
   bool norm_topk;
   // Expert parallelism: P ranks, each running L = E / P experts on at most RL rows (the rows all
   // P ranks could route to them).
@@ -76,7 +77,7 @@ Dims dims_of(const model::ModelDesc& desc, int64_t B, int64_t T, int64_t P, int6
   const bool ring = K > 1 && impl == model::ContextImpl::ring;
   return {B,           T,       BT, c.n_embd, c.n_head, c.n_kv_head, HS, (c.n_head + 2 * c.n_kv_head) * HS,
           c.n_experts, c.top_k, c.moe_ffn_dim, c.routed_rows_bound(BT, G), c.expert_capacity(G),
-          static_cast<float>(c.norm_eps), static_cast<float>(c.rope_theta), c.norm_topk,
+          static_cast<float>(c.norm_eps), context::rope_of(c), c.norm_topk,
           P, L, c.expert_rows_bound(BT, P, G), K, G, ring, ring ? 2 : 1, ring ? T / 2 : T,
           q.saved_int8(mode) ? q.group : 0, q.recomputable_int8(mode) ? q.group : 0};
 }
@@ -320,7 +321,7 @@ void attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const 
   be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
   be.dense_forward(s.qkv.f, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
   store(a, r.ln1, "input_layernorm");
-  be.rope_table(rope, d.T, d.HS, d.theta);
+  be.rope_table(rope, d.T, d.HS, d.rope);
   be.rope_forward(s.qkv.f, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
   be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
   store(a, s.qkv, "qkv");
@@ -441,7 +442,7 @@ void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, 
     be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
     be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
     store(a, r.ln1, "input_layernorm");
-    be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
+    be.rope_table(w.rope, d.T * d.K, d.HS, d.rope);
     context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, false);
   };
   if (d.ring) {
@@ -619,7 +620,7 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
                               const Recomputable& r, const BackwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
   auto qkv_backward = [&] {
-    be.rope_table(w.rope, d.T * d.K, d.HS, d.theta);
+    be.rope_table(w.rope, d.T * d.K, d.HS, d.rope);
     context::rotate(be, w.dqkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, true);
     be.zero(w.dln, sizeof(float) * d.BT * d.C);
     be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, d.BT, d.C, d.QKV);
@@ -690,7 +691,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
                         w.attention);
-  be.rope_table(w.rope, d.T, d.HS, d.theta);
+  be.rope_table(w.rope, d.T, d.HS, d.rope);
   be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
   be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, BT, C, d.QKV);
   be.rmsnorm_backward(dres, mut(g.in_norm), w.dln, a.in, p.in_norm, r.rstd1, BT, C);

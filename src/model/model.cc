@@ -121,6 +121,7 @@ void ModelConfig::validate() const {
   if (head_size() > 256)
     throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) + ") exceeds 256");
   if (!(rope_theta > 0) || !std::isfinite(rope_theta)) throw std::invalid_argument("model: rope_theta must be positive and finite");
+  validate_rope_scaling();
   if (!(norm_eps > 0) || !std::isfinite(norm_eps)) throw std::invalid_argument("model: norm_eps must be positive and finite");
   // GPT-2's layer norm epsilon is the kernels' constant: a model asking for another is not this one.
   if (family == Family::gpt2 && norm_eps != 1e-5) {
@@ -128,6 +129,20 @@ void ModelConfig::validate() const {
     std::snprintf(got, sizeof got, "%g", norm_eps);
     throw std::invalid_argument(std::string("model: gpt2's layer norm epsilon is 1e-05 (norm_eps, --norm-eps, is llama's), got ") + got);
   }
+}
+
+void ModelConfig::validate_rope_scaling() const {
+  const RopeScaling& r = rope_scaling;
+  if (r == RopeScaling{}) return;
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("model: rope_scaling " + msg); };
+  if (family != Family::llama) fail("is LLaMA's (Llama 3.1); " + std::string(to_string(family)) + " has none");
+  if (!(r.factor >= 1) || !std::isfinite(r.factor))
+    fail("factor must be finite and >= 1, got " + std::to_string(r.factor));
+  if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor) || !std::isfinite(r.high_freq_factor))
+    fail("needs 0 < low_freq_factor < high_freq_factor, got " + std::to_string(r.low_freq_factor) + " and " +
+         std::to_string(r.high_freq_factor));
+  if (r.original_max_seq <= 0)
+    fail("original_max_position_embeddings must be positive, got " + std::to_string(r.original_max_seq));
 }
 
 // One line naming the field (and its flag) for each refused mixture-of-experts setting.
@@ -205,6 +220,11 @@ const std::map<std::string, Preset>& presets() {
     t["llama2-70b"] = {llama(80, 64, 8, 8192, 28672, 4096, 10000, 1e-5, 32000), true};
     t["llama3-8b"] = {llama(32, 32, 8, 4096, 14336, 8192, 500000, 1e-5, 128256), true};
     t["llama3-70b"] = {llama(80, 64, 8, 8192, 28672, 8192, 500000, 1e-5, 128256), true};
+    t["llama3.1-8b"] = {llama(32, 32, 8, 4096, 14336, 131072, 500000, 1e-5, 128256), true};
+    t["llama3.1-8b"].config.rope_scaling = {8, 1, 4, 8192};
+    t["llama3.2-1b"] = {llama(16, 32, 8, 2048, 8192, 131072, 500000, 1e-5, 128256), true};
+    t["llama3.2-1b"].config.rope_scaling = {32, 1, 4, 8192};
+    t["llama3.2-1b"].config.tie_embeddings = true;
     t["moe-tiny"] = {moe(t["llama-tiny"].config, 4, 2, 128), false};
     t["moe-small"] = {moe(t["llama-small"].config, 8, 2, 512), false};
     t["mixtral-8x7b"] = {moe(llama(32, 32, 8, 4096, 14336, 32768, 1e6, 1e-5, 32000), 8, 2, 14336), true};

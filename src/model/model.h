@@ -29,6 +29,14 @@ struct ModelConfig {
   int64_t ffn_dim = 1536;      // F (GPT-2: 4C)
   int64_t max_seq = 1024;      // the largest T (rows of wpe for GPT-2)
   double rope_theta = 10000;   // LLaMA
+  // Llama 3.1's rescaled rotary frequencies (config.json "rope_scaling" of "rope_type" "llama3";
+  // kernels/rope.h has the formula). factor 0: none, as LLaMA 1-3; LLaMA only.
+  struct RopeScaling {
+    double factor = 0;
+    double low_freq_factor = 1, high_freq_factor = 4;
+    int64_t original_max_seq = 8192;  // the context the model was first trained at
+    bool operator==(const RopeScaling&) const = default;
+  } rope_scaling;
   double norm_eps = 1e-5;      // LLaMA's RMSNorm (GPT-2's layer norm uses 1e-5 always)
   bool tie_embeddings = true;  // the head reuses the token embedding (GPT-2: always)
 
@@ -61,11 +69,13 @@ struct ModelConfig {
   // Throws std::invalid_argument naming the offending field.
   void validate() const;
   void validate_moe() const;
+  void validate_rope_scaling() const;
 };
 
 // Presets. GPT-2: tiny, small, gpt2-124m; LLaMA: llama-tiny, llama-small; mixture of experts:
 // moe-tiny, moe-small; shapes for `explain` and the simulator only (too big to train here):
-// llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, gpt3-175b, mixtral-8x7b, mixtral-8x22b. `vocab_size` applies to presets whose vocabulary comes from the data
+// llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, llama3.1-8b, llama3.2-1b (Llama 3.1's
+// rope scaling), gpt3-175b, mixtral-8x7b, mixtral-8x22b. `vocab_size` applies to presets whose vocabulary comes from the data
 // (the trainable ones); the real shapes carry their own. Throws std::invalid_argument for an
 // unknown name.
 ModelConfig model_preset(const std::string& name, int64_t vocab_size = 50257);

@@ -66,13 +66,15 @@ void expect_same(const model::ModelConfig& a, const model::ModelConfig& b) {
   EXPECT_EQ(a.ffn_dim, b.ffn_dim);
   EXPECT_EQ(a.max_seq, b.max_seq);
   EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_TRUE(a.rope_scaling == b.rope_scaling);
   EXPECT_EQ(a.norm_eps, b.norm_eps);
   EXPECT_EQ(a.tie_embeddings, b.tie_embeddings);
 }
 
 TEST(HfConfig, ExportReadsBackAsTheSameModelForTraining) {
   std::vector<model::ModelConfig> models = {model::model_preset("tiny", 300), model::model_preset("gpt2-124m"),
-                                            model::model_preset("llama-small", 300), model::model_preset("llama3-8b")};
+                                            model::model_preset("llama-small", 300), model::model_preset("llama3-8b"),
+                                            model::model_preset("llama3.1-8b"), model::model_preset("llama3.2-1b")};
   models.push_back(model::model_preset("llama-tiny", 300));
   models.back().tie_embeddings = true;
   models.back().norm_eps = 1e-6;
@@ -158,7 +160,6 @@ TEST(HfConfig, LlamaSettingsShardlmDoesNotImplementAreRefusedNamingFieldAndValue
   expect_refused(hub_llama(), {{"rms_norm_eps", 0, "must be a finite number > 0, got 0"},
                                {"rms_norm_eps", -1e-5, "got -1e-05"},
                                {"rope_theta", 0, "got 0"},
-                               {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, "unscaled"},
                                {"head_dim", 64, "is 64; shardlm's heads are hidden_size / num_attention_heads = 128 wide"},
                                {"attention_bias", true, "no biases"},
                                {"mlp_bias", true, "no biases"},
@@ -166,10 +167,59 @@ TEST(HfConfig, LlamaSettingsShardlmDoesNotImplementAreRefusedNamingFieldAndValue
                                {"pretraining_tp", 0, ">= 1"},
                                {"attention_dropout", 2, "got 2"},
                                {"tie_word_embeddings", "yes", "must be true or false"},
-                               {"rope_parameters", {{"rope_theta", 10000.0}}, "is not a setting shardlm implements"}});
+                               {"rope_scaling", 8, "must be an object or null, got 8"}});
   // What is mapped and valid holds; head_dim equal to the real width passes.
   EXPECT_EQ(error_of(with(hub_llama(), "head_dim", 128)), "");
   EXPECT_EQ(from_hf_config(with(hub_llama(), "rms_norm_eps", 1e-6), "cfg.json").norm_eps, 1e-6);
+}
+
+// Llama 3.1 and later rescale the rotary frequencies for long context: config.json says so in
+// "rope_scaling" (transformers 4) or "rope_parameters" (transformers 5, rope_theta inside); a
+// scaling shardlm does not implement, or a description missing a field, is one line naming it.
+TEST(HfConfig, Llama31RopeScalingIsReadInBothLayouts) {
+  json hub31 = hub_llama();
+  hub31["max_position_embeddings"] = 131072;
+  hub31["eos_token_id"] = {128001, 128008, 128009};
+  hub31["rope_scaling"] = {{"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                           {"original_max_position_embeddings", 8192}, {"rope_type", "llama3"}};
+  expect_same(from_hf_config(hub31, "cfg.json"), model::model_preset("llama3.1-8b"));
+  json v5 = hub31;
+  v5.erase("rope_scaling"), v5.erase("rope_theta");
+  v5["rope_parameters"] = hub31["rope_scaling"];
+  v5["rope_parameters"]["rope_theta"] = 500000.0;
+  expect_same(from_hf_config(v5, "cfg.json"), model::model_preset("llama3.1-8b"));
+  json old_key = hub31;  // the key transformers read before "rope_type"
+  old_key["rope_scaling"].erase("rope_type"), old_key["rope_scaling"]["type"] = "llama3";
+  expect_same(from_hf_config(old_key, "cfg.json"), model::model_preset("llama3.1-8b"));
+  json plain_v5 = hub_llama();
+  plain_v5.erase("rope_theta"), plain_v5.erase("rope_scaling");
+  plain_v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+  expect_same(from_hf_config(plain_v5, "cfg.json"), model::model_preset("llama3-8b"));
+
+  const auto refused = [&](json j, const std::string& want) {
+    const std::string e = error_of(j);
+    EXPECT_EQ(e, want);
+  };
+  json linear = hub_llama();
+  linear["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  refused(linear, "cfg.json: field 'rope_scaling.type' is 'linear'; shardlm implements unscaled rotary embeddings "
+                  "(\"default\") and Llama 3.1's (\"llama3\")");
+  json missing = hub31;
+  missing["rope_scaling"].erase("low_freq_factor");
+  refused(missing, "cfg.json: no field 'rope_scaling.low_freq_factor'");
+  json extra = hub31;
+  extra["rope_scaling"]["attention_factor"] = 1.0;
+  refused(extra, "cfg.json: field 'rope_scaling.attention_factor' (1.0) is not a setting shardlm implements for "
+                 "model_type llama (nor one known not to change the model)");
+  json theta = v5;
+  theta["rope_theta"] = 10000.0;
+  refused(theta, "cfg.json: field 'rope_parameters.rope_theta' is 500000.000000 but 'rope_theta' is 10000.000000");
+  json inverted = hub31;
+  inverted["rope_scaling"]["high_freq_factor"] = 0.5;
+  refused(inverted, "cfg.json: model: rope_scaling needs 0 < low_freq_factor < high_freq_factor, got 1.000000 and 0.500000");
+  json mixtral = to_hf_config(model::model_preset("moe-tiny", 300));
+  mixtral["rope_scaling"] = hub31["rope_scaling"];
+  refused(mixtral, "cfg.json: model: rope_scaling is LLaMA's (Llama 3.1); moe has none");
 }
 
 // train --model FILE: the file whole, a duplicated key refused (nlohmann kept the last).

@@ -238,10 +238,16 @@ TEST_F(CudaBackendTest, Rope) {
   const int64_t B = 2, T = 300, NH = 6, NKV = 2, HS = 64, stride = (NH + 2 * NKV) * HS;
   ASSERT_EQ(gpu->rope_table_floats(T, HS), cpu->rope_table_floats(T, HS));
   fvec table(cpu->rope_table_floats(T, HS));
-  cpu->rope_table(table.data(), T, HS, 10000.0f);
+  cpu->rope_table(table.data(), T, HS, {10000.0});
   Dev dtable(*gpu, fvec(table.size(), kNaN));
-  gpu->rope_table(dtable.p(), T, HS, 10000.0f);
+  gpu->rope_table(dtable.p(), T, HS, {10000.0});
   compare("rope_table", dtable.get(*gpu), table, 1e-6);
+  const shardlm::kernels::Rope llama31{500000.0, 8, 1, 4, 64};  // an original context of 64: every band at HS 64
+  fvec scaled(table.size());
+  cpu->rope_table(scaled.data(), T, HS, llama31);
+  Dev dscaled(*gpu, fvec(table.size(), kNaN));
+  gpu->rope_table(dscaled.p(), T, HS, llama31);
+  compare("rope_table, Llama 3.1's scaling", dscaled.get(*gpu), scaled, 1e-6);
   fvec x = randv(B * T * stride, 23);
   Dev dx(*gpu, x);
   cpu->rope_forward(x.data(), B, T, NH + NKV, HS, stride, table.data());

@@ -367,7 +367,7 @@ TEST_F(LlamaKernelsTest, RopeTableFollowsHfFp32Recipe) {
   for (float theta : {10000.0f, 500000.0f}) {
     const int64_t T = 4096, HS = 64, H2 = HS / 2;
     fvec tab = nan_scratch(k::rope_table_floats(T, HS));
-    k::rope_table(tab.data(), T, HS, theta);
+    k::rope_table(tab.data(), T, HS, {theta});
     double worst_recipe = 0.0, worst_exact = 0.0;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < H2; ++i) {
@@ -394,14 +394,48 @@ TEST_F(LlamaKernelsTest, RopeTableFollowsHfFp32Recipe) {
     }
   }
   fvec tab(12);
-  EXPECT_THROW(k::rope_table(tab.data(), 2, 5, 10000.0f), std::invalid_argument);
+  EXPECT_THROW(k::rope_table(tab.data(), 2, 5, {10000.0}), std::invalid_argument);
+}
+
+// Llama 3.1's rescaling (Llama 3.1 8B's settings) against the formula in double: short
+// wavelengths keep their frequency, long ones are divided by the factor, and the band between
+// moves smoothly from one to the other.
+TEST_F(LlamaKernelsTest, RopeTableRescalesAsLlama31) {
+  const int64_t T = 64, HS = 128, H2 = HS / 2;
+  const k::Rope plain{500000.0}, scaled{500000.0, 8, 1, 4, 8192};
+  fvec a(k::rope_table_floats(T, HS)), b(k::rope_table_floats(T, HS));
+  k::rope_table(a.data(), T, HS, plain);
+  k::rope_table(b.data(), T, HS, scaled);
+  int kept = 0, divided = 0, smoothed = 0;
+  for (int64_t i = 0; i < H2; ++i) {
+    const double inv = std::pow(500000.0, -2.0 * i / HS), wavelen = 2 * M_PI / inv;
+    double want = inv;
+    if (wavelen > 8192) want = inv / 8, ++divided;
+    else if (wavelen < 8192 / 4.0) ++kept;
+    else {
+      const double s = (8192 / wavelen - 1) / (4 - 1);
+      want = (1 - s) * inv / 8 + s * inv, ++smoothed;
+      EXPECT_GT(s, 0.0);
+      EXPECT_LT(s, 1.0);
+    }
+    EXPECT_NEAR(k::rope_inv_freq(i, HS, scaled), want, 4e-7 * want) << "i=" << i;
+    const int64_t t = T - 1;  // the angle is t * inv_freq: its sine tells the frequency
+    const double angle = std::atan2(b[t * HS + H2 + i], b[t * HS + i]);
+    EXPECT_NEAR(std::remainder(angle - t * want, 2 * M_PI), 0.0, 1e-5) << "i=" << i;
+    if (wavelen < 8192 / 4.0) {
+      EXPECT_EQ(b[t * HS + i], a[t * HS + i]) << "i=" << i;
+    }
+  }
+  EXPECT_EQ(kept, 29);
+  EXPECT_EQ(smoothed, 6);
+  EXPECT_EQ(divided, 29);
 }
 
 TEST_F(LlamaKernelsTest, RopeForwardMatchesReferenceAndLeavesOtherColumns) {
   // Packed GQA qkv: rotate q and k (NH + NKV heads) in one call, v untouched.
   const int64_t B = 2, T = 70, NH = 3, NKV = 1, HS = 16, W = (NH + 2 * NKV) * HS;
   fvec tab(k::rope_table_floats(T, HS));
-  k::rope_table(tab.data(), T, HS, 10000.0f);
+  k::rope_table(tab.data(), T, HS, {10000.0});
   const fvec x0 = randv(B * T * W, 350, -2.0f, 2.0f);
   fvec x = x0;
   k::rope_forward(x.data(), B, T, NH + NKV, HS, W, tab.data());
@@ -414,7 +448,7 @@ TEST_F(LlamaKernelsTest, RopeForwardMatchesReferenceAndLeavesOtherColumns) {
   // Large enough for the parallel path: same as the reference too.
   const int64_t B2 = 4, T2 = 256, nh2 = 8, HS2 = 64, W2 = 10 * HS2;
   fvec tab2(k::rope_table_floats(T2, HS2));
-  k::rope_table(tab2.data(), T2, HS2, 10000.0f);
+  k::rope_table(tab2.data(), T2, HS2, {10000.0});
   const fvec y0 = randv(B2 * T2 * W2, 351);
   fvec y = y0;
   k::rope_forward(y.data(), B2, T2, nh2, HS2, W2, tab2.data());
@@ -424,7 +458,7 @@ TEST_F(LlamaKernelsTest, RopeForwardMatchesReferenceAndLeavesOtherColumns) {
 TEST_F(LlamaKernelsTest, RopePreservesNormsAndDependsOnlyOnRelativePosition) {
   const int64_t T = 300, HS = 64;
   fvec tab(k::rope_table_floats(T, HS));
-  k::rope_table(tab.data(), T, HS, 10000.0f);
+  k::rope_table(tab.data(), T, HS, {10000.0});
   // The same q (head 0) and k (head 1) vector at every position.
   const fvec q = randv(HS, 360), kv = randv(HS, 361);
   fvec x(T * 2 * HS);
@@ -464,7 +498,7 @@ TEST_F(LlamaKernelsTest, RopePreservesNormsAndDependsOnlyOnRelativePosition) {
 TEST_F(LlamaKernelsTest, RopeBackwardIsInverseAndGradient) {
   const int64_t B = 2, T = 9, nh = 3, HS = 8, W = nh * HS + 5;  // padding columns in each row
   fvec tab(k::rope_table_floats(T, HS));
-  k::rope_table(tab.data(), T, HS, 10000.0f);
+  k::rope_table(tab.data(), T, HS, {10000.0});
   const fvec x0 = randv(B * T * W, 370, -2.0f, 2.0f);
   fvec x = x0;
   k::rope_forward(x.data(), B, T, nh, HS, W, tab.data());
@@ -584,7 +618,7 @@ TEST_F(LlamaKernelsTest, DeterministicRunToRunAndAcrossThreadCounts) {
     r.push_back(rs);
     r.push_back(gi);
     r.push_back(gw);
-    k::rope_table(tab.data(), g.T, g.HS, 10000.0f);
+    k::rope_table(tab.data(), g.T, g.HS, {10000.0});
     r.push_back(tab);
     fvec q = qkv;
     k::rope_forward(q.data(), g.B, g.T, g.NH + g.NKV, g.HS, g.W(), tab.data());

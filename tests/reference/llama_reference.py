@@ -12,8 +12,10 @@ gpt2_reference.py:
                          intermediate_size, num_hidden_layers, num_attention_heads,
                          num_key_value_heads, rms_norm_eps, rope_theta, max_position_embeddings,
                          tie_word_embeddings. Where present, model_type must be "llama",
-                         hidden_act "silu", attention_bias and mlp_bias false, rope_scaling null,
-                         head_dim hidden_size / num_attention_heads.
+                         hidden_act "silu", attention_bias and mlp_bias false, head_dim
+                         hidden_size / num_attention_heads, rope_scaling null or Llama 3.1's
+                         ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}).
   DIR/model.safetensors  fp32 weights with Hugging Face LLaMA names, nn.Linear layout (out, in):
                          model.embed_tokens.weight (V, C); per layer N model.layers.N.
                          {input_layernorm, post_attention_layernorm}.weight (C),
@@ -39,7 +41,12 @@ up_proj(h)) with h = rmsnorm(x); final rmsnorm; head. RMSNorm(x) = x * rsqrt(mea
 weight. Attention: head h takes rows h*HS..(h+1)*HS of q_proj (k_proj, v_proj likewise for kv
 heads); rotary embedding on q and k in the "rotate_half" convention (dimension i pairs with
 i + HS/2): inv_freq = 1/theta^(2j/HS) for j < HS/2, angle(t, j) = t * inv_freq[j] for positions
-t = 0..T-1, both computed in float32 as Hugging Face does (rope_dtype), cos/sin of
+t = 0..T-1, both computed in float32 as Hugging Face does (rope_dtype), Llama 3.1's rescaling
+of inv_freq where rope_scaling asks for it (wavelength 2 pi / inv_freq below
+original_max_position_embeddings / high_freq_factor: kept; above original_max_position_embeddings
+/ low_freq_factor: divided by factor; between: (1 - s) inv_freq / factor + s inv_freq with
+s = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor -
+low_freq_factor)), cos/sin of
 cat(angle, angle), q' = q*cos + rotate_half(q)*sin, rotate_half(x) = cat(-x[HS/2:], x[:HS/2]);
 grouped-query attention: query head h reads kv head h // (NH/NKV); causal softmax of
 q.k / sqrt(HS).
@@ -67,7 +74,7 @@ class LlamaConfig:
 
     def __init__(self, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 max_position_embeddings=2048, tie_word_embeddings=False):
+                 max_position_embeddings=2048, tie_word_embeddings=False, rope_scaling=None):
         self.vocab_size, self.hidden_size = int(vocab_size), int(hidden_size)
         self.intermediate_size, self.num_hidden_layers = int(intermediate_size), int(num_hidden_layers)
         self.num_attention_heads = int(num_attention_heads)
@@ -77,6 +84,12 @@ class LlamaConfig:
         if not isinstance(tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings must be true or false, not {tie_word_embeddings!r}")
         self.tie_word_embeddings = tie_word_embeddings
+        self.rope_scaling = rope_scaling
+        if rope_scaling is not None:
+            keys = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            if set(rope_scaling) != keys or rope_scaling["rope_type"] != "llama3":
+                raise ValueError(f"rope_scaling {rope_scaling!r}: this reference supports Llama 3.1's, "
+                                 f"with exactly the keys {sorted(keys)}")
         for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, k) <= 0:
@@ -103,12 +116,12 @@ class LlamaConfig:
             raise ValueError(f"{source}: missing key{'s' if len(missing) > 1 else ''} " +
                              ", ".join(repr(k) for k in missing))
         checks = (("model_type", "llama"), ("hidden_act", "silu"), ("attention_bias", False),
-                  ("mlp_bias", False), ("rope_scaling", None))
+                  ("mlp_bias", False))
         for k, want in checks:
             if k in d and d[k] != want:
                 raise ValueError(f"{source}: {k} is {d[k]!r}; this reference supports only {want!r}")
         try:
-            cfg = cls(**{k: d[k] for k in cls.REQUIRED})
+            cfg = cls(**{k: d[k] for k in cls.REQUIRED}, rope_scaling=d.get("rope_scaling"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
         if d.get("head_dim") is not None and int(d["head_dim"]) != cfg.head_dim:
@@ -129,7 +142,7 @@ class LlamaConfig:
                 "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
                 "max_position_embeddings": self.max_position_embeddings,
                 "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-                "attention_bias": False, "torch_dtype": "float32"}
+                "attention_bias": False, "torch_dtype": "float32", "rope_scaling": self.rope_scaling}
 
 
 # ---------------------------------------------------------------- the model
@@ -148,9 +161,23 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(T, head_dim, theta, dtype=torch.float32):
+def llama31_rescaled(inv_freq, scaling):
+    """Llama 3.1's inv_freq for long context, by wavelength against the original context."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    long_waves = wavelength > context / low
+    short_waves = wavelength < context / high
+    s = (context / wavelength - low) / (high - low)
+    between = (1 - s) * inv_freq / factor + s * inv_freq
+    return torch.where(long_waves, inv_freq / factor, torch.where(short_waves, inv_freq, between))
+
+
+def rope_cos_sin(T, head_dim, theta, dtype=torch.float32, scaling=None):
     """cos, sin (T, head_dim) of the rotary angles, computed in `dtype` (Hugging Face: float32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim))
+    if scaling is not None:
+        inv_freq = llama31_rescaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(T, dtype=torch.int64).to(dtype), inv_freq)  # (T, HS/2)
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos(), emb.sin()
@@ -255,7 +282,7 @@ class Llama(nn.Module):
         if T > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} > max_position_embeddings {cfg.max_position_embeddings}")
         x = self.model.embed_tokens(idx)
-        cos, sin = rope_cos_sin(T, cfg.head_dim, cfg.rope_theta, self.rope_dtype)
+        cos, sin = rope_cos_sin(T, cfg.head_dim, cfg.rope_theta, self.rope_dtype, cfg.rope_scaling)
         cos, sin = cos.to(device=x.device, dtype=x.dtype), sin.to(device=x.device, dtype=x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)

@@ -231,12 +231,21 @@ model::ModelConfig llama_config(bool tied) {
   return m;
 }
 
+// Llama 3.1's rope scaling, with an original context of 32 so that at head size 16 one frequency
+// is kept, two are smoothed and five divided by the factor (wavelengths 6.3 .. 1188 against 8 and 32).
+model::ModelConfig llama31_config() {
+  model::ModelConfig m = llama_config(false);
+  m.rope_scaling = {8, 1, 4, 32};
+  return m;
+}
+
 // T = 16 fits one attention block; T = 80 spans two with a ragged tail.
 INSTANTIATE_TEST_SUITE_P(Models, ReferenceParity,
                          ::testing::Values(Case{"gpt2_T16", gpt2_config(32), 2, 16},
                                            Case{"gpt2_T80", gpt2_config(96), 2, 80},
                                            Case{"llama_untied_T80", llama_config(false), 2, 80},
-                                           Case{"llama_tied_T16", llama_config(true), 2, 16}),
+                                           Case{"llama_tied_T16", llama_config(true), 2, 16},
+                                           Case{"llama31_rope_scaled_T80", llama31_config(), 2, 80}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
