@@ -473,6 +473,8 @@ std::string gb(double bytes_per_s) {
 
 // Bytes per second of upload (host to device) and download (device to host) of 256 MiB from and to
 // pageable host memory, as the run's copies use it (the best of a few).
+const char* const kCollectives[] = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"};
+
 std::pair<double, double> host_link(const kernels::Backend& k) {
   const int64_t bytes = int64_t{256} << 20;
   std::vector<char> host(static_cast<size_t>(bytes), 1);
@@ -510,6 +512,96 @@ GemmModel parse_gemm_model(const std::string& text) {
   if (m.batch * m.seq > kMaxGemmRows) throw bad("B x T above " + std::to_string(kMaxGemmRows) + " rows");
   return m;
 }
+
+namespace {
+
+// Each collective's latency and bus bandwidth on `world`, fitted over o.sizes (default 4 KiB to
+// 256 MiB in steps of 4): the profile's intra_node tier. One rank has none to time.
+json collective_tier(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o, double memory_bw,
+                     const std::string& here) {
+  const int n = world.size();
+  std::vector<int64_t> sizes = o.sizes;
+  if (sizes.empty())
+    for (int64_t s = 4096; s <= (256 << 20); s *= 4) sizes.push_back(s);
+  json tier;
+  for (int op = 0; op < 4; ++op) {
+    std::vector<double> xs, ts;
+    // One rank has no collectives: nothing to time (collective_entry says so).
+    for (int64_t S : n > 1 ? sizes : std::vector<int64_t>{}) {
+      const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank (all_to_all: per peer)
+      Buffer send(k.memory(), MemCategory::comm, 4 * count * n), recv(k.memory(), MemCategory::comm, 4 * count * n);
+      std::vector<double> times;
+      for (int it = 0; it <= o.iters; ++it) {
+        world.barrier("calibrate")->wait();
+        const auto t0 = Clock::now();
+        if (op == 0) world.all_gather(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
+        if (op == 1) world.reduce_scatter(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
+        if (op == 2) world.all_reduce(send.f32(), count * n, DType::fp32, "calibrate")->wait();
+        if (op == 3) world.all_to_all(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
+        if (it > 0) times.push_back(seconds_since(t0));
+      }
+      const double factor = n > 1 ? (op == 2 ? 2.0 : 1.0) * (n - 1) / n : 0;
+      xs.push_back(4.0 * count * n * factor), ts.push_back(median(times));
+    }
+    tier[kCollectives[op]] =
+        collective_entry(xs, ts, kCollectives[op], op == 3, n, memory_bw, world.rank() == 0, here, sizes.size());
+  }
+  return tier;
+}
+
+// A block-sized GEMM's time while large all-reduces run beside it, against alone (1 on one
+// rank). The GEMM is a block's (small's qkv, about 1 GFLOP) and the all-reduces several, back to
+// back, so that many GEMMs fall wholly inside them.
+double comm_compute_slowdown(const kernels::Backend& k, comm::Communicator& world) {
+  if (world.size() == 1) return 1;
+  const int64_t count = 16 << 20;
+  constexpr int kAllReduces = 6;
+  Buffer buf(k.memory(), MemCategory::comm, 4 * count);
+  BlockGemm gemm(k);
+  world.barrier("calibrate")->wait();  // alone: every rank's GEMMs at once, nothing else
+  const double alone = gemm.alone();
+  world.barrier("calibrate")->wait();
+  // As the executor runs them: a second thread issues the collectives and waits on them.
+  const double beside = gemm.beside([&] {
+    for (int i = 0; i < kAllReduces; ++i) world.all_reduce(buf.f32(), count, DType::fp32, "calibrate overlap")->wait();
+  });
+  return beside > 0 ? std::max(1.0, beside / alone) : 1;
+}
+
+// What a profile says of where it runs: a device's link to its host and its memory, or a
+// machine's ranks and cores.
+void add_placement_figures(json& j, const kernels::Backend& k, const kernels::Backend::DeviceInfo& info, int ranks,
+                           const std::string& here) {
+  if (!k.host_memory()) {
+    const auto [up, down] = host_link(k);
+    j["host_link_bw"] = fig(std::min(up, down), here + ": the slower of upload " + gb(up) + " and download " + gb(down) +
+                                                    " GB/s, 256 MiB to and from pageable host memory, best of a few");
+    j["devices_per_node"] = fig(1, "one device measured");
+    j["device_memory"] = info.memory_bytes > 0 ? fig(static_cast<double>(info.memory_bytes), here + ": the device's memory")
+                                               : fig(0, "host memory: no per-device limit");
+  } else {
+    j["devices_per_node"] = fig(std::max(ranks, 1), "one machine: every rank is on it");
+    j["cores_per_node"] = fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency");
+    j["device_memory"] = fig(0, "host memory: no per-device limit");
+  }
+}
+
+// The disk under `dir` (every rank its own file, as each rank's copies run), and how it and
+// compute slow each other.
+void add_disk_figures(json& j, const kernels::Backend& k, const std::string& dir, int rank, int threads,
+                      const std::string& here) {
+  const DiskFigures d = measure_disk(dir, k, rank);
+  const std::string src = here + ": one 64 MiB file under " + dir + " (" + d.how + ")";
+  j["disk_read_bw"] = fig(d.read_bw, src + ", 4 MiB reads, best of 3 passes");
+  j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
+  j["disk_latency_s"] = fig(d.latency_s, src + ", the median of 256 single 4 KiB reads");
+  const std::string beside = src + ": written and read 16 times on one thread while a 1024x384x1152 GEMM runs on the " +
+                             std::to_string(threads) + " compute thread(s) back to back; ";
+  j["compute_slowdown_beside_disk"] = fig(d.compute_slowdown, beside + "the GEMM's median time over alone");
+  j["disk_slowdown_beside_compute"] = fig(d.disk_slowdown, beside + "the copies' time over alone (the median of 3 passes)");
+}
+
+}  // namespace
 
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
   check_calibrate_options(o);
@@ -554,52 +646,8 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     undo_time_slicing(attention, n);
   }
   const double sliced = time_slicing(n, threads);
-
-  std::vector<int64_t> sizes = o.sizes;
-  if (sizes.empty())
-    for (int64_t s = 4096; s <= (256 << 20); s *= 4) sizes.push_back(s);
-  json tier;
-  const char* names[] = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"};
-  for (int op = 0; op < 4; ++op) {
-    std::vector<double> xs, ts;
-    // One rank has no collectives: nothing to time (collective_entry says so).
-    for (int64_t S : n > 1 ? sizes : std::vector<int64_t>{}) {
-      const int64_t count = std::max<int64_t>(1, S / 4 / n);  // fp32 elements per rank (all_to_all: per peer)
-      Buffer send(k.memory(), MemCategory::comm, 4 * count * n), recv(k.memory(), MemCategory::comm, 4 * count * n);
-      std::vector<double> times;
-      for (int it = 0; it <= o.iters; ++it) {
-        world.barrier("calibrate")->wait();
-        const auto t0 = Clock::now();
-        if (op == 0) world.all_gather(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
-        if (op == 1) world.reduce_scatter(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
-        if (op == 2) world.all_reduce(send.f32(), count * n, DType::fp32, "calibrate")->wait();
-        if (op == 3) world.all_to_all(send.f32(), recv.f32(), count, DType::fp32, "calibrate")->wait();
-        if (it > 0) times.push_back(seconds_since(t0));
-      }
-      const double factor = n > 1 ? (op == 2 ? 2.0 : 1.0) * (n - 1) / n : 0;
-      xs.push_back(4.0 * count * n * factor), ts.push_back(median(times));
-    }
-    tier[names[op]] = collective_entry(xs, ts, names[op], op == 3, n, bw, world.rank() == 0, here, sizes.size());
-  }
-
-  // A block-sized GEMM's time while large all-reduces run beside it, against alone. The GEMM is
-  // a block's (small's qkv, about 1 GFLOP) and the all-reduces several, back to back, so that
-  // many GEMMs fall wholly inside them.
-  double slowdown = 1;
-  if (n > 1) {
-    const int64_t count = 16 << 20;
-    constexpr int kAllReduces = 6;
-    Buffer buf(k.memory(), MemCategory::comm, 4 * count);
-    BlockGemm gemm(k);
-    world.barrier("calibrate")->wait();  // alone: every rank's GEMMs at once, nothing else
-    const double alone = gemm.alone();
-    world.barrier("calibrate")->wait();
-    // As the executor runs them: a second thread issues the collectives and waits on them.
-    const double beside = gemm.beside([&] {
-      for (int i = 0; i < kAllReduces; ++i) world.all_reduce(buf.f32(), count, DType::fp32, "calibrate overlap")->wait();
-    });
-    if (beside > 0) slowdown = std::max(1.0, beside / alone);
-  }
+  const json tier = collective_tier(k, world, o, bw, here);
+  const double slowdown = comm_compute_slowdown(k, world);
 
   const std::string block = first.name + "'s block GEMMs (" + std::to_string(rows) + " rows)";
   json j{{"name", !o.name.empty() ? o.name : device ? slug(info.name) : "cpu-local"},
@@ -634,20 +682,9 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                                                                 std::to_string(first.seq)
                                                           : "") +
                                                   ", bytes read and written per second" + (device ? "" : ", per thread"));
-  if (device) {
-    const auto [up, down] = host_link(k);
-    j["host_link_bw"] = fig(std::min(up, down), here + ": the slower of upload " + gb(up) + " and download " + gb(down) +
-                                                    " GB/s, 256 MiB to and from pageable host memory, best of a few");
-    j["devices_per_node"] = fig(1, "one device measured");
-    j["device_memory"] = info.memory_bytes > 0 ? fig(static_cast<double>(info.memory_bytes), here + ": the device's memory")
-                                               : fig(0, "host memory: no per-device limit");
-  } else {
-    j["devices_per_node"] = fig(std::max(n, 1), "one machine: every rank is on it");
-    j["cores_per_node"] = fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency");
-    j["device_memory"] = fig(0, "host memory: no per-device limit");
-  }
-  for (const char* c : names)
-    for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][c][f]["source"] = "no network here: the intra_node figure";
+  add_placement_figures(j, k, info, n, here);
+  for (const char* op : kCollectives)
+    for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][op][f]["source"] = "no network here: the intra_node figure";
   if (!rates.is_null()) {
     const std::string per = device ? "FLOP/s per device" : "FLOP/s per rank";
     j["gemm_rates"] = {{"value", rates},
@@ -657,17 +694,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                             {"source", here + ": the first block's causal attention of " + models_text(models) + ", " + per +
                                            " (2·B·T·T·C forward, twice that backward)"}};
   }
-  if (!o.offload_dir.empty()) {  // every rank its own file, as each rank's copies run
-    const DiskFigures d = measure_disk(o.offload_dir, k, world.rank());
-    const std::string src = here + ": one 64 MiB file under " + o.offload_dir + " (" + d.how + ")";
-    j["disk_read_bw"] = fig(d.read_bw, src + ", 4 MiB reads, best of 3 passes");
-    j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
-    j["disk_latency_s"] = fig(d.latency_s, src + ", the median of 256 single 4 KiB reads");
-    const std::string beside = src + ": written and read 16 times on one thread while a 1024x384x1152 GEMM runs on the " +
-                               std::to_string(threads) + " compute thread(s) back to back; ";
-    j["compute_slowdown_beside_disk"] = fig(d.compute_slowdown, beside + "the GEMM's median time over alone");
-    j["disk_slowdown_beside_compute"] = fig(d.disk_slowdown, beside + "the copies' time over alone (the median of 3 passes)");
-  }
+  if (!o.offload_dir.empty()) add_disk_figures(j, k, o.offload_dir, world.rank(), threads, here);
   return j.dump(2);
 }
 
