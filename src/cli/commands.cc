@@ -262,8 +262,14 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->check(at_least(0))->capture_default_str();
   cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
-  cmd->add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->capture_default_str();
+  cmd->add_option("--min-lr", c.min_lr, "learning rate at the end of the decay")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "linear warmup steps")->capture_default_str();
+  cmd->add_option("--lr-decay", c.lr_decay, "the decay from --lr to --min-lr: cosine | linear | sqrt | none (--lr to the end)")
+      ->capture_default_str();
+  cmd->add_option("--decay-fraction", c.decay_fraction,
+                  "the last share of the steps after warmup that decay; before them the rate holds at --lr "
+                  "(warmup-stable-decay: 0.2; 1: decay from the end of warmup)")
+      ->capture_default_str();
   cmd->add_option("--weight-decay", c.weight_decay, "AdamW decay (matrices and embeddings)")->capture_default_str();
   cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
   cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();

@@ -132,6 +132,8 @@ Settings rank_settings(const TrainConfig& c) {
       {"lr", s(c.lr)},
       {"min-lr", s(c.min_lr)},
       {"warmup", s(c.warmup)},
+      {"lr-decay", c.lr_decay},
+      {"decay-fraction", s(c.decay_fraction)},
       {"weight-decay", s(c.weight_decay)},
       {"beta1", s(c.beta1)},
       {"beta2", s(c.beta2)},

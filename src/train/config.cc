@@ -123,6 +123,9 @@ void check_run(const TrainConfig& c) {
   finite(c.min_lr, "min-lr");
   at_least<int64_t>(c.warmup, 0, "warmup");
   at_most(c.warmup, kMaxSteps, "warmup");
+  parse_lr_decay(c.lr_decay);
+  if (!(c.decay_fraction > 0 && c.decay_fraction <= 1))
+    throw std::invalid_argument(fmt::format("--decay-fraction: must be in (0, 1], got {}", c.decay_fraction));
   at_least(c.weight_decay, 0.0f, "weight-decay");
   finite(c.weight_decay, "weight-decay");
   in_unit_interval(c.beta1, "beta1");
@@ -223,6 +226,10 @@ void check_distribution(const TrainConfig& c) {
 std::string TrainConfig::recompute_text() const {
   if (recompute_blocks < 0 || recompute == "none") return recompute;
   return recompute + " on " + std::to_string(recompute_blocks) + (recompute_blocks == 1 ? " block" : " blocks");
+}
+
+LrSchedule TrainConfig::lr_schedule() const {
+  return {lr, min_lr, warmup, steps, parse_lr_decay(lr_decay), decay_fraction};
 }
 
 void TrainConfig::validate() const {

@@ -9,6 +9,7 @@
 #include "kernels/cuda_options.h"
 #include "model/model.h"
 #include "train/machines.h"
+#include "train/schedule.h"
 
 namespace shardlm::train {
 
@@ -66,6 +67,8 @@ struct TrainConfig {
   float lr = 6e-4f;
   float min_lr = 6e-5f;
   int64_t warmup = 100;
+  std::string lr_decay = "cosine";  // the decay's shape: cosine | linear | sqrt | none (lr to the end)
+  double decay_fraction = 1;        // of the steps after warmup, the last this share decay (< 1: stable before)
   float weight_decay = 0.1f;
   float beta1 = 0.9f;
   float beta2 = 0.95f;
@@ -131,6 +134,8 @@ struct TrainConfig {
   void validate() const;
   // The recompute mode as the run header and report show it ("full on 16 blocks").
   std::string recompute_text() const;
+  // The learning rate of each step (validate() first: lr_decay must parse).
+  LrSchedule lr_schedule() const;
 
   // From the process's environment; the command line fills these (nothing below cli/ reads it).
   comm::MpiOptions comm;     // the MPI backend's algorithms and chunking (SHARDLM_COMM_*)

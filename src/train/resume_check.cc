@@ -50,6 +50,8 @@ json run_identity(const TrainConfig& c, int world_size) {
       {"lr", c.lr},
       {"min-lr", c.min_lr},
       {"warmup", c.warmup},
+      {"lr-decay", c.lr_decay},
+      {"decay-fraction", c.decay_fraction},
       {"global-batch", static_cast<int64_t>(world_size) * c.batch * c.grad_accum},
       {"seq", c.seq},
       {"data", ec ? c.data : data.string()},

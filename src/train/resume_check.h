@@ -1,5 +1,5 @@
 // A resumed run is the run that was saved. The settings that define a run — its learning-rate
-// schedule (lr, min-lr, warmup, and steps, which sets the cosine's length), the global batch
+// schedule (lr, min-lr, warmup, lr-decay, decay-fraction, and steps, which sets its length), the global batch
 // (ranks × batch × grad-accum), seq, data, seed and the optimizer's hyperparameters — are
 // recorded in the checkpoint's state.json ("run"), and a resume that changes one is refused,
 // naming it, unless --resume-override names it. The model is checked against config.json

@@ -58,11 +58,18 @@ std::string strategy_run(const TrainConfig& c, const plan::Plan& plan) {
   return plan.config.strategy == plan::parse_strategy(c.strategy) ? ran : fmt::format("{} (asked {})", ran, c.strategy);
 }
 
+// "cosine to 6e-05 from step 100" (the decay's first step: warmup, then the stable phase), or "none".
+std::string lr_decay_text(const TrainConfig& c) {
+  if (c.lr_decay == "none") return c.lr_decay;
+  return fmt::format("{} to {} from step {}", c.lr_decay, shown(c.min_lr), c.lr_schedule().decay_start());
+}
+
 json settings(const TrainConfig& c, const plan::Plan& plan, const RunInfo& info) {
   return {{"model", c.model},         {"strategy", strategy_run(c, plan)},
           {"ranks", info.ranks},      {"machines", describe(c.machines)}, {"threads", c.threads},
           {"batch", c.batch},         {"seq", c.seq},           {"grad_accum", c.grad_accum},   {"steps", c.steps},
-          {"lr", shown(c.lr)},               {"warmup", c.warmup},     {"recompute", c.recompute_text()},     {"param_dtype", c.param_dtype},
+          {"lr", shown(c.lr)},        {"warmup", c.warmup},     {"lr_decay", lr_decay_text(c)},
+          {"recompute", c.recompute_text()},                        {"param_dtype", c.param_dtype},
           {"reduce_dtype", c.reduce_dtype}, {"device", c.device}, {"ep", c.ep},                 {"data", c.data},
           {"act_quant", c.act_quant == "none" ? c.act_quant
                                               : fmt::format("{} (group {}, {})", c.act_quant, c.act_quant_group,

@@ -571,7 +571,7 @@ run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   };
   in.grad_scale = grad_scale;
   in.grad_clip = cfg.grad_clip;
-  in.opt = {learning_rate(step, cfg.steps, cfg.warmup, cfg.lr, cfg.min_lr), cfg.beta1, cfg.beta2, cfg.eps,
+  in.opt = {cfg.lr_schedule().at(step), cfg.beta1, cfg.beta2, cfg.eps,
             cfg.weight_decay};
   in.adam_t = s.state.adam_step + 1;  // a skipped update does not count
   in.quant_seed = cfg.seed;

@@ -43,6 +43,50 @@ TEST(TrainConfigValidate, NamesTheFlagAndTheValue) {
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.eps = NAN; }), "--eps: must be > 0, got nan");
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.out = ""; }), "--out: the run directory is an empty string");
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.reduce_dtype = "fp8"; }), "--reduce-dtype: must be fp32 or bf16, got 'fp8'");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.lr_decay = "exp"; }),
+            "--lr-decay: must be cosine, linear, sqrt or none, got 'exp'");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.decay_fraction = 0; }), "--decay-fraction: must be in (0, 1], got 0");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.decay_fraction = 1.5; }), "--decay-fraction: must be in (0, 1], got 1.5");
+}
+
+// The default is nanoGPT's and llm.c's: warmup, then cosine to min_lr over every step left. A
+// decay fraction holds lr until the decay's share of the steps is left (warmup-stable-decay), and
+// each shape starts at lr and ends at min_lr.
+TEST(LrSchedule, WarmupThenAStablePhaseThenTheDecay) {
+  LrSchedule s;  // lr 6e-4, min 6e-5, warmup 100 of 1000 steps, cosine over all 900 after
+  EXPECT_FLOAT_EQ(s.at(0), 6e-6f);
+  EXPECT_FLOAT_EQ(s.at(99), 6e-4f);
+  EXPECT_FLOAT_EQ(s.at(100), 6e-4f);
+  EXPECT_NEAR(s.at(550), 3.3e-4f, 1e-9);  // half way: the mean of lr and min_lr
+  EXPECT_FLOAT_EQ(s.at(1000), 6e-5f);
+  EXPECT_EQ(s.decay_start(), 100);
+  for (int64_t step = 0; step < 1000; ++step) {  // the formula it replaced, bit for bit
+    const float old = step < 100 ? 6e-4f * static_cast<float>(step + 1) / 100.0f
+                                 : static_cast<float>(6e-5f + 0.5 * (1.0 + std::cos(M_PI * (step - 100) / 900.0)) *
+                                                                  (6e-4f - 6e-5f));
+    ASSERT_EQ(s.at(step), old) << "step " << step;
+  }
+
+  s.decay_fraction = 0.2;  // the last 180 of the 900 steps
+  EXPECT_EQ(s.decay_start(), 820);
+  EXPECT_FLOAT_EQ(s.at(500), 6e-4f);
+  EXPECT_FLOAT_EQ(s.at(820), 6e-4f);
+  EXPECT_LT(s.at(821), 6e-4f);
+  for (LrDecay d : {LrDecay::cosine, LrDecay::linear, LrDecay::sqrt}) {
+    s.decay = d;
+    SCOPED_TRACE(static_cast<int>(d));
+    EXPECT_FLOAT_EQ(s.at(820), 6e-4f);
+    EXPECT_NEAR(s.at(999), 6e-5f, 2e-5);
+    for (int64_t step = 821; step < 1000; ++step) EXPECT_LT(s.at(step), s.at(step - 1)) << step;
+  }
+  s.decay = LrDecay::linear;
+  EXPECT_NEAR(s.at(910), 3.3e-4f, 1e-9);  // half way through the decay
+  s.decay = LrDecay::sqrt;
+  EXPECT_NEAR(s.at(865), 6e-5f + (1 - std::sqrt(0.25)) * 5.4e-4f, 1e-9);
+  s.decay = LrDecay::none;
+  EXPECT_FLOAT_EQ(s.at(999), 6e-4f);
+  EXPECT_FLOAT_EQ(s.at(5000), 6e-4f);
+  EXPECT_EQ(parse_lr_decay("sqrt"), LrDecay::sqrt);
 }
 
 // Every strategy runs on CUDA (ranks stage their collectives through host memory), and context
