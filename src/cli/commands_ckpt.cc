@@ -17,20 +17,25 @@
 namespace shardlm::cli {
 
 void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
-  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint, import a Hugging Face model, or say what a checkpoint holds");
+  c.ckpt = app.add_subcommand("ckpt", "export a checkpoint, import a Hugging Face or llm.c model, or say what a checkpoint holds");
   c.ckpt->require_subcommand(1);
-  c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory");
+  c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory or an llm.c model file");
   c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
-  c.export_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
-  c.export_cmd->add_option("--out", c.out, "output directory (model.safetensors, config.json)")->required();
+  c.export_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file)")
+      ->check(CLI::IsMember({"hf", "llmc"}))
+      ->capture_default_str();
+  c.export_cmd->add_option("--out", c.out, "output directory (hf: model.safetensors, config.json) or file (llmc)")->required();
   c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c.export_cmd->add_option("--max-shard-size", c.max_shard_size, "larger: model-0000i-of-0000n.safetensors + index (5GB, 500MB, bytes)")
       ->capture_default_str();
   c.export_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
   c.export_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
-  c.import_cmd = c.ckpt->add_subcommand("import", "turn a Hugging Face model directory into a checkpoint train --init-from takes");
-  c.import_cmd->add_option("--format", c.format, "hf")->check(CLI::IsMember({"hf"}))->capture_default_str();
-  c.import_cmd->add_option("--in", c.dir, "Hugging Face directory: config.json, model.safetensors (or its index)")->required();
+  c.import_cmd = c.ckpt->add_subcommand("import", "turn a Hugging Face model or an llm.c model file into a checkpoint");
+  c.import_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file: gpt2_124M.bin, model_NNNNNNNN.bin)")
+      ->check(CLI::IsMember({"hf", "llmc"}))
+      ->capture_default_str();
+  c.import_cmd->add_option("--in", c.dir, "Hugging Face directory (config.json, model.safetensors or its index), or llm.c file")
+      ->required();
   c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->required();
   c.import_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
@@ -97,6 +102,18 @@ void check_out_dir(const std::string& out, bool overwrite, const std::vector<std
     throw std::invalid_argument("--out " + out + ": exists and is not empty; --overwrite replaces it (once the new one is complete)");
 }
 
+// The same for a file --out: an existing one is replaced only with --overwrite, never a directory.
+void check_out_file(const std::string& out, bool overwrite, const std::vector<std::pair<std::string, std::string>>& reads) {
+  for (const auto& [flag, path] : reads)
+    if (within(real_path(out), real_path(path)))
+      throw std::invalid_argument(fmt::format("--out {} lies inside {} {}: the command would write over what it reads", out,
+                                              flag, path));
+  std::error_code ec;
+  if (fs::is_directory(out, ec)) throw std::invalid_argument("--out " + out + ": is a directory; llmc writes a file");
+  if (fs::exists(fs::symlink_status(out, ec)) && !overwrite)
+    throw std::invalid_argument("--out " + out + ": exists; --overwrite replaces it (once the new one is complete)");
+}
+
 // `ckpt info`: what the checkpoint holds, each shard file checked (present, its size, its
 // XXH64) as a resume checks it, unless --no-verify. Everything is checked before anything is
 // printed: a broken checkpoint gives its one error line and nothing that looks like a listing.
@@ -122,7 +139,12 @@ void print_ckpt_info(const std::string& arg, bool verify) {
 }  // namespace
 
 int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
-  if (*c.export_cmd) {
+  if (*c.export_cmd && c.format == "llmc") {
+    const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
+    check_out_file(c.out, c.overwrite, {{"--ckpt", c.dir}, {"--ckpt", step_dir}});
+    train::export_llmc(step_dir, c.out, c.dtype == "bf16");
+    fmt::print("exported {} -> {}: llm.c model file, {} parameters\n", c.dir, c.out, c.dtype);
+  } else if (*c.export_cmd) {
     const data::Gpt2Files tok = data::gpt2_files(data_dir);
     const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
     const std::string llama3 = data::llama3_tokenizer_file(data_dir);
@@ -136,7 +158,8 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
                s.total_size, c.dtype, !s.tokenizer_files.empty() ? ", " + s.tokenizer_files : "; " + s.tokenizer_note);
   } else if (*c.import_cmd) {
     check_out_dir(c.out, c.overwrite, {{"--in", c.dir}});
-    const model::ModelConfig mc = train::import_hf(c.dir, c.out, c.overwrite);
+    const model::ModelConfig mc = c.format == "llmc" ? train::import_llmc(c.dir, c.out, c.overwrite)
+                                                     : train::import_hf(c.dir, c.out, c.overwrite);
     fmt::print("imported {} -> {}: {} model, {} parameters, step 0 (train --init-from {})\n", c.dir, c.out,
                model::to_string(mc.family), model::describe(mc).num_params_exported(), c.out);
   } else if (*c.snapshots_cmd) {

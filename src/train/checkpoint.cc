@@ -15,6 +15,7 @@
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/json_no_duplicates.h"
+#include "ckpt/llmc_model.h"
 #include "ckpt/safetensors.h"
 #include "ckpt/sharded.h"
 
@@ -417,46 +418,76 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
   return ckpt::write_hf_dir(out_dir, desc, layout, params.data(), opt);
 }
 
-model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite) {
-  const ckpt::HfModel hf = ckpt::read_hf_model(in_dir);
-  const model::ModelDesc desc = model::describe(hf.config);
-  const model::FlatLayout layout = model::flat_layout(desc);
-  std::vector<float> params(layout.total), zeros(layout.total, 0.0f);
-  ckpt::read_hf_weights(in_dir, desc, layout, params.data());
-  json config = ckpt::to_hf_config(hf.config);
-  config["shardlm_tokenizer"] = hf.tokenizer;
-  // index.json's run state: step 0, no updates applied, and no run to continue ("run" empty), so
-  // the run that starts from it defines itself.
+namespace {
+
+// An imported model as a checkpoint at step 0 with zero AdamW moments; index.json's run state
+// records no updates and no run to continue ("run" empty), so the run that starts from it defines
+// itself.
+void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layout, float* params,
+                    const std::string& tokenizer, const std::string& in_path, const std::string& out_dir, bool overwrite) {
+  std::vector<float> zeros(layout.total, 0.0f);
+  json config = ckpt::to_hf_config(desc.config);
+  config["shardlm_tokenizer"] = tokenizer;
   const json meta = {{"format", ckpt::kIndexFormat},
                      {"step", 0},
                      {"optimizer", {{"adamw_step", 0}}},
-                     {"tokenizer", hf.tokenizer},
+                     {"tokenizer", tokenizer},
                      {"data", {{"sampler", "hash(seed, step, micro_step, sequence)"}, {"next_step", 0}}},
                      {"rng", {{"seed", 0}}},
                      {"run", json::object()},
                      {"strategy", "import"},
-                     {"imported_from", std::filesystem::absolute(in_dir).lexically_normal().string()},
+                     {"imported_from", std::filesystem::absolute(in_path).lexically_normal().string()},
                      {"config", config}};
   const std::filesystem::path parent = std::filesystem::path(out_dir).parent_path();
   std::filesystem::create_directories(parent.empty() ? std::filesystem::path(".") : parent);
   const ckpt::ShardedLayout whole = ckpt::whole_layout(layout);
   ckpt::write_dir_atomically(out_dir, [&](const std::string& tmp) {
-    const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params.data(), zeros.data(), zeros.data()});
+    const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params, zeros.data(), zeros.data()});
     write_json(tmp + "/index.json", ckpt::make_index(desc, whole, {file}, meta));
     write_json(tmp + "/config.json", config);
   }, overwrite ? ckpt::OnExisting::replace : ckpt::OnExisting::refuse);
+}
+
+}  // namespace
+
+model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite) {
+  const ckpt::HfModel hf = ckpt::read_hf_model(in_dir);
+  const model::ModelDesc desc = model::describe(hf.config);
+  const model::FlatLayout layout = model::flat_layout(desc);
+  std::vector<float> params(layout.total);
+  ckpt::read_hf_weights(in_dir, desc, layout, params.data());
+  write_imported(desc, layout, params.data(), hf.tokenizer, in_dir, out_dir, overwrite);
   return hf.config;
+}
+
+model::ModelConfig import_llmc(const std::string& in_file, const std::string& out_dir, bool overwrite) {
+  const model::ModelDesc desc = model::describe(ckpt::read_llmc_config(in_file));
+  const model::FlatLayout layout = model::flat_layout(desc);
+  std::vector<float> params(layout.total);
+  ckpt::read_llmc_weights(in_file, desc, layout, params.data());
+  write_imported(desc, layout, params.data(), "gpt2", in_file, out_dir, overwrite);
+  return desc.config;
+}
+
+void export_llmc(const std::string& ckpt_dir, const std::string& out_file, bool bf16) {
+  const model::ModelDesc desc = model::describe(read_checkpoint_config(ckpt_dir));
+  const model::FlatLayout layout = model::flat_layout(desc);
+  std::vector<float> params(layout.total);
+  load_checkpoint(ckpt_dir, desc, layout, params.data(), nullptr, nullptr);
+  ckpt::write_llmc_model(out_file, desc, layout, params.data(), bf16);
 }
 
 std::string resolve_initial(const std::string& path) {
   const std::filesystem::path p(path);
-  if (std::filesystem::exists(p / "model.safetensors.index.json") ||
+  if (ckpt::is_llmc_model(path) ||
+      std::filesystem::exists(p / "model.safetensors.index.json") ||
       (std::filesystem::exists(p / "model.safetensors") && !std::filesystem::exists(p / "index.json")))
     return path;
   return ckpt::resolve_checkpoint(path);
 }
 
 model::ModelConfig read_initial_config(const std::string& dir) {
+  if (ckpt::is_llmc_model(dir)) return ckpt::read_llmc_config(dir);
   if (!ckpt::is_sharded(dir)) return ckpt::read_hf_model(dir).config;
   read_checkpoint_state(dir);  // only the weights are taken, but the index is checked whole as a resume checks it
   return read_checkpoint_config(dir);

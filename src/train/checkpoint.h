@@ -64,10 +64,15 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
 // (once the new one is complete) only with `overwrite`; otherwise the import fails and leaves it.
 // Returns the model's config.
 model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite = false);
+// `shardlm ckpt import --format llmc`: an llm.c GPT-2 model file (ckpt/llmc_model.h) likewise.
+model::ModelConfig import_llmc(const std::string& in_file, const std::string& out_dir, bool overwrite = false);
+// `shardlm ckpt export --format llmc`: a GPT-2 checkpoint's parameters as an llm.c model file
+// (fp32, or bf16), written atomically.
+void export_llmc(const std::string& ckpt_dir, const std::string& out_file, bool bf16);
 
 // `train --init-from PATH`: a sharded checkpoint (a run, ckpt or step directory; the step
-// directory is returned) or a directory import_hf reads (a Hugging Face model, an export, an
-// older whole checkpoint; returned as is).
+// directory is returned), a directory import_hf reads (a Hugging Face model, an export, an
+// older whole checkpoint) or an llm.c model file (both returned as they are).
 std::string resolve_initial(const std::string& path);
 // Its model (config.json, checked against its tensors where sharded).
 model::ModelConfig read_initial_config(const std::string& dir);

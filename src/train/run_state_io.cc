@@ -12,6 +12,7 @@
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/llmc_model.h"
 #include "ckpt/sharded.h"
 #include "train/agreement.h"
 #include "train/snapshots.h"
@@ -144,8 +145,8 @@ void resume(Session& s) {
 }
 
 // --init-from: parameters only; the moments stay as the executor allocated them (zero). A sharded
-// checkpoint is read as a resume reads it, each rank its own ranges; a Hugging Face directory is
-// read whole on every rank.
+// checkpoint is read as a resume reads it, each rank its own ranges; a Hugging Face directory or
+// an llm.c model file is read whole on every rank.
 void init_from(Session& s) {
   const std::string& dir = s.cfg.init_from;
   const auto t0 = Clock::now();
@@ -155,7 +156,8 @@ void init_from(Session& s) {
   } else {
     every_rank_or_all_fail(s, [&] {
       Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total);
-      ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
+      if (ckpt::is_llmc_model(dir)) ckpt::read_llmc_weights(dir, s.desc, s.plan.layout, p.f32());
+      else ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
       s.ex.load_full(run::Executor::State::params, p.f32());
     });
   }

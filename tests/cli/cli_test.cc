@@ -45,6 +45,20 @@ class Cli : public ::testing::Test {
   // Runs that fail on bad input still name a run directory of their own: the default, runs/default
   // in the working directory, is shared with every other test running at the same time.
   static std::string own_out() { return " --out " + (dir_ / "refused").string(); }
+  // Two steps --init-from each of `sources` (runs PREFIX0, PREFIX1, …) give the same losses bit for
+  // bit: they hold the same parameters. Returns the first loss.
+  static double expect_same_losses_from(const std::vector<fs::path>& sources, const std::string& prefix) {
+    std::vector<std::vector<double>> runs;
+    for (const fs::path& from : sources) {
+      const std::string out = prefix + std::to_string(runs.size());
+      const Result t = run(train_args(out, 2) + " --init-from " + from.string());
+      EXPECT_EQ(t.code, 0) << t.out;
+      runs.push_back(losses(dir_ / out / "metrics.jsonl"));
+    }
+    EXPECT_EQ(runs[0].size(), 2u);
+    for (size_t i = 1; i < runs.size(); ++i) EXPECT_EQ(runs[0], runs[i]) << sources[i];
+    return runs[0].empty() ? 0 : runs[0][0];
+  }
   static inline shardlm::testing::TinyRuns runs_;
   static inline fs::path dir_;
 };
@@ -231,20 +245,49 @@ TEST_F(Cli, ImportOfAnExportTrainsFromTheSameParameters) {
   ASSERT_EQ(i.code, 0) << i.out;
   const Result info = run("ckpt info --ckpt " + imported.string());
   EXPECT_NE(info.out.find("step 0 (adamw_step 0)"), std::string::npos) << info.out;
-  std::vector<std::vector<double>> runs;
-  for (const fs::path& from : {imported, hf, ck}) {
-    const std::string out = "from_" + from.filename().string();
-    const Result t = run(train_args(out, 2) + " --init-from " + from.string());
-    ASSERT_EQ(t.code, 0) << t.out;
-    runs.push_back(losses(dir_ / out / "metrics.jsonl"));
-  }
-  ASSERT_EQ(runs[0].size(), 2u);
-  EXPECT_EQ(runs[0], runs[1]);
-  EXPECT_EQ(runs[0], runs[2]);
-  EXPECT_NE(runs[0][0], losses(dir_ / "imp" / "metrics.jsonl")[0]);  // the first step of a fresh run
+  const double first = expect_same_losses_from({imported, hf, ck}, "from_");
+  EXPECT_NE(first, losses(dir_ / "imp" / "metrics.jsonl")[0]);  // the first step of a fresh run
   expect_one_line_error(run(train_args("refused", 2) + " --n-embd 32 --init-from " + imported.string()), {"n_embd"});
   expect_one_line_error(run("ckpt import --format hf --in " + (dir_ / "absent").string() + " --out " + (dir_ / "x").string()),
                         {"absent"});
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// llm.c's model file both ways: the export is byte for byte the file an independent writer
+// (tests/reference/llmc_format.py, from the format as llm.c defines it) makes of the Hugging Face
+// export of the same checkpoint, in fp32 and bf16; importing it and exporting again gives the
+// same bytes; and `train --init-from` the file, its import or the checkpoint starts from the same
+// parameters (the same losses bit for bit).
+TEST_F(Cli, LlmcModelFileMatchesAnIndependentWriterAndTrains) {
+  ASSERT_EQ(run(train_args("llmc", 2) + " --save-every 2").code, 0);
+  const fs::path ck = dir_ / "llmc" / "ckpt" / "step_2", hf = dir_ / "llmc_hf", imported = dir_ / "llmc_ck";
+  ASSERT_EQ(run("ckpt export --format hf --ckpt " + ck.string() + " --out " + hf.string()).code, 0);
+  const std::string writer = std::string(std::getenv("SHARDLM_PYTHON")) + " " + std::getenv("SHARDLM_SOURCE_DIR") +
+                             "/tests/reference/llmc_format.py --hf-dir " + hf.string();
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    const fs::path ours = dir_ / ("ours_" + dtype + ".bin"), theirs = dir_ / ("theirs_" + dtype + ".bin");
+    const Result x = run("ckpt export --format llmc --dtype " + dtype + " --ckpt " + ck.string() + " --out " + ours.string());
+    ASSERT_EQ(x.code, 0) << x.out;
+    const Result w = shardlm::testing::run_command(writer + " --out " + theirs.string() + (dtype == "bf16" ? " --bf16" : ""));
+    ASSERT_EQ(w.code, 0) << w.out;
+    EXPECT_GT(fs::file_size(ours), 1024u);
+    EXPECT_TRUE(file_bytes(ours) == file_bytes(theirs)) << dtype << ": shardlm's llm.c export differs from the reference";
+  }
+  const fs::path file = dir_ / "ours_fp32.bin";
+  const Result i = run("ckpt import --format llmc --in " + file.string() + " --out " + imported.string());
+  ASSERT_EQ(i.code, 0) << i.out;
+  ASSERT_EQ(run("ckpt export --format llmc --ckpt " + imported.string() + " --out " + (dir_ / "again.bin").string()).code, 0);
+  EXPECT_TRUE(file_bytes(dir_ / "again.bin") == file_bytes(file));
+  expect_same_losses_from({file, imported, ck}, "llmc_from_");
+  // The file is not written over what is read, nor over a file without --overwrite.
+  expect_one_line_error(run("ckpt export --format llmc --ckpt " + ck.string() + " --out " + file.string()),
+                        {"exists", "--overwrite"});
+  expect_one_line_error(run("ckpt export --format llmc --ckpt " + ck.string() + " --out " + (ck / "m.bin").string()),
+                        {"lies inside"});
 }
 
 // A LLaMA checkpoint is a Hugging Face LlamaForCausalLM directory: its tensor names and Linear
