@@ -348,6 +348,7 @@ struct Commands {
     double val_fraction = 0.1;
     int64_t shard_tokens = 0;
     int threads = 1;
+    std::string text_field = "text";
   } tokenize;
   struct {
     CLI::App* cmd = nullptr;
@@ -389,7 +390,10 @@ void add_tokenize_command(CLI::App& app, Commands& c) {
   auto& t = c.tokenize;
   t.cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
   t.threads = c.or_omp(std::max(1, train::allowed_cpus()));
-  t.cmd->add_option("--in", t.in, "input text files")->required()->check(CLI::ExistingFile);
+  t.cmd->add_option("--in", t.in, "input files: text, each a document; *.jsonl, each line's --text-field a document")
+      ->required()
+      ->check(CLI::ExistingFile);
+  t.cmd->add_option("--text-field", t.text_field, "the field of a JSON Lines record holding its text")->capture_default_str();
   t.cmd->add_option("--out", t.out, "output prefix")->required();
   t.cmd->add_option("--tokenizer", t.tokenizer, "gpt2 | llama3 (DATA_DIR/llama3/tokenizer.json) | bytes")
       ->check(CLI::IsMember({"gpt2", "llama3", "bytes"}))
@@ -557,7 +561,10 @@ void run_tokenize(const Commands& c) {
   const auto& t = c.tokenize;
   auto tok = data::make_tokenizer(t.tokenizer, c.data_dir);
   const auto stats = data::tokenize_files(t.in, t.out, *tok,
-                                          {.val_fraction = t.val_fraction, .shard_tokens = t.shard_tokens, .threads = t.threads});
+                                          {.val_fraction = t.val_fraction,
+                                           .shard_tokens = t.shard_tokens,
+                                           .threads = t.threads,
+                                           .text_field = t.text_field});
   train::write_data_meta(t.out, {tok->name(), tok->vocab_size()});
   const auto files = [](const std::vector<std::string>& paths) {
     return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <stdexcept>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "data/corpus.h"
@@ -77,7 +78,7 @@ class SplitWriter {
   int64_t full_files_tokens() const { return static_cast<int64_t>(files_.size() - 1) * file_tokens(); }
   std::string name(size_t k) const {
     if (shard_tokens_ == 0) return prefix_ + "_" + split_ + ".bin";
-    char number[16];
+    char number[24];
     std::snprintf(number, sizeof number, "%06zu", k);
     return prefix_ + "_" + split_ + "_" + number + ".bin";
   }
@@ -130,7 +131,13 @@ class OrderedEncoder {
 
   // `byte`: where in `file` the piece ends, for the sink's messages.
   void add_text(std::string text, const std::string& file, int64_t byte) {
-    waiting_.push_back({std::move(text), {}, file, byte});
+    std::vector<std::string> one;
+    one.push_back(std::move(text));
+    add_documents(std::move(one), file, byte);
+  }
+  // Whole documents, encoded one after another with the tokenizer's eot between them.
+  void add_documents(std::vector<std::string> docs, const std::string& file, int64_t byte) {
+    waiting_.push_back({std::move(docs), {}, file, byte});
     if (static_cast<int>(waiting_.size()) >= threads_) flush();
   }
   void add_tokens(std::vector<int32_t> ids, const std::string& file, int64_t byte) {
@@ -148,7 +155,7 @@ class OrderedEncoder {
     };
     std::vector<std::thread> helpers;
     for (size_t i = 1; i < waiting_.size(); ++i)
-      if (!waiting_[i].text.empty()) helpers.emplace_back(encode_at, i);
+      if (!waiting_[i].docs.empty()) helpers.emplace_back(encode_at, i);
     if (!waiting_.empty()) encode_at(0);
     for (std::thread& t : helpers) t.join();
     for (const std::exception_ptr& e : errors)
@@ -159,13 +166,17 @@ class OrderedEncoder {
 
  private:
   struct Piece {
-    std::string text;
+    std::vector<std::string> docs;
     std::vector<int32_t> ids;
     std::string file;
     int64_t byte = 0;
   };
   void encode(Piece& p) const {
-    if (!p.text.empty()) p.ids = tokenizer_.encode(p.text);
+    for (size_t d = 0; d < p.docs.size(); ++d) {
+      if (d > 0 && tokenizer_.eot() >= 0) p.ids.push_back(tokenizer_.eot());
+      const std::vector<int32_t> ids = tokenizer_.encode(p.docs[d]);
+      p.ids.insert(p.ids.end(), ids.begin(), ids.end());
+    }
   }
 
   const Tokenizer& tokenizer_;
@@ -201,6 +212,98 @@ int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const
   return read;
 }
 
+// Reads a file a line at a time (the last one may lack its newline), refusing a line longer than
+// `max_line` bytes.
+class LineReader {
+ public:
+  LineReader(const std::string& path, int64_t read_bytes, int64_t max_line)
+      : path_(path), in_(path, std::ios::binary), chunk_(static_cast<size_t>(read_bytes)), max_line_(max_line) {
+    if (!in_) fail("cannot open input file " + path);
+  }
+  // The next line without its newline; false at the end.
+  bool next(std::string& line) {
+    while (true) {
+      const size_t nl = buffer_.find('\n', scanned_);
+      if (nl != std::string::npos) {
+        line.assign(buffer_, 0, nl);
+        buffer_.erase(0, nl + 1);
+        scanned_ = 0;
+        ++number_;
+        return true;
+      }
+      scanned_ = buffer_.size();
+      if (static_cast<int64_t>(buffer_.size()) > max_line_)
+        fail(path_ + ":" + std::to_string(number_ + 1) + ": a line longer than " + std::to_string(max_line_) +
+             " bytes; is it JSON Lines?");
+      if (!in_) {
+        if (buffer_.empty()) return false;
+        line = std::move(buffer_);
+        buffer_.clear();
+        scanned_ = 0;
+        ++number_;
+        return true;
+      }
+      in_.read(chunk_.data(), static_cast<std::streamsize>(chunk_.size()));
+      if (in_.bad()) fail("cannot read input file " + path_);
+      buffer_.append(chunk_.data(), static_cast<size_t>(in_.gcount()));
+      bytes_ += in_.gcount();
+    }
+  }
+  int64_t line_number() const { return number_; }
+  int64_t bytes_read() const { return bytes_; }
+
+ private:
+  std::string path_;
+  std::ifstream in_;
+  std::vector<char> chunk_;
+  int64_t max_line_;
+  std::string buffer_;
+  size_t scanned_ = 0;  // buffer_'s bytes known to hold no newline
+  int64_t number_ = 0, bytes_ = 0;
+};
+
+bool blank(const std::string& line) {
+  return std::all_of(line.begin(), line.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r'; });
+}
+
+// A JSON Lines file: each non-blank line an object whose string field `field` is a document.
+// Documents are encoded whole, a piece of about read_bytes of them at a time, with eot between
+// them (and before the first, unless it opens the corpus). Returns the file's size in bytes.
+int64_t tokenize_jsonl(const std::string& path, const std::string& field, bool first_in_corpus,
+                       const Tokenizer& tokenizer, const TokenizeLimits& limits, OrderedEncoder& encoder) {
+  LineReader lines(path, limits.read_bytes, limits.max_line_bytes);
+  std::vector<std::string> docs;
+  int64_t piece_bytes = 0;
+  bool first = first_in_corpus;
+  const auto send = [&] {
+    if (docs.empty()) return;
+    if (!first && tokenizer.eot() >= 0) encoder.add_tokens({tokenizer.eot()}, path, lines.bytes_read());
+    first = false;
+    encoder.add_documents(std::move(docs), path, lines.bytes_read());
+    docs.clear();
+    piece_bytes = 0;
+  };
+  std::string line;
+  while (lines.next(line)) {
+    if (blank(line)) continue;
+    const std::string where = path + ":" + std::to_string(lines.line_number());
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
+    if (!record.is_object()) fail(where + ": not a JSON object");
+    const auto text = record.find(field);
+    if (text == record.end() || !text->is_string())
+      fail(where + ": no string field '" + field + "' (--text-field names the field holding each document)");
+    docs.push_back(text->get<std::string>());
+    piece_bytes += static_cast<int64_t>(docs.back().size());
+    if (piece_bytes >= limits.read_bytes) send();
+  }
+  send();
+  return lines.bytes_read();
+}
+
+bool is_jsonl(const std::string& path) {
+  return path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
+}
+
 }  // namespace
 
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
@@ -214,7 +317,8 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   if (shard_tokens < 0 || shard_tokens > kShardMaxTokens)
     fail("shard_tokens " + std::to_string(shard_tokens) + " is not in [1, 2^31 - 1] (0: one file a split)");
   if (options.threads < 1) fail("threads " + std::to_string(options.threads) + " is not at least 1");
-  if (limits.max_tokens < 0 || limits.max_unbroken_bytes < 1 || limits.read_bytes < 1) fail("limits out of range");
+  if (limits.max_tokens < 0 || limits.max_unbroken_bytes < 1 || limits.read_bytes < 1 || limits.max_line_bytes < 1)
+    fail("limits out of range");
   const auto t0 = std::chrono::steady_clock::now();
   const std::filesystem::path parent = std::filesystem::path(out_prefix).parent_path();
   if (!parent.empty()) {
@@ -230,8 +334,12 @@ TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::
   OrderedEncoder encoder(tokenizer, sink, options.threads);
   TokenizeStats st;
   for (size_t f = 0; f < inputs.size(); ++f) {
-    if (f > 0 && tokenizer.eot() >= 0) encoder.add_tokens({tokenizer.eot()}, inputs[f], 0);
-    st.bytes += tokenize_file(inputs[f], tokenizer, limits, encoder);
+    if (is_jsonl(inputs[f])) {
+      st.bytes += tokenize_jsonl(inputs[f], options.text_field, f == 0, tokenizer, limits, encoder);
+    } else {
+      if (f > 0 && tokenizer.eot() >= 0) encoder.add_tokens({tokenizer.eot()}, inputs[f], 0);
+      st.bytes += tokenize_file(inputs[f], tokenizer, limits, encoder);
+    }
     ++st.files;
   }
   encoder.flush();

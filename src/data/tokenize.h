@@ -30,18 +30,22 @@ struct TokenizeLimits {
   int64_t max_tokens = 0;
   int64_t max_unbroken_bytes = int64_t{16} << 20;  // text the tokenizer may hold waiting for a break
   int64_t read_bytes = int64_t{1} << 20;     // read (and encoded) at a time
+  int64_t max_line_bytes = int64_t{1} << 30;  // a JSON Lines record (one document) at most
 };
 
 struct TokenizeOptions {
   double val_fraction = 0.1;  // the last floor(tokens * val_fraction) tokens are validation
   int64_t shard_tokens = 0;   // > 0: numbered files of at most this many tokens, not one a split
   int threads = 1;            // encoding that many pieces of read_bytes at once
+  std::string text_field = "text";  // the field of a JSON Lines record that holds its document
   TokenizeLimits limits = {};
 };
 
 // Encodes each input file as a whole, in the order given, and joins them with the tokenizer's
-// eot() between consecutive files (gpt2: 50256). A tokenizer without one (bytes: eot() == -1)
-// joins the files with nothing. The last floor(tokens * val_fraction) tokens go to
+// eot() between consecutive files (gpt2: 50256). A file named *.jsonl is JSON Lines, as corpora
+// such as FineWeb, C4 and OpenWebText are distributed: each non-blank line an object whose string
+// field `text_field` is a document of its own, joined to the next by eot() as files are (the other
+// fields are ignored). A tokenizer without one (bytes: eot() == -1) joins them with nothing. The last floor(tokens * val_fraction) tokens go to
 // PREFIX_val.bin, the rest to PREFIX_train.bin; with shard_tokens > 0, to numbered files of at
 // most that many tokens each instead, PREFIX_val_000000.bin ... and PREFIX_train_000000.bin ...
 // (train's --data PREFIX reads either). Every file is written atomically, the parent folder
@@ -50,10 +54,11 @@ struct TokenizeOptions {
 // piece at a time and each piece is encoded up to the tokenizer's stable prefix
 // (Tokenizer::stable_prefix), on `threads` threads at once, so memory stays bounded and the tokens
 // are those of encoding each file at once, whatever the threads.
-// Throws std::runtime_error (one line naming the file) on a read error, if val_fraction is not
-// in [0, 1), if the vocabulary does not fit uint16, if the inputs make more than the limit's
-// tokens, or if a file holds more than limits.max_unbroken_bytes without a place the tokenizer
-// can break (not text). Nothing is written then.
+// Throws std::runtime_error (one line naming the file) on a read error, a JSON Lines line that
+// is not an object with that string field or is longer than limits.max_line_bytes (FILE:LINE),
+// if val_fraction is not in [0, 1), if the inputs make more than the limit's tokens, or if a file
+// holds more than limits.max_unbroken_bytes without a place the tokenizer can break (not text).
+// Nothing is written then.
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
                              const Tokenizer& tokenizer, const TokenizeOptions& options = {});
 

@@ -10,6 +10,7 @@
 #include "data/shard.h"
 #include "data/tokenize.h"
 #include "data_test_util.h"
+#include <nlohmann/json.hpp>
 
 namespace shardlm::data {
 namespace {
@@ -268,6 +269,71 @@ TEST(Tokenize, NumberedShardsPastTheOpenFileLimit) {
   EXPECT_EQ(st.train_files.size(), 270u);
   EXPECT_EQ(st.val_files.size(), 30u);
   EXPECT_EQ(read_all(st.train_files), std::vector<int32_t>(2700, 'x'));
+}
+
+// JSON Lines (FineWeb's, C4's, OpenWebText's form): each record's text is a document, joined to the
+// next with eot as files are, so the tokens are those of the same documents given as text files
+// — whatever the threads and however the records fall into pieces. JSON escapes (\u00e9, a
+// surrogate pair for an emoji) are the document's UTF-8; other fields and blank lines are skipped.
+class TokenizeJsonLines : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TokenizeJsonLines, RecordsAreDocumentsAsFilesAre) {
+  const Tokenizer* tok = testing::loaded_tokenizer(GetParam());
+  ASSERT_NE(tok, nullptr);
+  TempDir dir;
+  std::vector<std::string> docs = {"In the beginning God created the heaven and the earth.\n", "caf\xc3\xa9 \xf0\x9f\x98\x80 ok",
+                                   "  leading spaces\n\nand a blank line", ""};
+  for (int i = 0; i < 40; ++i) docs.push_back("record " + std::to_string(i) + " says: " + std::string(i * 7 % 50, 'x'));
+  std::string jsonl;
+  std::vector<std::string> as_files;
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (i == 2) jsonl += "\n  \n";  // blank lines
+    jsonl += i == 1 ? R"({"id": 1, "text": "caf\u00e9 \ud83d\ude00 ok", "url": "x"})"
+                    : nlohmann::json{{"meta", {{"n", i}}}, {"text", docs[i]}}.dump();
+    jsonl += "\n";
+    as_files.push_back(dir.file("doc" + std::to_string(i) + ".txt"));
+    write_file(as_files.back(), docs[i]);
+  }
+  jsonl.pop_back();  // the last record without its newline
+  write_file(dir.file("c.jsonl"), jsonl);
+  write_file(dir.file("tail.txt"), "and a text file after it");
+  as_files.push_back(dir.file("tail.txt"));
+  const std::vector<int32_t> want = read_all(tokenize_files(as_files, dir.file("files"), *tok, {.val_fraction = 0}).train_files);
+  for (int threads : {1, 3})
+    for (int64_t piece : {int64_t{1} << 20, int64_t{64}}) {
+      const TokenizeStats st = tokenize_files({dir.file("c.jsonl"), dir.file("tail.txt")}, dir.file("j"), *tok,
+                                              {.val_fraction = 0, .threads = threads, .limits = {.read_bytes = piece}});
+      EXPECT_EQ(read_all(st.train_files), want) << threads << " threads, pieces of " << piece;
+      EXPECT_EQ(st.files, 2);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeJsonLines, ::testing::Values("gpt2", "llama3"),
+                         [](const auto& info) { return info.param; });
+
+TEST(Tokenize, JsonLinesErrorsNameTheFileAndLine) {
+  TempDir dir;
+  auto tok = make_tokenizer("bytes", "");
+  const auto error_of = [&](const std::string& content, TokenizeOptions o = {}) {
+    write_file(dir.file("bad.jsonl"), content);
+    try {
+      tokenize_files({dir.file("bad.jsonl")}, dir.file("t"), *tok, o);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string at = "tokenize: " + dir.file("bad.jsonl");
+  EXPECT_EQ(error_of("{\"text\": \"a\"}\n{\"text\": \"b\"\n"), at + ":2: not a JSON object");
+  EXPECT_EQ(error_of("[1, 2]"), at + ":1: not a JSON object");
+  EXPECT_EQ(error_of("{\"text\": \"a\"}\n\n{\"body\": \"b\"}"),
+            at + ":3: no string field 'text' (--text-field names the field holding each document)");
+  EXPECT_EQ(error_of("{\"text\": 7}"), at + ":1: no string field 'text' (--text-field names the field holding each document)");
+  EXPECT_EQ(error_of("{\"text\": \"a\"}\n" + std::string(300, ' '), {.limits = {.read_bytes = 64, .max_line_bytes = 200}}),
+            at + ":2: a line longer than 200 bytes; is it JSON Lines?");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("t_train.bin")));
+  // A line of blanks is no record.
+  EXPECT_EQ(tokenize_files({dir.file("bad.jsonl")}, dir.file("t"), *tok, {.val_fraction = 0}).tokens, 1);
 }
 
 }  // namespace
