@@ -19,7 +19,8 @@ FOR="${SHARDLM_SETUP_FOR:-test}"
 # ocl-icd-opencl-dev: oneDNN's CMake package config requires OpenCL (only Recommended by
 # libdnnl-dev, so --no-install-recommends would skip it and find_package(dnnl) fails).
 PACKAGES=(g++ cmake make libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev
-          libfmt-dev libtomlplusplus-dev libxxhash-dev liburing-dev pkg-config bible-kjv curl ca-certificates)
+          libfmt-dev libtomlplusplus-dev libxxhash-dev liburing-dev zlib1g-dev libzstd-dev pkg-config bible-kjv curl
+          ca-certificates)
 # libopenblas0-pthread: python3-torch links libblas.so.3, which on a bare Debian is the reference
 # BLAS (~6 GFLOP/s here, 25x slower than OpenBLAS): without it the PyTorch baselines in bench/ run
 # handicapped.

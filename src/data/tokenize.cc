@@ -5,15 +5,16 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "data/corpus.h"
+#include "data/input_bytes.h"
 
 namespace shardlm::data {
 namespace {
@@ -189,15 +190,11 @@ class OrderedEncoder {
 // encoded now, the rest waits for more. Returns the file's size in bytes.
 int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const TokenizeLimits& limits,
                       OrderedEncoder& encoder) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open input file " + path);
+  InputBytes in(path);
   std::string pending;  // read, not yet encoded
   std::vector<char> chunk(static_cast<size_t>(limits.read_bytes));
   int64_t read = 0;
-  while (in) {
-    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-    if (in.bad()) fail("cannot read input file " + path);
-    const auto got = static_cast<size_t>(in.gcount());
+  while (const size_t got = in.read(chunk.data(), chunk.size())) {
     pending.append(chunk.data(), got);
     read += static_cast<int64_t>(got);
     const size_t ready = tokenizer.stable_prefix(pending);
@@ -217,9 +214,7 @@ int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const
 class LineReader {
  public:
   LineReader(const std::string& path, int64_t read_bytes, int64_t max_line)
-      : path_(path), in_(path, std::ios::binary), chunk_(static_cast<size_t>(read_bytes)), max_line_(max_line) {
-    if (!in_) fail("cannot open input file " + path);
-  }
+      : path_(path), in_(path), chunk_(static_cast<size_t>(read_bytes)), max_line_(max_line) {}
   // The next line without its newline; false at the end.
   bool next(std::string& line) {
     while (true) {
@@ -235,7 +230,9 @@ class LineReader {
       if (static_cast<int64_t>(buffer_.size()) > max_line_)
         fail(path_ + ":" + std::to_string(number_ + 1) + ": a line longer than " + std::to_string(max_line_) +
              " bytes; is it JSON Lines?");
-      if (!in_) {
+      const size_t got = at_end_ ? 0 : in_.read(chunk_.data(), chunk_.size());
+      if (got == 0) {
+        at_end_ = true;
         if (buffer_.empty()) return false;
         line = std::move(buffer_);
         buffer_.clear();
@@ -243,10 +240,8 @@ class LineReader {
         ++number_;
         return true;
       }
-      in_.read(chunk_.data(), static_cast<std::streamsize>(chunk_.size()));
-      if (in_.bad()) fail("cannot read input file " + path_);
-      buffer_.append(chunk_.data(), static_cast<size_t>(in_.gcount()));
-      bytes_ += in_.gcount();
+      buffer_.append(chunk_.data(), got);
+      bytes_ += static_cast<int64_t>(got);
     }
   }
   int64_t line_number() const { return number_; }
@@ -254,7 +249,8 @@ class LineReader {
 
  private:
   std::string path_;
-  std::ifstream in_;
+  InputBytes in_;
+  bool at_end_ = false;
   std::vector<char> chunk_;
   int64_t max_line_;
   std::string buffer_;
@@ -288,7 +284,7 @@ int64_t tokenize_jsonl(const std::string& path, const std::string& field, bool f
     if (blank(line)) continue;
     const std::string where = path + ":" + std::to_string(lines.line_number());
     const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
-    if (!record.is_object()) fail(where + ": not a JSON object");
+    if (!record.is_object()) fail(where + ": not a JSON object (JSON Lines: one object a line)");
     const auto text = record.find(field);
     if (text == record.end() || !text->is_string())
       fail(where + ": no string field '" + field + "' (--text-field names the field holding each document)");
@@ -300,8 +296,14 @@ int64_t tokenize_jsonl(const std::string& path, const std::string& field, bool f
   return lines.bytes_read();
 }
 
+// JSON Lines by its name, compression aside: *.jsonl, and *.json as C4 and Dolma name theirs.
 bool is_jsonl(const std::string& path) {
-  return path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
+  const std::string name = InputBytes::content_name(path);
+  const auto ends = [&](const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+  };
+  return ends(".jsonl") || ends(".json");
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 #include "data/tokenize.h"
 #include "data_test_util.h"
 #include <nlohmann/json.hpp>
+#include <zlib.h>
+#include <zstd.h>
 
 namespace shardlm::data {
 namespace {
@@ -324,8 +326,8 @@ TEST(Tokenize, JsonLinesErrorsNameTheFileAndLine) {
     return std::string();
   };
   const std::string at = "tokenize: " + dir.file("bad.jsonl");
-  EXPECT_EQ(error_of("{\"text\": \"a\"}\n{\"text\": \"b\"\n"), at + ":2: not a JSON object");
-  EXPECT_EQ(error_of("[1, 2]"), at + ":1: not a JSON object");
+  EXPECT_EQ(error_of("{\"text\": \"a\"}\n{\"text\": \"b\"\n"), at + ":2: not a JSON object (JSON Lines: one object a line)");
+  EXPECT_EQ(error_of("[1, 2]"), at + ":1: not a JSON object (JSON Lines: one object a line)");
   EXPECT_EQ(error_of("{\"text\": \"a\"}\n\n{\"body\": \"b\"}"),
             at + ":3: no string field 'text' (--text-field names the field holding each document)");
   EXPECT_EQ(error_of("{\"text\": 7}"), at + ":1: no string field 'text' (--text-field names the field holding each document)");
@@ -334,6 +336,83 @@ TEST(Tokenize, JsonLinesErrorsNameTheFileAndLine) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("t_train.bin")));
   // A line of blanks is no record.
   EXPECT_EQ(tokenize_files({dir.file("bad.jsonl")}, dir.file("t"), *tok, {.val_fraction = 0}).tokens, 1);
+}
+
+
+// gzip of `parts`, each a member of its own (as `cat a.gz b.gz` makes).
+void write_gzip(const std::string& path, const std::vector<std::string>& parts) {
+  std::string all;
+  for (const std::string& part : parts) {
+    const std::string one = path + ".part";
+    gzFile f = gzopen(one.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(gzwrite(f, part.data(), static_cast<unsigned>(part.size())), static_cast<int>(part.size()));
+    ASSERT_EQ(gzclose(f), Z_OK);
+    all += testing::read_file(one);
+    std::filesystem::remove(one);
+  }
+  write_file(path, all);
+}
+
+// zstd of `parts`, each a frame of its own.
+std::string zstd_frames(const std::vector<std::string>& parts) {
+  std::string all;
+  for (const std::string& part : parts) {
+    std::string frame(ZSTD_compressBound(part.size()), '\0');
+    const size_t n = ZSTD_compress(frame.data(), frame.size(), part.data(), part.size(), 3);
+    EXPECT_FALSE(ZSTD_isError(n));
+    all += frame.substr(0, n);
+  }
+  return all;
+}
+
+// Corpora as they are distributed: gzip (C4's *.json.gz: JSON Lines by that name too) and zstd
+// (*.jsonl.zst), several members or frames, read in small pieces, give the tokens of the
+// uncompressed files; damaged or mislabelled data is one line naming the file.
+TEST(Tokenize, CompressedInputsGiveTheTokensOfTheirContent) {
+  const Tokenizer* tok = gpt2();
+  ASSERT_NE(tok, nullptr);
+  TempDir dir;
+  std::string jsonl, text;
+  for (int i = 0; i < 200; ++i) {
+    jsonl += nlohmann::json{{"text", "document " + std::to_string(i) + " of the corpus."}}.dump() + "\n";
+    text += "line " + std::to_string(i) + " of a text file.\n";
+  }
+  const std::string half_j = jsonl.substr(0, jsonl.size() / 2 + 7), half_t = text.substr(0, text.size() / 3);
+  write_file(dir.file("c.jsonl"), jsonl);
+  write_file(dir.file("t.txt"), text);
+  write_gzip(dir.file("c.json.gz"), {half_j, jsonl.substr(half_j.size())});
+  write_gzip(dir.file("t.txt.gz"), {half_t, text.substr(half_t.size())});
+  write_file(dir.file("c.jsonl.zst"), zstd_frames({half_j, jsonl.substr(half_j.size())}));
+  write_file(dir.file("t.txt.zst"), zstd_frames({half_t, text.substr(half_t.size())}));
+  const TokenizeOptions small{.val_fraction = 0, .limits = {.read_bytes = 100}};
+  const auto tokens = [&](const std::vector<std::string>& in) {
+    return read_all(tokenize_files(in, dir.file("out"), *tok, small).train_files);
+  };
+  const std::vector<int32_t> want = tokens({dir.file("c.jsonl"), dir.file("t.txt")});
+  EXPECT_EQ(tokens({dir.file("c.json.gz"), dir.file("t.txt.gz")}), want);
+  EXPECT_EQ(tokens({dir.file("c.jsonl.zst"), dir.file("t.txt.zst")}), want);
+
+  const auto error_of = [&](const std::string& name, const std::string& bytes) {
+    write_file(dir.file(name), bytes);
+    try {
+      tokenize_files({dir.file(name)}, dir.file("bad"), *tok, small);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string gz = testing::read_file(dir.file("t.txt.gz")), zst = testing::read_file(dir.file("t.txt.zst"));
+  const std::string at = "tokenize: " + dir.path() + "/";
+  EXPECT_EQ(error_of("plain.txt.gz", text), at + "plain.txt.gz: is not gzip data (its name ends in .gz)");
+  EXPECT_NE(error_of("cut.txt.gz", gz.substr(0, gz.size() - 20)).find(at + "cut.txt.gz: truncated gzip data"), std::string::npos);
+  std::string flipped = gz;
+  flipped[gz.size() / 2] ^= 0x5a;
+  EXPECT_NE(error_of("flip.txt.gz", flipped).find(at + "flip.txt.gz: corrupt gzip data"), std::string::npos);
+  EXPECT_EQ(error_of("cut.txt.zst", zst.substr(0, zst.size() - 20)),
+            at + "cut.txt.zst: truncated zstd data (the last frame ends early)");
+  EXPECT_NE(error_of("plain.txt.zst", text).find(at + "plain.txt.zst: corrupt zstd data: "), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("bad_train.bin")));
 }
 
 }  // namespace
