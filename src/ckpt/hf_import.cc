@@ -75,16 +75,16 @@ std::map<std::string, std::string> weight_files(const std::string& dir, std::str
   return where;
 }
 
-// What a vocabulary's size says of its tokenizer where nothing else does. A LLaMA 2 model (32000
-// ids, SentencePiece) was taken for GPT-2's, and generate printed its ids as GPT-2 text.
+}  // namespace
+
+// A LLaMA 2 model (32000 ids, SentencePiece) was taken for GPT-2's, and generate printed its ids
+// as GPT-2 text.
 std::string tokenizer_of_vocabulary(int64_t vocab_size) {
   if (vocab_size == 256) return "bytes";
   if (vocab_size == 50257 || vocab_size == 50304) return "gpt2";  // 50304: padded, as nanoGPT saves it
   if (vocab_size == 128256) return "llama3";
   return "unknown";
 }
-
-}  // namespace
 
 HfModel read_hf_model(const std::string& dir) {
   if (!fs::is_directory(dir)) fail(dir, "is not a directory");

@@ -20,6 +20,10 @@ struct HfModel {
   std::string tokenizer;
 };
 
+// What a vocabulary's size says of its tokenizer where nothing else does: "bytes" (256), "gpt2"
+// (50257, or nanoGPT's padded 50304), "llama3" (128256), else "unknown".
+std::string tokenizer_of_vocabulary(int64_t vocab_size);
+
 // DIR/config.json. Throws naming the file and field (an unknown model_type among them).
 HfModel read_hf_model(const std::string& dir);
 

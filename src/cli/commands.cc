@@ -432,7 +432,8 @@ void add_train_command(CLI::App& app, Commands& c) {
 void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
   auto& f = c.from_ckpt;
   f.eval = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file or a prefix's validation split");
-  f.eval->add_option("--ckpt", f.ckpt, "checkpoint directory")->required();
+  f.eval->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")
+      ->required();
   f.eval->add_option("--data", f.data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")
       ->required();
   f.eval->add_option("--seq", f.seq, "window length T")->check(at_least(1))->capture_default_str();
@@ -440,7 +441,8 @@ void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
   add_threads_option(f.eval, c.threads);
 
   f.generate = app.add_subcommand("generate", "continue a prompt from a checkpoint");
-  f.generate->add_option("--ckpt", f.ckpt, "checkpoint directory")->required();
+  f.generate->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")
+      ->required();
   f.generate->add_option("--prompt", f.prompt, "text to continue (empty: start of a document)");
   f.generate->add_option("--tokens", f.sample.tokens, "tokens to generate (printed as they are drawn)")
       ->check(in_range(0, train::kMaxSampleTokens))

@@ -40,15 +40,18 @@ struct LoadedModel {
   std::unique_ptr<run::CommGroups> comms;
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<run::Executor> ex;
-  train::RunState state;
+  std::string source;     // the checkpoint's step directory, the Hugging Face directory or the llm.c file
+  std::string tokenizer;  // what the model was trained with
 };
 
-std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int threads, plan::PlanConfig::Mode mode,
-                                        int64_t B, int64_t T) {
+// `arg` is what `train --init-from` takes: a checkpoint (run or step directory), a Hugging Face
+// directory or an llm.c model file.
+std::unique_ptr<LoadedModel> load_model(const std::string& arg, int threads, plan::PlanConfig::Mode mode, int64_t B,
+                                        int64_t T) {
   auto m = std::make_unique<LoadedModel>();
-  const std::string ckpt_dir = ckpt::resolve_checkpoint(ckpt_dir_arg);
-  m->desc = model::describe(train::refuse_unless_state_fits(train::read_checkpoint_config(ckpt_dir), 4, 1, train::Machines{}));
-  m->state = train::read_model_state(ckpt_dir);
+  m->source = train::resolve_initial(arg);
+  m->desc = model::describe(train::refuse_unless_state_fits(train::read_initial_config(m->source), 4, 1, train::Machines{}));
+  m->tokenizer = train::read_initial_tokenizer(m->source);
   if (T > m->desc.config.max_seq)
     throw std::runtime_error(fmt::format("--seq {} exceeds the checkpoint's max_seq {}", T, m->desc.config.max_seq));
   plan::PlanConfig pc;
@@ -61,8 +64,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& ckpt_dir_arg, int thr
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->backend = kernels::make_cpu_backend(m->memory);
   m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300), *m->backend);
-  train::load_checkpoint(ckpt_dir, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params), nullptr,
-                         nullptr);
+  train::read_initial_weights(m->source, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params));
   return m;
 }
 
@@ -146,7 +148,7 @@ void run_generate(const std::string& ckpt, const std::string& prompt, train::Sam
                   const std::string& data_dir) {
   kernels::init_compute(threads);
   auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
-  auto tok = data::make_tokenizer(m->state.tokenizer, data_dir);
+  auto tok = data::make_model_tokenizer(m->tokenizer, m->source, data_dir);
   sc.vocab_limit = tok->vocab_size();
   // Each token is written as it is drawn: a long generation shows its text as it goes. A
   // token's bytes may be part of a UTF-8 character; the bytes as a whole are the decoded text.

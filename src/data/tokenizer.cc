@@ -75,4 +75,17 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::st
                            "names it; its token ids can still be trained on and evaluated)");
 }
 
+std::unique_ptr<Tokenizer> make_model_tokenizer(const std::string& name, const std::string& model_dir,
+                                                const std::string& data_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!model_dir.empty() && fs::is_directory(model_dir, ec)) {
+    const std::string json = model_dir + "/tokenizer.json", vocab = model_dir + "/vocab.json",
+                      merges = model_dir + "/merges.txt";
+    if (name == "llama3" && fs::exists(json)) return load_hf_tokenizer(json, "llama3");
+    if (name == "gpt2" && fs::exists(vocab) && fs::exists(merges)) return load_gpt2_tokenizer(vocab, merges);
+  }
+  return make_tokenizer(name, data_dir);
+}
+
 }  // namespace shardlm::data

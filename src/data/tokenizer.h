@@ -47,6 +47,11 @@ std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view 
 // 0..255; data_dir is unused. Errors are std::runtime_error with one line naming the file (or the
 // unknown name).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
+// The tokenizer `name` of a model at `model_dir`: a Hugging Face directory's own files where it
+// has them (llama3: tokenizer.json; gpt2: vocab.json and merges.txt, GPT-2's encoder.json and
+// vocab.bpe by Hugging Face's names), else make_tokenizer(name, data_dir).
+std::unique_ptr<Tokenizer> make_model_tokenizer(const std::string& name, const std::string& model_dir,
+                                                const std::string& data_dir);
 // Where make_tokenizer("llama3", data_dir) reads its file.
 std::string llama3_tokenizer_file(const std::string& data_dir);
 

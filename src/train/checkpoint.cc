@@ -465,7 +465,8 @@ model::ModelConfig import_llmc(const std::string& in_file, const std::string& ou
   const model::FlatLayout layout = model::flat_layout(desc);
   std::vector<float> params(layout.total);
   ckpt::read_llmc_weights(in_file, desc, layout, params.data());
-  write_imported(desc, layout, params.data(), "gpt2", in_file, out_dir, overwrite);
+  write_imported(desc, layout, params.data(), ckpt::tokenizer_of_vocabulary(desc.config.vocab_size), in_file, out_dir,
+                 overwrite);
   return desc.config;
 }
 
@@ -484,6 +485,24 @@ std::string resolve_initial(const std::string& path) {
       (std::filesystem::exists(p / "model.safetensors") && !std::filesystem::exists(p / "index.json")))
     return path;
   return ckpt::resolve_checkpoint(path);
+}
+
+std::string read_initial_tokenizer(const std::string& source) {
+  if (ckpt::is_llmc_model(source)) return ckpt::tokenizer_of_vocabulary(ckpt::read_llmc_config(source).vocab_size);
+  if (ckpt::is_sharded(source) || std::filesystem::exists(source + "/state.json")) return read_checkpoint_state(source).tokenizer;
+  return ckpt::read_hf_model(source).tokenizer;
+}
+
+void read_initial_weights(const std::string& source, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                          float* params) {
+  if (ckpt::is_llmc_model(source)) {
+    ckpt::read_llmc_weights(source, desc, layout, params);
+  } else if (ckpt::is_sharded(source) || std::filesystem::exists(source + "/state.json")) {
+    std::fill(params, params + layout.total, 0.0f);
+    load_checkpoint(source, desc, layout, params, nullptr, nullptr);
+  } else {
+    ckpt::read_hf_weights(source, desc, layout, params);
+  }
 }
 
 model::ModelConfig read_initial_config(const std::string& dir) {

@@ -76,5 +76,13 @@ void export_llmc(const std::string& ckpt_dir, const std::string& out_file, bool 
 std::string resolve_initial(const std::string& path);
 // Its model (config.json, checked against its tensors where sharded).
 model::ModelConfig read_initial_config(const std::string& dir);
+// The tokenizer it was trained with: a checkpoint's run state says; a Hugging Face directory's is
+// ckpt/hf_import.h's guess (shardlm_tokenizer, GPT-2's files, the vocabulary); an llm.c file's
+// its vocabulary's (gpt2 for llm.c's own models).
+std::string read_initial_tokenizer(const std::string& source);
+// Its parameters whole into `params` (laid out by `layout`, padding zero): what eval and generate
+// run, and what --init-from reads on every rank where the source is not sharded.
+void read_initial_weights(const std::string& source, const model::ModelDesc& desc, const model::FlatLayout& layout,
+                          float* params);
 
 }  // namespace shardlm::train

@@ -11,8 +11,6 @@
 #include <unistd.h>
 
 #include "ckpt/hf_config.h"
-#include "ckpt/hf_import.h"
-#include "ckpt/llmc_model.h"
 #include "ckpt/sharded.h"
 #include "train/agreement.h"
 #include "train/snapshots.h"
@@ -156,8 +154,7 @@ void init_from(Session& s) {
   } else {
     every_rank_or_all_fail(s, [&] {
       Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total);
-      if (ckpt::is_llmc_model(dir)) ckpt::read_llmc_weights(dir, s.desc, s.plan.layout, p.f32());
-      else ckpt::read_hf_weights(dir, s.desc, s.plan.layout, p.f32());
+      read_initial_weights(dir, s.desc, s.plan.layout, p.f32());
       s.ex.load_full(run::Executor::State::params, p.f32());
     });
   }

@@ -260,8 +260,9 @@ std::string file_bytes(const fs::path& p) {
 // llm.c's model file both ways: the export is byte for byte the file an independent writer
 // (tests/reference/llmc_format.py, from the format as llm.c defines it) makes of the Hugging Face
 // export of the same checkpoint, in fp32 and bf16; importing it and exporting again gives the
-// same bytes; and `train --init-from` the file, its import or the checkpoint starts from the same
-// parameters (the same losses bit for bit).
+// same bytes; `train --init-from` the file, its import or the checkpoint starts from the same
+// parameters (the same losses bit for bit); and eval and generate run the file, a Hugging Face
+// export or the checkpoint alike.
 TEST_F(Cli, LlmcModelFileMatchesAnIndependentWriterAndTrains) {
   ASSERT_EQ(run(train_args("llmc", 2) + " --save-every 2").code, 0);
   const fs::path ck = dir_ / "llmc" / "ckpt" / "step_2", hf = dir_ / "llmc_hf", imported = dir_ / "llmc_ck";
@@ -283,6 +284,22 @@ TEST_F(Cli, LlmcModelFileMatchesAnIndependentWriterAndTrains) {
   ASSERT_EQ(run("ckpt export --format llmc --ckpt " + imported.string() + " --out " + (dir_ / "again.bin").string()).code, 0);
   EXPECT_TRUE(file_bytes(dir_ / "again.bin") == file_bytes(file));
   expect_same_losses_from({file, imported, ck}, "llmc_from_");
+  // eval and generate take each of them as a model, and give the same loss and the same text.
+  ASSERT_EQ(run("ckpt export --format hf --max-shard-size 100KB --ckpt " + ck.string() + " --out " + (dir_ / "llmc_hf2").string())
+                .code,
+            0);
+  std::vector<std::string> evals, texts;
+  for (const fs::path& model : {ck, dir_ / "llmc_hf2", file}) {
+    const Result e = run("eval --ckpt " + model.string() + " --data " + (dir_ / "tok_val.bin").string() + " --seq 32");
+    const Result g = run("generate --ckpt " + model.string() + " --prompt 'In the' --tokens 12 --seed 3");
+    ASSERT_EQ(e.code, 0) << e.out;
+    ASSERT_EQ(g.code, 0) << g.out;
+    evals.push_back(e.out), texts.push_back(g.out);
+  }
+  EXPECT_EQ(evals[1], evals[0]);
+  EXPECT_EQ(evals[2], evals[0]);
+  EXPECT_EQ(texts[1], texts[0]);
+  EXPECT_EQ(texts[2], texts[0]);
   // The file is not written over what is read, nor over a file without --overwrite.
   expect_one_line_error(run("ckpt export --format llmc --ckpt " + ck.string() + " --out " + file.string()),
                         {"exists", "--overwrite"});

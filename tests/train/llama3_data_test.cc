@@ -88,6 +88,15 @@ TEST(Llama3Data, TokenizedTextTrainsAndPrintsText) {
                                                " --prompt 'In the beginning' --tokens 4 --threads 1");
   ASSERT_EQ(gen.code, 0) << gen.out;
   EXPECT_EQ(gen.out.rfind("In the beginning", 0), 0u) << gen.out;
+  // Its Hugging Face export generates the same text with its own tokenizer.json, no DATA needed.
+  const std::string hf = (runs.dir / "l3hf").string();
+  const testing::Result x = testing::shardlm("ckpt export --format hf --ckpt " + (runs.out("l3text") / "ckpt" / "step_2").string() +
+                                             " --out " + hf);
+  ASSERT_EQ(x.code, 0) << x.out;
+  const testing::Result own = testing::shardlm("generate --ckpt " + hf + " --prompt 'In the beginning' --tokens 4 --threads 1" +
+                                               " --data-dir " + (runs.dir / "no_tokenizers").string());
+  ASSERT_EQ(own.code, 0) << own.out;
+  EXPECT_EQ(own.out, gen.out);
   runs.remove();
 }
 
