@@ -449,6 +449,11 @@ void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
       ->capture_default_str();
   f.generate->add_option("--temperature", f.sample.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
   f.generate->add_option("--top-k", f.sample.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--top-p", f.sample.top_p,
+                         "then among the likeliest whose probabilities sum to at least p (nucleus sampling; 1: all, "
+                         "0: the likeliest)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   f.generate->add_option("--seed", f.sample.seed, "sampling seed")->check(at_least(0))->capture_default_str();
   add_threads_option(f.generate, c.threads);
   f.generate->add_option("--data-dir", c.data_dir, "tokenizer files")->capture_default_str();

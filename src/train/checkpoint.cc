@@ -422,9 +422,11 @@ namespace {
 
 // An imported model as a checkpoint at step 0 with zero AdamW moments; index.json's run state
 // records no updates and no run to continue ("run" empty), so the run that starts from it defines
-// itself.
+// itself. A Hugging Face directory's tokenizer files come along: generate reads them from the
+// checkpoint (data::make_model_tokenizer).
 void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layout, float* params,
                     const std::string& tokenizer, const std::string& in_path, const std::string& out_dir, bool overwrite) {
+  namespace fs = std::filesystem;
   std::vector<float> zeros(layout.total, 0.0f);
   json config = ckpt::to_hf_config(desc.config);
   config["shardlm_tokenizer"] = tokenizer;
@@ -445,6 +447,9 @@ void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layou
     const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params, zeros.data(), zeros.data()});
     write_json(tmp + "/index.json", ckpt::make_index(desc, whole, {file}, meta));
     write_json(tmp + "/config.json", config);
+    for (const char* name : {"tokenizer.json", "vocab.json", "merges.txt"})
+      if (fs::is_directory(in_path) && fs::is_regular_file(fs::path(in_path) / name))
+        fs::copy_file(fs::path(in_path) / name, fs::path(tmp) / name);
   }, overwrite ? ckpt::OnExisting::replace : ckpt::OnExisting::refuse);
 }
 

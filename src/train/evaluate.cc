@@ -103,7 +103,14 @@ std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, c
                         [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
       std::vector<double> p(k);
       const double top = logits[order[0]];
-      for (int64_t j = 0; j < k; ++j) p[j] = std::exp((logits[order[j]] - top) / cfg.temperature);
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += p[j] = std::exp((logits[order[j]] - top) / cfg.temperature);
+      // Nucleus: the likeliest few whose share reaches top_p (the first always).
+      if (cfg.top_p < 1) {
+        int64_t kept = 1;
+        for (double share = p[0] / sum; kept < k && share < cfg.top_p; ++kept) share += p[kept] / sum;
+        p.resize(kept);
+      }
       std::discrete_distribution<int64_t> pick(p.begin(), p.end());
       next = order[pick(rng)];
     }

@@ -28,6 +28,7 @@ struct SampleConfig {
   int64_t tokens = 64;
   float temperature = 1.0f;
   int64_t top_k = 40;  // 0: all
+  float top_p = 1.0f;  // of the top k, the likeliest whose probabilities sum to at least top_p (1: all)
   uint64_t seed = 1337;
   int64_t vocab_limit = 0;  // draw only ids below it (the tokenizer's size when the model's is larger; 0: all)
 };

@@ -165,6 +165,8 @@ TEST_F(BadInput, EvalAndGenerateFlagsAreRangeChecked) {
   expect_one_line_error(run(gen + " --tokens 1000001"), {"--tokens", "1000001"});
   expect_one_line_error(run(gen + " --threads 5000"), {"--threads", "5000"});
   expect_one_line_error(run(gen + " --top-k -1"), {"--top-k", "-1"});
+  expect_one_line_error(run(gen + " --top-p 1.5"), {"--top-p", "1.5"});
+  expect_one_line_error(run(gen + " --top-p -0.1"), {"--top-p", "-0.1"});
   expect_one_line_error(run(gen + " --temperature -1"), {"--temperature", "-1"});
   expect_one_line_error(run(gen + " --temperature nan"), {"--temperature", "nan"});
   expect_one_line_error(run(gen + " --threads -3"), {"--threads", "-3"});

@@ -180,6 +180,13 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   const Result g = run("generate --ckpt " + ck + " --prompt 'In the' --tokens 5 --seed 3");
   ASSERT_EQ(g.code, 0) << g.out;
   EXPECT_EQ(g.out.rfind("In the", 0), 0u) << g.out;
+  // Nucleus sampling: p = 1 keeps every one of the top k, p = 0 only the likeliest (greedy's draw).
+  const std::string gen = "generate --ckpt " + ck + " --prompt 'In the' --tokens 12 --seed 3";
+  const Result all = run(gen), p1 = run(gen + " --top-p 1"), p0 = run(gen + " --top-p 0"), greedy = run(gen + " --temperature 0");
+  ASSERT_EQ(p0.code, 0) << p0.out;
+  EXPECT_EQ(p1.out, all.out);
+  EXPECT_EQ(p0.out, greedy.out);
+  EXPECT_NE(p0.out, all.out);
 }
 
 // generate printed nothing until it had drawn every token (`--tokens 1e6` took minutes in

@@ -97,6 +97,14 @@ TEST(Llama3Data, TokenizedTextTrainsAndPrintsText) {
                                                " --data-dir " + (runs.dir / "no_tokenizers").string());
   ASSERT_EQ(own.code, 0) << own.out;
   EXPECT_EQ(own.out, gen.out);
+  // Its import keeps that tokenizer.json beside the weights: the same again.
+  const std::string imported = (runs.dir / "l3imported").string();
+  const testing::Result i = testing::shardlm("ckpt import --format hf --in " + hf + " --out " + imported);
+  ASSERT_EQ(i.code, 0) << i.out;
+  const testing::Result again = testing::shardlm("generate --ckpt " + imported + " --prompt 'In the beginning' --tokens 4" +
+                                                 " --threads 1 --data-dir " + (runs.dir / "no_tokenizers").string());
+  ASSERT_EQ(again.code, 0) << again.out;
+  EXPECT_EQ(again.out, gen.out);
   runs.remove();
 }
 
