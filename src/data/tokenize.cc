@@ -220,12 +220,15 @@ class LineReader {
     while (true) {
       const size_t nl = buffer_.find('\n', scanned_);
       if (nl != std::string::npos) {
-        line.assign(buffer_, 0, nl);
-        buffer_.erase(0, nl + 1);
-        scanned_ = 0;
+        line.assign(buffer_, start_, nl - start_);
+        start_ = scanned_ = nl + 1;
         ++number_;
         return true;
       }
+      // The lines already handed out go only now, once per read: erasing each as it went moved
+      // the rest of the buffer once per line.
+      buffer_.erase(0, start_);
+      start_ = 0;
       scanned_ = buffer_.size();
       if (static_cast<int64_t>(buffer_.size()) > max_line_)
         fail(path_ + ":" + std::to_string(number_ + 1) + ": a line longer than " + std::to_string(max_line_) +
@@ -254,7 +257,8 @@ class LineReader {
   std::vector<char> chunk_;
   int64_t max_line_;
   std::string buffer_;
-  size_t scanned_ = 0;  // buffer_'s bytes known to hold no newline
+  size_t start_ = 0;    // where buffer_'s next line begins
+  size_t scanned_ = 0;  // buffer_ from start_ to here holds no newline
   int64_t number_ = 0, bytes_ = 0;
 };
 
