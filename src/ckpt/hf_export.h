@@ -11,9 +11,11 @@
 //                                       "weight_map": {name: file}}
 //   vocab.json, merges.txt             for the gpt2 tokenizer: its encoder.json and vocab.bpe,
 //                                      the files GPT2Tokenizer reads under these names
-//   tokenizer.json                     for the llama3 tokenizer: the file it was read from
-//   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk; llama3:
-//   special_tokens_map.json            PreTrainedTokenizerFast, <|begin_of_text|> and <|end_of_text|>
+//   tokenizer.json                     for any other tokenizer but bytes (llama3, mistral, ...): the
+//                                      file it was read from
+//   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk; others:
+//   special_tokens_map.json            PreTrainedTokenizerFast, bos and eos as the file's added tokens
+//                                      name them (<|begin_of_text|>, <|end_of_text|>; <s>, </s>)
 // The directory is written atomically (write_dir_atomically): a good one is never replaced by a
 // half-written one, and an existing one only when HfExportOptions::overwrite says so.
 #pragma once
@@ -32,8 +34,9 @@ struct HfExportOptions {
   // The gpt2 tokenizer's files (data_dir/gpt2/encoder.json and vocab.bpe); only read when
   // `tokenizer` is gpt2.
   std::string encoder_json, vocab_bpe;
-  // The llama3 tokenizer's file (data_dir/llama3/tokenizer.json); only read when `tokenizer` is llama3.
-  std::string llama3_tokenizer_json;
+  // The tokenizer.json of any other tokenizer but bytes (the checkpoint's own, else
+  // data_dir/NAME/tokenizer.json); only read when `tokenizer` is such a one.
+  std::string tokenizer_json;
   // An existing non-empty out_dir is replaced (once the new one is complete) only when true;
   // otherwise the export fails and leaves it as it was.
   bool overwrite = false;
@@ -52,8 +55,8 @@ struct HfExportSummary {
 };
 
 // Writes `params` (flat buffers laid out by `layout`, as gather_full produces them) as a Hugging
-// Face directory `out_dir`. A gpt2 or llama3 tokenizer whose files are missing is an error naming them;
-// other tokenizers (bytes) have no Hugging Face files and are noted in the summary. A
+// Face directory `out_dir`. A tokenizer whose files are missing is an error naming them; the bytes
+// tokenizer has no Hugging Face files, which the summary notes. A
 // mixture-of-experts model is Mixtral's names and layout (each expert's w1, w3, w2 a tensor of
 // its own); one with dense blocks between its MoE blocks (moe_every > 1) has no Hugging Face
 // model type and is refused before anything is written.

@@ -395,8 +395,9 @@ void add_tokenize_command(CLI::App& app, Commands& c) {
       ->check(CLI::ExistingFile);
   t.cmd->add_option("--text-field", t.text_field, "the field of a JSON Lines record holding its text")->capture_default_str();
   t.cmd->add_option("--out", t.out, "output prefix")->required();
-  t.cmd->add_option("--tokenizer", t.tokenizer, "gpt2 | llama3 (DATA_DIR/llama3/tokenizer.json) | bytes")
-      ->check(CLI::IsMember({"gpt2", "llama3", "bytes"}))
+  t.cmd->add_option("--tokenizer", t.tokenizer,
+                    "gpt2 | bytes | NAME: DATA_DIR/NAME/tokenizer.json, a Hugging Face tokenizer file (llama3 and "
+                    "mistral: scripts/fetch_data.sh --llama; another model's: copy its tokenizer.json there)")
       ->capture_default_str();
   // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
   t.cmd->add_option("--val-fraction", t.val_fraction, "last fraction of tokens for validation (train evaluates on them)")
@@ -412,7 +413,7 @@ void add_tokenize_command(CLI::App& app, Commands& c) {
                     "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
       ->check(in_range(0, data::kShardMaxTokens))
       ->capture_default_str();
-  t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and llama3/tokenizer.json are")
+  t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and NAME/tokenizer.json are")
       ->capture_default_str();
 }
 
@@ -572,7 +573,7 @@ void run_tokenize(const Commands& c) {
                                            .shard_tokens = t.shard_tokens,
                                            .threads = t.threads,
                                            .text_field = t.text_field});
-  train::write_data_meta(t.out, {tok->name(), tok->vocab_size()});
+  train::write_data_meta(t.out, {tok->name(), tok->vocab_size(), tok->eot()});
   const auto files = [](const std::vector<std::string>& paths) {
     return paths.size() == 1 ? paths[0] : fmt::format("{} ... {} ({} files)", paths.front(), paths.back(), paths.size());
   };

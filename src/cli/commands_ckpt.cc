@@ -147,13 +147,17 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
   } else if (*c.export_cmd) {
     const data::Gpt2Files tok = data::gpt2_files(data_dir);
     const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
-    const std::string llama3 = data::llama3_tokenizer_file(data_dir);
+    // A checkpoint imported from a Hugging Face directory keeps that directory's tokenizer.json.
+    const std::string own = step_dir + "/tokenizer.json";
+    const std::string tokenizer_json = std::filesystem::exists(own)
+                                           ? own
+                                           : data::hf_tokenizer_file(train::read_initial_tokenizer(step_dir), data_dir);
     check_out_dir(c.out, c.overwrite,
                   {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe},
-                   {"--data-dir", llama3}});
+                   {"--data-dir", tokenizer_json}});
     const auto s = train::export_hf(step_dir, c.out,
                                     {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe,
-                                     llama3, c.overwrite});
+                                     tokenizer_json, c.overwrite});
     fmt::print("exported {} -> {}: {} safetensors file(s), {} bytes of {} tensors, config.json{}\n", c.dir, c.out, s.files,
                s.total_size, c.dtype, !s.tokenizer_files.empty() ? ", " + s.tokenizer_files : "; " + s.tokenizer_note);
   } else if (*c.import_cmd) {

@@ -28,6 +28,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "data/bpe_core.h"
 #include "data/pretokenize.h"
 #include "data/tokenizer.h"
 #include "data/unicode.h"
@@ -60,41 +61,16 @@ std::array<int, 324> unicode_to_byte() {
 
 // ---- the tokenizer -----------------------------------------------------------------------
 
-struct Merge {
-  int32_t rank;
-  int32_t id;  // the merged token
-};
-
-inline uint64_t pair_key(int32_t a, int32_t b) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-}
-
-std::string read_file(const std::string& path, const std::string& what, const std::string& fetch_hint) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot open " + what + " " + path + ": " + std::strerror(errno) + fetch_hint);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw std::runtime_error("cannot read " + what + " " + path);
-  return ss.str();
-}
-
-nlohmann::json parse_json(const std::string& text, const std::string& path) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(path + ": invalid JSON: " + e.what());
-  }
-}
-
 // What a loader reads from the files; the tokenizer is built from it.
 struct Vocabulary {
   std::string name;
   Pretokenizer pretokenizer = Pretokenizer::gpt2;
   std::vector<std::string> tokens;               // id -> bytes (a special token: its text)
   std::unordered_map<std::string, int32_t> ids;  // bytes -> id, of the tokens BPE may produce
-  std::unordered_map<uint64_t, Merge> merges;    // (a, b) -> rank, merged id
+  bpe::MergeTable merges;
   std::array<int32_t, 256> byte_id{};
   int32_t eot = -1;
+  int32_t bos = -1;
   bool ignore_merges = false;  // a piece that is a token whole is that token
 
   // Token string as the files store it (bytes mapped to unicode) -> raw bytes.
@@ -180,7 +156,7 @@ struct Vocabulary {
       const Parsed& p = parsed[r];
       if (in_pass_order && (created[p.a] >= static_cast<int32_t>(r) || created[p.b] >= static_cast<int32_t>(r)))
         throw std::runtime_error(where(r) + "merge uses a token that a later merge creates (unsupported order)");
-      merges[pair_key(p.a, p.b)] = Merge{static_cast<int32_t>(r), p.ab};  // a repeated pair keeps its last rank, as Hugging Face's
+      merges.set(p.a, p.b, {static_cast<int32_t>(r), p.ab});
     }
   }
 
@@ -200,7 +176,7 @@ class ByteLevelBpe final : public Tokenizer {
     // Cache of piece -> ids for this call (views into text; ids in cache_ids).
     std::unordered_map<std::string_view, std::pair<uint32_t, uint32_t>> cache;
     std::vector<int32_t> cache_ids;
-    Scratch scratch;
+    bpe::Scratch scratch;
     size_t i = 0;
     while (i < n) {
       const size_t e = next_piece(v_.pretokenizer, s, n, i);
@@ -240,20 +216,12 @@ class ByteLevelBpe final : public Tokenizer {
   std::string decode_token(int32_t id) const override { return token(id); }
   int32_t vocab_size() const override { return static_cast<int32_t>(v_.tokens.size()); }
   int32_t eot() const override { return v_.eot; }
+  int32_t bos() const override { return v_.bos; }
   std::string name() const override { return v_.name; }
   size_t stable_prefix(std::string_view text) const override { return data::stable_prefix(v_.pretokenizer, text); }
 
  private:
   static constexpr size_t kMaxCached = 64;  // longer pieces (long space runs, ...) are rare
-
-  struct Cand {
-    int32_t rank, pos, left, right;
-    bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
-  };
-  struct Scratch {
-    std::vector<int32_t> id, prev, next;
-    std::vector<Cand> heap;
-  };
 
   const std::string& token(int32_t id) const {
     if (id < 0 || id >= vocab_size())
@@ -262,62 +230,15 @@ class ByteLevelBpe final : public Tokenizer {
     return v_.tokens[id];
   }
 
-  const Merge* find_merge(int32_t a, int32_t b) const {
-    auto it = v_.merges.find(pair_key(a, b));
-    return it == v_.merges.end() ? nullptr : &it->second;
-  }
-
-  void encode_piece(const unsigned char* p, size_t n, Scratch& sc, std::vector<int32_t>& out) const {
+  void encode_piece(const unsigned char* p, size_t n, bpe::Scratch& sc, std::vector<int32_t>& out) const {
     if (v_.ignore_merges)
       if (const auto it = v_.ids.find(std::string(reinterpret_cast<const char*>(p), n)); it != v_.ids.end()) {
         out.push_back(it->second);
         return;
       }
-    bpe(p, n, sc, out);
-  }
-
-  // BPE of one piece (n >= 2 bytes): symbols in a linked list, candidate pairs in a min-heap
-  // ordered by (rank, position); an entry is stale once either of its symbols has changed.
-  void bpe(const unsigned char* p, size_t n, Scratch& sc, std::vector<int32_t>& out) const {
-    auto& id = sc.id;
-    auto& prev = sc.prev;
-    auto& next = sc.next;
-    auto& heap = sc.heap;
-    id.resize(n);
-    prev.resize(n);
-    next.resize(n);
-    heap.clear();
-    const int32_t m = static_cast<int32_t>(n);
-    for (int32_t k = 0; k < m; ++k) {
-      id[k] = v_.byte_id[p[k]];
-      prev[k] = k - 1;
-      next[k] = k + 1 < m ? k + 1 : -1;
-    }
-    auto push = [&](int32_t l) {
-      if (l < 0) return;
-      const int32_t r = next[l];
-      if (r < 0) return;
-      if (const Merge* mg = find_merge(id[l], id[r])) {
-        heap.push_back({mg->rank, l, id[l], id[r]});
-        std::push_heap(heap.begin(), heap.end(), std::greater<>());
-      }
-    };
-    for (int32_t k = 0; k + 1 < m; ++k) push(k);
-    while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-      const Cand c = heap.back();
-      heap.pop_back();
-      const int32_t l = c.pos;
-      const int32_t r = next[l];
-      if (id[l] != c.left || r < 0 || id[r] != c.right) continue;  // stale
-      id[l] = find_merge(c.left, c.right)->id;
-      id[r] = -1;
-      next[l] = next[r];
-      if (next[r] >= 0) prev[next[r]] = l;
-      push(prev[l]);
-      push(l);
-    }
-    for (int32_t k = 0; k >= 0; k = next[k]) out.push_back(id[k]);
+    sc.id.resize(n);
+    for (size_t k = 0; k < n; ++k) sc.id[k] = v_.byte_id[p[k]];
+    bpe::merge(v_.merges, sc, out);
   }
 
   const Vocabulary v_;
@@ -327,7 +248,7 @@ constexpr const char* kFetchGpt2 = " (run scripts/fetch_data.sh)";
 
 // vocab.bpe: a "#version" line, then a merge a line: two tokens and a space between.
 std::vector<std::pair<std::string, std::string>> read_merge_lines(const std::string& path, std::vector<int>& linenos) {
-  std::istringstream in(read_file(path, "GPT-2 merges file", kFetchGpt2));
+  std::istringstream in(bpe::read_file(path, "GPT-2 merges file", kFetchGpt2));
   std::vector<std::pair<std::string, std::string>> pairs;
   std::string line, extra;
   for (int lineno = 1; std::getline(in, line); ++lineno) {
@@ -365,54 +286,32 @@ Pretokenizer pretokenizer_of(const nlohmann::json& j, const std::string& path) {
                            "(a Split on its pattern, then ByteLevel) do, not as " + p.dump().substr(0, 200));
 }
 
-// tokenizer.json's model.merges: "a b" strings, or [a, b] pairs (the newer format).
-std::vector<std::pair<std::string, std::string>> merges_of(const nlohmann::json& merges, const std::string& path) {
-  if (!merges.is_array()) throw std::runtime_error(path + ": model.merges is not a list");
-  std::vector<std::pair<std::string, std::string>> pairs;
-  for (size_t r = 0; r < merges.size(); ++r) {
-    const nlohmann::json& m = merges[r];
-    const std::string text = m.is_string() ? m.get<std::string>() : "";
-    const size_t space = text.find(' ');
-    if (m.is_string() && space != std::string::npos && text.find(' ', space + 1) == std::string::npos)
-      pairs.emplace_back(text.substr(0, space), text.substr(space + 1));
-    else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string())
-      pairs.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
-    else
-      throw std::runtime_error(path + ": model.merges[" + std::to_string(r) + "] is not two tokens");
-  }
-  return pairs;
-}
-
 // load_hf_tokenizer, but a field of another type throws nlohmann::json's own exception.
 std::unique_ptr<Tokenizer> read_hf_tokenizer(const std::string& path, const std::string& name) {
-  const nlohmann::json j = parse_json(read_file(path, "tokenizer file", ""), path);
+  const nlohmann::json j = bpe::parse_json(bpe::read_file(path, "tokenizer file", ""), path);
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     throw std::runtime_error(path + ": no model object (a Hugging Face tokenizer.json has one)");
   const nlohmann::json& model = j["model"];
   if (model.value("type", "") != "BPE")
-    throw std::runtime_error(path + ": model.type: shardlm reads byte-level BPE tokenizers, not '" +
-                             model.value("type", "") + "'");
-  if (model.contains("byte_fallback") && model["byte_fallback"] == true)
-    throw std::runtime_error(path + ": model.byte_fallback: a SentencePiece-style BPE (LLaMA 2's); shardlm reads byte-level ones");
+    throw std::runtime_error(path + ": model.type: shardlm reads BPE tokenizers, not '" + model.value("type", "") + "'");
+  if (bpe::is_sentencepiece_bpe(j)) return bpe::read_sentencepiece_bpe(j, path, name);
   if (j.contains("normalizer") && !j["normalizer"].is_null())
-    throw std::runtime_error(path + ": normalizer: shardlm reads tokenizers that encode the text as it is, not " +
+    throw std::runtime_error(path + ": normalizer: shardlm reads byte-level tokenizers that encode the text as it is, not " +
                              j["normalizer"].dump().substr(0, 200));
+  if (model.contains("byte_fallback") && model["byte_fallback"] == true)
+    throw std::runtime_error(path + ": model.byte_fallback: a byte-level BPE has a token for every byte; byte fallback "
+                             "belongs to SentencePiece's BPE, whose normalizer or pre_tokenizer writes spaces as U+2581");
   Vocabulary v;
   v.name = name;
   v.pretokenizer = pretokenizer_of(j, path);
   v.ignore_merges = model.value("ignore_merges", false);
   // Added tokens (<|begin_of_text|>, ...) follow the BPE vocabulary or take an entry of it.
-  std::map<std::string, int64_t> specials;
-  for (const nlohmann::json& t : j.value("added_tokens", nlohmann::json::array())) {
-    if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || !t.contains("content") ||
-        !t["content"].is_string())
-      throw std::runtime_error(path + ": added_tokens: an entry without an integer id and a content string");
-    specials[t["content"].get<std::string>()] = t["id"].get<int64_t>();
-  }
+  const std::map<std::string, int64_t> specials = bpe::added_tokens_of(j, path);
   v.read_tokens(model.contains("vocab") ? model["vocab"] : nlohmann::json(), path, specials);
   for (const char* separator : {"<|endoftext|>", "<|begin_of_text|>"})  // what ends or starts a document
     if (v.eot < 0 && specials.count(separator)) v.eot = static_cast<int32_t>(specials.at(separator));
-  v.read_merges(merges_of(model.contains("merges") ? model["merges"] : nlohmann::json(), path),
+  if (specials.count("<|begin_of_text|>")) v.bos = static_cast<int32_t>(specials.at("<|begin_of_text|>"));
+  v.read_merges(bpe::merges_of(model.contains("merges") ? model["merges"] : nlohmann::json(), path),
                 [&](size_t r) { return path + ": model.merges[" + std::to_string(r) + "]: "; }, false);
   return std::make_unique<ByteLevelBpe>(std::move(v));
 }
@@ -424,7 +323,7 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_p
   Vocabulary v;
   v.name = "gpt2";
   const nlohmann::json encoder =
-      parse_json(read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path);
+      bpe::parse_json(bpe::read_file(encoder_json_path, "GPT-2 encoder file", kFetchGpt2), encoder_json_path);
   std::map<std::string, int64_t> specials;
   const std::string eot = "<|endoftext|>";
   if (encoder.is_object() && encoder.contains(eot) && encoder[eot].is_number_integer()) {

@@ -130,11 +130,13 @@ class OrderedEncoder {
   OrderedEncoder(const Tokenizer& tokenizer, TokenSink& sink, int threads)
       : tokenizer_(tokenizer), sink_(sink), threads_(threads) {}
 
-  // `byte`: where in `file` the piece ends, for the sink's messages.
-  void add_text(std::string text, const std::string& file, int64_t byte) {
+  // `byte`: where in `file` the piece ends, for the sink's messages. `continues`: the text goes on
+  // from the piece before, cut at one of its stable_prefix points.
+  void add_text(std::string text, const std::string& file, int64_t byte, bool continues) {
     std::vector<std::string> one;
     one.push_back(std::move(text));
-    add_documents(std::move(one), file, byte);
+    waiting_.push_back({std::move(one), {}, file, byte, continues});
+    if (static_cast<int>(waiting_.size()) >= threads_) flush();
   }
   // Whole documents, encoded one after another with the tokenizer's eot between them.
   void add_documents(std::vector<std::string> docs, const std::string& file, int64_t byte) {
@@ -171,11 +173,13 @@ class OrderedEncoder {
     std::vector<int32_t> ids;
     std::string file;
     int64_t byte = 0;
+    bool continues = false;  // the first text goes on from the piece before
   };
   void encode(Piece& p) const {
     for (size_t d = 0; d < p.docs.size(); ++d) {
       if (d > 0 && tokenizer_.eot() >= 0) p.ids.push_back(tokenizer_.eot());
-      const std::vector<int32_t> ids = tokenizer_.encode(p.docs[d]);
+      const std::vector<int32_t> ids =
+          d == 0 && p.continues ? tokenizer_.encode_continuation(p.docs[d]) : tokenizer_.encode(p.docs[d]);
       p.ids.insert(p.ids.end(), ids.begin(), ids.end());
     }
   }
@@ -191,21 +195,23 @@ class OrderedEncoder {
 int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const TokenizeLimits& limits,
                       OrderedEncoder& encoder) {
   InputBytes in(path);
-  std::string pending;  // read, not yet encoded
+  std::string pending;     // read, not yet encoded
+  bool continues = false;  // some of the file has been encoded
   std::vector<char> chunk(static_cast<size_t>(limits.read_bytes));
   int64_t read = 0;
   while (const size_t got = in.read(chunk.data(), chunk.size())) {
     pending.append(chunk.data(), got);
     read += static_cast<int64_t>(got);
     const size_t ready = tokenizer.stable_prefix(pending);
-    encoder.add_text(pending.substr(0, ready), path, read);
+    encoder.add_text(pending.substr(0, ready), path, read, continues);
+    continues = continues || ready > 0;
     pending.erase(0, ready);
     if (static_cast<int64_t>(pending.size()) > limits.max_unbroken_bytes)
       fail(path + ": bytes " + std::to_string(read - static_cast<int64_t>(pending.size())) + " to " +
            std::to_string(read) + " (more than " + std::to_string(limits.max_unbroken_bytes) +
            ") hold no place where the " + tokenizer.name() + " tokenizer can break them; is it text?");
   }
-  encoder.add_text(std::move(pending), path, read);
+  encoder.add_text(std::move(pending), path, read, continues);
   return read;
 }
 

@@ -50,12 +50,12 @@ Gpt2Files gpt2_files(const std::string& data_dir) {
 
 std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view prompt) {
   std::vector<int32_t> ids = tokenizer.encode(prompt);
-  if (tokenizer.name() == "llama3" && !ids.empty()) ids.insert(ids.begin(), tokenizer.eot());
+  if (tokenizer.bos() >= 0 && !ids.empty()) ids.insert(ids.begin(), tokenizer.bos());
   return ids;
 }
 
-std::string llama3_tokenizer_file(const std::string& data_dir) {
-  return (data_dir.empty() ? std::string(".") : data_dir) + "/llama3/tokenizer.json";
+std::string hf_tokenizer_file(const std::string& name, const std::string& data_dir) {
+  return (data_dir.empty() ? std::string(".") : data_dir) + "/" + name + "/tokenizer.json";
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir) {
@@ -64,26 +64,31 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::st
     const Gpt2Files f = gpt2_files(data_dir);
     return load_gpt2_tokenizer(f.encoder_json, f.vocab_bpe);
   }
-  if (name == "llama3") {
-    const std::string file = llama3_tokenizer_file(data_dir);
-    if (!std::filesystem::exists(file))
-      throw std::runtime_error("tokenizer 'llama3': no " + file + " (copy a LLaMA 3 model's tokenizer.json there, or "
-                               "run scripts/fetch_data.sh --llama3)");
-    return load_hf_tokenizer(file, "llama3");
-  }
-  throw std::runtime_error("tokenizer '" + name + "': shardlm has only 'gpt2', 'llama3' and 'bytes' (the data or checkpoint " +
-                           "names it; its token ids can still be trained on and evaluated)");
+  const bool plain = !name.empty() && name != "." && name != ".." &&
+                     name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") ==
+                         std::string::npos;
+  if (!plain)
+    throw std::runtime_error("tokenizer '" + name + "': not a name shardlm can look up (gpt2, bytes, or a directory "
+                             "name under the data directory holding a tokenizer.json, as llama3 and mistral)");
+  const std::string file = hf_tokenizer_file(name, data_dir);
+  if (!std::filesystem::exists(file))
+    throw std::runtime_error("tokenizer '" + name + "': no " + file +
+                             (name == "llama3" || name == "mistral"
+                                  ? " (run scripts/fetch_data.sh --llama, or copy the model's tokenizer.json there)"
+                                  : " (copy the model's Hugging Face tokenizer.json there; the data or checkpoint names "
+                                    "it, and its token ids can still be trained on and evaluated)"));
+  return load_hf_tokenizer(file, name);
 }
 
 std::unique_ptr<Tokenizer> make_model_tokenizer(const std::string& name, const std::string& model_dir,
                                                 const std::string& data_dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (!model_dir.empty() && fs::is_directory(model_dir, ec)) {
+  if (!model_dir.empty() && fs::is_directory(model_dir, ec) && name != "bytes") {
     const std::string json = model_dir + "/tokenizer.json", vocab = model_dir + "/vocab.json",
                       merges = model_dir + "/merges.txt";
-    if (name == "llama3" && fs::exists(json)) return load_hf_tokenizer(json, "llama3");
     if (name == "gpt2" && fs::exists(vocab) && fs::exists(merges)) return load_gpt2_tokenizer(vocab, merges);
+    if (fs::exists(json)) return load_hf_tokenizer(json, name);
   }
   return make_tokenizer(name, data_dir);
 }

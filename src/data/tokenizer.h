@@ -1,5 +1,6 @@
 // Tokenizers: byte-level BPE (GPT-2's encoder.json + vocab.bpe; a Hugging Face tokenizer.json such as
-// LLaMA 3's) and a byte tokenizer.
+// LLaMA 3's), SentencePiece's BPE as a Hugging Face tokenizer.json holds it (LLaMA 2's, Mistral's,
+// Mixtral's) and a byte tokenizer.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,12 @@ class Tokenizer {
   // Text to ids. Never produces eot(): the end-of-text token is only inserted by the
   // tokenize driver between files. Any byte string is accepted (invalid UTF-8 included).
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
-  // Ids to bytes, exactly: decode(encode(x)) == x for every byte string x.
+  // The ids of text that continues a text encoded up to one of its stable_prefix points: as
+  // encode, less what a tokenizer puts at the start of a text (SentencePiece's "▁" for a space
+  // before the first word).
+  virtual std::vector<int32_t> encode_continuation(std::string_view text) const { return encode(text); }
+  // Ids to bytes, exactly: decode(encode(x)) == x for every byte string x (SentencePiece's: every x
+  // without U+2581, which it writes spaces as).
   // Throws std::out_of_range for an id outside [0, vocab_size()).
   virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
   // The bytes of one token (eot() decodes to "<|endoftext|>" for gpt2).
@@ -26,34 +32,37 @@ class Tokenizer {
   // End-of-text id (50256 for gpt2), or -1 where the tokenizer has none (bytes: every id is
   // a byte, so there is no id left for it; the tokenize driver then joins files with nothing).
   virtual int32_t eot() const = 0;
-  virtual std::string name() const = 0;  // "gpt2" | "llama3" | "bytes"
+  // The id a prompt begins with, as the model's authors begin one (<|begin_of_text|>, <s>), or -1.
+  virtual int32_t bos() const { return -1; }
+  virtual std::string name() const = 0;  // "gpt2" | "llama3" | "mistral" | "bytes" | a user's name
   // The length n of the longest prefix of `text` whose encoding nothing after it can change:
-  // encode(text[0, n)) followed by encode(text[n, ...) + more) is encode(text + more) for every
-  // `more`. Lets a stream be encoded a chunk at a time. bytes: all of it; gpt2: up to the end of
-  // the last pre-tokenizer piece that ends 8 bytes or more before the end (the most the
-  // pre-tokenizer looks past a piece) and is not whitespace (0 if there is none).
+  // encode(text[0, n)) followed by encode_continuation(text[n, ...) + more) is encode(text + more)
+  // for every `more` where n > 0 (and so with encode_continuation for both). Lets a stream be encoded a chunk
+  // at a time. bytes: all of it; gpt2: up to the end of the last pre-tokenizer piece that ends 8
+  // bytes or more before the end (the most the pre-tokenizer looks past a piece) and is not
+  // whitespace (0 if there is none); SentencePiece's: up to the last space after a word.
   virtual size_t stable_prefix(std::string_view text) const = 0;
 };
 
-// A prompt as a model of this tokenizer is given it to continue: LLaMA 3's begins with
-// <|begin_of_text|>, as Meta's and Hugging Face's encoders begin it and as llm.c's LLaMA 3 data
-// begins each document (LLaMA 3 models degrade without it); GPT-2's is its text alone, as Hugging
-// Face's GPT-2 encoder gives it. An empty prompt is empty.
+// A prompt as a model of this tokenizer is given it to continue: after bos() where it has one
+// (LLaMA 3's <|begin_of_text|>, LLaMA 2's and Mistral's <s>, as Meta's and Hugging Face's encoders begin it and
+// as llm.c's LLaMA 3 data begins each document: LLaMA models degrade without it); GPT-2's is its
+// text alone, as Hugging Face's GPT-2 encoder gives it. An empty prompt is empty.
 std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view prompt);
 
 // "gpt2": loads data_dir/gpt2/encoder.json and data_dir/gpt2/vocab.bpe (made by
-// scripts/fetch_data.sh). "llama3": data_dir/llama3/tokenizer.json (Hugging Face's file of a
-// LLaMA 3 model; scripts/fetch_data.sh --llama3 fetches one). "bytes": one token per byte, ids
-// 0..255; data_dir is unused. Errors are std::runtime_error with one line naming the file (or the
-// unknown name).
+// scripts/fetch_data.sh). "bytes": one token per byte, ids 0..255; data_dir is unused. Any other
+// name: data_dir/NAME/tokenizer.json, a Hugging Face tokenizer file (scripts/fetch_data.sh --llama
+// fetches LLaMA 3's and Mistral's; a model's own, e.g. LLaMA 2's, can be copied there). Errors are
+// std::runtime_error with one line naming the file (or the unusable name).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& data_dir);
 // The tokenizer `name` of a model at `model_dir`: a Hugging Face directory's own files where it
-// has them (llama3: tokenizer.json; gpt2: vocab.json and merges.txt, GPT-2's encoder.json and
-// vocab.bpe by Hugging Face's names), else make_tokenizer(name, data_dir).
+// has them (tokenizer.json; for gpt2 vocab.json and merges.txt, GPT-2's encoder.json and vocab.bpe
+// by Hugging Face's names), else make_tokenizer(name, data_dir).
 std::unique_ptr<Tokenizer> make_model_tokenizer(const std::string& name, const std::string& model_dir,
                                                 const std::string& data_dir);
-// Where make_tokenizer("llama3", data_dir) reads its file.
-std::string llama3_tokenizer_file(const std::string& data_dir);
+// Where make_tokenizer(name, data_dir) reads a tokenizer.json: data_dir/NAME/tokenizer.json.
+std::string hf_tokenizer_file(const std::string& name, const std::string& data_dir);
 
 // Where make_tokenizer("gpt2", data_dir) reads its files: {encoder.json, vocab.bpe} under
 // data_dir/gpt2/ (ckpt export copies them as Hugging Face's vocab.json and merges.txt).
@@ -66,10 +75,12 @@ Gpt2Files gpt2_files(const std::string& data_dir);
 std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_path,
                                                const std::string& vocab_bpe_path);
 
-// A Hugging Face tokenizer.json of a byte-level BPE (GPT-2's or LLaMA 3's pre-tokenizer, no
-// normalizer), named `name`. Its added tokens decode to their text and are never produced by
-// encode(); eot() is <|endoftext|>, else <|begin_of_text|> (what llm.c's LLaMA 3 files start each
-// document with), else -1. Errors are std::runtime_error with one line naming the file and field.
+// A Hugging Face tokenizer.json, named `name`: a byte-level BPE (GPT-2's or LLaMA 3's
+// pre-tokenizer, no normalizer), or SentencePiece's BPE (byte fallback; a space written "▁" and
+// one put before the text, by the Prepend and Replace normalizers or the Metaspace pre-tokenizer).
+// Its added tokens decode to their text and are never produced by encode(); eot() is
+// <|endoftext|>, else <|begin_of_text|> (what llm.c's LLaMA 3 files start each document with),
+// else <s>, else -1. Errors are std::runtime_error with one line naming the file and field.
 std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std::string& name);
 
 // GPT-2's pre-tokenization, exposed for tests: splits text into the pieces the regex

@@ -78,15 +78,17 @@ DataMeta read_data_meta(const std::string& prefix) {
     const json j = json::parse(f);
     m.tokenizer = j.at("tokenizer").get<std::string>();
     m.vocab_size = j.at("vocab_size").get<int64_t>();
+    m.eot = j.value("eot", -1);
   } catch (const std::exception&) {
-    throw std::runtime_error(path + ": expected {\"tokenizer\": name, \"vocab_size\": n}");
+    throw std::runtime_error(path + ": expected {\"tokenizer\": name, \"vocab_size\": n, \"eot\": id (optional)}");
   }
   return m;
 }
 
-int32_t document_start_token(const std::string& tokenizer) {
-  if (tokenizer == "gpt2") return 50256;
-  if (tokenizer == "llama3") return 128000;
+int32_t document_start_token(const DataMeta& meta) {
+  if (meta.eot >= 0) return meta.eot;
+  if (meta.tokenizer == "gpt2") return 50256;
+  if (meta.tokenizer == "llama3") return 128000;
   return '\n';
 }
 
@@ -94,7 +96,9 @@ void write_data_meta(const std::string& prefix, const DataMeta& meta) {
   const std::string path = prefix + "_meta.json", tmp = path + ".tmp";
   {
     std::ofstream f(tmp);
-    f << json{{"tokenizer", meta.tokenizer}, {"vocab_size", meta.vocab_size}}.dump() << "\n";
+    json j = {{"tokenizer", meta.tokenizer}, {"vocab_size", meta.vocab_size}};
+    if (meta.eot >= 0) j["eot"] = meta.eot;
+    f << j.dump() << "\n";
     if (!f) throw std::runtime_error("cannot write " + tmp);
   }
   std::filesystem::rename(tmp, path);
@@ -595,7 +599,7 @@ TrainSummary finish(Session& s, TrainSummary summary) {
     sc.tokens = cfg.sample_tokens;
     sc.seed = cfg.seed;
     sc.vocab_limit = s.meta.vocab_size;
-    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, document_start_token(s.meta.tokenizer), sc);
+    const auto ids = generate(s.ex, s.desc, s.plan.config, {}, document_start_token(s.meta), sc);
     if (s.lead) summary.sample = ids;
   }
   if (!cfg.trace.empty()) write_trace(s);

@@ -65,10 +65,12 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
 struct DataMeta {
   std::string tokenizer = "gpt2";
   int64_t vocab_size = 50257;
+  int32_t eot = -1;  // the id tokenize put between documents; -1 where none or not recorded (older files)
 };
 // The token a sample starts from where it has no prompt: what begins a document in such data
-// (gpt2: its <|endoftext|> separator, llama3: <|begin_of_text|>, bytes: a newline).
-int32_t document_start_token(const std::string& tokenizer);
+// (the recorded eot: gpt2's <|endoftext|> separator, llama3's <|begin_of_text|>, mistral's <s>;
+// else by name; bytes: a newline).
+int32_t document_start_token(const DataMeta& meta);
 DataMeta read_data_meta(const std::string& prefix);
 void write_data_meta(const std::string& prefix, const DataMeta& meta);
 

@@ -237,8 +237,9 @@ TEST(HfConfig, ReadRefusesADuplicatedKey) {
 }
 
 // The tokenizer of a model directory without shardlm's field: GPT-2's where its files are there
-// or the vocabulary is GPT-2's, bytes for 256 ids, LLaMA 3's for 128256, else unknown (a LLaMA 2
-// model's 32000 SentencePiece ids were taken for GPT-2's, and generate printed them as its text).
+// or the vocabulary is GPT-2's, bytes for 256 ids, LLaMA 3's for 128256, LLaMA 2's for a LLaMA's
+// 32000 and Mistral's for a Mixtral's, else unknown (a LLaMA 2 model's 32000 SentencePiece ids were
+// once taken for GPT-2's, and generate printed them as its text).
 TEST(HfConfig, TheTokenizerIsWhatTheDirectorySays) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("shardlm_hf_tok_" + std::to_string(::getpid()));
@@ -250,7 +251,15 @@ TEST(HfConfig, TheTokenizerIsWhatTheDirectorySays) {
   json llama = hub_llama();
   EXPECT_EQ(tokenizer_with(llama), "llama3");
   llama["vocab_size"] = 32000;
+  EXPECT_EQ(tokenizer_with(llama), "llama2");
+  llama["vocab_size"] = 32001;
   EXPECT_EQ(tokenizer_with(llama), "unknown");
+  json mixtral = llama;
+  mixtral["model_type"] = "mixtral";
+  mixtral["vocab_size"] = 32000;
+  mixtral["num_local_experts"] = 8;
+  mixtral["num_experts_per_tok"] = 2;
+  EXPECT_EQ(tokenizer_with(mixtral), "mistral");
   llama["vocab_size"] = 256;
   EXPECT_EQ(tokenizer_with(llama), "bytes");
   EXPECT_EQ(tokenizer_with(hub_gpt2()), "gpt2");

@@ -153,7 +153,7 @@ TEST_P(TokenizeInChunks, GivesTheTokensOfTheWholeFile) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeInChunks, ::testing::Values("gpt2", "llama3"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeInChunks, ::testing::Values("gpt2", "llama3", "mistral"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // Bytes with no place to break (one pre-tokenizer piece, e.g. /dev/zero's NULs) are refused
@@ -310,7 +310,7 @@ TEST_P(TokenizeJsonLines, RecordsAreDocumentsAsFilesAre) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeJsonLines, ::testing::Values("gpt2", "llama3"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizeJsonLines, ::testing::Values("gpt2", "llama3", "mistral"),
                          [](const auto& info) { return info.param; });
 
 TEST(Tokenize, JsonLinesErrorsNameTheFileAndLine) {

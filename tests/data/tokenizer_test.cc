@@ -215,7 +215,8 @@ TEST_P(StablePrefix, LetsAStreamBeEncodedInChunks) {
       const size_t stable = tok->stable_prefix(std::string_view(s).substr(0, read));
       ASSERT_LE(stable, read);
       std::vector<int32_t> ids = tok->encode(std::string_view(s).substr(0, stable));
-      const std::vector<int32_t> rest = tok->encode(std::string_view(s).substr(stable));
+      const std::string_view after = std::string_view(s).substr(stable);
+      const std::vector<int32_t> rest = stable == 0 ? tok->encode(after) : tok->encode_continuation(after);
       ids.insert(ids.end(), rest.begin(), rest.end());
       ASSERT_EQ(ids, whole) << "text " << k << " cut at " << stable << " of the first " << read << " bytes";
     }
@@ -225,7 +226,7 @@ TEST_P(StablePrefix, LetsAStreamBeEncodedInChunks) {
   EXPECT_EQ(tok->stable_prefix("abcdefghijklmnopqrstuvwxyz"), 0u);  // one piece: more may join it
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, StablePrefix, ::testing::Values("gpt2", "llama3"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, StablePrefix, ::testing::Values("gpt2", "llama3", "mistral"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 TEST(Gpt2Tokenizer, LongPiecesAreFast) {
@@ -333,25 +334,84 @@ TEST(Llama3Tokenizer, KnownIds) {
   EXPECT_EQ(encode_prompt(*gpt2, "Hello"), gpt2->encode("Hello"));
 }
 
+// Mistral 7B's tokenizer.json (Mixtral 8x7B's too): SentencePiece's BPE, a space written "▁" and
+// one put before the text, code points with no token of their own as byte tokens <0x00> … <0xFF>.
+// <s> is what tokenize puts between files and what a prompt begins with.
+TEST(SentencePieceTokenizer, KnownIds) {
+  const Tokenizer* tok = testing::loaded_tokenizer("mistral");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->name(), "mistral");
+  EXPECT_EQ(tok->vocab_size(), 32000);
+  EXPECT_EQ(tok->eot(), 1);
+  EXPECT_EQ(tok->bos(), 1);
+  EXPECT_EQ(tok->encode("Hello world"), (std::vector<int32_t>{22557, 1526}));
+  EXPECT_EQ(tok->encode(" Hello"), (std::vector<int32_t>{28705, 22557}));  // "▁▁Hello"
+  EXPECT_EQ(tok->encode_continuation(" Hello"), std::vector<int32_t>{22557});
+  EXPECT_EQ(tok->encode("a\nb"), (std::vector<int32_t>{264, 13, 28726}));  // "\n" is <0x0A>
+  EXPECT_EQ(tok->encode("In the beginning God created the heaven and the earth."),
+            (std::vector<int32_t>{560, 272, 5398, 2499, 3859, 272, 14591, 304, 272, 6340, 28723}));
+  EXPECT_TRUE(tok->encode("").empty());
+  EXPECT_EQ(tok->decode({1, 22557, 1526, 2}), "<s> Hello world</s>");  // as Hugging Face decodes them
+  EXPECT_EQ(tok->decode({22557, 1526}), "Hello world");
+  EXPECT_EQ(tok->decode_token(1526), " world");
+  EXPECT_EQ(tok->decode_token(13), "\n");
+  for (const int32_t id : tok->encode("</s><s>")) EXPECT_GT(id, 2);  // text, not the special tokens
+  EXPECT_EQ(encode_prompt(*tok, "Hello"), (std::vector<int32_t>{1, 22557}));
+  EXPECT_THROW(tok->decode({32000}), std::out_of_range);
+  // Any byte string comes back, invalid UTF-8 included; U+2581 is the one code point that does not
+  // (SentencePiece writes spaces as it), and comes back a space.
+  for (const std::string& s : {std::string("\xFF"), std::string("cut \xE2\x82"), std::string("x\0y\0", 4),
+                               std::string("  two  spaces  "), std::string(" "), std::string("\xC2\xC2\xA0\xA0 a"),
+                               std::string(300, ' '), std::string("\xF0\x9F\x98\x80 \xE4\xB8\xAD\xE6\x96\x87")})
+    expect_round_trip(*tok, s);
+  EXPECT_EQ(tok->decode(tok->encode("a\xE2\x96\x81" "b")), "a b");
+  std::mt19937_64 rng(7);
+  for (int k = 0; k < 200; ++k) {
+    std::string s;
+    for (int i = static_cast<int>(rng() % 64); i > 0; --i) s.push_back(k % 2 ? static_cast<char>(rng()) : " ab\xC3\xA9"[rng() % 5]);
+    if (s.find("\xE2\x96\x81") == std::string::npos) expect_round_trip(*tok, s);
+  }
+}
+
+// Long runs of one code point (one piece each) encode in O(n log n).
+TEST(SentencePieceTokenizer, LongPiecesAreFast) {
+  const Tokenizer* tok = testing::loaded_tokenizer("mistral");
+  ASSERT_NE(tok, nullptr);
+  expect_round_trip(*tok, std::string(200000, ' '));
+  expect_round_trip(*tok, std::string(200000, 'a'));
+  std::string mixed;
+  for (int i = 0; i < 20000; ++i) mixed += "\xF0\x9F\x98\x80\xFF";
+  expect_round_trip(*tok, mixed);
+}
+
 // A tokenizer.json shardlm cannot encode as its authors do is refused in one line naming the file
 // and the field (LLaMA 3's, each time with one thing changed).
+// Loads `real` (a tokenizer.json's text) with `change` made to it, which must be refused in one line
+// naming the file and `field`.
+void expect_refused(const std::string& real, const std::function<void(nlohmann::json&)>& change,
+                    const std::string& field) {
+  TempDir dir;
+  const std::string path = dir.file("tokenizer.json");
+  nlohmann::json j = nlohmann::json::parse(real);
+  change(j);
+  write_file(path, j.dump());
+  try {
+    load_hf_tokenizer(path, "changed");
+    ADD_FAILURE() << "expected an error naming " << field;
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind(path + ": " + field, 0), 0u) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+}
+
 TEST(HfTokenizer, LoadErrorsNameTheFileAndTheField) {
-  const std::string real = testing::read_file(llama3_tokenizer_file(data_dir()));
+  const std::string real = testing::read_file(hf_tokenizer_file("llama3", data_dir()));
   ASSERT_FALSE(real.empty()) << testing::kFetchHint;
   TempDir dir;
   const std::string path = dir.file("tokenizer.json");
   const auto refused = [&](const std::function<void(nlohmann::json&)>& change, const std::string& field) {
-    nlohmann::json j = nlohmann::json::parse(real);
-    change(j);
-    write_file(path, j.dump());
-    try {
-      load_hf_tokenizer(path, "llama3");
-      ADD_FAILURE() << "expected an error naming " << field;
-    } catch (const std::runtime_error& e) {
-      const std::string what = e.what();
-      EXPECT_EQ(what.rfind(path + ": " + field, 0), 0u) << what;
-      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
-    }
+    expect_refused(real, change, field);
   };
   refused([](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "pre_tokenizer");
   refused([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+"; }, "pre_tokenizer");
@@ -371,8 +431,33 @@ TEST(HfTokenizer, LoadErrorsNameTheFileAndTheField) {
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(dir.path() + "/llama3/tokenizer.json"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("fetch_data.sh --llama3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fetch_data.sh --llama"), std::string::npos) << e.what();
   }
+}
+
+// The same for a SentencePiece tokenizer.json (Mistral's).
+TEST(SentencePieceTokenizer, LoadErrorsNameTheFileAndTheField) {
+  const std::string real = testing::read_file(hf_tokenizer_file("mistral", data_dir()));
+  ASSERT_FALSE(real.empty()) << testing::kFetchHint;
+  const auto refused = [&](const std::function<void(nlohmann::json&)>& change, const std::string& field) {
+    expect_refused(real, change, field);
+  };
+  refused([](nlohmann::json& j) { j["model"]["byte_fallback"] = false; }, "model.byte_fallback");
+  refused([](nlohmann::json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout");
+  refused([](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}}; },
+          "pre_tokenizer");
+  refused([](nlohmann::json& j) { j["normalizer"]["normalizers"][1]["content"] = "_"; }, "normalizer");
+  refused([](nlohmann::json& j) {
+    auto& vocab = j["model"]["vocab"];
+    vocab["<0x0a>"] = vocab["<0x0A>"];
+    vocab.erase("<0x0A>");
+  }, "model.vocab");
+  refused([](nlohmann::json& j) { j["model"]["vocab"]["\xE2\x96\x81"] = 5; }, "model.vocab");
+  refused([](nlohmann::json& j) { j["model"]["merges"][3] = "\xE2\x96\x81 zzzzzz"; }, "model.merges[3]");
+  refused([](nlohmann::json& j) { j["model"]["merges"] = nlohmann::json::array(); }, "model.merges");
+  refused([](nlohmann::json& j) { j["post_processor"]["single"][0]["SpecialToken"]["id"] = "<bos>"; },
+          "post_processor.single");
+  refused([](nlohmann::json& j) { j["added_tokens"][0].erase("id"); }, "added_tokens");
 }
 
 TEST(MakeTokenizer, UnknownName) {

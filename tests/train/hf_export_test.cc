@@ -395,23 +395,35 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
 
   // A llama3 tokenizer: its tokenizer.json byte for byte, LLaMA 3's special tokens; missing, named.
   opt.tokenizer = "llama3";
-  opt.llama3_tokenizer_json = (tmp.path / "llama3" / "tokenizer.json").string();
+  opt.tokenizer_json = (tmp.path / "llama3" / "tokenizer.json").string();
   try {
     ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
     ADD_FAILURE() << "exported without the tokenizer's file";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find(opt.llama3_tokenizer_json + " is missing (run scripts/fetch_data.sh --llama3"),
+    EXPECT_NE(std::string(e.what()).find(opt.tokenizer_json + " is missing (run scripts/fetch_data.sh --llama"),
               std::string::npos) << e.what();
   }
   fs::create_directories(tmp.path / "llama3");
-  std::ofstream(opt.llama3_tokenizer_json) << "{\"model\": {}}";
+  const std::string llama3_json =
+      R"({"added_tokens": [{"id": 128000, "content": "<|begin_of_text|>"}, {"id": 128001, "content": "<|end_of_text|>"}]})";
+  std::ofstream(opt.tokenizer_json) << llama3_json;
   const ckpt::HfExportSummary l3 = ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
   EXPECT_EQ(l3.tokenizer_files, "tokenizer.json");
-  EXPECT_EQ(fs::file_size(out / "tokenizer.json"), 13u);
+  EXPECT_EQ(fs::file_size(out / "tokenizer.json"), llama3_json.size());
   EXPECT_FALSE(fs::exists(out / "vocab.json"));
-  const json config = json::parse(std::ifstream(out / "config.json"));
+  json config = json::parse(std::ifstream(out / "config.json"));
   EXPECT_EQ(config["bos_token_id"], 128000);
   EXPECT_EQ(config["eos_token_id"], 128001);
+  EXPECT_EQ(json::parse(std::ifstream(out / "tokenizer_config.json"))["eos_token"], "<|end_of_text|>");
+  // A SentencePiece one (Mistral's): <s> and </s>.
+  opt.tokenizer = "mistral";
+  std::ofstream(opt.tokenizer_json) << R"({"added_tokens": [{"id": 1, "content": "<s>"}, {"id": 2, "content": "</s>"}]})";
+  ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+  config = json::parse(std::ifstream(out / "config.json"));
+  EXPECT_EQ(config["bos_token_id"], 1);
+  EXPECT_EQ(config["eos_token_id"], 2);
+  EXPECT_EQ(config["shardlm_tokenizer"], "mistral");
+  EXPECT_EQ(json::parse(std::ifstream(out / "special_tokens_map.json"))["bos_token"], "<s>");
   EXPECT_EQ(json::parse(std::ifstream(out / "tokenizer_config.json"))["tokenizer_class"], "PreTrainedTokenizerFast");
 }
 

@@ -66,23 +66,35 @@ TEST(Llama3Data, Uint32IdsTrainAsTheSameUint16Ones) {
 
 // Text tokenized with LLaMA 3's tokenizer (data/llama3/tokenizer.json) is written in the uint32
 // layout with its meta, trains a LLaMA model of its 128256 ids, and the final sample and
-// `generate` from the checkpoint print text.
-TEST(Llama3Data, TokenizedTextTrainsAndPrintsText) {
+// `generate` from the checkpoint print text. The same with Mistral's SentencePiece tokenizer
+// (data/mistral/tokenizer.json): 32000 ids in the uint16 layout.
+struct TokenizerCase {
+  const char* name;
+  int token_bytes;
+  double first_loss_above;  // about ln(vocabulary size)
+};
+
+void PrintTo(const TokenizerCase& c, std::ostream* os) { *os << c.name; }
+
+class TokenizedText : public ::testing::TestWithParam<TokenizerCase> {};
+
+TEST_P(TokenizedText, TrainsAndPrintsText) {
+  const TokenizerCase tc = GetParam();
   testing::TinyRuns runs;
-  ASSERT_EQ(runs.create("llama3_text").code, 0);
+  ASSERT_EQ(runs.create(std::string(tc.name) + "_text").code, 0);
   std::string text;
   for (int i = 0; i < 400; ++i) text += testing::kGenesisLine + std::string(i % 7 == 0 ? "\n" : "");
   std::ofstream(runs.dir / "text.txt") << text;
   const std::string prefix = (runs.dir / "l3tok").string();
-  const testing::Result tok = testing::shardlm("tokenize --tokenizer llama3 --in " + (runs.dir / "text.txt").string() +
-                                               " --out " + prefix);
+  const testing::Result tok = testing::shardlm(std::string("tokenize --tokenizer ") + tc.name + " --in " +
+                                               (runs.dir / "text.txt").string() + " --out " + prefix);
   ASSERT_EQ(tok.code, 0) << tok.out;
-  EXPECT_EQ(data::TokenShard(prefix + "_train.bin").token_bytes(), 4);
+  EXPECT_EQ(data::TokenShard(prefix + "_train.bin").token_bytes(), tc.token_bytes);
   runs.sample_tokens = 6;
   const testing::Result run = testing::shardlm(runs.args("l3text", 2, 2, "llama-tiny") + " --data " + prefix +
                                                " --save-every 2 --no-report");
   ASSERT_EQ(run.code, 0) << run.out;
-  EXPECT_GT(testing::step_losses(runs.out("l3text") / "metrics.jsonl").at(0), 11.0);  // ln 128256 = 11.76
+  EXPECT_GT(testing::step_losses(runs.out("l3text") / "metrics.jsonl").at(0), tc.first_loss_above);
   EXPECT_NE(run.out.find("--- sample ---"), std::string::npos) << run.out;
   const testing::Result gen = testing::shardlm("generate --ckpt " + (runs.out("l3text") / "ckpt" / "step_2").string() +
                                                " --prompt 'In the beginning' --tokens 4 --threads 1");
@@ -107,6 +119,11 @@ TEST(Llama3Data, TokenizedTextTrainsAndPrintsText) {
   EXPECT_EQ(again.out, gen.out);
   runs.remove();
 }
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizedText,
+                         ::testing::Values(TokenizerCase{"llama3", 4, 11.0},    // ln 128256 = 11.76
+                                           TokenizerCase{"mistral", 2, 9.8}),  // ln 32000 = 10.37
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace shardlm::train
