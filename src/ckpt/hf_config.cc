@@ -1,5 +1,6 @@
 #include "ckpt/hf_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <stdexcept>
@@ -226,6 +227,23 @@ void read_llama(Fields& f, model::ModelConfig& c) {
   f.dropout("attention_dropout");
 }
 
+// Mistral's and Mixtral's sliding window: a position attends to the last `sliding_window`
+// positions, itself included, which for sequences of at most that many is full causal attention,
+// shardlm's. The model is read with max_seq at most the window, so every sequence it runs is exact
+// (Mistral 7B v0.1: 4096 of max_position_embeddings 32768).
+void read_sliding_window(Fields& f, model::ModelConfig& c) {
+  if (!f.has("sliding_window")) return;
+  const int64_t window = f.get<int64_t>("sliding_window");
+  if (window < 1) f.fail("sliding_window", "must be a positive number of positions, got " + std::to_string(window));
+  c.max_seq = std::min(c.max_seq, window);
+}
+
+// Mistral: LLaMA's keys and its sliding window (the weights have LLaMA's names and layout).
+void read_mistral(Fields& f, model::ModelConfig& c) {
+  read_llama(f, c);
+  read_sliding_window(f, c);
+}
+
 // Mixtral: LLaMA's keys with intermediate_size the experts' width, and the router's. Settings
 // Mixtral lacks (dense blocks between MoE blocks, capacity, Switch weights, z-loss) are
 // shardlm_-prefixed keys.
@@ -245,8 +263,7 @@ void read_mixtral(Fields& f, model::ModelConfig& c) {
   c.norm_topk = f.get_or<bool>("shardlm_norm_topk", true);
   c.moe_every = f.get_or<int64_t>("shardlm_moe_every", 1);
   f.get_or<bool>("output_router_logits", false);  // whether HF adds the aux loss: shardlm always does
-  if (f.has("sliding_window"))
-    f.fail("sliding_window", "is set; shardlm's attention is full causal attention");
+  read_sliding_window(f, c);
   f.must_be("router_jitter_noise", 0.0, "shardlm's router adds no noise");
 }
 
@@ -336,8 +353,9 @@ model::ModelConfig from_hf_config(const json& j, const std::string& path, HfConf
   model::ModelConfig c;
   if (type == "gpt2") read_gpt2(f, c);
   else if (type == "llama") read_llama(f, c);
+  else if (type == "mistral") read_mistral(f, c);
   else if (type == "mixtral") read_mixtral(f, c);
-  else f.fail("model_type", "is '" + type + "' (expected gpt2, llama or mixtral)");
+  else f.fail("model_type", "is '" + type + "' (expected gpt2, llama, mistral or mixtral)");
   f.plain_decoder();
   f.initializer_range();
   f.finish(type);

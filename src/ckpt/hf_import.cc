@@ -98,10 +98,10 @@ HfModel read_hf_model(const std::string& dir) {
     m.tokenizer = "gpt2";
   else
     m.tokenizer = tokenizer_of_vocabulary(m.config.vocab_size);
-  // 32000 SentencePiece ids: Mixtral 8x7B's are Mistral 7B's; a LLaMA-type model's, LLaMA 2's
+  // 32000 SentencePiece ids: Mistral 7B's and Mixtral 8x7B's are Mistral's; a LLaMA's, LLaMA 2's
   // (TinyLlama's, Vicuna's). generate reads the directory's own tokenizer.json either way.
   if (m.tokenizer == "unknown" && m.config.vocab_size == 32000)
-    m.tokenizer = m.config.family == model::Family::moe ? "mistral" : "llama2";
+    m.tokenizer = j["model_type"] == "llama" ? "llama2" : "mistral";
   return m;
 }
 

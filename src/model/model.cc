@@ -225,6 +225,8 @@ const std::map<std::string, Preset>& presets() {
     t["llama3.2-1b"] = {llama(16, 32, 8, 2048, 8192, 131072, 500000, 1e-5, 128256), true};
     t["llama3.2-1b"].config.rope_scaling = {32, 1, 4, 8192};
     t["llama3.2-1b"].config.tie_embeddings = true;
+    // Mistral 7B: max_seq its sliding window, within which its attention is full causal attention.
+    t["mistral-7b"] = {llama(32, 32, 8, 4096, 14336, 4096, 10000, 1e-5, 32000), true};
     t["moe-tiny"] = {moe(t["llama-tiny"].config, 4, 2, 128), false};
     t["moe-small"] = {moe(t["llama-small"].config, 8, 2, 512), false};
     t["mixtral-8x7b"] = {moe(llama(32, 32, 8, 4096, 14336, 32768, 1e6, 1e-5, 32000), 8, 2, 14336), true};

@@ -117,6 +117,44 @@ TEST(HfConfig, HubFilesDescribeTheirModels) {
             std::string::npos);
 }
 
+// Mistral 7B v0.1's config.json, as on the Hub: LLaMA's keys and a sliding window of 4096.
+json hub_mistral() {
+  return json::parse(R"({
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000})");
+}
+
+// Mistral (model_type mistral) is read as the LLaMA it is, its sliding window bounding the
+// sequence: within the window the attention is full causal attention, shardlm's, so max_seq is at
+// most the window. Mixtral's window the same (it was refused).
+TEST(HfConfig, MistralsSlidingWindowBoundsTheSequence) {
+  const model::ModelConfig m = from_hf_config(hub_mistral(), "cfg.json", HfConfigUse::training);
+  EXPECT_EQ(m.family, model::Family::llama);
+  EXPECT_EQ(m.n_layer, 32);
+  EXPECT_EQ(m.n_head, 32);
+  EXPECT_EQ(m.n_kv_head, 8);
+  EXPECT_EQ(m.n_embd, 4096);
+  EXPECT_EQ(m.ffn_dim, 14336);
+  EXPECT_EQ(m.vocab_size, 32000);
+  EXPECT_EQ(m.rope_theta, 10000.0);
+  EXPECT_EQ(m.norm_eps, 1e-5);
+  EXPECT_EQ(m.max_seq, 4096);
+  expect_same(m, model::model_preset("mistral-7b"));
+  EXPECT_EQ(from_hf_config(with(hub_mistral(), "sliding_window", nullptr), "cfg.json").max_seq, 32768);  // v0.2, v0.3
+  EXPECT_EQ(from_hf_config(with(hub_mistral(), "sliding_window", 65536), "cfg.json").max_seq, 32768);
+  for (const json& bad : {json(0), json(-4096)})
+    EXPECT_EQ(error_of(with(hub_mistral(), "sliding_window", bad)).rfind("cfg.json: field 'sliding_window' must be", 0), 0u)
+        << error_of(with(hub_mistral(), "sliding_window", bad));
+  json mixtral = to_hf_config(model::model_preset("moe-tiny", 300));
+  mixtral["sliding_window"] = mixtral["max_position_embeddings"].get<int64_t>() / 2;
+  EXPECT_EQ(from_hf_config(mixtral, "cfg.json").max_seq, mixtral["sliding_window"].get<int64_t>());
+  EXPECT_NE(error_of(with(hub_mistral(), "model_type", "qwen2")).find("expected gpt2, llama, mistral or mixtral"),
+            std::string::npos);
+}
+
 struct Refused {
   std::string key;
   json value;
@@ -260,6 +298,7 @@ TEST(HfConfig, TheTokenizerIsWhatTheDirectorySays) {
   mixtral["num_local_experts"] = 8;
   mixtral["num_experts_per_tok"] = 2;
   EXPECT_EQ(tokenizer_with(mixtral), "mistral");
+  EXPECT_EQ(tokenizer_with(hub_mistral()), "mistral");
   llama["vocab_size"] = 256;
   EXPECT_EQ(tokenizer_with(llama), "bytes");
   EXPECT_EQ(tokenizer_with(hub_gpt2()), "gpt2");

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "data/shard.h"
 #include "run/test_util.h"
 
@@ -109,6 +111,17 @@ TEST_P(TokenizedText, TrainsAndPrintsText) {
                                                " --data-dir " + (runs.dir / "no_tokenizers").string());
   ASSERT_EQ(own.code, 0) << own.out;
   EXPECT_EQ(own.out, gen.out);
+  if (std::string(tc.name) == "mistral") {  // the same weights as Mistral's config.json names them
+    nlohmann::json config = nlohmann::json::parse(std::ifstream(hf + "/config.json"));
+    config["model_type"] = "mistral";
+    config["architectures"] = {"MistralForCausalLM"};
+    config["sliding_window"] = 4096;
+    std::ofstream(hf + "/config.json") << config.dump();
+    const testing::Result as_mistral = testing::shardlm("generate --ckpt " + hf + " --prompt 'In the beginning' --tokens 4" +
+                                                        " --threads 1 --data-dir " + (runs.dir / "no_tokenizers").string());
+    ASSERT_EQ(as_mistral.code, 0) << as_mistral.out;
+    EXPECT_EQ(as_mistral.out, gen.out);
+  }
   // Its import keeps that tokenizer.json beside the weights: the same again.
   const std::string imported = (runs.dir / "l3imported").string();
   const testing::Result i = testing::shardlm("ckpt import --format hf --in " + hf + " --out " + imported);
