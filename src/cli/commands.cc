@@ -360,6 +360,7 @@ struct Commands {
     std::string ckpt, data, prompt;
     int64_t seq = 256, batch = 4;
     train::SampleConfig sample;
+    bool ignore_eos = false;
   } from_ckpt;
   struct {
     CLI::App* cmd = nullptr;
@@ -456,6 +457,9 @@ void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   f.generate->add_option("--seed", f.sample.seed, "sampling seed")->check(at_least(0))->capture_default_str();
+  f.generate->add_flag("--ignore-eos", f.ignore_eos,
+                       "draw all --tokens: by default the continuation ends at the model's end token (<|endoftext|>, "
+                       "<|end_of_text|>, <|eot_id|>, </s>), as Hugging Face's generate does");
   add_threads_option(f.generate, c.threads);
   f.generate->add_option("--data-dir", c.data_dir, "tokenizer files")->capture_default_str();
 }
@@ -606,7 +610,7 @@ int dispatch(Commands& c, const std::string& typed) {
   } else if (*f.eval) {
     run_eval(f.ckpt, f.data, f.batch, f.seq, c.threads);
   } else if (*f.generate) {
-    run_generate(f.ckpt, f.prompt, f.sample, c.threads, c.data_dir);
+    run_generate(f.ckpt, f.prompt, f.sample, f.ignore_eos, c.threads, c.data_dir);
   }
   return 0;
 }

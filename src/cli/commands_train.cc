@@ -144,12 +144,13 @@ void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch,
   fmt::print("{:.6f}\n", loss);
 }
 
-void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, int threads,
-                  const std::string& data_dir) {
+void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, bool ignore_eos,
+                  int threads, const std::string& data_dir) {
   kernels::init_compute(threads);
   auto m = load_model(ckpt, threads, plan::PlanConfig::Mode::logits, 1, 1);
   auto tok = data::make_model_tokenizer(m->tokenizer, m->source, data_dir);
   sc.vocab_limit = tok->vocab_size();
+  if (!ignore_eos) sc.stop_tokens = tok->end_tokens();
   // Each token is written as it is drawn: a long generation shows its text as it goes. A
   // token's bytes may be part of a UTF-8 character; the bytes as a whole are the decoded text.
   // Nobody reading (a closed pipe whose SIGPIPE is ignored) ends the generation.

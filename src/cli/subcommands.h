@@ -30,9 +30,10 @@ int on_world(const std::function<int(comm::Communicator& world, MemoryPool& memo
 int run_train(const train::TrainConfig& tc, const std::string& data_dir, const std::string& hardware);
 // `eval`: the checkpoint's mean loss over a token file, printed.
 void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch, int64_t seq, int threads);
-// `generate`: the prompt and its continuation, printed.
-void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, int threads,
-                  const std::string& data_dir);
+// `generate`: the prompt and its continuation, printed; the continuation ends at the tokenizer's
+// end tokens unless `ignore_eos`.
+void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, bool ignore_eos,
+                  int threads, const std::string& data_dir);
 // `explain`: the plan of one step of `cfg` on `ranks` ranks, printed.
 void run_explain(train::TrainConfig cfg, int ranks);
 

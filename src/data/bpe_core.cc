@@ -97,4 +97,17 @@ std::map<std::string, int64_t> added_tokens_of(const nlohmann::json& j, const st
   return added;
 }
 
+int32_t document_separator(const std::map<std::string, int64_t>& added) {
+  for (const char* separator : {"<|endoftext|>", "<|begin_of_text|>", "<s>"})
+    if (added.count(separator)) return static_cast<int32_t>(added.at(separator));
+  return -1;
+}
+
+std::vector<int32_t> end_tokens(const std::map<std::string, int64_t>& added) {
+  std::vector<int32_t> ids;
+  for (const char* end : {"<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "</s>"})
+    if (added.count(end)) ids.push_back(static_cast<int32_t>(added.at(end)));
+  return ids;
+}
+
 }  // namespace shardlm::data::bpe

@@ -64,6 +64,12 @@ std::vector<std::pair<std::string, std::string>> merges_of(const nlohmann::json&
 // tokenizer.json's added_tokens: content -> id.
 std::map<std::string, int64_t> added_tokens_of(const nlohmann::json& j, const std::string& path);
 
+// Of the added tokens: the one tokenize puts between documents (<|endoftext|>, else
+// <|begin_of_text|>, else <s>; -1 for none), and those a model ends its text with (<|endoftext|>,
+// <|end_of_text|>, <|eot_id|>, </s>).
+int32_t document_separator(const std::map<std::string, int64_t>& added);
+std::vector<int32_t> end_tokens(const std::map<std::string, int64_t>& added);
+
 // Whether a tokenizer.json is SentencePiece's BPE (byte fallback, "▁" for a space) rather than a
 // byte-level one.
 bool is_sentencepiece_bpe(const nlohmann::json& j);

@@ -71,6 +71,7 @@ struct Vocabulary {
   std::array<int32_t, 256> byte_id{};
   int32_t eot = -1;
   int32_t bos = -1;
+  std::vector<int32_t> ends;
   bool ignore_merges = false;  // a piece that is a token whole is that token
 
   // Token string as the files store it (bytes mapped to unicode) -> raw bytes.
@@ -217,6 +218,7 @@ class ByteLevelBpe final : public Tokenizer {
   int32_t vocab_size() const override { return static_cast<int32_t>(v_.tokens.size()); }
   int32_t eot() const override { return v_.eot; }
   int32_t bos() const override { return v_.bos; }
+  std::vector<int32_t> end_tokens() const override { return v_.ends; }
   std::string name() const override { return v_.name; }
   size_t stable_prefix(std::string_view text) const override { return data::stable_prefix(v_.pretokenizer, text); }
 
@@ -308,8 +310,8 @@ std::unique_ptr<Tokenizer> read_hf_tokenizer(const std::string& path, const std:
   // Added tokens (<|begin_of_text|>, ...) follow the BPE vocabulary or take an entry of it.
   const std::map<std::string, int64_t> specials = bpe::added_tokens_of(j, path);
   v.read_tokens(model.contains("vocab") ? model["vocab"] : nlohmann::json(), path, specials);
-  for (const char* separator : {"<|endoftext|>", "<|begin_of_text|>"})  // what ends or starts a document
-    if (v.eot < 0 && specials.count(separator)) v.eot = static_cast<int32_t>(specials.at(separator));
+  v.eot = bpe::document_separator(specials);
+  v.ends = bpe::end_tokens(specials);
   if (specials.count("<|begin_of_text|>")) v.bos = static_cast<int32_t>(specials.at("<|begin_of_text|>"));
   v.read_merges(bpe::merges_of(model.contains("merges") ? model["merges"] : nlohmann::json(), path),
                 [&](size_t r) { return path + ": model.merges[" + std::to_string(r) + "]: "; }, false);
@@ -329,6 +331,7 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_p
   if (encoder.is_object() && encoder.contains(eot) && encoder[eot].is_number_integer()) {
     specials[eot] = encoder[eot].get<int64_t>();
     v.eot = static_cast<int32_t>(specials[eot]);
+    v.ends = {v.eot};
   }
   v.read_tokens(encoder, encoder_json_path, specials);
   std::vector<int> linenos;

@@ -39,6 +39,7 @@ struct Vocabulary {
   std::unordered_set<uint32_t> joins_mark;       // code points some token has before a "▁"
   MergeTable merges;
   int32_t eot = -1, bos = -1;
+  std::vector<int32_t> ends;
 };
 
 class SentencePieceBpe final : public Tokenizer {
@@ -58,6 +59,7 @@ class SentencePieceBpe final : public Tokenizer {
   int32_t vocab_size() const override { return static_cast<int32_t>(v_.decoded.size()); }
   int32_t eot() const override { return v_.eot; }
   int32_t bos() const override { return v_.bos; }
+  std::vector<int32_t> end_tokens() const override { return v_.ends; }
   std::string name() const override { return v_.name; }
 
   size_t stable_prefix(std::string_view text) const override {
@@ -282,8 +284,8 @@ std::unique_ptr<Tokenizer> read_sentencepiece_bpe(const nlohmann::json& j, const
     v.merges.set(a, b, {static_cast<int32_t>(r), ab});
   }
 
-  for (const char* separator : {"<|endoftext|>", "<|begin_of_text|>", "<s>"})  // what ends or starts a document
-    if (v.eot < 0 && added.count(separator)) v.eot = static_cast<int32_t>(added.at(separator));
+  v.eot = document_separator(added);
+  v.ends = end_tokens(added);
   // The token the post-processor begins a text with (LLaMA 2's: <s>).
   const nlohmann::json post = j.value("post_processor", nlohmann::json());
   if (is_type(post, "TemplateProcessing") && post.contains("single") && post["single"].is_array() &&

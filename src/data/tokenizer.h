@@ -34,6 +34,9 @@ class Tokenizer {
   virtual int32_t eot() const = 0;
   // The id a prompt begins with, as the model's authors begin one (<|begin_of_text|>, <s>), or -1.
   virtual int32_t bos() const { return -1; }
+  // The ids a model ends its text with, where generation stops as Hugging Face's does (gpt2's
+  // <|endoftext|>; LLaMA 3's <|end_of_text|> and <|eot_id|>; </s>); none for bytes.
+  virtual std::vector<int32_t> end_tokens() const { return {}; }
   virtual std::string name() const = 0;  // "gpt2" | "llama3" | "mistral" | "bytes" | a user's name
   // The length n of the longest prefix of `text` whose encoding nothing after it can change:
   // encode(text[0, n)) followed by encode_continuation(text[n, ...) + more) is encode(text + more)
@@ -80,7 +83,8 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_p
 // one put before the text, by the Prepend and Replace normalizers or the Metaspace pre-tokenizer).
 // Its added tokens decode to their text and are never produced by encode(); eot() is
 // <|endoftext|>, else <|begin_of_text|> (what llm.c's LLaMA 3 files start each document with),
-// else <s>, else -1. Errors are std::runtime_error with one line naming the file and field.
+// else <s>, else -1; end_tokens() those of <|endoftext|>, <|end_of_text|>, <|eot_id|> and </s> it
+// has. Errors are std::runtime_error with one line naming the file and field.
 std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& path, const std::string& name);
 
 // GPT-2's pre-tokenization, exposed for tests: splits text into the pieces the regex

@@ -114,6 +114,7 @@ std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, c
       std::discrete_distribution<int64_t> pick(p.begin(), p.end());
       next = order[pick(rng)];
     }
+    if (std::find(cfg.stop_tokens.begin(), cfg.stop_tokens.end(), next) != cfg.stop_tokens.end()) break;
     ids.push_back(next);
     if (on_token) on_token(next);
   }

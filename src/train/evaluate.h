@@ -31,9 +31,11 @@ struct SampleConfig {
   float top_p = 1.0f;  // of the top k, the likeliest whose probabilities sum to at least top_p (1: all)
   uint64_t seed = 1337;
   int64_t vocab_limit = 0;  // draw only ids below it (the tokenizer's size when the model's is larger; 0: all)
+  std::vector<int32_t> stop_tokens;  // drawing one of them ends the continuation, without it
 };
-// Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens,
-// handing each to `on_token` as soon as it is drawn (generate prints them as they come).
+// Continues `prompt` (token ids; may be empty: starts from `start_token`) by cfg.tokens tokens, or
+// fewer where one of cfg.stop_tokens is drawn, handing each to `on_token` as soon as it is drawn
+// (generate prints them as they come).
 // Every rank draws the same tokens (same logits, same seed). Collective.
 std::vector<int32_t> generate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
                               const std::vector<int32_t>& prompt, int32_t start_token, const SampleConfig& cfg,

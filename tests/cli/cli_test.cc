@@ -187,6 +187,9 @@ TEST_F(Cli, EvalAndGenerateFromACheckpoint) {
   EXPECT_EQ(p1.out, all.out);
   EXPECT_EQ(p0.out, greedy.out);
   EXPECT_NE(p0.out, all.out);
+  // The bytes tokenizer has no end token: --ignore-eos draws the same (Generate.EndsBeforeAStopToken
+  // has the stop itself).
+  EXPECT_EQ(run(gen + " --ignore-eos").out, all.out);
 }
 
 // generate printed nothing until it had drawn every token (`--tokens 1e6` took minutes in

@@ -133,6 +133,7 @@ TEST(Gpt2Tokenizer, KnownIds) {
   EXPECT_EQ(tok->name(), "gpt2");
   EXPECT_EQ(tok->vocab_size(), 50257);
   EXPECT_EQ(tok->eot(), 50256);
+  EXPECT_EQ(tok->end_tokens(), std::vector<int32_t>{50256});
   EXPECT_EQ(tok->encode("Hello world"), (std::vector<int32_t>{15496, 995}));
   EXPECT_EQ(tok->encode(" the"), std::vector<int32_t>{262});
   EXPECT_EQ(tok->encode("\n\n"), std::vector<int32_t>{628});
@@ -322,6 +323,7 @@ TEST(Llama3Tokenizer, KnownIds) {
   EXPECT_EQ(tok->name(), "llama3");
   EXPECT_EQ(tok->vocab_size(), 128256);
   EXPECT_EQ(tok->eot(), 128000);
+  EXPECT_EQ(tok->end_tokens(), (std::vector<int32_t>{128001, 128009}));  // <|end_of_text|>, <|eot_id|>
   EXPECT_EQ(tok->encode("Hello, my dog is cute"), (std::vector<int32_t>{9906, 11, 856, 5679, 374, 19369}));
   EXPECT_EQ(tok->decode({128000, 9906, 128001}), "<|begin_of_text|>Hello<|end_of_text|>");
   for (const int32_t id : tok->encode("<|end_of_text|>")) EXPECT_LT(id, 128000);  // text, not the special token
@@ -344,6 +346,7 @@ TEST(SentencePieceTokenizer, KnownIds) {
   EXPECT_EQ(tok->vocab_size(), 32000);
   EXPECT_EQ(tok->eot(), 1);
   EXPECT_EQ(tok->bos(), 1);
+  EXPECT_EQ(tok->end_tokens(), std::vector<int32_t>{2});  // </s>
   EXPECT_EQ(tok->encode("Hello world"), (std::vector<int32_t>{22557, 1526}));
   EXPECT_EQ(tok->encode(" Hello"), (std::vector<int32_t>{28705, 22557}));  // "▁▁Hello"
   EXPECT_EQ(tok->encode_continuation(" Hello"), std::vector<int32_t>{22557});

@@ -20,9 +20,7 @@
 
 #include "ckpt/hf_export.h"
 #include "ckpt/safetensors.h"
-#include "comm/single_rank.h"
-#include "kernels/cpu.h"
-#include "run/executor.h"
+#include "one_process_engine.h"
 #include "train/checkpoint.h"
 
 namespace shardlm::train {
@@ -55,27 +53,13 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 // A model at its initialisation, its logits for one batch, and its whole checkpoint.
-struct Model {
+struct Model : testing::OneProcessEngine {
   static constexpr int64_t B = 2, T = 16;
-  bool threads_ready = (kernels::init_compute(2), true);
-  model::ModelDesc desc;
-  plan::Plan plan;
-  MemoryPool memory;
-  comm::SingleRankCommunicator world{memory};
-  run::CommGroups comms;
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
-  run::Executor ex;
   std::vector<int32_t> inputs;
   std::vector<float> logits;
 
-  static plan::PlanConfig config(plan::PlanConfig::Mode mode) {
-    plan::PlanConfig pc;
-    pc.batch = B, pc.seq = T, pc.threads = 2, pc.mode = mode;
-    return pc;
-  }
   Model(const model::ModelConfig& mc, const fs::path& dir)
-      : desc(model::describe(mc)), plan(plan::build_plan(desc, config(plan::PlanConfig::Mode::logits))),
-        comms(world, plan), ex(desc, plan, comms, 2, std::chrono::seconds(60), *backend) {
+      : OneProcessEngine(mc, testing::plan_config(B, T, plan::PlanConfig::Mode::logits)) {
     ex.init_params(42);
     std::mt19937 rng(7);
     inputs.resize(B * T);

@@ -11,11 +11,10 @@
 #include <unistd.h>
 
 #include "ckpt/safetensors.h"
-#include "comm/single_rank.h"
 #include "kernels/cpu.h"
 #include "relative_error.h"
-#include "run/executor.h"
 #include "train/checkpoint.h"
+#include "one_process_engine.h"
 
 namespace shardlm::train {
 namespace {
@@ -37,18 +36,7 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 // One process: a training plan and its executor over a single-rank communicator.
-struct Engine {
-  model::ModelDesc desc;
-  plan::Plan plan;
-  MemoryPool memory;
-  comm::SingleRankCommunicator world{memory};
-  run::CommGroups comms;
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
-  run::Executor ex;
-  Engine(const model::ModelConfig& mc, plan::PlanConfig pc)
-      : desc(model::describe(mc)), plan(plan::build_plan(desc, pc)), comms(world, plan),
-        ex(desc, plan, comms, 2, std::chrono::seconds(60), *backend) {}
-};
+using Engine = testing::OneProcessEngine;
 
 plan::PlanConfig plan_config(const Case& c, plan::PlanConfig::Mode mode = plan::PlanConfig::Mode::train) {
   plan::PlanConfig pc;
