@@ -32,19 +32,15 @@ json read_json(const std::string& path) {
   }
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // A name in a file as the model here calls it; "" for what save_pretrained adds that holds no
 // parameter (buffers, the head a tied model shares with its embedding).
 std::string canonical(const std::string& name, const model::ModelConfig& c) {
   if (c.family == model::Family::gpt2) {
     const std::string n = name.rfind("transformer.", 0) == 0 ? name.substr(12) : name;
-    if (n == "lm_head.weight" || ends_with(n, ".attn.bias") || ends_with(n, ".attn.masked_bias")) return "";
+    if (n == "lm_head.weight" || n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")) return "";
     return n;
   }
-  if (ends_with(name, ".rotary_emb.inv_freq") || (c.tie_embeddings && name == "lm_head.weight")) return "";
+  if (name.ends_with(".rotary_emb.inv_freq") || (c.tie_embeddings && name == "lm_head.weight")) return "";
   return name;
 }
 

@@ -14,11 +14,6 @@ namespace shardlm::data {
 
 namespace {
 
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::strlen(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw std::runtime_error("tokenize: " + path + ": " + what);
 }
@@ -124,8 +119,8 @@ class ZstdSource : public InputBytes::Source {
 }  // namespace
 
 InputBytes::InputBytes(const std::string& path) {
-  if (ends_with(path, ".gz")) source_ = std::make_unique<GzipSource>(path);
-  else if (ends_with(path, ".zst")) source_ = std::make_unique<ZstdSource>(path);
+  if (path.ends_with(".gz")) source_ = std::make_unique<GzipSource>(path);
+  else if (path.ends_with(".zst")) source_ = std::make_unique<ZstdSource>(path);
   else source_ = std::make_unique<PlainSource>(path);
 }
 
@@ -134,8 +129,8 @@ InputBytes::~InputBytes() = default;
 size_t InputBytes::read(char* buf, size_t n) { return n == 0 ? 0 : source_->read(buf, n); }
 
 std::string InputBytes::content_name(const std::string& path) {
-  if (ends_with(path, ".gz")) return path.substr(0, path.size() - 3);
-  if (ends_with(path, ".zst")) return path.substr(0, path.size() - 4);
+  if (path.ends_with(".gz")) return path.substr(0, path.size() - 3);
+  if (path.ends_with(".zst")) return path.substr(0, path.size() - 4);
   return path;
 }
 

@@ -309,11 +309,7 @@ int64_t tokenize_jsonl(const std::string& path, const std::string& field, bool f
 // JSON Lines by its name, compression aside: *.jsonl, and *.json as C4 and Dolma name theirs.
 bool is_jsonl(const std::string& path) {
   const std::string name = InputBytes::content_name(path);
-  const auto ends = [&](const char* suffix) {
-    const size_t n = std::strlen(suffix);
-    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
-  };
-  return ends(".jsonl") || ends(".json");
+  return name.ends_with(".jsonl") || name.ends_with(".json");
 }
 
 }  // namespace

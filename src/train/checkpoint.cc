@@ -492,29 +492,49 @@ std::string resolve_initial(const std::string& path) {
   return ckpt::resolve_checkpoint(path);
 }
 
+namespace {
+
+// What a model source resolve_initial gave is: an llm.c model file, a shardlm checkpoint (sharded,
+// or whole with its state.json), else a Hugging Face directory.
+enum class SourceKind { llmc_file, checkpoint, hf_dir };
+SourceKind kind_of(const std::string& source) {
+  if (ckpt::is_llmc_model(source)) return SourceKind::llmc_file;
+  if (ckpt::is_sharded(source) || std::filesystem::exists(source + "/state.json")) return SourceKind::checkpoint;
+  return SourceKind::hf_dir;
+}
+
+}  // namespace
+
 std::string read_initial_tokenizer(const std::string& source) {
-  if (ckpt::is_llmc_model(source)) return ckpt::tokenizer_of_vocabulary(ckpt::read_llmc_config(source).vocab_size);
-  if (ckpt::is_sharded(source) || std::filesystem::exists(source + "/state.json")) return read_checkpoint_state(source).tokenizer;
+  switch (kind_of(source)) {
+    case SourceKind::llmc_file: return ckpt::tokenizer_of_vocabulary(ckpt::read_llmc_config(source).vocab_size);
+    case SourceKind::checkpoint: return read_checkpoint_state(source).tokenizer;
+    case SourceKind::hf_dir: break;
+  }
   return ckpt::read_hf_model(source).tokenizer;
 }
 
 void read_initial_weights(const std::string& source, const model::ModelDesc& desc, const model::FlatLayout& layout,
                           float* params) {
-  if (ckpt::is_llmc_model(source)) {
-    ckpt::read_llmc_weights(source, desc, layout, params);
-  } else if (ckpt::is_sharded(source) || std::filesystem::exists(source + "/state.json")) {
-    std::fill(params, params + layout.total, 0.0f);
-    load_checkpoint(source, desc, layout, params, nullptr, nullptr);
-  } else {
-    ckpt::read_hf_weights(source, desc, layout, params);
+  switch (kind_of(source)) {
+    case SourceKind::llmc_file: return ckpt::read_llmc_weights(source, desc, layout, params);
+    case SourceKind::checkpoint:
+      std::fill(params, params + layout.total, 0.0f);
+      return load_checkpoint(source, desc, layout, params, nullptr, nullptr);
+    case SourceKind::hf_dir: break;
   }
+  ckpt::read_hf_weights(source, desc, layout, params);
 }
 
-model::ModelConfig read_initial_config(const std::string& dir) {
-  if (ckpt::is_llmc_model(dir)) return ckpt::read_llmc_config(dir);
-  if (!ckpt::is_sharded(dir)) return ckpt::read_hf_model(dir).config;
-  read_checkpoint_state(dir);  // only the weights are taken, but the index is checked whole as a resume checks it
-  return read_checkpoint_config(dir);
+model::ModelConfig read_initial_config(const std::string& source) {
+  switch (kind_of(source)) {
+    case SourceKind::llmc_file: return ckpt::read_llmc_config(source);
+    case SourceKind::checkpoint:
+      read_checkpoint_state(source);  // only the weights are taken, but the index is checked whole as a resume checks it
+      return read_checkpoint_config(source);
+    case SourceKind::hf_dir: break;
+  }
+  return ckpt::read_hf_model(source).config;
 }
 
 }  // namespace shardlm::train
