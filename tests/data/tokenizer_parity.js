@@ -7,6 +7,10 @@
 //   node tokenizer_parity.js encode-hf TOKENIZERS_DIR TOKENIZER_JSON IN.json OUT.json
 //       The same with a Hugging Face tokenizer.json (LLaMA 3's) through @lenml/tokenizers
 //       (transformers.js's tokenizers), no special tokens added.
+//   node tokenizer_parity.js encode-llama-js PACKAGE_DIR IN.json OUT.json
+//       The same with llama-tokenizer-js (LLaMA 1 and 2's SentencePiece BPE, its own data and
+//       code), no <s>, the space SentencePiece puts before a text put before it; "" is [], as
+//       Hugging Face's Prepend normalizer leaves an empty text empty.
 //   node tokenizer_parity.js classes OUT.txt
 //       One character per code point U+0000..U+10FFFF: how this JavaScript engine's regex
 //       classifies it for GPT-2's pattern: L (\p{L}), N (\p{N}), S (\s), O (other;
@@ -16,7 +20,7 @@ const fs = require('fs');
 const path = require('path');
 
 function usage() {
-  process.stderr.write('usage: tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json | encode-hf TOKENIZERS_DIR TOKENIZER_JSON IN.json OUT.json | classes OUT.txt\n');
+  process.stderr.write('usage: tokenizer_parity.js encode PACKAGE_DIR IN.json OUT.json | encode-hf TOKENIZERS_DIR TOKENIZER_JSON IN.json OUT.json | encode-llama-js PACKAGE_DIR IN.json OUT.json | classes OUT.txt\n');
   process.exit(2);
 }
 
@@ -35,6 +39,16 @@ if (mode === 'encode' && args.length === 3) {
   const inputs = JSON.parse(fs.readFileSync(args[2], 'utf8'));
   const out = inputs.map((s) => tokenizer.encode(s, { add_special_tokens: false }));
   fs.writeFileSync(args[3], JSON.stringify(out));
+} else if (mode === 'encode-llama-js' && args.length === 3) {
+  const url = require('url');
+  import(url.pathToFileURL(path.resolve(args[0], 'llama-tokenizer.js')).href).then(({ default: llama }) => {
+    const inputs = JSON.parse(fs.readFileSync(args[1], 'utf8'));
+    const out = inputs.map((s) => (s === '' ? [] : llama.encode(s, false, true)));
+    fs.writeFileSync(args[2], JSON.stringify(out));
+  }).catch((e) => {
+    process.stderr.write(String(e && e.stack || e) + '\n');
+    process.exit(1);
+  });
 } else if (mode === 'classes' && args.length === 1) {
   const L = /^\p{L}$/u, N = /^\p{N}$/u, S = /^\s$/u;
   const cls = new Array(0x110000);

@@ -1,5 +1,5 @@
 // Parity of the C++ tokenizers with references run by node through tests/data/tokenizer_parity.js
-// (GPT-2's with the npm gpt-3-encoder, LLaMA 3's and Mistral's with transformers.js's tokenizers): the whole KJV (in ~20 KB pieces: the JavaScript encoder
+// (GPT-2's with the npm gpt-3-encoder, LLaMA 3's and Mistral's with transformers.js's tokenizers, LLaMA 2's with llama-tokenizer-js): the whole KJV (in ~20 KB pieces: the JavaScript encoder
 // is quadratic in a string's length), hard strings, random strings, and the code point
 // classes of the pre-tokenizer regex. Needs node and scripts/fetch_data.sh; without them
 // these tests FAIL (they do not skip).
@@ -66,19 +66,23 @@ std::string run_node(const std::vector<std::string>& args, const TempDir& dir) {
 
 // The reference's ids for each string, or a failure: for "gpt2" the npm gpt-3-encoder, for
 // "llama3" and "mistral" transformers.js's tokenizers (@lenml/tokenizers) reading
-// data/NAME/tokenizer.json.
+// data/NAME/tokenizer.json, for "llama2" llama-tokenizer-js.
 ::testing::AssertionResult js_encode(const std::string& tokenizer, const std::vector<std::string>& inputs,
                                      std::vector<std::vector<int32_t>>* out) {
   const std::string modules = source_dir() + "/third_party/node_modules/";
-  const std::string pkg = modules + (tokenizer == "gpt2" ? "gpt-3-encoder" : "@lenml/tokenizers");
-  if (!std::filesystem::exists(pkg + (tokenizer == "gpt2" ? "/Encoder.js" : "/dist/main.js")))
+  const std::string pkg = modules + (tokenizer == "gpt2"     ? "gpt-3-encoder"
+                                     : tokenizer == "llama2" ? "llama-tokenizer-js"
+                                                             : "@lenml/tokenizers");
+  const std::string entry = tokenizer == "gpt2" ? "/Encoder.js" : tokenizer == "llama2" ? "/llama-tokenizer.js" : "/dist/main.js";
+  if (!std::filesystem::exists(pkg + entry))
     return ::testing::AssertionFailure() << "the reference npm package is not at " << pkg << ": " << kFetchHint;
   TempDir dir;
   write_file(dir.file("in.json"), nlohmann::json(inputs).dump());
   const std::vector<std::string> args =
-      tokenizer == "gpt2" ? std::vector<std::string>{"encode", pkg, dir.file("in.json"), dir.file("out.json")}
-                          : std::vector<std::string>{"encode-hf", pkg, hf_tokenizer_file(tokenizer, data_dir()),
-                                                     dir.file("in.json"), dir.file("out.json")};
+      tokenizer == "gpt2"     ? std::vector<std::string>{"encode", pkg, dir.file("in.json"), dir.file("out.json")}
+      : tokenizer == "llama2" ? std::vector<std::string>{"encode-llama-js", pkg, dir.file("in.json"), dir.file("out.json")}
+                              : std::vector<std::string>{"encode-hf", pkg, hf_tokenizer_file(tokenizer, data_dir()),
+                                                         dir.file("in.json"), dir.file("out.json")};
   if (std::string err = run_node(args, dir); !err.empty()) return ::testing::AssertionFailure() << err;
   *out = nlohmann::json::parse(read_file(dir.file("out.json"))).get<std::vector<std::vector<int32_t>>>();
   if (out->size() != inputs.size()) return ::testing::AssertionFailure() << "node returned a wrong count";
@@ -130,7 +134,7 @@ std::vector<std::string> cut(const std::string& text, size_t target) {
   return out;
 }
 
-// Each test runs for GPT-2's tokenizer, LLaMA 3's and Mistral's.
+// Each test runs for GPT-2's tokenizer, LLaMA 3's, Mistral's and LLaMA 2's.
 class TokenizerParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TokenizerParity, WholeKjv) {
@@ -149,7 +153,7 @@ TEST_P(TokenizerParity, WholeKjv) {
   // each text it encodes, the reference's chunks too: its whole text is the C++ chunks', each after
   // the first encoded as a continuation, and the chunks are checked one by one above.)
   std::vector<int32_t> joined;
-  const bool sentencepiece = GetParam() == "mistral";
+  const bool sentencepiece = GetParam() == "mistral" || GetParam() == "llama2";
   for (size_t k = 0; k < chunks.size(); ++k) {
     const std::vector<int32_t> ids = !sentencepiece ? js[k] : k == 0 ? tok->encode(chunks[k]) : tok->encode_continuation(chunks[k]);
     joined.insert(joined.end(), ids.begin(), ids.end());
@@ -284,7 +288,7 @@ TEST_P(TokenizerParity, RandomStrings) {
   EXPECT_EQ(compare(*tok, inputs, js, "random string"), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizerParity, ::testing::Values("gpt2", "llama3", "mistral"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizerParity, ::testing::Values("gpt2", "llama3", "mistral", "llama2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // Our generated class table against the JavaScript engine's \p{L}, \p{N} and \s, for every

@@ -227,7 +227,7 @@ TEST_P(StablePrefix, LetsAStreamBeEncodedInChunks) {
   EXPECT_EQ(tok->stable_prefix("abcdefghijklmnopqrstuvwxyz"), 0u);  // one piece: more may join it
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, StablePrefix, ::testing::Values("gpt2", "llama3", "mistral"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, StablePrefix, ::testing::Values("gpt2", "llama3", "mistral", "llama2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 TEST(Gpt2Tokenizer, LongPiecesAreFast) {
@@ -374,6 +374,20 @@ TEST(SentencePieceTokenizer, KnownIds) {
     for (int i = static_cast<int>(rng() % 64); i > 0; --i) s.push_back(k % 2 ? static_cast<char>(rng()) : " ab\xC3\xA9"[rng() % 5]);
     if (s.find("\xE2\x96\x81") == std::string::npos) expect_round_trip(*tok, s);
   }
+}
+
+// LLaMA 2's (data/llama2/tokenizer.json, written from llama-tokenizer-js's vocabulary and merges):
+// the same kind of file with another vocabulary ("▁" is 29871).
+TEST(SentencePieceTokenizer, Llama2KnownIds) {
+  const Tokenizer* tok = testing::loaded_tokenizer("llama2");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->vocab_size(), 32000);
+  EXPECT_EQ(tok->encode("Hello world!"), (std::vector<int32_t>{15043, 3186, 29991}));
+  EXPECT_EQ(tok->encode(" Hello"), (std::vector<int32_t>{29871, 15043}));
+  EXPECT_EQ(tok->encode("caf\xC3\xA9 \xF0\x9F\x98\x80"), (std::vector<int32_t>{274, 28059, 29871, 243, 162, 155, 131}));
+  EXPECT_EQ(encode_prompt(*tok, "Hello world!"), (std::vector<int32_t>{1, 15043, 3186, 29991}));
+  EXPECT_EQ(tok->decode({1, 15043, 3186, 29991}), "<s> Hello world!");
+  EXPECT_EQ(tok->end_tokens(), std::vector<int32_t>{2});
 }
 
 // Long runs of one code point (one piece each) encode in O(n log n).
