@@ -37,6 +37,7 @@ struct Vocabulary {
   std::unordered_map<uint32_t, int32_t> symbol;  // code point -> its token (spaces as "▁")
   std::array<int32_t, 256> byte_token{};         // byte -> <0xXX>
   std::unordered_set<uint32_t> joins_mark;       // code points some token has before a "▁"
+  std::array<bool, 128> isolated{};              // ASCII with no token, whose byte tokens never merge ("\n")
   MergeTable merges;
   int32_t eot = -1, bos = -1;
   std::vector<int32_t> ends;
@@ -64,8 +65,10 @@ class SentencePieceBpe final : public Tokenizer {
 
   size_t stable_prefix(std::string_view text) const override {
     const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-    for (size_t i = text.size(); i-- > 1;)
-      if (mark_at(s, text.size(), i) && cut_before(s, i)) return i;
+    const size_t n = text.size();
+    if (n > 0 && isolated(s[n - 1])) return n;
+    for (size_t i = n; i-- > 1;)
+      if (cut_at(s, n, i)) return i;
     return 0;
   }
 
@@ -95,6 +98,14 @@ class SentencePieceBpe final : public Tokenizer {
 
   static bool mark_at(const unsigned char* s, size_t n, size_t i) {
     return s[i] == ' ' || (s[i] == 0xE2 && i + 2 < n && s[i + 1] == 0x96 && s[i + 2] == 0x81);
+  }
+
+  bool isolated(unsigned char b) const { return b < 128 && v_.isolated[b]; }
+
+  // Whether no merge can join s[i - 1] and s[i] (0 < i < n), both ends of code points there: the
+  // cut before a "▁" above, or either side a byte that is its byte token alone.
+  bool cut_at(const unsigned char* s, size_t n, size_t i) const {
+    return isolated(s[i - 1]) || isolated(s[i]) || (mark_at(s, n, i) && cut_before(s, i));
   }
 
   // Appends the initial symbols of the code point at s[i] and returns its length.
@@ -128,10 +139,10 @@ class SentencePieceBpe final : public Tokenizer {
     std::unordered_map<std::string_view, std::pair<uint32_t, uint32_t>> cache;  // piece -> ids in cache_ids
     std::vector<int32_t> cache_ids;
     Scratch sc;
-    // A space or "▁" is never inside a code point (its bytes are no continuation bytes), so the
-    // cuts can be looked for byte by byte.
+    // A space, a "▁" or an ASCII byte is never inside a code point (none is a continuation byte),
+    // so the cuts can be looked for byte by byte.
     for (size_t start = 0, i = 1; start < n; ++i) {
-      if (i < n && !(mark_at(s, n, i) && cut_before(s, i))) continue;
+      if (i < n && !cut_at(s, n, i)) continue;
       const std::string_view piece = text.substr(start, i - start);
       if (start == 0 && at_start) {
         encode_piece(s, n, start, i, true, sc, out);
@@ -284,6 +295,13 @@ std::unique_ptr<Tokenizer> read_sentencepiece_bpe(const nlohmann::json& j, const
     v.merges.set(a, b, {static_cast<int32_t>(r), ab});
   }
 
+  // A byte token that no merge takes is a piece of its own: text may be cut on both sides of an
+  // ASCII character without a token (LLaMA 2's and Mistral's "\n", so text without spaces, as
+  // Chinese is written, still streams a line at a time).
+  bool byte_merges = false;
+  for (const auto& [left, right] : pairs)
+    for (const std::string* t : {&left, &right}) byte_merges = byte_merges || byte_of_token(*t) >= 0;
+  for (int c = 0; c < 128; ++c) v.isolated[c] = !byte_merges && c != ' ' && !v.symbol.count(static_cast<uint32_t>(c));
   v.eot = document_separator(added);
   v.ends = end_tokens(added);
   // The token the post-processor begins a text with (LLaMA 2's: <s>).

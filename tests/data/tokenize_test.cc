@@ -273,6 +273,26 @@ TEST(Tokenize, NumberedShardsPastTheOpenFileLimit) {
   EXPECT_EQ(read_all(st.train_files), std::vector<int32_t>(2700, 'x'));
 }
 
+// Text written without spaces (Chinese) streams a line at a time with a SentencePiece tokenizer:
+// "\n" has no token of its own and its byte token merges with nothing, so a line ends a piece
+// (it once had to wait for a space, and such a file past the limit was refused).
+TEST(Tokenize, SentencePieceTextWithoutSpacesStreamsByLine) {
+  for (const char* name : {"mistral", "llama2"}) {
+    const Tokenizer* tok = testing::loaded_tokenizer(name);
+    ASSERT_NE(tok, nullptr);
+    std::string line = "\xE4\xB8\xAD\xE6\x96\x87\xE6\xB2\xA1\xE6\x9C\x89\xE7\xA9\xBA\xE6\xA0\xBC";  // 中文没有空格
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += line + (i % 3 ? "\n" : "\n\n") + line.substr(0, 3 * (i % 6));
+    EXPECT_EQ(tok->stable_prefix(line + "\n"), line.size() + 1) << name;
+    EXPECT_EQ(tok->stable_prefix(line + "\n" + line), line.size() + 1) << name;
+    TempDir dir;
+    write_file(dir.file("zh.txt"), text);
+    const TokenizeStats st = tokenize_files({dir.file("zh.txt")}, dir.file("t"), *tok,
+                                            {.val_fraction = 0, .limits = {.max_unbroken_bytes = 1000, .read_bytes = 100}});
+    EXPECT_EQ(read_all(st.train_files), tok->encode(text)) << name;
+  }
+}
+
 // JSON Lines (FineWeb's, C4's, OpenWebText's form): each record's text is a document, joined to the
 // next with eot as files are, so the tokens are those of the same documents given as text files
 // — whatever the threads and however the records fall into pieces. JSON escapes (\u00e9, a
