@@ -1,6 +1,8 @@
 #!/usr/bin/env node
 // The reference side of BENCHMARKS.md's tokenize comparisons: encodes a text file in 20 KB pieces
-// and prints the token count (writes nothing), with transformers.js's tokenizers
+// (or, with SHARDLM_BENCH_LINES=1, a line at a time: SentencePiece's references merge a piece
+// whole, in time that grows faster than its length) and prints the token count (writes nothing),
+// with transformers.js's tokenizers
 // (@lenml/tokenizers) from a Hugging Face tokenizer.json (LLaMA 3's, Mistral's), or with
 // llama-tokenizer-js (LLaMA 2's; no <s>, a space before each piece as SentencePiece puts one).
 //
@@ -19,7 +21,11 @@ if (args.length !== 3) {
 
 function count(text, encode) {
   let n = 0;
-  for (let i = 0; i < text.length; i += 20000) n += encode(text.slice(i, i + 20000)).length;
+  if (process.env.SHARDLM_BENCH_LINES === '1') {
+    for (const line of text.split('\n')) n += encode(line).length;
+  } else {
+    for (let i = 0; i < text.length; i += 20000) n += encode(text.slice(i, i + 20000)).length;
+  }
   console.log(n);
 }
 
