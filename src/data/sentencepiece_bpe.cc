@@ -5,14 +5,15 @@
 // fallback); symbols are merged by rank as byte-level BPE merges bytes (bpe_core.h). Decoding
 // writes "▁" back as a space and drops the one put before the text.
 //
-// There is no pre-tokenizer: the whole text is one piece. Pieces are cut anyway, before a "▁"
-// that follows another code point, wherever no token holds that code point followed by "▁": no
-// merge can join the two sides of such a cut (a merge makes a token), so the pieces encode alone
-// to the ids of the whole, and repeated words are merged once (LLaMA 2's vocabulary puts "▁" only
-// at a token's start or in runs of "▁", so every space after a word is such a cut).
+// There is no pre-tokenizer: the whole text is one piece. Pieces are cut anyway where no merge can
+// join the two sides (a merge makes a token): before a "▁" that follows a code point no token holds
+// before a "▁" (LLaMA 2's and Mistral's vocabularies put "▁" only at a token's start or in runs of
+// "▁", so every space after a word is such a cut), and on both sides of an ASCII character with no
+// token whose byte token no merge takes ("\n"). The pieces encode alone to the ids of the whole,
+// repeated words are merged once, and a stream is encoded a piece at a time.
 //
 // Invalid UTF-8 bytes (which Hugging Face's tokenizers cannot be given) are each their byte's
-// token, so every byte string encodes and decodes back.
+// token, so every byte string encodes and decodes back, but U+2581, which decodes as a space.
 #include <algorithm>
 #include <array>
 #include <cstdio>
