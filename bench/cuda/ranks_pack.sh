@@ -39,6 +39,7 @@ done | sort -u | while read -r name path; do
 done
 cp "$DATA"_train.bin "$DATA"_val.bin "$DATA"_meta.json "$DIR/data/"
 cp bench/cuda/ranks_run.sh "$DIR/run.sh"
+cp bench/cuda/packed_env.sh "$DIR/packed_env.sh"
 cp bench/cuda/nccl_run.sh "$DIR/nccl_run.sh"
 cp bench/cuda/calibrate_run.sh "$DIR/calibrate_run.sh"
 [ "$(basename "$DIR")" = devranks ] || { echo "DIR must end in /devranks (run.sh's instructions say so)"; exit 1; }

@@ -235,6 +235,14 @@ void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
       ->check(at_least(0));
 }
 
+// What the kernels run on (train, and explain: a CUDA backend's kernels take scratch the plan holds).
+void add_device_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+      ->capture_default_str();
+  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")
+      ->capture_default_str();
+}
+
 // In-memory snapshots (train, and explain for their memory).
 void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")
@@ -287,10 +295,7 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress");
-  cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
-      ->capture_default_str();
-  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")
-      ->capture_default_str();
+  add_device_options(cmd, c);
   cmd->add_option("--comm", c.comm_backend,
                   "collectives over GPU memory: auto (MPI staged through host memory; ranks may share a GPU) | "
                   "nccl (--device cuda, one GPU per rank) | mpi")
@@ -472,6 +477,7 @@ void add_explain_command(CLI::App& app, Commands& c) {
   add_model_options(e.cmd, e.cfg);
   add_plan_options(e.cmd, e.cfg);
   add_snapshot_options(e.cmd, e.cfg);
+  add_device_options(e.cmd, e.cfg);
 }
 
 void add_simulate_command(CLI::App& app, Commands& c) {

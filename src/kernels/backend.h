@@ -63,6 +63,27 @@ class Backend {
   // handle (a cudaStream_t on CUDA): what a communicator over device memory orders its collectives
   // after (comm/nccl.h). Null where there is none (the CPU).
   virtual void* stream_handle() const { return nullptr; }
+  // A device backend's queues: the kernels' (compute) and one for the offload tier's transfers
+  // (copy), so those overlap the kernels instead of waiting in line behind them. Work on one lane
+  // runs in the order it is issued; between lanes only marks order it: mark(lane) records what
+  // the lane has been given so far, and wait(lane, mark) makes later work on `lane` wait for it
+  // without the host waiting. On the CPU there is one lane, work has completed when it returns,
+  // marks are null and waits do nothing.
+  enum class Lane { compute, copy };
+  using Mark = std::shared_ptr<void>;
+  virtual Mark mark(Lane) const { return nullptr; }
+  virtual void wait(Lane, const Mark&) const {}
+  // upload / download on `lane` (same contracts: download_on returns once the bytes are on the
+  // host, having waited for that lane's work before it, not the other's).
+  virtual void upload_on(Lane, void* dst, const void* host_src, size_t bytes) const { upload(dst, host_src, bytes); }
+  virtual void download_on(Lane, void* host_dst, const void* src, size_t bytes) const { download(host_dst, src, bytes); }
+  // The region of the backend's memory its kernels carve their own scratch from (the head of a
+  // unit task's workspace buffer, sized by model::UnitCosts::*_kernel_scratch; the executor gives
+  // it for the task's layer), or none (null): then they allocate it, charged to `workspace`. A
+  // call whose scratch does not fit what is left of the region allocates too, and is counted
+  // (scratch_overflows): the plan's figure fell short of the kernels. The CPU's kernels take none.
+  virtual void use_scratch(void* /*region*/, size_t /*bytes*/) const {}
+  virtual int64_t scratch_overflows() const { return 0; }
   // Returns once every kernel and copy issued so far has completed: a host clock read after
   // work on a device times nothing unless the device's queue is drained first (calibrate). The
   // CPU's kernels have completed when they return: nothing to wait for.

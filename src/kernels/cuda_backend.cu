@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -102,6 +103,7 @@ struct Context {
   int device = 0;
   bool sync_each_launch = false;
   cudaStream_t s = nullptr;
+  cudaStream_t copy = nullptr;  // Backend::Lane::copy
   cublasHandle_t blas = nullptr;
   cublasLtHandle_t lt = nullptr;  // for GEMMs with a bias epilogue
   void* lt_workspace = nullptr;
@@ -131,6 +133,7 @@ struct Context {
     c->sync_each_launch = o.sync_each_launch;
     SHARDLM_CUDA_CHECK(cudaSetDevice(c->device));
     SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
+    SHARDLM_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking));
     check_cublas(cublasCreate(&c->blas), "cublasCreate");
     check_cublas(cublasSetStream(c->blas, c->s), "cublasSetStream");
     check_cublas(cublasLtCreate(&c->lt), "cublasLtCreate");
@@ -152,6 +155,7 @@ bool is_device_pointer(const void* p) {
 }  // namespace
 
 cudaStream_t stream() { return Context::get().s; }
+cudaStream_t copy_stream() { return Context::get().copy; }
 
 void after_launch(const char* file, int line) {
   check(cudaGetLastError(), "kernel launch", file, line);
@@ -191,6 +195,66 @@ void check_memop(cudaError_t e, const char* what, const void* dst, const void* s
 
 }  // namespace cuda
 
+// The region a plan sized for the kernels' scratch (Backend::use_scratch), handed out in pieces
+// of 512 bytes and up (model::KernelScratch counts them so) and taken back last in, first out: a
+// piece dropped before the ones above it is reused once they are gone too. Only the compute lane's
+// calls take scratch; the mutex keeps a stray caller from corrupting the stack all the same.
+class ScratchStack final : public Buffer::Owner {
+ public:
+  void reset(void* base, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pieces_.empty()) throw std::logic_error("CUDA backend: the scratch region changed under a live piece");
+    base_ = static_cast<char*>(base);
+    size_ = base ? bytes : 0;
+    top_ = high_ = 0;
+  }
+  bool active() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return base_ != nullptr;
+  }
+  // Null where no region is given or the piece does not fit what is left of it.
+  void* take(size_t bytes) {
+    const size_t r = cuda::DeviceCache::rounded(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!base_ || top_ + r > size_) return nullptr;
+    pieces_.push_back({top_, false});
+    void* p = base_ + top_;
+    top_ += r;
+    high_ = std::max(high_, top_);
+    return p;
+  }
+  void give_back(void* p, size_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t at = static_cast<size_t>(static_cast<char*>(p) - base_);
+    for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it)
+      if (it->at == at && !it->dropped) {
+        it->dropped = true;
+        break;
+      }
+    while (!pieces_.empty() && pieces_.back().dropped) {
+      top_ = pieces_.back().at;
+      pieces_.pop_back();
+    }
+  }
+  // The most bytes held at once since the last call (tests: against model::KernelScratch).
+  int64_t take_high_water() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t h = high_;
+    high_ = top_;
+    return static_cast<int64_t>(h);
+  }
+
+ private:
+  struct Piece {
+    size_t at;
+    bool dropped;
+  };
+  std::mutex mu_;
+  char* base_ = nullptr;
+  size_t size_ = 0, top_ = 0, high_ = 0;
+  std::vector<Piece> pieces_;
+};
+
 namespace {
 
 using cuda::Context;
@@ -203,6 +267,39 @@ class CudaBackend final : public Backend {
   }
   const char* name() const override { return bf16_ ? "cuda" : "cuda-fp32"; }
   int64_t reserved_bytes() const { return cache_.reserved(); }
+  int64_t scratch_high_water() const { return scratch_.take_high_water(); }
+
+  // Scratch of one call: a piece of the plan's region, charged to the backend's own pool (the
+  // region is charged to the run's), or where none fits a workspace buffer of the cache.
+  Buffer scratch(size_t bytes) const {
+    if (bytes == 0) return Buffer();
+    if (void* p = scratch_.take(bytes)) return Buffer::adopt(scratch_pool_, MemCategory::workspace, p, bytes, scratch_);
+    if (scratch_.active()) overflows_.fetch_add(1);
+    return alloc(MemCategory::workspace, bytes, Buffer::Fill::none);
+  }
+  void use_scratch(void* region, size_t bytes) const override { scratch_.reset(region, bytes); }
+  int64_t scratch_overflows() const override { return overflows_.load(); }
+
+  Mark mark(Lane lane) const override {
+    cudaEvent_t e = nullptr;
+    SHARDLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    SHARDLM_CUDA_CHECK(cudaEventRecord(e, lane_stream(lane)));
+    return Mark(static_cast<void*>(e), [](void* p) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+  }
+  void wait(Lane lane, const Mark& m) const override {
+    if (m) SHARDLM_CUDA_CHECK(cudaStreamWaitEvent(lane_stream(lane), static_cast<cudaEvent_t>(m.get()), 0));
+  }
+  void upload_on(Lane lane, void* dst, const void* src, size_t bytes) const override {
+    if (bytes)
+      cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, lane_stream(lane)), "upload", dst, src,
+                        bytes);
+  }
+  void download_on(Lane lane, void* dst, const void* src, size_t bytes) const override {
+    if (!bytes) return;
+    cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane_stream(lane)), "download", dst, src,
+                      bytes);
+    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(lane_stream(lane)));
+  }
 
   Buffer alloc(MemCategory category, size_t bytes, Buffer::Fill fill) const override {
     if (bytes == 0) return Buffer();
@@ -211,15 +308,8 @@ class CudaBackend final : public Backend {
     if (fill == Buffer::Fill::zero) zero(p, cuda::DeviceCache::rounded(bytes));
     return b;
   }
-  void upload(void* dst, const void* src, size_t bytes) const override {
-    if (bytes) cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda::stream()), "upload", dst, src, bytes);
-  }
-  void download(void* dst, const void* src, size_t bytes) const override {
-    if (!bytes) return;
-    cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cuda::stream()), "download", dst, src,
-                      bytes);
-    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
-  }
+  void upload(void* dst, const void* src, size_t bytes) const override { upload_on(Lane::compute, dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) const override { download_on(Lane::compute, dst, src, bytes); }
   void copy(void* dst, const void* src, size_t bytes) const override {
     if (bytes && dst != src)
       cuda::check_memop(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream()), "copy", dst, src,
@@ -238,7 +328,10 @@ class CudaBackend final : public Backend {
   }
   bool host_memory() const override { return false; }
   void* stream_handle() const override { return cuda::stream(); }
-  void synchronize() const override { SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
+  void synchronize() const override {
+    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::copy_stream()));
+  }
   // A refusal (a memlock limit, an unaligned buffer) leaves the buffer pageable: slower, still right.
   bool pin_host(void* p, size_t bytes) const override {
     if (p == nullptr || bytes == 0) return false;
@@ -364,7 +457,7 @@ class CudaBackend final : public Backend {
       return cuda::mma_attention_backward(*this, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
     if (use_attention_gemm(T, NH, NKV))
       return cuda::attention_gemm_backward(*this, bf16_, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
-    Buffer rows = alloc(MemCategory::workspace, sizeof(float) * B * NH * T, Buffer::Fill::none);
+    Buffer rows = scratch(sizeof(float) * B * NH * T);
     cuda::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, rows.f32());
   }
 
@@ -382,8 +475,7 @@ class CudaBackend final : public Backend {
                                   const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
                                   const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
                                   int64_t NKV, int64_t HS, float*) const override {
-    Buffer rows = alloc(MemCategory::workspace, sizeof(float) * std::max<int64_t>(1, B * NH * qc.total()),
-                        Buffer::Fill::none);
+    Buffer rows = scratch(sizeof(float) * std::max<int64_t>(1, B * NH * qc.total()));
     cuda::attention_chunked_backward(dq, lddq, dk, dv, lddkv, dout, q, ldq, out, lse, qc, k, v, ldkv, kc, B, NH, NKV,
                                      HS, rows.f32());
   }
@@ -435,7 +527,7 @@ class CudaBackend final : public Backend {
   Operand operand(const float* x, int64_t rows, int64_t cols, int64_t ld) const {
     if (!bf16_ || !options_.bf16_operands) return Operand{x, ld, false, Buffer()};
     const int64_t n = rows > 0 && cols > 0 ? (rows - 1) * ld + cols : 0;
-    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(n), Buffer::Fill::none);
+    Buffer copy = scratch(sizeof(uint16_t) * static_cast<size_t>(n));
     if (n > 0) cuda::fp32_to_bf16(copy.as<uint16_t>(), x, n);
     return Operand{copy.data(), ld, true, std::move(copy)};
   }
@@ -494,7 +586,7 @@ class CudaBackend final : public Backend {
   // column-major, so it computes C^T = op(B)^T op(A)^T with the operands swapped.
   // operand(dout, N, OC, OC) with dbias += dout's column sums taken in the same pass.
   Operand operand_and_bias_grad(const float* dout, int64_t N, int64_t OC, float* dbias) const {
-    Buffer copy = alloc(MemCategory::workspace, sizeof(uint16_t) * static_cast<size_t>(N * OC), Buffer::Fill::none);
+    Buffer copy = scratch(sizeof(uint16_t) * static_cast<size_t>(N * OC));
     cuda::bias_grad_and_bf16(*this, dbias, copy.as<uint16_t>(), dout, N, OC);
     return Operand{copy.data(), OC, true, std::move(copy)};
   }
@@ -513,9 +605,13 @@ class CudaBackend final : public Backend {
                                     &beta, C, CUDA_R_32F, int(ldc), compute, CUBLAS_GEMM_DEFAULT),
                        "cublasGemmEx");
   }
+  static cudaStream_t lane_stream(Lane lane) { return lane == Lane::copy ? cuda::copy_stream() : cuda::stream(); }
   const CudaOptions options_;
   const bool bf16_;
   mutable cuda::DeviceCache cache_;  // the device blocks of this backend's buffers
+  mutable MemoryPool scratch_pool_;  // what the region's pieces are charged to (the region is the run's)
+  mutable ScratchStack scratch_;
+  mutable std::atomic<int64_t> overflows_{0};
 };
 
 double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x, const float* wte,
@@ -527,8 +623,7 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   // and re-reads dwte once per slab. Larger slabs come from scratch of their own (workspace).
   Buffer slab;
   if (const int64_t big = std::min<int64_t>(N, options_.head_rows); big > chunk) {
-    slab = alloc(MemCategory::workspace, sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)),
-                 Buffer::Fill::none);
+    slab = this->scratch(sizeof(float) * static_cast<size_t>(kernels::head_scratch(big, Vp)));
     chunk = big;
     scratch = slab.f32();
   }
@@ -538,7 +633,7 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
   // Generation passes a host target (-1); the tensors themselves are device buffers.
   Buffer staged;
   if (N > 0 && !cuda::is_device_pointer(targets)) {
-    staged = alloc(MemCategory::workspace, sizeof(int32_t) * N, Buffer::Fill::none);
+    staged = this->scratch(sizeof(int32_t) * N);
     upload(staged.data(), targets, sizeof(int32_t) * N);
     targets = staged.as<int32_t>();
   }
@@ -587,5 +682,15 @@ bool cuda_device_present() {
 }
 
 int64_t cuda_reserved_bytes(const Backend& cuda) { return dynamic_cast<const CudaBackend&>(cuda).reserved_bytes(); }
+
+int64_t cuda_scratch_high_water(const Backend& cuda) {
+  return dynamic_cast<const CudaBackend&>(cuda).scratch_high_water();
+}
+
+namespace cuda {
+Buffer device_scratch(const Backend& backend, size_t bytes) {
+  return dynamic_cast<const CudaBackend&>(backend).scratch(bytes);
+}
+}  // namespace cuda
 
 }  // namespace shardlm::kernels

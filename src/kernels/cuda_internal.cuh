@@ -30,12 +30,13 @@ void after_launch(const char* file, int line);
 // The one stream every kernel, copy and GEMM of the backend is issued on: in-order, so a block
 // freed by the host and handed out again is only touched after the work that used it.
 cudaStream_t stream();
+// The copy lane's stream (Backend::Lane::copy): the offload tier's transfers.
+cudaStream_t copy_stream();
 
-// Device scratch from `backend`'s caching allocator (a workspace buffer): for kernels whose
-// scratch the plan does not size.
-inline Buffer device_scratch(const Backend& backend, size_t bytes) {
-  return backend.alloc(MemCategory::workspace, bytes, Buffer::Fill::none);
-}
+// Device scratch for one call of `backend` (a CUDA backend): carved from the region the plan sized
+// (Backend::use_scratch) while one is given and the piece fits, else from its caching allocator
+// (a workspace buffer, counted as an overflow when a region was given).
+Buffer device_scratch(const Backend& backend, size_t bytes);
 
 inline unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;

@@ -332,12 +332,14 @@ int64_t ModelDesc::num_params_exported() const {
 
 UnitCosts ModelDesc::costs(int unit, const Shape& s) const {
   const UnitDesc& u = units.at(unit);
+  UnitCosts k;
   switch (config.family) {
-    case Family::gpt2: return gpt2_costs(*this, u, s);
-    case Family::llama: return llama_costs(*this, u, s);
-    case Family::moe: return moe_costs(*this, u, s);
+    case Family::gpt2: k = gpt2_costs(*this, u, s); break;
+    case Family::llama: k = llama_costs(*this, u, s); break;
+    case Family::moe: k = moe_costs(*this, u, s); break;
   }
-  return {};
+  detail::add_kernel_scratch(*this, u, s, k);
+  return k;
 }
 
 double ModelDesc::train_flops(int64_t B, int64_t T) const {

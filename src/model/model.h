@@ -202,6 +202,33 @@ const char* to_string_act_quant(const ActQuant& q);  // "none" or "int8"
 // an expert; split over cp ranks by heads, a rank's part of the q|k|v row).
 void validate_act_quant(const ModelConfig& c, const ActQuant& q, int cp, ContextImpl impl);
 
+// The scratch a device backend's kernels take of their own, beyond the plan's buffers: the CUDA
+// backend (kernels/cuda_backend.cu) rounds GEMM operands and attention's inputs into bf16 copies,
+// sums columns through partial rows and runs the head's logits in slabs of `head_rows` rows. The
+// figures mirror those allocations, each rounded up to the device allocator's 512 bytes and
+// counted while the call holds it (cuda_tests checks them call by call). The CPU's kernels take
+// none (their scratch is the plan's buffers): with `cuda` false every figure is 0.
+struct KernelScratch {
+  bool cuda = false;
+  bool bf16_gemm = true;       // tensor-core GEMMs (CudaOptions::bf16_gemm)
+  bool bf16_operands = true;   // with them, operands copied to bf16 first (CudaOptions::bf16_operands)
+  bool mma_attention = true;   // CudaOptions::attention: mma (the tensor-core kernels where they apply)
+  bool gemm_attention = true;  // ... not flash (cuBLAS over score buffers where those fit)
+  int64_t head_rows = 2048;    // CudaOptions::head_rows
+  // Bytes one call holds at most:
+  int64_t linear_forward(int64_t N, int64_t C, int64_t OC, bool bias) const;
+  int64_t linear_backward(int64_t N, int64_t C, int64_t OC, bool bias) const;  // dinp, dweight (and dbias)
+  int64_t dense_forward(int64_t N, int64_t C, int64_t OC) const;
+  int64_t dense_backward(int64_t N, int64_t C, int64_t OC) const;  // dinp and dweight
+  int64_t column_sums(int64_t N, int64_t C) const;  // a norm's weight gradient, a bias gradient
+  int64_t attention_forward(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) const;
+  int64_t attention_backward(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) const;
+  int64_t attention_chunked_backward(int64_t B, int64_t NH, int64_t rows) const;
+  // The fused head over N rows with the plan's `chunk`; `train`: with dx / dwte; `host_targets`:
+  // targets in host memory (generation), copied to the device first.
+  int64_t head(int64_t N, int64_t C, int64_t Vp, int64_t chunk, bool train, bool host_targets) const;
+};
+
 // The size of one micro-batch as the costs see it: element size of activations (4 for fp32,
 // 2 for bf16) and the threads a kernel's per-thread scratch is sized for.
 struct Shape {
@@ -222,7 +249,10 @@ struct Shape {
   // compressed); with act_quant off the figures do not depend on `recompute`.
   ActQuant act_quant{};
   Recompute recompute = Recompute::none;
+  // The kernels that run it, for the scratch they take of their own (UnitCosts::*_kernel_scratch).
+  KernelScratch kernels{};
 };
+
 
 // One weight GEMM of a unit's forward for one micro-batch: M rows (B·T) of K inputs to N outputs.
 // Its backward is two GEMMs of the same FLOPs each (the input's gradient and the weight's).
@@ -278,6 +308,10 @@ struct UnitCosts {
   int64_t recomputable_bytes = 0;        // kept for the backward only when recompute is none
   int64_t forward_workspace = 0;         // scratch alive inside one forward (or recompute) task
   int64_t backward_workspace = 0;        // scratch alive inside one backward task
+  // The backend's own scratch (Shape::kernels): the most one kernel call of a forward (recompute,
+  // loss, logits) task, and of a backward (training head) task, holds. 0 on the CPU. The plan puts
+  // it before the layers' part of the task's workspace buffer; the executor hands it to the backend.
+  int64_t forward_kernel_scratch = 0, backward_kernel_scratch = 0;
   // The forward's weight GEMMs (their FLOPs are part of forward_flops; the head's is its vocabulary
   // projection), for a cost model that prices GEMMs by shape.
   std::vector<GemmShape> gemms;
@@ -357,6 +391,7 @@ struct ModelDesc {
 // Throws std::invalid_argument (via validate) for a bad configuration.
 ModelDesc describe(const ModelConfig& config);
 
+
 // Where each unit sits in the model-wide flat buffers (params, grads, AdamW moments: the same
 // layout for all). Each unit is padded to a multiple of 16 × shard_size elements so it splits
 // into equal, 64-byte aligned shards; padding elements are zero and never trained.
@@ -413,6 +448,9 @@ void add_param(UnitDesc& u, std::string name, std::vector<int64_t> shape, bool d
 int64_t attention_backward_scratch_floats(int64_t HS, int threads);
 // Floats of the fused head's logits chunk (rows of 256).
 int64_t head_chunk_rows(int64_t BT);
+// The unit's *_kernel_scratch from s.kernels (model/kernel_scratch.cc), after its architecture
+// file filled the rest (its GEMMs among them).
+void add_kernel_scratch(const ModelDesc& desc, const UnitDesc& unit, const Shape& s, UnitCosts& costs);
 // A block's attention over a sequence split among s.cp > 1 ranks in the all-to-all form: its pass
 // becomes three stages (norm and q|k|v, rotated where the model rotates; attention over the whole
 // sequence for this rank's NH / cp heads; the rest) with q|k|v, then the attention output, sent

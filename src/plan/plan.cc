@@ -188,6 +188,7 @@ model::Shape Plan::unit_shape(int elem, double expert_load) const {
   s.cp_impl = config.cp_impl;
   s.act_quant = config.act_quant;
   s.recompute = config.recompute;
+  s.kernels = config.kernel_scratch;
   return s;
 }
 model::Recompute PlanConfig::recompute_of(int layer, int n_layer) const {
@@ -292,6 +293,18 @@ bool Plan::depends_on(int later, int earlier) const {
   return false;
 }
 
+MemSnapshot StaticMemory::by_category() const {
+  MemSnapshot m;
+  const std::pair<MemCategory, int64_t> parts[] = {{MemCategory::params, params},       {MemCategory::grads, grads},
+                                                   {MemCategory::optimizer, optimizer}, {MemCategory::snapshot, snapshot},
+                                                   {MemCategory::staging, staging}};
+  for (const auto& [c, b] : parts) {
+    m.bytes[static_cast<int>(c)] += b;
+    m.total += b;
+  }
+  return m;
+}
+
 namespace {
 
 // Walks the tasks in list order (every allocation precedes its frees, and the list order is one
@@ -303,11 +316,7 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
     live.bytes[static_cast<int>(c)] += b;
     live.total += b;
   };
-  add(MemCategory::params, plan.static_memory.params);
-  add(MemCategory::grads, plan.static_memory.grads);
-  add(MemCategory::optimizer, plan.static_memory.optimizer);
-  add(MemCategory::snapshot, plan.static_memory.snapshot);
-  add(MemCategory::staging, plan.static_memory.staging);
+  live = plan.static_memory.by_category();
   MemSnapshot peak = live;
   if (each) *each = live;
   std::vector<char> alive(plan.buffers.size(), 0);
@@ -524,7 +533,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
       << layout.units[u].numel << " params, padded " << layout.units[u].padded << "): fwd " << k.forward_flops / 1e9
       << " bwd " << k.backward_flops / 1e9 << " recompute " << k.recompute_flops(shape.recompute) / 1e9 << " | out "
       << mib(k.output_bytes) << " kept " << mib(kept) << " transient " << mib(all - kept) << " | ws "
-      << mib(k.forward_workspace) << " / " << mib(k.backward_workspace) << "\n";
+      << mib(k.forward_workspace + k.forward_kernel_scratch) << " / " << mib(k.backward_workspace + k.backward_kernel_scratch) << "\n";
   }
 
   o << "\nmemory per rank (bytes):\n";

@@ -263,6 +263,10 @@ struct PlanConfig {
   // Unset, micro-steps accumulate whole gradients and the last one reduces them (FSDP's no_sync).
   // Hybrid's all-reduce over the replicas still runs once, on the summed shard.
   bool reduce_each_micro_step = false;
+  // What the kernels of the backend the plan runs on take as scratch of their own (a CUDA
+  // backend's; none on the CPU): each unit task's workspace buffer holds the most one of its calls
+  // does (model::UnitCosts::*_kernel_scratch) before the layers' part.
+  model::KernelScratch kernel_scratch{};
   // --memory-budget: per-rank bytes the plan's accounted peak (peak_memory().total) must stay
   // within; the placement pass (plan/budget.cc) moves params, grads and optimizer state and saved
   // activations of units to disk until it does, and writes its choice into `offload.units` and
@@ -330,6 +334,8 @@ struct GradClass {
 // rank always does).
 struct StaticMemory {
   int64_t params = 0, grads = 0, optimizer = 0, snapshot = 0, staging = 0;
+  int64_t total() const { return params + grads + optimizer + snapshot + staging; }
+  MemSnapshot by_category() const;
 };
 
 struct Plan {

@@ -113,9 +113,16 @@ class Builder {
   int grad_stream(int m) {
     return buffer("grad stream" + tag(m), Role::grad_stream, MemCategory::activations, desc_.grad_stream_bytes(shape_), -1);
   }
-  int forward_ws(int u) { return buffer("forward ws " + uname(u), Role::forward_ws, MemCategory::workspace, costs_[u].forward_workspace, u); }
+  // A task's scratch: the kernels' own (a device backend's), then the layers' part.
+  // (The training head runs its kernels in its backward's place: its forward's buffer needs none.)
+  int forward_ws(int u, bool kernels = true) {
+    const model::UnitCosts& c = costs_[u];
+    return buffer("forward ws " + uname(u), Role::forward_ws, MemCategory::workspace,
+                  c.forward_workspace + (kernels ? c.forward_kernel_scratch : 0), u);
+  }
   int backward_ws(int u) {
-    return buffer("backward ws " + uname(u), Role::backward_ws, MemCategory::workspace, costs_[u].backward_workspace, u);
+    const model::UnitCosts& c = costs_[u];
+    return buffer("backward ws " + uname(u), Role::backward_ws, MemCategory::workspace, c.backward_workspace + c.backward_kernel_scratch, u);
   }
   // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard. The
   // casts copy the whole unit once.
@@ -416,7 +423,8 @@ void Builder::forward(int u, int m) {
     alloc(t, io.recomputable);
     if (!train_ || recompute_[u] != Recompute::none) free(t, io.recomputable);
   }
-  if (c.forward_workspace > 0) scratch(t, io.forward_ws = forward_ws(u));
+  const bool head_trains = head && train_;
+  if (c.forward_workspace + (head_trains ? 0 : c.forward_kernel_scratch) > 0) scratch(t, io.forward_ws = forward_ws(u, !head_trains));
   if (!head) {
     add_stages(t, false);
     return;
@@ -425,7 +433,7 @@ void Builder::forward(int u, int m) {
   if (!train_) return;
   // Training: the head's backward runs in the same task and starts the gradient stream.
   at(t).flops += c.backward_flops;
-  if (c.backward_workspace > 0) scratch(t, io.backward_ws = backward_ws(u));
+  if (c.backward_workspace + c.backward_kernel_scratch > 0) scratch(t, io.backward_ws = backward_ws(u));
   io.grad_stream = grad_stream(m);
   alloc(t, io.grad_stream);
   if (sharded_grads_) {
@@ -460,7 +468,7 @@ void Builder::backward(int u, int m) {
       if (mode == Recompute::full) alloc(r, io.saved);
     }
     if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
-    if (c.forward_workspace > 0) scratch(r, io.forward_ws = forward_ws(u));
+    if (c.forward_workspace + c.forward_kernel_scratch > 0) scratch(r, io.forward_ws = forward_ws(u));
     // Only a full rebuild reruns the stages (and their exchanges); a selective one rebuilds what
     // each stage dropped on this rank, in one task.
     if (mode == Recompute::full) add_stages(r, false);
@@ -476,7 +484,7 @@ void Builder::backward(int u, int m) {
   at(b).flops = c.backward_flops;
   if (c.saved_bytes > 0) free(b, io.saved = saved(u, m));
   if (c.recomputable_bytes > 0) free(b, io.recomputable = recomputable(u, m));
-  if (c.backward_workspace > 0) scratch(b, io.backward_ws = backward_ws(u));
+  if (c.backward_workspace + c.backward_kernel_scratch > 0) scratch(b, io.backward_ws = backward_ws(u));
   io.grad_stream = grad_stream(m);
   if (u == 0) free(b, io.grad_stream);
   if (sharded_grads_) {

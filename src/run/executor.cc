@@ -339,6 +339,7 @@ void Executor::disk_read_all(StateIndex s, float* packed) {
     }
     if (at[u + 1] == at[u]) continue;
     disk_read(s, u, bounce.data());
+    backend_.wait(kernels::Backend::Lane::compute, backend_.mark(kernels::Backend::Lane::copy));  // the read, then the copy
     backend_.copy(packed + plan_.held_offset(k, u), bounce.data(), 4 * plan_.held_elems(k, u));
   }
 }
@@ -510,6 +511,28 @@ uint64_t quant_key(uint64_t seed, int rank, int64_t step, int64_t micro, int uni
 }
 }  // namespace
 
+namespace {
+
+// The head of a unit task's workspace buffer, before the layers' part, given to the backend for its
+// kernels' own scratch (model::UnitCosts::*_kernel_scratch) while the task's layer runs.
+class KernelScratch {
+ public:
+  KernelScratch(const kernels::Backend& backend, char* ws, int64_t bytes) : backend_(backend), on_(ws && bytes > 0) {
+    if (on_) backend_.use_scratch(ws, static_cast<size_t>(bytes));
+  }
+  ~KernelScratch() {
+    if (on_) backend_.use_scratch(nullptr, 0);
+  }
+  KernelScratch(const KernelScratch&) = delete;
+  KernelScratch& operator=(const KernelScratch&) = delete;
+
+ private:
+  const kernels::Backend& backend_;
+  const bool on_;
+};
+
+}  // namespace
+
 // Resolves a unit task's operands and runs its layer.
 void Executor::unit_task(const Task& t, Run& r) {
   const model::UnitDesc& u = desc_.units[t.unit];
@@ -545,8 +568,15 @@ void Executor::unit_task(const Task& t, Run& r) {
   if (io.output >= 0) a.out = r.f32(io.output);
   if (io.saved >= 0) a.saved = r.data(io.saved);
   if (io.recomputable >= 0) a.recomputable = r.data(io.recomputable);
-  if (io.forward_ws >= 0) a.forward_ws = r.data(io.forward_ws);
-  if (io.backward_ws >= 0) a.backward_ws = r.data(io.backward_ws);
+  // A workspace buffer starts with what the plan gave the kernels for their own scratch
+  // (model::UnitCosts::*_kernel_scratch, 512-byte pieces: the layers' part after it keeps the
+  // buffer's alignment), the bytes before the layers' part.
+  const model::UnitCosts costs = desc_.costs(t.unit, r.plan.unit_shape(desc_, t.unit, r.plan.config.activation_bytes));
+  const auto kernel_part = [&](int ws, int64_t layers_part) { return ws >= 0 ? r.plan.buffers[ws].bytes - layers_part : 0; };
+  const int64_t forward_kernels = kernel_part(io.forward_ws, costs.forward_workspace);
+  const int64_t backward_kernels = kernel_part(io.backward_ws, costs.backward_workspace);
+  if (io.forward_ws >= 0) a.forward_ws = r.data(io.forward_ws) + forward_kernels;
+  if (io.backward_ws >= 0) a.backward_ws = r.data(io.backward_ws) + backward_kernels;
   a.dx = r.f32(io.grad_stream);
   a.grad_scale = r.in.grad_scale;
   a.stage = t.stage;
@@ -566,6 +596,9 @@ void Executor::unit_task(const Task& t, Run& r) {
   // ranks holding other sequences draw apart.
   a.quant_key = quant_key(r.in.quant_seed, rank_, r.step, r.compute_micro, t.unit);
   const layers::LayerKind& kind = layers::layer(u.kind);
+  const bool backward_ws = t.op == Op::backward || t.op == Op::head;
+  const int ws = backward_ws ? io.backward_ws : io.forward_ws;
+  const KernelScratch scratch(backend_, ws >= 0 ? r.data(ws) : nullptr, backward_ws ? backward_kernels : forward_kernels);
   switch (t.op) {
     case Op::forward: kind.forward(a); break;
     case Op::recompute: kind.recompute(a, a.recompute); break;
@@ -1036,6 +1069,23 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
   std::condition_variable cv;
   std::exception_ptr failure;
   bool stop = false;
+  // The copy stream's tasks run on the backend's copy lane: what reads their result waits for
+  // their mark, recorded as each ends (the latest run's, which covers the earlier ones).
+  using Lane = kernels::Backend::Lane;
+  const int copy_stream = static_cast<int>(std::find(plan.streams.begin(), plan.streams.end(), "copy") - plan.streams.begin());
+  std::vector<kernels::Backend::Mark> marks(n);
+  auto wait_for_copies = [&](const Task& task, int64_t run) {
+    for (int dep : task.deps) {
+      const plan::Plan::Wait w = plan.wait_for(task, run, dep);
+      if (plan.tasks[w.task].stream != copy_stream) continue;
+      kernels::Backend::Mark m;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        m = marks[w.task];
+      }
+      backend_.wait(Lane::compute, m);
+    }
+  };
 
   // Waits for a task's dependencies; returns ms spent waiting on the other streams' tasks.
   auto wait_deps = [&](const Task& task, int64_t run) {
@@ -1075,11 +1125,17 @@ StepResult Executor::run(const plan::Plan& plan, int64_t step, const StepInputs&
       }
       const int64_t micro = plan.step_micro(task, walk.run());
       if (stream == plan::kCompute) r.compute_micro = micro;
+      if (stream != copy_stream) wait_for_copies(task, walk.run());
       const double start = now_us();
       allocate(task, micro, task.allocs, r);
       (this->*kHandlers[static_cast<int>(task.op)])(task, r);
       release(task, r);
       allocate(task, micro, task.hands_off, r);
+      if (stream == copy_stream) {
+        kernels::Backend::Mark m = backend_.mark(Lane::copy);
+        std::lock_guard<std::mutex> lock(mu);
+        marks[task.id] = std::move(m);
+      }
       finish(task, micro, start);
     }
   };

@@ -34,13 +34,24 @@ char* HostStore::at(int file, int64_t offset, int64_t bytes, const char* what) {
   return f.as<char>() + offset;
 }
 
+// Each copy runs on the copy lane after every kernel issued before it (the one that wrote what a
+// write takes, the last reader of the memory a read fills), and the kernels after it do not wait
+// for it: a task that reads what it filled waits for its mark (run::Executor).
 void HostStore::read(int file, int64_t offset, void* dst, int64_t bytes) {
-  backend_.upload(dst, at(file, offset, bytes, "read"), static_cast<size_t>(bytes));
+  using Lane = kernels::Backend::Lane;
+  const char* src = at(file, offset, bytes, "read");
+  backend_.wait(Lane::copy, backend_.mark(Lane::compute));
+  backend_.upload_on(Lane::copy, dst, src, static_cast<size_t>(bytes));
   read_ += bytes;
 }
 
+// Returns once the bytes are in the file, as a disk write does: the memory they came from may be
+// reused as soon as the task ends.
 void HostStore::write(int file, int64_t offset, const void* src, int64_t bytes) {
-  backend_.download(at(file, offset, bytes, "write"), src, static_cast<size_t>(bytes));
+  using Lane = kernels::Backend::Lane;
+  char* dst = at(file, offset, bytes, "write");
+  backend_.wait(Lane::copy, backend_.mark(Lane::compute));
+  backend_.download_on(Lane::copy, dst, src, static_cast<size_t>(bytes));
   written_ += bytes;
 }
 

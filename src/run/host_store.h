@@ -1,7 +1,7 @@
 // A device backend's offload tier: each file is a host buffer, pinned where the backend can (so
 // the copies run at the link's speed), and its reads and writes are the backend's uploads and
-// downloads (ordered on its stream like the kernels around them; a file changes only by a
-// download, which comes after every upload from it was issued). The
+// downloads on its copy lane, after the kernels issued before them (kernels::Backend::Lane; a file
+// changes only by a download, which comes after every upload from it on the same lane). The
 // buffers are charged to a pool of the store's own (category staging), so the run's tracker keeps
 // counting what the device holds, as the plan's figures do; host_bytes() says what the tier holds.
 #pragma once

@@ -155,7 +155,7 @@ double comm_seconds(const model::ModelDesc& desc, const BoundsFrame& f, const Pl
 void peak_parts(const model::ModelDesc& desc, const Plan& frame, const std::vector<model::UnitCosts>& costs,
                 const std::vector<int64_t>& elems, ComputeBounds& b) {
   const plan::StaticMemory& st = frame.static_memory;
-  b.peak_bytes = st.params + st.grads + st.optimizer + st.snapshot + st.staging;
+  b.peak_bytes = st.total();
   const int U = static_cast<int>(desc.units.size());
   std::vector<char> borrowed(U, 0);
   for (int u = 0; u < U; ++u)
@@ -171,7 +171,7 @@ void peak_parts(const model::ModelDesc& desc, const Plan& frame, const std::vect
     b.peak_bytes += k.kept_bytes(mode);
     const bool rebuild = k.kept_bytes(mode) < k.saved_bytes + k.recomputable_bytes;
     if (model::is_head(ud.kind)) {
-      b.peak_bytes += k.forward_workspace + k.backward_workspace;
+      b.peak_bytes += k.forward_workspace + k.forward_kernel_scratch + k.backward_workspace + k.backward_kernel_scratch;
       b.gathered += bytes, b.grads_at_head += bytes;
       if (ud.borrows >= 0) b.grads_at_head += elems[ud.borrows] * 4;
     } else if (!borrowed[u] && (ud.backward_reads_params || rebuild)) {

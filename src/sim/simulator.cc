@@ -21,11 +21,7 @@ struct MemoryWalk {
   MemSnapshot live, peak;
   std::vector<char> alive;
   explicit MemoryWalk(const Plan& p) : plan(p), alive(p.buffers.size(), 0) {
-    add(MemCategory::params, p.static_memory.params);
-    add(MemCategory::grads, p.static_memory.grads);
-    add(MemCategory::optimizer, p.static_memory.optimizer);
-    add(MemCategory::snapshot, p.static_memory.snapshot);
-    add(MemCategory::staging, p.static_memory.staging);
+    live = p.static_memory.by_category();
     peak = live;
   }
   void add(MemCategory c, int64_t b) {

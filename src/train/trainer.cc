@@ -137,6 +137,12 @@ std::function<int64_t(plan::Op, int64_t, int, int)> reduction_scratch(
 }
 }  // namespace
 
+kernels::CudaOptions cuda_options(const TrainConfig& c) {
+  kernels::CudaOptions o = c.cuda;
+  o.bf16_gemm = c.compute_dtype != "fp32";
+  return o;
+}
+
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   plan::PlanConfig pc;
   pc.strategy = plan::parse_strategy(cfg.strategy);
@@ -187,6 +193,11 @@ plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   if (!cfg.memory_budget.empty()) pc.memory_budget = plan::parse_memory_budget(cfg.memory_budget);
   pc.threads = cfg.threads;
   pc.stage_checkpoint = cfg.async_save;
+  if (cfg.device == "cuda") {
+    const kernels::CudaOptions o = cuda_options(cfg);
+    pc.kernel_scratch = {true, o.bf16_gemm, o.bf16_operands, o.attention == kernels::CudaOptions::Attention::mma,
+                         o.attention != kernels::CudaOptions::Attention::flash, o.head_rows};
+  }
   pc.reduction_scratch = reduction_scratch([o = cfg.comm](comm::Reduction op, int64_t count,
                                                                                DType dtype, int group) {
     return comm::mpi_scratch_bytes(o, op, count, dtype, group);
@@ -219,9 +230,7 @@ std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool&
   if (c.device == "cpu") return kernels::make_cpu_backend(memory, cpu_as_device);
 #ifdef SHARDLM_CUDA
   if (!kernels::cuda_device_present()) throw std::runtime_error("--device cuda: no CUDA device present");
-  kernels::CudaOptions options = c.cuda;
-  options.bf16_gemm = c.compute_dtype != "fp32";
-  return kernels::make_cuda_backend(memory, options);
+  return kernels::make_cuda_backend(memory, cuda_options(c));
 #else
   throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with -DSHARDLM_CUDA=ON)");
 #endif
@@ -604,6 +613,9 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   }
   if (!cfg.trace.empty()) write_trace(s);
   if (s.talk) fmt::print("accounted peak memory over the run: {} bytes\n", s.memory.tracker().run_peak());
+  if (const int64_t over = s.backend->scratch_overflows(); over > 0 && s.talk)
+    fmt::print("warning: {} kernel calls took scratch beyond the plan's region for them (allocated apart, so the "
+               "accounted peak may pass the plan's)\n", over);
   if (s.lead) refresh_report(cfg);  // after the trace, which the page breaks down
   if (s.talk && !cfg.no_report) fmt::print("report: {}/report.html\n", cfg.out);
   if (s.snapshots) s.snapshots->remove_held();

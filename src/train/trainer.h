@@ -58,6 +58,9 @@ struct TrainHooks {
 TrainSummary run_training(const TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory,
                           const TrainHooks& hooks = {});
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world_size);
+// What the CUDA backend of a run is made with: the environment's options (cfg.cuda) and the
+// GEMMs' dtype (--compute-dtype).
+kernels::CudaOptions cuda_options(const TrainConfig& c);
 
 // The tokenizer a token file was made with, from PREFIX_meta.json beside it (written by
 // `shardlm tokenize`). Files without one are llm.c's: GPT-2 BPE where their ids are uint16, and

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda_backend.h"
+#include "model/model.h"
 
 namespace {
 
@@ -476,6 +478,124 @@ TEST_F(CudaBackendTest, PinnedHostBufferRoundTrips) {
   size_t wrong = 0;
   for (size_t i = 0; i < n; ++i) wrong += host.f32()[i] != float(i % 9973);
   EXPECT_EQ(wrong, 0u);
+}
+
+// Each call's own scratch (carved from the region a plan gives, Backend::use_scratch) is exactly
+// what model::KernelScratch says it holds, for every backend option that changes it: bf16 operand
+// copies or none, the tensor-core, cuBLAS and fp32 flash attention, the head's slab.
+TEST_F(CudaBackendTest, EachCallsScratchIsTheFigureThePlanReserves) {
+  using Attention = shardlm::kernels::CudaOptions::Attention;
+  const auto figures = [](bool bf16, Attention a) {
+    shardlm::model::KernelScratch k;
+    k.cuda = true;
+    k.bf16_gemm = bf16;
+    k.mma_attention = a == Attention::mma;
+    k.gemm_attention = a != Attention::flash;
+    return k;
+  };
+  struct Case {
+    const Backend* be;
+    shardlm::model::KernelScratch k;
+    const char* name;
+  };
+  const Case cases[] = {{gpu, figures(true, Attention::mma), "mma-bf16"},
+                        {gpu32, figures(false, Attention::mma), "fp32"},
+                        {cublas16, figures(true, Attention::cublas), "gemm-bf16"},
+                        {flash32, figures(false, Attention::flash), "flash"}};
+  Buffer region = gpu->alloc(MemCategory::workspace, size_t{256} << 20, Buffer::Fill::none);
+  const int64_t N = 300, C = 96, OC = 288, V = 1000, Vp = 1024;
+  const Dev x(*gpu, randv(N * OC, 40)), w(*gpu, randv(OC * OC, 41, -0.05f, 0.05f)), b(*gpu, randv(OC, 42));
+  const Dev dout(*gpu, randv(N * OC, 43)), gi(*gpu, fvec(N * OC, 0)), gw(*gpu, fvec(OC * OC, 0)), gb(*gpu, fvec(OC, 0));
+  const Dev y(*gpu, fvec(N * OC, 0)), mean(*gpu, randv(N, 44)), rstd(*gpu, randv(N, 45, 0.5f, 1.5f));
+  std::vector<int32_t> tgt(N);
+  for (int64_t i = 0; i < N; ++i) tgt[i] = int32_t(i * 7 % V);
+  Buffer dtgt = gpu->alloc(MemCategory::workspace, sizeof(int32_t) * N, Buffer::Fill::none);
+  gpu->upload(dtgt.data(), tgt.data(), sizeof(int32_t) * N);
+  const Dev wte(*gpu, randv(Vp * C, 46, -0.1f, 0.1f)), dwte(*gpu, fvec(Vp * C, 0)), hscr(*gpu, fvec(cpu->head_scratch(96, Vp), 0));
+  for (const Case& c : cases) {
+    const Backend& g = *c.be;
+    g.use_scratch(region.data(), region.bytes());
+    const auto check = [&](const std::string& what, int64_t figure, const auto& call) {
+      shardlm::kernels::cuda_scratch_high_water(g);  // from here
+      call();
+      g.synchronize();
+      const int64_t held = shardlm::kernels::cuda_scratch_high_water(g);
+      std::printf("SCRATCH %-10s %-34s held %10lld figure %10lld\n", c.name, what.c_str(), (long long)held, (long long)figure);
+      EXPECT_EQ(held, figure) << c.name << " " << what;
+    };
+    check("linear_forward", c.k.linear_forward(N, C, OC, true), [&] { g.linear_forward(y.p(), x.p(), w.p(), b.p(), N, C, OC); });
+    check("linear_backward", c.k.linear_backward(N, C, OC, true),
+          [&] { g.linear_backward(gi.p(), gw.p(), gb.p(), dout.p(), x.p(), w.p(), N, C, OC); });
+    check("dense_forward", c.k.dense_forward(N, C, OC), [&] { g.dense_forward(y.p(), x.p(), w.p(), N, C, OC); });
+    check("dense_backward", c.k.dense_backward(N, C, OC),
+          [&] { g.dense_backward(gi.p(), gw.p(), dout.p(), x.p(), w.p(), N, C, OC); });
+    check("layernorm_backward", c.k.column_sums(N, OC), [&] {
+      g.layernorm_backward(gi.p(), gw.p(), gb.p(), dout.p(), x.p(), w.p(), mean.p(), rstd.p(), N, OC);
+    });
+    check("rmsnorm_backward", c.k.column_sums(N, OC),
+          [&] { g.rmsnorm_backward(gi.p(), gw.p(), dout.p(), x.p(), w.p(), rstd.p(), N, OC); });
+    for (const auto& a : {std::array<int64_t, 5>{2, 128, 6, 6, 64}, std::array<int64_t, 5>{1, 100, 6, 2, 64},
+                          std::array<int64_t, 5>{1, 77, 3, 3, 40}}) {
+      const int64_t B = a[0], T = a[1], NH = a[2], NKV = a[3], HS = a[4], W = (NH + 2 * NKV) * HS;
+      const Dev qkv(g, randv(B * T * W, 47)), out(g, fvec(B * T * NH * HS, 0)), lse(g, fvec(B * NH * T, 0));
+      const Dev d(g, randv(B * T * NH * HS, 48)), dqkv(g, fvec(B * T * W, 0));
+      const std::string shape = " T" + std::to_string(T) + " NKV" + std::to_string(NKV) + " HS" + std::to_string(HS);
+      check("attention_forward" + shape, c.k.attention_forward(B, T, NH, NKV, HS),
+            [&] { g.attention_forward(out.p(), lse.p(), qkv.p(), B, T, NH, NKV, HS); });
+      check("attention_backward" + shape, c.k.attention_backward(B, T, NH, NKV, HS),
+            [&] { g.attention_backward(dqkv.p(), d.p(), qkv.p(), out.p(), lse.p(), B, T, NH, NKV, HS, nullptr); });
+    }
+    check("head train", c.k.head(N, C, Vp, 96, true, false), [&] {
+      g.lm_head_cross_entropy(gi.p(), dwte.p(), x.p(), wte.p(), dtgt.as<int32_t>(), N, C, V, Vp, 1.0f / N, 96, hscr.p(), nullptr);
+    });
+    check("head loss", c.k.head(N, C, Vp, 96, false, false), [&] {
+      g.lm_head_cross_entropy(nullptr, nullptr, x.p(), wte.p(), dtgt.as<int32_t>(), N, C, V, Vp, 0, 96, hscr.p(), nullptr);
+    });
+    const int32_t ignore = -1;
+    fvec logits(V);
+    check("head, one row, host target", c.k.head(1, C, Vp, 1, false, true), [&] {
+      g.lm_head_cross_entropy(nullptr, nullptr, x.p(), wte.p(), &ignore, 1, C, V, Vp, 0, 1, hscr.p(), logits.data());
+    });
+    EXPECT_EQ(g.scratch_overflows(), 0) << c.name;
+    g.use_scratch(nullptr, 0);
+  }
+  // A call whose scratch does not fit the region takes it apart and is counted.
+  gpu->use_scratch(region.data(), 512);
+  gpu->linear_forward(y.p(), x.p(), w.p(), b.p(), N, C, OC);
+  gpu->synchronize();
+  EXPECT_EQ(gpu->scratch_overflows(), 2);  // x's copy and the weight's
+  gpu->use_scratch(nullptr, 0);
+}
+
+// The copy lane (the offload tier's transfers) runs beside the kernels: a mark orders one lane's
+// work after the other's without the host waiting. A download on the copy lane after a mark of
+// the kernels sees all they wrote; kernels after a mark of the copy lane see what it uploaded.
+TEST_F(CudaBackendTest, TheCopyLaneIsOrderedOnlyByMarks) {
+  using Lane = Backend::Lane;
+  EXPECT_EQ(cpu->mark(Lane::copy), nullptr);
+  const size_t n = size_t{64} << 20;  // 256 MB: the kernels below take a while
+  Buffer host(memory, MemCategory::staging, sizeof(float) * n, Buffer::Fill::none);
+  ASSERT_TRUE(gpu->pin_host(host.data(), host.bytes()));
+  Buffer dev = gpu->alloc(MemCategory::workspace, host.bytes(), Buffer::Fill::none);
+  std::fill_n(host.f32(), n, 1.0f);
+  gpu->upload(dev.data(), host.data(), host.bytes());
+  for (int i = 0; i < 8; ++i) gpu->scale(dev.f32(), int64_t(n), 2.0f);
+  gpu->wait(Lane::copy, gpu->mark(Lane::compute));
+  gpu->download_on(Lane::copy, host.data(), dev.data(), host.bytes());
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += host.f32()[i] != 256.0f;
+  EXPECT_EQ(wrong, 0u) << "the copy lane read before the kernels it waited for had finished";
+  std::fill_n(host.f32(), n, 3.0f);
+  gpu->upload_on(Lane::copy, dev.data(), host.data(), host.bytes());
+  gpu->wait(Lane::compute, gpu->mark(Lane::copy));
+  gpu->scale(dev.f32(), int64_t(n), 2.0f);
+  std::vector<float> back(n);
+  gpu->download(back.data(), dev.data(), host.bytes());
+  wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += back[i] != 6.0f;
+  EXPECT_EQ(wrong, 0u) << "the kernels ran before the copy lane's upload they waited for";
+  gpu->synchronize();
+  gpu->unpin_host(host.data());
 }
 
 }  // namespace

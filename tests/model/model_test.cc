@@ -217,5 +217,33 @@ TEST(ModelConfig, MoeSettingsAreCheckedNamingTheField) {
   EXPECT_EQ(c.routed_rows_bound(32), 32);
 }
 
+// The CUDA kernels' own scratch (model::KernelScratch) in GPT-2 124M's costs at B16 T1024, by
+// hand. The training head's call holds the most: its 2048-row slab of logits and row losses
+// (fp32), the embedding matrix and x as bf16 operands, and one slab's logits gradient in bf16 (every
+// piece a multiple of 512 bytes already). A block's: the MLP's backward, dout (N x 4C) then x
+// (N x 4C) in bf16. The CPU takes none; with fp32 GEMMs the head takes its slab alone.
+TEST(KernelScratch, TheHeadsSlabAndOperandCopiesAreTheMostOneCallHolds) {
+  const ModelDesc d = describe(model_preset("gpt2-124m"));
+  const int64_t Vp = 50304, C = 768, N = 16 * 1024, slab = 2048;
+  Shape s{16, 1024, 4, 1};
+  s.kernels.cuda = true;
+  const int head = static_cast<int>(d.units.size()) - 1, block = 1;
+  const int64_t logits = 4 * (slab * Vp + 2 * slab), operands = 2 * Vp * C + 2 * N * C, dlogits = 2 * slab * Vp;
+  EXPECT_EQ(d.costs(head, s).backward_kernel_scratch, logits + operands + dlogits);
+  EXPECT_EQ(d.costs(head, s).forward_kernel_scratch, logits + 4 * N + operands);  // targets on the host too
+  EXPECT_EQ(d.costs(block, s).backward_kernel_scratch, 2 * N * C + 2 * N * 4 * C);
+  EXPECT_EQ(d.costs(0, s).forward_kernel_scratch, 0);  // the embedding takes none
+  s.kernels.bf16_gemm = false;
+  EXPECT_EQ(d.costs(head, s).backward_kernel_scratch, logits);
+  s.kernels = {};  // the CPU's
+  EXPECT_EQ(d.costs(head, s).backward_kernel_scratch, 0);
+  EXPECT_EQ(d.costs(block, s).backward_kernel_scratch, 0);
+  KernelScratch cuda;
+  cuda.cuda = true;
+  EXPECT_EQ(cuda.dense_forward(3, 5, 7), 1024);  // pieces round up to 512 bytes each
+  cuda.head_rows = 256;  // within the plan's rows the head takes no slab
+  EXPECT_EQ(cuda.head(N, C, Vp, 256, true, false), operands + 2 * 256 * Vp);
+}
+
 }  // namespace
 }  // namespace shardlm::model

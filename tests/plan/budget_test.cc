@@ -196,5 +196,28 @@ TEST(Budget, SizesParseAndBadOnesNameTheFlag) {
   }
 }
 
+// A CUDA backend's kernel scratch (model::KernelScratch) is in its tasks' workspace buffers, so
+// in the peak, which a budget then holds with it counted.
+TEST(Budget, TheKernelsScratchIsInThePeakABudgetHolds) {
+  const model::ModelDesc d = small();
+  PlanConfig c = one_process();
+  const Plan cpu = build_plan(d, c);
+  c.kernel_scratch.cuda = true;
+  const Plan cuda = build_plan(d, c);
+  const int head = static_cast<int>(d.units.size()) - 1;
+  const model::UnitCosts k = d.costs(head, cuda.unit_shape(d, head, 4));
+  ASSERT_GT(k.backward_kernel_scratch, 0);
+  bool sized = false;
+  for (const BufferDesc& b : cuda.buffers)
+    if (b.role == Role::backward_ws && b.unit == head) sized = b.bytes == k.backward_workspace + k.backward_kernel_scratch;
+  EXPECT_TRUE(sized);
+  EXPECT_GT(peak(cuda), peak(cpu));
+  EXPECT_LE(peak(cuda), peak(cpu) + k.forward_kernel_scratch + k.backward_kernel_scratch);
+  c.memory_budget = peak(cpu);  // the CPU's resident peak: too little for the device's without offload
+  const Plan fitted = build_plan(d, c);
+  EXPECT_LE(peak(fitted), c.memory_budget);
+  EXPECT_LT(resident_state(fitted), resident_state(cpu));
+}
+
 }  // namespace
 }  // namespace shardlm::plan
