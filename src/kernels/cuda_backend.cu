@@ -654,10 +654,13 @@ double CudaBackend::lm_head_cross_entropy(float* dx, float* dwte, const float* x
                                            V * sizeof(float), n, cudaMemcpyDefault, cuda::stream()));
       if (logits_on_host) SHARDLM_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
     }
-    cuda::softmax_xent(logits, rows, targets + r0, n, V, Vp, grad_scale, dx || dwte);
+    // With bf16 operands the softmax writes the gradient as the GEMMs' operand itself.
+    const bool grad = dx || dwte, grad16 = grad && bf16_ && options_.bf16_operands;
+    Buffer g16 = grad16 ? this->scratch(sizeof(uint16_t) * static_cast<size_t>(n * Vp)) : Buffer();
+    cuda::softmax_xent(logits, rows, targets + r0, n, V, Vp, grad_scale, grad, g16.as<uint16_t>());
     cuda::accumulate_sum(acc, rows, n);
-    if (!dx && !dwte) continue;
-    const Operand d = operand(logits, n, Vp, Vp);
+    if (!grad) continue;
+    const Operand d = grad16 ? Operand{g16.data(), Vp, true, std::move(g16)} : operand(logits, n, Vp, Vp);
     if (dx) gemm(false, false, n, C, Vp, d, w, 1.0f, dx + r0 * C, C);
     if (dwte) gemm(true, false, Vp, C, n, d, rows_of(xs, r0), 1.0f, dwte, C);
   }

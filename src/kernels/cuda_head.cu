@@ -1,6 +1,9 @@
 // CUDA backend: softmax cross-entropy over one chunk of logits rows (the GEMMs around it are
 // cuBLAS calls in cuda_backend.cu). One block per row: max and sum of exponentials in one online
-// pass, then the gradient written over the logits in place.
+// pass, then the gradient written over the logits in place, or as the bf16 operand of the GEMMs
+// after it (rounded as fp32_to_bf16 rounds: the same bits as a copy, without the fp32 pass).
+#include <cuda_bf16.h>
+
 #include "kernels/cuda_internal.cuh"
 
 namespace shardlm::kernels::cuda {
@@ -34,7 +37,7 @@ __device__ void online_add(float& m, float& s, float x) {
 // One pass for the max and the sum of exponentials (online, 16-byte loads: rows start at
 // multiples of ld = Vp floats), one pass writing the gradient.
 __global__ void softmax_xent_kernel(float* logits, double* loss_rows, const int32_t* targets, int64_t V,
-                                    int64_t ld, float grad_scale, bool grad) {
+                                    int64_t ld, float grad_scale, bool grad, uint16_t* grad16) {
   __shared__ float sh[32];
   float* row = logits + blockIdx.x * ld;
   const int64_t V4 = (ld % 4 == 0) ? V / 4 : 0;
@@ -55,16 +58,21 @@ __global__ void softmax_xent_kernel(float* logits, double* loss_rows, const int3
   __syncthreads();  // row[tgt] read before it is overwritten
   if (!grad) return;
   const float inv = 1.0f / s;
-  for (int64_t v = threadIdx.x; v < ld; v += blockDim.x)  // padding columns [V, ld): zero gradient
-    row[v] = tgt < 0 || v >= V ? 0.0f : (expf(row[v] - mx) * inv - (v == tgt ? 1.0f : 0.0f)) * grad_scale;
+  uint16_t* row16 = grad16 ? grad16 + blockIdx.x * ld : nullptr;
+  for (int64_t v = threadIdx.x; v < ld; v += blockDim.x) {  // padding columns [V, ld): zero gradient
+    const float g = tgt < 0 || v >= V ? 0.0f : (expf(row[v] - mx) * inv - (v == tgt ? 1.0f : 0.0f)) * grad_scale;
+    if (row16) row16[v] = __bfloat16_as_ushort(__float2bfloat16_rn(g));
+    else row[v] = g;
+  }
 }
 
 }  // namespace
 
 void softmax_xent(float* logits, double* loss_rows, const int32_t* targets, int64_t n, int64_t V, int64_t ld,
-                  float grad_scale, bool grad) {
+                  float grad_scale, bool grad, uint16_t* grad16) {
   if (n <= 0) return;
-  softmax_xent_kernel<<<unsigned(n), kThreads, 0, stream()>>>(logits, loss_rows, targets, V, ld, grad_scale, grad);
+  softmax_xent_kernel<<<unsigned(n), kThreads, 0, stream()>>>(logits, loss_rows, targets, V, ld, grad_scale, grad,
+                                                              grad16);
   SHARDLM_CUDA_LAUNCHED();
 }
 

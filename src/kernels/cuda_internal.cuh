@@ -117,10 +117,11 @@ void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int
                           int64_t ldc, int64_t sC, int64_t batch);
 
 // ---- cuda_head.cu
-// In place over logits (n, ld): row losses into loss_rows (double, n), and when grad_scale != 0
-// the rows become (softmax - onehot) * grad_scale (zero for ignored rows).
+// Over logits (n, ld): row losses into loss_rows (double, n), and with `grad` the rows' gradient
+// (softmax - onehot) * grad_scale (zero for ignored rows and padding columns), written over the
+// logits, or with grad16 as bf16 into grad16 (n, ld) and the logits left as they were.
 void softmax_xent(float* logits, double* loss_rows, const int32_t* targets, int64_t n, int64_t V, int64_t ld,
-                  float grad_scale, bool grad);
+                  float grad_scale, bool grad, uint16_t* grad16 = nullptr);
 // *acc += sum of rows (in order: deterministic).
 void accumulate_sum(double* acc, const double* rows, int64_t n);
 
