@@ -80,7 +80,8 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& encoder_json_p
 
 // A Hugging Face tokenizer.json, named `name`: a byte-level BPE (GPT-2's or LLaMA 3's
 // pre-tokenizer, no normalizer), or SentencePiece's BPE (byte fallback; a space written "▁" and
-// one put before the text, by the Prepend and Replace normalizers or the Metaspace pre-tokenizer).
+// one put before the text, by the Prepend and Replace normalizers; a Metaspace pre-tokenizer, the
+// other layout such files come in, is refused).
 // Its added tokens decode to their text and are never produced by encode(); eot() is
 // <|endoftext|>, else <|begin_of_text|> (what llm.c's LLaMA 3 files start each document with),
 // else <s>, else -1; end_tokens() those of <|endoftext|>, <|end_of_text|>, <|eot_id|> and </s> it
