@@ -235,7 +235,7 @@ void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
       ->check(at_least(0));
 }
 
-// What the kernels run on (train, and explain: a CUDA backend's kernels take scratch the plan holds).
+// What the kernels run on (train; explain and simulate: a CUDA backend's kernels take scratch the plan holds).
 void add_device_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
       ->capture_default_str();
@@ -502,6 +502,7 @@ void add_simulate_command(CLI::App& app, Commands& c) {
       ->capture_default_str();
   add_model_options(cmd, sa.cfg);
   add_plan_options(cmd, sa.cfg);
+  add_device_options(cmd, sa.cfg);
 }
 
 void add_calibrate_command(CLI::App& app, Commands& c) {

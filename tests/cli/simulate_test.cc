@@ -213,6 +213,24 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
     EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
 }
 
+// --device cuda: simulate and explain both count the CUDA kernels' own scratch (model::KernelScratch
+// in the tasks' workspace), the same bytes, which a GPU run's allocator reaches (bench/cuda_notes.md
+// section 11); the CPU's plan has none.
+TEST_F(Simulate, OnTheCudaDeviceTheKernelsScratchIsInTheWorkspace) {
+  const std::string plan = "--model small --batch 2 --seq 64 --strategy ddp --threads 1";
+  const auto workspace = [](const std::string& out) {
+    std::smatch m;
+    return std::regex_search(out, m, std::regex("  workspace: static [0-9]+, at peak ([0-9]+)")) ? std::stoll(m[1]) : -1LL;
+  };
+  const Result cpu = shardlm("explain " + plan), gpu = shardlm("explain --device cuda " + plan);
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  ASSERT_EQ(gpu.code, 0) << gpu.out;
+  EXPECT_GT(workspace(gpu.out), workspace(cpu.out));
+  const Result sim = shardlm("simulate --hardware cpu-local --json --device cuda " + plan);
+  ASSERT_EQ(sim.code, 0) << sim.out;
+  EXPECT_EQ(json::parse(sim.out)["mem"]["workspace"].get<int64_t>(), workspace(gpu.out));
+}
+
 // --moe-imbalance RUN takes the run's measured figure: the median over its steps of the trainer's
 // expert_load_imbalance (the busiest expert's rows over the mean, per routing), priced as that number.
 TEST_F(Simulate, MoeImbalanceFromARunIsItsMeasuredLoad) {
