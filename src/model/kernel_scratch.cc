@@ -14,6 +14,15 @@ int64_t piece(int64_t bytes) { return bytes > 0 ? (bytes + 511) / 512 * 512 : 0;
 int64_t bf16s(int64_t n) { return piece(2 * n); }
 int64_t floats(int64_t n) { return piece(4 * n); }
 
+// Which attention kernels a call runs (cuda_backend.cu's use_attention_mma / attention_gemm_fits).
+enum class AttentionPath { mma, gemm, flash };
+AttentionPath attention_path(const KernelScratch& k, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  const int64_t heads = NKV == NH ? NH : NH / NKV;
+  if (k.bf16_gemm && k.mma_attention && (HS == 32 || HS == 48 || HS == 64 || HS == 128)) return AttentionPath::mma;
+  if (k.gemm_attention && 2 * heads * T * T * 4 <= (int64_t(1) << 31)) return AttentionPath::gemm;
+  return AttentionPath::flash;
+}
+
 }  // namespace
 
 int64_t KernelScratch::column_sums(int64_t N, int64_t C) const {
@@ -46,19 +55,23 @@ int64_t KernelScratch::dense_backward(int64_t N, int64_t C, int64_t OC) const {
 int64_t KernelScratch::attention_forward(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) const {
   if (!cuda || B * T <= 0) return 0;
   const int64_t W = (NH + 2 * NKV) * HS, heads = NKV == NH ? NH : NH / NKV;
-  const bool mma = bf16_gemm && mma_attention && (HS == 32 || HS == 48 || HS == 64 || HS == 128);
-  if (mma) return bf16s(B * T * W);                                                    // q|k|v in bf16
-  if (gemm_attention && 2 * heads * T * T * 4 <= (int64_t(1) << 31)) return floats(heads * T * T);  // scores
+  switch (attention_path(*this, T, NH, NKV, HS)) {
+    case AttentionPath::mma: return bf16s(B * T * W);         // q|k|v in bf16
+    case AttentionPath::gemm: return floats(heads * T * T);  // scores
+    case AttentionPath::flash: return 0;
+  }
   return 0;
 }
 
 int64_t KernelScratch::attention_backward(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) const {
   if (!cuda || B * T <= 0) return 0;
   const int64_t W = (NH + 2 * NKV) * HS, heads = NKV == NH ? NH : NH / NKV, rows = B * T * NH;
-  const bool mma = bf16_gemm && mma_attention && (HS == 32 || HS == 48 || HS == 64 || HS == 128);
-  if (mma) return floats(rows) + bf16s(rows * HS) + bf16s(B * T * W);  // dout . out per row, dout and q|k|v in bf16
-  if (gemm_attention && 2 * heads * T * T * 4 <= (int64_t(1) << 31))
-    return floats(rows) + 2 * floats(heads * T * T);  // dout . out per row, probabilities and their gradient
+  switch (attention_path(*this, T, NH, NKV, HS)) {
+    // dout . out per row, then dout and q|k|v in bf16, or the probabilities and their gradient.
+    case AttentionPath::mma: return floats(rows) + bf16s(rows * HS) + bf16s(B * T * W);
+    case AttentionPath::gemm: return floats(rows) + 2 * floats(heads * T * T);
+    case AttentionPath::flash: return floats(rows);
+  }
   return floats(rows);
 }
 
