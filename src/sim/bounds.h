@@ -11,8 +11,9 @@
 //  - comm_ms: the comm stream's work: each collective of state the strategy runs at least once a
 //    step (gathers of sharded parameters once per micro-step's forward unless kept, reductions of
 //    gradients, ZeRO's parameter gathers), each op on each group priced as one message of the
-//    bytes summed: a collective costs α + β·S at best over algorithms, so the sum of several is no
-//    less than one of their total. At most the comm stream's busy time.
+//    bytes summed: one message costs no more than its parts (α + S·factor/(busBw·η(S)), η the
+//    published tables' rate at that size; Cost.OneMessageCostsNoMoreThanItsParts), so the sum of
+//    several is no less than one of their total. At most the comm stream's busy time.
 //  - exchange_ms: the exchange stream's work: every all-to-all and ring step of the staged units'
 //    passes (and of a full rebuild's), as CostModel prices them; equal to the plan's.
 //  - waited_ms: of those, the exchanges the compute stream waits for idle: one started by a

@@ -44,6 +44,22 @@ double collective_seconds(const LinkCost& link, Collective c, double S, int n) {
   return link.latency_s * messages + S * bus_factor(c, n) / link.bus_bw;  // s + bytes / (bytes/s)
 }
 
+double size_efficiency(const Tier& tier, double S) {
+  const std::vector<SizeEfficiency>& t = tier.by_size;
+  if (t.empty()) return 1;
+  if (S <= t.front().bytes) return t.front().fraction;
+  if (S >= t.back().bytes) return t.back().fraction;
+  const auto hi = std::upper_bound(t.begin(), t.end(), S, [](double s, const SizeEfficiency& e) { return s < e.bytes; });
+  const auto lo = hi - 1;
+  const double u = std::log(S / lo->bytes) / std::log(hi->bytes / lo->bytes);
+  return std::exp((1 - u) * std::log(lo->fraction) + u * std::log(hi->fraction));
+}
+
+double ring_seconds(const Tier& tier, const LinkCost& link, Collective c, double S, int n) {
+  if (n <= 1) return 0;
+  return link.latency_s + S * bus_factor(c, n) / (link.bus_bw * size_efficiency(tier, S));
+}
+
 namespace {
 
 // The span of the group over `axes` that holds the rank at `base` coordinates.
@@ -104,11 +120,12 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
   const Algorithm main = c == Collective::all_to_all ? Algorithm::direct : Algorithm::ring;
   if (N <= 1 || !hw.network.present) {
     const Tier& tier = N > 1 ? hw.inter : hw.intra;
-    out.push_back({collective_seconds(tier.of(c), c, S, n), main});
+    out.push_back({c == Collective::all_to_all ? collective_seconds(tier.of(c), c, S, n) : ring_seconds(tier, tier.of(c), c, S, n),
+                   main});
     // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
     // measurements NVLS gains only from 5 GPUs up).
     if (c == Collective::all_reduce && N <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
-      out.push_back({collective_seconds(hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
+      out.push_back({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
     return out;
   }
   const Network& net = hw.network;
@@ -123,14 +140,16 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
     out.push_back({alpha + std::max(off, on), Algorithm::direct});
     return out;
   }
+  // Inside the node the fabric moves this size's bytes at its efficiency there (Tier::by_size).
+  const double in_node_bw = fabric.bus_bw * size_efficiency(hw.intra, S);
   // Ring: one ring per NIC, each crossing every node boundary once; inside the node the fabric.
-  const double ring_bw = k > 1 ? std::min(fabric.bus_bw, nics) : nics;
+  const double ring_bw = k > 1 ? std::min(in_node_bw, nics) : nics;
   const int inter_steps = (c == Collective::all_reduce ? 2 : 1) * (N - 1);
   out.push_back({fabric.latency_s + inter_steps * net.ring_step_latency_s + S * bus_factor(c, n) / ring_bw, Algorithm::ring});
   if (c == Collective::all_reduce) {
     const double levels = std::ceil(std::log2(static_cast<double>(N)));
-    const double chain = k > 1 ? 2 * S / fabric.bus_bw : 0;  // up the node's chain and back down
-    const double network = 2 * S * (N - 1) / N / nics;       // a node's share of the two trees' edges
+    const double chain = k > 1 ? 2 * S / in_node_bw : 0;  // up the node's chain and back down
+    const double network = 2 * S * (N - 1) / N / nics;    // a node's share of the two trees' edges
     out.push_back({fabric.latency_s + 2 * levels * net.tree_step_latency_s + std::max(chain, network) / net.tree_efficiency,
                    Algorithm::tree});
   }

@@ -4,8 +4,9 @@
 //    shape's rate;
 //  - collectives: α + S · factor(n) / busBw (nccl-tests' definitions: S the whole buffer,
 //    factor (n−1)/n for all-gather and reduce-scatter, 2(n−1)/n for all-reduce), α and busBw
-//    from how the group lies on the machine (collective_cost: inside a node the fabric; across
-//    nodes the NICs of its devices in parallel, capped by the fabric);
+//    from how the group lies on the machine (collective_cost: inside a node the fabric, at the
+//    fraction of its busBw a published table shows at that size; across nodes the NICs of its
+//    devices in parallel, capped by the fabric);
 //  - all-to-all: α · (n−1) + S · (n−1)/n / busBw, S the bytes each rank sends in all (its own
 //    block included, which stays), α per peer message: each rank sends n−1 messages.
 #pragma once
@@ -24,6 +25,15 @@ double bus_factor(Collective c, int n);
 // Seconds of one collective of S bytes (the whole buffer; all_to_all: what each rank sends in
 // all) over n ranks on one link.
 double collective_seconds(const LinkCost& link, Collective c, double S, int n);
+// The fraction of its busBw at which `tier` moves S bytes beyond its latency (Tier::by_size):
+// interpolated on log scales between the published sizes, the nearest end's beyond them; 1 for
+// a tier without the table.
+double size_efficiency(const Tier& tier, double S);
+// A ring-family collective (all-gather, reduce-scatter, all-reduce; NVLS) of S bytes over n ranks
+// on `link` of `tier`: latency + S · factor(n) / (busBw · size_efficiency(S)). Every op takes the
+// tier's all_reduce table: the same ring (or switch) at the same size, whose steps move the same
+// S/n a rank with the same protocol and channels.
+double ring_seconds(const Tier& tier, const LinkCost& link, Collective c, double S, int n);
 // Which collective a plan op is priced as (norm_reduce gathers each rank's four figures).
 Collective collective_of(plan::Op op);
 
@@ -48,13 +58,15 @@ struct CollectiveCost {
 };
 // Seconds of one collective of S bytes (all_to_all: what each rank sends in all) over group `g`:
 //  - inside one node (or without a `network` in the profile): the intra tier (or the flat inter
-//    tier) as collective_seconds prices it; NVLS where the profile has it and the group is a whole node;
+//    tier) as ring_seconds prices it (all-to-all: collective_seconds); NVLS where the profile has
+//    it and the group is a whole node;
 //  - across nodes with a `network`: the ring's busBw is the NICs of the group's devices on a node
 //    in parallel (one ring a NIC, each device its share of the node's NICs), capped by the intra
-//    tier's busBw of the op; α is the intra tier's plus ring_step_latency_s per step that crosses
-//    the network (2(N−1) for all-reduce, N−1 for all-gather/reduce-scatter over N nodes). The tree
-//    (all-reduce) pays 2·⌈log2 N⌉ tree_step_latency_s and moves 2S through each device inside the
-//    node (up the chain and down) and 2S(N−1)/N through each node's NICs, at tree_efficiency.
+//    tier's busBw of the op at that size (× size_efficiency); α is the intra tier's plus
+//    ring_step_latency_s per step that crosses the network (2(N−1) for all-reduce, N−1 for
+//    all-gather/reduce-scatter over N nodes). The tree (all-reduce) pays 2·⌈log2 N⌉
+//    tree_step_latency_s and moves 2S through each device inside the node (up the chain and down,
+//    at that size's rate) and 2S(N−1)/N through each node's NICs, at tree_efficiency.
 //    All-to-all sends (n−k)/n of each rank's bytes across the network on that rank's own share of
 //    the NICs and (k−1)/n on the fabric, the two at once; α per peer message on each.
 CollectiveCost collective_cost(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g,

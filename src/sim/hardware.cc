@@ -138,11 +138,12 @@ Network network(const json& j, const std::string& origin) {
 
 // A measured table: {"value": [{field: number, ...}, ...], "source": "..."}; each row's fields in
 // the order given, positive, the first `whole` of them whole numbers. Absent: no rows.
-std::vector<std::vector<double>> table(const json& j, const std::string& key, const std::vector<std::string>& fields,
-                                       size_t whole, const std::string& origin) {
+std::vector<std::vector<double>> table(const json& j, const std::string& name, const std::vector<std::string>& fields,
+                                       size_t whole, const std::string& origin, const std::string& parent = "") {
   std::vector<std::vector<double>> rows;
-  if (!j.contains(key)) return rows;
-  const json& f = j.at(key);
+  if (!j.contains(name)) return rows;
+  const json& f = j.at(name);
+  const std::string key = parent.empty() ? name : parent + "." + name;
   if (!f.is_object() || !f.contains("source") || !f.at("source").is_string() || f.at("source").get<std::string>().empty())
     throw bad(origin, key, "must be {\"value\": [...], \"source\": \"...\"}");
   if (!f.contains("value") || !f.at("value").is_array()) throw bad(origin, key + ".value", "must be a list");
@@ -163,6 +164,31 @@ std::vector<std::vector<double>> table(const json& j, const std::string& key, co
     rows.push_back(row);
   }
   return rows;
+}
+
+// The intra tier's published all_reduce busBw by message size (`all_reduce_by_size`, over a node's
+// devices), as the fraction of the busBw its bytes moved at beyond the all-reduce latency of a
+// whole node (NVLS where the node has it: NCCL's choice there). A size the line already prices
+// slower than published (the smallest, latency-bound ones) takes 1.
+std::vector<SizeEfficiency> by_size(const json& j, const HardwareProfile& h, const std::string& origin) {
+  const std::string key = "intra_node.all_reduce_by_size";
+  const auto rows = table(j.at("intra_node"), "all_reduce_by_size", {"bytes", "bus_bw"}, 1, origin, "intra_node");
+  if (rows.empty()) return {};
+  if (rows.size() < 2) throw bad(origin, key + ".value", "needs at least two sizes");
+  const LinkCost& line = h.fabric.has_nvls ? h.fabric.nvls_all_reduce : h.intra.of(Collective::all_reduce);
+  const int n = h.devices_per_node;
+  const double factor = n > 1 ? 2.0 * (n - 1) / n : 1.0;
+  std::vector<SizeEfficiency> out;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::string row = key + ".value[" + std::to_string(i) + "]";
+    if (i > 0 && rows[i][0] <= rows[i - 1][0]) throw bad(origin, row + ".bytes", "must be larger than the row before's");
+    if (rows[i][1] > h.memory_bw)
+      throw bad(origin, row + ".bus_bw", str(rows[i][1]) + " bytes/s is above memory_bw " + str(h.memory_bw));
+    const double bytes_s = rows[i][0] * factor / line.bus_bw;                     // at the peak
+    const double taken_s = rows[i][0] * factor / rows[i][1] - line.latency_s;  // as published
+    out.push_back({rows[i][0], taken_s > bytes_s ? bytes_s / taken_s : 1.0});
+  }
+  return out;
 }
 
 // Where the parser is: the keys and array positions from the document's root ("a.b[2].c").
@@ -298,6 +324,7 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
     h.attention_rates.push_back({static_cast<int64_t>(r[0]), static_cast<int64_t>(r[1]), static_cast<int>(r[2]), r[3], r[4]});
   h.intra = tier(j, "intra_node", h.memory_bw, origin);
   h.fabric = fabric(j, h.intra, h.memory_bw, origin);
+  h.intra.by_size = by_size(j, h, origin);
   h.network = network(j, origin);
   // The network is described one way: NICs per node (network) or one flat figure (inter_node).
   if (h.network.present && j.contains("inter_node"))

@@ -29,9 +29,22 @@ struct LinkCost {
 // link this cost model describes (a profile saying so is a typo or a failed measurement).
 inline constexpr double kMaxLatencySeconds = 1.0;
 
+// At what fraction of its busBw a tier moves a collective's bytes at one message size, beyond its
+// latency. NCCL reaches its peak only gradually between ~64 KiB and ~1 GiB (protocol and channel
+// choices), which one latency and one bandwidth cannot express. From a published nccl-tests
+// all_reduce table over a node's devices: the time it gives, less the node's all-reduce latency,
+// is the time its bytes took (sim/cost.h ring_seconds).
+struct SizeEfficiency {
+  double bytes = 0;     // message size S as nccl-tests counts it (the whole buffer)
+  double fraction = 1;  // in (0, 1]: S · factor / busBw over (the table's time − latency)
+};
+
 // A link tier: inside a node (NVLink, shared memory) or across nodes (the network).
 struct Tier {
   LinkCost op[kNumCollectives];
+  // Optional (the intra tier of the GPU presets, from its all_reduce_by_size table), sizes
+  // increasing: empty where the tier moves bytes at its bus_bw at every size.
+  std::vector<SizeEfficiency> by_size;
   const LinkCost& of(Collective c) const { return op[static_cast<int>(c)]; }
 };
 
