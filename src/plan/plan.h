@@ -79,6 +79,9 @@ struct BufferDesc {
   // (its saved activations, written back after the forward and reloaded before the backward);
   // -1: never leaves memory. Such a buffer's bytes are padded to the disk's 4 KiB.
   int64_t disk_offset = -1;
+  // A task's workspace (Role::forward_ws, backward_ws): its first bytes are lent to the backend's
+  // kernels for their own scratch (model::UnitCosts::*_kernel_scratch), the layers' part follows.
+  int64_t kernel_scratch = 0;
 
   // What a unit's forward keeps for its backward: the buffers --offload activations and the
   // budget may move to disk.

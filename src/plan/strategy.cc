@@ -117,12 +117,17 @@ class Builder {
   // (The training head runs its kernels in its backward's place: its forward's buffer needs none.)
   int forward_ws(int u, bool kernels = true) {
     const model::UnitCosts& c = costs_[u];
-    return buffer("forward ws " + uname(u), Role::forward_ws, MemCategory::workspace,
-                  c.forward_workspace + (kernels ? c.forward_kernel_scratch : 0), u);
+    return workspace("forward ws " + uname(u), Role::forward_ws, c.forward_workspace, kernels ? c.forward_kernel_scratch : 0, u);
   }
   int backward_ws(int u) {
     const model::UnitCosts& c = costs_[u];
-    return buffer("backward ws " + uname(u), Role::backward_ws, MemCategory::workspace, c.backward_workspace + c.backward_kernel_scratch, u);
+    return workspace("backward ws " + uname(u), Role::backward_ws, c.backward_workspace, c.backward_kernel_scratch, u);
+  }
+  int workspace(const std::string& name, Role role, int64_t layers_part, int64_t kernels_part, int u) {
+    const size_t made = plan_.buffers.size();
+    const int id = buffer(name, role, MemCategory::workspace, kernels_part + layers_part, u);
+    if (plan_.buffers.size() > made) plan_.buffers[id].kernel_scratch = kernels_part;
+    return id;
   }
   // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard. The
   // casts copy the whole unit once.

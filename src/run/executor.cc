@@ -569,12 +569,9 @@ void Executor::unit_task(const Task& t, Run& r) {
   if (io.saved >= 0) a.saved = r.data(io.saved);
   if (io.recomputable >= 0) a.recomputable = r.data(io.recomputable);
   // A workspace buffer starts with what the plan gave the kernels for their own scratch
-  // (model::UnitCosts::*_kernel_scratch, 512-byte pieces: the layers' part after it keeps the
-  // buffer's alignment), the bytes before the layers' part.
-  const model::UnitCosts costs = desc_.costs(t.unit, r.plan.unit_shape(desc_, t.unit, r.plan.config.activation_bytes));
-  const auto kernel_part = [&](int ws, int64_t layers_part) { return ws >= 0 ? r.plan.buffers[ws].bytes - layers_part : 0; };
-  const int64_t forward_kernels = kernel_part(io.forward_ws, costs.forward_workspace);
-  const int64_t backward_kernels = kernel_part(io.backward_ws, costs.backward_workspace);
+  // (512-byte pieces: the layers' part after it keeps the buffer's alignment).
+  const auto kernel_part = [&](int ws) { return ws >= 0 ? r.plan.buffers[ws].kernel_scratch : int64_t{0}; };
+  const int64_t forward_kernels = kernel_part(io.forward_ws), backward_kernels = kernel_part(io.backward_ws);
   if (io.forward_ws >= 0) a.forward_ws = r.data(io.forward_ws) + forward_kernels;
   if (io.backward_ws >= 0) a.backward_ws = r.data(io.backward_ws) + backward_kernels;
   a.dx = r.f32(io.grad_stream);

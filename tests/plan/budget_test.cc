@@ -209,8 +209,20 @@ TEST(Budget, TheKernelsScratchIsInThePeakABudgetHolds) {
   ASSERT_GT(k.backward_kernel_scratch, 0);
   bool sized = false;
   for (const BufferDesc& b : cuda.buffers)
-    if (b.role == Role::backward_ws && b.unit == head) sized = b.bytes == k.backward_workspace + k.backward_kernel_scratch;
+    if (b.role == Role::backward_ws && b.unit == head)
+      sized = b.bytes == k.backward_workspace + k.backward_kernel_scratch && b.kernel_scratch == k.backward_kernel_scratch;
   EXPECT_TRUE(sized);
+  // Every workspace says which of its bytes the kernels take (the executor lends exactly those);
+  // the training head's forward runs its kernels in its backward's place and takes none.
+  for (const BufferDesc& b : cuda.buffers) {
+    if (b.role != Role::forward_ws && b.role != Role::backward_ws) continue;
+    const model::UnitCosts u = d.costs(b.unit, cuda.unit_shape(d, b.unit, 4));
+    const bool backward = b.role == Role::backward_ws;
+    const int64_t kernels = backward ? u.backward_kernel_scratch : b.unit == head ? 0 : u.forward_kernel_scratch;
+    EXPECT_EQ(b.kernel_scratch, kernels) << b.name;
+    EXPECT_EQ(b.bytes, kernels + (backward ? u.backward_workspace : u.forward_workspace)) << b.name;
+  }
+  for (const BufferDesc& b : cpu.buffers) EXPECT_EQ(b.kernel_scratch, 0) << b.name;
   EXPECT_GT(peak(cuda), peak(cpu));
   EXPECT_LE(peak(cuda), peak(cpu) + k.forward_kernel_scratch + k.backward_kernel_scratch);
   c.memory_budget = peak(cpu);  // the CPU's resident peak: too little for the device's without offload
