@@ -119,32 +119,19 @@ void write_gpt2_tokenizer(const std::string& dir, const model::ModelConfig& c, c
                                               {"model_max_length", c.max_seq}});
 }
 
-// tokenizer.json is the file the tokenizer here reads; PreTrainedTokenizerFast loads it. Its
-// beginning and end tokens are the added tokens LLaMA 3's and SentencePiece's files name so (ids
-// into config.json), where it has them.
+// tokenizer.json is the file the tokenizer here reads; PreTrainedTokenizerFast loads it. Its first
+// and end tokens are the ones the caller read from it (ids into config.json).
 void write_tokenizer_json(const std::string& dir, const model::ModelConfig& c, const HfExportOptions& opt,
                           json& config) {
   check_tokenizer_files(opt, {opt.tokenizer_json}, " --llama");
   copy_file(opt.tokenizer_json, dir + "/tokenizer.json");
-  json added = json::array();
-  try {
-    added = json::parse(std::ifstream(opt.tokenizer_json)).value("added_tokens", json::array());
-  } catch (const std::exception& e) {
-    throw std::runtime_error("ckpt export: " + opt.tokenizer_json + ": invalid JSON: " + e.what());
-  }
   json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"model_max_length", c.max_seq}};
   json special = json::object();
-  const auto name_first = [&](const char* role, std::initializer_list<const char*> candidates) {
-    for (const char* text : candidates)
-      for (const json& t : added)
-        if (t.is_object() && t.value("content", "") == text && t.contains("id") && t["id"].is_number_integer()) {
-          tokenizer_config[std::string(role) + "_token"] = special[std::string(role) + "_token"] = text;
-          config[std::string(role) + "_token_id"] = t["id"];
-          return;
-        }
-  };
-  name_first("bos", {"<|begin_of_text|>", "<s>"});
-  name_first("eos", {"<|end_of_text|>", "</s>", "<|endoftext|>"});
+  for (const auto& [role, token] : {std::pair{"bos", &opt.bos}, std::pair{"eos", &opt.eos}}) {
+    if (token->id < 0) continue;
+    tokenizer_config[std::string(role) + "_token"] = special[std::string(role) + "_token"] = token->text;
+    config[std::string(role) + "_token_id"] = token->id;
+  }
   write_json(dir + "/special_tokens_map.json", special);
   write_json(dir + "/tokenizer_config.json", tokenizer_config);
 }
@@ -202,7 +189,7 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
       config["bos_token_id"] = config["eos_token_id"] = 50256;
       write_gpt2_tokenizer(tmp, desc.config, opt);
       summary.tokenizer_files = "vocab.json, merges.txt";
-    } else if (opt.tokenizer != "bytes" && opt.tokenizer != "unknown") {
+    } else if (!opt.tokenizer.empty() && opt.tokenizer != "bytes" && opt.tokenizer != "unknown") {
       write_tokenizer_json(tmp, desc.config, opt, config);
       summary.tokenizer_files = "tokenizer.json";
     } else {

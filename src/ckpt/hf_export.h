@@ -14,8 +14,8 @@
 //   tokenizer.json                     for any other tokenizer but bytes (llama3, mistral, ...): the
 //                                      file it was read from
 //   tokenizer_config.json,             GPT2Tokenizer and <|endoftext|> as bos/eos/unk; others:
-//   special_tokens_map.json            PreTrainedTokenizerFast, bos and eos as the file's added tokens
-//                                      name them (<|begin_of_text|>, <|end_of_text|>; <s>, </s>)
+//   special_tokens_map.json            PreTrainedTokenizerFast, bos and eos as HfExportOptions gives
+//                                      them (the tokenizer's own)
 // The directory is written atomically (write_dir_atomically): a good one is never replaced by a
 // half-written one, and an existing one only when HfExportOptions::overwrite says so.
 #pragma once
@@ -30,13 +30,22 @@ namespace shardlm::ckpt {
 struct HfExportOptions {
   std::string dtype = "fp32";                  // fp32 | bf16 (rounded to nearest even)
   uint64_t max_shard_bytes = 5'000'000'000;    // Hugging Face's default "5GB"
-  std::string tokenizer = "gpt2";              // the checkpoint's tokenizer name
+  // The checkpoint's tokenizer name; train::export_hf reads the checkpoint's own where it is "".
+  std::string tokenizer;
   // The gpt2 tokenizer's files (data_dir/gpt2/encoder.json and vocab.bpe); only read when
   // `tokenizer` is gpt2.
   std::string encoder_json, vocab_bpe;
   // The tokenizer.json of any other tokenizer but bytes (the checkpoint's own, else
   // data_dir/NAME/tokenizer.json); only read when `tokenizer` is such a one.
   std::string tokenizer_json;
+  // That tokenizer's first and end tokens (data::Tokenizer::bos() and end_tokens()[0], loaded by
+  // the caller: ckpt does not read tokenizers), for tokenizer_config.json, special_tokens_map.json
+  // and config.json's bos_token_id / eos_token_id; id -1: the tokenizer has none.
+  struct SpecialToken {
+    std::string text;
+    int64_t id = -1;
+  };
+  SpecialToken bos, eos;
   // An existing non-empty out_dir is replaced (once the new one is complete) only when true;
   // otherwise the export fails and leaves it as it was.
   bool overwrite = false;

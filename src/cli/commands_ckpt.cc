@@ -147,17 +147,24 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
   } else if (*c.export_cmd) {
     const data::Gpt2Files tok = data::gpt2_files(data_dir);
     const std::string step_dir = ckpt::resolve_checkpoint(c.dir);
+    const std::string tokenizer = train::read_initial_tokenizer(step_dir);
     // A checkpoint imported from a Hugging Face directory keeps that directory's tokenizer.json.
     const std::string own = step_dir + "/tokenizer.json";
-    const std::string tokenizer_json = std::filesystem::exists(own)
-                                           ? own
-                                           : data::hf_tokenizer_file(train::read_initial_tokenizer(step_dir), data_dir);
+    const std::string tokenizer_json = std::filesystem::exists(own) ? own : data::hf_tokenizer_file(tokenizer, data_dir);
     check_out_dir(c.out, c.overwrite,
                   {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe},
                    {"--data-dir", tokenizer_json}});
-    const auto s = train::export_hf(step_dir, c.out,
-                                    {c.dtype, ckpt::parse_size(c.max_shard_size), "", tok.encoder_json, tok.vocab_bpe,
-                                     tokenizer_json, c.overwrite});
+    ckpt::HfExportOptions opt{c.dtype, ckpt::parse_size(c.max_shard_size), tokenizer, tok.encoder_json, tok.vocab_bpe,
+                              tokenizer_json};
+    opt.overwrite = c.overwrite;
+    // Its first and end tokens as the tokenizer here reads them (a missing file: the export's error names it).
+    if (tokenizer != "gpt2" && tokenizer != "bytes" && tokenizer != "unknown" && std::filesystem::exists(tokenizer_json)) {
+      const auto t = data::load_hf_tokenizer(tokenizer_json, tokenizer);
+      const std::vector<int32_t> ends = t->end_tokens();
+      if (t->bos() >= 0) opt.bos = {t->decode_token(t->bos()), t->bos()};
+      if (!ends.empty()) opt.eos = {t->decode_token(ends[0]), ends[0]};
+    }
+    const auto s = train::export_hf(step_dir, c.out, opt);
     fmt::print("exported {} -> {}: {} safetensors file(s), {} bytes of {} tensors, config.json{}\n", c.dir, c.out, s.files,
                s.total_size, c.dtype, !s.tokenizer_files.empty() ? ", " + s.tokenizer_files : "; " + s.tokenizer_note);
   } else if (*c.import_cmd) {

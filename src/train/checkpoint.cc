@@ -411,7 +411,7 @@ ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
 
 ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& out_dir, ckpt::HfExportOptions opt) {
   const model::ModelDesc desc = model::describe(read_checkpoint_config(ckpt_dir));
-  opt.tokenizer = read_model_state(ckpt_dir).tokenizer;
+  if (opt.tokenizer.empty()) opt.tokenizer = read_model_state(ckpt_dir).tokenizer;
   const model::FlatLayout layout = model::flat_layout(desc);
   std::vector<float> params(layout.total);
   load_checkpoint(ckpt_dir, desc, layout, params.data(), nullptr, nullptr);

@@ -54,7 +54,7 @@ void load_checkpoint(const std::string& dir, const model::ModelDesc& desc, const
 ckpt::ShardedLayout sharded_layout(const plan::Plan& plan, int world);
 
 // `shardlm ckpt export --format hf`: a checkpoint (sharded or whole) as a Hugging Face directory
-// (ckpt/hf_export.h), written atomically. opt.tokenizer is taken from the checkpoint.
+// (ckpt/hf_export.h), written atomically. An empty opt.tokenizer is the checkpoint's own.
 ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& out_dir, ckpt::HfExportOptions opt);
 
 // `shardlm ckpt import --format hf`: a Hugging Face directory (ckpt/hf_import.h) as a sharded

@@ -391,6 +391,7 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   const std::string llama3_json =
       R"({"added_tokens": [{"id": 128000, "content": "<|begin_of_text|>"}, {"id": 128001, "content": "<|end_of_text|>"}]})";
   std::ofstream(opt.tokenizer_json) << llama3_json;
+  opt.bos = {"<|begin_of_text|>", 128000}, opt.eos = {"<|end_of_text|>", 128001};  // as the caller reads them
   const ckpt::HfExportSummary l3 = ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
   EXPECT_EQ(l3.tokenizer_files, "tokenizer.json");
   EXPECT_EQ(fs::file_size(out / "tokenizer.json"), llama3_json.size());
@@ -401,7 +402,7 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   EXPECT_EQ(json::parse(std::ifstream(out / "tokenizer_config.json"))["eos_token"], "<|end_of_text|>");
   // A SentencePiece one (Mistral's): <s> and </s>.
   opt.tokenizer = "mistral";
-  std::ofstream(opt.tokenizer_json) << R"({"added_tokens": [{"id": 1, "content": "<s>"}, {"id": 2, "content": "</s>"}]})";
+  opt.bos = {"<s>", 1}, opt.eos = {"</s>", 2};
   ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
   config = json::parse(std::ifstream(out / "config.json"));
   EXPECT_EQ(config["bos_token_id"], 1);
@@ -409,6 +410,13 @@ TEST(HfExportAtomic, FailedExportLeavesTheOldDirectory) {
   EXPECT_EQ(config["shardlm_tokenizer"], "mistral");
   EXPECT_EQ(json::parse(std::ifstream(out / "special_tokens_map.json"))["bos_token"], "<s>");
   EXPECT_EQ(json::parse(std::ifstream(out / "tokenizer_config.json"))["tokenizer_class"], "PreTrainedTokenizerFast");
+  // A tokenizer without a first token: none is named.
+  opt.bos = {};
+  ckpt::write_hf_dir(out.string(), m.desc, m.plan.layout, m.params(), opt);
+  config = json::parse(std::ifstream(out / "config.json"));
+  EXPECT_FALSE(config.contains("bos_token_id"));
+  EXPECT_EQ(config["eos_token_id"], 2);
+  EXPECT_FALSE(json::parse(std::ifstream(out / "special_tokens_map.json")).contains("bos_token"));
 }
 
 // A mixture-of-experts model exports as Hugging Face Mixtral: MixtralConfig's keys, the router

@@ -74,6 +74,7 @@ struct TokenizerCase {
   const char* name;
   int token_bytes;
   double first_loss_above;  // about ln(vocabulary size)
+  int bos, eos;             // its first and end tokens' ids
 };
 
 void PrintTo(const TokenizerCase& c, std::ostream* os) { *os << c.name; }
@@ -107,6 +108,11 @@ TEST_P(TokenizedText, TrainsAndPrintsText) {
   const testing::Result x = testing::shardlm("ckpt export --format hf --ckpt " + (runs.out("l3text") / "ckpt" / "step_2").string() +
                                              " --out " + hf);
   ASSERT_EQ(x.code, 0) << x.out;
+  // Its first and end tokens are the tokenizer's own: LLaMA 3's <|begin_of_text|> and
+  // <|end_of_text|>, SentencePiece's <s> and </s>.
+  const nlohmann::json exported = nlohmann::json::parse(std::ifstream(hf + "/config.json"));
+  EXPECT_EQ(exported["bos_token_id"], tc.bos);
+  EXPECT_EQ(exported["eos_token_id"], tc.eos);
   const testing::Result own = testing::shardlm("generate --ckpt " + hf + " --prompt 'In the beginning' --tokens 4 --threads 1" +
                                                " --data-dir " + (runs.dir / "no_tokenizers").string());
   ASSERT_EQ(own.code, 0) << own.out;
@@ -134,8 +140,8 @@ TEST_P(TokenizedText, TrainsAndPrintsText) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizedText,
-                         ::testing::Values(TokenizerCase{"llama3", 4, 11.0},    // ln 128256 = 11.76
-                                           TokenizerCase{"mistral", 2, 9.8}),  // ln 32000 = 10.37
+                         ::testing::Values(TokenizerCase{"llama3", 4, 11.0, 128000, 128001},  // ln 128256 = 11.76
+                                           TokenizerCase{"mistral", 2, 9.8, 1, 2}),          // ln 32000 = 10.37
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
