@@ -30,9 +30,10 @@ double collective_seconds(const LinkCost& link, Collective c, double S, int n);
 // a tier without the table.
 double size_efficiency(const Tier& tier, double S);
 // A ring-family collective (all-gather, reduce-scatter, all-reduce; NVLS) of S bytes over n ranks
-// on `link` of `tier`: latency + S · factor(n) / (busBw · size_efficiency(S)). Every op takes the
-// tier's all_reduce table: the same ring (or switch) at the same size, whose steps move the same
-// S/n a rank with the same protocol and channels.
+// on `link` of `tier`: latency + S · factor(n) / (busBw · size_efficiency(S)). Every op and group
+// takes the tier's all_reduce table at its own S: NCCL picks its protocol and channels by the
+// message's size. (A group of fewer ranks than the table's moves larger steps, so for it this
+// errs slow.)
 double ring_seconds(const Tier& tier, const LinkCost& link, Collective c, double S, int n);
 // Which collective a plan op is priced as (norm_reduce gathers each rank's four figures).
 Collective collective_of(plan::Op op);
