@@ -61,7 +61,7 @@ def main():
     a, h = predicted(args.shardlm, "a100-80gb"), predicted(args.shardlm, "h100-80gb")
     print("| size | A100 published | predicted | error | A100 left out | H100 published | predicted | error "
           "| H100 left out | H200 published | H100 predicted | error |")
-    print("|---:" * 13 + "|")
+    print("|---:" * 12 + "|")
     for i, s in enumerate(SIZES):
         inner = 0 < i < len(SIZES) - 1
         la = err(left_out(args.shardlm, "a100-80gb", i), A100[1][i]) if inner else "—"
