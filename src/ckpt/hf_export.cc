@@ -138,6 +138,10 @@ void write_tokenizer_json(const std::string& dir, const model::ModelConfig& c, c
 
 }  // namespace
 
+bool exports_tokenizer_json(const std::string& tokenizer) {
+  return !tokenizer.empty() && tokenizer != "gpt2" && tokenizer != "bytes" && tokenizer != "unknown";
+}
+
 HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc& desc, const model::FlatLayout& layout,
                              const float* params, const HfExportOptions& opt) {
   if (opt.dtype != "fp32" && opt.dtype != "bf16")
@@ -189,7 +193,7 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
       config["bos_token_id"] = config["eos_token_id"] = 50256;
       write_gpt2_tokenizer(tmp, desc.config, opt);
       summary.tokenizer_files = "vocab.json, merges.txt";
-    } else if (!opt.tokenizer.empty() && opt.tokenizer != "bytes" && opt.tokenizer != "unknown") {
+    } else if (exports_tokenizer_json(opt.tokenizer)) {
       write_tokenizer_json(tmp, desc.config, opt, config);
       summary.tokenizer_files = "tokenizer.json";
     } else {

@@ -51,6 +51,10 @@ struct HfExportOptions {
   bool overwrite = false;
 };
 
+// Whether a checkpoint's tokenizer exports as a tokenizer.json (every named one but gpt2, which
+// has vocab.json and merges.txt, and bytes and unknown, which have no Hugging Face files).
+bool exports_tokenizer_json(const std::string& tokenizer);
+
 // "5GB" (10^9), "500MB", "64KiB" (2^10), "1234" (bytes), as huggingface_hub parses
 // max_shard_size. Throws std::invalid_argument "--max-shard-size: …" for anything else or 0.
 uint64_t parse_size(const std::string& text);

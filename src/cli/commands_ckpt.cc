@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "ckpt/hf_export.h"
 #include "ckpt/sharded.h"
 #include "ckpt/snapshot.h"
 #include "cli/subcommands.h"
@@ -158,7 +159,7 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
                               tokenizer_json};
     opt.overwrite = c.overwrite;
     // Its first and end tokens as the tokenizer here reads them (a missing file: the export's error names it).
-    if (tokenizer != "gpt2" && tokenizer != "bytes" && tokenizer != "unknown" && std::filesystem::exists(tokenizer_json)) {
+    if (ckpt::exports_tokenizer_json(tokenizer) && std::filesystem::exists(tokenizer_json)) {
       const auto t = data::load_hf_tokenizer(tokenizer_json, tokenizer);
       const std::vector<int32_t> ends = t->end_tokens();
       if (t->bos() >= 0) opt.bos = {t->decode_token(t->bos()), t->bos()};
