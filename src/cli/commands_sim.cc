@@ -346,7 +346,7 @@ void run_collective(const SimulateArgs& a) {
   if (!a.json)
     fmt::print("# {} over {} rank(s) of {}: {} node(s) x {} rank(s) a node ({} devices a node{}); algorithm: {}\n"
                "# busbw = algbw x {:.4g} ({}); times in us, bandwidths in GB/s (1e9 bytes/s)\n"
-               "# {:>12}  {:>6}  {:>12}  {:>10}  {:>10}\n",
+               "# {:>12}  {:>7}  {:>12}  {:>10}  {:>10}\n",
                sim::to_string(c), a.ranks, hw.name, g.nodes, g.per_node, hw.devices_per_node,
                hw.network.present ? fmt::format(", {} NICs of {:.4g} GB/s at {:.3g}", hw.network.nics_per_node,
                                                 hw.network.nic_bw / 1e9, hw.network.nic_efficiency)
@@ -356,12 +356,13 @@ void run_collective(const SimulateArgs& a) {
   for (int64_t S = lo; S <= hi; S *= 2) {
     const sim::CollectiveCost r = sim::collective_cost(hw, c, static_cast<double>(S), g, algo);
     const double algbw = r.seconds > 0 ? S / r.seconds : 0;
+    const std::string algorithm = std::string(sim::to_string(r.algorithm)) + (r.low_latency ? "/LL" : "");
     if (a.json)
-      rows.push_back({{"bytes", S}, {"algorithm", sim::to_string(r.algorithm)}, {"time_us", r.seconds * 1e6},
+      rows.push_back({{"bytes", S}, {"algorithm", algorithm}, {"time_us", r.seconds * 1e6},
                       {"algbw_gbs", algbw / 1e9}, {"busbw_gbs", algbw * factor / 1e9}});
     else
-      fmt::print("  {:>12}  {:>6}  {:>12.2f}  {:>10.2f}  {:>10.2f}\n", S, sim::to_string(r.algorithm), r.seconds * 1e6,
-                 algbw / 1e9, algbw * factor / 1e9);
+      fmt::print("  {:>12}  {:>7}  {:>12.2f}  {:>10.2f}  {:>10.2f}\n", S, algorithm, r.seconds * 1e6, algbw / 1e9,
+                 algbw * factor / 1e9);
     if (S > hi / 2) break;
   }
   if (a.json)

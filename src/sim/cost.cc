@@ -145,13 +145,25 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
   // Ring: one ring per NIC, each crossing every node boundary once; inside the node the fabric.
   const double ring_bw = k > 1 ? std::min(in_node_bw, nics) : nics;
   const int inter_steps = (c == Collective::all_reduce ? 2 : 1) * (N - 1);
-  out.push_back({fabric.latency_s + inter_steps * net.ring_step_latency_s + S * bus_factor(c, n) / ring_bw, Algorithm::ring});
-  if (c == Collective::all_reduce) {
-    const double levels = std::ceil(std::log2(static_cast<double>(N)));
-    const double chain = k > 1 ? 2 * S / in_node_bw : 0;  // up the node's chain and back down
-    const double network = 2 * S * (N - 1) / N / nics;    // a node's share of the two trees' edges
-    out.push_back({fabric.latency_s + 2 * levels * net.tree_step_latency_s + std::max(chain, network) / net.tree_efficiency,
-                   Algorithm::tree});
+  const double levels = std::ceil(std::log2(static_cast<double>(N)));
+  const double chain = k > 1 ? 2 * S / in_node_bw : 0;  // the tree: up the node's chain and back down
+  const double network = 2 * S * (N - 1) / N / nics;    // the tree: a node's share of its two trees' edges
+  // Each protocol NCCL could pick: the profile's default and, where given, LL.
+  struct Protocol {
+    double ring_step_latency_s, tree_step_latency_s, bandwidth_fraction;
+    bool low_latency;
+  };
+  std::vector<Protocol> protocols{{net.ring_step_latency_s, net.tree_step_latency_s, 1, false}};
+  if (const Network::LowLatency& ll = net.low_latency; ll.present)
+    protocols.push_back({ll.ring_step_latency_s, ll.tree_step_latency_s, ll.bandwidth_fraction, true});
+  for (const Protocol& p : protocols) {
+    out.push_back({fabric.latency_s + inter_steps * p.ring_step_latency_s +
+                       S * bus_factor(c, n) / (ring_bw * p.bandwidth_fraction),
+                   Algorithm::ring, true, p.low_latency});
+    if (c == Collective::all_reduce)
+      out.push_back({fabric.latency_s + 2 * levels * p.tree_step_latency_s +
+                         std::max(chain, network) / (net.tree_efficiency * p.bandwidth_fraction),
+                     Algorithm::tree, true, p.low_latency});
   }
   return out;
 }

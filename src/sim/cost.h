@@ -56,6 +56,7 @@ struct CollectiveCost {
   double seconds = 0;
   Algorithm algorithm = Algorithm::ring;
   bool available = true;  // false: `algorithm` does not apply (tree and NVLS price all-reduce only)
+  bool low_latency = false;  // priced with the network's LL protocol (Network::low_latency)
 };
 // Seconds of one collective of S bytes (all_to_all: what each rank sends in all) over group `g`:
 //  - inside one node (or without a `network` in the profile): the intra tier (or the flat inter
@@ -67,7 +68,9 @@ struct CollectiveCost {
 //    ring_step_latency_s per step that crosses the network (2(N−1) for all-reduce, N−1 for
 //    all-gather/reduce-scatter over N nodes). The tree (all-reduce) pays 2·⌈log2 N⌉
 //    tree_step_latency_s and moves 2S through each device inside the node (up the chain and down,
-//    at that size's rate) and 2S(N−1)/N through each node's NICs, at tree_efficiency.
+//    at that size's rate) and 2S(N−1)/N through each node's NICs, at tree_efficiency. With the
+//    network's low_latency figures, ring and tree are priced a second time with LL's step
+//    latencies and its fraction of the bandwidth; the faster one is the cost.
 //    All-to-all sends (n−k)/n of each rank's bytes across the network on that rank's own share of
 //    the NICs and (k−1)/n on the fabric, the two at once; α per peer message on each.
 CollectiveCost collective_cost(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g,

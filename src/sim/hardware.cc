@@ -112,6 +112,22 @@ Fabric fabric(const json& j, const Tier& intra, double memory_bw, const std::str
   return f;
 }
 
+Network::LowLatency low_latency(const json& o, const std::string& origin) {
+  const std::string path = "network.low_latency";
+  if (!o.is_object()) throw bad(origin, path, "must be an object (ring_step_latency_s, tree_step_latency_s, bandwidth_fraction)");
+  Network::LowLatency ll;
+  ll.present = true;
+  for (auto [key, out] : {std::pair{"ring_step_latency_s", &ll.ring_step_latency_s},
+                          std::pair{"tree_step_latency_s", &ll.tree_step_latency_s}}) {
+    *out = figure(o, key, path, origin, true);
+    if (*out > kMaxLatencySeconds)
+      throw bad(origin, path + "." + key + ".value", "must be <= " + str(kMaxLatencySeconds) + " s");
+  }
+  ll.bandwidth_fraction = figure(o, "bandwidth_fraction", path, origin);
+  if (ll.bandwidth_fraction > 1) throw bad(origin, path + ".bandwidth_fraction.value", "must be <= 1 (a fraction)");
+  return ll;
+}
+
 Network network(const json& j, const std::string& origin) {
   Network n;
   if (!j.contains("network")) return n;
@@ -133,6 +149,7 @@ Network network(const json& j, const std::string& origin) {
     if (*out > kMaxLatencySeconds)
       throw bad(origin, std::string("network.") + key + ".value", "must be <= " + str(kMaxLatencySeconds) + " s");
   }
+  if (o.contains("low_latency")) n.low_latency = low_latency(o.at("low_latency"), origin);
   return n;
 }
 

@@ -86,6 +86,14 @@ struct Network {
   double tree_step_latency_s = 0;  // added per tree level across nodes (up and down each)
   double message_latency_s = 0;    // one point-to-point message across the network (all-to-all: per remote peer)
   double tree_efficiency = 1;      // a tree's achieved bandwidth relative to the ring's links
+  // Optional: NCCL's LL protocol, which it picks for small messages across nodes: each 8-byte
+  // store carries its own flag, so a step waits on no separate synchronisation (less latency)
+  // and half of every line is flags (a fraction of the bandwidth). Absent: not priced.
+  struct LowLatency {
+    bool present = false;
+    double ring_step_latency_s = 0, tree_step_latency_s = 0;
+    double bandwidth_fraction = 1;  // of the ring's or tree's bandwidth (fabric and network alike)
+  } low_latency;
   // One device's share of the node's achievable NIC bandwidth, bytes/s.
   double per_device_bw(int devices_per_node) const {
     return nics_per_node * nic_bw * nic_efficiency / devices_per_node;

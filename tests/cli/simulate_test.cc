@@ -601,6 +601,11 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
   EXPECT_NE(human.out.find("nvls"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find(" 8589934592 "), std::string::npos) << human.out;
   EXPECT_EQ(std::count(human.out.begin(), human.out.end(), '\n'), 3 + 31);
+  // Across 16 nodes the small sizes run NCCL's LL protocol, named after the algorithm.
+  const Result nodes = shardlm("simulate --hardware h100-80gb --collective all-reduce --ranks 128 --bytes 8:1G");
+  ASSERT_EQ(nodes.code, 0) << nodes.out;
+  EXPECT_NE(nodes.out.find(" 8  tree/LL "), std::string::npos) << nodes.out;
+  EXPECT_EQ(nodes.out.find("/LL", nodes.out.find(" 1073741824 ")), std::string::npos) << nodes.out;
 }
 
 TEST(SimulateCollective, BadInputIsOneLine) {

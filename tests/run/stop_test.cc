@@ -99,7 +99,9 @@ TEST_F(StopTest, HugeLearningRateStopsBeforeTheUpdateAndSavesNothingPoisoned) {
   for (int64_t c : checkpoints("lr_huge")) {
     const Result e = shardlm("eval --ckpt " + (dir_ / "lr_huge" / "ckpt" / ("step_" + std::to_string(c))).string() +
                              " --data " + (dir_ / "tok_val.bin").string() + " --seq 32 --batch 2 --threads 1");
-    if (e.code == 0) EXPECT_FALSE(contains(e.out, "nan")) << e.out;
+    if (e.code == 0) {
+      EXPECT_FALSE(contains(e.out, "nan")) << e.out;
+    }
     else EXPECT_TRUE(contains(e.out, "not finite")) << e.out;
   }
 }

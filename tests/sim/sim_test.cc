@@ -795,7 +795,9 @@ TEST(Cost, MidSizesMoveTheirBytesAtThePublishedTablesRate) {
         const double line = l.latency_s + S * bus_factor(c, 8) / l.bus_bw;
         const double t = collective_cost(*hw, c, S, node, Algorithm::ring).seconds;
         EXPECT_GE(t, line * (1 - 1e-12)) << hw->name << " " << to_string(c) << " " << S;
-        if (S >= 8.0 * (1 << 30)) EXPECT_DOUBLE_EQ(t, line) << hw->name << " " << to_string(c) << " " << S;
+        if (S >= 8.0 * (1 << 30)) {
+          EXPECT_DOUBLE_EQ(t, line) << hw->name << " " << to_string(c) << " " << S;
+        }
       }
   // The published tables themselves (Azure ND A100 v4 and ND H100 v5, NCCL 2.18.5, 1 KiB..8 GiB):
   // exact where the table is slower than the line (2 MiB up on A100, 16 KiB up on H100 but its
@@ -849,6 +851,44 @@ TEST(Cost, AcrossNodesTheFabricMovesBytesAtItsSizesEfficiency) {
   // One rank a node (a hybrid replica group) crosses no fabric: the network's figures alone.
   EXPECT_NEAR(collective_cost(a, Collective::all_reduce, S, GroupSpan{2, 2, 1}, Algorithm::ring).seconds,
               45e-6 + 2 * 4e-6 + S / 24e9, 1e-12);
+}
+
+// Small messages across nodes: NCCL picks its LL protocol, whose steps cost less latency (its
+// tuning model's NET figures: 2.7 µs a ring step, 5.0 µs a tree level, against LL128's 4.0 and
+// 8.5) at a quarter of the bandwidth. Hand-computed on H100, 16 nodes of 8.
+TEST(Cost, SmallMessagesAcrossNodesTakeTheLowLatencyProtocol) {
+  const HardwareProfile h = preset("h100-80gb");
+  HardwareProfile without = h;
+  without.network.low_latency = {};
+  const GroupSpan g = contiguous_span(128, 8);
+  const double fabric = h.intra.of(Collective::all_reduce).bus_bw, nics = 8 * h.network.per_device_bw(8);
+  const double S = 8;
+  const CollectiveCost small = collective_cost(h, Collective::all_reduce, S, g);
+  EXPECT_EQ(small.algorithm, Algorithm::tree);
+  EXPECT_TRUE(small.low_latency);
+  const double bytes = std::max(2 * S / (fabric * size_efficiency(h.intra, S)), 2 * S * 15 / 16 / nics);
+  EXPECT_NEAR(small.seconds, 26e-6 + 2 * 4 * 5e-6 + bytes / (0.9 * 0.25), 1e-12);
+  // Without it, LL128's 8.5 µs a level: 94 µs. NVIDIA/nccl issue 1469 (16 H100 nodes, NCCL
+  // 2.20.5) measured 62 µs from 8 B to 128 B: LL is within 7% of it, LL128 52% slow.
+  EXPECT_NEAR(collective_cost(without, Collective::all_reduce, S, g).seconds, 26e-6 + 2 * 4 * 8.5e-6 + bytes / 0.9, 1e-12);
+  EXPECT_NEAR(small.seconds / 62e-6, 1, 0.07);
+  // A ring of LL steps: 2(N−1) of 2.7 µs.
+  const CollectiveCost ring = collective_cost(h, Collective::all_reduce, S, g, Algorithm::ring);
+  EXPECT_TRUE(ring.low_latency);
+  EXPECT_NEAR(ring.seconds, 26e-6 + 2 * 15 * 2.7e-6 + S * 2 * 127 / 128 / (std::min(fabric * size_efficiency(h.intra, S), nics) * 0.25),
+              1e-12);
+  // LL is only ever the faster choice; the bandwidth-bound sizes keep the default protocol.
+  for (double size = 8; size <= 8.0 * (1 << 30); size *= 4)
+    for (Collective c : {Collective::all_gather, Collective::reduce_scatter, Collective::all_reduce}) {
+      const CollectiveCost with = collective_cost(h, c, size, g), plain = collective_cost(without, c, size, g);
+      EXPECT_LE(with.seconds, plain.seconds) << to_string(c) << " " << size;
+      if (size >= (1 << 20)) {
+        EXPECT_FALSE(with.low_latency) << to_string(c) << " " << size;
+        EXPECT_DOUBLE_EQ(with.seconds, plain.seconds) << to_string(c) << " " << size;
+      }
+    }
+  // Inside one node the published table prices every size: no second protocol there.
+  EXPECT_FALSE(collective_cost(h, Collective::all_reduce, S, contiguous_span(8, 8)).low_latency);
 }
 
 // Hybrid shard by construction: the shard group (8 in a node) prices on NVLink, the replica
@@ -925,6 +965,19 @@ TEST(Hardware, NetworkAndFabricAreChecked) {
   auto fast = j;
   fast["fabric"]["link_bw"]["value"] = 100e9;
   EXPECT_NE(err(fast).find("p.json: intra_node.all_gather.bus_bw.value"), std::string::npos) << err(fast);
+  auto ll = j;
+  ll["network"]["low_latency"]["bandwidth_fraction"]["value"] = 2;
+  EXPECT_NE(err(ll).find("p.json: network.low_latency.bandwidth_fraction.value: must be <= 1"), std::string::npos) << err(ll);
+  ll = j;
+  ll["network"]["low_latency"].erase("tree_step_latency_s");
+  EXPECT_NE(err(ll).find("p.json: network.low_latency.tree_step_latency_s: missing"), std::string::npos) << err(ll);
+  ll = j;
+  ll["network"]["low_latency"] = 5;
+  EXPECT_NE(err(ll).find("p.json: network.low_latency: must be an object"), std::string::npos) << err(ll);
+  ll = j;
+  ll["network"].erase("low_latency");
+  EXPECT_FALSE(parse_hardware(ll.dump(), "p.json").network.low_latency.present);
+  EXPECT_TRUE(parse_hardware(j.dump(), "p.json").network.low_latency.present);
   auto none = j;
   none.erase("network");
   EXPECT_NE(err(none).find("p.json: inter_node: missing"), std::string::npos) << err(none);
