@@ -131,14 +131,19 @@ RUNS = [
 ]
 
 
-def with_nics(profile, nics, tmp):
-    """A copy of `profile` (a preset name or a JSON file) whose nodes have `nics` NICs, in `tmp`."""
+def with_nics(profile, nics, tmp, a100_nic_efficiency=None):
+    """A copy of `profile` (a preset name or a JSON file) whose nodes have `nics` NICs, in `tmp`;
+    on an A100 profile, at `a100_nic_efficiency` of their line rate where given."""
     path = profile if profile.endswith(".json") else os.path.join("configs", "hardware", profile + ".json")
     j = json.load(open(path))
     j["network"]["nics_per_node"] = {
         "value": nics,
         "source": "IBM fms-fsdp README: 400 Gbps a node of 8 A100s, 800 Gbps a node of 8 H100s; "
                   "NICs at the line rate of " + os.path.basename(path)}
+    if a100_nic_efficiency is not None and "a100" in os.path.basename(path):
+        j["network"]["nic_efficiency"] = {
+            "value": a100_nic_efficiency,
+            "source": "what-if (--ibm-a100-nic-efficiency): NCCL over AWS EFA, which fms-fsdp's launch scripts use"}
     out = os.path.join(tmp, "ibm-" + os.path.basename(path))
     with open(out, "w") as f:
         json.dump(j, f, indent=1)
@@ -152,6 +157,9 @@ def main():
     ap.add_argument("--hardware-a100", help="a profile for the A100 rows in place of the a100-80gb preset")
     ap.add_argument("--hardware-h100-hbm2e", help="a profile for the rows on torchtitan's 96 GB HBM2e H100s "
                     "(default: --hardware-h100's, else the h100-80gb preset)")
+    ap.add_argument("--ibm-a100-nic-efficiency", type=float,
+                    help="a what-if: the IBM A100 rows' NICs at this fraction of their line rate "
+                    "(default: the profile's; docs/CLUSTER.md, 'The IBM A100 rows' network')")
     a = ap.parse_args()
     swap = {"h100-80gb": a.hardware_h100, "a100-80gb": a.hardware_a100,
             HBM2E: a.hardware_h100_hbm2e or a.hardware_h100 or "h100-80gb"}
@@ -165,7 +173,7 @@ def main():
         flags = [swap.get(f) or f for f in flags]
         if source in (IBM, IBM_0D3):
             at = flags.index("--hardware") + 1
-            flags[at] = with_nics(flags[at], IBM_NICS_PER_NODE, tmp)
+            flags[at] = with_nics(flags[at], IBM_NICS_PER_NODE, tmp, a.ibm_a100_nic_efficiency)
         if any(f.endswith(".json") for f in flags):
             # A GPU's measured rates are per device: one compute thread, so that a simulator that
             # scales measured rates by --threads (2 by default) on any profile leaves them as measured.
