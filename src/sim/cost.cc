@@ -113,33 +113,43 @@ const char* to_string(Algorithm a) {
 
 namespace {
 
-// The candidates of one collective on one group; unavailable ones are left out.
-std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
-  std::vector<CollectiveCost> out;
-  const int n = g.ranks, k = g.per_node, N = g.nodes;
-  const Algorithm main = c == Collective::all_to_all ? Algorithm::direct : Algorithm::ring;
-  if (N <= 1 || !hw.network.present) {
-    const Tier& tier = N > 1 ? hw.inter : hw.intra;
-    out.push_back({c == Collective::all_to_all ? collective_seconds(tier.of(c), c, S, n) : ring_seconds(tier, tier.of(c), c, S, n),
-                   main});
-    // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
-    // measurements NVLS gains only from 5 GPUs up).
-    if (c == Collective::all_reduce && N <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
-      out.push_back({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
-    return out;
-  }
-  const Network& net = hw.network;
+// Inside one node, or across nodes of a profile without a network (its flat inter tier).
+std::vector<CollectiveCost> one_tier(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+  const int n = g.ranks;
+  const Tier& tier = g.nodes > 1 ? hw.inter : hw.intra;
+  if (c == Collective::all_to_all) return {{collective_seconds(tier.of(c), c, S, n), Algorithm::direct}};
+  std::vector<CollectiveCost> out{{ring_seconds(tier, tier.of(c), c, S, n), Algorithm::ring}};
+  // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
+  // measurements NVLS gains only from 5 GPUs up).
+  if (c == Collective::all_reduce && g.nodes <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
+    out.push_back({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
+  return out;
+}
+
+// What the group's devices on one node can push through the network at once: each its share.
+double group_nics_bw(const HardwareProfile& hw, const GroupSpan& g) {
   const int dpn = hw.devices_per_node;
-  // What the group's devices on one node can push through the network at once: each its share.
-  const double nics = std::min(k, dpn) * net.per_device_bw(dpn);
+  return std::min(g.per_node, dpn) * hw.network.per_device_bw(dpn);
+}
+
+// All-to-all across nodes: this rank's bytes to other nodes on its own share of the NICs, those to
+// its node on the fabric, the two at once.
+CollectiveCost all_to_all_across(const HardwareProfile& hw, double S, const GroupSpan& g) {
+  const int n = g.ranks, k = g.per_node;
+  const LinkCost& fabric = hw.intra.of(Collective::all_to_all);
+  const double off = S * (n - k) / n / (group_nics_bw(hw, g) / k);
+  const double on = k > 1 ? S * (k - 1) / n / fabric.bus_bw : 0;
+  const double alpha = fabric.latency_s * (k - 1) + hw.network.message_latency_s * (n - k);
+  return {alpha + std::max(off, on), Algorithm::direct};
+}
+
+// Ring (and, for all-reduce, tree) across nodes, once per protocol NCCL could pick: the
+// profile's default and, where given, LL.
+std::vector<CollectiveCost> ring_and_tree_across(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+  const Network& net = hw.network;
+  const int n = g.ranks, k = g.per_node, N = g.nodes;
+  const double nics = group_nics_bw(hw, g);
   const LinkCost& fabric = hw.intra.of(c);
-  if (c == Collective::all_to_all) {
-    const double off = S * (n - k) / n / (nics / k);             // this rank's bytes to other nodes, on its share
-    const double on = k > 1 ? S * (k - 1) / n / fabric.bus_bw : 0;  // to the others of its node, on the fabric
-    const double alpha = fabric.latency_s * (k - 1) + net.message_latency_s * (n - k);
-    out.push_back({alpha + std::max(off, on), Algorithm::direct});
-    return out;
-  }
   // Inside the node the fabric moves this size's bytes at its efficiency there (Tier::by_size).
   const double in_node_bw = fabric.bus_bw * size_efficiency(hw.intra, S);
   // Ring: one ring per NIC, each crossing every node boundary once; inside the node the fabric.
@@ -148,7 +158,6 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
   const double levels = std::ceil(std::log2(static_cast<double>(N)));
   const double chain = k > 1 ? 2 * S / in_node_bw : 0;  // the tree: up the node's chain and back down
   const double network = 2 * S * (N - 1) / N / nics;    // the tree: a node's share of its two trees' edges
-  // Each protocol NCCL could pick: the profile's default and, where given, LL.
   struct Protocol {
     double ring_step_latency_s, tree_step_latency_s, bandwidth_fraction;
     bool low_latency;
@@ -156,6 +165,7 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
   std::vector<Protocol> protocols{{net.ring_step_latency_s, net.tree_step_latency_s, 1, false}};
   if (const Network::LowLatency& ll = net.low_latency; ll.present)
     protocols.push_back({ll.ring_step_latency_s, ll.tree_step_latency_s, ll.bandwidth_fraction, true});
+  std::vector<CollectiveCost> out;
   for (const Protocol& p : protocols) {
     out.push_back({fabric.latency_s + inter_steps * p.ring_step_latency_s +
                        S * bus_factor(c, n) / (ring_bw * p.bandwidth_fraction),
@@ -166,6 +176,13 @@ std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, 
                      Algorithm::tree, true, p.low_latency});
   }
   return out;
+}
+
+// The candidates of one collective on one group; unavailable ones are left out.
+std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+  if (g.nodes <= 1 || !hw.network.present) return one_tier(hw, c, S, g);
+  if (c == Collective::all_to_all) return {all_to_all_across(hw, S, g)};
+  return ring_and_tree_across(hw, c, S, g);
 }
 
 }  // namespace
