@@ -162,11 +162,12 @@ std::vector<CollectiveCost> ring_and_tree_across(const HardwareProfile& hw, Coll
     double ring_step_latency_s, tree_step_latency_s, bandwidth_fraction;
     bool low_latency;
   };
-  std::vector<Protocol> protocols{{net.ring_step_latency_s, net.tree_step_latency_s, 1, false}};
-  if (const Network::LowLatency& ll = net.low_latency; ll.present)
-    protocols.push_back({ll.ring_step_latency_s, ll.tree_step_latency_s, ll.bandwidth_fraction, true});
+  const Network::LowLatency& ll = net.low_latency;
+  const Protocol protocols[] = {{net.ring_step_latency_s, net.tree_step_latency_s, 1, false},
+                                {ll.ring_step_latency_s, ll.tree_step_latency_s, ll.bandwidth_fraction, true}};
   std::vector<CollectiveCost> out;
   for (const Protocol& p : protocols) {
+    if (p.low_latency && !ll.present) continue;
     out.push_back({fabric.latency_s + inter_steps * p.ring_step_latency_s +
                        S * bus_factor(c, n) / (ring_bw * p.bandwidth_fraction),
                    Algorithm::ring, true, p.low_latency});
