@@ -155,8 +155,13 @@ int run_ckpt(const CkptCommands& c, const std::string& data_dir) {
     check_out_dir(c.out, c.overwrite,
                   {{"--ckpt", c.dir}, {"--ckpt", step_dir}, {"--data-dir", tok.encoder_json}, {"--data-dir", tok.vocab_bpe},
                    {"--data-dir", tokenizer_json}});
-    ckpt::HfExportOptions opt{c.dtype, ckpt::parse_size(c.max_shard_size), tokenizer, tok.encoder_json, tok.vocab_bpe,
-                              tokenizer_json};
+    ckpt::HfExportOptions opt;
+    opt.dtype = c.dtype;
+    opt.max_shard_bytes = ckpt::parse_size(c.max_shard_size);
+    opt.tokenizer = tokenizer;
+    opt.encoder_json = tok.encoder_json;
+    opt.vocab_bpe = tok.vocab_bpe;
+    opt.tokenizer_json = tokenizer_json;
     opt.overwrite = c.overwrite;
     // Its first and end tokens as the tokenizer here reads them (a missing file: the export's error names it).
     if (ckpt::exports_tokenizer_json(tokenizer) && std::filesystem::exists(tokenizer_json)) {
