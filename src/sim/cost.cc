@@ -113,16 +113,30 @@ const char* to_string(Algorithm a) {
 
 namespace {
 
+// A collective's priced candidates: at most ring and tree, each with two protocols. Fixed
+// storage: the planner prices collectives hundreds of thousands of times.
+struct Candidates {
+  CollectiveCost at[4];
+  int count = 0;
+  void add(const CollectiveCost& c) { at[count++] = c; }
+  const CollectiveCost* begin() const { return at; }
+  const CollectiveCost* end() const { return at + count; }
+};
+
 // Inside one node, or across nodes of a profile without a network (its flat inter tier).
-std::vector<CollectiveCost> one_tier(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+Candidates one_tier(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
   const int n = g.ranks;
   const Tier& tier = g.nodes > 1 ? hw.inter : hw.intra;
-  if (c == Collective::all_to_all) return {{collective_seconds(tier.of(c), c, S, n), Algorithm::direct}};
-  std::vector<CollectiveCost> out{{ring_seconds(tier, tier.of(c), c, S, n), Algorithm::ring}};
+  Candidates out;
+  if (c == Collective::all_to_all) {
+    out.add({collective_seconds(tier.of(c), c, S, n), Algorithm::direct});
+    return out;
+  }
+  out.add({ring_seconds(tier, tier.of(c), c, S, n), Algorithm::ring});
   // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
   // measurements NVLS gains only from 5 GPUs up).
   if (c == Collective::all_reduce && g.nodes <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
-    out.push_back({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
+    out.add({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});
   return out;
 }
 
@@ -145,7 +159,7 @@ CollectiveCost all_to_all_across(const HardwareProfile& hw, double S, const Grou
 
 // Ring (and, for all-reduce, tree) across nodes, once per protocol NCCL could pick: the
 // profile's default and, where given, LL.
-std::vector<CollectiveCost> ring_and_tree_across(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+Candidates ring_and_tree_across(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
   const Network& net = hw.network;
   const int n = g.ranks, k = g.per_node, N = g.nodes;
   const double nics = group_nics_bw(hw, g);
@@ -165,14 +179,14 @@ std::vector<CollectiveCost> ring_and_tree_across(const HardwareProfile& hw, Coll
   const Network::LowLatency& ll = net.low_latency;
   const Protocol protocols[] = {{net.ring_step_latency_s, net.tree_step_latency_s, 1, false},
                                 {ll.ring_step_latency_s, ll.tree_step_latency_s, ll.bandwidth_fraction, true}};
-  std::vector<CollectiveCost> out;
+  Candidates out;
   for (const Protocol& p : protocols) {
     if (p.low_latency && !ll.present) continue;
-    out.push_back({fabric.latency_s + inter_steps * p.ring_step_latency_s +
+    out.add({fabric.latency_s + inter_steps * p.ring_step_latency_s +
                        S * bus_factor(c, n) / (ring_bw * p.bandwidth_fraction),
                    Algorithm::ring, true, p.low_latency});
     if (c == Collective::all_reduce)
-      out.push_back({fabric.latency_s + 2 * levels * p.tree_step_latency_s +
+      out.add({fabric.latency_s + 2 * levels * p.tree_step_latency_s +
                          std::max(chain, network) / (net.tree_efficiency * p.bandwidth_fraction),
                      Algorithm::tree, true, p.low_latency});
   }
@@ -180,17 +194,19 @@ std::vector<CollectiveCost> ring_and_tree_across(const HardwareProfile& hw, Coll
 }
 
 // The candidates of one collective on one group; unavailable ones are left out.
-std::vector<CollectiveCost> candidates(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
+Candidates candidates(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g) {
   if (g.nodes <= 1 || !hw.network.present) return one_tier(hw, c, S, g);
-  if (c == Collective::all_to_all) return {all_to_all_across(hw, S, g)};
-  return ring_and_tree_across(hw, c, S, g);
+  if (c != Collective::all_to_all) return ring_and_tree_across(hw, c, S, g);
+  Candidates out;
+  out.add(all_to_all_across(hw, S, g));
+  return out;
 }
 
 }  // namespace
 
 CollectiveCost collective_cost(const HardwareProfile& hw, Collective c, double S, const GroupSpan& g, Algorithm a) {
   if (g.ranks <= 1) return {0, c == Collective::all_to_all ? Algorithm::direct : Algorithm::ring};
-  const std::vector<CollectiveCost> all = candidates(hw, c, S, g);
+  const Candidates all = candidates(hw, c, S, g);
   const CollectiveCost* pick = nullptr;
   for (const CollectiveCost& x : all)
     if ((a == Algorithm::best || x.algorithm == a) && (!pick || x.seconds < pick->seconds)) pick = &x;
