@@ -5,6 +5,7 @@
                                      and docs/*.md resolves: the file, and a #anchor to a heading of it
   docs_test.py options  SRC SHARDLM  every option `shardlm CMD --help` lists appears in docs/ as `--flag`
   docs_test.py tracker  SRC          no tracker references ("issue 12", "item 3", "#12") in tracked files
+  docs_test.py bench    SRC          bench/ tracks scripts and their READMEs only (results go to bench/out/)
   docs_test.py examples SRC SHARDLM  the README's worked examples (```sh example blocks) run as written,
                                      in a scratch directory holding build/ and data/kjv/kjv
 
@@ -136,6 +137,18 @@ def check_tracker(src):
     return problems
 
 
+SCRIPT = re.compile(r"\.(py|sh|cc|h|js|mjs)$|(^|/)README\.md$")
+
+
+def check_bench(src):
+    r = subprocess.run(["git", "-C", src, "ls-files", "bench"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print("skipped: not a git checkout")
+        sys.exit(77)
+    return [f"{f}: a result, not a script, is tracked under bench/ (write it under bench/out/)"
+            for f in r.stdout.splitlines() if not SCRIPT.search(f)]
+
+
 def examples(readme):
     text = open(readme, encoding="utf-8").read()
     return re.findall(r"^```sh example\n(.*?)^```", text, flags=re.S | re.M)
@@ -188,6 +201,8 @@ def main():
         problems = check_options(src, os.path.abspath(sys.argv[3]))
     elif check == "tracker":
         problems = check_tracker(src)
+    elif check == "bench":
+        problems = check_bench(src)
     elif check == "examples":
         problems = check_examples(src, os.path.abspath(sys.argv[3]))
     else:
