@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The disk tier against the resident run (BENCHMARKS.md, "Disk tier").
+"""The disk tier against the resident run (BENCHMARKS.md, "Memory").
 
 For one process and for fsdp at 2 ranks: STEPS steps of MODEL resident, then with parameters,
 gradients and AdamW moments all on disk (--offload params,grads,optimizer). Checks the losses and

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Published FSDP-style training runs as `shardlm simulate` configurations: predicted against
-published throughput (tokens/s per GPU), one markdown row each (issue 22, docs/CLUSTER.md).
+published throughput (tokens/s per GPU), one markdown row each (docs/CLUSTER.md).
 
   /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm] [--hardware-h100 PROFILE.json]
       [--hardware-a100 PROFILE.json] [--hardware-h100-hbm2e PROFILE.json]

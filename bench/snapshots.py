@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""In-memory snapshots: their cost per step and how fast a crashed run comes back (issue 8).
+"""In-memory snapshots: their cost per step and how fast a crashed run comes back.
 
   /usr/bin/python3 bench/snapshots.py                  # small, fsdp, 2 ranks x 1 thread, B=4 T=256
   /usr/bin/python3 bench/snapshots.py --steps 8 --model tiny

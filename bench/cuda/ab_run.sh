@@ -1,5 +1,5 @@
 #!/bin/bash
-# A kernel change on one GPU, before against after in one lease (bench/cuda_notes.md section 13).
+# A kernel change on one GPU, before against after in one lease (docs/cuda.md).
 # Run on the device machine with DIR packed by bench/cuda/ranks_pack.sh (carried; its shardlm is
 # "after") and BEFORE a shardlm built without the change: cuda_tests (TESTS=0 skips; GREP picks
 # the lines shown), then each of MODELS (default gpt2-124m) at B16 T1024 (bf16 GEMMs, 12 steps)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 23 item 4: `shardlm calibrate --device cuda` writes a GPU profile, and the simulator's
+# `shardlm calibrate --device cuda` writes a GPU profile, and the simulator's
 # prediction from it is checked against measured steps. Run on the device machine with DIR packed
 # by bench/cuda/ranks_pack.sh (carried; cuBLAS, cudart and NCCL are found in the machine's own
 # install, as nccl_run.sh finds them). One GPU, one process:
@@ -11,7 +11,7 @@
 #   3. compare.txt: measured (median step_ms and compute_ms of steps 2..STEPS) against predicted.
 # Step 0 runs cuda_tests' DeviceInfoAndSynchronize (what calibrate reads of the backend).
 # Settings: RUNS="NAME:MODEL:BATCH:SEQ:DTYPE ..." (default: gpt2-124m B16 T1024 bf16, as
-# bench/cuda_notes.md section 4 measured 65.4 ms on an H100; small B8 T256 bf16 and fp32, section
+# docs/cuda.md measured 65.4 ms on an H100; small B8 T256 bf16 and fp32, section
 # 5's 4.2 / 14.2 ms on an H200); STEPS (12); DEVICE (cuda; cpu with SHARDLM_TEST_CPU_AS_DEVICE=1
 # tries the script's logic on a machine without a GPU). Outputs under $OUT: compare.txt, the
 # profiles, runs.tgz (logs, metrics, simulated traces).

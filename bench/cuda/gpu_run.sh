@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine run (bench/cuda_notes.md): the CUDA kernel tests, 50-step training runs of
+# One device-machine run (docs/cuda.md): the CUDA kernel tests, 50-step training runs of
 # small and llama-small (bf16 and fp32 GEMMs), then GPT-2 124M B=16 T=1024 against PyTorch.
 # Run from the repository root with the binaries in .gpu/ (see the notes); writes to $OUT.
 . .gpu/env.sh

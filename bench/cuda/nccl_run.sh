@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 23 item 3, NCCL behind the communicator (bench/cuda_notes.md section 6). Run on the device
+# NCCL behind the communicator (docs/cuda.md). Run on the device
 # machine with DIR packed by bench/cuda/ranks_pack.sh (carried; libnccl.so.2 is not in it, 218 MB:
 # it is found in the machine's PyTorch install, as cuBLAS is). One GPU, so world size 1:
 #   1. cuda_tests (NcclTest.*: every NcclCommunicator collective at world size 1 against expected

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 23, staged ranks on one GPU (bench/cuda_notes.md section 5). Run on the device machine from
+# Staged ranks on one GPU (docs/cuda.md). Run on the device machine from
 # the repository root with DIR packed by bench/cuda/ranks_pack.sh (carried): cuda_tests, then GPT-2
 # "small" in fp32 mode, 10 steps: one process ddp (--batch 8) against 2 ranks sharing the GPU
 # (--batch 4 each, the same global batch) under ddp, zero2 and fsdp, collectives staged through

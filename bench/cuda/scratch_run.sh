@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 21's GPU items (bench/cuda_notes.md section 11): the kernels' own scratch sized by the plan,
+# A device budget on the GPU (docs/cuda.md): the kernels' own scratch sized by the plan,
 # so a device budget holds to the byte, and the offload tier's copies on a lane of their own. Run on
 # the device machine with DIR packed by bench/cuda/ranks_pack.sh (carried):
 #   1. cuda_tests (every kernel; each call's scratch against the plan's figure; the copy lane);

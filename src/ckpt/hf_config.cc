@@ -254,7 +254,7 @@ void read_mixtral(Fields& f, model::ModelConfig& c) {
   c.ffn_dim = f.get_or<int64_t>("shardlm_dense_intermediate_size", c.moe_ffn_dim);
   c.n_experts = f.get<int64_t>("num_local_experts");
   c.top_k = f.get<int64_t>("num_experts_per_tok");
-  // Hugging Face's load-balancing loss is k at balance where shardlm's is 1 (README): the same
+  // Hugging Face's load-balancing loss is k at balance where shardlm's is 1 (docs/parallelism.md): the same
   // objective takes k times its coefficient here.
   if (f.has("router_aux_loss_coef")) c.aux_loss_coef = f.get<double>("router_aux_loss_coef") * static_cast<double>(c.top_k);
   else c.aux_loss_coef = 0.01;

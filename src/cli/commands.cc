@@ -121,102 +121,102 @@ void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--model", c.model,
                   "preset (tiny, small, gpt2-124m, llama-tiny, llama-small, llama2-7b, llama2-13b, llama2-70b, "
                   "llama3-8b, llama3-70b, llama3.1-8b, llama3.2-1b, gpt3-175b, moe-tiny, moe-small, mixtral-8x7b, "
-                  "mixtral-8x22b) or a Hugging Face config.json")
+                  "mixtral-8x22b) or a Hugging Face config.json")->group("Model")
       ->capture_default_str();
-  cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)")->check(at_least(1));
-  cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)")->check(at_least(1));
-  cmd->add_option("--n-kv-head", c.n_kv_head, "key/value heads, dividing n-head (llama)")->check(at_least(1));
-  cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)")->check(at_least(1));
-  cmd->add_option("--ffn-dim", c.ffn_dim, "MLP width (gpt2: 4 n-embd)")->check(at_least(1));
-  cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)")->check(at_least(1));
-  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the config's, else the data's tokenizer)")->check(at_least(1));
-  cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)")->check(positive());
-  cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)")->check(positive());
-  cmd->add_flag("--tie-embeddings", c.tie_embeddings, "llama: the head reuses the token embedding");
-  cmd->add_option("--experts", c.experts, "moe: experts per MoE block")->check(at_least(1));
-  cmd->add_option("--top-k", c.top_k, "moe: experts per token (1: Switch)")->check(at_least(1));
-  cmd->add_option("--moe-ffn-dim", c.moe_ffn_dim, "moe: an expert's SwiGLU width")->check(at_least(1));
-  cmd->add_option("--moe-every", c.moe_every, "moe: a MoE block every M blocks (blocks M-1, 2M-1, ...; dense SwiGLU in the others)")
+  cmd->add_option("--n-layer", c.n_layer, "layers (overrides the preset)")->group("Model")->check(at_least(1));
+  cmd->add_option("--n-head", c.n_head, "attention heads (overrides the preset)")->group("Model")->check(at_least(1));
+  cmd->add_option("--n-kv-head", c.n_kv_head, "key/value heads, dividing n-head (llama)")->group("Model")->check(at_least(1));
+  cmd->add_option("--n-embd", c.n_embd, "channels (overrides the preset)")->group("Model")->check(at_least(1));
+  cmd->add_option("--ffn-dim", c.ffn_dim, "MLP width (gpt2: 4 n-embd)")->group("Model")->check(at_least(1));
+  cmd->add_option("--max-seq", c.max_seq, "positions (overrides the preset)")->group("Model")->check(at_least(1));
+  cmd->add_option("--vocab", c.vocab, "vocabulary size (default: the config's, else the data's tokenizer)")->group("Model")->check(at_least(1));
+  cmd->add_option("--rope-theta", c.rope_theta, "rotary embedding base (llama)")->group("Model")->check(positive());
+  cmd->add_option("--norm-eps", c.norm_eps, "RMSNorm epsilon (llama)")->group("Model")->check(positive());
+  cmd->add_flag("--tie-embeddings", c.tie_embeddings, "llama: the head reuses the token embedding")->group("Model");
+  cmd->add_option("--experts", c.experts, "moe: experts per MoE block")->group("Model")->check(at_least(1));
+  cmd->add_option("--top-k", c.top_k, "moe: experts per token (1: Switch)")->group("Model")->check(at_least(1));
+  cmd->add_option("--moe-ffn-dim", c.moe_ffn_dim, "moe: an expert's SwiGLU width")->group("Model")->check(at_least(1));
+  cmd->add_option("--moe-every", c.moe_every, "moe: a MoE block every M blocks (blocks M-1, 2M-1, ...; dense SwiGLU in the others)")->group("Model")
       ->check(at_least(1));
   cmd->add_option("--capacity-factor", c.capacity_factor,
-                  "moe: an expert takes at most ceil(C tokens k / E) tokens of a micro-batch (default: dropless)")
+                  "moe: an expert takes at most ceil(C tokens k / E) tokens of a micro-batch (default: dropless)")->group("Model")
       ->check(positive());
-  cmd->add_flag("--no-norm-topk", c.no_norm_topk, "moe: keep the k experts' softmax weights (not renormalised to 1)");
-  cmd->add_option("--aux-loss-coef", c.aux_loss_coef, "moe: load-balancing loss coefficient (default 0.01)")->check(at_least(0.0));
-  cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->check(at_least(0.0));
+  cmd->add_flag("--no-norm-topk", c.no_norm_topk, "moe: keep the k experts' softmax weights (not renormalised to 1)")->group("Model");
+  cmd->add_option("--aux-loss-coef", c.aux_loss_coef, "moe: load-balancing loss coefficient (default 0.01)")->group("Model")->check(at_least(0.0));
+  cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->group("Model")->check(at_least(0.0));
 }
 
 // How a step is laid out over ranks and memory (train and explain).
 void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
-  cmd->add_option("--batch", c.batch, "sequences per micro-step")->capture_default_str();
-  cmd->add_option("--seq", c.seq, "sequence length T")->capture_default_str();
-  cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->capture_default_str();
-  cmd->add_option("--threads", c.threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->capture_default_str();
-  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->capture_default_str();
-  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (default: train, a machine's ranks; simulate, a node's devices; explain, all)")->capture_default_str();
-  cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->capture_default_str();
-  cmd->add_option("--cp", c.cp, "context parallel: ranks each sequence is split over (divides the ranks)")->capture_default_str();
-  cmd->add_option("--cp-impl", c.cp_impl, "context parallel attention: ring | all-to-all (heads split over cp)")->capture_default_str();
-  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->capture_default_str();
-  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->capture_default_str();
-  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->capture_default_str();
-  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->capture_default_str();
+  cmd->add_option("--batch", c.batch, "sequences per micro-step")->group("Schedule")->capture_default_str();
+  cmd->add_option("--seq", c.seq, "sequence length T")->group("Schedule")->capture_default_str();
+  cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->group("Schedule")->capture_default_str();
+  cmd->add_option("--threads", c.threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (default: train, a machine's ranks; simulate, a node's devices; explain, all)")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--cp", c.cp, "context parallel: ranks each sequence is split over (divides the ranks)")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--cp-impl", c.cp_impl, "context parallel attention: ring | all-to-all (heads split over cp)")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->group("Parallelism")->capture_default_str();
   cmd->add_option("--keep-gathered", c.keep_gathered,
                   "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm); "
-                  "NAME:FRACTION keeps that part of a unit from its forward to its backward (h.9:0.5)")
+                  "NAME:FRACTION keeps that part of a unit from its forward to its backward (h.9:0.5)")->group("Parallelism")
       ->capture_default_str();
   cmd->add_option("--gather-bucket-mb", c.gather_bucket_mb,
-                  "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")
+                  "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")->group("Parallelism")
       ->capture_default_str();
   cmd->add_option("--offload", c.offload,
-                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")
+                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")->group("Memory")
       ->capture_default_str();
   cmd->add_option("--memory-budget", c.memory_budget,
                   "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
-                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part");
-  cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)");
+                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part")->group("Memory");
+  cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)")->group("Memory");
   cmd->add_option("--offload-prefetch", c.offload_prefetch,
                   "offloaded units read ahead of the task using them, or auto: the depth (0-4) the simulator predicts "
-                  "fastest on --hardware (train, simulate)")
+                  "fastest on --hardware (train, simulate)")->group("Memory")
       ->transform([](const std::string& v) { return v == "auto" ? std::to_string(train::kOffloadPrefetchAuto) : v; })
       ->capture_default_str();
   cmd->add_flag("--pipeline-optimizer", c.pipeline_optimizer,
                "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "
                "bitwise the same (a copy of the unit's params and moments, 3x its optimizer shard, restores it when "
-               "the norm clips or the step is skipped)");
+               "the norm clips or the step is skipped)")->group("Memory");
   cmd->add_flag("--reduce-each-micro-step", c.reduce_each_micro_step,
                 "zero2 / fsdp / hybrid with --grad-accum > 1: reduce-scatter every micro-step's gradients and add "
                 "the shard to the held one (PyTorch FSDP's and DeepSpeed ZeRO's default), so whole gradients live "
-                "one micro-step; default: accumulate them whole and reduce once a step");
-  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->capture_default_str();
-  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->capture_default_str();
-  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full | selective-op (torchtitan's op policy: LLaMA blocks keep attention and every other GEMM's output)")->capture_default_str();
+                "one micro-step; default: accumulate them whole and reduce once a step")->group("Parallelism");
+  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->group("Parallelism")->capture_default_str();
+  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full | selective-op (torchtitan's op policy: LLaMA blocks keep attention and every other GEMM's output)")->group("Memory")->capture_default_str();
   cmd->add_option("--recompute-blocks", c.recompute_blocks,
                   "apply --recompute to only N of the n_layer blocks, spread evenly (n_layer / k: every k-th "
-                  "block); the others keep all they save. Default: every block");
+                  "block); the others keep all they save. Default: every block")->group("Memory");
   cmd->add_option("--act-quant", c.act_quant,
                   "activation compression: none | int8 (the GEMM inputs kept for the backward as int8 with a "
-                  "fp32 scale per group; what recompute rebuilds is not stored)")
+                  "fp32 scale per group; what recompute rebuilds is not stored)")->group("Memory")
       ->capture_default_str();
   cmd->add_option("--act-quant-group", c.act_quant_group,
-                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim or moe_ffn_dim, the q|k|v row)")
+                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim or moe_ffn_dim, the q|k|v row)")->group("Memory")
       ->capture_default_str();
   cmd->add_option("--act-quant-rounding", c.act_quant_rounding,
-                  "with --act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")
+                  "with --act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")->group("Memory")
       ->capture_default_str();
   cmd->add_flag("--async-save", c.async_save,
                 "checkpoints: copy each rank's shard into a staging buffer (memory category staging) and write it "
-                "in a background thread while training goes on");
+                "in a background thread while training goes on")->group("Checkpoints");
 }
 
 // Goodput under failures (simulate, plan).
 void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
   cmd->add_option("--mtbf-hours", g.mtbf_hours,
                       "goodput under failures: mean time between failures of one node, hours (a run of N nodes fails N times "
-                      "as often); prints the expected share of time on counted steps and the best checkpoint and snapshot intervals")
+                      "as often); prints the expected share of time on counted steps and the best checkpoint and snapshot intervals")->group("Fault tolerance")
       ->check(at_least(0));
   cmd->add_option("--restart-s", g.restart_s,
-                      "with --mtbf-hours: seconds to relaunch the job after a failure, before reading its state back")
+                      "with --mtbf-hours: seconds to relaunch the job after a failure, before reading its state back")->group("Fault tolerance")
       ->check(at_least(0))
       ->capture_default_str();
   cmd->add_option("--snapshot-survives", g.snapshot_survives,
@@ -224,85 +224,85 @@ void add_goodput_options(CLI::App* cmd, GoodputFlags& g) {
                       "default 0.92 where every rank's snapshot copy lives on another node (the same rank count on each "
                       "node, no parity group within a node): all but Llama 3's switch and cable failures, 35 of its 419, "
                       "which may take several nodes; else 0.15: its software bugs, NCCL timeouts and dependency failures, "
-                      "63 of 419, after which the node and its memory remain")
+                      "63 of 419, after which the node and its memory remain")->group("Fault tolerance")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--snapshot-parity", g.snapshot_parity,
-                  "with --mtbf-hours: the run's --snapshot-parity G (0: partner copies), which decides the default above")
+                  "with --mtbf-hours: the run's --snapshot-parity G (0: partner copies), which decides the default above")->group("Fault tolerance")
       ->check(at_least(0))
       ->capture_default_str();
   cmd->add_option("--storage-gbs", g.storage_gbs,
-                      "with --mtbf-hours: GB/s one node writes checkpoints at (default: the profile's storage_bw)")
+                      "with --mtbf-hours: GB/s one node writes checkpoints at (default: the profile's storage_bw)")->group("Fault tolerance")
       ->check(at_least(0));
 }
 
 // What the kernels run on (train; explain and simulate: a CUDA backend's kernels take scratch the plan holds).
 void add_device_options(CLI::App* cmd, train::TrainConfig& c) {
-  cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+  cmd->add_option("--compute-dtype", c.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")->group("Device")
       ->capture_default_str();
-  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")
+  cmd->add_option("--device", c.device, "cpu | cuda (a -DSHARDLM_CUDA=ON build; several ranks stage collectives through host memory; no --ep/--cp)")->group("Device")
       ->capture_default_str();
 }
 
 // In-memory snapshots (train, and explain for their memory).
 void add_snapshot_options(CLI::App* cmd, train::TrainConfig& c) {
-  cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")
+  cmd->add_option("--snapshot-every", c.snapshot_every, "steps between in-memory snapshots in shared memory (0: never)")->group("Checkpoints")
       ->capture_default_str();
   cmd->add_option("--snapshot-parity", c.snapshot_parity,
-                  "snapshot redundancy: 0 a partner rank holds a copy; G one XOR parity per group of G ranks")
+                  "snapshot redundancy: 0 a partner rank holds a copy; G one XOR parity per group of G ranks")->group("Checkpoints")
       ->capture_default_str();
 }
 
 void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   add_model_options(cmd, c);
   add_plan_options(cmd, c);
-  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin and PREFIX_val.bin, or numbered shards PREFIX_train_000001.bin ...");
-  cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->capture_default_str();
+  cmd->add_option("--data", c.data, "token file prefix: PREFIX_train.bin and PREFIX_val.bin, or numbered shards PREFIX_train_000001.bin ...")->group("Data");
+  cmd->add_option("--out", c.out, "run directory (metrics.jsonl, ckpt/)")->group("Output")->capture_default_str();
   cmd->add_option("--resume", c.resume,
                   "checkpoint to continue from: a run directory (its ckpt/latest), a step directory, or auto (--out's newest "
-                  "in-memory snapshot every rank holds, else its latest checkpoint; ./auto names a directory)");
+                  "in-memory snapshot every rank holds, else its latest checkpoint; ./auto names a directory)")->group("Checkpoints");
   cmd->add_option("--init-from", c.init_from,
-                  "start from these parameters (step 0, fresh optimizer): a checkpoint or a Hugging Face model directory");
-  cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)");
+                  "start from these parameters (step 0, fresh optimizer): a checkpoint or a Hugging Face model directory")->group("Checkpoints");
+  cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)")->group("Output");
   cmd->add_option("--resume-override", c.resume_override,
-                  "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")
+                  "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")->group("Checkpoints")
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  cmd->add_option("--steps", c.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->check(at_least(0))->capture_default_str();
-  cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
-  cmd->add_option("--min-lr", c.min_lr, "learning rate at the end of the decay")->capture_default_str();
-  cmd->add_option("--warmup", c.warmup, "linear warmup steps")->capture_default_str();
-  cmd->add_option("--lr-decay", c.lr_decay, "the decay from --lr to --min-lr: cosine | linear | sqrt | none (--lr to the end)")
+  cmd->add_option("--steps", c.steps, "optimizer steps")->group("Schedule")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of initialisation and batch sampling")->group("Schedule")->check(at_least(0))->capture_default_str();
+  cmd->add_option("--lr", c.lr, "peak learning rate")->group("Schedule")->capture_default_str();
+  cmd->add_option("--min-lr", c.min_lr, "learning rate at the end of the decay")->group("Schedule")->capture_default_str();
+  cmd->add_option("--warmup", c.warmup, "linear warmup steps")->group("Schedule")->capture_default_str();
+  cmd->add_option("--lr-decay", c.lr_decay, "the decay from --lr to --min-lr: cosine | linear | sqrt | none (--lr to the end)")->group("Schedule")
       ->capture_default_str();
   cmd->add_option("--decay-fraction", c.decay_fraction,
                   "the last share of the steps after warmup that decay; before them the rate holds at --lr "
-                  "(warmup-stable-decay: 0.2; 1: decay from the end of warmup)")
+                  "(warmup-stable-decay: 0.2; 1: decay from the end of warmup)")->group("Schedule")
       ->capture_default_str();
-  cmd->add_option("--weight-decay", c.weight_decay, "AdamW decay (matrices and embeddings)")->capture_default_str();
-  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
-  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
-  cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
-  cmd->add_option("--grad-clip", c.grad_clip, "global gradient norm limit (0: off)")->capture_default_str();
-  cmd->add_option("--on-nonfinite", c.on_nonfinite, "NaN/inf loss or gradient norm: stop | skip (the update)")
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW decay (matrices and embeddings)")->group("Schedule")->capture_default_str();
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->group("Schedule")->capture_default_str();
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->group("Schedule")->capture_default_str();
+  cmd->add_option("--eps", c.eps, "AdamW epsilon")->group("Schedule")->capture_default_str();
+  cmd->add_option("--grad-clip", c.grad_clip, "global gradient norm limit (0: off)")->group("Schedule")->capture_default_str();
+  cmd->add_option("--on-nonfinite", c.on_nonfinite, "NaN/inf loss or gradient norm: stop | skip (the update)")->group("Fault tolerance")
       ->capture_default_str();
-  cmd->add_option("--max-skipped-steps", c.max_skipped_steps, "skip: end the run after this many skipped in a row")
+  cmd->add_option("--max-skipped-steps", c.max_skipped_steps, "skip: end the run after this many skipped in a row")->group("Fault tolerance")
       ->capture_default_str();
-  cmd->add_option("--eval-every", c.eval_every, "steps between evaluations (0: at the end only)")->capture_default_str();
-  cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->capture_default_str();
-  cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->capture_default_str();
-  cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->capture_default_str();
+  cmd->add_option("--eval-every", c.eval_every, "steps between evaluations (0: at the end only)")->group("Schedule")->capture_default_str();
+  cmd->add_option("--eval-windows", c.eval_windows, "validation windows per evaluation")->group("Schedule")->capture_default_str();
+  cmd->add_option("--save-every", c.save_every, "steps between checkpoints (0: never)")->group("Checkpoints")->capture_default_str();
+  cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->group("Checkpoints")->capture_default_str();
   add_snapshot_options(cmd, c);
-  cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->capture_default_str();
-  cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->capture_default_str();
-  cmd->add_flag("--quiet", c.quiet, "no console progress");
+  cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->group("Output")->capture_default_str();
+  cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->group("Output")->capture_default_str();
+  cmd->add_flag("--quiet", c.quiet, "no console progress")->group("Output");
   add_device_options(cmd, c);
   cmd->add_option("--comm", c.comm_backend,
                   "collectives over GPU memory: auto (MPI staged through host memory; ranks may share a GPU) | "
-                  "nccl (--device cuda, one GPU per rank) | mpi")
+                  "nccl (--device cuda, one GPU per rank) | mpi")->group("Parallelism")
       ->capture_default_str();
-  cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->capture_default_str();
-  cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file");
-  cmd->add_flag("--no-report", c.no_report, "do not write DIR/report.html at each evaluation and at the end");
+  cmd->add_option("--timeout", c.timeout_s, "seconds a collective may take before the job fails")->group("Fault tolerance")->capture_default_str();
+  cmd->add_option("--trace", c.trace, "write a Chrome trace (Perfetto) of every rank to this file")->group("Output");
+  cmd->add_flag("--no-report", c.no_report, "do not write DIR/report.html at each evaluation and at the end")->group("Output");
 }
 
 }  // namespace
@@ -387,7 +387,7 @@ struct Commands {
 };
 
 CLI::Option* add_threads_option(CLI::App* cmd, int& threads) {
-  return cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")
+  return cmd->add_option("--threads", threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->group("Parallelism")
       ->check(in_range(1, train::kMaxThreads))
       ->capture_default_str();
 }
@@ -396,30 +396,30 @@ void add_tokenize_command(CLI::App& app, Commands& c) {
   auto& t = c.tokenize;
   t.cmd = app.add_subcommand("tokenize", "turn text files into llm.c token shards");
   t.threads = c.or_omp(std::max(1, train::allowed_cpus()));
-  t.cmd->add_option("--in", t.in, "input files: text, each a document; *.jsonl, each line's --text-field a document")
+  t.cmd->add_option("--in", t.in, "input files: text, each a document; *.jsonl, each line's --text-field a document")->group("Data")
       ->required()
       ->check(CLI::ExistingFile);
-  t.cmd->add_option("--text-field", t.text_field, "the field of a JSON Lines record holding its text")->capture_default_str();
-  t.cmd->add_option("--out", t.out, "output prefix")->required();
+  t.cmd->add_option("--text-field", t.text_field, "the field of a JSON Lines record holding its text")->group("Data")->capture_default_str();
+  t.cmd->add_option("--out", t.out, "output prefix")->group("Output")->required();
   t.cmd->add_option("--tokenizer", t.tokenizer,
                     "gpt2 | bytes | NAME: DATA_DIR/NAME/tokenizer.json, a Hugging Face tokenizer file (llama3 and "
-                    "mistral: scripts/fetch_data.sh --llama; another model's: copy its tokenizer.json there)")
+                    "mistral: scripts/fetch_data.sh --llama; another model's: copy its tokenizer.json there)")->group("Data")
       ->capture_default_str();
   // Not 0: train evaluates every run on PREFIX_val.bin, so data without it could not be trained on.
-  t.cmd->add_option("--val-fraction", t.val_fraction, "last fraction of tokens for validation (train evaluates on them)")
+  t.cmd->add_option("--val-fraction", t.val_fraction, "last fraction of tokens for validation (train evaluates on them)")->group("Output")
       ->check(open_unit_interval())
       ->capture_default_str();
   t.cmd->add_option("--threads", t.threads,
                     "pieces of text (a MiB each) encoded at once (default: OMP_NUM_THREADS where set, else the CPUs it "
-                    "may run on)")
+                    "may run on)")->group("Parallelism")
       ->check(in_range(1, train::kMaxThreads))
       ->capture_default_str();
   t.cmd->add_option("--shard-tokens", t.shard_tokens,
                     "tokens per output file: numbered files PREFIX_train_000000.bin ... as llm.c writes them (its "
-                    "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")
+                    "FineWeb shards hold 100000000); 0: one file a split, at most 2^31 - 1 tokens in all")->group("Output")
       ->check(in_range(0, data::kShardMaxTokens))
       ->capture_default_str();
-  t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and NAME/tokenizer.json are")
+  t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and NAME/tokenizer.json are")->group("Data")
       ->capture_default_str();
 }
 
@@ -430,50 +430,50 @@ void add_train_command(CLI::App& app, Commands& c) {
   t.cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   t.cmd->add_option("--config", t.config_path, "TOML file of train options (keys are flag names; command-line flags win)");
   add_train_options(t.cmd, t.cfg);
-  t.cmd->add_option("--data-dir", c.data_dir, "tokenizer files (for the final sample)")->capture_default_str();
+  t.cmd->add_option("--data-dir", c.data_dir, "tokenizer files (for the final sample)")->group("Data")->capture_default_str();
   t.cmd->add_option("--hardware", t.hardware,
                     "hardware profile --offload-prefetch auto simulates the plan on: a JSON file (calibrate --offload-dir "
-                    "DIR measures this machine's disk and compute) or a preset");
+                    "DIR measures this machine's disk and compute) or a preset")->group("Memory");
 }
 
 void add_eval_and_generate_commands(CLI::App& app, Commands& c) {
   auto& f = c.from_ckpt;
   f.eval = app.add_subcommand("eval", "mean cross-entropy of a checkpoint over a token file or a prefix's validation split");
-  f.eval->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")
+  f.eval->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")->group("Model")
       ->required();
-  f.eval->add_option("--data", f.data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")
+  f.eval->add_option("--data", f.data, "token file (.bin), or a prefix: its validation files (PREFIX_val.bin, or numbered)")->group("Data")
       ->required();
-  f.eval->add_option("--seq", f.seq, "window length T")->check(at_least(1))->capture_default_str();
-  f.eval->add_option("--batch", f.batch, "windows per forward")->check(at_least(1))->capture_default_str();
+  f.eval->add_option("--seq", f.seq, "window length T")->group("Schedule")->check(at_least(1))->capture_default_str();
+  f.eval->add_option("--batch", f.batch, "windows per forward")->group("Schedule")->check(at_least(1))->capture_default_str();
   add_threads_option(f.eval, c.threads);
 
   f.generate = app.add_subcommand("generate", "continue a prompt from a checkpoint");
-  f.generate->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")
+  f.generate->add_option("--ckpt", f.ckpt, "the model: a checkpoint, a Hugging Face directory or an llm.c model file")->group("Model")
       ->required();
-  f.generate->add_option("--prompt", f.prompt, "text to continue (empty: start of a document)");
-  f.generate->add_option("--tokens", f.sample.tokens, "tokens to generate (printed as they are drawn)")
+  f.generate->add_option("--prompt", f.prompt, "text to continue (empty: start of a document)")->group("Output");
+  f.generate->add_option("--tokens", f.sample.tokens, "tokens to generate (printed as they are drawn)")->group("Output")
       ->check(in_range(0, train::kMaxSampleTokens))
       ->capture_default_str();
-  f.generate->add_option("--temperature", f.sample.temperature, "0: greedy")->check(at_least(0))->capture_default_str();
-  f.generate->add_option("--top-k", f.sample.top_k, "sample among the k likeliest (0: all)")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--temperature", f.sample.temperature, "0: greedy")->group("Output")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--top-k", f.sample.top_k, "sample among the k likeliest (0: all)")->group("Output")->check(at_least(0))->capture_default_str();
   f.generate->add_option("--top-p", f.sample.top_p,
                          "then among the likeliest whose probabilities sum to at least p (nucleus sampling; 1: all, "
-                         "0: the likeliest)")
+                         "0: the likeliest)")->group("Output")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  f.generate->add_option("--seed", f.sample.seed, "sampling seed")->check(at_least(0))->capture_default_str();
+  f.generate->add_option("--seed", f.sample.seed, "sampling seed")->group("Output")->check(at_least(0))->capture_default_str();
   f.generate->add_flag("--ignore-eos", f.ignore_eos,
                        "draw all --tokens: by default the continuation ends at the model's end token (<|endoftext|>, "
-                       "<|end_of_text|>, <|eot_id|>, </s>), as Hugging Face's generate does");
+                       "<|end_of_text|>, <|eot_id|>, </s>), as Hugging Face's generate does")->group("Output");
   add_threads_option(f.generate, c.threads);
-  f.generate->add_option("--data-dir", c.data_dir, "tokenizer files")->capture_default_str();
+  f.generate->add_option("--data-dir", c.data_dir, "tokenizer files")->group("Data")->capture_default_str();
 }
 
 void add_explain_command(CLI::App& app, Commands& c) {
   auto& e = c.explain;
   e.cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
   e.cfg.threads = c.threads;
-  e.cmd->add_option("--ranks", e.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  e.cmd->add_option("--ranks", e.ranks, "number of ranks")->group("Parallelism")->check(in_range(1, train::kMaxRanks))->capture_default_str();
   add_model_options(e.cmd, e.cfg);
   add_plan_options(e.cmd, e.cfg);
   add_snapshot_options(e.cmd, e.cfg);
@@ -485,20 +485,20 @@ void add_simulate_command(CLI::App& app, Commands& c) {
   auto* cmd = c.simulate_cmd =
       app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
   sa.cfg.threads = c.threads;
-  cmd->add_option("--ranks", sa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")
+  cmd->add_option("--ranks", sa.ranks, "number of ranks")->group("Parallelism")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")->group("Simulation")
       ->capture_default_str();
-  cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)");
-  cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)");
-  cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp);
+  cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)")->group("Output");
+  cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)")->group("Output");
+  cmd->add_option("--moe-imbalance", sa.moe_imbalance, kMoeImbalanceHelp)->group("Simulation");
   cmd->add_option("--collective", sa.collective,
                   "instead of a step: time, algbw and busbw of one collective per message size, as nccl-tests prints "
-                  "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware");
+                  "them (all-reduce, all-gather, reduce-scatter, all-to-all) over --ranks on --hardware")->group("One collective (simulate --collective)");
   cmd->add_option("--bytes", sa.bytes,
                   "with --collective: a size (8, 64K, 1G: K/M/G are 1024-based) or a range MIN:MAX doubling "
-                  "(default 8:8G)");
+                  "(default 8:8G)")->group("One collective (simulate --collective)");
   add_goodput_options(cmd, sa.goodput);
-  cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")
+  cmd->add_option("--algo", sa.algo, "with --collective: best (the fastest, as the simulator prices it), ring, tree or nvls")->group("One collective (simulate --collective)")
       ->capture_default_str();
   add_model_options(cmd, sa.cfg);
   add_plan_options(cmd, sa.cfg);
@@ -510,28 +510,28 @@ void add_calibrate_command(CLI::App& app, Commands& c) {
   k.cmd = app.add_subcommand("calibrate", "measure this machine into a hardware profile for simulate (under mpirun -np N for collectives)");
   run::CalibrateOptions& co = k.options;
   co.threads = c.or_omp(co.threads);
-  k.cmd->add_option("--out", k.out, "profile JSON file to write")->required();
-  k.cmd->add_option("--threads", co.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 1)")
+  k.cmd->add_option("--out", k.out, "profile JSON file to write")->group("Output")->required();
+  k.cmd->add_option("--threads", co.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 1)")->group("Parallelism")
       ->check(in_range(1, train::kMaxThreads))
       ->capture_default_str();
-  k.cmd->add_option("--iters", co.iters, "timed repetitions per collective size")
+  k.cmd->add_option("--iters", co.iters, "timed repetitions per collective size")->group("Simulation")
       ->check(in_range(1, run::kMaxIters))
       ->capture_default_str();
   k.cmd->add_option("--sizes-kib", k.sizes_kib,
                     "collective sizes in KiB (comma list; default 4 .. 262144 by x4): at least two, the largest >= 1024 "
-                    "and >= 4 x the smallest, none above 1048576")
+                    "and >= 4 x the smallest, none above 1048576")->group("Simulation")
       ->delimiter(',');
   k.cmd->add_option("--device", co.device,
-                    "cpu | cuda (a -DSHARDLM_CUDA=ON build; one rank, the GPU's kernels timed on its own memory)")
+                    "cpu | cuda (a -DSHARDLM_CUDA=ON build; one rank, the GPU's kernels timed on its own memory)")->group("Device")
       ->capture_default_str();
-  k.cmd->add_option("--compute-dtype", k.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")
+  k.cmd->add_option("--compute-dtype", k.compute_dtype, "GEMMs: auto (cpu fp32, cuda bf16) | fp32 | bf16 (cuda only)")->group("Device")
       ->capture_default_str();
-  k.cmd->add_option("--name", co.name, "the profile's name (default cpu-local; on a device, the device's name)");
+  k.cmd->add_option("--name", co.name, "the profile's name (default cpu-local; on a device, the device's name)")->group("Output");
   k.cmd->add_option("--offload-dir", co.offload_dir,
-                    "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency");
+                    "also time the disk under this directory for the disk tier (--offload): read and write bandwidth, latency")->group("Memory");
   k.cmd->add_option("--gemm-models", co.gemm_models,
                     "models whose GEMM shapes and attention are timed, each NAME or NAME:BxT (batch x sequence; default "
-                    "4x256), comma list; none: skip. The first one's block also shapes gemm_efficiency and pointwise_bw")
+                    "4x256), comma list; none: skip. The first one's block also shapes gemm_efficiency and pointwise_bw")->group("Simulation")
       ->delimiter(',')
       ->capture_default_str();
 }
@@ -542,37 +542,37 @@ void add_plan_command(CLI::App& app, Commands& c) {
       app.add_subcommand("plan", "search plan configurations by simulation and rank those that fit the memory budget");
   pa.cfg.threads = c.threads;
   add_model_options(cmd, pa.cfg);
-  cmd->add_option("--ranks", pa.ranks, "number of ranks")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->required()->check(positive());
-  cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->capture_default_str();
-  cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 2)")
+  cmd->add_option("--ranks", pa.ranks, "number of ranks")->group("Parallelism")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  cmd->add_option("--global-batch", pa.global_batch, "tokens per optimizer step over all ranks")->group("Schedule")->required()->check(positive());
+  cmd->add_option("--seq", pa.cfg.seq, "sequence length T")->group("Schedule")->capture_default_str();
+  cmd->add_option("--threads", pa.cfg.threads, "compute threads per rank (default: OMP_NUM_THREADS where set, else 2)")->group("Parallelism")
       ->capture_default_str();
-  cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->capture_default_str();
+  cmd->add_option("--hardware", pa.hardware, "hardware profile: a preset or a JSON file")->group("Simulation")->capture_default_str();
   cmd->add_option("--memory-per-rank", pa.memory,
-                  "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)");
+                  "budget per rank (40000000000, 40GB, 64GiB; default: the profile's device memory)")->group("Memory");
   cmd->add_option("--disk-per-rank", pa.disk,
                   "the disk tier: where nothing fits in memory, search placements of state and saved activations on "
-                  "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)");
+                  "disk (--memory-budget) whose files fit this many bytes per rank (200GB, 64GiB)")->group("Memory");
   cmd->add_flag("--largest-model", pa.largest,
                 "report the most layers of --model's shape (width, heads, vocabulary kept) that fit the budget, "
-                "with its fastest configuration");
+                "with its fastest configuration")->group("Search");
   cmd->add_flag("--search-cp", pa.search_cp,
                 "search context parallelism (every cp, ring and all-to-all) beside cp 1, not only where nothing "
-                "fits without it");
+                "fits without it")->group("Search");
   cmd->add_flag("--search-act-quant", pa.search_act_quant,
                 "search int8 activation compression (--act-quant int8) beside fp32 activations: it changes the "
-                "gradients a little, so only where asked");
-  cmd->add_option("--act-quant-group", pa.cfg.act_quant_group, "--search-act-quant: values per scale")->capture_default_str();
-  cmd->add_option("--act-quant-rounding", pa.cfg.act_quant_rounding, "--search-act-quant: nearest | stochastic")
+                "gradients a little, so only where asked")->group("Search");
+  cmd->add_option("--act-quant-group", pa.cfg.act_quant_group, "--search-act-quant: values per scale")->group("Search")->capture_default_str();
+  cmd->add_option("--act-quant-rounding", pa.cfg.act_quant_rounding, "--search-act-quant: nearest | stochastic")->group("Search")
       ->capture_default_str();
-  cmd->add_option("--top", pa.top, "rows to print")->check(at_least(1))->capture_default_str();
-  cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp);
+  cmd->add_option("--top", pa.top, "rows to print")->group("Search")->check(at_least(1))->capture_default_str();
+  cmd->add_option("--moe-imbalance", pa.moe_imbalance, kMoeImbalanceHelp)->group("Simulation");
   add_goodput_options(cmd, pa.goodput);
-  cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured");
-  cmd->add_option("--data", pa.data, "--run: token file prefix");
-  cmd->add_option("--out", pa.out, "--run: run directory")->capture_default_str();
-  cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds");
-  cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->check(at_least(3))->capture_default_str();
+  cmd->add_flag("--run", pa.run, "train the best configuration here (under mpirun -np RANKS) and print predicted vs measured")->group("Run the best (plan --run)");
+  cmd->add_option("--data", pa.data, "--run: token file prefix")->group("Run the best (plan --run)");
+  cmd->add_option("--out", pa.out, "--run: run directory")->group("Run the best (plan --run)")->capture_default_str();
+  cmd->add_flag("--overwrite", pa.overwrite, "--run: replace the run --out holds")->group("Run the best (plan --run)");
+  cmd->add_option("--run-steps", pa.run_steps, "--run: steps to train (the first 2 untimed)")->group("Run the best (plan --run)")->check(at_least(3))->capture_default_str();
 }
 
 // `tokenize`: the files, their tokens, and the data's meta beside them.

@@ -21,30 +21,30 @@ void add_ckpt_commands(CLI::App& app, CkptCommands& c, std::string& data_dir) {
   c.ckpt = app.add_subcommand("ckpt", "export a checkpoint, import a Hugging Face or llm.c model, or say what a checkpoint holds");
   c.ckpt->require_subcommand(1);
   c.export_cmd = c.ckpt->add_subcommand("export", "write a checkpoint as a Hugging Face directory or an llm.c model file");
-  c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
-  c.export_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file)")
+  c.export_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->group("Checkpoints")->required();
+  c.export_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file)")->group("Checkpoints")
       ->check(CLI::IsMember({"hf", "llmc"}))
       ->capture_default_str();
-  c.export_cmd->add_option("--out", c.out, "output directory (hf: model.safetensors, config.json) or file (llmc)")->required();
-  c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  c.export_cmd->add_option("--max-shard-size", c.max_shard_size, "larger: model-0000i-of-0000n.safetensors + index (5GB, 500MB, bytes)")
+  c.export_cmd->add_option("--out", c.out, "output directory (hf: model.safetensors, config.json) or file (llmc)")->group("Output")->required();
+  c.export_cmd->add_option("--dtype", c.dtype, "fp32 | bf16")->group("Output")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c.export_cmd->add_option("--max-shard-size", c.max_shard_size, "larger: model-0000i-of-0000n.safetensors + index (5GB, 500MB, bytes)")->group("Output")
       ->capture_default_str();
-  c.export_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->capture_default_str();
-  c.export_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
+  c.export_cmd->add_option("--data-dir", data_dir, "where gpt2/encoder.json and gpt2/vocab.bpe are")->group("Data")->capture_default_str();
+  c.export_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)")->group("Output");
   c.import_cmd = c.ckpt->add_subcommand("import", "turn a Hugging Face model or an llm.c model file into a checkpoint");
-  c.import_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file: gpt2_124M.bin, model_NNNNNNNN.bin)")
+  c.import_cmd->add_option("--format", c.format, "hf | llmc (llm.c's GPT-2 model file: gpt2_124M.bin, model_NNNNNNNN.bin)")->group("Checkpoints")
       ->check(CLI::IsMember({"hf", "llmc"}))
       ->capture_default_str();
-  c.import_cmd->add_option("--in", c.dir, "Hugging Face directory (config.json, model.safetensors or its index), or llm.c file")
+  c.import_cmd->add_option("--in", c.dir, "Hugging Face directory (config.json, model.safetensors or its index), or llm.c file")->group("Checkpoints")
       ->required();
-  c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->required();
-  c.import_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)");
+  c.import_cmd->add_option("--out", c.out, "checkpoint directory to write (index.json, a rank file, config.json)")->group("Output")->required();
+  c.import_cmd->add_flag("--overwrite", c.overwrite, "replace an existing non-empty --out (once the new one is complete)")->group("Output");
   c.info_cmd = c.ckpt->add_subcommand("info", "print what a checkpoint holds");
-  c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->required();
-  c.info_cmd->add_flag("--no-verify", c.no_verify, "print what index.json says without checking each file's size and checksum");
+  c.info_cmd->add_option("--ckpt", c.dir, "checkpoint: a step directory, or a run directory (its latest)")->group("Checkpoints")->required();
+  c.info_cmd->add_flag("--no-verify", c.no_verify, "print what index.json says without checking each file's size and checksum")->group("Output");
   c.snapshots_cmd = c.ckpt->add_subcommand("snapshots", "list (or --clear) the in-memory snapshots in this machine's shared memory");
-  c.snapshots_cmd->add_option("--out", c.run, "the run directory whose snapshots (default: every run's)");
-  c.snapshots_cmd->add_flag("--clear", c.clear, "remove them");
+  c.snapshots_cmd->add_option("--out", c.run, "the run directory whose snapshots (default: every run's)")->group("Output");
+  c.snapshots_cmd->add_flag("--clear", c.clear, "remove them")->group("Output");
 }
 
 namespace {

@@ -11,7 +11,7 @@
 
 namespace shardlm::comm {
 
-// A collective that has not finished after this long is an error (DESIGN.md: no rank hangs).
+// A collective that has not finished after this long is an error (no rank hangs).
 inline constexpr std::chrono::milliseconds kDefaultTimeout{300'000};
 
 // How Work::wait polls. It tests the collective back to back (yielding the core between tests,

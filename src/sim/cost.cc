@@ -133,7 +133,7 @@ Candidates one_tier(const HardwareProfile& hw, Collective c, double S, const Gro
     return out;
   }
   out.add({ring_seconds(tier, tier.of(c), c, S, n), Algorithm::ring});
-  // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per nccl issue 1455's
+  // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per NVIDIA/nccl issue 1455's
   // measurements NVLS gains only from 5 GPUs up).
   if (c == Collective::all_reduce && g.nodes <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)
     out.add({ring_seconds(hw.intra, hw.fabric.nvls_all_reduce, c, S, n), Algorithm::nvls});

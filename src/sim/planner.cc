@@ -113,7 +113,7 @@ void each_config(const PlanConfig& base, Strategy s, int64_t sequences_per_rank,
   c.strategy = s;
   const bool sharded = s == Strategy::fsdp || s == Strategy::hybrid;
   // --reduce-each-micro-step, where given, applies to the strategies that shard gradients (the
-  // search does not choose it: see README).
+  // search does not choose it: see docs/parallelism.md).
   c.reduce_each_micro_step = base.reduce_each_micro_step && (sharded || s == Strategy::zero2);
   std::vector<int> groups{0};
   if (s == Strategy::hybrid) {

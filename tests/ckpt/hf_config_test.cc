@@ -1,4 +1,4 @@
-// A Hugging Face config.json is read whole (issue 25): GPT-2's layer_norm_epsilon 0.5 was
+// A Hugging Face config.json is read whole: GPT-2's layer_norm_epsilon 0.5 was
 // ignored and written back as 1e-5, scale_attn_by_inverse_layer_idx: true dropped, unknown keys
 // passed. Every key now maps to the model, holds the value shardlm implements, is one known not
 // to change the model, or is refused in one line naming it and its value; what export writes

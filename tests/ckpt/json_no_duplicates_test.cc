@@ -1,5 +1,5 @@
 // nlohmann's parser keeps one of two equal keys without a word; the checkpoint and Hugging Face
-// readers refuse such a file (issue 25: an index.json with "step" twice was read as either).
+// readers refuse such a file (an index.json with "step" twice was read as either).
 #include "ckpt/json_no_duplicates.h"
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
 // Bad input is refused with one line naming the flag, key, file or field and the bad value, before
-// anything runs or is allocated (issue 9). Each case is a command that misbehaved before: looped,
+// anything runs or is allocated. Each case is a command that misbehaved before: looped,
 // died of std::bad_alloc or a bus error, ran for minutes, or silently did something else.
 #include <gtest/gtest.h>
 
@@ -356,7 +356,7 @@ TEST_F(BadCheckpoint, ConfigIsCheckedAgainstTheTensorFile) {
   expect_refused(edited("config.json", [](auto& j) { j["n_head"] = 0; }), {"config.json", "n_head", "0"});
 }
 
-// Each field of index.json is checked alone and against the others (issue 25: an unknown format
+// Each field of index.json is checked alone and against the others (an unknown format
 // version, an unknown strategy, a negative next step, an optimizer step of 2^63 or past the step,
 // a world size of 0 all loaded).
 TEST_F(BadCheckpoint, IndexFieldsAreCheckedAgainstEachOther) {

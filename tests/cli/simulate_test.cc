@@ -214,7 +214,7 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
 }
 
 // --device cuda: simulate and explain both count the CUDA kernels' own scratch (model::KernelScratch
-// in the tasks' workspace), the same bytes, which a GPU run's allocator reaches (bench/cuda_notes.md
+// in the tasks' workspace), the same bytes, which a GPU run's allocator reaches (docs/cuda.md
 // section 11); the CPU's plan has none.
 TEST_F(Simulate, OnTheCudaDeviceTheKernelsScratchIsInTheWorkspace) {
   const std::string plan = "--model small --batch 2 --seq 64 --strategy ddp --threads 1";
@@ -589,7 +589,7 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
     if (k.ranks == 16 || k.ranks == 24) {
       EXPECT_NEAR(big, 192, 5) << k.op;
     }
-    // All-to-all across 4 nodes: each GPU's own NIC, 24 GB/s × 4/3 (nccl-tests issue 130).
+    // All-to-all across 4 nodes: each GPU's own NIC, 24 GB/s × 4/3 (NVIDIA/nccl-tests issue 130).
     if (k.ranks == 32) {
       EXPECT_NEAR(big, 24.0 * 4 / 3 * 31 / 32, 1) << k.op;
     }

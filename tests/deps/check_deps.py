@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The parts of src/ may include only the parts DESIGN's table lets them use (and what those use),
-and only cli/ reads the process's environment (DESIGN: "no hidden inputs in the core").
+"""The parts of src/ may include only the parts the table below lets them use (and what those use),
+and only cli/ reads the process's environment (no hidden inputs in the core).
 
   check_deps.py SRC_DIR     exits 1 naming each file and line that breaks a rule
 """
@@ -8,7 +8,7 @@ import os
 import re
 import sys
 
-# part -> parts it may use directly (DESIGN.md, "Parts and their rules").
+# part -> parts it may use directly (docs/ARCHITECTURE.md, "Parts").
 ALLOWED = {
     "tensor": [],
     "kernels": ["tensor"],
@@ -47,7 +47,7 @@ def main():
     bad = []
     for part in sorted(os.listdir(src)):
         if part not in ALLOWED:
-            bad.append(f"src/{part}: a part DESIGN's table does not name")
+            bad.append(f"src/{part}: a part the table does not name")
             continue
         ok = closure(part)
         for name in sorted(os.listdir(os.path.join(src, part))):

@@ -1,4 +1,4 @@
-// Runs that never lie (issue 9), run as real processes: a non-finite loss or gradient norm stops
+// Runs that never lie, run as real processes: a non-finite loss or gradient norm stops
 // the run before the optimizer applies it (or skips the update, up to K in a row) on one process
 // and on 2 ranks; a checkpoint holding NaN is refused by eval and generate naming the tensor;
 // SIGTERM / SIGINT / SIGUSR1 finish the step in progress, checkpoint it and exit non-zero, alone and under

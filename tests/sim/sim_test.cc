@@ -925,7 +925,7 @@ TEST(Cost, HybridGroupsArePricedByWhereTheirRanksAre) {
 }
 
 // All-to-all across nodes is bounded by each device's own share of the NICs: busBw ≈ that share ×
-// N/(N−1) (S. Jeaugey, nccl-tests issue 130); point-to-point across nodes is one device's share.
+// N/(N−1) (S. Jeaugey, NVIDIA/nccl-tests issue 130); point-to-point across nodes is one device's share.
 TEST(Cost, AllToAllAndPointToPointUseADevicesShareOfTheNics) {
   const HardwareProfile h = preset("h100-80gb");
   const double S = 1 << 30, share = h.network.per_device_bw(8);

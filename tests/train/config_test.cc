@@ -1,4 +1,4 @@
-// The functions behind the refusals of bad input (issue 9): TrainConfig::validate names the flag
+// The functions behind the refusals of bad input: TrainConfig::validate names the flag
 // and the value, state.json's fields are range-checked, and a model that cannot fit the machine
 // is refused from its configuration or its plan before anything is allocated.
 #include <gtest/gtest.h>

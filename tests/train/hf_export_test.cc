@@ -313,7 +313,7 @@ TEST(HfImport, RefusesMissingOrMisshapedExperts) {
   expect_refused("a dense MLP", "model.layers.0.mlp.gate_proj.weight");
 }
 
-// The weights' files are exactly what they say (issue 25): bytes after the last tensor, and a
+// The weights' files are exactly what they say: bytes after the last tensor, and a
 // tensor in a file the index places in another, were imported without a word.
 TEST(HfImport, SafetensorsLayoutAndWeightMapAreExact) {
   TempDir tmp("exact");
