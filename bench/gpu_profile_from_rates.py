@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """A measured H100 hardware profile from bench/gpu_kernel_rates.py's output: a copy of a preset
-(configs/hardware/h100-80gb.json) whose gemm_rates, attention_rates and pointwise_bw are the
-measured ones, each with its source (device, software, date).
+(configs/hardware/h100-80gb-datasheet.json) whose gemm_rates, attention_rates and pointwise_bw are
+the measured ones, each with its source (device, software, date); its provenance says measured
+(on the GPU it describes) or derived (carried from another), with the measurement's date.
 
-  python3 bench/gpu_profile_from_rates.py rates.json --out configs/hardware/h100-80gb-measured.json
-  python3 bench/published_runs.py --hardware-h100 configs/hardware/h100-80gb-measured.json
+  python3 bench/gpu_profile_from_rates.py rates.json --out configs/hardware/h100-80gb.json
+  python3 bench/published_runs.py
 
 How each measurement becomes the figure the simulator reads (src/sim/cost.cc, src/model/*.cc):
   gemm_rates       a row per weight GEMM the simulator counts, keyed (m, k, n) as the model's
@@ -32,13 +33,13 @@ attention rates as measured and scales the memory-bound figures (pointwise_bw) b
 HBM bandwidth ratio, 3.35 / 4.8 TB/s; any other GPU is refused (--force takes it as is).
 
 --target h100-hbm2e writes the H100 that torchtitan's paper ran on (96 GB HBM2e, 2.4 TB/s, capped
-at 500 W; default --name h100-96gb-hbm2e-measured): the H100 profile with every memory-bound figure
+at 500 W; default --name h100-96gb-hbm2e): the H100 profile with every memory-bound figure
 (pointwise_bw, memory_bw) scaled by 2.4 TB/s over the measuring GPU's (memory_bw: over the SXM
 preset's 3.35) and 96 GB of memory; GEMM and attention as the 700 W SXM's, an upper bound for a
 500 W part (no published figure gives its clocks).
 
 --target a100 writes an A100 profile from the same measurement instead (default --base
-configs/hardware/a100-80gb.json, --name a100-80gb-derived): only pointwise_bw carries over,
+configs/hardware/a100-80gb-datasheet.json, --name a100-80gb): only pointwise_bw carries over,
 scaled by the datasheet HBM ratio (A100 SXM 80 GB: 2.039 TB/s over the measuring GPU's). What it
 carries is how many passes over its bytes the frameworks' eager kernels make (unfused norms,
 rotary, casts, residual adds), each a memory-bound kernel at about the same fraction of its HBM
@@ -221,9 +222,10 @@ def main():
     ap.add_argument("rates", help="bench/gpu_kernel_rates.py's JSON")
     ap.add_argument("--target", choices=["h100", "h100-hbm2e", "a100"], default="h100",
                     help="the GPU the profile describes (see above)")
-    ap.add_argument("--base", help="the preset to copy (default: the target's, configs/hardware/{h100,a100}-80gb.json)")
+    ap.add_argument("--base", help="the preset to copy (default: the target's datasheet preset, "
+                    "configs/hardware/{h100,a100}-80gb-datasheet.json)")
     ap.add_argument("--out", required=True, help="the profile to write")
-    ap.add_argument("--name", help="default h100-80gb-measured, h100-96gb-hbm2e-measured, a100-80gb-derived")
+    ap.add_argument("--name", help="default h100-80gb, h100-96gb-hbm2e, a100-80gb")
     ap.add_argument("--pointwise", default="step", help="step | blocks | isolated | model:NAME (see above)")
     ap.add_argument("--memory-bw", choices=["preset", "measured"], default="preset",
                     help="memory_bw (optimizer, gradient passes, copies): the preset's, or the measured copy")
@@ -236,9 +238,8 @@ def main():
     ap.add_argument("--check", metavar="SHARDLM", help="a shardlm binary: compare its pricing of each measured block "
                     "and head on the written profile with this script's")
     a = ap.parse_args()
-    a.base = a.base or os.path.join(ROOT, "configs", "hardware", f"{a.target[:4]}-80gb.json")
-    a.name = a.name or {"h100": "h100-80gb-measured", "h100-hbm2e": "h100-96gb-hbm2e-measured",
-                        "a100": "a100-80gb-derived"}[a.target]
+    a.base = a.base or os.path.join(ROOT, "configs", "hardware", f"{a.target[:4]}-80gb-datasheet.json")
+    a.name = a.name or {"h100": "h100-80gb", "h100-hbm2e": "h100-96gb-hbm2e", "a100": "a100-80gb"}[a.target]
     if a.target != "h100" and a.check:
         sys.exit("--check compares measured blocks with the profile's pricing: an H100 SXM profile's (--target h100)")
 
@@ -301,6 +302,14 @@ def main():
     out["name"] = a.name
     measured = "pointwise_bw" if a.target == "a100" else "gemm_rates, attention_rates and pointwise_bw"
     out["description"] = (prof.get("description", "") + f"; {measured} from bench/gpu_kernel_rates.py (eager bf16): {head}")
+    # Measured where the rates are the target's own (an H100 SXM measured as itself), else derived.
+    same_gpu = a.target == "h100" and scale == 1 and "H100" in dev.get("name", "")
+    out["provenance"] = {"source": "measured" if same_gpu else "derived", "date": date or "unknown",
+                         "detail": f"{measured} measured on an {dev.get('name', '?')} by bench/gpu_kernel_rates.py"
+                                   + (" at sustained clocks" if a.clocks == "sustained" and a.target != "a100" else "")
+                                   + (f", memory-bound figures x {scale:.3f} (the {a.target}'s datasheet HBM over the measuring GPU's)"
+                                      if scale != 1 else "")
+                                   + f"; the rest as {os.path.splitext(os.path.basename(a.base))[0]}"}
     frameworks = ", ".join(f"{r['name']} ({r['framework']}, B={r['B']} T={r['T']})" for r in models)
     if a.target != "a100":
         out["gemm_rates"] = {"value": gemm_rates, "source": (

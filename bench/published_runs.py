@@ -5,12 +5,12 @@ published throughput (tokens/s per GPU), one markdown row each (docs/CLUSTER.md)
   /usr/bin/python3 bench/published_runs.py [--shardlm build/shardlm] [--hardware-h100 PROFILE.json]
       [--hardware-a100 PROFILE.json] [--hardware-h100-hbm2e PROFILE.json]
 
---hardware-h100 runs the H100 rows on another profile (a measured one: bench/gpu_kernel_rates.py on
-a GPU, then bench/gpu_profile_from_rates.py); --hardware-a100 the A100 rows (the measurement's
-pointwise figure carried to an A100: gpu_profile_from_rates.py --target a100);
---hardware-h100-hbm2e the rows torchtitan ran on its 96 GB HBM2e H100s (--target h100-hbm2e; by
-default they take --hardware-h100's profile, else the h100-80gb preset). Unset, a row runs on its
-preset.
+Unset, a row runs on its preset: h100-80gb and a100-80gb (kernel rates measured on a GPU with
+bench/gpu_kernel_rates.py and carried to them by bench/gpu_profile_from_rates.py), and the rows
+torchtitan ran on its 96 GB HBM2e H100s on h100-96gb-hbm2e. --hardware-h100 runs the H100 rows on
+another profile, --hardware-a100 the A100 rows, --hardware-h100-hbm2e the HBM2e rows (by default
+--hardware-h100's profile where that is given). The datasheet presets' table, for comparison:
+  --hardware-h100 h100-80gb-datasheet --hardware-a100 a100-80gb-datasheet
 
 Each configuration is what the source states (model shape, GPUs, local batch, sequence length,
 sharding, activation checkpointing; bf16 parameters and reductions, as these runs' mixed
@@ -46,7 +46,7 @@ LLAMA34 = ["--model", "llama2-70b", "--n-layer", "48", "--n-embd", "8192", "--n-
            "--ffn-dim", "22016", "--rope-theta", "1000000"]
 TITAN_A = "torchtitan docs/performance.md (64 A100-80GB)"
 TITAN_H = "torchtitan paper arXiv 2410.06511 / docs/performance.md"
-HBM2E = "h100-96gb-hbm2e"  # torchtitan's H100s: a profile of their own where one is given (--hardware-h100-hbm2e)
+HBM2E = "h100-96gb-hbm2e"  # torchtitan's H100s: a preset of their own
 MOSAIC = "llm-foundry scripts/train/benchmarking/README.md"
 # Composer (llm-foundry's trainer) skips gradient synchronisation on the micro-batches before the
 # last only for a DDP-wrapped model (composer's ddp_sync_context returns at once for any other), so
@@ -155,17 +155,16 @@ def main():
     ap.add_argument("--shardlm", default="build/shardlm")
     ap.add_argument("--hardware-h100", help="a profile for the H100 rows in place of the h100-80gb preset")
     ap.add_argument("--hardware-a100", help="a profile for the A100 rows in place of the a100-80gb preset")
-    ap.add_argument("--hardware-h100-hbm2e", help="a profile for the rows on torchtitan's 96 GB HBM2e H100s "
-                    "(default: --hardware-h100's, else the h100-80gb preset)")
+    ap.add_argument("--hardware-h100-hbm2e", help="a profile for the rows on torchtitan's 96 GB HBM2e H100s in place "
+                    "of the h100-96gb-hbm2e preset (default: --hardware-h100's where given)")
     ap.add_argument("--ibm-a100-nic-efficiency", type=float,
                     help="a what-if: the IBM A100 rows' NICs at this fraction of their line rate "
                     "(default: the profile's; docs/CLUSTER.md, 'The IBM A100 rows' network')")
     a = ap.parse_args()
     swap = {"h100-80gb": a.hardware_h100, "a100-80gb": a.hardware_a100,
-            HBM2E: a.hardware_h100_hbm2e or a.hardware_h100 or "h100-80gb"}
-    if a.hardware_h100 or a.hardware_a100 or a.hardware_h100_hbm2e:
-        print(f"H100 rows on {a.hardware_h100 or 'the h100-80gb preset'}; torchtitan's HBM2e H100 rows on {swap[HBM2E]}; "
-              f"A100 rows on {a.hardware_a100 or 'the a100-80gb preset'}\n")
+            HBM2E: a.hardware_h100_hbm2e or a.hardware_h100}
+    print(f"H100 rows on {a.hardware_h100 or 'h100-80gb'}; torchtitan's HBM2e H100 rows on {swap[HBM2E] or HBM2E}; "
+          f"A100 rows on {a.hardware_a100 or 'a100-80gb'}\n")
     print("| run | published tok/s/GPU | predicted | error | predicted MFU | comm exposed | source | notes |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     tmp = tempfile.mkdtemp(prefix="published_runs_")

@@ -486,7 +486,10 @@ void add_simulate_command(CLI::App& app, Commands& c) {
       app.add_subcommand("simulate", "predict a training step's time, memory and timeline on a hardware profile (no run, no MPI)");
   sa.cfg.threads = c.threads;
   cmd->add_option("--ranks", sa.ranks, "number of ranks")->group("Parallelism")->check(in_range(1, train::kMaxRanks))->capture_default_str();
-  cmd->add_option("--hardware", sa.hardware, "hardware profile: a preset (a100-80gb, h100-80gb, cpu-local) or a JSON file")->group("Simulation")
+  cmd->add_option("--hardware", sa.hardware,
+                  "hardware profile: a preset (h100-80gb, a100-80gb: kernel rates measured on a GPU; "
+                  "h100-80gb-datasheet, a100-80gb-datasheet: datasheet figures, optimistic; cpu-local) or a JSON file")
+      ->group("Simulation")
       ->capture_default_str();
   cmd->add_option("--trace", sa.trace, "write the simulated rank's Chrome trace (the format a real run writes)")->group("Output");
   cmd->add_flag("--json", sa.json, "print one JSON object (step_ms, tokens_per_s, mfu, comm_exposed_ms, mem, ...)")->group("Output");

@@ -77,6 +77,20 @@ ExpertLoad expert_load_of(const std::string& flag, const model::ModelDesc& desc)
   return {m, fmt::format("{:.3g} (--moe-imbalance {}: the median of its steps' expert_load_imbalance)", m, flag)};
 }
 
+// Where the profile's figures come from, first of what simulate and plan print (each line after
+// `prefix`), and for a datasheet profile how optimistic its predictions ran.
+void print_provenance(const sim::HardwareProfile& hw, const char* prefix = "") {
+  fmt::print("{}{}\n", prefix, sim::provenance_line(hw));
+  if (const std::string caution = sim::datasheet_caution(hw); !caution.empty()) fmt::print("{}{}\n", prefix, caution);
+}
+
+// The same for --json, as fields beside "hardware".
+void add_provenance(nlohmann::json& j, const sim::HardwareProfile& hw) {
+  j["hardware_file"] = hw.origin;
+  j["hardware_source"] = hw.provenance.source;
+  j["hardware_date"] = hw.provenance.date;
+}
+
 nlohmann::json mem_json(const MemSnapshot& s) {
   nlohmann::json j;
   for (int c = 0; c < kNumMemCategories; ++c) j[to_string(static_cast<MemCategory>(c))] = s.bytes[c];
@@ -145,6 +159,59 @@ int64_t disk_budget_of(const PlanArgs& a, const sim::HardwareProfile& hw) {
   return bytes;
 }
 
+// A configuration's parallelism in a few words: "fsdp", "hybrid 8" (its shard group), "fsdp ep 8 cp 8
+// all-to-all".
+std::string parallelism_cell(const plan::PlanConfig& c) {
+  std::string out = plan::to_string(c.strategy);
+  if (c.strategy == plan::Strategy::hybrid) out += " " + std::to_string(c.shard_group);
+  if (c.ep > 1) out += " ep " + std::to_string(c.ep);
+  if (c.cp > 1) out += fmt::format(" cp {} {}", c.cp, model::to_string(c.cp_impl));
+  return out;
+}
+
+// "none", "full", "selective-op 37 blocks" (of the model's, where fewer are rebuilt); "+int8" where
+// the saved activations are compressed.
+std::string recompute_cell(const plan::PlanConfig& c) {
+  std::string out = model::to_string(c.recompute);
+  if (c.recompute != model::Recompute::none && c.recompute_blocks >= 0) out += fmt::format(" {} blocks", c.recompute_blocks);
+  if (c.act_quant.on()) out += " +int8";
+  return out;
+}
+
+// The ranked rows, the knobs that tell them apart in columns, then each distinct configuration's
+// full flags once, under the label its rows carry: a flag list (thirteen units kept gathered) would
+// bury the columns. alike: other fitting flag sets predicted exactly the same (knobs that change
+// nothing here).
+void print_ranked(const sim::PlanSearch& s, int top, const std::vector<double>& kept, bool failures) {
+  const int rows = std::min<int>(top, static_cast<int>(s.fitting.size()));
+  std::vector<std::string> labels, flags;  // flags[k]: the configuration labelled [k + 1]
+  size_t width = std::string("strategy").size(), recompute_width = std::string("recompute").size();
+  for (int i = 0; i < rows; ++i) {
+    const sim::Candidate& c = s.fitting[i];
+    const auto at = std::find(flags.begin(), flags.end(), c.flags);
+    labels.push_back(fmt::format("[{}]", (at - flags.begin()) + 1));
+    if (at == flags.end()) flags.push_back(c.flags);
+    width = std::max(width, parallelism_cell(c.config).size());
+    recompute_width = std::max(recompute_width, recompute_cell(c.config).size());
+  }
+  const bool disk = s.on_disk > 0;
+  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}{}  {:>5}{}  {:<{}}  {:>5}  {:>5}  {:<{}}  {}\n", "rank", "step ms", "tokens/s",
+             "MFU", "mem GiB", disk ? fmt::format("  {:>10}", "disk GiB") : "", "alike",
+             failures ? fmt::format("  {:>8}  {:>12}", "goodput", "good tok/s") : "", "strategy", width, "batch", "accum",
+             "recompute", recompute_width, "flags");
+  for (int i = 0; i < rows; ++i) {
+    const sim::Candidate& c = s.fitting[i];
+    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}{}  {:>5}{}  {:<{}}  {:>5}  {:>5}  {:<{}}  {}\n", i + 1,
+               c.step_ms, c.tokens_per_s, 100 * c.mfu, c.peak_bytes / 1073741824.0,
+               disk ? fmt::format("  {:>10.3f}", c.disk_bytes / 1073741824.0) : "", c.alike,
+               failures ? fmt::format("  {:>7.2f}%  {:>12.0f}", 100 * kept[i], c.tokens_per_s * kept[i]) : "",
+               parallelism_cell(c.config), width, c.config.batch, c.config.grad_accum, recompute_cell(c.config),
+               recompute_width, labels[i]);
+  }
+  fmt::print("flags (train or simulate with them):\n");
+  for (size_t k = 0; k < flags.size(); ++k) fmt::print("  [{}] {}\n", k + 1, flags[k]);
+}
+
 sim::PlanSearch search_and_print(PlanArgs& a) {
   a.cfg.data = "-";
   a.cfg.validate();
@@ -200,6 +267,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
                                          "needs {} ({})",
                                          a.cfg.model, a.ranks, q.memory_budget, s.considered, s.smallest.peak_bytes,
                                          s.smallest.flags));
+  print_provenance(hw);
   fmt::print("plan: {} on {} rank(s) x {} thread(s), {} tokens per step, {}: {} configurations ({} pruned by memory "
              "or its bound unbuilt, {} by a bound on step time unbuilt, {} invalid, {} "
              "built, {} simulated), {} fit {} (+{} refined by rebuilding fewer blocks, +{} by keeping units gathered), "
@@ -222,17 +290,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
     fmt::print("ranked by tokens/s x goodput under failures (MTBF {:.4g} h a node, restart {:.4g} s; simulate --mtbf-hours "
                "prints the intervals)\n",
                a.goodput.mtbf_hours, a.goodput.restart_s);
-  // alike: other fitting flag sets predicted exactly the same (knobs that change nothing here).
-  const bool disk = s.on_disk > 0;
-  fmt::print("{:>4}  {:>12}  {:>12}  {:>6}  {:>10}{}  {:>5}{}  {}\n", "rank", "step ms", "tokens/s", "MFU", "mem GiB",
-             disk ? fmt::format("  {:>10}", "disk GiB") : "", "alike",
-             failures ? fmt::format("  {:>8}  {:>12}", "goodput", "good tok/s") : "", "flags");
-  for (int i = 0; i < std::min<int>(a.top, static_cast<int>(s.fitting.size())); ++i) {
-    const sim::Candidate& c = s.fitting[i];
-    fmt::print("{:>4}  {:>12.3f}  {:>12.0f}  {:>5.1f}%  {:>10.3f}{}  {:>5}{}  {}\n", i + 1, c.step_ms, c.tokens_per_s, 100 * c.mfu,
-               c.peak_bytes / 1073741824.0, disk ? fmt::format("  {:>10.3f}", c.disk_bytes / 1073741824.0) : "", c.alike,
-               failures ? fmt::format("  {:>7.2f}%  {:>12.0f}", 100 * kept[i], c.tokens_per_s * kept[i]) : "", c.flags);
-  }
+  print_ranked(s, a.top, kept, failures);
   return s;
 }
 
@@ -343,6 +401,7 @@ void run_collective(const SimulateArgs& a) {
                                      ? "NVLS prices an all-reduce inside one whole node of a profile with fabric.nvls_all_reduce"
                                      : "the tree prices an all-reduce across nodes of a profile with a network"));
   nlohmann::json rows = nlohmann::json::array();
+  if (!a.json) print_provenance(hw, "# ");
   if (!a.json)
     fmt::print("# {} over {} rank(s) of {}: {} node(s) x {} rank(s) a node ({} devices a node{}); algorithm: {}\n"
                "# busbw = algbw x {:.4g} ({}); times in us, bandwidths in GB/s (1e9 bytes/s)\n"
@@ -365,11 +424,12 @@ void run_collective(const SimulateArgs& a) {
                  algbw * factor / 1e9);
     if (S > hi / 2) break;
   }
-  if (a.json)
-    std::cout << nlohmann::json{{"collective", sim::to_string(c)}, {"ranks", a.ranks},      {"hardware", hw.name},
-                                {"nodes", g.nodes},                {"per_node", g.per_node}, {"rows", rows}}
-                     .dump()
-              << "\n";
+  if (a.json) {
+    nlohmann::json j{{"collective", sim::to_string(c)}, {"ranks", a.ranks},      {"hardware", hw.name},
+                     {"nodes", g.nodes},                {"per_node", g.per_node}, {"rows", rows}};
+    add_provenance(j, hw);
+    std::cout << j.dump() << "\n";
+  }
 }
 
 }  // namespace
@@ -461,6 +521,7 @@ nlohmann::json simulation_json(const Simulation& s) {
                    {"mem_max", mem_json(r.mem_max)},
                    {"device_memory", s.hw.device_memory},
                    {"fits", s.fits}};
+  add_provenance(j, s.hw);
   if (s.plan.config.offload.disk()) {
     j["disk_busy_ms"] = r.disk_busy_ms;
     j["disk_exposed_ms"] = r.disk_exposed_ms;
@@ -517,9 +578,14 @@ void print_simulation(const Simulation& s) {
   const sim::SimResult& r = s.r;
   const sim::HardwareProfile& hw = s.hw;
   const double peak = hw.peak_flops * (hw.per_thread ? s.a.cfg.threads : 1);
-  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, GEMM efficiency {:.3g})\n",
-             s.a.cfg.model, plan::strategy_text(s.plan.config), s.a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
-             hw.gemm_efficiency);
+  print_provenance(hw);
+  // Measured GEMM rates price the model's weight GEMMs; the efficiency only what they leave out.
+  fmt::print("simulated: model {}, strategy {}, {} rank(s) on {} ({} peak {:.4g} TFLOP/s per rank, {})\n", s.a.cfg.model,
+             plan::strategy_text(s.plan.config), s.a.ranks, hw.name, hw.compute_dtype, peak / 1e12,
+             hw.gemm_rates.empty()
+                 ? fmt::format("GEMM efficiency {:.3g}", hw.gemm_efficiency)
+                 : fmt::format("{} measured GEMM shapes, elsewhere GEMM efficiency {:.3g}", hw.gemm_rates.size(),
+                               hw.gemm_efficiency));
   fmt::print("step {:.3f} ms | {:.0f} tokens/s | MFU {:.1f}% | comm exposed {:.3f} ms (compute busy {:.3f} ms, comm busy {:.3f} ms)\n",
              r.step_ms, r.tokens_per_s, 100 * r.mfu, r.comm_exposed_ms, r.compute_busy_ms, r.comm_busy_ms);
   const double pct = r.step_ms > 0 ? 100 / r.step_ms : 0;
@@ -673,6 +739,7 @@ void print_largest_model(PlanArgs& a) {
     throw std::runtime_error(fmt::format("plan --largest-model: not even one layer of {}'s shape fits {} on {} rank(s) at "
                                          "{} tokens per step",
                                          a.cfg.model, within, a.ranks, a.global_batch));
+  print_provenance(hw);
   fmt::print("largest model of {}'s shape (n_embd {}, n_head {}, vocabulary {}) that fits {} on {} rank(s) x {} thread(s), "
              "{} tokens per step, {}: n_layer {}{} ({:.3f} B parameters)\n",
              a.cfg.model, m.n_embd, m.n_head, m.vocab_size, within, a.ranks, a.cfg.threads, a.global_batch, hw.name,

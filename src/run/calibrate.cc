@@ -5,6 +5,7 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -463,6 +464,16 @@ std::string slug(const std::string& text) {
   return out.empty() ? "device" : out;
 }
 
+// Today as YYYY-MM-DD (UTC): the date a profile's provenance gives its measurement.
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char text[16];
+  std::strftime(text, sizeof text, "%Y-%m-%d", &utc);
+  return text;
+}
+
 // Bytes per second as GB/s, 3 significant digits.
 std::string gb(double bytes_per_s) {
   std::ostringstream o;
@@ -655,6 +666,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                                       " GEMMs, fp32 storage), fitted by shardlm calibrate --device " + o.device +
                                       "; compute figures per device"
                                 : "this machine, fitted by shardlm calibrate; compute figures per compute thread"},
+         {"provenance", {{"source", "measured"}, {"date", today()}, {"detail", here}}},
          {"compute_dtype", info.gemm_dtype},
          // What the plan's activations take: every backend here stores fp32, bf16 GEMMs or not.
          {"activation_dtype", "fp32"},

@@ -1,6 +1,7 @@
 #include "sim/hardware.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -208,6 +209,36 @@ std::vector<SizeEfficiency> by_size(const json& j, const HardwareProfile& h, con
   return out;
 }
 
+// A calendar date as YYYY-MM-DD (month 1-12, day 1-31).
+bool is_date(const std::string& d) {
+  if (d.size() != 10 || d[4] != '-' || d[7] != '-') return false;
+  for (size_t i : {0, 1, 2, 3, 5, 6, 8, 9})
+    if (!std::isdigit(static_cast<unsigned char>(d[i]))) return false;
+  const int month = std::stoi(d.substr(5, 2)), day = std::stoi(d.substr(8, 2));
+  return month >= 1 && month <= 12 && day >= 1 && day <= 31;
+}
+
+Provenance provenance(const json& j, const std::string& origin) {
+  if (!j.contains("provenance") || !j.at("provenance").is_object())
+    throw bad(origin, "provenance", "missing ({\"source\": \"measured\" | \"derived\" | \"datasheet\", \"date\": "
+                                    "\"YYYY-MM-DD\"}: where the figures come from, and when)");
+  const json& o = j.at("provenance");
+  const auto text = [&](const char* key) {
+    return o.contains(key) && o.at(key).is_string() ? o.at(key).get<std::string>() : std::string();
+  };
+  Provenance p{text("source"), text("date"), text("detail")};
+  if (p.source != "measured" && p.source != "derived" && p.source != "datasheet")
+    throw bad(origin, "provenance.source",
+              (p.source.empty() ? std::string("missing") : "'" + p.source + "'") +
+                  ": must be measured (timed on this hardware), derived (a measured profile carried to it) or datasheet");
+  if (!is_date(p.date))
+    throw bad(origin, "provenance.date",
+              (p.date.empty() ? std::string("missing") : "'" + p.date + "'") +
+                  ": must be a date YYYY-MM-DD (of the measurement)");
+  if (o.contains("detail") && !o.at("detail").is_string()) throw bad(origin, "provenance.detail", "must be a string");
+  return p;
+}
+
 // Where the parser is: the keys and array positions from the document's root ("a.b[2].c").
 class JsonPath {
  public:
@@ -285,6 +316,7 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
   h.origin = origin;
   if (!j.contains("name") || !j.at("name").is_string()) throw bad(origin, "name", "missing (a string)");
   h.name = j.at("name").get<std::string>();
+  h.provenance = provenance(j, origin);
   if (!j.contains("compute_dtype") || !j.at("compute_dtype").is_string()) throw bad(origin, "compute_dtype", "missing");
   h.compute_dtype = j.at("compute_dtype").get<std::string>();
   if (h.compute_dtype != "bf16" && h.compute_dtype != "fp32")
@@ -380,6 +412,24 @@ void require_collectives(const HardwareProfile& hw, int ranks) {
     throw std::runtime_error("hardware profile " + hw.origin +
                              ": collectives_measured is false (calibrated on one rank, which has no collectives to time): it "
                              "cannot price " + std::to_string(ranks) + " ranks; calibrate under mpirun -np N");
+}
+
+std::string provenance_line(const HardwareProfile& hw) {
+  const Provenance& p = hw.provenance;
+  const std::string what = p.source == "measured" ? "measured on the hardware it describes, " + p.date
+                           : p.source == "derived" ? "derived from a measured profile, measured " + p.date
+                                                   : "datasheet figures, nothing measured (as of " + p.date + ")";
+  return "hardware: " + hw.origin + " (" + hw.name + "): " + what + (p.detail.empty() ? "" : "; " + p.detail);
+}
+
+// From bench/published_runs.py's 25 runs on the datasheet presets (--hardware-h100
+// h100-80gb-datasheet --hardware-a100 a100-80gb-datasheet) against its default, the measured and
+// derived presets; recompute when either changes.
+std::string datasheet_caution(const HardwareProfile& hw) {
+  if (hw.provenance.source != "datasheet") return "";
+  return "caution: a datasheet profile's predictions run optimistic: on the published-run table (bench/published_runs.py, "
+         "25 runs) the datasheet presets predicted a median +25% more tokens/s than published (H100 rows +58%, A100 rows "
+         "+23%; 5 of 25 within 15%), the presets with measured kernel rates (h100-80gb, a100-80gb) +14% (18 of 25 within 15%)";
 }
 
 HardwareProfile load_hardware(const std::string& name_or_path, const std::string& preset_dir) {

@@ -2,8 +2,9 @@
 // in the file is {"value": V, "source": "..."} in SI units (FLOP/s, bytes/s, seconds, bytes), so
 // a reader can tell a datasheet number from a measurement from an assumption.
 //
-// Bundled presets live in configs/hardware/NAME.json (a100-80gb, h100-80gb, cpu-local);
-// `--hardware` takes a preset name or a path to such a file.
+// Bundled presets live in configs/hardware/NAME.json (h100-80gb and a100-80gb: kernel rates
+// measured on a GPU and carried to them; h100-80gb-datasheet and a100-80gb-datasheet: datasheet
+// figures alone; cpu-local); `--hardware` takes a preset name or a path to such a file.
 #pragma once
 
 #include <cstdint>
@@ -100,9 +101,22 @@ struct Network {
   }
 };
 
+// Where a profile's figures as a whole come from, so that what simulate and plan predict says how
+// far to trust it: {"source": "measured" | "derived" | "datasheet", "date": "YYYY-MM-DD",
+// "detail": "..."} under "provenance", required in every profile.
+//   measured   timed on the hardware it describes (what `calibrate` writes)
+//   derived    a measured profile carried to other hardware (an H200's kernel rates as an H100's)
+//   datasheet  vendors' peaks and published efficiencies, nothing of a training step timed: its
+//              predictions run optimistic (datasheet_caution)
+// date: of the measurement (measured, derived) or of the figures' last revision (datasheet).
+struct Provenance {
+  std::string source, date, detail;  // detail: optional, how it was measured or derived
+};
+
 struct HardwareProfile {
   std::string name;
   std::string origin;              // the file it came from
+  Provenance provenance;
   bool per_thread = false;         // CPU: compute figures are per compute thread (× --threads)
   std::string compute_dtype;       // dtype the peak applies to: "bf16" (GPU) or "fp32" (CPU)
   // Optional: the dtype activations are stored in, which the plan's memory figures use; absent:
@@ -169,6 +183,11 @@ std::vector<std::string> preset_names(const std::string& preset_dir);
 // Throws std::runtime_error (one line naming the profile) when `ranks` > 1 and the profile's
 // collectives were not measured: a simulation of several ranks would price them at a guess.
 void require_collectives(const HardwareProfile& hw, int ranks);
+// One line: the profile's file, where its figures come from and their date (no newline).
+std::string provenance_line(const HardwareProfile& hw);
+// For a datasheet profile, one line saying by how much its predictions ran optimistic on the
+// published-run table (bench/published_runs.py); empty for any other.
+std::string datasheet_caution(const HardwareProfile& hw);
 // Where the presets are: `chosen` (the user's choice, e.g. $SHARDLM_HARDWARE_DIR, which the command
 // line passes in) when not null, else configs/hardware beside the build directory holding this
 // executable, else the source tree's.

@@ -50,21 +50,31 @@ fs::path Simulate::dir_;
 
 const std::string kSmall = "simulate --model tiny --batch 2 --seq 32 --threads 1 ";
 
+// The flags of plan's first-ranked configuration: its row is labelled [1], the flags listed below
+// the table under that label.
+std::string first_ranked_flags(const std::string& out) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex("\n +1 [^\n]* \\[1\\]\n")) ||
+      !std::regex_search(out, m, std::regex("\n  \\[1\\] (--strategy [^\n]*)")))
+    return "";
+  return m[1];
+}
+
 TEST_F(Simulate, BadInputIsOneLine) {
   expect_one_line_error(shardlm(kSmall + "--ranks 0"), {"--ranks", "0"});
-  expect_one_line_error(shardlm(kSmall + "--hardware no-such-gpu"), {"unknown preset 'no-such-gpu'", "h100-80gb"});
+  expect_one_line_error(shardlm(kSmall + "--hardware no-such-gpu"), {"unknown preset 'no-such-gpu'", "h100-80gb-datasheet"});
   const fs::path missing = dir_ / "absent.json";
   expect_one_line_error(shardlm(kSmall + "--hardware " + missing.string()), {missing.string(), "cannot read"});
   std::ofstream(dir_ / "cut.json") << "{\"name\": \"x\", ";
   expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "cut.json").string()), {"cut.json", "not valid JSON"});
   // A profile missing one figure names it.
-  json j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb.json"));
+  json j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb-datasheet.json"));
   j.erase("memory_bw");
   std::ofstream(dir_ / "partial.json") << j.dump();
   expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "partial.json").string()), {"partial.json", "memory_bw", "missing"});
   // Free communication (bus_bw 1e30 above the memory's 3e12) is refused by simulate and plan; a
   // number beyond a double's range gave the JSON parser's raw message.
-  j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb.json"));
+  j = json::parse(std::ifstream(std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/configs/hardware/h100-80gb-datasheet.json"));
   j["intra_node"]["all_reduce"]["bus_bw"]["value"] = 1e30;
   std::ofstream(dir_ / "free.json") << j.dump();
   for (const std::string& cmd : {kSmall, std::string("plan --model tiny --ranks 2 --global-batch 128 --seq 32 ")})
@@ -77,6 +87,104 @@ TEST_F(Simulate, BadInputIsOneLine) {
                         {"huge.json", "intra_node.all_reduce.bus_bw.value", "1e400"});
 }
 
+std::string first_line(const std::string& out) { return out.substr(0, out.find('\n')); }
+
+// simulate and plan say first where the profile's figures come from: its file, its source, the
+// date; a datasheet profile adds that its predictions run optimistic (and by how much). --json
+// carries the same as fields. Every preset in configs/hardware.
+TEST_F(Simulate, FirstLineNamesTheProfilesFileSourceAndDate) {
+  const fs::path presets = fs::path(std::getenv("SHARDLM_SOURCE_DIR")) / "configs" / "hardware";
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(presets)) {
+    if (entry.path().extension() != ".json") continue;
+    const std::string name = entry.path().stem().string();
+    SCOPED_TRACE(name);
+    const json provenance = json::parse(std::ifstream(entry.path()))["provenance"];
+    const std::string source = provenance["source"], date = provenance["date"];
+    const Result r = shardlm(kSmall + "--hardware " + name);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string line = first_line(r.out);
+    EXPECT_EQ(line.rfind("hardware: ", 0), 0u) << line;
+    EXPECT_NE(line.find("configs/hardware/" + name + ".json"), std::string::npos) << line;
+    EXPECT_NE(line.find(date), std::string::npos) << line;
+    const char* says = source == "measured" ? "measured on the hardware it describes"
+                       : source == "derived" ? "derived from a measured profile"
+                                             : "datasheet figures, nothing measured";
+    EXPECT_NE(line.find(says), std::string::npos) << line;
+    const std::string second = r.out.substr(line.size() + 1, r.out.find('\n', line.size() + 1) - line.size() - 1);
+    EXPECT_EQ(second.rfind("caution: a datasheet profile's predictions run optimistic", 0) == 0, source == "datasheet")
+        << second;
+    const Result j = shardlm(kSmall + "--json --hardware " + name);
+    ASSERT_EQ(j.code, 0) << j.out;
+    const json o = json::parse(j.out);
+    EXPECT_EQ(o["hardware_source"], source);
+    EXPECT_EQ(o["hardware_date"], date);
+    EXPECT_NE(o["hardware_file"].get<std::string>().find(name + ".json"), std::string::npos);
+    ++checked;
+  }
+  EXPECT_GE(checked, 6);
+  // The datasheet caution states the published-run table's finding.
+  const Result p = shardlm("plan --model tiny --ranks 2 --threads 1 --global-batch 128 --seq 32 --top 1 "
+                           "--hardware h100-80gb-datasheet");
+  ASSERT_EQ(p.code, 0) << p.out;
+  EXPECT_NE(first_line(p.out).find("h100-80gb-datasheet.json (h100-80gb-datasheet): datasheet figures"), std::string::npos)
+      << p.out;
+  EXPECT_NE(p.out.find("\ncaution: a datasheet profile's predictions run optimistic: on the published-run table"),
+            std::string::npos) << p.out;
+  EXPECT_NE(p.out.find("H100 rows +58%"), std::string::npos) << p.out;
+  // A profile without its provenance is refused in one line naming the file and the field.
+  json bare = json::parse(std::ifstream(presets / "h100-80gb.json"));
+  bare["provenance"].erase("date");
+  std::ofstream(dir_ / "undated.json") << bare.dump();
+  expect_one_line_error(shardlm(kSmall + "--hardware " + (dir_ / "undated.json").string()),
+                        {"undated.json", "provenance.date", "missing"});
+}
+
+// The planner on the preset a user types, for a run with published figures: Llama 3 8B on 64 H100s
+// at 4M tokens a step, T=8192 (torchtitan: 33-39% bf16 MFU). The first-ranked configuration lies in
+// the published band (33-45%); the datasheet preset's above it.
+TEST_F(Simulate, PlanOnTheH100PresetRanksLlama3_8bInThePublishedMfuBand) {
+  const std::string plan = "plan --model llama3-8b --ranks 64 --global-batch 4194304 --seq 8192 --top 1 --hardware ";
+  const std::regex first_mfu("\n +1 +[0-9.]+ +[0-9]+ +([0-9.]+)% ");
+  std::smatch m;
+  const Result measured = shardlm(plan + "h100-80gb");
+  ASSERT_EQ(measured.code, 0) << measured.out;
+  ASSERT_TRUE(std::regex_search(measured.out, m, first_mfu)) << measured.out;
+  EXPECT_GE(std::stod(m[1]), 33) << measured.out;
+  EXPECT_LE(std::stod(m[1]), 45) << measured.out;
+  const Result datasheet = shardlm(plan + "h100-80gb-datasheet");
+  ASSERT_EQ(datasheet.code, 0) << datasheet.out;
+  ASSERT_TRUE(std::regex_search(datasheet.out, m, first_mfu)) << datasheet.out;
+  EXPECT_GT(std::stod(m[1]), 45) << datasheet.out;
+}
+
+// plan's table: strategy, micro-batch, accumulation, recompute and memory in columns; each
+// configuration's full flags once, below, under the label its row carries.
+TEST_F(Simulate, PlanTableKeepsFlagsBelowTheRows) {
+  const Result r = shardlm("plan --model llama3-8b --ranks 64 --global-batch 4194304 --seq 8192 --top 5 --hardware h100-80gb");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("  strategy   batch  accum  recompute  flags\n"), std::string::npos) << r.out;
+  const std::regex row("\n +([0-9]+) +[0-9.]+ +[0-9]+ +[0-9.]+% +[0-9.]+ +[0-9]+  (fsdp|hybrid [0-9]+) +([0-9]+) +([0-9]+)  "
+                       "([a-z-]+[^\n]*?) +\\[([0-9]+)\\](?=\n)");
+  int rows = 0;
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), row); it != std::sregex_iterator(); ++it, ++rows) {
+    const std::smatch& x = *it;
+    // The row's columns agree with its flags, listed once below.
+    const std::string label = "\n  [" + std::string(x[6]) + "] ";
+    const size_t at = r.out.find(label);
+    ASSERT_NE(at, std::string::npos) << label << r.out;
+    EXPECT_EQ(r.out.find(label, at + 1), std::string::npos) << label;
+    const std::string flags = r.out.substr(at + label.size(), r.out.find('\n', at + 1) - at - label.size());
+    EXPECT_NE(flags.find("--strategy " + std::string(x[2]).substr(0, std::string(x[2]).find(' '))), std::string::npos) << flags;
+    EXPECT_NE(flags.find("--batch " + std::string(x[3]) + " --grad-accum " + std::string(x[4])), std::string::npos) << flags;
+    EXPECT_NE(flags.find("--recompute " + std::string(x[5]).substr(0, std::string(x[5]).find(' '))), std::string::npos) << flags;
+    // No row carries a flag list: the rows stay narrow whatever units are kept gathered.
+    EXPECT_EQ(std::string(x[0]).find("--"), std::string::npos) << x[0];
+  }
+  EXPECT_EQ(rows, 5) << r.out;
+  EXPECT_NE(r.out.find("--keep-gathered layers.0,embedding"), std::string::npos) << r.out;
+}
+
 // A billion micro-steps: the plan lists four (its middle one repeats), so explain and simulate
 // answer at once, with the memory of four and the time of a billion.
 TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
@@ -84,9 +192,9 @@ TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
   const Result explain = shardlm("explain " + plan + "1000000000");
   ASSERT_EQ(explain.code, 0) << explain.out;
   EXPECT_NE(explain.out.find("the tasks of [m2] run 999999997 times"), std::string::npos) << explain.out;
-  const Result billion = shardlm("simulate --hardware h100-80gb --json " + plan + "1000000000");
+  const Result billion = shardlm("simulate --hardware h100-80gb-datasheet --json " + plan + "1000000000");
   ASSERT_EQ(billion.code, 0) << billion.out;
-  const Result four = shardlm("simulate --hardware h100-80gb --json " + plan + "4");
+  const Result four = shardlm("simulate --hardware h100-80gb-datasheet --json " + plan + "4");
   ASSERT_EQ(four.code, 0) << four.out;
   const json b = json::parse(billion.out), f = json::parse(four.out);
   EXPECT_EQ(b["mem"]["total"], f["mem"]["total"]);
@@ -97,7 +205,7 @@ TEST_F(Simulate, GradAccumOfABillionIsAPlanOfFourMicroSteps) {
 // 8-GPU nodes, 8 ranks (the same step as --shard-group 8); ranks that do not fill whole nodes are
 // refused in one line.
 TEST_F(Simulate, HybridWithoutAShardGroupShardsInsideANode) {
-  const std::string hybrid = "simulate --model tiny --batch 2 --seq 32 --hardware h100-80gb --strategy hybrid --ranks ";
+  const std::string hybrid = "simulate --model tiny --batch 2 --seq 32 --hardware h100-80gb-datasheet --strategy hybrid --ranks ";
   const Result node = shardlm(hybrid + "16");
   ASSERT_EQ(node.code, 0) << node.out;
   EXPECT_NE(node.out.find("strategy hybrid (shard group 8), 16 rank(s)"), std::string::npos) << node.out;
@@ -125,7 +233,7 @@ TEST_F(Simulate, OffloadPrintsTheDiskStreamsBusyAndExposedTime) {
   EXPECT_GT(o.at("disk_busy_ms").get<double>(), 0);
   EXPECT_GE(o.at("disk_exposed_ms").get<double>(), 0);
   EXPECT_LE(o.at("disk_exposed_ms").get<double>(), o.at("comm_exposed_ms").get<double>() + 1e-9);
-  const Result gpu = shardlm("simulate --hardware h100-80gb " + plan);
+  const Result gpu = shardlm("simulate --hardware h100-80gb-datasheet " + plan);
   ASSERT_EQ(gpu.code, 0) << gpu.out;
   EXPECT_NE(gpu.out.find("the profile has no disk figures: copies priced at nothing"), std::string::npos) << gpu.out;
   const Result resident = shardlm("simulate --hardware cpu-local --json --model small --batch 2 --seq 64 --threads 1");
@@ -182,7 +290,7 @@ TEST_F(Simulate, OffloadPrefetchAutoKeepsTheFastestDepthUnderTheBudget) {
 // on the CPU profile (what `train` runs here); a bf16 (GPU) profile prices activations in bf16.
 TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   const std::string plan = "--model small --batch 2 --seq 64 --strategy fsdp --ranks 4 --threads 1";
-  const Result r = shardlm("simulate --hardware h100-80gb --json " + plan);
+  const Result r = shardlm("simulate --hardware h100-80gb-datasheet --json " + plan);
   ASSERT_EQ(r.code, 0) << r.out;
   const json j = json::parse(r.out);
   for (const char* k : {"step_ms", "tokens_per_s", "mfu", "comm_exposed_ms"}) EXPECT_TRUE(j.at(k).is_number()) << k;
@@ -207,7 +315,7 @@ TEST_F(Simulate, JsonIsThePlansMemoryAndATime) {
   // Half the bytes, give or take each slice's rounding to 64 bytes.
   const double bf16_share = j["mem"]["activations"].get<double>() / jc["mem"]["activations"].get<double>();
   EXPECT_NEAR(bf16_share, 0.5, 0.01);
-  const Result human = shardlm("simulate --hardware h100-80gb " + plan);
+  const Result human = shardlm("simulate --hardware h100-80gb-datasheet " + plan);
   ASSERT_EQ(human.code, 0) << human.out;
   for (const char* s : {"step ", "tokens/s", "MFU", "comm exposed", "params:", "total:"})
     EXPECT_NE(human.out.find(s), std::string::npos) << s << " in " << human.out;
@@ -271,12 +379,12 @@ TEST_F(Simulate, MoeImbalanceFromARunIsItsMeasuredLoad) {
   expect_one_line_error(shardlm(plan + (dir_ / "dense_run").string()), {"dense_run", "no step records expert_load_imbalance"});
 }
 
-// Mixtral 8x7B at 64 and 256 ranks of h100-80gb with its experts over ep 8: simulate answers with
+// Mixtral 8x7B at 64 and 256 ranks of h100-80gb-datasheet with its experts over ep 8: simulate answers with
 // the step time, memory per rank and the all-to-all's share of the step (BENCHMARKS.md quotes them).
 TEST_F(Simulate, MixtralPrintsItsAllToAllShare) {
   for (int ranks : {64, 256}) {
     const std::string plan = "--model mixtral-8x7b --strategy fsdp --ep 8 --batch 1 --seq 4096 --recompute full "
-                             "--param-dtype bf16 --reduce-dtype bf16 --hardware h100-80gb --ranks " + std::to_string(ranks);
+                             "--param-dtype bf16 --reduce-dtype bf16 --hardware h100-80gb-datasheet --ranks " + std::to_string(ranks);
     const Result human = shardlm("simulate " + plan);
     ASSERT_EQ(human.code, 0) << human.out;
     for (const std::regex& want : {std::regex("step [0-9.]+ ms"), std::regex("total: [0-9]+ \\([0-9.]+ GiB\\)"),
@@ -435,9 +543,8 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
   const Result p = shardlm("plan --model small --ranks 2 --threads 1 --seq 64 --global-batch 256 --top 1 --memory-per-rank " +
                            std::to_string(budget));
   ASSERT_EQ(p.code, 0) << p.out;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
-  const std::string flags = m[1];
+  const std::string flags = first_ranked_flags(p.out);
+  ASSERT_FALSE(flags.empty()) << p.out;
   EXPECT_EQ(flags.find("--strategy ddp"), std::string::npos) << flags;
   expect_trains_within(2, flags, "planned", budget);
   // Bad budgets and a model that fits nowhere: one line each.
@@ -459,7 +566,7 @@ TEST_F(Simulate, PlannerPicksAConfigurationThatFitsWhenRun) {
 // --search-cp searches cp beside cp 1 (without it only where nothing fits): more configurations,
 // every one accounted for on the first line (pruned, bounded, invalid or built).
 TEST_F(Simulate, PlanSearchesContextParallelismWhenAsked) {
-  const std::string plan = "plan --model llama-tiny --ranks 4 --threads 1 --seq 256 --global-batch 4096 --hardware h100-80gb --top 3";
+  const std::string plan = "plan --model llama-tiny --ranks 4 --threads 1 --seq 256 --global-batch 4096 --hardware h100-80gb-datasheet --top 3";
   auto counts = [](const std::string& out) {
     std::smatch m;
     EXPECT_TRUE(std::regex_search(out, m,
@@ -497,19 +604,19 @@ TEST_F(Simulate, PlanSearchesActivationCompressionWhenAsked) {
   EXPECT_EQ(without.out.find("--act-quant"), std::string::npos) << without.out;
   EXPECT_NE(with.out.find("activations: each configuration searched in fp32 and as int8 (group 64, nearest rounding)"),
             std::string::npos) << with.out;
-  const std::regex first("\n +1 +([0-9.]+) .*?(--strategy [^\n]*)");
+  const std::regex first("\n +1 +([0-9.]+) ");
   std::smatch a, b;
   ASSERT_TRUE(std::regex_search(without.out, a, first)) << without.out;
   ASSERT_TRUE(std::regex_search(with.out, b, first)) << with.out;
   EXPECT_LT(std::stod(b[1]), std::stod(a[1])) << with.out;
-  const std::string flags = b[2];
+  const std::string flags = first_ranked_flags(with.out);
   EXPECT_NE(flags.find("--act-quant int8 --act-quant-group 64 --act-quant-rounding nearest"), std::string::npos) << flags;
   expect_trains_within(1, flags, "planned_int8", budget);
   expect_one_line_error(shardlm(plan + " --search-act-quant --act-quant-group 100"), {"act_quant_group", "100", "n_embd"});
   // Its rows are to be trained with --device cuda on a GPU's profile, which refuses --act-quant.
-  expect_one_line_error(shardlm("plan --model small --ranks 8 --seq 1024 --global-batch 65536 --hardware h100-80gb "
+  expect_one_line_error(shardlm("plan --model small --ranks 8 --seq 1024 --global-batch 65536 --hardware h100-80gb-datasheet "
                                 "--search-act-quant"),
-                        {"--search-act-quant", "'h100-80gb' is a GPU's", "--device cuda"});
+                        {"--search-act-quant", "'h100-80gb-datasheet' is a GPU's", "--device cuda"});
 }
 
 // With --disk-per-rank, under a budget nothing fits in memory (small over the corpus's 256 tokens:
@@ -522,20 +629,20 @@ TEST_F(Simulate, PlannerOffersTheDiskTierAndTheLargestModel) {
   const Result p = shardlm(plan + "--memory-per-rank " + std::to_string(budget) + " --disk-per-rank 1GiB");
   ASSERT_EQ(p.code, 0) << p.out;
   EXPECT_NE(p.out.find("disk tier: nothing fits in memory"), std::string::npos) << p.out;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(p.out, m, std::regex("\\n +1 .*?(--strategy [^\\n]*)"))) << p.out;
-  const std::string flags = m[1];
+  const std::string flags = first_ranked_flags(p.out);
+  ASSERT_FALSE(flags.empty()) << p.out;
   EXPECT_NE(flags.find("--memory-budget " + std::to_string(budget)), std::string::npos) << flags;
   expect_trains_within(1, flags, "planned_disk", budget);
 
   const Result l = shardlm(plan + "--memory-per-rank " + std::to_string(budget) + " --disk-per-rank 1GiB --largest-model");
   ASSERT_EQ(l.code, 0) << l.out;
+  std::smatch m;
   ASSERT_TRUE(std::regex_search(l.out, m, std::regex("n_layer ([0-9]+) \\(([0-9.]+) B parameters\\)"))) << l.out;
   EXPECT_GT(std::stoi(m[1]), 6) << l.out;  // deeper than small itself, which fits only with the disk tier
   EXPECT_NE(l.out.find("fastest: step "), std::string::npos) << l.out;
   EXPECT_NE(l.out.find("--n-layer " + std::string(m[1]) + " --strategy ddp"), std::string::npos) << l.out;
 
-  expect_one_line_error(shardlm(plan + "--disk-per-rank 1GB --hardware h100-80gb"), {"--disk-per-rank", "no disk figures"});
+  expect_one_line_error(shardlm(plan + "--disk-per-rank 1GB --hardware h100-80gb-datasheet"), {"--disk-per-rank", "no disk figures"});
   expect_one_line_error(shardlm(plan + "--disk-per-rank lots"), {"--disk-per-rank", "lots"});
   expect_one_line_error(shardlm(plan + "--memory-per-rank 150000000 --largest-model --run"), {"--largest-model", "--run"});
 }
@@ -566,7 +673,7 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
   };
   for (const Case k : {Case{"all-reduce", 8, 2.0 * 7 / 8}, Case{"all-gather", 16, 15.0 / 16},
                        Case{"reduce-scatter", 24, 23.0 / 24}, Case{"all-to-all", 32, 31.0 / 32}}) {
-    const Result r = shardlm(std::string("simulate --hardware a100-80gb --json --collective ") + k.op +
+    const Result r = shardlm(std::string("simulate --hardware a100-80gb-datasheet --json --collective ") + k.op +
                              " --bytes 1K:1G --ranks " + std::to_string(k.ranks));
     ASSERT_EQ(r.code, 0) << r.out;
     const json j = json::parse(r.out);
@@ -595,21 +702,22 @@ TEST(SimulateCollective, PrintsTimeAlgbwBusbwPerSize) {
     }
   }
   // The human table: a header naming the span, one row per size, 8 B to 8 GiB by default.
-  const Result human = shardlm("simulate --hardware h100-80gb --collective all-reduce --ranks 8");
+  const Result human = shardlm("simulate --hardware h100-80gb-datasheet --collective all-reduce --ranks 8");
   ASSERT_EQ(human.code, 0) << human.out;
   EXPECT_NE(human.out.find("1 node(s) x 8 rank(s) a node"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("nvls"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find(" 8589934592 "), std::string::npos) << human.out;
-  EXPECT_EQ(std::count(human.out.begin(), human.out.end(), '\n'), 3 + 31);
+  // The profile's provenance and, a datasheet profile's, its caution; the table's header; a row a size.
+  EXPECT_EQ(std::count(human.out.begin(), human.out.end(), '\n'), 2 + 3 + 31);
   // Across 16 nodes the small sizes run NCCL's LL protocol, named after the algorithm.
-  const Result nodes = shardlm("simulate --hardware h100-80gb --collective all-reduce --ranks 128 --bytes 8:1G");
+  const Result nodes = shardlm("simulate --hardware h100-80gb-datasheet --collective all-reduce --ranks 128 --bytes 8:1G");
   ASSERT_EQ(nodes.code, 0) << nodes.out;
   EXPECT_NE(nodes.out.find(" 8  tree/LL "), std::string::npos) << nodes.out;
   EXPECT_EQ(nodes.out.find("/LL", nodes.out.find(" 1073741824 ")), std::string::npos) << nodes.out;
 }
 
 TEST(SimulateCollective, BadInputIsOneLine) {
-  const std::string base = "simulate --hardware a100-80gb --ranks 16 ";
+  const std::string base = "simulate --hardware a100-80gb-datasheet --ranks 16 ";
   expect_one_line_error(shardlm(base + "--collective broadcast"), {"--collective", "broadcast", "all-reduce"});
   expect_one_line_error(shardlm(base + "--collective all-reduce --bytes 12X"), {"--bytes", "12X"});
   expect_one_line_error(shardlm(base + "--collective all-reduce --bytes 1G:1K"), {"--bytes", "MAX is below MIN"});
@@ -628,7 +736,7 @@ namespace {
 TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
   // Parity groups of 8 ranks each fill a node: a lost node takes a group, so only the failures
   // that leave the node (15%) are the snapshots'.
-  const std::string run = "simulate --model llama2-7b --ranks 1024 --hardware h100-80gb --batch 2 --seq 4096 "
+  const std::string run = "simulate --model llama2-7b --ranks 1024 --hardware h100-80gb-datasheet --batch 2 --seq 4096 "
                           "--param-dtype bf16 --reduce-dtype bf16 --mtbf-hours 6300 --snapshot-parity 8 ";
   const Result r = shardlm(run + "--json");
   ASSERT_EQ(r.code, 0) << r.out;
@@ -663,11 +771,11 @@ TEST(SimulateGoodput, ReportsTheFractionAndTheIntervals) {
 
 // `plan --mtbf-hours` ranks by tokens/s × goodput: a column of each, in decreasing order of the product.
 TEST(SimulateGoodput, PlanRanksByGoodTokens) {
-  const Result r = shardlm("plan --model llama2-7b --ranks 64 --hardware h100-80gb --global-batch 524288 --seq 4096 "
+  const Result r = shardlm("plan --model llama2-7b --ranks 64 --hardware h100-80gb-datasheet --global-batch 524288 --seq 4096 "
                            "--top 8 --mtbf-hours 50");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("ranked by tokens/s x goodput"), std::string::npos) << r.out;
-  const std::regex row(R"(\n +[0-9]+ +[0-9.]+ +([0-9]+) +[0-9.]+% +[0-9.]+ +[0-9]+ +([0-9.]+)% +([0-9]+) +--strategy)");
+  const std::regex row(R"(\n +[0-9]+ +[0-9.]+ +([0-9]+) +[0-9.]+% +[0-9.]+ +[0-9]+ +([0-9.]+)% +([0-9]+) +(fsdp|hybrid|zero1|zero2|ddp) )");
   double last = 1e300;
   int rows = 0;
   for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), row); it != std::sregex_iterator(); ++it) {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <utility>
 
 #include "comm/single_rank.h"
@@ -127,6 +128,12 @@ TEST(Calibrate, OneRankProfileSaysItsCollectivesAreNotMeasured) {
       for (const char* f : {"latency_s", "bus_bw"})
         EXPECT_EQ(j[tier][op][f]["source"].get<std::string>().find("measured by"), std::string::npos) << j[tier][op][f];
   EXPECT_NE(j["comm_compute_slowdown"]["source"].get<std::string>().find("not measured"), std::string::npos);
+  // What simulate prints first: a measurement, of today (UTC), by calibrate.
+  ASSERT_TRUE(j.contains("provenance")) << j.dump();
+  EXPECT_EQ(j["provenance"]["source"], "measured");
+  EXPECT_TRUE(std::regex_match(j["provenance"]["date"].get<std::string>(), std::regex("20[0-9]{2}-[01][0-9]-[0-3][0-9]")))
+      << j["provenance"];
+  EXPECT_NE(j["provenance"]["detail"].get<std::string>().find("measured by shardlm calibrate"), std::string::npos);
 }
 
 // --offload-dir: the disk under it is timed through a DiskStore and written as the three disk

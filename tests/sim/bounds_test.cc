@@ -73,7 +73,7 @@ void check(const std::string& name, const model::ModelDesc& desc, const PlanConf
 }
 
 TEST(Bounds, AreBelowThePlansFiguresAndComputeIsTheComputeStreamsWork) {
-  HardwareProfile hw = preset("h100-80gb");
+  HardwareProfile hw = preset("h100-80gb-datasheet");
   hw.devices_per_node = 2;
   struct Case {
     const char* model;

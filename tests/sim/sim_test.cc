@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -49,8 +50,8 @@ std::string error_of(F f) {
 }
 
 TEST(Hardware, PresetsLoadWithTheirFigures) {
-  const HardwareProfile h = preset("h100-80gb");
-  EXPECT_EQ(h.name, "h100-80gb");
+  const HardwareProfile h = preset("h100-80gb-datasheet");
+  EXPECT_EQ(h.name, "h100-80gb-datasheet");
   EXPECT_DOUBLE_EQ(h.peak_flops, 989e12);
   EXPECT_NEAR(h.peak_flops * h.gemm_efficiency, 798e12, 1e12);
   EXPECT_EQ(h.devices_per_node, 8);
@@ -61,7 +62,7 @@ TEST(Hardware, PresetsLoadWithTheirFigures) {
   EXPECT_DOUBLE_EQ(h.network.nic_bw, 50e9);
   EXPECT_DOUBLE_EQ(h.fabric.link_bw, 450e9);
   EXPECT_TRUE(h.fabric.has_nvls);
-  const HardwareProfile a = preset("a100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet");
   EXPECT_DOUBLE_EQ(a.peak_flops, 312e12);
   EXPECT_EQ(a.network.nics_per_node, 8);
   EXPECT_DOUBLE_EQ(a.network.nic_bw, 25e9);
@@ -73,7 +74,7 @@ TEST(Hardware, PresetsLoadWithTheirFigures) {
 }
 
 TEST(Hardware, EveryFigureNamesItsSource) {
-  for (const auto& name : {"h100-80gb", "a100-80gb", "cpu-local"}) {
+  for (const auto& name : {"h100-80gb-datasheet", "a100-80gb-datasheet", "cpu-local"}) {
     auto j = nlohmann::json::parse(read(preset_dir() + "/" + name + ".json"));
     j["peak_flops"].erase("source");
     const std::string e = error_of([&] { parse_hardware(j.dump(), name); });
@@ -81,8 +82,52 @@ TEST(Hardware, EveryFigureNamesItsSource) {
   }
 }
 
+// Every preset says where its figures come from and when: the names a user types first
+// (h100-80gb, a100-80gb) carry measured kernel rates; the datasheet ones say so in their name and
+// are cautioned. A profile without its provenance, or with a source or date of no such kind, is
+// refused naming the file and the field.
+TEST(Hardware, EveryPresetNamesItsSourceAndDate) {
+  const std::vector<std::string> names = preset_names(preset_dir());
+  ASSERT_GE(names.size(), 6u);
+  for (const std::string& name : names) {
+    const HardwareProfile h = preset(name);
+    const std::string& source = h.provenance.source;
+    EXPECT_TRUE(source == "measured" || source == "derived" || source == "datasheet") << name << ": " << source;
+    EXPECT_TRUE(std::regex_match(h.provenance.date, std::regex("20[0-9]{2}-[01][0-9]-[0-3][0-9]"))) << name;
+    const bool datasheet_name = name.size() > 10 && name.substr(name.size() - 10) == "-datasheet";
+    EXPECT_EQ(source == "datasheet", datasheet_name) << name;
+    EXPECT_EQ(datasheet_caution(h).empty(), !datasheet_name) << name;
+    const std::string line = provenance_line(h);
+    EXPECT_NE(line.find(name + ".json"), std::string::npos) << line;
+    EXPECT_NE(line.find(h.provenance.date), std::string::npos) << line;
+    EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  }
+  EXPECT_EQ(preset("h100-80gb").provenance.source, "derived");
+  EXPECT_EQ(preset("a100-80gb").provenance.source, "derived");
+  EXPECT_NE(datasheet_caution(preset("h100-80gb-datasheet")).find("optimistic"), std::string::npos);
+
+  const nlohmann::json good = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  for (const auto& [key, value, needle] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"source", "", "p.json: provenance.source: missing"},
+           {"source", "guessed", "p.json: provenance.source: 'guessed': must be measured"},
+           {"date", "", "p.json: provenance.date: missing"},
+           {"date", "2026-13-01", "p.json: provenance.date: '2026-13-01'"},
+           {"date", "27 Nov 2026", "p.json: provenance.date: '27 Nov 2026'"}}) {
+    nlohmann::json j = good;
+    if (value.empty()) j["provenance"].erase(key);
+    else j["provenance"][key] = value;
+    const std::string e = error_of([&] { parse_hardware(j.dump(), "p.json"); });
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  nlohmann::json bare = good;
+  bare.erase("provenance");
+  const std::string e = error_of([&] { parse_hardware(bare.dump(), "p.json"); });
+  EXPECT_NE(e.find("p.json: provenance: missing"), std::string::npos) << e;
+}
+
 TEST(Hardware, BadProfilesNameFileAndField) {
-  const std::string good = read(preset_dir() + "/h100-80gb.json");
+  const std::string good = read(preset_dir() + "/h100-80gb-datasheet.json");
   auto j = nlohmann::json::parse(good);
   j["intra_node"].erase("reduce_scatter");
   std::string e = error_of([&] { parse_hardware(j.dump(), "x.json"); });
@@ -123,9 +168,9 @@ TEST(Hardware, FiguresBeyondPhysicalBoundsAreRefused) {
 // tokens/s") is refused naming it; a latency of 0 still loads.
 TEST(Hardware, FiguresTooSmallToPriceAnythingAreRefused) {
   for (const auto& [preset_name, path] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {"a100-80gb", {"network", "nic_bw"}},
-           {"a100-80gb", {"intra_node", "all_reduce", "bus_bw"}},
-           {"h100-80gb", {"fabric", "link_bw"}},
+           {"a100-80gb-datasheet", {"network", "nic_bw"}},
+           {"a100-80gb-datasheet", {"intra_node", "all_reduce", "bus_bw"}},
+           {"h100-80gb-datasheet", {"fabric", "link_bw"}},
            {"cpu-local", {"peak_flops"}},
            {"cpu-local", {"gemm_efficiency"}}}) {
     auto j = nlohmann::json::parse(read(preset_dir() + "/" + preset_name + ".json"));
@@ -137,7 +182,7 @@ TEST(Hardware, FiguresTooSmallToPriceAnythingAreRefused) {
     EXPECT_NE(e.find("tiny.json: " + field + ".value: must be at least"), std::string::npos) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
-  auto j = nlohmann::json::parse(read(preset_dir() + "/a100-80gb.json"));
+  auto j = nlohmann::json::parse(read(preset_dir() + "/a100-80gb-datasheet.json"));
   j["network"]["message_latency_s"]["value"] = 0;
   EXPECT_NO_THROW(parse_hardware(j.dump(), "zero_latency.json"));
   j["gemm_rates"] = {{"source", "test"}, {"value", {{{"m", 8}, {"k", 8}, {"n", 8}, {"threads", 1}, {"forward", 1e-9}, {"backward", 1e9}}}}};
@@ -149,11 +194,11 @@ TEST(Hardware, FiguresTooSmallToPriceAnythingAreRefused) {
 // sizes increasing, at least two, each busBw within memory_bw; a bad row is named.
 TEST(Hardware, TheBySizeTableIsOptionalAndCheckedWhenGiven) {
   EXPECT_TRUE(preset("cpu-local").intra.by_size.empty());
-  const HardwareProfile a = preset("a100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet");
   ASSERT_EQ(a.intra.by_size.size(), 24u);
   EXPECT_DOUBLE_EQ(a.intra.by_size.back().fraction, 1.0);
   EXPECT_DOUBLE_EQ(size_efficiency(preset("cpu-local").intra, 1 << 20), 1.0);
-  auto j = nlohmann::json::parse(read(preset_dir() + "/a100-80gb.json"));
+  auto j = nlohmann::json::parse(read(preset_dir() + "/a100-80gb-datasheet.json"));
   auto& rows = j["intra_node"]["all_reduce_by_size"]["value"];
   std::swap(rows[3], rows[4]);
   std::string e = error_of([&] { parse_hardware(j.dump(), "order.json"); });
@@ -231,7 +276,7 @@ TEST(Hardware, UnmeasuredCollectivesPriceOneRankOnly) {
 
 // Measured kernel rates (what calibrate writes) are read row by row; a bad row names its field.
 TEST(Hardware, MeasuredRatesAreReadAndBadRowsNamed) {
-  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb-datasheet.json"));
   j["gemm_rates"] = {{"source", "test"},
                      {"value", {{{"m", 1024}, {"k", 384}, {"n", 1152}, {"threads", 2}, {"forward", 3e11}, {"backward", 2.5e11}}}}};
   j["attention_rates"] = {{"source", "test"}, {"value", {{{"t", 256}, {"hs", 64}, {"threads", 1}, {"forward", 1e11}, {"backward", 9e10}}}}};
@@ -289,7 +334,7 @@ TEST(Cost, AllToAllPaysALatencyPerPeer) {
 
   // CostModel::all_to_all_seconds: the profile's all_to_all figures of the tier the group spans
   // (a flat two-tier profile: without its NICs described).
-  HardwareProfile h = preset("h100-80gb");
+  HardwareProfile h = preset("h100-80gb-datasheet");
   h.network.present = false;
   h.intra.op[static_cast<int>(Collective::all_to_all)] = {3e-6, 250e9};
   h.inter.op[static_cast<int>(Collective::all_to_all)] = {7e-6, 30e9};
@@ -307,7 +352,7 @@ TEST(Cost, AllToAllPaysALatencyPerPeer) {
 // exchanges are priced at that load (capped at ep), everything else as balanced; ep 1 is balanced.
 TEST(Cost, ExpertLoadScalesTheBusiestRanksExpertSideAndExchanges) {
   const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny"));
-  const HardwareProfile hw = preset("h100-80gb");
+  const HardwareProfile hw = preset("h100-80gb-datasheet");
   PlanConfig c = for_hardware(PlanConfig{}, hw);
   // One expert per rank (the rank's load is its expert's), and rows enough that the expert stage,
   // not the collectives' latencies, is on the step's path.
@@ -366,7 +411,7 @@ TEST(Cost, ExpertLoadScalesTheBusiestRanksExpertSideAndExchanges) {
 // Every preset prices an all-to-all on both tiers, each figure with its source; a profile
 // without one is refused naming it.
 TEST(Hardware, ProfilesCarryAnAllToAllFigure) {
-  for (const auto& name : {"h100-80gb", "a100-80gb", "cpu-local"}) {
+  for (const auto& name : {"h100-80gb-datasheet", "a100-80gb-datasheet", "cpu-local"}) {
     const HardwareProfile h = preset(name);
     for (const Tier* t : {&h.intra, &h.inter}) {
       EXPECT_GT(t->of(Collective::all_to_all).bus_bw, 0) << name;
@@ -553,7 +598,7 @@ TEST(Cost, ZeroFilledGradientsAreWrittenOnce) {
 // peak (forward once, backward twice), the rest at the GEMM efficiency; without it, all alike.
 TEST(Cost, AttentionHasItsOwnEfficiency) {
   const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
-  HardwareProfile hw = preset("h100-80gb");
+  HardwareProfile hw = preset("h100-80gb-datasheet");
   ASSERT_DOUBLE_EQ(hw.attention_efficiency, 0.35);
   PlanConfig c;
   c.batch = 4, c.seq = 1024, c.world = 8;
@@ -574,7 +619,7 @@ TEST(Cost, AttentionHasItsOwnEfficiency) {
       ++checked;
     }
   EXPECT_EQ(checked, 2);
-  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb-datasheet.json"));
   j["attention_efficiency"]["value"] = 1.2;
   const std::string e = error_of([&] { parse_hardware(j.dump(), "p.json"); });
   EXPECT_NE(e.find("p.json: attention_efficiency.value: must be <= 1"), std::string::npos) << e;
@@ -626,7 +671,7 @@ TEST(Cost, MeasuredRatesPriceEachGemmByItsNearestShape) {
 // and a GPU run predicted at half its time).
 TEST(Cost, PerDeviceRatesIgnoreTheThreadCount) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
-  HardwareProfile hw = preset("h100-80gb");
+  HardwareProfile hw = preset("h100-80gb-datasheet");
   ASSERT_FALSE(hw.per_thread);
   hw.gemm_rates = {{2048, 384, 1152, 1, 1e14, 5e13}, {2048, 384, 1536, 1, 2e14, 1e14}, {2048, 1536, 384, 1, 4e14, 2e14},
                    {2048, 384, 50257, 1, 3e14, 3e14}};
@@ -649,10 +694,10 @@ TEST(Cost, PerDeviceRatesIgnoreTheThreadCount) {
 // activation_dtype: absent, activations take compute_dtype (a GPU preset: bf16); calibrate's
 // profiles say fp32 (the CUDA backend stores fp32 beside bf16 GEMMs), and the plan follows it.
 TEST(Hardware, ActivationDtypeSetsThePlansActivations) {
-  HardwareProfile hw = preset("h100-80gb");
+  HardwareProfile hw = preset("h100-80gb-datasheet");
   EXPECT_EQ(hw.activation_dtype, "bf16");
   EXPECT_EQ(for_hardware(PlanConfig{}, hw).activation_bytes, 2);
-  std::ifstream in(preset_dir() + "/h100-80gb.json");
+  std::ifstream in(preset_dir() + "/h100-80gb-datasheet.json");
   nlohmann::json j = nlohmann::json::parse(in);
   j["activation_dtype"] = "fp32";
   hw = parse_hardware(j.dump(), "fp32act.json");
@@ -671,7 +716,7 @@ TEST(Hardware, ActivationDtypeSetsThePlansActivations) {
 // NVLink, across nodes on the NICs of the group's devices; hybrid's shard group inside, its
 // replicas across with one device (so one NIC's share) a node.
 TEST(Cost, CollectivesUseTheirGroupsSpan) {
-  const HardwareProfile h = preset("h100-80gb");
+  const HardwareProfile h = preset("h100-80gb-datasheet");
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   struct Case {
     Strategy s;
@@ -709,7 +754,7 @@ TEST(Cost, CollectivesUseTheirGroupsSpan) {
 // reduce-scatter; inside one node the ring is the intra tier's figures exactly (at 8 GiB, the
 // published table's largest size, where the library is at its peak).
 TEST(Cost, OneNodeIsTheIntraTierRing) {
-  const HardwareProfile a = preset("a100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet");
   const double S = 8.0 * (1 << 30);
   for (int n : {2, 4, 8}) {
     const GroupSpan g = contiguous_span(n, 8);
@@ -723,7 +768,7 @@ TEST(Cost, OneNodeIsTheIntraTierRing) {
     }
   }
   // H100: a whole node's all-reduce goes through the switch (NVLS), fewer devices by ring.
-  const HardwareProfile h = preset("h100-80gb");
+  const HardwareProfile h = preset("h100-80gb-datasheet");
   const CollectiveCost whole = collective_cost(h, Collective::all_reduce, S, contiguous_span(8, 8));
   EXPECT_EQ(whole.algorithm, Algorithm::nvls);
   EXPECT_DOUBLE_EQ(whole.seconds, h.fabric.nvls_all_reduce.latency_s + S * 2 * 7 / 8 / h.fabric.nvls_all_reduce.bus_bw);
@@ -735,7 +780,7 @@ TEST(Cost, OneNodeIsTheIntraTierRing) {
 // A100, NVIDIA's measured figure), capped by the fabric (H100: 8 × 48 = 384 > 365 GB/s NVLink ring),
 // plus one network step latency per ring step that crosses nodes.
 TEST(Cost, AcrossNodesTheNicsRunInParallel) {
-  const HardwareProfile a = preset("a100-80gb"), h = preset("h100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet"), h = preset("h100-80gb-datasheet");
   const double S = 8.0 * (1 << 30);
   for (int nodes : {2, 4, 16}) {
     const int n = 8 * nodes;
@@ -772,7 +817,7 @@ TEST(Cost, AcrossNodesTheNicsRunInParallel) {
 // table shows at that size beyond the latency (log-interpolated between its sizes); so
 // `simulate --collective` reproduces the table it was given (docs/CLUSTER.md).
 TEST(Cost, MidSizesMoveTheirBytesAtThePublishedTablesRate) {
-  const HardwareProfile a = preset("a100-80gb"), h = preset("h100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet"), h = preset("h100-80gb-datasheet");
   const GroupSpan node = contiguous_span(8, 8);
   // Azure's 8x A100 table: 8 MiB at 89.99 GB/s busBw, 16 MiB at 109.22; the tier: 45 us, 230 GB/s.
   const double M = 1 << 20;
@@ -823,7 +868,7 @@ TEST(Cost, MidSizesMoveTheirBytesAtThePublishedTablesRate) {
 // (sim/bounds.h): that holds only while one message costs no more than its parts,
 // t(a + b) <= t(a) + t(b), at every size the published tables shape, in a node and across nodes.
 TEST(Cost, OneMessageCostsNoMoreThanItsParts) {
-  for (const char* name : {"a100-80gb", "h100-80gb"}) {
+  for (const char* name : {"a100-80gb-datasheet", "h100-80gb-datasheet"}) {
     const HardwareProfile hw = preset(name);
     for (const GroupSpan& g : {contiguous_span(2, 8), contiguous_span(8, 8), contiguous_span(16, 8), contiguous_span(64, 8),
                                GroupSpan{8, 8, 1}})
@@ -840,7 +885,7 @@ TEST(Cost, OneMessageCostsNoMoreThanItsParts) {
 // A group across nodes runs through each node's fabric too, which moves this size's bytes at its
 // efficiency there: the ring's busBw is the lesser of that and the NICs, the tree's chain at it.
 TEST(Cost, AcrossNodesTheFabricMovesBytesAtItsSizesEfficiency) {
-  const HardwareProfile a = preset("a100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet");
   const double S = 8.0 * (1 << 20), fabric = 230e9 * size_efficiency(a.intra, S);
   ASSERT_LT(fabric, 192e9);
   const GroupSpan g = contiguous_span(16, 8);
@@ -857,7 +902,7 @@ TEST(Cost, AcrossNodesTheFabricMovesBytesAtItsSizesEfficiency) {
 // tuning model's NET figures: 2.7 µs a ring step, 5.0 µs a tree level, against LL128's 4.0 and
 // 8.5) at a quarter of the bandwidth. Hand-computed on H100, 16 nodes of 8.
 TEST(Cost, SmallMessagesAcrossNodesTakeTheLowLatencyProtocol) {
-  const HardwareProfile h = preset("h100-80gb");
+  const HardwareProfile h = preset("h100-80gb-datasheet");
   HardwareProfile without = h;
   without.network.low_latency = {};
   const GroupSpan g = contiguous_span(128, 8);
@@ -894,7 +939,7 @@ TEST(Cost, SmallMessagesAcrossNodesTakeTheLowLatencyProtocol) {
 // Hybrid shard by construction: the shard group (8 in a node) prices on NVLink, the replica
 // group (one rank a node) on one NIC, whatever the world; hand-computed on A100.
 TEST(Cost, HybridGroupsArePricedByWhereTheirRanksAre) {
-  const HardwareProfile a = preset("a100-80gb");
+  const HardwareProfile a = preset("a100-80gb-datasheet");
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   PlanConfig c;
   c.strategy = Strategy::hybrid, c.world = 64, c.shard_group = 8;
@@ -927,7 +972,7 @@ TEST(Cost, HybridGroupsArePricedByWhereTheirRanksAre) {
 // All-to-all across nodes is bounded by each device's own share of the NICs: busBw ≈ that share ×
 // N/(N−1) (S. Jeaugey, NVIDIA/nccl-tests issue 130); point-to-point across nodes is one device's share.
 TEST(Cost, AllToAllAndPointToPointUseADevicesShareOfTheNics) {
-  const HardwareProfile h = preset("h100-80gb");
+  const HardwareProfile h = preset("h100-80gb-datasheet");
   const double S = 1 << 30, share = h.network.per_device_bw(8);
   for (int nodes : {2, 4, 8}) {
     const int n = 8 * nodes;
@@ -948,7 +993,7 @@ TEST(Cost, AllToAllAndPointToPointUseADevicesShareOfTheNics) {
 // The profile's network is one description: NICs or a flat inter_node tier, not both, each figure
 // in range, and a ring's intra busBw within the fabric's link.
 TEST(Hardware, NetworkAndFabricAreChecked) {
-  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb.json"));
+  auto j = nlohmann::json::parse(read(preset_dir() + "/h100-80gb-datasheet.json"));
   auto err = [](const nlohmann::json& doc) { return error_of([&] { parse_hardware(doc.dump(), "p.json"); }); };
   auto both = j;
   both["inter_node"] = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"))["inter_node"];
@@ -991,7 +1036,7 @@ Plan small_plan(Strategy s, int world, int accum = 1) {
 
 TEST(Simulator, TimelineRespectsDependenciesAndStreamOrder) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
-  for (const auto& hw : {preset("cpu-local"), preset("h100-80gb")})
+  for (const auto& hw : {preset("cpu-local"), preset("h100-80gb-datasheet")})
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
       for (int world : {1, 4}) {
         const Plan p = small_plan(s, world, 2);
@@ -1083,7 +1128,7 @@ TEST(Simulator, OversubscribedCoresSlowEachRanksCompute) {
   EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, 2 * simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
   hw.cores_per_node = 0;
   EXPECT_NEAR(simulate(desc, four, hw, 1).compute_busy_ms, simulate(desc, two, hw, 1).compute_busy_ms, 1e-6);
-  EXPECT_EQ(preset("h100-80gb").cores_per_node, 0);
+  EXPECT_EQ(preset("h100-80gb-datasheet").cores_per_node, 0);
 }
 
 // Memory is the plan's: the figures `explain` prints, and the simulated timeline of the same
@@ -1117,7 +1162,7 @@ TEST(Simulator, Gpt3At1024RanksWithoutAllocating) {
   c.strategy = Strategy::fsdp, c.world = 1024, c.batch = 1, c.seq = 2048, c.param_bytes = 2, c.reduce_bytes = 2;
   c.recompute = model::Recompute::full;
   const Plan p = plan::build_plan(desc, c);
-  const SimResult r = simulate(desc, p, preset("h100-80gb"), 1);
+  const SimResult r = simulate(desc, p, preset("h100-80gb-datasheet"), 1);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rusage after{};
   getrusage(RUSAGE_SELF, &after);
@@ -1179,9 +1224,9 @@ TEST(Planner, PruningByMemoryFindsWhatTheExhaustiveSearchFinds) {
     bool act_quant = false;  // int8 activations searched too
   };
   int bounded_cases = 0;  // where the bound simulated fewer
-  for (const Case& k : {Case{"llama-tiny", 4, 256, 4, "h100-80gb"}, Case{"moe-tiny", 8, 256, 4, "h100-80gb"},
+  for (const Case& k : {Case{"llama-tiny", 4, 256, 4, "h100-80gb-datasheet"}, Case{"moe-tiny", 8, 256, 4, "h100-80gb-datasheet"},
                         Case{"tiny", 4, 128, 8, "cpu-local"}, Case{"llama-tiny", 2, 256, 4, "cpu-local", true},
-                        Case{"tiny", 2, 256, 4, "h100-80gb", true}}) {
+                        Case{"tiny", 2, 256, 4, "h100-80gb-datasheet", true}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model, k.seq));
     PlanQuery q;
     q.ranks = k.ranks, q.seq = k.seq, q.global_tokens = k.ranks * k.sequences * k.seq, q.threads = 1;
@@ -1270,7 +1315,7 @@ TEST(Planner, SearchesActivationCompressionWhereAsked) {
 // ones do not. The pruned searches (by memory, and bounded) still find what the exhaustive one does.
 TEST(Planner, OneMicroBatchFitsWhereAccumulatingDoesNot) {
   const model::ModelDesc desc = model::describe(model::model_preset("llama-small", 512));
-  const HardwareProfile hw = preset("h100-80gb");
+  const HardwareProfile hw = preset("h100-80gb-datasheet");
   PlanConfig c = for_hardware(PlanConfig{}, hw);
   c.world = 4, c.seq = 32, c.strategy = Strategy::fsdp, c.recompute = model::Recompute::full;
   c.batch = 2, c.grad_accum = 1;
@@ -1300,9 +1345,9 @@ TEST(Planner, NothingFitsNamesTheSmallestTheExhaustiveSearchFinds) {
   q.ranks = 4, q.seq = 256, q.global_tokens = 4 * 4 * 256, q.threads = 1;
   q.memory_budget = 1 << 20;  // a MiB: below every configuration's state
   q.exhaustive = true;
-  const PlanSearch all = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  const PlanSearch all = search_plans(desc, PlanConfig{}, preset("h100-80gb-datasheet"), q);
   q.exhaustive = false, q.top = 3;
-  const PlanSearch bounded = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  const PlanSearch bounded = search_plans(desc, PlanConfig{}, preset("h100-80gb-datasheet"), q);
   ASSERT_TRUE(all.fitting.empty());
   EXPECT_TRUE(bounded.fitting.empty());
   EXPECT_GT(all.smallest.peak_bytes, q.memory_budget);
@@ -1316,7 +1361,7 @@ TEST(Planner, RankedListIsOneConfigurationPerPrediction) {
   const model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
   PlanQuery q;
   q.ranks = 16, q.seq = 1024, q.global_tokens = 16 * 1024, q.threads = 1;
-  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb-datasheet"), q);
   ASSERT_FALSE(s.fitting.empty());
   int64_t total = 0, folded = 0;
   for (size_t i = 0; i < s.fitting.size(); ++i) {
@@ -1329,10 +1374,10 @@ TEST(Planner, RankedListIsOneConfigurationPerPrediction) {
   EXPECT_GT(folded, 0);  // this grid has such knobs
 }
 
-// llama-small on 16 ranks of h100-80gb at B=1, T=1024: where keeping units gathered pays.
+// llama-small on 16 ranks of h100-80gb-datasheet at B=1, T=1024: where keeping units gathered pays.
 struct KeepSetup {
   model::ModelDesc desc = model::describe(model::model_preset("llama-small"));
-  HardwareProfile hw = preset("h100-80gb");
+  HardwareProfile hw = preset("h100-80gb-datasheet");
   PlanQuery q;
   PlanConfig c;
   KeepSetup() {
@@ -1453,7 +1498,7 @@ TEST(Planner, SearchesBf16CollectivesOnBf16ProfilesOnly) {
   const model::ModelDesc desc = model::describe(model::model_preset("small"));
   PlanQuery q;
   q.ranks = 2, q.seq = 256, q.global_tokens = 2 * 2 * 256, q.threads = 1;
-  for (const char* profile : {"cpu-local", "h100-80gb"}) {
+  for (const char* profile : {"cpu-local", "h100-80gb-datasheet"}) {
     const PlanSearch s = search_plans(desc, PlanConfig{}, preset(profile), q);
     int bf16 = 0;
     for (const Candidate& c : s.fitting) bf16 += c.config.param_bytes == 2 || c.config.reduce_bytes == 2;
@@ -1472,14 +1517,14 @@ TEST(Planner, SearchesExpertParallelismForMixturesOfExperts) {
   const model::ModelDesc desc = model::describe(model::model_preset("moe-tiny"));  // 4 experts
   PlanQuery q;
   q.ranks = 4, q.seq = 32, q.global_tokens = 4 * 32, q.threads = 1;
-  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb"), q);
+  const PlanSearch s = search_plans(desc, PlanConfig{}, preset("h100-80gb-datasheet"), q);
   std::set<int> eps;
   for (const Candidate& c : s.fitting) {
     eps.insert(c.config.ep);
     EXPECT_EQ(c.flags.find("--ep") != std::string::npos, c.config.ep > 1) << c.flags;
   }
   EXPECT_EQ(eps, (std::set<int>{1, 2, 4}));
-  const PlanSearch dense = search_plans(model::describe(model::model_preset("tiny")), PlanConfig{}, preset("h100-80gb"), q);
+  const PlanSearch dense = search_plans(model::describe(model::model_preset("tiny")), PlanConfig{}, preset("h100-80gb-datasheet"), q);
   for (const Candidate& c : dense.fitting) EXPECT_EQ(c.config.ep, 1);
 }
 
@@ -1686,7 +1731,7 @@ TEST(Simulator, RepeatedMicroStepIsSimulatedAsTheUnrolledStep) {
     int world;
   };
   int compared = 0;
-  for (const Case k : {Case{"small", "cpu-local", 4}, Case{"llama-small", "cpu-local", 2}, Case{"gpt2-124m", "h100-80gb", 16}}) {
+  for (const Case k : {Case{"small", "cpu-local", 4}, Case{"llama-small", "cpu-local", 2}, Case{"gpt2-124m", "h100-80gb-datasheet", 16}}) {
     const model::ModelDesc desc = model::describe(model::model_preset(k.model));
     const HardwareProfile hw = preset(k.hardware);
     for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
