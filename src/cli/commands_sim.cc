@@ -47,9 +47,7 @@ double median_imbalance_of_run(const std::string& flag) {
     throw std::invalid_argument("--moe-imbalance: " + flag + ": cannot be read as a run (a number >= 1, or a run's " +
                                 "directory or metrics.jsonl): " + e.what());
   }
-  std::vector<double> steps;
-  for (const nlohmann::json& row : run.steps)
-    if (const double x = report::number(row, "expert_load_imbalance"); std::isfinite(x)) steps.push_back(x);
+  std::vector<double> steps = run.samples["expert_load_imbalance"].all_values();  // finite values only
   if (steps.empty())
     throw std::invalid_argument("--moe-imbalance: " + (fs::path(dir) / "metrics.jsonl").string() +
                                 ": no step records expert_load_imbalance (the metrics of a mixture-of-experts run)");

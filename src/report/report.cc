@@ -1,16 +1,15 @@
 #include "report/report.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <stdexcept>
 
+#include "report/replace_file.h"
 #include "report/run_data.h"
 #include "report/svg.h"
 #include "report/trace_summary.h"
@@ -22,22 +21,11 @@ using nlohmann::json;
 
 namespace {
 
-// The memory categories in the order the allocator lists them (tensor/memory.h); the report
-// reads them by name from metrics.jsonl, so a category added there shows once listed here.
-const std::vector<std::string> kCategories = {"params", "grads", "optimizer", "activations", "comm",
-                                              "workspace", "staging", "snapshot"};
-
-std::vector<double> column(const std::vector<json>& rows, const char* key) {
-  std::vector<double> out;
-  for (const json& r : rows) out.push_back(number(r, key));
-  return out;
-}
-
-std::vector<double> column(const std::vector<json>& rows, const char* outer, const char* inner) {
-  std::vector<double> out;
-  for (const json& r : rows) out.push_back(number(r, outer, inner));
-  return out;
-}
+// What the page writes in its head, and so how a file is known as a report: --out replaces one
+// without asking (train refreshes its page every time) and refuses any other file.
+constexpr const char* kMarker = R"(<meta name="generator" content="shardlm report">)";
+// Pages written before the marker was: their head began with this title.
+constexpr const char* kOldMarker = "<title>shardlm report: ";
 
 struct Stats {
   int n = 0;
@@ -48,16 +36,17 @@ double quantile(const std::vector<double>& sorted, double q) {
   return sorted[static_cast<size_t>(std::lround(q * static_cast<double>(sorted.size() - 1)))];
 }
 
-// Over the steps after the first when there are more: the first carries start-up (page faults,
-// the allocator's first blocks) and is not what the run sustains.
-Stats stats_of(std::vector<double> v) {
-  if (v.size() > 1) v.erase(v.begin());
-  std::erase_if(v, [](double x) { return !std::isfinite(x); });
+// Over the steps after the first when there are more (Sample leaves it out): the first carries
+// start-up (page faults, the allocator's first blocks) and is not what the run sustains.
+Stats stats_of(const RunData& run, const std::string& key) {
+  const auto it = run.samples.find(key);
+  if (it == run.samples.end()) return {};
+  std::vector<double> v = it->second.values();
   Stats s;
   if (v.empty()) return s;
   std::sort(v.begin(), v.end());
-  s.n = static_cast<int>(v.size());
-  s.median = quantile(v, 0.5), s.p10 = quantile(v, 0.1), s.p90 = quantile(v, 0.9), s.min = v.front(), s.max = v.back();
+  s.n = static_cast<int>(it->second.count());
+  s.median = quantile(v, 0.5), s.p10 = quantile(v, 0.1), s.p90 = quantile(v, 0.9), s.min = it->second.min(), s.max = it->second.max();
   return s;
 }
 
@@ -97,51 +86,58 @@ struct Page {
   RunData run;
   std::vector<RunData> others;  // --compare
   json simulated;               // null: none
+  std::vector<std::string> trace_paths;  // the traces read
   std::vector<TraceSummary> traces;
   std::vector<std::string> problems;
 };
 
 // A training row's "step" is the step's index; an evaluation's is the steps done before it (as the
-// console counts, "step 6/6" being index 5). Charts put both on the steps-done axis, so an
-// evaluation sits above the step it follows.
-std::vector<double> steps_of(const RunData& r) {
-  std::vector<double> x = column(r.steps, "step");
-  for (double& v : x) v += 1;
-  return x;
+// console counts, "step 6/6" being index 5). Charts put both on the steps-done axis (RunData's
+// series are), so an evaluation sits above the step it follows.
+Series series_of(const RunData& r, const std::string& key, const std::string& label, const std::string& colour,
+                 bool dashed = false) {
+  const auto it = r.by_step.find(key);
+  return it == r.by_step.end() ? Series{label, {}, {}, colour, dashed, false, 0} : it->second.series(label, colour, dashed);
+}
+
+// A count read from a file as a whole number (0 where it is none, or beyond what int64 holds).
+int64_t whole(double v) { return std::isfinite(v) && std::abs(v) < 9e18 ? static_cast<int64_t>(v) : 0; }
+
+// A run_info.json start's step.
+int64_t start_step(const json& start) { return whole(number(start, "step")); }
+
+const json& starts_of(const RunData& r) {
+  static const json none = json::array();
+  return r.info.is_object() && r.info.contains("starts") && r.info["starts"].is_array() ? r.info["starts"] : none;
 }
 
 // Skipped updates and resumes, drawn as vertical lines on the step charts.
 std::vector<Marker> markers_of(const RunData& r) {
   std::vector<Marker> out;
-  for (const json& row : r.steps)
-    if (row.value("skipped", false)) out.push_back({number(row, "step") + 1, fmt::format("step {}: update skipped", row.value("step", 0) + 1)});
-  if (r.info.is_object() && r.info.contains("starts") && r.info["starts"].is_array())
-    for (const json& s : r.info["starts"])
-      if (number(s, "step") > 0) out.push_back({number(s, "step"), fmt::format("resumed at step {}", s.value("step", 0))});
+  for (double x : r.skipped_at) out.push_back({x, fmt::format("step {}: update skipped", x)});
+  for (const json& s : starts_of(r))
+    if (start_step(s) > 0) out.push_back({static_cast<double>(start_step(s)), fmt::format("resumed at step {}", start_step(s))});
   return out;
 }
 
 // The run's series of `key` against steps, with the compared runs' dashed beside it.
-void add_overlaid(Chart& c, const Page& p, const char* key, const std::string& label) {
-  c.series.push_back({label, steps_of(p.run), column(p.run.steps, key), color(0)});
+void add_overlaid(Chart& c, const Page& p, const std::string& key, const std::string& label) {
+  c.series.push_back(series_of(p.run, key, label, color(0)));
   for (size_t i = 0; i < p.others.size(); ++i)
-    c.series.push_back({p.others[i].name + ": " + label, steps_of(p.others[i]), column(p.others[i].steps, key),
-                        color(static_cast<int>(i) + 2), true});
+    c.series.push_back(series_of(p.others[i], key, p.others[i].name + ": " + label, color(static_cast<int>(i) + 2), true));
 }
 
 std::string loss_charts(const Page& p) {
   Chart by_step{"loss-step", "Loss against step", "steps done", "loss (nats/token)"};
   add_overlaid(by_step, p, "loss", "loss");
-  by_step.series.push_back({"val_loss", column(p.run.evals, "step"), column(p.run.evals, "val_loss"), color(1), false, true});
+  by_step.series.push_back(p.run.val_loss.series("val_loss", color(1), false, true));
   for (size_t i = 0; i < p.others.size(); ++i)
-    by_step.series.push_back({p.others[i].name + ": val_loss", column(p.others[i].evals, "step"),
-                              column(p.others[i].evals, "val_loss"), color(static_cast<int>(i) + 2), true, true});
+    by_step.series.push_back(p.others[i].val_loss.series(p.others[i].name + ": val_loss", color(static_cast<int>(i) + 2), true, true));
   by_step.markers = markers_of(p.run);
   Chart by_tokens{"loss-tokens", "Loss against tokens trained", "tokens", "loss (nats/token)"};
-  by_tokens.series.push_back({"loss", cumulative_tokens(p.run), column(p.run.steps, "loss"), color(0)});
+  by_tokens.series.push_back(p.run.loss_by_tokens.series("loss", color(0)));
   for (size_t i = 0; i < p.others.size(); ++i)
-    by_tokens.series.push_back({p.others[i].name + ": loss", cumulative_tokens(p.others[i]), column(p.others[i].steps, "loss"),
-                                color(static_cast<int>(i) + 2), true});
+    by_tokens.series.push_back(p.others[i].loss_by_tokens.series(p.others[i].name + ": loss", color(static_cast<int>(i) + 2), true));
   Chart lr{"lr", "Learning rate", "steps done", "lr"};
   add_overlaid(lr, p, "lr", "lr");
   Chart norm{"grad-norm", "Gradient norm (before clipping)", "steps done", "global norm"};
@@ -152,16 +148,14 @@ std::string loss_charts(const Page& p) {
 }
 
 std::string moe_charts(const Page& p) {
-  const bool moe = std::any_of(p.run.steps.begin(), p.run.steps.end(), [](const json& r) { return r.contains("aux_loss"); });
-  if (!moe) return "";
-  const auto x = steps_of(p.run);
+  if (!p.run.moe) return "";
   Chart router{"moe-loss", "Router losses", "steps done", "loss"};
-  router.series.push_back({"aux_loss", x, column(p.run.steps, "aux_loss"), color(0)});
-  router.series.push_back({"z_loss", x, column(p.run.steps, "z_loss"), color(1)});
+  router.series.push_back(series_of(p.run, "aux_loss", "aux_loss", color(0)));
+  router.series.push_back(series_of(p.run, "z_loss", "z_loss", color(1)));
   Chart load{"expert-load", "Expert load (tokens routed to an expert / mean)", "steps done", "load"};
-  load.series.push_back({"expert_load_max", x, column(p.run.steps, "expert_load_max"), color(3)});
-  load.series.push_back({"expert_load_min", x, column(p.run.steps, "expert_load_min"), color(2)});
-  load.series.push_back({"dropped_frac", x, column(p.run.steps, "dropped_frac"), color(4)});
+  load.series.push_back(series_of(p.run, "expert_load_max", "expert_load_max", color(3)));
+  load.series.push_back(series_of(p.run, "expert_load_min", "expert_load_min", color(2)));
+  load.series.push_back(series_of(p.run, "dropped_frac", "dropped_frac", color(4)));
   return section("moe", "Mixture of experts", render_svg(router) + render_svg(load));
 }
 
@@ -173,7 +167,7 @@ std::vector<std::string> stats_row(const std::string& name, const Stats& s) {
 Chart with_median(const Page& p, const std::string& id, const std::string& title, const char* key, const std::string& unit) {
   Chart c{id, title, "steps done", unit};
   add_overlaid(c, p, key, key);
-  const Stats s = stats_of(column(p.run.steps, key));
+  const Stats s = stats_of(p.run, key);
   if (s.n) c.levels.push_back({s.median, "median " + num(s.median), "#555"});
   c.markers = markers_of(p.run);
   return c;
@@ -181,37 +175,29 @@ Chart with_median(const Page& p, const std::string& id, const std::string& title
 
 std::string throughput_section(const Page& p) {
   Chart time = with_median(p, "step-ms", "Step time (wall, and the step's own compute_ms)", "step_ms", "ms");
-  time.series.push_back({"compute_ms", steps_of(p.run), column(p.run.steps, "compute_ms"), color(1)});
-  const auto& s = p.run.steps;
+  time.series.push_back(series_of(p.run, "compute_ms", "compute_ms", color(1)));
+  const RunData& s = p.run;
   const std::string body =
       render_svg(with_median(p, "tokens-per-s", "Tokens per second (all ranks)", "tokens_per_s", "tokens/s")) +
       render_svg(time) + render_svg(with_median(p, "mfu", "Model FLOPs utilisation", "mfu", "MFU")) +
       table("throughput-stats", {"", "median", "p10 – p90", "min – max", "steps"},
-            {stats_row("tokens/s", stats_of(column(s, "tokens_per_s"))), stats_row("step_ms", stats_of(column(s, "step_ms"))),
-             stats_row("compute_ms", stats_of(column(s, "compute_ms"))), stats_row("MFU", stats_of(column(s, "mfu"))),
-             stats_row("comm_exposed_ms", stats_of(column(s, "comm_exposed_ms")))}) +
+            {stats_row("tokens/s", stats_of(s, "tokens_per_s")), stats_row("step_ms", stats_of(s, "step_ms")),
+             stats_row("compute_ms", stats_of(s, "compute_ms")), stats_row("MFU", stats_of(s, "mfu")),
+             stats_row("comm_exposed_ms", stats_of(s, "comm_exposed_ms"))}) +
       note("Statistics leave out the first step (start-up) when there are others.");
   return section("throughput", "Throughput", body);
 }
 
-// The step at which the total memory peaked (-1: none recorded).
-int peak_row(const RunData& r) {
-  int best = -1;
-  for (size_t i = 0; i < r.steps.size(); ++i) {
-    const double t = number(r.steps[i], "mem", "total");
-    if (std::isfinite(t) && (best < 0 || t > number(r.steps[best], "mem", "total"))) best = static_cast<int>(i);
-  }
-  return best;
-}
+// Steps done at a training row (its "step" is the step's index).
+int64_t steps_done(const json& row) { return whole(number(row, "step")) + 1; }
 
 std::string memory_table(const Page& p) {
-  const int peak = peak_row(p.run);
-  if (peak < 0) return note("No step recorded memory yet.");
-  const json& row = p.run.steps[peak];
+  if (p.run.peak_step.is_null()) return note("No step recorded memory yet.");
+  const json& row = p.run.peak_step;
   const json plan = p.run.info.is_object() ? p.run.info.value("plan_mem", json()) : json();
   const json sim = p.simulated.is_object() ? p.simulated.value("mem", json()) : json();
   std::vector<std::vector<std::string>> rows;
-  for (const std::string& c : kCategories) {
+  for (const std::string& c : kMemCategories) {
     const double measured = number(row, "mem", c.c_str());
     if (!std::isfinite(measured) && !std::isfinite(number(plan, c.c_str()))) continue;
     rows.push_back({c, bytes(measured), bytes(number(plan, c.c_str())), bytes(number(sim, c.c_str())),
@@ -219,24 +205,22 @@ std::string memory_table(const Page& p) {
   }
   rows.push_back({"<b>total</b>", "<b>" + bytes(number(row, "mem", "total")) + "</b>", bytes(number(plan, "total")),
                   bytes(number(sim, "total")), bytes(number(row, "mem_between_steps", "total"))});
-  return fmt::format("<p>Peak at step {} (per rank: each category the maximum over ranks).</p>", row.value("step", 0) + 1) +
+  return fmt::format("<p>Peak at step {} (per rank: each category the maximum over ranks).</p>", steps_done(row)) +
          table("memory-peak", {"category", "measured at the peak step", "plan (explain)", "simulated", "held between steps"}, rows) +
          (plan.is_null() ? note("The plan's prediction is missing (run_info.json has no plan_mem).") : "");
 }
 
 std::string memory_section(const Page& p) {
   Chart c{"memory", "Memory per category at each step's peak (bytes, per rank)", "steps done", "bytes"};
-  const auto x = steps_of(p.run);
   int i = 0;
-  for (const std::string& cat : kCategories) {
-    const auto y = column(p.run.steps, "mem", cat.c_str());
-    if (std::any_of(y.begin(), y.end(), [](double v) { return v > 0; })) c.series.push_back({cat, x, y, color(i)});
+  for (const std::string& cat : kMemCategories) {
+    const auto it = p.run.by_step.find("mem." + cat);
+    if (it != p.run.by_step.end() && it->second.max_y() > 0) c.series.push_back(it->second.series(cat, color(i)));
     ++i;
   }
-  c.series.push_back({"total", x, column(p.run.steps, "mem", "total"), "#000"});
+  c.series.push_back(series_of(p.run, "mem.total", "total", "#000"));
   for (size_t k = 0; k < p.others.size(); ++k)
-    c.series.push_back({p.others[k].name + ": total", steps_of(p.others[k]), column(p.others[k].steps, "mem", "total"),
-                        color(static_cast<int>(k) + 2), true});
+    c.series.push_back(series_of(p.others[k], "mem.total", p.others[k].name + ": total", color(static_cast<int>(k) + 2), true));
   return section("memory-section", "Memory", render_svg(c) + memory_table(p));
 }
 
@@ -274,12 +258,11 @@ std::string trace_section(const Page& p) {
 
 std::string simulated_section(const Page& p) {
   if (p.simulated.is_null()) return "";
-  const auto& s = p.run.steps;
-  const Stats step = stats_of(column(s, "step_ms")), compute = stats_of(column(s, "compute_ms"));
-  const Stats tps = stats_of(column(s, "tokens_per_s")), mfu = stats_of(column(s, "mfu"));
-  const Stats exposed = stats_of(column(s, "comm_exposed_ms"));
-  const int peak = peak_row(p.run);
-  const double mem = peak >= 0 ? number(s[peak], "mem", "total") : NAN;
+  const RunData& s = p.run;
+  const Stats step = stats_of(s, "step_ms"), compute = stats_of(s, "compute_ms");
+  const Stats tps = stats_of(s, "tokens_per_s"), mfu = stats_of(s, "mfu");
+  const Stats exposed = stats_of(s, "comm_exposed_ms");
+  const double mem = number(s.peak_step, "mem", "total");
   auto row = [](const std::string& what, double predicted, double measured, bool as_bytes) {
     const double err = 100 * (predicted - measured) / measured;
     return std::vector<std::string>{what, as_bytes ? bytes(predicted) : num(predicted), as_bytes ? bytes(measured) : num(measured),
@@ -304,7 +287,7 @@ std::string kv_table(const std::string& id, const json& obj) {
 
 // The commit and the machine's fields as one flat list of rows.
 json machine_rows(const json& info) {
-  json rows{{"git commit", info.value("git_commit", "?")}};
+  json rows{{"git commit", text(info, "git_commit", "?")}};
   if (info.contains("machine") && info["machine"].is_object())
     for (const auto& [k, v] : info["machine"].items()) rows[k] = v;
   return rows;
@@ -314,9 +297,8 @@ std::string config_section(const Page& p) {
   const json& info = p.run.info;
   if (!info.is_object()) return section("config", "Run", note("run_info.json is missing: no command line, commit or machine to show."));
   std::string starts;
-  if (info.contains("starts") && info["starts"].is_array())
-    for (const json& s : info["starts"])
-      starts += fmt::format(R"(<pre class="cmd">step {}: {}</pre>)", s.value("step", 0), escape(s.value("command_line", "")));
+  for (const json& s : starts_of(p.run))
+    starts += fmt::format(R"(<pre class="cmd">step {}: {}</pre>)", start_step(s), escape(text(s, "command_line", "")));
   return section("config", "Run",
                  "<h3>Command line (each start of the run)</h3>" + starts + "<h3>Build and machine</h3>" +
                      kv_table("machine", machine_rows(info)) +
@@ -325,23 +307,21 @@ std::string config_section(const Page& p) {
 }
 
 std::string summary_section(const Page& p) {
-  const auto& s = p.run.steps;
-  const json last = s.empty() ? json() : s.back();
-  const json last_eval = p.run.evals.empty() ? json() : p.run.evals.back();
-  const auto tokens = cumulative_tokens(p.run);
+  const json& last = p.run.last_step;
+  const json& last_eval = p.run.last_eval;
   const double planned = p.run.info.is_object() ? number(p.run.info, "config", "steps") : NAN;
   // Full precision: the figure must be the one metrics.jsonl holds, not a rounding of it.
   return section("summary", "Summary",
-                 fmt::format(R"(<ul><li>steps recorded: <b id="steps">{}</b>{}</li>)", s.size(),
+                 fmt::format(R"(<ul><li>steps recorded: <b id="steps">{}</b>{}</li>)", p.run.steps,
                              std::isfinite(planned) ? fmt::format(" of {}", planned) : "") +
                      fmt::format(R"(<li>last step: {}; final loss <b id="final-loss" data-value="{}">{}</b></li>)",
-                                 last.is_null() ? "—" : std::to_string(last.value("step", 0) + 1), num(number(last, "loss"), 17),
+                                 last.is_null() ? "—" : std::to_string(steps_done(last)), num(number(last, "loss"), 17),
                                  num(number(last, "loss"), 6)) +
                      fmt::format(R"(<li>last validation loss <b id="final-val-loss" data-value="{}">{}</b> (step {})</li>)",
                                  num(number(last_eval, "val_loss"), 17), num(number(last_eval, "val_loss"), 6),
-                                 last_eval.is_null() ? "—" : std::to_string(last_eval.value("step", 0))) +
-                     fmt::format("<li>tokens trained: {}</li><li>skipped updates: {}</li></ul>",
-                                 tokens.empty() ? "0" : num(tokens.back(), 6), markers_of(p.run).size()));
+                                 last_eval.is_null() ? "—" : num(number(last_eval, "step"), 17)) +
+                     fmt::format("<li>tokens trained: {}</li><li>skipped updates: {}</li></ul>", num(p.run.tokens, 6),
+                                 p.run.skipped));
 }
 
 std::string problems_section(const Page& p) {
@@ -365,8 +345,8 @@ std::string page_html(const Page& p) {
   const std::time_t now = std::time(nullptr);
   char when[64];
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
-  return fmt::format("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>shardlm report: {}</title><style>{}</style></head><body>\n",
-                     escape(p.run.name), kStyle) +
+  return fmt::format("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">{}<title>shardlm report: {}</title><style>{}</style></head><body>\n",
+                     kMarker, escape(p.run.name), kStyle) +
          fmt::format("<h1>shardlm run report: {}</h1><p>{} — written {}{}</p>\n", escape(p.run.name), escape(p.run.dir), when,
                      p.others.empty() ? "" : fmt::format(", compared with {} other run(s) (dashed)", p.others.size())) +
          summary_section(p) + problems_section(p) + section("loss", "Loss and optimisation", loss_charts(p)) + moe_charts(p) +
@@ -387,13 +367,19 @@ std::vector<std::string> trace_paths(const ReportOptions& opt, const RunData& ru
 }
 
 json read_simulated(const std::string& path, std::vector<std::string>& problems) {
+  const std::string what = "--simulated " + path;
+  require_regular_file(path, what);
   std::ifstream f(path);
-  if (!f) throw std::runtime_error("report: --simulated " + path + ": cannot be read");
+  if (!f) throw std::runtime_error("report: " + what + ": cannot be read");
   json j = json::parse(f, nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("step_ms")) {
-    problems.push_back("--simulated " + path + ": not the output of `shardlm simulate --json` (no step_ms); left out");
+    problems.push_back(what + ": not the output of `shardlm simulate --json` (no step_ms); left out");
     return nullptr;
   }
+  std::vector<std::string> mem = kMemCategories;
+  mem.push_back("total");
+  for (auto& problem : type_problems(j, {"step_ms", "tokens_per_s", "mfu", "comm_exposed_ms"}, "mem", mem, what))
+    problems.push_back(std::move(problem));
   return j;
 }
 
@@ -403,34 +389,128 @@ void gather_problems(Page& p) {
     for (const auto& s : o.problems) p.problems.push_back(o.name + ": " + s);
   for (const TraceSummary& t : p.traces)
     for (const auto& s : t.problems) p.problems.push_back(s);
-  if (p.run.steps.empty()) p.problems.push_back(p.run.dir + ": no training step recorded yet");
+  if (p.run.steps == 0) p.problems.push_back(p.run.dir + ": no training step recorded yet");
+}
+
+Page read_page(const ReportOptions& opt) {
+  Page p;
+  for (const auto& t : opt.traces) require_regular_file(t, "--trace " + t);
+  p.run = load_run(opt.run_dir);
+  for (const auto& d : opt.compare) p.others.push_back(load_run(d));
+  if (!opt.simulated.empty()) p.simulated = read_simulated(opt.simulated, p.run.problems);
+  p.trace_paths = trace_paths(opt, p.run);
+  for (const auto& t : p.trace_paths) p.traces.push_back(summarize_trace(t));
+  gather_problems(p);
+  return p;
+}
+
+// --- Where the page may go: never over what the report reads, into a checkpoint, or over a file
+// the report did not write (unless --overwrite).
+
+// The files the report reads, as far as the options say (a run's recorded trace comes later).
+std::vector<std::string> named_inputs(const ReportOptions& opt) {
+  std::vector<std::string> inputs = opt.traces;
+  if (!opt.simulated.empty()) inputs.push_back(opt.simulated);
+  std::vector<std::string> dirs = opt.compare;
+  dirs.push_back(opt.run_dir);
+  for (const auto& d : dirs)
+    for (const char* file : {"metrics.jsonl", "run_info.json", "run.json", "trace.json"}) inputs.push_back((fs::path(d) / file).string());
+  return inputs;
+}
+
+// One file by identity (device and inode: hard links, symbolic links) or, where either does not
+// exist yet, by canonical name (./RUN/../RUN/metrics.jsonl).
+bool same_file(const fs::path& a, const fs::path& b) {
+  std::error_code ec;
+  if (fs::equivalent(a, b, ec)) return true;
+  std::error_code ea, eb;
+  const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
+  return !ea && !eb && ca == cb;
+}
+
+void refuse_inputs(const std::string& label, const std::string& out, const std::vector<std::string>& inputs) {
+  for (const auto& in : inputs)
+    if (same_file(out, in))
+      throw std::runtime_error(fmt::format("report: {} is a file the report reads ({}); write the page elsewhere", label, in));
+}
+
+bool holds_safetensors(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".safetensors") return true;
+  return false;
+}
+
+// A checkpoint's step directory (the sharded index, or weights in safetensors files: an export
+// too) or a run's ckpt/ directory.
+bool is_checkpoint_dir(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::is_regular_file(dir / "index.json", ec)) {
+    std::ifstream f(dir / "index.json");
+    const json index = json::parse(f, nullptr, false);
+    if (text(index, "format", "").rfind("shardlm-", 0) == 0) return true;
+  }
+  if (dir.filename() == "ckpt" && (fs::exists(dir / "latest", ec) || fs::exists(dir.parent_path() / "metrics.jsonl", ec) ||
+                                   fs::exists(dir.parent_path() / "run.json", ec)))
+    return true;
+  return holds_safetensors(dir);
+}
+
+void refuse_checkpoint(const std::string& label, const std::string& out) {
+  std::error_code ec;
+  fs::path dir = fs::weakly_canonical(fs::absolute(out, ec), ec).parent_path();
+  if (ec) return;
+  for (;; dir = dir.parent_path()) {
+    if (is_checkpoint_dir(dir))
+      throw std::runtime_error(fmt::format("report: {} lies inside the checkpoint directory {}; write the page elsewhere", label, dir.string()));
+    if (dir == dir.parent_path()) return;
+  }
+}
+
+bool is_report(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string head(4096, '\0');
+  f.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(f.gcount()));
+  return head.find(kMarker) != std::string::npos || head.find(kOldMarker) != std::string::npos;
+}
+
+// What already lies at OUT: nothing, or a page the report wrote, is fine; a directory or a
+// special file never is; a link or any other file only with --overwrite.
+void refuse_existing(const std::string& label, const std::string& out, bool overwrite) {
+  std::error_code ec;
+  const fs::file_status here = fs::symlink_status(out, ec);
+  if (fs::path(out).filename().empty() || fs::is_directory(out, ec))
+    throw std::runtime_error(fmt::format("report: {} is a directory; give a file name (such as {})", label,
+                                         (fs::path(out) / "report.html").lexically_normal().string()));
+  if (here.type() == fs::file_type::not_found) return;
+  if (fs::is_symlink(here)) {
+    if (!overwrite)
+      throw std::runtime_error(fmt::format("report: {} is a symbolic link; --overwrite replaces the link (not what it points to)", label));
+    return;
+  }
+  if (!fs::is_regular_file(here)) throw std::runtime_error(fmt::format("report: {} exists and is not a regular file", label));
+  if (!overwrite && !is_report(out))
+    throw std::runtime_error(fmt::format("report: {} exists and is not a shardlm report; --overwrite replaces it", label));
 }
 
 }  // namespace
 
-std::string render_report(const ReportOptions& opt) {
-  Page p;
-  p.run = load_run(opt.run_dir);
-  for (const auto& d : opt.compare) p.others.push_back(load_run(d));
-  if (!opt.simulated.empty()) p.simulated = read_simulated(opt.simulated, p.run.problems);
-  for (const auto& t : trace_paths(opt, p.run)) p.traces.push_back(summarize_trace(t));
-  gather_problems(p);
-  return page_html(p);
-}
+std::string render_report(const ReportOptions& opt) { return page_html(read_page(opt)); }
 
 std::string write_report(const ReportOptions& opt) {
   const std::string out = opt.out.empty() ? (fs::path(opt.run_dir) / "report.html").string() : opt.out;
-  const std::string html = render_report(opt);
-  const std::string tmp = out + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << html;
-    f.close();
-    if (!f) throw std::runtime_error("report: cannot write " + tmp + ": " + std::strerror(errno));
+  const std::string label = opt.out.empty() ? out : "--out " + out;
+  refuse_inputs(label, out, named_inputs(opt));
+  refuse_checkpoint(label, out);
+  refuse_existing(label, out, opt.overwrite);
+  const Page page = read_page(opt);
+  refuse_inputs(label, out, page.trace_paths);
+  try {
+    replace_file(out, page_html(page));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("report: ") + e.what());
   }
-  std::error_code ec;
-  fs::rename(tmp, out, ec);
-  if (ec) throw std::runtime_error("report: cannot rename " + tmp + " to " + out + ": " + ec.message());
   return out;
 }
 

@@ -110,7 +110,7 @@ std::string polyline(const Chart& c, const Frame& f, const Series& s) {
     if (s.dots) dots += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="{}"/>)", x, y, s.color);
   }
   return fmt::format(R"(<polyline data-series="{}" data-points="{}" data-rows="{}" points="{}" fill="none" stroke="{}" stroke-width="1.5"{}/>)",
-                     escape(s.name), n, keep.size(), pts, s.color, s.dashed ? R"( stroke-dasharray="5 3")" : "") +
+                     escape(s.name), n, s.rows >= 0 ? static_cast<size_t>(s.rows) : keep.size(), pts, s.color, s.dashed ? R"( stroke-dasharray="5 3")" : "") +
          dots;
 }
 
@@ -139,6 +139,53 @@ std::string legend(const Chart& c) {
 }
 
 }  // namespace
+
+void SeriesBuilder::add(double x, double y) {
+  if (!std::isfinite(x) || !std::isfinite(y) || (positive_only_ && y <= 0)) return;
+  const Point p{rows_++, x, y};
+  if (p.index == 0) first_ = p;
+  last_ = p;
+  max_y_ = std::max(max_y_, y);
+  if (buckets_.empty() || buckets_.back().n == width_) {
+    buckets_.push_back({p, p, 1});
+    if (buckets_.size() > kMaxBuckets) merge_neighbours();
+    return;
+  }
+  Bucket& b = buckets_.back();
+  if (y < b.lo.y) b.lo = p;
+  if (y > b.hi.y) b.hi = p;
+  ++b.n;
+}
+
+// Pairs of full buckets become one of twice the width; an odd last one stays and fills on.
+void SeriesBuilder::merge_neighbours() {
+  std::vector<Bucket> merged;
+  merged.reserve(buckets_.size() / 2 + 1);
+  for (size_t i = 0; i + 1 < buckets_.size(); i += 2) {
+    const Bucket &a = buckets_[i], &b = buckets_[i + 1];
+    merged.push_back({b.lo.y < a.lo.y ? b.lo : a.lo, b.hi.y > a.hi.y ? b.hi : a.hi, a.n + b.n});
+  }
+  if (buckets_.size() % 2) merged.push_back(buckets_.back());
+  buckets_ = std::move(merged);
+  width_ *= 2;
+}
+
+Series SeriesBuilder::series(const std::string& name, const std::string& color, bool dashed, bool dots) const {
+  std::vector<Point> points;
+  auto keep = [&](const Point& p) {
+    if (points.empty() || points.back().index < p.index) points.push_back(p);
+  };
+  if (rows_ > 0) keep(first_);
+  for (const Bucket& b : buckets_) {
+    const bool lo_first = b.lo.index <= b.hi.index;
+    keep(lo_first ? b.lo : b.hi);
+    keep(lo_first ? b.hi : b.lo);
+  }
+  if (rows_ > 0) keep(last_);
+  Series s{name, {}, {}, color, dashed, dots, rows_};
+  for (const Point& p : points) s.x.push_back(p.x), s.y.push_back(p.y);
+  return s;
+}
 
 std::string color(int i) {
   static const char* kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",

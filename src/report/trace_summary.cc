@@ -1,6 +1,7 @@
 #include "report/trace_summary.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -163,6 +164,14 @@ TraceSummary summarize_trace_text(const std::string& text, const std::string& na
 }
 
 TraceSummary summarize_trace(const std::string& path) {
+  std::error_code ec;
+  const auto type = std::filesystem::status(path, ec).type();
+  if (!ec && type != std::filesystem::file_type::regular && type != std::filesystem::file_type::not_found) {
+    TraceSummary out;  // a FIFO or a device could be read forever
+    out.path = path;
+    out.problems.push_back(path + ": not a regular file; not read, no time breakdown");
+    return out;
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) {
     TraceSummary out;

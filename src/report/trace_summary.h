@@ -32,7 +32,8 @@ struct TraceSummary {
   std::vector<std::string> problems;
 };
 
-// Never throws for a bad file: a missing, cut or foreign trace is a summary with ok = false.
+// Never throws for a bad file: a missing, cut or foreign trace, or one that is not a regular file
+// (a FIFO: never read), is a summary with ok = false.
 TraceSummary summarize_trace(const std::string& path);
 // The same over a trace's text (tests and the path version).
 TraceSummary summarize_trace_text(const std::string& text, const std::string& name);

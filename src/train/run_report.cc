@@ -8,6 +8,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "report/replace_file.h"
 #include "report/report.h"
 #include "shardlm_git_commit.h"  // written by the build (cmake/git_commit.cmake)
 
@@ -111,14 +112,7 @@ void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, con
                {"plan_mem", mem_json(plan.peak_memory())},
                {"plan_mem_max", mem_json(plan.max_memory())},
                {"trace", cfg.trace.empty() ? "" : fs::absolute(cfg.trace, ec).string()}};
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << j.dump(1) << "\n";
-    if (!f) throw std::runtime_error(fmt::format("cannot write {}", tmp.string()));
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) throw std::runtime_error(fmt::format("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+  report::replace_file(path.string(), j.dump(1) + "\n");  // as the page is written: no fixed temporary name
 }
 
 void refresh_report(const TrainConfig& cfg) {

@@ -185,6 +185,22 @@ TEST_F(Report, DamagedMetricsAndCorruptTraceAreNamedInThePage) {
   EXPECT_EQ(charts_of(rendered_dom(dir / "report.html", console)).at("loss-step").at("loss"), 6);
 }
 
+// Train's own writers (run_info.json and the page) go through temporary files they create
+// themselves: a link left at a fixed temporary name (NAME.tmp) is not followed.
+TEST_F(Report, TrainsOwnWritersNeverFollowALinkAtATemporaryName) {
+  const fs::path dir = runs_.out("linked");
+  fs::create_directories(dir);
+  std::ofstream(runs_.dir / "victim") << "precious";
+  fs::create_symlink(runs_.dir / "victim", dir / "run_info.json.tmp");
+  fs::create_symlink(runs_.dir / "victim", dir / "report.html.tmp");
+  const Result r = run(runs_.args("linked", 2));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(slurp(runs_.dir / "victim"), "precious");
+  EXPECT_TRUE(fs::is_symlink(dir / "run_info.json.tmp"));
+  EXPECT_TRUE(nlohmann::json::parse(slurp(dir / "run_info.json")).contains("starts"));
+  EXPECT_NE(slurp(dir / "report.html").find("</html>"), std::string::npos);
+}
+
 // A run resumed from its step-3 checkpoint is one curve of 6 steps with the resume marked, and the
 // page lists both command lines.
 TEST_F(Report, ResumedRunIsOneCurveWithTheResumeMarked) {
