@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -294,6 +296,28 @@ TEST_F(RunSafety, ExportAndImportNeverReplaceWhatTheyWereNotToldTo) {
   EXPECT_NE(failed.code, 0) << failed.out;
   intact();
   EXPECT_EQ(shardlm("ckpt import --in " + hf + " --out " + (dir_ / "imported").string()).code, 0);
+}
+
+// `ckpt export --out LINK`, LINK a symbolic link to an empty directory, passed the checks, did
+// all the work and then failed to rename the result onto the link; with --overwrite it replaced
+// the link with a directory. Either is refused now before anything is read or written, as import's.
+TEST_F(RunSafety, ExportAndImportRefuseAnOutThatIsALink) {
+  ASSERT_EQ(shardlm(args("linked", 2) + " --save-every 2").code, 0);
+  fs::create_directories(dir_ / "link_target");
+  const fs::path link = dir_ / "out_link";
+  fs::create_directory_symlink(dir_ / "link_target", link);
+  const std::string exp = "ckpt export --ckpt " + (dir_ / "linked").string() + " --out " + link.string();
+  for (const char* flags : {"", " --overwrite", " --format llmc --overwrite"}) {
+    SCOPED_TRACE(flags);
+    expect_one_error(shardlm(exp + flags), {"--out " + link.string(), "symbolic link"});
+  }
+  const fs::path hf = dir_ / "linked_hf";
+  ASSERT_EQ(shardlm("ckpt export --ckpt " + (dir_ / "linked").string() + " --out " + hf.string()).code, 0);
+  expect_one_error(shardlm("ckpt import --in " + hf.string() + " --out " + link.string()), {"--out " + link.string(), "symbolic link"});
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(fs::is_empty(dir_ / "link_target"));
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename().string().find("out_link."), std::string::npos) << e.path() << " was left behind";
 }
 
 // Resuming a checkpoint past --steps (--resume-override steps lowered it) trained nothing and
