@@ -81,9 +81,21 @@ bool within(const fs::path& inner, const fs::path& outer) {
   return outer_end == outer.end();
 }
 
+// A symbolic link as --out: the result would be renamed onto the link (failing once all the work
+// is done, or with --overwrite replacing the link), never written where it points.
+void refuse_link(const std::string& out, const char* what) {
+  std::string name = out;
+  while (name.size() > 1 && name.back() == '/') name.pop_back();  // "LINK/" names the link too
+  std::error_code ec;
+  if (!fs::is_symlink(fs::symlink_status(name, ec))) return;
+  const fs::path target = fs::read_symlink(name, ec);
+  throw std::invalid_argument(fmt::format("--out {}: is a symbolic link (to {}); name the {} itself", out,
+                                          target.string(), what));
+}
+
 // Before export or import writes anything: `--out` may not overlap what the command reads (each
 // {flag, path} of `reads`; replacing the one would destroy the other, --overwrite or not), and an
-// existing --out must be an empty directory unless --overwrite says to replace it.
+// existing --out must be an empty directory unless --overwrite says to replace it, and not a link.
 void check_out_dir(const std::string& out, bool overwrite, const std::vector<std::pair<std::string, std::string>>& reads) {
   const fs::path real_out = real_path(out);
   for (const auto& [flag, path] : reads) {
@@ -95,6 +107,7 @@ void check_out_dir(const std::string& out, bool overwrite, const std::vector<std
     throw std::invalid_argument(fmt::format("--out {} {} {} {} ({}): the command would write over what it reads", out,
                                             how, flag, path, real_in.string()));
   }
+  refuse_link(out, "directory");
   std::error_code ec;
   const auto st = fs::symlink_status(out, ec);
   if (!fs::exists(st) || overwrite) return;
@@ -109,6 +122,7 @@ void check_out_file(const std::string& out, bool overwrite, const std::vector<st
     if (within(real_path(out), real_path(path)))
       throw std::invalid_argument(fmt::format("--out {} lies inside {} {}: the command would write over what it reads", out,
                                               flag, path));
+  refuse_link(out, "file");
   std::error_code ec;
   if (fs::is_directory(out, ec)) throw std::invalid_argument("--out " + out + ": is a directory; llmc writes a file");
   if (fs::exists(fs::symlink_status(out, ec)) && !overwrite)

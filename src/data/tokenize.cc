@@ -15,11 +15,22 @@
 
 #include "data/corpus.h"
 #include "data/input_bytes.h"
+#include "data/unicode.h"
 
 namespace shardlm::data {
 namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("tokenize: " + msg); }
+
+// Bytes [first, end) of `where` (a file; FILE:LINE with `of` naming the record's field), more than
+// the limit, hold no place the tokenizer can break: encoding them is one pre-tokenizer piece, whose
+// time and memory grow without bound (60 MB of letters: 24 s and 1.9 GB).
+[[noreturn]] void fail_unbroken(const std::string& where, int64_t first, int64_t end, const std::string& of,
+                                const Tokenizer& tokenizer, const TokenizeLimits& limits) {
+  fail(where + ": bytes " + std::to_string(first) + " to " + std::to_string(end) + of + " (more than " +
+       std::to_string(limits.max_unbroken_bytes) + ") hold no place where the " + tokenizer.name() +
+       " tokenizer can break them; is it text?");
+}
 
 // The files of one split: PREFIX_SPLIT.bin, or with shard_tokens > 0 numbered ones of at most
 // shard_tokens tokens each, a new one begun when the last is full. Uncommitted files are removed
@@ -207,9 +218,7 @@ int64_t tokenize_file(const std::string& path, const Tokenizer& tokenizer, const
     continues = continues || ready > 0;
     pending.erase(0, ready);
     if (static_cast<int64_t>(pending.size()) > limits.max_unbroken_bytes)
-      fail(path + ": bytes " + std::to_string(read - static_cast<int64_t>(pending.size())) + " to " +
-           std::to_string(read) + " (more than " + std::to_string(limits.max_unbroken_bytes) +
-           ") hold no place where the " + tokenizer.name() + " tokenizer can break them; is it text?");
+      fail_unbroken(path, read - static_cast<int64_t>(pending.size()), read, "", tokenizer, limits);
   }
   encoder.add_text(std::move(pending), path, read, continues);
   return read;
@@ -268,6 +277,57 @@ class LineReader {
   int64_t number_ = 0, bytes_ = 0;
 };
 
+// A document refused as tokenize_file refuses a stream: scanned read_bytes at a time, it may not
+// hold more than max_unbroken_bytes past its last stable_prefix point. Only a document longer than
+// the limit is scanned.
+void check_breaks(std::string_view doc, const std::string& where, const std::string& of, const Tokenizer& tokenizer,
+                  const TokenizeLimits& limits) {
+  const auto size = static_cast<int64_t>(doc.size());
+  int64_t first = 0;  // the text from here on waits for a break
+  for (int64_t end = 0; end < size && size - first > limits.max_unbroken_bytes;) {
+    end = std::min(size, end + limits.read_bytes);
+    first += static_cast<int64_t>(tokenizer.stable_prefix(doc.substr(first, end - first)));
+    if (end - first > limits.max_unbroken_bytes) fail_unbroken(where, first, end, of, tokenizer, limits);
+  }
+}
+
+// The offset of the first byte of `line` that is no part of a UTF-8 character, or npos.
+size_t first_non_utf8(const std::string& line) {
+  const auto* s = reinterpret_cast<const unsigned char*>(line.data());
+  for (size_t i = 0; i < line.size();) {
+    const CodePoint c = decode_utf8(s, line.size(), i);
+    if (c.cp == kInvalidCodePoint) return i;
+    i += c.len;
+  }
+  return std::string::npos;
+}
+
+// A line that is not a JSON object. nlohmann refuses text that is not UTF-8, and a \u escape of
+// half a surrogate pair, as it refuses any other malformed line: those are said as what they are.
+[[noreturn]] void fail_not_an_object(const std::string& line, const std::string& where, const char* parse_error) {
+  if (const size_t at = first_non_utf8(line); at != std::string::npos) {
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(line[at]));
+    fail(where + ": not UTF-8 (byte " + byte + " at offset " + std::to_string(at) +
+         " of the line); JSON Lines are UTF-8 text");
+  }
+  if (parse_error != nullptr && std::strstr(parse_error, "surrogate") != nullptr)
+    fail(where + ": a \\u escape of half a UTF-16 surrogate pair (U+D800..U+DFFF without its other half), no character");
+  fail(where + ": not a JSON object (JSON Lines: one object a line)");
+}
+
+// The record a non-blank line holds.
+nlohmann::json parse_record(const std::string& line, const std::string& where) {
+  nlohmann::json record;
+  try {
+    record = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail_not_an_object(line, where, e.what());
+  }
+  if (!record.is_object()) fail_not_an_object(line, where, nullptr);
+  return record;
+}
+
 bool blank(const std::string& line) {
   return std::all_of(line.begin(), line.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r'; });
 }
@@ -293,12 +353,13 @@ int64_t tokenize_jsonl(const std::string& path, const std::string& field, bool f
   while (lines.next(line)) {
     if (blank(line)) continue;
     const std::string where = path + ":" + std::to_string(lines.line_number());
-    const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
-    if (!record.is_object()) fail(where + ": not a JSON object (JSON Lines: one object a line)");
+    nlohmann::json record = parse_record(line, where);
     const auto text = record.find(field);
     if (text == record.end() || !text->is_string())
       fail(where + ": no string field '" + field + "' (--text-field names the field holding each document)");
-    docs.push_back(text->get<std::string>());
+    std::string& doc = text->get_ref<std::string&>();
+    check_breaks(doc, where, " of its '" + field + "'", tokenizer, limits);
+    docs.push_back(std::move(doc));
     piece_bytes += static_cast<int64_t>(docs.back().size());
     if (piece_bytes >= limits.read_bytes) send();
   }

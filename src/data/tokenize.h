@@ -55,9 +55,10 @@ struct TokenizeOptions {
 // (Tokenizer::stable_prefix), on `threads` threads at once, so memory stays bounded and the tokens
 // are those of encoding each file at once, whatever the threads.
 // Throws std::runtime_error (one line naming the file) on a read error, a JSON Lines line that
-// is not an object with that string field or is longer than limits.max_line_bytes (FILE:LINE),
-// if val_fraction is not in [0, 1), if the inputs make more than the limit's tokens, or if a file
-// holds more than limits.max_unbroken_bytes without a place the tokenizer can break (not text).
+// is not UTF-8, not an object with that string field or longer than limits.max_line_bytes
+// (FILE:LINE), if val_fraction is not in [0, 1), if the inputs make more than the limit's tokens,
+// or if a file or a record's text holds more than limits.max_unbroken_bytes without a place the
+// tokenizer can break (not text).
 // Nothing is written then.
 TokenizeStats tokenize_files(const std::vector<std::string>& inputs, const std::string& out_prefix,
                              const Tokenizer& tokenizer, const TokenizeOptions& options = {});

@@ -1,5 +1,6 @@
 #include "train/checkpoint.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "ckpt/llmc_model.h"
 #include "ckpt/safetensors.h"
 #include "ckpt/sharded.h"
+#include "data/tokenizer.h"
 
 namespace shardlm::train {
 
@@ -420,12 +422,53 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
 
 namespace {
 
+// Whether in_dir/name is there (a link counts, dangling or not); throws where it resolves outside
+// in_dir: a link out of it would copy any file the user can read into the checkpoint.
+bool tokenizer_file_present(const std::string& in_dir, const std::string& name) {
+  namespace fs = std::filesystem;
+  const fs::path path = fs::path(in_dir) / name;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(path, ec))) return false;
+  const fs::path dir = fs::weakly_canonical(fs::absolute(in_dir, ec), ec);
+  const fs::path real = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  const auto [dir_end, real_at] = std::mismatch(dir.begin(), dir.end(), real.begin(), real.end());
+  if (ec || dir_end != dir.end() || real_at == real.end())
+    throw std::runtime_error("ckpt import: " + path.string() + ": resolves to " + real.string() + ", outside --in " +
+                             in_dir + "; copy the directory with its links resolved (cp -rL) to import it");
+  return fs::is_regular_file(path, ec);
+}
+
+// The tokenizer files of Hugging Face directory `in_dir` an import copies into the checkpoint,
+// where generate and export read them (data::make_model_tokenizer): tokenizer.json, and GPT-2's
+// vocab.json with merges.txt (a pair: neither is read alone). Each is read first as that loader
+// reads it, so a broken one is one line now rather than at the model's first use.
+std::vector<std::string> checked_tokenizer_files(const std::string& in_dir, const std::string& tokenizer) {
+  std::vector<std::string> names;
+  const auto file = [&](const char* name) { return in_dir + "/" + name; };
+  try {
+    if (tokenizer_file_present(in_dir, "tokenizer.json")) {
+      data::load_hf_tokenizer(file("tokenizer.json"), tokenizer);
+      names.push_back("tokenizer.json");
+    }
+    const bool vocab = tokenizer_file_present(in_dir, "vocab.json"), merges = tokenizer_file_present(in_dir, "merges.txt");
+    if (vocab && merges) {
+      data::load_gpt2_tokenizer(file("vocab.json"), file("merges.txt"));
+      names.insert(names.end(), {"vocab.json", "merges.txt"});
+    }
+  } catch (const std::runtime_error& e) {  // the loaders' "PATH: ...", said as import's
+    const std::string what = e.what();
+    throw std::runtime_error(what.starts_with("ckpt import: ") ? what : "ckpt import: " + what);
+  }
+  return names;
+}
+
 // An imported model as a checkpoint at step 0 with zero AdamW moments; index.json's run state
 // records no updates and no run to continue ("run" empty), so the run that starts from it defines
-// itself. A Hugging Face directory's tokenizer files come along: generate reads them from the
-// checkpoint (data::make_model_tokenizer).
+// itself. The `tokenizer_files` of in_path come along: generate reads them from the checkpoint
+// (data::make_model_tokenizer).
 void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layout, float* params,
-                    const std::string& tokenizer, const std::string& in_path, const std::string& out_dir, bool overwrite) {
+                    const std::string& tokenizer, const std::string& in_path, const std::vector<std::string>& tokenizer_files,
+                    const std::string& out_dir, bool overwrite) {
   namespace fs = std::filesystem;
   std::vector<float> zeros(layout.total, 0.0f);
   json config = ckpt::to_hf_config(desc.config);
@@ -447,9 +490,7 @@ void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layou
     const ckpt::FileSummary file = ckpt::write_rank_file(tmp, desc, whole, 0, {params, zeros.data(), zeros.data()});
     write_json(tmp + "/index.json", ckpt::make_index(desc, whole, {file}, meta));
     write_json(tmp + "/config.json", config);
-    for (const char* name : {"tokenizer.json", "vocab.json", "merges.txt"})
-      if (fs::is_directory(in_path) && fs::is_regular_file(fs::path(in_path) / name))
-        fs::copy_file(fs::path(in_path) / name, fs::path(tmp) / name);
+    for (const std::string& name : tokenizer_files) fs::copy_file(fs::path(in_path) / name, fs::path(tmp) / name);
   }, overwrite ? ckpt::OnExisting::replace : ckpt::OnExisting::refuse);
 }
 
@@ -457,11 +498,12 @@ void write_imported(const model::ModelDesc& desc, const model::FlatLayout& layou
 
 model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite) {
   const ckpt::HfModel hf = ckpt::read_hf_model(in_dir);
+  const std::vector<std::string> tokenizer_files = checked_tokenizer_files(in_dir, hf.tokenizer);
   const model::ModelDesc desc = model::describe(hf.config);
   const model::FlatLayout layout = model::flat_layout(desc);
   std::vector<float> params(layout.total);
   ckpt::read_hf_weights(in_dir, desc, layout, params.data());
-  write_imported(desc, layout, params.data(), hf.tokenizer, in_dir, out_dir, overwrite);
+  write_imported(desc, layout, params.data(), hf.tokenizer, in_dir, tokenizer_files, out_dir, overwrite);
   return hf.config;
 }
 
@@ -470,8 +512,8 @@ model::ModelConfig import_llmc(const std::string& in_file, const std::string& ou
   const model::FlatLayout layout = model::flat_layout(desc);
   std::vector<float> params(layout.total);
   ckpt::read_llmc_weights(in_file, desc, layout, params.data());
-  write_imported(desc, layout, params.data(), ckpt::tokenizer_of_vocabulary(desc.config.vocab_size), in_file, out_dir,
-                 overwrite);
+  write_imported(desc, layout, params.data(), ckpt::tokenizer_of_vocabulary(desc.config.vocab_size), in_file, {},
+                 out_dir, overwrite);
   return desc.config;
 }
 

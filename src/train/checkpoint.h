@@ -62,6 +62,9 @@ ckpt::HfExportSummary export_hf(const std::string& ckpt_dir, const std::string& 
 // 0 with zero AdamW moments and no run recorded: what `train --init-from` starts from (as it
 // starts from the Hugging Face directory itself). An existing non-empty out_dir is replaced
 // (once the new one is complete) only with `overwrite`; otherwise the import fails and leaves it.
+// The directory's tokenizer.json, and vocab.json with merges.txt, are copied along, each first read
+// as the tokenizer loader reads it; a broken one, or one resolving outside in_dir (a link out of
+// it), is refused with one line naming the file before anything is written.
 // Returns the model's config.
 model::ModelConfig import_hf(const std::string& in_dir, const std::string& out_dir, bool overwrite = false);
 // `shardlm ckpt import --format llmc`: an llm.c GPT-2 model file (ckpt/llmc_model.h) likewise.

@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -294,6 +296,84 @@ TEST_F(RunSafety, ExportAndImportNeverReplaceWhatTheyWereNotToldTo) {
   EXPECT_NE(failed.code, 0) << failed.out;
   intact();
   EXPECT_EQ(shardlm("ckpt import --in " + hf + " --out " + (dir_ / "imported").string()).code, 0);
+}
+
+// `ckpt export --out LINK`, LINK a symbolic link to an empty directory, passed the checks, did
+// all the work and then failed to rename the result onto the link; with --overwrite it replaced
+// the link with a directory. Either is refused now before anything is read or written, as import's.
+TEST_F(RunSafety, ExportAndImportRefuseAnOutThatIsALink) {
+  ASSERT_EQ(shardlm(args("linked", 2) + " --save-every 2").code, 0);
+  fs::create_directories(dir_ / "link_target");
+  const fs::path link = dir_ / "out_link";
+  fs::create_directory_symlink(dir_ / "link_target", link);
+  const std::string exp = "ckpt export --ckpt " + (dir_ / "linked").string() + " --out " + link.string();
+  for (const char* flags : {"", " --overwrite", " --format llmc --overwrite"}) {
+    SCOPED_TRACE(flags);
+    expect_one_error(shardlm(exp + flags), {"--out " + link.string(), "symbolic link"});
+  }
+  const fs::path hf = dir_ / "linked_hf";
+  ASSERT_EQ(shardlm("ckpt export --ckpt " + (dir_ / "linked").string() + " --out " + hf.string()).code, 0);
+  expect_one_error(shardlm("ckpt import --in " + hf.string() + " --out " + link.string()), {"--out " + link.string(), "symbolic link"});
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(fs::is_empty(dir_ / "link_target"));
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename().string().find("out_link."), std::string::npos) << e.path() << " was left behind";
+}
+
+// `ckpt import` copied a Hugging Face directory's tokenizer files unread: a broken vocab.json
+// surfaced only at the first generate, and a tokenizer.json linked to a file elsewhere (any file
+// the user can read) was copied into the checkpoint. Each is one line at import now, naming the
+// file, and nothing is written; a link that stays inside --in is followed.
+TEST_F(RunSafety, ImportChecksTheTokenizerFilesItCopies) {
+  ASSERT_EQ(shardlm(args("tok_src", 2) + " --save-every 2").code, 0);
+  const fs::path hf = dir_ / "tok_hf";
+  ASSERT_EQ(shardlm("ckpt export --ckpt " + (dir_ / "tok_src").string() + " --out " + hf.string()).code, 0);
+  // GPT-2's files by Hugging Face's names, as a GPT-2 directory holds them (the tiny model's own
+  // tokenizer is bytes, which has none).
+  const char* data_env = std::getenv("SHARDLM_DATA_DIR");
+  const fs::path gpt2 = fs::path(data_env && *data_env ? data_env : std::string(std::getenv("SHARDLM_SOURCE_DIR")) + "/data") / "gpt2";
+  ASSERT_TRUE(fs::exists(gpt2 / "encoder.json")) << gpt2 << ": scripts/fetch_data.sh fetches it";
+  fs::copy_file(gpt2 / "encoder.json", hf / "vocab.json");
+  fs::copy_file(gpt2 / "vocab.bpe", hf / "merges.txt");
+  const auto variant = [&](const std::string& name, const std::function<void(const fs::path&)>& change) {
+    const fs::path d = dir_ / name;
+    fs::copy(hf, d, fs::copy_options::recursive);
+    change(d);
+    return d;
+  };
+  const auto import_of = [&](const fs::path& in) {
+    return shardlm("ckpt import --in " + in.string() + " --out " + (dir_ / (in.filename().string() + "_ckpt")).string());
+  };
+  const auto refused = [&](const fs::path& in, const std::string& file, const std::string& why) {
+    SCOPED_TRACE(in.string());
+    expect_one_error(import_of(in), {(in / file).string(), why});
+    EXPECT_FALSE(fs::exists(dir_ / (in.filename().string() + "_ckpt")));
+  };
+  refused(variant("broken_vocab", [](const fs::path& d) { std::ofstream(d / "vocab.json", std::ios::trunc) << "{\"a\": "; }),
+          "vocab.json", "vocab.json");
+  refused(variant("broken_merges", [](const fs::path& d) { std::ofstream(d / "merges.txt", std::ios::trunc) << "#version: 0.2\nnot-a-pair\n"; }),
+          "merges.txt", "merges.txt");
+  refused(variant("broken_tokenizer_json", [](const fs::path& d) { std::ofstream(d / "tokenizer.json") << "{}"; }),
+          "tokenizer.json", "tokenizer.json");
+  // A good tokenizer file, but another directory's: through a relative link with `..`, and an absolute one.
+  fs::copy_file(hf / "merges.txt", dir_ / "elsewhere_merges.txt");
+  refused(variant("linked_out", [](const fs::path& d) {
+            fs::remove(d / "merges.txt");
+            fs::create_symlink("../elsewhere_merges.txt", d / "merges.txt");
+          }),
+          "merges.txt", "outside --in");
+  refused(variant("linked_abs", [&](const fs::path& d) {
+            fs::remove(d / "vocab.json");
+            fs::create_symlink(dir_ / "tok_hf" / "vocab.json", d / "vocab.json");
+          }),
+          "vocab.json", "outside --in");
+  const fs::path inside = variant("linked_in", [](const fs::path& d) {
+    fs::rename(d / "vocab.json", d / "the_vocab.json");
+    fs::create_symlink("the_vocab.json", d / "vocab.json");
+  });
+  const Result ok = import_of(inside);
+  ASSERT_EQ(ok.code, 0) << ok.out;
+  EXPECT_EQ(read_file(dir_ / "linked_in_ckpt" / "vocab.json"), read_file(hf / "vocab.json"));
 }
 
 // Resuming a checkpoint past --steps (--resume-override steps lowered it) trained nothing and

@@ -177,6 +177,38 @@ TEST(Tokenize, TextWithoutBreaksIsRefusedAtItsLimit) {
   EXPECT_EQ(st.tokens, static_cast<int64_t>(tok->encode(testing::read_file(dir.file("a.txt"))).size()));
 }
 
+// The same limit holds for a JSON Lines record's text, naming the file and line: one record of
+// letters (60 MB of them took 24 s and 1.9 GB as one pre-tokenizer piece) is refused as a text
+// file of them is. A long record with places to break is a document like any other.
+TEST(Tokenize, JsonLinesTextWithoutBreaksIsRefusedAtItsLimit) {
+  for (const char* name : {"gpt2", "mistral"}) {
+    SCOPED_TRACE(name);
+    const Tokenizer* tok = testing::loaded_tokenizer(name);
+    ASSERT_NE(tok, nullptr);
+    TempDir dir;
+    const std::string unbroken = "Some words, then " + std::string(5000, 'x');
+    std::string words;
+    for (int i = 0; i < 500; ++i) words += "word" + std::to_string(i) + " ";
+    write_file(dir.file("c.jsonl"), nlohmann::json{{"text", words}}.dump() + "\n" + nlohmann::json{{"text", unbroken}}.dump());
+    const TokenizeLimits limits{.max_unbroken_bytes = 1000, .read_bytes = 100};
+    const std::string err = tokenize_error({dir.file("c.jsonl")}, dir.file("t"), *tok, limits);
+    EXPECT_NE(err.find(dir.file("c.jsonl") + ":2: "), std::string::npos) << err;
+    EXPECT_NE(err.find("more than 1000"), std::string::npos) << err;
+    EXPECT_NE(err.find(std::string(name) + " tokenizer can break"), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+      EXPECT_EQ(e.path().extension(), ".jsonl") << e.path() << " was left behind";
+    // Under the limit the same records are their documents' tokens.
+    const TokenizeStats st = tokenize_files({dir.file("c.jsonl")}, dir.file("t"), *tok,
+                                            {.val_fraction = 0, .limits = {.max_unbroken_bytes = 6000, .read_bytes = 100}});
+    std::vector<int32_t> want = tok->encode(words);
+    if (tok->eot() >= 0) want.push_back(tok->eot());
+    const std::vector<int32_t> second = tok->encode(unbroken);
+    want.insert(want.end(), second.begin(), second.end());
+    EXPECT_EQ(read_tokens(st.train_files[0]), want);
+  }
+}
+
 // The tokens of numbered files, in name order, as one sequence.
 std::vector<int32_t> read_all(const std::vector<std::string>& paths) {
   std::vector<int32_t> all;
@@ -351,6 +383,15 @@ TEST(Tokenize, JsonLinesErrorsNameTheFileAndLine) {
   EXPECT_EQ(error_of("{\"text\": \"a\"}\n\n{\"body\": \"b\"}"),
             at + ":3: no string field 'text' (--text-field names the field holding each document)");
   EXPECT_EQ(error_of("{\"text\": 7}"), at + ":1: no string field 'text' (--text-field names the field holding each document)");
+  // Text that is not UTF-8 (a raw byte, or an escape of half a surrogate pair) says so: nlohmann
+  // refuses both, which read as "not a JSON object".
+  EXPECT_EQ(error_of("{\"text\": \"a\"}\n{\"text\": \"a\xff\"}"),
+            at + ":2: not UTF-8 (byte 0xff at offset 11 of the line); JSON Lines are UTF-8 text");
+  EXPECT_EQ(error_of("{\"text\": \"caf\xc3\"}"), at + ":1: not UTF-8 (byte 0xc3 at offset 13 of the line); JSON Lines are UTF-8 text");
+  for (const std::string lone : {"\\ud800", "\\ud83dx", "\\udc00"})
+    EXPECT_EQ(error_of("{\"text\": \"a" + lone + "\"}"),
+              at + ":1: a \\u escape of half a UTF-16 surrogate pair (U+D800..U+DFFF without its other half), no character")
+        << lone;
   EXPECT_EQ(error_of("{\"text\": \"a\"}\n" + std::string(300, ' '), {.limits = {.read_bytes = 64, .max_line_bytes = 200}}),
             at + ":2: a line longer than 200 bytes; is it JSON Lines?");
   EXPECT_FALSE(std::filesystem::exists(dir.file("t_train.bin")));
