@@ -1134,7 +1134,7 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   const PlanConfig c = normalized(desc, config);
   if (c.memory_budget > 0 && c.offload.units.empty()) return place_for_budget(desc, c);
   Plan plan = Builder(desc, c).build();
-  pipeline_pass(plan, desc);
+  optimizer_overlap_pass(plan, desc);
   offload_pass(plan, desc);
   return plan;
 }

@@ -677,8 +677,8 @@ TEST(Plan, OffloadRefusesANegativeReadAheadWithOneLine) {
   }
 }
 
-// The pipeline pass: each unit's update waits for every task writing its gradients, and at least
-// one can run during the backward (it does not wait for the last one); the commit waits for every
+// The optimizer overlap pass (--pipeline-optimizer): each unit's update waits for every task
+// writing its gradients, and at least one can run during the backward (it does not wait for the last one); the commit waits for every
 // update and for the norm, and whatever reads the updated state after the step (ZeRO's
 // param_gather) waits for the commit; no buffer is alive twice, in every family, strategy,
 // micro-step count (a repeated one too), recompute mode, gather bucket and partly kept unit.
