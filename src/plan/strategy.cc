@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <stdexcept>
 
+#include "plan/param_gather.h"
 #include "plan/plan.h"
 #include "plan/schedule.h"
 
@@ -761,7 +762,6 @@ void Builder::free_at_last_use() {
 }
 
 void Builder::finish() {
-  const int U = static_cast<int>(desc_.units.size());
   int end = -1;
   if (train_) {
     const int norm = add(Op::grad_norm, -1, last_micro_, reductions_);
@@ -776,13 +776,6 @@ void Builder::finish() {
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
     end = opt;
-    if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
-      for (int u = 0; u < U; ++u) {
-        const int pg = add(Op::param_gather, u, last_micro_, {opt});
-        at(pg).axes = within_slice(plan_.shard_axes(), u);
-        at(pg).bytes = unit_bytes(u, cfg_.param_bytes);
-      }
-    }
   } else {
     end = heads_.back();
   }
@@ -1134,6 +1127,7 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   const PlanConfig c = normalized(desc, config);
   if (c.memory_budget > 0 && c.offload.units.empty()) return place_for_budget(desc, c);
   Plan plan = Builder(desc, c).build();
+  param_gather_pass(plan, desc);
   optimizer_overlap_pass(plan, desc);
   offload_pass(plan, desc);
   return plan;
