@@ -256,8 +256,9 @@ struct PlanConfig {
   std::function<int64_t(Op op, int64_t count, int elem, int group)> reduction_scratch;
   // --offload: the offload pass (plan/offload.cc) places these kinds on disk and adds the copies.
   OffloadConfig offload;
-  // --pipeline-optimizer: the pipeline pass (plan/pipeline.cc) updates each unit as soon as its
-  // gradients are final, speculatively, and commits or rolls back once the global norm is known.
+  // --pipeline-optimizer: the optimizer overlap pass (plan/optimizer_overlap.cc) updates each unit
+  // as soon as its gradients are final, speculatively, and commits or rolls back once the global
+  // norm is known.
   bool pipeline_optimizer = false;
   // --reduce-each-micro-step (zero2, fsdp, hybrid with grad_accum > 1): every micro-step's
   // backward reduce-scatters its unit's gradients and adds the shard to the held one, as PyTorch
@@ -498,15 +499,15 @@ const char* to_string(StateIndex s);
 // Throws std::invalid_argument naming --offload for a plan it cannot offload yet.
 void offload_pass(Plan& plan, const model::ModelDesc& desc);
 
-// The pipeline pass (plan/pipeline.cc): with config.pipeline_optimizer set, replaces the step's
-// grad_norm and optimizer tasks by, per unit and as soon as the unit's gradients are final, its
+// The optimizer overlap pass (plan/optimizer_overlap.cc): with config.pipeline_optimizer set,
+// replaces the step's grad_norm and optimizer tasks by, per unit and as soon as the unit's gradients are final, its
 // sum of squares and a speculative AdamW update (no clipping) on an "optimizer" stream, which
 // first copies the unit's parameters and moments into a rollback buffer; an optimizer_commit task
 // where the optimizer task was then keeps the updates (the norm did not clip, everything finite),
 // redoes them from the copies with the clipped gradients, or restores the copies (a skipped step).
 // Either way the step's result is bitwise the unpipelined one. With config.offload set only the
 // sums of squares move (the updates stay after the norm, split per unit by the offload pass).
-void pipeline_pass(Plan& plan, const model::ModelDesc& desc);
+void optimizer_overlap_pass(Plan& plan, const model::ModelDesc& desc);
 
 // The run-long state a task reads or writes in place (not through a per-task buffer).
 struct StateTouch {

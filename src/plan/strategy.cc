@@ -1,6 +1,6 @@
-// The plan builder: one walk over the step (micro-steps × units, forward then backward) that emits
-// compute tasks with the buffers they allocate, read and free, and, depending on the strategy,
-// the collectives around them.
+// The plan builder: a walk over the step's schedule (plan/schedule.h: each micro-step's forward
+// over the units, then its backward) that emits compute tasks with the buffers they allocate, read
+// and free, and, depending on the strategy, the collectives around them.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -9,7 +9,9 @@
 #include <unordered_map>
 #include <stdexcept>
 
+#include "plan/param_gather.h"
 #include "plan/plan.h"
+#include "plan/schedule.h"
 
 namespace shardlm::plan {
 
@@ -166,6 +168,9 @@ class Builder {
   void gather_part(int t, int u, int direction, int deps_last);
   void consume(int compute_task, int u);
   int reuse(int compute_task);
+  void walk();
+  void forward_pass(int m);
+  void backward_pass(int m);
   void forward(int u, int m);
   void backward(int u, int m);
   int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
@@ -199,6 +204,7 @@ class Builder {
   const model::ModelDesc& desc_;
   const PlanConfig& cfg_;
   Plan plan_;
+  Schedule schedule_;  // the step's actions, which build() walks
   std::vector<Task> tasks_;
   std::unordered_map<std::string, int> by_name_;
   model::Shape shape_;
@@ -756,7 +762,6 @@ void Builder::free_at_last_use() {
 }
 
 void Builder::finish() {
-  const int U = static_cast<int>(desc_.units.size());
   int end = -1;
   if (train_) {
     const int norm = add(Op::grad_norm, -1, last_micro_, reductions_);
@@ -771,13 +776,6 @@ void Builder::finish() {
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
     end = opt;
-    if (cfg_.world > 1 && (cfg_.strategy == Strategy::zero1 || cfg_.strategy == Strategy::zero2)) {
-      for (int u = 0; u < U; ++u) {
-        const int pg = add(Op::param_gather, u, last_micro_, {opt});
-        at(pg).axes = within_slice(plan_.shard_axes(), u);
-        at(pg).bytes = unit_bytes(u, cfg_.param_bytes);
-      }
-    }
   } else {
     end = heads_.back();
   }
@@ -876,19 +874,37 @@ Plan Builder::build() {
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.
   if (train_) start_ = add(Op::zero_grads, -1, 0);
-  for (int m = 0; m <= last_micro_; ++m) {
-    for (int u = 0; u < U; ++u)
-      if (!model::is_state_only(desc_.units[u].kind)) forward(u, m);
-    if (!train_) continue;
-    for (int u = U - 1; u >= 0; --u)
-      if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
-    if (cfg_.reduce_each_micro_step && m < last_micro_) release_pending_grads();
-  }
+  schedule_ = one_stage(last_micro_ + 1, train_ ? Backward::whole : Backward::none);
+  walk();
   finish();
   free_at_last_use();
   plan_.tasks = schedule();
   if (repeats) repeat_middle_micro_step();
   return std::move(plan_);
+}
+
+// The schedule's actions in its order: a forward runs every unit in model order, a backward every
+// unit but the head (whose backward its forward task holds) in reverse. One stage holds every
+// unit, so the builder walks a one-stage schedule; a pipeline's stages will hold runs of units.
+void Builder::walk() {
+  if (schedule_.ranks != 1 || schedule_.stages != 1)
+    throw std::logic_error("plan: the builder walks a one-stage schedule, not " + schedule_.name);
+  for (const Action& a : schedule_.actions[0]) {
+    if (a.phase == Phase::forward) forward_pass(a.micro);
+    else if (a.phase == Phase::backward) backward_pass(a.micro);
+    else throw std::logic_error(std::string("plan: the builder runs whole backwards, not a ") + to_string(a.phase));
+  }
+}
+
+void Builder::forward_pass(int m) {
+  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u)
+    if (!model::is_state_only(desc_.units[u].kind)) forward(u, m);
+}
+
+void Builder::backward_pass(int m) {
+  for (int u = static_cast<int>(desc_.units.size()) - 1; u >= 0; --u)
+    if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
+  if (cfg_.reduce_each_micro_step && m < last_micro_) release_pending_grads();
 }
 
 // Micro-step 2 of a plan of four stands for micro-steps 2 .. N-2 (Repeat). Pairs each task of
@@ -902,6 +918,9 @@ void Builder::repeat_middle_micro_step() {
   rep.times = cfg_.grad_accum - (kUnrolledMicroSteps - 1);
   rep.counterpart.assign(plan_.tasks.size(), -1);
   auto broken = [](const std::string& what) { throw std::logic_error("plan: micro-step 2 cannot repeat: " + what); };
+  // Micro-steps are alike only where each runs alone, whole, one after the other: in the
+  // one-stage schedule (a pipeline's micro-batches overlap the ones before and after).
+  if (!(schedule_ == one_stage(kUnrolledMicroSteps))) broken("the step walks the " + schedule_.name + " schedule");
   for (int s = 0; s < static_cast<int>(plan_.streams.size()); ++s) {
     std::vector<int> before, repeated;
     bool left = false;
@@ -1108,7 +1127,8 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config) {
   const PlanConfig c = normalized(desc, config);
   if (c.memory_budget > 0 && c.offload.units.empty()) return place_for_budget(desc, c);
   Plan plan = Builder(desc, c).build();
-  pipeline_pass(plan, desc);
+  param_gather_pass(plan, desc);
+  optimizer_overlap_pass(plan, desc);
   offload_pass(plan, desc);
   return plan;
 }

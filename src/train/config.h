@@ -108,7 +108,7 @@ struct TrainConfig {
   std::string offload = "none";
   std::string offload_dir;
   int offload_prefetch = 2;
-  // AdamW per unit as soon as its gradients are final, speculatively (plan/pipeline.cc).
+  // AdamW per unit as soon as its gradients are final, speculatively (plan/optimizer_overlap.cc).
   bool pipeline_optimizer = false;
   bool reduce_each_micro_step = false;  // plan::PlanConfig::reduce_each_micro_step
   // --memory-budget: per-rank bytes ("8GB", "512MiB", "4096") the plan's accounted peak must stay

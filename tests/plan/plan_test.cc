@@ -677,8 +677,8 @@ TEST(Plan, OffloadRefusesANegativeReadAheadWithOneLine) {
   }
 }
 
-// The pipeline pass: each unit's update waits for every task writing its gradients, and at least
-// one can run during the backward (it does not wait for the last one); the commit waits for every
+// The optimizer overlap pass (--pipeline-optimizer): each unit's update waits for every task
+// writing its gradients, and at least one can run during the backward (it does not wait for the last one); the commit waits for every
 // update and for the norm, and whatever reads the updated state after the step (ZeRO's
 // param_gather) waits for the commit; no buffer is alive twice, in every family, strategy,
 // micro-step count (a repeated one too), recompute mode, gather bucket and partly kept unit.
@@ -960,6 +960,39 @@ TEST(Plan, DdpBucketsCoverEveryUnitOnce) {
     if (t.op == Op::all_reduce)
       for (int u = t.first_unit; u <= t.last_unit; ++u) ++covered[u];
   for (size_t u = 0; u < covered.size(); ++u) EXPECT_EQ(covered[u], 1) << "unit " << u;
+}
+
+// The parameter gather pass reads the placement: where the optimizer state is split over axes the
+// parameters are not (ZeRO-1/2, experts over ep as well), every unit's updated parts are gathered
+// after the optimizer over exactly those axes, before the loss's reduction; where each rank
+// updates all it holds (DDP, FSDP, hybrid, one rank), nothing is.
+TEST(Plan, ParamGathersFollowTheOptimizerWhereItUpdatesPartOfWhatARankHolds) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
+  for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+    for (int world : {1, 4}) {
+      PlanConfig c;
+      c.strategy = s, c.world = world, c.shard_group = 2, c.ep = world > 1 ? 2 : 1;
+      const Plan p = build_plan(moe, c);
+      const std::string what = std::string(to_string(s)) + " on " + std::to_string(world);
+      const bool zero = world > 1 && (s == Strategy::zero1 || s == Strategy::zero2);
+      int gathers = 0, optimizer = -1, loss_reduce = -1;
+      for (const Task& t : p.tasks) {
+        if (t.op == Op::optimizer) optimizer = t.id;
+        if (t.op == Op::loss_reduce) loss_reduce = t.id;
+        if (t.op != Op::param_gather) continue;
+        ++gathers;
+        EXPECT_EQ(t.deps, std::vector<int>{optimizer}) << what << ": " << t.name(&moe);
+        EXPECT_EQ(loss_reduce, -1) << what << ": " << t.name(&moe) << " after the loss's reduction";
+        std::vector<int> extra;
+        for (int a : p.placed(StateKind::optimizer, t.unit).axes) {
+          const std::vector<int>& held = p.placed(StateKind::params, t.unit).axes;
+          if (std::find(held.begin(), held.end(), a) == held.end()) extra.push_back(a);
+        }
+        EXPECT_EQ(t.axes, extra) << what << ": " << t.name(&moe);
+        EXPECT_EQ(t.bytes, p.compute_elems(moe, t.unit) * 4) << what << ": " << t.name(&moe);
+      }
+      EXPECT_EQ(gathers, zero ? static_cast<int>(moe.units.size()) : 0) << what;
+    }
 }
 
 TEST(Plan, RejectsAShardGroupThatDoesNotDivideTheRanks) {

@@ -1,15 +1,17 @@
-// The pipeline pass: the optimizer moved into the backward as an edit of a built plan. A unit's
-// AdamW update needs the global gradient norm (clipping) and every rank's finiteness (a skipped
-// step), which are known only after the last unit's gradients are reduced. Updating each unit
-// speculatively as soon as its own gradients are final, with the norm taken as not clipping, is
-// exact whenever that guess holds, which a training run's norm mostly does; a copy of the state the
-// update overwrites makes the other cases exact too: the commit redoes the update from it with
-// the clipped gradients, or restores it when the step is skipped. The price is that copy: the
-// parameters' and both moments' shards of every unit, alive from the unit's update to the commit.
-// With offloaded state that copy would hold in memory what the disk tier keeps out of it, so there
-// the updates are deferred instead: only each unit's sum of squares moves into the backward (read
-// while its gradients are still in their window, not reloaded after it), and the offload pass
-// streams the per-unit updates through their windows after the norm.
+// The optimizer overlap pass (--pipeline-optimizer): the optimizer moved into the backward as an
+// edit of a built plan; it overlaps the optimizer step with the backward (pipeline parallelism is
+// plan/schedule.h's business, not this). A unit's AdamW update needs the global gradient norm
+// (clipping) and every rank's finiteness (a skipped step), which are known only after the last
+// unit's gradients are reduced. Updating each unit speculatively as soon as its own gradients are
+// final, with the norm taken as not clipping, is exact whenever that guess holds, which a training
+// run's norm mostly does; a copy of the state the update overwrites makes the other cases exact
+// too: the commit redoes the update from it with the clipped gradients, or restores it when the
+// step is skipped. The price is that copy: the parameters' and both moments' shards of every unit,
+// alive from the unit's update to the commit. With offloaded state that copy would hold in memory
+// what the disk tier keeps out of it, so there the updates are deferred instead: only each unit's
+// sum of squares moves into the backward (read while its gradients are still in their window, not
+// reloaded after it), and the offload pass streams the per-unit updates through their windows after
+// the norm.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -23,7 +25,7 @@ namespace {
 int find_task(const Plan& p, Op op) {
   for (const Task& t : p.tasks)
     if (t.op == op && t.unit < 0) return t.id;
-  throw std::logic_error(std::string("pipeline pass: the plan has no ") + to_string(op) + " task");
+  throw std::logic_error(std::string("optimizer overlap pass: the plan has no ") + to_string(op) + " task");
 }
 
 void add_dep(Task& t, int on) {
@@ -33,7 +35,7 @@ void add_dep(Task& t, int on) {
 
 }  // namespace
 
-void pipeline_pass(Plan& p, const model::ModelDesc& desc) {
+void optimizer_overlap_pass(Plan& p, const model::ModelDesc& desc) {
   if (!p.config.pipeline_optimizer || p.config.mode != PlanConfig::Mode::train) return;
   const bool speculate = !p.config.offload.any();
   const int U = static_cast<int>(desc.units.size());
@@ -49,7 +51,7 @@ void pipeline_pass(Plan& p, const model::ModelDesc& desc) {
   std::vector<std::vector<int>> ready_at(p.tasks.size());  // by task: the units it makes final
   for (int u = 0; u < U; ++u)
     if (p.placed(StateKind::optimizer, u).parts > 0) {
-      if (ready[u] < 0) throw std::logic_error("pipeline pass: no task writes the gradients of " + desc.units[u].name);
+      if (ready[u] < 0) throw std::logic_error("optimizer overlap pass: no task writes the gradients of " + desc.units[u].name);
       ready_at[ready[u]].push_back(u);
     }
 
@@ -65,7 +67,7 @@ void pipeline_pass(Plan& p, const model::ModelDesc& desc) {
     for (int d : t.deps) deps.push_back(d == norm ? last_norm : new_id[d]);
     t.deps = std::move(deps);
     for (int d : t.deps)
-      if (d < 0) throw std::logic_error("pipeline pass: " + t.name(&desc) + " waits on a task listed after it");
+      if (d < 0) throw std::logic_error("optimizer overlap pass: " + t.name(&desc) + " waits on a task listed after it");
     std::sort(t.deps.begin(), t.deps.end());
   };
   auto emit = [&](Task t) {
