@@ -13,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "ckpt/hf_config.h"
 #include "ckpt/sharded.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
@@ -338,16 +339,21 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
     TrainConfig asked = cfg;
     asked.resume = asked_resume;
     check_resume_override_use(asked);
+    std::vector<std::string> routing_changes;  // those --resume-override allows, said once admitted
     if (up.snapshot.step >= 0) {
       const RunState saved = snapshot_state(up.snapshot.meta);
       const std::string source = "snapshot " + up.snapshots->prefix() + " of step " + std::to_string(saved.step);
+      if (up.snapshot.meta.contains("model"))
+        routing_changes = check_routing_matches(asked, cfg.model_config(read_data_meta(cfg.data).vocab_size),
+                                                ckpt::from_hf_config(up.snapshot.meta["model"], source), source);
       check_resume_matches(asked, world.size(), saved.run, source);
       check_resume_has_steps_left(cfg, saved.step, source);
       start.resumed_step = saved.step;
       start.from_snapshot = true;
     } else if (!cfg.resume.empty()) {
       cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
-      resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
+      const model::ModelConfig mc = resolve_model(cfg, read_data_meta(cfg.data));  // refused before DIR changes
+      routing_changes = check_routing_matches(cfg, mc, read_checkpoint_config(cfg.resume), cfg.resume + "/config.json");
       const RunState saved = read_checkpoint_state(cfg.resume);
       const std::string state_path = cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json");
       check_resume_matches(cfg, world.size(), saved.run, state_path);
@@ -355,7 +361,8 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       start.resumed_step = saved.step;
     } else if (!cfg.init_from.empty()) {
       cfg.init_from = resolve_initial(cfg.init_from);
-      resolve_model(cfg, read_data_meta(cfg.data));
+      const model::ModelConfig mc = resolve_model(cfg, read_data_meta(cfg.data));
+      routing_changes = check_routing_matches(cfg, mc, read_initial_config(cfg.init_from), cfg.init_from + "/config.json");
     }
     start.auto_found_nothing = asked_resume == "auto" && start.resumed_step < 0;
     up.dir->admit(cfg, world.size(), start);
@@ -363,6 +370,7 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       fmt::print("--resume auto: {} holds this run (run {}, its run.json), killed before it saved anything: it restarts "
                  "from step 0\n",
                  cfg.out, up.dir->run_id());
+    for (const std::string& change : routing_changes) fmt::print("{}\n", change);
     std::fflush(stdout);
   });
   up.run_id = lead_text(world, timeout, up.dir ? up.dir->run_id() : "");
