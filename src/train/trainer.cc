@@ -13,7 +13,6 @@
 #include <optional>
 #include <stdexcept>
 
-#include "ckpt/hf_config.h"
 #include "ckpt/sharded.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
@@ -339,13 +338,12 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
     TrainConfig asked = cfg;
     asked.resume = asked_resume;
     check_resume_override_use(asked);
-    std::vector<std::string> routing_changes;  // those --resume-override allows, said once admitted
+    // A MoE checkpoint's routing changes --resume-override allows, said once admitted. (A snapshot
+    // holds its model in its layout, which resume_auto takes only when it is this run's.)
+    std::vector<std::string> routing_changes;
     if (up.snapshot.step >= 0) {
       const RunState saved = snapshot_state(up.snapshot.meta);
       const std::string source = "snapshot " + up.snapshots->prefix() + " of step " + std::to_string(saved.step);
-      if (up.snapshot.meta.contains("model"))
-        routing_changes = check_routing_matches(asked, cfg.model_config(read_data_meta(cfg.data).vocab_size),
-                                                ckpt::from_hf_config(up.snapshot.meta["model"], source), source);
       check_resume_matches(asked, world.size(), saved.run, source);
       check_resume_has_steps_left(cfg, saved.step, source);
       start.resumed_step = saved.step;
