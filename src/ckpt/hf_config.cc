@@ -78,6 +78,14 @@ class Fields {
     if (!std::isfinite(v) || v <= 0) fail(key, "must be a finite number > 0, got " + j_[key].dump());
     return v;
   }
+  // A finite number >= 0 (a loss coefficient).
+  double non_negative(const char* key, double fallback) {
+    const double v = get_or<double>(key, fallback);
+    if (!std::isfinite(v) || v < 0) fail(key, "must be a finite number >= 0, got " + j_[key].dump());
+    return v;
+  }
+  // The value as the file writes it (a number as its shortest round-trip text), for errors.
+  std::string written(const char* key) const { return j_.at(key).dump(); }
   // A setting shardlm has one value of: absent, null or that value.
   template <class T>
   void must_be(const char* key, T implemented, const std::string& why) {
@@ -256,10 +264,20 @@ void read_mixtral(Fields& f, model::ModelConfig& c) {
   c.top_k = f.get<int64_t>("num_experts_per_tok");
   // Hugging Face's load-balancing loss is k at balance where shardlm's is 1 (docs/parallelism.md): the same
   // objective takes k times its coefficient here.
-  if (f.has("router_aux_loss_coef")) c.aux_loss_coef = f.get<double>("router_aux_loss_coef") * static_cast<double>(c.top_k);
-  else c.aux_loss_coef = 0.01;
-  c.z_loss_coef = f.get_or<double>("shardlm_z_loss_coef", 0.001);
+  // Each refused here as the file writes it: validate() would name the flag and the scaled value.
+  if (f.has("router_aux_loss_coef")) {
+    c.aux_loss_coef = f.non_negative("router_aux_loss_coef", 0.0) * static_cast<double>(c.top_k);
+    if (!std::isfinite(c.aux_loss_coef))
+      f.fail("router_aux_loss_coef", "is " + f.written("router_aux_loss_coef") + "; times num_experts_per_tok = " +
+                                         std::to_string(c.top_k) + " (shardlm's --aux-loss-coef) it must be finite");
+  } else {
+    c.aux_loss_coef = 0.01;
+  }
+  c.z_loss_coef = f.non_negative("shardlm_z_loss_coef", 0.001);
   c.capacity_factor = f.get_or<double>("shardlm_capacity_factor", 0.0);
+  if (!std::isfinite(c.capacity_factor) || c.capacity_factor < 0)
+    f.fail("shardlm_capacity_factor", "must be a finite number > 0 (absent or 0: dropless routing), got " +
+                                          f.written("shardlm_capacity_factor"));
   c.norm_topk = f.get_or<bool>("shardlm_norm_topk", true);
   c.moe_every = f.get_or<int64_t>("shardlm_moe_every", 1);
   f.get_or<bool>("output_router_logits", false);  // whether HF adds the aux loss: shardlm always does

@@ -152,6 +152,15 @@ HfExportSummary write_hf_dir(const std::string& out_dir, const model::ModelDesc&
     throw std::runtime_error("ckpt export: a mixture-of-experts model with moe_every = " + std::to_string(c.moe_every) +
                              " (dense blocks between MoE blocks) has no Hugging Face model type: Mixtral has MoE in "
                              "every block (--moe-every 1)");
+  // Mixtral's reader renormalises the k routing weights and drops no token: these weights would
+  // compute another model there.
+  if (c.family == model::Family::moe && !c.norm_topk)
+    throw std::runtime_error("ckpt export: a mixture-of-experts model with norm_topk = false (--no-norm-topk) has no "
+                             "Hugging Face model type: Mixtral renormalises the k routing weights to sum 1");
+  if (c.family == model::Family::moe && c.capacity_factor > 0)
+    throw std::runtime_error("ckpt export: a mixture-of-experts model with capacity_factor = " +
+                             json(c.capacity_factor).dump() +
+                             " (--capacity-factor) has no Hugging Face model type: Mixtral drops no token");
   const bool bf16 = opt.dtype == "bf16";
   std::vector<uint16_t> half(bf16 ? layout.total : 0);
   for (size_t i = 0; i < half.size(); ++i) half[i] = to_bf16(params[i]);

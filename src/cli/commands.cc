@@ -264,7 +264,9 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
                   "start from these parameters (step 0, fresh optimizer): a checkpoint or a Hugging Face model directory")->group("Checkpoints");
   cmd->add_flag("--overwrite", c.overwrite, "replace the run --out holds (its metrics.jsonl and ckpt/)")->group("Output");
   cmd->add_option("--resume-override", c.resume_override,
-                  "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps)")->group("Checkpoints")
+                  "settings of the saved run a resume may change on purpose (repeat, or a comma list: lr,steps); "
+                  "with --init-from, the checkpoint's routing (top-k, no-norm-topk, capacity-factor)")
+      ->group("Checkpoints")
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--steps", c.steps, "optimizer steps")->group("Schedule")->capture_default_str();

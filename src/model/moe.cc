@@ -14,11 +14,15 @@ namespace shardlm::model {
 using detail::add_param;
 using detail::slice;
 
+// An expert takes each of a group's tokens at most once, so a capacity of `tokens` is dropless:
+// compared in double before the conversion, a factor of any size saturates there (converting
+// 1e18 tokens' worth or more overflowed, to a negative capacity that dropped every token).
 int64_t ModelConfig::expert_capacity(int64_t tokens) const {
-  if (capacity_factor <= 0) return tokens;
+  if (capacity_factor <= 0 || tokens <= 0) return tokens;
   const double cap = std::ceil(capacity_factor * static_cast<double>(tokens) * static_cast<double>(top_k) /
                                static_cast<double>(n_experts));
-  return std::min<int64_t>(tokens, static_cast<int64_t>(cap));
+  if (!(cap < static_cast<double>(tokens))) return tokens;
+  return std::max<int64_t>(1, static_cast<int64_t>(cap));  // a product underflowing to 0 still leaves one
 }
 
 int64_t ModelConfig::routed_rows_bound(int64_t tokens, int64_t group) const {

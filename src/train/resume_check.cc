@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "ckpt/hf_config.h"
+
 namespace shardlm::train {
 
 using nlohmann::json;
@@ -33,11 +35,44 @@ std::string flag_name(std::string name) {
   return name;
 }
 
+// A routing setting of a mixture-of-experts model, by its flag, as config.json records it.
+struct Routing {
+  const char* name;
+  bool of_weights;  // what the weights compute with (compared on --init-from too), not a loss's
+  std::string (*shown)(const model::ModelConfig&);
+};
+
+std::string number(double v) { return fmt::format("{}", v); }
+
+const std::vector<Routing>& routing_settings() {
+  static const std::vector<Routing> settings = {
+      {"top-k", true, [](const model::ModelConfig& c) { return std::to_string(c.top_k); }},
+      {"no-norm-topk", true, [](const model::ModelConfig& c) { return std::string(c.norm_topk ? "false" : "true"); }},
+      {"capacity-factor", true,
+       [](const model::ModelConfig& c) { return c.capacity_factor > 0 ? number(c.capacity_factor) : "dropless"; }},
+      {"aux-loss-coef", false, [](const model::ModelConfig& c) { return number(c.aux_loss_coef); }},
+      {"z-loss-coef", false, [](const model::ModelConfig& c) { return number(c.z_loss_coef); }},
+  };
+  return settings;
+}
+
+bool is_weights_routing(const std::string& name) {
+  for (const Routing& r : routing_settings())
+    if (r.of_weights && name == r.name) return true;
+  return false;
+}
+
 std::vector<std::string> known_settings() {
   std::vector<std::string> names;
   const json identity = run_identity(TrainConfig{}, 1);
   for (const auto& [k, v] : identity.items()) names.push_back(k);
+  for (const Routing& r : routing_settings()) names.push_back(r.name);
   return names;
+}
+
+bool overridden(const TrainConfig& cfg, const std::string& name) {
+  return std::any_of(cfg.resume_override.begin(), cfg.resume_override.end(),
+                     [&](const std::string& raw) { return flag_name(raw) == name; });
 }
 
 }  // namespace
@@ -71,8 +106,41 @@ void check_resume_override_use(const TrainConfig& cfg) {
       throw std::invalid_argument(fmt::format("--resume-override: '{}' is not a setting that defines a run (one of: {})",
                                               raw, fmt::join(known, ", ")));
   }
-  if (!cfg.resume_override.empty() && cfg.resume.empty())
+  if (cfg.resume_override.empty() || !cfg.resume.empty()) return;
+  if (cfg.init_from.empty())
     throw std::invalid_argument("--resume-override is for --resume: a new run has no saved settings to differ from");
+  for (const auto& raw : cfg.resume_override)
+    if (!is_weights_routing(flag_name(raw)))
+      throw std::invalid_argument(fmt::format("--resume-override: '{}' with --init-from: a new run from a checkpoint's "
+                                              "weights may differ from it only in their routing (top-k, no-norm-topk, "
+                                              "capacity-factor)",
+                                              raw));
+}
+
+std::vector<std::string> check_routing_matches(const TrainConfig& cfg, const model::ModelConfig& run,
+                                               const model::ModelConfig& saved, const std::string& config_path) {
+  if (run.family != model::Family::moe || saved.family != model::Family::moe) return {};
+  check_resume_override_use(cfg);
+  // This run's settings as its checkpoint's config.json will hold them (the load-balancing
+  // coefficient as Mixtral's, a k-th of it): a saved 0.01 at k = 3 reads back as itself.
+  const model::ModelConfig recorded = ckpt::from_hf_config(ckpt::to_hf_config(run), config_path);
+  const bool resuming = !cfg.resume.empty();
+  std::vector<std::string> changes, names, said;
+  for (const Routing& r : routing_settings()) {
+    if (!resuming && !r.of_weights) continue;
+    const std::string now = r.shown(recorded), was = r.shown(saved);
+    if (now == was) continue;
+    if (overridden(cfg, r.name)) {
+      said.push_back(fmt::format("--resume-override {}: {} changed from {} to {}", r.name, r.name, was, now));
+      continue;
+    }
+    changes.push_back(fmt::format("{} is {} (saved {})", r.name, now, was));
+    names.push_back(r.name);
+  }
+  if (changes.empty()) return said;
+  throw std::runtime_error(fmt::format("{}: this run routes its experts otherwise than the checkpoint: {}; "
+                                       "--resume-override {} if that is meant",
+                                       config_path, fmt::join(changes, ", "), fmt::join(names, ",")));
 }
 
 void check_resume_matches(const TrainConfig& cfg, int world_size, const json& saved_run, const std::string& state_path) {

@@ -338,6 +338,9 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
     TrainConfig asked = cfg;
     asked.resume = asked_resume;
     check_resume_override_use(asked);
+    // A MoE checkpoint's routing changes --resume-override allows, said once admitted. (A snapshot
+    // holds its model in its layout, which resume_auto takes only when it is this run's.)
+    std::vector<std::string> routing_changes;
     if (up.snapshot.step >= 0) {
       const RunState saved = snapshot_state(up.snapshot.meta);
       const std::string source = "snapshot " + up.snapshots->prefix() + " of step " + std::to_string(saved.step);
@@ -347,7 +350,8 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       start.from_snapshot = true;
     } else if (!cfg.resume.empty()) {
       cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
-      resolve_model(cfg, read_data_meta(cfg.data));  // the checkpoint's model: refused before DIR changes
+      const model::ModelConfig mc = resolve_model(cfg, read_data_meta(cfg.data));  // refused before DIR changes
+      routing_changes = check_routing_matches(cfg, mc, read_checkpoint_config(cfg.resume), cfg.resume + "/config.json");
       const RunState saved = read_checkpoint_state(cfg.resume);
       const std::string state_path = cfg.resume + (ckpt::is_sharded(cfg.resume) ? "/index.json" : "/state.json");
       check_resume_matches(cfg, world.size(), saved.run, state_path);
@@ -355,7 +359,8 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       start.resumed_step = saved.step;
     } else if (!cfg.init_from.empty()) {
       cfg.init_from = resolve_initial(cfg.init_from);
-      resolve_model(cfg, read_data_meta(cfg.data));
+      const model::ModelConfig mc = resolve_model(cfg, read_data_meta(cfg.data));
+      routing_changes = check_routing_matches(cfg, mc, read_initial_config(cfg.init_from), cfg.init_from + "/config.json");
     }
     start.auto_found_nothing = asked_resume == "auto" && start.resumed_step < 0;
     up.dir->admit(cfg, world.size(), start);
@@ -363,6 +368,7 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       fmt::print("--resume auto: {} holds this run (run {}, its run.json), killed before it saved anything: it restarts "
                  "from step 0\n",
                  cfg.out, up.dir->run_id());
+    for (const std::string& change : routing_changes) fmt::print("{}\n", change);
     std::fflush(stdout);
   });
   up.run_id = lead_text(world, timeout, up.dir ? up.dir->run_id() : "");

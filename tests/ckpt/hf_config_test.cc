@@ -104,6 +104,33 @@ TEST(HfConfig, MixtralRouterAuxLossCoefIsScaledByTopK) {
   EXPECT_EQ(from_hf_config(hub, "cfg.json").aux_loss_coef, 0.002);
 }
 
+// The router's settings are refused naming the field and its value as the file writes it: a
+// router_aux_loss_coef of -0.5 read "aux_loss_coef ... got -1.000000" (the value times top_k,
+// named by the flag), 1e308 "got inf". A capacity factor of any size is dropless past the
+// group's tokens (1e30 dropped every token).
+TEST(HfConfig, MixtralRouterSettingsAreRefusedAsWritten) {
+  const json moe = to_hf_config(model::model_preset("moe-tiny", 300));
+  const auto refused_as = [&](const std::string& key, const json& value, const std::string& written) {
+    const std::string what = error_of(with(moe, key, value));
+    EXPECT_NE(what.find("cfg.json: field '" + key + "'"), std::string::npos) << what;
+    EXPECT_NE(what.find(written), std::string::npos) << what;
+    EXPECT_EQ(what.find("inf"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  };
+  refused_as("router_aux_loss_coef", -0.5, "got -0.5");
+  refused_as("router_aux_loss_coef", 1e308, "1e+308");
+  refused_as("router_aux_loss_coef", -1e-300, "got -1e-300");
+  refused_as("shardlm_z_loss_coef", -0.25, "got -0.25");
+  refused_as("shardlm_z_loss_coef", 1.5e308 * -1, "got -1.5e+308");
+  refused_as("shardlm_capacity_factor", -1.25, "got -1.25");
+  refused_as("shardlm_capacity_factor", "1.25", "\"1.25\"");
+  for (const double factor : {1e18, 1e30, 1.7e308}) {
+    const model::ModelConfig wide = from_hf_config(with(moe, "shardlm_capacity_factor", factor), "cfg.json");
+    EXPECT_EQ(wide.capacity_factor, factor);
+    EXPECT_EQ(wide.expert_capacity(64), 64) << factor;
+  }
+}
+
 TEST(HfConfig, HubFilesDescribeTheirModels) {
   const model::ModelConfig gpt2 = from_hf_config(hub_gpt2(), "cfg.json");
   expect_same(gpt2, model::model_preset("gpt2-124m"));

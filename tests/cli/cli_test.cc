@@ -412,6 +412,35 @@ TEST_F(Cli, MixtureOfExpertsExportsAsMixtralAndImportsBitwise) {
   EXPECT_FALSE(fs::exists(refused));
 }
 
+// --capacity-factor 1e18 and up overflowed the experts' capacity: every token was dropped, exit 0
+// (dropped_frac 1; explain, simulate and plan sized for no routed rows). A
+// capacity past the routing group's tokens is dropless, whatever the factor: the same losses,
+// plan, prediction and ranking as no factor at all.
+TEST_F(Cli, HugeCapacityFactorIsDropless) {
+  const auto moe_args = [](const std::string& out) { return runs_.args(out, 2, 2, "moe-tiny"); };
+  ASSERT_EQ(run(moe_args("dropless")).code, 0);
+  const auto dropless = losses(dir_ / "dropless" / "metrics.jsonl");
+  ASSERT_EQ(dropless.size(), 2u);
+  const std::string shape = " --model moe-tiny --batch 2 --seq 32";
+  const std::string search = " --model moe-tiny --global-batch 128 --seq 32";
+  const Result plan = run("explain" + shape), predicted = run("simulate" + shape), ranked = run("plan" + search);
+  ASSERT_EQ(plan.code, 0) << plan.out;
+  ASSERT_EQ(predicted.code, 0) << predicted.out;
+  ASSERT_EQ(ranked.code, 0) << ranked.out;
+  for (const std::string factor : {"1e18", "1e30", "1.7e308"}) {
+    SCOPED_TRACE(factor);
+    const std::string out = "capacity_" + factor;
+    const Result r = run(moe_args(out) + " --capacity-factor " + factor);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(losses(dir_ / out / "metrics.jsonl"), dropless);
+    for (const auto& row : read_metrics(dir_ / out / "metrics.jsonl"))
+      if (row.contains("dropped_frac")) EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << row.dump();
+    EXPECT_EQ(run("explain" + shape + " --capacity-factor " + factor).out, plan.out);
+    EXPECT_EQ(run("simulate" + shape + " --capacity-factor " + factor).out, predicted.out);
+    EXPECT_EQ(run("plan" + search + " --capacity-factor " + factor).out, ranked.out);
+  }
+}
+
 // --model takes a Hugging Face config.json; explicit flags and TOML keys override it.
 TEST_F(Cli, ModelFromHuggingFaceConfigWithOverrides) {
   const fs::path cfg = dir_ / "hf_config.json";

@@ -481,6 +481,50 @@ TEST_F(RunSafety, ResumeWithAChangedSettingIsRefusedUnlessOverridden) {
   EXPECT_FLOAT_EQ(state["run"]["lr"].get<float>(), 0.01f);
 }
 
+// A mixture-of-experts run's routing (--top-k, --no-norm-topk, --capacity-factor) and its
+// losses' coefficients changed on --resume were taken without a word (and the next checkpoint's
+// config.json rewritten). Each is refused naming it, or changed through --resume-override,
+// which says so. --init-from compares what the weights compute with (the losses are the new
+// run's own).
+TEST_F(RunSafety, ResumeWithChangedRoutingIsRefusedUnlessOverridden) {
+  const auto moe = [](const std::string& out, int steps) { return runs_.args(out, steps, 2, "moe-tiny"); };
+  ASSERT_EQ(shardlm(moe("moe", 2) + " --save-every 1").code, 0);
+  const std::string before = read_file(dir_ / "moe" / "metrics.jsonl");
+  const std::string resume = " --save-every 1 --resume " + ckpt("moe", 1);
+  const std::string config = ckpt("moe", 1) + "/config.json";
+  expect_one_error(shardlm(moe("moe", 2) + resume + " --top-k 1"),
+                   {config, "top-k is 1 (saved 2)", "--resume-override top-k if that is meant"});
+  expect_one_error(shardlm(moe("moe", 2) + resume + " --no-norm-topk"), {config, "no-norm-topk is true (saved false)"});
+  expect_one_error(shardlm(moe("moe", 2) + resume + " --capacity-factor 1.25 --aux-loss-coef 0.5 --z-loss-coef 0"),
+                   {"capacity-factor is 1.25 (saved dropless)", "aux-loss-coef is 0.5 (saved 0.01)",
+                    "z-loss-coef is 0 (saved 0.001)", "--resume-override capacity-factor,aux-loss-coef,z-loss-coef"});
+  expect_one_error(shardlm(moe("moe", 2) + resume + " --top-k 1 --capacity-factor 2 --resume-override top-k"),
+                   {"capacity-factor is 2 (saved dropless)"});
+  EXPECT_EQ(read_file(dir_ / "moe" / "metrics.jsonl"), before) << "a refused resume changed the run's record";
+
+  const Result r = shardlm(moe("moe", 2) + resume + " --top-k 1 --aux-loss-coef 0.5 --resume-override top-k,aux-loss-coef");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, "--resume-override top-k: top-k changed from 2 to 1\n"), 1) << r.out;
+  EXPECT_EQ(count(r.out, "--resume-override aux-loss-coef: aux-loss-coef changed from 0.01 to 0.5\n"), 1) << r.out;
+  const auto saved = nlohmann::json::parse(read_file(fs::path(ckpt("moe", 2)) / "config.json"));
+  EXPECT_EQ(saved["num_experts_per_tok"], 1);
+
+  // A new run from the checkpoint (now top-k 1): another top-k or a capacity is refused; other
+  // loss coefficients are this run's own.
+  const std::string from = " --init-from " + ckpt("moe", 2);
+  expect_one_error(shardlm(moe("moe_init", 1) + from + " --top-k 1 --capacity-factor 1.25"),
+                   {ckpt("moe", 2) + "/config.json", "capacity-factor is 1.25 (saved dropless)",
+                    "--resume-override capacity-factor"});
+  expect_one_error(shardlm(moe("moe_init", 1) + from), {"top-k is 2 (saved 1)"});
+  expect_one_error(shardlm(moe("moe_init", 1) + from + " --top-k 1 --resume-override lr"), {"--resume-override", "'lr'", "--init-from"});
+  EXPECT_FALSE(fs::exists(dir_ / "moe_init" / "metrics.jsonl"));
+  const Result fresh = shardlm(moe("moe_init", 1) + from + " --top-k 1 --z-loss-coef 0.5");
+  EXPECT_EQ(fresh.code, 0) << fresh.out;
+  const Result topped = shardlm(moe("moe_init2", 1) + from + " --resume-override top-k");
+  ASSERT_EQ(topped.code, 0) << topped.out;
+  EXPECT_NE(topped.out.find("--resume-override top-k: top-k changed from 1 to 2\n"), std::string::npos) << topped.out;
+}
+
 // The per-rank batch and the strategy follow the rank count: fsdp on 2 ranks with --batch 2 is
 // the same run as ddp on 4 with --batch 1 (global batch 4), and it continues the saved losses.
 TEST_F(RunSafety, FsdpOnTwoRanksResumesAsDdpOnFour) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 namespace shardlm::model {
 namespace {
 
@@ -215,6 +217,24 @@ TEST(ModelConfig, MoeSettingsAreCheckedNamingTheField) {
   EXPECT_EQ(c.routed_rows_bound(32), 64);
   c.capacity_factor = 0.5;
   EXPECT_EQ(c.routed_rows_bound(32), 32);
+}
+
+// A capacity factor of 1e18 and up overflowed the capacity's conversion to an integer (negative:
+// every token dropped). An expert takes each of a group's tokens at most once, so a capacity
+// beyond the group's tokens is dropless, whatever the factor; the least positive factor still
+// leaves an expert one row.
+TEST(ModelConfig, ExpertCapacityNeverExceedsTheGroupsTokensNorOverflows) {
+  ModelConfig c = model_preset("moe-tiny", 300);
+  for (const double factor : {2.0, 1e17, 1e18, 1e30, 1e300, std::numeric_limits<double>::max()}) {
+    c.capacity_factor = factor;
+    EXPECT_EQ(c.expert_capacity(32), 32) << factor;
+    EXPECT_EQ(c.expert_capacity(int64_t{1} << 40), int64_t{1} << 40) << factor;
+    EXPECT_EQ(c.routed_rows_bound(32), 64) << factor;
+    EXPECT_EQ(c.expert_rows_bound(32, 2, 32), 2 * 64) << factor;
+  }
+  c.capacity_factor = std::numeric_limits<double>::denorm_min();
+  EXPECT_EQ(c.expert_capacity(32), 1);
+  EXPECT_EQ(c.expert_capacity(0), 0);
 }
 
 // The CUDA kernels' own scratch (model::KernelScratch) in GPT-2 124M's costs at B16 T1024, by

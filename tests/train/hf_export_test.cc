@@ -483,6 +483,37 @@ TEST(HfExportMixtral, MoeEveryAboveOneIsRefused) {
   EXPECT_FALSE(fs::exists(tmp.path / "sub"));
 }
 
+// Hugging Face's Mixtral renormalises the k routing weights and drops no token: a model trained
+// with --no-norm-topk or a capacity computes another function there from the same weights (it
+// exported as MixtralForCausalLM), so its export is refused in one line, writing nothing.
+TEST(HfExportMixtral, RoutingMixtralLacksIsRefused) {
+  struct Routing {
+    const char* name;
+    bool norm_topk;
+    double capacity_factor;
+    std::vector<std::string> named;
+  };
+  for (const Routing& r : {Routing{"no_norm_topk", false, 0.0, {"norm_topk = false", "--no-norm-topk", "renormalises"}},
+                           Routing{"capacity", true, 1.25, {"capacity_factor = 1.25", "--capacity-factor", "drops no token"}}}) {
+    SCOPED_TRACE(r.name);
+    TempDir tmp(r.name);
+    model::ModelConfig mc = model::model_preset("moe-tiny", 300);
+    mc.norm_topk = r.norm_topk, mc.capacity_factor = r.capacity_factor;
+    Model m(mc, tmp.path);
+    const fs::path out = tmp.path / "sub" / "hf";
+    try {
+      export_hf((tmp.path / "ckpt").string(), out.string(), {});
+      ADD_FAILURE() << "exported a model Mixtral does not compute";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      for (const std::string& needle : r.named) EXPECT_NE(what.find(needle), std::string::npos) << what;
+      EXPECT_NE(what.find("Mixtral"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+    EXPECT_FALSE(fs::exists(tmp.path / "sub"));
+  }
+}
+
 model::ModelConfig llama(bool tied) {
   model::ModelConfig m = model::model_preset("llama-tiny", 300);
   m.tie_embeddings = tied;

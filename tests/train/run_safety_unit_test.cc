@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "ckpt/hf_config.h"
 #include "train/agreement.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
@@ -133,6 +134,61 @@ TEST(ResumeCheck, NamesEveryChangeAndHonoursOverrides) {
   EXPECT_THROW(check_resume_matches(same, 2, identity, "ck/state.json"), std::runtime_error);
   now.resume_override = {"min_lr", "nonsense"};
   EXPECT_THROW(check_resume_matches(now, 2, identity, "ck/state.json"), std::invalid_argument);
+}
+
+// A mixture-of-experts checkpoint's routing is the resumed run's unless --resume-override names
+// the change, which is then said in one line; --init-from compares only what the weights
+// compute with, and --resume-override there names only that.
+TEST(ResumeCheck, RoutingIsTheCheckpointsUnlessOverridden) {
+  const model::ModelConfig saved = model::model_preset("moe-tiny", 300);
+  model::ModelConfig now = saved;
+  now.top_k = 1, now.capacity_factor = 1.25, now.norm_topk = false;
+  TrainConfig cfg;
+  cfg.resume = "ck";
+  try {
+    check_routing_matches(cfg, now, saved, "ck/config.json");
+    FAIL() << "another routing was accepted";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ck/config.json: "), std::string::npos) << what;
+    EXPECT_NE(what.find("top-k is 1 (saved 2)"), std::string::npos) << what;
+    EXPECT_NE(what.find("capacity-factor is 1.25 (saved dropless)"), std::string::npos) << what;
+    EXPECT_NE(what.find("no-norm-topk is true (saved false)"), std::string::npos) << what;
+    EXPECT_NE(what.find("--resume-override top-k,no-norm-topk,capacity-factor if that is meant"), std::string::npos) << what;
+  }
+  cfg.resume_override = {"top-k", "capacity_factor", "no-norm-topk"};
+  EXPECT_NO_THROW(check_resume_override_use(cfg));
+  EXPECT_EQ(check_routing_matches(cfg, now, saved, "ck/config.json"),
+            (std::vector<std::string>{"--resume-override top-k: top-k changed from 2 to 1",
+                                      "--resume-override no-norm-topk: no-norm-topk changed from false to true",
+                                      "--resume-override capacity-factor: capacity-factor changed from dropless to 1.25"}));
+  EXPECT_EQ(check_routing_matches(cfg, saved, saved, "ck/config.json"), std::vector<std::string>{});
+
+  // The loss coefficients as the checkpoint records them (Mixtral's router_aux_loss_coef, a k-th
+  // of --aux-loss-coef): the same run's 0.01 at k = 3 is the same.
+  model::ModelConfig k3 = saved;
+  k3.top_k = 3, k3.aux_loss_coef = 0.01;
+  const model::ModelConfig k3_saved = ckpt::from_hf_config(ckpt::to_hf_config(k3), "ck/config.json");
+  cfg.resume_override.clear();
+  EXPECT_EQ(check_routing_matches(cfg, k3, k3_saved, "ck/config.json"), std::vector<std::string>{});
+  model::ModelConfig losses = saved;
+  losses.aux_loss_coef = 0.5, losses.z_loss_coef = 0;
+  EXPECT_THROW(check_routing_matches(cfg, losses, saved, "ck/config.json"), std::runtime_error);
+
+  // --init-from: the new run's losses are its own; the routing is the weights'.
+  TrainConfig init;
+  init.init_from = "hf";
+  EXPECT_EQ(check_routing_matches(init, losses, saved, "hf/config.json"), std::vector<std::string>{});
+  EXPECT_THROW(check_routing_matches(init, now, saved, "hf/config.json"), std::runtime_error);
+  init.resume_override = {"top-k", "capacity-factor", "no-norm-topk"};
+  EXPECT_NO_THROW(check_resume_override_use(init));
+  EXPECT_EQ(check_routing_matches(init, now, saved, "hf/config.json").size(), 3u);
+  init.resume_override = {"top-k", "lr"};
+  EXPECT_THROW(check_resume_override_use(init), std::invalid_argument);
+  init.resume_override = {"aux-loss-coef"};
+  EXPECT_THROW(check_resume_override_use(init), std::invalid_argument);
+  init.init_from.clear(), init.resume_override = {"top-k"};
+  EXPECT_THROW(check_resume_override_use(init), std::invalid_argument);
 }
 
 }  // namespace
