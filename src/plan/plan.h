@@ -537,5 +537,12 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config);
 // buffers (the planner's bounds read them; cheaper than a plan by the tasks' count). Throws as
 // build_plan does for a configuration it refuses before laying out tasks.
 Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config);
+// The mesh build_plan lays the configuration's ranks on, without a model: what a run's settings
+// say before its model is read (the data-parallel size a resume compares). Throws
+// std::invalid_argument as build_plan does for sizes that do not divide the ranks.
+Mesh plan_mesh(const PlanConfig& config);
+// The axes of `mesh` that split the data: ranks that differ only on the others (cp) read the
+// same batch.
+std::vector<int> data_axes(const Mesh& mesh);
 
 }  // namespace shardlm::plan

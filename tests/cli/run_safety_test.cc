@@ -417,6 +417,25 @@ TEST_F(RunSafety, FsdpOnTwoRanksResumesAsDdpOnFour) {
   for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
 }
 
+// The ranks of a cp group read the same sequences: cp 2 on 2 ranks with --batch 2 is the run one
+// rank makes with --batch 2 (global batch 2, where it was once counted 4), so that is the resume
+// that continues its losses; 2 ranks with --cp 1 read 4 sequences a step and are refused.
+TEST_F(RunSafety, ContextParallelRunResumesOnTheRanksThatReadItsBatch) {
+  const Result saved = testing::mpirun(2, args("cp", 4) + " --strategy fsdp --cp 2 --save-every 2");
+  ASSERT_EQ(saved.code, 0) << saved.out;
+  const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("cp", 2)) / "index.json"));
+  EXPECT_EQ(state["run"]["global-batch"], 2);
+  const auto original = testing::step_losses(dir_ / "cp" / "metrics.jsonl");
+  ASSERT_EQ(original.size(), 4u);
+  expect_one_error(testing::mpirun(2, args("cp", 4) + " --strategy fsdp --resume " + ckpt("cp", 2)),
+                   {"global-batch is 4 (saved 2)", "data-parallel ranks x batch x grad-accum = 2 x 2 x 1"});
+  const Result r = shardlm(args("cp", 4) + " --resume " + ckpt("cp", 2));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(train_steps(dir_ / "cp" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3}));
+  const auto resumed = testing::step_losses(dir_ / "cp" / "metrics.jsonl");
+  for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
+}
+
 // Every train flag is either compared across ranks or one of the process's own settings: a new
 // run-defining flag left out of rank_settings() would let ranks start with different values.
 TEST(RankSettings, CoverEveryTrainFlag) {
