@@ -372,6 +372,18 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   return up;
 }
 
+// Every run samples its training split and evaluates its validation split at least once (at the
+// end), each in windows of --seq + 1 tokens: a split shorter than one is refused before the first
+// step, not found after the last. Every rank reads the same files, so rank 0 alone reports it.
+void check_splits_hold_a_window(const Session& s) {
+  const int64_t window = s.cfg.seq + 1;
+  for (const data::TokenCorpus* split : {&s.train_data, &s.val_data})
+    if (split->size() < window)
+      throw AgreedFailure(fmt::format("{}: {} tokens, fewer than the {} one window of --seq {} needs", split->path(),
+                                      split->size(), window, s.cfg.seq),
+                          s.lead);
+}
+
 // The per-category maximum over ranks of a memory snapshot (collective).
 MemSnapshot max_over_ranks(Session& s, const MemSnapshot& mine) {
   std::vector<int64_t> all(kNumMemCategories * s.N);
@@ -636,6 +648,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   Session s(cfg, world, memory, resolve_model(cfg, meta), meta, hooks);
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
+  check_splits_hold_a_window(s);
   check_token_ids(world, s.timeout, {&s.train_data, &s.val_data},
                   static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(up.snapshots);

@@ -13,6 +13,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "data/shard.h"
 #include "run/test_util.h"
 
 namespace {
@@ -266,6 +267,24 @@ TEST_F(BadInput, TokenFileTruncatedDuringARun) {
   fs::resize_file(prefix + "_train.bin", 1024 + 2 * 40);
   runner.join();
   expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
+}
+
+// A validation split shorter than one window (--seq + 1 tokens) was found at the run's final
+// evaluation, after every step had trained; now the run is refused before it starts, naming the
+// file and --seq, and leaves no run directory. The training split is held to the same.
+TEST_F(BadInput, SplitsShorterThanOneWindowAreRefusedBeforeTraining) {
+  const std::string prefix = path("short_val");
+  fs::copy_file(data() + "_train.bin", prefix + "_train.bin");
+  const std::vector<int32_t> window_less_one(32, 7);  // --seq 32 needs 33
+  shardlm::data::write_token_shard(prefix + "_val.bin", window_less_one);
+  std::string args = train_args("short_val_run", 2);
+  args.replace(args.find(data()), data().size(), prefix);
+  expect_one_line_error(run(args), {prefix + "_val.bin", "32 tokens", "--seq 32"});
+  EXPECT_FALSE(fs::exists(path("short_val_run")));
+  fs::copy_file(prefix + "_val.bin", prefix + "_train.bin", fs::copy_options::overwrite_existing);
+  fs::copy_file(data() + "_val.bin", prefix + "_val.bin", fs::copy_options::overwrite_existing);
+  expect_one_line_error(run(args), {prefix + "_train.bin", "32 tokens", "--seq 32"});
+  EXPECT_FALSE(fs::exists(path("short_val_run")));
 }
 
 // A config.json with n_layer 1e8 ran for minutes instead of being refused; a model too big for
