@@ -436,6 +436,25 @@ TEST_F(RunSafety, ContextParallelRunResumesOnTheRanksThatReadItsBatch) {
   for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
 }
 
+// An --offload-dir the user made (empty) was removed at the end of the run, as if the run had
+// made it: it stays; only the run's own files in it go. One the run made goes.
+TEST_F(RunSafety, AnOffloadDirTheRunDidNotMakeIsLeftInPlace) {
+  const fs::path mine = dir_ / "my_offload";
+  fs::create_directories(mine);
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(ranks);
+    const std::string a = args("offload_dir_" + std::to_string(ranks), 1) + " --offload params --offload-dir ";
+    const Result kept = testing::mpirun(ranks, a + mine.string());
+    ASSERT_EQ(kept.code, 0) << kept.out;
+    ASSERT_TRUE(fs::is_directory(mine)) << "the run removed the --offload-dir it was given";
+    EXPECT_TRUE(fs::is_empty(mine)) << "the run left files in " << mine;
+    const fs::path made = dir_ / ("made_offload_" + std::to_string(ranks));
+    const Result gone = testing::mpirun(ranks, a + made.string() + " --overwrite");
+    ASSERT_EQ(gone.code, 0) << gone.out;
+    EXPECT_FALSE(fs::exists(made)) << "the run left the --offload-dir it made";
+  }
+}
+
 // Every train flag is either compared across ranks or one of the process's own settings: a new
 // run-defining flag left out of rank_settings() would let ranks start with different values.
 TEST(RankSettings, CoverEveryTrainFlag) {
