@@ -157,6 +157,12 @@ enum class StateKind { params, grads, optimizer };
 inline constexpr int kNumStateKinds = 3;
 const char* to_string(StateKind k);
 
+// The deepest read-ahead of the disk tier (--offload-prefetch). A depth d keeps about d + 1
+// units' windows of offloaded state in memory at once, so at 64 it holds more blocks than most
+// presets have (the 70B LLaMAs' 80 and gpt3-175b's 96 aside): offloading has long stopped saving
+// memory there, and auto chooses from 0..4. A deeper value is a slip of the keyboard, not a plan.
+inline constexpr int kMaxOffloadPrefetchDepth = 64;
+
 // The disk tier (--offload): which kinds of state live in files instead of memory, and how many
 // units' state the copy stream reads ahead of the task using it.
 struct OffloadConfig {

@@ -269,6 +269,32 @@ TEST_F(BadInput, TokenFileTruncatedDuringARun) {
   expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
 }
 
+// `--memory-budget ""` ran with no budget and `--offload ""` with nothing offloaded, silently;
+// `--offload-prefetch -1` was taken for auto (and refused as auto without --hardware), and any
+// depth up to 2^31 was taken. Each is one line naming the flag, from the command line and TOML.
+TEST_F(BadInput, OffloadSettingsAreCheckedNamingTheFlag) {
+  const std::string base = train_args("offload_flags", 1);
+  expect_one_line_error(run(base + " --memory-budget="), {"--memory-budget", "empty"});
+  expect_one_line_error(run(base + " --memory-budget ''"), {"--memory-budget", "empty"});
+  expect_one_line_error(run(base + " --offload="), {"--offload", "empty"});
+  for (const std::string depth : {"-1", "-7", "65", "2000000000"}) {
+    SCOPED_TRACE(depth);
+    const Result r = run(base + " --offload params --offload-prefetch " + depth);
+    expect_one_line_error(r, {"--offload-prefetch", depth, "[0, 64]"});
+    EXPECT_EQ(r.out.find("--offload-prefetch auto"), std::string::npos) << r.out;
+  }
+  for (const auto& [line, key] : std::vector<std::pair<std::string, std::string>>{
+           {"memory_budget = \"\"", "memory_budget"}, {"offload = \"\"", "offload"},
+           {"offload_prefetch = -1", "offload_prefetch"}, {"offload_prefetch = 65", "offload_prefetch"}}) {
+    SCOPED_TRACE(line);
+    write("offload.toml", line + "\n");
+    expect_one_line_error(run(base + " --config " + path("offload.toml")), {path("offload.toml"), key});
+  }
+  expect_one_line_error(run("explain --model tiny --offload params --offload-prefetch 65"), {"--offload-prefetch", "65"});
+  const Result deepest = run("explain --model tiny --offload params --offload-prefetch 64");
+  EXPECT_EQ(deepest.code, 0) << deepest.out;
+}
+
 // A validation split shorter than one window (--seq + 1 tokens) was found at the run's final
 // evaluation, after every step had trained; now the run is refused before it starts, naming the
 // file and --seq, and leaves no run directory. The training split is held to the same.
