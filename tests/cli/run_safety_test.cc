@@ -425,6 +425,9 @@ TEST_F(RunSafety, ContextParallelRunResumesOnTheRanksThatReadItsBatch) {
   ASSERT_EQ(saved.code, 0) << saved.out;
   const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("cp", 2)) / "index.json"));
   EXPECT_EQ(state["run"]["global-batch"], 2);
+  // tokens/s and MFU count the same step: 2 sequences of 32 tokens.
+  const auto info = nlohmann::json::parse(read_file(dir_ / "cp" / "run_info.json"));
+  EXPECT_EQ(info["config"]["tokens_per_step"], 2 * 32);
   const auto original = testing::step_losses(dir_ / "cp" / "metrics.jsonl");
   ASSERT_EQ(original.size(), 4u);
   expect_one_error(testing::mpirun(2, args("cp", 4) + " --strategy fsdp --resume " + ckpt("cp", 2)),
