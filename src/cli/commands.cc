@@ -81,6 +81,26 @@ CLI::Validator at_least(double lo) { return bounded(lo, false, std::numeric_limi
 CLI::Validator positive() { return bounded(0, true, std::numeric_limits<double>::infinity()); }
 CLI::Validator in_range(double lo, double hi) { return bounded(lo, false, hi); }
 
+// A CLI check: an empty value is refused ("must not be empty (WHY)"), where the option's empty
+// default means "not given" and an empty value would silently read as that.
+CLI::Validator not_empty(const std::string& why) {
+  return CLI::Validator([why](std::string& text) { return text.empty() ? "must not be empty (" + why + ")" : std::string(); },
+                        "not empty");
+}
+
+// --offload-prefetch: auto (kOffloadPrefetchAuto), or a depth in [0, plan::kMaxOffloadPrefetchDepth].
+// One transform, since CLI11 runs transforms before checks: a check after it would see auto's -1.
+CLI::Validator offload_prefetch_depth() {
+  const CLI::Validator depth = in_range(0, plan::kMaxOffloadPrefetchDepth);
+  return CLI::Validator(
+      [depth](std::string& text) {
+        if (text != "auto") return depth(text);
+        text = std::to_string(train::kOffloadPrefetchAuto);
+        return std::string();
+      },
+      "0.." + std::to_string(plan::kMaxOffloadPrefetchDepth) + " or auto");
+}
+
 constexpr const char* kMoeImbalanceHelp =
     "mixture of experts: max/mean expert load, a number >= 1 or a run (its directory or metrics.jsonl: the median of its "
     "steps' expert_load_imbalance, the busiest expert's rows over the mean per routing group and block, measured at that "
@@ -169,16 +189,21 @@ void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
                   "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")->group("Parallelism")
       ->capture_default_str();
   cmd->add_option("--offload", c.offload,
-                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")->group("Memory")
+                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")
+      ->group("Memory")
+      ->check(not_empty("none for nothing offloaded"))
       ->capture_default_str();
   cmd->add_option("--memory-budget", c.memory_budget,
                   "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
-                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part")->group("Memory");
+                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part")
+      ->group("Memory")
+      ->check(not_empty("omit the flag for no budget"));
   cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)")->group("Memory");
   cmd->add_option("--offload-prefetch", c.offload_prefetch,
-                  "offloaded units read ahead of the task using them, or auto: the depth (0-4) the simulator predicts "
-                  "fastest on --hardware (train, simulate)")->group("Memory")
-      ->transform([](const std::string& v) { return v == "auto" ? std::to_string(train::kOffloadPrefetchAuto) : v; })
+                  "offloaded units read ahead of the task using them (0-" + std::to_string(plan::kMaxOffloadPrefetchDepth) +
+                      "), or auto: the depth (0-4) the simulator predicts fastest on --hardware (train, simulate)")
+      ->group("Memory")
+      ->transform(offload_prefetch_depth())
       ->capture_default_str();
   cmd->add_flag("--pipeline-optimizer", c.pipeline_optimizer,
                "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "

@@ -584,7 +584,9 @@ void offload_pass(Plan& p, const model::ModelDesc& desc) {
   const OffloadConfig& o = p.config.offload;
   if (!o.disk()) return;
   const bool train = p.config.mode == PlanConfig::Mode::train;
-  if (o.prefetch < 0) throw std::invalid_argument("offload prefetch (--offload-prefetch): must be >= 0, got " + std::to_string(o.prefetch));
+  if (o.prefetch < 0 || o.prefetch > kMaxOffloadPrefetchDepth)
+    throw std::invalid_argument("offload prefetch (--offload-prefetch): must be in [0, " +
+                                std::to_string(kMaxOffloadPrefetchDepth) + "], got " + std::to_string(o.prefetch));
   if (o.any()) offload_state(p, desc);
   if (o.activations && train) offload_activations(p);
   settle_windows(p);

@@ -178,7 +178,8 @@ std::vector<int> Plan::replicate_axes() const {
   return config.strategy == Strategy::ddp ? present(mesh, {kDpReplicate, kExpert, kContext})
                                           : present(mesh, {kDpReplicate});
 }
-std::vector<int> Plan::dp_axes() const { return present(mesh, {kDpReplicate, kDpShard, kExpert}); }
+std::vector<int> data_axes(const Mesh& mesh) { return present(mesh, {kDpReplicate, kDpShard, kExpert}); }
+std::vector<int> Plan::dp_axes() const { return data_axes(mesh); }
 std::vector<int> Plan::grad_axes() const {
   return config.split_sequence ? present(mesh, {kDpReplicate, kDpShard, kExpert, kContext}) : dp_axes();
 }

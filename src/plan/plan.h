@@ -157,6 +157,12 @@ enum class StateKind { params, grads, optimizer };
 inline constexpr int kNumStateKinds = 3;
 const char* to_string(StateKind k);
 
+// The deepest read-ahead of the disk tier (--offload-prefetch). A depth d keeps about d + 1
+// units' windows of offloaded state in memory at once, so at 64 it holds more blocks than most
+// presets have (the 70B LLaMAs' 80 and gpt3-175b's 96 aside): offloading has long stopped saving
+// memory there, and auto chooses from 0..4. A deeper value is a slip of the keyboard, not a plan.
+inline constexpr int kMaxOffloadPrefetchDepth = 64;
+
 // The disk tier (--offload): which kinds of state live in files instead of memory, and how many
 // units' state the copy stream reads ahead of the task using it.
 struct OffloadConfig {
@@ -538,5 +544,12 @@ Plan build_plan(const model::ModelDesc& desc, const PlanConfig& config);
 // buffers (the planner's bounds read them; cheaper than a plan by the tasks' count). Throws as
 // build_plan does for a configuration it refuses before laying out tasks.
 Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config);
+// The mesh build_plan lays the configuration's ranks on, without a model: what a run's settings
+// say before its model is read (the data-parallel size a resume compares). Throws
+// std::invalid_argument as build_plan does for sizes that do not divide the ranks.
+Mesh plan_mesh(const PlanConfig& config);
+// The axes of `mesh` that split the data: ranks that differ only on the others (cp) read the
+// same batch.
+std::vector<int> data_axes(const Mesh& mesh);
 
 }  // namespace shardlm::plan

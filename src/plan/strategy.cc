@@ -19,6 +19,29 @@ namespace {
 
 using model::Recompute;
 
+// Ranks one unit is split over under a normalized config's strategy.
+int shard_size_of(const PlanConfig& c) {
+  return c.strategy == Strategy::ddp ? 1 : c.strategy == Strategy::hybrid ? c.shard_group : c.world;
+}
+
+// A normalized config's mesh.
+// ep sits between the replicas and dp_shard: the ranks of an expert group shard (or under DDP
+// replicate) dense units together with dp_shard, and a rank's part of a unit split over
+// {ep, dp_shard} lies inside its ep coordinate's slice of the unit.
+// cp is innermost (a ring's neighbours are consecutive ranks); it shards with dp_shard, or under
+// DDP replicates, like ep.
+Mesh mesh_of(const PlanConfig& c) {
+  const bool ddp = c.strategy == Strategy::ddp;
+  const int shard_size = shard_size_of(c);
+  const int ep = c.ep, outer_ep = ddp ? ep : 1, inner_ep = ddp ? 1 : ep;
+  const int cp = c.cp, outer_cp = ddp ? cp : 1, inner_cp = ddp ? 1 : cp;
+  std::vector<MeshAxis> axes{{kDpReplicate, c.world / shard_size / outer_ep / outer_cp}};
+  if (ep > 1) axes.push_back({kExpert, ep});
+  axes.push_back({kDpShard, shard_size / inner_ep / inner_cp});
+  if (cp > 1) axes.push_back({kContext, cp});
+  return Mesh(axes);
+}
+
 class Builder {
  public:
   Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : desc_(desc), cfg_(cfg) {}
@@ -825,19 +848,8 @@ void Builder::frame() {
   const Strategy s = cfg_.strategy;
   train_ = cfg_.mode == PlanConfig::Mode::train;
   plan_.config = cfg_;
-  plan_.shard_size = s == Strategy::ddp ? 1 : s == Strategy::hybrid ? cfg_.shard_group : cfg_.world;
-  // ep sits between the replicas and dp_shard: the ranks of an expert group shard (or under DDP
-  // replicate) dense units together with dp_shard, and a rank's part of a unit split over
-  // {ep, dp_shard} lies inside its ep coordinate's slice of the unit.
-  // cp is innermost (a ring's neighbours are consecutive ranks); it shards with dp_shard, or under
-  // DDP replicates, like ep.
-  const int ep = cfg_.ep, outer_ep = s == Strategy::ddp ? ep : 1, inner_ep = s == Strategy::ddp ? 1 : ep;
-  const int cp = cfg_.cp, outer_cp = s == Strategy::ddp ? cp : 1, inner_cp = s == Strategy::ddp ? 1 : cp;
-  std::vector<MeshAxis> axes{{kDpReplicate, cfg_.world / plan_.shard_size / outer_ep / outer_cp}};
-  if (ep > 1) axes.push_back({kExpert, ep});
-  axes.push_back({kDpShard, plan_.shard_size / inner_ep / inner_cp});
-  if (cp > 1) axes.push_back({kContext, cp});
-  plan_.mesh = Mesh(axes);
+  plan_.shard_size = shard_size_of(cfg_);
+  plan_.mesh = mesh_of(cfg_);
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
@@ -1092,12 +1104,17 @@ void check_reduce_each_micro_step(PlanConfig& c) {
 }
 
 // The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
-PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
-  PlanConfig c = config;
+// The strategy and shard group as the mesh is laid out from them.
+void normalize_layout(PlanConfig& c) {
   // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
   // (a sharded plan would only copy parameters into gathered buffers and back).
   if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
   if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
+}
+
+PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
+  PlanConfig c = config;
+  normalize_layout(c);
   if (c.mode != PlanConfig::Mode::train) c.grad_accum = 1;
   // A forward-only plan keeps nothing for a backward, so it has nothing to compress or rebuild.
   if (c.mode != PlanConfig::Mode::train) c.act_quant = {}, c.recompute = Recompute::none, c.recompute_blocks = -1;
@@ -1118,6 +1135,13 @@ PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
 }
 
 }  // namespace
+
+Mesh plan_mesh(const PlanConfig& config) {
+  PlanConfig c = config;
+  normalize_layout(c);
+  validate(c);
+  return mesh_of(c);
+}
 
 Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config) {
   return Builder(desc, normalized(desc, config)).frame_only();

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -390,10 +391,12 @@ struct DiskFigures {
   double disk_slowdown = 1;     // the copies' time beside GEMMs over alone (median passes)
   std::string how;
 };
-DiskFigures measure_disk(const std::string& dir, const kernels::Backend& k, int rank) {
+DiskFigures measure_disk(const std::string& dir, bool dir_was_there, const kernels::Backend& k, int rank) {
   const int64_t file_bytes = int64_t{64} << 20, chunk = int64_t{4} << 20;
   DiskFigures d;
-  DiskStore store(dir, {}, "calibrate-" + std::to_string(rank));
+  DiskStoreOptions options;
+  options.remove_dir = !dir_was_there;
+  DiskStore store(dir, options, "calibrate-" + std::to_string(rank));
   d.how = store.describe();
   const int f = store.create("calibrate-" + std::to_string(rank) + ".bin", file_bytes);
   Buffer buf = k.alloc(MemCategory::staging, chunk, Buffer::Fill::zero);
@@ -598,10 +601,10 @@ void add_placement_figures(json& j, const kernels::Backend& k, const kernels::Ba
 }
 
 // The disk under `dir` (every rank its own file, as each rank's copies run), and how it and
-// compute slow each other.
-void add_disk_figures(json& j, const kernels::Backend& k, const std::string& dir, int rank, int threads,
-                      const std::string& here) {
-  const DiskFigures d = measure_disk(dir, k, rank);
+// compute slow each other. A `dir` that was there before calibrate is left in place.
+void add_disk_figures(json& j, const kernels::Backend& k, const std::string& dir, bool dir_was_there, int rank,
+                      int threads, const std::string& here) {
+  const DiskFigures d = measure_disk(dir, dir_was_there, k, rank);
   const std::string src = here + ": one 64 MiB file under " + dir + " (" + d.how + ")";
   j["disk_read_bw"] = fig(d.read_bw, src + ", 4 MiB reads, best of 3 passes");
   j["disk_write_bw"] = fig(d.write_bw, src + ", 4 MiB writes, best of 3 passes");
@@ -616,6 +619,8 @@ void add_disk_figures(json& j, const kernels::Backend& k, const std::string& dir
 
 std::string calibrate(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o) {
   check_calibrate_options(o);
+  // Before the ranks' first collective, so none has made it yet: a directory there is the user's.
+  const bool offload_dir_was_there = !o.offload_dir.empty() && std::filesystem::exists(o.offload_dir);
   const std::vector<GemmModel> models = gemm_models_of(o);
   const int n = world.size();
   // A device's buffers are not the host's: its collectives would be staged through host memory
@@ -706,7 +711,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                             {"source", here + ": the first block's causal attention of " + models_text(models) + ", " + per +
                                            " (2·B·T·T·C forward, twice that backward)"}};
   }
-  if (!o.offload_dir.empty()) add_disk_figures(j, k, o.offload_dir, world.rank(), threads, here);
+  if (!o.offload_dir.empty()) add_disk_figures(j, k, o.offload_dir, offload_dir_was_there, world.rank(), threads, here);
   return j.dump(2);
 }
 

@@ -51,8 +51,9 @@ struct DiskStore::Ring {
 DiskStore::DiskStore(std::string dir, DiskStoreOptions options, const std::string& owner)
     : dir_(std::move(dir)), options_(options) {
   std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
+  const bool made = std::filesystem::create_directories(dir_, ec);
   if (ec) throw std::runtime_error("offload dir " + dir_ + ": cannot create it: " + ec.message());
+  remove_dir_ = options_.remove_dir.value_or(made);
   lock_path_ = (std::filesystem::path(dir_) / (owner + ".lock")).string();
   lock_fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) throw std::runtime_error("offload dir " + dir_ + ": cannot create " + lock_path_ + ": " + errno_text(errno));
@@ -92,7 +93,7 @@ DiskStore::~DiskStore() {
     ::unlink(lock_path_.c_str());
     ::close(lock_fd_);
   }
-  ::rmdir(dir_.c_str());  // only if empty: the directory may hold other things
+  if (remove_dir_) ::rmdir(dir_.c_str());  // only if empty: the directory may hold other things
 }
 
 std::string DiskStore::describe() const {

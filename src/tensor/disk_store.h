@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,11 +42,16 @@ struct DiskStoreOptions {
   // Test seam (faults enter as data, never from the environment): asked before each read of
   // `bytes` at `offset` of a file; true makes that read fail as a disk's I/O error (EIO) would.
   std::function<bool(const std::string& path, int64_t offset, int64_t bytes)> read_fault;
+  // Whether the directory goes with the store (when empty). Unset: when the store made it. Set by
+  // a caller whose processes share one directory: it is theirs if it was not there before any of
+  // them started, whichever happened to make it.
+  std::optional<bool> remove_dir;
 };
 
 class DiskStore final : public OffloadStore {
  public:
-  // Files go in `dir` (created if missing). `owner` names the store's lock file (DIR/OWNER.lock,
+  // Files go in `dir` (created if missing; removed at the end, when empty, if it is the store's:
+  // DiskStoreOptions::remove_dir). `owner` names the store's lock file (DIR/OWNER.lock,
   // held with flock for the store's life and released by the kernel however the process ends):
   // a second live run given the same directory and owner is refused instead of replacing the
   // first one's files.
@@ -98,6 +104,7 @@ class DiskStore final : public OffloadStore {
   std::unique_ptr<Ring> ring_;  // null: io_uring refused, pread/pwrite
   std::string uring_refused_;   // why, for describe()
   bool direct_refused_ = false;
+  bool remove_dir_ = false;  // the directory is the store's (or its caller's run's): rmdir at the end
   bool unlocked_ = false;  // the filesystem keeps no locks: a second run on the dir is not refused
   std::mutex mu_;  // one ring, used by the copy stream and, between steps, the caller's thread
   int64_t read_ = 0, written_ = 0;

@@ -197,8 +197,10 @@ void check_distribution(const TrainConfig& c) {
   if (c.offload != "none" && c.offload != "activations" && c.snapshot_every > 0)
     throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");
   if (!c.memory_budget.empty()) plan::parse_memory_budget(c.memory_budget);  // throws naming --memory-budget
-  if (c.offload_prefetch < kOffloadPrefetchAuto)
-    throw std::invalid_argument("offload-prefetch: must be >= 0 or auto, got " + std::to_string(c.offload_prefetch));
+  if (c.offload.empty()) throw std::invalid_argument("--offload: is an empty string (none, or any of params,grads,optimizer,activations)");
+  if (c.offload_prefetch != kOffloadPrefetchAuto && (c.offload_prefetch < 0 || c.offload_prefetch > plan::kMaxOffloadPrefetchDepth))
+    throw std::invalid_argument(fmt::format("--offload-prefetch: must be in [0, {}] or auto, got {}",
+                                            plan::kMaxOffloadPrefetchDepth, c.offload_prefetch));
   if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
     throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
                                 "(checkpoints read host memory)");

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "ckpt/hf_config.h"
+#include "plan/plan.h"
+#include "train/trainer.h"
 
 namespace shardlm::train {
 
@@ -75,6 +77,12 @@ bool overridden(const TrainConfig& cfg, const std::string& name) {
                      [&](const std::string& raw) { return flag_name(raw) == name; });
 }
 
+// The ranks that read different sequences, as the mesh's data axes say: a cp group's share theirs.
+int data_parallel_ranks(const TrainConfig& c, int world_size) {
+  const plan::Mesh mesh = plan::plan_mesh(plan_config(c, world_size));
+  return mesh.group_size(plan::data_axes(mesh));
+}
+
 }  // namespace
 
 json run_identity(const TrainConfig& c, int world_size) {
@@ -87,7 +95,7 @@ json run_identity(const TrainConfig& c, int world_size) {
       {"warmup", c.warmup},
       {"lr-decay", c.lr_decay},
       {"decay-fraction", c.decay_fraction},
-      {"global-batch", static_cast<int64_t>(world_size) * c.batch * c.grad_accum},
+      {"global-batch", static_cast<int64_t>(data_parallel_ranks(c, world_size)) * c.batch * c.grad_accum},
       {"seq", c.seq},
       {"data", ec ? c.data : data.string()},
       {"seed", c.seed},
@@ -154,7 +162,8 @@ void check_resume_matches(const TrainConfig& cfg, int world_size, const json& sa
     if (std::find(allowed.begin(), allowed.end(), name) != allowed.end()) continue;
     std::string change = fmt::format("{} is {} (saved {})", name, shown(name, value), shown(name, saved_run[name]));
     if (name == "global-batch")
-      change += fmt::format(" [ranks x batch x grad-accum = {} x {} x {}]", world_size, cfg.batch, cfg.grad_accum);
+      change += fmt::format(" [data-parallel ranks x batch x grad-accum = {} x {} x {}]",
+                            data_parallel_ranks(cfg, world_size), cfg.batch, cfg.grad_accum);
     changes.push_back(change);
     names.push_back(name);
   }

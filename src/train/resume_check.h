@@ -1,7 +1,7 @@
 // A resumed run is the run that was saved. The settings that define a run — its learning-rate
-// schedule (lr, min-lr, warmup, lr-decay, decay-fraction, and steps, which sets its length), the global batch
-// (ranks × batch × grad-accum), seq, data, seed and the optimizer's hyperparameters — are
-// recorded in the checkpoint's state.json ("run"), and a resume that changes one is refused,
+// schedule (lr, min-lr, warmup, lr-decay, decay-fraction, and steps, which sets its length), the
+// global batch (data-parallel ranks × batch × grad-accum: the ranks of a cp group read one batch),
+// seq, data, seed and the optimizer's hyperparameters — are recorded in the checkpoint's state.json ("run"), and a resume that changes one is refused,
 // naming it, unless --resume-override names it. The model is checked against config.json
 // (trainer.cc; a mixture of experts' routing here, overridable the same way). What may change freely: the rank count, per-rank batch, grad-accum and strategy
 // as long as the global batch holds, threads, and every plan or output setting.

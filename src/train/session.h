@@ -67,7 +67,7 @@ struct Session {
   std::unique_ptr<ckpt::AsyncRankWriter> writer;
 
   Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
-          const DataMeta& m, const TrainHooks& h);
+          const DataMeta& m, const TrainHooks& h, const run::OffloadOptions& offload);
 };
 
 }  // namespace shardlm::train

@@ -237,7 +237,7 @@ std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool&
 }
 
 Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
-                 const DataMeta& m, const TrainHooks& h)
+                 const DataMeta& m, const TrainHooks& h, const run::OffloadOptions& offload)
     : cfg(c),
       hooks(h),
       world(w),
@@ -259,8 +259,7 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
                                    c.machines)),
       backend(make_backend(c, memory, h.cpu_as_device)),
       comms(w, plan, backend.get(), c.comm_backend == "nccl" ? run::DeviceCollectives::nccl : run::DeviceCollectives::staged),
-      ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults,
-         run::OffloadOptions{c.offload_dir.empty() ? c.out + "/offload" : c.offload_dir, {}}),
+      ex(desc, plan, comms, c.threads, timeout, *backend, h.executor_faults, offload),
       writer(c.async_save ? std::make_unique<ckpt::AsyncRankWriter>(memory, desc, sharded_layout(plan, N), rank)
                           : nullptr) {}
 
@@ -376,6 +375,29 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   if (!cfg.resume.empty()) cfg.init_from.clear();  // the checkpoint holds the weights
   if (world.rank() != 0 && !cfg.init_from.empty()) cfg.init_from = resolve_initial(cfg.init_from);
   return up;
+}
+
+// Every run samples its training split and evaluates its validation split at least once (at the
+// end), each in windows of --seq + 1 tokens: a split shorter than one is refused before the first
+// step, not found after the last. Every rank reads the same files, so rank 0 alone reports it.
+void check_splits_hold_a_window(const Session& s) {
+  const int64_t window = s.cfg.seq + 1;
+  for (const data::TokenCorpus* split : {&s.train_data, &s.val_data})
+    if (split->size() < window)
+      throw AgreedFailure(fmt::format("{}: {} tokens, fewer than the {} one window of --seq {} needs", split->path(),
+                                      split->size(), window, s.cfg.seq),
+                          s.lead);
+}
+
+// Where the disk tier's files go: --offload-dir, else DIR/offload, which is the run's. The run
+// removes the directory at its end (when empty) unless it was there before the run: a directory
+// the user made is theirs. Asked before the ranks' first collective, so that no rank has made it
+// yet, and each rank asks of its own (--offload-dir may be node-local).
+run::OffloadOptions offload_options(const TrainConfig& cfg) {
+  run::OffloadOptions o{cfg.offload_dir.empty() ? cfg.out + "/offload" : cfg.offload_dir, {}};
+  std::error_code ec;
+  o.io.remove_dir = cfg.offload_dir.empty() || !std::filesystem::exists(cfg.offload_dir, ec);
+  return o;
 }
 
 // The per-category maximum over ranks of a memory snapshot (collective).
@@ -636,12 +658,14 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   if (cfg_in.async_save && cfg_in.save_every == 0)
     throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
+  const run::OffloadOptions offload = offload_options(cfg);  // before any rank can have made the directory
   StartUp up = start_up(cfg, world, memory);
   kernels::init_compute(cfg.threads);
   const DataMeta meta = read_data_meta(cfg.data);
-  Session s(cfg, world, memory, resolve_model(cfg, meta), meta, hooks);
+  Session s(cfg, world, memory, resolve_model(cfg, meta), meta, hooks, offload);
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
+  check_splits_hold_a_window(s);
   check_token_ids(world, s.timeout, {&s.train_data, &s.val_data},
                   static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(up.snapshots);

@@ -13,6 +13,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "data/shard.h"
 #include "run/test_util.h"
 
 namespace {
@@ -266,6 +267,50 @@ TEST_F(BadInput, TokenFileTruncatedDuringARun) {
   fs::resize_file(prefix + "_train.bin", 1024 + 2 * 40);
   runner.join();
   expect_one_line_error(r, {prefix + "_train.bin", "truncated", "1104 bytes"});
+}
+
+// `--memory-budget ""` ran with no budget and `--offload ""` with nothing offloaded, silently;
+// `--offload-prefetch -1` was taken for auto (and refused as auto without --hardware), and any
+// depth up to 2^31 was taken. Each is one line naming the flag, from the command line and TOML.
+TEST_F(BadInput, OffloadSettingsAreCheckedNamingTheFlag) {
+  const std::string base = train_args("offload_flags", 1);
+  expect_one_line_error(run(base + " --memory-budget="), {"--memory-budget", "empty"});
+  expect_one_line_error(run(base + " --memory-budget ''"), {"--memory-budget", "empty"});
+  expect_one_line_error(run(base + " --offload="), {"--offload", "empty"});
+  for (const std::string depth : {"-1", "-7", "65", "2000000000"}) {
+    SCOPED_TRACE(depth);
+    const Result r = run(base + " --offload params --offload-prefetch " + depth);
+    expect_one_line_error(r, {"--offload-prefetch", depth, "[0, 64]"});
+    EXPECT_EQ(r.out.find("--offload-prefetch auto"), std::string::npos) << r.out;
+  }
+  for (const auto& [line, key] : std::vector<std::pair<std::string, std::string>>{
+           {"memory_budget = \"\"", "memory_budget"}, {"offload = \"\"", "offload"},
+           {"offload_prefetch = -1", "offload_prefetch"}, {"offload_prefetch = 65", "offload_prefetch"}}) {
+    SCOPED_TRACE(line);
+    write("offload.toml", line + "\n");
+    expect_one_line_error(run(base + " --config " + path("offload.toml")), {path("offload.toml"), key});
+  }
+  expect_one_line_error(run("explain --model tiny --offload params --offload-prefetch 65"), {"--offload-prefetch", "65"});
+  const Result deepest = run("explain --model tiny --offload params --offload-prefetch 64");
+  EXPECT_EQ(deepest.code, 0) << deepest.out;
+}
+
+// A validation split shorter than one window (--seq + 1 tokens) was found at the run's final
+// evaluation, after every step had trained; now the run is refused before it starts, naming the
+// file and --seq, and leaves no run directory. The training split is held to the same.
+TEST_F(BadInput, SplitsShorterThanOneWindowAreRefusedBeforeTraining) {
+  const std::string prefix = path("short_val");
+  fs::copy_file(data() + "_train.bin", prefix + "_train.bin");
+  const std::vector<int32_t> window_less_one(32, 7);  // --seq 32 needs 33
+  shardlm::data::write_token_shard(prefix + "_val.bin", window_less_one);
+  std::string args = train_args("short_val_run", 2);
+  args.replace(args.find(data()), data().size(), prefix);
+  expect_one_line_error(run(args), {prefix + "_val.bin", "32 tokens", "--seq 32"});
+  EXPECT_FALSE(fs::exists(path("short_val_run")));
+  fs::copy_file(prefix + "_val.bin", prefix + "_train.bin", fs::copy_options::overwrite_existing);
+  fs::copy_file(data() + "_val.bin", prefix + "_val.bin", fs::copy_options::overwrite_existing);
+  expect_one_line_error(run(args), {prefix + "_train.bin", "32 tokens", "--seq 32"});
+  EXPECT_FALSE(fs::exists(path("short_val_run")));
 }
 
 // A config.json with n_layer 1e8 ran for minutes instead of being refused; a model too big for

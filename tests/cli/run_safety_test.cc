@@ -541,6 +541,47 @@ TEST_F(RunSafety, FsdpOnTwoRanksResumesAsDdpOnFour) {
   for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
 }
 
+// The ranks of a cp group read the same sequences: cp 2 on 2 ranks with --batch 2 is the run one
+// rank makes with --batch 2 (global batch 2, where it was once counted 4), so that is the resume
+// that continues its losses; 2 ranks with --cp 1 read 4 sequences a step and are refused.
+TEST_F(RunSafety, ContextParallelRunResumesOnTheRanksThatReadItsBatch) {
+  const Result saved = testing::mpirun(2, args("cp", 4) + " --strategy fsdp --cp 2 --save-every 2");
+  ASSERT_EQ(saved.code, 0) << saved.out;
+  const auto state = nlohmann::json::parse(read_file(fs::path(ckpt("cp", 2)) / "index.json"));
+  EXPECT_EQ(state["run"]["global-batch"], 2);
+  // tokens/s and MFU count the same step: 2 sequences of 32 tokens.
+  const auto info = nlohmann::json::parse(read_file(dir_ / "cp" / "run_info.json"));
+  EXPECT_EQ(info["config"]["tokens_per_step"], 2 * 32);
+  const auto original = testing::step_losses(dir_ / "cp" / "metrics.jsonl");
+  ASSERT_EQ(original.size(), 4u);
+  expect_one_error(testing::mpirun(2, args("cp", 4) + " --strategy fsdp --resume " + ckpt("cp", 2)),
+                   {"global-batch is 4 (saved 2)", "data-parallel ranks x batch x grad-accum = 2 x 2 x 1"});
+  const Result r = shardlm(args("cp", 4) + " --resume " + ckpt("cp", 2));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(train_steps(dir_ / "cp" / "metrics.jsonl"), (std::vector<int64_t>{0, 1, 2, 3}));
+  const auto resumed = testing::step_losses(dir_ / "cp" / "metrics.jsonl");
+  for (int i = 2; i < 4; ++i) EXPECT_NEAR(resumed[i], original[i], 1e-5 * original[i]) << "step " << i;
+}
+
+// An --offload-dir the user made (empty) was removed at the end of the run, as if the run had
+// made it: it stays; only the run's own files in it go. One the run made goes.
+TEST_F(RunSafety, AnOffloadDirTheRunDidNotMakeIsLeftInPlace) {
+  const fs::path mine = dir_ / "my_offload";
+  fs::create_directories(mine);
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(ranks);
+    const std::string a = args("offload_dir_" + std::to_string(ranks), 1) + " --offload params --offload-dir ";
+    const Result kept = testing::mpirun(ranks, a + mine.string());
+    ASSERT_EQ(kept.code, 0) << kept.out;
+    ASSERT_TRUE(fs::is_directory(mine)) << "the run removed the --offload-dir it was given";
+    EXPECT_TRUE(fs::is_empty(mine)) << "the run left files in " << mine;
+    const fs::path made = dir_ / ("made_offload_" + std::to_string(ranks));
+    const Result gone = testing::mpirun(ranks, a + made.string() + " --overwrite");
+    ASSERT_EQ(gone.code, 0) << gone.out;
+    EXPECT_FALSE(fs::exists(made)) << "the run left the --offload-dir it made";
+  }
+}
+
 // Every train flag is either compared across ranks or one of the process's own settings: a new
 // run-defining flag left out of rank_settings() would let ranks start with different values.
 TEST(RankSettings, CoverEveryTrainFlag) {

@@ -665,16 +665,21 @@ TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
   }
 }
 
-TEST(Plan, OffloadRefusesANegativeReadAheadWithOneLine) {
+TEST(Plan, OffloadRefusesAReadAheadOutOfRangeWithOneLine) {
   PlanConfig c;
   c.offload.kinds = {true, true, true};
-  c.offload.prefetch = -1;
-  try {
-    build_plan(small(), c);
-    FAIL() << "--offload-prefetch -1";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--offload-prefetch"), std::string::npos) << e.what();
+  for (int depth : {-1, kMaxOffloadPrefetchDepth + 1}) {
+    c.offload.prefetch = depth;
+    try {
+      build_plan(small(), c);
+      FAIL() << "--offload-prefetch " << depth;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--offload-prefetch"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("[0, 64], got " + std::to_string(depth)), std::string::npos) << e.what();
+    }
   }
+  c.offload.prefetch = kMaxOffloadPrefetchDepth;
+  EXPECT_NO_THROW(build_plan(small(), c));
 }
 
 // The optimizer overlap pass (--pipeline-optimizer): each unit's update waits for every task

@@ -35,7 +35,9 @@ TEST_P(DiskStorePaths, RoundTripsAcrossChunksAndRemovesItsFiles) {
   const int64_t bytes = 5 * (int64_t{1} << 20) + 3 * kDiskAlign;  // several 1 MiB chunks and a tail
   std::string path;
   {
-    DiskStore store(dir.string(), {p.uring, p.direct, {}});
+    DiskStoreOptions o;
+    o.try_uring = p.uring, o.try_direct = p.direct;
+    DiskStore store(dir.string(), o);
     const std::string how = store.describe();
     EXPECT_NE(how.find(p.uring ? "io_uring" : "pread/pwrite"), std::string::npos) << how;
     EXPECT_NE(how.find(p.direct ? "O_DIRECT" : "buffered"), std::string::npos) << how;
@@ -61,6 +63,27 @@ INSTANTIATE_TEST_SUITE_P(Io, DiskStorePaths,
                          [](const auto& i) {
                            return std::string(i.param.uring ? "uring" : "plain") + (i.param.direct ? "_direct" : "_buffered");
                          });
+
+// A directory that was there before the store (the user's --offload-dir) is left in place, empty
+// as it was; only the store's files go. One the caller says is its own goes, whoever made it.
+TEST(DiskStore, LeavesADirectoryItDidNotMake) {
+  const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_own_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  {
+    DiskStore store(dir.string());
+    store.create("a", kDiskAlign);
+  }
+  EXPECT_TRUE(fs::is_directory(dir)) << "the store removed a directory it did not make";
+  EXPECT_TRUE(fs::is_empty(dir));
+  {
+    DiskStoreOptions o;
+    o.remove_dir = true;  // the caller's processes made it between them
+    DiskStore store(dir.string(), o);
+    store.create("a", kDiskAlign);
+  }
+  EXPECT_FALSE(fs::exists(dir)) << "the store left a directory its caller said was the run's";
+  fs::remove_all(dir);
+}
 
 TEST(DiskStore, ATruncatedOrDeletedFileIsNamed) {
   const fs::path dir = fs::temp_directory_path() / ("shardlm_disk_store_f_" + std::to_string(::getpid()));

@@ -47,6 +47,13 @@ TEST(TrainConfigValidate, NamesTheFlagAndTheValue) {
             "--lr-decay: must be cosine, linear, sqrt or none, got 'exp'");
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.decay_fraction = 0; }), "--decay-fraction: must be in (0, 1], got 0");
   EXPECT_EQ(validate_error([](TrainConfig& c) { c.decay_fraction = 1.5; }), "--decay-fraction: must be in (0, 1], got 1.5");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.offload_prefetch = 65; }),
+            "--offload-prefetch: must be in [0, 64] or auto, got 65");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.offload_prefetch = -5; }),
+            "--offload-prefetch: must be in [0, 64] or auto, got -5");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.offload_prefetch = 64; }), "");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.offload = ""; }),
+            "--offload: is an empty string (none, or any of params,grads,optimizer,activations)");
 }
 
 // The default is nanoGPT's and llm.c's: warmup, then cosine to min_lr over every step left. A

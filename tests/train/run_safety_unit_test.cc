@@ -191,5 +191,28 @@ TEST(ResumeCheck, RoutingIsTheCheckpointsUnlessOverridden) {
   EXPECT_THROW(check_resume_override_use(init), std::invalid_argument);
 }
 
+// The ranks of a cp group read the same batch: cp 2 on 2 ranks is one data-parallel rank's
+// batch a step (the run one rank with --cp 1 makes), not two.
+TEST(ResumeCheck, GlobalBatchCountsDataParallelRanksOnly) {
+  TrainConfig saved;
+  saved.data = "/data/x";
+  saved.batch = 2;
+  saved.grad_accum = 3;
+  saved.cp = 2;
+  EXPECT_EQ(run_identity(saved, 2)["global-batch"], 6);
+  saved.strategy = "ddp";
+  EXPECT_EQ(run_identity(saved, 4)["global-batch"], 12);
+  TrainConfig one_rank = saved;
+  one_rank.cp = 1;
+  EXPECT_NO_THROW(check_resume_matches(one_rank, 1, run_identity(saved, 2), "ck/state.json"));
+  try {
+    check_resume_matches(one_rank, 2, run_identity(saved, 2), "ck/state.json");
+    FAIL() << "twice the sequences a step were accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("global-batch is 12 (saved 6) [data-parallel ranks x batch x grad-accum = 2 x 2 x 3]"),
+              std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace shardlm::train
