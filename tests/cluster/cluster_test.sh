@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/cluster.sh on this machine, as root: a cluster of namespaced hosts comes and goes without
 # a trace (lifecycle), strategies over two hosts equal one process (parity), and a cut link ends
-# every rank with its collective's timeout line (cut-link).
+# every rank with its collective's timeout line, and snapshot copies sit on the next host (cut-link).
 #
 #   cluster_test.sh lifecycle|parity|cut-link SOURCE_DIR SHARDLM_BINARY
 #
@@ -157,6 +157,11 @@ ranks_left() {
   done
 }
 
+# partner_copy_on HOST HOLDER OWNER: HOST's /dev/shm has rank HOLDER's copy of rank OWNER's snapshot.
+partner_copy_on() {
+  cluster on "$1" -- sh -c "ls /dev/shm | grep -q -- '-rank$2-copy$3-'"
+}
+
 test_cut_link() {
   local timeout_s=10 grace_s=30 cut_at deadline r f
   make_corpus || { echo "FAILED: tokenize"; return; }
@@ -165,12 +170,16 @@ test_cut_link() {
   # lines of the cut host's ranks reach a file even though they cannot reach mpirun.
   local STEPS=1000000  # train_args reads it: a run that only the cut ends
   cluster run -- mpirun --output-filename "$WORK/ranks" "$SHARDLM" $(train_args cut 2) --strategy fsdp \
-    --timeout "$timeout_s" >"$WORK/mpirun.log" 2>&1 &
+    --timeout "$timeout_s" --snapshot-every 2 >"$WORK/mpirun.log" 2>&1 &
   for _ in $(seq 600); do  # the run is stepping
     [[ -f "$WORK/cut/metrics.jsonl" && "$(grep -c '"loss"' "$WORK/cut/metrics.jsonl")" -ge 3 ]] && break
     sleep 0.1
   done
   check "the run is stepping before the cut" [ -f "$WORK/cut/metrics.jsonl" ]
+  # In-memory snapshots: each rank's partner copy is held by the rank with its index on the next
+  # machine (ranks 0, 1 on h1; 2, 3 on h2), in that host's own /dev/shm.
+  check "rank 0's snapshot copy is in h2's /dev/shm" partner_copy_on h2 2 0
+  check "rank 3's snapshot copy is in h1's /dev/shm" partner_copy_on h1 1 3
   cluster link h2 down >/dev/null
   cut_at=$SECONDS
   deadline=$((cut_at + timeout_s + grace_s))
