@@ -28,6 +28,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+trap "exit 1" INT TERM   # ctest's timeout too: the EXIT trap still removes the cluster
 
 check() {  # check DESCRIPTION COMMAND...: a failure is reported and counted, the test goes on
   local what="$1"
