@@ -126,6 +126,13 @@ class Communicator {
   // negative color returns nullptr for that rank. Hybrid shard with groups of G consecutive
   // ranks: split(rank / G, rank) is the shard group, split(rank % G, rank) the replicate group.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // The machine this rank is on, as the launcher placed the ranks: an id that ranks sharing
+  // memory have in common and ranks on different machines do not (the lowest job-wide rank on
+  // the machine). Not the kernel a process runs on: hosts that are containers or network
+  // namespaces of one kernel are machines of their own when the launcher started them as such.
+  // A collective call on every rank of this communicator (blocking, like split).
+  virtual int machine() = 0;
 };
 
 // Bytes of `count` elements of `dtype`.

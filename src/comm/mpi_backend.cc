@@ -1260,4 +1260,16 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, nc, options_, memory_));
 }
 
+int MpiCommunicator::machine() {
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  MPI_Comm shared = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &shared), "MPI_Comm_split_type");
+  int mine = 0, lowest = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &mine);
+  const int rc = MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, shared);
+  MPI_Comm_free(&shared);
+  check(rc, "MPI_Allreduce (machine)");
+  return lowest;
+}
+
 }  // namespace shardlm::comm

@@ -101,6 +101,10 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> recv(void* buf, int64_t count, DType dtype, int peer, int tag,
                              const std::string& label) override;
   std::unique_ptr<Communicator> split(int color, int key) override;
+  // The lowest MPI_COMM_WORLD rank of this rank's MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)
+  // group: Open MPI groups there the ranks whose daemon is on one node, the node --host or the
+  // hostfile named.
+  int machine() override;
 
   const MpiOptions& options() const { return options_; }
   // The algorithm `automatic` stands for on this communicator (resolve_algorithm).

@@ -96,8 +96,10 @@ class NcclWork final : public Work {
 // The communicator itself (see nccl.h for how a collective runs).
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int device, cudaStream_t compute, WaitPolicy policy)
-      : handle_(std::make_shared<Handle>()), compute_(compute), policy_(policy) {
+  // `machine`: this rank's machine as the bootstrap communicator found it (NCCL has no query of
+  // its own that follows the launcher's placement).
+  NcclCommunicator(ncclComm_t comm, int device, cudaStream_t compute, WaitPolicy policy, int machine)
+      : handle_(std::make_shared<Handle>()), compute_(compute), policy_(policy), machine_(machine) {
     handle_->comm = comm;
     handle_->device = device;
     check_cuda(cudaSetDevice(device), "cudaSetDevice");
@@ -191,6 +193,8 @@ class NcclCommunicator final : public Communicator {
     return launch("recv", label, [&](ncclComm_t c, cudaStream_t s) { return ncclRecv(buf, bytes, ncclUint8, peer, c, s); });
   }
 
+  int machine() override { return machine_; }
+
   std::unique_ptr<Communicator> split(int color, int key) override {
     ncclComm_t sub = nullptr;
     {
@@ -202,7 +206,7 @@ class NcclCommunicator final : public Communicator {
                  handle_->comm);
     }
     if (color < 0 || sub == nullptr) return nullptr;
-    return std::make_unique<NcclCommunicator>(sub, handle_->device, compute_, policy_);
+    return std::make_unique<NcclCommunicator>(sub, handle_->device, compute_, policy_, machine_);
   }
 
  private:
@@ -278,6 +282,7 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Handle> handle_;
   cudaStream_t compute_;
   WaitPolicy policy_;
+  int machine_ = 0;
   int rank_ = 0, size_ = 1;
   float* one_ = nullptr;  // barrier's value (its sum is never read)
   std::mutex mu_;         // issues one call at a time (NCCL's order on a communicator is issue order)
@@ -308,13 +313,14 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, vo
         throw Error("nccl: ranks " + std::to_string(a) + " and " + std::to_string(b) +
                     " are on the same GPU; NCCL needs one GPU per rank (ranks sharing a GPU stage their "
                     "collectives through host memory)");
+  const int machine = bootstrap.machine();
   ncclUniqueId id{};
   if (rank == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr);
   bootstrap.broadcast(&id, sizeof id, DType::int8, 0, "nccl: unique id")->wait(timeout);
   ncclComm_t comm = nullptr;
   check_nccl(ncclCommInitRank(&comm, size, id, rank),
              "ncclCommInitRank on rank " + std::to_string(rank) + " of " + std::to_string(size), nullptr);
-  return std::make_unique<NcclCommunicator>(comm, device, static_cast<cudaStream_t>(compute_stream), wait);
+  return std::make_unique<NcclCommunicator>(comm, device, static_cast<cudaStream_t>(compute_stream), wait, machine);
 }
 
 }  // namespace shardlm::comm

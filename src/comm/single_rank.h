@@ -49,6 +49,8 @@ class SingleRankCommunicator final : public Communicator {
                              const std::string& label) override;
   // A new single-rank communicator (nullptr for a negative color).
   std::unique_ptr<Communicator> split(int color, int key) override;
+  // The one rank's machine: 0.
+  int machine() override { return 0; }
 
  private:
   struct Mailbox;

@@ -76,6 +76,7 @@ class StagedCommunicator final : public Communicator {
                              const std::string& label) override;
   // A StagedCommunicator over the inner communicator's split (same copier and memory).
   std::unique_ptr<Communicator> split(int color, int key) override;
+  int machine() override { return inner_.machine(); }
 
  private:
   std::shared_ptr<Work> staged(const char* collective, const std::string& label, Buffer host,

@@ -19,10 +19,10 @@ namespace shardlm::train {
 
 namespace {
 
-// The kernel's boot id (a random id each boot): host names can repeat across machines (a
-// container image's "localhost") and differ on one (containers on one host share its kernel and
-// its memory). The host name where there is no boot id.
-std::string machine_id() {
+// The kernel's boot id (a random id each boot), the host name where there is none: what a CPU
+// quota belongs to. A cgroup's quota is the kernel's, shared by every process under it, whichever
+// machine the launcher took them for (hosts that are namespaces of one kernel share it).
+std::string kernel_id() {
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string id;
   if (std::getline(boot, id) && !id.empty()) return id;
@@ -67,7 +67,8 @@ Machines find_machines(comm::Communicator& world, std::chrono::milliseconds time
     for (int r = 0; r < world.size(); ++r) hosts.push_back("machine " + std::to_string(r / test_block));
     return machines_of(hosts, world.rank(), limits);
   }
-  return machines_of(all_texts(world, timeout, machine_id(), "machine ids"), world.rank(), limits);
+  const std::string machine = "machine of rank " + std::to_string(world.machine());
+  return machines_of(all_texts(world, timeout, machine, "machine ids"), world.rank(), limits);
 }
 
 int allowed_cpus() {
@@ -136,7 +137,7 @@ std::vector<std::string> threads_beyond_cpus(const std::vector<RankCpus>& ranks,
 
 void warn_of_threads_beyond_cpus(comm::Communicator& world, std::chrono::milliseconds timeout, int threads) {
   const auto quota = cpu_quota();
-  const std::string mine = fmt::format("{}\t{}\t{}\t{}", allowed_cpus(), quota ? machine_id() + " " + quota->key : "",
+  const std::string mine = fmt::format("{}\t{}\t{}\t{}", allowed_cpus(), quota ? kernel_id() + " " + quota->key : "",
                                        quota ? quota->cpus : 0.0, quota ? quota->dir : "");
   std::vector<RankCpus> ranks;
   for (const std::string& text : all_texts(world, timeout, mine, "allowed CPUs")) {

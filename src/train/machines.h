@@ -1,9 +1,12 @@
-// Which ranks of a job share a machine, found from the kernel each runs on (its boot id, one
-// all-gather at start) rather than from a launcher's environment: mpirun, srun and mpiexec each name the local
-// ranks in variables of their own, and srun's direct launch sets none of Open MPI's, so a job
-// that read OMPI_COMM_WORLD_LOCAL_* alone took every rank for a machine of its own there: each
-// rank's memory check counted the whole machine as its, every rank took the first GPU, and an
-// in-memory snapshot's partner copy could sit on its own machine.
+// Which ranks of a job share a machine: those that share memory as MPI reports it
+// (Communicator::machine, MPI_Comm_split_type(MPI_COMM_TYPE_SHARED): the node the launcher
+// started each rank on), one all-gather at start. Not a launcher's environment: mpirun, srun and
+// mpiexec each name the local ranks in variables of their own, and srun's direct launch sets none
+// of Open MPI's, so a job that read OMPI_COMM_WORLD_LOCAL_* alone took every rank for a machine of
+// its own there: each rank's memory check counted the whole machine as its, every rank took the
+// first GPU, and an in-memory snapshot's partner copy could sit on its own machine. Nor the kernel
+// a rank runs on (its boot id): hosts that are network namespaces of one kernel (scripts/cluster.sh)
+// or containers the launcher treats as nodes each hold their own /dev/shm, so they are machines.
 #pragma once
 
 #include <chrono>
@@ -35,8 +38,8 @@ struct Machines {
 // limiting memory cgroup.
 Machines machines_of(const std::vector<std::string>& hosts, int rank, const std::vector<std::string>& memory_limits = {});
 
-// Collective: every rank's machine id (its kernel's boot id; the host name where there is none)
-// and limiting memory cgroup, all-gathered, then machines_of. A test may instead take
+// Collective: every rank's machine (world.machine()) and limiting memory cgroup, all-gathered,
+// then machines_of. A test may instead take
 // consecutive blocks of `test_block` ranks for machines (all on this one): test_block > 0.
 Machines find_machines(comm::Communicator& world, std::chrono::milliseconds timeout, int test_block = 0);
 

@@ -38,6 +38,7 @@ TEST(SingleRank, CollectivesAreCopies) {
   EXPECT_EQ(c.rank(), 0);
   EXPECT_EQ(c.size(), 1);
   EXPECT_EQ(c.backend(), "single");
+  EXPECT_EQ(c.machine(), 0);
   std::vector<float> a = {1, 2, 3, 4, 5, 6, 7}, b(7, 0);
   auto w = c.all_gather(a.data(), b.data(), 7, DType::fp32, "ag");
   EXPECT_TRUE(w->is_completed());

@@ -74,6 +74,16 @@ TEST(Split, UnevenGroupsAndKeyOrder) {
   EXPECT_EQ(x, sum);
 }
 
+// mpirun -np N on this one machine: every rank shares memory with rank 0, in the world and in a
+// split of it (the cluster's tests, tests/cluster/, see ranks on namespaced hosts apart).
+TEST(Split, RanksOfOneMachineShareItsLowestRank) {
+  MpiCommunicator world(test_memory());
+  EXPECT_EQ(world.machine(), 0);
+  auto odd_even = world.split(world.rank() % 2, world.rank());
+  ASSERT_TRUE(odd_even);
+  EXPECT_EQ(odd_even->machine(), world.rank() % 2);  // the lowest world rank of its group here
+}
+
 TEST(Split, NegativeColorGivesNoCommunicator) {
   MpiCommunicator world(test_memory());
   const int r = world.rank();
