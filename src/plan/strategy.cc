@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "plan/param_gather.h"
+#include "plan/recompute.h"
 #include "plan/plan.h"
 #include "plan/schedule.h"
 
@@ -42,7 +43,7 @@ Mesh mesh_of(const PlanConfig& c) {
   return Mesh(axes);
 }
 
-class Builder {
+class Builder : private TaskList {
  public:
   Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : desc_(desc), cfg_(cfg) {}
   Plan build();
@@ -56,15 +57,13 @@ class Builder {
   void frame();
   int add(Op op, int unit, int micro, std::vector<int> deps = {}) {
     Task t;
-    t.id = static_cast<int>(tasks_.size());
     t.op = op, t.unit = unit, t.micro = micro;
     t.stream = info(op).stream == OpStream::comm ? kComm : info(op).stream == OpStream::exchange ? exchange_stream() : kCompute;
     for (int d : deps)
       if (d >= 0) t.deps.push_back(d);
-    tasks_.push_back(std::move(t));
-    return tasks_.back().id;
+    return append(std::move(t));
   }
-  Task& at(int t) { return tasks_[t]; }
+  Task& at(int t) override { return tasks_[t]; }
   // The exchanges' stream, opened by the first.
   int exchange_stream() {
     auto it = std::find(plan_.streams.begin(), plan_.streams.end(), "exchange");
@@ -211,6 +210,14 @@ class Builder {
     return axes;
   }
   int add_stages(int first, bool reverse);
+  void consumed_by_last_stage(int first, int last);
+  // TaskList, which the recompute pass re-lists the walk's tasks into.
+  int append(Task t) override {
+    t.id = static_cast<int>(tasks_.size());
+    tasks_.push_back(std::move(t));
+    return tasks_.back().id;
+  }
+  void split_forward_into_stages(int whole) override { add_stages(whole, false); }
   void reduce_grad(int u, int producer, int m);
   void release_pending_grads();
   void close_bucket(int producer);
@@ -460,7 +467,7 @@ void Builder::forward(int u, int m) {
   const bool head_trains = head && train_;
   if (c.forward_workspace + (head_trains ? 0 : c.forward_kernel_scratch) > 0) scratch(t, io.forward_ws = forward_ws(u, !head_trains));
   if (!head) {
-    add_stages(t, false);
+    consumed_by_last_stage(t, add_stages(t, false));
     return;
   }
   heads_.push_back(t);
@@ -482,32 +489,12 @@ void Builder::forward(int u, int m) {
 void Builder::backward(int u, int m) {
   const model::UnitDesc& ud = desc_.units[u];
   const model::UnitCosts& c = costs_[u];
-  const Recompute mode = recompute_[u];
-  const bool rebuild = c.kept_bytes(mode) < c.saved_bytes + c.recomputable_bytes;
+  const bool rebuild = c.kept_bytes(recompute_[u]) < c.saved_bytes + c.recomputable_bytes;
   int ag = -1;
   if (sharded_params_ && chain_gathered(u, -1)) ag = gather(u, m, cfg_.prefetch_backward, -1);
   const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
-  if (rebuild) {
-    const int r = add(Op::recompute, u, m, {ag});
-    // A selective rebuild is one task, but it carves the same activations as the stages, sized by
-    // the ranks they exchange with.
-    at(r).axes = stage_axes(u, false);
-    Operands& io = at(r).io;
-    io.params = params;
-    if (borrowed_state(u) >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
-    read_values(r, u, m);
-    at(r).flops = c.recompute_flops(mode);
-    if (c.saved_bytes > 0) {
-      io.saved = saved(u, m);
-      if (mode == Recompute::full) alloc(r, io.saved);
-    }
-    if (c.recomputable_bytes > 0) alloc(r, io.recomputable = recomputable(u, m));
-    if (c.forward_workspace + c.forward_kernel_scratch > 0) scratch(r, io.forward_ws = forward_ws(u));
-    // Only a full rebuild reruns the stages (and their exchanges); a selective one rebuilds what
-    // each stage dropped on this rank, in one task.
-    if (mode == Recompute::full) add_stages(r, false);
-    ag = -1;  // the backward follows on the same stream
-  }
+  // Where the unit rebuilds, the recompute pass puts its task before this one, waiting on the
+  // gather in its place.
   const int b = add(Op::backward, u, m, {ag});
   settle_grads(b, false);
   if (params >= 0 && !kept_[u]) consume(b, u);
@@ -536,6 +523,7 @@ void Builder::backward(int u, int m) {
     }
   }
   const int last = add_stages(b, true);
+  consumed_by_last_stage(b, last);
   if (lent >= 0 && reduces_at(m)) reduce_grad(lent, last, m);
   if (reduces_at(m)) reduce_grad(u, last, m);
 }
@@ -643,10 +631,15 @@ int Builder::add_stages(int first, bool reverse) {
   }
   const int last = line.back();
   for (int f : whole.frees) free(last, f);
+  return last;
+}
+
+// A staged pass's last stage frees what its first task consumed (add_stages). Apart from
+// add_stages, which the recompute pass reruns once the walk's gather chain is done.
+void Builder::consumed_by_last_stage(int first, int last) {
   for (Gathered& g : chain_)
     for (int& consumer : g.consumers)
       if (consumer == first) consumer = last;
-  return last;
 }
 
 // A compute task frees the full gradients of reduce-scatters issued two backwards before it (or
@@ -890,6 +883,11 @@ Plan Builder::build() {
   walk();
   finish();
   free_at_last_use();
+  // The pass adds tasks amid the walk's order (before the comm stream is ordered by it): it lists
+  // the walked tasks again, into tasks_.
+  std::vector<Task> walked = std::move(tasks_);
+  tasks_.clear();
+  recompute_pass(walked, *this, plan_, desc_);
   plan_.tasks = schedule();
   if (repeats) repeat_middle_micro_step();
   return std::move(plan_);
