@@ -5,10 +5,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <stdexcept>
 
+#include "plan/draft.h"
+#include "plan/grad_reduce.h"
 #include "plan/param_gather.h"
 #include "plan/recompute.h"
 #include "plan/plan.h"
@@ -43,9 +46,9 @@ Mesh mesh_of(const PlanConfig& c) {
   return Mesh(axes);
 }
 
-class Builder : private TaskList {
+class Builder : private PlanDraft {
  public:
-  Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : desc_(desc), cfg_(cfg) {}
+  Builder(const model::ModelDesc& desc, const PlanConfig& cfg) : PlanDraft(desc, cfg) {}
   Plan build();
   // The plan's mesh, layout, state placement and static memory: everything but tasks and buffers.
   Plan frame_only() {
@@ -55,68 +58,7 @@ class Builder : private TaskList {
 
  private:
   void frame();
-  int add(Op op, int unit, int micro, std::vector<int> deps = {}) {
-    Task t;
-    t.op = op, t.unit = unit, t.micro = micro;
-    t.stream = info(op).stream == OpStream::comm ? kComm : info(op).stream == OpStream::exchange ? exchange_stream() : kCompute;
-    for (int d : deps)
-      if (d >= 0) t.deps.push_back(d);
-    return append(std::move(t));
-  }
-  Task& at(int t) override { return tasks_[t]; }
-  // The exchanges' stream, opened by the first.
-  int exchange_stream() {
-    auto it = std::find(plan_.streams.begin(), plan_.streams.end(), "exchange");
-    if (it == plan_.streams.end()) it = plan_.streams.insert(plan_.streams.end(), "exchange");
-    return static_cast<int>(it - plan_.streams.begin());
-  }
-  // The buffer of this name, created on first use.
-  int buffer(const std::string& name, Role role, MemCategory category, int64_t bytes, int unit,
-             DType dtype = DType::fp32) {
-    auto it = by_name_.find(name);
-    if (it != by_name_.end()) return it->second;
-    BufferDesc b;
-    b.id = static_cast<int>(plan_.buffers.size());
-    b.name = name, b.role = role, b.category = category, b.dtype = dtype, b.bytes = bytes, b.unit = unit;
-    plan_.buffers.push_back(b);
-    by_name_[name] = b.id;
-    return b.id;
-  }
-  void alloc(int t, int buf) { at(t).allocs.push_back(buf); }
-  void free(int t, int buf) { at(t).frees.push_back(buf); }
-  void scratch(int t, int buf) { alloc(t, buf), free(t, buf); }  // alive inside one task
-  static std::string tag(int m) { return " [m" + std::to_string(m) + "]"; }
-  const std::string& uname(int u) const { return desc_.units[u].name; }
-  // A unit sliced over a mesh axis (model::UnitDesc::sliced_over: a MoE block's experts over ep)
-  // is used in that many slices, a rank computing with its own: it is gathered and reduced only
-  // among the ranks holding the same slice (`within_slice` drops the axis from a collective's).
-  int slices(int u) const { return plan_.slices(desc_, u); }
-  std::vector<int> within_slice(std::vector<int> axes, int u) const {
-    const int a = plan_.mesh.find(desc_.units[u].sliced_over);
-    axes.erase(std::remove(axes.begin(), axes.end(), a), axes.end());
-    return axes;
-  }
-  // Elements of unit u a rank computes with (its slice), and their bytes at `elem` bytes each.
-  int64_t compute_elems(int u) const { return plan_.compute_elems(desc_, u); }
-  int64_t unit_bytes(int u, int elem) const { return compute_elems(u) * elem; }
-  int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
-
   int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
-  // A unit's full gradients: one buffer for the step, or one per micro-step where each reduces.
-  int full_grads(int u, int m) {
-    return buffer("grads " + uname(u) + (cfg_.reduce_each_micro_step ? tag(m) : ""), Role::full_grads, MemCategory::grads,
-                  unit_bytes(u, 4), u);
-  }
-  bool reduces_at(int m) const { return m == last_micro_ || cfg_.reduce_each_micro_step; }
-  // Allocates u's full gradients at their first writer of the step, or of the micro-step where
-  // each reduces; that writer then waits for the previous micro-step's reduce-scatter of u, which
-  // frees its buffer (in a repeated micro-step, the same buffer of the run before).
-  void alloc_grads(int t, int u, int m) {
-    if (m > 0 && !cfg_.reduce_each_micro_step) return;
-    if (!grads_allocated_.insert({m, u}).second) return;
-    alloc(t, full_grads(u, m));
-    if (const auto before = reduce_scatter_of_.find(u); before != reduce_scatter_of_.end()) at(t).deps.push_back(before->second);
-  }
   bool partly_kept(int u) const { return plan_.kept_elems[u] > 0; }
   int kept_part(int u) {
     return buffer("kept " + uname(u), Role::kept_part, MemCategory::params,
@@ -153,30 +95,6 @@ class Builder : private TaskList {
     if (plan_.buffers.size() > made) plan_.buffers[id].kernel_scratch = kernels_part;
     return id;
   }
-  // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard. The
-  // casts copy the whole unit once.
-  void stage(int t, int64_t full_elems, int64_t shard_elems, int elem) {
-    if (elem == 4) return;
-    const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
-                         (full_elems + shard_elems) * elem, at(t).unit, DType::bf16);
-    scratch(t, b);
-    at(t).io.staging = b;
-    at(t).copy_bytes = full_elems * 4;
-  }
-
-  // The communicator's working memory for a reduction of `count` elements per rank
-  // (reduce_scatter) or in all (all_reduce), alive inside the task.
-  void reduction_scratch(int t, int64_t count) {
-    if (!cfg_.reduction_scratch) return;
-    const int group = plan_.mesh.group_size(at(t).axes);
-    const int64_t bytes = cfg_.reduction_scratch(at(t).op, count, cfg_.reduce_bytes, group);
-    if (bytes <= 0) return;
-    const int b = buffer("comm scratch " + at(t).name(&desc_), Role::staging, MemCategory::comm, bytes, at(t).unit,
-                         float_dtype(cfg_.reduce_bytes));
-    scratch(t, b);
-    at(t).io.comm_scratch = b;
-  }
-
   // The state-only unit u borrows (its tasks are u's), or -1.
   int borrowed_state(int u) const {
     const int b = desc_.units[u].borrows;
@@ -211,16 +129,7 @@ class Builder : private TaskList {
   }
   int add_stages(int first, bool reverse);
   void consumed_by_last_stage(int first, int last);
-  // TaskList, which the recompute pass re-lists the walk's tasks into.
-  int append(Task t) override {
-    t.id = static_cast<int>(tasks_.size());
-    tasks_.push_back(std::move(t));
-    return tasks_.back().id;
-  }
   void split_forward_into_stages(int whole) override { add_stages(whole, false); }
-  void reduce_grad(int u, int producer, int m);
-  void release_pending_grads();
-  void close_bucket(int producer);
   void read_values(int t, int u, int m);
   void free_at_last_use();
   void keep_units(const std::vector<std::string>& names);
@@ -231,12 +140,7 @@ class Builder : private TaskList {
   std::vector<Task> schedule();
   void repeat_middle_micro_step();
 
-  const model::ModelDesc& desc_;
-  const PlanConfig& cfg_;
-  Plan plan_;
   Schedule schedule_;  // the step's actions, which build() walks
-  std::vector<Task> tasks_;
-  std::unordered_map<std::string, int> by_name_;
   model::Shape shape_;
   std::vector<model::UnitCosts> costs_;
   std::vector<model::Recompute> recompute_;  // each unit's mode (PlanConfig::recompute_of)
@@ -256,18 +160,8 @@ class Builder : private TaskList {
     }
   };
   std::vector<Gathered> chain_;  // every other all_gather, in issue order
-  std::vector<int> reductions_;  // every gradient collective of the last micro-step
-  std::set<std::pair<int, int>> grads_allocated_;  // (micro-step, unit) of full gradients allocated
-  std::map<int, int> reduce_scatter_of_;            // by unit: its latest reduce-scatter
-  // Full gradients whose reduce-scatter is issued: freed by the `countdown`-th backward after it.
-  struct PendingFree {
-    int reduce_scatter, buffer, countdown;
-  };
-  std::vector<PendingFree> pending_grads_;
-  void settle_grads(int compute_task, bool all);
   std::vector<int> heads_;       // head / loss / logits tasks
-  int bucket_first_ = -1, bucket_last_ = -1;
-  int64_t bucket_bytes_ = 0;
+  std::optional<GradReduction> grads_;  // the gradient reduction pass
   bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
   int last_micro_ = 0;
   int start_ = -1;  // zero_grads (training plans)
@@ -477,13 +371,13 @@ void Builder::forward(int u, int m) {
   if (c.backward_workspace + c.backward_kernel_scratch > 0) scratch(t, io.backward_ws = backward_ws(u));
   io.grad_stream = grad_stream(m);
   alloc(t, io.grad_stream);
-  if (sharded_grads_) {
-    io.grads = full_grads(u, m);
-    if (ud.borrows >= 0) io.borrowed_grads = full_grads(ud.borrows, m);
+  if (grads_->scatters(u)) {
+    io.grads = grads_->full_grads(u, m);
+    if (ud.borrows >= 0) io.borrowed_grads = grads_->full_grads(ud.borrows, m);
     for (int g : {u, ud.borrows})
-      if (g >= 0) alloc_grads(t, g, m);
+      if (g >= 0) grads_->written(t, g, m);
   }
-  if (reduces_at(m)) reduce_grad(u, t, m);
+  if (grads_->reduces_at(m)) grads_->reduce(u, t, m);
 }
 
 void Builder::backward(int u, int m) {
@@ -496,7 +390,7 @@ void Builder::backward(int u, int m) {
   // Where the unit rebuilds, the recompute pass puts its task before this one, waiting on the
   // gather in its place.
   const int b = add(Op::backward, u, m, {ag});
-  settle_grads(b, false);
+  grads_->settle(b, false);
   if (params >= 0 && !kept_[u]) consume(b, u);
   if (params >= 0 && partly_kept(u)) free(b, kept_part(u));
   Operands& io = at(b).io;
@@ -508,24 +402,24 @@ void Builder::backward(int u, int m) {
   if (c.backward_workspace + c.backward_kernel_scratch > 0) scratch(b, io.backward_ws = backward_ws(u));
   io.grad_stream = grad_stream(m);
   if (u == 0) free(b, io.grad_stream);
-  if (sharded_grads_) {
-    io.grads = full_grads(u, m);
-    alloc_grads(b, u, m);
+  if (grads_->scatters(u)) {
+    io.grads = grads_->full_grads(u, m);
+    grads_->written(b, u, m);
   }
   // The borrowed state-only unit's gradients come from this backward alone: reduced with it (just
   // before it, keeping DDP's buckets runs of consecutive units in backward order).
   const int lent = borrowed_state(u);
   if (lent >= 0) {
     if (sharded_params_) io.borrowed_params = gathered(lent);
-    if (sharded_grads_) {
-      io.borrowed_grads = full_grads(lent, m);
-      alloc_grads(b, lent, m);
+    if (grads_->scatters(lent)) {
+      io.borrowed_grads = grads_->full_grads(lent, m);
+      grads_->written(b, lent, m);
     }
   }
   const int last = add_stages(b, true);
   consumed_by_last_stage(b, last);
-  if (lent >= 0 && reduces_at(m)) reduce_grad(lent, last, m);
-  if (reduces_at(m)) reduce_grad(u, last, m);
+  if (lent >= 0 && grads_->reduces_at(m)) grads_->reduce(lent, last, m);
+  if (grads_->reduces_at(m)) grads_->reduce(u, last, m);
 }
 
 // The buffer of a staged unit's routed rows on one end (send, recv) of one of its exchanges.
@@ -642,87 +536,6 @@ void Builder::consumed_by_last_stage(int first, int last) {
       if (consumer == first) consumer = last;
 }
 
-// A compute task frees the full gradients of reduce-scatters issued two backwards before it (or
-// all, at the end), waiting for them: gradient memory then moves only with the compute stream,
-// and at most three units' full gradients are alive at once.
-void Builder::settle_grads(int compute_task, bool all) {
-  std::vector<PendingFree> keep;
-  for (PendingFree p : pending_grads_) {
-    if (all || --p.countdown == 0) {
-      at(compute_task).deps.push_back(p.reduce_scatter);
-      free(compute_task, p.buffer);
-    } else {
-      keep.push_back(p);
-    }
-  }
-  pending_grads_ = keep;
-}
-
-// Where each micro-step reduces, the reduce-scatters still pending at its end free their own full
-// gradients: a buffer of micro-step m is then alive within m alone, as a repeated one must be.
-void Builder::release_pending_grads() {
-  for (const PendingFree& p : pending_grads_) free(p.reduce_scatter, p.buffer);
-  pending_grads_.clear();
-}
-
-void Builder::reduce_grad(int u, int producer, int m) {
-  if (cfg_.world == 1) return;
-  if (sharded_grads_) {
-    const int rs = add(Op::reduce_scatter, u, m, {producer});
-    at(rs).axes = within_slice(plan_.shard_axes(), u);
-    at(rs).bytes = unit_bytes(u, cfg_.reduce_bytes);
-    at(rs).io.grads = full_grads(u, m);
-    reduce_scatter_of_[u] = rs;
-    pending_grads_.push_back({rs, full_grads(u, m), 2});
-    stage(rs, compute_elems(u), shard_elems(u), cfg_.reduce_bytes);
-    reduction_scratch(rs, shard_elems(u));
-    // Each micro-step's scatter adds the held shard in (reads two shards and writes one: about one
-    // and a half copies).
-    if (cfg_.reduce_each_micro_step) at(rs).copy_bytes += shard_elems(u) * 4 * 3 / 2;
-    // The norm waits for the last micro-step's reductions; the earlier ones precede them on the
-    // comm stream.
-    if (m == last_micro_) reductions_.push_back(rs);
-    if (m == last_micro_ && cfg_.world > plan_.shard_size) {  // hybrid: the summed shard across the replicas
-      const int ar = add(Op::all_reduce, u, last_micro_, {rs});
-      at(ar).axes = plan_.replicate_axes();
-      at(ar).bytes = shard_elems(u) * cfg_.reduce_bytes;
-      stage(ar, shard_elems(u), 0, cfg_.reduce_bytes);
-      reduction_scratch(ar, shard_elems(u));
-      reductions_.push_back(ar);
-    }
-    return;
-  }
-  // DDP and ZeRO-1: units join a bucket in the order their gradients become final; a bucket of
-  // consecutive units is one contiguous range of the flat gradient buffer, reduced over one group:
-  // a sliced unit is a bucket of its own, and so is a unit whose gradients live on disk (--offload:
-  // they are in its window, not in the flat buffer).
-  const bool alone = slices(u) > 1 || cfg_.offload.on_disk(StateKind::grads, u);
-  if (alone && bucket_last_ >= 0) close_bucket(producer);
-  bucket_first_ = u;
-  if (bucket_last_ < 0) bucket_last_ = u;
-  bucket_bytes_ += unit_bytes(u, cfg_.reduce_bytes);
-  if (bucket_bytes_ >= cfg_.bucket_mb * 1048576.0 || u == 0 || alone) close_bucket(producer);
-}
-
-void Builder::close_bucket(int producer) {
-  const std::vector<int> axes = within_slice(plan_.grad_axes(), bucket_first_);
-  if (plan_.mesh.group_size(axes) == 1) {  // one rank holds these gradients: nothing to reduce
-    bucket_first_ = bucket_last_ = -1;
-    bucket_bytes_ = 0;
-    return;
-  }
-  const int ar = add(Op::all_reduce, -1, last_micro_, {producer});
-  at(ar).axes = axes;
-  at(ar).first_unit = bucket_first_;
-  at(ar).last_unit = bucket_last_;
-  at(ar).bytes = bucket_bytes_;
-  stage(ar, bucket_bytes_ / cfg_.reduce_bytes, 0, cfg_.reduce_bytes);
-  reduction_scratch(ar, bucket_bytes_ / cfg_.reduce_bytes);
-  reductions_.push_back(ar);
-  bucket_first_ = bucket_last_ = -1;
-  bucket_bytes_ = 0;
-}
-
 // Marks the units --keep-gathered names as kept: gathered once per step, freed after their last
 // use (the last micro-step's backward), as the borrowed embedding is. NAME:FRACTION marks a part.
 void Builder::keep_units(const std::vector<std::string>& names) {
@@ -780,8 +593,8 @@ void Builder::free_at_last_use() {
 void Builder::finish() {
   int end = -1;
   if (train_) {
-    const int norm = add(Op::grad_norm, -1, last_micro_, reductions_);
-    settle_grads(norm, true);
+    const int norm = add(Op::grad_norm, -1, last_micro_, grads_->collectives());
+    grads_->settle(norm, true);
     int before_opt = norm;
     if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
       before_opt = add(Op::norm_reduce, -1, last_micro_, {norm});
@@ -876,6 +689,7 @@ Plan Builder::build() {
   keep_parts();
   const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps && !cfg_.offload.disk();
   last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
+  grads_.emplace(static_cast<PlanDraft&>(*this), last_micro_);
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.
   if (train_) start_ = add(Op::zero_grads, -1, 0);
@@ -914,7 +728,7 @@ void Builder::forward_pass(int m) {
 void Builder::backward_pass(int m) {
   for (int u = static_cast<int>(desc_.units.size()) - 1; u >= 0; --u)
     if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
-  if (cfg_.reduce_each_micro_step && m < last_micro_) release_pending_grads();
+  grads_->end_micro_step(m);
 }
 
 // Micro-step 2 of a plan of four stands for micro-steps 2 .. N-2 (Repeat). Pairs each task of
