@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "plan/draft.h"
+#include "plan/gather_chain.h"
 #include "plan/grad_reduce.h"
 #include "plan/param_gather.h"
 #include "plan/recompute.h"
@@ -58,12 +59,6 @@ class Builder : private PlanDraft {
 
  private:
   void frame();
-  int gathered(int u) { return buffer("gathered " + uname(u), Role::gathered, MemCategory::params, unit_bytes(u, 4), u); }
-  bool partly_kept(int u) const { return plan_.kept_elems[u] > 0; }
-  int kept_part(int u) {
-    return buffer("kept " + uname(u), Role::kept_part, MemCategory::params,
-                  plan_.kept_elems[u] * plan_.shard_size * cfg_.param_bytes, u, float_dtype(cfg_.param_bytes));
-  }
   int value(int v, int m) {
     const int b = buffer(desc_.values[v].name + tag(m), Role::value, MemCategory::activations,
                          desc_.values[v].bytes(shape_, desc_.config.n_embd), -1,
@@ -100,14 +95,6 @@ class Builder : private PlanDraft {
     const int b = desc_.units[u].borrows;
     return b >= 0 && model::is_state_only(desc_.units[b].kind) ? b : -1;
   }
-  int gather(int u, int micro, int prefetch, int direction);
-  bool chain_gathered(int u, int direction) const;
-  std::vector<int> bucket_from(int u, int direction) const;
-  void stage_bucket(int t, const std::vector<int>& units);
-  int gather_kept(int u);
-  void gather_part(int t, int u, int direction, int deps_last);
-  void consume(int compute_task, int u);
-  int reuse(int compute_task);
   void walk();
   void forward_pass(int m);
   void backward_pass(int m);
@@ -128,12 +115,9 @@ class Builder : private PlanDraft {
     return axes;
   }
   int add_stages(int first, bool reverse);
-  void consumed_by_last_stage(int first, int last);
   void split_forward_into_stages(int whole) override { add_stages(whole, false); }
   void read_values(int t, int u, int m);
   void free_at_last_use();
-  void keep_units(const std::vector<std::string>& names);
-  void keep_parts();
   void finish();
   void place_state();
   void slice_state(int u, UnitPlacement& p) const;
@@ -144,173 +128,13 @@ class Builder : private PlanDraft {
   model::Shape shape_;
   std::vector<model::UnitCosts> costs_;
   std::vector<model::Recompute> recompute_;  // each unit's mode (PlanConfig::recompute_of)
-  std::vector<char> kept_;        // borrowed by another unit: gathered once per step, kept
-  std::vector<double> part_;      // --keep-gathered NAME:FRACTION, per unit (0: none)
-  std::vector<int> kept_gather_;  // its gather task
-  // One all_gather of the chain: a bucket of units (one unless --gather-bucket-mb), gathered
-  // together, each freed by its own consumer; the bucket is done when its last unit is.
-  struct Gathered {
-    int gather;
-    std::vector<int> units, consumers;  // consumers[i]: the compute task freeing units[i]; -1 until built
-    int done() const { return consumers.back(); }
-    int pending(int u) const {  // index of u when its consumer is not built yet; else -1
-      for (size_t i = 0; i < units.size(); ++i)
-        if (units[i] == u && consumers[i] < 0) return static_cast<int>(i);
-      return -1;
-    }
-  };
-  std::vector<Gathered> chain_;  // every other all_gather, in issue order
   std::vector<int> heads_;       // head / loss / logits tasks
+  std::optional<GatherChain> gathers_;  // the parameter gather pass
   std::optional<GradReduction> grads_;  // the gradient reduction pass
-  bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
+  bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;  // frame()'s placement
   int last_micro_ = 0;
   int start_ = -1;  // zero_grads (training plans)
 };
-
-// An all-gather in the rotating chain: at most `max_gathers_in_flight` gathers (buckets) whose
-// buffers are alive, and issued at most `prefetch` gathers ahead of its consumer. A unit's
-// gathered buffer is one buffer, so a unit is never gathered twice at once: its gather waits for
-// the consumer of its previous gather. With --gather-bucket-mb the gather takes the units after
-// u in this pass (`direction` +1: a forward, -1: a backward) into one bucket; their compute
-// tasks then find u's bucket already issued.
-int Builder::gather(int u, int micro, int prefetch, int direction) {
-  if (!chain_.empty() && chain_.back().pending(u) >= 0) return chain_.back().gather;
-  const std::vector<int> units = bucket_from(u, direction);
-  std::vector<int> deps;
-  const int j = static_cast<int>(chain_.size());
-  const int limit = cfg_.max_gathers_in_flight;
-  if (j - limit >= 0) deps.push_back(chain_[j - limit].done());
-  if (j - 1 - prefetch >= 0) deps.push_back(chain_[j - 1 - prefetch].done());
-  for (int v : units)
-    for (int k = j - 1; k >= 0; --k) {
-      const auto& g = chain_[k];
-      const auto i = std::find(g.units.begin(), g.units.end(), v) - g.units.begin();
-      if (i < static_cast<int64_t>(g.units.size())) {
-        deps.push_back(g.consumers[i]);
-        break;
-      }
-    }
-  if (deps.empty() && start_ >= 0) deps.push_back(start_);
-  // Every dependency is a compute task, and the compute stream runs in order: the latest implies
-  // the others (and a gather then never waits on a task two micro-steps back, as Repeat needs).
-  if (!deps.empty()) deps = {*std::max_element(deps.begin(), deps.end())};
-  const bool bucket = units.size() > 1;
-  const int t = add(Op::all_gather, bucket ? -1 : u, micro, deps);
-  at(t).axes = within_slice(plan_.shard_axes(), u);
-  for (int v : units) {
-    at(t).bytes += unit_bytes(v, cfg_.param_bytes);
-    // The compute task the gather waits for brings its buffers into being as it ends.
-    if (deps.empty()) alloc(t, gathered(v));
-    else at(deps.back()).hands_off.push_back(gathered(v));
-  }
-  if (bucket) {
-    at(t).first_unit = units.front(), at(t).last_unit = units.back();
-    for (int v : units) at(t).io.bucket.push_back(gathered(v));
-    stage_bucket(t, units);
-  } else {
-    at(t).io.params = gathered(u);
-    if (partly_kept(u)) gather_part(t, u, direction, deps.empty() ? -1 : deps.back());
-    else stage(t, compute_elems(u), shard_elems(u), cfg_.param_bytes);
-  }
-  chain_.push_back({t, units, std::vector<int>(units.size(), -1)});
-  return t;
-}
-
-// Whether this pass gathers unit u through the chain (not kept; in a backward, only the units
-// whose backward reads parameters or rebuilds activations, the head's ran with its forward).
-bool Builder::chain_gathered(int u, int direction) const {
-  if (u < 0 || u >= static_cast<int>(desc_.units.size()) || kept_[u]) return false;
-  if (direction > 0) return true;
-  const model::UnitCosts& c = costs_[u];
-  const bool rebuild = c.kept_bytes(recompute_[u]) < c.saved_bytes + c.recomputable_bytes;
-  return !model::is_head(desc_.units[u].kind) && (desc_.units[u].backward_reads_params || rebuild);
-}
-
-// u and the units gathered right after it in this pass while their wire bytes together stay
-// within --gather-bucket-mb (u alone when it is larger, or bucketing is off). A bucket ends at a
-// unit the pass does not gather, so it is one run of consecutive units.
-std::vector<int> Builder::bucket_from(int u, int direction) const {
-  std::vector<int> units{u};
-  if (partly_kept(u)) return units;  // its gathers move a part of it: never in a bucket
-  const double limit = cfg_.gather_bucket_mb * 1048576.0;
-  double bytes = static_cast<double>(unit_bytes(u, cfg_.param_bytes));
-  for (int v = u + direction; limit > 0 && chain_gathered(v, direction) && !partly_kept(v); v += direction) {
-    bytes += static_cast<double>(unit_bytes(v, cfg_.param_bytes));
-    if (bytes > limit) break;
-    units.push_back(v);
-  }
-  return units;
-}
-
-// A bucket's staging (comm): its units' gathered concatenation, rank after rank, in the wire
-// dtype (this rank's concatenated shards are packed in place, at its own slot); alive inside
-// the gather.
-void Builder::stage_bucket(int t, const std::vector<int>& units) {
-  int64_t shards = 0;
-  for (int v : units) shards += shard_elems(v);
-  const int b = buffer("staging " + at(t).name(&desc_), Role::staging, MemCategory::comm,
-                       shards * plan_.shard_size * cfg_.param_bytes, -1,
-                       float_dtype(cfg_.param_bytes));
-  scratch(t, b);
-  at(t).io.staging = b;
-  for (int v : units) at(t).copy_bytes += unit_bytes(v, 4);
-}
-
-// A partly kept unit's gather. In a forward it gathers the whole unit and copies the kept part
-// aside (allocated with the gathered buffer, by the compute task the gather waits for); in a
-// backward it gathers the rest of each shard into staging (its concatenation, rank after rank)
-// and puts the unit together from the two. The backward's consumer frees the kept part.
-void Builder::gather_part(int t, int u, int direction, int deps_last) {
-  const int64_t shard = shard_elems(u), kept = plan_.kept_elems[u], rest = shard - kept;
-  const int S = plan_.shard_size, elem = cfg_.param_bytes;
-  if (direction > 0) {
-    stage(t, compute_elems(u), shard, elem);
-    at(t).io.keep_into = kept_part(u);
-    if (deps_last < 0) alloc(t, kept_part(u));
-    else at(deps_last).hands_off.push_back(kept_part(u));
-    at(t).copy_bytes += kept * S * elem;
-    return;
-  }
-  at(t).bytes = rest * S * elem;
-  at(t).io.restore_from = kept_part(u);
-  const int b = buffer("staging " + at(t).name(&desc_) + " rest", Role::staging, MemCategory::comm, rest * S * elem, u,
-                       float_dtype(elem));
-  scratch(t, b);
-  at(t).io.staging = b;
-  at(t).copy_bytes = unit_bytes(u, 4);
-}
-
-int Builder::gather_kept(int u) {
-  const int t = add(Op::all_gather, u, 0, {start_});
-  at(t).axes = within_slice(plan_.shard_axes(), u);
-  at(t).bytes = unit_bytes(u, cfg_.param_bytes);
-  at(t).io.params = gathered(u);
-  if (start_ < 0) alloc(t, gathered(u));
-  else at(start_).hands_off.push_back(gathered(u));
-  stage(t, compute_elems(u), shard_elems(u), cfg_.param_bytes);
-  kept_gather_[u] = t;
-  return t;
-}
-
-// The consumer frees unit u's gathered buffer (u is in the chain's latest bucket).
-void Builder::consume(int compute_task, int u) {
-  Gathered& g = chain_.back();
-  const auto i = std::find(g.units.begin(), g.units.end(), u) - g.units.begin();
-  free(compute_task, gathered(u));
-  g.consumers[i] = compute_task;
-}
-
-// Between micro-steps the parameters do not change, and the last unit the backward gathered is
-// the first the next forward needs when it is the same unit: keep it instead of gathering it
-// again. Returns the gather the compute task now depends on.
-int Builder::reuse(int compute_task) {
-  Gathered& g = chain_.back();
-  const int u = g.units.back();
-  auto& frees = at(g.done()).frees;
-  frees.erase(std::remove(frees.begin(), frees.end(), gathered(u)), frees.end());
-  consume(compute_task, u);
-  return g.gather;
-}
 
 void Builder::read_values(int t, int u, int m) {
   for (int v : desc_.units[u].reads) at(t).io.inputs.push_back(value(v, m));
@@ -320,27 +144,13 @@ void Builder::forward(int u, int m) {
   const model::UnitDesc& ud = desc_.units[u];
   const bool head = model::is_head(ud.kind);
   const Op op = !head ? Op::forward : train_ ? Op::head : cfg_.mode == PlanConfig::Mode::loss ? Op::loss : Op::logits;
-  int ag = -1;
-  bool held = false;
-  if (sharded_params_ && kept_[u]) {
-    if (m == 0) ag = gather_kept(u);
-  } else if (sharded_params_) {
-    // The backward's last gathered unit, all of its bucket consumed, is this forward's first.
-    // (Not a partly kept unit: its forward gather also sets its kept part aside.)
-    held = m > 0 && !chain_.empty() && chain_.back().units.back() == u && chain_.back().done() >= 0 && !partly_kept(u);
-    if (!held) ag = gather(u, m, cfg_.prefetch_forward, +1);
-  }
-  // A borrowed state-only unit (a MoE block's experts) is gathered once per step, like the tied
-  // embedding, by its borrower's first forward.
-  const int b = borrowed_state(u);
-  const int bg = b >= 0 && sharded_params_ && kept_gather_[b] < 0 ? gather_kept(b) : -1;
-  const int t = add(op, u, m, {ag, bg});
-  if (held) at(t).deps.push_back(reuse(t));
-  else if (ag >= 0 && !kept_[u]) consume(t, u);
+  const GatherChain::Forward gathers = gathers_->before_forward(u, borrowed_state(u), m);
+  const int t = add(op, u, m, gathers.deps);
+  gathers_->forward_added(t, u, gathers);
   const model::UnitCosts& c = costs_[u];
   Operands& io = at(t).io;
-  if (sharded_params_) io.params = gathered(u);
-  if (ud.borrows >= 0 && sharded_params_) io.borrowed_params = gathered(ud.borrows);
+  if (gathers_->sharded(u)) io.params = gathers_->gathered(u);
+  if (ud.borrows >= 0 && gathers_->sharded(ud.borrows)) io.borrowed_params = gathers_->gathered(ud.borrows);
   read_values(t, u, m);
   if (ud.writes >= 0) {
     io.output = value(ud.writes, m);
@@ -361,7 +171,7 @@ void Builder::forward(int u, int m) {
   const bool head_trains = head && train_;
   if (c.forward_workspace + (head_trains ? 0 : c.forward_kernel_scratch) > 0) scratch(t, io.forward_ws = forward_ws(u, !head_trains));
   if (!head) {
-    consumed_by_last_stage(t, add_stages(t, false));
+    gathers_->consumed_by_last_stage(t, add_stages(t, false));
     return;
   }
   heads_.push_back(t);
@@ -381,18 +191,14 @@ void Builder::forward(int u, int m) {
 }
 
 void Builder::backward(int u, int m) {
-  const model::UnitDesc& ud = desc_.units[u];
   const model::UnitCosts& c = costs_[u];
-  const bool rebuild = c.kept_bytes(recompute_[u]) < c.saved_bytes + c.recomputable_bytes;
-  int ag = -1;
-  if (sharded_params_ && chain_gathered(u, -1)) ag = gather(u, m, cfg_.prefetch_backward, -1);
-  const int params = sharded_params_ && (ud.backward_reads_params || rebuild) ? gathered(u) : -1;
+  const int ag = gathers_->before_backward(u, m);
+  const int params = gathers_->backward_params(u);
   // Where the unit rebuilds, the recompute pass puts its task before this one, waiting on the
   // gather in its place.
   const int b = add(Op::backward, u, m, {ag});
   grads_->settle(b, false);
-  if (params >= 0 && !kept_[u]) consume(b, u);
-  if (params >= 0 && partly_kept(u)) free(b, kept_part(u));
+  gathers_->backward_added(b, u);
   Operands& io = at(b).io;
   io.params = params;
   read_values(b, u, m);
@@ -410,14 +216,14 @@ void Builder::backward(int u, int m) {
   // before it, keeping DDP's buckets runs of consecutive units in backward order).
   const int lent = borrowed_state(u);
   if (lent >= 0) {
-    if (sharded_params_) io.borrowed_params = gathered(lent);
+    if (gathers_->sharded(lent)) io.borrowed_params = gathers_->gathered(lent);
     if (grads_->scatters(lent)) {
       io.borrowed_grads = grads_->full_grads(lent, m);
       grads_->written(b, lent, m);
     }
   }
   const int last = add_stages(b, true);
-  consumed_by_last_stage(b, last);
+  gathers_->consumed_by_last_stage(b, last);
   if (lent >= 0 && grads_->reduces_at(m)) grads_->reduce(lent, last, m);
   if (grads_->reduces_at(m)) grads_->reduce(u, last, m);
 }
@@ -528,56 +334,6 @@ int Builder::add_stages(int first, bool reverse) {
   return last;
 }
 
-// A staged pass's last stage frees what its first task consumed (add_stages). Apart from
-// add_stages, which the recompute pass reruns once the walk's gather chain is done.
-void Builder::consumed_by_last_stage(int first, int last) {
-  for (Gathered& g : chain_)
-    for (int& consumer : g.consumers)
-      if (consumer == first) consumer = last;
-}
-
-// Marks the units --keep-gathered names as kept: gathered once per step, freed after their last
-// use (the last micro-step's backward), as the borrowed embedding is. NAME:FRACTION marks a part.
-void Builder::keep_units(const std::vector<std::string>& names) {
-  for (const std::string& entry : names) {
-    const size_t colon = entry.find(':');
-    const std::string name = entry.substr(0, colon);
-    double fraction = 1;
-    if (colon != std::string::npos) {
-      const std::string f = entry.substr(colon + 1);
-      char* end = nullptr;
-      fraction = std::strtod(f.c_str(), &end);
-      if (f.empty() || *end != '\0' || !(fraction > 0 && fraction < 1))
-        throw std::invalid_argument("keep_gathered (--keep-gathered): '" + entry +
-                                    "': the part to keep must be a fraction between 0 and 1, as in h.3:0.5");
-    }
-    bool found = false;
-    for (size_t u = 0; u < desc_.units.size(); ++u)
-      if (name == "all" || desc_.units[u].name == name) {
-        found = true;
-        if (fraction < 1) part_[u] = fraction;
-        else kept_[u] = 1;
-      }
-    if (!found) {
-      std::string all;
-      for (const auto& ud : desc_.units) all += (all.empty() ? "" : ", ") + ud.name;
-      throw std::invalid_argument("keep_gathered (--keep-gathered): no unit named '" + name + "' (units: " + all + "; or all, none)");
-    }
-  }
-}
-
-// A part kept counts where a training step gathers the unit again for its backward; it is the
-// fraction of each shard, rounded down to 16 elements.
-void Builder::keep_parts() {
-  plan_.kept_elems.assign(desc_.units.size(), 0);
-  if (!train_ || !sharded_params_) return;
-  for (size_t u = 0; u < desc_.units.size(); ++u) {
-    const int i = static_cast<int>(u);
-    if (part_[u] > 0 && chain_gathered(i, -1))
-      plan_.kept_elems[u] = static_cast<int64_t>(part_[u] * static_cast<double>(shard_elems(i)) / 16) * 16;
-  }
-}
-
 // Values and kept gathered units are freed by the last task that reads them.
 void Builder::free_at_last_use() {
   std::map<int, int> last;
@@ -585,7 +341,7 @@ void Builder::free_at_last_use() {
     for (int v : t.io.inputs) last[v] = t.id;
     if (t.stream != kCompute) continue;
     for (int b : {t.io.params, t.io.borrowed_params})
-      if (b >= 0 && kept_[plan_.buffers[b].unit]) last[b] = t.id;
+      if (b >= 0 && gathers_->kept(plan_.buffers[b].unit)) last[b] = t.id;
   }
   for (auto [buf, t] : last) free(t, buf);
 }
@@ -677,22 +433,22 @@ Plan Builder::build() {
 
   const int U = static_cast<int>(desc_.units.size());
   shape_ = plan_.unit_shape(cfg_.activation_bytes);
-  kept_.assign(U, 0);
-  part_.assign(U, 0);
-  kept_gather_.assign(U, -1);
+  std::vector<char> backward_reads_params(U);
   for (int u = 0; u < U; ++u) {
     recompute_.push_back(plan_.recompute_of(desc_, u));
     costs_.push_back(desc_.costs(u, plan_.unit_shape(desc_, u, cfg_.activation_bytes)));
-    if (desc_.units[u].borrows >= 0) kept_[desc_.units[u].borrows] = 1;
+    const model::UnitCosts& c = costs_[u];
+    const bool rebuild = c.kept_bytes(recompute_[u]) < c.saved_bytes + c.recomputable_bytes;
+    backward_reads_params[u] = desc_.units[u].backward_reads_params || rebuild;
   }
-  keep_units(cfg_.keep_gathered);
-  keep_parts();
+  gathers_.emplace(static_cast<PlanDraft&>(*this), std::move(backward_reads_params), train_);
   const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps && !cfg_.offload.disk();
   last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
   grads_.emplace(static_cast<PlanDraft&>(*this), last_micro_);
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.
   if (train_) start_ = add(Op::zero_grads, -1, 0);
+  gathers_->set_start(start_);
   schedule_ = one_stage(last_micro_ + 1, train_ ? Backward::whole : Backward::none);
   walk();
   finish();
