@@ -17,6 +17,7 @@
 #include "plan/recompute.h"
 #include "plan/plan.h"
 #include "plan/schedule.h"
+#include "plan/stages.h"
 
 namespace shardlm::plan {
 
@@ -100,22 +101,7 @@ class Builder : private PlanDraft {
   void backward_pass(int m);
   void forward(int u, int m);
   void backward(int u, int m);
-  int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
-  std::vector<int> exchange_axes(const model::Exchange& x) const {
-    const int a = plan_.mesh.find(x.axis);
-    return a >= 0 ? std::vector<int>{a} : std::vector<int>{};
-  }
-  // The axes a staged unit's compute tasks name, which its layer routes rows by (UnitArgs::peers):
-  // its exchanges' axis other than cp where it has one (a rank's place on cp reaches the layer
-  // apart, UnitArgs::cp_index); empty for a unit of one stage.
-  std::vector<int> stage_axes(int u, bool reverse) const {
-    std::vector<int> axes;
-    for (const model::Exchange& x : costs_[u].exchanges_of(reverse))
-      if (x.route != model::Exchange::Route::none && (axes.empty() || x.axis != kContext)) axes = exchange_axes(x);
-    return axes;
-  }
-  int add_stages(int first, bool reverse);
-  void split_forward_into_stages(int whole) override { add_stages(whole, false); }
+  void split_forward_into_stages(int whole) override { stages_->split(whole, false); }
   void read_values(int t, int u, int m);
   void free_at_last_use();
   void finish();
@@ -129,6 +115,7 @@ class Builder : private PlanDraft {
   std::vector<model::UnitCosts> costs_;
   std::vector<model::Recompute> recompute_;  // each unit's mode (PlanConfig::recompute_of)
   std::vector<int> heads_;       // head / loss / logits tasks
+  std::optional<UnitStages> stages_;    // the ep and cp stages pass
   std::optional<GatherChain> gathers_;  // the parameter gather pass
   std::optional<GradReduction> grads_;  // the gradient reduction pass
   bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;  // frame()'s placement
@@ -171,7 +158,7 @@ void Builder::forward(int u, int m) {
   const bool head_trains = head && train_;
   if (c.forward_workspace + (head_trains ? 0 : c.forward_kernel_scratch) > 0) scratch(t, io.forward_ws = forward_ws(u, !head_trains));
   if (!head) {
-    gathers_->consumed_by_last_stage(t, add_stages(t, false));
+    gathers_->consumed_by_last_stage(t, stages_->split(t, false));
     return;
   }
   heads_.push_back(t);
@@ -222,116 +209,10 @@ void Builder::backward(int u, int m) {
       grads_->written(b, lent, m);
     }
   }
-  const int last = add_stages(b, true);
+  const int last = stages_->split(b, true);
   gathers_->consumed_by_last_stage(b, last);
   if (lent >= 0 && grads_->reduces_at(m)) grads_->reduce(lent, last, m);
   if (grads_->reduces_at(m)) grads_->reduce(u, last, m);
-}
-
-// The buffer of a staged unit's routed rows on one end (send, recv) of one of its exchanges.
-int Builder::routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes) {
-  return buffer(std::string(end) + " " + uname(u) + " x" + std::to_string(exchange) + (reverse ? " grads" : "") + tag(m),
-                Role::routed, MemCategory::activations, bytes, u, DType::int8);
-}
-
-// A staged unit's pass (model::UnitCosts::exchanges): `first`, built as the whole pass, becomes
-// its first stage (the last one in a backward, which runs the stages in reverse), and the other
-// stages follow, each after the exchange that feeds it: the stage `after` stages back (the one just
-// before, or earlier for a prefetch) writes the exchange's `send` (from `written_from` stages back
-// on), the exchange fills `recv`, which the stage after reads and frees. An exchange that
-// `forwards` sends on an earlier exchange's `recv` instead, which then lives until its own stage.
-// An exchange over axes of one rank is left out (the stage after reads `send`); a `none` route has
-// no exchange. Everything `first` freed, the last stage frees instead, and it is the pass's
-// consumer of gathered parameters. Returns it.
-int Builder::add_stages(int first, bool reverse) {
-  const int u = at(first).unit, m = at(first).micro;
-  const model::UnitCosts& c = costs_[u];
-  const std::vector<model::Exchange>& exchanges = c.exchanges_of(reverse);
-  const int S = c.stages(reverse);
-  if (S == 1) return first;
-  using Route = model::Exchange::Route;
-  // Each exchange runs over its own axis (a MoE block under cp: the attention's and the routing
-  // counts' over cp, the routed rows' over ep); one over an axis of one rank is left out. The
-  // stages name stage_axes.
-  auto axes_of = [&](const model::Exchange& x) { return exchange_axes(x); };
-  auto spans_of = [&](const model::Exchange& x) { return plan_.mesh.group_size(axes_of(x)) > 1; };
-  const std::vector<int> axes = stage_axes(u, reverse);
-  at(first).axes = axes;
-  const Task whole = at(first);
-  at(first).frees.clear();
-  at(first).stage = reverse ? S - 1 : 0;
-  at(first).flops = whole.flops * c.share(at(first).stage, reverse);
-  auto exchange_into = [&](int i) -> const model::Exchange& { return exchanges[reverse ? S - 1 - i : i - 1]; };
-  // Per position i in the pass: its stage's task, what its stage reads (the receive, or the send
-  // of an exchange left out), its exchange, and the position whose stage frees that receive (its
-  // own, or a later one whose exchange sends it on).
-  std::vector<int> line{first}, feed(S, -1), xts(S, -1), freed_by(S), source(S, -1), ready(S, 0), freed_at_consumer(S, -1);
-  for (int i = 0; i < S; ++i) freed_by[i] = i;
-  // Each exchange is listed right after the last task it waits on (its `after` stage, and the
-  // exchange whose receive it sends on), so the plan's walk counts its receive from the earliest
-  // moment it can be allocated: the stages between may still hold what they free.
-  for (int i = 1; i < S; ++i) {
-    const model::Exchange& x = exchange_into(i);
-    if (x.route == Route::none) continue;
-    ready[i] = std::max(0, i - x.after);
-    if (x.forwards > 0 && i - x.forwards >= 1 && spans_of(x)) {
-      source[i] = i - x.forwards;
-      freed_by[source[i]] = i;
-      ready[i] = std::max(ready[i], ready[source[i]]);
-    }
-  }
-  auto add_exchange = [&](int i) {
-    const int e = reverse ? S - 1 - i : i - 1;
-    const model::Exchange& x = exchange_into(i);
-    const int producer = std::max(0, i - x.after);
-    const bool forward_on = source[i] >= 0 && xts[source[i]] >= 0;
-    int send = forward_on ? feed[source[i]] : -1;
-    if (!forward_on) {
-      send = routed(u, m, e, reverse, "send", x.bound_bytes);
-      const int from = std::max(0, i - std::max(x.after, x.written_from));
-      alloc(line[from], send);
-      for (int w = from; w <= producer; ++w) at(line[w]).io.send = send;
-    }
-    feed[i] = send;
-    if (!spans_of(x)) return;
-    const int xt = add(Op::exchange, u, m,
-                       forward_on ? std::vector<int>{xts[source[i]], line[producer]} : std::vector<int>{line[producer]});
-    at(xt).stage = e, at(xt).reverse = reverse, at(xt).axes = axes_of(x);
-    at(xt).ring_step = x.route == Route::ring_next ? 1 : x.route == Route::ring_prev ? -1 : 0;
-    at(xt).bytes = x.expected_bytes;
-    at(xt).carries = x.carries;
-    at(xt).io.send = send;
-    at(xt).io.recv = feed[i] = routed(u, m, e, reverse, "recv", x.bound_bytes);
-    // An exchange started stages ahead of its consumer runs beside those stages: its buffers
-    // then live from its producer stage to its consumer stage, so they come and go with the
-    // compute stream, and the plan's walk holds them alive with what those stages allocate.
-    const bool beside = x.after >= 2;
-    alloc(beside ? line[producer] : xt, feed[i]);
-    if (!forward_on) beside ? void(freed_at_consumer[i] = send) : free(xt, send);
-    xts[i] = xt;
-  };
-  auto add_exchanges_ready_at = [&](int j) {
-    for (int i = j + 1; i < S; ++i)
-      if (exchange_into(i).route != Route::none && ready[i] == j) add_exchange(i);
-  };
-  add_exchanges_ready_at(0);
-  for (int i = 1; i < S; ++i) {
-    const int s = reverse ? S - 1 - i : i;
-    const int t = add(whole.op, u, m, {xts[i] >= 0 ? xts[i] : line.back()});
-    at(t).stage = s, at(t).axes = axes;
-    at(t).flops = whole.flops * c.share(s, reverse);
-    at(t).io = whole.io;
-    at(t).io.send = -1;
-    at(t).io.recv = feed[i];
-    line.push_back(t);
-    for (int j = 1; j <= i; ++j)
-      if (freed_by[j] == i && feed[j] >= 0) free(t, feed[j]);
-    if (freed_at_consumer[i] >= 0) free(t, freed_at_consumer[i]);
-    add_exchanges_ready_at(i);
-  }
-  const int last = line.back();
-  for (int f : whole.frees) free(last, f);
-  return last;
 }
 
 // Values and kept gathered units are freed by the last task that reads them.
@@ -442,6 +323,7 @@ Plan Builder::build() {
     backward_reads_params[u] = desc_.units[u].backward_reads_params || rebuild;
   }
   gathers_.emplace(static_cast<PlanDraft&>(*this), std::move(backward_reads_params), train_);
+  stages_.emplace(static_cast<PlanDraft&>(*this), costs_);
   const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps && !cfg_.offload.disk();
   last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
   grads_.emplace(static_cast<PlanDraft&>(*this), last_micro_);
