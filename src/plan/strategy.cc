@@ -1,13 +1,12 @@
 // The plan builder: a walk over the step's schedule (plan/schedule.h: each micro-step's forward
 // over the units, then its backward) that emits compute tasks with the buffers they allocate, read
-// and free, and, depending on the strategy, the collectives around them.
+// and free. The passes it runs inside the walk add what the placement asks for around them: the
+// parameter gathers (gather_chain.h), the units' stages (stages.h) and the gradient reductions
+// (grad_reduce.h); the recompute pass (recompute.h) follows the walk.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <map>
 #include <optional>
-#include <set>
-#include <unordered_map>
 #include <stdexcept>
 
 #include "plan/draft.h"
