@@ -117,7 +117,9 @@ class Builder : private PlanDraft {
   std::optional<UnitStages> stages_;    // the ep and cp stages pass
   std::optional<GatherChain> gathers_;  // the parameter gather pass
   std::optional<GradReduction> grads_;  // the gradient reduction pass
-  bool train_ = true, sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;  // frame()'s placement
+  bool train_ = true;
+  // The strategy as frame() places the state (the passes read the placement, not these).
+  bool sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
   int last_micro_ = 0;
   int start_ = -1;  // zero_grads (training plans)
 };
