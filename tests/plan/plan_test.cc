@@ -1000,6 +1000,106 @@ TEST(Plan, ParamGathersFollowTheOptimizerWhereItUpdatesPartOfWhatARankHolds) {
     }
 }
 
+// The axes of `axes` but unit u's slicing axis (a MoE block's experts over ep are reduced and
+// gathered only among the ranks holding the same experts).
+std::vector<int> within_slice(const Plan& p, const model::ModelDesc& d, std::vector<int> axes, int u) {
+  const int a = p.mesh.find(d.units[u].sliced_over);
+  axes.erase(std::remove(axes.begin(), axes.end(), a), axes.end());
+  return axes;
+}
+
+// Every layout a small model plans under: each strategy at 1, 2 and 4 ranks, with ep and cp where
+// they divide, with and without accumulation and each micro-step's reduction.
+template <class Check>
+void for_each_layout(Check check) {
+  const model::ModelDesc moe = model::describe(model::model_preset("moe-tiny", 256));
+  const model::ModelDesc gpt = model::describe(model::model_preset("tiny", 256));
+  for (const model::ModelDesc* d : {&moe, &gpt})
+    for (Strategy s : {Strategy::ddp, Strategy::zero1, Strategy::zero2, Strategy::fsdp, Strategy::hybrid})
+      for (int world : {1, 2, 4})
+        for (int ep : {1, 2})
+          for (int cp : {1, 2})
+            for (int accum : {1, 3})
+              for (bool each : {false, true}) {
+                if (ep * cp > world || (ep > 1 && d != &moe)) continue;
+                if (each && (s == Strategy::ddp || s == Strategy::zero1)) continue;
+                PlanConfig c;
+                c.strategy = s, c.world = world, c.ep = ep, c.cp = cp, c.grad_accum = accum;
+                c.shard_group = world == 4 && ep * cp == 1 ? 2 : world;
+                c.reduce_each_micro_step = each;
+                c.batch = 2, c.seq = 64;
+                const std::string what = std::string(d == &moe ? "moe-tiny " : "tiny ") + to_string(s) + " on " +
+                                         std::to_string(world) + " ep " + std::to_string(ep) + " cp " +
+                                         std::to_string(cp) + " accum " + std::to_string(accum) + (each ? " each" : "");
+                check(*d, build_plan(*d, c), what);
+              }
+}
+
+// The gradient reduction pass reads the placement: a unit whose gradients are placed split is
+// reduce-scattered over the axes that split them (every micro-step where each reduces), and its
+// shard then summed over the rest (hybrid's replicas); a unit held whole is in one all_reduce
+// bucket. Either way each unit's gradients of the step are summed over exactly the ranks that read
+// other batches or other positions (within its slice), once.
+TEST(Plan, GradientsAreSummedOnceOverTheRanksTheirPlacementSays) {
+  for_each_layout([](const model::ModelDesc& d, const Plan& p, const std::string& what) {
+    int last = 0;
+    for (const Task& t : p.tasks) last = std::max(last, t.micro);
+    for (int u = 0; u < static_cast<int>(d.units.size()); ++u) {
+      const Placement& g = p.placed(StateKind::grads, u);
+      const bool split = !within_slice(p, d, g.axes, u).empty();
+      const int summed = p.mesh.group_size(within_slice(p, d, p.grad_axes(), u));
+      int64_t ranks = 1;
+      std::set<int> scattered_in;
+      int collectives = 0;
+      for (const Task& t : p.tasks) {
+        const bool covers = t.unit == u || (t.unit < 0 && t.first_unit <= u && u <= t.last_unit);
+        if (!covers || (t.op != Op::reduce_scatter && t.op != Op::all_reduce)) continue;
+        if (t.op == Op::reduce_scatter) {
+          EXPECT_TRUE(split) << what << ": " << t.name(&d);
+          EXPECT_EQ(t.axes, within_slice(p, d, g.axes, u)) << what << ": " << t.name(&d);
+          scattered_in.insert(t.micro);
+        }
+        if (t.micro != last) continue;
+        ++collectives;
+        ranks *= p.mesh.group_size(t.axes);
+      }
+      EXPECT_EQ(ranks, summed) << what << ": unit " << d.units[u].name;
+      EXPECT_LE(collectives, 2) << what << ": unit " << d.units[u].name;
+      if (split && summed > 1 && p.config.reduce_each_micro_step)
+        EXPECT_EQ(static_cast<int>(scattered_in.size()), last + 1) << what << ": unit " << d.units[u].name;
+    }
+  });
+}
+
+// The parameter gather pass reads the placement: every compute task reading a unit whose
+// parameters are placed split reads a gathered buffer that an all_gather over those axes (within
+// the unit's slice) filled before it; a plan with no split parameters has no all_gather.
+TEST(Plan, SplitParametersAreGatheredBeforeEveryTaskReadingThem) {
+  for_each_layout([](const model::ModelDesc& d, const Plan& p, const std::string& what) {
+    bool any_split = false;
+    for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
+      any_split = any_split || !within_slice(p, d, p.placed(StateKind::params, u).axes, u).empty();
+    for (const Task& t : p.tasks) {
+      if (t.op == Op::all_gather) EXPECT_TRUE(any_split) << what << ": " << t.name(&d);
+      if (t.stream != kCompute) continue;
+      for (int b : {t.io.params, t.io.borrowed_params}) {
+        if (b < 0) continue;
+        const int u = p.buffers[b].unit;
+        EXPECT_FALSE(within_slice(p, d, p.placed(StateKind::params, u).axes, u).empty()) << what << ": " << t.name(&d);
+        bool filled = false;
+        for (const Task& g : p.tasks) {
+          if (g.id >= t.id || g.op != Op::all_gather) continue;
+          const bool fills = g.io.params == b || std::count(g.io.bucket.begin(), g.io.bucket.end(), b) > 0;
+          if (!fills || !p.depends_on(t.id, g.id)) continue;
+          filled = true;
+          EXPECT_EQ(g.axes, within_slice(p, d, p.placed(StateKind::params, u).axes, u)) << what << ": " << g.name(&d);
+        }
+        EXPECT_TRUE(filled) << what << ": " << t.name(&d) << " reads " << p.buffers[b].name << " no gather filled";
+      }
+    }
+  });
+}
+
 TEST(Plan, RejectsAShardGroupThatDoesNotDivideTheRanks) {
   PlanConfig c;
   c.strategy = Strategy::hybrid;
