@@ -64,7 +64,7 @@ std::unique_ptr<LoadedModel> load_model(const std::string& arg, int threads, pla
   m->comms = std::make_unique<run::CommGroups>(*m->world, m->plan);
   m->backend = kernels::make_cpu_backend(m->memory);
   m->ex = std::make_unique<run::Executor>(m->desc, m->plan, *m->comms, threads, std::chrono::seconds(300), *m->backend);
-  train::read_initial_weights(m->source, m->desc, m->plan.layout, m->ex->whole(run::Executor::State::params));
+  train::read_initial_weights(m->source, m->desc, m->plan.layout, m->ex->whole(plan::State::params));
   return m;
 }
 

@@ -11,24 +11,6 @@
 
 namespace shardlm::plan {
 
-StateKind kind_of(StateIndex s) {
-  switch (s) {
-    case StateIndex::params: return StateKind::params;
-    case StateIndex::grads: return StateKind::grads;
-    default: return StateKind::optimizer;
-  }
-}
-
-const char* to_string(StateIndex s) {
-  switch (s) {
-    case StateIndex::params: return "params";
-    case StateIndex::grads: return "grads";
-    case StateIndex::exp_avg: return "exp_avg";
-    case StateIndex::exp_avg_sq: return "exp_avg_sq";
-  }
-  return "?";
-}
-
 // Grouped by what the executor's handler of each op touches.
 std::vector<StateTouch> state_touches(const Plan& p, const model::ModelDesc& desc, const Task& t) {
   std::vector<StateTouch> out;

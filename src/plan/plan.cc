@@ -64,22 +64,24 @@ const char* to_string(Location l) {
   return "?";
 }
 
-const char* to_string(StateKind k) {
-  switch (k) {
-    case StateKind::params: return "params";
-    case StateKind::grads: return "grads";
-    case StateKind::optimizer: return "optimizer";
+const char* to_string(State s) {
+  switch (s) {
+    case State::params: return "params";
+    case State::grads: return "grads";
+    case State::exp_avg: return "exp_avg";
+    case State::exp_avg_sq: return "exp_avg_sq";
   }
   return "?";
 }
 
-const Placement& UnitPlacement::of(StateKind k) const {
-  switch (k) {
-    case StateKind::params: return params;
-    case StateKind::grads: return grads;
-    case StateKind::optimizer: return optimizer;
+const char* kind_name(State s) { return kind_of(s) == State::optimizer ? "optimizer" : to_string(s); }
+
+const Placement& UnitPlacement::of(State s) const {
+  switch (kind_of(s)) {
+    case State::params: return params;
+    case State::grads: return grads;
+    default: return optimizer;  // either moment
   }
-  return params;
 }
 
 void Plan::set_placement(std::vector<UnitPlacement> placement) {
@@ -95,11 +97,11 @@ void Plan::set_placement(std::vector<UnitPlacement> placement) {
       const bool held = p.parts > 0;
       if ((held && p.parts != mesh.group_size(p.axes)) || (!held && (p.parts < 0 || !p.axes.empty())) ||
           (held && layout.units[u].padded % (16 * p.parts) != 0))
-        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + to_string(StateKind(k)) + " in " +
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(StateKind(k)) + " in " +
                                std::to_string(p.parts) + " parts does not fit its axes or its padding");
       const int64_t n = held_elems(StateKind(k), static_cast<int>(u));
       if (p.resident != 0 && (p.where != Location::disk || p.resident < 0 || p.resident >= n || p.resident % kResidentGrain != 0))
-        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + to_string(StateKind(k)) + " keeps " +
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(StateKind(k)) + " keeps " +
                                std::to_string(p.resident) + " of its " + std::to_string(n) +
                                " elements resident (on disk, fewer than all, whole 4 KiB pages only)");
       at.push_back(at.back() + n);
@@ -428,7 +430,7 @@ void placement_text(const Plan& plan, std::ostream& o) {
   o << "\nstate placement (each unit's element ranges over mesh axes, and where they live):\n";
   const std::vector<UnitPlacement>& units = plan.placement();
   for (int k = 0; k < kNumStateKinds; ++k) {
-    o << "  " << to_string(StateKind(k)) << ":";
+    o << "  " << kind_name(StateKind(k)) << ":";
     for (size_t first = 0, u = 0; first < units.size(); first = u) {
       const Placement& p = units[first].of(StateKind(k));
       auto same = [&](const Placement& q) {

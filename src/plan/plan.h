@@ -152,10 +152,24 @@ struct Task {
   std::string name(const model::ModelDesc* desc = nullptr, int64_t step_micro = -1) const;
 };
 
-// The kinds of run-long state a unit has; optimizer: both AdamW moments, which share a layout.
-enum class StateKind { params, grads, optimizer };
+// The run-long state of a unit, one enum for the whole engine: a buffer of each of params, grads,
+// exp_avg and exp_avg_sq (kNumStateBuffers). The two AdamW moments share one placement and
+// layout, named by the first: State::optimizer is State::exp_avg, so what is placed, laid out or
+// offloaded per kind is indexed by the first kNumStateKinds values (params, grads, optimizer).
+// tensor's MemCategory stays apart: it is what the allocator charges bytes to (activations, comm,
+// workspace, staging and snapshot as well as state, both moments one category), a part below this.
+enum class State { params, grads, exp_avg, exp_avg_sq, optimizer = exp_avg };
 inline constexpr int kNumStateKinds = 3;
-const char* to_string(StateKind k);
+inline constexpr int kNumStateBuffers = 4;
+// Spellings of State by use: a placed kind (params, grads, optimizer), a buffer (any of the four).
+using StateKind = State;
+using StateIndex = State;
+// The kind a buffer is placed as: either moment is the optimizer's.
+constexpr State kind_of(State s) { return s == State::exp_avg_sq ? State::optimizer : s; }
+// The buffer's name (params, grads, exp_avg, exp_avg_sq: the offload files' and windows' names).
+const char* to_string(State s);
+// The kind's name (params, grads, optimizer for either moment), as placements print.
+const char* kind_name(State s);
 
 // The deepest read-ahead of the disk tier (--offload-prefetch). A depth d keeps about d + 1
 // units' windows of offloaded state in memory at once, so at 64 it holds more blocks than most
@@ -399,8 +413,8 @@ struct Plan {
   // Elements of unit u's kind-k state one rank holds, where they start in its buffer of that kind,
   // and that buffer's length.
   int64_t held_elems(StateKind k, int u) const;
-  int64_t held_offset(StateKind k, int u) const { return held_offsets_[static_cast<int>(k)][u]; }
-  int64_t held_total(StateKind k) const { return held_offsets_[static_cast<int>(k)].back(); }
+  int64_t held_offset(StateKind k, int u) const { return held_offsets_[static_cast<int>(kind_of(k))][u]; }
+  int64_t held_total(StateKind k) const { return held_offsets_[static_cast<int>(kind_of(k))].back(); }
   // Which of unit u's `parts` ranges of kind k rank `rank` holds.
   int part_index(StateKind k, int u, int rank) const { return mesh.index_in(rank, placed(k, u).axes); }
   // True when every unit holds kind k whole (a process's buffer is the whole flat layout).
@@ -483,12 +497,6 @@ class StreamWalk {
   size_t i_ = 0, first_ = 0, end_ = 0;  // [first_, end_): the repeated tasks
   int64_t run_ = 0, times_ = 1;
 };
-
-// The four run-long state buffers (the optimizer kind has two) and their kind.
-enum class StateIndex { params, grads, exp_avg, exp_avg_sq };
-inline constexpr int kNumStateBuffers = 4;
-StateKind kind_of(StateIndex s);
-const char* to_string(StateIndex s);
 
 // The offload pass (plan/offload.cc): with config.offload set, places those kinds of every unit on
 // disk (their resident bytes leave static_memory), gives each unit a window buffer per offloaded

@@ -1,102 +1,33 @@
-// The executor: runs one rank's plan with real kernels and collectives. It is a stream runner:
-// each stream is an in-order queue on its own thread (compute on the caller's thread, whose
-// kernels use the OpenMP pool; comm on a second thread that issues a collective and waits for
-// it); dependencies are completion flags; each op has one handler. Every task's start and end
-// are recorded for the trace, and every buffer a task allocates is the plan's, charged to the
-// plan's category.
-//
-// State in the plan's placement: parameters, gradients and AdamW moments are each one flat fp32
-// buffer holding, unit after unit, this rank's part of each unit (element range
-// [s·len_u, (s+1)·len_u) of unit u, len_u = padded_u / parts_u; the whole unit when parts_u is 1),
-// as the plan places each unit's state (Plan::placement).
+// The executor: runs one rank's plan with real kernels and collectives, in three parts.
+//   stream runner (run/stream_runner.h)  each stream an in-order queue on a thread of its own,
+//                                        dependencies as completion counts;
+//   state store (run/state_store.h)      this rank's parameters, gradients and AdamW moments as
+//                                        the plan places them, and the offload tier's files;
+//   op handlers (run/*_ops.cc)           one per op of plan/ops.h, registered from its list.
+// Every task's start and end are recorded for the trace, and every buffer a task allocates is the
+// plan's, charged to the plan's category.
 #pragma once
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
-#include "comm/staged.h"
 #include "kernels/backend.h"
 #include "layers/layers.h"
 #include "model/model.h"
 #include "plan/plan.h"
+#include "run/comm_groups.h"
+#include "run/state_store.h"
 #include "tensor/disk_store.h"
 #include "tensor/memory.h"
 #include "trace/trace.h"
 
 namespace shardlm::run {
-
-// The communicators a plan's collectives run on, one per set of mesh axes: the ranks that agree
-// with this one on every other axis. Split from the world once, at construction (a collective
-// call on every rank), for every set of the mesh's axes with more than one rank on them; a set
-// spanning all of them is the world.
-//
-// Collectives issued from two threads on one communicator could be ordered differently on two
-// ranks, so each stream that issues collectives has communicators of its own: the comm stream's
-// (`get`), and, when the mesh has an expert axis, the exchange stream's (`exchange`: one per set of
-// axes that includes it).
-//
-// Buffers live in the backend's memory. Made with a backend whose memory is not the host's (a
-// GPU's), `get` answers with a communicator over device memory for each group, and `host` with the
-// group itself, for what the executor keeps in host memory (loss and norm sums, gather_full's
-// output). Which one `get` gives is `device`'s choice:
-//   staged  comm/staged.h: device -> host -> MPI -> device, copies through the backend (any number
-//           of ranks per GPU);
-//   nccl    comm/nccl.h: NCCL over the world (bootstrapped through it), ordered after the backend's
-//           stream, and its groups split from it (ncclCommSplit) in the order of `host`'s; one GPU
-//           per rank (NCCL's construction refuses ranks sharing one, with one line).
-// Without a device backend, or with a host-memory one, both are the group itself (`device` unused).
-enum class DeviceCollectives { staged, nccl };
-
-class CommGroups {
- public:
-  CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const kernels::Backend* backend = nullptr,
-             DeviceCollectives device = DeviceCollectives::staged);
-  CommGroups(comm::Communicator& world, const plan::Plan& plan, const kernels::Backend* backend = nullptr,
-             DeviceCollectives device = DeviceCollectives::staged)
-      : CommGroups(world, plan.mesh, backend, device) {}
-  ~CommGroups();
-  // The world over host memory.
-  comm::Communicator& world() const { return world_; }
-  const plan::Mesh& mesh() const { return mesh_; }
-  // This rank's group over `axes` (indices into the mesh), for buffers in the backend's memory.
-  comm::Communicator& get(const std::vector<int>& axes) const;
-  // The same group, for buffers in host memory.
-  comm::Communicator& host(const std::vector<int>& axes) const;
-  // The exchange stream's group over `axes`, for buffers in the backend's memory (staged through
-  // host memory on a device backend; exchanges over NCCL are refused), and the same group for
-  // host buffers (an exchange's sizes).
-  comm::Communicator& exchange(const std::vector<int>& axes) const;
-  comm::Communicator& exchange_host(const std::vector<int>& axes) const;
-  // Whether get() stages through host memory (made with a device-memory backend).
-  bool staged() const { return copier_ != nullptr; }
-  // Whether get() is NCCL's (made with a device-memory backend and DeviceCollectives::nccl).
-  bool nccl() const { return nccl_world_ != nullptr; }
-  // What get() moves device memory with, for the run's header: "nccl", "mpi staged through host
-  // memory", or the world's backend.
-  std::string describe() const;
-
- private:
-  // Bit a: axis a, for the axes of more than one rank (the others change no group).
-  unsigned key(const std::vector<int>& axes) const;
-  comm::Communicator& world_;
-  plan::Mesh mesh_;
-  unsigned all_ = 0;
-  std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_, exchange_groups_;
-  // Declared after what they wrap, so they go first.
-  std::unique_ptr<comm::DeviceCopier> copier_;
-  std::unique_ptr<comm::Communicator> staged_world_;
-  std::map<unsigned, std::unique_ptr<comm::Communicator>> staged_groups_, staged_exchange_groups_;
-  std::unique_ptr<comm::Communicator> nccl_world_;
-  std::map<unsigned, std::unique_ptr<comm::Communicator>> nccl_groups_;
-};
 
 struct AdamW {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
@@ -151,14 +82,6 @@ struct ExecutorFaults {
   FaultPoint skip_collective, kill, nan_loss, disk_read;
 };
 
-// The disk tier (--offload): where this rank's files go and how they are written. Needed when the
-// plan places state on disk and the backend computes in host memory (a device's tier is host
-// memory: run/host_store.h).
-struct OffloadOptions {
-  std::string dir;
-  DiskStoreOptions io;
-};
-
 class Executor {
  public:
   // Every kernel the executor and its layers run goes through `backend` (which must outlive it);
@@ -170,7 +93,7 @@ class Executor {
 
   // Initialises this rank's parameters: element e of every parameter depends on (seed, name, e)
   // alone, so any strategy and rank count start from the same model.
-  void init_params(uint64_t seed);
+  void init_params(uint64_t seed) { store_->init_params(seed); }
 
   // Runs the plan the executor was built with (step: for labels, the trace and fault injection).
   StepResult step(int64_t step, const StepInputs& in) { return run(plan_, step, in); }
@@ -178,27 +101,16 @@ class Executor {
   // Its parameter layout must be this executor's; it may need less state (no gradients).
   StepResult run(const plan::Plan& plan, int64_t step, const StepInputs& in);
 
-  enum class State { params, grads, exp_avg, exp_avg_sq };
-  // Every rank receives the whole padded flat buffer (layout of plan.layout) of `which`. Collective.
-  void gather_full(State which, float* full);
-  // Takes this rank's part of a whole padded flat buffer.
-  void load_full(State which, const float* full);
-  // The state buffer itself when this rank holds it whole (a single process, DDP); else null. It is
-  // in the backend's memory (device memory on a GPU backend); gather_full and load_full take host
-  // memory (on a GPU backend they copy through it, and gather_full's collectives run on the host).
-  // Gradients after a step are clipped (when clipping applied).
-  float* whole(State which);
-  // This rank's buffer of `which` as the plan places it (each unit's part, back to back in unit
-  // order; the whole padded flat buffer when every unit is whole); null when the plan holds none. For ckpt/,
-  // which reads and writes each rank's element ranges in place.
-  // State the plan keeps on disk is read into a staging copy (memory category staging) first; after
-  // writing into it, commit_local_state() writes it back to disk; release_local_state() drops it.
-  float* local_state(State which);
-  void commit_local_state();
-  void release_local_state();
+  // The run-long state between steps: StateStore's, of the same names.
+  void gather_full(plan::State which, float* full) { store_->gather_full(which, full, comms_, timeout_); }
+  void load_full(plan::State which, const float* full) { store_->load_full(which, full); }
+  float* whole(plan::State which) { return store_->whole(which); }
+  float* local_state(plan::State which) { return store_->local_state(which); }
+  void commit_local_state() { store_->commit_local_state(); }
+  void release_local_state() { store_->release_local_state(); }
   // The offload tier (disk, or host memory under a device backend) and how it moves bytes; null
   // when nothing is offloaded.
-  const OffloadStore* offload_store() const { return store_.get(); }
+  const OffloadStore* offload_store() const { return store_->tier(); }
 
   const plan::Plan& plan() const { return plan_; }
   trace::RankTrace& trace() { return trace_; }
@@ -206,63 +118,35 @@ class Executor {
   void sample_memory();
 
  private:
-  struct Run;  // one plan's execution: its live buffers, inputs and result
+  struct Run;  // one plan's execution: its live buffers, inputs and result (run/executor_run.h)
   using Handler = void (Executor::*)(const plan::Task&, Run&);
   static const Handler kHandlers[plan::kNumOps];
+  using Shard = StateStore::Shard;
 
-  // This rank's part of one kind of unit u's state: elements [begin, begin + len) of the unit's
-  // padded flat buffer, the part `begin / len` of `parts`, at element `at` of this rank's buffer
-  // of that kind.
-  struct Shard {
-    int64_t unit_offset;  // element offset of the unit in the whole flat layout
-    int64_t len;
-    int64_t begin;
-    int parts;
-    int64_t at;
-  };
+  // ---- executor.cc: construction, the step, buffers
   void check_carved_fits() const;
   void check_device_run(const plan::Plan& plan) const;
-  void gather_full_from_device(plan::StateKind k, const Buffer& buf, float* full);
-  void check_placement() const;
   bool holds_state_of(const plan::Plan& plan) const;
-  Shard shard_of(plan::StateKind k, int u) const;
-  // Element e of unit u (inside this rank's part of kind k) in this rank's buffer `buf` of that kind.
-  float* element(const Buffer& buf, plan::StateKind k, int u, int64_t e) const;
-  const Buffer& state(State which) const;
-  // This rank's part of unit u's state `s` (plan::StateIndex): in the resident buffer, or in its
-  // window when the plan keeps it on disk (the window must be loaded: the plan's reload, or for
-  // gradients the zero-filled window of their first use, comes before every use).
-  float* held(plan::StateIndex s, int u, const Run* r) const;
-  // Whether any unit's state s is on disk (it has a file); whether unit u's is.
-  bool on_disk(plan::StateIndex s) const;
-  bool on_disk(plan::StateIndex s, int u) const;
-  // Unit u's part of state s between its file and `dst` / `src` (window-sized, 4 KiB aligned).
-  void disk_read(plan::StateIndex s, int u, void* dst);
-  void disk_write(plan::StateIndex s, int u, const void* src);
-  // Every unit's part, packed as the resident buffer would be (`packed` in the backend's memory),
-  // through a bounce window.
-  Buffer bounce_window(plan::StateIndex s, Buffer::Fill fill) const;
-  void disk_read_all(plan::StateIndex s, float* packed);
-  void disk_write_all(plan::StateIndex s, const float* packed);
-  void init_range(int u, uint64_t seed, float* dst, int64_t begin, int64_t end) const;
-  void unit_optimizer(int u, Run& r);
-  void adamw(int u, Run& r);
-  // --pipeline-optimizer: unit u's parameters (its optimizer range) and moments to or from `copy`.
-  void keep_state(int u, float* copy, Run& r);
-  void restore_state(int u, const float* copy, Run& r);
-  void decide_update(Run& r);
+  OffloadOptions with_fault(const OffloadOptions& offload);
+  // One run of a task on its stream's thread, once what it waits for is done.
+  void run_task(const plan::Task& t, int64_t micro, double waited_ms, Run& r);
+  Shard shard_of(plan::State k, int u) const { return store_->shard(k, u); }
+  bool on_disk(plan::State s) const { return store_->on_disk(s); }
+  bool on_disk(plan::State s, int u) const { return store_->on_disk(s, u); }
+  // This rank's part of unit u's state `s`: in the resident buffer, or in its window when the plan
+  // keeps it on disk (the window must be loaded: the plan's reload, or for gradients the
+  // zero-filled window of their first use, comes before every use).
+  float* held(plan::State s, int u, const Run* r) const;
   float* unit_params(int buffer, int u, Run& r) const;
   float* unit_grads(int buffer, int u, Run& r) const;
   std::string label(const plan::Task& t, int64_t step) const;
-  double sum_over(comm::Communicator& c, double local, const std::string& label);
-  static void note_nonfinite(Run& r, int rank, double sum_squares, double loss_sum);
   double now_us() const;
   // Allocates `ids` for a run of task `t` that belongs to micro-step `micro` of the step.
   void allocate(const plan::Task& t, int64_t micro, const std::vector<int>& ids, Run& r);
   void release(const plan::Task& t, Run& r);
-  void unit_task(const plan::Task& t, Run& r);
 
-  // One handler per op (ops.h), named as the op.
+  // ---- One handler per op (ops.h), named as the op, and what each family shares.
+  // compute_ops.cc
   void zero_grads(const plan::Task& t, Run& r);
   void forward(const plan::Task& t, Run& r);
   void recompute(const plan::Task& t, Run& r);
@@ -270,27 +154,43 @@ class Executor {
   void loss(const plan::Task& t, Run& r);
   void logits(const plan::Task& t, Run& r);
   void backward(const plan::Task& t, Run& r);
+  void unit_task(const plan::Task& t, Run& r);
+  layers::UnitArgs unit_args(const plan::Task& t, Run& r);
+  // optimizer_ops.cc
   void grad_norm(const plan::Task& t, Run& r);
   void optimizer(const plan::Task& t, Run& r);
   void optimizer_commit(const plan::Task& t, Run& r);
+  static void note_nonfinite(Run& r, int rank, double sum_squares, double loss_sum);
+  void decide_update(Run& r);
+  void unit_optimizer(int u, Run& r);
+  void adamw(int u, Run& r);
+  // --pipeline-optimizer: unit u's parameters (its optimizer range) and moments to or from `copy`.
+  void keep_state(int u, float* copy, Run& r);
+  void restore_state(int u, const float* copy, Run& r);
+  // gather_ops.cc
   void all_gather(const plan::Task& t, Run& r);
+  void param_gather(const plan::Task& t, Run& r);
   void gather_bucket(const plan::Task& t, Run& r);
   void gather_rest(const plan::Task& t, Run& r);
   void keep_part(const plan::Task& t, Run& r);
   void to_wire(void* dst, const float* src, int64_t n, int elem) const;
   void from_wire(float* dst, const void* src, int64_t n, int elem) const;
+  // reduce_ops.cc
   void reduce_scatter(const plan::Task& t, Run& r);
-  comm::Scratch comm_scratch(const plan::Task& t, Run& r);
   void all_reduce(const plan::Task& t, Run& r);
-  void param_gather(const plan::Task& t, Run& r);
   void norm_reduce(const plan::Task& t, Run& r);
   void loss_reduce(const plan::Task& t, Run& r);
+  comm::Scratch comm_scratch(const plan::Task& t, Run& r);
+  double sum_over(comm::Communicator& c, double local, const std::string& label);
+  void reduce_fields(comm::Communicator& c, const std::string& label, Run& r);
+  // exchange_ops.cc
   void exchange(const plan::Task& t, Run& r);
+  void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
+  // offload_ops.cc
   void reload(const plan::Task& t, Run& r);
   void write_back(const plan::Task& t, Run& r);
-  int activation_file(const Run& r) const;  // the file of the saved activations' slots
   void window_sync(const plan::Task& t, Run& r);
-  void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
+  int activation_file(const Run& r) const;  // the file of the saved activations' slots
 
   const model::ModelDesc& desc_;
   plan::Plan plan_;
@@ -299,17 +199,6 @@ class Executor {
   std::chrono::milliseconds timeout_;
   const kernels::Backend& backend_;
   int rank_;  // in the world
-  Buffer params_, grads_, exp_avg_, exp_avg_sq_;
-  // The offload tier: files by StateIndex (-1: in memory), each unit's byte offset in them, and the
-  // staged copies local_state() hands out.
-  std::unique_ptr<OffloadStore> store_;
-  std::array<int, plan::kNumStateBuffers> file_{-1, -1, -1, -1};
-  std::array<std::vector<int64_t>, plan::kNumStateBuffers> file_at_;
-  std::array<Buffer, plan::kNumStateBuffers> staged_;
-  // By StateIndex, per unit (U + 1 prefix sums): where its part starts in the resident buffer,
-  // which packs only the units kept in memory (the plan's held offsets when none is on disk).
-  std::array<std::vector<int64_t>, plan::kNumStateBuffers> ram_at_;
-  int activation_file_ = -1;  // --offload activations: the plan's slots (-1: none)
   // A host backend's step buffers live at the offsets the plan lays out (plan::lay_out_arena) in
   // this block, kept between steps and grown to the largest plan run.
   Arena arena_;
@@ -318,9 +207,10 @@ class Executor {
   // This rank's steps of the ExecutorFaults it was built with (-1: none).
   int64_t fault_skip_step_ = -1, fault_kill_step_ = -1, fault_nan_loss_step_ = -1, fault_disk_read_step_ = -1;
   // The step running now (read by the disk store's read_fault on the copy stream), and whether the
-  // disk_read fault has struck (once).
+  // disk_read fault has struck (once). Declared before the store, whose files' fault reads them.
   std::atomic<int64_t> running_step_{-1};
   std::atomic<bool> disk_read_failed_{false};
+  std::unique_ptr<StateStore> store_;
   trace::RankTrace trace_;
   std::mutex trace_mu_;
 };

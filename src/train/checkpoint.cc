@@ -397,7 +397,7 @@ ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
   for (int k = 0; k < ckpt::kNumKinds; ++k)
     for (int u = 0; u < static_cast<int>(p.layout.units.size()); ++u) {
       const plan::Placement& where = p.placed(kinds[k], u);
-      if (where.parts == 0) throw std::logic_error("checkpoint: a plan that holds no " + std::string(plan::to_string(kinds[k])));
+      if (where.parts == 0) throw std::logic_error("checkpoint: a plan that holds no " + std::string(plan::kind_name(kinds[k])));
       ckpt::UnitLayout K;
       K.parts = where.parts;
       K.at = p.held_offset(kinds[k], u);

@@ -38,7 +38,7 @@ void every_rank_or_all_fail(Session& s, const std::function<void()>& fn) {
 }
 
 ckpt::RankBuffers rank_buffers(Session& s) {
-  using St = run::Executor::State;
+  using St = plan::State;
   return {s.ex.local_state(St::params), s.ex.local_state(St::exp_avg), s.ex.local_state(St::exp_avg_sq)};
 }
 
@@ -137,9 +137,9 @@ void resume(Session& s) {
   Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total), m(s.memory, MemCategory::comm, p.bytes()),
       v(s.memory, MemCategory::comm, p.bytes());
   load_checkpoint(dir, s.desc, s.plan.layout, p.f32(), m.f32(), v.f32());
-  s.ex.load_full(run::Executor::State::params, p.f32());
-  s.ex.load_full(run::Executor::State::exp_avg, m.f32());
-  s.ex.load_full(run::Executor::State::exp_avg_sq, v.f32());
+  s.ex.load_full(plan::State::params, p.f32());
+  s.ex.load_full(plan::State::exp_avg, m.f32());
+  s.ex.load_full(plan::State::exp_avg_sq, v.f32());
 }
 
 // --init-from: parameters only; the moments stay as the executor allocated them (zero). A sharded
@@ -149,13 +149,13 @@ void init_from(Session& s) {
   const std::string& dir = s.cfg.init_from;
   const auto t0 = Clock::now();
   if (ckpt::is_sharded(dir)) {
-    load_sharded(s, dir, {s.ex.local_state(run::Executor::State::params), nullptr, nullptr}, false);
+    load_sharded(s, dir, {s.ex.local_state(plan::State::params), nullptr, nullptr}, false);
     s.ex.commit_local_state();
   } else {
     every_rank_or_all_fail(s, [&] {
       Buffer p(s.memory, MemCategory::comm, sizeof(float) * s.plan.layout.total);
       read_initial_weights(dir, s.desc, s.plan.layout, p.f32());
-      s.ex.load_full(run::Executor::State::params, p.f32());
+      s.ex.load_full(plan::State::params, p.f32());
     });
   }
   if (s.talk) fmt::print("parameters from {} in {:.0f} ms\n", dir, ms_since(t0));

@@ -57,7 +57,7 @@ plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
 }
 
 std::vector<ckpt::StatePart> snapshot_parts(run::Executor& ex, const plan::Plan& plan) {
-  using St = run::Executor::State;
+  using St = plan::State;
   const int64_t opt = plan.static_memory.optimizer / 2;
   return {{ex.local_state(St::params), plan.static_memory.params},
           {ex.local_state(St::exp_avg), opt},

@@ -50,6 +50,27 @@ TEST(Plan, DepsPointBackwardAndEveryStreamIsRunnable) {
   }
 }
 
+// Either moment is the optimizer's kind: placed, laid out and sized alike, named apart as a buffer.
+TEST(Plan, EachMomentIsPlacedAsTheOptimizerKind) {
+  static_assert(kind_of(State::exp_avg_sq) == State::optimizer && kind_of(State::exp_avg) == State::optimizer);
+  static_assert(kind_of(State::params) == State::params && kind_of(State::grads) == State::grads);
+  EXPECT_STREQ(to_string(State::exp_avg), "exp_avg");
+  EXPECT_STREQ(to_string(State::exp_avg_sq), "exp_avg_sq");
+  EXPECT_STREQ(kind_name(State::exp_avg_sq), "optimizer");
+  EXPECT_STREQ(kind_name(State::grads), "grads");
+  PlanConfig c;
+  c.world = 2;
+  c.strategy = Strategy::zero1;
+  const model::ModelDesc d = small();
+  const Plan p = build_plan(d, c);
+  EXPECT_NE(p.held_total(State::optimizer), p.held_total(State::params));  // zero1: the moments are split
+  EXPECT_EQ(p.held_total(State::exp_avg_sq), p.held_total(State::optimizer));
+  for (int u = 0; u < static_cast<int>(d.units.size()); ++u) {
+    EXPECT_EQ(&p.placed(State::exp_avg_sq, u), &p.placed(State::optimizer, u)) << u;
+    EXPECT_EQ(p.held_offset(State::exp_avg_sq, u), p.held_offset(State::exp_avg, u)) << u;
+  }
+}
+
 TEST(Plan, FsdpForwardGatherOfNextUnitIsIssuedBeforeTheCurrentUnitComputes) {
   PlanConfig c;
   c.world = 2;
@@ -1522,7 +1543,7 @@ TEST(Plan, ExpertsAreHeldAsEachExpertRanksSlice) {
       for (StateKind k : {StateKind::params, StateKind::grads, StateKind::optimizer}) {
         const Placement& where = p.placed(k, u);
         const int64_t whole = p.layout.units[x].padded, before = one.held_elems(k, u);
-        EXPECT_EQ(p.held_elems(k, u), experts && before == whole ? whole / K : before) << to_string(s) << " " << to_string(k);
+        EXPECT_EQ(p.held_elems(k, u), experts && before == whole ? whole / K : before) << to_string(s) << " " << kind_name(k);
         if (!experts) continue;
         for (int r = 0; r < 8; ++r)  // the part lies in the rank's ep slice
           EXPECT_EQ(p.part_index(k, u, r) / (where.parts / K), p.mesh.coords(r)[ep]) << to_string(s) << " rank " << r;

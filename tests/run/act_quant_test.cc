@@ -54,7 +54,7 @@ Outcome train(const model::ModelDesc& desc, plan::PlanConfig pc, int steps, uint
     in.quant_seed = seed;
     out.losses.push_back(ex.step(step, in).loss_sum * in.grad_scale);
     if (step == 0) {
-      const float* g = ex.whole(Executor::State::grads);
+      const float* g = ex.whole(plan::State::grads);
       out.grads.assign(g, g + plan.layout.total);
     }
   }

@@ -38,7 +38,7 @@ Outcome one_step(const model::ModelDesc& desc, plan::PlanConfig pc) {
   in.grad_scale = 1.0f / static_cast<float>(pc.batch * pc.seq * pc.grad_accum);
   in.opt.lr = 1e-2f;
   out.loss = ex.step(0, in).loss_sum;
-  const float* p = ex.whole(Executor::State::params);
+  const float* p = ex.whole(plan::State::params);
   out.params.assign(p, p + plan.layout.total);
   return out;
 }

@@ -255,7 +255,7 @@ ActivationStep activation_step(bool offload, bool scribble, const fs::path& dir)
   ex.init_params(7);
   run::StepInputs in = synthetic_inputs(desc, pc);
   out.loss = ex.step(0, in).loss_sum;
-  const float* p = ex.whole(run::Executor::State::params);
+  const float* p = ex.whole(plan::State::params);
   out.params.assign(p, p + plan.layout.total);
   return out;
 }
@@ -332,8 +332,8 @@ StateSteps state_steps(bool offload, double head, const fs::path& dir) {
   }
   out.params.resize(plan.layout.total);
   out.exp_avg.resize(plan.layout.total);
-  ex.gather_full(run::Executor::State::params, out.params.data());
-  ex.gather_full(run::Executor::State::exp_avg, out.exp_avg.data());
+  ex.gather_full(plan::State::params, out.params.data());
+  ex.gather_full(plan::State::exp_avg, out.exp_avg.data());
   return out;
 }
 

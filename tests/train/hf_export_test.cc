@@ -81,7 +81,7 @@ struct Model : testing::OneProcessEngine {
     save_checkpoint((dir / "ckpt").string(), desc, plan.layout, params(), nullptr, nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "bytes"; return st; }(),
                     TrainConfig{});
   }
-  const float* params() { return ex.whole(run::Executor::State::params); }
+  const float* params() { return ex.whole(plan::State::params); }
 };
 
 // hf_export_check.py's verdict on `model_dir` at tolerance `tol` (and its line, for the log).

@@ -72,7 +72,7 @@ TEST_P(MoeParity, LossAuxLossesAndEveryGradient) {
   pc.act_quant.group = c.act_quant_group;
   Engine e(mc, pc);
   e.ex.init_params(42);
-  float* params = e.ex.whole(run::Executor::State::params);
+  float* params = e.ex.whole(plan::State::params);
   ckpt::SafetensorsWriter weights;
   for (size_t u = 0; u < e.desc.units.size(); ++u)
     for (const auto& p : e.desc.units[u].params) {
@@ -126,7 +126,7 @@ TEST_P(MoeParity, LossAuxLossesAndEveryGradient) {
   }
 
   int checked = 0;
-  const float* grads = e.ex.whole(run::Executor::State::grads);
+  const float* grads = e.ex.whole(plan::State::grads);
   for (size_t u = 0; u < e.desc.units.size(); ++u)
     for (const auto& p : e.desc.units[u].params) {
       std::vector<float> ref_grad(p.exported_numel());

@@ -67,7 +67,7 @@ TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
 
   Engine e(c.mc, plan_config(c));
   e.ex.init_params(42);
-  save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(run::Executor::State::params), nullptr,
+  save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(plan::State::params), nullptr,
                   nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "gpt2"; return st; }(), TrainConfig{});
 
   std::mt19937 rng(7);
@@ -117,7 +117,7 @@ TEST_P(ReferenceParity, LogitsLossGradientsAndAdamW) {
   ref.read_f32("loss", &ref_loss, 1);
   EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss));
   int checked = 0;
-  const float* grads = e.ex.whole(run::Executor::State::grads);
+  const float* grads = e.ex.whole(plan::State::grads);
   for (size_t u = 0; u < e.desc.units.size(); ++u)
     for (const auto& p : e.desc.units[u].params) {
       std::vector<float> want(p.exported_numel());
@@ -166,7 +166,7 @@ TEST_P(ReferenceParity, ActQuantGradientsTrackPyTorch) {
     Engine e(c.mc, pc);
     e.ex.init_params(42);
     if (!stochastic) {
-      save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(run::Executor::State::params), nullptr,
+      save_checkpoint((dir / "ckpt").string(), e.desc, e.plan.layout, e.ex.whole(plan::State::params), nullptr,
                       nullptr, [] { RunState st; st.seed = 42, st.tokenizer = "gpt2"; return st; }(), TrainConfig{});
       ckpt::SafetensorsWriter batch;
       batch.add("inputs", ckpt::StDType::I32, {c.B, c.T}, inputs.data(), inputs.size() * 4);
@@ -192,7 +192,7 @@ TEST_P(ReferenceParity, ActQuantGradientsTrackPyTorch) {
     float ref_loss;
     ref.read_f32("loss", &ref_loss, 1);
     EXPECT_NEAR(loss, ref_loss, 1e-5 * std::fabs(ref_loss));
-    const float* grads = e.ex.whole(run::Executor::State::grads);
+    const float* grads = e.ex.whole(plan::State::grads);
     for (size_t u = 0; u < e.desc.units.size(); ++u)
       for (const auto& p : e.desc.units[u].params) {
         std::vector<float> want(p.exported_numel());
