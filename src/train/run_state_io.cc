@@ -165,9 +165,22 @@ void init_from(Session& s) {
 // from a partner's copy or its group's parity).
 void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
   const auto t0 = Clock::now();
-  s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  if (chosen.world == s.N) {
+    s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  } else {
+    s.snapshots->restore_resharded(chosen, s.desc, snapshot_taken_layout(s.cfg, chosen.world), sharded_layout(s.plan, s.N),
+                                   rank_buffers(s));
+    s.ex.commit_local_state();
+  }
   s.state = snapshot_state(chosen.meta);
-  if (s.talk) fmt::print("resumed from the in-memory snapshot of step {} in {:.0f} ms\n", s.state.step, ms_since(t0));
+  if (!s.talk) return;
+  const std::string lost = s.steps_lost >= 0 ? fmt::format(", {} step(s) lost", s.steps_lost) : "";
+  if (chosen.world == s.N)
+    fmt::print("resumed from the in-memory snapshot of step {}{} in {:.0f} ms\n", s.state.step, lost, ms_since(t0));
+  else
+    fmt::print("resumed from the in-memory snapshot of step {} ({} ranks -> {} ranks, resharded in memory, no checkpoint "
+               "read){} in {:.0f} ms\n",
+               s.state.step, chosen.world, s.N, lost, ms_since(t0));
 }
 
 // Every rank's state into shared memory, with its partner copy or parity (collective).
