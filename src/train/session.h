@@ -63,6 +63,8 @@ struct Session {
   // Resumed from a snapshot: the steps the run that took it had done past it (rank 0, from the
   // run's metrics.jsonl; -1 unknown).
   int64_t steps_lost = -1;
+  // The ranks' hosts a snapshot records ([[host, first rank, last rank], ...]), found at the first.
+  nlohmann::json snapshot_placement;
   std::optional<PendingSave> pending;
   double last_step_ms = 0;  // paces --async-save's writer
   // --async-save: the background writer and its staging copy (declared last: it joins its

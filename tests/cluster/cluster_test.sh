@@ -237,12 +237,14 @@ test_lost_machine() {
   out="$(cluster on h1 -- mpirun --allow-run-as-root --oversubscribe -np 2 "$SHARDLM" $(train_args lost 4) --strategy fsdp --timeout 10 \
     --snapshot-every "$every" --resume auto 2>&1)"
   check "the survivors' run completed" [ $? -eq 0 ] || echo "$out" | tail -20
-  resumed="$(grep -o 'resumed from the in-memory snapshot of step [0-9]* (4 ranks -> 2 ranks[^)]*), [0-9]* step(s) lost' <<<"$out")"
+  resumed="$(grep -o 'resumed from the in-memory snapshot of step [0-9]* (4 ranks -> 2 ranks[^)]*).* [0-9]* step(s) lost' <<<"$out")"
+  echo "  $resumed"
   check "the header says: resumed from the in-memory snapshot, 4 ranks -> 2 ranks, steps lost" [ -n "$resumed" ] ||
     echo "$out" | grep -i "resume\|snapshot"
   saved_step="$(sed -n 's/.*of step \([0-9]*\) .*/\1/p' <<<"$resumed")"
   check "it resumed from the newest snapshot before the loss (step $saved_step)" \
     [ -n "$saved_step" ] && [ "$saved_step" -le $((lost_at + 1)) ] && [ $((lost_at + 1 - saved_step)) -le "$every" ]
+  check "it names the lost host and its ranks" grep -q ", host $SHARDLM_CLUSTER-h2 (ranks 2-3 of 4) lost" <<<"$resumed"
   check "it says how many steps were lost" grep -q ", $((lost_at + 1 - saved_step)) step(s) lost" <<<"$resumed"
   check "it read no disk checkpoint (the run directory holds none)" [ ! -e "$WORK/lost/ckpt" ]
   # The reference: an uninterrupted 2-rank run from the 4-rank run's checkpoint of that step.
