@@ -792,7 +792,12 @@ SnapshotChoice SnapshotStore::find_resharded(const std::string& run_id) {
       Header h{};
       if (check_slot(m.as<char>(), static_cast<int64_t>(m.bytes()), false, &h) != "ok") continue;
       if (!not_as_named(h, s.holder, s.role, s.source).empty() || run_of(h) != run_id || h.world == N) continue;
-      if (mine.count < kMaxFound) mine.f[mine.count++] = {h.source, h.world, s.slot, s.holder, h.role, 0, h.step};
+      if (mine.count == kMaxFound) {
+        std::fprintf(stderr, "snapshot: more than %d slots of this run at other world sizes in /dev/shm; %s and later "
+                             "ones not considered\n", kMaxFound, name.c_str());
+        break;
+      }
+      mine.f[mine.count++] = {h.source, h.world, s.slot, s.holder, h.role, 0, h.step};
     } catch (const std::exception&) {
       continue;  // vanished or unreadable: not a state to restore from
     }
