@@ -409,37 +409,80 @@ void verify_checkpoint(const std::string& step_dir, const json& index, const mod
   check_index_against_model(step_dir, index, desc, optimizer);
 }
 
-void load_rank(const std::string& step_dir, const json& index, const model::ModelDesc& desc, const ShardedLayout& L,
-               int rank, const RankBuffers& bufs) {
-  std::map<int64_t, SafetensorsFile> files;  // opened on first use: a rank maps only what it reads
-  auto file = [&](int64_t i) -> const SafetensorsFile& {
-    auto it = files.find(i);
-    if (it == files.end()) it = files.emplace(i, SafetensorsFile(step_dir + "/" + index["files"][i]["name"].get<std::string>())).first;
-    return it->second;
-  };
+void fill_rank(const json& index, const model::ModelDesc& desc, const ShardedLayout& L, int rank, const RankBuffers& bufs,
+               const SliceSource& source, bool zero_first) {
   for (int k = 0; k < kNumKinds; ++k) {
     if (!bufs[k]) continue;
     for (size_t u = 0; u < desc.units.size(); ++u) {
       const Held h = held(L, k, rank, static_cast<int>(u), bufs[k]);
-      std::fill(h.data, h.data + (h.hi - h.lo), 0.0f);  // padding
+      if (zero_first) std::fill(h.data, h.data + (h.hi - h.lo), 0.0f);  // padding
       for_each_slice(desc.units[u], h, [&](const model::ParamSpec& p, int64_t a, int64_t b, float* dst) {
         for (const auto& piece : index["tensors"][p.name][kind_name(Kind(k))]) {
           const int64_t pb = piece["begin"].get<int64_t>(), pe = piece["end"].get<int64_t>();
           const int64_t lo = std::max(a, pb), hi = std::min(b, pe);
           if (lo >= hi) continue;
-          const SafetensorsFile& f = file(piece["file"].get<int64_t>());
+          const int64_t file = piece["file"].get<int64_t>();
           const std::string name = slice_name(k, p.name);
-          const float* src = static_cast<const float*>(f.data(name)) + (lo - pb);
+          const float* slice = source.data(file, name);
+          if (!slice) continue;
+          const float* src = slice + (lo - pb);
           float* out = dst + (lo - a);
           std::memcpy(out, src, sizeof(float) * (hi - lo));
           for (int64_t i = 0; i < hi - lo; ++i)
             if (!std::isfinite(out[i]))
-              fail(f.path(), "tensor '" + p.name + "' (" + name + ") holds a non-finite value (" + std::to_string(out[i]) +
-                                 " at element " + std::to_string(lo - pb + i) + ")");
+              fail(source.where(file), "tensor '" + p.name + "' (" + name + ") holds a non-finite value (" +
+                                           std::to_string(out[i]) + " at element " + std::to_string(lo - pb + i) + ")");
         }
       });
     }
   }
+}
+
+std::vector<int64_t> files_needed(const json& index, const model::ModelDesc& desc, const ShardedLayout& L, int rank) {
+  std::set<int64_t> files;
+  for (int k = 0; k < kNumKinds; ++k)
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      for_each_slice(desc.units[u], held(L, k, rank, static_cast<int>(u), nullptr),
+                     [&](const model::ParamSpec& p, int64_t a, int64_t b, const float*) {
+                       for (const auto& piece : index["tensors"][p.name][kind_name(Kind(k))])
+                         if (std::max(a, piece["begin"].get<int64_t>()) < std::min(b, piece["end"].get<int64_t>()))
+                           files.insert(piece["file"].get<int64_t>());
+                     });
+  return {files.begin(), files.end()};
+}
+
+std::map<std::string, const float*> rank_slices(const model::ModelDesc& desc, const ShardedLayout& L, int rank,
+                                               const RankBuffers& bufs) {
+  std::map<std::string, const float*> out;
+  for (int k = 0; k < kNumKinds; ++k)
+    for (size_t u = 0; u < desc.units.size(); ++u)
+      if (bufs[k] && L.kinds[k][u].writes[rank])
+        for_each_slice(desc.units[u], held(L, k, rank, static_cast<int>(u), bufs[k]),
+                       [&](const model::ParamSpec& p, int64_t, int64_t, const float* data) {
+                         out[slice_name(k, p.name)] = data;
+                       });
+  return out;
+}
+
+void load_rank(const std::string& step_dir, const json& index, const model::ModelDesc& desc, const ShardedLayout& L,
+               int rank, const RankBuffers& bufs) {
+  // Files opened on first use: a rank maps only what it reads.
+  struct Files final : SliceSource {
+    const std::string& dir;
+    const json& index;
+    mutable std::map<int64_t, SafetensorsFile> open;
+    Files(const std::string& d, const json& i) : dir(d), index(i) {}
+    const SafetensorsFile& file(int64_t i) const {
+      auto it = open.find(i);
+      if (it == open.end()) it = open.emplace(i, SafetensorsFile(dir + "/" + index["files"][i]["name"].get<std::string>())).first;
+      return it->second;
+    }
+    const float* data(int64_t i, const std::string& name) const override {
+      return static_cast<const float*>(file(i).data(name));
+    }
+    std::string where(int64_t i) const override { return file(i).path(); }
+  } files(step_dir, index);
+  fill_rank(index, desc, L, rank, bufs, files, true);
 }
 
 }  // namespace shardlm::ckpt

@@ -20,6 +20,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -115,6 +116,26 @@ void check_index_against_model(const std::string& step_dir, const nlohmann::json
 // (check_index_against_model). Errors name the file.
 void verify_checkpoint(const std::string& step_dir, const nlohmann::json& index, const model::ModelDesc& desc,
                        bool optimizer, int first = 0, int stride = 1);
+// Where the slices an index names are: file i's slice `name` ("param/NAME", as its file names
+// it), a safetensors file on disk or a rank's state in memory (an in-memory snapshot); null
+// where file i is not at hand.
+struct SliceSource {
+  virtual ~SliceSource() = default;
+  virtual const float* data(int64_t file, const std::string& name) const = 0;
+  virtual std::string where(int64_t file) const = 0;  // for errors: the file's path, or what holds it
+};
+// Fills `rank`'s buffers under `layout` from the slices `index` lists and `source` has at hand
+// (padding zeroed first with `zero_first`): the one resharding path, for checkpoints on disk and
+// snapshots in memory alike. Refuses non-finite values naming `where` and the tensor.
+void fill_rank(const nlohmann::json& index, const model::ModelDesc& desc, const ShardedLayout& layout, int rank,
+               const RankBuffers& bufs, const SliceSource& source, bool zero_first);
+// The files of `index` whose slices `rank` needs under `layout`, ascending.
+std::vector<int64_t> files_needed(const nlohmann::json& index, const model::ModelDesc& desc, const ShardedLayout& layout,
+                                  int rank);
+// Rank `rank`'s slices under `layout` in its buffers `bufs`, by name, where its file would hold
+// them (the slices it writes): an in-memory state as a SliceSource gives it.
+std::map<std::string, const float*> rank_slices(const model::ModelDesc& desc, const ShardedLayout& layout, int rank,
+                                               const RankBuffers& bufs);
 // Fills `rank`'s buffers (padding zero) reading only the byte ranges it holds. Refuses
 // non-finite values naming file and tensor.
 void load_rank(const std::string& step_dir, const nlohmann::json& index, const model::ModelDesc& desc,

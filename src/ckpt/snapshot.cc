@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -565,6 +566,7 @@ SnapshotChoice SnapshotStore::find_newest(int64_t payload_bytes, const std::stri
   }
   SnapshotChoice c;
   c.run_id = run_id;
+  c.world = N;
   if (steps.empty()) {
     c.why = all_tainted ? "the only snapshots failed their checksums" : "no snapshot of this run at this world size";
     return c;
@@ -754,6 +756,192 @@ std::string SnapshotStore::restore(const SnapshotChoice& c, const std::vector<St
   }
   mapped_.clear();
   return how;
+}
+
+namespace {
+// A verified own or copy slot of another world's run, as find_resharded lists it.
+struct Found {
+  int32_t source, world, slot, holder, role, pad;  // holder, role: as its name says
+  int64_t step;
+};
+constexpr int kMaxFound = 64;
+struct FoundList {
+  int32_t count, pad;
+  Found f[kMaxFound];
+};
+
+std::string fmt_step(int64_t step, int world) {
+  return "step " + std::to_string(step) + " of " + std::to_string(world) + " ranks";
+}
+
+std::string found_segment(const std::string& prefix, const Found& f) {
+  return prefix + "-rank" + std::to_string(f.holder) + "-" +
+         (f.role == Role::own ? std::string("own") : "copy" + std::to_string(f.source)) + "-slot" + std::to_string(f.slot);
+}
+}  // namespace
+
+SnapshotChoice SnapshotStore::find_resharded(const std::string& run_id) {
+  const int N = scheme_.world;
+  FoundList mine{};
+  MemoryPool listing;  // each segment is mapped only while its header is read
+  for (const std::string& name : segments_named(prefix_ + "-rank")) {
+    SlotInfo s;
+    if (!parse_name(name, s) || (s.role != "own" && s.role != "copy") || s.slot < 0 || s.slot > 1) continue;
+    try {
+      const Buffer m = map_segment(listing, name, 0, false);
+      Header h{};
+      if (check_slot(m.as<char>(), static_cast<int64_t>(m.bytes()), false, &h) != "ok") continue;
+      if (!not_as_named(h, s.holder, s.role, s.source).empty() || run_of(h) != run_id || h.world == N) continue;
+      if (mine.count == kMaxFound) {
+        std::fprintf(stderr, "snapshot: more than %d slots of this run at other world sizes in /dev/shm; %s and later "
+                             "ones not considered\n", kMaxFound, name.c_str());
+        break;
+      }
+      mine.f[mine.count++] = {h.source, h.world, s.slot, s.holder, h.role, 0, h.step};
+    } catch (const std::exception&) {
+      continue;  // vanished or unreadable: not a state to restore from
+    }
+  }
+  const std::vector<FoundList> all = gather(world_, mine, timeout_, "snapshot inventory (resharded)");
+  std::set<std::pair<int64_t, int32_t>, std::greater<>> candidates;  // (step, world), newest first
+  for (const auto& l : all)
+    for (int i = 0; i < l.count; ++i) candidates.insert({l.f[i].step, l.f[i].world});
+  SnapshotChoice c;
+  c.run_id = run_id;
+  std::string skipped;
+  for (const auto& [step, W] : candidates) {
+    // Each state's server: a rank that can map it, the one whose number its holder had first.
+    std::vector<Served> served(W);
+    std::vector<Found> found(W);
+    for (int q = 0; q < N; ++q)
+      for (int i = 0; i < all[q].count; ++i) {
+        const Found& f = all[q].f[i];
+        if (f.step != step || f.world != W || f.source < 0 || f.source >= W) continue;
+        Served& sv = served[f.source];
+        if (sv.server < 0 || (f.holder == q && found[f.source].holder != sv.server))
+          sv = {q, found_segment(prefix_, f)}, found[f.source] = f;
+      }
+    std::string missing;
+    for (int r = 0; r < W && missing.empty(); ++r)
+      if (served[r].server < 0) missing = "rank " + std::to_string(r) + "'s state is held by no rank of this run";
+    if (!missing.empty()) {
+      skipped += (skipped.empty() ? "" : "; ") + fmt_step(step, W) + ": " + missing;
+      continue;
+    }
+    // The servers read every byte of what they serve against its checksum.
+    int64_t ok = 1;
+    std::string meta;
+    for (int r = 0; r < W; ++r) {
+      if (served[r].server != rank_) continue;
+      try {
+        const Buffer m = map_segment(listing, served[r].segment, 0, false);
+        Header h{};
+        if (check_slot(m.as<char>(), static_cast<int64_t>(m.bytes()), true, &h) != "ok" || h.step != step) ok = 0;
+        if (r == 0) meta = std::string(m.as<char>() + kMetaOffset, h.meta_bytes);
+      } catch (const std::exception&) {
+        ok = 0;
+      }
+    }
+    const std::vector<int64_t> oks = gather(world_, ok, timeout_, "snapshot verified (resharded)");
+    if (std::find(oks.begin(), oks.end(), 0) != oks.end()) {
+      skipped += (skipped.empty() ? "" : "; ") + fmt_step(step, W) + ": a slot failed its checksum";
+      continue;
+    }
+    int64_t len = static_cast<int64_t>(meta.size());
+    world_.broadcast(&len, 8, DType::int8, served[0].server, "snapshot meta size")->wait(timeout_);
+    meta.resize(len);
+    world_.broadcast(meta.data(), len, DType::int8, served[0].server, "snapshot meta")->wait(timeout_);
+    c.step = step;
+    c.world = W;
+    c.meta = json::parse(meta);
+    c.why = "every state of the " + std::to_string(W) + " ranks at step " + std::to_string(step) +
+            " verified in this run's shared memory" + (skipped.empty() ? "" : "; newer not used: " + skipped);
+    served_ = std::move(served);
+    return c;
+  }
+  c.why = candidates.empty() ? "no snapshot of this run at another world size" : "no usable snapshot: " + skipped;
+  return c;
+}
+
+void SnapshotStore::restore_resharded(const SnapshotChoice& c, const model::ModelDesc& desc, const ShardedLayout& taken,
+                                      const ShardedLayout& layout, const RankBuffers& bufs) {
+  const int W = c.world, N = scheme_.world;
+  if (static_cast<int>(served_.size()) != W || taken.world != W || layout.world != N)
+    throw std::logic_error("snapshot: restore_resharded without find_resharded's choice of that world");
+  int64_t S = 0;
+  std::array<int64_t, kNumKinds> at{};  // each kind's element offset in a state's payload
+  for (int k = 0; k < kNumKinds; ++k) at[k] = S / 4, S += 4 * held_elements(taken, k);
+  const int64_t slot_bytes = kSnapshotHeaderBytes + S;
+  const json index = make_index(desc, taken, std::vector<FileSummary>(W), json::object());
+  // Which ranks need which states (a state's elements some rank holds under the new layout).
+  std::vector<uint8_t> mine(W, 0), need(static_cast<size_t>(W) * N);
+  for (int64_t r : files_needed(index, desc, layout, rank_)) mine[r] = 1;
+  world_.all_gather(mine.data(), need.data(), W, DType::int8, "snapshot reshard needs")->wait(timeout_);
+
+  struct InMemory final : SliceSource {
+    int64_t file = -1;
+    std::map<std::string, const float*> slices;
+    std::string holder;
+    const float* data(int64_t f, const std::string& name) const override {
+      if (f != file) return nullptr;
+      auto it = slices.find(name);
+      return it == slices.end() ? nullptr : it->second;
+    }
+    std::string where(int64_t) const override { return holder; }
+  } source;
+  std::string error;
+  try {
+    fill_rank(index, desc, layout, rank_, bufs, source, true);  // no file at hand yet: zeroes the padding
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (int r = 0; r < W; ++r) {
+    const Served& sv = served_[r];
+    std::vector<std::shared_ptr<comm::Work>> works;
+    Buffer mapped, got;
+    const char* slot = nullptr;
+    if (sv.server == rank_) {
+      try {
+        mapped = map_segment(memory_, sv.segment, 0, false);
+        if (static_cast<int64_t>(mapped.bytes()) != slot_bytes) throw std::runtime_error("holds another layout of the state");
+        slot = mapped.as<char>();
+      } catch (const std::exception& e) {
+        error = "snapshot " + sv.segment + ": " + e.what();
+        mapped = Buffer(memory_, MemCategory::snapshot, slot_bytes, Buffer::Fill::zero);  // sends what fails its check
+        slot = mapped.as<char>();
+      }
+      for (int q = 0; q < N; ++q)
+        if (q != rank_ && need[static_cast<size_t>(q) * W + r]) send_bytes(world_, slot, slot_bytes, q, kTagRestore, works);
+    } else if (mine[r]) {
+      got = Buffer(memory_, MemCategory::snapshot, slot_bytes, Buffer::Fill::none);
+      recv_bytes(world_, got.as<char>(), slot_bytes, sv.server, kTagRestore, works);
+      slot = got.as<char>();
+    }
+    wait_all(works, timeout_);
+    if (!mine[r] || !error.empty()) continue;
+    Header h{};
+    std::string st = check_slot(slot, slot_bytes, true, &h);
+    if (st == "ok" && (h.source != r || h.step != c.step || h.world != W || run_of(h) != c.run_id))
+      st = "not rank " + std::to_string(r) + "'s state of step " + std::to_string(c.step);
+    if (st != "ok") {
+      error = "snapshot " + sv.segment + " (sent by rank " + std::to_string(sv.server) + "): " + st;
+      continue;
+    }
+    const float* payload = reinterpret_cast<const float*>(slot + kSnapshotHeaderBytes);
+    source.file = r;
+    source.holder = "snapshot " + sv.segment;
+    source.slices = rank_slices(desc, taken, r, {const_cast<float*>(payload + at[0]), const_cast<float*>(payload + at[1]),
+                                                 const_cast<float*>(payload + at[2])});
+    try {
+      fill_rank(index, desc, layout, rank_, bufs, source, false);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  const std::vector<int64_t> ok = gather(world_, static_cast<int64_t>(error.empty()), timeout_, "snapshot restored");
+  for (int q = 0; q < N; ++q)
+    if (!ok[q]) throw std::runtime_error(error.empty() ? "snapshot: rank " + std::to_string(q) + " could not restore its state" : error);
+  served_.clear();
 }
 
 void SnapshotStore::remove_held() {

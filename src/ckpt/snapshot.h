@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/sharded.h"
 #include "comm/communicator.h"
 #include "tensor/memory.h"
 
@@ -116,6 +117,9 @@ struct SnapshotChoice {
   std::string why;
   std::string run_id;   // the run whose snapshot it is
   nlohmann::json meta;  // the run state recorded with the snapshot
+  // The world that took it: this run's, or (find_resharded) another, whose states are resharded
+  // into this run's layout as they are restored.
+  int world = 0;
 };
 
 // One rank's snapshots of one run. Collective methods are called by every rank in the same order.
@@ -154,6 +158,21 @@ class SnapshotStore {
   // step; returns how this rank's state was had ("own", "partner copy", "parity").
   std::string restore(const SnapshotChoice& choice, const std::vector<StatePart>& parts);
 
+  // Collective. Where this world's size differs from the one that took the snapshots (a lost
+  // machine's survivors): the newest step of run `run_id` at which every state of the world that
+  // took it is held verified, own or as a partner copy, in any segment a rank of this world can
+  // map (its machine's /dev/shm, whichever rank's name the segment has). Parity is not rebuilt
+  // across world sizes. choice.world is that world; the meta is the snapshot's.
+  SnapshotChoice find_resharded(const std::string& run_id);
+
+  // Collective, after find_resharded: fills this rank's buffers `bufs` under `layout` from the
+  // chosen step's states, laid out by `taken` (the world that took them), through the same
+  // resharding code a checkpoint loads by (ckpt/sharded.h's fill_rank). Each state travels,
+  // verified, from the rank that holds it to each rank that needs part of it; nothing is read
+  // from disk.
+  void restore_resharded(const SnapshotChoice& choice, const model::ModelDesc& desc, const ShardedLayout& taken,
+                         const ShardedLayout& layout, const RankBuffers& bufs);
+
   // Maps both slots of every segment this rank holds under the scheme (creating them), and a
   // parity holder's receive buffers: from here on the rank holds snapshot_bytes_held().
   void prepare(int64_t payload_bytes);
@@ -183,6 +202,13 @@ class SnapshotStore {
   int rank_;
   std::map<std::string, Mapped*> mapped_;  // by segment name
   std::vector<Entry> table_;               // every rank's held slots, from find_newest
+  // find_resharded's: per state of the world that took the chosen step, the rank of this world
+  // that serves it and the segment it maps.
+  struct Served {
+    int server = -1;
+    std::string segment;
+  };
+  std::vector<Served> served_;
   std::vector<Buffer> scratch_;            // a parity holder's receive buffers, one per member
 };
 

@@ -119,6 +119,44 @@ void commit_save(Session& s, const ckpt::FileSummary& mine) {
   }
 }
 
+// Every rank's host name, by rank (collective): where a snapshot's states were taken.
+std::vector<std::string> rank_hosts(Session& s) {
+  constexpr int kChars = 64;
+  std::vector<char> mine(kChars, 0), all(static_cast<size_t>(kChars) * s.N);
+  if (::gethostname(mine.data(), kChars - 1) != 0) mine[0] = '?';
+  s.world.all_gather(mine.data(), all.data(), kChars, DType::int8, "host names")->wait(s.timeout);
+  std::vector<std::string> hosts;
+  for (int r = 0; r < s.N; ++r) hosts.emplace_back(all.data() + static_cast<size_t>(r) * kChars);
+  return hosts;
+}
+
+// The hosts as runs of consecutive ranks, [[host, first rank, last rank], ...]; empty (not
+// known) past kMaxPlacementRuns (the snapshot header's room for the run state is some 15 KB).
+json placement(const std::vector<std::string>& hosts) {
+  constexpr size_t kMaxPlacementRuns = 64;
+  json runs = json::array();
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    if (!runs.empty() && runs.back()[0] == hosts[r]) runs.back()[2] = r;
+    else runs.push_back({hosts[r], r, r});
+  }
+  return runs.size() <= kMaxPlacementRuns ? runs : json::array();
+}
+
+// ", host H (ranks a-b of N) lost" for each host of the snapshot's placement `taken` that holds
+// no rank now; "" where the snapshot recorded none.
+std::string lost_hosts(const json& taken, int taken_world, const std::vector<std::string>& now) {
+  if (!taken.is_array()) return "";
+  std::string out;
+  for (const json& run : taken) {
+    const std::string host = run[0].get<std::string>();
+    if (std::find(now.begin(), now.end(), host) != now.end()) continue;
+    const int64_t a = run[1].get<int64_t>(), b = run[2].get<int64_t>();
+    out += fmt::format(", host {} (rank{} {} of {}) lost", host, a == b ? "" : "s",
+                       a == b ? std::to_string(a) : fmt::format("{}-{}", a, b), taken_world);
+  }
+  return out;
+}
+
 }  // namespace
 
 // Loads a checkpoint into the executor's state. Sharded: load_sharded. A whole
@@ -165,9 +203,25 @@ void init_from(Session& s) {
 // from a partner's copy or its group's parity).
 void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
   const auto t0 = Clock::now();
-  s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  if (chosen.world == s.N) {
+    s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+  } else {
+    s.snapshots->restore_resharded(chosen, s.desc, snapshot_taken_layout(s.cfg, chosen.world), sharded_layout(s.plan, s.N),
+                                   rank_buffers(s));
+    s.ex.commit_local_state();
+  }
   s.state = snapshot_state(chosen.meta);
-  if (s.talk) fmt::print("resumed from the in-memory snapshot of step {} in {:.0f} ms\n", s.state.step, ms_since(t0));
+  const std::string gone = lost_hosts(chosen.meta.value("placement", json()), chosen.world, rank_hosts(s));
+  if (!s.talk) return;
+  const std::string lost = s.steps_lost >= 0 ? fmt::format(", {} step(s) lost", s.steps_lost) : "";
+  if (chosen.world == s.N)
+    fmt::print("resumed from the in-memory snapshot of step {}{}{} in {:.0f} ms\n", s.state.step, gone, lost,
+               ms_since(t0));
+  else
+    fmt::print("resumed from the in-memory snapshot of step {} ({} ranks -> {} ranks, resharded in memory, no checkpoint "
+               "read){}{} in {:.0f} ms\n",
+               s.state.step, chosen.world, s.N, gone, lost, ms_since(t0));
+  std::fflush(stdout);
 }
 
 // Every rank's state into shared memory, with its partner copy or parity (collective).
@@ -175,6 +229,8 @@ void take_snapshot(Session& s) {
   const auto t0 = Clock::now();
   json meta = index_meta(s);
   meta["layout"] = snapshot_layout(s.plan, s.desc);
+  if (s.snapshot_placement.is_null()) s.snapshot_placement = placement(rank_hosts(s));  // once: collective
+  meta["placement"] = s.snapshot_placement;
   s.snapshots->save(s.run_id, s.state.step, meta, snapshot_parts(s.ex, s.plan));
   if (s.talk) {
     fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,

@@ -60,6 +60,11 @@ struct Session {
   int64_t lead_pid = -1;  // names the temporary directory every rank writes a checkpoint into
   std::string run_id;     // which run this is (DIR/run.json, run_dir.h): recorded in its snapshots
   std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
+  // Resumed from a snapshot: the steps the run that took it had done past it (rank 0, from the
+  // run's metrics.jsonl; -1 unknown).
+  int64_t steps_lost = -1;
+  // The ranks' hosts a snapshot records ([[host, first rank, last rank], ...]), found at the first.
+  nlohmann::json snapshot_placement;
   std::optional<PendingSave> pending;
   double last_step_ms = 0;  // paces --async-save's writer
   // --async-save: the background writer and its staging copy (declared last: it joins its

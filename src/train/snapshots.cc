@@ -56,6 +56,12 @@ plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
   return plan;
 }
 
+ckpt::ShardedLayout snapshot_taken_layout(const TrainConfig& cfg, int world) {
+  model::ModelDesc desc;
+  const plan::Plan plan = run_plan(cfg, world, desc);
+  return sharded_layout(plan, world);
+}
+
 std::vector<ckpt::StatePart> snapshot_parts(run::Executor& ex, const plan::Plan& plan) {
   using St = plan::State;
   const int64_t opt = plan.static_memory.optimizer / 2;
@@ -94,6 +100,21 @@ ckpt::SnapshotChoice resume_auto(TrainConfig& cfg, comm::Communicator& world, ck
   if (c.step >= 0 && c.meta.value("layout", json()) != snapshot_layout(plan, desc)) {
     c.why = fmt::format("the snapshot of step {} holds another model or split of the state", c.step);
     c.step = -1;
+  }
+  if (c.step < 0) {
+    // A world of another size (a lost machine's survivors): the snapshots it took, resharded.
+    ckpt::SnapshotChoice other = store.find_resharded(run_id);
+    if (other.step >= 0) {
+      model::ModelDesc taken_desc;
+      const plan::Plan taken = run_plan(cfg, other.world, taken_desc);
+      if (other.meta.value("layout", json()) == snapshot_layout(taken, taken_desc)) c = other;
+      else
+        c.why += fmt::format("; the snapshot of step {} on {} ranks holds another model or split of the state than "
+                             "this run's settings give on {} ranks",
+                             other.step, other.world, other.world);
+    } else {
+      c.why += "; " + other.why;
+    }
   }
   std::string disk, disk_why;
   int64_t disk_step = -1;

@@ -29,6 +29,9 @@ std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg,
 // takes snapshots (cfg.snapshot_every > 0); unchanged otherwise.
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg);
 
+// How run `cfg` on `world` ranks lays its state out: a snapshot taken at another world size is
+// resharded from it.
+ckpt::ShardedLayout snapshot_taken_layout(const TrainConfig& cfg, int world);
 // This rank's state as a snapshot holds it: parameters, exp_avg, exp_avg_sq (host memory).
 std::vector<ckpt::StatePart> snapshot_parts(run::Executor& ex, const plan::Plan& plan);
 // What must equal between the run that took a snapshot and the run restoring it, for the bytes
@@ -39,7 +42,9 @@ nlohmann::json snapshot_layout(const plan::Plan& plan, const model::ModelDesc& d
 RunState snapshot_state(const nlohmann::json& meta);
 
 // --resume auto (collective): the newest snapshot of run `run_id` (the one --out holds) every
-// rank holds verified (or can rebuild) at this world size and layout, unless --out's latest
+// rank holds verified (or can rebuild) at this world size and layout (else, where none, the
+// newest whose every state the ranks hold at another world size, taken under the layout this
+// run's settings give there: resharded on restore), unless --out's latest
 // complete disk checkpoint is newer; then that checkpoint; else nothing (the run starts from step
 // 0). Sets cfg.resume to the disk checkpoint or "" and returns the snapshot taken (step -1:
 // none). Rank 0 prints which it took and why.

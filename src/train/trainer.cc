@@ -302,7 +302,22 @@ struct StartUp {
   std::string run_id;
   std::unique_ptr<ckpt::SnapshotStore> snapshots;  // with --snapshot-every or --resume auto
   ckpt::SnapshotChoice snapshot;                   // --resume auto's, when it took one (else step -1)
+  int64_t steps_lost = -1;                         // rank 0: steps its run had done past that snapshot
 };
+
+// The steps a run had completed by its metrics (its last training row's index + 1); -1 when none.
+int64_t steps_done_by_metrics(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  int64_t done = -1;
+  while (std::getline(in, line)) {
+    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+    if (row.is_object() && row.contains("loss") && !row.contains("val_loss") && row.contains("step") &&
+        row["step"].is_number_integer())
+      done = std::max(done, row["step"].get<int64_t>() + 1);
+  }
+  return done;
+}
 
 // Before any collective of the step: the ranks agree on their settings and find which of them
 // share a machine (train/machines.h: memory checks, snapshot partners, the GPU); rank 0 takes the run
@@ -347,6 +362,8 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
       check_resume_has_steps_left(cfg, saved.step, source);
       start.resumed_step = saved.step;
       start.from_snapshot = true;
+      if (const int64_t done = steps_done_by_metrics(up.dir->metrics_path()); done >= saved.step)
+        up.steps_lost = done - saved.step;
     } else if (!cfg.resume.empty()) {
       cfg.resume = ckpt::resolve_checkpoint(cfg.resume);
       const model::ModelConfig mc = resolve_model(cfg, read_data_meta(cfg.data));  // refused before DIR changes
@@ -670,6 +687,7 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
                   static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(up.snapshots);
   s.run_id = up.run_id;
+  s.steps_lost = up.steps_lost;
   load_start_state(s, up.snapshot);
 
   if (s.lead) {

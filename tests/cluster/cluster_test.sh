@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # scripts/cluster.sh on this machine, as root: a cluster of namespaced hosts comes and goes without
 # a trace (lifecycle), strategies over two hosts equal one process (parity), and a cut link ends
-# every rank with its collective's timeout line, and snapshot copies sit on the next host (cut-link).
+# every rank with its collective's timeout line, and snapshot copies sit on the next host (cut-link),
+# and a lost host's survivors resume from the snapshots they hold, resharded (lost-machine).
 #
-#   cluster_test.sh lifecycle|parity|cut-link SOURCE_DIR SHARDLM_BINARY
+#   cluster_test.sh lifecycle|parity|cut-link|lost-machine SOURCE_DIR SHARDLM_BINARY
 #
 # Exit 0 passed, 1 failed, 77 skipped (not root, or no `ip netns` here). Each test holds a cluster
 # of its own name, so tests run side by side, and removes it on any exit.
@@ -196,10 +197,71 @@ test_cut_link() {
   # cleanup's down kills it with everything else on the hosts.
 }
 
+# --- a lost machine -----------------------------------------------------------------------------
+
+# Training rows (step >= FROM) of run directory RUN's metrics.jsonl, one "step loss" a line, the
+# loss as the file writes it (so equal lines are bitwise equal losses).
+losses_from() {
+  python3 - "$WORK/$1/metrics.jsonl" "$2" <<'EOF2'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line, parse_float=str)
+    if "loss" in r and "val_loss" not in r and r["step"] >= int(sys.argv[2]):
+        print(r["step"], r["loss"])
+EOF2
+}
+
+test_lost_machine() {
+  local every=5 out mp start lost_at saved_step resumed
+  make_corpus || { echo "FAILED: tokenize"; return; }
+  cluster up --hosts 2 --ranks-per-host 2 >/dev/null || { echo "FAILED: up"; return; }
+  # 4 ranks (2 a host) with snapshots every 5 steps, and checkpoints every 5 steps that only the
+  # reference reads: they are moved out of the run directory before the survivors resume.
+  local STEPS=40  # train_args reads it
+  cluster run -- mpirun "$SHARDLM" $(train_args lost 2) --strategy fsdp --timeout 10 \
+    --snapshot-every "$every" --save-every "$every" >"$WORK/lost.log" 2>&1 &
+  mp=$!
+  for _ in $(seq 600); do  # past the first snapshot, before the run's end
+    [[ -f "$WORK/lost/metrics.jsonl" && "$(grep -c '"loss"' "$WORK/lost/metrics.jsonl")" -ge 7 ]] && break
+    sleep 0.05
+  done
+  cluster lose h2 >/dev/null
+  start=$SECONDS
+  wait "$mp"
+  check "the job ended within 60 s of the lost host" [ $((SECONDS - start)) -le 60 ]
+  check "one line names the lost host" grep -q "$SHARDLM_CLUSTER-h2\\|198.18.0.2" "$WORK/lost.log"
+  lost_at="$(losses_from lost 0 | tail -1 | cut -d' ' -f1)"
+  check "the host was lost before the run's end (last step $lost_at)" [ "${lost_at:-99}" -lt $((STEPS - 1)) ]
+  mv "$WORK/lost/ckpt" "$WORK/saved"
+  # The survivors: host h1's 2 ranks, the same global batch (2 x 4), --resume auto.
+  out="$(cluster on h1 -- mpirun --allow-run-as-root --oversubscribe -np 2 "$SHARDLM" $(train_args lost 4) --strategy fsdp --timeout 10 \
+    --snapshot-every "$every" --resume auto 2>&1)"
+  check "the survivors' run completed" [ $? -eq 0 ] || echo "$out" | tail -20
+  resumed="$(grep -o 'resumed from the in-memory snapshot of step [0-9]* (4 ranks -> 2 ranks[^)]*).* [0-9]* step(s) lost' <<<"$out")"
+  echo "  $resumed"
+  check "the header says: resumed from the in-memory snapshot, 4 ranks -> 2 ranks, steps lost" [ -n "$resumed" ] ||
+    echo "$out" | grep -i "resume\|snapshot"
+  saved_step="$(sed -n 's/.*of step \([0-9]*\) .*/\1/p' <<<"$resumed")"
+  check "it resumed from the newest snapshot before the loss (step $saved_step)" \
+    [ -n "$saved_step" ] && [ "$saved_step" -le $((lost_at + 1)) ] && [ $((lost_at + 1 - saved_step)) -le "$every" ]
+  check "it names the lost host and its ranks" grep -q ", host $SHARDLM_CLUSTER-h2 (ranks 2-3 of 4) lost" <<<"$resumed"
+  check "it says how many steps were lost" grep -q ", $((lost_at + 1 - saved_step)) step(s) lost" <<<"$resumed"
+  check "it read no disk checkpoint (the run directory holds none)" [ ! -e "$WORK/lost/ckpt" ]
+  # The reference: an uninterrupted 2-rank run from the 4-rank run's checkpoint of that step.
+  out="$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 "$SHARDLM" \
+    $(train_args reference 4) --strategy fsdp --timeout 10 --resume "$WORK/saved/step_$saved_step" 2>&1)"
+  check "the reference run from the checkpoint completed" [ $? -eq 0 ] || echo "$out" | tail -20
+  check "the survivors' losses equal the reference's, bitwise, from step $saved_step" \
+    [ "$(losses_from lost "$saved_step")" == "$(losses_from reference "$saved_step")" ]
+  [ "$(losses_from reference "$saved_step" | wc -l)" -eq $((STEPS - saved_step)) ] ||
+    check "the reference ran every step from $saved_step" false
+}
+
 case "$TEST" in
   lifecycle) test_lifecycle ;;
   parity) test_parity ;;
   cut-link) test_cut_link ;;
+  lost-machine) test_lost_machine ;;
   *) echo "unknown test '$TEST'"; exit 2 ;;
 esac
 ((FAILURES == 0)) || { echo "$FAILURES check(s) failed"; exit 1; }

@@ -2,7 +2,8 @@
 // killed continues from the last snapshot with the uninterrupted run's losses bit for bit; a
 // lost rank's segments are rebuilt from its partner's copy (N = 2) or its group's parity (N = 4,
 // G = 2); a flipped byte is detected and the run falls back to the disk checkpoint, saying so;
-// two ranks' segments swapped are not taken for each other's state.
+// two ranks' segments swapped are not taken for each other's state; a snapshot taken on 4 ranks
+// restores on 2 (and one on 2 on 4), resharded in memory.
 // Every test removes the shared-memory segments its runs made, also when it fails.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -279,6 +280,40 @@ TEST_F(SnapshotSlow, SwappedRanksFallBackToTheDiskCheckpoint) {
   EXPECT_NE(r.out.find("not what its name says"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("took the checkpoint " + o + "/ckpt/step_6"), std::string::npos) << r.out;
   EXPECT_EQ(step_losses(fs::path(o) / "metrics.jsonl"), want);
+}
+
+// A lost machine's survivors on fewer ranks: 4 ranks as two machines of two (the test seam),
+// snapshots and checkpoints every 5 steps, rank 1 killed at step 7 and every segment of the other
+// machine's ranks (2, 3) gone. --resume auto on 2 ranks (the same global batch, 2 x 4) reshards
+// the snapshot of step 5 in memory from what ranks 0 and 1 hold (their own states and their copies
+// of 2's and 3's): its losses from step 5 are a 2-rank run's from the 4-rank run's checkpoint of
+// step 5, bit for bit, and no checkpoint was there to read. And the other way, 2 ranks onto 4.
+TEST_F(SnapshotSlow, ASnapshotReshardsInMemoryToAnotherWorldSize) {
+  auto batch = [](int ranks) { return " --batch " + std::to_string(8 / ranks); };
+  for (const auto& [from, to] : {std::pair{4, 2}, {2, 4}}) {
+    const std::string name = "reshard_" + std::to_string(from) + "_" + std::to_string(to), o = out(name);
+    const std::string seam = from == 4 ? "-x SHARDLM_TEST_RANKS_ON_MACHINE=2 " : "";
+    ASSERT_NE(mpirun(from, args(name, "--snapshot-every 5 --save-every 5" + batch(from)), seam + "-x SHARDLM_FAULT_KILL=1:7").code, 0);
+    if (from == 4)
+      for (const char* rank : {"-rank2-", "-rank3-"}) ckpt::remove_snapshot_segments(ckpt::snapshot_prefix(o) + rank);
+    const fs::path saved = runs_.dir / (name + "_saved");
+    fs::rename(fs::path(o) / "ckpt", saved);  // the reference's: the resumed run finds no checkpoint
+    const Result r = mpirun(to, args(name, "--snapshot-every 5 --resume auto" + batch(to)));
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("took the in-memory snapshot of step 5 (every state of the " + std::to_string(from) + " ranks"),
+              std::string::npos)
+        << r.out;
+    EXPECT_FALSE(fs::exists(fs::path(o) / "ckpt"));
+    const std::string ref = name + "_ref";
+    out(ref);
+    const Result f = mpirun(to, args(ref, "--resume " + (saved / "step_5").string() + batch(to)));
+    ASSERT_EQ(f.code, 0) << f.out;
+    const auto got = step_losses(fs::path(o) / "metrics.jsonl"), want = step_losses(runs_.out(ref) / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 10u);
+    ASSERT_EQ(want.size(), 5u);
+    EXPECT_EQ(std::vector<double>(got.begin() + 5, got.end()), want) << from << " ranks onto " << to;
+    EXPECT_TRUE(segments(o).empty()) << "snapshots left after a normal end";
+  }
 }
 
 }  // namespace
