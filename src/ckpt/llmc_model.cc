@@ -1,5 +1,6 @@
 #include "ckpt/llmc_model.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <bit>
@@ -15,6 +16,7 @@
 
 #include "ckpt/hf_export.h"
 #include "ckpt/safetensors.h"
+#include "files/replace_file.h"
 
 namespace shardlm::ckpt {
 
@@ -187,9 +189,13 @@ void write_llmc_model(const std::string& path, const model::ModelDesc& desc, con
   if (c.ffn_dim != 4 * c.n_embd)
     fail(path, "llm.c's GPT-2 MLP is 4 x n_embd = " + std::to_string(4 * c.n_embd) + " wide; this one is " +
                    std::to_string(c.ffn_dim));
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  File f(std::fopen(tmp.c_str(), "wb"));
-  if (!f) fail(path, "cannot create " + tmp + ": " + std::strerror(errno));
+  std::string tmp;
+  const int fd = files::create_temporary(path, tmp, O_WRONLY);
+  File f(fd < 0 ? nullptr : ::fdopen(fd, "wb"));
+  if (!f) {
+    if (fd >= 0) ::close(fd), ::unlink(tmp.c_str());
+    fail(path, "cannot create " + tmp + ": " + std::strerror(errno));
+  }
   try {
     int32_t h[kHeaderInts] = {kModelMagic, bf16 ? kBf16Version : kFp32Version, static_cast<int32_t>(c.max_seq),
                               static_cast<int32_t>(c.vocab_size), static_cast<int32_t>(c.n_layer),

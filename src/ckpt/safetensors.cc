@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/json_no_duplicates.h"
+#include "files/replace_file.h"
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; this code maps it as is");
@@ -314,13 +315,12 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress,
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = (unsigned char)((n >> (8 * i)) & 0xff);
 
-  const std::string tmp = path + ".tmp";
-  constexpr int kFlags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  std::string tmp;
   if (direct.data && !usable_block(direct)) throw std::logic_error("SafetensorsWriter::write: block buffer not 4096-byte aligned");
-  int fd = direct.data ? ::open(tmp.c_str(), kFlags | O_DIRECT, 0644) : -1;
+  int fd = direct.data ? files::create_temporary(path, tmp, O_WRONLY | O_DIRECT) : -1;
   if (fd < 0) {  // no block buffer, or a file system without O_DIRECT
     direct = {};
-    fd = ::open(tmp.c_str(), kFlags, 0644);
+    fd = files::create_temporary(path, tmp, O_WRONLY);
   }
   if (fd < 0) throw std::runtime_error("safetensors: " + path + ": cannot create " + tmp + ": " + errno_text());
   try {

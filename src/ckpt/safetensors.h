@@ -63,8 +63,8 @@ class SafetensorsWriter {
   void add_f32(const std::string& name, const std::vector<int64_t>& shape, const float* data);
   void set_metadata(const std::string& key, const std::string& value);
 
-  // Writes to path + ".tmp", fsyncs, then renames over `path`: a reader never sees a half-written
-  // file under the final name. Throws std::runtime_error naming the path on an I/O failure.
+  // Writes to a temporary file of its own beside `path` (files/replace_file.h), fsyncs, then
+  // renames it over `path`: a reader never sees a half-written file under the final name. Throws std::runtime_error naming the path on an I/O failure.
   // `progress(piece, bytes, written, total)`, when given, is called after each piece of the file
   // is written — the length, the header, each tensor's data in pieces of at most 8 MiB — with that piece, in file order: a
   // checksum of the file as it is written, or fault injection (an exception from it removes the

@@ -18,6 +18,7 @@
 
 #include "ckpt/json_no_duplicates.h"
 #include "ckpt/safetensors.h"
+#include "files/replace_file.h"
 
 namespace shardlm::ckpt {
 
@@ -100,23 +101,10 @@ FileSummary summarize_file(const std::string& path) {
 namespace {
 
 void write_text_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) fail(tmp, "cannot write");
-  }
-  const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    fail(tmp, std::string("cannot fsync: ") + std::strerror(errno));
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    fail(path, std::string("cannot rename into place: ") + std::strerror(errno));
+  try {
+    files::replace_file(path, text);  // fsynced before the rename
+  } catch (const std::exception& e) {
+    fail(path, e.what());
   }
   fsync_dir(fs::path(path).parent_path().string());
 }

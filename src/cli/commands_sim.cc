@@ -10,6 +10,7 @@
 
 #include "cli/environment.h"
 #include "cli/subcommands.h"
+#include "files/replace_file.h"
 #include "kernels/backend.h"
 #include "kernels/cpu.h"
 #include "report/run_data.h"
@@ -690,15 +691,10 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dt
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("calibrate: nothing written: ") + e.what());
       }
-      const std::string tmp = out + ".tmp";
-      std::ofstream f(tmp);
-      f << text << "\n";
-      f.close();
-      std::error_code ec;
-      if (f) std::filesystem::rename(tmp, out, ec);
-      if (!f || ec) {
-        std::filesystem::remove(tmp, ec);
-        throw std::runtime_error("calibrate: cannot write " + out);
+      try {
+        files::replace_file(out, text + "\n");
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("calibrate: ") + e.what());
       }
       const bool device = co.device != "cpu" || cpu_as_device;
       fmt::print("calibrate: wrote {} ({}){}\n", out,

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "files/replace_file.h"
+
 namespace shardlm::data {
 
 static_assert(std::endian::native == std::endian::little, "shards are little-endian; add byte swapping");
@@ -55,9 +57,9 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 }  // namespace
 
 TokenShardWriter::TokenShardWriter(std::string path, int token_bytes)
-    : path_(std::move(path)), tmp_(path_ + ".tmp"), token_bytes_(token_bytes) {
+    : path_(std::move(path)), token_bytes_(token_bytes) {
   if (token_bytes != 2 && token_bytes != 4) fail(path_, "token_bytes " + std::to_string(token_bytes) + " is not 2 or 4");
-  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  fd_ = files::create_temporary(path_, tmp_, O_RDWR);
   if (fd_ < 0) fail(tmp_, "cannot create: " + errno_text());
   const int32_t header[kShardHeaderInts] = {token_bytes == 2 ? kShardMagic : kShardMagicU32,
                                             token_bytes == 2 ? kShardVersion : kShardVersionU32, 0};
@@ -91,7 +93,7 @@ void TokenShardWriter::park() {
 void TokenShardWriter::unpark() {
   if (!parked_) return;
   parked_ = false;
-  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CLOEXEC);
+  fd_ = ::open(tmp_.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
   if (fd_ < 0 || ::lseek(fd_, 0, SEEK_END) < 0) {
     const std::string err = errno_text();
     discard();

@@ -22,7 +22,7 @@ constexpr int kShardHeaderInts = 256;
 constexpr int64_t kShardHeaderBytes = kShardHeaderInts * 4;
 constexpr int64_t kShardMaxTokens = 2147483647;  // the header's int32 count
 
-// Writes PATH.tmp, then renames it to PATH, so PATH is either absent, the old file, or the
+// Writes a temporary file of its own beside PATH (files/replace_file.h), then renames it to PATH, so PATH is either absent, the old file, or the
 // whole new file; `token_bytes` 2 is GPT-2's layout, 4 LLaMA 3's. Throws std::runtime_error
 // (naming the file) on an I/O error, a token that does not fit the layout, or more tokens than an
 // int32 count can hold.
@@ -30,8 +30,8 @@ void write_token_shard(const std::string& path, std::span<const int32_t> tokens,
 void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
 
 // A shard written as its tokens come, for inputs too large to hold (tokenize streams them):
-// PATH.tmp until commit() writes the count into the header, fsyncs and renames it to PATH. A
-// writer destroyed before commit() removes PATH.tmp; PATH is never touched until then. Errors
+// a temporary file of its own beside PATH until commit() writes the count into the header, fsyncs
+// and renames it to PATH. A writer destroyed before commit() removes its temporary file; PATH is never touched until then. Errors
 // are std::runtime_error naming the file.
 class TokenShardWriter {
  public:

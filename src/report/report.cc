@@ -9,7 +9,7 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "report/replace_file.h"
+#include "files/replace_file.h"
 #include "report/run_data.h"
 #include "report/svg.h"
 #include "report/trace_summary.h"
@@ -507,7 +507,7 @@ std::string write_report(const ReportOptions& opt) {
   const Page page = read_page(opt);
   refuse_inputs(label, out, page.trace_paths);
   try {
-    replace_file(out, page_html(page));
+    files::replace_file(out, page_html(page));
   } catch (const std::exception& e) {
     throw std::runtime_error(std::string("report: ") + e.what());
   }

@@ -1,10 +1,13 @@
 #include "trace/trace.h"
 
+#include "files/replace_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -41,35 +44,31 @@ std::string RankTrace::events_json() const {
 }
 
 void write_trace(const std::string& path, const std::vector<std::string>& rank_parts) {
-  const std::string tmp = path + ".tmp";
   // A write that fails (disk full, file size limit) must stop the run with its reason, not
-  // leave a cut trace behind a successful exit: every write, the flush and the close are checked.
-  auto fail = [&](int err) {
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
-    return std::runtime_error("trace: cannot write " + path + " (through " + tmp + "): " + std::strerror(err));
-  };
-  {
-    errno = 0;
-    std::ofstream f(tmp);
-    if (!f) throw fail(errno);
-    f << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  // leave a cut trace behind a successful exit.
+  std::string tmp;
+  const int fd = files::create_temporary(path, tmp, O_WRONLY);
+  if (fd < 0) throw std::runtime_error("trace: cannot write " + path + ": " + std::strerror(errno));
+  try {
+    files::write_all(fd, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
     bool first = true;
     for (const auto& part : rank_parts) {
       if (part.empty()) continue;
-      if (!first) f << ",\n";
-      f << part;
+      if (!first) files::write_all(fd, ",\n");
+      files::write_all(fd, part);
       first = false;
     }
-    f << "\n]}\n";
-    f.flush();
-    if (!f) throw fail(errno);
-    f.close();
-    if (!f) throw fail(errno);
+    files::write_all(fd, "\n]}\n");
+  } catch (const std::exception& e) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("trace: cannot write " + path + ": " + e.what());
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw std::runtime_error("trace: cannot rename " + tmp + " to " + path + ": " + ec.message());
+  try {
+    files::commit_temporary(fd, tmp, path);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("trace: ") + e.what());
+  }
 }
 
 }  // namespace shardlm::trace

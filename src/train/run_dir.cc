@@ -17,6 +17,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "files/replace_file.h"
 #include "tensor/file_lock.h"
 #include "train/resume_check.h"
 
@@ -159,11 +160,11 @@ void remove_path(const fs::path& p) {
 }
 
 // What a checkpoint write of a dead process left behind (ckpt/step_N.tmp-PID, .old-PID where
-// the final name could not be swapped atomically, latest.tmp-PID), and the temporary files of
+// the final name could not be swapped atomically, latest.tmp-PID-RANDOM), and the temporary files of
 // metrics.jsonl's and run.json's rewrites: only the lock holder's ranks write here, so none of
 // them belongs to a living run.
 void remove_leftovers(const std::string& dir) {
-  static const std::regex leftover(R"((step_\d+\.(tmp|old)|latest\.tmp)-\d+)");
+  static const std::regex leftover(R"((step_\d+\.(tmp|old)-\d+|latest\.tmp-\d+(-[0-9a-f]+)?))");
   std::error_code ec;
   const fs::path ckpt = fs::path(dir) / "ckpt";
   for (const auto& entry : fs::directory_iterator(ckpt, ec))  // none when there is no ckpt/
@@ -184,25 +185,9 @@ std::vector<std::string> read_lines(const std::string& path) {
 // Replaces `path` by `lines` through a temporary file renamed over it, so that a crash leaves
 // either the old log or the new one.
 void rewrite_atomically(const std::string& path, const std::vector<std::string>& lines) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error(tmp + ": cannot create: " + errno_text());
-  try {
-    std::string text;
-    for (const auto& l : lines) text += l + "\n";
-    write_all(fd, text.data(), text.size(), tmp);
-    if (::fsync(fd) != 0) throw std::runtime_error(tmp + ": cannot write: " + errno_text());
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    throw std::runtime_error("cannot replace " + path + ": " + why);
-  }
+  std::string text;
+  for (const auto& l : lines) text += l + "\n";
+  files::replace_file(path, text);
 }
 
 void cut_metrics(const std::string& path, int64_t step) {

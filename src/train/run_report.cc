@@ -8,7 +8,7 @@
 #include <thread>
 #include <unistd.h>
 
-#include "report/replace_file.h"
+#include "files/replace_file.h"
 #include "report/report.h"
 #include "shardlm_git_commit.h"  // written by the build (cmake/git_commit.cmake)
 
@@ -112,7 +112,7 @@ void write_run_info_or_throw(const TrainConfig& cfg, const plan::Plan& plan, con
                {"plan_mem", mem_json(plan.peak_memory())},
                {"plan_mem_max", mem_json(plan.max_memory())},
                {"trace", cfg.trace.empty() ? "" : fs::absolute(cfg.trace, ec).string()}};
-  report::replace_file(path.string(), j.dump(1) + "\n");  // as the page is written: no fixed temporary name
+  files::replace_file(path.string(), j.dump(1) + "\n");  // as the page is written: no fixed temporary name
 }
 
 void refresh_report(const TrainConfig& cfg) {

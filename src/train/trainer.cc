@@ -17,6 +17,7 @@
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "data/shard.h"
+#include "files/replace_file.h"
 #include "kernels/cpu.h"
 #ifdef SHARDLM_CUDA
 #include "kernels/cuda_backend.h"
@@ -93,15 +94,9 @@ int32_t document_start_token(const DataMeta& meta) {
 }
 
 void write_data_meta(const std::string& prefix, const DataMeta& meta) {
-  const std::string path = prefix + "_meta.json", tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    json j = {{"tokenizer", meta.tokenizer}, {"vocab_size", meta.vocab_size}};
-    if (meta.eot >= 0) j["eot"] = meta.eot;
-    f << j.dump() << "\n";
-    if (!f) throw std::runtime_error("cannot write " + tmp);
-  }
-  std::filesystem::rename(tmp, path);
+  json j = {{"tokenizer", meta.tokenizer}, {"vocab_size", meta.vocab_size}};
+  if (meta.eot >= 0) j["eot"] = meta.eot;
+  files::replace_file(prefix + "_meta.json", j.dump() + "\n");
 }
 
 double measure_gemm_gflops(MemoryPool& memory) {

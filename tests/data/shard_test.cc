@@ -173,10 +173,13 @@ TEST(TokenShard, ValidateTokensReportsFirstBadIdAndPosition) {
 TEST(TokenShard, AtomicWrite) {
   TempDir dir;
   const std::string path = dir.file("s.bin");
-  // A stale temporary from a crashed writer is replaced.
-  write_file(path + ".tmp", "garbage");
+  // A file (or a link) at PATH.tmp is not the writer's: it is neither written through nor removed.
+  write_file(dir.file("victim"), "precious");
+  std::filesystem::create_symlink(dir.file("victim"), path + ".tmp");
   write_token_shard(path, std::vector<int32_t>{1, 2, 3});
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_EQ(read_file(dir.file("victim")), "precious");
+  EXPECT_TRUE(std::filesystem::is_symlink(path + ".tmp"));
+  std::filesystem::remove(path + ".tmp");
   EXPECT_EQ(TokenShard(path).size(), 3);
 
   // Overwriting replaces the whole file.

@@ -10,20 +10,21 @@ import sys
 
 # part -> parts it may use directly (docs/ARCHITECTURE.md, "Parts").
 ALLOWED = {
+    "files": [],
     "tensor": [],
     "kernels": ["tensor"],
     "model": ["tensor"],
     "layers": ["model", "kernels"],
     "comm": ["tensor"],
     "plan": ["model"],
-    "trace": ["plan"],
+    "trace": ["plan", "files"],
     "run": ["model", "plan", "trace", "comm", "layers", "kernels"],
     "sim": ["model", "plan", "trace"],
-    "ckpt": ["tensor", "model", "comm"],
-    "data": [],
-    "report": [],
-    "train": ["report", "run", "layers", "data", "ckpt", "comm", "plan", "model", "kernels", "trace", "tensor"],
-    "cli": ["train", "sim", "report"],
+    "ckpt": ["files", "tensor", "model", "comm"],
+    "data": ["files"],
+    "report": ["files"],
+    "train": ["files", "report", "run", "layers", "data", "ckpt", "comm", "plan", "model", "kernels", "trace", "tensor"],
+    "cli": ["files", "train", "sim", "report"],
 }
 # Kernels are reached through the backend interface only from these parts.
 BACKEND_ONLY = {"layers", "run"}
