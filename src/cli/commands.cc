@@ -12,6 +12,8 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <type_traits>
+#include <variant>
 
 #include "cli/environment.h"
 #include "cli/subcommands.h"
@@ -19,6 +21,7 @@
 #include "comm/process.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
+#include "plan/options.h"
 #include "run/calibrate.h"
 #include "train/config.h"
 #include "train/machines.h"
@@ -95,7 +98,7 @@ CLI::Validator offload_prefetch_depth() {
   return CLI::Validator(
       [depth](std::string& text) {
         if (text != "auto") return depth(text);
-        text = std::to_string(train::kOffloadPrefetchAuto);
+        text = std::to_string(plan::kOffloadPrefetchAuto);
         return std::string();
       },
       "0.." + std::to_string(plan::kMaxOffloadPrefetchDepth) + " or auto");
@@ -166,72 +169,24 @@ void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->group("Model")->check(at_least(0.0));
 }
 
-// How a step is laid out over ranks and memory (train and explain).
+// How a step is laid out over ranks and memory (train and explain): every entry of the plan's
+// option table (plan/options.h), in its order.
 void add_plan_options(CLI::App* cmd, train::TrainConfig& c) {
-  cmd->add_option("--batch", c.batch, "sequences per micro-step")->group("Schedule")->capture_default_str();
-  cmd->add_option("--seq", c.seq, "sequence length T")->group("Schedule")->capture_default_str();
-  cmd->add_option("--grad-accum", c.grad_accum, "micro-steps per optimizer step")->group("Schedule")->capture_default_str();
-  cmd->add_option("--threads", c.threads, "compute threads (default: OMP_NUM_THREADS where set, else 2)")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--strategy", c.strategy, "ddp | zero1 | zero2 | fsdp | hybrid")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--shard-group", c.shard_group, "hybrid: consecutive ranks that shard (default: train, a machine's ranks; simulate, a node's devices; explain, all)")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--ep", c.ep, "expert parallel: ranks of an expert group, each running E / ep experts (divides E and the data-parallel ranks)")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--cp", c.cp, "context parallel: ranks each sequence is split over (divides the ranks)")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--cp-impl", c.cp_impl, "context parallel attention: ring | all-to-all (heads split over cp)")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--prefetch-forward", c.prefetch_forward, "all-gathers issued ahead in the forward")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--prefetch-backward", c.prefetch_backward, "all-gathers issued ahead in the backward")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--max-gathers-in-flight", c.max_gathers_in_flight, "gathered units alive at once")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--bucket-mb", c.bucket_mb, "DDP / ZeRO-1 gradient bucket size")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--keep-gathered", c.keep_gathered,
-                  "fsdp / hybrid: units kept gathered through the step: all | none | names (h.10,final_norm); "
-                  "NAME:FRACTION keeps that part of a unit from its forward to its backward (h.9:0.5)")->group("Parallelism")
-      ->capture_default_str();
-  cmd->add_option("--gather-bucket-mb", c.gather_bucket_mb,
-                  "fsdp / hybrid: consecutive units gathered by one all-gather up to this many MiB (0: off)")->group("Parallelism")
-      ->capture_default_str();
-  cmd->add_option("--offload", c.offload,
-                  "state kept on disk instead of memory: none | any of params,grads,optimizer,activations (comma-separated)")
-      ->group("Memory")
-      ->check(not_empty("none for nothing offloaded"))
-      ->capture_default_str();
-  cmd->add_option("--memory-budget", c.memory_budget,
-                  "per-rank bytes (8GB, 512MiB, 4096) the plan's peak must fit: units' optimizer state, then "
-                  "grads, then blocks' saved activations (first forward first), then params go to disk, largest first, until it does; what that leaves keeps the last moved whole or in part")
-      ->group("Memory")
-      ->check(not_empty("omit the flag for no budget"));
-  cmd->add_option("--offload-dir", c.offload_dir, "where offloaded state's scratch files go (default: OUT/offload)")->group("Memory");
-  cmd->add_option("--offload-prefetch", c.offload_prefetch,
-                  "offloaded units read ahead of the task using them (0-" + std::to_string(plan::kMaxOffloadPrefetchDepth) +
-                      "), or auto: the depth (0-4) the simulator predicts fastest on --hardware (train, simulate)")
-      ->group("Memory")
-      ->transform(offload_prefetch_depth())
-      ->capture_default_str();
-  cmd->add_flag("--pipeline-optimizer", c.pipeline_optimizer,
-               "each unit's AdamW runs as soon as its gradients are final, during the backward; the step stays "
-               "bitwise the same (a copy of the unit's params and moments, 3x its optimizer shard, restores it when "
-               "the norm clips or the step is skipped)")->group("Memory");
-  cmd->add_flag("--reduce-each-micro-step", c.reduce_each_micro_step,
-                "zero2 / fsdp / hybrid with --grad-accum > 1: reduce-scatter every micro-step's gradients and add "
-                "the shard to the held one (PyTorch FSDP's and DeepSpeed ZeRO's default), so whole gradients live "
-                "one micro-step; default: accumulate them whole and reduce once a step")->group("Parallelism");
-  cmd->add_option("--param-dtype", c.param_dtype, "gathered parameters: fp32 | bf16")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--reduce-dtype", c.reduce_dtype, "gradient reduction: fp32 | bf16")->group("Parallelism")->capture_default_str();
-  cmd->add_option("--recompute", c.recompute, "activation recompute: none | selective | full | selective-op (torchtitan's op policy: LLaMA blocks keep attention and every other GEMM's output)")->group("Memory")->capture_default_str();
-  cmd->add_option("--recompute-blocks", c.recompute_blocks,
-                  "apply --recompute to only N of the n_layer blocks, spread evenly (n_layer / k: every k-th "
-                  "block); the others keep all they save. Default: every block")->group("Memory");
-  cmd->add_option("--act-quant", c.act_quant,
-                  "activation compression: none | int8 (the GEMM inputs kept for the backward as int8 with a "
-                  "fp32 scale per group; what recompute rebuilds is not stored)")->group("Memory")
-      ->capture_default_str();
-  cmd->add_option("--act-quant-group", c.act_quant_group,
-                  "--act-quant: values per scale along the feature axis (divides n_embd, ffn_dim or moe_ffn_dim, the q|k|v row)")->group("Memory")
-      ->capture_default_str();
-  cmd->add_option("--act-quant-rounding", c.act_quant_rounding,
-                  "with --act-quant: nearest | stochastic (unbiased; keyed by seed, step, tensor, element)")->group("Memory")
-      ->capture_default_str();
-  cmd->add_flag("--async-save", c.async_save,
-                "checkpoints: copy each rank's shard into a staging buffer (memory category staging) and write it "
-                "in a background thread while training goes on")->group("Checkpoints");
+  plan::PlanOptions& v = c;
+  for (const plan::PlanOption& o : plan::plan_options()) {
+    const std::string flag = std::string("--") + o.flag;
+    CLI::Option* opt = std::visit(
+        [&](auto field) -> CLI::Option* {
+          auto& value = v.*field;
+          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) return cmd->add_flag(flag, value, o.help);
+          else return cmd->add_option(flag, value, o.help);
+        },
+        o.field);
+    opt->group(o.group);
+    if (o.flag_check == plan::FlagCheck::not_empty) opt->check(not_empty(o.why));
+    if (o.flag_check == plan::FlagCheck::depth_or_auto) opt->transform(offload_prefetch_depth());
+    if (o.show_default) opt->capture_default_str();
+  }
 }
 
 // Goodput under failures (simulate, plan).

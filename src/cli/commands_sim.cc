@@ -296,24 +296,7 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
 // The best configuration as train options over the model options of `a`.
 train::TrainConfig train_config_of(const PlanArgs& a, const plan::PlanConfig& c) {
   train::TrainConfig tc = a.cfg;
-  tc.strategy = plan::to_string(c.strategy);
-  tc.shard_group = c.shard_group;
-  tc.ep = c.ep;
-  tc.batch = c.batch, tc.grad_accum = c.grad_accum, tc.seq = c.seq;
-  tc.recompute = model::to_string(c.recompute);
-  tc.recompute_blocks = c.recompute_blocks;
-  tc.act_quant = model::to_string_act_quant(c.act_quant);
-  tc.act_quant_group = c.act_quant.on() ? c.act_quant.group : tc.act_quant_group;
-  tc.act_quant_rounding = c.act_quant.stochastic ? "stochastic" : "nearest";
-  tc.reduce_each_micro_step = c.reduce_each_micro_step;
-  tc.prefetch_forward = c.prefetch_forward, tc.prefetch_backward = c.prefetch_backward;
-  tc.max_gathers_in_flight = c.max_gathers_in_flight;
-  tc.bucket_mb = c.bucket_mb;
-  tc.gather_bucket_mb = c.gather_bucket_mb;
-  tc.cp = c.cp, tc.cp_impl = model::to_string(c.cp_impl);
-  if (c.memory_budget > 0) tc.memory_budget = std::to_string(c.memory_budget);
-  tc.param_dtype = c.param_bytes == 2 ? "bf16" : "fp32";
-  tc.reduce_dtype = c.reduce_bytes == 2 ? "bf16" : "fp32";
+  plan::take_plan_options(c, tc);
   tc.data = a.data, tc.out = a.out, tc.overwrite = a.overwrite;
   tc.steps = a.run_steps, tc.warmup = 0, tc.eval_every = 0, tc.eval_windows = 1, tc.sample_tokens = 0, tc.quiet = true;
   return tc;

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "plan/mesh.h"
+#include "plan/options.h"
 #include "sim/bounds.h"
 #include "sim/cost.h"
 
@@ -22,36 +23,7 @@ namespace shardlm::sim {
 using plan::PlanConfig;
 using plan::Strategy;
 
-namespace {
-std::string keep_list(const std::vector<std::string>& names) {
-  std::string s;
-  for (const auto& n : names) s += (s.empty() ? "" : ",") + n;
-  return s.empty() ? "none" : s;
-}
-}  // namespace
-
-std::string flags_of(const PlanConfig& c) {
-  std::ostringstream o;
-  o << "--strategy " << plan::to_string(c.strategy);
-  if (c.strategy == Strategy::hybrid) o << " --shard-group " << c.shard_group;
-  if (c.ep > 1) o << " --ep " << c.ep;
-  if (c.cp > 1) o << " --cp " << c.cp << " --cp-impl " << model::to_string(c.cp_impl);
-  o << " --batch " << c.batch << " --grad-accum " << c.grad_accum << " --seq " << c.seq << " --recompute "
-    << model::to_string(c.recompute);
-  if (c.recompute_blocks >= 0 && c.recompute != model::Recompute::none) o << " --recompute-blocks " << c.recompute_blocks;
-  if (c.act_quant.on())
-    o << " --act-quant int8 --act-quant-group " << c.act_quant.group << " --act-quant-rounding "
-      << (c.act_quant.stochastic ? "stochastic" : "nearest");
-  if (c.reduce_each_micro_step) o << " --reduce-each-micro-step";
-  if (c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid)
-    o << " --prefetch-forward " << c.prefetch_forward << " --prefetch-backward " << c.prefetch_backward
-      << " --max-gathers-in-flight " << c.max_gathers_in_flight << " --param-dtype " << (c.param_bytes == 2 ? "bf16" : "fp32")
-      << " --keep-gathered " << keep_list(c.keep_gathered) << " --gather-bucket-mb " << c.gather_bucket_mb;
-  if (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1) o << " --bucket-mb " << c.bucket_mb;
-  if (c.strategy != Strategy::ddp || c.world > 1) o << " --reduce-dtype " << (c.reduce_bytes == 2 ? "bf16" : "fp32");
-  if (c.memory_budget > 0) o << " --memory-budget " << c.memory_budget << " --offload-prefetch " << c.offload.prefetch;
-  return o.str();
-}
+std::string flags_of(const PlanConfig& c) { return plan::reproduce_flags(c); }
 
 SimResult simulate_config(const model::ModelDesc& desc, const PlanConfig& c, const HardwareProfile& hw, int threads,
                           double expert_load) {

@@ -95,7 +95,7 @@ std::string data_file_digests(const std::string& prefix) {
 
 Settings rank_settings(const TrainConfig& c) {
   auto s = [](const auto& v) { return fmt::format("{}", v); };
-  return {
+  Settings settings = {
       {"model", c.model},
       {"n-layer", s(c.n_layer)},
       {"n-head", s(c.n_head)},
@@ -115,19 +115,11 @@ Settings rank_settings(const TrainConfig& c) {
       {"no-norm-topk", s(c.no_norm_topk)},
       {"aux-loss-coef", s(c.aux_loss_coef)},
       {"z-loss-coef", s(c.z_loss_coef)},
-      {"recompute", c.recompute},
-      {"recompute-blocks", s(c.recompute_blocks)},
-      {"act-quant", c.act_quant},
-      {"act-quant-group", s(c.act_quant_group)},
-      {"act-quant-rounding", c.act_quant_rounding},
       {"data", c.data},
       {"data files (train / val: size, sampled XXH3)", data_file_digests(c.data)},
       {"resume", c.resume},
       {"init-from", c.init_from},
       {"steps", s(c.steps)},
-      {"batch", s(c.batch)},
-      {"seq", s(c.seq)},
-      {"grad-accum", s(c.grad_accum)},
       {"seed", s(c.seed)},
       {"lr", s(c.lr)},
       {"min-lr", s(c.min_lr)},
@@ -148,33 +140,18 @@ Settings rank_settings(const TrainConfig& c) {
       {"keep-last", s(c.keep_last)},
       {"snapshot-every", s(c.snapshot_every)},
       {"snapshot-parity", s(c.snapshot_parity)},
-      {"async-save", c.async_save ? "on" : "off"},
       {"sample-tokens", s(c.sample_tokens)},
-      {"strategy", c.strategy},
-      {"shard-group", s(c.shard_group)},
-      {"ep", s(c.ep)},
-      {"cp", s(c.cp)},
-      {"cp-impl", c.cp_impl},
-      {"prefetch-forward", s(c.prefetch_forward)},
-      {"prefetch-backward", s(c.prefetch_backward)},
-      {"max-gathers-in-flight", s(c.max_gathers_in_flight)},
-      {"bucket-mb", s(c.bucket_mb)},
-      {"keep-gathered", c.keep_gathered},
-      {"gather-bucket-mb", s(c.gather_bucket_mb)},
-      // Every rank's plan places the same state on disk (the directory may differ: a node's own disk).
-      {"offload", c.offload},
-      {"memory-budget", c.memory_budget},
-      {"offload-prefetch", s(c.offload_prefetch)},
-      {"pipeline-optimizer", c.pipeline_optimizer ? "on" : "off"},
-      {"reduce-each-micro-step", c.reduce_each_micro_step ? "on" : "off"},
-      {"param-dtype", c.param_dtype},
-      {"reduce-dtype", c.reduce_dtype},
       {"compute-dtype", c.compute_dtype},
       {"device", c.device},
       {"comm", c.comm_backend},
       // The path is rank 0's alone, but whether there is one decides the trace's gathers.
       {"trace (on or off)", c.trace.empty() ? "off" : "on"},
   };
+  // The plan's options, each as its table entry says (plan/options.h); every rank's plan places
+  // the same state on disk (the directory may differ: a node's own disk).
+  for (const plan::PlanOption& o : plan::plan_options())
+    if (o.ranks_agree) settings.emplace_back(o.flag, plan::option_text(o, c));
+  return settings;
 }
 
 void check_ranks_agree(const TrainConfig& cfg, comm::Communicator& world, std::chrono::milliseconds timeout) {

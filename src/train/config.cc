@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "ckpt/hf_config.h"
-#include "plan/plan.h"
+#include "plan/options.h"
 
 namespace shardlm::train {
 
@@ -161,23 +161,10 @@ void check_reporting(const TrainConfig& c) {
 
 // How the step is laid out over ranks.
 void check_distribution(const TrainConfig& c) {
-  at_least(c.shard_group, 0, "shard-group");
-  at_least(c.ep, 1, "ep");
-  at_least(c.cp, 1, "cp");
-  model::parse_context_impl(c.cp_impl);
-  at_least(c.prefetch_forward, 0, "prefetch-forward");
-  at_least(c.prefetch_backward, 0, "prefetch-backward");
-  at_least(c.max_gathers_in_flight, 1, "max-gathers-in-flight");
-  positive(c.bucket_mb, "bucket-mb");
-  finite(c.bucket_mb, "bucket-mb");
-  at_least(c.gather_bucket_mb, 0.0, "gather-bucket-mb");
-  finite(c.gather_bucket_mb, "gather-bucket-mb");
+  plan::check_plan_options(c);
   positive(c.timeout_s, "timeout");
   // Held as int64 milliseconds; a billion seconds (32 years) is "never".
   if (!(c.timeout_s <= 1e9)) throw std::invalid_argument(fmt::format("--timeout: must be <= 1e9 seconds, got {}", c.timeout_s));
-  for (const auto& [dt, flag] : {std::pair{&c.param_dtype, "param-dtype"}, std::pair{&c.reduce_dtype, "reduce-dtype"}})
-    if (*dt != "fp32" && *dt != "bf16")
-      throw std::invalid_argument(fmt::format("--{}: must be fp32 or bf16, got '{}'", flag, *dt));
   if (c.compute_dtype != "auto" && c.compute_dtype != "fp32" && c.compute_dtype != "bf16")
     throw std::invalid_argument(fmt::format("--compute-dtype: must be auto, fp32 or bf16, got '{}'", c.compute_dtype));
   if (c.device != "cpu" && c.device != "cuda")
@@ -196,27 +183,11 @@ void check_distribution(const TrainConfig& c) {
   // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
   if (c.offload != "none" && c.offload != "activations" && c.snapshot_every > 0)
     throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");
-  if (!c.memory_budget.empty()) plan::parse_memory_budget(c.memory_budget);  // throws naming --memory-budget
-  if (c.offload.empty()) throw std::invalid_argument("--offload: is an empty string (none, or any of params,grads,optimizer,activations)");
-  if (c.offload_prefetch != kOffloadPrefetchAuto && (c.offload_prefetch < 0 || c.offload_prefetch > plan::kMaxOffloadPrefetchDepth))
-    throw std::invalid_argument(fmt::format("--offload-prefetch: must be in [0, {}] or auto, got {}",
-                                            plan::kMaxOffloadPrefetchDepth, c.offload_prefetch));
   if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
     throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
                                 "(checkpoints read host memory)");
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
-  model::parse_recompute(c.recompute);
-  if (c.recompute_blocks < -1)
-    throw std::invalid_argument("recompute_blocks (--recompute-blocks): must be >= 0, got " + std::to_string(c.recompute_blocks));
-  if (c.act_quant != "none" && c.act_quant != "int8")
-    throw std::invalid_argument("act_quant (--act-quant): unknown '" + c.act_quant + "' (expected none or int8)");
-  if (c.act_quant_group <= 0 || c.act_quant_group > (int64_t{1} << 20))
-    throw std::invalid_argument("act_quant_group (--act-quant-group): must be in [1, 1048576], got " +
-                                std::to_string(c.act_quant_group));
-  if (c.act_quant_rounding != "nearest" && c.act_quant_rounding != "stochastic")
-    throw std::invalid_argument("act_quant_rounding (--act-quant-rounding): unknown '" + c.act_quant_rounding +
-                                "' (expected nearest or stochastic)");
   if (c.device == "cuda" && c.pipeline_optimizer)
     throw std::invalid_argument("--device cuda: --pipeline-optimizer is not supported yet (the optimizer stream runs host kernels)");
   if (c.device == "cuda" && c.act_quant != "none")

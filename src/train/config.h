@@ -8,6 +8,7 @@
 #include "comm/options.h"
 #include "kernels/cuda_options.h"
 #include "model/model.h"
+#include "plan/options.h"
 #include "train/machines.h"
 #include "train/schedule.h"
 
@@ -21,9 +22,11 @@ inline constexpr int64_t kMaxSteps = 1'000'000'000'000;  // steps and step count
 inline constexpr int64_t kMaxStepTokens = int64_t{1} << 40;  // batch x seq x grad-accum per rank
 inline constexpr int64_t kMaxSampleTokens = 1'000'000;  // tokens generate and --sample-tokens draw
 
-inline constexpr int kOffloadPrefetchAuto = -1;  // --offload-prefetch auto
+inline constexpr int kOffloadPrefetchAuto = plan::kOffloadPrefetchAuto;  // --offload-prefetch auto
 
-struct TrainConfig {
+// The plan's settings (batch shape, strategy, memory) are plan::PlanOptions', declared once in
+// plan/options.h with their flags.
+struct TrainConfig : plan::PlanOptions {
   // Model: a preset or a Hugging Face config.json, with any explicit dimension (> 0) overriding it.
   std::string model = "small";
   int64_t n_layer = 0, n_head = 0, n_kv_head = 0, n_embd = 0, ffn_dim = 0, max_seq = 0;
@@ -40,12 +43,6 @@ struct TrainConfig {
     return experts || top_k || moe_ffn_dim || moe_every || capacity_factor != -1 || no_norm_topk ||
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
-  std::string recompute = "none";       // none | selective | full
-  int recompute_blocks = -1;            // how many blocks `recompute` applies to, spread evenly; -1: all
-  // Activation compression (model::ActQuant): none | int8, values per scale, nearest | stochastic.
-  std::string act_quant = "none";
-  int64_t act_quant_group = 64;
-  std::string act_quant_rounding = "nearest";
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
   std::string out = "runs/default";
@@ -58,10 +55,6 @@ struct TrainConfig {
   std::vector<std::string> resume_override;
 
   int64_t steps = 1000;
-  int64_t batch = 4;  // B sequences per micro-step
-  int64_t seq = 256;  // T
-  int64_t grad_accum = 1;
-  int threads = 2;
   uint64_t seed = 1337;
 
   float lr = 6e-4f;
@@ -85,37 +78,11 @@ struct TrainConfig {
   int64_t keep_last = 0;       // checkpoints kept (the newest); 0: all
   int64_t snapshot_every = 0;  // steps between in-memory snapshots (ckpt/snapshot.h); 0: never
   int snapshot_parity = 0;     // 0: a partner rank holds a copy; G: XOR parity per group of G ranks
-  bool async_save = false;     // stage each rank's shard and write it in a background thread
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress
 
-  // Distribution (ranks come from mpirun / srun; one process is a world of 1).
-  std::string strategy = "fsdp";  // ddp | zero1 | zero2 | fsdp | hybrid
-  int shard_group = 0;            // hybrid: ranks per shard group (0: a machine's, once start-up has found the machines)
-  int ep = 1;                     // expert parallel: ranks an expert group spans (E / ep experts each)
-  int cp = 1;                     // context parallel: ranks each sequence is split over
-  std::string cp_impl = "ring";   // ring | all-to-all
-  int prefetch_forward = 1, prefetch_backward = 1;
-  int max_gathers_in_flight = 2;
-  double bucket_mb = 25;
-  std::string keep_gathered = "none";  // all | none | unit names, comma-separated (h.10,final_norm,h.9:0.5)
-  double gather_bucket_mb = 0;         // fsdp / hybrid all-gather buckets (0: off)
-  // The disk tier: kinds of state kept in files (none | any of params,grads,optimizer), where
-  // (empty: OUT/offload), and how many using tasks ahead the copy stream reads
-  // (kOffloadPrefetchAuto: the depth a simulation on a hardware profile predicts fastest, which the
-  // cli resolves before the plan is built).
-  std::string offload = "none";
-  std::string offload_dir;
-  int offload_prefetch = 2;
-  // AdamW per unit as soon as its gradients are final, speculatively (plan/optimizer_overlap.cc).
-  bool pipeline_optimizer = false;
-  bool reduce_each_micro_step = false;  // plan::PlanConfig::reduce_each_micro_step
-  // --memory-budget: per-rank bytes ("8GB", "512MiB", "4096") the plan's accounted peak must stay
-  // within; the placement pass puts units' params, grads and optimizer state on disk until it
-  // does (activations stay in memory). Empty: no budget.
-  std::string memory_budget;
-  std::string param_dtype = "fp32", reduce_dtype = "fp32";
+  // Distribution (ranks come from mpirun / srun; one process is a world of 1) is PlanOptions'.
   // GEMM precision: "auto" is fp32 on the CPU and bf16 (fp32 accumulation) on CUDA.
   std::string compute_dtype = "auto";
   std::string device = "cpu";  // cpu | cuda (a build with -DSHARDLM_CUDA=ON; ranks stage collectives through host MPI; no ep/cp)

@@ -140,54 +140,8 @@ kernels::CudaOptions cuda_options(const TrainConfig& c) {
 
 plan::PlanConfig plan_config(const TrainConfig& cfg, int world) {
   plan::PlanConfig pc;
-  pc.strategy = plan::parse_strategy(cfg.strategy);
   pc.world = world;
-  pc.shard_group = cfg.shard_group;
-  pc.ep = cfg.ep;
-  pc.cp = cfg.cp;
-  pc.cp_impl = model::parse_context_impl(cfg.cp_impl);
-  pc.batch = cfg.batch;
-  pc.seq = cfg.seq;
-  pc.grad_accum = cfg.grad_accum;
-  pc.prefetch_forward = cfg.prefetch_forward;
-  pc.prefetch_backward = cfg.prefetch_backward;
-  pc.max_gathers_in_flight = cfg.max_gathers_in_flight;
-  pc.bucket_mb = cfg.bucket_mb;
-  pc.param_bytes = cfg.param_dtype == "bf16" ? 2 : 4;
-  pc.reduce_bytes = cfg.reduce_dtype == "bf16" ? 2 : 4;
-  pc.recompute = model::parse_recompute(cfg.recompute);
-  pc.recompute_blocks = cfg.recompute_blocks;
-  if (cfg.act_quant == "int8") pc.act_quant = {cfg.act_quant_group, cfg.act_quant_rounding == "stochastic"};
-  if (cfg.keep_gathered != "none") {  // a comma list of unit names (or "all"); build_plan checks them
-    std::string rest = cfg.keep_gathered;
-    for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
-      at = rest.find(',');
-      if (const std::string name = rest.substr(0, at); !name.empty()) pc.keep_gathered.push_back(name);
-    }
-  }
-  pc.gather_bucket_mb = cfg.gather_bucket_mb;
-  if (cfg.offload != "none") {  // params,grads,optimizer,activations in any subset
-    std::string rest = cfg.offload;
-    for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
-      at = rest.find(',');
-      const std::string kind = rest.substr(0, at);
-      if (kind == "params") pc.offload.kinds[static_cast<int>(plan::StateKind::params)] = true;
-      else if (kind == "grads") pc.offload.kinds[static_cast<int>(plan::StateKind::grads)] = true;
-      else if (kind == "optimizer") pc.offload.kinds[static_cast<int>(plan::StateKind::optimizer)] = true;
-      else if (kind == "activations") pc.offload.activations = true;
-      else
-        throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer,activations)");
-    }
-  }
-  if (cfg.offload_prefetch == kOffloadPrefetchAuto)
-    throw std::invalid_argument("--offload-prefetch auto: the depth is chosen by simulating the plan on a hardware profile "
-                                "(--hardware); here give a number");
-  pc.offload.prefetch = cfg.offload_prefetch;
-  pc.pipeline_optimizer = cfg.pipeline_optimizer;
-  pc.reduce_each_micro_step = cfg.reduce_each_micro_step;
-  if (!cfg.memory_budget.empty()) pc.memory_budget = plan::parse_memory_budget(cfg.memory_budget);
-  pc.threads = cfg.threads;
-  pc.stage_checkpoint = cfg.async_save;
+  plan::apply_plan_options(cfg, pc);
   if (cfg.device == "cuda") {
     const kernels::CudaOptions o = cuda_options(cfg);
     pc.kernel_scratch = {true, o.bf16_gemm, o.bf16_operands, o.attention == kernels::CudaOptions::Attention::mma,
