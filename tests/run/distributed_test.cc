@@ -84,9 +84,11 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
   // A mixture-of-experts run's steps (metrics.jsonl in `got`) against the one-process reference's
   // (in `want`): losses within 1e-5, loads and dropped fractions equal (none dropped where
   // `dropless`), and each rank's memory plan `p`'s: its state between steps exactly, each
-  // category's peak within 1%. Returns the steps compared.
+  // category's peak within 1%. From step `routed_alike_until` on, the routing figures are not
+  // compared and the losses only within `later_rel` (see the int8 test). Returns the steps compared.
   static int expect_moe_steps_match(const fs::path& got_dir, const fs::path& want_dir, const plan::Plan& p,
-                                    const std::string& s, bool dropless) {
+                                    const std::string& s, bool dropless, int routed_alike_until = 1 << 30,
+                                    double later_rel = 1e-5) {
     const MemSnapshot want_mem = p.max_memory();
     const auto want = testing::read_metrics(want_dir / "metrics.jsonl");
     const auto got = testing::read_metrics(got_dir / "metrics.jsonl");
@@ -102,12 +104,16 @@ class DistributedSlow : public ::testing::TestWithParam<Layout> {
       const auto& ref = want[j++];
       ++steps;
       const std::string at = s + " step " + row["step"].dump();
+      const bool alike = row["step"].get<int>() < routed_alike_until;
       for (const char* key : {"loss", "aux_loss", "z_loss"})
-        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), 1e-5 * std::fabs(ref[key].get<double>())) << at << " " << key;
-      for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
-        EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
-      // The same routings' figures, summed in another order.
-      EXPECT_NEAR(row["expert_load_imbalance"].get<double>(), ref["expert_load_imbalance"].get<double>(), 1e-12) << at;
+        EXPECT_NEAR(row[key].get<double>(), ref[key].get<double>(), (alike ? 1e-5 : later_rel) * std::fabs(ref[key].get<double>()))
+            << at << " " << key;
+      if (alike) {
+        for (const char* key : {"dropped_frac", "expert_load_min", "expert_load_max"})
+          EXPECT_EQ(row[key].get<double>(), ref[key].get<double>()) << at << " " << key;
+        // The same routings' figures, summed in another order.
+        EXPECT_NEAR(row["expert_load_imbalance"].get<double>(), ref["expert_load_imbalance"].get<double>(), 1e-12) << at;
+      }
       if (dropless) {
         EXPECT_EQ(row["dropped_frac"].get<double>(), 0.0) << at;
       }
@@ -691,11 +697,13 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
 
 // --act-quant int8 (nearest) on moe-tiny under fsdp with ep 2 at 2 ranks, against one process
 // routing the same groups with the same compression: a group of values lies inside one row, so a
-// routed row is rounded alike on whichever rank its expert runs. Losses and loads agree within
-// 1e-5 as the fp32 runs' do, each rank's memory is the plan's; the final parameters within 1e-4
-// (3.4e-5 measured; the fp32 run is 4.7e-4 from the int8 one), not 1e-5: an expert's GEMM over
-// another count of rows sums in another order, and a value an ulp from a rounding boundary then
-// lands on the neighbouring int8 step.
+// routed row is rounded alike on whichever rank its expert runs. Step 0's loss and loads agree
+// within 1e-5 as the fp32 runs' do, each rank's memory is the plan's at every step. Later steps
+// start from weights an ulp apart (the gradients summed in another order), and a value an ulp from
+// a rounding boundary lands on the neighbouring int8 step: a near-tied token can then take another
+// expert, after which the losses agree within 1e-3 and the final parameters within 5e-3 in norm
+// (on an AVX-512 Xeon one token of 256 moved at step 3: the loss 3e-5 apart at most, the aux and
+// z losses 3e-4, the parameters 1.6e-3).
 TEST_F(DistributedSlow, MixtureOfExpertsWithActQuantMatchesOneProcess) {
   constexpr int kSteps = 10;  // a checkpoint every 5
   const std::string quant = " --act-quant int8 --act-quant-group 32";
@@ -707,8 +715,9 @@ TEST_F(DistributedSlow, MixtureOfExpertsWithActQuantMatchesOneProcess) {
   pc.grad_accum = 2, pc.ep = 2, pc.act_quant = {32, false};
   pc.reduction_scratch = mpi_reduction_scratch;
   const plan::Plan p = plan::build_plan(model::describe(model::model_preset("moe-tiny", 256)), pc);
-  EXPECT_EQ(expect_moe_steps_match(dir_ / "moe_aq_fsdp_ep2", dir_ / "moe_aq_single", p, "act_quant", true), kSteps);
-  EXPECT_FALSE(expect_same_weights(dir_ / "moe_aq_single", dir_ / "moe_aq_fsdp_ep2", kSteps, "act_quant", 1e-4).empty());
+  // Stale or misplaced compressed values are off at step 0 already.
+  EXPECT_EQ(expect_moe_steps_match(dir_ / "moe_aq_fsdp_ep2", dir_ / "moe_aq_single", p, "act_quant", true, 1, 1e-3), kSteps);
+  EXPECT_FALSE(expect_same_weights(dir_ / "moe_aq_single", dir_ / "moe_aq_fsdp_ep2", kSteps, "act_quant", 5e-3).empty());
 }
 
 // --act-quant int8 (nearest, group 16: one head's width, so a group under the head split holds the
