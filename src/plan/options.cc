@@ -161,6 +161,7 @@ std::vector<PlanOption> make_table() {
       .to_plan = [](const O& v, C& c) {  // build_plan checks the names
     if (v.keep_gathered != "none") c.keep_gathered = comma_list(v.keep_gathered);
   };
+  t.back().from_plan = [](const C& c, O& v) { v.keep_gathered = keep_list(c.keep_gathered); };
   t.back().reproduce_at = 19, t.back().reproduce = [](const C& c, S& o) {
     if (gathers(c)) o << " --keep-gathered " << keep_list(c.keep_gathered);
   };
