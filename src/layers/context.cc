@@ -242,4 +242,49 @@ void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, cons
                       kv_last, scratch, mlp_then_qkv, qkv_backward);
 }
 
+void split_forward(const UnitArgs& a, const SplitAttention& s, const std::function<void(float*)>& qkv,
+                   const std::function<void()>& rest) {
+  const kernels::Backend& be = *a.backend;
+  if (a.cp_impl == model::ContextImpl::ring) {
+    const Ring ring = ring_of(a);
+    if (a.stage == 0) {
+      qkv(s.qkv.f);
+      return ring_send_own(be, a.send, s.qkv.f, ring);
+    }
+    ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
+    if (a.stage < ring.P) return;
+    store(a, s.qkv, "qkv");
+    return rest();
+  }
+  const Split sp = split_of(a);
+  if (a.stage == 0) {
+    qkv(s.qkv_rows);
+    return send_qkv(be, a.send, s.qkv_rows, sp);
+  }
+  if (a.stage == 1) {
+    attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+    return store(a, s.qkv, "qkv");  // this rank's heads, every position
+  }
+  take_outputs(be, s.atty.f, a.recv, sp);
+  rest();
+}
+
+void split_backward(const UnitArgs& a, const SplitAttention& s, const SplitAttentionGrads& w,
+                    const std::function<void()>& after, const std::function<void()>& qkv_backward) {
+  const kernels::Backend& be = *a.backend;
+  if (a.cp_impl == model::ContextImpl::ring)
+    return ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last, w.scratch,
+                               after, qkv_backward);
+  const Split sp = split_of(a);
+  if (a.stage == 2) {
+    after();
+    return send_output_grads(be, a.send, w.datty, sp);
+  }
+  if (a.stage == 1)
+    return attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse, a.recv,
+                              a.send, w.scratch, sp);
+  take_qkv_grads(be, w.dqkv, a.recv, sp);
+  qkv_backward();
+}
+
 }  // namespace shardlm::layers::context
