@@ -38,6 +38,7 @@ struct Split {
   int P = 1, me = 0;                 // cp ranks, this one's index
   int64_t B = 0, T = 0;              // sequences, rows of each this rank holds (T·P positions)
   int64_t NH = 0, NKV = 0, HS = 0;   // heads of the whole model
+  bool causal = true;                // model::ModelConfig::causal
   int64_t heads() const { return NH / P; }                  // query heads a rank attends with
   int64_t kv_heads() const { return NKV / P; }
   int64_t qkv() const { return (NH + 2 * NKV) * HS; }       // q|k|v row width, all heads
@@ -81,6 +82,7 @@ struct Ring {
   int64_t NH = 0, NKV = 0, HS = 0;           // heads of the whole model
   std::vector<std::vector<int64_t>> starts;  // per rank: its chunks' first positions
   int64_t rows = 0;                          // positions in a chunk
+  bool causal = true;                        // model::ModelConfig::causal
   int64_t kv() const { return 2 * NKV * HS; }
   int64_t qkv() const { return (NH + 2 * NKV) * HS; }
   int block(int stage) const { return (me - (stage - 1) + P) % P; }  // whose key/values stage ≥ 1 uses

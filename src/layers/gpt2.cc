@@ -206,7 +206,7 @@ void block_forward_until_mlp_out(const UnitArgs& a, const Block& p, const float*
   be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
   store(a, r.ln1, "ln_1");
   be.linear_forward(s.qkv.f, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NH, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NH, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, in, s, r, d);
@@ -315,7 +315,7 @@ void block_backward(const UnitArgs& a) {
     // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
     const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
     be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS,
-                          w.attention);
+                          w.attention, a.desc->config.causal);
     return qkv_backward(a, p, g, r, w, d);
   }
   if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");

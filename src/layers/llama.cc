@@ -282,7 +282,7 @@ void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s,
   const kernels::Backend& be = *a.backend;
   qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
   if (d.op) keep_q_v(be, s.qv, s.qkv.f, d);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, a.in, s, r, d);
@@ -394,7 +394,7 @@ void block_backward(const UnitArgs& a) {
     // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
     const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
     be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
-                          w.attention);
+                          w.attention, a.desc->config.causal);
     return qkv_backward(a, p, g, r, w, d);
   }
   check_staged(a);

@@ -323,7 +323,7 @@ void attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const 
   store(a, r.ln1, "input_layernorm");
   be.rope_table(rope, d.T, d.HS, d.rope);
   be.rope_forward(s.qkv.f, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   post_attention_forward(a, p, s, r, d);
 }
@@ -665,7 +665,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.dense_backward(w.datty, mut(g.o), dres, atty, p.o, BT, C, C);
   if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
-                        w.attention);
+                        w.attention, a.desc->config.causal);
   be.rope_table(w.rope, d.T, d.HS, d.rope);
   be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
   be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, BT, C, d.QKV);
