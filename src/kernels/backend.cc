@@ -41,7 +41,7 @@ void Backend::grouped_dense_backward(float* dinp, float* const* dweight, const f
 }
 
 void Backend::attention_chunked_forward(float*, float*, const float*, int64_t, SeqChunks, const float*, const float*,
-                                        int64_t, SeqChunks, int64_t, int64_t, int64_t, int64_t, bool) const {
+                                        int64_t, SeqChunks, int64_t, int64_t, int64_t, int64_t, bool, bool) const {
   missing(*this, "attention_chunked_forward", "context parallelism");
 }
 int64_t Backend::attention_chunked_backward_scratch(int64_t, int) const {
@@ -49,7 +49,7 @@ int64_t Backend::attention_chunked_backward_scratch(int64_t, int) const {
 }
 void Backend::attention_chunked_backward(float*, int64_t, float*, float*, int64_t, const float*, const float*, int64_t,
                                          const float*, const float*, SeqChunks, const float*, const float*, int64_t,
-                                         SeqChunks, int64_t, int64_t, int64_t, int64_t, float*) const {
+                                         SeqChunks, int64_t, int64_t, int64_t, int64_t, float*, bool) const {
   missing(*this, "attention_chunked_backward", "context parallelism");
 }
 

@@ -146,27 +146,30 @@ class Backend {
   virtual void rope_backward(float* dx, int64_t B, int64_t T, int64_t n_heads, int64_t HS, int64_t row_stride,
                              const float* cos_sin) const = 0;
 
-  // Causal grouped-query attention over qkv (B, T, (NH + 2 NKV) HS); NKV == NH: multi-head.
+  // Grouped-query attention over qkv (B, T, (NH + 2 NKV) HS); NKV == NH: multi-head. `causal`: each
+  // query sees the keys at or before its position (language models); false: every key (diffusion
+  // transformers). Backends without the bidirectional form throw std::logic_error naming themselves.
   virtual void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                                 int64_t NKV, int64_t HS) const = 0;
+                                 int64_t NKV, int64_t HS, bool causal = true) const = 0;
   virtual int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
                                              int threads) const = 0;
   virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                                   const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                                  float* scratch) const = 0;
+                                  float* scratch, bool causal = true) const = 0;
 
   // Attention over sequence chunks (kernels/cpu.h's attention_chunked_*: context parallelism's
-  // ring steps and head-split form). Backends without them throw std::logic_error naming
-  // themselves.
+  // ring steps and head-split form), causal or not as above. Backends without them throw
+  // std::logic_error naming themselves.
   virtual void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
                                          const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
-                                         int64_t NH, int64_t NKV, int64_t HS, bool accumulate) const;
+                                         int64_t NH, int64_t NKV, int64_t HS, bool accumulate,
+                                         bool causal = true) const;
   virtual int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const;
   virtual void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv,
                                           const float* dout, const float* q, int64_t ldq, const float* out,
                                           const float* lse, SeqChunks qc, const float* k, const float* v,
                                           int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
-                                          int64_t HS, float* scratch) const;
+                                          int64_t HS, float* scratch, bool causal = true) const;
 
   // Language-model head fused with cross-entropy, `chunk` rows of logits at a time.
   virtual int64_t head_scratch(int64_t chunk, int64_t Vp) const = 0;

@@ -87,8 +87,8 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
                         int64_t B, int64_t T, int64_t C);
 
 // ---------------------------------------------------------------------------------------------
-// Causal multi-head / grouped-query self-attention (flash-attention style: tiles + online
-// softmax)
+// Multi-head / grouped-query self-attention (flash-attention style: tiles + online softmax),
+// causal or (causal = false: a diffusion transformer's) bidirectional
 // ---------------------------------------------------------------------------------------------
 //
 // NH query heads, NKV key/value heads (NKV divides NH; NKV == NH is plain multi-head attention,
@@ -105,9 +105,10 @@ inline constexpr int64_t kAttnTile = 64;
 inline constexpr int64_t kAttnMaxHS = 256;
 
 // out (B,T,NH*HS); lse (B,NH,T) = log-sum-exp of each query row's scaled scores (for
-// backward). Independent of the thread count.
+// backward). `causal`: a query sees the keys at or before its position; else every key.
+// Independent of the thread count.
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                       int64_t NH, int64_t NKV, int64_t HS);
+                       int64_t NH, int64_t NKV, int64_t HS, bool causal = true);
 
 // Floats of scratch attention_backward needs when run with up to `threads` OpenMP threads
 // (threads >= omp_get_max_threads() at the time of the call).
@@ -120,7 +121,7 @@ int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV
 // each), so the result is independent of the thread count.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, float* scratch);
+                        int64_t HS, float* scratch, bool causal = true);
 
 // Multi-head forms (NKV = NH, qkv (B,T,3C)): bitwise the same as the calls above with NKV = NH.
 inline void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
@@ -187,8 +188,8 @@ void attention_backward_rowdot(float* Drow, const float* dout, int64_t lddo, con
 //
 // Queries q (B, qc.total()) rows of stride ldq, query head h at columns h*HS; keys k and values
 // v (B, kc.total()) rows of stride ldkv, key/value head g at columns g*HS of each. Masking is
-// causal by the chunks' absolute positions; a chunk pair the mask empties is skipped, not
-// computed. out (B, qc.total(), NH*HS) and lse (B, NH, qc.total()) as attention_forward's.
+// causal by the chunks' absolute positions (a chunk pair the mask empties is skipped, not
+// computed), or with causal = false there is none: every query sees every key. out (B, qc.total(), NH*HS) and lse (B, NH, qc.total()) as attention_forward's.
 
 // The attention of q over this key/value block. With `accumulate`, (out, lse) already hold the
 // result over earlier blocks and receive the merge of both (a row that has seen no key yet has
@@ -196,7 +197,7 @@ void attention_backward_rowdot(float* Drow, const float* dout, int64_t lddo, con
 // attention_forward to rounding. Independent of the thread count.
 void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
                                const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
-                               int64_t NH, int64_t NKV, int64_t HS, bool accumulate);
+                               int64_t NH, int64_t NKV, int64_t HS, bool accumulate, bool causal = true);
 
 // Floats of scratch attention_chunked_backward needs with up to `threads` OpenMP threads.
 int64_t attention_chunked_backward_scratch(int64_t HS, int threads);
@@ -208,7 +209,7 @@ void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, i
                                 const float* dout, const float* q, int64_t ldq, const float* out,
                                 const float* lse, SeqChunks qc, const float* k, const float* v,
                                 int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
-                                int64_t HS, float* scratch);
+                                int64_t HS, float* scratch, bool causal = true);
 
 // ---------------------------------------------------------------------------------------------
 // Language-model head fused with cross-entropy

@@ -162,7 +162,7 @@ int64_t gqa_group(int64_t NH, int64_t NKV, const char* who) {
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                       int64_t NH, int64_t NKV, int64_t HS) {
+                       int64_t NH, int64_t NKV, int64_t HS, bool causal) {
   if (HS > kAttnMaxHS) throw std::invalid_argument("attention_forward: HS > kAttnMaxHS");
   const int64_t G = gqa_group(NH, NKV, "attention_forward");
   const int64_t C = NH * HS;               // q columns = out row width
@@ -190,7 +190,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
     const float* kh = row + C + (h / G) * HS;
     const float* vh = kh + CK;
     attention_state_init(m, l, acc, nq, HS);
-    attention_block_forward(qh + q0 * W, W, nq, q0, kh, W, vh, W, q0 + nq, 0, HS, scale, true,
+    const int64_t keys = causal ? q0 + nq : T;  // those any query of the tile sees
+    attention_block_forward(qh + q0 * W, W, nq, q0, kh, W, vh, W, keys, 0, HS, scale, causal,
                             m, l, acc, scratch);
     attention_state_finalize(out + (b * T + q0) * C + h * HS, C, lse + bh * T + q0, m, l, acc,
                              nq, HS);
@@ -275,14 +276,14 @@ int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, float* scratch) {
+                        int64_t HS, float* scratch, bool causal) {
   gqa_group(NH, NKV, "attention_backward");
   // The whole sequence is one chunk at position 0: the chunked kernel's work units (b, kv head),
   // each summing its group's heads and query tiles in a fixed order, are this kernel's.
   const int64_t C = NH * HS, W = (NH + 2 * NKV) * HS, CK = NKV * HS, start = 0;
   const SeqChunks all{1, T, &start};
   attention_chunked_backward(dqkv, W, dqkv + C, dqkv + C + CK, W, dout, qkv, W, out, lse, all, qkv + C,
-                             qkv + C + CK, W, all, B, NH, NKV, HS, scratch);
+                             qkv + C + CK, W, all, B, NH, NKV, HS, scratch, causal);
 }
 
 }  // namespace shardlm::kernels

@@ -39,7 +39,7 @@ void state_from_result(float* m, float* l, float* acc, const float* out, int64_t
 
 void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc,
                                const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B,
-                               int64_t NH, int64_t NKV, int64_t HS, bool accumulate) {
+                               int64_t NH, int64_t NKV, int64_t HS, bool accumulate, bool causal) {
   check_heads(NH, NKV, HS, "attention_chunked_forward");
   const int64_t G = NH / NKV, C = NH * HS, Tq = qc.total(), Tk = kc.total();
   const int64_t tiles = (qc.rows + kT - 1) / kT;
@@ -67,8 +67,8 @@ void attention_chunked_forward(float* out, float* lse, const float* q, int64_t l
     const int64_t kv_col = (h / G) * HS;
     for (int64_t kci = 0; kci < kc.count; ++kci) {
       const int64_t k0 = (b * Tk + kci * kc.rows) * ldkv + kv_col;
-      attention_block_forward(qt, ldq, nq, qpos, k + k0, ldkv, v + k0, ldkv, kc.rows, kc.pos[kci], HS, scale, true,
-                              m, l, acc, scratch);
+      attention_block_forward(qt, ldq, nq, qpos, k + k0, ldkv, v + k0, ldkv, kc.rows, kc.pos[kci], HS, scale,
+                              causal, m, l, acc, scratch);
     }
     attention_state_finalize(o, C, ls, m, l, acc, nq, HS);
   }
@@ -82,7 +82,7 @@ void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, i
                                 const float* dout, const float* q, int64_t ldq, const float* out,
                                 const float* lse, SeqChunks qc, const float* k, const float* v,
                                 int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
-                                int64_t HS, float* scratch) {
+                                int64_t HS, float* scratch, bool causal) {
   check_heads(NH, NKV, HS, "attention_chunked_backward");
   const int64_t G = NH / NKV, C = NH * HS, Tq = qc.total(), Tk = kc.total();
   const int64_t tiles = (qc.rows + kT - 1) / kT;
@@ -110,7 +110,7 @@ void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, i
               const int64_t krow = (b * Tk + kci * kc.rows);
               attention_block_backward(q + (b * Tq + r0) * ldq + h * HS, ldq, dout + orow, C, ls + r0, Drow, nq, qpos,
                                        k + krow * ldkv + g * HS, ldkv, v + krow * ldkv + g * HS, ldkv, kc.rows,
-                                       kc.pos[kci], HS, scale, true, dq + (b * Tq + r0) * lddq + h * HS, lddq,
+                                       kc.pos[kci], HS, scale, causal, dq + (b * Tq + r0) * lddq + h * HS, lddq,
                                        dk + krow * lddkv + g * HS, lddkv, dv + krow * lddkv + g * HS, lddkv, mine);
             }
           }

@@ -115,8 +115,8 @@ class CpuBackend final : public Backend {
   }
 
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                         int64_t HS) const override {
-    kernels::attention_forward(out, lse, qkv, B, T, NH, NKV, HS);
+                         int64_t HS, bool causal = true) const override {
+    kernels::attention_forward(out, lse, qkv, B, T, NH, NKV, HS, causal);
   }
   int64_t attention_backward_scratch(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
                                      int threads) const override {
@@ -124,14 +124,14 @@ class CpuBackend final : public Backend {
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                           int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                          float* scratch) const override {
-    kernels::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, scratch);
+                          float* scratch, bool causal = true) const override {
+    kernels::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, scratch, causal);
   }
 
   void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc, const float* k,
                                  const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
-                                 int64_t HS, bool accumulate) const override {
-    kernels::attention_chunked_forward(out, lse, q, ldq, qc, k, v, ldkv, kc, B, NH, NKV, HS, accumulate);
+                                 int64_t HS, bool accumulate, bool causal = true) const override {
+    kernels::attention_chunked_forward(out, lse, q, ldq, qc, k, v, ldkv, kc, B, NH, NKV, HS, accumulate, causal);
   }
   int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const override {
     return kernels::attention_chunked_backward_scratch(HS, threads);
@@ -139,9 +139,9 @@ class CpuBackend final : public Backend {
   void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, const float* dout,
                                   const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
                                   const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
-                                  int64_t NKV, int64_t HS, float* scratch) const override {
+                                  int64_t NKV, int64_t HS, float* scratch, bool causal = true) const override {
     kernels::attention_chunked_backward(dq, lddq, dk, dv, lddkv, dout, q, ldq, out, lse, qc, k, v, ldkv, kc, B, NH,
-                                        NKV, HS, scratch);
+                                        NKV, HS, scratch, causal);
   }
 
   int64_t head_scratch(int64_t chunk, int64_t Vp) const override { return kernels::head_scratch(chunk, Vp); }

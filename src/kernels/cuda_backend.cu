@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/cpu.h"  // the scratch sizes, which the model's costs (and so the plan) are made of
 #include "kernels/cuda_internal.cuh"
@@ -434,7 +436,8 @@ class CudaBackend final : public Backend {
   }
 
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                         int64_t HS) const override {
+                         int64_t HS, bool causal = true) const override {
+    causal_only(causal, "attention_forward");
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
     if (use_attention_mma(HS)) return cuda::mma_attention_forward(*this, out, lse, qkv, B, T, NH, NKV, HS);
@@ -450,7 +453,9 @@ class CudaBackend final : public Backend {
     return kernels::attention_backward_scratch(B, T, NH, NKV, HS, threads);
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*) const override {
+                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float*,
+                          bool causal = true) const override {
+    causal_only(causal, "attention_backward");
     if (B * T == 0) return;
     if (NKV <= 0 || NH % NKV != 0) throw std::invalid_argument("attention: NKV must divide NH");
     if (use_attention_mma(HS))
@@ -465,7 +470,8 @@ class CudaBackend final : public Backend {
   // in every compute mode. The backward's one float per query row is a workspace buffer, as above.
   void attention_chunked_forward(float* out, float* lse, const float* q, int64_t ldq, SeqChunks qc, const float* k,
                                  const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH, int64_t NKV,
-                                 int64_t HS, bool accumulate) const override {
+                                 int64_t HS, bool accumulate, bool causal = true) const override {
+    causal_only(causal, "attention_chunked_forward");
     cuda::attention_chunked_forward(out, lse, q, ldq, qc, k, v, ldkv, kc, B, NH, NKV, HS, accumulate);
   }
   int64_t attention_chunked_backward_scratch(int64_t HS, int threads) const override {
@@ -474,7 +480,8 @@ class CudaBackend final : public Backend {
   void attention_chunked_backward(float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, const float* dout,
                                   const float* q, int64_t ldq, const float* out, const float* lse, SeqChunks qc,
                                   const float* k, const float* v, int64_t ldkv, SeqChunks kc, int64_t B, int64_t NH,
-                                  int64_t NKV, int64_t HS, float*) const override {
+                                  int64_t NKV, int64_t HS, float*, bool causal = true) const override {
+    causal_only(causal, "attention_chunked_backward");
     Buffer rows = scratch(sizeof(float) * std::max<int64_t>(1, B * NH * qc.total()));
     cuda::attention_chunked_backward(dq, lddq, dk, dv, lddkv, dout, q, ldq, out, lse, qc, k, v, ldkv, kc, B, NH, NKV,
                                      HS, rows.f32());
@@ -508,6 +515,11 @@ class CudaBackend final : public Backend {
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
 
  private:
+  // The CUDA attention kernels mask causally; the bidirectional form runs on the CPU backend.
+  static void causal_only(bool causal, const char* op) {
+    if (!causal)
+      throw std::logic_error(std::string("cuda backend: ") + op + " without the causal mask is not implemented (run --device cpu)");
+  }
   // bf16 tensor-core attention only with bf16 GEMMs: fp32 mode stays within fp32 rounding of the CPU.
   bool use_attention_mma(int64_t HS) const {
     return bf16_ && options_.attention == CudaOptions::Attention::mma && cuda::mma_attention_supports(HS);

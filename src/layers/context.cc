@@ -112,7 +112,7 @@ Split split_of(const UnitArgs& a) {
   const auto& c = a.desc->config;
   if (a.cp_impl != model::ContextImpl::all_to_all)
     throw std::logic_error("context split: only the all-to-all form runs as layers' stages");
-  return {a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size()};
+  return {a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size(), c.causal};
 }
 
 void send_qkv(const kernels::Backend& be, char* send, const float* qkv, const Split& s) {
@@ -126,7 +126,7 @@ void attention_forward(const kernels::Backend& be, float* qkv_split, float* out_
   const Whole all(s.T * s.P);
   be.attention_chunked_forward(out_split, lse, qkv_split, W, all.chunks, qkv_split + q_cols,
                                qkv_split + q_cols + s.kv_heads() * s.HS, W, all.chunks, s.B, s.heads(), s.kv_heads(),
-                               s.HS, false);
+                               s.HS, false, s.causal);
   sequence_to_payloads(be, send, out_split, s.out_split(), s);
 }
 
@@ -148,7 +148,7 @@ void attention_backward(const kernels::Backend& be, float* dqkv_split, float* do
   be.attention_chunked_backward(dqkv_split, W, dqkv_split + q_cols, dqkv_split + q_cols + kv_cols, W, dout_split,
                                 qkv_split, W, out_split, lse, all.chunks, qkv_split + q_cols,
                                 qkv_split + q_cols + kv_cols, W, all.chunks, s.B, s.heads(), s.kv_heads(), s.HS,
-                                scratch);
+                                scratch, s.causal);
   sequence_to_payloads(be, send, dqkv_split, W, s);
 }
 
@@ -159,7 +159,7 @@ void take_qkv_grads(const kernels::Backend& be, float* dqkv, const char* recv, c
 Ring ring_of(const UnitArgs& a) {
   const auto& c = a.desc->config;
   if (a.cp_impl != model::ContextImpl::ring) throw std::logic_error("context ring: the plan splits the heads, not a ring");
-  Ring r{a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size(), {}, 0};
+  Ring r{a.cp, a.cp_index, a.B, a.T, c.n_head, c.n_kv_head, c.head_size(), {}, 0, c.causal};
   const int64_t seq = a.T * a.cp;
   for (int j = 0; j < a.cp; ++j) r.starts.push_back(model::context_chunk_starts(seq, a.cp, j, a.cp_impl));
   r.rows = model::context_chunk_rows(seq, a.cp, a.cp_impl);
@@ -176,7 +176,7 @@ void ring_forward(const kernels::Backend& be, float* out, float* lse, const floa
   const bool own = stage == 1;
   const float* kv = own ? qkv + r.NH * r.HS : reinterpret_cast<const float*>(recv);
   be.attention_chunked_forward(out, lse, qkv, W, r.chunks(r.me), kv, kv + v_at, own ? W : KV, r.chunks(r.block(stage)),
-                               r.B, r.NH, r.NKV, r.HS, !own);
+                               r.B, r.NH, r.NKV, r.HS, !own, r.causal);
   if (stage == r.P) be.copy(kv_last, recv, 4 * BT * KV);
 }
 
@@ -200,7 +200,7 @@ void ring_backward_block(const kernels::Backend& be, float* dqkv, const float* d
     be.zero(dk, sizeof(float) * BT * KV);
   }
   be.attention_chunked_backward(dqkv, W, dk, dk + v_at, ld_dk, dout, qkv, W, out, lse, r.chunks(r.me), k, k + v_at, ld_k,
-                                r.chunks(r.block(t)), r.B, r.NH, r.NKV, r.HS, scratch);
+                                r.chunks(r.block(t)), r.B, r.NH, r.NKV, r.HS, scratch, r.causal);
 }
 
 void ring_backward_fold(const kernels::Backend& be, char* send, const char* recv, const Ring& r) {
@@ -240,6 +240,51 @@ void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, cons
   };
   ring_backward_stage(a, dqkv, dout, qkv.quantized() ? qkv_scratch : qkv.f, out.quantized() ? out_scratch : out.f, lse,
                       kv_last, scratch, mlp_then_qkv, qkv_backward);
+}
+
+void split_forward(const UnitArgs& a, const SplitAttention& s, const std::function<void(float*)>& qkv,
+                   const std::function<void()>& rest) {
+  const kernels::Backend& be = *a.backend;
+  if (a.cp_impl == model::ContextImpl::ring) {
+    const Ring ring = ring_of(a);
+    if (a.stage == 0) {
+      qkv(s.qkv.f);
+      return ring_send_own(be, a.send, s.qkv.f, ring);
+    }
+    ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
+    if (a.stage < ring.P) return;
+    store(a, s.qkv, "qkv");
+    return rest();
+  }
+  const Split sp = split_of(a);
+  if (a.stage == 0) {
+    qkv(s.qkv_rows);
+    return send_qkv(be, a.send, s.qkv_rows, sp);
+  }
+  if (a.stage == 1) {
+    attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
+    return store(a, s.qkv, "qkv");  // this rank's heads, every position
+  }
+  take_outputs(be, s.atty.f, a.recv, sp);
+  rest();
+}
+
+void split_backward(const UnitArgs& a, const SplitAttention& s, const SplitAttentionGrads& w,
+                    const std::function<void()>& after, const std::function<void()>& qkv_backward) {
+  const kernels::Backend& be = *a.backend;
+  if (a.cp_impl == model::ContextImpl::ring)
+    return ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last, w.scratch,
+                               after, qkv_backward);
+  const Split sp = split_of(a);
+  if (a.stage == 2) {
+    after();
+    return send_output_grads(be, a.send, w.datty, sp);
+  }
+  if (a.stage == 1)
+    return attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse, a.recv,
+                              a.send, w.scratch, sp);
+  take_qkv_grads(be, w.dqkv, a.recv, sp);
+  qkv_backward();
 }
 
 }  // namespace shardlm::layers::context

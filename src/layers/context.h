@@ -1,5 +1,5 @@
-// Internal to layers/: a block's attention over a sequence split among the cp ranks, shared by the
-// GPT-2 and LLaMA blocks. In the all-to-all form (DeepSpeed-Ulysses) the block's pass runs as three
+// Internal to layers/: a block's attention over a sequence split among the cp ranks, shared by every
+// block kind (GPT-2, LLaMA, MoE). In the all-to-all form (DeepSpeed-Ulysses) the block's pass runs as three
 // stages with two exchanges over cp between them:
 //   stage 0  norm, q|k|v (rotated where the model rotates)   send: each rank its heads' q|k|v
 //   stage 1  attention over the whole sequence, NH/cp heads   send: each rank its rows' outputs
@@ -38,6 +38,7 @@ struct Split {
   int P = 1, me = 0;                 // cp ranks, this one's index
   int64_t B = 0, T = 0;              // sequences, rows of each this rank holds (T·P positions)
   int64_t NH = 0, NKV = 0, HS = 0;   // heads of the whole model
+  bool causal = true;                // model::ModelConfig::causal
   int64_t heads() const { return NH / P; }                  // query heads a rank attends with
   int64_t kv_heads() const { return NKV / P; }
   int64_t qkv() const { return (NH + 2 * NKV) * HS; }       // q|k|v row width, all heads
@@ -81,6 +82,7 @@ struct Ring {
   int64_t NH = 0, NKV = 0, HS = 0;           // heads of the whole model
   std::vector<std::vector<int64_t>> starts;  // per rank: its chunks' first positions
   int64_t rows = 0;                          // positions in a chunk
+  bool causal = true;                        // model::ModelConfig::causal
   int64_t kv() const { return 2 * NKV * HS; }
   int64_t qkv() const { return (NH + 2 * NKV) * HS; }
   int block(int stage) const { return (me - (stage - 1) + P) % P; }  // whose key/values stage ≥ 1 uses
@@ -122,5 +124,38 @@ void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, cons
 void ring_backward_stage(const UnitArgs& a, float* dqkv, const float* dout, const Kept& qkv, const Kept& out,
                          float* qkv_scratch, const float* out_scratch, const float* lse, const float* kv_last,
                          float* scratch, const std::function<void()>& mlp, const std::function<void()>& qkv_backward);
+
+// ---- A block's attention stages over cp, in either form, written once for every block kind
+//
+// A kind's pass over cp > 1 ranks is its own computation before the attention (norm and q|k|v) and
+// after it (projection, MLP, routing), around the stages above. These run the stage a.stage of that
+// pass; the kind supplies its buffers and its parts before and after.
+struct SplitAttention {
+  Kept qkv;                    // q|k|v kept for the backward (ring: this rank's rows; heads split: its heads')
+  Kept atty;                   // (B, T, NH·HS) attention output of this rank's rows, all heads
+  float* lse = nullptr;        // ring (B, NH, T); heads split (B, NH / P, T·P)
+  float* out_split = nullptr;  // heads split: this rank's heads' attention output (B, T·P, NH·HS / P)
+  float* kv_last = nullptr;    // ring: the last key/value block the forward attended to (B, T, kv)
+  float* qkv_rows = nullptr;   // heads split: stage 0's q|k|v of this rank's rows (forward scratch)
+};
+// The forward stages that run the attention: stage 0 calls `qkv(dst)` (the kind's norm and q|k|v,
+// rotated where the model rotates, into dst (B, T, qkv)), and the last calls `rest` once the
+// attention output is in atty.f (fp32) and q|k|v is stored; `rest` stores atty as it keeps it.
+void split_forward(const UnitArgs& a, const SplitAttention& s, const std::function<void(float*)>& qkv,
+                   const std::function<void()>& rest);
+
+struct SplitAttentionGrads {
+  float* dqkv = nullptr;        // (B, T, qkv) d q|k|v of this rank's rows, read by `qkv_backward`
+  float* datty = nullptr;       // (B, T, NH·HS) d attention output, written by `after`
+  float* dout_split = nullptr;  // heads split: scratch for the head split's d output
+  float* dqkv_split = nullptr;  // heads split: scratch for the head split's d q|k|v
+  float* wide = nullptr;        // --act-quant: where q|k|v is dequantized
+  float* narrow = nullptr;      // --act-quant: where `after` leaves the attention output dequantized
+  float* scratch = nullptr;     // the backend's attention scratch
+};
+// The backward stage a.stage of the attention: `after` (the kind's backward from d out to
+// d attention output, in datty) runs at the first, `qkv_backward` (from d q|k|v to d in) at the last.
+void split_backward(const UnitArgs& a, const SplitAttention& s, const SplitAttentionGrads& w,
+                    const std::function<void()>& after, const std::function<void()>& qkv_backward);
 
 }  // namespace shardlm::layers::context

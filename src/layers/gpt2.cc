@@ -206,7 +206,7 @@ void block_forward_until_mlp_out(const UnitArgs& a, const Block& p, const float*
   be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, in, p.ln1_w, p.ln1_b, d.BT, d.C);
   store(a, r.ln1, "ln_1");
   be.linear_forward(s.qkv.f, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NH, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NH, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, in, s, r, d);
@@ -226,38 +226,17 @@ void split_forward_stage(const UnitArgs& a, bool out) {
   // --act-quant: the forward scratch lives from the first stage to the last (plan/'s add_stages),
   // so q|k|v and the attention output stay fp32 there until their last reader has run.
   carve_quant_forward(cw, d, s, r);
-  if (d.ring) {
-    const context::Ring ring = context::ring_of(a);
-    if (a.stage == 0) {
-      be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-      be.linear_forward(s.qkv.f, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
-      store(a, r.ln1, "ln_1");
-      return context::ring_send_own(be, a.send, s.qkv.f, ring);
-    }
-    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
-    if (a.stage == d.P) {
-      store(a, s.qkv, "qkv");
-      store(a, s.atty, "attn");
-      mlp_input_forward(a, p, a.in, s, r, d);
-      if (out) mlp_out_forward(be, p, a, s, r, d);
-    }
-    return;
-  }
-  const context::Split sp = context::split_of(a);
-  if (a.stage == 0) {
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, qkv};
+  const auto qkv_forward = [&](float* dst) {
     be.layernorm_forward(r.ln1.f, r.ln1_mean, r.ln1_rstd, a.in, p.ln1_w, p.ln1_b, d.BT, d.C);
-    be.linear_forward(qkv, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
+    be.linear_forward(dst, r.ln1.f, p.qkv_w, p.qkv_b, d.BT, d.C, 3 * d.C);
     store(a, r.ln1, "ln_1");
-    context::send_qkv(be, a.send, qkv, sp);
-  } else if (a.stage == 1) {
-    context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
-    store(a, s.qkv, "qkv");  // this rank's heads, every position
-  } else {
-    context::take_outputs(be, s.atty.f, a.recv, sp);
+  };
+  context::split_forward(a, at, qkv_forward, [&] {
     store(a, s.atty, "attn");
     mlp_input_forward(a, p, a.in, s, r, d);
     if (out) mlp_out_forward(be, p, a, s, r, d);
-  }
+  });
 }
 
 void block_forward(const UnitArgs& a) {
@@ -336,25 +315,15 @@ void block_backward(const UnitArgs& a) {
     // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
     const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
     be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NH, d.HS,
-                          w.attention);
+                          w.attention, a.desc->config.causal);
     return qkv_backward(a, p, g, r, w, d);
   }
   if (a.stage < 0) throw std::logic_error("gpt2 block: a pass over " + std::to_string(a.cp) + " cp ranks runs as stages");
-  if (d.ring)  // under --act-quant the MLP's backward leaves the attention output in w.narrow
-    return context::ring_backward_stage(
-        a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last, w.attention,
-        [&] { mlp_backward(a, p, g, s, r, w, d); }, [&] { qkv_backward(a, p, g, r, w, d); });
-  const context::Split sp = context::split_of(a);
-  if (a.stage == 2) {
-    mlp_backward(a, p, g, s, r, w, d);
-    context::send_output_grads(be, a.send, w.datty, sp);
-  } else if (a.stage == 1) {
-    context::attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse, a.recv,
-                                a.send, w.attention, sp);
-  } else {
-    context::take_qkv_grads(be, w.dqkv, a.recv, sp);
-    qkv_backward(a, p, g, r, w, d);
-  }
+  // Under --act-quant the MLP's backward leaves the attention output in w.narrow.
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, nullptr};
+  const context::SplitAttentionGrads ag{w.dqkv, w.datty, w.dout_split, w.dqkv_split, w.wide, w.narrow, w.attention};
+  context::split_backward(
+      a, at, ag, [&] { mlp_backward(a, p, g, s, r, w, d); }, [&] { qkv_backward(a, p, g, r, w, d); });
 }
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,

@@ -262,34 +262,14 @@ void split_forward_stage(const UnitArgs& a, bool down) {
   // --act-quant: the forward scratch lives from the first stage to the last (plan/'s add_stages),
   // so q|k|v and the attention output stay fp32 there until their last reader has run.
   carve_quant_forward(cw, d, s, r);
-  if (d.ring) {
-    const context::Ring ring = context::ring_of(a);
-    if (a.stage == 0) {
-      qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
-      return context::ring_send_own(be, a.send, s.qkv.f, ring);
-    }
-    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
-    if (a.stage == d.P) {
-      store(a, s.qkv, "qkv");
-      store(a, s.atty, "attn");
-      mlp_input_forward(a, p, a.in, s, r, d);
-      if (down) down_forward(be, p, a, s, r, d);
-    }
-    return;
-  }
-  const context::Split sp = context::split_of(a);
-  if (a.stage == 0) {
-    qkv_forward(be, p, a.in, w.qkv, r, w.rope, a, d);
-    context::send_qkv(be, a.send, w.qkv, sp);
-  } else if (a.stage == 1) {
-    context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
-    store(a, s.qkv, "qkv");  // this rank's heads, every position
-  } else {
-    context::take_outputs(be, s.atty.f, a.recv, sp);
-    store(a, s.atty, "attn");
-    mlp_input_forward(a, p, a.in, s, r, d);
-    if (down) down_forward(be, p, a, s, r, d);
-  }
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, w.qkv};
+  context::split_forward(
+      a, at, [&](float* dst) { qkv_forward(be, p, a.in, dst, r, w.rope, a, d); },
+      [&] {
+        store(a, s.atty, "attn");
+        mlp_input_forward(a, p, a.in, s, r, d);
+        if (down) down_forward(be, p, a, s, r, d);
+      });
 }
 
 void check_staged(const UnitArgs& a) {
@@ -302,7 +282,7 @@ void block_forward_until_down(const UnitArgs& a, const Block& p, const Saved& s,
   const kernels::Backend& be = *a.backend;
   qkv_forward(be, p, a.in, s.qkv.f, r, w.rope, a, d);
   if (d.op) keep_q_v(be, s.qv, s.qkv.f, d);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   store(a, s.atty, "attn");
   mlp_input_forward(a, p, a.in, s, r, d);
@@ -414,25 +394,15 @@ void block_backward(const UnitArgs& a) {
     // The attention output is still in w.narrow from mlp_backward's load (or fp32 in place).
     const float* atty = s.atty.quantized() ? w.narrow : s.atty.f;
     be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
-                          w.attention);
+                          w.attention, a.desc->config.causal);
     return qkv_backward(a, p, g, r, w, d);
   }
   check_staged(a);
-  if (d.ring)  // under --act-quant the MLP's backward leaves the attention output in w.narrow
-    return context::ring_backward_stage(
-        a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last, w.attention,
-        [&] { mlp_backward(a, p, g, s, r, w, d); }, [&] { qkv_backward(a, p, g, r, w, d); });
-  const context::Split sp = context::split_of(a);
-  if (a.stage == 2) {
-    mlp_backward(a, p, g, s, r, w, d);
-    context::send_output_grads(be, a.send, w.datty, sp);
-  } else if (a.stage == 1) {
-    context::attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse, a.recv,
-                                a.send, w.attention, sp);
-  } else {
-    context::take_qkv_grads(be, w.dqkv, a.recv, sp);
-    qkv_backward(a, p, g, r, w, d);
-  }
+  // Under --act-quant the MLP's backward leaves the attention output in w.narrow.
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, nullptr};
+  const context::SplitAttentionGrads ag{w.dqkv, w.datty, w.dout_split, w.dqkv_split, w.wide, w.narrow, w.attention};
+  context::split_backward(
+      a, at, ag, [&] { mlp_backward(a, p, g, s, r, w, d); }, [&] { qkv_backward(a, p, g, r, w, d); });
 }
 
 Carved block_carved(const kernels::Backend& be, const model::ModelDesc& desc, const model::UnitDesc&,

@@ -323,7 +323,7 @@ void attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const 
   store(a, r.ln1, "input_layernorm");
   be.rope_table(rope, d.T, d.HS, d.rope);
   be.rope_forward(s.qkv.f, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, rope);
-  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS);
+  be.attention_forward(s.atty.f, s.lse, s.qkv.f, d.B, d.T, d.NH, d.NKV, d.HS, a.desc->config.causal);
   store(a, s.qkv, "qkv");
   post_attention_forward(a, p, s, r, d);
 }
@@ -438,37 +438,19 @@ std::vector<int32_t> group_counts(const kernels::Backend& be, const UnitArgs& a,
 void split_attention_forward(const UnitArgs& a, const Block& p, const Saved& s, const Recomputable& r,
                              const ForwardWs& w, const Dims& d) {
   const kernels::Backend& be = *a.backend;
-  auto qkv_forward = [&](float* qkv) {
+  const auto qkv_forward = [&](float* qkv) {
     be.rmsnorm_forward(r.ln1.f, r.rstd1, a.in, p.in_norm, d.BT, d.C, d.eps);
     be.dense_forward(qkv, r.ln1.f, p.qkv, d.BT, d.C, d.QKV);
     store(a, r.ln1, "input_layernorm");
     be.rope_table(w.rope, d.T * d.K, d.HS, d.rope);
     context::rotate(be, qkv, a, d.QKV, d.NH + d.NKV, d.HS, w.rope, false);
   };
-  if (d.ring) {
-    const context::Ring ring = context::ring_of(a);
-    if (a.stage == 0) {
-      qkv_forward(s.qkv.f);
-      return context::ring_send_own(be, a.send, s.qkv.f, ring);
-    }
-    context::ring_forward(be, s.atty.f, s.lse, s.qkv.f, a.recv, s.kv_last, a.stage, ring);
-    if (a.stage < d.K) return;
-    store(a, s.qkv, "qkv");
-  } else {
-    const context::Split sp = context::split_of(a);
-    if (a.stage == 0) {
-      qkv_forward(w.qkv);
-      return context::send_qkv(be, a.send, w.qkv, sp);
-    }
-    if (a.stage == 1) {
-      context::attention_forward(be, s.qkv.f, s.out_split, s.lse, a.recv, a.send, sp);
-      return store(a, s.qkv, "qkv");  // this rank's heads, every position
-    }
-    context::take_outputs(be, s.atty.f, a.recv, sp);
-  }
-  post_attention_forward(a, p, s, r, d);
-  route(be, p, s, r, w, d);
-  send_counts(be, a.send, s, d);
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, w.qkv};
+  context::split_forward(a, at, qkv_forward, [&] {
+    post_attention_forward(a, p, s, r, d);
+    route(be, p, s, r, w, d);
+    send_counts(be, a.send, s, d);
+  });
 }
 
 // The routing's figures: this rank's part of the group's losses, and the group's expert loads.
@@ -628,16 +610,9 @@ void split_attention_backward(const UnitArgs& a, const Block& p, const Block& g,
   };
   // The token side's stage ran the projection's backward (nothing before the first block), which
   // under --act-quant leaves the attention output in w.narrow.
-  if (d.ring)
-    return context::ring_backward_stage(a, w.dqkv, w.datty, s.qkv, s.atty, w.wide, w.narrow, s.lse, s.kv_last,
-                                        w.attention, [] {}, qkv_backward);
-  const context::Split sp = context::split_of(a);
-  if (a.stage == 2) return context::send_output_grads(be, a.send, w.datty, sp);
-  if (a.stage == 1)
-    return context::attention_backward(be, w.dqkv_split, w.dout_split, load(a, s.qkv, w.wide), s.out_split, s.lse,
-                                       a.recv, a.send, w.attention, sp);
-  context::take_qkv_grads(be, w.dqkv, a.recv, sp);
-  qkv_backward();
+  const context::SplitAttention at{s.qkv, s.atty, s.lse, s.out_split, s.kv_last, nullptr};
+  const context::SplitAttentionGrads ag{w.dqkv, w.datty, w.dout_split, w.dqkv_split, w.wide, w.narrow, w.attention};
+  context::split_backward(a, at, ag, [] {}, qkv_backward);
 }
 
 void backward_stage(const UnitArgs& a, int stage) {
@@ -690,7 +665,7 @@ void backward_stage(const UnitArgs& a, int stage) {
   be.dense_backward(w.datty, mut(g.o), dres, atty, p.o, BT, C, C);
   if (d.K > 1) return;
   be.attention_backward(w.dqkv, w.datty, load(a, s.qkv, w.wide), atty, s.lse, d.B, d.T, d.NH, d.NKV, d.HS,
-                        w.attention);
+                        w.attention, a.desc->config.causal);
   be.rope_table(w.rope, d.T, d.HS, d.rope);
   be.rope_backward(w.dqkv, d.B, d.T, d.NH + d.NKV, d.HS, d.QKV, w.rope);
   be.dense_backward(w.dln, mut(g.qkv), w.dqkv, load(a, r.ln1, w.wide), p.qkv, BT, C, d.QKV);

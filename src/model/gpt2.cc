@@ -77,8 +77,9 @@ UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s
       break;
     case UnitKind::gpt2_block: {
       const double gemm = 2 * bt * (C * 3 * C + C * C + C * F + F * C);
-      // QK^T and AV, 2 FLOPs a multiply-add, causal half; split over cp ranks, each does 1/cp of it.
-      const double attention = 2 * bt * (T * s.cp) * C;
+      // QK^T and AV, 2 FLOPs a multiply-add, causal half (bidirectional: all); split over cp ranks,
+      // each does 1/cp of it.
+      const double attention = (c.causal ? 2 : 4) * bt * (T * s.cp) * C;
       k.forward_flops = gemm + attention;
       k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;

@@ -92,8 +92,9 @@ UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& 
       break;
     case UnitKind::llama_block: {
       const double gemm = 2 * bt * (C * QKV + C * C + C * 2 * F + F * C);
-      // QK^T and AV over the NH query heads, causal half; split over cp ranks, each does 1/cp of it.
-      const double attention = 2 * bt * (T * s.cp) * C;
+      // QK^T and AV over the NH query heads, causal half (bidirectional: all); split over cp ranks,
+      // each does 1/cp of it.
+      const double attention = (c.causal ? 2 : 4) * bt * (T * s.cp) * C;
       k.forward_flops = gemm + attention;
       k.attention_flops = attention;
       k.backward_flops = 2 * k.forward_flops;

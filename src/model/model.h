@@ -39,6 +39,9 @@ struct ModelConfig {
   } rope_scaling;
   double norm_eps = 1e-5;      // LLaMA's RMSNorm (GPT-2's layer norm uses 1e-5 always)
   bool tie_embeddings = true;  // the head reuses the token embedding (GPT-2: always)
+  // Attention masks the positions after a query's (the language models); false: every position
+  // sees every other, with and without context parallelism (a diffusion transformer's blocks).
+  bool causal = true;
 
   // Sparse mixture of experts (family moe only; 0 elsewhere). A MoE block replaces the SwiGLU MLP
   // of every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...; 1: every block, as

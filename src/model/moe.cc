@@ -158,7 +158,8 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   const double bt = static_cast<double>(BT), routed = bt * static_cast<double>(k);
   UnitCosts u;
   const double gemm = 2 * bt * (C * QKV + C * C + C * E) + 2 * routed * (C * 2 * FE + FE * C);
-  const double attention = 2 * bt * (T * s.cp) * C;  // split over cp ranks, each does 1/cp of it
+  // Causal half (bidirectional: all); split over cp ranks, each does 1/cp of it.
+  const double attention = (c.causal ? 2 : 4) * bt * (T * s.cp) * C;
   u.forward_flops = gemm + attention;
   u.attention_flops = attention;
   u.backward_flops = 2 * u.forward_flops;

@@ -50,6 +50,13 @@ std::vector<Fixture> fixtures() {
   model::ModelConfig capped = config("moe-tiny");
   capped.capacity_factor = 0.5;
   out.push_back({model::describe(capped), 1});
+  // Bidirectional attention (model::ModelConfig::causal false). (A MoE block's router would move
+  // tokens between experts under the finite differences' steps; its attention is the LLaMA block's.)
+  for (const char* preset : {"tiny", "llama-tiny"}) {
+    model::ModelConfig c = config(preset);
+    c.causal = false;
+    out.push_back({model::describe(c), 1});
+  }
   return out;
 }
 
@@ -66,7 +73,8 @@ std::vector<Fixture> selective_op_fixtures() {
 }
 
 std::string describe_case(const Fixture& f) {
-  return std::string(model::to_string(f.desc.units[f.unit].kind)) + (f.desc.units[f.unit].borrows >= 0 ? " (tied)" : "");
+  return std::string(model::to_string(f.desc.units[f.unit].kind)) + (f.desc.units[f.unit].borrows >= 0 ? " (tied)" : "") +
+         (f.desc.config.causal ? "" : " (bidirectional)");
 }
 
 TEST(Layers, CarvedBytesAreTheModelsFigures) {
@@ -244,6 +252,97 @@ TEST(Layers, BackwardMatchesFiniteDifferences) {
     }
     if (!model::is_embedding(b.u.kind)) check("input", b.in, d_in, 0, static_cast<int64_t>(b.in.size()));
   }
+}
+
+// A block's forward over cp ranks, simulated in one process (each stage on every rank, the
+// exchanges between stages delivered by hand), equals the whole sequence's forward at every
+// position: both forms of the split, causal and bidirectional attention.
+TEST(Layers, ContextParallelForwardEqualsTheWholeSequence) {
+  kernels::init_compute(2);
+  const int P = 2;
+  for (const bool causal : {true, false})
+    for (const char* preset : {"tiny", "llama-tiny"})
+      for (const model::ContextImpl impl : {model::ContextImpl::ring, model::ContextImpl::all_to_all}) {
+        model::ModelConfig c = config(preset);
+        c.causal = causal;
+        Fixture f{model::describe(c), 1};
+        f.T = 64;
+        const std::string at = std::string(preset) + " " + model::to_string(impl) + (causal ? " causal" : " bidirectional");
+        Bench whole(f);
+        whole.loss();  // the forward of the whole sequence into whole.out
+        const int64_t C = c.n_embd, Tr = f.T / P, BT = f.B * Tr;
+        const int64_t rows = model::context_chunk_rows(f.T, P, impl);
+        model::Shape shape{f.B, Tr, 4, f.threads};
+        shape.cp = P, shape.cp_impl = impl;
+        const model::UnitCosts costs = f.desc.costs(1, shape);
+        struct Rank {
+          std::vector<int64_t> starts;
+          std::vector<float> in, out;
+          std::vector<char> saved, recomputable, fws, bws, send, recv, first_send;
+        };
+        std::vector<Rank> ranks(P);
+        for (int r = 0; r < P; ++r) {
+          Rank& k = ranks[r];
+          k.starts = model::context_chunk_starts(f.T, P, r, impl);
+          k.in.resize(BT * C);
+          k.out.assign(BT * C, 0.0f);
+          for (int64_t b = 0; b < f.B; ++b)
+            for (size_t ch = 0; ch < k.starts.size(); ++ch)
+              std::copy_n(whole.in.begin() + (b * f.T + k.starts[ch]) * C, rows * C,
+                          k.in.begin() + (b * Tr + static_cast<int64_t>(ch) * rows) * C);
+          k.saved.assign(costs.saved_bytes, 0);
+          k.recomputable.assign(costs.recomputable_bytes, 0);
+          k.fws.assign(costs.forward_workspace, 0);
+          k.bws.assign(costs.backward_workspace, 0);
+          k.send.assign(model::exchange_header_bytes(P) + 4 * BT * 3 * C, 0);  // a header, then at most q|k|v of every row
+          k.recv.assign(k.send.size(), 0);
+        }
+        const int stages = impl == model::ContextImpl::ring ? P + 1 : 3;
+        for (int st = 0; st < stages; ++st) {
+          for (int r = 0; r < P; ++r) {
+            Rank& k = ranks[r];
+            UnitArgs a = whole.args();
+            a.T = Tr, a.cp = P, a.cp_index = r, a.cp_impl = impl, a.stage = st;
+            a.in = k.in.data(), a.out = k.out.data();
+            a.saved = k.saved.data(), a.recomputable = k.recomputable.data();
+            a.forward_ws = k.fws.data(), a.backward_ws = k.bws.data();
+            a.send = k.send.data(), a.recv = k.recv.data();
+            layer(f.desc.units[1].kind).forward(a);
+          }
+          // What each rank receives before the next stage.
+          for (int r = 0; r < P; ++r) {
+            Rank& k = ranks[r];
+            if (impl == model::ContextImpl::ring) {
+              // Stage s >= 1 attends to the key/value block of rank r - (s - 1), which that rank
+              // sent at stage 0 (k|v rows, no header).
+              if (st == 0) k.first_send = k.send;
+              continue;
+            }
+            // The all-to-all: rank r's payload from every rank q, in rank order, after a header.
+            int64_t at_byte = model::exchange_header_bytes(P);
+            for (int q = 0; q < P; ++q) {
+              const auto* sizes = reinterpret_cast<const int64_t*>(ranks[q].send.data());
+              int64_t from = model::exchange_header_bytes(P);
+              for (int j = 0; j < r; ++j) from += sizes[j];
+              std::copy_n(ranks[q].send.begin() + from, sizes[r], k.recv.begin() + at_byte);
+              reinterpret_cast<int64_t*>(k.recv.data())[q] = sizes[r];
+              at_byte += sizes[r];
+            }
+          }
+          if (impl == model::ContextImpl::ring)
+            for (int r = 0; r < P; ++r) ranks[r].recv = ranks[((r - st) % P + P) % P].first_send;
+        }
+        double scale = 0;
+        for (float x : whole.out) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+        for (int r = 0; r < P; ++r)
+          for (int64_t b = 0; b < f.B; ++b)
+            for (size_t ch = 0; ch < ranks[r].starts.size(); ++ch)
+              for (int64_t i = 0; i < rows * C; ++i) {
+                const float got = ranks[r].out[(b * Tr + static_cast<int64_t>(ch) * rows) * C + i];
+                const float want = whole.out[(b * f.T + ranks[r].starts[ch]) * C + i];
+                ASSERT_NEAR(got, want, 1e-5 * scale) << at << " rank " << r << " sequence " << b << " chunk " << ch;
+              }
+      }
 }
 
 TEST(Layers, RecomputeRebuildsBitwiseWhatTheForwardKept) {
