@@ -393,7 +393,7 @@ void split_attention_over_context(UnitCosts& k, const Shape& s, int64_t qkv, int
   const int64_t BT = s.B * s.T, header = exchange_header_bytes(s.cp);
   auto exchange = [&](int64_t width) {
     const int64_t payload = BT * width * s.elem;
-    return Exchange{"cp", header + payload, payload * (s.cp - 1) / s.cp};  // plan/mesh.h's kContext
+    return Exchange{Split::sequence, header + payload, payload * (s.cp - 1) / s.cp};
   };
   k.exchanges = {exchange(qkv), exchange(C)};
   const double rest = k.forward_flops - qkv_flops - k.attention_flops;
@@ -407,7 +407,7 @@ void ring_attention_over_context(UnitCosts& k, const Shape& s, int64_t kv, doubl
   using Route = Exchange::Route;
   const int64_t block = s.B * s.T * kv * s.elem;
   auto step = [&](Route route, int64_t bytes, int after, int forwards) {
-    return Exchange{"cp", bytes, bytes, route, after, 0, forwards};  // plan/mesh.h's kContext
+    return Exchange{Split::sequence, bytes, bytes, route, after, 0, forwards};
   };
   k.exchanges = {step(Route::none, 0, 1, 0)};
   for (int e = 0; e + 1 < s.cp; ++e) k.exchanges.push_back(step(Route::ring_next, block, 2, e > 0 ? 1 : 0));

@@ -264,6 +264,11 @@ struct GemmShape {
   double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N); }
 };
 
+// The ranks an exchange travels between, or a unit's compute is sliced over, by what they split:
+// a MoE layer's experts (expert parallel) or a sequence's positions (context parallel). The plan's
+// mesh holds the axis of each (plan::role_of).
+enum class Split { none, experts, sequence };
+
 // Between two compute stages of a unit's pass, its routed rows travel over a mesh axis, in one
 // of these routes:
 // - all_to_all: per-rank sizes known only at run time. The send and receive buffers are planned
@@ -277,7 +282,7 @@ struct GemmShape {
 // the backward's in reverse (UnitCosts::backward_exchanges, or the same ones).
 struct Exchange {
   enum class Route { all_to_all, ring_next, ring_prev, none };
-  std::string axis;            // mesh axis name, e.g. "ep"
+  Split over = Split::none;    // the ranks it travels between
   int64_t bound_bytes = 0;     // each buffer's size, header included
   // What the busiest rank sends or receives at the shape's expert_load (balanced: each routed row
   // once); the simulator's figure, at most bound_bytes.
@@ -363,9 +368,9 @@ struct UnitDesc {
   // borrows the embedding, a MoE block its experts (a state-only unit right after it). -1: none.
   int borrows = -1;
   bool backward_reads_params = true;  // an embedding's backward is a scatter-add of its output's gradient
-  // A mesh axis whose ranks each compute with their own equal, contiguous slice of this unit (a MoE
-  // block's experts over "ep": rank i of K holds experts i·E/K ..); empty: every rank uses all of it.
-  std::string sliced_over;
+  // The ranks that each compute with their own equal, contiguous slice of this unit (a MoE block's
+  // experts over the expert axis: rank i of K holds experts i·E/K ..); none: every rank uses all of it.
+  Split sliced_over = Split::none;
   const ParamSpec& param(const std::string& suffix) const;  // by name suffix, e.g. "ln_1.weight"
   bool has_param(const std::string& suffix) const;
 };

@@ -45,8 +45,6 @@ int64_t moe_count_bytes(const ModelDesc& desc, const Shape& s) {
 
 namespace {
 
-constexpr const char* kExpertAxis = "ep";  // the mesh axis the experts and their routed rows split over
-
 void add_moe_block(ModelDesc& d, int l) {
   const auto& config = d.config;
   const int64_t C = config.n_embd, E = config.n_experts, FE = config.moe_ffn_dim;
@@ -68,7 +66,7 @@ void add_moe_block(ModelDesc& d, int l) {
   x.kind = UnitKind::moe_experts;
   x.layer = l;
   x.name = "layers." + std::to_string(l) + ".experts";
-  x.sliced_over = kExpertAxis;
+  x.sliced_over = Split::experts;
   // w1 (gate) and w3 (up) adjacent: one (2 FE, C) matrix per expert, one GEMM.
   for (int64_t j = 0; j < E; ++j) {
     const std::string e = p + "block_sparse_moe.experts." + std::to_string(j) + ".";
@@ -123,10 +121,10 @@ void moe_over_context(UnitCosts& u, const ModelDesc& desc, const Shape& s, const
   const int64_t counts = moe_count_bytes(desc, s);
   u.forward_workspace += slice(counts / 4, 4);  // the group's slots before each of this rank's chunks, per expert
   if (u.backward_exchanges.empty()) u.backward_exchanges = u.exchanges;
-  Exchange group{"cp", exchange_header_bytes(s.cp) + s.cp * counts, (s.cp - 1) * counts};  // mesh.h's kContext
+  Exchange group{Split::sequence, exchange_header_bytes(s.cp) + s.cp * counts, (s.cp - 1) * counts};
   group.carries = "routing counts of the cp group";
   u.exchanges.push_back(group);
-  u.backward_exchanges.push_back(Exchange{"cp", 0, 0, Exchange::Route::none});
+  u.backward_exchanges.push_back(Exchange{Split::sequence, 0, 0, Exchange::Route::none});
   for (int i = 0; i < 2; ++i) u.exchanges.push_back(routed), u.backward_exchanges.push_back(routed);
 }
 
@@ -173,7 +171,7 @@ UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s)
   const double load = P > 1 ? std::min((hottest + static_cast<double>(L - 1)) / static_cast<double>(L), static_cast<double>(P)) : 1.0;
   const int64_t bound = moe_exchange_bound(desc, BT, P, G);
   const int64_t moved = 8 * E + static_cast<int64_t>(std::llround(load * static_cast<double>(4 * C * R)));
-  const model::Exchange x{kExpertAxis, bound, std::min(bound, moved)};
+  const model::Exchange x{Split::experts, bound, std::min(bound, moved)};
   u.exchanges = {x, x};
   u.stage_load = {1.0, load, 1.0};
   const double experts = 2 * routed * (C * 2 * FE + FE * C), combine = 2 * routed * C;

@@ -162,29 +162,12 @@ std::vector<GradClass> Plan::grad_classes() const {
   return classes;
 }
 
-namespace {
-// The axes of these names the mesh has, in mesh order.
-std::vector<int> present(const Mesh& mesh, std::initializer_list<const char*> names) {
-  std::vector<int> axes;
-  for (const char* n : names)
-    if (mesh.find(n) >= 0) axes.push_back(mesh.find(n));
-  std::sort(axes.begin(), axes.end());
-  return axes;
-}
-}  // namespace
-
-std::vector<int> Plan::shard_axes() const {
-  return config.strategy == Strategy::ddp ? present(mesh, {kDpShard}) : present(mesh, {kDpShard, kExpert, kContext});
-}
-std::vector<int> Plan::replicate_axes() const {
-  return config.strategy == Strategy::ddp ? present(mesh, {kDpReplicate, kExpert, kContext})
-                                          : present(mesh, {kDpReplicate});
-}
-std::vector<int> data_axes(const Mesh& mesh) { return present(mesh, {kDpReplicate, kDpShard, kExpert}); }
-std::vector<int> Plan::dp_axes() const { return data_axes(mesh); }
-std::vector<int> Plan::grad_axes() const {
-  return config.split_sequence ? present(mesh, {kDpReplicate, kDpShard, kExpert, kContext}) : dp_axes();
-}
+std::vector<int> Plan::shard_axes() const { return mesh.shard_axes(config.strategy != Strategy::ddp); }
+std::vector<int> Plan::replicate_axes() const { return mesh.replicate_axes(config.strategy != Strategy::ddp); }
+std::vector<int> Plan::dp_axes() const { return mesh.data_axes(); }
+std::vector<int> Plan::grad_axes(ParamKind kind) const { return mesh.grad_axes(kind, config.split_sequence); }
+std::vector<int> Plan::loss_axes() const { return mesh.loss_axes(config.split_sequence); }
+std::vector<int> Plan::norm_axes() const { return mesh.norm_axes(config.split_sequence); }
 model::Shape Plan::unit_shape(int elem, double expert_load) const {
   model::Shape s{config.batch, local_seq(), elem, config.threads, config.ep, expert_load};
   s.cp = sequence_split();
@@ -211,7 +194,7 @@ int Plan::slices(const model::ModelDesc& desc, int u) const {
   const int a = mesh.find(desc.units[u].sliced_over);
   return a >= 0 ? mesh[a].size : 1;
 }
-int Plan::cp_index(int rank) const { return mesh.index_in(rank, present(mesh, {kContext})); }
+int Plan::cp_index(int rank) const { return mesh.index_in(rank, mesh.axes_of({AxisRole::context})); }
 
 std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   std::string s = to_string(op);
@@ -392,7 +375,7 @@ void mesh_text(const Mesh& mesh, std::ostream& o) {
     }
     const std::vector<int> c = mesh.coords(r);
     o << "  rank " << r << ":";
-    for (size_t a = 0; a < c.size(); ++a) o << " " << mesh[static_cast<int>(a)].name << "=" << c[a];
+    for (size_t a = 0; a < c.size(); ++a) o << " " << mesh[static_cast<int>(a)].name() << "=" << c[a];
     o << "\n";
   }
 }
@@ -444,7 +427,7 @@ void placement_text(const Plan& plan, std::ostream& o) {
         continue;
       }
       o << " " << (p.parts == 1 ? std::string("whole") : std::to_string(p.parts) + " parts over");
-      for (size_t a = 0; a < p.axes.size() && p.parts > 1; ++a) o << (a ? "×" : " ") << plan.mesh[p.axes[a]].name;
+      for (size_t a = 0; a < p.axes.size() && p.parts > 1; ++a) o << (a ? "×" : " ") << plan.mesh[p.axes[a]].name();
       o << ", " << to_string(p.where);
       if (p.resident > 0) o << " but the first " << p.resident << " elements of each part, in memory";
     }
@@ -503,7 +486,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   const char* mode = c.mode == PlanConfig::Mode::train ? "train" : c.mode == PlanConfig::Mode::loss ? "loss" : "logits";
   o << "plan (" << mode << "): model " << model::to_string(desc.config.family) << ", strategy " << to_string(c.strategy)
     << ", " << c.world << " ranks (mesh";
-  for (const auto& a : mesh.axes()) o << " " << a.name << "=" << a.size;
+  for (const auto& a : mesh.axes()) o << " " << a.name() << "=" << a.size;
   o << "), B=" << c.batch << " T=" << c.seq;
   if (c.cp > 1)
     o << " (cp " << c.cp << ", " << model::to_string(c.cp_impl) << ": " << local_seq() << " positions a rank"
@@ -567,7 +550,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
     o << "  " << t.id << "\t" << streams[t.stream] << "\t" << t.name(&desc);
     if (!t.axes.empty()) {
       o << " (";
-      for (size_t i = 0; i < t.axes.size(); ++i) o << (i ? "×" : "") << mesh[t.axes[i]].name;
+      for (size_t i = 0; i < t.axes.size(); ++i) o << (i ? "×" : "") << mesh[t.axes[i]].name();
       o << ")";
     }
     if (t.ring_step != 0) o << (t.ring_step > 0 ? " ring step to the next rank" : " ring step to the previous rank");

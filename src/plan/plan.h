@@ -17,7 +17,7 @@
 //    freed by the second backward after its reduce-scatter, which waits for it), so their bytes
 //    over time do not depend on how the streams interleave.
 //  - A task names the buffers it reads and writes (`io`), so an executor resolves ids, not names.
-//  - Collectives run over named mesh axes (Mesh: dp_replicate × dp_shard today); the plan is the
+//  - Collectives run over mesh axes, each declared by its role (plan/mesh.h); the plan is the
 //    same on every rank (ranks differ only in their coordinates, hence which shard they hold).
 //  - Nothing happens outside a task: zeroing gradients, the gradient-norm reduction and the loss
 //    sum are tasks.
@@ -447,19 +447,22 @@ struct Plan {
   // on it through deps and stream order (a task waits for the one before it on its stream).
   bool depends_on(int later, int earlier) const;
   std::string to_text(const model::ModelDesc& desc) const;
-  // The axes units are sharded over, the axes their shards are replicated over, and all the
-  // data-parallel axes (the ranks that read different batches), outermost first.
-  // The ep axis (present when --ep > 1) splits the data-parallel ranks: it shards units with
-  // dp_shard under a sharding strategy and replicates them with dp_replicate under DDP.
+  // The mesh's role queries (Mesh::shard_axes ..) under this plan's strategy and sequence split:
+  // the axes a unit's state is sharded over and those its shards are replicated over (ep and cp
+  // shard with dp_shard under a sharding strategy, replicate with dp_replicate under DDP), and
+  // the data-parallel axes (the ranks that read different batches), outermost first.
   std::vector<int> shard_axes() const;
   std::vector<int> replicate_axes() const;
   std::vector<int> dp_axes() const;
   // A rank's data-parallel coordinate (which batch it reads).
   int dp_index(int rank) const { return mesh.index_in(rank, dp_axes()); }
   int dp_size() const { return mesh.group_size(dp_axes()); }
-  // The ranks whose gradients and losses are summed: the data-parallel axes and, where the plan
-  // splits sequences, cp.
-  std::vector<int> grad_axes() const;
+  // The ranks whose gradients of a kind of parameter are summed (the data-parallel axes and,
+  // where the plan splits sequences, cp; not ep for experts), and those the loss and the
+  // squared gradients of the norm are summed over.
+  std::vector<int> grad_axes(ParamKind kind = ParamKind::dense) const;
+  std::vector<int> loss_axes() const;
+  std::vector<int> norm_axes() const;
   // Ranks a sequence is split over in this plan's compute (1: whole sequences), this rank's place
   // among them, and the rows of each sequence it holds.
   int sequence_split() const { return config.split_sequence ? config.cp : 1; }
@@ -556,8 +559,5 @@ Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config);
 // say before its model is read (the data-parallel size a resume compares). Throws
 // std::invalid_argument as build_plan does for sizes that do not divide the ranks.
 Mesh plan_mesh(const PlanConfig& config);
-// The axes of `mesh` that split the data: ranks that differ only on the others (cp) read the
-// same batch.
-std::vector<int> data_axes(const Mesh& mesh);
 
 }  // namespace shardlm::plan

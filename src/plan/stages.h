@@ -26,7 +26,7 @@ class UnitStages {
  private:
   int routed(int u, int m, int exchange, bool reverse, const char* end, int64_t bytes);
   std::vector<int> exchange_axes(const model::Exchange& x) const {
-    const int a = plan_.mesh.find(x.axis);
+    const int a = plan_.mesh.find(x.over);
     return a >= 0 ? std::vector<int>{a} : std::vector<int>{};
   }
   // The axes a staged unit's compute tasks name, which its layer routes rows by (UnitArgs::peers):
@@ -35,7 +35,7 @@ class UnitStages {
   std::vector<int> stage_axes(int u, bool reverse) const {
     std::vector<int> axes;
     for (const model::Exchange& x : costs_[u].exchanges_of(reverse))
-      if (x.route != model::Exchange::Route::none && (axes.empty() || x.axis != kContext)) axes = exchange_axes(x);
+      if (x.route != model::Exchange::Route::none && (axes.empty() || x.over != model::Split::sequence)) axes = exchange_axes(x);
     return axes;
   }
 

@@ -40,10 +40,10 @@ Mesh mesh_of(const PlanConfig& c) {
   const int shard_size = shard_size_of(c);
   const int ep = c.ep, outer_ep = ddp ? ep : 1, inner_ep = ddp ? 1 : ep;
   const int cp = c.cp, outer_cp = ddp ? cp : 1, inner_cp = ddp ? 1 : cp;
-  std::vector<MeshAxis> axes{{kDpReplicate, c.world / shard_size / outer_ep / outer_cp}};
-  if (ep > 1) axes.push_back({kExpert, ep});
-  axes.push_back({kDpShard, shard_size / inner_ep / inner_cp});
-  if (cp > 1) axes.push_back({kContext, cp});
+  std::vector<MeshAxis> axes{{AxisRole::replicate, c.world / shard_size / outer_ep / outer_cp}};
+  if (ep > 1) axes.push_back({AxisRole::expert, ep});
+  axes.push_back({AxisRole::shard, shard_size / inner_ep / inner_cp});
+  if (cp > 1) axes.push_back({AxisRole::context, cp});
   return Mesh(axes);
 }
 
@@ -236,9 +236,9 @@ void Builder::finish() {
     int before_opt = norm;
     if (cfg_.world > 1) {  // every rank's norm and loss to every rank: all agree they are finite
       before_opt = add(Op::norm_reduce, -1, last_micro_, {norm});
-      at(before_opt).axes = plan_.grad_axes();
+      at(before_opt).axes = plan_.norm_axes();
       // Each rank's squared-gradient sum per gradient class and its loss sum, 8 bytes each.
-      at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.grad_axes());
+      at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.norm_axes());
     }
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
@@ -248,7 +248,7 @@ void Builder::finish() {
   }
   if (cfg_.world > 1) {
     const int lr = add(Op::loss_reduce, -1, last_micro_, {end});
-    at(lr).axes = plan_.grad_axes();
+    at(lr).axes = plan_.loss_axes();
     at(lr).bytes = 8;
   }
 }

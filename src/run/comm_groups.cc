@@ -44,8 +44,8 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
   // Exchanges run over ep (a MoE block's routed rows) or cp (a block's attention split): every set
   // of axes holding one of them gets communicators of its own for the exchange stream.
   unsigned exchange_axes = 0;
-  for (const char* name : {plan::kExpert, plan::kContext})
-    if (const int a = mesh.find(name); a >= 0 && mesh[a].size > 1) exchange_axes |= 1u << a;
+  for (int a : mesh.exchange_axes())
+    if (mesh[a].size > 1) exchange_axes |= 1u << a;
   for (unsigned set = 1; set <= all_ && exchange_axes != 0; ++set)
     if ((set & ~all_) == 0 && (set & exchange_axes)) exchange_groups_[set] = split_over(world, set);
   if (backend == nullptr || backend->host_memory()) return;

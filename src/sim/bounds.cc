@@ -54,7 +54,7 @@ StreamSeconds stream_seconds(const model::ModelDesc& desc, const Plan& frame, co
     }
     const std::vector<model::Exchange>& xs = k.exchanges_of(reverse);
     for (int e = 0; e < static_cast<int>(xs.size()); ++e) {
-      const int axis = frame.mesh.find(xs[e].axis);
+      const int axis = frame.mesh.find(xs[e].over);
       if (xs[e].route == model::Exchange::Route::none || axis < 0 || frame.mesh[axis].size <= 1) continue;
       Task x;
       x.op = Op::exchange, x.unit = u, x.stage = e, x.reverse = reverse, x.axes = {axis};
@@ -193,7 +193,7 @@ double fill_and_drain_seconds(const model::ModelDesc& desc, const BoundsFrame& f
   const bool sharded_params = s == Strategy::fsdp || s == Strategy::hybrid;
   auto cost = [&](Collective op, double bytes, int group) { return collective_cost(hw, op, bytes, f.groups[group]).seconds; };
   const double first = static_cast<double>(f.elems[0]);
-  double seconds = cost(Collective::all_gather, static_cast<double>(f.norm_reduce_bytes), f.grad_all_group);
+  double seconds = cost(Collective::all_gather, static_cast<double>(f.norm_reduce_bytes), f.norm_group);
   if (sharded_params) seconds += cost(Collective::all_gather, first * c.param_bytes, f.shard_group[0]);
   if (sharded_params || s == Strategy::zero2) seconds += cost(Collective::reduce_scatter, first * c.reduce_bytes, f.shard_group[0]);
   else seconds += cost(Collective::all_reduce, first * c.reduce_bytes, f.grad_group[0]);
@@ -222,9 +222,9 @@ BoundsFrame bounds_frame(const model::ModelDesc& desc, plan::Plan frame, const H
   };
   for (int a = 0; a < static_cast<int>(p.mesh.axes().size()); ++a) group({a});  // an exchange's
   f.replicate_group = group(p.replicate_axes());
-  f.grad_all_group = group(p.grad_axes());
+  f.norm_group = group(p.norm_axes());
   // norm_reduce: each rank's squared-gradient sum per gradient class and its loss sum, 8 bytes each.
-  f.norm_reduce_bytes = 8 * static_cast<int64_t>(p.grad_classes().size() + 1) * p.mesh.group_size(p.grad_axes());
+  f.norm_reduce_bytes = 8 * static_cast<int64_t>(p.grad_classes().size() + 1) * p.mesh.group_size(p.norm_axes());
   for (const model::UnitDesc& u : desc.units) {
     const int slice = p.mesh.find(u.sliced_over);
     std::vector<int> shard = p.shard_axes(), grad = p.grad_axes();

@@ -58,7 +58,7 @@ struct BoundsFrame {
   std::vector<int64_t> elems;                // per unit: the slice of it a rank computes with
   std::vector<GroupSpan> groups;             // the groups the comm bound prices
   std::vector<int> shard_group, grad_group;  // per unit: its shard and gradient axes' group, less its slicing axis
-  int replicate_group = -1, grad_all_group = -1;  // the replicate axes', the gradient axes'
+  int replicate_group = -1, norm_group = -1;  // the replicate axes', the norm's (norm_reduce's)
   int64_t norm_reduce_bytes = 0;
 };
 BoundsFrame bounds_frame(const model::ModelDesc& desc, plan::Plan frame, const HardwareProfile& hw);

@@ -80,7 +80,7 @@ bool overridden(const TrainConfig& cfg, const std::string& name) {
 // The ranks that read different sequences, as the mesh's data axes say: a cp group's share theirs.
 int data_parallel_ranks(const TrainConfig& c, int world_size) {
   const plan::Mesh mesh = plan::plan_mesh(plan_config(c, world_size));
-  return mesh.group_size(plan::data_axes(mesh));
+  return mesh.group_size(mesh.data_axes());
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ plan::Plan run_plan(const TrainConfig& cfg, int world_size, model::ModelDesc& de
 
 ckpt::SnapshotMesh snapshot_mesh(const plan::Plan& plan) {
   ckpt::SnapshotMesh mesh;
-  for (const auto& axis : plan.mesh.axes()) mesh.axes.push_back(axis.name);
+  for (const auto& axis : plan.mesh.axes()) mesh.axes.push_back(axis.name());
   for (int r = 0; r < plan.config.world; ++r) mesh.of_rank.push_back(plan.mesh.coords(r));
   return mesh;
 }

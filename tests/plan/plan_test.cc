@@ -1536,7 +1536,7 @@ TEST(Plan, ExpertsAreHeldAsEachExpertRanksSlice) {
     const Plan one = build_plan(moe, c);
     c.ep = K;
     const Plan p = build_plan(moe, c);
-    const int ep = p.mesh.find(kExpert);
+    const int ep = p.mesh.find(AxisRole::expert);
     for (size_t x = 0; x < moe.units.size(); ++x) {
       const int u = static_cast<int>(x);
       const bool experts = moe.units[x].kind == model::UnitKind::moe_experts;
@@ -1592,7 +1592,7 @@ TEST(Plan, StagedUnitsExchangeBetweenTheirStagesOverEp) {
     EXPECT_EQ(exchanges.size(), ep == 1 ? 0u : 4u);
     for (const Task* x : exchanges) {
       EXPECT_EQ(p.streams.at(x->stream), "exchange");
-      EXPECT_EQ(p.mesh[x->axes.at(0)].name, kExpert);
+      EXPECT_EQ(p.mesh[x->axes.at(0)].role, AxisRole::expert);
       EXPECT_GT(x->bytes, 0);
       EXPECT_EQ(p.buffers[x->io.recv].bytes, p.buffers[x->io.send].bytes);
       EXPECT_TRUE(std::count(x->frees.begin(), x->frees.end(), x->io.send));
@@ -1658,7 +1658,7 @@ TEST(Plan, MixtureOfExpertsUnderContextParallelismExchangesCountsOverCp) {
       model::Shape shape = p.unit_shape(4);
       const int64_t counts = model::moe_count_bytes(moe, shape);
       EXPECT_EQ(counts, 4 * c.batch * (impl == model::ContextImpl::ring ? 2 : 1) * moe.config.n_experts) << at;
-      const int cp_axis = p.mesh.find(kContext), ep_axis = p.mesh.find(kExpert);
+      const int cp_axis = p.mesh.find(AxisRole::context), ep_axis = p.mesh.find(AxisRole::expert);
       int count_exchanges = 0, ep_exchanges = 0;
       for (const Task& t : p.tasks) {
         if (t.unit < 0 || moe.units[t.unit].kind != model::UnitKind::moe_block) continue;
@@ -1690,7 +1690,7 @@ TEST(Plan, MixtureOfExpertsUnderContextParallelismExchangesCountsOverCp) {
         PlanConfig selective = c;
         selective.recompute = model::Recompute::selective, selective.cp = cp, selective.world = cp * ep;
         const Plan q = build_plan(moe, selective);
-        const int ep_of_q = q.mesh.find(kExpert);
+        const int ep_of_q = q.mesh.find(AxisRole::expert);
         int rebuilds = 0;
         for (const Task& t : q.tasks)
           if (t.op == Op::recompute && moe.units[t.unit].kind == model::UnitKind::moe_block) {

@@ -154,7 +154,7 @@ TEST_F(ShardedCheckpoint, EveryStrategyAndRankCountLoadsUnderEveryOther) {
 // or whole. Its checkpoint loads under every strategy, and every strategy's loads into it.
 plan::Plan mixed_plan(const model::ModelDesc& desc) {
   plan::Plan p = make_plan(desc, {"fsdp", 4});  // padded to 16 × 4 elements: any split of 4 divides
-  p.mesh = plan::Mesh({{plan::kDpReplicate, 2}, {plan::kDpShard, 2}});
+  p.mesh = plan::Mesh({{plan::AxisRole::replicate, 2}, {plan::AxisRole::shard, 2}});
   const plan::Placement both{{0, 1}, 4}, shard{{1}, 2}, replicate{{0}, 2}, whole{};
   std::vector<plan::UnitPlacement> units;
   for (size_t u = 0; u < desc.units.size(); ++u) {
@@ -202,7 +202,7 @@ TEST(PlanPlacement, RefusesAPlacementThatDoesNotFitItsAxesOrPadding) {
   std::vector<plan::UnitPlacement> units(desc.units.size());
   units[0].params = {{}, 2};  // 2 parts over no axis
   EXPECT_THROW(p.set_placement(units), std::logic_error);
-  units[0].params = {{p.mesh.axis(plan::kDpShard)}, 2};
+  units[0].params = {{p.mesh.axis(plan::AxisRole::shard)}, 2};
   p.set_placement(units);
   EXPECT_EQ(p.held_offset(plan::StateKind::params, 1), p.layout.units[0].padded / 2);
   EXPECT_EQ(p.held_total(plan::StateKind::params), p.layout.total - p.layout.units[0].padded / 2);
