@@ -21,6 +21,7 @@
 #include "sim/planner.h"
 #include "sim/simulator.h"
 #include "trace/trace.h"
+#include "train/machines.h"
 #include "train/trainer.h"
 
 namespace shardlm::cli {
@@ -667,7 +668,9 @@ int run_calibrate(const run::CalibrateOptions& co, const std::string& compute_dt
     kernels_of.cuda.local_rank = train::find_machines(world, std::chrono::minutes(5)).local_rank;  // its GPU
     // Rates measured with the threads squeezed onto fewer cores would be that squeeze's.
     train::warn_of_threads_beyond_cpus(world, std::chrono::minutes(5), co.threads);
-    const std::string text = run::calibrate(*train::make_backend(kernels_of, memory, cpu_as_device), world, co);
+    run::CalibrateOptions here = co;
+    here.kernel_id = train::kernel_id();  // machines of one kernel share its cores
+    const std::string text = run::calibrate(*train::make_backend(kernels_of, memory, cpu_as_device), world, here);
     if (world.rank() == 0) {
       try {
         sim::parse_hardware(text, out);

@@ -173,13 +173,31 @@ Chart with_median(const Page& p, const std::string& id, const std::string& title
   return c;
 }
 
+// Steps done at a training row (its "step" is the step's index).
+int64_t steps_done(const json& row) { return whole(number(row, "step")) + 1; }
+
+// The slowest step after the first against the medians: where a straggler (a slowed link, a busy
+// host) shows, and whether it was spent waiting on communication.
+std::string slowest_step_note(const RunData& s) {
+  if (s.slowest_step.is_null()) return "";
+  const json& row = s.slowest_step;
+  return fmt::format(R"(<p id="slowest-step" data-step="{}">Slowest step: {}, {} ms (median {} ms), of which communication )"
+                     R"(exposed {} ms (median {} ms).</p>)",
+                     steps_done(row), steps_done(row), num(number(row, "step_ms")), num(stats_of(s, "step_ms").median),
+                     num(number(row, "comm_exposed_ms")), num(stats_of(s, "comm_exposed_ms").median));
+}
+
 std::string throughput_section(const Page& p) {
   Chart time = with_median(p, "step-ms", "Step time (wall, and the step's own compute_ms)", "step_ms", "ms");
   time.series.push_back(series_of(p.run, "compute_ms", "compute_ms", color(1)));
   const RunData& s = p.run;
   const std::string body =
       render_svg(with_median(p, "tokens-per-s", "Tokens per second (all ranks)", "tokens_per_s", "tokens/s")) +
-      render_svg(time) + render_svg(with_median(p, "mfu", "Model FLOPs utilisation", "mfu", "MFU")) +
+      render_svg(time) +
+      render_svg(with_median(p, "comm-exposed",
+                             "Communication exposed per step (the most any rank waited on collectives; a slow link raises it)",
+                             "comm_exposed_ms", "ms")) +
+      slowest_step_note(s) + render_svg(with_median(p, "mfu", "Model FLOPs utilisation", "mfu", "MFU")) +
       table("throughput-stats", {"", "median", "p10 – p90", "min – max", "steps"},
             {stats_row("tokens/s", stats_of(s, "tokens_per_s")), stats_row("step_ms", stats_of(s, "step_ms")),
              stats_row("compute_ms", stats_of(s, "compute_ms")), stats_row("MFU", stats_of(s, "mfu")),
@@ -188,8 +206,6 @@ std::string throughput_section(const Page& p) {
   return section("throughput", "Throughput", body);
 }
 
-// Steps done at a training row (its "step" is the step's index).
-int64_t steps_done(const json& row) { return whole(number(row, "step")) + 1; }
 
 std::string memory_table(const Page& p) {
   if (p.run.peak_step.is_null()) return note("No step recorded memory yet.");

@@ -130,6 +130,8 @@ void add_training_row(RunData& run, json row) {
   run.moe = run.moe || row.contains("aux_loss");
   const double mem = number(row, "mem", "total");
   if (std::isfinite(mem) && !(number(run.peak_step, "mem", "total") >= mem)) run.peak_step = row;
+  const double step_ms = number(row, "step_ms");
+  if (run.steps > 0 && std::isfinite(step_ms) && !(number(run.slowest_step, "step_ms") >= step_ms)) run.slowest_step = row;
   ++run.steps;
   run.last_step = std::move(row);
 }

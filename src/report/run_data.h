@@ -48,6 +48,9 @@ struct RunData {
   int64_t steps = 0;  // training rows ("loss" present), a restart's superseded ones left out
   nlohmann::json last_step, last_eval;  // the last training and evaluation row; null: none
   nlohmann::json peak_step;             // the training row of the largest mem.total; null: none
+  // The training row of the largest step_ms after the first (start-up); null: none. A straggler
+  // (a slowed link, a busy host) shows here with the exposed communication it caused.
+  nlohmann::json slowest_step;
   // Against steps done (a row's "step" + 1): each drawn field of the training rows by name,
   // "mem.CATEGORY" for memory ("mem.total" too).
   std::map<std::string, SeriesBuilder> by_step;

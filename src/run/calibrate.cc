@@ -7,7 +7,9 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
@@ -284,7 +286,12 @@ json collective_entry(const std::vector<double>& xs, const std::vector<double>& 
   const LineFit f = fit_alpha_beta(xs, ts);
   // Rank 0's figures are the ones written: it judges them. The n ranks copy at once, each at up to
   // the memory bandwidth one rank measured (with one compute thread, far below the machine's).
-  if (judge) check_fit(f, n * memory_bw, name + " on " + std::to_string(n) + " ranks");
+  if (judge) {
+    std::string points;  // what was timed, for whoever reads a refusal
+    for (size_t i = 0; i < xs.size(); ++i)
+      points += (i ? ", " : "") + std::to_string(static_cast<int64_t>(xs[i])) + " B " + std::to_string(ts[i] * 1e3) + " ms";
+    check_fit(f, n * memory_bw, name + " on " + std::to_string(n) + " ranks (S·factor and median time: " + points + ")");
+  }
   const std::string line = per_peer ? "t = a·(n−1) + S·factor/busBw" : "t = a + S·factor/busBw";
   return {{"latency_s", fig(per_peer ? f.alpha / (n - 1) : f.alpha,
                             here + ": intercept of " + line + (per_peer ? ", over n−1 (per peer message)" : ""))},
@@ -530,9 +537,10 @@ GemmModel parse_gemm_model(const std::string& text) {
 namespace {
 
 // Each collective's latency and bus bandwidth on `world`, fitted over o.sizes (default 4 KiB to
-// 256 MiB in steps of 4): the profile's intra_node tier. One rank has none to time.
+// 256 MiB in steps of 4): a tier's figures. One rank has none to time. `judge`: this rank's
+// figures are the ones written, and a fit that is no link is refused here.
 json collective_tier(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o, double memory_bw,
-                     const std::string& here) {
+                     const std::string& here, bool judge) {
   const int n = world.size();
   std::vector<int64_t> sizes = o.sizes;
   if (sizes.empty())
@@ -558,9 +566,78 @@ json collective_tier(const kernels::Backend& k, comm::Communicator& world, const
       xs.push_back(4.0 * count * n * factor), ts.push_back(median(times));
     }
     tier[kCollectives[op]] =
-        collective_entry(xs, ts, kCollectives[op], op == 3, n, memory_bw, world.rank() == 0, here, sizes.size());
+        collective_entry(xs, ts, kCollectives[op], op == 3, n, memory_bw, judge, here, sizes.size());
   }
   return tier;
+}
+
+// How the launcher placed the ranks: `per_machine` consecutive ranks on each of `machines`
+// machines (Communicator::machine), and how many machines share this rank's kernel (and cores).
+struct Placement {
+  int machines = 1, per_machine = 1, local_rank = 0, machines_on_kernel = 1;
+};
+
+// Collective. Throws std::invalid_argument on every rank unless each machine holds the same
+// number of consecutive ranks (what the two tiers' groups, and the simulator's nodes, assume).
+Placement placement_of(const kernels::Backend& k, comm::Communicator& world, const std::string& kernel_id) {
+  const int n = world.size(), rank = world.rank(), machine = world.machine();
+  std::unique_ptr<comm::Communicator> local = world.split(machine, rank);
+  Placement p;
+  p.per_machine = local->size(), p.local_rank = local->rank();
+  // (machine, ranks on it, kernel) of every rank; a kernel as a 24-bit hash, exact in fp32.
+  const float kernel = static_cast<float>(std::hash<std::string>{}(kernel_id) & 0xffffff);
+  Buffer mine(k.memory(), MemCategory::comm, 3 * 4), all(k.memory(), MemCategory::comm, 3 * 4 * static_cast<size_t>(n));
+  mine.f32()[0] = static_cast<float>(machine), mine.f32()[1] = static_cast<float>(p.per_machine), mine.f32()[2] = kernel;
+  world.all_gather(mine.f32(), all.f32(), 3, DType::fp32, "calibrate placement")->wait();
+  std::vector<float> machines_here;
+  for (int r = 0; r < n; ++r) {
+    const float* row = all.f32() + 3 * r;
+    // A machine's id is its lowest rank: block placement puts rank r on machine r − r % K.
+    if (static_cast<int>(row[1]) != p.per_machine || static_cast<int>(row[0]) != r - r % p.per_machine)
+      throw std::invalid_argument("calibrate: the ranks are not the same number of consecutive ranks on each machine (rank " +
+                                  std::to_string(r) + " is on the machine of rank " + std::to_string(static_cast<int>(row[0])) +
+                                  "); place them in blocks, as mpirun does by default");
+    if (row[2] == kernel && std::find(machines_here.begin(), machines_here.end(), row[0]) == machines_here.end())
+      machines_here.push_back(row[0]);
+  }
+  p.machines = n / p.per_machine;
+  p.machines_on_kernel = std::max<int>(1, static_cast<int>(machines_here.size()));
+  return p;
+}
+
+// The tiers of ranks on several machines: intra_node on each machine's ranks (all machines at
+// once; a stand-in where each holds one rank), inter_node across machines. inter_node's own
+// figures are the widest group's (the world where machines hold several ranks), and its "groups"
+// a row per shape measured: one rank a machine (every such group at once, as hybrid shard's
+// replicate groups run side by side), and the world.
+std::pair<json, json> two_tiers(const kernels::Backend& k, comm::Communicator& world, const CalibrateOptions& o,
+                                const Placement& p, double memory_bw, const std::string& here) {
+  const bool judge = world.rank() == 0;
+  std::unique_ptr<comm::Communicator> local = world.split(world.rank() / p.per_machine, world.rank());
+  std::unique_ptr<comm::Communicator> across = world.split(p.local_rank, world.rank());
+  const std::string on_machine = here + ", the " + std::to_string(p.per_machine) + " ranks of each machine at once";
+  json intra = collective_tier(k, *local, o, memory_bw, on_machine, judge);
+  if (p.per_machine == 1)
+    for (const char* op : kCollectives)
+      for (const char* f : {"latency_s", "bus_bw"})
+        intra[op][f]["source"] = "not measured: one rank a machine has no collective inside it (" + std::string(f == std::string("bus_bw") ? "the memory bandwidth" : "0") + " stands in)";
+  world.barrier("calibrate")->wait();
+  const std::string one_each = here + ", one rank on each of " + std::to_string(p.machines) + " machines" +
+                               (p.per_machine > 1 ? " (" + std::to_string(p.per_machine) + " such groups at once)" : "");
+  json row = collective_tier(k, *across, o, memory_bw, one_each, judge);
+  json inter = row;
+  row["ranks"] = p.machines, row["per_node"] = 1;
+  inter["groups"] = json::array({row});
+  if (p.per_machine > 1) {
+    world.barrier("calibrate")->wait();
+    const std::string all = here + ", all " + std::to_string(world.size()) + " ranks, " + std::to_string(p.per_machine) +
+                            " on each of " + std::to_string(p.machines) + " machines";
+    json wide = collective_tier(k, world, o, memory_bw, all, judge);
+    inter = wide;
+    wide["ranks"] = world.size(), wide["per_node"] = p.per_machine;
+    inter["groups"] = json::array({row, wide});
+  }
+  return {intra, inter};
 }
 
 // A block-sized GEMM's time while large all-reduces run beside it, against alone (1 on one
@@ -582,10 +659,41 @@ double comm_compute_slowdown(const kernels::Backend& k, comm::Communicator& worl
   return beside > 0 ? std::max(1.0, beside / alone) : 1;
 }
 
+// A large all-gather's time while block GEMMs run on the compute threads, against alone (1 on
+// one rank): where the CPU drives the transport (TCP's stack, MPI's progress), the two share the
+// cores. Every rank computes and communicates at once, as in a step.
+double comm_slowdown_beside_compute(const kernels::Backend& k, comm::Communicator& world) {
+  const int n = world.size();
+  if (n == 1) return 1;
+  const int64_t count = (4 << 20) / n;  // 16 MiB gathered
+  constexpr int kGathers = 5;
+  Buffer send(k.memory(), MemCategory::comm, 4 * count), recv(k.memory(), MemCategory::comm, 4 * count * n);
+  auto gathers = [&] {
+    std::vector<double> times;
+    for (int i = 0; i <= kGathers; ++i) {
+      world.barrier("calibrate")->wait();
+      const auto t0 = Clock::now();
+      world.all_gather(send.f32(), recv.f32(), count, DType::fp32, "calibrate beside compute")->wait();
+      if (i > 0) times.push_back(seconds_since(t0));
+    }
+    return median(times);
+  };
+  const double alone = gathers();
+  BlockGemm gemm(k);
+  std::atomic<bool> stop{false};
+  std::thread compute([&] {
+    while (!stop) gemm();
+  });
+  const double beside = gathers();
+  stop = true;
+  compute.join();
+  return std::max(1.0, beside / alone);
+}
+
 // What a profile says of where it runs: a device's link to its host and its memory, or a
 // machine's ranks and cores.
 void add_placement_figures(json& j, const kernels::Backend& k, const kernels::Backend::DeviceInfo& info, int ranks,
-                           const std::string& here) {
+                           const Placement& placed, const std::string& here) {
   if (!k.host_memory()) {
     const auto [up, down] = host_link(k);
     j["host_link_bw"] = fig(std::min(up, down), here + ": the slower of upload " + gb(up) + " and download " + gb(down) +
@@ -594,8 +702,21 @@ void add_placement_figures(json& j, const kernels::Backend& k, const kernels::Ba
     j["device_memory"] = info.memory_bytes > 0 ? fig(static_cast<double>(info.memory_bytes), here + ": the device's memory")
                                                : fig(0, "host memory: no per-device limit");
   } else {
-    j["devices_per_node"] = fig(std::max(ranks, 1), "one machine: every rank is on it");
-    j["cores_per_node"] = fig(std::max(1u, std::thread::hardware_concurrency()), here + ": std::thread::hardware_concurrency");
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (placed.machines == 1) {
+      j["devices_per_node"] = fig(std::max(ranks, 1), "one machine: every rank is on it");
+      j["cores_per_node"] = fig(cores, here + ": std::thread::hardware_concurrency");
+    } else {
+      j["devices_per_node"] = fig(placed.per_machine, here + ": the launcher placed " + std::to_string(placed.per_machine) +
+                                                          " consecutive rank(s) on each of " + std::to_string(placed.machines) +
+                                                          " machines");
+      // Machines of one kernel (network namespaces, containers) time-slice its cores between them.
+      j["cores_per_node"] = fig(std::max(1, cores / placed.machines_on_kernel),
+                                here + ": std::thread::hardware_concurrency " + std::to_string(cores) +
+                                    (placed.machines_on_kernel > 1 ? ", shared by the " + std::to_string(placed.machines_on_kernel) +
+                                                                         " machines on this one kernel"
+                                                                   : ""));
+    }
     j["device_memory"] = fig(0, "host memory: no per-device limit");
   }
 }
@@ -662,8 +783,17 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
     undo_time_slicing(attention, n);
   }
   const double sliced = time_slicing(n, threads);
-  const json tier = collective_tier(k, world, o, bw, here);
+  const Placement placed = placement_of(k, world, o.kernel_id);
+  json intra, inter;
+  if (placed.machines > 1) {
+    std::tie(intra, inter) = two_tiers(k, world, o, placed, bw, here);
+  } else {
+    intra = inter = collective_tier(k, world, o, bw, here, world.rank() == 0);
+    for (const char* op : kCollectives)
+      for (const char* f : {"latency_s", "bus_bw"}) inter[op][f]["source"] = "no network here: the intra_node figure";
+  }
   const double slowdown = comm_compute_slowdown(k, world);
+  const double comm_slowdown = comm_slowdown_beside_compute(k, world);
 
   const std::string block = first.name + "'s block GEMMs (" + std::to_string(rows) + " rows)";
   json j{{"name", !o.name.empty() ? o.name : device ? slug(info.name) : "cpu-local"},
@@ -680,9 +810,13 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
          {"comm_compute_slowdown",
           fig(slowdown, n > 1 ? here + ": a 1024x384x1152 GEMM beside 64 MiB all_reduces, the median against alone"
                               : "not measured: one rank has no collectives to overlap")},
+         {"comm_slowdown_beside_compute",
+          fig(comm_slowdown, n > 1 ? here + ": 16 MiB all_gathers beside 1024x384x1152 GEMMs on the compute threads, the median "
+                                            "against alone"
+                                   : "not measured: one rank has no collectives")},
          {"collectives_measured", n > 1},
-         {"intra_node", tier},
-         {"inter_node", tier}};
+         {"intra_node", intra},
+         {"inter_node", inter}};
   // A device's figures are the device's; a CPU's per compute thread, as if each had its core
   // (sliced / threads is 1 on a device: one rank, one thread).
   const double per = sliced / threads;
@@ -699,9 +833,7 @@ std::string calibrate(const kernels::Backend& k, comm::Communicator& world, cons
                                                                 std::to_string(first.seq)
                                                           : "") +
                                                   ", bytes read and written per second" + (device ? "" : ", per thread"));
-  add_placement_figures(j, k, info, n, here);
-  for (const char* op : kCollectives)
-    for (const char* f : {"latency_s", "bus_bw"}) j["inter_node"][op][f]["source"] = "no network here: the intra_node figure";
+  add_placement_figures(j, k, info, n, placed, here);
   if (!rates.is_null()) {
     const std::string per = device ? "FLOP/s per device" : "FLOP/s per rank";
     j["gemm_rates"] = {{"value", rates},

@@ -10,6 +10,10 @@
 //    link (no bandwidth, one above what the ranks' measured memory bandwidth allows, a latency over a second) is an
 //    error, never a profile. On one rank there is nothing to time: the profile says so
 //    (collectives_measured false) and simulate prices one rank only with it;
+//    Across machines (ranks the launcher placed on several, Communicator::machine) two tiers:
+//    intra_node on each machine's ranks (every machine at once), inter_node across them: on one
+//    rank a machine (every such group at once, as hybrid shard's replicate groups run) and on
+//    the whole world where a machine holds several, each group shape a row of inter_node.groups;
 //  - the slowdown of a GEMM while a large all-reduce runs beside it.
 // Every rank takes part (collectives span the world); rank 0's figures are the result.
 // On a device (`calibrate --device cuda`) every kernel is timed in back-to-back batches of about a
@@ -62,6 +66,10 @@ struct CalibrateOptions {
   // Where the disk tier's files would go (--offload-dir): its direct-I/O read and write bandwidth
   // and a 4 KiB read's latency are timed there (through DiskStore, as the run does); empty: not.
   std::string offload_dir;
+  // The kernel this rank runs on (train::kernel_id: its boot id). Machines the launcher placed
+  // ranks on that share one kernel (network namespaces, containers) share its cores too, which
+  // the profile's cores_per_node then says. Empty: each machine its own kernel.
+  std::string kernel_id;
 };
 
 // Throws std::invalid_argument, one line naming --sizes-kib or --iters, for options the

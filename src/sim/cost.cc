@@ -128,11 +128,12 @@ Candidates one_tier(const HardwareProfile& hw, Collective c, double S, const Gro
   const int n = g.ranks;
   const Tier& tier = g.nodes > 1 ? hw.inter : hw.intra;
   Candidates out;
+  const LinkCost& link = tier.of(c, n, g.per_node);
   if (c == Collective::all_to_all) {
-    out.add({collective_seconds(tier.of(c), c, S, n), Algorithm::direct});
+    out.add({collective_seconds(link, c, S, n), Algorithm::direct});
     return out;
   }
-  out.add({ring_seconds(tier, tier.of(c), c, S, n), Algorithm::ring});
+  out.add({ring_seconds(tier, link, c, S, n), Algorithm::ring});
   // NVLS reduces in the switch of a whole node (fewer devices than a node: ring, per NVIDIA/nccl issue 1455's
   // measurements NVLS gains only from 5 GPUs up).
   if (c == Collective::all_reduce && g.nodes <= 1 && hw.fabric.has_nvls && n == hw.devices_per_node)

@@ -66,6 +66,41 @@ double figure(const json& parent, const std::string& key, const std::string& pat
 
 LinkCost link_cost(const json& j, const std::string& path, double memory_bw, const std::string& origin);
 
+// A whole number of at least `least` at `parent[key]` (a group's shape, not a figure).
+int whole_key(const json& parent, const std::string& key, int least, const std::string& path, const std::string& origin) {
+  const std::string field = path + "." + key;
+  if (!parent.contains(key) || !parent.at(key).is_number_integer())
+    throw bad(origin, field, "must be a whole number");
+  const int64_t v = parent.at(key).get<int64_t>();
+  if (v < least || v > 1000000) throw bad(origin, field, "must be in [" + std::to_string(least) + ", 1000000], got " + std::to_string(v));
+  return static_cast<int>(v);
+}
+
+// A tier's "groups": [{"ranks": n, "per_node": k, "all_gather": {latency_s, bus_bw}, ...}], each
+// shape once, per_node at most ranks.
+std::vector<GroupCost> group_costs(const json& rows, const std::string& path, double memory_bw, const std::string& origin) {
+  if (!rows.is_array()) throw bad(origin, path, "must be a list of {ranks, per_node, and each collective's figures}");
+  std::vector<GroupCost> out;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::string at = path + "[" + std::to_string(i) + "]";
+    const json& row = rows[i];
+    if (!row.is_object()) throw bad(origin, at, "must be an object");
+    GroupCost g;
+    g.ranks = whole_key(row, "ranks", 2, at, origin);
+    g.per_node = whole_key(row, "per_node", 1, at, origin);
+    if (g.per_node > g.ranks) throw bad(origin, at + ".per_node", "is above its ranks " + std::to_string(g.ranks));
+    for (const GroupCost& o : out)
+      if (o.ranks == g.ranks && o.per_node == g.per_node) throw bad(origin, at, "the same group shape as an earlier row");
+    for (int c = 0; c < kNumCollectives; ++c) {
+      const std::string name = to_string(static_cast<Collective>(c));
+      if (!row.contains(name) || !row.at(name).is_object()) throw bad(origin, at + "." + name, "missing");
+      g.op[c] = link_cost(row.at(name), at + "." + name, memory_bw, origin);
+    }
+    out.push_back(g);
+  }
+  return out;
+}
+
 Tier tier(const json& j, const std::string& key, double memory_bw, const std::string& origin) {
   if (!j.contains(key) || !j.at(key).is_object()) throw bad(origin, key, "missing (an object per collective)");
   const json& t = j.at(key);
@@ -75,6 +110,7 @@ Tier tier(const json& j, const std::string& key, double memory_bw, const std::st
     if (!t.contains(name) || !t.at(name).is_object()) throw bad(origin, path, "missing");
     out.op[c] = link_cost(t.at(name), path, memory_bw, origin);
   }
+  if (t.contains("groups")) out.groups = group_costs(t.at("groups"), key + ".groups", memory_bw, origin);
   return out;
 }
 
@@ -350,7 +386,8 @@ HardwareProfile parse_hardware(const std::string& text, const std::string& origi
       throw bad(origin, "disk_latency_s.value", "must be at most " + std::to_string(kMaxLatencySeconds) + " s");
   }
   for (auto [name, field] : {std::pair{"compute_slowdown_beside_disk", &h.compute_slowdown_beside_disk},
-                             std::pair{"disk_slowdown_beside_compute", &h.disk_slowdown_beside_compute}}) {
+                             std::pair{"disk_slowdown_beside_compute", &h.disk_slowdown_beside_compute},
+                             std::pair{"comm_slowdown_beside_compute", &h.comm_slowdown_beside_compute}}) {
     if (!j.contains(name)) continue;
     *field = figure(j, name, "", origin);
     if (*field < 1) throw bad(origin, std::string(name) + ".value", "must be >= 1 (a slowdown)");

@@ -40,13 +40,29 @@ struct SizeEfficiency {
   double fraction = 1;  // in (0, 1]: S · factor / busBw over (the table's time − latency)
 };
 
+// A tier's figures as measured on groups of one shape: `ranks` ranks, at most `per_node` of them
+// on one node. How a group lies matters as much as its size: two ranks of a node that cross the
+// network together share their node's link, and an MPI picks its algorithm by the group's size.
+struct GroupCost {
+  int ranks = 0, per_node = 0;
+  LinkCost op[kNumCollectives];
+};
+
 // A link tier: inside a node (NVLink, shared memory) or across nodes (the network).
 struct Tier {
   LinkCost op[kNumCollectives];
   // Optional (the intra tier of the GPU presets, from its all_reduce_by_size table), sizes
   // increasing: empty where the tier moves bytes at its bus_bw at every size.
   std::vector<SizeEfficiency> by_size;
+  // Optional (calibrate across machines writes them, as "groups"): figures of the group shapes
+  // measured. A group of a shape listed takes its row's figures, any other the tier's own.
+  std::vector<GroupCost> groups;
   const LinkCost& of(Collective c) const { return op[static_cast<int>(c)]; }
+  const LinkCost& of(Collective c, int ranks, int per_node) const {
+    for (const GroupCost& g : groups)
+      if (g.ranks == ranks && g.per_node == per_node) return g.op[static_cast<int>(c)];
+    return of(c);
+  }
 };
 
 // A measured GEMM rate: one rank running an (M, K) × (K, N) GEMM with `threads` compute threads,
@@ -159,6 +175,10 @@ struct HardwareProfile {
   int cores_per_node = 0;
   int64_t device_memory = 0;       // bytes per device (0: unbounded, the host's memory)
   double comm_compute_slowdown = 1;  // compute runs this many times slower while a collective runs
+  // Optional (calibrate writes it): a collective runs this many times slower while compute runs,
+  // where the CPU drives the transport (TCP's stack and MPI's progress share the cores with the
+  // kernels). 1: not given.
+  double comm_slowdown_beside_compute = 1;
   // Optional (calibrate writes them): measured rates of the GEMM shapes models use. A unit's
   // weight GEMMs are then priced at the nearest measured shape's rate; other FLOPs, and every GEMM
   // without them, at peak_flops × gemm_efficiency.

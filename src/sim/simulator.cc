@@ -134,7 +134,8 @@ SimResult simulate_runs(const CostModel& cost, const Plan& plan, const HardwareP
         return (comm_running ? 1.0 / hw.comm_compute_slowdown : 1.0) *
                (copy_running ? 1.0 / hw.compute_slowdown_beside_disk : 1.0) * (side_compute ? 0.5 : 1.0);
       if (copies(s)) return main_running ? 1.0 / hw.disk_slowdown_beside_compute : 1.0;
-      return computes(s) && main_running ? 0.5 : 1.0;
+      if (!computes(s)) return main_running ? 1.0 / hw.comm_slowdown_beside_compute : 1.0;
+      return main_running ? 0.5 : 1.0;
     };
     double dt = std::numeric_limits<double>::infinity();
     for (int s = 0; s < S; ++s)

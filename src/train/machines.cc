@@ -17,11 +17,6 @@
 
 namespace shardlm::train {
 
-namespace {
-
-// The kernel's boot id (a random id each boot), the host name where there is none: what a CPU
-// quota belongs to. A cgroup's quota is the kernel's, shared by every process under it, whichever
-// machine the launcher took them for (hosts that are namespaces of one kernel share it).
 std::string kernel_id() {
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string id;
@@ -30,6 +25,8 @@ std::string kernel_id() {
   if (::gethostname(host, sizeof host - 1) != 0) return "?";
   return host;
 }
+
+namespace {
 
 // k when ranks [0, k), [k, 2k), … each share one machine and no two blocks do; 1 otherwise.
 int block_of(const std::vector<std::string>& hosts, int machines) {

@@ -51,6 +51,12 @@ int machine_shard_group(const Machines& m, int world);
 // "1 machine", "2 machines of 4 ranks", "3 machines" (no block placement): for the run header.
 std::string describe(const Machines& m);
 
+// The kernel's boot id (a random id each boot), the host name where there is none: what a CPU
+// quota and the cores belong to. A cgroup's quota is the kernel's, shared by every process under
+// it, whichever machine the launcher took them for (hosts that are namespaces of one kernel share
+// it, and their cores).
+std::string kernel_id();
+
 // The CPUs this process may run on (its affinity mask); 0 where that is not known.
 int allowed_cpus();
 

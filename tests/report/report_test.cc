@@ -127,6 +127,7 @@ TEST_F(Report, RenderedPageHasEveryChartTheFinalLossAndNoConsoleMessage) {
       {"grad-norm", {{"grad_norm", steps}}},
       {"tokens-per-s", {{"tokens_per_s", steps}}},
       {"step-ms", {{"step_ms", steps}, {"compute_ms", steps}}},
+      {"comm-exposed", {{"comm_exposed_ms", steps}}},
       {"mfu", {{"mfu", steps}}},
       {"memory", {{"total", steps}, {"params", steps}, {"activations", steps}}}};
   for (const auto& [chart, series] : expected) {
@@ -142,6 +143,18 @@ TEST_F(Report, RenderedPageHasEveryChartTheFinalLossAndNoConsoleMessage) {
   ASSERT_NE(at, std::string::npos);
   EXPECT_DOUBLE_EQ(std::stod(attribute(dom, dom.rfind('<', at), "data-value")), last_loss);
   EXPECT_NE(dom.find(">" + [&] { std::ostringstream s; s.precision(6); s << last_loss; return s.str(); }() + "<"), std::string::npos);
+
+  // The slowest step after the first, where a straggler shows: its step_ms is the largest of them.
+  double slowest = 0;
+  int64_t slowest_step = -1, row_index = 0;
+  for (const auto& row : rows) {
+    if (!row.contains("loss")) continue;
+    if (row_index++ > 0 && row["step_ms"].get<double>() > slowest)
+      slowest = row["step_ms"].get<double>(), slowest_step = row["step"].get<int64_t>() + 1;
+  }
+  const size_t slow = dom.find("id=\"slowest-step\"");
+  ASSERT_NE(slow, std::string::npos);
+  EXPECT_EQ(attribute(dom, dom.rfind('<', slow), "data-step"), std::to_string(slowest_step));
 
   // Nothing missing; the trace broken down on the run's one rank.
   EXPECT_NE(dom.find("data-problems=\"0\""), std::string::npos);

@@ -213,6 +213,41 @@ TEST(Hardware, TheBySizeTableIsOptionalAndCheckedWhenGiven) {
   EXPECT_NE(e.find("one.json: intra_node.all_reduce_by_size.value: needs at least two sizes"), std::string::npos) << e;
 }
 
+// A tier's per-group rows (calibrate across machines writes them): a group of a listed shape is
+// priced with its row, any other with the tier's own figures; a bad row is refused naming it.
+TEST(Hardware, GroupRowsPriceTheirShapeAndAreChecked) {
+  auto j = nlohmann::json::parse(read(preset_dir() + "/cpu-local.json"));
+  j["devices_per_node"]["value"] = 2;
+  nlohmann::json row = j["inter_node"];
+  for (const char* op : {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}) {
+    row[op]["bus_bw"]["value"] = 1e8;
+    row[op]["latency_s"]["value"] = 1e-3;
+  }
+  row["ranks"] = 2, row["per_node"] = 1;
+  j["inter_node"]["groups"] = nlohmann::json::array({row});
+  const HardwareProfile hw = parse_hardware(j.dump(), "groups.json");
+  ASSERT_EQ(hw.inter.groups.size(), 1u);
+  const double S = 1e8;
+  // Two ranks on two nodes: the row (1 ms + S·(1/2) / 1e8 B/s).
+  EXPECT_NEAR(collective_cost(hw, Collective::all_gather, S, {2, 2, 1}).seconds, 1e-3 + 0.5, 1e-9);
+  // Four ranks, two a node: the tier's own figures.
+  const LinkCost& own = hw.inter.of(Collective::all_gather);
+  EXPECT_NEAR(collective_cost(hw, Collective::all_gather, S, {4, 2, 2}).seconds, own.latency_s + S * 0.75 / own.bus_bw, 1e-9);
+  // Without the rows the same group takes the tier's figures too.
+  EXPECT_GT(std::abs(collective_cost(preset("cpu-local"), Collective::all_gather, S, {2, 2, 1}).seconds - 0.501), 1e-3);
+  j["inter_node"]["groups"][0]["per_node"] = 3;
+  std::string e = error_of([&] { parse_hardware(j.dump(), "shape.json"); });
+  EXPECT_NE(e.find("shape.json: inter_node.groups[0].per_node: is above its ranks 2"), std::string::npos) << e;
+  j["inter_node"]["groups"][0]["per_node"] = 1;
+  j["inter_node"]["groups"].push_back(row);
+  e = error_of([&] { parse_hardware(j.dump(), "twice.json"); });
+  EXPECT_NE(e.find("twice.json: inter_node.groups[1]: the same group shape as an earlier row"), std::string::npos) << e;
+  j["inter_node"]["groups"] = nlohmann::json::array({row});
+  j["inter_node"]["groups"][0].erase("all_reduce");
+  e = error_of([&] { parse_hardware(j.dump(), "missing.json"); });
+  EXPECT_NE(e.find("missing.json: inter_node.groups[0].all_reduce: missing"), std::string::npos) << e;
+}
+
 // The disk tier's figures: cpu-local has them (measured); they are optional (a profile without
 // them loads, with 0: copies priced at nothing); a bad one is refused naming file and field.
 TEST(Hardware, DiskFiguresAreOptionalAndCheckedWhenGiven) {
