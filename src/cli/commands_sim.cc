@@ -431,8 +431,8 @@ nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& de
   for (int k = 0; k < plan::kNumStateKinds; ++k) {
     int disk = 0, held = 0;
     for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
-      held += plan.placed(plan::StateKind(k), u).parts > 0;
-      disk += plan.on_disk(plan::StateKind(k), u);
+      held += plan.placed(plan::State(k), u).parts > 0;
+      disk += plan.on_disk(plan::State(k), u);
     }
     j["disk"][names[k]] = disk;
     j["held"][names[k]] = held;
@@ -440,8 +440,8 @@ nlohmann::json placement_json(const plan::Plan& plan, const model::ModelDesc& de
   for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
     std::string w;
     for (int k = 0; k < plan::kNumStateKinds; ++k) {
-      const bool held = plan.placed(plan::StateKind(k), u).parts > 0;
-      w += std::string(k ? "/" : "") + (!held ? "-" : plan.on_disk(plan::StateKind(k), u) ? "disk" : "ram");
+      const bool held = plan.placed(plan::State(k), u).parts > 0;
+      w += std::string(k ? "/" : "") + (!held ? "-" : plan.on_disk(plan::State(k), u) ? "disk" : "ram");
     }
     units[desc.units[u].name] = w + "/" + plan.activations_where(u);
   }

@@ -54,7 +54,7 @@ namespace {
 constexpr int kActivations = kNumStateKinds;  // a Candidate's kind: a unit's saved activations
 
 struct Candidate {
-  int kind, unit;  // kind: a StateKind, or kActivations
+  int kind, unit;  // kind: a State, or kActivations
   int64_t bytes;
 };
 
@@ -72,8 +72,8 @@ Plan keep_what_fits(Plan p, int64_t budget, const std::vector<Candidate>& moved,
     bool any = false;
     for (auto m = moved.rbegin() + static_cast<std::ptrdiff_t>(whole); m != moved.rend(); ++m) {
       if (m->kind == kActivations) continue;  // saved activations move whole buffers
-      const int64_t per_elem = m->kind == static_cast<int>(StateKind::optimizer) ? 8 : 4;
-      const int64_t n = p.held_elems(StateKind(m->kind), m->unit);
+      const int64_t per_elem = m->kind == static_cast<int>(State::optimizer) ? 8 : 4;
+      const int64_t n = p.held_elems(State(m->kind), m->unit);
       const int64_t head = std::min((n - 1) / kResidentGrain, room / per_elem / kResidentGrain) * kResidentGrain;
       resident[m->unit][m->kind] = head;
       room -= per_elem * head;
@@ -155,7 +155,7 @@ Plan place_for_budget(const model::ModelDesc& desc, PlanConfig c) {
         if (train && !activations[u] && saved_bytes[u] > 0) of_kind.push_back({k, u, saved_bytes[u]});
         continue;
       }
-      const int64_t n = p.placed(StateKind(k), u).parts > 0 ? p.held_elems(StateKind(k), u) : 0;
+      const int64_t n = p.placed(State(k), u).parts > 0 ? p.held_elems(State(k), u) : 0;
       if (n > 0 && !choice[u][k]) of_kind.push_back({k, u, 4 * n * (k == 2 ? 2 : 1)});
     }
     if (k != kActivations)

@@ -58,7 +58,7 @@ class PlanDraft : public TaskList {
   int64_t unit_bytes(int u, int elem) const { return compute_elems(u) * elem; }
   int64_t shard_elems(int u) const { return plan_.layout.units[u].padded / plan_.shard_size; }
   // Whether kind k of unit u is split beyond its slice (over the axes that shard it).
-  bool split_beyond_slice(StateKind k, int u) const { return !within_slice(plan_.placed(k, u).axes, u).empty(); }
+  bool split_beyond_slice(State k, int u) const { return !within_slice(plan_.placed(k, u).axes, u).empty(); }
 
   // bf16 collectives cast through a staging buffer (comm): the whole unit and one shard. The
   // casts copy the whole unit once.

@@ -90,7 +90,7 @@ int GatherChain::gather(int u, int micro, int prefetch, int direction) {
   if (!deps.empty()) deps = {*std::max_element(deps.begin(), deps.end())};
   const bool bucket = units.size() > 1;
   const int t = d_.add(Op::all_gather, bucket ? -1 : u, micro, deps);
-  d_.at(t).axes = d_.within_slice(plan_.placed(StateKind::params, u).axes, u);
+  d_.at(t).axes = d_.within_slice(plan_.placed(State::params, u).axes, u);
   for (int v : units) {
     d_.at(t).bytes += d_.unit_bytes(v, cfg_.param_bytes);
     // The compute task the gather waits for brings its buffers into being as it ends.
@@ -173,7 +173,7 @@ void GatherChain::gather_part(int t, int u, int direction, int deps_last) {
 
 int GatherChain::gather_kept(int u) {
   const int t = d_.add(Op::all_gather, u, 0, {start_});
-  d_.at(t).axes = d_.within_slice(plan_.placed(StateKind::params, u).axes, u);
+  d_.at(t).axes = d_.within_slice(plan_.placed(State::params, u).axes, u);
   d_.at(t).bytes = d_.unit_bytes(u, cfg_.param_bytes);
   d_.at(t).io.params = gathered(u);
   if (start_ < 0) d_.alloc(t, gathered(u));

@@ -27,7 +27,7 @@ class GatherChain {
   void set_start(int t) { start_ = t; }
 
   // Whether unit u's compute tasks read its parameters from a gathered buffer.
-  bool sharded(int u) const { return d_.split_beyond_slice(StateKind::params, u); }
+  bool sharded(int u) const { return d_.split_beyond_slice(State::params, u); }
   // Kept gathered for the whole step (borrowed, or --keep-gathered whole): freed at its last use.
   bool kept(int u) const { return kept_[u]; }
   int gathered(int u);

@@ -59,7 +59,7 @@ void GradReduction::reduce(int u, int producer, int m) {
   const Plan& plan = d_.plan();
   if (cfg.world == 1) return;
   if (scatters(u)) {
-    const std::vector<int>& placed = plan.placed(StateKind::grads, u).axes;
+    const std::vector<int>& placed = plan.placed(State::grads, u).axes;
     const int64_t shard = d_.shard_elems(u);
     const int rs = d_.add(Op::reduce_scatter, u, m, {producer});
     d_.at(rs).axes = d_.within_slice(placed, u);
@@ -91,7 +91,7 @@ void GradReduction::reduce(int u, int producer, int m) {
   // consecutive units is one contiguous range of the flat gradient buffer, reduced over one group:
   // a sliced unit is a bucket of its own, and so is a unit whose gradients live on disk (--offload:
   // they are in its window, not in the flat buffer).
-  const bool alone = d_.slices(u) > 1 || cfg.offload.on_disk(StateKind::grads, u);
+  const bool alone = d_.slices(u) > 1 || cfg.offload.on_disk(State::grads, u);
   if (alone && bucket_last_ >= 0) close_bucket(producer);
   bucket_first_ = u;
   if (bucket_last_ < 0) bucket_last_ = u;

@@ -24,7 +24,7 @@ class GradReduction {
 
   // Whether unit u's gradients are written into full gradients of their own (reduce-scattered),
   // not into the unit's range of the flat gradient buffer.
-  bool scatters(int u) const { return d_.split_beyond_slice(StateKind::grads, u); }
+  bool scatters(int u) const { return d_.split_beyond_slice(State::grads, u); }
   // A scattered unit's full gradients: one buffer for the step, or one per micro-step where each
   // reduces.
   int full_grads(int u, int m);

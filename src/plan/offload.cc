@@ -15,10 +15,10 @@ namespace shardlm::plan {
 std::vector<StateTouch> state_touches(const Plan& p, const model::ModelDesc& desc, const Task& t) {
   std::vector<StateTouch> out;
   const int U = static_cast<int>(desc.units.size());
-  auto add = [&](StateIndex s, int u, bool write) {
+  auto add = [&](State s, int u, bool write) {
     if (u >= 0 && p.placed(kind_of(s), u).parts > 0) out.push_back({s, u, write});
   };
-  auto range = [&](int first, int last, StateIndex s, bool write) {
+  auto range = [&](int first, int last, State s, bool write) {
     const int step = last >= first ? 1 : -1;
     for (int u = first;; u += step) {
       add(s, u, write);
@@ -33,31 +33,31 @@ std::vector<StateTouch> state_touches(const Plan& p, const model::ModelDesc& des
     case Op::logits:
     case Op::backward: {
       const bool grads = t.op == Op::head || t.op == Op::backward;
-      if (t.io.params < 0) add(StateIndex::params, t.unit, false);
-      if (grads && t.io.grads < 0) add(StateIndex::grads, t.unit, true);
+      if (t.io.params < 0) add(State::params, t.unit, false);
+      if (grads && t.io.grads < 0) add(State::grads, t.unit, true);
       const int b = desc.units[t.unit].borrows;
-      if (b >= 0 && t.io.borrowed_params < 0) add(StateIndex::params, b, false);
-      if (b >= 0 && grads && t.io.borrowed_grads < 0) add(StateIndex::grads, b, true);
+      if (b >= 0 && t.io.borrowed_params < 0) add(State::params, b, false);
+      if (b >= 0 && grads && t.io.borrowed_grads < 0) add(State::grads, b, true);
       break;
     }
     case Op::all_gather:
-      if (t.first_unit >= 0) range(t.first_unit, t.last_unit, StateIndex::params, false);
-      else add(StateIndex::params, t.unit, false);
+      if (t.first_unit >= 0) range(t.first_unit, t.last_unit, State::params, false);
+      else add(State::params, t.unit, false);
       break;
-    case Op::reduce_scatter: add(StateIndex::grads, t.unit, true); break;
+    case Op::reduce_scatter: add(State::grads, t.unit, true); break;
     case Op::all_reduce:
-      if (t.first_unit >= 0) range(t.first_unit, t.last_unit, StateIndex::grads, true);
-      else add(StateIndex::grads, t.unit, true);
+      if (t.first_unit >= 0) range(t.first_unit, t.last_unit, State::grads, true);
+      else add(State::grads, t.unit, true);
       break;
-    case Op::param_gather: add(StateIndex::params, t.unit, true); break;
+    case Op::param_gather: add(State::params, t.unit, true); break;
     case Op::grad_norm:
-      if (t.unit >= 0) add(StateIndex::grads, t.unit, false);
-      else range(0, U - 1, StateIndex::grads, false);
+      if (t.unit >= 0) add(State::grads, t.unit, false);
+      else range(0, U - 1, State::grads, false);
       break;
     case Op::optimizer:
     case Op::optimizer_commit:  // a rollback or redo
       for (int u = t.unit >= 0 ? t.unit : 0; u <= (t.unit >= 0 ? t.unit : U - 1); ++u)
-        for (StateIndex s : {StateIndex::params, StateIndex::grads, StateIndex::exp_avg, StateIndex::exp_avg_sq})
+        for (State s : {State::params, State::grads, State::exp_avg, State::exp_avg_sq})
           add(s, u, true);  // gradients are clipped in place
       break;
     default: break;  // zero_grads: offloaded gradients start as zero-filled windows
@@ -69,7 +69,7 @@ namespace {
 
 // Replaces the task `op` (unit -1) by one per unit holding `kind`, in unit order, on the same
 // stream; the first keeps its buffers and dependencies, and what waited for it waits for the last.
-void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, StateKind kind) {
+void split_per_unit(Plan& p, const model::ModelDesc& desc, Op op, State kind) {
   const int n = static_cast<int>(p.tasks.size()), U = static_cast<int>(desc.units.size());
   std::vector<int> units;
   for (int u = 0; u < U; ++u)
@@ -240,8 +240,8 @@ void place_state_on_disk(Plan& p, const model::ModelDesc& desc) {
       UnitPlacement& up = placed[u];
       Placement& pl = k == 0 ? up.params : k == 1 ? up.grads : up.optimizer;
       if (pl.parts == 0) continue;
-      if (o.on_disk(StateKind(k), u)) pl.where = Location::disk, pl.resident = o.resident_elems(StateKind(k), u);
-      const int64_t in_memory = pl.where == Location::disk ? pl.resident : p.held_elems(StateKind(k), u);
+      if (o.on_disk(State(k), u)) pl.where = Location::disk, pl.resident = o.resident_elems(State(k), u);
+      const int64_t in_memory = pl.where == Location::disk ? pl.resident : p.held_elems(State(k), u);
       left[k] += 4 * in_memory;
       if (in_memory > 0) all[k] = false;
     }
@@ -251,7 +251,7 @@ void place_state_on_disk(Plan& p, const model::ModelDesc& desc) {
   p.static_memory.optimizer = 2 * left[2];
   for (BufferDesc& b : p.buffers) {
     const int k = b.role == Role::params ? 0 : b.role == Role::grads ? 1 : b.role == Role::exp_avg || b.role == Role::exp_avg_sq ? 2 : -1;
-    if (k < 0 || !p.any_on_disk(StateKind(k))) continue;
+    if (k < 0 || !p.any_on_disk(State(k))) continue;
     if (all[k]) b.where = Location::disk;
     else b.bytes = left[k];  // the resident units' and heads' part, packed (run::Executor lays it out so)
   }
@@ -262,14 +262,14 @@ void add_windows(Plan& p, const model::ModelDesc& desc) {
   const int U = static_cast<int>(desc.units.size());
   p.windows.assign(U, {-1, -1, -1, -1});
   for (int s = 0; s < kNumStateBuffers; ++s) {
-    const StateKind k = kind_of(StateIndex(s));
+    const State k = kind_of(State(s));
     for (int u = 0; u < U; ++u) {
       if (!p.on_disk(k, u)) continue;
       BufferDesc b;
       b.id = static_cast<int>(p.buffers.size());
-      b.name = std::string("window ") + to_string(StateIndex(s)) + " " + desc.units[u].name;
+      b.name = std::string("window ") + to_string(State(s)) + " " + desc.units[u].name;
       b.role = Role::window;
-      b.category = k == StateKind::params ? MemCategory::params : k == StateKind::grads ? MemCategory::grads : MemCategory::optimizer;
+      b.category = k == State::params ? MemCategory::params : k == State::grads ? MemCategory::grads : MemCategory::optimizer;
       b.bytes = p.window_bytes(k, u);
       b.unit = u;
       p.buffers.push_back(b);
@@ -325,7 +325,7 @@ std::vector<Residency> residencies(const std::vector<Use>& uses, int U, int pref
         res[r].written = res[r].written || x.write;
         continue;
       }
-      const bool fresh = train && x.state == static_cast<int>(StateIndex::grads) && r < 0;
+      const bool fresh = train && x.state == static_cast<int>(State::grads) && r < 0;
       res.push_back({x.state, x.unit, i, i, x.write, fresh, false});
       r = static_cast<int>(res.size()) - 1;
     }
@@ -354,7 +354,7 @@ std::vector<std::vector<PendingCopy>> copy_slots(Plan& p, const std::vector<Use>
     t.unit = r.unit;
     t.micro = p.tasks[uses[r.first].task].micro;
     t.io.window = p.windows[r.unit][r.state];
-    const StateKind k = kind_of(StateIndex(r.state));
+    const State k = kind_of(State(r.state));
     t.bytes = p.disk_slot_bytes(k, r.unit);           // to or from the file
     t.copy_bytes = 4 * p.placed(k, r.unit).resident;  // the resident head, within memory
     return t;
@@ -375,7 +375,7 @@ std::vector<std::vector<PendingCopy>> copy_slots(Plan& p, const std::vector<Use>
       slot[std::max(0, r.first - d)].push_back({std::move(t), r.first});
     }
     // Gradients are dead after the step's last use (the next step starts them at zero).
-    const bool write_back = r.written && !(train && r.last_of_step && r.state == static_cast<int>(StateIndex::grads));
+    const bool write_back = r.written && !(train && r.last_of_step && r.state == static_cast<int>(State::grads));
     if (write_back) {
       Task t = copy_task(Op::write_back, r);
       t.frees.push_back(w);
@@ -438,8 +438,8 @@ void offload_state(Plan& p, const model::ModelDesc& desc) {
   // One gradient-norm and one optimizer task per unit, so a unit's state is in memory only while
   // its own task runs.
   if (train) {
-    split_per_unit(p, desc, Op::grad_norm, StateKind::grads);
-    split_per_unit(p, desc, Op::optimizer, StateKind::optimizer);
+    split_per_unit(p, desc, Op::grad_norm, State::grads);
+    split_per_unit(p, desc, Op::optimizer, State::optimizer);
   }
   add_windows(p, desc);
   const std::vector<Use> uses = offloaded_uses(p, desc);

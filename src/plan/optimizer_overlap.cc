@@ -46,11 +46,11 @@ void optimizer_overlap_pass(Plan& p, const model::ModelDesc& desc) {
   for (const Task& t : p.tasks) {
     if (t.id == norm) break;
     for (const StateTouch& x : state_touches(p, desc, t))
-      if (x.state == StateIndex::grads && x.write) ready[x.unit] = t.id;
+      if (x.state == State::grads && x.write) ready[x.unit] = t.id;
   }
   std::vector<std::vector<int>> ready_at(p.tasks.size());  // by task: the units it makes final
   for (int u = 0; u < U; ++u)
-    if (p.placed(StateKind::optimizer, u).parts > 0) {
+    if (p.placed(State::optimizer, u).parts > 0) {
       if (ready[u] < 0) throw std::logic_error("optimizer overlap pass: no task writes the gradients of " + desc.units[u].name);
       ready_at[ready[u]].push_back(u);
     }
@@ -121,7 +121,7 @@ void optimizer_overlap_pass(Plan& p, const model::ModelDesc& desc) {
       b.name = "rollback " + desc.units[u].name;
       b.role = Role::rollback;
       b.category = MemCategory::optimizer;
-      b.bytes = 3 * 4 * p.held_elems(StateKind::optimizer, u);
+      b.bytes = 3 * 4 * p.held_elems(State::optimizer, u);
       b.unit = u;
       p.buffers.push_back(b);
       rollbacks.push_back(b.id);
@@ -134,7 +134,7 @@ void optimizer_overlap_pass(Plan& p, const model::ModelDesc& desc) {
       a.micro = n.micro;
       a.deps = {last_norm, last_compute};
       std::sort(a.deps.begin(), a.deps.end());
-      a.flops = 10.0 * static_cast<double>(p.held_elems(StateKind::optimizer, u));
+      a.flops = 10.0 * static_cast<double>(p.held_elems(State::optimizer, u));
       a.copy_bytes = b.bytes;
       a.io.rollback = b.id;
       last_update = emit(std::move(a));

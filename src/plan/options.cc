@@ -56,9 +56,9 @@ void apply_offload(const std::string& kinds, OffloadConfig& o) {
     const size_t at = rest.find(',');
     const std::string kind = rest.substr(0, at);
     rest = at == std::string::npos ? "" : rest.substr(at + 1);
-    if (kind == "params") o.kinds[static_cast<int>(StateKind::params)] = true;
-    else if (kind == "grads") o.kinds[static_cast<int>(StateKind::grads)] = true;
-    else if (kind == "optimizer") o.kinds[static_cast<int>(StateKind::optimizer)] = true;
+    if (kind == "params") o.kinds[static_cast<int>(State::params)] = true;
+    else if (kind == "grads") o.kinds[static_cast<int>(State::grads)] = true;
+    else if (kind == "optimizer") o.kinds[static_cast<int>(State::optimizer)] = true;
     else if (kind == "activations") o.activations = true;
     else throw std::invalid_argument("--offload: unknown kind '" + kind + "' (none, or any of params,grads,optimizer,activations)");
   }

@@ -16,7 +16,7 @@ namespace {
 // splits both), ascending; empty where each rank updates all it holds. An axis of one rank counts
 // too (its gather spans the one rank).
 std::vector<int> gathered_over(const Plan& p, int u) {
-  const Placement &params = p.placed(StateKind::params, u), &moments = p.placed(StateKind::optimizer, u);
+  const Placement &params = p.placed(State::params, u), &moments = p.placed(State::optimizer, u);
   std::vector<int> axes;
   for (int a : moments.axes)
     if (std::find(params.axes.begin(), params.axes.end(), a) == params.axes.end()) axes.push_back(a);

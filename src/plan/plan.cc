@@ -93,15 +93,15 @@ void Plan::set_placement(std::vector<UnitPlacement> placement) {
     auto& at = held_offsets_[k];
     at.assign(1, 0);
     for (size_t u = 0; u < placement_.size(); ++u) {
-      const Placement& p = placement_[u].of(StateKind(k));
+      const Placement& p = placement_[u].of(State(k));
       const bool held = p.parts > 0;
       if ((held && p.parts != mesh.group_size(p.axes)) || (!held && (p.parts < 0 || !p.axes.empty())) ||
           (held && layout.units[u].padded % (16 * p.parts) != 0))
-        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(StateKind(k)) + " in " +
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(State(k)) + " in " +
                                std::to_string(p.parts) + " parts does not fit its axes or its padding");
-      const int64_t n = held_elems(StateKind(k), static_cast<int>(u));
+      const int64_t n = held_elems(State(k), static_cast<int>(u));
       if (p.resident != 0 && (p.where != Location::disk || p.resident < 0 || p.resident >= n || p.resident % kResidentGrain != 0))
-        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(StateKind(k)) + " keeps " +
+        throw std::logic_error("plan: unit " + std::to_string(u) + "'s " + kind_name(State(k)) + " keeps " +
                                std::to_string(p.resident) + " of its " + std::to_string(n) +
                                " elements resident (on disk, fewer than all, whole 4 KiB pages only)");
       at.push_back(at.back() + n);
@@ -109,28 +109,28 @@ void Plan::set_placement(std::vector<UnitPlacement> placement) {
   }
 }
 
-int64_t Plan::held_elems(StateKind k, int u) const {
+int64_t Plan::held_elems(State k, int u) const {
   const int parts = placed(k, u).parts;
   return parts == 0 ? 0 : layout.units[u].padded / parts;
 }
 
-bool Plan::any_on_disk(StateKind k) const {
+bool Plan::any_on_disk(State k) const {
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
     if (on_disk(k, u)) return true;
   return false;
 }
 
-int64_t Plan::disk_slot_bytes(StateKind k, int u) const {
+int64_t Plan::disk_slot_bytes(State k, int u) const {
   return on_disk(k, u) ? disk_aligned(4 * (held_elems(k, u) - placed(k, u).resident)) : 0;
 }
 
-int64_t Plan::window_bytes(StateKind k, int u) const { return on_disk(k, u) ? disk_aligned(4 * held_elems(k, u)) : 0; }
+int64_t Plan::window_bytes(State k, int u) const { return on_disk(k, u) ? disk_aligned(4 * held_elems(k, u)) : 0; }
 
 int64_t Plan::disk_bytes() const {
   int64_t bytes = activation_file_bytes;
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u)
     for (int k = 0; k < kNumStateKinds; ++k)
-      bytes += disk_slot_bytes(StateKind(k), u) * (StateKind(k) == StateKind::optimizer ? 2 : 1);
+      bytes += disk_slot_bytes(State(k), u) * (State(k) == State::optimizer ? 2 : 1);
   return bytes;
 }
 
@@ -144,7 +144,7 @@ const char* Plan::activations_where(int u) const {
   return kept ? "ram" : "-";
 }
 
-bool Plan::held_whole(StateKind k) const {
+bool Plan::held_whole(State k) const {
   for (const UnitPlacement& p : placement_)
     if (p.of(k).parts != 1) return false;
   return true;
@@ -153,7 +153,7 @@ bool Plan::held_whole(StateKind k) const {
 std::vector<GradClass> Plan::grad_classes() const {
   std::vector<GradClass> classes;
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u) {
-    const Placement& g = placed(StateKind::grads, u);
+    const Placement& g = placed(State::grads, u);
     if (g.parts == 0) continue;
     auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == g.axes; });
     if (it == classes.end()) it = classes.insert(classes.end(), GradClass{g.axes, {}});
@@ -337,7 +337,7 @@ MemSnapshot walk_memory(const Plan& plan, MemSnapshot* each) {
 // --gather-bucket-mb: which units share an all_gather, and what that costs in memory against
 // the same plan with one all_gather per unit.
 void gather_buckets_text(const Plan& plan, const model::ModelDesc& desc, std::ostream& o) {
-  if (plan.config.gather_bucket_mb <= 0 || plan.held_whole(StateKind::params)) return;  // no sharded parameters, no gathers
+  if (plan.config.gather_bucket_mb <= 0 || plan.held_whole(State::params)) return;  // no sharded parameters, no gathers
   std::vector<const Task*> buckets;
   int gathers = 0;
   for (const Task& t : plan.tasks) {
@@ -398,10 +398,10 @@ void unit_state_text(const Plan& plan, const model::ModelDesc& desc, std::ostrea
   for (int u = 0; u < static_cast<int>(desc.units.size()); ++u) {
     o << "  " << desc.units[u].name << std::string(width - desc.units[u].name.size(), ' ');
     for (int k = 0; k < kNumStateKinds; ++k) {
-      const Placement& p = plan.placed(StateKind(k), u);
+      const Placement& p = plan.placed(State(k), u);
       o << (k ? " / " : " ") << (p.parts == 0 ? "-" : p.where == Location::disk ? "disk" : "ram");
       if (p.resident > 0)  // a resident head: the share of the part kept in memory
-        o << " (" << 100 * p.resident / plan.held_elems(StateKind(k), u) << "% ram)";
+        o << " (" << 100 * p.resident / plan.held_elems(State(k), u) << "% ram)";
     }
     o << " / " << plan.activations_where(u);
     o << "\n";
@@ -413,13 +413,13 @@ void placement_text(const Plan& plan, std::ostream& o) {
   o << "\nstate placement (each unit's element ranges over mesh axes, and where they live):\n";
   const std::vector<UnitPlacement>& units = plan.placement();
   for (int k = 0; k < kNumStateKinds; ++k) {
-    o << "  " << kind_name(StateKind(k)) << ":";
+    o << "  " << kind_name(State(k)) << ":";
     for (size_t first = 0, u = 0; first < units.size(); first = u) {
-      const Placement& p = units[first].of(StateKind(k));
+      const Placement& p = units[first].of(State(k));
       auto same = [&](const Placement& q) {
         return q.axes == p.axes && q.parts == p.parts && q.where == p.where && q.resident == p.resident;
       };
-      while (u < units.size() && same(units[u].of(StateKind(k)))) ++u;
+      while (u < units.size() && same(units[u].of(State(k)))) ++u;
       o << (first ? ";" : "") << " u" << first;
       if (u - 1 > first) o << "-u" << u - 1;
       if (p.parts == 0) {
@@ -499,7 +499,7 @@ std::string Plan::to_text(const model::ModelDesc& desc) const {
   if (c.act_quant.on())
     o << ", act-quant int8 (group " << c.act_quant.group << ", " << (c.act_quant.stochastic ? "stochastic" : "nearest")
       << " rounding)";
-  if (c.gather_bucket_mb > 0 && !held_whole(StateKind::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
+  if (c.gather_bucket_mb > 0 && !held_whole(State::params)) o << ", gather buckets <= " << c.gather_bucket_mb << " MiB";
   if (c.pipeline_optimizer && c.mode == PlanConfig::Mode::train) o << ", pipelined optimizer";
   if (c.reduce_each_micro_step) o << ", gradients reduce-scattered each micro-step";
   o << "\n";

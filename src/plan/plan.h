@@ -161,9 +161,6 @@ struct Task {
 enum class State { params, grads, exp_avg, exp_avg_sq, optimizer = exp_avg };
 inline constexpr int kNumStateKinds = 3;
 inline constexpr int kNumStateBuffers = 4;
-// Spellings of State by use: a placed kind (params, grads, optimizer), a buffer (any of the four).
-using StateKind = State;
-using StateIndex = State;
 // The kind a buffer is placed as: either moment is the optimizer's.
 constexpr State kind_of(State s) { return s == State::exp_avg_sq ? State::optimizer : s; }
 // The buffer's name (params, grads, exp_avg, exp_avg_sq: the offload files' and windows' names).
@@ -180,8 +177,8 @@ inline constexpr int kMaxOffloadPrefetchDepth = 64;
 // The disk tier (--offload): which kinds of state live in files instead of memory, and how many
 // units' state the copy stream reads ahead of the task using it.
 struct OffloadConfig {
-  std::array<bool, kNumStateKinds> kinds{};  // by StateKind: every unit's state of that kind
-  // A choice per unit (by unit index, then StateKind), e.g. the budget's placement pass's; empty:
+  std::array<bool, kNumStateKinds> kinds{};  // by kind (State below kNumStateKinds): every unit's state of that kind
+  // A choice per unit (by unit index, then kind), e.g. the budget's placement pass's; empty:
   // `kinds` holds for every unit. When set, it is the whole choice (`kinds` is ignored).
   std::vector<std::array<bool, kNumStateKinds>> units;
   // --offload activations: the blocks' saved activations are written to disk after their forward
@@ -189,16 +186,16 @@ struct OffloadConfig {
   bool activations = false;
   // With `activations`, a choice per unit (the budget's); empty: every unit's.
   std::vector<char> activation_units;
-  // Per unit (then StateKind), elements at the head of each rank's part of an offloaded kind that
+  // Per unit (then kind), elements at the head of each rank's part of an offloaded kind that
   // stay in memory (Placement::resident; the budget's use of what whole units leave of it); empty
   // or 0: the whole part is on disk.
   std::vector<std::array<int64_t, kNumStateKinds>> resident;
-  int64_t resident_elems(StateKind k, int u) const {
-    return u < static_cast<int>(resident.size()) ? resident[u][static_cast<int>(k)] : 0;
+  int64_t resident_elems(State k, int u) const {  // either moment reads the optimizer's
+    return u < static_cast<int>(resident.size()) ? resident[u][static_cast<int>(kind_of(k))] : 0;
   }
   int prefetch = 2;
-  bool on_disk(StateKind k, int u) const {
-    const int i = static_cast<int>(k);
+  bool on_disk(State k, int u) const {
+    const int i = static_cast<int>(kind_of(k));
     return units.empty() ? kinds[i] : u < static_cast<int>(units.size()) && units[u][i];
   }
   bool activations_on_disk(int u) const {
@@ -342,7 +339,7 @@ inline constexpr int64_t kResidentGrain = 1024;
 // different places.
 struct UnitPlacement {
   Placement params, grads, optimizer;
-  const Placement& of(StateKind k) const;
+  const Placement& of(State k) const;
 };
 
 // Units whose gradients are placed over the same axes: the ranks of one group over those axes
@@ -375,7 +372,7 @@ struct Plan {
   // not partly kept).
   std::vector<int64_t> kept_elems;
   Repeat repeat;
-  // --offload: per unit, the window buffer of each kind of state on disk, by StateIndex (params,
+  // --offload: per unit, the window buffer of each kind of state on disk, by State (params,
   // grads, exp_avg, exp_avg_sq); -1: that state is in memory (or not held). A window holds the
   // rank's part of the unit, padded to the disk's 4 KiB, from the task that loads it (a reload,
   // or for a step's first gradients the first task writing them, zero-filled) to the task that
@@ -389,18 +386,18 @@ struct Plan {
   // Each unit's state placement (set_placement); a rank's buffer of one kind holds its range of
   // every unit that kind is held of, back to back in unit order.
   const std::vector<UnitPlacement>& placement() const { return placement_; }
-  const Placement& placed(StateKind k, int u) const { return placement_[u].of(k); }
+  const Placement& placed(State k, int u) const { return placement_[u].of(k); }
   // Whether unit u's kind-k state is held and lives on disk; whether any unit's does.
-  bool on_disk(StateKind k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
-  bool any_on_disk(StateKind k) const;
+  bool on_disk(State k, int u) const { return placed(k, u).parts > 0 && placed(k, u).where == Location::disk; }
+  bool any_on_disk(State k) const;
   // Bytes unit u's kind-k state (one moment, for the optimizer) takes in its offload file (its
   // held part past the resident head) and in its window (all of its held part), each padded to the
   // disk's 4 KiB; 0 where it stays in memory.
-  int64_t disk_slot_bytes(StateKind k, int u) const;
-  int64_t window_bytes(StateKind k, int u) const;
+  int64_t disk_slot_bytes(State k, int u) const;
+  int64_t window_bytes(State k, int u) const;
   // Elements of unit u's kind-k part that live in memory: all of it, the resident head of a part
   // on disk, or none.
-  int64_t ram_elems(StateKind k, int u) const { return on_disk(k, u) ? placed(k, u).resident : held_elems(k, u); }
+  int64_t ram_elems(State k, int u) const { return on_disk(k, u) ? placed(k, u).resident : held_elems(k, u); }
   // Bytes of this rank's offload files: each unit's part of each kind of state it keeps on disk,
   // padded to the disk's 4 KiB (the optimizer's two moments apart), and the activations file.
   int64_t disk_bytes() const;
@@ -412,13 +409,13 @@ struct Plan {
   void set_placement(std::vector<UnitPlacement> placement);
   // Elements of unit u's kind-k state one rank holds, where they start in its buffer of that kind,
   // and that buffer's length.
-  int64_t held_elems(StateKind k, int u) const;
-  int64_t held_offset(StateKind k, int u) const { return held_offsets_[static_cast<int>(kind_of(k))][u]; }
-  int64_t held_total(StateKind k) const { return held_offsets_[static_cast<int>(kind_of(k))].back(); }
+  int64_t held_elems(State k, int u) const;
+  int64_t held_offset(State k, int u) const { return held_offsets_[static_cast<int>(kind_of(k))][u]; }
+  int64_t held_total(State k) const { return held_offsets_[static_cast<int>(kind_of(k))].back(); }
   // Which of unit u's `parts` ranges of kind k rank `rank` holds.
-  int part_index(StateKind k, int u, int rank) const { return mesh.index_in(rank, placed(k, u).axes); }
+  int part_index(State k, int u, int rank) const { return mesh.index_in(rank, placed(k, u).axes); }
   // True when every unit holds kind k whole (a process's buffer is the whole flat layout).
-  bool held_whole(StateKind k) const;
+  bool held_whole(State k) const;
   // The units holding gradients, by the axes their gradients are placed over, in unit order.
   std::vector<GradClass> grad_classes() const;
 
@@ -528,7 +525,7 @@ void optimizer_overlap_pass(Plan& plan, const model::ModelDesc& desc);
 
 // The run-long state a task reads or writes in place (not through a per-task buffer).
 struct StateTouch {
-  StateIndex state;
+  State state;
   int unit;
   bool write;
 };

@@ -241,7 +241,7 @@ void Builder::finish() {
       at(before_opt).bytes = 8 * static_cast<int64_t>(plan_.grad_classes().size() + 1) * plan_.mesh.group_size(plan_.norm_axes());
     }
     const int opt = add(Op::optimizer, -1, last_micro_, {before_opt});
-    at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(StateKind::optimizer));
+    at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(State::optimizer));
     end = opt;
   } else {
     end = heads_.back();
@@ -299,19 +299,19 @@ void Builder::frame() {
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
   sharded_optimizer_ = s != Strategy::ddp;
   place_state();
-  auto held = [&](StateKind k) { return 4 * plan_.held_total(k); };
-  plan_.static_memory = {held(StateKind::params), held(StateKind::grads), 2 * held(StateKind::optimizer), 0};
+  auto held = [&](State k) { return 4 * plan_.held_total(k); };
+  plan_.static_memory = {held(State::params), held(State::grads), 2 * held(State::optimizer), 0};
   if (cfg_.stage_checkpoint && train_)
     plan_.static_memory.staging = plan_.static_memory.params + plan_.static_memory.optimizer + kCheckpointIoBytes;
 }
 
 Plan Builder::build() {
   frame();
-  auto held = [&](StateKind k) { return 4 * plan_.held_total(k); };
-  buffer("params", Role::params, MemCategory::params, held(StateKind::params), -1);
-  buffer("grads", Role::grads, MemCategory::grads, held(StateKind::grads), -1);
-  buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(StateKind::optimizer), -1);
-  buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(StateKind::optimizer), -1);
+  auto held = [&](State k) { return 4 * plan_.held_total(k); };
+  buffer("params", Role::params, MemCategory::params, held(State::params), -1);
+  buffer("grads", Role::grads, MemCategory::grads, held(State::grads), -1);
+  buffer("exp_avg", Role::exp_avg, MemCategory::optimizer, held(State::optimizer), -1);
+  buffer("exp_avg_sq", Role::exp_avg_sq, MemCategory::optimizer, held(State::optimizer), -1);
 
   const int U = static_cast<int>(desc_.units.size());
   shape_ = plan_.unit_shape(cfg_.activation_bytes);

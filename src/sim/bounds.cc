@@ -86,7 +86,7 @@ StreamSeconds stream_seconds(const model::ModelDesc& desc, const Plan& frame, co
   t.op = Op::grad_norm;
   once += cost.seconds(t);
   t.op = Op::optimizer;
-  t.flops = 10.0 * static_cast<double>(frame.held_total(plan::StateKind::optimizer));
+  t.flops = 10.0 * static_cast<double>(frame.held_total(plan::State::optimizer));
   once += cost.seconds(t);
   const double A = static_cast<double>(c.grad_accum);
   return {per_micro * A + once, exchanges * A, waited * A};

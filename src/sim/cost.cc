@@ -325,11 +325,11 @@ double CostModel::compute_seconds(const plan::Task& t) const {
     // the static figures): that unit's part of each.
     case OpWork::adamw:
       bytes = t.unit < 0 ? 2.0 * (st.params + st.optimizer) + st.grads
-                         : 4.0 * (2.0 * (plan_.held_elems(plan::StateKind::params, t.unit) + 2 * plan_.held_elems(plan::StateKind::optimizer, t.unit)) +
-                                  plan_.held_elems(plan::StateKind::grads, t.unit));
+                         : 4.0 * (2.0 * (plan_.held_elems(plan::State::params, t.unit) + 2 * plan_.held_elems(plan::State::optimizer, t.unit)) +
+                                  plan_.held_elems(plan::State::grads, t.unit));
       break;
     case OpWork::grads_pass:
-      bytes = t.unit < 0 ? static_cast<double>(st.grads) : 4.0 * plan_.held_elems(plan::StateKind::grads, t.unit);
+      bytes = t.unit < 0 ? static_cast<double>(st.grads) : 4.0 * plan_.held_elems(plan::State::grads, t.unit);
       break;
     case OpWork::none: break;
   }

@@ -392,8 +392,8 @@ ckpt::ShardedLayout sharded_layout(const plan::Plan& p, int world) {
   ckpt::ShardedLayout L;
   L.flat = p.layout;
   L.world = world;
-  const plan::StateKind kinds[ckpt::kNumKinds] = {plan::StateKind::params, plan::StateKind::optimizer,
-                                                  plan::StateKind::optimizer};
+  const plan::State kinds[ckpt::kNumKinds] = {plan::State::params, plan::State::optimizer,
+                                                  plan::State::optimizer};
   for (int k = 0; k < ckpt::kNumKinds; ++k)
     for (int u = 0; u < static_cast<int>(p.layout.units.size()); ++u) {
       const plan::Placement& where = p.placed(kinds[k], u);

@@ -40,7 +40,7 @@ std::unique_ptr<ckpt::SnapshotStore> make_snapshot_store(const TrainConfig& cfg,
 
 plan::Plan with_snapshot_memory(plan::Plan plan, const TrainConfig& cfg) {
   if (cfg.snapshot_every <= 0) return plan;
-  for (plan::StateKind k : {plan::StateKind::params, plan::StateKind::grads, plan::StateKind::optimizer})
+  for (plan::State k : {plan::State::params, plan::State::grads, plan::State::optimizer})
     if (plan.any_on_disk(k))  // only a budget gets here: config validation refuses --offload with snapshots
       throw std::invalid_argument("--memory-budget " + cfg.memory_budget +
                                   " with --snapshot-every: the budget puts state on disk, and in-memory snapshots of "

@@ -51,8 +51,8 @@ TEST(Budget, PeakStaysWithinABudgetBetweenFullOffloadAndResident) {
     // The optimizer goes first: no parameters leave while some optimizer state stays.
     bool opt_left = false, params_gone = false;
     for (int u = 0; u < static_cast<int>(d.units.size()); ++u) {
-      opt_left = opt_left || (p.placed(StateKind::optimizer, u).parts > 0 && !p.on_disk(StateKind::optimizer, u));
-      params_gone = params_gone || p.on_disk(StateKind::params, u);
+      opt_left = opt_left || (p.placed(State::optimizer, u).parts > 0 && !p.on_disk(State::optimizer, u));
+      params_gone = params_gone || p.on_disk(State::params, u);
     }
     EXPECT_FALSE(opt_left && params_gone) << f;
     // The choice is in the config, so a plan built from it (evaluation's) places alike.
@@ -153,8 +153,8 @@ TEST(Budget, SavedActivationsGoAfterGradientsAndBeforeParametersFirstForwardFirs
       where += w + " ";
       ram_before_disk = ram_before_disk || (w == "disk" && where.find("ram") != std::string::npos);
       some_disk = some_disk || w == "disk";
-      params_gone = params_gone || p.on_disk(StateKind::params, u);
-      grads_left = grads_left || (p.placed(StateKind::grads, u).parts > 0 && !p.on_disk(StateKind::grads, u));
+      params_gone = params_gone || p.on_disk(State::params, u);
+      grads_left = grads_left || (p.placed(State::grads, u).parts > 0 && !p.on_disk(State::grads, u));
     }
     EXPECT_FALSE(ram_before_disk) << f << ": " << where;
     if (f < 1) {

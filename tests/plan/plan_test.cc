@@ -190,18 +190,18 @@ void expect_no_buffer_alive_twice(const model::ModelDesc& d, const PlanConfig& c
     if (io.window >= 0) used.push_back(io.window);
     if (io.rollback >= 0) used.push_back(io.rollback);
     // Offloaded state (--offload) is used through its unit's window, which must be loaded.
-    auto window = [&](StateIndex s, int u) {
+    auto window = [&](State s, int u) {
       if (u >= 0 && p.window(static_cast<int>(s), u) >= 0) used.push_back(p.window(static_cast<int>(s), u));
     };
     const bool unit_task = t.op == Op::forward || t.op == Op::recompute || t.op == Op::head || t.op == Op::loss ||
                            t.op == Op::logits || t.op == Op::backward;
-    if (unit_task && io.params < 0) window(StateIndex::params, t.unit);
-    if ((t.op == Op::head || t.op == Op::backward) && io.grads < 0) window(StateIndex::grads, t.unit);
-    if (unit_task && d.units[t.unit].borrows >= 0 && io.borrowed_params < 0) window(StateIndex::params, d.units[t.unit].borrows);
-    if (t.op == Op::all_gather && t.first_unit < 0) window(StateIndex::params, t.unit);
-    if (t.op == Op::reduce_scatter || (t.op == Op::grad_norm && t.unit >= 0)) window(StateIndex::grads, t.unit);
+    if (unit_task && io.params < 0) window(State::params, t.unit);
+    if ((t.op == Op::head || t.op == Op::backward) && io.grads < 0) window(State::grads, t.unit);
+    if (unit_task && d.units[t.unit].borrows >= 0 && io.borrowed_params < 0) window(State::params, d.units[t.unit].borrows);
+    if (t.op == Op::all_gather && t.first_unit < 0) window(State::params, t.unit);
+    if (t.op == Op::reduce_scatter || (t.op == Op::grad_norm && t.unit >= 0)) window(State::grads, t.unit);
     if (t.op == Op::optimizer && t.unit >= 0)
-      for (StateIndex s : {StateIndex::params, StateIndex::grads, StateIndex::exp_avg, StateIndex::exp_avg_sq}) window(s, t.unit);
+      for (State s : {State::params, State::grads, State::exp_avg, State::exp_avg_sq}) window(s, t.unit);
     for (int b : used) {
       ASSERT_TRUE(alloc_by.count(b)) << what << ": " << t.name(&d) << " uses " << p.buffers[b].name << " before any allocation";
       const int a = alloc_by[b];
@@ -457,7 +457,7 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
       logits.recompute = model::Recompute::none;
       only_compute(build_plan(d, logits), w + " logits");
       for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
-        EXPECT_EQ(p.placed(StateKind::params, u).where, Location::disk) << w;
+        EXPECT_EQ(p.placed(State::params, u).where, Location::disk) << w;
       if (c.recompute == model::Recompute::none) {
         PlanConfig f = c;
         f.mode = PlanConfig::Mode::loss;
@@ -474,13 +474,13 @@ TEST(Plan, OffloadedStateIsInItsWindowForEveryUse) {
     const Plan p = build_plan(d, c);
     for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
       for (int k = 0; k < kNumStateKinds; ++k)
-        if (p.placed(StateKind(k), u).parts > 0) {
-          EXPECT_EQ(p.on_disk(StateKind(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k; }
+        if (p.placed(State(k), u).parts > 0) {
+          EXPECT_EQ(p.on_disk(State(k), u), (u + k) % 2 == 0) << what << " unit " << u << " kind " << k; }
     // A gradient bucket is a range of the flat buffer in memory, or one unit's window.
     for (const Task& t : p.tasks)
       if (t.op == Op::all_reduce && t.first_unit >= 0)
         for (int u = t.first_unit; u <= t.last_unit; ++u)
-          if (p.on_disk(StateKind::grads, u)) { EXPECT_EQ(t.first_unit, t.last_unit) << what << ": " << t.name(&d); }
+          if (p.on_disk(State::grads, u)) { EXPECT_EQ(t.first_unit, t.last_unit) << what << ": " << t.name(&d); }
   });
 }
 
@@ -648,7 +648,7 @@ TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
     std::array<int64_t, kNumStateKinds> heads{};
     for (int u = 0; u < U; ++u)
       for (int k = 0; k < kNumStateKinds; ++k) {
-        const int64_t half = full.held_elems(StateKind(k), u) / 2 / kResidentGrain * kResidentGrain;
+        const int64_t half = full.held_elems(State(k), u) / 2 / kResidentGrain * kResidentGrain;
         c.offload.resident[u][k] = half;
         heads[k] += half;
       }
@@ -666,8 +666,8 @@ TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
       if (t.op != Op::reload && t.op != Op::write_back) continue;
       ++copies;
       const BufferDesc& w = p.buffers[t.io.window];
-      const StateKind k = w.category == MemCategory::params ? StateKind::params
-                          : w.category == MemCategory::grads ? StateKind::grads : StateKind::optimizer;
+      const State k = w.category == MemCategory::params ? State::params
+                          : w.category == MemCategory::grads ? State::grads : State::optimizer;
       const int64_t n = p.held_elems(k, t.unit), head = p.placed(k, t.unit).resident;
       EXPECT_EQ(head, c.offload.resident[t.unit][static_cast<int>(k)]);
       EXPECT_EQ(w.bytes, full.window_bytes(k, t.unit)) << t.name(&d);
@@ -681,7 +681,7 @@ TEST(Plan, AResidentHeadStaysInMemoryAndTheCopiesMoveOnlyTheRest) {
     PlanConfig bad = c;
     bad.offload.resident[1][0] = kResidentGrain / 2;
     EXPECT_THROW(build_plan(d, bad), std::logic_error);
-    bad.offload.resident[1][0] = full.held_elems(StateKind::params, 1);
+    bad.offload.resident[1][0] = full.held_elems(State::params, 1);
     EXPECT_THROW(build_plan(d, bad), std::logic_error);
   }
 }
@@ -741,7 +741,7 @@ TEST(Plan, PipelinedUpdatesWaitForTheirGradientsAndTheCommitForThemAll) {
       if (t.op == Op::param_gather || t.op == Op::loss_reduce) { EXPECT_TRUE(p.depends_on(t.id, commit)) << t.name(&d); }
       if (t.op == Op::optimizer || t.op == Op::grad_norm || t.op == Op::optimizer_commit) continue;
       for (const StateTouch& x : state_touches(p, d, t))
-        if (x.state == StateIndex::grads && x.write) {
+        if (x.state == State::grads && x.write) {
           EXPECT_TRUE(p.depends_on(update[x.unit], t.id)) << t.name(&d) << " writes gradients its unit's update may not see";
           EXPECT_TRUE(p.depends_on(norm[x.unit], t.id)) << t.name(&d);
         }
@@ -1010,8 +1010,8 @@ TEST(Plan, ParamGathersFollowTheOptimizerWhereItUpdatesPartOfWhatARankHolds) {
         EXPECT_EQ(t.deps, std::vector<int>{optimizer}) << what << ": " << t.name(&moe);
         EXPECT_EQ(loss_reduce, -1) << what << ": " << t.name(&moe) << " after the loss's reduction";
         std::vector<int> extra;
-        for (int a : p.placed(StateKind::optimizer, t.unit).axes) {
-          const std::vector<int>& held = p.placed(StateKind::params, t.unit).axes;
+        for (int a : p.placed(State::optimizer, t.unit).axes) {
+          const std::vector<int>& held = p.placed(State::params, t.unit).axes;
           if (std::find(held.begin(), held.end(), a) == held.end()) extra.push_back(a);
         }
         EXPECT_EQ(t.axes, extra) << what << ": " << t.name(&moe);
@@ -1066,7 +1066,7 @@ TEST(Plan, GradientsAreSummedOnceOverTheRanksTheirPlacementSays) {
     int last = 0;
     for (const Task& t : p.tasks) last = std::max(last, t.micro);
     for (int u = 0; u < static_cast<int>(d.units.size()); ++u) {
-      const Placement& g = p.placed(StateKind::grads, u);
+      const Placement& g = p.placed(State::grads, u);
       const bool split = !within_slice(p, d, g.axes, u).empty();
       const int summed = p.mesh.group_size(within_slice(p, d, p.grad_axes(), u));
       int64_t ranks = 1;
@@ -1099,21 +1099,21 @@ TEST(Plan, SplitParametersAreGatheredBeforeEveryTaskReadingThem) {
   for_each_layout([](const model::ModelDesc& d, const Plan& p, const std::string& what) {
     bool any_split = false;
     for (int u = 0; u < static_cast<int>(d.units.size()); ++u)
-      any_split = any_split || !within_slice(p, d, p.placed(StateKind::params, u).axes, u).empty();
+      any_split = any_split || !within_slice(p, d, p.placed(State::params, u).axes, u).empty();
     for (const Task& t : p.tasks) {
       if (t.op == Op::all_gather) EXPECT_TRUE(any_split) << what << ": " << t.name(&d);
       if (t.stream != kCompute) continue;
       for (int b : {t.io.params, t.io.borrowed_params}) {
         if (b < 0) continue;
         const int u = p.buffers[b].unit;
-        EXPECT_FALSE(within_slice(p, d, p.placed(StateKind::params, u).axes, u).empty()) << what << ": " << t.name(&d);
+        EXPECT_FALSE(within_slice(p, d, p.placed(State::params, u).axes, u).empty()) << what << ": " << t.name(&d);
         bool filled = false;
         for (const Task& g : p.tasks) {
           if (g.id >= t.id || g.op != Op::all_gather) continue;
           const bool fills = g.io.params == b || std::count(g.io.bucket.begin(), g.io.bucket.end(), b) > 0;
           if (!fills || !p.depends_on(t.id, g.id)) continue;
           filled = true;
-          EXPECT_EQ(g.axes, within_slice(p, d, p.placed(StateKind::params, u).axes, u)) << what << ": " << g.name(&d);
+          EXPECT_EQ(g.axes, within_slice(p, d, p.placed(State::params, u).axes, u)) << what << ": " << g.name(&d);
         }
         EXPECT_TRUE(filled) << what << ": " << t.name(&d) << " reads " << p.buffers[b].name << " no gather filled";
       }
@@ -1501,7 +1501,7 @@ TEST(Plan, ExpertAxisSplitsTheDataParallelRanks) {
   EXPECT_EQ(h.shard_axes(), (std::vector<int>{1, 2}));
   EXPECT_EQ(h.replicate_axes(), (std::vector<int>{0}));
   EXPECT_EQ(h.dp_size(), 8);
-  for (int r = 0; r < 8; ++r) EXPECT_EQ(h.part_index(StateKind::params, 0, r), r % 4);
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(h.part_index(State::params, 0, r), r % 4);
   c.strategy = Strategy::ddp, c.world = 4;
   const Plan d = build_plan(moe, c);
   EXPECT_EQ(d.mesh.to_string(), "dp_replicate=2 × ep=2 × dp_shard=1");
@@ -1540,7 +1540,7 @@ TEST(Plan, ExpertsAreHeldAsEachExpertRanksSlice) {
     for (size_t x = 0; x < moe.units.size(); ++x) {
       const int u = static_cast<int>(x);
       const bool experts = moe.units[x].kind == model::UnitKind::moe_experts;
-      for (StateKind k : {StateKind::params, StateKind::grads, StateKind::optimizer}) {
+      for (State k : {State::params, State::grads, State::optimizer}) {
         const Placement& where = p.placed(k, u);
         const int64_t whole = p.layout.units[x].padded, before = one.held_elems(k, u);
         EXPECT_EQ(p.held_elems(k, u), experts && before == whole ? whole / K : before) << to_string(s) << " " << kind_name(k);
@@ -1624,7 +1624,7 @@ TEST(Plan, HybridMeshNamesItsAxesAndExplainPrintsCoordinates) {
   const Plan p = build_plan(small(), c);
   EXPECT_EQ(p.mesh.to_string(), "dp_replicate=2 × dp_shard=2");
   for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(p.part_index(StateKind::params, 0, r), r % 2);
+    EXPECT_EQ(p.part_index(State::params, 0, r), r % 2);
     EXPECT_EQ(p.dp_index(r), r);
   }
   std::set<std::vector<int>> used;
@@ -1805,7 +1805,7 @@ TEST(Plan, ContextAxisSplitsSequencesButNotTheData) {
   const Plan eval = build_plan(llama, c);
   EXPECT_EQ(eval.mesh.to_string(), p.mesh.to_string());
   EXPECT_EQ(eval.local_seq(), 64);
-  EXPECT_EQ(eval.placed(StateKind::params, 1).axes, p.placed(StateKind::params, 1).axes);
+  EXPECT_EQ(eval.placed(State::params, 1).axes, p.placed(State::params, 1).axes);
 }
 
 // Bad context-parallel layouts: one line each, naming the flag.

@@ -666,7 +666,7 @@ TEST_F(DistributedSlow, MixtureOfExpertsMatchesOneProcess) {
     const plan::Plan p = plan::build_plan(desc, pc);
     for (size_t u = 0; u < desc.units.size(); ++u)
       if (desc.units[u].kind == model::UnitKind::moe_experts && l.strategy == "ddp") {
-        for (plan::StateKind k : {plan::StateKind::params, plan::StateKind::grads, plan::StateKind::optimizer})
+        for (plan::State k : {plan::State::params, plan::State::grads, plan::State::optimizer})
           EXPECT_EQ(p.held_elems(k, static_cast<int>(u)) * l.ep, one.held_elems(k, static_cast<int>(u))) << s;
       }
 

@@ -310,7 +310,7 @@ StateSteps state_steps(bool offload, double head, const fs::path& dir) {
     pc.offload.resident.assign(desc.units.size(), {});
     for (size_t u = 0; u < desc.units.size(); ++u)
       for (int k = 0; k < plan::kNumStateKinds; ++k) {
-        const int64_t n = whole.held_elems(plan::StateKind(k), static_cast<int>(u));
+        const int64_t n = whole.held_elems(plan::State(k), static_cast<int>(u));
         const int64_t most = (n - 1) / plan::kResidentGrain * plan::kResidentGrain;  // fewer than all
         const int64_t kept = static_cast<int64_t>(head * static_cast<double>(n)) / plan::kResidentGrain * plan::kResidentGrain;
         pc.offload.resident[u][k] = std::min(kept, most);

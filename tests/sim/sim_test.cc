@@ -585,7 +585,7 @@ TEST(Cost, PipelinedUpdatesPayForTheirCopyAndShareTheDevice) {
     updates_s += cost.seconds(t);
     if (t.op != Op::optimizer) continue;
     ++updates;
-    const int64_t n = p.held_elems(plan::StateKind::optimizer, t.unit);
+    const int64_t n = p.held_elems(plan::State::optimizer, t.unit);
     EXPECT_EQ(t.copy_bytes, 12 * n) << t.name(&desc);
     plan::Task plain = t;
     plain.copy_bytes = 0;

@@ -204,10 +204,10 @@ TEST(PlanPlacement, RefusesAPlacementThatDoesNotFitItsAxesOrPadding) {
   EXPECT_THROW(p.set_placement(units), std::logic_error);
   units[0].params = {{p.mesh.axis(plan::AxisRole::shard)}, 2};
   p.set_placement(units);
-  EXPECT_EQ(p.held_offset(plan::StateKind::params, 1), p.layout.units[0].padded / 2);
-  EXPECT_EQ(p.held_total(plan::StateKind::params), p.layout.total - p.layout.units[0].padded / 2);
-  EXPECT_FALSE(p.held_whole(plan::StateKind::params));
-  EXPECT_TRUE(p.held_whole(plan::StateKind::grads));
+  EXPECT_EQ(p.held_offset(plan::State::params, 1), p.layout.units[0].padded / 2);
+  EXPECT_EQ(p.held_total(plan::State::params), p.layout.total - p.layout.units[0].padded / 2);
+  EXPECT_FALSE(p.held_whole(plan::State::params));
+  EXPECT_TRUE(p.held_whole(plan::State::grads));
   EXPECT_THROW(p.set_placement(std::vector<plan::UnitPlacement>(1)), std::logic_error);  // one per unit
 }
 
