@@ -144,10 +144,11 @@ Schedule one_f_one_b(int ranks, int micro_batches) {
 // (k / P) % V, where group = k / (P·V); its k-th backward runs the chunks the other way round.
 Schedule interleaved_one_f_one_b(int ranks, int virtual_stages, int micro_batches) {
   const int P = ranks, V = virtual_stages, M = micro_batches;
-  if (V < 1) throw std::invalid_argument("schedule interleaved-1f1b: needs virtual stages >= 1, got " + std::to_string(V));
-  if (P < 1 || M % P != 0)
-    throw std::invalid_argument("schedule interleaved-1f1b: micro-batches (" + std::to_string(M) +
-                                ") must be a multiple of the ranks (" + std::to_string(P) + ")");
+  if (V < 1) throw std::invalid_argument("schedule interleaved-1f1b: --pp-virtual must be >= 1, got " + std::to_string(V));
+  if (P >= 1 && M % P != 0)
+    throw std::invalid_argument("schedule interleaved-1f1b: --pp-microbatches " + std::to_string(M) +
+                                " must be a multiple of --pp " + std::to_string(P) +
+                                " (it runs micro-batches in groups of the ranks)");
   Schedule s = empty("interleaved-1f1b", P, P * V, M, Backward::whole);
   const int total = M * V;
   auto nth = [&](int r, int k, bool forward) {
@@ -190,6 +191,66 @@ Schedule zb_h1(int ranks, int micro_batches) {
     s.stated_in_flight[r] = std::min(P, M);
   }
   return s;
+}
+
+namespace {
+
+// One rank's ZB-V order (see schedule.h) for a pattern of N >= 2P - 1 micro-batches, leaving out
+// those at or past M: each chunk's next forward, input gradient or weight gradient in turn.
+std::vector<Action> zbv_rank(int P, int r, int N, int M) {
+  std::vector<Action> line;
+  const int stage[2] = {r, 2 * P - 1 - r};
+  int next[2][3] = {};  // by chunk, by forward / input gradient / weight gradient
+  const Phase phase[3] = {Phase::forward, Phase::backward_input, Phase::backward_weight};
+  auto run = [&](int chunk, int k) {
+    const int m = next[chunk][k]++;
+    if (m < M) line.push_back({m, stage[chunk], phase[k]});
+  };
+  enum { f, b, w };
+  for (int i = 0; i < 2 * (P - r) - 1; ++i) run(0, f);
+  for (int i = 0; i < r; ++i) run(1, f), run(0, f);
+  for (int i = 0; i < P - r; ++i) run(1, f), run(1, b), run(1, w);
+  while (next[1][f] < N) {
+    if (next[0][f] < N) run(0, f);
+    run(0, b), run(0, w), run(1, f), run(1, b), run(1, w);
+  }
+  for (int i = 0; i < r; ++i) run(0, b), run(1, b);
+  for (int i = 0; i < P - r; ++i) run(0, b), run(0, w);
+  while (next[1][w] < N) run(1, w);
+  while (next[0][w] < N) run(0, w);
+  return line;
+}
+
+}  // namespace
+
+Schedule zbv(int ranks, int micro_batches) {
+  const int P = ranks, M = micro_batches;
+  Schedule s = empty("zbv", P, 2 * P, M, Backward::split);
+  for (int st = P; st < 2 * P; ++st) s.rank_of_stage[st] = 2 * P - 1 - st;
+  // The warm-up needs 2P - 1 chunk-0 forwards on rank 0; fewer micro-batches leave the rest out.
+  const int N = std::max(M, 2 * P - 1);
+  for (int r = 0; r < P; ++r) {
+    s.actions[r] = zbv_rank(P, r, N, M);
+    s.stated_in_flight[r] = std::min(M, 2 * P - 1 - r) + std::min(M, r + 1);
+  }
+  return s;
+}
+
+Schedule schedule_by_name(const std::string& name, int ranks, int virtual_stages, int micro_batches) {
+  const int V = virtual_stages;
+  if (V < 1) throw std::invalid_argument("--pp-virtual must be >= 1, got " + std::to_string(V));
+  const bool one_a_rank = name == "gpipe" || name == "1f1b" || name == "zb-h1";
+  if (one_a_rank && V > 1)
+    throw std::invalid_argument("--pp-virtual " + std::to_string(V) + ": --pp-schedule " + name +
+                                " holds one stage a rank; virtual stages need interleaved-1f1b (or zbv, two a rank)");
+  if (name == "zbv" && V > 2)
+    throw std::invalid_argument("--pp-virtual " + std::to_string(V) + ": --pp-schedule zbv holds two stages a rank");
+  if (name == "gpipe") return gpipe(ranks, micro_batches);
+  if (name == "1f1b") return one_f_one_b(ranks, micro_batches);
+  if (name == "zb-h1") return zb_h1(ranks, micro_batches);
+  if (name == "zbv") return zbv(ranks, micro_batches);
+  if (name == "interleaved-1f1b") return interleaved_one_f_one_b(ranks, V, micro_batches);
+  throw std::invalid_argument("--pp-schedule: unknown schedule '" + name + "' (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)");
 }
 
 ScheduleCheck check_schedule(const Schedule& s) {

@@ -52,12 +52,40 @@ Schedule gpipe(int ranks, int micro_batches);
 Schedule one_f_one_b(int ranks, int micro_batches);
 // Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + P, ..., r + (V - 1)·P, runs
 // micro-batches in groups of P through each of its stages in turn, and warms up with
-// 2·(P - 1 - r) + (V - 1)·P forwards. M must be a multiple of P. Throws std::invalid_argument.
+// 2·(P - 1 - r) + (V - 1)·P forwards. M must be a multiple of P (else std::invalid_argument, one
+// line naming --pp-microbatches).
 Schedule interleaved_one_f_one_b(int ranks, int virtual_stages, int micro_batches);
 // ZB-H1 (Zero Bubble, Qi et al. 2024): 1F1B with each backward split, rank r deferring its first r
 // weight gradients, so every rank holds at most min(P, M) micro-batches (1F1B's first rank's
 // figure) and the input gradients run up the pipe unblocked by weight gradients.
 Schedule zb_h1(int ranks, int micro_batches);
+// ZB-V (Zero Bubble, Qi et al. 2024; "Pipeline Parallelism with Controllable Memory"): 2P stages
+// of half a 1F1B stage each, rank r holding stage r (chunk 0) and stage 2P - 1 - r (chunk 1), so
+// a micro-batch runs down the ranks and back up. The first and the last stage share rank 0, whose
+// backward starts where its last forward ended (no hop back with the loss), the turn (stages
+// P - 1 and P) stays on rank P - 1, and every rank holds one early and one late stage, so no rank
+// waits longer than another between a forward and its backward: their memory is even, where
+// 1F1B's first rank holds P stages and its last one. Rank r's order follows when the work reaches
+// it, in unit slots: micro-batch 0's chunk-1 forward arrives 2·(P - r) - 1 slots after its
+// chunk-0 one, so rank r warms up with that many chunk-0 forwards; its first input gradient
+// comes back 2·r + 1 slots later, which r chunk-1 and chunk-0 forward pairs fill; then chunk 1's
+// forward, input and weight gradient P - r times while the first chunk-0 backwards travel back,
+// and from there each chunk's forward, input and weight gradient in turn. At the end the input
+// gradients (which the ranks before wait for) go first and the weight gradients, which nothing
+// waits for, fill the slots the pipe's drain leaves idle. Every rank holds at most 2P stages
+// (1F1B's first rank's P full ones): min(M, 2P - 1 - r) chunk-0 and min(M, r + 1) chunk-1 stages
+// at its first input gradient, never more after, since each later forward follows a weight
+// gradient. With M >= 2P - 1 a step takes 6M + P - 1 slots: a rank idles only before the work
+// reaches it and after it leaves. Fewer micro-batches run the order of 2P - 1 with those past M
+// left out: dropping every action of some micro-batches from a schedule that cannot deadlock
+// leaves one that cannot either (the same global order still runs them).
+Schedule zbv(int ranks, int micro_batches);
+
+// The schedule --pp-schedule names ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv") over
+// `ranks` ranks with `virtual_stages` stages a rank (--pp-virtual: above 1 only for
+// interleaved-1f1b; zbv holds its two whatever it is told, 1 or 2) and `micro_batches`
+// micro-batches. Throws std::invalid_argument, one line naming --pp-schedule or --pp-virtual.
+Schedule schedule_by_name(const std::string& name, int ranks, int virtual_stages, int micro_batches);
 
 // What check_schedule found: `error` empty when the schedule is sound, else the first problem;
 // per rank, the most micro-batch stages in flight at once, and each action's time slot when every
