@@ -353,6 +353,7 @@ struct Commands {
     CLI::App* cmd = nullptr;
     train::TrainConfig cfg;
     int ranks = 1;
+    int rank = 0;
   } explain;
   CLI::App* simulate_cmd = nullptr;
   SimulateArgs simulate;
@@ -456,6 +457,10 @@ void add_explain_command(CLI::App& app, Commands& c) {
   e.cmd = app.add_subcommand("explain", "print the plan of one training step (no run, no MPI)");
   e.cfg.threads = c.threads;
   e.cmd->add_option("--ranks", e.ranks, "number of ranks")->group("Parallelism")->check(in_range(1, train::kMaxRanks))->capture_default_str();
+  e.cmd->add_option("--rank", e.rank, "the rank whose plan to print (ranks of one pipeline stage run the same plan)")
+      ->group("Parallelism")
+      ->check(in_range(0, train::kMaxRanks - 1))
+      ->capture_default_str();
   add_model_options(e.cmd, e.cfg);
   add_plan_options(e.cmd, e.cfg);
   add_snapshot_options(e.cmd, e.cfg);
@@ -587,7 +592,7 @@ int dispatch(Commands& c, const std::string& typed) {
     c.train.cfg.command_line = typed;
     return run_train(c.train.cfg, c.data_dir, c.train.hardware);
   } else if (*c.explain.cmd) {
-    run_explain(c.explain.cfg, c.explain.ranks);
+    run_explain(c.explain.cfg, c.explain.ranks, c.explain.rank);
   } else if (*c.calibrate.cmd) {
     c.calibrate.options.sizes = sizes_in_bytes(c.calibrate.sizes_kib);
     return run_calibrate(c.calibrate.options, c.calibrate.compute_dtype, c.calibrate.out);

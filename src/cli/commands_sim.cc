@@ -628,6 +628,8 @@ void run_simulate(SimulateArgs& a) {
   if (!a.bytes.empty() || a.algo != "best") throw std::invalid_argument("--bytes and --algo go with --collective");
   a.cfg.data = "-";  // simulate reads no data
   a.cfg.validate();
+  // One rank's plan, priced alone, cannot show the bubble between stages.
+  if (a.cfg.pp > 1) throw std::invalid_argument("simulate --pp: pipeline stages are not simulated yet (explain prints each stage's plan)");
   const sim::HardwareProfile hw = sim::load_hardware(a.hardware, hardware_dir());
   sim::require_collectives(hw, a.ranks);
   const model::ModelDesc desc = model::describe(a.cfg.model_config(50257));
@@ -730,6 +732,7 @@ void print_largest_model(PlanArgs& a) {
 }
 
 int run_plan(PlanArgs& a) {
+  if (a.cfg.pp > 1) throw std::invalid_argument("plan --pp: the planner does not search pipeline stages yet");
   if (a.largest) {
     if (a.run) throw std::invalid_argument("plan --largest-model: not with --run (train the model it reports with its flags)");
     print_largest_model(a);

@@ -164,12 +164,23 @@ void run_generate(const std::string& ckpt, const std::string& prompt, train::Sam
   show("\n");
 }
 
-void run_explain(train::TrainConfig cfg, int ranks) {
+// The plan of rank `rank`; with pipeline stages, the schedule's grid first.
+void run_explain(train::TrainConfig cfg, int ranks, int rank) {
   cfg.data = "-";  // explain reads no data
   cfg.validate();
+  if (rank >= ranks)
+    throw std::invalid_argument("rank (--rank): " + std::to_string(rank) + " is not one of the " + std::to_string(ranks) +
+                                " ranks (--ranks)");
   const model::ModelConfig mc = cfg.model_config(50257);
   const model::ModelDesc desc = model::describe(mc);
-  std::cout << train::with_snapshot_memory(plan::build_plan(desc, train::plan_config(cfg, ranks)), cfg).to_text(desc);
+  plan::PlanConfig pc = train::plan_config(cfg, ranks);
+  pc.pipe_rank = plan::pipe_rank_of(pc, rank);
+  const plan::Plan plan = train::with_snapshot_memory(plan::build_plan(desc, pc), cfg);
+  if (plan.schedule.stages > 1)
+    std::cout << "schedule " << plan.schedule.name << " (a row per rank of the pipe, a column per slot):\n"
+              << plan::schedule_grid(plan.schedule) << "\nplan of rank " << rank << " (pipe rank " << pc.pipe_rank
+              << "):\n";
+  std::cout << plan.to_text(desc);
 }
 
 }  // namespace shardlm::cli

@@ -35,7 +35,7 @@ void run_eval(const std::string& ckpt, const std::string& tokens, int64_t batch,
 void run_generate(const std::string& ckpt, const std::string& prompt, train::SampleConfig sc, bool ignore_eos,
                   int threads, const std::string& data_dir);
 // `explain`: the plan of one step of `cfg` on `ranks` ranks, printed.
-void run_explain(train::TrainConfig cfg, int ranks);
+void run_explain(train::TrainConfig cfg, int ranks, int rank);
 
 // commands_sim.cc
 // Goodput under failures, for simulate and plan (--mtbf-hours > 0 turns it on).

@@ -1,13 +1,22 @@
 #include "plan/draft.h"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 namespace shardlm::plan {
 
 int PlanDraft::add(Op op, int unit, int micro, std::vector<int> deps) {
   Task t;
   t.op = op, t.unit = unit, t.micro = micro;
-  t.stream = info(op).stream == OpStream::comm ? kComm : info(op).stream == OpStream::exchange ? exchange_stream() : kCompute;
+  switch (info(op).stream) {
+    case OpStream::compute: t.stream = kCompute; break;
+    case OpStream::comm: t.stream = kComm; break;
+    case OpStream::exchange: t.stream = exchange_stream(); break;
+    case OpStream::send: t.stream = named_stream("send"); break;
+    case OpStream::recv: t.stream = named_stream("recv"); break;
+    case OpStream::copy: throw std::logic_error(std::string("plan: ") + to_string(op) + " is the offload pass's");
+  }
   for (int d : deps)
     if (d >= 0) t.deps.push_back(d);
   return append(std::move(t));
@@ -19,9 +28,11 @@ int PlanDraft::append(Task t) {
   return tasks_.back().id;
 }
 
-int PlanDraft::exchange_stream() {
-  auto it = std::find(plan_.streams.begin(), plan_.streams.end(), "exchange");
-  if (it == plan_.streams.end()) it = plan_.streams.insert(plan_.streams.end(), "exchange");
+int PlanDraft::exchange_stream() { return named_stream("exchange"); }
+
+int PlanDraft::named_stream(const char* name) {
+  auto it = std::find(plan_.streams.begin(), plan_.streams.end(), name);
+  if (it == plan_.streams.end()) it = plan_.streams.insert(plan_.streams.end(), name);
   return static_cast<int>(it - plan_.streams.begin());
 }
 

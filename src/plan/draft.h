@@ -70,6 +70,7 @@ class PlanDraft : public TaskList {
  protected:
   // The exchanges' stream, opened by the first.
   int exchange_stream();
+  int named_stream(const char* name);  // the stream of this name, opened by its first task
 
   const model::ModelDesc& desc_;
   const PlanConfig& cfg_;

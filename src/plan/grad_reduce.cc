@@ -57,7 +57,7 @@ void GradReduction::end_micro_step(int m) {
 void GradReduction::reduce(int u, int producer, int m) {
   const PlanConfig& cfg = d_.config();
   const Plan& plan = d_.plan();
-  if (cfg.world == 1) return;
+  if (cfg.stage_world() == 1) return;
   if (scatters(u)) {
     const std::vector<int>& placed = plan.placed(State::grads, u).axes;
     const int64_t shard = d_.shard_elems(u);

@@ -6,8 +6,11 @@
 // X(name, stream, collective, work)
 //   stream      compute | comm | exchange (a stream, and communicators, of its own: an exchange
 //               never waits behind a prefetched gather) | copy (the disk tier's reads and writes,
-//               --offload: no collective, no compute work)
-//   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce | all_to_all
+//               --offload: no collective, no compute work) | send | recv (pipeline stages'
+//               activations and gradients, each way a stream of its own, so a rank's sends never
+//               wait behind its receives)
+//   collective  none (compute ops) | all_gather | reduce_scatter | all_reduce | all_to_all |
+//               point_to_point (one rank to one other)
 //   work        what a compute op's cost counts (sim::CostModel):
 //                 none        nothing beyond its FLOPs
 //                 unit_fwd    the unit's forward GEMMs and pointwise passes
@@ -36,6 +39,8 @@
   X(norm_reduce, comm, all_gather, none)       /* every rank's norm and loss sums to every rank */     \
   X(loss_reduce, comm, all_reduce, none)       /* the ranks' losses summed */                          \
   X(exchange, exchange, all_to_all, none)      /* a staged unit's routed rows between its stages */ \
+  X(send, send, point_to_point, none)         /* a stage's activations (or gradients) to its neighbour */ \
+  X(recv, recv, point_to_point, none)         /* the neighbour's, into this stage's buffer */          \
   X(reload, copy, none, none)                  /* a unit's offloaded state from disk into its window */ \
   X(write_back, copy, none, none)              /* a window's state back to disk */                    \
   X(window_sync, compute, none, none)          /* the compute stream's point to bring into being, or  \
@@ -49,8 +54,8 @@ enum class Op {
 #undef SHARDLM_OP_ENUM
 };
 
-enum class OpStream { compute, comm, exchange, copy };
-enum class OpCollective { none, all_gather, reduce_scatter, all_reduce, all_to_all };
+enum class OpStream { compute, comm, exchange, copy, send, recv };
+enum class OpCollective { none, all_gather, reduce_scatter, all_reduce, all_to_all, point_to_point };
 enum class OpWork { none, unit_fwd, unit_bwd, unit_fwd_bwd, unit_rebuild, grads_pass, adamw };
 
 struct OpInfo {

@@ -51,6 +51,24 @@ std::string keep_list(const std::vector<std::string>& names) {
 }
 
 // params,grads,optimizer,activations in any subset.
+// --pp-layers "4,4,3,5": each stage's block count (empty: none given).
+std::vector<int> block_counts(const std::string& text) {
+  std::vector<int> out;
+  for (const std::string& n : comma_list(text)) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(n, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != n.size() || n.empty())
+      throw std::invalid_argument("pp-layers (--pp-layers): '" + n + "' is not a block count (e.g. 4,4,3,5)");
+    out.push_back(v);
+  }
+  return out;
+}
+
 void apply_offload(const std::string& kinds, OffloadConfig& o) {
   for (std::string rest = kinds; !rest.empty();) {
     const size_t at = rest.find(',');
@@ -124,6 +142,22 @@ std::vector<PlanOption> make_table() {
   t.back().reproduce_at = 5, t.back().reproduce = [](const C& c, S& o) {
     if (c.cp > 1) o << " --cp-impl " << model::to_string(c.cp_impl);
   };
+  // The planner does not choose pipeline stages yet (`plan` refuses --pp): nothing to reproduce.
+  add({"pp", "Parallelism",
+       "pipeline parallel: stages the blocks are split into, pp ranks apart (divides the ranks); --grad-accum "
+       "micro-batches flow through them",
+       &O::pp})
+      .check = [](const O& v) { at_least(v.pp, 1, "pp"); };
+  t.back().to_plan = [](const O& v, C& c) { c.pp = v.pp; };
+  add({"pp-schedule", "Parallelism", "pipeline schedule: gpipe | 1f1b | interleaved-1f1b", &O::pp_schedule});
+  t.back().to_plan = [](const O& v, C& c) { c.pp_schedule = v.pp_schedule; };  // the plan builder checks the name
+  add({"pp-virtual", "Parallelism", "pipeline stages each rank holds (interleaved-1f1b)", &O::pp_virtual}).check =
+      [](const O& v) { at_least(v.pp_virtual, 1, "pp-virtual"); };
+  t.back().to_plan = [](const O& v, C& c) { c.pp_virtual = v.pp_virtual; };
+  add({"pp-layers", "Parallelism", "blocks of each pipeline stage, comma-separated (default: balanced by their compute)",
+       &O::pp_layers});
+  t.back().show_default = false;
+  t.back().to_plan = [](const O& v, C& c) { c.pp_layers = block_counts(v.pp_layers); };
   add({"prefetch-forward", "Parallelism", "all-gathers issued ahead in the forward", &O::prefetch_forward}).check =
       [](const O& v) { at_least(v.prefetch_forward, 0, "prefetch-forward"); };
   t.back().to_plan = [](const O& v, C& c) { c.prefetch_forward = v.prefetch_forward; };

@@ -30,6 +30,10 @@ struct PlanOptions {
   int ep = 1;                     // expert parallel: ranks an expert group spans (E / ep experts each)
   int cp = 1;                     // context parallel: ranks each sequence is split over
   std::string cp_impl = "ring";   // ring | all-to-all
+  int pp = 1;                         // pipeline parallel: stages the blocks are split into
+  std::string pp_schedule = "1f1b";   // gpipe | 1f1b | interleaved-1f1b
+  int pp_virtual = 1;                 // stages a rank holds (interleaved-1f1b)
+  std::string pp_layers;              // blocks per stage, comma-separated (empty: balanced by cost)
   int prefetch_forward = 1, prefetch_backward = 1;
   int max_gathers_in_flight = 2;
   double bucket_mb = 25;

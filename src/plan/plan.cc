@@ -217,11 +217,14 @@ std::string Task::name(const model::ModelDesc* desc, int64_t step_micro) const {
   if (op == Op::exchange) {
     s += " x" + std::to_string(stage);
     if (reverse) s += " grads";
+  } else if (op == Op::send || op == Op::recv) {
+    s += (reverse ? " grads s" : " activations s") + std::to_string(op == Op::send ? stage : peer_stage) + " -> s" +
+         std::to_string(op == Op::send ? peer_stage : stage);
   } else if (stage >= 0) {
     s += " s" + std::to_string(stage);
   }
   if (op == Op::forward || op == Op::backward || op == Op::recompute || op == Op::head || op == Op::loss ||
-      op == Op::logits || op == Op::all_gather || op == Op::exchange) {
+      op == Op::logits || op == Op::all_gather || op == Op::exchange || op == Op::send || op == Op::recv) {
     s += " [m";
     s += std::to_string(step_micro >= 0 ? step_micro : micro);
     s += ']';

@@ -34,6 +34,7 @@
 #include "model/model.h"
 #include "plan/mesh.h"
 #include "plan/ops.h"
+#include "plan/schedule.h"
 #include "tensor/dtype.h"
 #include "tensor/memory.h"
 
@@ -131,6 +132,9 @@ struct Task {
   // backward's gradients (from stage + 1 back to stage).
   int stage = -1;
   bool reverse = false;
+  // A send or recv between pipeline stages: the stage at the other end (the task's own is `stage`),
+  // its rank along the task's axes (the pipe's) and, with `reverse`, that it carries gradients.
+  int peer_stage = -1, peer = -1;
   // An exchange's route: 0 an all-to-all (model::Exchange::Route::all_to_all); +1 / −1 a ring step,
   // the whole buffer to the next / previous rank of its axes and the same size from the other side.
   int ring_step = 0;
@@ -222,6 +226,22 @@ struct PlanConfig {
   // gradients and the loss are summed over it. A plan that does not `split_sequence` (generation,
   // evaluation) keeps the mesh, hence the state's placement, but every rank runs whole sequences.
   int cp = 1;
+  // Pipeline parallel (--pp): the blocks split into stages along the model (the first holding the
+  // embedding, the last the head), pp ranks apart on the outermost axis; each rank holds only its
+  // stages' units and runs its part of `pp_schedule` (plan/schedule.h) over grad_accum
+  // micro-batches, passing activations and their gradients to the neighbouring stages. The other
+  // axes lay out world / pp ranks as they lay out a world without pp. `pp_virtual` stages a rank
+  // (interleaved-1f1b); `pp_layers` the blocks of each stage (empty: balanced by the blocks'
+  // costs). `pipe_rank` is which rank of the pipe this plan is for: ranks of one stage run the
+  // same plan, ranks of different stages different ones.
+  int pp = 1;
+  std::string pp_schedule = "1f1b";
+  int pp_virtual = 1;
+  std::vector<int> pp_layers;
+  int pipe_rank = 0;
+  // Ranks of one pipeline stage (all of them without pp): what the data-parallel, expert and
+  // context axes lay out.
+  int stage_world() const { return world / pp; }
   model::ContextImpl cp_impl = model::ContextImpl::ring;
   bool split_sequence = true;
   int64_t batch = 4, seq = 256, grad_accum = 1;
@@ -362,7 +382,12 @@ struct StaticMemory {
 struct Plan {
   PlanConfig config;
   std::vector<std::string> streams{"compute", "comm"};
-  Mesh mesh;                   // dp_replicate (× ep) × dp_shard (× cp)
+  Mesh mesh;                   // (pp ×) dp_replicate (× ep) × dp_shard (× cp)
+  // The step's schedule over the pipe (the one-stage schedule without pp), the pipeline stage of
+  // each unit (0 without pp) and which of them this plan's rank holds (config.pipe_rank's).
+  Schedule schedule;
+  std::vector<int> stage_of_unit;
+  bool holds(int u) const { return stage_of_unit.empty() || schedule.rank_of_stage[stage_of_unit[u]] == config.pipe_rank; }
   int shard_size = 1;          // ranks one unit is split over: |shard_axes()|
   model::FlatLayout layout;    // units padded to a multiple of 16 × shard_size
   StaticMemory static_memory;
@@ -556,5 +581,7 @@ Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config);
 // say before its model is read (the data-parallel size a resume compares). Throws
 // std::invalid_argument as build_plan does for sizes that do not divide the ranks.
 Mesh plan_mesh(const PlanConfig& config);
+// Which rank of its pipe `rank` is (the stage plan it runs; 0 without pp).
+int pipe_rank_of(const PlanConfig& config, int rank);
 
 }  // namespace shardlm::plan

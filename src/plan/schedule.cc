@@ -146,7 +146,7 @@ Schedule interleaved_one_f_one_b(int ranks, int virtual_stages, int micro_batche
   const int P = ranks, V = virtual_stages, M = micro_batches;
   if (V < 1) throw std::invalid_argument("schedule interleaved-1f1b: --pp-virtual must be >= 1, got " + std::to_string(V));
   if (P >= 1 && M % P != 0)
-    throw std::invalid_argument("schedule interleaved-1f1b: --pp-microbatches " + std::to_string(M) +
+    throw std::invalid_argument("schedule interleaved-1f1b: --grad-accum " + std::to_string(M) +
                                 " must be a multiple of --pp " + std::to_string(P) +
                                 " (it runs micro-batches in groups of the ranks)");
   Schedule s = empty("interleaved-1f1b", P, P * V, M, Backward::whole);

@@ -53,7 +53,7 @@ Schedule one_f_one_b(int ranks, int micro_batches);
 // Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + P, ..., r + (V - 1)·P, runs
 // micro-batches in groups of P through each of its stages in turn, and warms up with
 // 2·(P - 1 - r) + (V - 1)·P forwards. M must be a multiple of P (else std::invalid_argument, one
-// line naming --pp-microbatches).
+// line naming --grad-accum).
 Schedule interleaved_one_f_one_b(int ranks, int virtual_stages, int micro_batches);
 // ZB-H1 (Zero Bubble, Qi et al. 2024): 1F1B with each backward split, rank r deferring its first r
 // weight gradients, so every rank holds at most min(P, M) micro-batches (1F1B's first rank's

@@ -13,6 +13,7 @@
 #include "plan/gather_chain.h"
 #include "plan/grad_reduce.h"
 #include "plan/param_gather.h"
+#include "plan/pipe_layout.h"
 #include "plan/recompute.h"
 #include "plan/plan.h"
 #include "plan/schedule.h"
@@ -26,7 +27,7 @@ using model::Recompute;
 
 // Ranks one unit is split over under a normalized config's strategy.
 int shard_size_of(const PlanConfig& c) {
-  return c.strategy == Strategy::ddp ? 1 : c.strategy == Strategy::hybrid ? c.shard_group : c.world;
+  return c.strategy == Strategy::ddp ? 1 : c.strategy == Strategy::hybrid ? c.shard_group : c.stage_world();
 }
 
 // A normalized config's mesh.
@@ -40,7 +41,9 @@ Mesh mesh_of(const PlanConfig& c) {
   const int shard_size = shard_size_of(c);
   const int ep = c.ep, outer_ep = ddp ? ep : 1, inner_ep = ddp ? 1 : ep;
   const int cp = c.cp, outer_cp = ddp ? cp : 1, inner_cp = ddp ? 1 : cp;
-  std::vector<MeshAxis> axes{{AxisRole::replicate, c.world / shard_size / outer_ep / outer_cp}};
+  std::vector<MeshAxis> axes;
+  if (c.pp > 1) axes.push_back({AxisRole::pipe, c.pp});  // outermost: stages apart, often across machines
+  axes.push_back({AxisRole::replicate, c.stage_world() / shard_size / outer_ep / outer_cp});
   if (ep > 1) axes.push_back({AxisRole::expert, ep});
   axes.push_back({AxisRole::shard, shard_size / inner_ep / inner_cp});
   if (cp > 1) axes.push_back({AxisRole::context, cp});
@@ -71,8 +74,12 @@ class Builder : private PlanDraft {
     return buffer("recomputable " + uname(u) + tag(m), Role::recomputable, MemCategory::activations,
                   costs_[u].recomputable_bytes, u);
   }
+  // A stage's gradient stream of micro-batch m (each of a rank's stages its own: they pass
+  // gradients on at different times).
   int grad_stream(int m) {
-    return buffer("grad stream" + tag(m), Role::grad_stream, MemCategory::activations, desc_.grad_stream_bytes(shape_), -1);
+    const std::string stage = schedule_.stages > 1 ? " s" + std::to_string(stage_) : "";
+    return buffer("grad stream" + stage + tag(m), Role::grad_stream, MemCategory::activations,
+                  desc_.grad_stream_bytes(shape_), -1);
   }
   // A task's scratch: the kernels' own (a device backend's), then the layers' part.
   // (The training head runs its kernels in its backward's place: its forward's buffer needs none.)
@@ -96,8 +103,18 @@ class Builder : private PlanDraft {
     return b >= 0 && model::is_state_only(desc_.units[b].kind) ? b : -1;
   }
   void walk();
-  void forward_pass(int m);
-  void backward_pass(int m);
+  void forward_pass(int m, int stage);
+  void backward_pass(int m, int stage);
+  // Whether stage `st`'s neighbour `side` (-1 before, +1 after) is held by another rank.
+  bool crosses(int st, int side) const;
+  // A transfer between stage_ and its neighbour `side`: the recv filling `buf` (handed off by the
+  // rank's last compute task, which it waits for: the receive overlaps that task, not earlier
+  // ones), which the next compute task waits for; the send of `buf` after the last compute task.
+  int recv(int buf, int m, int side, bool grads);
+  void send(int buf, int m, int side, bool grads);
+  int transfer(Op op, int buf, int m, int side, bool grads, int after);
+  int last_compute() const;
+  void wait_in_first_compute(size_t first, int received);
   void forward(int u, int m);
   void backward(int u, int m);
   void split_forward_into_stages(int whole) override { stages_->split(whole, false); }
@@ -122,6 +139,9 @@ class Builder : private PlanDraft {
   bool sharded_params_ = false, sharded_grads_ = false, sharded_optimizer_ = false;
   int last_micro_ = 0;
   int start_ = -1;  // zero_grads (training plans)
+  int stage_ = 0;   // the pipeline stage of the action the walk is in
+  std::vector<std::vector<int>> stage_units_;  // by stage: its units with tasks, in model order
+  std::vector<char> batch_filled_;             // by micro-batch: a forward has brought the batch into being
 };
 
 void Builder::read_values(int t, int u, int m) {
@@ -144,7 +164,10 @@ void Builder::forward(int u, int m) {
     io.output = value(ud.writes, m);
     alloc(t, io.output);
   }
-  if (ud.reads.size() && ud.reads[0] == 0 && !model::is_head(ud.kind)) alloc(t, value(0, m));  // fills the batch
+  // The first forward reading the batch brings it into being, so fills it (the embedding's; on a
+  // pipeline stage without it, the head's, for the targets).
+  const bool reads_batch = std::find(ud.reads.begin(), ud.reads.end(), 0) != ud.reads.end();
+  if (reads_batch && !batch_filled_[m]) alloc(t, value(0, m)), batch_filled_[m] = 1;
   at(t).flops = c.forward_flops;
   if (c.saved_bytes > 0) {
     io.saved = saved(u, m);
@@ -244,7 +267,7 @@ void Builder::finish() {
     at(opt).flops = 10.0 * static_cast<double>(plan_.held_total(State::optimizer));
     end = opt;
   } else {
-    end = heads_.back();
+    end = heads_.empty() ? last_compute() : heads_.back();  // a pipeline stage before the head's has none
   }
   if (cfg_.world > 1) {
     const int lr = add(Op::loss_reduce, -1, last_micro_, {end});
@@ -264,8 +287,10 @@ void Builder::place_state() {
   p.grads = !train_ ? none : sharded_grads_ ? sharded : whole;
   p.optimizer = !train_ ? none : sharded_optimizer_ ? sharded : whole;
   std::vector<UnitPlacement> all(desc_.units.size(), p);
-  for (int u = 0; u < static_cast<int>(all.size()); ++u)
-    if (slices(u) > 1) slice_state(u, all[u]);
+  for (int u = 0; u < static_cast<int>(all.size()); ++u) {
+    if (!plan_.holds(u)) all[u] = {none, none, none};  // another pipeline stage's
+    else if (slices(u) > 1) slice_state(u, all[u]);
+  }
   plan_.set_placement(std::move(all));
 }
 
@@ -295,6 +320,8 @@ void Builder::frame() {
   plan_.shard_size = shard_size_of(cfg_);
   plan_.mesh = mesh_of(cfg_);
   plan_.layout = model::flat_layout(desc_, plan_.shard_size);
+  plan_.schedule = schedule_ = step_schedule(cfg_, train_, 1);  // build() lists its micro-steps
+  plan_.stage_of_unit = stage_of_units(desc_, cfg_, schedule_.stages);
   sharded_params_ = s == Strategy::fsdp || s == Strategy::hybrid;
   sharded_grads_ = sharded_params_ || s == Strategy::zero2;
   sharded_optimizer_ = s != Strategy::ddp;
@@ -325,14 +352,19 @@ Plan Builder::build() {
   }
   gathers_.emplace(static_cast<PlanDraft&>(*this), std::move(backward_reads_params), train_);
   stages_.emplace(static_cast<PlanDraft&>(*this), costs_);
-  const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps && !cfg_.offload.disk();
+  const bool repeats = train_ && cfg_.grad_accum > kUnrolledMicroSteps && !cfg_.unroll_micro_steps &&
+                       !cfg_.offload.disk() && cfg_.pp == 1;
   last_micro_ = !train_ ? 0 : repeats ? kUnrolledMicroSteps - 1 : static_cast<int>(cfg_.grad_accum) - 1;
   grads_.emplace(static_cast<PlanDraft&>(*this), last_micro_);
   // The step's first compute task; the first gathers wait for it and it brings their buffers
   // into being, so even they are allocated in compute-stream order.
   if (train_) start_ = add(Op::zero_grads, -1, 0);
   gathers_->set_start(start_);
-  schedule_ = one_stage(last_micro_ + 1, train_ ? Backward::whole : Backward::none);
+  if (schedule_.stages == 1) plan_.schedule = schedule_ = step_schedule(cfg_, train_, last_micro_ + 1);
+  stage_units_.assign(schedule_.stages, {});
+  for (int u = 0; u < U; ++u)
+    if (!model::is_state_only(desc_.units[u].kind)) stage_units_[plan_.stage_of_unit[u]].push_back(u);
+  batch_filled_.assign(schedule_.micro_batches, 0);
   walk();
   finish();
   free_at_last_use();
@@ -346,28 +378,82 @@ Plan Builder::build() {
   return std::move(plan_);
 }
 
-// The schedule's actions in its order: a forward runs every unit in model order, a backward every
-// unit but the head (whose backward its forward task holds) in reverse. One stage holds every
-// unit, so the builder walks a one-stage schedule; a pipeline's stages will hold runs of units.
+// The schedule's actions for this plan's rank of the pipe, in its order: a stage's forward runs
+// its units in model order, its backward every unit but the head (whose backward its forward task
+// holds) in reverse; activations come from the stage before and gradients from the stage after
+// where another rank holds it.
 void Builder::walk() {
-  if (schedule_.ranks != 1 || schedule_.stages != 1)
-    throw std::logic_error("plan: the builder walks a one-stage schedule, not " + schedule_.name);
-  for (const Action& a : schedule_.actions[0]) {
-    if (a.phase == Phase::forward) forward_pass(a.micro);
-    else if (a.phase == Phase::backward) backward_pass(a.micro);
+  for (const Action& a : schedule_.actions.at(cfg_.pipe_rank)) {
+    stage_ = a.stage;
+    if (a.phase == Phase::forward) forward_pass(a.micro, a.stage);
+    else if (a.phase == Phase::backward) backward_pass(a.micro, a.stage);
     else throw std::logic_error(std::string("plan: the builder runs whole backwards, not a ") + to_string(a.phase));
   }
 }
 
-void Builder::forward_pass(int m) {
-  for (int u = 0; u < static_cast<int>(desc_.units.size()); ++u)
-    if (!model::is_state_only(desc_.units[u].kind)) forward(u, m);
+void Builder::forward_pass(int m, int st) {
+  const std::vector<int>& units = stage_units_[st];
+  const int received = crosses(st, -1) ? recv(value(desc_.units[units.front()].reads[0], m), m, -1, false) : -1;
+  const size_t first = tasks_.size();
+  for (int u : units) forward(u, m);
+  wait_in_first_compute(first, received);
+  if (crosses(st, +1)) send(value(desc_.units[units.back()].writes, m), m, +1, false);
 }
 
-void Builder::backward_pass(int m) {
-  for (int u = static_cast<int>(desc_.units.size()) - 1; u >= 0; --u)
-    if (!model::is_head(desc_.units[u].kind) && !model::is_state_only(desc_.units[u].kind)) backward(u, m);
+void Builder::backward_pass(int m, int st) {
+  const std::vector<int>& units = stage_units_[st];
+  const int received = crosses(st, +1) ? recv(grad_stream(m), m, +1, true) : -1;
+  const size_t first = tasks_.size();
+  for (auto u = units.rbegin(); u != units.rend(); ++u)
+    if (!model::is_head(desc_.units[*u].kind)) backward(*u, m);
+  wait_in_first_compute(first, received);
+  if (crosses(st, -1)) send(grad_stream(m), m, -1, true);
   grads_->end_micro_step(m);
+}
+
+bool Builder::crosses(int st, int side) const {
+  const int n = st + side;
+  return n >= 0 && n < schedule_.stages && schedule_.rank_of_stage[n] != cfg_.pipe_rank;
+}
+
+// The first compute task from `first` on waits for the recv `received` (-1: none).
+void Builder::wait_in_first_compute(size_t first, int received) {
+  if (received < 0) return;
+  for (size_t t = first; t < tasks_.size(); ++t)
+    if (tasks_[t].stream == kCompute) return tasks_[t].deps.push_back(received);
+}
+
+int Builder::last_compute() const {
+  for (auto t = tasks_.rbegin(); t != tasks_.rend(); ++t)
+    if (t->stream == kCompute) return t->id;
+  return -1;
+}
+
+int Builder::transfer(Op op, int buf, int m, int side, bool grads, int after) {
+  const int t = add(op, -1, m, {after});
+  Task& task = at(t);
+  task.axes = {plan_.mesh.axis(AxisRole::pipe)};
+  task.stage = stage_;
+  task.peer_stage = stage_ + side;
+  task.peer = schedule_.rank_of_stage[stage_ + side];
+  task.reverse = grads;
+  task.bytes = plan_.buffers[buf].bytes;
+  return t;
+}
+
+int Builder::recv(int buf, int m, int side, bool grads) {
+  const int before = last_compute();
+  const int t = transfer(Op::recv, buf, m, side, grads, before);
+  at(t).io.recv = buf;
+  if (before >= 0) at(before).hands_off.push_back(buf);
+  else alloc(t, buf);
+  return t;
+}
+
+void Builder::send(int buf, int m, int side, bool grads) {
+  const int t = transfer(Op::send, buf, m, side, grads, last_compute());
+  at(t).io.send = buf;
+  free(t, buf);
 }
 
 // Micro-step 2 of a plan of four stands for micro-steps 2 .. N-2 (Repeat). Pairs each task of
@@ -483,15 +569,19 @@ void validate(const PlanConfig& c) {
   need(c.param_bytes == 4 || c.strategy == Strategy::fsdp || c.strategy == Strategy::hybrid,
        "param-dtype bf16 needs a sharded-parameter strategy (fsdp or hybrid); use reduce-dtype bf16 with " +
            std::string(to_string(c.strategy)));
-  need(c.cp >= 1 && c.world % c.cp == 0,
-       "cp (--cp): " + std::to_string(c.cp) + " must divide the number of ranks " + std::to_string(c.world));
-  need(c.ep >= 1 && (c.world / c.cp) % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) +
-                                                     " must divide the number of data-parallel ranks " +
-                                                     std::to_string(c.world / c.cp));
+  need(c.pp >= 1 && c.world % c.pp == 0,
+       "pp (--pp): " + std::to_string(c.pp) + " must divide the number of ranks " + std::to_string(c.world));
+  const int W = c.stage_world();
+  const std::string of_stage = c.pp > 1 ? " of a pipeline stage" : "";
+  need(c.cp >= 1 && W % c.cp == 0,
+       "cp (--cp): " + std::to_string(c.cp) + " must divide the number of ranks" + of_stage + " " + std::to_string(W));
+  need(c.ep >= 1 && (W / c.cp) % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) +
+                                                " must divide the number of data-parallel ranks" + of_stage + " " +
+                                                std::to_string(W / c.cp));
   if (c.strategy == Strategy::hybrid) {
     need(c.shard_group >= 1, "hybrid needs --shard-group G >= 1");
-    need(c.world % c.shard_group == 0, "shard-group " + std::to_string(c.shard_group) +
-                                           " does not divide the number of ranks " + std::to_string(c.world));
+    need(W % c.shard_group == 0, "shard-group " + std::to_string(c.shard_group) + " does not divide the number of ranks" +
+                                     of_stage + " " + std::to_string(W));
     need(c.shard_group % c.ep == 0, "ep (--ep): " + std::to_string(c.ep) + " must divide the shard group " +
                                         std::to_string(c.shard_group) + " (an expert group shards together)");
     need(c.shard_group % (c.cp * c.ep) == 0, "cp (--cp): " + std::to_string(c.cp) + " × ep " + std::to_string(c.ep) +
@@ -547,11 +637,11 @@ void check_selective_op(const model::ModelDesc& desc, const PlanConfig& c) {
 // elsewhere it is off, so that a plan has one spelling.
 void check_reduce_each_micro_step(PlanConfig& c) {
   if (!c.reduce_each_micro_step) return;
-  if (c.world > 1 && (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1))
+  if (c.stage_world() > 1 && (c.strategy == Strategy::ddp || c.strategy == Strategy::zero1))
     throw std::invalid_argument("reduce_each_micro_step (--reduce-each-micro-step): " + std::string(to_string(c.strategy)) +
                                 " keeps whole gradients on every rank, reduced once a step; zero2, fsdp and hybrid "
                                 "shard them");
-  if (c.world == 1 || c.grad_accum == 1) c.reduce_each_micro_step = false;
+  if (c.stage_world() == 1 || c.grad_accum == 1) c.reduce_each_micro_step = false;
 }
 
 // The configuration as the builder runs it, checked (throws std::invalid_argument naming the field).
@@ -559,8 +649,9 @@ void check_reduce_each_micro_step(PlanConfig& c) {
 void normalize_layout(PlanConfig& c) {
   // One rank has nothing to shard or reduce: every strategy is DDP's compute without collectives
   // (a sharded plan would only copy parameters into gathered buffers and back).
-  if (c.world == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
-  if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.world;
+  if (c.pp < 1 || c.world % c.pp != 0) return;  // validate() names it
+  if (c.stage_world() == 1) c.strategy = Strategy::ddp, c.param_bytes = c.reduce_bytes = 4;
+  if (c.strategy == Strategy::hybrid && c.shard_group == 0) c.shard_group = c.stage_world();
 }
 
 PlanConfig normalized(const model::ModelDesc& desc, const PlanConfig& config) {
@@ -592,6 +683,12 @@ Mesh plan_mesh(const PlanConfig& config) {
   normalize_layout(c);
   validate(c);
   return mesh_of(c);
+}
+
+int pipe_rank_of(const PlanConfig& config, int rank) {
+  const Mesh mesh = plan_mesh(config);
+  const int pipe = mesh.find(AxisRole::pipe);
+  return pipe < 0 ? 0 : mesh.coords(rank)[pipe];
 }
 
 Plan plan_frame(const model::ModelDesc& desc, const PlanConfig& config) {

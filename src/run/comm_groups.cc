@@ -48,6 +48,10 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
     if (mesh[a].size > 1) exchange_axes |= 1u << a;
   for (unsigned set = 1; set <= all_ && exchange_axes != 0; ++set)
     if ((set & ~all_) == 0 && (set & exchange_axes)) exchange_groups_[set] = split_over(world, set);
+  // Stages pass activations on from threads of their own: a communicator apart from the
+  // collectives' keeps their messages apart.
+  const int pipe_axis = mesh.find(plan::AxisRole::pipe);
+  if (pipe_axis >= 0 && mesh[pipe_axis].size > 1) pipe_ = split_over(world, 1u << pipe_axis);
   if (backend == nullptr || backend->host_memory()) return;
   if (device == DeviceCollectives::nccl) {
     nccl_world_ = comm::make_nccl_communicator(world, backend->stream_handle());
@@ -55,6 +59,7 @@ CommGroups::CommGroups(comm::Communicator& world, const plan::Mesh& mesh, const 
     return;
   }
   copier_ = std::make_unique<BackendCopier>(*backend);
+  if (pipe_) staged_pipe_ = std::make_unique<comm::StagedCommunicator>(*pipe_, *copier_, backend->memory());
   staged_world_ = std::make_unique<comm::StagedCommunicator>(world, *copier_, backend->memory());
   for (auto& [set, group] : groups_)
     staged_groups_[set] = std::make_unique<comm::StagedCommunicator>(*group, *copier_, backend->memory());
@@ -98,6 +103,15 @@ comm::Communicator& CommGroups::exchange_host(const std::vector<int>& axes) cons
   const auto it = exchange_groups_.find(key(axes));
   if (it == exchange_groups_.end()) throw std::logic_error("comm groups: no exchange communicator over these axes");
   return *it->second;
+}
+
+}  // namespace shardlm::run
+
+namespace shardlm::run {
+
+comm::Communicator& CommGroups::pipe() const {
+  if (!pipe_) throw std::logic_error("comm groups: the mesh has no pipe of more than one stage");
+  return staged_pipe_ ? *staged_pipe_ : *pipe_;
 }
 
 }  // namespace shardlm::run

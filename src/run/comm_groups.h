@@ -57,6 +57,9 @@ class CommGroups {
   // host buffers (an exchange's sizes).
   comm::Communicator& exchange(const std::vector<int>& axes) const;
   comm::Communicator& exchange_host(const std::vector<int>& axes) const;
+  // The pipe's group (the ranks holding the other stages of this rank's model copy), for the
+  // send and recv streams alone, over the backend's memory. Throws std::logic_error without a pipe.
+  comm::Communicator& pipe() const;
   // Whether get() stages through host memory (made with a device-memory backend).
   bool staged() const { return copier_ != nullptr; }
   // Whether get() is NCCL's (made with a device-memory backend and DeviceCollectives::nccl).
@@ -72,6 +75,7 @@ class CommGroups {
   plan::Mesh mesh_;
   unsigned all_ = 0;
   std::map<unsigned, std::unique_ptr<comm::Communicator>> groups_, exchange_groups_;
+  std::unique_ptr<comm::Communicator> pipe_, staged_pipe_;
   // Declared after what they wrap, so they go first.
   std::unique_ptr<comm::DeviceCopier> copier_;
   std::unique_ptr<comm::Communicator> staged_world_;

@@ -185,6 +185,8 @@ class Executor {
   void reduce_fields(comm::Communicator& c, const std::string& label, Run& r);
   // exchange_ops.cc
   void exchange(const plan::Task& t, Run& r);
+  void send(const plan::Task& t, Run& r);
+  void recv(const plan::Task& t, Run& r);
   void ring_step(const plan::Task& t, Run& r, comm::Communicator& c, const std::string& label);
   // offload_ops.cc
   void reload(const plan::Task& t, Run& r);

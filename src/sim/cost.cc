@@ -228,6 +228,7 @@ Collective collective_of(Op op) {
     case plan::OpCollective::reduce_scatter: return Collective::reduce_scatter;
     case plan::OpCollective::all_reduce: return Collective::all_reduce;
     case plan::OpCollective::all_to_all: return Collective::all_to_all;
+    case plan::OpCollective::point_to_point:
     case plan::OpCollective::none: break;
   }
   throw std::invalid_argument(std::string("not a collective: ") + plan::to_string(op));
@@ -395,8 +396,11 @@ double CostModel::seconds(const plan::Task& t) const {
     const double head = 2.0 * static_cast<double>(t.copy_bytes) / hw_.memory_bw;
     return bw > 0 ? hw_.disk_latency_s + static_cast<double>(t.bytes) / bw + head : 0;
   }
-  const Collective c = collective_of(t.op);
   const GroupSpan g = span(t);
+  // A pipeline stage's send or receive is one message to or from a neighbouring stage.
+  if (plan::info(t.op).collective == plan::OpCollective::point_to_point)
+    return p2p_seconds(hw_, static_cast<double>(t.bytes), g.nodes > 1);
+  const Collective c = collective_of(t.op);
   // An exchange moves what the busiest rank of its group does (the model's figure at the expert
   // load; the plan's t.bytes is balanced routing's).
   const std::vector<int64_t>* exchanged = t.op == Op::exchange && t.unit >= 0 ? &exchange_bytes_[t.unit][t.reverse] : nullptr;

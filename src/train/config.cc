@@ -205,11 +205,31 @@ LrSchedule TrainConfig::lr_schedule() const {
   return {lr, min_lr, warmup, steps, parse_lr_decay(lr_decay), decay_fraction};
 }
 
+namespace {
+
+// What pipeline stages do not carry yet: each rank holds its stages' units only, and the
+// checkpoint and snapshot layouts, the disk tier and the optimizer's stream still assume every
+// rank's plan holds every unit.
+void check_pipeline(const TrainConfig& c) {
+  if (c.pp <= 1) return;
+  auto refuse = [](const std::string& what) {
+    throw std::invalid_argument("--pp: " + what + " is not supported with pipeline stages yet");
+  };
+  if (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0 || c.async_save)
+    refuse("--save-every, --snapshot-every, --async-save, --resume or --init-from (checkpoints)");
+  if (c.offload != "none" || !c.memory_budget.empty()) refuse("--offload or --memory-budget");
+  if (c.pipeline_optimizer) refuse("--pipeline-optimizer");
+  if (c.device != "cpu") refuse("--device " + c.device);
+}
+
+}  // namespace
+
 void TrainConfig::validate() const {
   check_model_overrides(*this);
   check_run(*this);
   check_reporting(*this);
   check_distribution(*this);
+  check_pipeline(*this);
 }
 
 }  // namespace shardlm::train

@@ -159,6 +159,7 @@ namespace {
 // The plan for the communicator at hand: its reductions' scratch as `world` takes it.
 plan::PlanConfig plan_config(const TrainConfig& cfg, const comm::Communicator& world) {
   plan::PlanConfig pc = plan_config(cfg, world.size());
+  pc.pipe_rank = plan::pipe_rank_of(pc, world.rank());
   // On a device, collectives are staged through host memory (comm/staged.h), where the MPI
   // communicator underneath takes its scratch itself, or run by NCCL (comm/nccl.h), which keeps
   // its own buffers: no device scratch to plan.
@@ -597,7 +598,10 @@ TrainSummary finish(Session& s, TrainSummary summary) {
       fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
                  summary.final_val_loss, summary.val_unigram_entropy);
   }
-  if (cfg.sample_tokens > 0) {
+  if (cfg.sample_tokens > 0 && s.plan.schedule.stages > 1) {
+    // The head's logits live on the last stage; generation does not pass them back along the pipe yet.
+    if (s.talk) fmt::print("sample: not drawn under --pp (generation runs on one stage's ranks only so far)\n");
+  } else if (cfg.sample_tokens > 0) {
     SampleConfig sc;
     sc.tokens = cfg.sample_tokens;
     sc.seed = cfg.seed;

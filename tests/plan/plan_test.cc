@@ -1839,3 +1839,129 @@ TEST(Plan, ContextSplitRefusesBadLayouts) {
 
 }  // namespace
 }  // namespace shardlm::plan
+
+namespace shardlm::plan {
+namespace {
+
+// llama-small with eight blocks: enough for four ranks of two virtual stages.
+model::ModelDesc eight_blocks() {
+  model::ModelConfig m = model::model_preset("llama-small");
+  m.n_layer = 8;
+  return model::describe(m);
+}
+
+// Every rank of the pipe's plan, for pp stages of `cfg`.
+std::vector<Plan> stage_plans(const model::ModelDesc& desc, PlanConfig cfg) {
+  std::vector<Plan> plans;
+  for (int r = 0; r < cfg.pp; ++r) {
+    cfg.pipe_rank = r;
+    plans.push_back(build_plan(desc, cfg));
+  }
+  return plans;
+}
+
+// Each stage's plan holds its units' state and nobody else's: together the pipe's ranks hold
+// every unit's once, as one process does.
+TEST(PipelinePlan, EachRankHoldsItsStagesUnitsAndTogetherTheyHoldTheModelOnce) {
+  const model::ModelDesc desc = eight_blocks();
+  for (const std::string& schedule : {"gpipe", "1f1b", "interleaved-1f1b"})
+    for (int pp : {2, 4}) {
+      PlanConfig c;
+      c.strategy = Strategy::ddp;
+      c.world = c.pp = pp;
+      c.grad_accum = 2 * pp;
+      c.pp_schedule = schedule;
+      c.pp_virtual = schedule == "interleaved-1f1b" ? 2 : 1;
+      PlanConfig one = c;
+      one.world = one.pp = 1, one.pp_virtual = 1;
+      const Plan whole = build_plan(desc, one);
+      int64_t held = 0;
+      std::vector<int> holders(desc.units.size(), 0);
+      for (const Plan& p : stage_plans(desc, c)) {
+        held += p.held_total(State::params);
+        EXPECT_LT(p.static_memory.total(), whole.static_memory.total()) << schedule << " pp " << pp;
+        for (size_t u = 0; u < desc.units.size(); ++u) {
+          holders[u] += p.holds(static_cast<int>(u));
+          if (!p.holds(static_cast<int>(u))) EXPECT_EQ(p.held_elems(State::params, static_cast<int>(u)), 0);
+          for (const Task& t : p.tasks)
+            if (t.unit >= 0) EXPECT_TRUE(p.holds(t.unit)) << t.name(&desc) << " on pipe rank " << p.config.pipe_rank;
+        }
+      }
+      EXPECT_EQ(held, whole.held_total(State::params)) << schedule << " pp " << pp;
+      for (int n : holders) EXPECT_EQ(n, 1);
+    }
+}
+
+// What one stage sends, its neighbour receives: for every send a recv of the same micro-batch,
+// direction and bytes on the peer, in the same order between each pair of stages, so no message
+// waits for a receive that never comes; every micro-batch's activations go forward once per stage
+// boundary and its gradients back once.
+TEST(PipelinePlan, EverySendHasItsReceiveOnTheNeighbouringStage) {
+  const model::ModelDesc desc = eight_blocks();
+  for (const std::string& schedule : {"gpipe", "1f1b", "interleaved-1f1b"})
+    for (int pp : {2, 4})
+      for (int M : {1, 2, 4, 8}) {
+        PlanConfig c;
+        c.strategy = Strategy::ddp;
+        c.world = c.pp = pp;
+        c.grad_accum = M;
+        c.pp_schedule = schedule;
+        c.pp_virtual = schedule == "interleaved-1f1b" ? 2 : 1;
+        if (schedule == "interleaved-1f1b" && M % pp != 0) continue;
+        const std::vector<Plan> plans = stage_plans(desc, c);
+        using Message = std::tuple<int, int, bool, int64_t>;  // micro, from stage, gradients, bytes
+        std::map<std::pair<int, int>, std::vector<Message>> sent, received;  // by (from rank, to rank)
+        for (int r = 0; r < pp; ++r)
+          for (const Task& t : plans[r].tasks) {
+            if (t.op == Op::send) sent[{r, t.peer}].emplace_back(t.micro, t.stage, t.reverse, t.bytes);
+            if (t.op == Op::recv) received[{t.peer, r}].emplace_back(t.micro, t.peer_stage, t.reverse, t.bytes);
+          }
+        const std::string what = schedule + " pp " + std::to_string(pp) + " M " + std::to_string(M);
+        for (auto& [pair, msgs] : sent) {
+          auto by_key = msgs, got = received[pair];
+          std::sort(by_key.begin(), by_key.end());
+          std::sort(got.begin(), got.end());
+          EXPECT_EQ(by_key, got) << what;
+        }
+        const int boundaries = plans[0].schedule.stages - 1;
+        size_t total = 0;
+        for (auto& [pair, msgs] : sent) total += msgs.size();
+        EXPECT_EQ(total, static_cast<size_t>(2 * boundaries * M)) << what;
+      }
+}
+
+TEST(PipelinePlan, BadPipelinesAreRefusedInOneLineNamingTheFlag) {
+  const model::ModelDesc desc = model::describe(model::model_preset("llama-tiny"));  // two blocks
+  auto refusal = [&](PlanConfig c) {
+    try {
+      build_plan(desc, c);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  PlanConfig c;
+  c.strategy = Strategy::ddp;
+  c.world = 3, c.pp = 2;
+  EXPECT_NE(refusal(c).find("pp (--pp): 2 must divide the number of ranks 3"), std::string::npos) << refusal(c);
+  c.world = c.pp = 4;
+  EXPECT_NE(refusal(c).find("pp (--pp): 4 stages for 2 blocks"), std::string::npos) << refusal(c);
+  c.world = c.pp = 2, c.pp_virtual = 2;
+  EXPECT_NE(refusal(c).find("--pp-virtual"), std::string::npos) << refusal(c);
+  c.pp_virtual = 1, c.pp_schedule = "zb-h1";
+  EXPECT_NE(refusal(c).find("pp_schedule (--pp-schedule): zb-h1 splits"), std::string::npos) << refusal(c);
+  c.pp_schedule = "1f1b", c.pp_layers = {1, 2};
+  EXPECT_NE(refusal(c).find("pp_layers (--pp-layers): the stages' blocks must sum"), std::string::npos) << refusal(c);
+  const model::ModelDesc gpt2 = model::describe(model::model_preset("tiny"));  // a tied head
+  c.pp_layers = {};
+  try {
+    build_plan(gpt2, c);
+    ADD_FAILURE() << "a tied embedding across stages was planned";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tied embedding"), std::string::npos) << e.what();
+  }
+  for (const std::string& msg : {refusal(c)}) EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardlm::plan

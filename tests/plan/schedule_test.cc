@@ -168,8 +168,8 @@ TEST(Schedule, ScheduleByNameBuildsEachScheduleAndRefusesInOneLineNamingTheFlag)
       {"--pp-virtual", [] { schedule_by_name("zb-h1", 4, 3, 8); }},
       {"--pp-virtual", [] { schedule_by_name("zbv", 4, 3, 8); }},
       {"--pp-virtual", [] { schedule_by_name("interleaved-1f1b", 4, 0, 8); }},
-      {"--pp-microbatches", [] { schedule_by_name("interleaved-1f1b", 4, 2, 6); }},
-      {"--pp-microbatches", [] { interleaved_one_f_one_b(4, 2, 2); }},
+      {"--grad-accum", [] { schedule_by_name("interleaved-1f1b", 4, 2, 6); }},
+      {"--grad-accum", [] { interleaved_one_f_one_b(4, 2, 2); }},
   };
   for (const auto& [flag, build] : refused) {
     const std::string why = refusal(build);
