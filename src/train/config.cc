@@ -186,8 +186,6 @@ void check_distribution(const TrainConfig& c) {
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   if (c.device == "cuda" && c.pipeline_optimizer)
     throw std::invalid_argument("--device cuda: --pipeline-optimizer is not supported yet (the optimizer stream runs host kernels)");
-  if (c.device == "cuda" && c.act_quant != "none")
-    throw std::invalid_argument("--device cuda: --act-quant int8 is not supported yet (no CUDA quantize kernels)");
 }
 
 }  // namespace

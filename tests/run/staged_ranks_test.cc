@@ -4,9 +4,12 @@
 // by two ranks. Copies change no value: each strategy's losses equal the host-memory run's bit for
 // bit, fp32 and bf16 collectives, buckets included; so do context parallelism's exchanges (the
 // ring's sends and receives, the head split's all-to-all with its sizes header), staged alike, and
-// the offload tier, which for a device is host memory (run/host_store.h) instead of the disk.
+// the offload tier, which for a device is host memory (run/host_store.h) instead of the disk, and
+// --act-quant int8's quantize and dequantize kernels.
 #include <gtest/gtest.h>
 #include <unistd.h>
+
+#include <tuple>
 
 #include "run/test_util.h"
 
@@ -73,6 +76,23 @@ TEST_F(StagedRanksSlow, ContextParallelExchangesGiveTheHostRunsLossesBitForBit) 
       ASSERT_EQ(host.size(), 3u) << model << " " << name;
       EXPECT_EQ(staged, host) << model << " " << name;
     }
+}
+
+// --act-quant int8 on a device: the blocks' kept inputs are quantized and dequantized by the
+// backend's kernels in device memory (a strict one: kernels/guarded_pages.h), bit for bit the
+// host run's, nearest and stochastic, under recompute and context parallelism's stages too.
+TEST_F(StagedRanksSlow, ActivationCompressionGivesTheHostRunsLossesBitForBit) {
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"tiny", "int8_nearest", "--strategy fsdp --act-quant int8"},
+      {"tiny", "int8_stochastic_recompute", "--strategy ddp --act-quant int8 --act-quant-rounding stochastic --recompute selective"},
+      {"llama-tiny", "int8_cp_ring", "--strategy fsdp --cp 2 --cp-impl ring --act-quant int8 --act-quant-group 32 --act-quant-rounding stochastic"},
+  };
+  for (const auto& [model, name, flags] : cases) {
+    const std::vector<double> host = train(flags, model + "_" + name + "_host", false, model);
+    const std::vector<double> staged = train(flags, model + "_" + name + "_staged", true, model);
+    ASSERT_EQ(host.size(), 3u) << name;
+    EXPECT_EQ(staged, host) << name;
+  }
 }
 
 TEST_F(StagedRanksSlow, TheDevicesOffloadTierIsHostMemoryAndChangesNoLoss) {
