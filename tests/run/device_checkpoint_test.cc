@@ -5,7 +5,8 @@
 // and --async-save); a device run killed after a save resumes with the uninterrupted run's losses;
 // a device run's checkpoint resumes on the CPU and a CPU run's on a device with them too; a device
 // run relaunched after a rank was killed continues from its in-memory snapshot alike; offloaded
-// state saves and resumes as resident state does.
+// state saves and resumes as resident state does; a device run's checkpoint exports to Hugging
+// Face as a CPU run's, and --init-from on a device starts where the CPU run does.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -110,6 +111,28 @@ TEST_F(DeviceCheckpointSlow, ADeviceRunsOffloadedStateSavesAndResumesAlike) {
   EXPECT_NE(r.out.find(" in host memory ("), std::string::npos) << r.out;
   EXPECT_EQ(losses("dev_offload"), tail(losses("cpu")));
   expect_same_checkpoint("cpu", "dev_offload", 6);
+}
+
+// A device run's checkpoint exports to Hugging Face as a CPU run's does, byte for byte; a device
+// run started from either (--init-from: the sharded step, each rank its ranges, or the export,
+// read whole and uploaded) has the CPU run's losses from the same start.
+TEST_F(DeviceCheckpointSlow, ADeviceRunsExportAndInitFromAreTheCpuRuns) {
+  if (!fs::exists(fs::path(out("cpu")) / "metrics.jsonl")) ASSERT_EQ(train("cpu", false).code, 0);
+  ASSERT_EQ(train("dev_src", true).code, 0);
+  for (const std::string run : {"cpu", "dev_src"}) {
+    const Result x = testing::shardlm("ckpt export --format hf --ckpt " + out(run) + "/ckpt/step_6 --out " + out(run + "_hf"));
+    ASSERT_EQ(x.code, 0) << x.out;
+  }
+  for (const char* f : {"model.safetensors", "config.json"})
+    EXPECT_TRUE(bytes(runs_.out("dev_src_hf") / f) == bytes(runs_.out("cpu_hf") / f)) << f;
+  for (const std::string from : {out("dev_src") + "/ckpt/step_6", out("dev_src_hf")}) {
+    const std::string tag = from == out("dev_src_hf") ? "hf" : "sharded";
+    ASSERT_EQ(train("init_cpu_" + tag, false, "--init-from " + from).code, 0);
+    const Result r = train("init_dev_" + tag, true, "--init-from " + from);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(losses("init_dev_" + tag), losses("init_cpu_" + tag)) << tag;
+    EXPECT_NE(losses("init_dev_" + tag)[0], losses("cpu")[0]) << "not a fresh start";
+  }
 }
 
 }  // namespace
