@@ -226,9 +226,6 @@ sim::PlanSearch search_and_print(PlanArgs& a) {
   q.disk_budget = disk_budget_of(a, hw);
   q.context_always = a.search_cp;
   if (a.search_act_quant) {
-    if (hw.device_memory > 0)  // the configurations printed are to be trained with --device cuda
-      throw std::invalid_argument("--search-act-quant: the hardware profile '" + hw.name +
-                                  "' is a GPU's, and --device cuda has no int8 activation kernels yet");
     q.act_quant = {a.cfg.act_quant_group, a.cfg.act_quant_rounding == "stochastic"};
     model::validate_act_quant(desc.config, q.act_quant, 1, model::ContextImpl::ring);
   }

@@ -511,10 +511,24 @@ class CudaBackend final : public Backend {
     return r;
   }
   void scale(float* x, int64_t n, float s) const override { cuda::scale(x, n, s); }
+  void quantize_int8(int8_t* q, float* scales, const float* x, int64_t n, int64_t group, bool stochastic,
+                     uint64_t key) const override {
+    check_groups("quantize_int8", n, group);
+    cuda::quantize_int8(q, scales, x, n, group, stochastic, key);
+  }
+  void dequantize_int8(float* x, const int8_t* q, const float* scales, int64_t n, int64_t group) const override {
+    check_groups("dequantize_int8", n, group);
+    cuda::dequantize_int8(x, q, scales, n, group);
+  }
   void fp32_to_bf16(uint16_t* out, const float* in, int64_t n) const override { cuda::fp32_to_bf16(out, in, n); }
   void bf16_to_fp32(float* out, const uint16_t* in, int64_t n) const override { cuda::bf16_to_fp32(out, in, n); }
 
  private:
+  static void check_groups(const char* op, int64_t n, int64_t group) {
+    if (group <= 0 || n % group != 0)
+      throw std::invalid_argument(std::string(op) + ": " + std::to_string(n) + " values do not split into groups of " +
+                                  std::to_string(group));
+  }
   // The CUDA attention kernels mask causally; the bidirectional form runs on the CPU backend.
   static void causal_only(bool causal, const char* op) {
     if (!causal)

@@ -116,6 +116,10 @@ void gemm_strided_batched(bool bf16, bool ta, bool tb, int64_t M, int64_t N, int
                           int64_t lda, int64_t sA, const float* B, int64_t ldb, int64_t sB, float beta, float* C,
                           int64_t ldc, int64_t sC, int64_t batch);
 
+// ---- cuda_quant.cu: kernels/cpu.h's quantize_int8 / dequantize_int8, bit for bit (n a multiple of group)
+void quantize_int8(int8_t* q, float* scales, const float* x, int64_t n, int64_t group, bool stochastic, uint64_t key);
+void dequantize_int8(float* x, const int8_t* q, const float* scales, int64_t n, int64_t group);
+
 // ---- cuda_head.cu
 // Over logits (n, ld): row losses into loss_rows (double, n), and with `grad` the rows' gradient
 // (softmax - onehot) * grad_scale (zero for ignored rows and padding columns), written over the

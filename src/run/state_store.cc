@@ -143,17 +143,46 @@ void StateStore::disk_write_all(State s, const float* packed) {
 
 float* StateStore::local_state(State which) {
   const int si = static_cast<int>(which);
-  if (!on_disk(State(si))) return buffer(which).bytes() ? buffer(which).f32() : nullptr;
+  const bool device = !backend_.host_memory();
+  if (!device && !on_disk(State(si))) return buffer(which).bytes() ? buffer(which).f32() : nullptr;
+  const int64_t bytes = 4 * plan_.held_total(plan::kind_of(which));
+  if (bytes == 0) return nullptr;
   if (!staged_[si].data()) {
-    staged_[si] = backend_.alloc(MemCategory::staging, 4 * plan_.held_total(plan::kind_of(which)), Buffer::Fill::none);
-    disk_read_all(State(si), staged_[si].f32());
+    if (device) {
+      staged_[si] = Buffer(host_pool_, MemCategory::staging, bytes, Buffer::Fill::none);
+      download_packed(State(si), staged_[si].data());
+    } else {
+      staged_[si] = backend_.alloc(MemCategory::staging, bytes, Buffer::Fill::none);
+      disk_read_all(State(si), staged_[si].f32());
+    }
   }
   return staged_[si].f32();
 }
 
+// A device's state comes to the host through the backend's download; offloaded units are first
+// packed in device memory from the tier.
+void StateStore::download_packed(State s, void* host) {
+  const int64_t bytes = 4 * plan_.held_total(plan::kind_of(s));
+  if (!on_disk(s)) return backend_.download(host, buffer(s).data(), bytes);
+  Buffer packed = backend_.alloc(MemCategory::staging, bytes, Buffer::Fill::none);
+  disk_read_all(s, packed.f32());
+  backend_.download(host, packed.data(), bytes);
+}
+
+void StateStore::upload_packed(State s, const void* host) {
+  const int64_t bytes = 4 * plan_.held_total(plan::kind_of(s));
+  if (!on_disk(s)) return backend_.upload(const_cast<Buffer&>(buffer(s)).data(), host, bytes);
+  Buffer packed = backend_.alloc(MemCategory::staging, bytes, Buffer::Fill::none);
+  backend_.upload(packed.data(), host, bytes);
+  disk_write_all(s, packed.f32());
+}
+
 void StateStore::commit_local_state() {
-  for (int si = 0; si < plan::kNumStateBuffers; ++si)
-    if (staged_[si].data()) disk_write_all(State(si), staged_[si].f32());
+  for (int si = 0; si < plan::kNumStateBuffers; ++si) {
+    if (!staged_[si].data()) continue;
+    if (!backend_.host_memory()) upload_packed(State(si), staged_[si].data());
+    else disk_write_all(State(si), staged_[si].f32());
+  }
   release_local_state();
 }
 

@@ -74,8 +74,11 @@ class StateStore {
   // This rank's buffer of `which` as the plan places it (each unit's part, back to back in unit
   // order; the whole padded flat buffer when every unit is whole); null when the plan holds none. For ckpt/,
   // which reads and writes each rank's element ranges in place.
-  // State the plan keeps on disk is read into a staging copy (memory category staging) first; after
-  // writing into it, commit_local_state() writes it back to disk; release_local_state() drops it.
+  // State the plan keeps on disk, and on a device backend all state, is read into a staging copy
+  // (memory category staging; on a device in host memory, downloaded, and charged to a pool of the
+  // store's own, so the run's tracker keeps counting what the device holds) first; after writing
+  // into it, commit_local_state() writes it back (to disk, or uploads it); release_local_state()
+  // drops it.
   float* local_state(plan::State which);
   void commit_local_state();
   void release_local_state();
@@ -95,6 +98,9 @@ class StateStore {
   Buffer bounce_window(plan::State s, Buffer::Fill fill) const;
   void disk_read_all(plan::State s, float* packed);
   void disk_write_all(plan::State s, const float* packed);
+  // A device's packed state of `s` (offloaded units from the tier) to and from host memory.
+  void download_packed(plan::State s, void* host);
+  void upload_packed(plan::State s, const void* host);
   void gather_full_from_device(plan::State k, const Buffer& buf, float* full, const CommGroups& comms,
                                std::chrono::milliseconds timeout);
   void init_range(int u, uint64_t seed, float* dst, int64_t begin, int64_t end) const;
@@ -110,6 +116,7 @@ class StateStore {
   std::unique_ptr<OffloadStore> tier_;
   std::array<int, plan::kNumStateBuffers> file_{-1, -1, -1, -1};
   std::array<std::vector<int64_t>, plan::kNumStateBuffers> file_at_;
+  MemoryPool host_pool_;  // a device's host staging copies; declared before them, so it outlives them
   std::array<Buffer, plan::kNumStateBuffers> staged_;
   int activation_file_ = -1;
   std::array<Buffer, plan::kNumStateBuffers> buffers_;  // by State

@@ -180,18 +180,12 @@ void check_distribution(const TrainConfig& c) {
   if (c.device == "cuda" && c.cp > 1 && c.comm_backend == "nccl")
     throw std::invalid_argument("--cp with --comm nccl: not supported yet (context parallelism's exchanges run staged "
                                 "through host memory: --comm auto)");
-  // Sharded checkpoints read each rank's state in place, which on CUDA is device memory.
   if (c.offload != "none" && c.offload != "activations" && c.snapshot_every > 0)
     throw std::invalid_argument("--offload with --snapshot-every: in-memory snapshots of offloaded state are not supported yet");
-  if (c.device == "cuda" && (c.save_every > 0 || !c.resume.empty() || !c.init_from.empty() || c.snapshot_every > 0))
-    throw std::invalid_argument("--device cuda: --save-every, --snapshot-every, --resume and --init-from are not supported yet "
-                                "(checkpoints read host memory)");
   if (c.device == "cpu" && c.compute_dtype == "bf16")
     throw std::invalid_argument("--compute-dtype bf16 is not supported on CPU (bf16 GEMM is about half fp32's speed here)");
   if (c.device == "cuda" && c.pipeline_optimizer)
     throw std::invalid_argument("--device cuda: --pipeline-optimizer is not supported yet (the optimizer stream runs host kernels)");
-  if (c.device == "cuda" && c.act_quant != "none")
-    throw std::invalid_argument("--device cuda: --act-quant int8 is not supported yet (no CUDA quantize kernels)");
 }
 
 }  // namespace

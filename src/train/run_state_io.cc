@@ -168,7 +168,7 @@ void resume(Session& s) {
   if (ckpt::is_sharded(dir)) {
     const auto t0 = Clock::now();
     load_sharded(s, dir, rank_buffers(s), true);
-    s.ex.commit_local_state();  // offloaded state: what was read goes to its files
+    s.ex.commit_local_state();  // offloaded state: what was read goes to its files; a device's is uploaded
     if (s.talk) fmt::print("resumed from {} in {:.0f} ms\n", dir, ms_since(t0));
     return;
   }
@@ -205,6 +205,7 @@ void resume_from_snapshot(Session& s, const ckpt::SnapshotChoice& chosen) {
   const auto t0 = Clock::now();
   if (chosen.world == s.N) {
     s.snapshots->restore(chosen, snapshot_parts(s.ex, s.plan));
+    s.ex.commit_local_state();  // a device's state: what was restored into host copies is uploaded
   } else {
     s.snapshots->restore_resharded(chosen, s.desc, snapshot_taken_layout(s.cfg, chosen.world), sharded_layout(s.plan, s.N),
                                    rank_buffers(s));
@@ -232,6 +233,7 @@ void take_snapshot(Session& s) {
   if (s.snapshot_placement.is_null()) s.snapshot_placement = placement(rank_hosts(s));  // once: collective
   meta["placement"] = s.snapshot_placement;
   s.snapshots->save(s.run_id, s.state.step, meta, snapshot_parts(s.ex, s.plan));
+  s.ex.release_local_state();  // a device's state was downloaded for the snapshot
   if (s.talk) {
     fmt::print("snapshot of step {}: {:.1f} MB per rank into shared memory, {:.0f} ms\n", s.state.step,
                (s.plan.static_memory.params + s.plan.static_memory.optimizer) / 1e6, ms_since(t0));
@@ -281,7 +283,7 @@ void save(Session& s) {
     const auto spread = std::chrono::milliseconds(static_cast<int64_t>(0.9 * s.cfg.save_every * s.last_step_ms));
     if (s.writer) s.writer->start(tmp, rank_buffers(s), write_faults(s, s.state.step), spread);
     else mine = ckpt::write_rank_file(tmp, s.desc, sharded_layout(s.plan, s.N), s.rank, rank_buffers(s), write_faults(s, s.state.step));
-    s.ex.release_local_state();  // offloaded state was read from its files for the save
+    s.ex.release_local_state();  // offloaded (or a device's) state was read into host copies for the save
   });
   s.pending->paused_ms = ms_since(t0);
   if (!s.writer) commit_save(s, mine);

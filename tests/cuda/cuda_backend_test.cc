@@ -11,7 +11,7 @@
 //  - attention: the cuBLAS path with fp32 GEMMs and the fp32 flash kernels (forced through
 //    CudaOptions::attention): 1e-4; the cuBLAS path with bf16 GEMMs (scores from bf16 q, k) and the
 //    tensor-core flash kernels (bf16 q, k, v, dout, probabilities): 2e-2.
-//  - embedding, AdamW, scale, sum_squares: 1e-6; casts: exact.
+//  - embedding, AdamW, scale, sum_squares: 1e-6; casts and int8 quantization: exact.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -423,6 +424,41 @@ TEST_F(CudaBackendTest, OptimizerAndUtilities) {
   cpu->bf16_to_fp32(back.data(), h16.data(), n);
   gpu->bf16_to_fp32(dg.p(), b16.as<uint16_t>(), n);
   compare("fp32_to_bf16 + bf16_to_fp32", dg.get(*gpu), back, 0);
+}
+
+// --act-quant's kernels: scales and int8 values bit for bit the CPU's, nearest and stochastic
+// rounding, over groups of magnitudes 1e-3 to 1e3, a group holding a NaN (scale NaN, values 0) and
+// a group of zeros; the dequantized values too (NaN where the CPU's are, whatever its bits).
+TEST_F(CudaBackendTest, QuantizeInt8IsTheCpusBitForBit) {
+  const int64_t group = 64, n = group * 4099;
+  fvec x = randv(n, 41);
+  for (int64_t i = 0; i < n; ++i) x[i] *= std::pow(10.0f, static_cast<float>((i / group) % 7) - 3.0f);
+  x[5 * group + 3] = kNaN;
+  std::fill(x.begin() + 7 * group, x.begin() + 8 * group, 0.0f);
+  const Dev dx(*gpu, x);
+  for (bool stochastic : {false, true}) {
+    std::vector<int8_t> qc(n), qg(n);
+    fvec sc(n / group), yc(n);
+    cpu->quantize_int8(qc.data(), sc.data(), x.data(), n, group, stochastic, 0x5eedull);
+    cpu->dequantize_int8(yc.data(), qc.data(), sc.data(), n, group);
+    Buffer q = gpu->alloc(MemCategory::workspace, n, Buffer::Fill::none);
+    const Dev ds(*gpu, fvec(n / group, 1.0f)), dy(*gpu, fvec(n, 1.0f));
+    gpu->quantize_int8(q.as<int8_t>(), ds.p(), dx.p(), n, group, stochastic, 0x5eedull);
+    gpu->dequantize_int8(dy.p(), q.as<int8_t>(), ds.p(), n, group);
+    gpu->download(qg.data(), q.data(), n);
+    const fvec sg = ds.get(*gpu), yg = dy.get(*gpu);
+    int64_t q_diff = 0, s_diff = 0, y_diff = 0;
+    for (int64_t i = 0; i < n; ++i) q_diff += qg[i] != qc[i];
+    for (size_t g = 0; g < sc.size(); ++g) s_diff += std::memcmp(&sg[g], &sc[g], 4) != 0;
+    for (int64_t i = 0; i < n; ++i) y_diff += std::isnan(yc[i]) ? !std::isnan(yg[i]) : std::memcmp(&yg[i], &yc[i], 4) != 0;
+    std::printf("KERNEL %-34s values differing %lld, scales %lld, dequantized %lld\n",
+                stochastic ? "quantize_int8 stochastic" : "quantize_int8 nearest", static_cast<long long>(q_diff),
+                static_cast<long long>(s_diff), static_cast<long long>(y_diff));
+    EXPECT_EQ(q_diff, 0) << "stochastic " << stochastic;
+    EXPECT_EQ(s_diff, 0) << "stochastic " << stochastic;
+    EXPECT_EQ(y_diff, 0) << "stochastic " << stochastic;
+    EXPECT_TRUE(std::isnan(sg[5])) << "a group holding a NaN has a NaN scale";
+  }
 }
 
 TEST_F(CudaBackendTest, AllocatorAccounting) {

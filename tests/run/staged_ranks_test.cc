@@ -1,12 +1,16 @@
 // The device path of several ranks without a GPU: SHARDLM_TEST_CPU_AS_DEVICE makes the CPU backend
-// answer that its memory is not the host's, so the executor uploads and downloads state and every
-// collective on state is staged (device -> host -> MPI -> device, comm/staged.h), as on a GPU shared
-// by two ranks. Copies change no value: each strategy's losses equal the host-memory run's bit for
-// bit, fp32 and bf16 collectives, buckets included; so do context parallelism's exchanges (the
-// ring's sends and receives, the head split's all-to-all with its sizes header), staged alike, and
-// the offload tier, which for a device is host memory (run/host_store.h) instead of the disk.
+// answer that its memory is not the host's (and keeps it out of the host code's reach:
+// kernels/guarded_pages.h), so the executor uploads and downloads state and every collective on
+// state is staged (device -> host -> MPI -> device, comm/staged.h), as on a GPU shared by two
+// ranks. Copies change no value: each strategy's losses equal the host-memory run's bit for bit,
+// fp32 and bf16 collectives, buckets included; so do context parallelism's exchanges (the ring's
+// sends and receives, the head split's all-to-all with its sizes header) and expert parallelism's,
+// staged alike, the offload tier, which for a device is host memory (run/host_store.h) instead of
+// the disk, and --act-quant int8's quantize and dequantize kernels.
 #include <gtest/gtest.h>
 #include <unistd.h>
+
+#include <tuple>
 
 #include "run/test_util.h"
 
@@ -73,6 +77,36 @@ TEST_F(StagedRanksSlow, ContextParallelExchangesGiveTheHostRunsLossesBitForBit) 
       ASSERT_EQ(host.size(), 3u) << model << " " << name;
       EXPECT_EQ(staged, host) << model << " " << name;
     }
+}
+
+// Expert parallelism's exchanges (the sizes, then the routed rows) staged alike: the MoE block's
+// device path (router, dispatch, experts, combine on the backend's buffers) reaches device memory
+// only through the backend, which the strict CPU-as-device backend holds it to.
+TEST_F(StagedRanksSlow, ExpertParallelExchangesGiveTheHostRunsLossesBitForBit) {
+  for (const std::string strategy : {"fsdp", "ddp"}) {
+    const std::string flags = "--ep 2 --strategy " + strategy;
+    const std::vector<double> host = train(flags, "moe_" + strategy + "_host", false, "moe-tiny");
+    const std::vector<double> staged = train(flags, "moe_" + strategy + "_staged", true, "moe-tiny");
+    ASSERT_EQ(host.size(), 3u) << strategy;
+    EXPECT_EQ(staged, host) << strategy;
+  }
+}
+
+// --act-quant int8 on a device: the blocks' kept inputs are quantized and dequantized by the
+// backend's kernels in device memory (a strict one: kernels/guarded_pages.h), bit for bit the
+// host run's, nearest and stochastic, under recompute and context parallelism's stages too.
+TEST_F(StagedRanksSlow, ActivationCompressionGivesTheHostRunsLossesBitForBit) {
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"tiny", "int8_nearest", "--strategy fsdp --act-quant int8"},
+      {"tiny", "int8_stochastic_recompute", "--strategy ddp --act-quant int8 --act-quant-rounding stochastic --recompute selective"},
+      {"llama-tiny", "int8_cp_ring", "--strategy fsdp --cp 2 --cp-impl ring --act-quant int8 --act-quant-group 32 --act-quant-rounding stochastic"},
+  };
+  for (const auto& [model, name, flags] : cases) {
+    const std::vector<double> host = train(flags, model + "_" + name + "_host", false, model);
+    const std::vector<double> staged = train(flags, model + "_" + name + "_staged", true, model);
+    ASSERT_EQ(host.size(), 3u) << name;
+    EXPECT_EQ(staged, host) << name;
+  }
 }
 
 TEST_F(StagedRanksSlow, TheDevicesOffloadTierIsHostMemoryAndChangesNoLoss) {

@@ -112,6 +112,17 @@ TEST(TrainConfigValidate, CudaRunsEveryStrategyAndContextParallelismButNotExpert
             "memory: --comm auto)");
 }
 
+// A device run saves, snapshots, resumes and starts from given weights: its state moves through
+// the backend's downloads and uploads (tests/run/device_checkpoint_test.cc); it compresses
+// activations with the backend's int8 kernels.
+TEST(TrainConfigValidate, CudaSavesSnapshotsResumesAndCompressesActivations) {
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.save_every = 2, c.async_save = true; }), "");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.snapshot_every = 1; }), "");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.resume = "runs/a"; }), "");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.init_from = "runs/a"; }), "");
+  EXPECT_EQ(validate_error([](TrainConfig& c) { c.device = "cuda", c.act_quant = "int8"; }), "");
+}
+
 // --comm picks the collectives over GPU memory: NCCL needs the CUDA device; the CPU path is
 // unchanged (auto and mpi are both MPI there).
 TEST(TrainConfigValidate, CommNcclNeedsCuda) {
