@@ -39,8 +39,13 @@ model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   if (no_norm_topk) c.norm_topk = false;
   if (aux_loss_coef != -1) c.aux_loss_coef = aux_loss_coef;
   if (z_loss_coef != -1) c.z_loss_coef = z_loss_coef;
+  if (cond_drop != -1 && c.family != model::Family::dit)
+    throw std::invalid_argument(std::string("--cond-drop is a diffusion-transformer setting; a ") + model::to_string(c.family) +
+                                " model has no classes to drop (use a dit model, e.g. --model dit-tiny)");
+  if (cond_drop != -1) c.cond_drop = cond_drop;
   c.validate();
-  if (seq > c.max_seq)
+  // A DiT's sequence is its patches (the trainer sets --seq from them).
+  if (c.family != model::Family::dit && seq > c.max_seq)
     throw std::invalid_argument("seq (" + std::to_string(seq) + ") exceeds the model's max_seq (" +
                                 std::to_string(c.max_seq) + ")");
   return c;

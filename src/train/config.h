@@ -39,12 +39,13 @@ struct TrainConfig : plan::PlanOptions {
   double capacity_factor = -1;  // > 0 when given; the preset's is dropless
   bool no_norm_topk = false;    // keep the softmax weights of the k experts (Switch / OpenMoE)
   double aux_loss_coef = -1, z_loss_coef = -1;
+  double cond_drop = -1;  // dit: the probability a sample's label is dropped to the null class (-1: the preset's)
   bool moe_flags_given() const {
     return experts || top_k || moe_ffn_dim || moe_every || capacity_factor != -1 || no_norm_topk ||
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
 
-  std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
+  std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin (dit: DIR of DIR/train.bin / DIR/val.bin, latent sets)
   std::string out = "runs/default";
   std::string resume;  // checkpoint directory, or "auto": --out's newest snapshot, else its latest checkpoint
   // A new run's starting parameters (AdamW moments zero, step 0): a shardlm checkpoint or a

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/corpus.h"
+#include "data/latents.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -20,6 +21,19 @@ namespace shardlm::train {
 // `training`'s plan calls it alike.
 double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
                 const data::TokenCorpus& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
+
+// A diffusion model's batch (model::DitSample each): samples j = first … first + B − 1 of step
+// `step`, each a record of `set` (data::latent_record; at step −1, evaluation's, record j mod the
+// records, its label kept), its noise, time and label drop drawn by data::flow_draw.
+void fill_flow_samples(const model::ModelConfig& mc, const data::LatentSet& set, uint64_t seed, int64_t step,
+                       int64_t first, int64_t B, char* batch, int64_t bytes);
+
+// A diffusion model's mean squared error of the velocity over the validation records 0 … n − 1
+// (n: the records, at most max_records when > 0, rounded up to whole batches of every
+// data-parallel coordinate), their noise and times drawn at step −1 (the same every evaluation).
+// Collective, as evaluate.
+double evaluate_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                     const data::LatentSet& set, int64_t B, uint64_t seed, int64_t max_records, int rank);
 
 // Entropy (nats) of the token distribution of a shard: the loss of the best unigram model.
 double unigram_entropy(const data::TokenCorpus& shard);
