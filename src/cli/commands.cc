@@ -605,7 +605,10 @@ void run_tokenize(const Commands& c) {
 
 // The parsed subcommand, run; its exit code. Throws what it throws.
 int dispatch(Commands& c, const std::string& typed) {
-  for (train::TrainConfig* cfg : {&c.train.cfg, &c.explain.cfg, &c.simulate.cfg, &c.plan.cfg}) *cfg = with_environment(*cfg);
+  for (train::TrainConfig* cfg : {&c.train.cfg, &c.explain.cfg, &c.simulate.cfg, &c.plan.cfg}) {
+    *cfg = with_environment(*cfg);
+    cfg->sequence_from_patches();
+  }
   const auto& f = c.from_ckpt;
   if (*c.tokenize.cmd) {
     run_tokenize(c);

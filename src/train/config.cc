@@ -51,6 +51,15 @@ model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   return c;
 }
 
+void TrainConfig::sequence_from_patches() {
+  try {
+    const model::ModelConfig c = model_config(1);
+    if (c.family == model::Family::dit) seq = c.patch_tokens();
+  } catch (const std::exception&) {
+    // refused, with its line, where the command resolves the model
+  }
+}
+
 namespace {
 
 // One line naming the flag (also the TOML key) and the value refused; `!(v >= lo)` also

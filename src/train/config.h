@@ -45,6 +45,11 @@ struct TrainConfig : plan::PlanOptions {
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
 
+  // A DiT's sequence is its patches: for a dit model, seq becomes their count (train, explain,
+  // simulate and plan call it before building a plan; another model, or one not resolvable here,
+  // is left as it is).
+  void sequence_from_patches();
+
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin (dit: DIR of DIR/train.bin / DIR/val.bin, latent sets)
   std::string out = "runs/default";
   std::string resume;  // checkpoint directory, or "auto": --out's newest snapshot, else its latest checkpoint

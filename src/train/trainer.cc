@@ -691,10 +691,8 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   if (cfg_in.async_save && cfg_in.save_every == 0)
     throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
-  if (dit_model(cfg)) {
-    refuse_flow_checkpoints(cfg);
-    cfg.seq = cfg.model_config(1).patch_tokens();  // a DiT's sequence is its patches
-  }
+  if (dit_model(cfg)) refuse_flow_checkpoints(cfg);
+  cfg.sequence_from_patches();
   const run::OffloadOptions offload = offload_options(cfg);  // before any rank can have made the directory
   StartUp up = start_up(cfg, world, memory);
   kernels::init_compute(cfg.threads);
