@@ -170,6 +170,13 @@ void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->group("Model")->check(at_least(0.0));
   cmd->add_option("--cond-drop", c.cond_drop, "dit: probability a training sample's class becomes the null class (default 0.1)")
       ->group("Model")->check(CLI::Range(0.0, 0.999));
+  cmd->add_option("--frames", c.frames, "dit: latent frames (a still image: 1)")->group("Model")->check(at_least(1));
+  cmd->add_option("--height", c.height, "dit: latent rows")->group("Model")->check(at_least(1));
+  cmd->add_option("--width", c.width, "dit: latent columns")->group("Model")->check(at_least(1));
+  cmd->add_option("--channels", c.channels, "dit: latent channels")->group("Model")->check(at_least(1));
+  cmd->add_option("--classes", c.classes, "dit: classes (the class table has one more row, the null class)")->group("Model")
+      ->check(at_least(1));
+  cmd->add_option("--patch", c.patch, "dit: patch PF,PH,PW (frames, rows, columns), each dividing the latents' size")->group("Model");
 }
 
 // How a step is laid out over ranks and memory (train and explain): every entry of the plan's

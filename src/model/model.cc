@@ -205,8 +205,6 @@ void ModelConfig::validate_dit() const {
     if (p[i] < 1 || patch[i].second % p[i] != 0)
       fail("patch (--patch " + std::to_string(patch_f) + "," + std::to_string(patch_h) + "," + std::to_string(patch_w) +
            "): " + std::to_string(p[i]) + " does not divide " + patch[i].first + " (" + std::to_string(patch[i].second) + ")");
-  if (patch_f != 1)
-    fail("patch (--patch): a temporal patch of " + std::to_string(patch_f) + " frames is not supported yet (patch_f must be 1)");
   if (max_seq != patch_tokens())
     fail("max_seq (" + std::to_string(max_seq) + ") must be the patch count (" + std::to_string(patch_tokens()) + ")");
   if (!(cond_drop >= 0 && cond_drop < 1)) fail("cond_drop (--cond-drop) must be in [0, 1), got " + std::to_string(cond_drop));

@@ -40,6 +40,10 @@ struct TrainConfig : plan::PlanOptions {
   bool no_norm_topk = false;    // keep the softmax weights of the k experts (Switch / OpenMoE)
   double aux_loss_coef = -1, z_loss_coef = -1;
   double cond_drop = -1;  // dit: the probability a sample's label is dropped to the null class (-1: the preset's)
+  // dit: the latents' shape, classes and patch (0 or empty: the preset's); patch "PF,PH,PW".
+  int64_t frames = 0, height = 0, width = 0, channels = 0, classes = 0;
+  std::string patch;
+  bool dit_flags_given() const { return cond_drop != -1 || frames || height || width || channels || classes || !patch.empty(); }
   bool moe_flags_given() const {
     return experts || top_k || moe_ffn_dim || moe_every || capacity_factor != -1 || no_norm_topk ||
            aux_loss_coef != -1 || z_loss_coef != -1;
@@ -49,6 +53,7 @@ struct TrainConfig : plan::PlanOptions {
   // simulate and plan call it before building a plan; another model, or one not resolvable here,
   // is left as it is).
   void sequence_from_patches();
+  void apply_dit_flags(model::ModelConfig& c) const;
 
   std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin (dit: DIR of DIR/train.bin / DIR/val.bin, latent sets)
   std::string out = "runs/default";

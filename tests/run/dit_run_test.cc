@@ -62,6 +62,9 @@ TEST_F(DitRun, BadInputIsOneLine) {
                                 (dir_ / "bad_shape").string()),
                         {"small/train.bin", "8x8", "16x16"});
   expect_one_line_error(shardlm(args("bad_save", 1) + " --save-every 1"), {"--save-every", "dit"});
+  // A patch that does not divide the latents, and one that is not three sizes.
+  expect_one_line_error(shardlm(args("bad_patch", 1) + " --patch 1,3,2"), {"--patch 1,3,2", "3 does not divide height (16)"});
+  expect_one_line_error(shardlm(args("bad_patch", 1) + " --patch 2,2"), {"--patch", "PF,PH,PW", "2,2"});
   expect_one_line_error(shardlm("train --model tiny --cond-drop 0.2 --data x --out " + (dir_ / "bad_drop").string()),
                         {"--cond-drop", "gpt2"});
   // A directory holding a file make-data did not write.

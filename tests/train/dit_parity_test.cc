@@ -45,8 +45,19 @@ struct Batch {
   }
 };
 
-TEST(DitParity, LossGradientsAndVelocityMatchPyTorch) {
-  const model::ModelConfig mc = model::model_preset("dit-tiny");
+// dit-tiny (one frame, 2 x 2 patches), and latent video: 4 frames of 8 x 6 in 2 x 2 x 3 patches.
+model::ModelConfig video() {
+  model::ModelConfig c = model::model_preset("dit-tiny");
+  c.frames = 4, c.height = 8, c.width = 6, c.channels = 3;
+  c.patch_f = 2, c.patch_h = 2, c.patch_w = 3;
+  c.max_seq = c.patch_tokens();
+  return c;
+}
+
+class DitParity : public ::testing::TestWithParam<model::ModelConfig> {};
+
+TEST_P(DitParity, LossGradientsAndVelocityMatchPyTorch) {
+  const model::ModelConfig mc = GetParam();
   const int64_t B = 3, T = mc.patch_tokens(), L = mc.latent_values();
   const fs::path dir = fs::temp_directory_path() / ("shardlm_dit_parity_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -133,10 +144,13 @@ TEST(DitParity, LossGradientsAndVelocityMatchPyTorch) {
   int ref_grads = 0;
   for (const auto& name : ref.names()) ref_grads += name.rfind("grad.", 0) == 0;
   EXPECT_EQ(checked, ref_grads);  // every parameter the reference has, and no other
-  std::printf("dit-tiny against PyTorch: loss %.6f (relative error %.2e), velocity %.2e, worst gradient %.2e (%s)\n",
-              loss, std::fabs(loss - ref_loss) / std::fabs(ref_loss), pred_error, worst, worst_name.c_str());
+  std::printf("dit %s against PyTorch: loss %.6f (relative error %.2e), velocity %.2e, worst gradient %.2e (%s)\n",
+              mc.frames == 1 ? "image" : "video", loss, std::fabs(loss - ref_loss) / std::fabs(ref_loss), pred_error, worst, worst_name.c_str());
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DitParity, ::testing::Values(model::model_preset("dit-tiny"), video()),
+                         [](const auto& info) { return info.param.frames == 1 ? std::string("Image") : std::string("Video"); });
 
 }  // namespace
 }  // namespace shardlm::train
