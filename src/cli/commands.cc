@@ -285,6 +285,12 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->group("Checkpoints")->capture_default_str();
   add_snapshot_options(cmd, c);
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->group("Output")->capture_default_str();
+  cmd->add_option("--samples-per-class", c.samples_per_class,
+                  "dit: samples of each class drawn at the end into DIR/samples.png and DIR/samples.bin (0: none)")
+      ->group("Output")->capture_default_str();
+  cmd->add_option("--sample-steps", c.sample_steps, "dit: the sampler's Euler steps")->group("Output")->capture_default_str();
+  cmd->add_option("--sample-cfg", c.sample_cfg, "dit: classifier-free guidance scale (1: the class alone)")->group("Output")
+      ->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->group("Output")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress")->group("Output");
   add_device_options(cmd, c);

@@ -87,6 +87,12 @@ void write_latents(const std::string& path, const LatentShape& shape, const std:
   files::replace_file(path, bytes);
 }
 
+float class_colour(int32_t label, int64_t channel) {
+  // Channel c is high where bit c of label + 3 is set: ten distinct colours over four channels,
+  // none all low (the background's).
+  return ((label + 3) >> (channel % 4)) & 1 ? 1.0f : -0.3f;
+}
+
 void render_shape(const ShapesOptions& o, const std::string& split, int64_t index, int32_t label, float* out) {
   const LatentShape& s = o.shape;
   const uint64_t salt = split == "train" ? 0x747261696eull : 0x76616cull;
@@ -113,9 +119,7 @@ void render_shape(const ShapesOptions& o, const std::string& split, int64_t inde
         }
         if (!in) continue;
         float* px = out + ((f * s.height + y) * s.width + x) * s.channels;
-        // The colour: classes 0-4 and 5-9 take opposite signs on alternate channels.
-        for (int64_t c = 0; c < s.channels; ++c)
-          px[c] = static_cast<float>(((c + label / 5) % 2 == 0 ? 1.0 : -0.2) * (c == kind % s.channels ? 0.5 : 1.0));
+        for (int64_t c = 0; c < s.channels; ++c) px[c] = class_colour(label, c);
       }
   }
 }

@@ -49,8 +49,8 @@ void write_latents(const std::string& path, const LatentShape& shape, const std:
                    const std::vector<float>& values);
 
 // The synthetic "shapes" set: frames of height x width with `channels` channels, `classes` classes
-// (at most 10). A class is a shape (square, disc, triangle, cross, ring) and a colour (a vector over
-// the channels); each record places its class's shape at a position and size drawn from (seed,
+// (at most 10). A class is a shape (square, disc, triangle, cross, ring: label mod 5) and a colour
+// (class_colour: distinct for every class on four channels or more); each record places its class's shape at a position and size drawn from (seed,
 // split, index), values in [-1, 1] (background -1 on every channel, the shape its colour). For
 // frames > 1 the shape moves: class k drifts right when k is even, down when odd. Writes
 // DIR/train.bin and DIR/val.bin (creating DIR); the same arguments write the same bytes.
@@ -60,6 +60,8 @@ struct ShapesOptions {
   uint64_t seed = 1234;
 };
 void make_shapes(const std::string& dir, const ShapesOptions& o);
+// Class `label`'s value on `channel` inside its shape (the background is −1 on every channel).
+float class_colour(int32_t label, int64_t channel);
 // Renders record `index` of `split` ("train" or "val") channels last into out (shape.values()).
 void render_shape(const ShapesOptions& o, const std::string& split, int64_t index, int32_t label, float* out);
 

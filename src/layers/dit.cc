@@ -164,7 +164,6 @@ void cond_backward(const UnitArgs& a, const Cond& k, const CondGrads& g, int64_t
 
 // LayerNorm without affine: out = (x − mean) · rstd.
 void norm_forward(float* out, float* mean, float* rstd, const float* x, int64_t N, int64_t C, double eps) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
     const float* xr = x + r * C;
     double m = 0, v = 0;
@@ -180,7 +179,6 @@ void norm_forward(float* out, float* mean, float* rstd, const float* x, int64_t 
 
 // dx += rstd · (dn − mean(dn) − n · mean(dn · n)), n the norm's output.
 void norm_backward(float* dx, const float* dn, const float* n, const float* rstd, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
     const float *g = dn + r * C, *nr = n + r * C;
     double sg = 0, sgn = 0;

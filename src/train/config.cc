@@ -198,6 +198,11 @@ void check_reporting(const TrainConfig& c) {
   if (c.snapshot_parity == 1) throw std::invalid_argument("--snapshot-parity: a group of 1 rank has no parity; 0 (partner copies) or >= 2");
   at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
   at_most(c.sample_tokens, kMaxSampleTokens, "sample-tokens");
+  at_least<int64_t>(c.samples_per_class, 0, "samples-per-class");
+  at_most<int64_t>(c.samples_per_class, 64, "samples-per-class");
+  at_least<int64_t>(c.sample_steps, 1, "sample-steps");
+  at_most<int64_t>(c.sample_steps, 10000, "sample-steps");
+  at_least(c.sample_cfg, 0.0, "sample-cfg");
   at_least(c.peak_gflops, 0.0, "peak-gflops");
   finite(c.peak_gflops, "peak-gflops");
   if (c.data.empty()) throw std::invalid_argument("--data: no token file prefix given (--data PREFIX)");

@@ -90,6 +90,10 @@ struct TrainConfig : plan::PlanOptions {
   int64_t snapshot_every = 0;  // steps between in-memory snapshots (ckpt/snapshot.h); 0: never
   int snapshot_parity = 0;     // 0: a partner rank holds a copy; G: XOR parity per group of G ranks
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
+  // dit: samples of each class drawn at the end of a run into DIR/samples.png and .bin (0: none),
+  // the sampler's Euler steps and its classifier-free guidance scale.
+  int64_t samples_per_class = 4, sample_steps = 50;
+  double sample_cfg = 4.0;
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress
 

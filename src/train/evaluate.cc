@@ -89,6 +89,44 @@ double evaluate_flow(run::Executor& ex, const model::ModelDesc& desc, const plan
   return total / static_cast<double>(count * T);
 }
 
+std::vector<float> sample_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                               const std::vector<int32_t>& labels, const FlowSampling& fs) {
+  const model::ModelConfig& mc = desc.config;
+  const int64_t n = static_cast<int64_t>(labels.size()), L = mc.latent_values(), B = 2 * n;
+  if (n == 0 || fs.steps < 1) return {};
+  for (int32_t y : labels)
+    if (y < 0 || y >= mc.num_classes)
+      throw std::invalid_argument("class " + std::to_string(y) + " is outside [0, " + std::to_string(mc.num_classes) + ")");
+  const plan::Plan plan = forward_plan(desc, training, plan::PlanConfig::Mode::logits, B, mc.patch_tokens());
+  std::vector<float> x(n * L), v(B * L);
+  for (int64_t j = 0; j < n; ++j) data::flow_draw(fs.seed, -2, j, 0.0, x.data() + j * L, L);
+  const model::DitSample at = model::dit_sample(mc);
+  for (int64_t s = 0; s < fs.steps; ++s) {
+    const float t = 1.0f - static_cast<float>(s) / static_cast<float>(fs.steps);
+    const float dt = 1.0f / static_cast<float>(fs.steps);
+    run::StepInputs in;
+    in.samples = [&](int64_t, char* batch, int64_t) {
+      for (int64_t b = 0; b < B; ++b) {
+        char* p = batch + b * at.bytes;
+        const float* xb = x.data() + (b % n) * L;
+        std::copy(xb, xb + L, reinterpret_cast<float*>(p + at.latents));
+        std::copy(xb, xb + L, reinterpret_cast<float*>(p + at.noise));
+        *reinterpret_cast<float*>(p + at.time) = t;
+        *reinterpret_cast<int32_t*>(p + at.label) = b < n ? labels[b] : static_cast<int32_t>(mc.num_classes);
+      }
+    };
+    in.logits = v.data();
+    in.all_logits = true;
+    ex.run(plan, -1, in);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < L; ++i) {
+        const float vc = v[j * L + i], vu = v[(n + j) * L + i];
+        x[j * L + i] -= dt * (vu + fs.cfg * (vc - vu));  // toward t = 0: dx = v dt with dt < 0
+      }
+  }
+  return x;
+}
+
 double unigram_entropy(const data::TokenCorpus& shard) {
   std::vector<int64_t> counts(65536, 0);  // grown for LLaMA 3's ids (checked against the vocabulary first)
   data::for_each_chunk(shard, [&](int64_t, const int32_t* t, int64_t n) {

@@ -35,6 +35,20 @@ void fill_flow_samples(const model::ModelConfig& mc, const data::LatentSet& set,
 double evaluate_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
                      const data::LatentSet& set, int64_t B, uint64_t seed, int64_t max_records, int rank);
 
+// Latents of `labels` (one sample each) drawn from a diffusion model by Euler steps of its flow
+// from t = 1 (noise, drawn from `seed`) to t = 0, each step's velocity guided from the null
+// class's: v = v_null + cfg·(v_label − v_null) (cfg 1: the label's alone). A forward-only plan of
+// twice the samples (labelled, then null) per step, whose samples hold x_t as both latents and
+// noise (so the model's x_t is x_t). Returns (labels, C, F, H, W). Every rank draws the same
+// samples. Collective.
+struct FlowSampling {
+  int64_t steps = 50;
+  float cfg = 4.0f;
+  uint64_t seed = 1337;
+};
+std::vector<float> sample_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                               const std::vector<int32_t>& labels, const FlowSampling& fs);
+
 // Entropy (nats) of the token distribution of a shard: the loss of the best unigram model.
 double unigram_entropy(const data::TokenCorpus& shard);
 

@@ -27,6 +27,7 @@
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/flow_samples.h"
 #include "train/guard.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
@@ -635,8 +636,15 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   const TrainConfig& cfg = s.cfg;
   settle_save(s, true);
   summary.final_val_loss = run_eval(s);
-  if (s.train_latents) {  // a diffusion model: no unigram baseline, no text to sample
+  if (s.train_latents) {  // a diffusion model: no unigram baseline; pictures, not text
     if (s.talk) fmt::print("final val_loss {:.4f} (mean squared error of the predicted velocity)\n", summary.final_val_loss);
+    if (cfg.samples_per_class > 0) {
+      const FlowSampling fs{cfg.sample_steps, static_cast<float>(cfg.sample_cfg), cfg.seed};
+      const std::string png = write_flow_samples(s.ex, s.desc, s.plan.config, cfg.out, cfg.samples_per_class, fs, s.lead);
+      if (s.talk)
+        fmt::print("samples: {} ({} a class, {} Euler steps, guidance {}; latents in {}/samples.bin)\n", png,
+                   cfg.samples_per_class, cfg.sample_steps, cfg.sample_cfg, cfg.out);
+    }
   } else if (s.lead) {
     summary.val_unigram_entropy = unigram_entropy(*s.val_data);
     if (s.talk)
