@@ -19,6 +19,7 @@
 #include "cli/subcommands.h"
 #include "comm/factory.h"
 #include "comm/process.h"
+#include "data/latents.h"
 #include "data/tokenize.h"
 #include "data/tokenizer.h"
 #include "plan/options.h"
@@ -167,6 +168,15 @@ void add_model_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_flag("--no-norm-topk", c.no_norm_topk, "moe: keep the k experts' softmax weights (not renormalised to 1)")->group("Model");
   cmd->add_option("--aux-loss-coef", c.aux_loss_coef, "moe: load-balancing loss coefficient (default 0.01)")->group("Model")->check(at_least(0.0));
   cmd->add_option("--z-loss-coef", c.z_loss_coef, "moe: router z-loss coefficient (default 0.001)")->group("Model")->check(at_least(0.0));
+  cmd->add_option("--cond-drop", c.cond_drop, "dit: probability a training sample's class becomes the null class (default 0.1)")
+      ->group("Model")->check(CLI::Range(0.0, 0.999));
+  cmd->add_option("--frames", c.frames, "dit: latent frames (a still image: 1)")->group("Model")->check(at_least(1));
+  cmd->add_option("--height", c.height, "dit: latent rows")->group("Model")->check(at_least(1));
+  cmd->add_option("--width", c.width, "dit: latent columns")->group("Model")->check(at_least(1));
+  cmd->add_option("--channels", c.channels, "dit: latent channels")->group("Model")->check(at_least(1));
+  cmd->add_option("--classes", c.classes, "dit: classes (the class table has one more row, the null class)")->group("Model")
+      ->check(at_least(1));
+  cmd->add_option("--patch", c.patch, "dit: patch PF,PH,PW (frames, rows, columns), each dividing the latents' size")->group("Model");
 }
 
 // How a step is laid out over ranks and memory (train and explain): every entry of the plan's
@@ -275,6 +285,12 @@ void add_train_options(CLI::App* cmd, train::TrainConfig& c) {
   cmd->add_option("--keep-last", c.keep_last, "checkpoints to keep, the newest (0: all)")->group("Checkpoints")->capture_default_str();
   add_snapshot_options(cmd, c);
   cmd->add_option("--sample-tokens", c.sample_tokens, "tokens to generate at the end")->group("Output")->capture_default_str();
+  cmd->add_option("--samples-per-class", c.samples_per_class,
+                  "dit: samples of each class drawn at the end into DIR/samples.png and DIR/samples.bin (0: none)")
+      ->group("Output")->capture_default_str();
+  cmd->add_option("--sample-steps", c.sample_steps, "dit: the sampler's Euler steps")->group("Output")->capture_default_str();
+  cmd->add_option("--sample-cfg", c.sample_cfg, "dit: classifier-free guidance scale (1: the class alone)")->group("Output")
+      ->capture_default_str();
   cmd->add_option("--peak-gflops", c.peak_gflops, "GEMM peak for MFU (0: measure)")->group("Output")->capture_default_str();
   cmd->add_flag("--quiet", c.quiet, "no console progress")->group("Output");
   add_device_options(cmd, c);
@@ -337,6 +353,11 @@ struct Commands {
     int threads = 1;
     std::string text_field = "text";
   } tokenize;
+  struct {  // make-data shapes
+    CLI::App *cmd = nullptr, *shapes = nullptr;
+    std::string out;
+    data::ShapesOptions options;
+  } make_data;
   struct {
     CLI::App* cmd = nullptr;
     train::TrainConfig cfg;
@@ -404,6 +425,24 @@ void add_tokenize_command(CLI::App& app, Commands& c) {
       ->capture_default_str();
   t.cmd->add_option("--data-dir", c.data_dir, "where gpt2/encoder.json, gpt2/vocab.bpe and NAME/tokenizer.json are")->group("Data")
       ->capture_default_str();
+}
+
+void add_make_data_command(CLI::App& app, Commands& c) {
+  auto& m = c.make_data;
+  m.cmd = app.add_subcommand("make-data", "write a synthetic data set");
+  m.cmd->require_subcommand(1);
+  m.shapes = m.cmd->add_subcommand("shapes", "coloured shapes, one class per shape and colour, as latents for a dit model "
+                                             "(DIR/train.bin, DIR/val.bin; docs/dit.md has the layout)");
+  data::ShapesOptions& o = m.options;
+  m.shapes->add_option("--out", m.out, "directory to write train.bin and val.bin into")->group("Output")->required();
+  m.shapes->add_option("--frames", o.shape.frames, "frames per sample (a still image: 1)")->group("Data")->check(in_range(1, 64))->capture_default_str();
+  m.shapes->add_option("--height", o.shape.height, "rows")->group("Data")->check(in_range(4, 1024))->capture_default_str();
+  m.shapes->add_option("--width", o.shape.width, "columns")->group("Data")->check(in_range(4, 1024))->capture_default_str();
+  m.shapes->add_option("--channels", o.shape.channels, "channels")->group("Data")->check(in_range(1, 64))->capture_default_str();
+  m.shapes->add_option("--classes", o.shape.classes, "classes (shape x colour)")->group("Data")->check(in_range(1, 10))->capture_default_str();
+  m.shapes->add_option("--train", o.train, "training records")->group("Data")->check(in_range(1, 1 << 24))->capture_default_str();
+  m.shapes->add_option("--val", o.val, "validation records")->group("Data")->check(in_range(1, 1 << 24))->capture_default_str();
+  m.shapes->add_option("--seed", o.seed, "positions and sizes are drawn from it")->group("Data")->capture_default_str();
 }
 
 void add_train_command(CLI::App& app, Commands& c) {
@@ -584,10 +623,19 @@ void run_tokenize(const Commands& c) {
 
 // The parsed subcommand, run; its exit code. Throws what it throws.
 int dispatch(Commands& c, const std::string& typed) {
-  for (train::TrainConfig* cfg : {&c.train.cfg, &c.explain.cfg, &c.simulate.cfg, &c.plan.cfg}) *cfg = with_environment(*cfg);
+  for (train::TrainConfig* cfg : {&c.train.cfg, &c.explain.cfg, &c.simulate.cfg, &c.plan.cfg}) {
+    *cfg = with_environment(*cfg);
+    cfg->sequence_from_patches();
+  }
   const auto& f = c.from_ckpt;
   if (*c.tokenize.cmd) {
     run_tokenize(c);
+  } else if (*c.make_data.cmd) {
+    data::make_shapes(c.make_data.out, c.make_data.options);
+    fmt::print("shapes: {} train and {} val records of {}x{}x{}x{} in {} classes -> {}/train.bin, {}/val.bin\n",
+               c.make_data.options.train, c.make_data.options.val, c.make_data.options.shape.frames,
+               c.make_data.options.shape.height, c.make_data.options.shape.width, c.make_data.options.shape.channels,
+               c.make_data.options.shape.classes, c.make_data.out, c.make_data.out);
   } else if (*c.train.cmd) {
     c.train.cfg.command_line = typed;
     return run_train(c.train.cfg, c.data_dir, c.train.hardware);
@@ -627,6 +675,7 @@ int run(int argc, char** argv) {
   }
   c.threads = c.or_omp(2);
   add_tokenize_command(app, c);
+  add_make_data_command(app, c);
   add_train_command(app, c);
   add_eval_and_generate_commands(app, c);
   add_explain_command(app, c);

@@ -48,6 +48,7 @@ struct UnitArgs {
   float* borrowed_grads = nullptr;
   const int32_t* tokens = nullptr;   // (B, T)
   const int32_t* targets = nullptr;  // (B, T), < 0: ignored
+  const char* batch = nullptr;       // the batch value's bytes (a model laying out samples, model::DitSample, reads these)
   const float* in = nullptr;         // (B, T, C) residual stream in
   float* out = nullptr;              // (B, T, C) residual stream out
   char* saved = nullptr;
@@ -161,5 +162,8 @@ LayerKind llama_block_kind();
 LayerKind llama_head_kind();
 LayerKind moe_block_kind();
 LayerKind moe_experts_kind();
+LayerKind dit_embedding_kind();
+LayerKind dit_block_kind();
+LayerKind dit_head_kind();
 
 }  // namespace shardlm::layers

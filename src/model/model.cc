@@ -14,6 +14,7 @@ const char* to_string(Family f) {
     case Family::gpt2: return "gpt2";
     case Family::llama: return "llama";
     case Family::moe: return "moe";
+    case Family::dit: return "dit";
   }
   return "?";
 }
@@ -115,7 +116,8 @@ void ModelConfig::validate() const {
   if (family == Family::gpt2 && !tie_embeddings)
     throw std::invalid_argument("model: gpt2 ties its head to the embedding (tie_embeddings must be true)");
   validate_moe();
-  if (family != Family::gpt2 && head_size() % 2 != 0)
+  validate_dit();
+  if (family != Family::gpt2 && family != Family::dit && head_size() % 2 != 0)
     throw std::invalid_argument("model: head size n_embd/n_head (" + std::to_string(head_size()) +
                                 ") must be even for rotary embeddings");
   if (head_size() > 256)
@@ -178,6 +180,50 @@ void ModelConfig::validate_moe() const {
          ") must be a multiple of 16");
 }
 
+int64_t ModelConfig::patch_tokens() const {
+  if (patch_f <= 0 || patch_h <= 0 || patch_w <= 0) return 0;
+  return (frames / patch_f) * (height / patch_h) * (width / patch_w);
+}
+
+// One line naming the field (and its flag) for each refused diffusion-transformer setting.
+void ModelConfig::validate_dit() const {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("model: " + msg); };
+  const bool any = frames || height || width || channels || patch_f || patch_h || patch_w || num_classes || cond_drop;
+  if (family != Family::dit) {
+    if (any)
+      fail(std::string("frames, height, width, channels, patch, num_classes and cond_drop are diffusion-transformer "
+                       "settings; a ") + to_string(family) + " model has no latents (use a dit model, e.g. --model dit-tiny)");
+    return;
+  }
+  const std::pair<const char*, int64_t> sizes[] = {{"frames", frames}, {"height", height}, {"width", width},
+                                                   {"channels", channels}, {"num_classes", num_classes}};
+  for (const auto& [name, v] : sizes)
+    if (v < 1 || v > (int64_t{1} << 16)) fail(std::string(name) + " must be in [1, 65536], got " + std::to_string(v));
+  const std::pair<const char*, int64_t> patch[] = {{"frames", frames}, {"height", height}, {"width", width}};
+  const int64_t p[] = {patch_f, patch_h, patch_w};
+  for (int i = 0; i < 3; ++i)
+    if (p[i] < 1 || patch[i].second % p[i] != 0)
+      fail("patch (--patch " + std::to_string(patch_f) + "," + std::to_string(patch_h) + "," + std::to_string(patch_w) +
+           "): " + std::to_string(p[i]) + " does not divide " + patch[i].first + " (" + std::to_string(patch[i].second) + ")");
+  if (max_seq != patch_tokens())
+    fail("max_seq (" + std::to_string(max_seq) + ") must be the patch count (" + std::to_string(patch_tokens()) + ")");
+  if (!(cond_drop >= 0 && cond_drop < 1)) fail("cond_drop (--cond-drop) must be in [0, 1), got " + std::to_string(cond_drop));
+  if (causal) fail("a dit model's attention is bidirectional (causal must be false)");
+  if (n_kv_head != n_head) fail("n_kv_head must equal n_head for dit");
+  if (ffn_dim != 4 * n_embd) fail("ffn_dim must be 4 n_embd for dit (its MLP ratio)");
+}
+
+DitSample dit_sample(const ModelConfig& c) {
+  const int64_t latents = detail::slice(c.latent_values(), 4);
+  DitSample s;
+  s.latents = 0;
+  s.noise = latents;
+  s.time = 2 * latents;
+  s.label = s.time + 64;
+  s.bytes = s.label + 64;
+  return s;
+}
+
 namespace {
 
 struct Preset {
@@ -204,6 +250,22 @@ ModelConfig llama(int64_t L, int64_t NH, int64_t NKV, int64_t C, int64_t F, int6
 ModelConfig moe(ModelConfig c, int64_t E, int64_t k, int64_t FE) {
   c.family = Family::moe;
   c.n_experts = E, c.top_k = k, c.moe_ffn_dim = FE;
+  return c;
+}
+
+// A DiT over F x H x W x channels latents in patches of pf x ph x pw, adaLN-Zero blocks of width C.
+ModelConfig dit(int64_t L, int64_t NH, int64_t C, int64_t F, int64_t H, int64_t W, int64_t channels,
+                int64_t pf, int64_t ph, int64_t pw, int64_t classes) {
+  ModelConfig c;
+  c.family = Family::dit;
+  c.n_layer = L, c.n_head = c.n_kv_head = NH, c.n_embd = C, c.ffn_dim = 4 * C;
+  c.frames = F, c.height = H, c.width = W, c.channels = channels;
+  c.patch_f = pf, c.patch_h = ph, c.patch_w = pw;
+  c.num_classes = classes, c.cond_drop = 0.1;
+  c.max_seq = c.patch_tokens();
+  c.vocab_size = 1;  // no vocabulary: the head predicts latents
+  c.tie_embeddings = false, c.causal = false;
+  c.norm_eps = 1e-6;  // the DiT paper's LayerNorm
   return c;
 }
 
@@ -234,6 +296,7 @@ const std::map<std::string, Preset>& presets() {
     ModelConfig g3 = gpt2(96, 96, 12288, 2048);
     g3.vocab_size = 50257;
     t["gpt3-175b"] = {g3, true};
+    t["dit-tiny"] = {dit(2, 4, 64, 1, 16, 16, 4, 1, 2, 2, 10), true};
     return t;
   }();
   return table;
@@ -304,6 +367,7 @@ bool UnitDesc::has_param(const std::string& suffix) const {
 }
 
 int64_t ValueDesc::bytes(const Shape& s, int64_t C) const {
+  if (tokens && sample_bytes > 0) return s.B * sample_bytes;
   return tokens ? 2 * detail::slice(s.B * s.T, 4) : detail::slice(s.B * s.T * C, s.elem);
 }
 
@@ -313,6 +377,7 @@ ModelDesc describe(const ModelConfig& config) {
     case Family::gpt2: return describe_gpt2(config);
     case Family::llama: return describe_llama(config);
     case Family::moe: return describe_moe(config);
+    case Family::dit: return describe_dit(config);
   }
   return describe_llama(config);
 }
@@ -337,6 +402,7 @@ UnitCosts ModelDesc::costs(int unit, const Shape& s) const {
     case Family::gpt2: k = gpt2_costs(*this, u, s); break;
     case Family::llama: k = llama_costs(*this, u, s); break;
     case Family::moe: k = moe_costs(*this, u, s); break;
+    case Family::dit: k = dit_costs(*this, u, s); break;
   }
   detail::add_kernel_scratch(*this, u, s, k);
   return k;

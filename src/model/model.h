@@ -16,7 +16,7 @@
 
 namespace shardlm::model {
 
-enum class Family { gpt2, llama, moe };
+enum class Family { gpt2, llama, moe, dit };
 const char* to_string(Family f);
 
 struct ModelConfig {
@@ -55,6 +55,17 @@ struct ModelConfig {
   double aux_loss_coef = 0.01;    // Switch load-balancing loss (1 at perfect balance)
   double z_loss_coef = 0.001;     // ST-MoE router z-loss
 
+  // Diffusion transformer (family dit only; 0 elsewhere): latents of `frames` x `height` x `width`
+  // x `channels` (a still image is one frame), laid out channels first (C, F, H, W) as PyTorch's
+  // Conv3d takes them, cut into patches of patch_f x patch_h x patch_w, one token each (max_seq is
+  // their count); `num_classes` labels and one more class embedding row, the null class (label
+  // num_classes) that classifier-free guidance samples with; `cond_drop` the probability a
+  // training sample's label is replaced by it.
+  int64_t frames = 0, height = 0, width = 0, channels = 0;
+  int64_t patch_f = 0, patch_h = 0, patch_w = 0;
+  int64_t num_classes = 0;
+  double cond_drop = 0;
+
   bool is_moe_layer(int64_t l) const { return family == Family::moe && (l + 1) % moe_every == 0; }
   // Rows a routing group of `tokens` tokens sends to one expert at most (capacity mode), or
   // tokens when dropless.
@@ -69,14 +80,32 @@ struct ModelConfig {
   // N; files that leave the program carry V rows only.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
   int64_t head_size() const { return n_embd / n_head; }
+  // A DiT's tokens per sample (patches), values per patch (patch_f·patch_h·patch_w·channels) and
+  // values per sample's latents (channels·frames·height·width).
+  int64_t patch_tokens() const;
+  int64_t patch_values() const { return patch_f * patch_h * patch_w * channels; }
+  int64_t latent_values() const { return channels * frames * height * width; }
   // Throws std::invalid_argument naming the offending field.
   void validate() const;
   void validate_moe() const;
   void validate_rope_scaling() const;
+  void validate_dit() const;
 };
 
+// The width of a DiT's sinusoidal timestep features, before the timestep MLP (the DiT paper's).
+inline constexpr int64_t kDitTimeFeatures = 256;
+
+// One training sample of a diffusion transformer as its batch holds it (the batch value is B of
+// them, one after another): the clean latents x0 (fp32, ModelConfig's (C, F, H, W)), the noise
+// (the same shape), the time t in (0, 1) (fp32) and the label (int32; num_classes: the null
+// class). Byte offsets inside the sample, each part 64-byte aligned; `bytes` the sample's size.
+struct DitSample {
+  int64_t latents = 0, noise = 0, time = 0, label = 0, bytes = 0;
+};
+DitSample dit_sample(const ModelConfig& config);
+
 // Presets. GPT-2: tiny, small, gpt2-124m; LLaMA: llama-tiny, llama-small; mixture of experts:
-// moe-tiny, moe-small; shapes for `explain` and the simulator only (too big to train here):
+// moe-tiny, moe-small; diffusion transformer: dit-tiny (16x16x4 latents, patch 2); shapes for `explain` and the simulator only (too big to train here):
 // llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, llama3.1-8b, llama3.2-1b (Llama 3.1's
 // rope scaling), gpt3-175b, mixtral-8x7b, mixtral-8x22b. `vocab_size` applies to presets whose vocabulary comes from the data
 // (the trainable ones); the real shapes carry their own. Throws std::invalid_argument for an
@@ -143,7 +172,10 @@ RingBackwardStage ring_backward_stage(int stage, int cp);
   X(llama_block, block)        \
   X(llama_head, head)          \
   X(moe_block, block)          \
-  X(moe_experts, state)
+  X(moe_experts, state)         \
+  X(dit_embedding, embedding)   \
+  X(dit_block, block)           \
+  X(dit_head, head)
 
 enum class UnitKind {
 #define SHARDLM_UNIT_KIND_ENUM(name, place) name,
@@ -378,7 +410,10 @@ struct UnitDesc {
 // A value passed between units: the micro-batch's token ids and targets, or a hidden state.
 struct ValueDesc {
   std::string name;
-  bool tokens = false;  // int32 inputs and targets (B, T) each; else a (B, T, C) hidden state
+  bool tokens = false;  // the batch: int32 inputs and targets (B, T) each; else a (B, T, C) hidden state
+  // A batch of samples the model lays out (B of this many bytes each, a DiT's DitSample) in place
+  // of token ids; 0: token ids and targets.
+  int64_t sample_bytes = 0;
   int64_t bytes(const Shape& s, int64_t C) const;
 };
 
@@ -423,6 +458,8 @@ ModelDesc describe_moe(const ModelConfig& config);
 UnitCosts gpt2_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 UnitCosts llama_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 UnitCosts moe_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
+ModelDesc describe_dit(const ModelConfig& config);
+UnitCosts dit_costs(const ModelDesc& desc, const UnitDesc& unit, const Shape& s);
 // Bytes of each buffer of a MoE block's exchanges (routing groups of `tokens` tokens, an expert
 // group of `ranks`): the header, every expert's row count, and the most rows one rank receives.
 int64_t moe_exchange_bound(const ModelDesc& desc, int64_t tokens, int64_t ranks, int64_t group = 0);

@@ -203,6 +203,7 @@ void Builder::forward(int u, int m) {
 
 void Builder::backward(int u, int m) {
   const model::UnitCosts& c = costs_[u];
+  const model::UnitDesc& ud = desc_.units[u];
   const int ag = gathers_->before_backward(u, m);
   const int params = gathers_->backward_params(u);
   // Where the unit rebuilds, the recompute pass puts its task before this one, waiting on the
@@ -231,6 +232,17 @@ void Builder::backward(int u, int m) {
     if (grads_->scatters(lent)) {
       io.borrowed_grads = grads_->full_grads(lent, m);
       grads_->written(b, lent, m);
+    }
+  }
+  // A block borrowing a unit with tasks of its own (a DiT block, the embedding's conditioning):
+  // it reads the unit gathered (kept for the step) and adds to its gradients, which become final
+  // at that unit's own backward, later in the pass.
+  const int shared = ud.borrows >= 0 && lent < 0 ? ud.borrows : -1;
+  if (shared >= 0) {
+    if (gathers_->sharded(shared)) io.borrowed_params = gathers_->gathered(shared);
+    if (grads_->scatters(shared)) {
+      io.borrowed_grads = grads_->full_grads(shared, m);
+      grads_->written(b, shared, m);
     }
   }
   const int last = stages_->split(b, true);

@@ -83,7 +83,8 @@ layers::UnitArgs Executor::unit_args(const Task& t, Run& r) {
   for (size_t i = 0; i < io.inputs.size(); ++i) {
     const int v = u.reads[i];
     if (desc_.values[v].tokens) {
-      a.tokens = reinterpret_cast<const int32_t*>(r.data(io.inputs[i]));
+      a.batch = r.data(io.inputs[i]);
+      a.tokens = reinterpret_cast<const int32_t*>(a.batch);
       a.targets = a.tokens + r.plan.buffers[io.inputs[i]].bytes / 8;
     } else {
       a.in = r.f32(io.inputs[i]);

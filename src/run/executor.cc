@@ -141,15 +141,21 @@ void Executor::allocate(const Task&, int64_t micro, const std::vector<int>& ids,
   for (int a : ids) {  // a task that brings the batch into being fills it
     const plan::BufferDesc& b = r.plan.buffers[a];
     if (b.role == Role::value && b.value == 0) {
-      int32_t* tokens = r.live[a].as<int32_t>();
-      if (backend_.host_memory()) {
+      const bool samples = desc_.values[0].sample_bytes > 0;
+      if (samples && !r.in.samples) throw std::logic_error("executor: a batch of samples and no StepInputs::samples to fill it");
+      const auto fill = [&](char* dst) {
+        if (samples) return r.in.samples(micro, dst, b.bytes);
+        int32_t* tokens = reinterpret_cast<int32_t*>(dst);
         r.in.batch(micro, tokens, tokens + b.bytes / 8);
+      };
+      if (backend_.host_memory()) {
+        fill(r.live[a].as<char>());
         continue;
       }
       // The batch is sampled on the host; a device backend gets a copy.
-      std::vector<int32_t> host(b.bytes / 4);
-      r.in.batch(micro, host.data(), host.data() + b.bytes / 8);
-      backend_.upload(tokens, host.data(), b.bytes);
+      std::vector<char> host(b.bytes);
+      fill(host.data());
+      backend_.upload(r.live[a].data(), host.data(), b.bytes);
     }
   }
   sample_memory();

@@ -35,9 +35,13 @@ struct AdamW {
 
 // Fills this rank's batch of micro-step `micro`: inputs and targets, (B, T) each.
 using BatchFn = std::function<void(int64_t micro, int32_t* inputs, int32_t* targets)>;
+// Or, for a model whose batch is samples it lays out (model::ValueDesc::sample_bytes: a DiT's
+// latents, noise, times and labels), fills the `bytes` of micro-step `micro`'s batch.
+using SampleFn = std::function<void(int64_t micro, char* batch, int64_t bytes)>;
 
 struct StepInputs {
   BatchFn batch;
+  SampleFn samples;  // instead of `batch` where the model's batch is samples
   float grad_scale = 1;   // multiplies the summed loss for the gradients: 1 / global tokens
   // Weight of one routing group's (one rank's micro-batch's) MoE auxiliary losses in the objective:
   // 1 / the step's routing groups. 0: 1 / (ranks × micro-steps) of the plan.

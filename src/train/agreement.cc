@@ -87,7 +87,11 @@ std::string split_digest(const std::string& prefix, const std::string& split) {
   return fmt::format("{} files, {:016x}", files.size(), XXH3_64bits(each.data(), each.size()));
 }
 
+// A directory is a diffusion model's latent sets (DIR/train.bin, DIR/val.bin; data/latents.h).
 std::string data_file_digests(const std::string& prefix) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(prefix, ec))
+    return data_file_digest(prefix + "/train.bin") + " / " + data_file_digest(prefix + "/val.bin");
   return split_digest(prefix, "train") + " / " + split_digest(prefix, "val");
 }
 
@@ -115,6 +119,13 @@ Settings rank_settings(const TrainConfig& c) {
       {"no-norm-topk", s(c.no_norm_topk)},
       {"aux-loss-coef", s(c.aux_loss_coef)},
       {"z-loss-coef", s(c.z_loss_coef)},
+      {"cond-drop", s(c.cond_drop)},
+      {"frames", s(c.frames)},
+      {"height", s(c.height)},
+      {"width", s(c.width)},
+      {"channels", s(c.channels)},
+      {"classes", s(c.classes)},
+      {"patch", c.patch},
       {"data", c.data},
       {"data files (train / val: size, sampled XXH3)", data_file_digests(c.data)},
       {"resume", c.resume},
@@ -141,6 +152,9 @@ Settings rank_settings(const TrainConfig& c) {
       {"snapshot-every", s(c.snapshot_every)},
       {"snapshot-parity", s(c.snapshot_parity)},
       {"sample-tokens", s(c.sample_tokens)},
+      {"samples-per-class", s(c.samples_per_class)},
+      {"sample-steps", s(c.sample_steps)},
+      {"sample-cfg", s(c.sample_cfg)},
       {"compute-dtype", c.compute_dtype},
       {"device", c.device},
       {"comm", c.comm_backend},

@@ -12,6 +12,36 @@
 
 namespace shardlm::train {
 
+namespace {
+
+// "PF,PH,PW": three positive integers.
+void parse_patch(const std::string& text, model::ModelConfig& c) {
+  int64_t p[3];
+  size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    const size_t end = i < 2 ? text.find(',', at) : text.size();
+    const std::string part = end == std::string::npos ? "" : text.substr(at, end - at);
+    if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos || part.size() > 6)
+      throw std::invalid_argument("--patch: expected PF,PH,PW (three positive integers, e.g. 1,2,2), got '" + text + "'");
+    p[i] = std::stoll(part);
+    at = end + 1;
+  }
+  c.patch_f = p[0], c.patch_h = p[1], c.patch_w = p[2];
+}
+
+}  // namespace
+
+void TrainConfig::apply_dit_flags(model::ModelConfig& c) const {
+  if (cond_drop != -1) c.cond_drop = cond_drop;
+  if (frames > 0) c.frames = frames;
+  if (height > 0) c.height = height;
+  if (width > 0) c.width = width;
+  if (channels > 0) c.channels = channels;
+  if (classes > 0) c.num_classes = classes;
+  if (!patch.empty()) parse_patch(patch, c);
+  if (c.patch_tokens() > 0 && max_seq == 0) c.max_seq = c.patch_tokens();  // its positions are its patches
+}
+
 model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   const bool from_file = model.size() > 5 && model.compare(model.size() - 5, 5, ".json") == 0;
   model::ModelConfig c = from_file ? ckpt::read_hf_config(model) : model::model_preset(model, data_vocab);
@@ -39,11 +69,26 @@ model::ModelConfig TrainConfig::model_config(int64_t data_vocab) const {
   if (no_norm_topk) c.norm_topk = false;
   if (aux_loss_coef != -1) c.aux_loss_coef = aux_loss_coef;
   if (z_loss_coef != -1) c.z_loss_coef = z_loss_coef;
+  if (dit_flags_given() && c.family != model::Family::dit)
+    throw std::invalid_argument(std::string("--cond-drop, --frames, --height, --width, --channels, --classes and --patch are "
+                                            "diffusion-transformer settings; a ") + model::to_string(c.family) +
+                                " model has no latents (use a dit model, e.g. --model dit-tiny)");
+  if (c.family == model::Family::dit) apply_dit_flags(c);
   c.validate();
-  if (seq > c.max_seq)
+  // A DiT's sequence is its patches (the trainer sets --seq from them).
+  if (c.family != model::Family::dit && seq > c.max_seq)
     throw std::invalid_argument("seq (" + std::to_string(seq) + ") exceeds the model's max_seq (" +
                                 std::to_string(c.max_seq) + ")");
   return c;
+}
+
+void TrainConfig::sequence_from_patches() {
+  try {
+    const model::ModelConfig c = model_config(1);
+    if (c.family == model::Family::dit) seq = c.patch_tokens();
+  } catch (const std::exception&) {
+    // refused, with its line, where the command resolves the model
+  }
 }
 
 namespace {
@@ -153,6 +198,11 @@ void check_reporting(const TrainConfig& c) {
   if (c.snapshot_parity == 1) throw std::invalid_argument("--snapshot-parity: a group of 1 rank has no parity; 0 (partner copies) or >= 2");
   at_least<int64_t>(c.sample_tokens, 0, "sample-tokens");
   at_most(c.sample_tokens, kMaxSampleTokens, "sample-tokens");
+  at_least<int64_t>(c.samples_per_class, 0, "samples-per-class");
+  at_most<int64_t>(c.samples_per_class, 64, "samples-per-class");
+  at_least<int64_t>(c.sample_steps, 1, "sample-steps");
+  at_most<int64_t>(c.sample_steps, 10000, "sample-steps");
+  at_least(c.sample_cfg, 0.0, "sample-cfg");
   at_least(c.peak_gflops, 0.0, "peak-gflops");
   finite(c.peak_gflops, "peak-gflops");
   if (c.data.empty()) throw std::invalid_argument("--data: no token file prefix given (--data PREFIX)");

@@ -39,12 +39,23 @@ struct TrainConfig : plan::PlanOptions {
   double capacity_factor = -1;  // > 0 when given; the preset's is dropless
   bool no_norm_topk = false;    // keep the softmax weights of the k experts (Switch / OpenMoE)
   double aux_loss_coef = -1, z_loss_coef = -1;
+  double cond_drop = -1;  // dit: the probability a sample's label is dropped to the null class (-1: the preset's)
+  // dit: the latents' shape, classes and patch (0 or empty: the preset's); patch "PF,PH,PW".
+  int64_t frames = 0, height = 0, width = 0, channels = 0, classes = 0;
+  std::string patch;
+  bool dit_flags_given() const { return cond_drop != -1 || frames || height || width || channels || classes || !patch.empty(); }
   bool moe_flags_given() const {
     return experts || top_k || moe_ffn_dim || moe_every || capacity_factor != -1 || no_norm_topk ||
            aux_loss_coef != -1 || z_loss_coef != -1;
   }
 
-  std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin
+  // A DiT's sequence is its patches: for a dit model, seq becomes their count (train, explain,
+  // simulate and plan call it before building a plan; another model, or one not resolvable here,
+  // is left as it is).
+  void sequence_from_patches();
+  void apply_dit_flags(model::ModelConfig& c) const;
+
+  std::string data;  // PREFIX of PREFIX_train.bin / PREFIX_val.bin (dit: DIR of DIR/train.bin / DIR/val.bin, latent sets)
   std::string out = "runs/default";
   std::string resume;  // checkpoint directory, or "auto": --out's newest snapshot, else its latest checkpoint
   // A new run's starting parameters (AdamW moments zero, step 0): a shardlm checkpoint or a
@@ -79,6 +90,10 @@ struct TrainConfig : plan::PlanOptions {
   int64_t snapshot_every = 0;  // steps between in-memory snapshots (ckpt/snapshot.h); 0: never
   int snapshot_parity = 0;     // 0: a partner rank holds a copy; G: XOR parity per group of G ranks
   int64_t sample_tokens = 64;  // tokens generated at the end of a run (0: none)
+  // dit: samples of each class drawn at the end of a run into DIR/samples.png and .bin (0: none),
+  // the sampler's Euler steps and its classifier-free guidance scale.
+  int64_t samples_per_class = 4, sample_steps = 50;
+  double sample_cfg = 4.0;
   double peak_gflops = 0;      // 0: measure the GEMM peak at start-up
   bool quiet = false;          // no console progress
 

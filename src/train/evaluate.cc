@@ -53,6 +53,80 @@ double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::Pla
   return total / static_cast<double>(count * T);
 }
 
+void fill_flow_samples(const model::ModelConfig& mc, const data::LatentSet& set, uint64_t seed, int64_t step,
+                       int64_t first, int64_t B, char* batch, int64_t bytes) {
+  const model::DitSample at = model::dit_sample(mc);
+  if (bytes != B * at.bytes) throw std::logic_error("fill_flow_samples: a batch of the wrong size");
+  const int64_t L = mc.latent_values();
+  for (int64_t b = 0; b < B; ++b) {
+    char* s = batch + b * at.bytes;
+    const int64_t j = first + b;
+    const int64_t record = step >= 0 ? data::latent_record(seed, step, j, set.size()) : j % set.size();
+    set.read_channels_first(record, reinterpret_cast<float*>(s + at.latents));
+    const data::FlowDraw d =
+        data::flow_draw(seed, step, j, step >= 0 ? mc.cond_drop : 0.0, reinterpret_cast<float*>(s + at.noise), L);
+    *reinterpret_cast<float*>(s + at.time) = d.time;
+    *reinterpret_cast<int32_t*>(s + at.label) = d.drop_label ? static_cast<int32_t>(mc.num_classes) : set.label(record);
+  }
+}
+
+double evaluate_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                     const data::LatentSet& set, int64_t B, uint64_t seed, int64_t max_records, int rank) {
+  if (B <= 0) throw std::invalid_argument("evaluation batch must be positive, got " + std::to_string(B));
+  const int64_t T = desc.config.patch_tokens();
+  const plan::Plan plan = forward_plan(desc, training, plan::PlanConfig::Mode::loss, B, T);
+  const int64_t N = plan.dp_size(), dp = plan.dp_index(rank), per_forward = N * B;
+  const int64_t wanted = max_records > 0 ? std::min(set.size(), max_records) : set.size();
+  const int64_t count = (wanted + per_forward - 1) / per_forward * per_forward;
+  double total = 0;
+  for (int64_t first = 0; first < count; first += per_forward) {
+    run::StepInputs in;
+    in.samples = [&](int64_t, char* batch, int64_t bytes) {
+      fill_flow_samples(desc.config, set, seed, -1, first + dp * B, B, batch, bytes);
+    };
+    total += ex.run(plan, -1, in).loss_sum;
+  }
+  return total / static_cast<double>(count * T);
+}
+
+std::vector<float> sample_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                               const std::vector<int32_t>& labels, const FlowSampling& fs) {
+  const model::ModelConfig& mc = desc.config;
+  const int64_t n = static_cast<int64_t>(labels.size()), L = mc.latent_values(), B = 2 * n;
+  if (n == 0 || fs.steps < 1) return {};
+  for (int32_t y : labels)
+    if (y < 0 || y >= mc.num_classes)
+      throw std::invalid_argument("class " + std::to_string(y) + " is outside [0, " + std::to_string(mc.num_classes) + ")");
+  const plan::Plan plan = forward_plan(desc, training, plan::PlanConfig::Mode::logits, B, mc.patch_tokens());
+  std::vector<float> x(n * L), v(B * L);
+  for (int64_t j = 0; j < n; ++j) data::flow_draw(fs.seed, -2, j, 0.0, x.data() + j * L, L);
+  const model::DitSample at = model::dit_sample(mc);
+  for (int64_t s = 0; s < fs.steps; ++s) {
+    const float t = 1.0f - static_cast<float>(s) / static_cast<float>(fs.steps);
+    const float dt = 1.0f / static_cast<float>(fs.steps);
+    run::StepInputs in;
+    in.samples = [&](int64_t, char* batch, int64_t) {
+      for (int64_t b = 0; b < B; ++b) {
+        char* p = batch + b * at.bytes;
+        const float* xb = x.data() + (b % n) * L;
+        std::copy(xb, xb + L, reinterpret_cast<float*>(p + at.latents));
+        std::copy(xb, xb + L, reinterpret_cast<float*>(p + at.noise));
+        *reinterpret_cast<float*>(p + at.time) = t;
+        *reinterpret_cast<int32_t*>(p + at.label) = b < n ? labels[b] : static_cast<int32_t>(mc.num_classes);
+      }
+    };
+    in.logits = v.data();
+    in.all_logits = true;
+    ex.run(plan, -1, in);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < L; ++i) {
+        const float vc = v[j * L + i], vu = v[(n + j) * L + i];
+        x[j * L + i] -= dt * (vu + fs.cfg * (vc - vu));  // toward t = 0: dx = v dt with dt < 0
+      }
+  }
+  return x;
+}
+
 double unigram_entropy(const data::TokenCorpus& shard) {
   std::vector<int64_t> counts(65536, 0);  // grown for LLaMA 3's ids (checked against the vocabulary first)
   data::for_each_chunk(shard, [&](int64_t, const int32_t* t, int64_t n) {

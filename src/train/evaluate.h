@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/corpus.h"
+#include "data/latents.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -20,6 +21,33 @@ namespace shardlm::train {
 // `training`'s plan calls it alike.
 double evaluate(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
                 const data::TokenCorpus& shard, int64_t B, int64_t T, int64_t max_windows, int rank);
+
+// A diffusion model's batch (model::DitSample each): samples j = first … first + B − 1 of step
+// `step`, each a record of `set` (data::latent_record; at step −1, evaluation's, record j mod the
+// records, its label kept), its noise, time and label drop drawn by data::flow_draw.
+void fill_flow_samples(const model::ModelConfig& mc, const data::LatentSet& set, uint64_t seed, int64_t step,
+                       int64_t first, int64_t B, char* batch, int64_t bytes);
+
+// A diffusion model's mean squared error of the velocity over the validation records 0 … n − 1
+// (n: the records, at most max_records when > 0, rounded up to whole batches of every
+// data-parallel coordinate), their noise and times drawn at step −1 (the same every evaluation).
+// Collective, as evaluate.
+double evaluate_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                     const data::LatentSet& set, int64_t B, uint64_t seed, int64_t max_records, int rank);
+
+// Latents of `labels` (one sample each) drawn from a diffusion model by Euler steps of its flow
+// from t = 1 (noise, drawn from `seed`) to t = 0, each step's velocity guided from the null
+// class's: v = v_null + cfg·(v_label − v_null) (cfg 1: the label's alone). A forward-only plan of
+// twice the samples (labelled, then null) per step, whose samples hold x_t as both latents and
+// noise (so the model's x_t is x_t). Returns (labels, C, F, H, W). Every rank draws the same
+// samples. Collective.
+struct FlowSampling {
+  int64_t steps = 50;
+  float cfg = 4.0f;
+  uint64_t seed = 1337;
+};
+std::vector<float> sample_flow(run::Executor& ex, const model::ModelDesc& desc, const plan::PlanConfig& training,
+                               const std::vector<int32_t>& labels, const FlowSampling& fs);
 
 // Entropy (nats) of the token distribution of a shard: the loss of the best unigram model.
 double unigram_entropy(const data::TokenCorpus& shard);

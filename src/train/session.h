@@ -13,6 +13,7 @@
 #include "ckpt/snapshot.h"
 #include "comm/communicator.h"
 #include "data/corpus.h"
+#include "data/latents.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "run/executor.h"
@@ -49,7 +50,10 @@ struct Session {
   bool lead, talk;
   std::chrono::milliseconds timeout;
   DataMeta meta;
-  data::TokenCorpus train_data, val_data;
+  // The splits: token corpora for a language model, latent sets for a diffusion model (the other
+  // pair empty).
+  std::optional<data::TokenCorpus> train_data, val_data;
+  std::optional<data::LatentSet> train_latents, val_latents;
   model::ModelDesc desc;
   RunState state;
   plan::Plan plan;

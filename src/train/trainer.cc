@@ -27,6 +27,7 @@
 #include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/flow_samples.h"
 #include "train/guard.h"
 #include "train/resume_check.h"
 #include "train/run_dir.h"
@@ -186,6 +187,23 @@ std::unique_ptr<kernels::Backend> make_backend(const TrainConfig& c, MemoryPool&
 #endif
 }
 
+namespace {
+
+bool is_flow(const model::ModelConfig& mc) { return mc.family == model::Family::dit; }
+
+std::optional<data::TokenCorpus> token_split(const TrainConfig& c, const model::ModelConfig& mc, const char* split) {
+  if (is_flow(mc)) return std::nullopt;
+  return data::TokenCorpus(data::split_files(c.data, split));
+}
+
+// A diffusion model's split: DIR/train.bin or DIR/val.bin (data/latents.h).
+std::optional<data::LatentSet> latent_split(const TrainConfig& c, const model::ModelConfig& mc, const char* split) {
+  if (!is_flow(mc)) return std::nullopt;
+  return data::LatentSet(c.data + "/" + split + ".bin");
+}
+
+}  // namespace
+
 Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory, const model::ModelConfig& mc,
                  const DataMeta& m, const TrainHooks& h, const run::OffloadOptions& offload)
     : cfg(c),
@@ -198,8 +216,10 @@ Session::Session(const TrainConfig& c, comm::Communicator& w, MemoryPool& memory
       talk(lead && !c.quiet),
       timeout(static_cast<int64_t>(c.timeout_s * 1000)),
       meta(m),
-      train_data(data::split_files(c.data, "train")),
-      val_data(data::split_files(c.data, "val")),
+      train_data(token_split(c, mc, "train")),
+      val_data(token_split(c, mc, "val")),
+      train_latents(latent_split(c, mc, "train")),
+      val_latents(latent_split(c, mc, "val")),
       desc(model::describe(refuse_unless_state_fits(mc, 16, w.size(), c.machines))),
       // Sharded saves and resumes work in place on each rank's ranges; only resuming an older
       // whole checkpoint (or --init-from a Hugging Face directory) stages whole state on every rank.
@@ -344,12 +364,28 @@ StartUp start_up(TrainConfig& cfg, comm::Communicator& world, MemoryPool& memory
   return up;
 }
 
+// A diffusion model's splits hold records of its latents' shape and classes.
+void check_latents_fit(const Session& s) {
+  const model::ModelConfig& mc = s.desc.config;
+  const data::LatentShape want{mc.frames, mc.height, mc.width, mc.channels, mc.num_classes};
+  for (const data::LatentSet* split : {&*s.train_latents, &*s.val_latents}) {
+    const data::LatentShape& got = split->shape();
+    if (!(got == want))
+      throw AgreedFailure(fmt::format("{}: records of {}x{}x{}x{} latents in {} classes, but model {} takes {}x{}x{}x{} in {}",
+                                      split->path(), got.frames, got.height, got.width, got.channels, got.classes,
+                                      s.cfg.model, want.frames, want.height, want.width, want.channels, want.classes),
+                          s.lead);
+    if (split->size() < 1) throw AgreedFailure(split->path() + ": no records", s.lead);
+  }
+}
+
 // Every run samples its training split and evaluates its validation split at least once (at the
 // end), each in windows of --seq + 1 tokens: a split shorter than one is refused before the first
 // step, not found after the last. Every rank reads the same files, so rank 0 alone reports it.
 void check_splits_hold_a_window(const Session& s) {
+  if (s.train_latents) return check_latents_fit(s);
   const int64_t window = s.cfg.seq + 1;
-  for (const data::TokenCorpus* split : {&s.train_data, &s.val_data})
+  for (const data::TokenCorpus* split : {&*s.train_data, &*s.val_data})
     if (split->size() < window)
       throw AgreedFailure(fmt::format("{}: {} tokens, fewer than the {} one window of --seq {} needs", split->path(),
                                       split->size(), window, s.cfg.seq),
@@ -385,7 +421,10 @@ double max_over_ranks(Session& s, double mine) {
 }
 
 double run_eval(Session& s) {
-  const double val = evaluate(s.ex, s.desc, s.plan.config, s.val_data, s.cfg.batch, s.cfg.seq, s.cfg.eval_windows, s.rank);
+  const double val = s.val_latents ? evaluate_flow(s.ex, s.desc, s.plan.config, *s.val_latents, s.cfg.batch, s.cfg.seed,
+                                                   s.cfg.eval_windows, s.rank)
+                                   : evaluate(s.ex, s.desc, s.plan.config, *s.val_data, s.cfg.batch, s.cfg.seq,
+                                              s.cfg.eval_windows, s.rank);
   if (s.lead) s.metrics << json{{"step", s.state.step}, {"val_loss", val}}.dump() << "\n" << std::flush;
   if (s.talk) fmt::print("step {:>6} | val_loss {:.4f}\n", s.state.step, val);
   return val;
@@ -565,15 +604,21 @@ void keep_positions(const plan::Plan& plan, int rank, const int32_t* all, int32_
 run::StepInputs step_inputs(const Session& s, int64_t step, float grad_scale) {
   const TrainConfig& cfg = s.cfg;
   run::StepInputs in;
+  if (s.train_latents) {
+    in.samples = [&s, step](int64_t micro, char* batch, int64_t bytes) {
+      const int64_t first = data::first_sequence(micro, s.plan.dp_index(s.rank), s.plan.dp_size(), s.cfg.batch);
+      fill_flow_samples(s.desc.config, *s.train_latents, s.cfg.seed, step, first, s.cfg.batch, batch, bytes);
+    };
+  }
   in.batch = [&s, step](int64_t micro, int32_t* inputs, int32_t* targets) {
     const TrainConfig& c = s.cfg;
     // Ranks that share a data-parallel coordinate read the same sequences; a rank of a cp group
     // keeps its positions of each.
     const int64_t first = data::first_sequence(micro, s.plan.dp_index(s.rank), s.plan.dp_size(), c.batch);
     if (s.plan.sequence_split() == 1)
-      return data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, inputs, targets);
+      return data::sample_batch(*s.train_data, c.seed, step, first, c.batch, c.seq, inputs, targets);
     std::vector<int32_t> all_inputs(c.batch * c.seq), all_targets(c.batch * c.seq);
-    data::sample_batch(s.train_data, c.seed, step, first, c.batch, c.seq, all_inputs.data(), all_targets.data());
+    data::sample_batch(*s.train_data, c.seed, step, first, c.batch, c.seq, all_inputs.data(), all_targets.data());
     keep_positions(s.plan, s.rank, all_inputs.data(), inputs);
     keep_positions(s.plan, s.rank, all_targets.data(), targets);
   };
@@ -592,16 +637,25 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   const TrainConfig& cfg = s.cfg;
   settle_save(s, true);
   summary.final_val_loss = run_eval(s);
-  if (s.lead) {
-    summary.val_unigram_entropy = unigram_entropy(s.val_data);
+  if (s.train_latents) {  // a diffusion model: no unigram baseline; pictures, not text
+    if (s.talk) fmt::print("final val_loss {:.4f} (mean squared error of the predicted velocity)\n", summary.final_val_loss);
+    if (cfg.samples_per_class > 0) {
+      const FlowSampling fs{cfg.sample_steps, static_cast<float>(cfg.sample_cfg), cfg.seed};
+      const std::string png = write_flow_samples(s.ex, s.desc, s.plan.config, cfg.out, cfg.samples_per_class, fs, s.lead);
+      if (s.talk)
+        fmt::print("samples: {} ({} a class, {} Euler steps, guidance {}; latents in {}/samples.bin)\n", png,
+                   cfg.samples_per_class, cfg.sample_steps, cfg.sample_cfg, cfg.out);
+    }
+  } else if (s.lead) {
+    summary.val_unigram_entropy = unigram_entropy(*s.val_data);
     if (s.talk)
       fmt::print("final val_loss {:.4f} nats/token vs unigram entropy of the validation tokens {:.4f} nats/token\n",
                  summary.final_val_loss, summary.val_unigram_entropy);
   }
-  if (cfg.sample_tokens > 0 && s.plan.schedule.stages > 1) {
+  if (cfg.sample_tokens > 0 && !s.train_latents && s.plan.schedule.stages > 1) {
     // The head's logits live on the last stage; generation does not pass them back along the pipe yet.
     if (s.talk) fmt::print("sample: not drawn under --pp (generation runs on one stage's ranks only so far)\n");
-  } else if (cfg.sample_tokens > 0) {
+  } else if (cfg.sample_tokens > 0 && !s.train_latents) {
     SampleConfig sc;
     sc.tokens = cfg.sample_tokens;
     sc.seed = cfg.seed;
@@ -620,6 +674,27 @@ TrainSummary finish(Session& s, TrainSummary summary) {
   return summary;
 }
 
+// Whether the run's model is a DiT (a model the configuration does not describe is refused later,
+// where the run resolves it against its data).
+bool dit_model(const TrainConfig& cfg) {
+  try {
+    return is_flow(cfg.model_config(1));
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// A diffusion model's checkpoints have no config.json form yet: a run that would write or read one
+// is refused before it starts.
+void refuse_flow_checkpoints(const TrainConfig& cfg) {
+  const std::pair<bool, const char*> asked[] = {{cfg.save_every > 0, "--save-every"}, {!cfg.resume.empty(), "--resume"},
+                                                {!cfg.init_from.empty(), "--init-from"},
+                                                {cfg.snapshot_every > 0, "--snapshot-every"}};
+  for (const auto& [given, flag] : asked)
+    if (given)
+      throw std::invalid_argument(std::string(flag) + ": the dit family has no checkpoints yet (train it without " + flag + ")");
+}
+
 }  // namespace
 
 TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, MemoryPool& memory,
@@ -628,6 +703,8 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   if (cfg_in.async_save && cfg_in.save_every == 0)
     throw std::invalid_argument("--async-save: needs --save-every K > 0 (there is nothing to write in the background)");
   TrainConfig cfg = cfg_in;  // --resume becomes the step directory it names
+  if (dit_model(cfg)) refuse_flow_checkpoints(cfg);
+  cfg.sequence_from_patches();
   const run::OffloadOptions offload = offload_options(cfg);  // before any rank can have made the directory
   StartUp up = start_up(cfg, world, memory);
   kernels::init_compute(cfg.threads);
@@ -636,8 +713,9 @@ TrainSummary run_training(const TrainConfig& cfg_in, comm::Communicator& world, 
   s.state.tokenizer = meta.tokenizer;
   const auto& mc = s.desc.config;
   check_splits_hold_a_window(s);
-  check_token_ids(world, s.timeout, {&s.train_data, &s.val_data},
-                  static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
+  if (s.train_data)
+    check_token_ids(world, s.timeout, {&*s.train_data, &*s.val_data},
+                    static_cast<int32_t>(std::min<int64_t>(mc.vocab_size, 1 << 30)));
   s.snapshots = std::move(up.snapshots);
   s.run_id = up.run_id;
   s.steps_lost = up.steps_lost;

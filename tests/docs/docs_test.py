@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-COMMANDS = ["tokenize", "train", "eval", "generate", "explain", "simulate", "calibrate", "plan",
+COMMANDS = ["tokenize", "make-data shapes", "train", "eval", "generate", "explain", "simulate", "calibrate", "plan",
             "ckpt export", "ckpt import", "ckpt info", "ckpt snapshots", "report"]
 
 

@@ -57,6 +57,8 @@ std::vector<Fixture> fixtures() {
     c.causal = false;
     out.push_back({model::describe(c), 1});
   }
+  // A DiT's patch embedding, adaLN-Zero block and final layer with its flow loss (T: its patches).
+  for (int u : {0, 1, 3}) out.push_back({model::describe(config("dit-tiny")), u, 2, 64});
   return out;
 }
 
@@ -135,6 +137,7 @@ struct Bench {
   MemoryPool memory;  // the kernels run on the vectors here; nothing is allocated through it
   std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(memory);
   std::vector<int32_t> tokens, targets;
+  std::vector<char> samples;  // a model whose batch is samples (a DiT's latents, noise, times, labels)
   std::vector<char> saved, recomputable, fws, bws;
   explicit Bench(const Fixture& fx) : f(fx), u(fx.desc.units[fx.unit]) {
     std::mt19937 rng(5);
@@ -163,10 +166,26 @@ struct Bench {
     for (auto& t : tokens) t = static_cast<int32_t>(rng() % f.desc.config.vocab_size);
     for (auto& t : targets) t = static_cast<int32_t>(rng() % f.desc.config.vocab_size);
     targets[3] = -1;
+    if (f.desc.values[0].sample_bytes > 0) fill_samples(rng);
     saved.assign(c.saved_bytes, 0);
     recomputable.assign(c.recomputable_bytes, 0);
     fws.assign(c.forward_workspace, 0);
     bws.assign(c.backward_workspace, 0);
+  }
+  void fill_samples(std::mt19937& rng) {
+    const model::ModelConfig& c = f.desc.config;
+    const model::DitSample at = model::dit_sample(c);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    samples.assign(f.B * at.bytes, 0);
+    for (int64_t b = 0; b < f.B; ++b) {
+      char* s = samples.data() + b * at.bytes;
+      for (int64_t i = 0; i < c.latent_values(); ++i) {
+        reinterpret_cast<float*>(s + at.latents)[i] = n(rng);
+        reinterpret_cast<float*>(s + at.noise)[i] = n(rng);
+      }
+      *reinterpret_cast<float*>(s + at.time) = 0.2f + 0.6f * static_cast<float>(b) / static_cast<float>(f.B);
+      *reinterpret_cast<int32_t*>(s + at.label) = static_cast<int32_t>(rng() % (c.num_classes + 1));
+    }
   }
   UnitArgs args() {
     UnitArgs a;
@@ -178,6 +197,7 @@ struct Bench {
     a.grads = grads.data();
     if (u.borrows >= 0) a.borrowed_params = borrowed.data(), a.borrowed_grads = borrowed_grads.data();
     a.tokens = tokens.data(), a.targets = targets.data();
+    if (!samples.empty()) a.batch = samples.data();
     a.in = in.data(), a.out = out.data();
     a.saved = saved.data(), a.recomputable = recomputable.data();
     a.forward_ws = fws.data(), a.backward_ws = bws.data();
@@ -246,10 +266,9 @@ TEST(Layers, BackwardMatchesFiniteDifferences) {
       const int64_t rows = p.exported_rows >= 0 ? p.exported_numel() : p.numel;  // padding rows get no gradient
       check(p.name, b.params, g, p.offset, rows);
     }
-    if (b.u.borrows >= 0) {
-      const auto& w = f.desc.units[b.u.borrows].params[0];
-      check("borrowed " + w.name, b.borrowed, g_borrowed, w.offset, w.exported_numel());
-    }
+    if (b.u.borrows >= 0)  // a DiT block reads the embedding's conditioning parameters, not its first
+      for (const auto& w : f.desc.units[b.u.borrows].params)
+        check("borrowed " + w.name, b.borrowed, g_borrowed, w.offset, w.exported_numel());
     if (!model::is_embedding(b.u.kind)) check("input", b.in, d_in, 0, static_cast<int64_t>(b.in.size()));
   }
 }
