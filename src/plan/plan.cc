@@ -152,11 +152,17 @@ bool Plan::held_whole(State k) const {
 
 std::vector<GradClass> Plan::grad_classes() const {
   std::vector<GradClass> classes;
+  const int pipe = mesh.find(AxisRole::pipe);
   for (int u = 0; u < static_cast<int>(placement_.size()); ++u) {
     const Placement& g = placed(State::grads, u);
     if (g.parts == 0) continue;
-    auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == g.axes; });
-    if (it == classes.end()) it = classes.insert(classes.end(), GradClass{g.axes, {}});
+    std::vector<int> axes = g.axes;
+    if (pipe >= 0 && std::find(axes.begin(), axes.end(), pipe) == axes.end()) {
+      axes.push_back(pipe);
+      std::sort(axes.begin(), axes.end());
+    }
+    auto it = std::find_if(classes.begin(), classes.end(), [&](const GradClass& c) { return c.axes == axes; });
+    if (it == classes.end()) it = classes.insert(classes.end(), GradClass{axes, {}});
     it->units.push_back(u);
   }
   return classes;

@@ -364,7 +364,8 @@ struct UnitPlacement {
 
 // Units whose gradients are placed over the same axes: the ranks of one group over those axes
 // hold disjoint parts of them, which together are the whole (the gradient norm sums each class
-// over its own group).
+// over its own group). With pipeline stages the pipe axis is one of them: each stage holds
+// other units of the class.
 struct GradClass {
   std::vector<int> axes, units;
 };

@@ -103,10 +103,11 @@ class Builder : private PlanDraft {
     return b >= 0 && model::is_state_only(desc_.units[b].kind) ? b : -1;
   }
   void walk();
-  void forward_pass(int m, int stage);
-  void backward_pass(int m, int stage);
-  // Whether stage `st`'s neighbour `side` (-1 before, +1 after) is held by another rank.
-  bool crosses(int st, int side) const;
+  // The forward and the backward of micro-batch m over stage_'s units.
+  void forward_pass(int m);
+  void backward_pass(int m);
+  // Whether stage_'s neighbour `side` (-1 before, +1 after) is held by another rank.
+  bool crosses(int side) const;
   // A transfer between stage_ and its neighbour `side`: the recv filling `buf` (handed off by the
   // rank's last compute task, which it waits for: the receive overlaps that task, not earlier
   // ones), which the next compute task waits for; the send of `buf` after the last compute task.
@@ -397,34 +398,34 @@ Plan Builder::build() {
 void Builder::walk() {
   for (const Action& a : schedule_.actions.at(cfg_.pipe_rank)) {
     stage_ = a.stage;
-    if (a.phase == Phase::forward) forward_pass(a.micro, a.stage);
-    else if (a.phase == Phase::backward) backward_pass(a.micro, a.stage);
+    if (a.phase == Phase::forward) forward_pass(a.micro);
+    else if (a.phase == Phase::backward) backward_pass(a.micro);
     else throw std::logic_error(std::string("plan: the builder runs whole backwards, not a ") + to_string(a.phase));
   }
 }
 
-void Builder::forward_pass(int m, int st) {
-  const std::vector<int>& units = stage_units_[st];
-  const int received = crosses(st, -1) ? recv(value(desc_.units[units.front()].reads[0], m), m, -1, false) : -1;
+void Builder::forward_pass(int m) {
+  const std::vector<int>& units = stage_units_[stage_];
+  const int received = crosses(-1) ? recv(value(desc_.units[units.front()].reads[0], m), m, -1, false) : -1;
   const size_t first = tasks_.size();
   for (int u : units) forward(u, m);
   wait_in_first_compute(first, received);
-  if (crosses(st, +1)) send(value(desc_.units[units.back()].writes, m), m, +1, false);
+  if (crosses(+1)) send(value(desc_.units[units.back()].writes, m), m, +1, false);
 }
 
-void Builder::backward_pass(int m, int st) {
-  const std::vector<int>& units = stage_units_[st];
-  const int received = crosses(st, +1) ? recv(grad_stream(m), m, +1, true) : -1;
+void Builder::backward_pass(int m) {
+  const std::vector<int>& units = stage_units_[stage_];
+  const int received = crosses(+1) ? recv(grad_stream(m), m, +1, true) : -1;
   const size_t first = tasks_.size();
   for (auto u = units.rbegin(); u != units.rend(); ++u)
     if (!model::is_head(desc_.units[*u].kind)) backward(*u, m);
   wait_in_first_compute(first, received);
-  if (crosses(st, -1)) send(grad_stream(m), m, -1, true);
+  if (crosses(-1)) send(grad_stream(m), m, -1, true);
   grads_->end_micro_step(m);
 }
 
-bool Builder::crosses(int st, int side) const {
-  const int n = st + side;
+bool Builder::crosses(int side) const {
+  const int n = stage_ + side;
   return n >= 0 && n < schedule_.stages && schedule_.rank_of_stage[n] != cfg_.pipe_rank;
 }
 

@@ -100,11 +100,9 @@ void Executor::norm_reduce(const Task& t, Run& r) {
       member[i][t.axes[a]] = rest % mesh[t.axes[a]].size;
       rest /= mesh[t.axes[a]].size;
     }
-  // Pipeline stages hold different units: every class's sum adds theirs too.
-  const int pipe = mesh.find(plan::AxisRole::pipe);
   auto same_outside = [&](const std::vector<int>& coords, const std::vector<int>& axes) {
     for (int a : t.axes)
-      if (a != pipe && std::find(axes.begin(), axes.end(), a) == axes.end() && coords[a] != me[a]) return false;
+      if (std::find(axes.begin(), axes.end(), a) == axes.end() && coords[a] != me[a]) return false;
     return true;
   };
   r.sum_squares = 0;
